@@ -1,0 +1,139 @@
+"""Per-request block-id work (transfer-protocol.md §4): the only math on the hot path.
+
+Everything here is vectorised with numpy; nothing loops per block in Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from .arithmetic import ceil_div
+from .errors import BlockMappingError
+
+IntArray = npt.NDArray[np.int64]
+BlockIds = Sequence[int] | npt.NDArray[np.integer]
+
+# Stable error codes of per-request mapping (documented in docs/troubleshooting.md).
+INVALID_BLOCK_IDS = "INVALID_BLOCK_IDS"
+LOCAL_LONGER_THAN_REMOTE = "LOCAL_LONGER_THAN_REMOTE"
+BLOCK_ID_OUT_OF_RANGE = "BLOCK_ID_OUT_OF_RANGE"
+TOKENS_EXCEED_BLOCKS = "TOKENS_EXCEED_BLOCKS"
+
+
+def as_block_ids(ids: BlockIds, *, field: str) -> IntArray:
+    """Validate and convert a list of block ids to a 1-D int64 array."""
+    array = np.asarray(ids)
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+        raise BlockMappingError(
+            f"block ids must be a flat list of integers, got {array.dtype} of shape {array.shape}",
+            field=field,
+            code=INVALID_BLOCK_IDS,
+        )
+    result = array.astype(np.int64, copy=False)
+    if int(result.min()) < 0:
+        raise BlockMappingError("block ids must not be negative", field=field, code=INVALID_BLOCK_IDS)
+    return result
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Blocks a prompt of ``num_tokens`` occupies: a ceiling, never a floor."""
+    if num_tokens < 0:
+        raise BlockMappingError("num_tokens must not be negative", field="request.num_tokens", code=INVALID_BLOCK_IDS)
+    return ceil_div(num_tokens, block_size)
+
+
+def wire_block_ids(prefill_block_ids: BlockIds, num_tokens: int, split_ratio: int, wire_block_size: int) -> IntArray:
+    """Wire block ids prefill offers for a request: ``b * n + j``, clipped to ``ceil(tokens / wire)``.
+
+    With ``split_ratio == 1`` these are the prefill block ids themselves.
+    """
+    blocks = as_block_ids(prefill_block_ids, field="request.block_ids")
+    needed = blocks_for_tokens(num_tokens, wire_block_size)
+    if needed > blocks.size * split_ratio:
+        raise BlockMappingError(
+            f"{num_tokens} tokens need {needed} wire blocks of {wire_block_size} tokens but only "
+            f"{blocks.size} prefill blocks ({blocks.size * split_ratio} wire blocks) were given",
+            field="request.num_tokens",
+            code=TOKENS_EXCEED_BLOCKS,
+        )
+    if split_ratio == 1:
+        return blocks[:needed]
+    wire = (blocks[:, None] * split_ratio + np.arange(split_ratio, dtype=np.int64)[None, :]).ravel()
+    return wire[:needed]
+
+
+@dataclass(frozen=True, slots=True)
+class MappedBlocks:
+    """One request's units to read: ``local[i]`` receives remote wire block ``remote[i]``."""
+
+    local: IntArray
+    remote: IntArray
+
+    @property
+    def full_hit(self) -> bool:
+        return self.local.size == 0
+
+
+def map_request_blocks(local_block_ids: BlockIds, remote_block_ids: BlockIds, block_size_ratio: int) -> MappedBlocks:
+    """Pair a request's decode blocks with the prefill wire blocks that fill them.
+
+    ``remote`` lists every wire block of the prompt (``ceil(tokens / bs_P)``);
+    ``local`` lists the decode blocks still to be filled (a prefix hit leaves
+    out the first ones; empty is a full hit: notify, READ nothing).  With
+    ``bsr = bs_D / bs_P > 1`` each local block ``b`` becomes the sub-blocks
+    ``b*bsr + j``; the prompt's last local block may hold fewer than ``bsr``
+    wire blocks, so the sub-block list is clipped to what the prompt needs,
+    and a prefix hit skips whole local blocks (``bsr`` wire blocks each).
+    """
+    local = as_block_ids(local_block_ids, field="request.local_block_ids")
+    remote = as_block_ids(remote_block_ids, field="request.remote_block_ids")
+    if local.size == 0:
+        return MappedBlocks(local, np.zeros(0, dtype=np.int64))
+    total_local = ceil_div(remote.size, block_size_ratio)
+    if local.size > total_local:
+        raise BlockMappingError(
+            f"{local.size} local blocks but the prompt's {remote.size} remote blocks fill only {total_local} "
+            f"local block(s) of {block_size_ratio} wire block(s) each",
+            field="request.local_block_ids",
+            code=LOCAL_LONGER_THAN_REMOTE,
+        )
+    if block_size_ratio == 1:
+        return MappedBlocks(local, remote[remote.size - local.size :])
+    padding = total_local * block_size_ratio - remote.size  # empty sub-blocks at the end of the last block
+    needed = local.size * block_size_ratio - padding
+    subs = (local[:, None] * block_size_ratio + np.arange(block_size_ratio, dtype=np.int64)[None, :]).ravel()
+    return MappedBlocks(subs[:needed], remote[remote.size - needed :])
+
+
+def descriptor_ids(
+    unit_ids: IntArray, num_regions: int, units_per_region: int, *, out: IntArray | None = None
+) -> IntArray:
+    """Descriptor ids region-major: ``region * units_per_region + unit`` for every region.
+
+    ``out`` (at least ``num_regions * len(unit_ids)`` long) receives the ids
+    without allocating: large per-request arrays otherwise go through
+    mmap/munmap and page faults on every request.
+    """
+    if unit_ids.size and int(unit_ids.max()) >= units_per_region:
+        raise BlockMappingError(
+            f"block id {int(unit_ids.max())} is outside the {units_per_region} registered blocks",
+            field="request.block_ids",
+            code=BLOCK_ID_OUT_OF_RANGE,
+        )
+    offsets = np.arange(num_regions, dtype=np.int64) * units_per_region
+    count = num_regions * unit_ids.size
+    if out is None:
+        return (offsets[:, None] + unit_ids[None, :]).ravel()
+    if out.size < count:
+        raise BlockMappingError(
+            f"output buffer holds {out.size} ids, {count} needed", field="out", code=INVALID_BLOCK_IDS
+        )
+    result = out[:count]
+    np.add(offsets[:, None], unit_ids[None, :], out=result.reshape(num_regions, unit_ids.size))
+    return result

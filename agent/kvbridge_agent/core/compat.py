@@ -1,0 +1,248 @@
+"""Compatibility rules: can these prefill and decode settings exchange KV caches?
+
+Every rule of transfer-protocol.md §2 is checked and *every* violation is
+returned at once, each as a :class:`Problem` with a stable code, the CRD
+field at fault and a message that says what would work.  The operator runs
+these before anything is scheduled; the agent runs them again at handshake
+with the settings the remote engine actually reports.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+from .arithmetic import divides_either_way
+from .errors import IncompatibleError, Problem
+from .fingerprint import fingerprint_fields
+from .model import CacheKind, Conversion, KVLayout, ModelGeometry, Role, RoleSettings, TransferSettings
+from .wire import ConversionKind, wire_format
+
+# Stable problem codes (documented in docs/troubleshooting.md).
+MLA_KV_HEADS = "MLA_KV_HEADS"
+MLA_CACHE_KIND = "MLA_CACHE_KIND"
+HEADS_NOT_DIVISIBLE = "HEADS_NOT_DIVISIBLE"
+TP_NOT_DIVISIBLE = "TP_NOT_DIVISIBLE"
+BLOCK_SIZE_NOT_DIVISIBLE = "BLOCK_SIZE_NOT_DIVISIBLE"
+PREFILL_HEADS_REPLICATED = "PREFILL_HEADS_REPLICATED"
+MERGE_WITH_TP_FAN_IN = "MERGE_WITH_TP_FAN_IN"
+CROSS_LAYER_NEEDS_HND = "CROSS_LAYER_NEEDS_HND"
+CROSS_LAYER_BLOCK_SIZE = "CROSS_LAYER_BLOCK_SIZE"
+CONVERSION_OFF = "CONVERSION_OFF"
+MODEL_MISMATCH = "MODEL_MISMATCH"
+
+PROBLEM_CODES = (
+    MLA_KV_HEADS,
+    MLA_CACHE_KIND,
+    HEADS_NOT_DIVISIBLE,
+    TP_NOT_DIVISIBLE,
+    BLOCK_SIZE_NOT_DIVISIBLE,
+    PREFILL_HEADS_REPLICATED,
+    MERGE_WITH_TP_FAN_IN,
+    CROSS_LAYER_NEEDS_HND,
+    CROSS_LAYER_BLOCK_SIZE,
+    CONVERSION_OFF,
+    MODEL_MISMATCH,
+)
+
+
+def field_path(role: Role, name: str) -> str:
+    return f"spec.{role.value}.{name}"
+
+
+_TP_CANDIDATES = tuple(range(1, 129))
+_BLOCK_SIZE_CANDIDATES = tuple(sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024} | set(range(1, 65))))
+
+
+def _join(values: list[int]) -> str:
+    words = [str(v) for v in values]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def _suggest(candidates: Iterable[int], works: Callable[[int], bool], near: int, limit: int = 4) -> str:
+    """The ``limit`` working values closest to ``near`` (by ratio), in ascending order."""
+    good = [c for c in candidates if works(c)]
+    closest = sorted(good, key=lambda c: (abs(math.log2(c / near)), c))[:limit]
+    return _join(sorted(closest)) if closest else ""
+
+
+def check_model(model: ModelGeometry) -> list[Problem]:
+    """Rules about the model description itself."""
+    problems: list[Problem] = []
+    if model.is_mla and model.num_kv_heads != 1:
+        problems.append(
+            Problem(
+                MLA_KV_HEADS,
+                "spec.model.numKVHeads",
+                f"MLA keeps one latent per token, so numKVHeads must be 1 (got {model.num_kv_heads}); "
+                "put the latent width in headDim",
+            )
+        )
+    if model.is_mla and model.cache_kind is not CacheKind.SPLIT:
+        problems.append(
+            Problem(
+                MLA_CACHE_KIND,
+                "spec.model.cacheKind",
+                f"MLA uses one latent region per layer; cacheKind {model.cache_kind.value} is not defined "
+                "for it: use Split (the default)",
+            )
+        )
+    return problems
+
+
+def _heads_ok(model: ModelGeometry, tp: int) -> bool:
+    return model.is_mla or divides_either_way(model.num_kv_heads, tp)
+
+
+def check_pair(
+    model: ModelGeometry,
+    prefill: RoleSettings,
+    decode: RoleSettings,
+    transfer: TransferSettings | None = None,
+    *,
+    suggestions: bool = True,
+) -> list[Problem]:
+    """Every problem that keeps this prefill/decode pair from exchanging KV caches."""
+    conversion = (transfer or TransferSettings()).conversion
+    problems = check_model(model)
+    tp_p, tp_d = prefill.tensor_parallel_size, decode.tensor_parallel_size
+    bs_p, bs_d = prefill.block_size, decode.block_size
+    k = model.num_kv_heads
+
+    def decode_works(**changes: object) -> Callable[[int], bool]:
+        name = next(iter(changes))
+
+        def works(value: int) -> bool:
+            candidate = decode.model_copy(update={name: value})
+            return not check_pair(model, prefill, candidate, transfer, suggestions=False)
+
+        return works
+
+    def hint(candidates: Iterable[int], name: str, what: str) -> str:
+        if not suggestions:
+            return ""
+        found = _suggest(candidates, decode_works(**{name: 0}), near=getattr(decode, name))
+        return f"; use {found} for {what}" if found else f"; no {what} alone fixes this: see the other problems"
+
+    # Rule 6: heads divide evenly on each side.
+    for role, settings in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
+        tp = settings.tensor_parallel_size
+        if not _heads_ok(model, tp):
+            options = _suggest(_TP_CANDIDATES, lambda c: _heads_ok(model, c), near=tp)
+            problems.append(
+                Problem(
+                    HEADS_NOT_DIVISIBLE,
+                    field_path(role, "tensorParallelSize"),
+                    f"{k} KV heads cannot be spread evenly over {role.value} TP {tp}: the TP size must divide "
+                    f"{k} or be a multiple of it; use {options}",
+                )
+            )
+    tp_ok = divides_either_way(tp_p, tp_d)
+    # Rule 1: TP sizes divide one another.
+    if not tp_ok:
+        problems.append(
+            Problem(
+                TP_NOT_DIVISIBLE,
+                field_path(Role.DECODE, "tensorParallelSize"),
+                f"prefill TP {tp_p} and decode TP {tp_d} do not divide one another"
+                + hint(_TP_CANDIDATES, "tensor_parallel_size", "decode tensorParallelSize"),
+            )
+        )
+    # Rule 2: block sizes divide one another.
+    bs_ok = divides_either_way(bs_p, bs_d)
+    if not bs_ok:
+        problems.append(
+            Problem(
+                BLOCK_SIZE_NOT_DIVISIBLE,
+                field_path(Role.DECODE, "blockSize"),
+                f"prefill block size {bs_p} and decode block size {bs_d} do not divide one another"
+                + hint(_BLOCK_SIZE_CANDIDATES, "block_size", "decode blockSize"),
+            )
+        )
+    # Rule 3: dense prefill with replicated heads feeding fewer decode ranks.
+    if not model.is_mla and tp_p > tp_d and tp_p > k:
+        problems.append(
+            Problem(
+                PREFILL_HEADS_REPLICATED,
+                field_path(Role.PREFILL, "tensorParallelSize"),
+                f"prefill TP {tp_p} exceeds the {k} KV heads, so prefill ranks replicate heads, and decode "
+                f"TP {tp_d} would have to deduplicate them into one block: use prefill TP of at most {k}, "
+                f"or decode TP of at least {tp_p}",
+            )
+        )
+    # Rule 4: no decode-side merge while reading from several prefill ranks.
+    if tp_p > tp_d and bs_p < bs_d and bs_ok:
+        problems.append(
+            Problem(
+                MERGE_WITH_TP_FAN_IN,
+                field_path(Role.DECODE, "blockSize"),
+                f"decode would merge {bs_d // bs_p} prefill blocks into each block while reading from several "
+                f"prefill ranks (prefill TP {tp_p} > decode TP {tp_d}), which is not supported: use a decode "
+                f"blockSize of at "
+                f"most {bs_p} (prefill then splits its blocks), or decode TP of at least prefill TP {tp_p}",
+            )
+        )
+    # Rule 8: cross-layer needs HND on both sides and equal block sizes.
+    cross_layer = model.cache_kind is CacheKind.CROSS_LAYER and not model.is_mla
+    if cross_layer:
+        for role, settings in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
+            if settings.kv_layout is not KVLayout.HND:
+                problems.append(
+                    Problem(
+                        CROSS_LAYER_NEEDS_HND,
+                        field_path(role, "kvLayout"),
+                        "cacheKind CrossLayer keeps heads outermost across all layers and needs kvLayout HND "
+                        f"on both sides; set {role.value} kvLayout to HND",
+                    )
+                )
+        if bs_p != bs_d:
+            problems.append(
+                Problem(
+                    CROSS_LAYER_BLOCK_SIZE,
+                    field_path(Role.DECODE, "blockSize"),
+                    f"cacheKind CrossLayer defines no block conversion: decode blockSize must equal prefill "
+                    f"blockSize {bs_p} (got {bs_d})",
+                )
+            )
+    # Rule 7: with conversion Off, every needed conversion is a problem.
+    heads_valid = _heads_ok(model, tp_p) and _heads_ok(model, tp_d) and tp_ok
+    if conversion is Conversion.OFF and bs_ok and heads_valid and not (cross_layer and bs_p != bs_d):
+        for step in wire_format(model, prefill, decode).conversions:
+            if step.kind is ConversionKind.PERMUTE:
+                at = field_path(step.side, "kvLayout")
+                what = f"{step.side.value} would permute its blocks from {step.source} to {step.target}"
+                fix = f"set {step.side.value} kvLayout to {step.target}"
+            else:
+                at = field_path(Role.DECODE, "blockSize")
+                verb = "split" if step.kind is ConversionKind.SPLIT_BLOCKS else "merge"
+                what = f"{step.side.value} would {verb} {step.source}-token blocks into {step.target}-token blocks"
+                fix = f"set decode blockSize to {bs_p}"
+            problems.append(
+                Problem(
+                    CONVERSION_OFF, at, f"spec.transfer.conversion is Off but {what}: {fix}, or set conversion to Auto"
+                )
+            )
+    return problems
+
+
+def check_same_model(prefill: ModelGeometry, decode: ModelGeometry) -> list[Problem]:
+    """Must-match fields that differ between two engines' own descriptions (used at handshake)."""
+    ours, theirs = fingerprint_fields(decode), fingerprint_fields(prefill)
+    return [
+        Problem(
+            MODEL_MISMATCH,
+            f"spec.model.{name}",
+            f"prefill has {name} {theirs[name]!r} but decode has {ours[name]!r}; both sides must be equal",
+        )
+        for name in ours
+        if ours[name] != theirs[name]
+    ]
+
+
+def require_compatible(
+    model: ModelGeometry, prefill: RoleSettings, decode: RoleSettings, transfer: TransferSettings | None = None
+) -> None:
+    """Raise :class:`IncompatibleError` listing every problem, or return."""
+    problems = check_pair(model, prefill, decode, transfer)
+    if problems:
+        raise IncompatibleError(problems)

@@ -1,0 +1,137 @@
+"""Descriptions of a model's KV cache and of one engine role's settings.
+
+These are the words of the CRD (camelCase aliases) and of the Python API
+(snake_case names) for the same things; ``kvbridge_operator`` builds its
+DisaggregatedDeployment spec from them.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+#: Version of the agent protocol (side-channel envelope and plan semantics).
+#: Part of the fingerprint: engines of different protocol versions never pair.
+PROTOCOL_VERSION = 1
+
+
+class Attention(StrEnum):
+    DENSE = "Dense"
+    MLA = "MLA"
+
+
+class CacheKind(StrEnum):
+    """How one TP rank lays out its KV cache (transfer-protocol.md §1)."""
+
+    SPLIT = "Split"  # K and V in separate tensors per layer (FlashAttention-like)
+    BLOCKS_FIRST = "BlocksFirst"  # K and V inside one block per layer (FlashInfer-like)
+    CROSS_LAYER = "CrossLayer"  # one tensor for all layers, block-major, heads outermost
+
+
+class KVLayout(StrEnum):
+    """Order inside one block: heads outermost (HND) or tokens outermost (NHD)."""
+
+    HND = "HND"
+    NHD = "NHD"
+
+
+class KVCacheDtype(StrEnum):
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+    FLOAT32 = "float32"
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
+
+    @property
+    def element_bytes(self) -> int:
+        return _ELEMENT_BYTES[self]
+
+
+_ELEMENT_BYTES = {
+    KVCacheDtype.FLOAT16: 2,
+    KVCacheDtype.BFLOAT16: 2,
+    KVCacheDtype.FLOAT32: 4,
+    KVCacheDtype.FP8_E4M3: 1,
+    KVCacheDtype.FP8_E5M2: 1,
+}
+
+
+class Conversion(StrEnum):
+    """May either side re-lay blocks (transfer-protocol.md §4b)."""
+
+    AUTO = "Auto"
+    OFF = "Off"
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class CamelModel(BaseModel):
+    """Base of every spec model: snake_case in Python, camelCase (the CRD words) on the wire."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+        use_enum_values=False,
+    )
+
+
+class ModelGeometry(CamelModel):
+    """What must be identical on both sides (folded into the fingerprint)."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=256,
+        description="Model identity, e.g. meta-llama/Llama-3.1-8B-Instruct; the served model for VLLM.",
+    )
+    num_layers: int = Field(ge=1, le=1024, description="Number of attention layers.")
+    num_kv_heads: int = Field(alias="numKVHeads", ge=1, le=4096, description="Total KV heads of the model; 1 for MLA.")
+    head_dim: int = Field(ge=1, le=65536, description="Head dimension; the latent width for MLA (e.g. 576).")
+    kv_cache_dtype: KVCacheDtype = Field(default=KVCacheDtype.BFLOAT16, description="KV cache element type.")
+    attention: Attention = Field(default=Attention.DENSE, description="Dense (MHA/GQA) or MLA.")
+    cache_kind: CacheKind = Field(
+        default=CacheKind.SPLIT,
+        description="Split | BlocksFirst | CrossLayer; MLA uses one latent region per layer (Split).",
+    )
+
+    @property
+    def element_bytes(self) -> int:
+        return self.kv_cache_dtype.element_bytes
+
+    @property
+    def is_mla(self) -> bool:
+        return self.attention is Attention.MLA
+
+
+class RoleSettings(CamelModel):
+    """Settings that may differ between prefill and decode, within the rules of §2."""
+
+    tensor_parallel_size: int = Field(default=1, ge=1, le=1024, description="Tensor-parallel size.")
+    block_size: int = Field(default=16, ge=1, le=4096, description="KV cache block size in tokens.")
+    kv_layout: KVLayout = Field(default=KVLayout.HND, description="Order inside one block: HND or NHD.")
+
+
+class TransferSettings(CamelModel):
+    """How the two roles talk: side channel, leases, timeouts, conversions."""
+
+    side_channel_port: int = Field(
+        default=5600, ge=1, le=65535, description="Base port of the side channel; + data parallel index."
+    )
+    backends: list[str] = Field(
+        default_factory=lambda: ["UCX"], min_length=1, max_length=8, description="NIXL backends, in order."
+    )
+    lease_seconds: int = Field(
+        default=30, ge=1, le=3600, description="How long prefill keeps unread blocks without a heartbeat."
+    )
+    handshake_timeout_seconds: float = Field(
+        default=5.0, gt=0, le=300, description="Receive timeout of one side-channel exchange."
+    )
+    conversion: Conversion = Field(
+        default=Conversion.AUTO, description="Auto: either side may re-lay blocks; Off: forbid every conversion."
+    )

@@ -1,0 +1,82 @@
+"""The ``kvbridge`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from kvbridge_agent.core import KVBridgeError
+
+from .manifests import load_deployments
+from .plan_report import entries, plan_document, render_text, selected_ranks
+
+EXIT_OK = 0
+EXIT_INCOMPATIBLE = 1
+EXIT_INVALID = 2
+
+
+def _plan(args: argparse.Namespace) -> int:
+    try:
+        documents = [plan_document(d) for d in load_deployments(args.file)]
+        ranks = [selected_ranks(doc, args.decode_rank, args.all_ranks) for doc in documents]
+    except KVBridgeError as exc:
+        field = f" [{exc.field}]" if exc.field and exc.field not in exc.message else ""
+        print(f"kvbridge plan: error: {exc.message}{field}", file=sys.stderr)
+        return EXIT_INVALID
+    if args.json:
+        out = [entry for doc, r in zip(documents, ranks, strict=True) for entry in entries(doc, r)]
+        json.dump(out, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print("\n\n".join(render_text(doc, r) for doc, r in zip(documents, ranks, strict=True)))
+    return EXIT_OK if all(doc.compatible for doc in documents) else EXIT_INCOMPATIBLE
+
+
+def _demo(args: argparse.Namespace) -> int:
+    print(
+        "kvbridge demo: not available yet. The end-to-end demo (embedded Kubernetes API, operator, "
+        "local pods and real KV transfers) arrives with a later release; nothing was run.\n"
+        "What works today: `kvbridge plan -f examples/llama3-8b-hetero-tp.yaml --all-ranks`.",
+        file=sys.stderr,
+    )
+    return EXIT_INVALID
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvbridge", description="Prefill/decode disaggregation on Kubernetes.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    plan = commands.add_parser(
+        "plan",
+        help="check whether prefill and decode settings can exchange KV caches, and how",
+        description="Check DisaggregatedDeployment documents without a cluster. Exit status: 0 all compatible, "
+        "1 any incompatible, 2 unreadable or invalid input.",
+    )
+    plan.add_argument("-f", "--file", required=True, help="manifest file (multi-document YAML); - reads stdin")
+    ranks = plan.add_mutually_exclusive_group()
+    ranks.add_argument("--decode-rank", type=int, metavar="R", help="plan decode rank R (default 0)")
+    ranks.add_argument("--all-ranks", action="store_true", help="plan every decode rank of every document")
+    plan.add_argument("--json", action="store_true", help="print one JSON document (a list) on stdout")
+    plan.set_defaults(func=_plan)
+
+    demo = commands.add_parser("demo", help="the whole system on one machine (not available yet)")
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        status: int = args.func(args)
+    except BrokenPipeError:
+        # the reader went away (e.g. `| head`): stop quietly, as other CLIs do
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps interpreter shutdown from failing again
+        return EXIT_INVALID
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

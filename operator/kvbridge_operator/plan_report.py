@@ -1,0 +1,113 @@
+"""``kvbridge plan``: what the core decides for each document and decode rank, as JSON or a table."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvbridge_agent.core import Problem, SpecError, TransferPlan, plan_or_problems
+
+from .spec import DisaggregatedDeployment
+
+
+@dataclass(frozen=True)
+class DocumentPlan:
+    """One document's verdict: its plan, or the problems that prevent one."""
+
+    name: str
+    deployment: DisaggregatedDeployment
+    plan: TransferPlan | None
+    problems: tuple[Problem, ...]
+
+    @property
+    def compatible(self) -> bool:
+        return self.plan is not None
+
+
+def plan_document(deployment: DisaggregatedDeployment) -> DocumentPlan:
+    spec = deployment.spec
+    result = plan_or_problems(spec.model, spec.prefill.settings(), spec.decode.settings(), spec.transfer)
+    if isinstance(result, list):
+        return DocumentPlan(deployment.metadata.name, deployment, None, tuple(result))
+    return DocumentPlan(deployment.metadata.name, deployment, result, ())
+
+
+def selected_ranks(document: DocumentPlan, decode_rank: int | None, all_ranks: bool) -> list[int]:
+    """Decode ranks to report for a document (rank 0 unless told otherwise)."""
+    tp_decode = document.deployment.spec.decode.tensor_parallel_size
+    if all_ranks:
+        return list(range(tp_decode))
+    rank = 0 if decode_rank is None else decode_rank
+    if not 0 <= rank < tp_decode:
+        raise SpecError(
+            f"--decode-rank {rank} is outside the decode ranks 0..{tp_decode - 1} of {document.name!r}",
+            field="spec.decode.tensorParallelSize",
+            code="DECODE_RANK_OUT_OF_RANGE",
+        )
+    return [rank]
+
+
+def entries(document: DocumentPlan, ranks: Iterable[int]) -> list[dict[str, object]]:
+    """The JSON objects of cli-contract.md, one per decode rank."""
+    result: list[dict[str, object]] = []
+    for rank in ranks:
+        if document.plan is None:
+            result.append(
+                {
+                    "name": document.name,
+                    "decodeRank": rank,
+                    "compatible": False,
+                    "problems": [problem.to_dict() for problem in document.problems],
+                }
+            )
+        else:
+            result.append({"name": document.name, **document.plan.for_decode_rank(rank).to_dict()})
+    return result
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[object, ...]], indent: str = "    ") -> list[str]:
+    cells = [header, *[tuple(str(c) for c in row) for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+
+
+def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
+    """The human-readable report for one document."""
+    spec = document.deployment.spec
+    tp_p, tp_d = spec.prefill.tensor_parallel_size, spec.decode.tensor_parallel_size
+    head = (
+        f"{document.name}: prefill TP {tp_p} / block {spec.prefill.block_size} {spec.prefill.kv_layout.value}"
+        f" -> decode TP {tp_d} / block {spec.decode.block_size} {spec.decode.kv_layout.value}"
+        f" ({spec.model.name}, {spec.model.attention.value}, {spec.model.cache_kind.value})"
+    )
+    if document.plan is None:
+        lines = [head, f"  INCOMPATIBLE: {len(document.problems)} problem(s)"]
+        for problem in document.problems:
+            lines.append(f"  - {problem.code} at {problem.field}")
+            lines.append(f"      {problem.message}")
+        return "\n".join(lines)
+    plan = document.plan
+    conversions = (
+        ", ".join(f"{s.side.value} {s.kind.value} {s.source}->{s.target}" for s in plan.wire.conversions) or "none"
+    )
+    lines = [
+        head,
+        f"  compatible  fingerprint {plan.fingerprint}  tpRatio {plan.tp_ratio}"
+        f"  blockSizeRatio {plan.block_size_ratio}",
+        f"  wire format: {plan.wire.block_size}-token blocks, {plan.wire.layout.value}; conversions: {conversions}",
+        f"  each prefill rank waits for {plan.notifications_per_prefill_rank} notification(s) per request;"
+        f" prefill prefix caching {'allowed' if plan.wire.prefill_prefix_caching_allowed else 'must be off'}",
+        f"  bytes per region block: local {plan.local_block_bytes}, remote wire {plan.remote_block_bytes}",
+    ]
+    for rank in ranks:
+        rank_plan = plan.for_decode_rank(rank)
+        notify = ", ".join(map(str, rank_plan.notify_only_ranks)) or "-"
+        lines.append(
+            f"  decode rank {rank}: handshake ranks {', '.join(map(str, rank_plan.handshake_ranks))};"
+            f" notify-only {notify}; {rank_plan.descriptors_per_block} descriptors per block"
+        )
+        rows: list[tuple[object, ...]] = [
+            (r.prefill_rank, r.remote_offset, r.local_offset, r.length) for r in rank_plan.reads
+        ]
+        lines.extend(_table(("prefill rank", "remote offset", "local offset", "length"), rows))
+    return "\n".join(lines)

@@ -1,0 +1,116 @@
+"""The DisaggregatedDeployment resource (``kvbridge.io/v1alpha1``), built from the agent core's models.
+
+These pydantic models are the one source of truth for the CRD schema; a
+manifest parsed here is checked exactly as the operator checks it.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError
+
+from kvbridge_agent.core import (
+    KVBridgeError,
+    ModelGeometry,
+    RoleSettings,
+    SpecError,
+    TransferSettings,
+)
+from kvbridge_agent.core.model import CamelModel
+
+GROUP = "kvbridge.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "DisaggregatedDeployment"
+PLURAL = "disaggregateddeployments"
+
+
+class EngineKind(StrEnum):
+    AGENT = "Agent"  # the kvbridge agent worker (synthetic engine; runs without GPUs)
+    VLLM = "VLLM"  # vLLM with its NixlConnector
+
+
+class EngineSpec(CamelModel):
+    kind: EngineKind = Field(default=EngineKind.AGENT, description="Agent (kvbridge agent worker) or VLLM.")
+    image: str = Field(default="", max_length=512, description="Container image; empty takes the default per kind.")
+    extra_args: list[str] = Field(
+        default_factory=list, max_length=64, description="VLLM only: arguments appended to `vllm serve`."
+    )
+
+
+class RoleSpec(RoleSettings):
+    """One role (prefill or decode): how many engines and each engine's settings."""
+
+    replicas: int = Field(default=1, ge=0, le=1024, description="Engine instances of this role.")
+    template: dict[str, Any] = Field(
+        default_factory=dict, description="Optional PodTemplateSpec overlay (image, resources, nodeSelector, ...)."
+    )
+
+    def settings(self) -> RoleSettings:
+        """The settings that the compatibility rules look at."""
+        return RoleSettings(
+            tensor_parallel_size=self.tensor_parallel_size, block_size=self.block_size, kv_layout=self.kv_layout
+        )
+
+
+class DisaggregatedDeploymentSpec(CamelModel):
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    model: ModelGeometry
+    transfer: TransferSettings = Field(default_factory=TransferSettings)
+    prefill: RoleSpec = Field(default_factory=RoleSpec)
+    decode: RoleSpec = Field(default_factory=RoleSpec)
+
+
+class ObjectMeta(CamelModel):
+    model_config = CamelModel.model_config | {"extra": "allow"}
+
+    name: str = Field(min_length=1, max_length=253)
+    namespace: str | None = None
+
+
+class DisaggregatedDeployment(CamelModel):
+    api_version: Literal["kvbridge.io/v1alpha1"] = Field(alias="apiVersion")
+    kind: Literal["DisaggregatedDeployment"]
+    metadata: ObjectMeta
+    spec: DisaggregatedDeploymentSpec
+
+
+def _location(loc: tuple[int | str, ...]) -> str:
+    return ".".join(str(part) for part in loc)
+
+
+def parse_deployment(document: object) -> DisaggregatedDeployment:
+    """Parse one manifest, or raise :class:`SpecError` naming the first bad field."""
+    if not isinstance(document, dict):
+        raise SpecError(f"expected a mapping, got {type(document).__name__}", code="NOT_A_MAPPING")
+    if document.get("apiVersion") != API_VERSION or document.get("kind") != KIND:
+        raise SpecError(
+            f"expected apiVersion {API_VERSION} and kind {KIND}, got apiVersion "
+            f"{document.get('apiVersion')!r} and kind {document.get('kind')!r}",
+            field="kind",
+            code="WRONG_KIND",
+        )
+    try:
+        return DisaggregatedDeployment.model_validate(document)
+    except ValidationError as exc:
+        errors = exc.errors()
+        message = "; ".join(f"{_location(e['loc'])}: {e['msg']}" for e in errors)
+        raise SpecError(message, field=_location(errors[0]["loc"]), code="INVALID_SPEC") from exc
+
+
+__all__ = [
+    "API_VERSION",
+    "GROUP",
+    "KIND",
+    "PLURAL",
+    "VERSION",
+    "DisaggregatedDeployment",
+    "DisaggregatedDeploymentSpec",
+    "EngineKind",
+    "EngineSpec",
+    "KVBridgeError",
+    "RoleSpec",
+    "parse_deployment",
+]

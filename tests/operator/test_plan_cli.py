@@ -1,0 +1,137 @@
+"""``kvbridge plan`` as in cli-contract.md: JSON shape, multi-document input, exit codes, errors."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvbridge_operator.cli import main
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
+HETERO = EXAMPLES / "llama3-8b-hetero-tp.yaml"
+INCOMPATIBLE = EXAMPLES / "incompatible-replicated-heads.yaml"
+CONTRACT_KEYS = {
+    "name", "decodeRank", "compatible", "problems", "tpRatio", "blockSizeRatio", "handshakeRanks", "reads",
+    "notifyOnlyRanks", "notificationsPerPrefillRank", "localBlockBytes", "remoteBlockBytes", "wireBlockSize",
+    "wireLayout", "conversions", "fingerprint",
+}  # fmt: skip
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_contract_json_for_the_heterogeneous_example(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "plan", "-f", str(HETERO), "--all-ranks", "--json")
+    assert code == 0
+    assert err == ""
+    [entry] = json.loads(out)
+    assert set(entry) >= CONTRACT_KEYS
+    assert entry["name"] == "llama3-8b"
+    assert entry["compatible"] is True
+    assert entry["tpRatio"] == -2
+    assert entry["handshakeRanks"] == [0, 1]
+    assert entry["reads"] == [
+        {"prefillRank": 0, "remoteOffsetBytes": 0, "localOffsetBytes": 0, "lengthBytes": 16384},
+        {"prefillRank": 1, "remoteOffsetBytes": 0, "localOffsetBytes": 16384, "lengthBytes": 16384},
+    ]
+    assert (entry["localBlockBytes"], entry["remoteBlockBytes"]) == (32768, 16384)
+    assert (entry["wireBlockSize"], entry["wireLayout"], entry["conversions"]) == (16, "HND", [])
+    assert len(entry["fingerprint"]) == 8
+
+
+def test_incompatible_example_exits_1_with_problems(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "-f", str(INCOMPATIBLE), "--json")
+    assert code == 1
+    [entry] = json.loads(out)
+    assert entry["compatible"] is False
+    assert entry["problems"][0]["code"] == "PREFILL_HEADS_REPLICATED"
+    assert entry["problems"][0]["field"] == "spec.prefill.tensorParallelSize"
+    code, out, _ = run(capsys, "plan", "-f", str(INCOMPATIBLE))
+    assert code == 1
+    assert "INCOMPATIBLE" in out
+    assert "PREFILL_HEADS_REPLICATED at spec.prefill.tensorParallelSize" in out
+
+
+def test_multi_document_input_and_all_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    combined = tmp_path / "all.yaml"
+    documents = [p.read_text() for p in sorted(EXAMPLES.glob("*.yaml"))]
+    combined.write_text("\n---\n".join(documents) + "\n---\n")
+    code, out, _ = run(capsys, "plan", "-f", str(combined), "--all-ranks", "--json")
+    assert code == 1  # one example is incompatible on purpose
+    entries = json.loads(out)
+    names = [e["name"] for e in entries]
+    assert names == sorted(set(names), key=names.index)  # document order kept
+    assert {e["name"]: e["compatible"] for e in entries}["replicated-heads"] is False
+
+
+def test_decode_rank_selects_one_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    manifest = tmp_path / "d.yaml"
+    manifest.write_text(HETERO.read_text().replace("tensorParallelSize: 1", "tensorParallelSize: 4"))
+    code, out, _ = run(capsys, "plan", "-f", str(manifest), "--decode-rank", "3", "--json")
+    assert code == 0
+    [entry] = json.loads(out)
+    assert entry["decodeRank"] == 3
+    assert entry["reads"] == [{"prefillRank": 1, "remoteOffsetBytes": 8192, "localOffsetBytes": 0, "lengthBytes": 8192}]
+    assert entry["notificationsPerPrefillRank"] == 2
+
+
+def test_stdin(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO(HETERO.read_text()))
+    code, out, _ = run(capsys, "plan", "-f", "-", "--json")
+    assert code == 0
+    assert json.loads(out)[0]["name"] == "llama3-8b"
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("spec: [unclosed", "not valid YAML at line 1"),
+        ("", "no DisaggregatedDeployment documents"),
+        ("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n", "document 1 (c): expected apiVersion"),
+        (
+            HETERO.read_text().replace("numLayers: 32", "numLayers: -3"),
+            "document 1 (llama3-8b): spec.model.numLayers: Input should be greater than or equal to 1",
+        ),
+        (HETERO.read_text().replace("    headDim: 128\n", ""), "spec.model.headDim: Field required"),
+        ("- just\n- a list\n", "expected a mapping"),
+    ],
+)
+def test_invalid_input_exits_2_with_a_message_naming_document_and_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, message: str
+) -> None:
+    manifest = tmp_path / "bad.yaml"
+    manifest.write_text(content)
+    code, out, err = run(capsys, "plan", "-f", str(manifest), "--json")
+    assert code == 2
+    assert out == ""
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_missing_file_and_rank_out_of_range_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "plan", "-f", "/nonexistent/x.yaml")
+    assert code == 2
+    assert "cannot read /nonexistent/x.yaml" in err
+    code, _, err = run(capsys, "plan", "-f", str(HETERO), "--decode-rank", "1")
+    assert code == 2
+    assert "--decode-rank 1 is outside the decode ranks 0..0" in err
+
+
+def test_console_script_runs_as_a_process() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvbridge_operator", "plan", "-f", str(INCOMPATIBLE), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert json.loads(result.stdout)[0]["problems"][0]["code"] == "PREFILL_HEADS_REPLICATED"
