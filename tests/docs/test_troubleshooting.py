@@ -10,6 +10,9 @@ SOURCES = [ROOT / "agent" / "kvbridge_agent", ROOT / "operator" / "kvbridge_oper
 CODE_PATTERNS = [
     re.compile(r'\bcode\s*=\s*"([A-Z][A-Z0-9_]+)"'),  # code="X" arguments and class attributes
     re.compile(r'^([A-Z][A-Z0-9_]+)\s*=\s*"\1"\s*$', re.MULTILINE),  # NAME = "NAME" constants
+    re.compile(r'"code":\s*"([A-Z][A-Z0-9_]+)"'),  # {"code": "X"} replies
+    re.compile(r'_error\(\s*"([A-Z][A-Z0-9_]+)"'),  # HTTP error bodies
+    re.compile(r'get\("code",\s*"([A-Z][A-Z0-9_]+)"\)'),  # defaults for codes from elsewhere
 ]
 
 

@@ -60,24 +60,86 @@ class RegionLayout:
         return len(self.region_tensor)
 
 
-def region_layout(model: ModelGeometry, block_size: int, tensor_parallel_size: int) -> RegionLayout:
-    """The region layout of one rank with the given block size and TP size."""
+def region_layout(
+    model: ModelGeometry, block_size: int, tensor_parallel_size: int, *, num_tensors: int | None = None
+) -> RegionLayout:
+    """The region layout of one rank with the given block size and TP size.
+
+    ``num_tensors`` describes an engine that shares tensors between layers
+    (hybrid allocators hand the same ``data_ptr()`` several times): after
+    deduplication each distinct tensor keeps its regions (one, or two halves
+    for ``BlocksFirst``).  ``None`` means one tensor per layer and K/V as the
+    cache kind defines.
+    """
     if block_size < 1 or tensor_parallel_size < 1:
         raise SpecError("block size and tensor-parallel size must be at least 1", code="INVALID_SPEC")
     layers = model.num_layers
     per_head = head_bytes(model, block_size)
-    if model.is_mla:
-        unit = per_head
-        return RegionLayout(layers, unit, unit, tuple(range(layers)), (0,) * layers)
     unit = per_head * heads_local(model, tensor_parallel_size)
-    if model.cache_kind is CacheKind.SPLIT:
-        return RegionLayout(2 * layers, unit, unit, tuple(range(2 * layers)), (0,) * (2 * layers))
-    if model.cache_kind is CacheKind.BLOCKS_FIRST:
-        tensors = tuple(layer for layer in range(layers) for _ in (0, 1))
-        offsets = tuple(half * unit for _ in range(layers) for half in (0, 1))
-        return RegionLayout(layers, 2 * unit, unit, tensors, offsets)
-    whole = unit * 2 * layers
-    return RegionLayout(1, whole, whole, (0,), (0,))
+    if model.is_mla:
+        tensors, stride, halves = layers, per_head, 1
+        unit = per_head
+    elif model.cache_kind is CacheKind.SPLIT:
+        tensors, stride, halves = 2 * layers, unit, 1
+    elif model.cache_kind is CacheKind.BLOCKS_FIRST:
+        tensors, stride, halves = layers, 2 * unit, 2
+    else:
+        unit = unit * 2 * layers
+        tensors, stride, halves = 1, unit, 1
+    if num_tensors is not None:
+        if num_tensors < 1 or num_tensors > tensors:
+            raise SpecError(
+                f"{num_tensors} distinct tensors cannot hold a {model.cache_kind.value} cache of {layers} layers",
+                field="tensors",
+                code="REGION_COUNT_MISMATCH",
+            )
+        tensors = num_tensors
+    region_tensor = tuple(t for t in range(tensors) for _ in range(halves))
+    region_offset = tuple(half * unit for _ in range(tensors) for half in range(halves))
+    return RegionLayout(tensors, stride, unit, region_tensor, region_offset)
+
+
+def strided_rows(
+    bases: Sequence[int],
+    layout: RegionLayout,
+    num_blocks: int,
+    *,
+    units_per_block: int = 1,
+    offset: int = 0,
+    length: int | None = None,
+    device_id: int = 0,
+) -> IntArray | None:
+    """The same descriptors as :func:`unit_addresses` in NIXL's compact strided form.
+
+    One row per region: ``(address, length, device, stride, count)``.  ``None``
+    when the units of a region are not evenly spaced (``BlocksFirst`` viewed
+    as sub-blocks), in which case the caller lists every descriptor.
+    """
+    sub_bytes = exact_div(layout.unit_bytes, units_per_block, what="region block bytes per sub-unit")
+    span = sub_bytes - offset if length is None else length
+    if offset < 0 or span <= 0 or offset + span > sub_bytes:
+        raise SpecError(
+            f"descriptor [{offset}, {offset + span}) does not fit in a {sub_bytes}-byte unit",
+            field="offset",
+            code="DESCRIPTOR_OUT_OF_BOUNDS",
+        )
+    if len(bases) != layout.num_tensors:
+        raise SpecError(
+            f"expected {layout.num_tensors} tensor base addresses for this cache layout, got {len(bases)}",
+            field="bases",
+            code="REGION_COUNT_MISMATCH",
+        )
+    if units_per_block > 1 and layout.block_stride != units_per_block * sub_bytes:
+        return None
+    spacing = sub_bytes if units_per_block > 1 else layout.block_stride
+    base = np.asarray(bases, dtype=np.int64)[np.asarray(layout.region_tensor, dtype=np.int64)]
+    rows = np.empty((layout.num_regions, 5), dtype=np.int64)
+    rows[:, 0] = base + np.asarray(layout.region_offset, dtype=np.int64) + offset
+    rows[:, 1] = span
+    rows[:, 2] = device_id
+    rows[:, 3] = spacing
+    rows[:, 4] = num_blocks * units_per_block
+    return rows
 
 
 def unit_addresses(

@@ -1,0 +1,158 @@
+"""The ``kvbridge-agent`` command line: serve, loopback, keys."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvbridge_agent.core import KVBridgeError, SpecError
+from kvbridge_agent.core.contract import PairSpec, pair_from_spec, parse_environment
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_INVALID = 2
+
+
+def read_deployment(path: str) -> tuple[str, PairSpec]:
+    """Name and transfer-relevant spec of the first DisaggregatedDeployment in a manifest file."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SpecError(f"cannot read {path}: {exc.strerror or exc}", field=path, code="UNREADABLE") from exc
+    try:
+        documents = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path}: not valid YAML: {exc}", field=path, code="BAD_YAML") from exc
+    for document in documents:
+        if isinstance(document, dict) and document.get("kind") == "DisaggregatedDeployment":
+            spec = document.get("spec")
+            if not isinstance(spec, dict):
+                raise SpecError(f"{path}: spec must be a mapping", field="spec", code="INVALID_SPEC")
+            name = str((document.get("metadata") or {}).get("name") or "deployment")
+            return name, pair_from_spec(spec)
+    raise SpecError(f"{path}: no DisaggregatedDeployment document found", field=path, code="EMPTY")
+
+
+def _scaled(pair: PairSpec, num_layers: int | None) -> PairSpec:
+    if num_layers is None:
+        return pair
+    if num_layers < 1:
+        raise SpecError("--num-layers must be at least 1", field="--num-layers", code="INVALID_SPEC")
+    return pair.model_copy(update={"model": pair.model.model_copy(update={"num_layers": num_layers})})
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvbridge_agent.runtime.serve import serve
+
+    overrides: dict[str, Any] = {
+        "role": args.role,
+        "engine_id": args.engine_id,
+        "num_blocks": args.num_blocks,
+        "http_port": args.http_port,
+        "keys_dir": args.keys_dir,
+        "device": args.device,
+    }
+    env = parse_environment(os.environ, **overrides)
+    return serve(env, log_level=args.log_level)
+
+
+def _loopback(args: argparse.Namespace) -> int:
+    from kvbridge_agent.runtime.loopback import loopback
+
+    name, pair = read_deployment(args.file)
+    pair = _scaled(pair, args.num_layers)
+    report = loopback(
+        name,
+        pair,
+        requests=args.requests,
+        seed=args.seed,
+        num_blocks=args.num_blocks,
+        progress=not args.json,
+        log_level=args.log_level,
+    )
+    result = report.to_dict()
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(
+            f"{name}: prefill TP {result['prefillRanks']} -> decode TP {result['decodeRanks']}: "
+            f"{result['verifiedRequests']}/{result['requests']} requests verified, "
+            f"{result['bytesTransferred']} bytes in {result['seconds']:.3f} s of transfers "
+            f"({result['gbps']} GB/s), {result['descriptorsPerRequest']} descriptors per request"
+        )
+        for failure in result["failures"]:
+            print(f"  FAILED {failure['request']}: {failure['code']}: {failure['message']}")
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from kvbridge_agent.runtime.keys import generate_keys
+
+    keys = generate_keys(args.dir)
+    print(f"wrote {args.dir}/curve-public and {args.dir}/curve-secret (public key {keys.public.decode()})")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvbridge-agent", description="The kvbridge in-pod agent.")
+    parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve",
+        help="run one engine of the synthetic agent worker (the agent image)",
+        description="Configured from the KVBRIDGE_* environment contract; flags win.",
+    )
+    serve.add_argument("--role", choices=["prefill", "decode"])
+    serve.add_argument("--engine-id")
+    serve.add_argument("--num-blocks", type=int)
+    serve.add_argument("--http-port", type=int)
+    serve.add_argument("--keys-dir")
+    serve.add_argument("--device", help="cpu (default) or cuda")
+    serve.add_argument("--log-level", default=argparse.SUPPRESS, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.set_defaults(func=_serve)
+
+    loop = commands.add_parser("loopback", help="prefill and decode on 127.0.0.1 with real NIXL, every byte verified")
+    loop.add_argument("-f", "--file", required=True, help="DisaggregatedDeployment manifest (the first is used)")
+    loop.add_argument("--requests", type=int, default=16)
+    loop.add_argument("--seed", type=int, default=0)
+    loop.add_argument("--num-layers", type=int, help="scale the model down to this many layers")
+    loop.add_argument("--num-blocks", type=int, default=64, help="KV blocks per rank (default 64)")
+    loop.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    loop.add_argument("--log-level", default=argparse.SUPPRESS, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    loop.set_defaults(func=_loopback)
+
+    keys = commands.add_parser("keys", help="side-channel CURVE keys")
+    key_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    generate = key_commands.add_parser("generate", help="write a fresh key pair")
+    generate.add_argument("--dir", required=True)
+    generate.set_defaults(func=_keys)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    try:
+        status: int = args.func(args)
+    except KVBridgeError as exc:
+        field = f" [{exc.field}]" if exc.field and exc.field not in exc.message else ""
+        print(f"kvbridge-agent {args.command}: error: {exc.code}: {exc.message}{field}", file=sys.stderr)
+        return EXIT_INVALID if isinstance(exc, SpecError) else EXIT_FAILED
+    except KeyboardInterrupt:
+        return 130
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

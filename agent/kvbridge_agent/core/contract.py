@@ -1,0 +1,189 @@
+"""The environment contract between the operator and every engine pod.
+
+The operator renders these variables into each prefill and decode pod; the
+agent worker (and any engine that embeds the library) reads the same names.
+Both sides use this one module, so the names cannot drift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from pydantic import Field, ValidationError
+from pydantic.alias_generators import to_camel
+
+from .errors import SpecError
+from .model import CamelModel, ModelGeometry, Role, RoleSettings, TransferSettings
+
+PREFIX = "KVBRIDGE_"
+
+#: variable name -> (section, field) of :class:`EngineEnvironment`
+_MODEL_VARS = {
+    "MODEL_NAME": "name",
+    "NUM_LAYERS": "num_layers",
+    "NUM_KV_HEADS": "num_kv_heads",
+    "HEAD_DIM": "head_dim",
+    "KV_CACHE_DTYPE": "kv_cache_dtype",
+    "ATTENTION": "attention",
+    "CACHE_KIND": "cache_kind",
+}
+_ROLE_VARS = {"TP_SIZE": "tensor_parallel_size", "BLOCK_SIZE": "block_size", "KV_LAYOUT": "kv_layout"}
+_TRANSFER_VARS = {
+    "SIDE_CHANNEL_PORT": "side_channel_port",
+    "LEASE_SECONDS": "lease_seconds",
+    "HANDSHAKE_TIMEOUT_SECONDS": "handshake_timeout_seconds",
+    "CONVERSION": "conversion",
+    "BACKENDS": "backends",
+}
+_ENGINE_VARS = {
+    "ROLE": "role",
+    "DEPLOYMENT": "deployment",
+    "ENGINE_ID": "engine_id",
+    "DP_INDEX": "dp_index",
+    "SIDE_CHANNEL_HOST": "side_channel_host",
+    "SIDE_CHANNEL_LISTEN_PORT": "side_channel_listen_port",
+    "FINGERPRINT": "fingerprint",
+    "KEYS_DIR": "keys_dir",
+    "NUM_BLOCKS": "num_blocks",
+    "HTTP_PORT": "http_port",
+    "DEVICE": "device",
+    "TRANSFER_TIMEOUT_SECONDS": "transfer_timeout_seconds",
+}
+
+
+class EngineEnvironment(CamelModel):
+    """Everything an engine pod is told through its environment."""
+
+    role: Role
+    deployment: str = Field(default="local", min_length=1)
+    engine_id: str = Field(min_length=1, description="Stable engine identity (the pod name).")
+    dp_index: int = Field(default=0, ge=0, le=1024)
+    model: ModelGeometry
+    prefill: RoleSettings
+    decode: RoleSettings
+    transfer: TransferSettings = Field(default_factory=TransferSettings)
+    side_channel_host: str = Field(default="127.0.0.1", min_length=1)
+    side_channel_listen_port: int | None = Field(
+        default=None, ge=0, le=65535, description="Overrides the listen port (0: any free port); local runs only."
+    )
+    fingerprint: str = Field(default="", description="Expected fingerprint; empty skips the check.")
+    keys_dir: str = Field(default="", description="Directory with curve-public and curve-secret; empty: no CURVE.")
+    num_blocks: int = Field(default=256, ge=1, le=1 << 24)
+    http_port: int = Field(default=8000, ge=0, le=65535)
+    device: str = Field(default="cpu", min_length=1)
+    transfer_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+
+    @property
+    def own(self) -> RoleSettings:
+        return self.prefill if self.role is Role.PREFILL else self.decode
+
+    @property
+    def side_channel_port(self) -> int:
+        """``base port + data parallel index`` (transfer-protocol.md §5), unless overridden."""
+        if self.side_channel_listen_port is not None:
+            return self.side_channel_listen_port
+        return self.transfer.side_channel_port + self.dp_index
+
+
+def render_environment(env: EngineEnvironment) -> dict[str, str]:
+    """The variables for one pod, as strings."""
+    out: dict[str, str] = {}
+    for var, name in _ENGINE_VARS.items():
+        value = getattr(env, name)
+        if value is not None:
+            out[PREFIX + var] = str(value.value if isinstance(value, Role) else value)
+    for var, name in _MODEL_VARS.items():
+        out[PREFIX + var] = str(_plain(getattr(env.model, name)))
+    for role, settings in ((Role.PREFILL, env.prefill), (Role.DECODE, env.decode)):
+        for var, name in _ROLE_VARS.items():
+            out[f"{PREFIX}{role.value.upper()}_{var}"] = str(_plain(getattr(settings, name)))
+    for var, name in _TRANSFER_VARS.items():
+        value = getattr(env.transfer, name)
+        out[PREFIX + var] = ",".join(value) if isinstance(value, list) else str(_plain(value))
+    return out
+
+
+def _plain(value: object) -> object:
+    return getattr(value, "value", value)
+
+
+def parse_environment(environ: Mapping[str, str], **overrides: object) -> EngineEnvironment:
+    """Read the contract from ``environ`` (``os.environ``); ``overrides`` win (CLI flags).
+
+    Raises :class:`SpecError` naming the variable at fault.
+    """
+    data: dict[str, object] = {}
+    for var, name in _ENGINE_VARS.items():
+        if PREFIX + var in environ:
+            data[name] = environ[PREFIX + var]
+    model = {name: environ[PREFIX + var] for var, name in _MODEL_VARS.items() if PREFIX + var in environ}
+    roles: dict[str, dict[str, str]] = {}
+    for role in Role:
+        roles[role.value] = {
+            name: environ[f"{PREFIX}{role.value.upper()}_{var}"]
+            for var, name in _ROLE_VARS.items()
+            if f"{PREFIX}{role.value.upper()}_{var}" in environ
+        }
+    transfer: dict[str, object] = {}
+    for var, name in _TRANSFER_VARS.items():
+        if PREFIX + var in environ:
+            raw = environ[PREFIX + var]
+            transfer[name] = [b.strip() for b in raw.split(",") if b.strip()] if name == "backends" else raw
+    data.update(model=model, transfer=transfer, **roles)
+    for key, value in overrides.items():
+        if value is not None:
+            data[key] = value
+    try:
+        return EngineEnvironment.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = _variable_for(tuple(str(p) for p in error["loc"]))
+        raise SpecError(f"{where}: {error['msg']}", field=where, code="INVALID_ENVIRONMENT") from exc
+
+
+def _variable_for(loc: tuple[str, ...]) -> str:
+    """The environment variable behind a validation error location (field names or CRD aliases)."""
+    section, name = (loc[0], loc[1]) if len(loc) > 1 else ("", loc[0] if loc else "")
+    tables: dict[str, tuple[dict[str, str], type[CamelModel]]] = {
+        "model": (_MODEL_VARS, ModelGeometry),
+        "transfer": (_TRANSFER_VARS, TransferSettings),
+        "prefill": (_ROLE_VARS, RoleSettings),
+        "decode": (_ROLE_VARS, RoleSettings),
+        "": (_ENGINE_VARS, EngineEnvironment),
+    }
+    if section not in tables:
+        section, name = "", section
+    variables, model = tables[section]
+    for var, field in variables.items():
+        alias = model.model_fields[field].alias if field in model.model_fields else None
+        if name in (field, alias, to_camel(field)):
+            role = f"{section.upper()}_" if section in ("prefill", "decode") else ""
+            return PREFIX + role + var
+    return ".".join(loc)
+
+
+class PairSpec(CamelModel):
+    """The parts of a DisaggregatedDeployment spec that decide the transfer (engine and pod fields ignored)."""
+
+    model: ModelGeometry
+    transfer: TransferSettings = Field(default_factory=TransferSettings)
+    prefill: RoleSettings = Field(default_factory=RoleSettings)
+    decode: RoleSettings = Field(default_factory=RoleSettings)
+
+
+_POD_FIELDS = ("replicas", "template")
+
+
+def pair_from_spec(spec: Mapping[str, object]) -> PairSpec:
+    """Read a DisaggregatedDeployment ``spec`` (a mapping) for the agent; typed error naming the field."""
+    data = {key: spec[key] for key in ("model", "transfer", "prefill", "decode") if key in spec}
+    for role in ("prefill", "decode"):
+        section = data.get(role)
+        if isinstance(section, Mapping):
+            data[role] = {k: v for k, v in section.items() if k not in _POD_FIELDS}
+    try:
+        return PairSpec.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = "spec." + ".".join(str(p) for p in error["loc"])
+        raise SpecError(f"{where}: {error['msg']}", field=where, code="INVALID_SPEC") from exc

@@ -1,0 +1,224 @@
+"""Side-channel messages (transfer-protocol.md §5): a versioned envelope and per-rank metadata.
+
+Wire format: a ZeroMQ multipart message.
+
+- request: ``[header]`` with header ``{"version", "fingerprint", "type", "rank" | "requestIds"}``
+- reply:   ``[header, payload, agent_metadata]`` with header ``{"version", "fingerprint"}``,
+  or ``[header]`` with header ``{"version", "fingerprint", "error": {"code", "message"}}``
+
+The receiver checks the version and the fingerprint in the header *before*
+it decodes the payload, so a schema change or a different model fails with a
+clear message instead of a parse error.  Only this module knows the layout.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from enum import StrEnum
+
+from pydantic import Field, ValidationError
+
+from .errors import KVBridgeError
+from .model import CacheKind, CamelModel, KVLayout
+
+ENVELOPE_VERSION = 1
+MAX_HEADER_BYTES = 4096
+MAX_PAYLOAD_BYTES = 1 << 20
+
+# Stable error codes of the side channel.
+MALFORMED_MESSAGE = "MALFORMED_MESSAGE"
+PROTOCOL_VERSION_MISMATCH = "PROTOCOL_VERSION_MISMATCH"
+FINGERPRINT_MISMATCH = "FINGERPRINT_MISMATCH"
+UNKNOWN_RANK = "UNKNOWN_RANK"
+UNKNOWN_MESSAGE_TYPE = "UNKNOWN_MESSAGE_TYPE"
+HANDSHAKE_TIMEOUT = "HANDSHAKE_TIMEOUT"
+PEER_ERROR = "PEER_ERROR"
+WIRE_FORMAT_MISMATCH = "WIRE_FORMAT_MISMATCH"
+PEER_INCOMPATIBLE = "PEER_INCOMPATIBLE"
+
+
+class HandshakeError(KVBridgeError):
+    """The side-channel exchange failed; the requests waiting on it fail, the next one retries."""
+
+    code = "HANDSHAKE_FAILED"
+
+
+class MessageType(StrEnum):
+    METADATA = "metadata"  # ask for one TP rank's metadata
+    HEARTBEAT = "heartbeat"  # renew the leases of requests decode still waits on
+
+
+class MemoryType(StrEnum):
+    DRAM = "DRAM"
+    VRAM = "VRAM"
+
+
+class RankMetadata(CamelModel):
+    """What a decode rank needs to READ from one prefill rank."""
+
+    engine_id: str = Field(min_length=1, max_length=256)
+    incarnation: str = Field(min_length=1, max_length=64, description="New on every process start.")
+    agent_name: str = Field(min_length=1, max_length=512)
+    tp_rank: int = Field(ge=0)
+    tp_size: int = Field(ge=1)
+    block_size: int = Field(ge=1)
+    kv_layout: KVLayout
+    cache_kind: CacheKind
+    num_blocks: int = Field(ge=1)
+    tensor_bases: list[int] = Field(min_length=1, description="Base address of every registered tensor, in order.")
+    region_block_bytes: int = Field(ge=1, description="Bytes of one native block of one region.")
+    wire_block_size: int = Field(ge=1)
+    wire_layout: KVLayout
+    memory_type: MemoryType
+    device_id: int = Field(ge=0)
+
+
+def _dump(obj: object) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _header(frame: bytes) -> dict[str, object]:
+    if len(frame) > MAX_HEADER_BYTES:
+        raise HandshakeError(f"header of {len(frame)} bytes exceeds {MAX_HEADER_BYTES}", code=MALFORMED_MESSAGE)
+    try:
+        header = json.loads(frame)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise HandshakeError(f"header is not JSON: {exc}", code=MALFORMED_MESSAGE) from exc
+    if not isinstance(header, dict):
+        raise HandshakeError("header is not a JSON object", code=MALFORMED_MESSAGE)
+    return header
+
+
+def _check_envelope(header: dict[str, object], fingerprint: str) -> None:
+    version = header.get("version")
+    if version != ENVELOPE_VERSION:
+        raise HandshakeError(
+            f"peer speaks side-channel version {version!r}, this agent speaks {ENVELOPE_VERSION}: "
+            "run the same kvbridge version on prefill and decode",
+            code=PROTOCOL_VERSION_MISMATCH,
+            field="version",
+        )
+    theirs = header.get("fingerprint")
+    if fingerprint and theirs != fingerprint:
+        raise HandshakeError(
+            f"peer fingerprint {theirs!r} differs from ours {fingerprint!r}: the two engines run a "
+            "different model, dtype, cache kind or protocol version",
+            code=FINGERPRINT_MISMATCH,
+            field="fingerprint",
+        )
+
+
+def encode_request(
+    kind: MessageType, fingerprint: str, *, rank: int = 0, request_ids: Sequence[str] = ()
+) -> list[bytes]:
+    header: dict[str, object] = {"version": ENVELOPE_VERSION, "fingerprint": fingerprint, "type": kind.value}
+    if kind is MessageType.METADATA:
+        header["rank"] = rank
+    else:
+        header["requestIds"] = list(request_ids)
+    return [_dump(header)]
+
+
+def decode_request(frames: Sequence[bytes], fingerprint: str) -> tuple[MessageType, int, list[str]]:
+    """``(type, rank, request ids)`` of a request; raises :class:`HandshakeError` for anything else."""
+    if len(frames) != 1:
+        raise HandshakeError(f"request has {len(frames)} frames, expected 1", code=MALFORMED_MESSAGE)
+    header = _header(frames[0])
+    _check_envelope(header, fingerprint)
+    try:
+        kind = MessageType(str(header.get("type")))
+    except ValueError as exc:
+        raise HandshakeError(f"unknown message type {header.get('type')!r}", code=UNKNOWN_MESSAGE_TYPE) from exc
+    if kind is MessageType.METADATA:
+        rank = header.get("rank")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise HandshakeError(f"rank must be a non-negative integer, got {rank!r}", code=MALFORMED_MESSAGE)
+        return kind, rank, []
+    ids = header.get("requestIds")
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise HandshakeError("requestIds must be a list of strings", code=MALFORMED_MESSAGE)
+    return kind, 0, list(ids)
+
+
+def encode_reply(fingerprint: str, metadata: RankMetadata, agent_metadata: bytes) -> list[bytes]:
+    header = {"version": ENVELOPE_VERSION, "fingerprint": fingerprint}
+    return [_dump(header), metadata.model_dump_json(by_alias=True).encode(), agent_metadata]
+
+
+def encode_ack(fingerprint: str) -> list[bytes]:
+    return [_dump({"version": ENVELOPE_VERSION, "fingerprint": fingerprint})]
+
+
+def encode_error(fingerprint: str, code: str, message: str) -> list[bytes]:
+    header = {"version": ENVELOPE_VERSION, "fingerprint": fingerprint, "error": {"code": code, "message": message}}
+    return [_dump(header)]
+
+
+def _raise_peer_error(header: dict[str, object]) -> None:
+    error = header.get("error")
+    if error is not None:
+        detail = error if isinstance(error, dict) else {}
+        code = str(detail.get("code", PEER_ERROR))
+        raise HandshakeError(f"peer refused: {detail.get('message', error)}", code=code)
+
+
+def decode_ack(frames: Sequence[bytes], fingerprint: str) -> None:
+    if not frames:
+        raise HandshakeError("empty reply", code=MALFORMED_MESSAGE)
+    header = _header(frames[0])
+    _check_envelope(header, fingerprint)
+    _raise_peer_error(header)
+
+
+def decode_reply(frames: Sequence[bytes], fingerprint: str) -> tuple[RankMetadata, bytes]:
+    """Check the envelope, then decode the payload."""
+    if not frames:
+        raise HandshakeError("empty reply", code=MALFORMED_MESSAGE)
+    header = _header(frames[0])
+    _check_envelope(header, fingerprint)
+    _raise_peer_error(header)
+    if len(frames) != 3:
+        raise HandshakeError(f"reply has {len(frames)} frames, expected 3", code=MALFORMED_MESSAGE)
+    if len(frames[1]) > MAX_PAYLOAD_BYTES:
+        raise HandshakeError("payload too large", code=MALFORMED_MESSAGE)
+    try:
+        metadata = RankMetadata.model_validate_json(frames[1])
+    except ValidationError as exc:
+        raise HandshakeError(
+            f"payload does not match the metadata schema: {exc.errors()[0]['msg']}", code=MALFORMED_MESSAGE
+        ) from exc
+    if not frames[2]:
+        raise HandshakeError("reply carries no NIXL agent metadata", code=MALFORMED_MESSAGE)
+    return metadata, frames[2]
+
+
+class KVTransferParams(CamelModel):
+    """What prefill returns for a request and the router hands to decode."""
+
+    remote_engine_id: str = Field(min_length=1, max_length=256)
+    remote_incarnation: str = Field(min_length=1, max_length=64)
+    remote_host: str = Field(min_length=1, max_length=256)
+    remote_port: int = Field(ge=1, le=65535)
+    remote_request_id: str = Field(min_length=1, max_length=256, pattern=r"^[^:]+$")
+    remote_block_ids: list[int] = Field(max_length=1 << 20)
+    num_tokens: int = Field(ge=1)
+    remote_tp_size: int = Field(ge=1)
+    fingerprint: str = Field(min_length=1, max_length=64)
+
+
+def notification(prefill_request_id: str, decode_tp_size: int) -> bytes:
+    """The completion message: ``"<prefill_request_id>:<tp_D>"`` (never the decode-side id)."""
+    return f"{prefill_request_id}:{decode_tp_size}".encode()
+
+
+def parse_notification(message: bytes) -> tuple[str, int] | None:
+    """``(prefill request id, decode TP size)``, or ``None`` for a malformed message."""
+    try:
+        text = message.decode()
+    except UnicodeDecodeError:
+        return None
+    request_id, sep, tp = text.rpartition(":")
+    if not sep or not request_id or not tp.isdigit() or int(tp) < 1:
+        return None
+    return request_id, int(tp)

@@ -1,0 +1,349 @@
+"""The decode side of one TP rank: peers (one plan each), READs, completion, conversions.
+
+Per remote engine, everything that depends only on the two shapes is done
+once in :meth:`DecodeRank.add_peer`: the plan, remote agents, remote and
+local prepped descriptor lists.  Per request only block ids are mapped to
+descriptor ids (numpy) and the READs are posted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbridge_agent.core import (
+    BlockMappingError,
+    DecodeRankPlan,
+    IncompatibleError,
+    KVBridgeError,
+    ModelGeometry,
+    Role,
+    RoleSettings,
+    TransferPlan,
+    TransferSettings,
+    build_plan,
+    descriptor_ids,
+    map_request_blocks,
+    region_layout,
+)
+from kvbridge_agent.core.handshake import (
+    PEER_INCOMPATIBLE,
+    WIRE_FORMAT_MISMATCH,
+    HandshakeError,
+    KVTransferParams,
+    RankMetadata,
+    notification,
+)
+
+from .descriptors import descriptor_rows
+from .kv_cache import KVCache
+from .relayout import convert_for_side
+from .transport import Transport, TransportError
+
+log = logging.getLogger(__name__)
+
+# Stable failure codes of a decode request (documented in docs/troubleshooting.md).
+UNKNOWN_PEER = "UNKNOWN_PEER"
+STALE_PEER = "STALE_PEER"
+TRANSFER_FAILED = "TRANSFER_FAILED"
+TRANSFER_TIMEOUT = "TRANSFER_TIMEOUT"
+
+
+@dataclass
+class RemotePeer:
+    """One prefill engine as seen by one decode rank."""
+
+    engine_id: str
+    incarnation: str
+    plan: TransferPlan
+    rank_plan: DecodeRankPlan
+    agents: dict[int, str]
+    remote_units: int  # descriptor units per region on the prefill side
+    #: per read of the rank plan: (remote prepped list, local prepped list)
+    lists: list[tuple[Any, Any]] = field(default_factory=list)
+
+
+@dataclass
+class ReadResult:
+    request_id: str
+    ok: bool
+    code: str = ""
+    message: str = ""
+    invalid_blocks: list[int] = field(default_factory=list)
+    bytes: int = 0
+    descriptors: int = 0
+    seconds: float = 0.0
+    post_microseconds: float = 0.0
+    peer_failed: bool = False
+
+
+@dataclass
+class _InFlight:
+    request_id: str
+    params: KVTransferParams
+    blocks: list[int]  # local blocks that receive bytes
+    handles: list[Any]
+    timeout: float
+    deadline: float
+    started: float
+    bytes: int
+    descriptors: int
+    post_microseconds: float
+
+
+class DecodeRank:
+    def __init__(
+        self,
+        cache: KVCache,
+        transport: Transport,
+        settings: RoleSettings,
+        transfer: TransferSettings,
+    ) -> None:
+        self.cache = cache
+        self.transport = transport
+        self.settings = settings
+        self.transfer = transfer
+        self.peers: dict[str, RemotePeer] = {}
+        self._local_lists: dict[tuple[int, int, int], Any] = {}
+        self._in_flight: dict[str, _InFlight] = {}
+        self._zombies: list[Any] = []  # transfer handles NIXL could not cancel yet
+        self._id_buffers: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] = (
+            np.empty(0, dtype=np.int64),
+            np.empty(0, dtype=np.int64),
+        )
+
+    @property
+    def model(self) -> ModelGeometry:
+        return self.cache.model
+
+    # -- peers --------------------------------------------------------------
+    def add_peer(self, engine_id: str, incarnation: str, ranks: dict[int, tuple[RankMetadata, bytes]]) -> RemotePeer:
+        """Build the plan and the descriptor lists for a prefill engine (evicting a stale incarnation)."""
+        old = self.peers.get(engine_id)
+        if old is not None:
+            self.evict_peer(engine_id)
+        first = next(iter(ranks.values()))[0]
+        prefill = RoleSettings(
+            tensor_parallel_size=first.tp_size, block_size=first.block_size, kv_layout=first.kv_layout
+        )
+        try:
+            plan = build_plan(self.model, prefill, self.settings, self.transfer)
+        except IncompatibleError as exc:
+            raise HandshakeError(
+                f"prefill engine {engine_id} is incompatible: {exc.message}", code=PEER_INCOMPATIBLE
+            ) from exc
+        rank_plan = plan.for_decode_rank(self.cache.tp_rank)
+        missing = [p for p in rank_plan.handshake_ranks if p not in ranks]
+        if missing:
+            raise HandshakeError(f"metadata of prefill ranks {missing} is missing", code=PEER_INCOMPATIBLE)
+        for p in rank_plan.handshake_ranks:
+            meta = ranks[p][0]
+            if (meta.wire_block_size, meta.wire_layout) != (plan.wire.block_size, plan.wire.layout):
+                raise HandshakeError(
+                    f"prefill rank {p} offers {meta.wire_block_size}-token {meta.wire_layout.value} wire blocks, "
+                    f"the plan needs {plan.wire.block_size}-token {plan.wire.layout.value}: the two engines were "
+                    "configured with different peer settings",
+                    code=WIRE_FORMAT_MISMATCH,
+                )
+            if (meta.tp_size, meta.block_size, meta.kv_layout) != (first.tp_size, first.block_size, first.kv_layout):
+                raise HandshakeError(
+                    f"prefill rank {p} reports different settings than rank {first.tp_rank}", code=PEER_INCOMPATIBLE
+                )
+        peer = RemotePeer(engine_id, incarnation, plan, rank_plan, {}, first.num_blocks * plan.split_ratio)
+        try:
+            for p in rank_plan.handshake_ranks:
+                peer.agents[p] = self.transport.add_peer(ranks[p][1])
+            for read in rank_plan.reads:
+                meta = ranks[read.prefill_rank][0]
+                remote_layout = region_layout(
+                    self.model, meta.block_size, meta.tp_size, num_tensors=len(meta.tensor_bases)
+                )
+                if remote_layout.unit_bytes != meta.region_block_bytes:
+                    raise HandshakeError(
+                        f"prefill rank {read.prefill_rank} reports {meta.region_block_bytes}-byte region blocks, "
+                        f"the model needs {remote_layout.unit_bytes}",
+                        code=PEER_INCOMPATIBLE,
+                    )
+                if remote_layout.num_regions != self.cache.layout.num_regions:
+                    raise HandshakeError(
+                        f"prefill has {remote_layout.num_regions} regions, decode {self.cache.layout.num_regions}",
+                        code=PEER_INCOMPATIBLE,
+                    )
+                rows = descriptor_rows(
+                    meta.tensor_bases, remote_layout, meta.num_blocks,
+                    units_per_block=plan.split_ratio, offset=read.remote_offset, length=read.length,
+                    device_id=meta.device_id,
+                )  # fmt: skip
+                remote = self.transport.prep(peer.agents[read.prefill_rank], rows, meta.memory_type.value)
+                peer.lists.append((remote, self._local_list(plan, read.local_offset, read.length)))
+        except BaseException:
+            self._drop(peer)
+            raise
+        self.peers[engine_id] = peer
+        return peer
+
+    def _local_list(self, plan: TransferPlan, offset: int, length: int) -> Any:
+        key = (plan.block_size_ratio, offset, length)
+        handle = self._local_lists.get(key)
+        if handle is None:
+            cache = self.cache
+            rows = descriptor_rows(
+                cache.bases, cache.layout, cache.num_blocks,
+                units_per_block=plan.block_size_ratio, offset=offset, length=length, device_id=cache.device_id,
+            )  # fmt: skip
+            handle = self.transport.prep("", rows, cache.memory_type.value)
+            self._local_lists[key] = handle
+        return handle
+
+    def _drop(self, peer: RemotePeer) -> None:
+        for remote, _local in peer.lists:
+            self.transport.release_dlist(remote)
+        for name in peer.agents.values():
+            self.transport.remove_peer(name)
+
+    def evict_peer(self, engine_id: str) -> bool:
+        """Forget a prefill engine: fail its requests in flight, release its lists and remote agents."""
+        peer = self.peers.pop(engine_id, None)
+        if peer is None:
+            return False
+        for request_id, flight in list(self._in_flight.items()):
+            if flight.params.remote_engine_id == engine_id:
+                self._cancel(flight)
+                del self._in_flight[request_id]
+        self._drop(peer)
+        return True
+
+    # -- requests -----------------------------------------------------------
+    def start(
+        self, request_id: str, params: KVTransferParams, local_blocks: list[int], timeout: float
+    ) -> ReadResult | None:
+        """Post the READs of one request; returns a result at once on failure or a full prefix hit."""
+        started = time.perf_counter()
+        peer = self.peers.get(params.remote_engine_id)
+        if peer is None:
+            return ReadResult(
+                request_id, False, UNKNOWN_PEER, f"no handshake with {params.remote_engine_id}", list(local_blocks)
+            )
+        if peer.incarnation != params.remote_incarnation:
+            return ReadResult(
+                request_id,
+                False,
+                STALE_PEER,
+                f"{params.remote_engine_id} restarted (incarnation {params.remote_incarnation})",
+                list(local_blocks),
+                peer_failed=True,
+            )
+        note = notification(params.remote_request_id, self.settings.tensor_parallel_size)
+        plan, rank_plan = peer.plan, peer.rank_plan
+        try:
+            mapped = map_request_blocks(local_blocks, params.remote_block_ids, plan.block_size_ratio)
+            regions = self.cache.layout.num_regions
+            local_units = self.cache.num_blocks * plan.block_size_ratio
+            count = regions * mapped.local.size
+            local_buf, remote_buf = self._buffers(count)
+            local_ids = descriptor_ids(mapped.local, regions, local_units, out=local_buf)
+            remote_ids = descriptor_ids(mapped.remote, regions, peer.remote_units, out=remote_buf)
+        except BlockMappingError as exc:
+            return ReadResult(request_id, False, exc.code, exc.message, list(local_blocks))
+        handles: list[Any] = []
+        total_bytes = 0
+        try:
+            if mapped.full_hit:
+                for p in {r.prefill_rank for r in rank_plan.reads}:
+                    self.transport.notify(peer.agents[p], note)
+            else:
+                for read, (remote, local) in zip(rank_plan.reads, peer.lists, strict=True):
+                    handles.append(self.transport.read(local, local_ids, remote, remote_ids, note))
+                    total_bytes += read.length * local_ids.size
+            for p in rank_plan.notify_only_ranks:
+                self.transport.notify(peer.agents[p], note)
+        except (TransportError, KVBridgeError) as exc:
+            for handle in handles:
+                self.transport.release(handle)
+            return ReadResult(request_id, False, TRANSFER_FAILED, exc.message, list(local_blocks), peer_failed=True)
+        post_us = (time.perf_counter() - started) * 1e6
+        flight = _InFlight(
+            request_id, params, list(local_blocks), handles, timeout, time.monotonic() + timeout, started,
+            total_bytes, local_ids.size * len(handles), post_us,
+        )  # fmt: skip
+        if not handles:
+            return self._finish(flight, peer)
+        self._in_flight[request_id] = flight
+        return None
+
+    def _buffers(self, count: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        if self._id_buffers[0].size < count:
+            self._id_buffers = (np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64))
+        return self._id_buffers
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def poll(self) -> list[ReadResult]:
+        """Drive progress; results of requests that completed, failed or timed out."""
+        results: list[ReadResult] = []
+        self._zombies = [h for h in self._zombies if not self.transport.release(h)]
+        now = time.monotonic()
+        for request_id, flight in list(self._in_flight.items()):
+            states = [self.transport.state(h) for h in flight.handles]
+            peer = self.peers.get(flight.params.remote_engine_id)
+            if "ERR" in states or peer is None:
+                del self._in_flight[request_id]
+                self._cancel(flight)
+                results.append(
+                    ReadResult(
+                        request_id,
+                        False,
+                        TRANSFER_FAILED,
+                        "NIXL reported a failed READ (the prefill engine may be gone)",
+                        flight.blocks,
+                        peer_failed=True,
+                    )
+                )
+            elif all(state == "DONE" for state in states):
+                del self._in_flight[request_id]
+                for handle in flight.handles:
+                    self.transport.release(handle)
+                results.append(self._finish(flight, peer))
+            elif now > flight.deadline:
+                del self._in_flight[request_id]
+                self._cancel(flight)
+                results.append(
+                    ReadResult(
+                        request_id,
+                        False,
+                        TRANSFER_TIMEOUT,
+                        f"READs not complete after {flight.timeout:g} s",
+                        flight.blocks,
+                        peer_failed=True,
+                    )
+                )
+        return results
+
+    def _finish(self, flight: _InFlight, peer: RemotePeer) -> ReadResult:
+        convert_for_side(self.cache, peer.plan, Role.DECODE, flight.blocks)
+        return ReadResult(
+            flight.request_id, True, bytes=flight.bytes, descriptors=flight.descriptors,
+            seconds=time.perf_counter() - flight.started, post_microseconds=flight.post_microseconds,
+        )  # fmt: skip
+
+    def _cancel(self, flight: _InFlight) -> None:
+        for handle in flight.handles:
+            if not self.transport.release(handle):
+                self._zombies.append(handle)
+
+    def close(self) -> None:
+        for engine_id in list(self.peers):
+            self.evict_peer(engine_id)
+        for handle in self._local_lists.values():
+            self.transport.release_dlist(handle)
+        self._local_lists.clear()
+        for handle in self._zombies:
+            self.transport.release(handle)
+        self._zombies.clear()

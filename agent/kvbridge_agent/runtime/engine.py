@@ -1,0 +1,525 @@
+"""The agent worker's engine process: TP rank processes, block allocation, side channel, leases.
+
+A prefill engine allocates a request's blocks, has every rank "compute" and
+offer them, publishes ``kv_transfer_params``, and frees the blocks when
+every rank saw all its readers' notifications or the lease expired.  A
+decode engine handshakes once per prefill engine (one handshake in flight
+per engine; a new incarnation evicts the stale one first), has every rank
+READ its part, and reports per request: done, or failed with a code and the
+local blocks that are invalid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import threading
+import time
+import uuid
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from kvbridge_agent.core import KVBridgeError, build_plan, wire_block_ids
+from kvbridge_agent.core.blocks import blocks_for_tokens
+from kvbridge_agent.core.contract import EngineEnvironment
+from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams, RankMetadata
+from kvbridge_agent.core.model import Role
+from kvbridge_agent.core.tp import handshake_ranks
+
+from .keys import CurveKeys
+from .metrics import AgentMetrics
+from .rank_entry import main as rank_main
+from .side_channel import SideChannelClient, SideChannelServer
+
+log = logging.getLogger(__name__)
+
+# Stable error codes of the engine API (documented in docs/troubleshooting.md).
+NO_FREE_BLOCKS = "NO_FREE_BLOCKS"
+DUPLICATE_REQUEST = "DUPLICATE_REQUEST"
+RANK_FAILED = "RANK_FAILED"
+RANK_TIMEOUT = "RANK_TIMEOUT"
+INVALID_REQUEST = "INVALID_REQUEST"
+STARTUP_FAILED = "STARTUP_FAILED"
+
+RANK_START_TIMEOUT = 180.0
+
+
+class EngineError(KVBridgeError):
+    code = "ENGINE_ERROR"
+
+    def __init__(
+        self, message: str, *, code: str, field: str = "", status: int = 400, invalid_blocks: list[int] | None = None
+    ) -> None:
+        super().__init__(message, field=field, code=code)
+        self.status = status
+        self.invalid_blocks = invalid_blocks or []
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._lock = threading.Lock()
+
+    def allocate(self, count: int) -> list[int]:
+        with self._lock:
+            if count > len(self._free):
+                raise EngineError(
+                    f"{count} blocks needed, {len(self._free)} of {self.num_blocks} free",
+                    code=NO_FREE_BLOCKS, status=503,
+                )  # fmt: skip
+            return [self._free.popleft() for _ in range(count)]
+
+    def free(self, blocks: list[int]) -> None:
+        with self._lock:
+            self._free.extend(blocks)
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+
+class RankHandle:
+    """The engine's end of one rank process: calls with ids and timeouts, events to a callback."""
+
+    def __init__(self, rank: int, process: Any, conn: Connection, on_event: Any) -> None:
+        self.rank = rank
+        self.process = process
+        self.conn = conn
+        self._on_event = on_event
+        self._ids = itertools.count()
+        self._waiting: dict[int, Future[dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+        self.ready: Future[dict[str, Any]] = Future()
+        self._reader = threading.Thread(target=self._read, name=f"rank{rank}-reader", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            if "id" in message:
+                future = self._waiting.pop(message["id"], None)
+                if future is not None:
+                    future.set_result(message)
+            elif message.get("event") in ("ready", "failed") and not self.ready.done():
+                self.ready.set_result(message)
+            else:
+                self._on_event(self.rank, message)
+        gone = {"ok": False, "code": RANK_FAILED, "message": f"rank {self.rank} process exited"}
+        if not self.ready.done():
+            self.ready.set_result({"event": "failed", "code": RANK_FAILED, "message": gone["message"]})
+        for future in list(self._waiting.values()):
+            future.set_result(gone)
+        self._waiting.clear()
+
+    def send(self, message: dict[str, Any]) -> None:
+        with self._lock:
+            self.conn.send(message)
+
+    def call_async(self, message: dict[str, Any]) -> Future[dict[str, Any]]:
+        future: Future[dict[str, Any]] = Future()
+        with self._lock:
+            ident = next(self._ids)
+            self._waiting[ident] = future
+            try:
+                self.conn.send({**message, "id": ident})
+            except (OSError, ValueError):
+                self._waiting.pop(ident, None)
+                future.set_result({"ok": False, "code": RANK_FAILED, "message": f"rank {self.rank} is gone"})
+        return future
+
+    def call(self, message: dict[str, Any], timeout: float) -> dict[str, Any]:
+        return wait_reply(self.rank, self.call_async(message), timeout)
+
+
+def wait_reply(rank: int, future: Future[dict[str, Any]], timeout: float) -> dict[str, Any]:
+    try:
+        return future.result(timeout=timeout)
+    except TimeoutError:
+        return {"ok": False, "code": RANK_TIMEOUT, "message": f"rank {rank} did not answer within {timeout:g} s"}
+
+
+@dataclass
+class _Held:
+    blocks: list[int]
+    deadline: float
+    done_ranks: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _PeerState:
+    incarnation: str
+    future: Future[None]
+
+
+class Engine:
+    """One prefill or decode engine of the agent worker."""
+
+    def __init__(self, env: EngineEnvironment, keys: CurveKeys | None = None, log_level: str = "WARNING") -> None:
+        self.env = env
+        self.keys = keys
+        self.log_level = log_level
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.metrics = AgentMetrics(env.role.value, env.engine_id)
+        self.allocator = BlockAllocator(env.num_blocks)
+        self.plan = build_plan(env.model, env.prefill, env.decode, env.transfer)
+        self.ranks: list[RankHandle] = []
+        self.server: SideChannelServer | None = None
+        self._held: dict[str, _Held] = {}
+        self._held_lock = threading.Lock()
+        self._peers: dict[str, _PeerState] = {}
+        self._peers_lock = threading.Lock()
+        self._waiting: dict[str, KVTransferParams] = {}  # decode requests still waiting (heartbeats)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.ready = False
+
+    @property
+    def tp_size(self) -> int:
+        return self.env.own.tensor_parallel_size
+
+    # -- lifetime -------------------------------------------------------------
+    def start(self) -> Engine:
+        context = multiprocessing.get_context("spawn")
+        env_json = self.env.model_dump_json()
+        for rank in range(self.tp_size):
+            parent, child = context.Pipe()
+            process = context.Process(
+                target=rank_main, args=(env_json, rank, self.incarnation, child, self.log_level),
+                name=f"{self.env.engine_id}-rank{rank}", daemon=True,
+            )  # fmt: skip
+            process.start()
+            child.close()
+            self.ranks.append(RankHandle(rank, process, parent, self._on_event))
+        for handle in self.ranks:
+            try:
+                ready = handle.ready.result(timeout=RANK_START_TIMEOUT)
+            except TimeoutError:
+                ready = {"event": "failed", "code": RANK_TIMEOUT, "message": "did not start in time"}
+            if ready.get("event") != "ready":
+                self.close()
+                raise EngineError(
+                    f"rank {handle.rank} failed to start: {ready.get('message')}", code=STARTUP_FAILED, status=500
+                )
+        if self.env.role is Role.PREFILL:
+            ranks: dict[int, tuple[RankMetadata, bytes]] = {}
+            for handle in self.ranks:
+                reply = handle.call({"op": "metadata"}, timeout=30)
+                if not reply.get("ok"):
+                    self.close()
+                    raise EngineError(f"rank {handle.rank}: {reply.get('message')}", code=STARTUP_FAILED)
+                ranks[handle.rank] = (RankMetadata.model_validate_json(reply["metadata"]), reply["agent"])
+            self.server = SideChannelServer(
+                self.env.side_channel_host, self.env.side_channel_port, self.plan.fingerprint, ranks,
+                keys=self.keys, on_heartbeat=self.heartbeat,
+            ).start()  # fmt: skip
+            self._spawn(self._expire_leases, "leases")
+        else:
+            self._spawn(self._send_heartbeats, "heartbeats")
+        self.metrics.free_blocks.labels(**self.metrics.labels).set(self.allocator.free_count)
+        self.ready = True
+        return self
+
+    def _spawn(self, target: Any, name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def close(self) -> None:
+        """Stop ranks (shutdown, then terminate, then kill) and the side channel; idempotent."""
+        self._stop.set()
+        self.ready = False
+        for handle in self.ranks:
+            with contextlib.suppress(OSError, ValueError):
+                handle.send({"op": "shutdown"})
+        for handle in self.ranks:
+            handle.process.join(timeout=10)
+            if handle.process.is_alive():
+                handle.process.terminate()
+                handle.process.join(timeout=5)
+            if handle.process.is_alive():
+                handle.process.kill()
+                handle.process.join(timeout=5)
+            handle.conn.close()
+        self.ranks = []
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+    def rank_pids(self) -> list[int]:
+        return [h.process.pid for h in self.ranks if h.process.pid is not None]
+
+    # -- events from ranks ----------------------------------------------------
+    def _on_event(self, rank: int, message: dict[str, Any]) -> None:
+        event = message.get("event")
+        if event == "complete":
+            self._rank_done(message["request_id"], rank)
+        elif event == "notifications":
+            labels = self.metrics.labels
+            if message.get("unknown"):
+                self.metrics.failed_notifications.labels(**labels, reason="unknown").inc(message["unknown"])
+            if message.get("malformed"):
+                self.metrics.failed_notifications.labels(**labels, reason="malformed").inc(message["malformed"])
+
+    def _rank_done(self, request_id: str, rank: int) -> None:
+        with self._held_lock:
+            held = self._held.get(request_id)
+            if held is None:
+                return
+            held.done_ranks.add(rank)
+            if len(held.done_ranks) < self.tp_size:
+                return
+            del self._held[request_id]
+        self._free(held.blocks)
+
+    def _free(self, blocks: list[int]) -> None:
+        self.allocator.free(blocks)
+        labels = self.metrics.labels
+        self.metrics.free_blocks.labels(**labels).set(self.allocator.free_count)
+        self.metrics.held_requests.labels(**labels).set(len(self._held))
+
+    # -- prefill ----------------------------------------------------------------
+    def prefill(self, request_id: str, num_tokens: int) -> KVTransferParams:
+        """Compute (synthetically) and offer a request; returns what decode needs to pull it."""
+        if self.env.role is not Role.PREFILL:
+            raise EngineError("this is a decode engine", code=INVALID_REQUEST, field="role")
+        if not request_id or ":" in request_id:
+            raise EngineError("requestId must be non-empty and contain no ':'", code=INVALID_REQUEST, field="requestId")
+        if num_tokens < 1:
+            raise EngineError("numTokens must be at least 1", code=INVALID_REQUEST, field="numTokens")
+        blocks = self.allocator.allocate(blocks_for_tokens(num_tokens, self.env.prefill.block_size))
+        with self._held_lock:
+            if request_id in self._held:
+                self.allocator.free(blocks)
+                raise EngineError(
+                    f"request {request_id} is already held", code=DUPLICATE_REQUEST, status=409, field="requestId"
+                )
+            self._held[request_id] = _Held(blocks, time.monotonic() + self.env.transfer.lease_seconds)
+        futures = [h.call_async({"op": "offer", "request_id": request_id, "blocks": blocks}) for h in self.ranks]
+        for handle, future in zip(self.ranks, futures, strict=True):
+            reply = wait_reply(handle.rank, future, 60)
+            if not reply.get("ok"):
+                self._drop_held(request_id)
+                raise EngineError(
+                    f"rank {handle.rank}: {reply.get('message')}", code=reply.get("code", RANK_FAILED), status=500
+                )
+        self.metrics.held_requests.labels(**self.metrics.labels).set(len(self._held))
+        self.metrics.free_blocks.labels(**self.metrics.labels).set(self.allocator.free_count)
+        wire = wire_block_ids(blocks, num_tokens, self.plan.split_ratio, self.plan.wire.block_size)
+        return KVTransferParams(
+            remote_engine_id=self.env.engine_id,
+            remote_incarnation=self.incarnation,
+            remote_host=self.env.side_channel_host,
+            remote_port=self.server.port if self.server else self.env.side_channel_port,
+            remote_request_id=request_id,
+            remote_block_ids=wire.tolist(),
+            num_tokens=num_tokens,
+            remote_tp_size=self.tp_size,
+            fingerprint=self.plan.fingerprint,
+        )
+
+    def _drop_held(self, request_id: str) -> None:
+        with self._held_lock:
+            held = self._held.pop(request_id, None)
+        if held is not None:
+            for handle in self.ranks:
+                handle.send({"op": "forget", "request_id": request_id})
+            self._free(held.blocks)
+
+    def heartbeat(self, request_ids: list[str]) -> None:
+        """Renew the leases of requests a decode engine still waits on."""
+        deadline = time.monotonic() + self.env.transfer.lease_seconds
+        with self._held_lock:
+            for request_id in request_ids:
+                held = self._held.get(request_id)
+                if held is not None:
+                    held.deadline = max(held.deadline, deadline)
+
+    def _expire_leases(self) -> None:
+        while not self._stop.wait(0.1):
+            now = time.monotonic()
+            with self._held_lock:
+                expired = [rid for rid, held in self._held.items() if held.deadline < now]
+            for request_id in expired:
+                log.warning("lease of request %s expired; freeing its blocks", request_id)
+                self.metrics.expired_leases.labels(**self.metrics.labels).inc()
+                self._drop_held(request_id)
+
+    def held(self) -> dict[str, list[int]]:
+        with self._held_lock:
+            return {rid: list(held.blocks) for rid, held in self._held.items()}
+
+    # -- decode -----------------------------------------------------------------
+    def decode(self, request_id: str, params: KVTransferParams, prefix_hit_blocks: int = 0) -> dict[str, Any]:
+        """Pull a request's KV from its prefill engine; every rank reads its part and verifies it."""
+        if self.env.role is not Role.DECODE:
+            raise EngineError("this is a prefill engine", code=INVALID_REQUEST, field="role")
+        total = blocks_for_tokens(params.num_tokens, self.env.decode.block_size)
+        if not 0 <= prefix_hit_blocks <= total:
+            raise EngineError(
+                f"prefixHitBlocks must be within 0..{total}", code=INVALID_REQUEST, field="prefixHitBlocks"
+            )
+        blocks = self.allocator.allocate(total)
+        self._waiting[request_id] = params
+        started = time.perf_counter()
+        labels = self.metrics.labels
+        try:
+            self._ensure_peer(params)
+            futures = [
+                h.call_async({"op": "read", "request_id": request_id, "params": params.model_dump_json(),
+                              "blocks": blocks, "hit": prefix_hit_blocks})
+                for h in self.ranks
+            ]  # fmt: skip
+            limit = self.env.transfer_timeout_seconds + 30
+            replies = [wait_reply(h.rank, f, limit) for h, f in zip(self.ranks, futures, strict=True)]
+        except EngineError as exc:
+            self.metrics.failed_transfers.labels(**labels, code=exc.code).inc()
+            self.metrics.requests.labels(**labels, outcome="failed").inc()
+            exc.invalid_blocks = blocks[prefix_hit_blocks:]
+            raise
+        finally:
+            self._waiting.pop(request_id, None)
+            self.allocator.free(blocks)
+        failed = [r for r in replies if not r.get("ok")]
+        if any(r.get("peerFailed") for r in failed):
+            self._evict(params.remote_engine_id)
+        if failed:
+            first = failed[0]
+            invalid = sorted({b for r in failed for b in r.get("invalidBlocks", [])})
+            self.metrics.failed_transfers.labels(**labels, code=first.get("code", RANK_FAILED)).inc()
+            self.metrics.requests.labels(**labels, outcome="failed").inc()
+            raise EngineError(first.get("message", "read failed"), code=first.get("code", RANK_FAILED),
+                              status=502, invalid_blocks=invalid)  # fmt: skip
+        seconds = max(r["seconds"] for r in replies)
+        moved = sum(int(r["bytes"]) for r in replies)
+        descriptors = sum(int(r["descriptors"]) for r in replies)
+        self.metrics.transfer_seconds.labels(**labels).observe(seconds)
+        self.metrics.bytes.labels(**labels).inc(moved)
+        self.metrics.descriptors.labels(**labels).observe(descriptors)
+        self.metrics.requests.labels(**labels, outcome="verified").inc()
+        return {
+            "ok": True,
+            "requestId": request_id,
+            "verified": True,
+            "bytes": moved,
+            "descriptors": descriptors,
+            "transferSeconds": seconds,
+            "postMicroseconds": max(r["postMicroseconds"] for r in replies),
+            "verifySeconds": max(r.get("verifySeconds", 0.0) for r in replies),
+            "totalSeconds": time.perf_counter() - started,
+        }
+
+    def _ensure_peer(self, params: KVTransferParams) -> None:
+        """Handshake with a prefill engine unless its current incarnation is known; one in flight per engine."""
+        with self._peers_lock:
+            state = self._peers.get(params.remote_engine_id)
+            fresh = state is None or (
+                state.future.done() and (state.future.exception() is not None
+                                         or state.incarnation != params.remote_incarnation)
+            )  # fmt: skip
+            if fresh:
+                state = _PeerState(params.remote_incarnation, Future())
+                self._peers[params.remote_engine_id] = state
+        if state is None:  # pragma: no cover - set above
+            raise EngineError("no peer state", code=RANK_FAILED)
+        if fresh:
+            try:
+                self._handshake(params)
+            except BaseException as exc:
+                state.future.set_exception(exc)
+            else:
+                state.future.set_result(None)
+        try:
+            state.future.result(timeout=self.env.transfer.handshake_timeout_seconds * 3 + 30)
+        except HandshakeError as exc:
+            raise EngineError(exc.message, code=exc.code, status=502, field=exc.field) from exc
+        except EngineError:
+            raise
+        except TimeoutError as exc:
+            raise EngineError("handshake still in flight", code="HANDSHAKE_TIMEOUT", status=504) from exc
+        if state.incarnation != params.remote_incarnation:
+            raise EngineError(
+                f"{params.remote_engine_id} now runs incarnation {state.incarnation}, not "
+                f"{params.remote_incarnation}: the request's blocks are gone", code="STALE_PEER", status=409,
+            )  # fmt: skip
+
+    def _handshake(self, params: KVTransferParams) -> None:
+        started = time.perf_counter()
+        client = SideChannelClient(
+            params.remote_host,
+            params.remote_port,
+            self.plan.fingerprint,
+            self.keys,
+            self.env.transfer.handshake_timeout_seconds,
+        )
+        tp_d = self.tp_size
+        needed = sorted({p for d in range(tp_d) for p in handshake_ranks(params.remote_tp_size, tp_d, d)})
+        ranks = client.fetch(needed)
+        incarnations = {meta.incarnation for meta, _ in ranks.values()}
+        if len(incarnations) != 1:
+            raise HandshakeError(
+                f"prefill ranks report different incarnations {sorted(incarnations)}", code="PEER_INCOMPATIBLE"
+            )
+        incarnation = incarnations.pop()
+        self._evict(params.remote_engine_id, keep_state=True)
+        futures = []
+        for handle in self.ranks:
+            mine = handshake_ranks(params.remote_tp_size, tp_d, handle.rank)
+            payload = {p: (ranks[p][0].model_dump_json(), ranks[p][1]) for p in mine}
+            futures.append(
+                handle.call_async(
+                    {
+                        "op": "add_peer",
+                        "engine_id": params.remote_engine_id,
+                        "incarnation": incarnation,
+                        "ranks": payload,
+                    }
+                )
+            )
+        for handle, future in zip(self.ranks, futures, strict=True):
+            reply = wait_reply(handle.rank, future, 60)
+            if not reply.get("ok"):
+                self._evict(params.remote_engine_id, keep_state=True)
+                raise HandshakeError(
+                    f"rank {handle.rank}: {reply.get('message')}", code=reply.get("code", "PEER_INCOMPATIBLE")
+                )
+        with self._peers_lock:
+            state = self._peers.get(params.remote_engine_id)
+            if state is not None:
+                state.incarnation = incarnation
+        self.metrics.handshake_seconds.labels(**self.metrics.labels).observe(time.perf_counter() - started)
+
+    def _evict(self, engine_id: str, keep_state: bool = False) -> None:
+        """Evict a prefill engine on every rank (its remote agents and descriptor lists)."""
+        if not keep_state:
+            with self._peers_lock:
+                self._peers.pop(engine_id, None)
+        evicted = False
+        for handle in self.ranks:
+            reply = handle.call({"op": "evict_peer", "engine_id": engine_id}, timeout=30)
+            evicted = evicted or bool(reply.get("evicted"))
+        if evicted:
+            self.metrics.stale_evictions.labels(**self.metrics.labels).inc()
+
+    def _send_heartbeats(self) -> None:
+        interval = max(0.5, self.env.transfer.lease_seconds / 3)
+        while not self._stop.wait(interval):
+            by_engine: dict[tuple[str, int], list[str]] = {}
+            for params in list(self._waiting.values()):
+                by_engine.setdefault((params.remote_host, params.remote_port), []).append(params.remote_request_id)
+            for (host, port), ids in by_engine.items():
+                try:
+                    SideChannelClient(host, port, self.plan.fingerprint, self.keys, 2.0).heartbeat(ids)
+                except HandshakeError as exc:
+                    log.warning("heartbeat to %s:%s failed: %s", host, port, exc)
+
+    def rank_stats(self) -> list[dict[str, Any]]:
+        return [h.call({"op": "stats"}, timeout=10) for h in self.ranks]

@@ -1,0 +1,136 @@
+"""The agent worker's small HTTP API (stdlib server): health, metrics, prefill, decode.
+
+- ``GET /healthz`` — 200 when every rank is up (probes)
+- ``GET /metrics`` — Prometheus text
+- ``POST /v1/prefill`` ``{"requestId", "numTokens"}`` -> ``{"kvTransferParams": {...}}``
+- ``POST /v1/decode`` ``{"requestId", "kvTransferParams", "prefixHitBlocks"}`` -> transfer result
+- ``GET /v1/held`` — prefill requests whose blocks await readers
+- ``GET /v1/ranks`` — per-rank state (open NIXL handles, requests in flight)
+
+Errors are ``{"error": {"code", "field", "message", "invalidBlocks"}}`` with a
+4xx/5xx status; a bad request never affects other requests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from pydantic import ValidationError
+
+from kvbridge_agent.core import KVBridgeError
+from kvbridge_agent.core.handshake import KVTransferParams
+
+from .engine import INVALID_REQUEST, Engine, EngineError
+
+log = logging.getLogger(__name__)
+MAX_BODY = 64 << 20
+
+
+def _error(code: str, message: str, field: str = "", invalid: list[int] | None = None) -> dict[str, Any]:
+    return {"error": {"code": code, "field": field, "message": message, "invalidBlocks": invalid or []}}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: AgentHTTPServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("http: " + format, *args)
+
+    def _send(self, status: int, body: dict[str, Any] | bytes, content_type: str = "application/json") -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _body(self) -> dict[str, Any]:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY:
+            raise EngineError(f"body of {length} bytes exceeds {MAX_BODY}", code=INVALID_REQUEST)
+        try:
+            body = json.loads(self.rfile.read(length) or b"{}")
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise EngineError(f"body is not JSON: {exc}", code=INVALID_REQUEST) from exc
+        if not isinstance(body, dict):
+            raise EngineError("body must be a JSON object", code=INVALID_REQUEST)
+        return body
+
+    def do_GET(self) -> None:
+        engine = self.server.engine
+        if self.path == "/healthz":
+            status = HTTPStatus.OK if engine.ready else HTTPStatus.SERVICE_UNAVAILABLE
+            self._send(
+                status,
+                {
+                    "ok": engine.ready,
+                    "role": engine.env.role.value,
+                    "engineId": engine.env.engine_id,
+                    "incarnation": engine.incarnation,
+                    "rankPids": engine.rank_pids(),
+                },
+            )
+        elif self.path == "/metrics":
+            self._send(HTTPStatus.OK, engine.metrics.render(), "text/plain; version=0.0.4")
+        elif self.path == "/v1/held":
+            self._send(HTTPStatus.OK, {"held": engine.held(), "freeBlocks": engine.allocator.free_count})
+        elif self.path == "/v1/ranks":
+            self._send(HTTPStatus.OK, {"ranks": engine.rank_stats()})
+        else:
+            self._send(HTTPStatus.NOT_FOUND, _error("NOT_FOUND", f"no route {self.path}"))
+
+    def do_POST(self) -> None:
+        engine = self.server.engine
+        try:
+            body = self._body()
+            if self.path == "/v1/prefill":
+                params = engine.prefill(str(body.get("requestId", "")), _int(body, "numTokens"))
+                self._send(HTTPStatus.OK, {"kvTransferParams": params.model_dump(by_alias=True)})
+            elif self.path == "/v1/decode":
+                try:
+                    params = KVTransferParams.model_validate(body.get("kvTransferParams"))
+                except ValidationError as exc:
+                    first = exc.errors()[0]
+                    where = ".".join(str(p) for p in ("kvTransferParams", *first["loc"]))
+                    raise EngineError(f"{where}: {first['msg']}", code=INVALID_REQUEST, field=where) from exc
+                result = engine.decode(str(body.get("requestId", "")), params, _int(body, "prefixHitBlocks", 0))
+                self._send(HTTPStatus.OK, result)
+            else:
+                self._send(HTTPStatus.NOT_FOUND, _error("NOT_FOUND", f"no route {self.path}"))
+        except EngineError as exc:
+            self._send(exc.status, _error(exc.code, exc.message, exc.field, exc.invalid_blocks))
+        except KVBridgeError as exc:
+            self._send(HTTPStatus.BAD_REQUEST, _error(exc.code, exc.message, exc.field))
+        except Exception as exc:  # keep serving; report the bug
+            log.exception("request %s failed", self.path)
+            self._send(HTTPStatus.INTERNAL_SERVER_ERROR, _error("INTERNAL_ERROR", f"{type(exc).__name__}: {exc}"))
+
+
+def _int(body: dict[str, Any], name: str, default: int | None = None) -> int:
+    value = body.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise EngineError(f"{name} must be an integer", code=INVALID_REQUEST, field=name)
+    return value
+
+
+class AgentHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, host: str, port: int, engine: Engine) -> None:
+        super().__init__((host, port), _Handler)
+        self.engine = engine
+
+    @property
+    def port(self) -> int:
+        return int(self.server_address[1])
+
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=self.serve_forever, name="http", daemon=True)
+        thread.start()
+        return thread

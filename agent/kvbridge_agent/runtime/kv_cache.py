@@ -1,0 +1,129 @@
+"""One TP rank's KV cache as torch tensors, in the tensor order the core's geometry expects."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvbridge_agent.core import KVLayout, ModelGeometry, RegionLayout, SpecError, region_layout
+from kvbridge_agent.core.geometry import heads_local
+from kvbridge_agent.core.handshake import MemoryType
+from kvbridge_agent.core.model import CacheKind
+
+
+def distinct_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Keep the first tensor of each base address (engines that share a tensor hand it several times)."""
+    seen: set[int] = set()
+    kept: list[torch.Tensor] = []
+    for tensor in tensors:
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            kept.append(tensor)
+    return kept
+
+
+@dataclass
+class KVCache:
+    """The tensors of one rank; each is ``num_blocks`` blocks of ``layout.block_stride`` bytes."""
+
+    model: ModelGeometry
+    block_size: int
+    kv_layout: KVLayout
+    tp_size: int
+    tp_rank: int
+    num_blocks: int
+    tensors: list[torch.Tensor]
+    layout: RegionLayout
+
+    @classmethod
+    def attach(
+        cls,
+        model: ModelGeometry,
+        block_size: int,
+        kv_layout: KVLayout,
+        tp_size: int,
+        tp_rank: int,
+        num_blocks: int,
+        tensors: Sequence[torch.Tensor],
+    ) -> KVCache:
+        """Use an engine's own cache tensors (any dtype), deduplicating shared base addresses."""
+        kept = distinct_tensors(tensors)
+        default = region_layout(model, block_size, tp_size)
+        layout = (
+            default
+            if len(kept) == default.num_tensors
+            else region_layout(model, block_size, tp_size, num_tensors=len(kept))
+        )
+        want = num_blocks * layout.block_stride
+        for index, tensor in enumerate(kept):
+            if not tensor.is_contiguous():
+                raise SpecError(f"KV tensor {index} is not contiguous", field="tensors", code="INVALID_KV_TENSOR")
+            have = tensor.numel() * tensor.element_size()
+            if have != want:
+                raise SpecError(
+                    f"KV tensor {index} holds {have} bytes; {num_blocks} blocks of {layout.block_stride} bytes "
+                    f"need {want}",
+                    field="tensors",
+                    code="INVALID_KV_TENSOR",
+                )
+        if len({t.device for t in kept}) != 1:
+            raise SpecError("KV tensors live on different devices", field="tensors", code="INVALID_KV_TENSOR")
+        return cls(model, block_size, kv_layout, tp_size, tp_rank, num_blocks, kept, layout)
+
+    @classmethod
+    def allocate(
+        cls,
+        model: ModelGeometry,
+        block_size: int,
+        kv_layout: KVLayout,
+        tp_size: int,
+        tp_rank: int,
+        num_blocks: int,
+        device: str = "cpu",
+    ) -> KVCache:
+        """Allocate a zeroed cache of the shape the cache kind defines (the synthetic engine's)."""
+        layout = region_layout(model, block_size, tp_size)
+        size = num_blocks * layout.block_stride
+        tensors = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(layout.num_tensors)]
+        return cls(model, block_size, kv_layout, tp_size, tp_rank, num_blocks, tensors, layout)
+
+    @property
+    def bases(self) -> list[int]:
+        return [t.data_ptr() for t in self.tensors]
+
+    @property
+    def memory_type(self) -> MemoryType:
+        return MemoryType.VRAM if self.tensors[0].is_cuda else MemoryType.DRAM
+
+    @property
+    def device_id(self) -> int:
+        index = self.tensors[0].device.index
+        return 0 if index is None else index
+
+    @property
+    def heads_local(self) -> int:
+        return heads_local(self.model, self.tp_size)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token of one head."""
+        return self.model.head_dim * self.model.element_bytes
+
+    def bytes_view(self, tensor_index: int) -> torch.Tensor:
+        """Tensor ``tensor_index`` as ``[num_blocks, block_stride]`` bytes."""
+        return self.tensors[tensor_index].view(torch.uint8).view(self.num_blocks, self.layout.block_stride)
+
+    @property
+    def per_layer_tensors(self) -> bool:
+        """True when tensors are one per layer (and K/V) as the cache kind defines, not shared."""
+        return self.layout.num_tensors == region_layout(self.model, self.block_size, self.tp_size).num_tensors
+
+    @property
+    def kv_count(self) -> int:
+        return 1 if self.model.is_mla else 2
+
+    @property
+    def cross_layer(self) -> bool:
+        return self.model.cache_kind is CacheKind.CROSS_LAYER and not self.model.is_mla

@@ -1,0 +1,101 @@
+"""The prefill side of one TP rank: offer requests in the wire format, count notifications."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from kvbridge_agent.core import Role, TransferPlan
+from kvbridge_agent.core.handshake import RankMetadata, parse_notification
+
+from .kv_cache import KVCache
+from .relayout import convert_for_side
+from .transport import Transport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    received: int = 0
+    expected: int | None = None
+
+
+@dataclass
+class PrefillEvents:
+    """What one poll observed."""
+
+    completed: list[str] = field(default_factory=list)
+    unknown: int = 0  # notifications for requests this rank does not hold
+    malformed: int = 0  # notifications that are not "<request id>:<decode tp>"
+
+
+class PrefillRank:
+    """Holds offered requests until every expected reader has notified this rank."""
+
+    def __init__(
+        self, cache: KVCache, transport: Transport, plan: TransferPlan, engine_id: str, incarnation: str
+    ) -> None:
+        self.cache = cache
+        self.transport = transport
+        self.plan = plan
+        self.engine_id = engine_id
+        self.incarnation = incarnation
+        self._pending: dict[str, _Pending] = {}
+
+    def metadata(self) -> RankMetadata:
+        cache = self.cache
+        return RankMetadata(
+            engine_id=self.engine_id,
+            incarnation=self.incarnation,
+            agent_name=self.transport.name,
+            tp_rank=cache.tp_rank,
+            tp_size=cache.tp_size,
+            block_size=cache.block_size,
+            kv_layout=cache.kv_layout,
+            cache_kind=cache.model.cache_kind,
+            num_blocks=cache.num_blocks,
+            tensor_bases=cache.bases,
+            region_block_bytes=cache.layout.unit_bytes,
+            wire_block_size=self.plan.wire.block_size,
+            wire_layout=self.plan.wire.layout,
+            memory_type=cache.memory_type,
+            device_id=cache.device_id,
+        )
+
+    def offer(self, request_id: str, block_ids: list[int]) -> None:
+        """Convert the request's computed blocks to the wire format and wait for its readers."""
+        convert_for_side(self.cache, self.plan, Role.PREFILL, block_ids)
+        self._pending[request_id] = _Pending()
+
+    def forget(self, request_id: str) -> bool:
+        """Stop waiting for a request (its lease expired); late notifications count as unknown."""
+        return self._pending.pop(request_id, None) is not None
+
+    @property
+    def pending(self) -> list[str]:
+        return list(self._pending)
+
+    def poll(self) -> PrefillEvents:
+        """Drive NIXL progress and count notifications."""
+        events = PrefillEvents()
+        for _peer, messages in self.transport.notifications().items():
+            for message in messages:
+                parsed = parse_notification(message)
+                if parsed is None:
+                    events.malformed += 1
+                    log.warning("ignoring malformed notification %r", message[:80])
+                    continue
+                request_id, decode_tp = parsed
+                pending = self._pending.get(request_id)
+                if pending is None:
+                    events.unknown += 1
+                    log.warning("ignoring notification for unknown request %r", request_id)
+                    continue
+                if pending.expected is None:
+                    pending.expected = max(1, decode_tp // self.cache.tp_size)
+                pending.received += 1
+                if pending.received >= pending.expected:
+                    del self._pending[request_id]
+                    events.completed.append(request_id)
+        return events

@@ -1,0 +1,54 @@
+"""``kvbridge-agent serve``: run one engine of the agent worker until SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+from typing import Any
+
+from kvbridge_agent.core.contract import EngineEnvironment
+
+from .engine import Engine
+from .http_api import AgentHTTPServer
+from .keys import load_keys
+
+log = logging.getLogger(__name__)
+
+
+def serve(env: EngineEnvironment, *, http_host: str = "0.0.0.0", log_level: str = "WARNING") -> int:
+    """Start ranks, side channel and HTTP; print one JSON ready line on stdout; stop on SIGTERM/SIGINT."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    keys = load_keys(env.keys_dir) if env.keys_dir else None
+    engine = Engine(env, keys, log_level=log_level)
+    http: AgentHTTPServer | None = None
+    try:
+        engine.start()
+        http = AgentHTTPServer(http_host, env.http_port, engine)
+        http.start()
+        ready = {
+            "ready": True,
+            "role": env.role.value,
+            "engineId": env.engine_id,
+            "incarnation": engine.incarnation,
+            "httpPort": http.port,
+            "sideChannelPort": engine.server.port if engine.server else None,
+            "rankPids": engine.rank_pids(),
+        }
+        sys.stdout.write(json.dumps(ready) + "\n")
+        sys.stdout.flush()
+        stop.wait()
+    finally:
+        if http is not None:
+            http.shutdown()
+            http.server_close()
+        engine.close()
+    return 0

@@ -1,0 +1,186 @@
+"""The side channel (transfer-protocol.md §5): one ZeroMQ ROUTER per prefill engine, REQ clients on decode.
+
+Authenticated and encrypted with CURVE when keys are configured: the server
+admits only clients holding the deployment's key pair.  Every receive has a
+timeout; a malformed request gets an error reply and the listener keeps
+serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from kvbridge_agent.core.handshake import (
+    HANDSHAKE_TIMEOUT,
+    UNKNOWN_RANK,
+    HandshakeError,
+    MessageType,
+    RankMetadata,
+    decode_ack,
+    decode_reply,
+    decode_request,
+    encode_ack,
+    encode_error,
+    encode_reply,
+    encode_request,
+)
+
+from .keys import CurveKeys
+
+log = logging.getLogger(__name__)
+
+
+class _OnlyOurKey:
+    """ZAP credentials check: admit a client only if it proves it holds the deployment's key pair."""
+
+    def __init__(self, public: bytes) -> None:
+        self.public = public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self.public  # pyzmq passes the client's public key Z85-encoded
+
+
+@dataclass
+class ServerStats:
+    served: int = 0
+    rejected: int = 0  # malformed, wrong fingerprint or version, unknown rank
+    heartbeats: int = 0
+
+
+@dataclass
+class SideChannelServer:
+    """Serves every TP rank's metadata of one engine; runs in its own thread."""
+
+    host: str
+    port: int
+    fingerprint: str
+    ranks: dict[int, tuple[RankMetadata, bytes]]
+    keys: CurveKeys | None = None
+    on_heartbeat: Callable[[list[str]], None] | None = None
+    stats: ServerStats = field(default_factory=ServerStats)
+
+    def __post_init__(self) -> None:
+        self._context = zmq.Context()
+        self._auth: ThreadAuthenticator | None = None
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if self.keys is not None:
+            self._auth = ThreadAuthenticator(self._context)
+            self._auth.start()
+            self._auth.configure_curve_callback(domain="kvbridge", credentials_provider=_OnlyOurKey(self.keys.public))
+            self._socket.curve_server = True
+            self._socket.curve_publickey = self.keys.public
+            self._socket.curve_secretkey = self.keys.secret
+            self._socket.zap_domain = b"kvbridge"
+        if self.port == 0:
+            self.port = self._socket.bind_to_random_port(f"tcp://{self.host}")
+        else:
+            self._socket.bind(f"tcp://{self.host}:{self.port}")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=f"side-channel:{self.port}", daemon=True)
+
+    def start(self) -> SideChannelServer:
+        self._thread.start()
+        return self
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not dict(poller.poll(100)):
+                continue
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                continue
+            self._socket.send_multipart(self._answer(frames))
+
+    def _answer(self, frames: list[bytes]) -> list[bytes]:
+        # ROUTER: [identity, (b"" from REQ), *message]
+        identity, rest = frames[0], frames[1:]
+        envelope = [identity]
+        if rest and rest[0] == b"":
+            envelope.append(b"")
+            rest = rest[1:]
+        try:
+            kind, rank, request_ids = decode_request(rest, self.fingerprint)
+            if kind is MessageType.HEARTBEAT:
+                self.stats.heartbeats += 1
+                if self.on_heartbeat is not None:
+                    self.on_heartbeat(request_ids)
+                return envelope + encode_ack(self.fingerprint)
+            if rank not in self.ranks:
+                raise HandshakeError(f"this engine has ranks {sorted(self.ranks)}, not {rank}", code=UNKNOWN_RANK)
+            metadata, agent = self.ranks[rank]
+            self.stats.served += 1
+            return envelope + encode_reply(self.fingerprint, metadata, agent)
+        except HandshakeError as exc:
+            self.stats.rejected += 1
+            log.warning("side channel: rejected a request: %s", exc)
+            return envelope + encode_error(self.fingerprint, exc.code, exc.message)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self._socket.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        self._context.term()
+
+
+class SideChannelClient:
+    """Talks to one prefill engine's listener; a fresh REQ socket per exchange (no stuck REQ state)."""
+
+    def __init__(self, host: str, port: int, fingerprint: str, keys: CurveKeys | None, timeout: float) -> None:
+        self.endpoint = f"tcp://{host}:{port}"
+        self.fingerprint = fingerprint
+        self.keys = keys
+        self.timeout = timeout
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+
+    def _exchange(self, request: Sequence[bytes], deadline: float) -> list[bytes]:
+        socket = self._context.socket(zmq.REQ)
+        try:
+            socket.setsockopt(zmq.LINGER, 0)
+            if self.keys is not None:
+                socket.curve_serverkey = self.keys.public
+                socket.curve_publickey = self.keys.public
+                socket.curve_secretkey = self.keys.secret
+            socket.connect(self.endpoint)
+            socket.send_multipart(list(request))
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not socket.poll(int(remaining * 1000), zmq.POLLIN):
+                raise HandshakeError(
+                    f"no answer from {self.endpoint} within {self.timeout:g} s (wrong address, engine down, "
+                    "or a side-channel key that does not match)",
+                    code=HANDSHAKE_TIMEOUT,
+                )
+            frames: list[bytes] = socket.recv_multipart()
+            return frames
+        finally:
+            socket.close(linger=0)
+
+    def fetch(self, ranks: Sequence[int]) -> dict[int, tuple[RankMetadata, bytes]]:
+        """Metadata of the given prefill ranks; all within one timeout."""
+        deadline = time.monotonic() + self.timeout
+        result: dict[int, tuple[RankMetadata, bytes]] = {}
+        for rank in ranks:
+            frames = self._exchange(encode_request(MessageType.METADATA, self.fingerprint, rank=rank), deadline)
+            result[rank] = decode_reply(frames, self.fingerprint)
+        return result
+
+    def heartbeat(self, request_ids: Sequence[str]) -> None:
+        frames = self._exchange(
+            encode_request(MessageType.HEARTBEAT, self.fingerprint, request_ids=request_ids),
+            time.monotonic() + self.timeout,
+        )
+        decode_ack(frames, self.fingerprint)

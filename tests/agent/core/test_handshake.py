@@ -1,0 +1,112 @@
+"""Side-channel envelope (transfer-protocol.md §5): the fingerprint and version are checked before the payload."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvbridge_agent.core.handshake import (
+    HandshakeError,
+    KVTransferParams,
+    MessageType,
+    RankMetadata,
+    decode_ack,
+    decode_reply,
+    decode_request,
+    encode_ack,
+    encode_error,
+    encode_reply,
+    encode_request,
+    notification,
+    parse_notification,
+)
+
+META = RankMetadata(
+    engine_id="p-0", incarnation="abc", agent_name="p-0.abc.0", tp_rank=0, tp_size=2, block_size=16,
+    kv_layout="HND", cache_kind="Split", num_blocks=8, tensor_bases=[4096, 8192], region_block_bytes=1024,
+    wire_block_size=16, wire_layout="HND", memory_type="DRAM", device_id=0,
+)  # fmt: skip
+
+
+def test_request_and_reply_round_trip() -> None:
+    kind, rank, ids = decode_request(encode_request(MessageType.METADATA, "fp", rank=1), "fp")
+    assert (kind, rank, ids) == (MessageType.METADATA, 1, [])
+    kind, _, ids = decode_request(encode_request(MessageType.HEARTBEAT, "fp", request_ids=["a", "b"]), "fp")
+    assert (kind, ids) == (MessageType.HEARTBEAT, ["a", "b"])
+    meta, agent = decode_reply(encode_reply("fp", META, b"nixl"), "fp")
+    assert (meta, agent) == (META, b"nixl")
+    decode_ack(encode_ack("fp"), "fp")
+
+
+def test_fingerprint_is_checked_before_the_payload() -> None:
+    frames = encode_reply("other", META, b"nixl")
+    frames[1] = b"not even json"  # a schema change must not surface as a parse error
+    with pytest.raises(HandshakeError) as caught:
+        decode_reply(frames, "fp")
+    assert caught.value.code == "FINGERPRINT_MISMATCH"
+
+
+def test_version_mismatch_is_named() -> None:
+    header = json.dumps({"version": 99, "fingerprint": "fp", "type": "metadata", "rank": 0}).encode()
+    with pytest.raises(HandshakeError) as caught:
+        decode_request([header], "fp")
+    assert caught.value.code == "PROTOCOL_VERSION_MISMATCH"
+    assert "run the same kvbridge version" in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("frames", "code"),
+    [
+        ([b"\xff\xfe garbage"], "MALFORMED_MESSAGE"),
+        ([b"[1, 2]"], "MALFORMED_MESSAGE"),
+        ([b'{"version": 1, "fingerprint": "fp", "type": "metadata", "rank": -1}'], "MALFORMED_MESSAGE"),
+        ([b'{"version": 1, "fingerprint": "fp", "type": "metadata", "rank": true}'], "MALFORMED_MESSAGE"),
+        ([b'{"version": 1, "fingerprint": "fp", "type": "steal"}'], "UNKNOWN_MESSAGE_TYPE"),
+        ([b'{"version": 1, "fingerprint": "fp", "type": "heartbeat", "requestIds": [1]}'], "MALFORMED_MESSAGE"),
+        ([b"x" * 5000], "MALFORMED_MESSAGE"),
+        ([], "MALFORMED_MESSAGE"),
+        ([b"{}", b"extra"], "MALFORMED_MESSAGE"),
+    ],
+)
+def test_bad_requests_are_typed_errors(frames: list[bytes], code: str) -> None:
+    with pytest.raises(HandshakeError) as caught:
+        decode_request(frames, "fp")
+    assert caught.value.code == code
+
+
+def test_truncated_and_invalid_replies() -> None:
+    good = encode_reply("fp", META, b"nixl")
+    for frames in (good[:1], good[:2], [good[0], b"{}", b"nixl"], [good[0], good[1], b""]):
+        with pytest.raises(HandshakeError) as caught:
+            decode_reply(frames, "fp")
+        assert caught.value.code == "MALFORMED_MESSAGE"
+
+
+def test_peer_errors_carry_the_peer_code() -> None:
+    with pytest.raises(HandshakeError) as caught:
+        decode_reply(encode_error("fp", "UNKNOWN_RANK", "no rank 7"), "fp")
+    assert caught.value.code == "UNKNOWN_RANK"
+
+
+def test_notification_names_the_prefill_request_and_decode_tp() -> None:
+    assert notification("prefill-req-7", 4) == b"prefill-req-7:4"
+    assert parse_notification(b"prefill-req-7:4") == ("prefill-req-7", 4)
+    for bad in (b"nope", b":4", b"x:", b"x:0", b"x:-1", b"\xff:1"):
+        assert parse_notification(bad) is None
+
+
+def test_kv_transfer_params_reject_ids_with_colons() -> None:
+    base = {
+        "remoteEngineId": "p",
+        "remoteIncarnation": "i",
+        "remoteHost": "h",
+        "remotePort": 1,
+        "remoteRequestId": "a:b",
+        "remoteBlockIds": [1],
+        "numTokens": 1,
+        "remoteTpSize": 1,
+        "fingerprint": "f",
+    }
+    with pytest.raises(ValueError, match="remoteRequestId"):
+        KVTransferParams.model_validate(base)

@@ -1,0 +1,131 @@
+"""Prefill and decode ranks of one pair in one process, with real NIXL agents (DRAM) between them.
+
+Fast enough to run the whole TP / layout / block-size matrix; the process-level
+tests run the same classes behind ``kvbridge-agent serve``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from kvbridge_agent.core import ModelGeometry, RoleSettings, TransferPlan, TransferSettings, build_plan
+from kvbridge_agent.core.blocks import blocks_for_tokens, wire_block_ids
+from kvbridge_agent.core.handshake import KVTransferParams
+from kvbridge_agent.core.tp import handshake_ranks
+from kvbridge_agent.runtime.content import fill_request, invalid_blocks, scribble
+from kvbridge_agent.runtime.decode_rank import DecodeRank, ReadResult
+from kvbridge_agent.runtime.kv_cache import KVCache
+from kvbridge_agent.runtime.prefill_rank import PrefillRank
+from kvbridge_agent.runtime.transport import Transport
+
+
+def scattered(num_blocks: int, seed: int) -> list[int]:
+    """All block ids in a deterministic scattered order (runs of adjacent ids are rare)."""
+    return sorted(range(num_blocks), key=lambda b: ((b + seed) * 7919) % num_blocks)
+
+
+class InProcessPair:
+    def __init__(
+        self,
+        model: ModelGeometry,
+        prefill: RoleSettings,
+        decode: RoleSettings,
+        transfer: TransferSettings | None = None,
+        num_blocks: int = 48,
+    ) -> None:
+        self.transfer = transfer or TransferSettings()
+        self.plan: TransferPlan = build_plan(model, prefill, decode, self.transfer)
+        self.model, self.prefill_settings, self.decode_settings = model, prefill, decode
+        self.num_blocks = num_blocks
+        self.tag = uuid.uuid4().hex[:8]
+        self.incarnation = "inc-" + self.tag
+        self.engine_id = "prefill-" + self.tag
+        self.prefill: list[PrefillRank] = []
+        self.decode: list[DecodeRank] = []
+        for p in range(prefill.tensor_parallel_size):
+            cache = KVCache.allocate(
+                model, prefill.block_size, prefill.kv_layout, prefill.tensor_parallel_size, p, num_blocks
+            )
+            transport = Transport(f"{self.engine_id}.{p}")
+            transport.register(cache.tensors)
+            self.prefill.append(PrefillRank(cache, transport, self.plan, self.engine_id, self.incarnation))
+        for d in range(decode.tensor_parallel_size):
+            cache = KVCache.allocate(
+                model, decode.block_size, decode.kv_layout, decode.tensor_parallel_size, d, num_blocks
+            )
+            transport = Transport(f"decode-{self.tag}.{d}")
+            transport.register(cache.tensors)
+            self.decode.append(DecodeRank(cache, transport, decode, self.transfer))
+        self.connect()
+
+    def metadata(self) -> dict[int, tuple]:  # type: ignore[type-arg]
+        return {p: (rank.metadata(), rank.transport.metadata()) for p, rank in enumerate(self.prefill)}
+
+    def connect(self) -> None:
+        metas = self.metadata()
+        tp_p, tp_d = self.prefill_settings.tensor_parallel_size, self.decode_settings.tensor_parallel_size
+        for d, rank in enumerate(self.decode):
+            rank.add_peer(self.engine_id, self.incarnation, {p: metas[p] for p in handshake_ranks(tp_p, tp_d, d)})
+
+    def offer(self, request_id: str, num_tokens: int, prefill_blocks: list[int]) -> KVTransferParams:
+        for rank in self.prefill:
+            fill_request(rank.cache, request_id, prefill_blocks)
+            rank.offer(request_id, prefill_blocks)
+        wire = wire_block_ids(prefill_blocks, num_tokens, self.plan.split_ratio, self.plan.wire.block_size)
+        return KVTransferParams(
+            remote_engine_id=self.engine_id, remote_incarnation=self.incarnation, remote_host="127.0.0.1",
+            remote_port=1, remote_request_id=request_id, remote_block_ids=wire.tolist(), num_tokens=num_tokens,
+            remote_tp_size=len(self.prefill), fingerprint=self.plan.fingerprint,
+        )  # fmt: skip
+
+    def read(
+        self,
+        params: KVTransferParams,
+        decode_blocks: list[int],
+        hit: int,
+        ranks: list[int] | None = None,
+        timeout: float = 20.0,
+    ) -> dict[int, ReadResult]:
+        """Every (or the given) decode rank reads; polls both sides until all results are in."""
+        ranks = list(range(len(self.decode))) if ranks is None else ranks
+        results: dict[int, ReadResult] = {}
+        for d in ranks:
+            cache = self.decode[d].cache
+            fill_request(cache, params.remote_request_id, decode_blocks[:hit])
+            scribble(cache, decode_blocks[hit:])
+            immediate = self.decode[d].start(f"d-{params.remote_request_id}", params, decode_blocks[hit:], timeout)
+            if immediate is not None:
+                results[d] = immediate
+        deadline = time.monotonic() + timeout + 5
+        while len(results) < len(ranks) and time.monotonic() < deadline:
+            for d in ranks:
+                for result in self.decode[d].poll():
+                    results[d] = result
+            self.poll_prefill()
+        return results
+
+    def poll_prefill(self) -> dict[int, list[str]]:
+        return {p: rank.poll().completed for p, rank in enumerate(self.prefill)}
+
+    def verify(self, d: int, request_id: str, decode_blocks: list[int], num_tokens: int) -> list[int]:
+        return invalid_blocks(self.decode[d].cache, request_id, decode_blocks, num_tokens)
+
+    def roundtrip(self, request_id: str, num_tokens: int, hit: int, *, offset: int = 0) -> dict[int, ReadResult]:
+        """Offer, read on every decode rank, verify every byte; returns the results."""
+        bs_p, bs_d = self.prefill_settings.block_size, self.decode_settings.block_size
+        prefill_blocks = scattered(self.num_blocks, offset)[: blocks_for_tokens(num_tokens, bs_p)]
+        decode_blocks = scattered(self.num_blocks, offset + 1)[: blocks_for_tokens(num_tokens, bs_d)]
+        params = self.offer(request_id, num_tokens, prefill_blocks)
+        results = self.read(params, decode_blocks, hit)
+        for d, result in results.items():
+            assert result.ok, (d, result)
+            assert self.verify(d, request_id, decode_blocks, num_tokens) == [], f"decode rank {d} bytes differ"
+        return results
+
+    def close(self) -> None:
+        for rank in self.decode:
+            rank.close()
+            rank.transport.close()
+        for prank in self.prefill:
+            prank.transport.close()
