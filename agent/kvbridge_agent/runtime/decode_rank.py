@@ -288,6 +288,10 @@ class DecodeRank:
     def poll(self) -> list[ReadResult]:
         """Drive progress; results of requests that completed, failed or timed out."""
         results: list[ReadResult] = []
+        # progress the worker even with no READ in flight: notifications sent without a READ
+        # (full prefix hits, notify-only ranks, first contact) complete only while we poll
+        for sender, messages in self.transport.notifications().items():
+            log.warning("ignoring %d unexpected notification(s) from %s", len(messages), sender)
         self._zombies = [h for h in self._zombies if not self.transport.release(h)]
         now = time.monotonic()
         for request_id, flight in list(self._in_flight.items()):

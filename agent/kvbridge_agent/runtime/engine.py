@@ -177,6 +177,8 @@ class Engine:
         self._held_lock = threading.Lock()
         self._peers: dict[str, _PeerState] = {}
         self._peers_lock = threading.Lock()
+        self._current: dict[str, str] = {}  # engine id -> incarnation of the last successful handshake
+        self._retired: dict[str, deque[str]] = {}  # engine id -> incarnations known to be gone
         self._waiting: dict[str, KVTransferParams] = {}  # decode requests still waiting (heartbeats)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -419,6 +421,11 @@ class Engine:
 
     def _ensure_peer(self, params: KVTransferParams) -> None:
         """Handshake with a prefill engine unless its current incarnation is known; one in flight per engine."""
+        if params.remote_incarnation in self._retired.get(params.remote_engine_id, ()):
+            raise EngineError(
+                f"{params.remote_engine_id} restarted since incarnation {params.remote_incarnation} computed this "
+                "request: its blocks are gone", code="STALE_PEER", status=409,
+            )  # fmt: skip
         with self._peers_lock:
             state = self._peers.get(params.remote_engine_id)
             fresh = state is None or (
@@ -469,6 +476,10 @@ class Engine:
                 f"prefill ranks report different incarnations {sorted(incarnations)}", code="PEER_INCOMPATIBLE"
             )
         incarnation = incarnations.pop()
+        gone = {self._current.get(params.remote_engine_id), params.remote_incarnation} - {None, incarnation}
+        for old in gone:
+            if old is not None:
+                self._retired.setdefault(params.remote_engine_id, deque(maxlen=64)).append(old)
         self._evict(params.remote_engine_id, keep_state=True)
         futures = []
         for handle in self.ranks:
@@ -495,6 +506,7 @@ class Engine:
             state = self._peers.get(params.remote_engine_id)
             if state is not None:
                 state.incarnation = incarnation
+            self._current[params.remote_engine_id] = incarnation
         self.metrics.handshake_seconds.labels(**self.metrics.labels).observe(time.perf_counter() - started)
 
     def _evict(self, engine_id: str, keep_state: bool = False) -> None:

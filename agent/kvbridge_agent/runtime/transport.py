@@ -142,7 +142,11 @@ class Transport:
             raise TransportError(
                 f"creating a READ of {local_ids.size} descriptors failed: {exc}", code=TRANSFER_POST_FAILED
             ) from exc
-        state = self._agent.transfer(handle)
+        try:
+            state = self._agent.transfer(handle)
+        except Exception as exc:  # e.g. the remote agent disconnected
+            self.release(handle)
+            raise TransportError(f"posting a READ failed: {exc}", code=TRANSFER_POST_FAILED) from exc
         if state == "ERR":
             self.release(handle)
             raise TransportError("posting a READ failed", code=TRANSFER_POST_FAILED)
@@ -167,10 +171,18 @@ class Transport:
         return True
 
     def notify(self, peer: str, message: bytes) -> None:
-        self._agent.send_notif(peer, message)
+        try:
+            self._agent.send_notif(peer, message)
+        except Exception as exc:
+            raise TransportError(f"sending a notification to {peer} failed: {exc}", code=TRANSFER_POST_FAILED) from exc
 
     def notifications(self) -> dict[str, list[bytes]]:
-        notes: dict[str, list[bytes]] = self._agent.get_new_notifs()
+        """New notifications by sender; polling them also drives this agent's progress."""
+        try:
+            notes: dict[str, list[bytes]] = self._agent.get_new_notifs()
+        except Exception as exc:  # a broken peer must not stop the poll loop
+            log.warning("polling notifications failed: %s", exc)
+            return {}
         return notes
 
     # -- lifetime -----------------------------------------------------------

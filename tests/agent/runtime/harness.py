@@ -43,6 +43,8 @@ class InProcessPair:
         self.engine_id = "prefill-" + self.tag
         self.prefill: list[PrefillRank] = []
         self.decode: list[DecodeRank] = []
+        self.completed: dict[int, list[str]] = {}
+        self.unknown = 0
         for p in range(prefill.tensor_parallel_size):
             cache = KVCache.allocate(
                 model, prefill.block_size, prefill.kv_layout, prefill.tensor_parallel_size, p, num_blocks
@@ -106,7 +108,14 @@ class InProcessPair:
         return results
 
     def poll_prefill(self) -> dict[int, list[str]]:
-        return {p: rank.poll().completed for p, rank in enumerate(self.prefill)}
+        """Poll every prefill rank; completions are also kept in ``self.completed``."""
+        done: dict[int, list[str]] = {}
+        for p, rank in enumerate(self.prefill):
+            events = rank.poll()
+            done[p] = events.completed
+            self.completed.setdefault(p, []).extend(events.completed)
+            self.unknown += events.unknown
+        return done
 
     def verify(self, d: int, request_id: str, decode_blocks: list[int], num_tokens: int) -> list[int]:
         return invalid_blocks(self.decode[d].cache, request_id, decode_blocks, num_tokens)

@@ -1,0 +1,265 @@
+"""Engines as processes: leases, heartbeats, notifications, bad input, a killed and restarted prefill, cleanup."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvbridge_agent.core import ModelGeometry, Role, RoleSettings, TransferSettings
+from kvbridge_agent.core.contract import EngineEnvironment
+from kvbridge_agent.core.handshake import HandshakeError
+from kvbridge_agent.runtime.keys import CurveKeys, generate_keys
+from kvbridge_agent.runtime.processes import EngineProcess, start_engine
+from kvbridge_agent.runtime.side_channel import SideChannelClient
+from kvbridge_agent.runtime.transport import Transport
+
+MODEL = ModelGeometry(name="tiny", num_layers=2, num_kv_heads=8, head_dim=32)
+TRANSFER = TransferSettings(lease_seconds=3, handshake_timeout_seconds=2)
+
+
+def env(
+    role: Role, engine_id: str, keys_dir: Path, *, tp_p: int = 2, model: ModelGeometry = MODEL
+) -> EngineEnvironment:
+    return EngineEnvironment(
+        role=role, engine_id=engine_id, model=model, prefill=RoleSettings(tensor_parallel_size=tp_p),
+        decode=RoleSettings(tensor_parallel_size=1), transfer=TRANSFER, keys_dir=str(keys_dir), num_blocks=64,
+        http_port=0, side_channel_listen_port=0, transfer_timeout_seconds=5,
+    )  # fmt: skip
+
+
+class Cluster:
+    def __init__(self, root: Path) -> None:
+        self.keys_dir = root / "keys"
+        self.keys: CurveKeys = generate_keys(self.keys_dir)
+        self.engines: list[EngineProcess] = []
+        self.pids: set[int] = set()
+
+    def start(self, environment: EngineEnvironment) -> EngineProcess:
+        engine = start_engine(environment)
+        self.engines.append(engine)
+        self.pids.update(engine.pids)
+        return engine
+
+    def stop(self) -> None:
+        for engine in self.engines:
+            engine.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    built = Cluster(tmp_path_factory.mktemp("cluster"))
+    try:
+        built.prefill = built.start(env(Role.PREFILL, "p1", built.keys_dir))  # type: ignore[attr-defined]
+        built.spare = built.start(env(Role.PREFILL, "p2", built.keys_dir, tp_p=1))  # type: ignore[attr-defined]
+        built.decode = built.start(env(Role.DECODE, "d1", built.keys_dir))  # type: ignore[attr-defined]
+        yield built
+    finally:
+        built.stop()
+    time.sleep(0.5)
+    leftovers = [pid for pid in built.pids if _alive(pid)]
+    assert leftovers == [], f"processes left behind: {leftovers}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie waiting for its parent's wait() is gone for our purposes
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def prefill(engine: EngineProcess, request_id: str, tokens: int) -> dict[str, Any]:
+    status, body = engine.post("/v1/prefill", {"requestId": request_id, "numTokens": tokens})
+    assert status == 200, body
+    params: dict[str, Any] = body["kvTransferParams"]
+    return params
+
+
+def decode(engine: EngineProcess, request_id: str, params: dict[str, Any], hit: int = 0) -> tuple[int, dict[str, Any]]:
+    return engine.post("/v1/decode", {"requestId": request_id, "kvTransferParams": params, "prefixHitBlocks": hit})
+
+
+def metric(engine: EngineProcess, name: str, **labels: str) -> float:
+    with urllib.request.urlopen(engine.url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_for(predicate: Any, timeout: float, step: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step)
+    return bool(predicate())
+
+
+def test_blocks_are_held_until_read_then_freed(cluster: Cluster) -> None:
+    p, d = cluster.prefill, cluster.decode  # type: ignore[attr-defined]
+    params = prefill(p, "held-1", 40)
+    assert "held-1" in p.get("/v1/held")["held"]
+    status, body = decode(d, "d-held-1", params)
+    assert status == 200, body
+    assert body["verified"] is True
+    assert wait_for(lambda: "held-1" not in p.get("/v1/held")["held"], 5)
+
+
+def test_lease_expiry_frees_blocks_that_nobody_reads(cluster: Cluster) -> None:
+    p = cluster.prefill  # type: ignore[attr-defined]
+    before = metric(p, "kvbridge_expired_leases_total")
+    free = p.get("/v1/held")["freeBlocks"]
+    prefill(p, "never-read", 33)
+    assert p.get("/v1/held")["freeBlocks"] == free - 3
+    assert wait_for(lambda: "never-read" not in p.get("/v1/held")["held"], 8)
+    assert p.get("/v1/held")["freeBlocks"] == free
+    assert metric(p, "kvbridge_expired_leases_total") == before + 1
+
+
+def test_heartbeats_renew_the_lease(cluster: Cluster) -> None:
+    p = cluster.prefill  # type: ignore[attr-defined]
+    params = prefill(p, "kept-alive", 16)
+    client = SideChannelClient("127.0.0.1", params["remotePort"], params["fingerprint"], cluster.keys, 2)
+    for _ in range(5):  # 5 s > the 3 s lease
+        client.heartbeat(["kept-alive"])
+        time.sleep(1)
+        assert "kept-alive" in p.get("/v1/held")["held"]
+    assert wait_for(lambda: "kept-alive" not in p.get("/v1/held")["held"], 8)
+
+
+def test_unknown_and_malformed_notifications_are_ignored_and_counted(cluster: Cluster) -> None:
+    p = cluster.spare  # type: ignore[attr-defined]
+    params = prefill(p, "probe", 1)
+    ranks = SideChannelClient("127.0.0.1", params["remotePort"], params["fingerprint"], cluster.keys, 2).fetch([0])
+    stranger = Transport("stranger-" + str(os.getpid()))
+    try:
+        name = stranger.add_peer(ranks[0][1])
+        stranger.notify(name, b"no-such-request:1")
+        stranger.notify(name, b"garbage without a colon")
+
+        def counted(reason: str) -> bool:
+            stranger.notifications()  # the sender must keep polling until its sends complete
+            return metric(p, "kvbridge_failed_notifications_total", reason=reason) >= 1
+
+        assert wait_for(lambda: counted("unknown"), 10)
+        assert wait_for(lambda: counted("malformed"), 10)
+    finally:
+        stranger.close()
+    assert "probe" in p.get("/v1/held")["held"]  # real requests are untouched
+
+
+def test_bad_requests_get_typed_errors_and_the_engines_keep_serving(cluster: Cluster) -> None:
+    p, d = cluster.prefill, cluster.decode  # type: ignore[attr-defined]
+    params = prefill(p, "bad-1", 64)
+    truncated = {**params, "remoteBlockIds": params["remoteBlockIds"][:1]}
+    status, body = decode(d, "d-bad-1", truncated)
+    assert status == 502
+    assert body["error"]["code"] == "LOCAL_LONGER_THAN_REMOTE"
+    assert body["error"]["invalidBlocks"]
+    assert decode(d, "d-bad-2", {**params, "numTokens": 0})[1]["error"]["code"] == "INVALID_REQUEST"
+    assert decode(d, "d-bad-3", params, hit=99)[1]["error"]["field"] == "prefixHitBlocks"
+    assert p.post("/v1/prefill", {"requestId": "x", "numTokens": 0})[1]["error"]["code"] == "INVALID_REQUEST"
+    assert p.post("/v1/prefill", {"requestId": "bad-1", "numTokens": 3})[1]["error"]["code"] == "DUPLICATE_REQUEST"
+    assert p.post("/v1/prefill", {"requestId": "huge", "numTokens": 10**6})[1]["error"]["code"] == "NO_FREE_BLOCKS"
+    request = urllib.request.Request(d.url + "/v1/decode", data=b"{not json", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=10)
+    assert caught.value.code == 400
+    status, body = decode(d, "d-bad-ok", params)  # the original, intact request still verifies
+    assert status == 200, body
+
+
+def test_a_peer_without_the_key_gets_no_metadata(cluster: Cluster) -> None:
+    params = prefill(cluster.prefill, "nokey", 1)  # type: ignore[attr-defined]
+    with pytest.raises(HandshakeError) as caught:
+        SideChannelClient("127.0.0.1", params["remotePort"], params["fingerprint"], None, 0.5).fetch([0])
+    assert caught.value.code == "HANDSHAKE_TIMEOUT"
+
+
+def test_a_decode_engine_of_another_model_is_refused_with_the_reason(cluster: Cluster) -> None:
+    other = cluster.start(env(Role.DECODE, "d-other", cluster.keys_dir, model=MODEL.model_copy(update={"name": "x"})))
+    try:
+        status, body = decode(other, "d-other-1", prefill(cluster.prefill, "other-1", 20))  # type: ignore[attr-defined]
+        assert status == 502
+        assert body["error"]["code"] == "FINGERPRINT_MISMATCH"
+    finally:
+        other.stop()
+
+
+def test_killed_prefill_fails_its_requests_in_time_and_a_restart_is_rehandshaken(cluster: Cluster) -> None:
+    p1, d = cluster.prefill, cluster.decode  # type: ignore[attr-defined]
+    spare: EngineProcess = cluster.spare  # type: ignore[attr-defined]
+    assert decode(d, "d-warm", prefill(spare, "warm", 48))[0] == 200  # decode knows p2 now
+    orphan = prefill(spare, "orphan", 48)
+    spare.kill()
+    results: dict[str, Any] = {}
+
+    def other() -> None:
+        results["other"] = decode(d, "d-other-ok", prefill(p1, "other-ok", 48))
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    started = time.monotonic()
+    status, body = decode(d, "d-orphan", orphan)
+    elapsed = time.monotonic() - started
+    thread.join(timeout=60)
+    assert status in (502, 504), body
+    assert body["error"]["code"] in {"TRANSFER_FAILED", "TRANSFER_TIMEOUT"}
+    assert body["error"]["invalidBlocks"]
+    assert elapsed < 5 + 10  # the transfer deadline, plus slack for a busy machine
+    assert results["other"][0] == 200, results["other"]  # other requests are unaffected
+
+    restarted = cluster.start(env(Role.PREFILL, "p2", cluster.keys_dir, tp_p=1))  # same engine id, new incarnation
+    cluster.spare = restarted  # type: ignore[attr-defined]
+    assert restarted.ready["incarnation"] != orphan["remoteIncarnation"]
+    evictions = metric(d, "kvbridge_stale_peer_evictions_total")
+    status, body = decode(d, "d-after-restart", prefill(restarted, "after-restart", 48))
+    assert status == 200, body
+    assert metric(d, "kvbridge_stale_peer_evictions_total") >= max(1.0, evictions)
+    status, body = decode(d, "d-stale", orphan)  # blocks of the dead incarnation are gone: fail fast
+    assert (status, body["error"]["code"]) == (409, "STALE_PEER")
+
+
+def test_killed_prefill_during_a_large_transfer_never_hangs(cluster: Cluster) -> None:
+    d = cluster.decode  # type: ignore[attr-defined]
+    victim = cluster.start(env(Role.PREFILL, "p3", cluster.keys_dir, tp_p=1))
+    assert decode(d, "d-p3-warm", prefill(victim, "p3-warm", 16))[0] == 200
+    params = prefill(victim, "p3-big", 60 * 16)
+    threading.Timer(0.002, victim.kill).start()
+    started = time.monotonic()
+    status, body = decode(d, "d-p3-big", params)
+    assert time.monotonic() - started < 5 + 10
+    if status != 200:  # the kill may land before, during or after the READs
+        assert body["error"]["code"] in {"TRANSFER_FAILED", "TRANSFER_TIMEOUT", "HANDSHAKE_TIMEOUT", "STALE_PEER"}
+
+
+def test_metrics_endpoint_exposes_the_transfer_figures(cluster: Cluster) -> None:
+    with urllib.request.urlopen(cluster.decode.url + "/metrics", timeout=10) as response:  # type: ignore[attr-defined]
+        text = response.read().decode()
+    for name in (
+        "kvbridge_transfer_seconds",
+        "kvbridge_transfer_bytes_total",
+        "kvbridge_descriptors_per_request",
+        "kvbridge_handshake_seconds",
+        "kvbridge_failed_transfers_total",
+        "kvbridge_stale_peer_evictions",
+    ):
+        assert re.search(rf"^{name}", text, re.MULTILINE), name
+    ranks = cluster.decode.get("/v1/ranks")["ranks"]  # type: ignore[attr-defined]
+    assert all(rank["ok"] and rank["inFlight"] == 0 for rank in ranks)

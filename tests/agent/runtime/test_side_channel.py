@@ -1,0 +1,134 @@
+"""The side channel over real sockets: CURVE authentication, fingerprints, bad frames, a listener that keeps serving."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from kvbridge_agent.core.handshake import HandshakeError, MessageType, RankMetadata, decode_reply, encode_request
+from kvbridge_agent.runtime.keys import CurveKeys, KeysError, generate_keys, load_keys
+from kvbridge_agent.runtime.side_channel import SideChannelClient, SideChannelServer
+
+META = RankMetadata(
+    engine_id="p-0", incarnation="abc", agent_name="p-0.abc.0", tp_rank=0, tp_size=1, block_size=16,
+    kv_layout="HND", cache_kind="Split", num_blocks=8, tensor_bases=[4096, 8192], region_block_bytes=1024,
+    wire_block_size=16, wire_layout="HND", memory_type="DRAM", device_id=0,
+)  # fmt: skip
+
+
+@pytest.fixture
+def server(keys: CurveKeys) -> Iterator[SideChannelServer]:
+    beats: list[list[str]] = []
+    srv = SideChannelServer("127.0.0.1", 0, "fp", {0: (META, b"agent-0")}, keys=keys, on_heartbeat=beats.append)
+    srv.beats = beats  # type: ignore[attr-defined]
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.close()
+
+
+def client(
+    server: SideChannelServer, keys: CurveKeys | None, fingerprint: str = "fp", timeout: float = 2.0
+) -> SideChannelClient:
+    return SideChannelClient("127.0.0.1", server.port, fingerprint, keys, timeout)
+
+
+def test_authenticated_client_gets_metadata(server: SideChannelServer, keys: CurveKeys) -> None:
+    ranks = client(server, keys).fetch([0])
+    assert ranks == {0: (META, b"agent-0")}
+
+
+def test_client_without_the_key_gets_nothing(server: SideChannelServer, tmp_path: Path) -> None:
+    for stranger in (None, generate_keys(tmp_path / "other")):
+        started = time.monotonic()
+        with pytest.raises(HandshakeError) as caught:
+            client(server, stranger, timeout=0.5).fetch([0])
+        assert caught.value.code == "HANDSHAKE_TIMEOUT"
+        assert time.monotonic() - started < 3
+    assert server.stats.served == 0
+
+
+def test_wrong_fingerprint_and_unknown_rank_are_refused_and_the_listener_keeps_serving(
+    server: SideChannelServer, keys: CurveKeys
+) -> None:
+    with pytest.raises(HandshakeError) as caught:
+        client(server, keys, fingerprint="other").fetch([0])
+    assert caught.value.code == "FINGERPRINT_MISMATCH"
+    with pytest.raises(HandshakeError) as caught:
+        client(server, keys).fetch([5])
+    assert caught.value.code == "UNKNOWN_RANK"
+    assert client(server, keys).fetch([0])[0][0] == META
+    assert server.stats.rejected == 2
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [[b"\x00\xff garbage"], [b'{"version": 1'], [b"{}", b"two", b"three"], [b""], [b"x" * 100_000]],
+    ids=["garbage", "truncated", "extra-frames", "empty", "oversized"],
+)
+def test_garbage_frames_get_an_error_reply(server: SideChannelServer, keys: CurveKeys, frames: list[bytes]) -> None:
+    context = zmq.Context.instance()
+    sock = context.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys.public, keys.public, keys.secret
+    sock.connect(f"tcp://127.0.0.1:{server.port}")
+    try:
+        sock.send_multipart(frames)
+        assert sock.poll(3000), "the listener did not answer"
+        with pytest.raises(HandshakeError) as caught:
+            decode_reply(sock.recv_multipart(), "fp")
+        assert caught.value.code in {"MALFORMED_MESSAGE", "UNKNOWN_MESSAGE_TYPE"}
+    finally:
+        sock.close()
+    assert client(server, keys).fetch([0])[0][0] == META
+
+
+def test_heartbeats_reach_the_engine(server: SideChannelServer, keys: CurveKeys) -> None:
+    client(server, keys).heartbeat(["r1", "r2"])
+    assert server.beats == [["r1", "r2"]]  # type: ignore[attr-defined]
+
+
+def test_nobody_listening_times_out(keys: CurveKeys, free_port: int) -> None:
+    started = time.monotonic()
+    with pytest.raises(HandshakeError) as caught:
+        SideChannelClient("127.0.0.1", free_port, "fp", keys, 0.3).fetch([0])
+    assert caught.value.code == "HANDSHAKE_TIMEOUT"
+    assert time.monotonic() - started < 2
+
+
+def test_request_without_envelope_version(server: SideChannelServer, keys: CurveKeys) -> None:
+    frames = encode_request(MessageType.METADATA, "fp", rank=0)
+    frames[0] = frames[0].replace(b'"version":1', b'"version":2')
+    context = zmq.Context.instance()
+    sock = context.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys.public, keys.public, keys.secret
+    sock.connect(f"tcp://127.0.0.1:{server.port}")
+    try:
+        sock.send_multipart(frames)
+        assert sock.poll(3000)
+        reply = sock.recv_multipart()
+    finally:
+        sock.close()
+    with pytest.raises(HandshakeError) as caught:
+        decode_reply(reply, "fp")
+    assert caught.value.code == "PROTOCOL_VERSION_MISMATCH"
+
+
+def test_key_files_are_checked(tmp_path: Path) -> None:
+    generate_keys(tmp_path / "a")
+    generate_keys(tmp_path / "b")
+    assert oct((tmp_path / "a" / "curve-secret").stat().st_mode & 0o777) == "0o600"
+    (tmp_path / "a" / "curve-public").write_bytes((tmp_path / "b" / "curve-public").read_bytes())
+    with pytest.raises(KeysError, match="does not belong"):
+        load_keys(tmp_path / "a")
+    with pytest.raises(KeysError, match="cannot read"):
+        load_keys(tmp_path / "missing")
+    (tmp_path / "b" / "curve-secret").write_text("short")
+    with pytest.raises(KeysError, match="40-character"):
+        load_keys(tmp_path / "b")
