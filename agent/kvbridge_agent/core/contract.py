@@ -48,6 +48,7 @@ _ENGINE_VARS = {
     "HTTP_PORT": "http_port",
     "DEVICE": "device",
     "TRANSFER_TIMEOUT_SECONDS": "transfer_timeout_seconds",
+    "VERIFY": "verify",
 }
 
 
@@ -72,6 +73,9 @@ class EngineEnvironment(CamelModel):
     http_port: int = Field(default=8000, ge=0, le=65535)
     device: str = Field(default="cpu", min_length=1)
     transfer_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+    verify: bool = Field(
+        default=True, description="Agent worker: write and verify synthetic content (off for benchmarks)."
+    )
 
     @property
     def own(self) -> RoleSettings:

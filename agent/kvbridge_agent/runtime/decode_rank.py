@@ -78,6 +78,11 @@ class ReadResult:
     bytes: int = 0
     descriptors: int = 0
     seconds: float = 0.0
+    #: kvbridge's own CPU work per request: block ids -> descriptor ids
+    ids_microseconds: float = 0.0
+    #: NIXL creating the READs (make_prepped_xfer)
+    make_microseconds: float = 0.0
+    #: from the start of the request until every READ is posted (on host memory the copy may happen inside)
     post_microseconds: float = 0.0
     peer_failed: bool = False
 
@@ -93,6 +98,8 @@ class _InFlight:
     started: float
     bytes: int
     descriptors: int
+    ids_microseconds: float
+    make_microseconds: float
     post_microseconds: float
 
 
@@ -250,16 +257,22 @@ class DecodeRank:
             remote_ids = descriptor_ids(mapped.remote, regions, peer.remote_units, out=remote_buf)
         except BlockMappingError as exc:
             return ReadResult(request_id, False, exc.code, exc.message, list(local_blocks))
+        ids_us = (time.perf_counter() - started) * 1e6
         handles: list[Any] = []
         total_bytes = 0
+        make_us = 0.0
         try:
             if mapped.full_hit:
                 for p in {r.prefill_rank for r in rank_plan.reads}:
                     self.transport.notify(peer.agents[p], note)
             else:
-                for read, (remote, local) in zip(rank_plan.reads, peer.lists, strict=True):
-                    handles.append(self.transport.read(local, local_ids, remote, remote_ids, note))
-                    total_bytes += read.length * local_ids.size
+                made = time.perf_counter()
+                for remote, local in peer.lists:
+                    handles.append(self.transport.make_read(local, local_ids, remote, remote_ids, note))
+                make_us = (time.perf_counter() - made) * 1e6
+                for handle in handles:
+                    self.transport.post(handle)
+                total_bytes = sum(read.length for read in rank_plan.reads) * local_ids.size
             for p in rank_plan.notify_only_ranks:
                 self.transport.notify(peer.agents[p], note)
         except (TransportError, KVBridgeError) as exc:
@@ -269,7 +282,7 @@ class DecodeRank:
         post_us = (time.perf_counter() - started) * 1e6
         flight = _InFlight(
             request_id, params, list(local_blocks), handles, timeout, time.monotonic() + timeout, started,
-            total_bytes, local_ids.size * len(handles), post_us,
+            total_bytes, local_ids.size * len(handles), ids_us, make_us, post_us,
         )  # fmt: skip
         if not handles:
             return self._finish(flight, peer)
@@ -334,7 +347,8 @@ class DecodeRank:
         convert_for_side(self.cache, peer.plan, Role.DECODE, flight.blocks)
         return ReadResult(
             flight.request_id, True, bytes=flight.bytes, descriptors=flight.descriptors,
-            seconds=time.perf_counter() - flight.started, post_microseconds=flight.post_microseconds,
+            seconds=time.perf_counter() - flight.started, ids_microseconds=flight.ids_microseconds,
+            make_microseconds=flight.make_microseconds, post_microseconds=flight.post_microseconds,
         )  # fmt: skip
 
     def _cancel(self, flight: _InFlight) -> None:

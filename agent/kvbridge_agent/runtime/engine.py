@@ -406,14 +406,16 @@ class Engine:
         self.metrics.transfer_seconds.labels(**labels).observe(seconds)
         self.metrics.bytes.labels(**labels).inc(moved)
         self.metrics.descriptors.labels(**labels).observe(descriptors)
-        self.metrics.requests.labels(**labels, outcome="verified").inc()
+        self.metrics.requests.labels(**labels, outcome="verified" if self.env.verify else "done").inc()
         return {
             "ok": True,
             "requestId": request_id,
-            "verified": True,
+            "verified": all(r.get("verified") for r in replies),
             "bytes": moved,
             "descriptors": descriptors,
             "transferSeconds": seconds,
+            "idsMicroseconds": max(r["idsMicroseconds"] for r in replies),
+            "makeMicroseconds": max(r["makeMicroseconds"] for r in replies),
             "postMicroseconds": max(r["postMicroseconds"] for r in replies),
             "verifySeconds": max(r.get("verifySeconds", 0.0) for r in replies),
             "totalSeconds": time.perf_counter() - started,

@@ -126,6 +126,11 @@ def run_requests(
                 {"request": request_id, "code": error.get("code", str(status)), "message": error.get("message", "")}
             )
             continue
+        if body.get("verified") is not True:
+            report.failures.append(
+                {"request": request_id, "code": "NOT_VERIFIED", "message": "decode did not verify the bytes"}
+            )
+            continue
         report.verified += 1
         report.bytes += int(body["bytes"])
         report.seconds += float(body["transferSeconds"])

@@ -43,6 +43,8 @@ def _result_dict(result: ReadResult) -> dict[str, Any]:
         "bytes": result.bytes,
         "descriptors": result.descriptors,
         "seconds": result.seconds,
+        "idsMicroseconds": result.ids_microseconds,
+        "makeMicroseconds": result.make_microseconds,
         "postMicroseconds": result.post_microseconds,
         "peerFailed": result.peer_failed,
     }
@@ -91,7 +93,8 @@ class RankWorker:
         if prefill is None:
             return {"ok": False, "code": "WRONG_ROLE", "message": "only prefill ranks offer requests"}
         blocks = list(message["blocks"])
-        fill_request(self.cache, message["request_id"], blocks)  # the synthetic "compute"
+        if self.env.verify:
+            fill_request(self.cache, message["request_id"], blocks)  # the synthetic "compute"
         prefill.offer(message["request_id"], blocks)
         return {"ok": True}
 
@@ -118,8 +121,9 @@ class RankWorker:
             return {"ok": False, "code": "WRONG_ROLE", "message": "only decode ranks read"}
         params = KVTransferParams.model_validate_json(message["params"])
         blocks, hit = list(message["blocks"]), int(message["hit"])
-        fill_request(self.cache, params.remote_request_id, blocks[:hit])  # the prefix this engine already holds
-        scribble(self.cache, blocks[hit:])  # so a missing write cannot pass verification
+        if self.env.verify:
+            fill_request(self.cache, params.remote_request_id, blocks[:hit])  # the prefix this engine already holds
+            scribble(self.cache, blocks[hit:])  # so a missing write cannot pass verification
         request_id = message["request_id"]
         self._reads[request_id] = {"id": message["id"], "params": params, "blocks": blocks}
         result = self.decode.start(request_id, params, blocks[hit:], self.env.transfer_timeout_seconds)
@@ -143,7 +147,8 @@ class RankWorker:
     def _complete(self, result: ReadResult) -> None:
         read = self._reads.pop(result.request_id)
         reply = _result_dict(result)
-        if result.ok:
+        reply["verified"] = False
+        if result.ok and self.env.verify:
             started = time.perf_counter()
             params: KVTransferParams = read["params"]
             bad = invalid_blocks(self.cache, params.remote_request_id, read["blocks"], params.num_tokens)
@@ -155,6 +160,8 @@ class RankWorker:
                     invalidBlocks=bad,
                     message=f"{len(bad)} block(s) differ from what prefill computed",
                 )
+            else:
+                reply["verified"] = True
         self.conn.send({"id": read["id"], **reply})
 
     def progress(self) -> float:

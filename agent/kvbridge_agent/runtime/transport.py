@@ -127,6 +127,34 @@ class Transport:
                 log.warning("releasing a descriptor list failed: %s", exc)
 
     # -- transfers ----------------------------------------------------------
+    def make_read(
+        self,
+        local: Any,
+        local_ids: npt.NDArray[np.int64],
+        remote: Any,
+        remote_ids: npt.NDArray[np.int64],
+        notification: bytes,
+    ) -> Any:
+        """Create one READ between two prepped lists (not posted yet)."""
+        try:
+            return self._agent.make_prepped_xfer("READ", local, local_ids, remote, remote_ids, notification)
+        except Exception as exc:
+            raise TransportError(
+                f"creating a READ of {local_ids.size} descriptors failed: {exc}", code=TRANSFER_POST_FAILED
+            ) from exc
+
+    def post(self, handle: Any) -> None:
+        """Post a created READ (the caller still owns the handle, also on failure).
+
+        On a host-memory path the copy may complete inside this call.
+        """
+        try:
+            state = self._agent.transfer(handle)
+        except Exception as exc:  # e.g. the remote agent disconnected
+            raise TransportError(f"posting a READ failed: {exc}", code=TRANSFER_POST_FAILED) from exc
+        if state == "ERR":
+            raise TransportError("posting a READ failed", code=TRANSFER_POST_FAILED)
+
     def read(
         self,
         local: Any,
@@ -136,20 +164,12 @@ class Transport:
         notification: bytes,
     ) -> Any:
         """Create and post one READ; returns the transfer handle."""
+        handle = self.make_read(local, local_ids, remote, remote_ids, notification)
         try:
-            handle = self._agent.make_prepped_xfer("READ", local, local_ids, remote, remote_ids, notification)
-        except Exception as exc:
-            raise TransportError(
-                f"creating a READ of {local_ids.size} descriptors failed: {exc}", code=TRANSFER_POST_FAILED
-            ) from exc
-        try:
-            state = self._agent.transfer(handle)
-        except Exception as exc:  # e.g. the remote agent disconnected
+            self.post(handle)
+        except TransportError:
             self.release(handle)
-            raise TransportError(f"posting a READ failed: {exc}", code=TRANSFER_POST_FAILED) from exc
-        if state == "ERR":
-            self.release(handle)
-            raise TransportError("posting a READ failed", code=TRANSFER_POST_FAILED)
+            raise
         return handle
 
     def state(self, handle: Any) -> str:

@@ -33,6 +33,7 @@ class InProcessPair:
         decode: RoleSettings,
         transfer: TransferSettings | None = None,
         num_blocks: int = 48,
+        device: str = "cpu",
     ) -> None:
         self.transfer = transfer or TransferSettings()
         self.plan: TransferPlan = build_plan(model, prefill, decode, self.transfer)
@@ -47,14 +48,14 @@ class InProcessPair:
         self.unknown = 0
         for p in range(prefill.tensor_parallel_size):
             cache = KVCache.allocate(
-                model, prefill.block_size, prefill.kv_layout, prefill.tensor_parallel_size, p, num_blocks
+                model, prefill.block_size, prefill.kv_layout, prefill.tensor_parallel_size, p, num_blocks, device
             )
             transport = Transport(f"{self.engine_id}.{p}")
             transport.register(cache.tensors)
             self.prefill.append(PrefillRank(cache, transport, self.plan, self.engine_id, self.incarnation))
         for d in range(decode.tensor_parallel_size):
             cache = KVCache.allocate(
-                model, decode.block_size, decode.kv_layout, decode.tensor_parallel_size, d, num_blocks
+                model, decode.block_size, decode.kv_layout, decode.tensor_parallel_size, d, num_blocks, device
             )
             transport = Transport(f"decode-{self.tag}.{d}")
             transport.register(cache.tensors)

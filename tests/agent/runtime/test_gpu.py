@@ -1,0 +1,41 @@
+"""VRAM variants of the transfer tests (transfer-protocol.md on GPUs): run on a CUDA machine, skipped elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbridge_agent.core import CacheKind, KVLayout, ModelGeometry, RoleSettings
+from kvbridge_agent.core.handshake import MemoryType
+
+from .harness import InProcessPair
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def role(tp: int, bs: int = 16, layout: str = "HND") -> RoleSettings:
+    return RoleSettings(tensor_parallel_size=tp, block_size=bs, kv_layout=KVLayout(layout))
+
+
+@pytest.mark.parametrize(
+    ("kind", "prefill", "decode"),
+    [
+        (CacheKind.SPLIT, role(2), role(1)),
+        (CacheKind.SPLIT, role(1, 8), role(2, 16)),
+        (CacheKind.SPLIT, role(2, 32, "NHD"), role(1, 16, "HND")),
+        (CacheKind.BLOCKS_FIRST, role(1), role(2, 16, "NHD")),
+        (CacheKind.CROSS_LAYER, role(2), role(1)),
+    ],
+)
+def test_vram_transfers_verify(kind: CacheKind, prefill: RoleSettings, decode: RoleSettings) -> None:
+    model = ModelGeometry(name="gpu", num_layers=2, num_kv_heads=8, head_dim=64, cache_kind=kind)
+    pair = InProcessPair(model, prefill, decode, device="cuda")
+    try:
+        assert pair.decode[0].cache.memory_type is MemoryType.VRAM
+        pair.roundtrip("gpu-partial", 3 * 32 + 5, 0)
+        pair.roundtrip("gpu-hit", 3 * 32 + 5, 2, offset=3)
+    finally:
+        pair.close()
