@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import threading
 import time
 import urllib.error
@@ -67,6 +68,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     time.sleep(0.5)
     leftovers = [pid for pid in built.pids if _alive(pid)]
     assert leftovers == [], f"processes left behind: {leftovers}"
+    for engine in built.engines:  # every port the engines bound is free again
+        for port in (engine.ready["httpPort"], engine.ready.get("sideChannelPort")):
+            if port:
+                with socket.socket() as probe:
+                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    probe.bind(("127.0.0.1", port))
 
 
 def _alive(pid: int) -> bool:

@@ -41,6 +41,7 @@ CASES = {
     "mla-2to1": (model(mla=True), role(2), role(1)),
     "mla-1to2": (model(mla=True), role(1), role(2)),
     "mla-4to2": (model(mla=True), role(4), role(2)),
+    "mla-2to4": (model(mla=True), role(2), role(4)),
     "mla-4to1": (model(mla=True), role(4), role(1)),
     "bsr2-decode-merges": (model(), role(1, 8), role(1, 16)),
     "bsr2-decode-merges-tp1to2": (model(), role(1, 8), role(2, 16)),
