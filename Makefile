@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvbridge-installed
 
-.PHONY: setup test lint typecheck imports unit demo bench-core clean
+.PHONY: setup test lint typecheck imports unit demo bench-core crds clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,9 @@ test: lint typecheck imports unit
 
 demo: setup
 	$(VENV)/bin/kvbridge demo
+
+crds: setup
+	$(VENV)/bin/kvbridge crd -o crds
 
 bench-core: setup
 	$(PY) benchmarks/core_plan.py

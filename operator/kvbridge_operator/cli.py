@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from kvbridge_agent.core import KVBridgeError
 
@@ -35,6 +36,21 @@ def _plan(args: argparse.Namespace) -> int:
     return EXIT_OK if all(doc.compatible for doc in documents) else EXIT_INCOMPATIBLE
 
 
+def _crd(args: argparse.Namespace) -> int:
+    from .crd import FILE_NAME, render_yaml
+
+    text = render_yaml()
+    if args.output is None:
+        sys.stdout.write(text)
+        return EXIT_OK
+    for directory in args.output:
+        path = Path(directory) / FILE_NAME
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote {path}", file=sys.stderr)
+    return EXIT_OK
+
+
 def _demo(args: argparse.Namespace) -> int:
     print(
         "kvbridge demo: not available yet. The end-to-end demo (embedded Kubernetes API, operator, "
@@ -61,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     ranks.add_argument("--all-ranks", action="store_true", help="plan every decode rank of every document")
     plan.add_argument("--json", action="store_true", help="print one JSON document (a list) on stdout")
     plan.set_defaults(func=_plan)
+
+    crd = commands.add_parser("crd", help="print or write the CustomResourceDefinition generated from the models")
+    crd.add_argument("-o", "--output", action="append", metavar="DIR", help="write into DIR (repeatable)")
+    crd.set_defaults(func=_crd)
 
     demo = commands.add_parser("demo", help="the whole system on one machine (not available yet)")
     demo.set_defaults(func=_demo)

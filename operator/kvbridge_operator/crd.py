@@ -1,0 +1,198 @@
+"""Generate the CustomResourceDefinition from the pydantic models (the one source of truth).
+
+    kvbridge crd                 # print the YAML
+    kvbridge crd -o crds/        # write crds/disaggregateddeployments.kvbridge.io.yaml
+
+The JSON schema pydantic produces is turned into a Kubernetes *structural*
+schema: references inlined, ``Optional`` unwrapped, OpenAPI v3.0 bounds,
+unknown-field preservation only where the spec allows free-form objects
+(pod template overlays), conditions as a list map keyed by ``type``, and
+cross-field rules as ``x-kubernetes-validations`` in core CEL.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+from .spec import GROUP, KIND, PLURAL, VERSION, DisaggregatedDeploymentSpec
+from .status import DisaggregatedDeploymentStatus
+
+CRD_NAME = f"{PLURAL}.{GROUP}"
+FILE_NAME = f"{CRD_NAME}.yaml"
+_KEPT = ("type", "enum", "minimum", "maximum", "minLength", "maxLength", "minItems", "maxItems", "pattern",
+         "description", "default", "format")  # fmt: skip
+
+#: Cross-field shape rules on spec, in core CEL (cel-python checks them in the tests).
+SPEC_RULES: list[dict[str, str]] = [
+    {
+        "rule": "self.prefill.tensorParallelSize % self.decode.tensorParallelSize == 0 || "
+        "self.decode.tensorParallelSize % self.prefill.tensorParallelSize == 0",
+        "message": "prefill and decode tensorParallelSize must divide one another",
+        "fieldPath": ".decode.tensorParallelSize",
+        "reason": "FieldValueInvalid",
+    },
+    {
+        "rule": "self.prefill.blockSize % self.decode.blockSize == 0 || "
+        "self.decode.blockSize % self.prefill.blockSize == 0",
+        "message": "prefill and decode blockSize must divide one another",
+        "fieldPath": ".decode.blockSize",
+        "reason": "FieldValueInvalid",
+    },
+    {
+        "rule": "self.model.attention != 'MLA' || self.model.numKVHeads == 1",
+        "message": "MLA keeps one latent per token: numKVHeads must be 1 (put the latent width in headDim)",
+        "fieldPath": ".model.numKVHeads",
+        "reason": "FieldValueInvalid",
+    },
+    {
+        "rule": "self.model.cacheKind != 'CrossLayer' || "
+        "(self.prefill.kvLayout == 'HND' && self.decode.kvLayout == 'HND')",
+        "message": "cacheKind CrossLayer needs kvLayout HND on both sides",
+        "fieldPath": ".model.cacheKind",
+        "reason": "FieldValueInvalid",
+    },
+    {
+        "rule": "self.model.cacheKind != 'CrossLayer' || self.prefill.blockSize == self.decode.blockSize",
+        "message": "cacheKind CrossLayer needs equal prefill and decode blockSize",
+        "fieldPath": ".decode.blockSize",
+        "reason": "FieldValueInvalid",
+    },
+    {
+        "rule": "self.transfer.conversion != 'Off' || self.prefill.blockSize == self.decode.blockSize",
+        "message": "with conversion Off, prefill and decode blockSize must be equal",
+        "fieldPath": ".decode.blockSize",
+        "reason": "FieldValueInvalid",
+    },
+]
+
+
+def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """One pydantic JSON-schema node as a Kubernetes structural-schema node."""
+    if "$ref" in node:
+        target = defs[node["$ref"].rsplit("/", 1)[-1]]
+        merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
+        return structural(merged, defs)
+    if "allOf" in node and len(node["allOf"]) == 1:
+        rest = {k: v for k, v in node.items() if k != "allOf"}
+        return structural({**node["allOf"][0], **rest}, defs)
+    if "anyOf" in node:
+        options = [o for o in node["anyOf"] if o.get("type") != "null"]
+        rest = {k: v for k, v in node.items() if k != "anyOf"}
+        if len(options) == 1:
+            return structural({**options[0], **rest}, defs)
+        kinds = {o.get("type") for o in options}
+        if kinds == {"string", "integer"}:
+            described = {k: rest[k] for k in ("description",) if k in rest}
+            return {**described, "x-kubernetes-int-or-string": True}
+        raise ValueError(f"cannot express anyOf {options} in a structural schema")
+    out: dict[str, Any] = {k: node[k] for k in _KEPT if k in node}
+    if out.get("default", 0) is None:  # a null default is not valid in a structural schema
+        del out["default"]
+    if "exclusiveMinimum" in node:
+        out["minimum"], out["exclusiveMinimum"] = node["exclusiveMinimum"], True
+    if "exclusiveMaximum" in node:
+        out["maximum"], out["exclusiveMaximum"] = node["exclusiveMaximum"], True
+    if "enum" in node and "type" not in out:
+        out["type"] = "string"
+    kind = out.get("type")
+    if kind == "object" or "properties" in node:
+        out["type"] = "object"
+        properties = node.get("properties")
+        if properties:
+            out["properties"] = {name: structural(value, defs) for name, value in properties.items()}
+            if node.get("required"):
+                out["required"] = list(node["required"])
+        else:
+            extra = node.get("additionalProperties", True)
+            if extra is True or extra == {}:
+                out["x-kubernetes-preserve-unknown-fields"] = True
+            else:
+                out["additionalProperties"] = structural(extra, defs)
+    elif kind == "array":
+        out["items"] = structural(node.get("items", {}), defs)
+    return out
+
+
+def model_schema(model: type[BaseModel]) -> dict[str, Any]:
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    defs = raw.pop("$defs", {})
+    return structural(raw, defs)
+
+
+def spec_schema() -> dict[str, Any]:
+    schema = model_schema(DisaggregatedDeploymentSpec)
+    for section in ("engine", "transfer", "prefill", "decode"):
+        schema["properties"][section]["default"] = {}  # so nested defaults apply before CEL rules run
+    schema["x-kubernetes-validations"] = SPEC_RULES
+    return schema
+
+
+def status_schema() -> dict[str, Any]:
+    schema = model_schema(DisaggregatedDeploymentStatus)
+    conditions = schema["properties"]["conditions"]
+    conditions["x-kubernetes-list-type"] = "map"
+    conditions["x-kubernetes-list-map-keys"] = ["type"]
+    return schema
+
+
+def crd() -> dict[str, Any]:
+    """The CustomResourceDefinition as a dict."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": CRD_NAME, "labels": {"app.kubernetes.io/name": "kvbridge"}},
+        "spec": {
+            "group": GROUP,
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": KIND.lower(),
+                "shortNames": ["dd", "disagg"],
+                "categories": ["kvbridge"],
+            },
+            "scope": "Namespaced",
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": [
+                        {
+                            "name": "Ready",
+                            "type": "string",
+                            "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
+                        },
+                        {"name": "Prefill", "type": "string", "jsonPath": ".status.prefill.ready"},
+                        {"name": "Decode", "type": "string", "jsonPath": ".status.decode.ready"},
+                        {"name": "TP", "type": "string", "jsonPath": ".status.tp"},
+                        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                    ],
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "description": "A prefill/decode disaggregated LLM deployment whose KV-cache "
+                            "compatibility kvbridge checks before scheduling.",
+                            "properties": {
+                                "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"},
+                                "metadata": {"type": "object"},
+                                "spec": spec_schema(),
+                                "status": status_schema(),
+                            },
+                            "required": ["spec"],
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+def render_yaml() -> str:
+    header = "# Generated by `kvbridge crd` from the pydantic models in kvbridge_operator; do not edit.\n"
+    return header + yaml.safe_dump(crd(), sort_keys=False, width=100, allow_unicode=True)

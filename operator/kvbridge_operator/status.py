@@ -1,0 +1,87 @@
+"""The DisaggregatedDeployment status: models (part of the CRD schema) and conditions.
+
+Conditions are a list map keyed by ``type``; ``lastTransitionTime`` changes
+only when a condition's status flips.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from enum import StrEnum
+
+from pydantic import Field
+
+from kvbridge_agent.core.model import CamelModel
+
+
+class ConditionType(StrEnum):
+    COMPATIBLE = "Compatible"
+    PREFILL_READY = "PrefillReady"
+    DECODE_READY = "DecodeReady"
+    READY = "Ready"
+
+
+class Condition(CamelModel):
+    type: ConditionType
+    status: str = Field(pattern="^(True|False|Unknown)$")
+    reason: str = Field(default="", max_length=128)
+    message: str = Field(default="", max_length=32768)
+    observed_generation: int = Field(default=0, ge=0)
+    last_transition_time: str = Field(default="", description="RFC 3339; changes only when status flips.")
+
+
+class Endpoint(CamelModel):
+    """A prefill engine's side-channel endpoint, as decode agents and routers use it."""
+
+    pod: str
+    ip: str
+    port: int = Field(ge=1, le=65535)
+    ranks: int = Field(ge=1, description="TP ranks served by this endpoint.")
+    fingerprint: str
+
+
+class RoleStatus(CamelModel):
+    replicas: int = Field(default=0, ge=0)
+    ready_replicas: int = Field(default=0, ge=0)
+    updated_replicas: int = Field(default=0, ge=0)
+    ready: str = Field(default="", max_length=32, description="readyReplicas/replicas, for the printer column.")
+    endpoints: list[Endpoint] | None = Field(default=None, description="Prefill only: ready side-channel endpoints.")
+
+
+class PlanSummary(CamelModel):
+    tp_ratio: int
+    block_size_ratio: int = Field(ge=1)
+    reads_per_decode_rank: int = Field(ge=0)
+    notifications_per_prefill_rank: int = Field(ge=1)
+    wire_block_size: int = Field(ge=1)
+    wire_layout: str
+    conversions: list[dict[str, str | int]] = Field(default_factory=list)
+    descriptors_per_block: int = Field(ge=0)
+    prefill_prefix_caching_allowed: bool = True
+
+
+class DisaggregatedDeploymentStatus(CamelModel):
+    observed_generation: int = Field(default=0, ge=0)
+    fingerprint: str = ""
+    tp: str = Field(default="", max_length=32, description="prefill TP -> decode TP, for the printer column.")
+    conditions: list[Condition] = Field(default_factory=list)
+    plan: PlanSummary | None = None
+    prefill: RoleStatus = Field(default_factory=RoleStatus)
+    decode: RoleStatus = Field(default_factory=RoleStatus)
+
+
+def now_rfc3339() -> str:
+    return datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def merge_conditions(previous: Sequence[dict[str, object]], current: Sequence[Condition], now: str) -> list[Condition]:
+    """Carry ``lastTransitionTime`` over unless the status flipped (or the condition is new)."""
+    before = {str(c.get("type")): c for c in previous}
+    merged = []
+    for condition in current:
+        old = before.get(condition.type.value)
+        flipped = old is None or old.get("status") != condition.status or not old.get("lastTransitionTime")
+        stamp = now if flipped else str(old.get("lastTransitionTime")) if old is not None else now
+        merged.append(condition.model_copy(update={"last_transition_time": stamp}))
+    return merged
