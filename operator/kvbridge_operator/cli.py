@@ -51,6 +51,32 @@ def _crd(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _operator_run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    import signal
+
+    from .config import OperatorConfig
+    from .handlers import run_operator
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = OperatorConfig.from_env(
+        namespaces=tuple(args.namespace) if args.namespace else None, api_server=args.api_server,
+        agent_image=args.agent_image, gpu_resource=args.gpu_resource, cpu_mode=True if args.cpu_mode else None,
+        liveness_port=args.liveness_port,
+    )  # fmt: skip
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        await run_operator(config, stop)
+
+    asyncio.run(main())
+    return EXIT_OK
+
+
 def _demo(args: argparse.Namespace) -> int:
     print(
         "kvbridge demo: not available yet. The end-to-end demo (embedded Kubernetes API, operator, "
@@ -81,6 +107,20 @@ def build_parser() -> argparse.ArgumentParser:
     crd = commands.add_parser("crd", help="print or write the CustomResourceDefinition generated from the models")
     crd.add_argument("-o", "--output", action="append", metavar="DIR", help="write into DIR (repeatable)")
     crd.set_defaults(func=_crd)
+
+    operator = commands.add_parser("operator", help="the Kopf operator for DisaggregatedDeployments")
+    operator_commands = operator.add_subparsers(dest="operator_command", required=True, metavar="ACTION")
+    run = operator_commands.add_parser(
+        "run", help="run the operator (settings from flags or KVBRIDGE_OPERATOR_* variables)",
+        description="Watches DisaggregatedDeployments and their pods; one replica.",
+    )  # fmt: skip
+    run.add_argument("--namespace", action="append", help="watch this namespace (repeatable; default: all)")
+    run.add_argument("--api-server", help="Kubernetes API URL (default: the in-cluster service account)")
+    run.add_argument("--agent-image", help="image of the kvbridge agent worker")
+    run.add_argument("--gpu-resource", help="extended resource per TP rank (default nvidia.com/gpu)")
+    run.add_argument("--cpu-mode", action="store_true", help="request no GPUs; agents use host memory")
+    run.add_argument("--liveness-port", type=int, help="port of /healthz (default 8080; 0 disables)")
+    run.set_defaults(func=_operator_run)
 
     demo = commands.add_parser("demo", help="the whole system on one machine (not available yet)")
     demo.set_defaults(func=_demo)

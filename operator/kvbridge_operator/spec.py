@@ -92,8 +92,9 @@ def parse_deployment(document: object) -> DisaggregatedDeployment:
             field="kind",
             code="WRONG_KIND",
         )
+    resource = {key: document[key] for key in ("apiVersion", "kind", "metadata", "spec") if key in document}
     try:
-        return DisaggregatedDeployment.model_validate(document)
+        return DisaggregatedDeployment.model_validate(resource)  # status is the operator's, not the user's
     except ValidationError as exc:
         errors = exc.errors()
         message = "; ".join(f"{_location(e['loc'])}: {e['msg']}" for e in errors)

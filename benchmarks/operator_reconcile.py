@@ -1,0 +1,136 @@
+"""Reconcile latency and memory of the operator (not a test).
+
+    .venv/bin/python benchmarks/operator_reconcile.py [--deployments 100] [--json]
+
+Starts the emulated Kubernetes API (tests/operator/emulator.py) in this
+process and ``kvbridge operator run`` as a separate process against it,
+plays the StatefulSet controller and kubelet (creates each role's pods and
+marks them ready as soon as the StatefulSet appears), creates N
+DisaggregatedDeployments at once and measures, per deployment, the time
+from its creation to status condition Ready=True. Reports p50/p99/max, the
+total time, and the operator process's peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import kmock
+import yaml
+
+ROOT = Path(__file__).parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.operator.emulator import RealisticKubernetes  # noqa: E402
+
+from kvbridge_operator.crd import crd  # noqa: E402
+from kvbridge_operator.kube import DEPLOYMENTS, PODS, KubeClient, Resource  # noqa: E402
+
+CRDS = Resource("apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False)
+
+
+def rss_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field):
+            return int(line.split()[1])
+    return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def kubelet(api: RealisticKubernetes, client: KubeClient, stop: asyncio.Event) -> None:
+    started: set[str] = set()
+    while not stop.is_set():
+        for sts in list(api.peek("statefulsets")):
+            name = sts["metadata"]["name"]
+            if name in started:
+                continue
+            started.add(name)
+            template = copy.deepcopy(sts["spec"]["template"])
+            for index in range(int(sts["spec"]["replicas"])):
+                pod = {"apiVersion": "v1", "kind": "Pod", "spec": copy.deepcopy(template["spec"]),
+                       "metadata": {**copy.deepcopy(template["metadata"]), "name": f"{name}-{index}"}}  # fmt: skip
+                await client.create(PODS, "default", pod)
+                await client.patch(PODS, "default", f"{name}-{index}", {"status": {
+                    "phase": "Running", "podIP": f"10.1.{len(started) % 250}.{index + 1}",
+                    "conditions": [{"type": "Ready", "status": "True"}]}}, "status")  # fmt: skip
+        await asyncio.sleep(0.02)
+
+
+async def run(count: int) -> dict[str, Any]:
+    template = yaml.safe_load((ROOT / "examples" / "llama3-8b-hetero-tp.yaml").read_text())
+    async with RealisticKubernetes() as api, kmock.Server(api) as server:
+        url = str(server.url).rstrip("/")
+        client = KubeClient(url, insecure=True)
+        await client.create(CRDS, "", crd())
+        env = {**os.environ, "KVBRIDGE_OPERATOR_API_SERVER": url, "KVBRIDGE_OPERATOR_CPU_MODE": "1",
+               "KVBRIDGE_OPERATOR_LIVENESS_PORT": "0"}  # fmt: skip
+        operator = subprocess.Popen([sys.executable, "-m", "kvbridge_operator", "operator", "run"], env=env,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        stop = asyncio.Event()
+        pods = asyncio.create_task(kubelet(api, client, stop))
+        try:
+            await asyncio.sleep(3)  # let the operator start its watches
+            idle_rss = rss_kib(operator.pid, "VmRSS")
+            created: dict[str, float] = {}
+            done: dict[str, float] = {}
+            begin = time.monotonic()
+            for index in range(count):
+                document = copy.deepcopy(template)
+                document["metadata"]["name"] = f"dd-{index:03d}"
+                created[document["metadata"]["name"]] = time.monotonic()
+                await client.create(DEPLOYMENTS, "default", document)
+            deadline = time.monotonic() + 300
+            while len(done) < count and time.monotonic() < deadline:
+                for obj in api.peek("disaggregateddeployments"):
+                    name = obj["metadata"]["name"]
+                    ready = [c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == "Ready"]
+                    if name not in done and ready and ready[0]["status"] == "True":
+                        done[name] = time.monotonic()
+                await asyncio.sleep(0.02)
+            latencies = sorted(done[n] - created[n] for n in done)
+            return {
+                "deployments": count,
+                "ready": len(done),
+                "p50Seconds": round(statistics.median(latencies), 3),
+                "p99Seconds": round(latencies[max(0, int(len(latencies) * 0.99) - 1)], 3),
+                "maxSeconds": round(latencies[-1], 3),
+                "totalSeconds": round(max(done.values()) - begin, 3),
+                "operatorIdleRssMiB": round(idle_rss / 1024, 1),
+                "operatorPeakRssMiB": round(rss_kib(operator.pid, "VmHWM") / 1024, 1),
+                "operatorCpuSeconds": round(cpu_seconds(operator.pid), 2),
+                "apiServerCpuSeconds": round(cpu_seconds(os.getpid()), 2),
+            }
+        finally:
+            stop.set()
+            await pods
+            operator.terminate()
+            operator.wait(timeout=30)
+            await client.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--deployments", type=int, default=100)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    result = asyncio.run(run(args.deployments))
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0 if result["ready"] == result["deployments"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The Kopf handlers: thin, they only call :func:`reconcile` (one lock per resource).
+
+``build_registry`` registers everything on a fresh registry, so tests can
+run several operators in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from typing import Any
+
+import kopf
+
+from .config import OperatorConfig
+from .kube import DEPLOYMENTS, KubeClient
+from .reconcile import reconcile
+from .render import LABEL_DEPLOYMENT
+from .spec import GROUP, PLURAL, VERSION
+
+PREFIX = "kvbridge.io"
+
+
+def configure_settings(settings: kopf.OperatorSettings) -> None:
+    settings.persistence.finalizer = f"{PREFIX}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=PREFIX, key="last-handled-configuration"
+    )
+    settings.posting.enabled = False  # the operator posts its own events (Incompatible, Reconciled, ...)
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.connect_timeout = 30
+    settings.networking.request_timeout = 60
+    settings.batching.error_delays = [1, 2, 5, 10, 30]
+
+
+def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    locks: defaultdict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    async def run(namespace: str, name: str) -> None:
+        """Reconcile from a fresh read, one at a time per resource (events may carry stale bodies)."""
+        async with locks[(namespace, name)]:
+            body = await client.get(DEPLOYMENTS, namespace, name)
+            if body is not None:  # it may be gone by now (its pods drain after it)
+                await reconcile(client, body, config)
+
+    @kopf.on.startup(registry=registry)
+    def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        configure_settings(settings)
+
+    if config.api_server:
+
+        @kopf.on.login(registry=registry)
+        def login(**_: Any) -> kopf.ConnectionInfo:
+            return kopf.ConnectionInfo(server=config.api_server, insecure=True, default_namespace="default")
+
+    else:  # in a pod: the service account, the same credentials as the operator's own client
+        kopf.on.login(registry=registry)(kopf.login_with_service_account)
+
+    @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
+    @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", registry=registry)
+    @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
+    async def deployment_changed(name: str, namespace: str | None, **_: Any) -> None:
+        await run(namespace or "default", name)
+
+    @kopf.on.event("v1", "pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT}, registry=registry)
+    async def pod_changed(labels: kopf.Labels, namespace: str | None, **_: Any) -> None:
+        await run(namespace or "default", labels[LABEL_DEPLOYMENT])
+
+    return registry
+
+
+async def run_operator(config: OperatorConfig, stop_flag: asyncio.Event | None = None) -> None:
+    """Run until ``stop_flag`` is set (or forever): one replica, standalone, liveness endpoint on."""
+    logging.getLogger("kopf").setLevel(logging.INFO)
+    client = KubeClient(config.api_server, insecure=True) if config.api_server else KubeClient.in_cluster()
+    try:
+        await kopf.operator(
+            registry=build_registry(config, client),
+            standalone=True,
+            clusterwide=not config.namespaces,
+            namespaces=list(config.namespaces),
+            liveness_endpoint=f"http://0.0.0.0:{config.liveness_port}/healthz" if config.liveness_port else None,
+            stop_flag=stop_flag,
+        )
+    finally:
+        await client.close()

@@ -1,0 +1,246 @@
+"""Pure: status, conditions and events of a DisaggregatedDeployment from what the operator observes.
+
+Input: the parsed resource, the compatibility verdict, the role StatefulSets
+and the pods; output: the status to write, the events to post and the
+annotation that remembers prefill pod incarnations (for PrefillRestarted).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbridge_agent.core import Problem, Role, TransferPlan
+
+from .render import LABEL_FINGERPRINT, LABEL_REVISION, LABEL_ROLE, LABEL_TP
+from .spec import DisaggregatedDeployment
+from .status import (
+    Condition,
+    ConditionType,
+    DisaggregatedDeploymentStatus,
+    Endpoint,
+    PlanSummary,
+    RoleStatus,
+    merge_conditions,
+)
+
+PODS_ANNOTATION = "kvbridge.io/prefill-pods"
+
+Obj = dict[str, Any]
+
+
+@dataclass
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass
+class Observation:
+    status: DisaggregatedDeploymentStatus
+    events: list[Event] = field(default_factory=list)
+    annotations: dict[str, str] = field(default_factory=dict)
+
+
+def pod_ready(pod: Obj) -> bool:
+    if pod.get("metadata", {}).get("deletionTimestamp"):
+        return False
+    status = pod.get("status", {})
+    if status.get("phase") != "Running":
+        return False
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions", []))
+
+
+def _restarts(pod: Obj) -> int:
+    return sum(int(c.get("restartCount", 0)) for c in pod.get("status", {}).get("containerStatuses", []))
+
+
+def _incarnation(pod: Obj) -> str:
+    return f"{pod.get('metadata', {}).get('uid', '')}:{_restarts(pod)}"
+
+
+def _role_status(pods: Sequence[Obj], replicas: int, revision: str | None) -> RoleStatus:
+    ready = sum(1 for p in pods if pod_ready(p))
+    updated = sum(1 for p in pods if revision and p["metadata"].get("labels", {}).get(LABEL_REVISION) == revision)
+    return RoleStatus(replicas=replicas, ready_replicas=ready, updated_replicas=updated, ready=f"{ready}/{replicas}")
+
+
+def endpoints(pods: Sequence[Obj], port: int) -> list[Endpoint]:
+    found = []
+    for pod in pods:
+        ip = pod.get("status", {}).get("podIP")
+        labels = pod["metadata"].get("labels", {})
+        if pod_ready(pod) and ip:
+            found.append(
+                Endpoint(
+                    pod=pod["metadata"]["name"],
+                    ip=ip,
+                    port=port,
+                    ranks=int(labels.get(LABEL_TP, "1")),
+                    fingerprint=labels.get(LABEL_FINGERPRINT, ""),
+                )
+            )
+    return sorted(found, key=lambda e: e.pod)
+
+
+def summary(plan: TransferPlan) -> PlanSummary:
+    return PlanSummary.model_validate(plan.summary())
+
+
+def _problems_message(problems: Sequence[Problem]) -> str:
+    return "; ".join(f"{p.code} at {p.field}: {p.message}" for p in problems)
+
+
+def observe(
+    dd: DisaggregatedDeployment,
+    generation: int,
+    verdict: TransferPlan | Sequence[Problem],
+    stateful_sets: dict[Role, Obj | None],
+    pods: Sequence[Obj],
+    previous: Obj,
+    annotations: dict[str, str],
+    now: str,
+) -> Observation:
+    """Status, events and annotations; ``previous`` is the current status (dict, maybe empty)."""
+    events: list[Event] = []
+    spec = dd.spec
+    by_role = {
+        role: [p for p in pods if p["metadata"].get("labels", {}).get(LABEL_ROLE) == role.value] for role in Role
+    }
+    roles: dict[Role, RoleStatus] = {}
+    for role in Role:
+        sts = stateful_sets.get(role)
+        replicas = int(sts["spec"].get("replicas", 0)) if sts else 0
+        revision = sts["spec"]["template"]["metadata"]["labels"].get(LABEL_REVISION) if sts else None
+        roles[role] = _role_status(by_role[role], replicas, revision)
+    port = spec.transfer.side_channel_port
+    current_endpoints = endpoints(by_role[Role.PREFILL], port)
+    roles[Role.PREFILL] = roles[Role.PREFILL].model_copy(update={"endpoints": current_endpoints})
+
+    compatible = isinstance(verdict, TransferPlan)
+    conditions: list[Condition] = []
+    if isinstance(verdict, TransferPlan):
+        plan_text = (
+            f"prefill TP {spec.prefill.tensor_parallel_size} -> decode TP {spec.decode.tensor_parallel_size}, "
+            f"{verdict.wire.block_size}-token {verdict.wire.layout.value} wire blocks, "
+            f"{len(verdict.for_decode_rank(0).reads)} read(s) per decode rank"
+        )
+        conditions.append(
+            Condition(
+                type=ConditionType.COMPATIBLE,
+                status="True",
+                reason="PlanBuilt",
+                message=plan_text,
+                observed_generation=generation,
+            )
+        )
+    else:
+        conditions.append(
+            Condition(
+                type=ConditionType.COMPATIBLE,
+                status="False",
+                reason="Incompatible",
+                message=_problems_message(verdict),
+                observed_generation=generation,
+            )
+        )
+    for role, kind in ((Role.PREFILL, ConditionType.PREFILL_READY), (Role.DECODE, ConditionType.DECODE_READY)):
+        counts = roles[role]
+        ok = counts.ready_replicas >= counts.replicas
+        if stateful_sets.get(role) is None:
+            conditions.append(
+                Condition(
+                    type=kind,
+                    status="False",
+                    reason="NotCreated",
+                    message=f"no {role.value} workload exists",
+                    observed_generation=generation,
+                )
+            )
+        else:
+            conditions.append(Condition(
+                type=kind, status="True" if ok else "False", reason="AllReplicasReady" if ok else "ReplicasNotReady",
+                message=f"{counts.ready_replicas}/{counts.replicas} {role.value} pods ready",
+                observed_generation=generation,
+            ))  # fmt: skip
+    failing = [c for c in conditions if c.status != "True"]
+    conditions.append(Condition(
+        type=ConditionType.READY, status="False" if failing else "True",
+        reason=(failing[0].reason if failing else "Ready"),
+        message=(f"{failing[0].type.value}: {failing[0].message}" if failing else "prefill and decode are serving"),
+        observed_generation=generation,
+    ))  # fmt: skip
+    old_conditions: list[Obj] = list(previous.get("conditions") or [])
+    merged = merge_conditions(old_conditions, conditions, now)
+
+    status = DisaggregatedDeploymentStatus(
+        observed_generation=generation,
+        fingerprint=verdict.fingerprint if isinstance(verdict, TransferPlan) else str(previous.get("fingerprint", "")),
+        tp=f"{spec.prefill.tensor_parallel_size}→{spec.decode.tensor_parallel_size}",
+        conditions=merged,
+        plan=summary(verdict) if isinstance(verdict, TransferPlan) else _previous_plan(previous),
+        prefill=roles[Role.PREFILL],
+        decode=roles[Role.DECODE],
+    )
+
+    # -- events from what changed ----------------------------------------------
+    was = {str(c.get("type")): c for c in old_conditions}
+    old_compatible = was.get("Compatible", {})
+    if not compatible and (
+        old_compatible.get("status") != "False" or int(old_compatible.get("observedGeneration", -1)) != generation
+    ):
+        events.append(Event("Warning", "Incompatible", _problems_message(list(verdict))))  # type: ignore[arg-type]
+    old_endpoints = [Endpoint.model_validate(e) for e in (previous.get("prefill") or {}).get("endpoints") or []]
+    if old_endpoints != current_endpoints and (old_endpoints or current_endpoints):
+        listed = ", ".join(f"{e.pod}={e.ip}:{e.port}" for e in current_endpoints) or "none"
+        events.append(Event("Normal", "EndpointsChanged", f"prefill endpoints: {listed}"))
+    seen = _load(annotations.get(PODS_ANNOTATION))
+    current = {p["metadata"]["name"]: _incarnation(p) for p in by_role[Role.PREFILL]}
+    for name, incarnation in sorted(current.items()):
+        if name in seen and seen[name] != incarnation:
+            events.append(
+                Event(
+                    "Normal",
+                    "PrefillRestarted",
+                    f"prefill pod {name} restarted; decode agents re-handshake with its new incarnation",
+                )
+            )
+    for role in Role:
+        old = previous.get(role.value) or {}
+        now_role = roles[role]
+        if (
+            now_role.updated_replicas != old.get("updatedReplicas")
+            and stateful_sets.get(role) is not None
+            and (now_role.updated_replicas < now_role.replicas or old.get("updatedReplicas") is not None)
+        ):
+            events.append(
+                Event(
+                    "Normal",
+                    "RolloutProgress",
+                    f"{role.value}: {now_role.updated_replicas}/{now_role.replicas} pods on the current "
+                    f"revision, {now_role.ready_replicas} ready",
+                )
+            )
+    new_annotations = {}
+    encoded = json.dumps(current, sort_keys=True)
+    if annotations.get(PODS_ANNOTATION) != encoded:
+        new_annotations[PODS_ANNOTATION] = encoded
+    return Observation(status, events, new_annotations)
+
+
+def _previous_plan(previous: Obj) -> PlanSummary | None:
+    plan = previous.get("plan")
+    return PlanSummary.model_validate(plan) if plan else None
+
+
+def _load(text: str | None) -> dict[str, str]:
+    if not text:
+        return {}
+    try:
+        loaded = json.loads(text)
+    except json.JSONDecodeError:
+        return {}
+    return {str(k): str(v) for k, v in loaded.items()} if isinstance(loaded, dict) else {}

@@ -1,0 +1,227 @@
+"""Pure functions from a DisaggregatedDeployment to its desired children.
+
+Every child is a plain dict (the object as it would be sent to the API
+server) with labels, an owner reference and no server-set fields, so the
+same output is what the tests validate with kubernetes-validate and what
+the reconciler creates or patches.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import hashlib
+import json
+from typing import Any
+
+from kvbridge_agent.core import Role, TransferPlan
+from kvbridge_agent.core.contract import EngineEnvironment, render_environment
+
+from .config import OperatorConfig
+from .keys import curve_keypair
+from .spec import API_VERSION, KIND, DisaggregatedDeployment, RoleSpec
+
+LABEL_DEPLOYMENT = "kvbridge.io/deployment"
+LABEL_ROLE = "kvbridge.io/role"
+LABEL_FINGERPRINT = "kvbridge.io/fingerprint"
+LABEL_REVISION = "kvbridge.io/revision"
+LABEL_TP = "kvbridge.io/tensor-parallel-size"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "kvbridge", "app.kubernetes.io/part-of": "kvbridge"}
+SIDE_CHANNEL_PORT_NAME = "side-channel"
+HTTP_PORT_NAME = "http"
+KEYS_VOLUME = "side-channel-keys"
+ENGINE_CONTAINER = "engine"
+
+Obj = dict[str, Any]
+
+
+def role_name(deployment: str, role: Role) -> str:
+    return f"{deployment}-{role.value}"
+
+
+def secret_name(deployment: str) -> str:
+    return f"{deployment}-side-channel"
+
+
+def network_policy_name(deployment: str) -> str:
+    return f"{deployment}-prefill-side-channel"
+
+
+def selector(deployment: str, role: Role) -> dict[str, str]:
+    return {LABEL_DEPLOYMENT: deployment, LABEL_ROLE: role.value}
+
+
+def owner_reference(dd: DisaggregatedDeployment, uid: str) -> Obj:
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": dd.metadata.name, "uid": uid, "controller": True,
+            "blockOwnerDeletion": True}  # fmt: skip
+
+
+def _metadata(name: str, namespace: str, labels: dict[str, str], owner: Obj) -> Obj:
+    return {"name": name, "namespace": namespace, "labels": {**MANAGED_BY, **labels}, "ownerReferences": [owner]}
+
+
+def overlay(base: Any, patch: Any) -> Any:
+    """Merge a user overlay into a rendered object: dicts deeply, lists of named dicts by name, else replace."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        merged = dict(base)
+        for key, value in patch.items():
+            merged[key] = overlay(base[key], value) if key in base else copy.deepcopy(value)
+        return merged
+    if (
+        isinstance(base, list)
+        and isinstance(patch, list)
+        and all(isinstance(x, dict) and "name" in x for x in [*base, *patch])
+    ):
+        merged_list = [copy.deepcopy(x) for x in base]
+        index = {x["name"]: i for i, x in enumerate(merged_list)}
+        for item in patch:
+            if item["name"] in index:
+                merged_list[index[item["name"]]] = overlay(merged_list[index[item["name"]]], item)
+            else:
+                merged_list.append(copy.deepcopy(item))
+        return merged_list
+    return copy.deepcopy(patch)
+
+
+def revision(template: Obj) -> str:
+    return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def engine_env(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig) -> list[Obj]:
+    """The environment contract for one role's pods; pod name and IP come from the downward API."""
+    spec = dd.spec
+    environment = EngineEnvironment(
+        role=role, deployment=dd.metadata.name, engine_id="from-downward-api", model=spec.model,
+        prefill=spec.prefill.settings(), decode=spec.decode.settings(), transfer=spec.transfer,
+        side_channel_host="from-downward-api", fingerprint=plan.fingerprint, keys_dir=config.keys_mount_path,
+        num_blocks=config.agent_num_blocks, http_port=config.agent_http_port,
+        device="cpu" if config.cpu_mode else "cuda",
+    )  # fmt: skip
+    downward = {"KVBRIDGE_ENGINE_ID": "metadata.name", "KVBRIDGE_SIDE_CHANNEL_HOST": "status.podIP"}
+    env: list[Obj] = []
+    for name, value in render_environment(environment).items():
+        if name in downward:
+            env.append({"name": name, "valueFrom": {"fieldRef": {"fieldPath": downward[name]}}})
+        else:
+            env.append({"name": name, "value": value})
+    return env
+
+
+def pod_template(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig) -> Obj:
+    spec = dd.spec
+    role_spec: RoleSpec = spec.prefill if role is Role.PREFILL else spec.decode
+    ports = [{"name": HTTP_PORT_NAME, "containerPort": config.agent_http_port, "protocol": "TCP"}]
+    if role is Role.PREFILL:
+        ports.append({"name": SIDE_CHANNEL_PORT_NAME, "containerPort": spec.transfer.side_channel_port,
+                      "protocol": "TCP"})  # fmt: skip
+    resources: Obj = {"requests": {"cpu": "1", "memory": "2Gi"}}
+    if not config.cpu_mode:
+        gpus = str(role_spec.tensor_parallel_size)
+        resources = {"requests": {**resources["requests"], config.gpu_resource: gpus},
+                     "limits": {config.gpu_resource: gpus}}  # fmt: skip
+    probe = {"httpGet": {"path": "/healthz", "port": HTTP_PORT_NAME}, "periodSeconds": 5, "failureThreshold": 3}
+    container: Obj = {
+        "name": ENGINE_CONTAINER,
+        "image": spec.engine.image or config.agent_image,
+        "command": ["kvbridge-agent", "serve"],
+        "env": engine_env(dd, role, plan, config),
+        "ports": ports,
+        "resources": resources,
+        "readinessProbe": probe,
+        "livenessProbe": {**probe, "initialDelaySeconds": 30, "failureThreshold": 6},
+        "volumeMounts": [{"name": KEYS_VOLUME, "mountPath": config.keys_mount_path, "readOnly": True}],
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    template: Obj = {
+        "metadata": {"labels": {**MANAGED_BY, **selector(dd.metadata.name, role), LABEL_FINGERPRINT: plan.fingerprint,
+                                LABEL_TP: str(role_spec.tensor_parallel_size)}},
+        "spec": {
+            "containers": [container],
+            "volumes": [{"name": KEYS_VOLUME, "secret": {"secretName": secret_name(dd.metadata.name),
+                                                         "defaultMode": 0o400}}],
+            "terminationGracePeriodSeconds": 30,
+        },
+    }  # fmt: skip
+    template = overlay(template, role_spec.template) if role_spec.template else template
+    template["metadata"].setdefault("labels", {})[LABEL_REVISION] = revision(template)
+    return template
+
+
+def stateful_set(dd: DisaggregatedDeployment, uid: str, role: Role, plan: TransferPlan, config: OperatorConfig) -> Obj:
+    name = role_name(dd.metadata.name, role)
+    namespace = dd.metadata.namespace or "default"
+    role_spec = dd.spec.prefill if role is Role.PREFILL else dd.spec.decode
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _metadata(name, namespace, selector(dd.metadata.name, role), owner_reference(dd, uid)),
+        "spec": {
+            "replicas": role_spec.replicas,
+            "serviceName": name,
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "RollingUpdate"},
+            "selector": {"matchLabels": selector(dd.metadata.name, role)},
+            "template": pod_template(dd, role, plan, config),
+        },
+    }
+
+
+def service(dd: DisaggregatedDeployment, uid: str, role: Role, config: OperatorConfig) -> Obj:
+    name = role_name(dd.metadata.name, role)
+    ports = [{"name": HTTP_PORT_NAME, "port": config.agent_http_port, "targetPort": HTTP_PORT_NAME, "protocol": "TCP"}]
+    if role is Role.PREFILL:
+        port = dd.spec.transfer.side_channel_port
+        ports.append({"name": SIDE_CHANNEL_PORT_NAME, "port": port, "targetPort": SIDE_CHANNEL_PORT_NAME,
+                      "protocol": "TCP"})  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(name, dd.metadata.namespace or "default", selector(dd.metadata.name, role),
+                              owner_reference(dd, uid)),
+        "spec": {"clusterIP": "None", "selector": selector(dd.metadata.name, role), "ports": ports,
+                 "publishNotReadyAddresses": False},
+    }  # fmt: skip
+
+
+def secret(dd: DisaggregatedDeployment, uid: str) -> Obj:
+    """A fresh side-channel key pair; created once, never patched (rotation is an explicit action)."""
+    public, private = curve_keypair()
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _metadata(secret_name(dd.metadata.name), dd.metadata.namespace or "default",
+                              {LABEL_DEPLOYMENT: dd.metadata.name}, owner_reference(dd, uid)),
+        "data": {"curve-public": base64.b64encode(public).decode(), "curve-secret": base64.b64encode(private).decode()},
+    }  # fmt: skip
+
+
+def network_policy(dd: DisaggregatedDeployment, uid: str, config: OperatorConfig) -> Obj:
+    """Prefill side-channel ingress only from pods of the same deployment; the HTTP API stays reachable."""
+    name = dd.metadata.name
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(network_policy_name(name), dd.metadata.namespace or "default",
+                              {LABEL_DEPLOYMENT: name}, owner_reference(dd, uid)),
+        "spec": {
+            "podSelector": {"matchLabels": selector(name, Role.PREFILL)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: name}}}],
+                 "ports": [{"protocol": "TCP", "port": dd.spec.transfer.side_channel_port}]},
+                {"ports": [{"protocol": "TCP", "port": config.agent_http_port}]},
+            ],
+        },
+    }  # fmt: skip
+
+
+def children(dd: DisaggregatedDeployment, uid: str, plan: TransferPlan, config: OperatorConfig) -> list[Obj]:
+    """Every child except the Secret (which is created once, see :func:`secret`)."""
+    return [
+        service(dd, uid, Role.PREFILL, config),
+        service(dd, uid, Role.DECODE, config),
+        network_policy(dd, uid, config),
+        stateful_set(dd, uid, Role.PREFILL, plan, config),
+        stateful_set(dd, uid, Role.DECODE, plan, config),
+    ]

@@ -1,0 +1,138 @@
+"""Run the emulated API server and the operator in-process; play the StatefulSet controller and kubelet."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import kmock
+
+from kvbridge_operator.config import OperatorConfig
+from kvbridge_operator.crd import crd
+from kvbridge_operator.handlers import run_operator
+from kvbridge_operator.kube import DEPLOYMENTS, PODS, STATEFUL_SETS, KubeClient, Resource
+
+from .emulator import RealisticKubernetes
+
+CRDS = Resource("apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False)
+Obj = dict[str, Any]
+
+
+@dataclass
+class Cluster:
+    api: RealisticKubernetes
+    url: str
+    client: KubeClient
+    config: OperatorConfig
+    operator: asyncio.Task[None] | None = None
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def start_operator(self) -> None:
+        self.stop = asyncio.Event()
+        self.operator = asyncio.create_task(run_operator(self.config, self.stop))
+
+    async def stop_operator(self) -> None:
+        if self.operator is None:
+            return
+        self.stop.set()
+        try:
+            await asyncio.wait_for(self.operator, timeout=30)
+        except TimeoutError:  # pragma: no cover - a hang is a failure, but never leave the task behind
+            self.operator.cancel()
+            with contextlib.suppress(BaseException):
+                await self.operator
+            raise
+        self.operator = None
+
+    async def apply(self, document: Obj, namespace: str = "default") -> Obj:
+        return await self.client.create(DEPLOYMENTS, namespace, document)
+
+    async def patch_spec(self, name: str, spec_patch: Obj, namespace: str = "default") -> Obj:
+        return await self.client.patch(DEPLOYMENTS, namespace, name, {"spec": spec_patch})
+
+    def deployment(self, name: str, namespace: str = "default") -> Obj:
+        found = self.api.get("disaggregateddeployments", namespace, name)
+        if found is None:
+            raise AssertionError(f"deployment {name} not found")
+        return found
+
+    def condition(self, name: str, kind: str, namespace: str = "default") -> Obj:
+        status = self.deployment(name, namespace).get("status") or {}
+        return next((c for c in status.get("conditions") or [] if c["type"] == kind), {})
+
+    def events(self, name: str) -> list[Obj]:
+        return [e for e in self.api.objects_of("events") if e.get("involvedObject", {}).get("name") == name]
+
+    def reasons(self, name: str) -> list[str]:
+        return [e["reason"] for e in self.events(name)]
+
+    async def wait(self, predicate: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if predicate():
+                    return
+            except (AssertionError, KeyError, StopIteration):
+                pass
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what or predicate}")
+
+    # -- the StatefulSet controller and the kubelet, played by the test -----------
+    async def run_pods(self, name: str, role: str, *, ready: bool = True, ip_base: str = "10.0.0.",
+                       namespace: str = "default") -> list[Obj]:  # fmt: skip
+        """Create (or replace) the pods of a role's StatefulSet as it is now, and report their status."""
+        sts = await self.client.get(STATEFUL_SETS, namespace, f"{name}-{role}")
+        if sts is None:
+            raise AssertionError(f"no StatefulSet {name}-{role}")
+        pods = []
+        for index in range(int(sts["spec"]["replicas"])):
+            pod_name = f"{name}-{role}-{index}"
+            existing = await self.client.get(PODS, namespace, pod_name)
+            if existing is not None:
+                await self.client.delete(PODS, namespace, pod_name)
+            template = copy.deepcopy(sts["spec"]["template"])
+            pod = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {**template["metadata"], "name": pod_name, "namespace": namespace,
+                             "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet",
+                                                  "name": sts["metadata"]["name"], "uid": sts["metadata"]["uid"],
+                                                  "controller": True}]},
+                "spec": template["spec"],
+            }  # fmt: skip
+            await self.client.create(PODS, namespace, pod)
+            pods.append(await self.set_pod(pod_name, ready=ready, ip=f"{ip_base}{index + 1}", namespace=namespace))
+        return pods
+
+    async def set_pod(self, pod_name: str, *, ready: bool, ip: str | None, restarts: int = 0,
+                      namespace: str = "default") -> Obj:  # fmt: skip
+        status = {
+            "phase": "Running",
+            "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            "containerStatuses": [{"name": "engine", "ready": ready, "restartCount": restarts,
+                                   "image": "x", "imageID": "", "started": True}],
+        }  # fmt: skip
+        return await self.client.patch(PODS, namespace, pod_name, {"status": status}, "status")
+
+
+@contextlib.asynccontextmanager
+async def cluster(config: OperatorConfig | None = None, *, start: bool = True) -> AsyncIterator[Cluster]:
+    async with RealisticKubernetes() as api, kmock.Server(api) as server:
+        url = str(server.url).rstrip("/")
+        client = KubeClient(url, insecure=True)
+        await client.create(CRDS, "", crd())
+        base = config or OperatorConfig(liveness_port=0)
+        built = Cluster(api, url, client, OperatorConfig(**{**base.__dict__, "api_server": url}))
+        try:
+            if start:
+                await built.start_operator()
+            yield built
+        finally:
+            await built.stop_operator()
+            await client.close()

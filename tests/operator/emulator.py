@@ -1,0 +1,412 @@
+"""A realistic enough Kubernetes API for Kopf and the operator: kmock's emulator plus what they rely on.
+
+kmock 0.8's ``KubernetesEmulator`` keeps objects as plain merged dicts. This
+subclass adds (see ../shared/design/testing.md): ``uid``,
+``creationTimestamp``, ``generation`` bumped on spec changes only, a fresh
+``resourceVersion`` on every write, ``generateName``, merge and JSON patches
+(a failed JSON-patch ``test`` answers 422), status subresources, watches that
+subscribe before the snapshot and honour ``resourceVersion`` and
+``timeoutSeconds``, typed lists, ``/api/v1`` discovery, label and field
+selectors, cluster-scoped namespaces and CRDs that register their resource.
+
+Like kmock, it does no garbage collection and no schema validation: tests
+check ownerReferences and validate objects separately.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import copy
+import datetime
+import itertools
+import json
+import re
+import secrets
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp.web
+import attrs
+import jsonpatch
+import kmock
+from kmock._internal import k8s as kmock_k8s
+from kmock._internal import rendering
+
+Obj = dict[str, Any]
+Key = tuple[str, str, str, str | None, str]  # group, version, plural, namespace, name
+
+BUILTIN: dict[tuple[str, str, str], dict[str, Any]] = {
+    ("", "v1", "pods"): {"kind": "Pod", "namespaced": True, "subresources": {"status"}},
+    ("", "v1", "services"): {"kind": "Service", "namespaced": True, "subresources": {"status"}},
+    ("", "v1", "secrets"): {"kind": "Secret", "namespaced": True},
+    ("", "v1", "events"): {"kind": "Event", "namespaced": True},
+    ("", "v1", "namespaces"): {"kind": "Namespace", "namespaced": False, "subresources": {"status"}},
+    ("apps", "v1", "statefulsets"): {"kind": "StatefulSet", "namespaced": True, "subresources": {"status", "scale"}},
+    ("networking.k8s.io", "v1", "networkpolicies"): {"kind": "NetworkPolicy", "namespaced": True},
+    ("events.k8s.io", "v1", "events"): {"kind": "Event", "namespaced": True},
+    ("apiextensions.k8s.io", "v1", "customresourcedefinitions"): {
+        "kind": "CustomResourceDefinition", "namespaced": False, "subresources": {"status"},
+    },
+}  # fmt: skip
+VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+_REQUIREMENT = re.compile(r"^\s*(!?)([\w./-]+)\s*(?:(==|=|!=)\s*([\w./-]*)|\s+(in|notin)\s*\(([^)]*)\))?\s*$")
+
+
+def _split_selector(text: str) -> list[str]:
+    parts, depth, current = [], 0, ""
+    for char in text:
+        depth += char == "("
+        depth -= char == ")"
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    return [*parts, current] if current.strip() else parts
+
+
+def label_match(selector: str, labels: dict[str, str]) -> bool:
+    for requirement in _split_selector(selector):
+        found = _REQUIREMENT.match(requirement)
+        if not found:
+            raise kmock.KubernetesError(status=400, reason="BadRequest", message=f"bad selector {requirement!r}")
+        negate, key, operator, value, set_operator, values = found.groups()
+        if negate:
+            if key in labels:
+                return False
+        elif operator in ("=", "=="):
+            if labels.get(key) != value:
+                return False
+        elif operator == "!=":
+            if labels.get(key) == value:
+                return False
+        elif set_operator:
+            options = {v.strip() for v in values.split(",")}
+            if (labels.get(key) in options) != (set_operator == "in"):
+                return False
+        elif key not in labels:
+            return False
+    return True
+
+
+def field_match(selector: str, obj: Obj) -> bool:
+    for requirement in filter(None, (p.strip() for p in selector.split(","))):
+        path, _, value = requirement.replace("==", "=").partition("=")
+        negate = path.endswith("!")
+        current: Any = obj
+        for part in path.rstrip("!").split("."):
+            current = current.get(part) if isinstance(current, dict) else None
+        if (str(current) == value) == negate:
+            return False
+    return True
+
+
+@attrs.define(kw_only=True)
+class RealisticKubernetes(kmock.KubernetesEmulator):
+    store: dict[Key, Obj] = attrs.field(factory=dict, init=False)
+    kinds: dict[tuple[str, str, str], dict[str, Any]] = attrs.field(factory=dict, init=False)
+    history: collections.deque[tuple[int, tuple[str, str, str], Obj]] = attrs.field(
+        factory=lambda: collections.deque(maxlen=50_000), init=False
+    )
+    watchers: list[tuple[tuple[str, str, str], asyncio.Queue[tuple[int, Obj]]]] = attrs.field(factory=list, init=False)
+    counter: itertools.count[int] = attrs.field(factory=lambda: itertools.count(1), init=False)
+    revision: int = attrs.field(default=0, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        for (group, version, plural), info in BUILTIN.items():
+            self.declare(group, version, plural, **info)
+
+    # -- resources ------------------------------------------------------------
+    def declare(self, group: str, version: str, plural: str, *, kind: str, namespaced: bool,
+                subresources: set[str] | None = None, shortnames: set[str] | None = None,
+                singular: str | None = None) -> None:  # fmt: skip
+        self.kinds[(group, version, plural)] = {"kind": kind, "namespaced": namespaced,
+                                                "subresources": set(subresources or ())}  # fmt: skip
+        self.resources[kmock.resource(group, version, plural)] = kmock.ResourceInfo(
+            kind=kind, namespaced=namespaced, verbs=VERBS, subresources=subresources or set(),
+            shortnames=shortnames or set(), singular=singular or kind.lower(),
+        )  # fmt: skip
+
+    def _install_crd(self, crd: Obj) -> None:
+        spec = crd.get("spec", {})
+        names = spec.get("names", {})
+        for version in spec.get("versions", []):
+            self.declare(spec["group"], version["name"], names["plural"], kind=names["kind"],
+                         namespaced=spec.get("scope") == "Namespaced",
+                         subresources=set(version.get("subresources") or {}),
+                         shortnames=set(names.get("shortNames") or ()), singular=names.get("singular"))  # fmt: skip
+
+    @staticmethod
+    def _gvp(request: rendering.Request) -> tuple[str, str, str]:
+        resource = request.resource
+        if resource is None:  # pragma: no cover - only k8s requests get here
+            raise kmock.KubernetesError(status=404, reason="NotFound", message="not a resource")
+        return (resource.group or "", resource.version or "", resource.plural or "")
+
+    def _info(self, request: rendering.Request) -> dict[str, Any]:
+        info = self.kinds.get(self._gvp(request))
+        if info is None:
+            raise kmock_k8s.KubernetesResourceNotFoundError()
+        return info
+
+    def _api_version(self, gvp: tuple[str, str, str]) -> str:
+        return gvp[1] if not gvp[0] else f"{gvp[0]}/{gvp[1]}"
+
+    # -- writes ---------------------------------------------------------------
+    def _bump(self, gvp: tuple[str, str, str], kind: str, obj: Obj) -> None:
+        self.revision = next(self.counter)
+        obj["metadata"]["resourceVersion"] = str(self.revision)
+        event = {"type": kind, "object": copy.deepcopy(obj)}
+        self.history.append((self.revision, gvp, event))
+        for watched, queue in self.watchers:
+            if watched == gvp:
+                queue.put_nowait((self.revision, event))
+
+    def _key(self, request: rendering.Request, name: str | None) -> Key:
+        gvp = self._gvp(request)
+        namespace = request.namespace if self._info(request)["namespaced"] else None
+        if name is None:
+            raise kmock.KubernetesError(status=422, reason="Invalid", message="metadata.name is required")
+        return (*gvp, namespace, name)
+
+    @staticmethod
+    def _essence(obj: Obj) -> Obj:
+        return {k: v for k, v in obj.items() if k not in ("metadata", "status")}
+
+    async def _handle(self, request: rendering.Request) -> Any:
+        # Resource requests go straight to this class (its state lives in `store`); kmock's reaction
+        # routing re-checks every filter against every request and gets slower with each request served.
+        resource = request.resource
+        if resource is None or not resource.plural or request.action is None:
+            return await kmock_k8s.KubernetesScaffold._handle(self, request)
+        handlers = {
+            kmock.action.LIST: self._serve_list, kmock.action.FETCH: self._serve_fetch,
+            kmock.action.CREATE: self._serve_create, kmock.action.UPDATE: self._serve_update,
+            kmock.action.DELETE: self._serve_delete,
+        }  # fmt: skip
+        try:
+            if request.action == kmock.action.WATCH:
+                return await self._stream(request)
+            handler = handlers.get(request.action)
+            if handler is None:
+                raise kmock.KubernetesError(status=405, reason="MethodNotAllowed", message=str(request.action))
+            return aiohttp.web.json_response(await handler(request))
+        except kmock.KubernetesError as exc:
+            return await self._render_error(exc)
+
+    async def _stream(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        raw = request._raw_request
+        if raw is None:  # pragma: no cover - only synthetic requests lack it
+            raise kmock.KubernetesError(status=500, reason="InternalError", message="no raw request")
+        events = aiter(self._serve_watch(request))
+        await anext(events)  # subscribed and the backlog is taken: safe to start the response
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(raw)
+        try:
+            async for event in events:
+                await response.write(json.dumps(event).encode() + b"\n")
+            await response.write_eof()
+        except (ConnectionError, RuntimeError):  # the client went away
+            pass
+        finally:
+            await events.aclose()
+        return response
+
+    async def _serve_create(self, request: rendering.Request) -> Obj:
+        info, gvp = self._info(request), self._gvp(request)
+        body = copy.deepcopy(request.data) if isinstance(request.data, dict) else {}
+        meta = body.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + secrets.token_hex(3)[:5]
+        key = self._key(request, meta.get("name"))
+        async with self._lock:
+            if key in self.store:
+                raise kmock.KubernetesError(status=409, reason="AlreadyExists",
+                                            message=f"{gvp[2]} {meta['name']!r} already exists")  # fmt: skip
+            if info["namespaced"]:
+                meta["namespace"] = request.namespace
+            meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
+            body.setdefault("apiVersion", self._api_version(gvp))
+            body.setdefault("kind", info["kind"])
+            self.store[key] = body
+            self._bump(gvp, "ADDED", body)
+            if gvp == ("apiextensions.k8s.io", "v1", "customresourcedefinitions"):
+                self._install_crd(body)
+            return copy.deepcopy(body)
+
+    async def _serve_update(self, request: rendering.Request) -> Obj:
+        info, gvp = self._info(request), self._gvp(request)
+        key = self._key(request, request.name)
+        content_type = str(request.headers.get("Content-Type", "application/merge-patch+json")).split(";")[0]
+        async with self._lock:
+            current = self.store.get(key)
+            if current is None:
+                raise kmock_k8s.KubernetesObjectNotFoundError()
+            try:
+                if content_type == "application/json-patch+json":
+                    patched = jsonpatch.apply_patch(current, request.data)
+                else:  # merge and strategic-merge patches are merges here
+                    patched = merge_patch(current, request.data)
+            except jsonpatch.JsonPatchTestFailed as exc:
+                raise kmock.KubernetesError(status=422, reason="Invalid", message=f"test failed: {exc}") from exc
+            except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
+                raise kmock.KubernetesError(status=422, reason="Invalid", message=str(exc)) from exc
+            wanted_rv = (request.data or {}).get("metadata", {}).get("resourceVersion") if isinstance(
+                request.data, dict) else None  # fmt: skip
+            if wanted_rv and wanted_rv != current["metadata"].get("resourceVersion"):
+                raise kmock.KubernetesError(status=409, reason="Conflict", message="the object has been modified")
+            updated = copy.deepcopy(current)
+            if request.subresource == "status":
+                updated["status"] = patched.get("status", {})
+            else:
+                for k, v in patched.items():
+                    if k != "status" or "status" not in info["subresources"]:
+                        updated[k] = v
+                for k in [k for k in current if k not in patched and k != "status"]:
+                    del updated[k]
+                kept = {f: current["metadata"][f] for f in ("uid", "creationTimestamp", "generation", "namespace",
+                                                            "name") if f in current["metadata"]}  # fmt: skip
+                updated["metadata"] = {**patched.get("metadata", {}), **kept}
+            if self._essence(updated) != self._essence(current):
+                updated["metadata"]["generation"] = int(current["metadata"].get("generation", 1)) + 1
+            if updated["metadata"].get("deletionTimestamp") and not updated["metadata"].get("finalizers"):
+                del self.store[key]
+                self._bump(gvp, "DELETED", updated)
+                return copy.deepcopy(updated)
+            self.store[key] = updated
+            self._bump(gvp, "MODIFIED", updated)
+            return copy.deepcopy(updated)
+
+    async def _serve_delete(self, request: rendering.Request) -> Obj:
+        gvp = self._gvp(request)
+        key = self._key(request, request.name)
+        async with self._lock:
+            current = self.store.get(key)
+            if current is None:
+                raise kmock_k8s.KubernetesObjectNotFoundError()
+            if current["metadata"].get("finalizers"):
+                if not current["metadata"].get("deletionTimestamp"):
+                    current["metadata"]["deletionTimestamp"] = _now()
+                    self._bump(gvp, "MODIFIED", current)
+                return copy.deepcopy(current)
+            del self.store[key]
+            self._bump(gvp, "DELETED", current)
+            return copy.deepcopy(current)
+
+    # -- reads ----------------------------------------------------------------
+    def _matching(self, request: rendering.Request) -> list[Obj]:
+        gvp = self._gvp(request)
+        labels, fields = request.params.get("labelSelector", ""), request.params.get("fieldSelector", "")
+        found = []
+        for (group, version, plural, namespace, _name), obj in self.store.items():
+            if (group, version, plural) != gvp or (request.namespace and namespace != request.namespace):
+                continue
+            if labels and not label_match(labels, obj["metadata"].get("labels") or {}):
+                continue
+            if fields and not field_match(fields, obj):
+                continue
+            found.append(copy.deepcopy(obj))
+        return found
+
+    async def _serve_fetch(self, request: rendering.Request) -> Obj:
+        key = self._key(request, request.name)
+        async with self._lock:
+            current = self.store.get(key)
+        if current is None:
+            raise kmock_k8s.KubernetesObjectNotFoundError()
+        return copy.deepcopy(current)
+
+    async def _serve_list(self, request: rendering.Request) -> Obj:
+        info, gvp = self._info(request), self._gvp(request)
+        async with self._lock:
+            items = self._matching(request)
+            revision = self.revision
+        return {"apiVersion": self._api_version(gvp), "kind": f"{info['kind']}List",
+                "metadata": {"resourceVersion": str(revision)}, "items": items}  # fmt: skip
+
+    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[Any]:
+        self._info(request)
+        gvp = self._gvp(request)
+        queue: asyncio.Queue[tuple[int, Obj]] = asyncio.Queue()
+        since = request.params.get("resourceVersion")
+        timeout = float(request.params.get("timeoutSeconds") or 3600)
+        async with self._lock:  # subscribe before the snapshot: nothing is lost in between
+            self.watchers.append((gvp, queue))
+            if since and since != "0":
+                backlog = [(rv, event) for rv, g, event in self.history if g == gvp and rv > int(since)]
+            else:
+                backlog = [(self.revision, {"type": "ADDED", "object": obj}) for obj in self._matching(request)]
+            last = int(since) if since and since != "0" else self.revision
+        yield b""
+        deadline = asyncio.get_running_loop().time() + timeout
+        labels, fields = request.params.get("labelSelector", ""), request.params.get("fieldSelector", "")
+        try:
+            for _rv, event in backlog:
+                if self._wanted(request, event, labels, fields):
+                    yield event
+            while True:
+                remaining = deadline - asyncio.get_running_loop().time()
+                if remaining <= 0:
+                    return
+                try:
+                    rv, event = await asyncio.wait_for(queue.get(), timeout=remaining)
+                except TimeoutError:
+                    return
+                if rv > last and self._wanted(request, event, labels, fields):
+                    last = rv
+                    yield event
+        finally:
+            self.watchers.remove((gvp, queue))
+
+    @staticmethod
+    def _wanted(request: rendering.Request, event: Obj, labels: str, fields: str) -> bool:
+        obj = event["object"]
+        if request.namespace and obj["metadata"].get("namespace") != request.namespace:
+            return False
+        if labels and not label_match(labels, obj["metadata"].get("labels") or {}):
+            return False
+        return not (fields and not field_match(fields, obj))
+
+    # -- discovery --------------------------------------------------------------
+    async def _serve_version(self, request: rendering.Request) -> Obj:
+        result: Obj = await super()._serve_version(request)
+        if request.resource is not None and not request.resource.group:
+            result["groupVersion"] = request.resource.version or "v1"
+        return result
+
+    # -- helpers for tests ------------------------------------------------------
+    def objects_of(self, plural: str, namespace: str | None = None) -> list[Obj]:
+        return [copy.deepcopy(o) for (_g, _v, p, ns, _n), o in self.store.items()
+                if p == plural and (namespace is None or ns == namespace)]  # fmt: skip
+
+    def peek(self, plural: str) -> list[Obj]:
+        """The stored objects themselves (no copies): read-only, for cheap polling in benchmarks."""
+        return [o for (_g, _v, p, _ns, _n), o in self.store.items() if p == plural]
+
+    def get(self, plural: str, namespace: str | None, name: str) -> Obj | None:
+        for (_g, _v, p, ns, n), obj in self.store.items():
+            if p == plural and ns == namespace and n == name:
+                return copy.deepcopy(obj)
+        return None

@@ -1,0 +1,247 @@
+"""The operator running in-process (Kopf) against the emulated API server."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvbridge_operator.config import OperatorConfig
+from kvbridge_operator.kube import PODS
+
+from .cluster import Cluster, cluster
+
+ROOT = Path(__file__).parents[2]
+Obj = dict[str, Any]
+
+
+def example(name: str) -> Obj:
+    document: Obj = yaml.safe_load((ROOT / "examples" / f"{name}.yaml").read_text())
+    return document
+
+
+def children(c: Cluster, name: str) -> dict[str, list[Obj]]:
+    kinds: dict[str, list[Obj]] = {}
+    for plural in ("statefulsets", "services", "secrets", "networkpolicies"):
+        kinds[plural] = [o for o in c.api.objects_of(plural)
+                         if o["metadata"].get("labels", {}).get("kvbridge.io/deployment") == name]  # fmt: skip
+    return kinds
+
+
+async def ready(c: Cluster, name: str) -> None:
+    await c.run_pods(name, "prefill")
+    await c.run_pods(name, "decode", ip_base="10.0.1.")
+    await c.wait(lambda: c.condition(name, "Ready").get("status") == "True", what=f"{name} Ready")
+
+
+async def test_create_makes_owned_children_status_and_events() -> None:
+    async with cluster() as c:
+        created = await c.apply(example("llama3-8b-hetero-tp"))
+        await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True", what="Compatible")
+        kids = children(c, "llama3-8b")
+        assert sorted(o["metadata"]["name"] for o in kids["statefulsets"]) == ["llama3-8b-decode", "llama3-8b-prefill"]
+        assert sorted(o["metadata"]["name"] for o in kids["services"]) == ["llama3-8b-decode", "llama3-8b-prefill"]
+        assert [o["metadata"]["name"] for o in kids["secrets"]] == ["llama3-8b-side-channel"]
+        assert [o["metadata"]["name"] for o in kids["networkpolicies"]] == ["llama3-8b-prefill-side-channel"]
+        for obj in (o for objs in kids.values() for o in objs):
+            assert obj["metadata"]["ownerReferences"][0]["uid"] == created["metadata"]["uid"]
+        prefill = next(o for o in kids["statefulsets"] if o["metadata"]["name"].endswith("prefill"))
+        container = prefill["spec"]["template"]["spec"]["containers"][0]
+        assert container["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+        assert {e["name"] for e in container["env"]} >= {"KVBRIDGE_ROLE", "KVBRIDGE_FINGERPRINT", "KVBRIDGE_KEYS_DIR"}
+        status = c.deployment("llama3-8b")["status"]
+        assert status["plan"]["tpRatio"] == -2
+        assert status["plan"]["readsPerDecodeRank"] == 2
+        assert status["plan"]["descriptorsPerBlock"] == 128
+        assert status["observedGeneration"] == 1
+        assert status["tp"] == "2→1"
+        assert prefill["spec"]["template"]["metadata"]["labels"]["kvbridge.io/fingerprint"] == status["fingerprint"]
+
+        await ready(c, "llama3-8b")
+        status = c.deployment("llama3-8b")["status"]
+        assert status["prefill"]["ready"] == "2/2"
+        assert status["decode"]["ready"] == "1/1"
+        assert status["prefill"]["endpoints"] == [
+            {"pod": "llama3-8b-prefill-0", "ip": "10.0.0.1", "port": 5600, "ranks": 2,
+             "fingerprint": status["fingerprint"]},
+            {"pod": "llama3-8b-prefill-1", "ip": "10.0.0.2", "port": 5600, "ranks": 2,
+             "fingerprint": status["fingerprint"]},
+        ]  # fmt: skip
+        await c.wait(lambda: "EndpointsChanged" in c.reasons("llama3-8b"), what="EndpointsChanged event")
+        assert "Reconciled" in c.reasons("llama3-8b")
+        assert not any(e["type"] == "Warning" for e in c.events("llama3-8b"))
+
+
+async def test_incompatible_create_schedules_nothing_and_says_why() -> None:
+    async with cluster() as c:
+        await c.apply(example("incompatible-replicated-heads"))
+        await c.wait(lambda: c.condition("replicated-heads", "Compatible").get("status") == "False")
+        condition = c.condition("replicated-heads", "Compatible")
+        assert condition["reason"] == "Incompatible"
+        assert "PREFILL_HEADS_REPLICATED at spec.prefill.tensorParallelSize" in condition["message"]
+        assert c.condition("replicated-heads", "Ready")["status"] == "False"
+        assert children(c, "replicated-heads") == {"statefulsets": [], "services": [], "secrets": [],
+                                                   "networkpolicies": []}  # fmt: skip
+        await c.wait(lambda: "Incompatible" in c.reasons("replicated-heads"), what="Incompatible event")
+        [warning] = [e for e in c.events("replicated-heads") if e["reason"] == "Incompatible"]
+        assert warning["type"] == "Warning"
+        assert "use prefill TP of at most 2" in warning["message"]
+
+
+async def test_incompatible_update_keeps_the_running_revision() -> None:
+    async with cluster() as c:
+        await c.apply(example("llama3-8b-hetero-tp"))
+        await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True")
+        await ready(c, "llama3-8b")
+        before = {o["metadata"]["name"]: o for o in children(c, "llama3-8b")["statefulsets"]}
+        await c.patch_spec("llama3-8b", {"decode": {"tensorParallelSize": 3}})
+        await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "False", what="refused")
+        condition = c.condition("llama3-8b", "Compatible")
+        assert "TP_NOT_DIVISIBLE at spec.decode.tensorParallelSize" in condition["message"]
+        assert condition["observedGeneration"] == 2
+        after = {o["metadata"]["name"]: o for o in children(c, "llama3-8b")["statefulsets"]}
+        assert {k: v["spec"] for k, v in after.items()} == {k: v["spec"] for k, v in before.items()}
+        status = c.deployment("llama3-8b")["status"]
+        assert status["plan"]["tpRatio"] == -2  # the plan of what runs
+        assert status["prefill"]["readyReplicas"] == 2  # still serving
+        assert c.condition("llama3-8b", "PrefillReady")["status"] == "True"
+        await c.wait(lambda: "Incompatible" in c.reasons("llama3-8b"))
+        # fixing the spec resumes reconciling
+        await c.patch_spec("llama3-8b", {"decode": {"tensorParallelSize": 2}})
+        await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True", what="fixed")
+        await c.wait(lambda: c.deployment("llama3-8b")["status"]["plan"]["tpRatio"] == 1)
+
+
+async def test_pod_readiness_ip_change_restart_and_deletion_move_endpoints() -> None:
+    async with cluster() as c:
+        await c.apply(example("llama3-8b-hetero-tp"))
+        await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True")
+        await ready(c, "llama3-8b")
+
+        def ips() -> list[str]:
+            return [e["ip"] for e in c.deployment("llama3-8b")["status"]["prefill"]["endpoints"]]
+
+        await c.set_pod("llama3-8b-prefill-1", ready=False, ip="10.0.0.2")
+        await c.wait(lambda: ips() == ["10.0.0.1"], what="not-ready pod leaves the endpoints")
+        assert c.condition("llama3-8b", "PrefillReady")["status"] == "False"
+        assert c.condition("llama3-8b", "Ready")["status"] == "False"
+
+        await c.set_pod("llama3-8b-prefill-1", ready=True, ip="10.0.0.99")
+        await c.wait(lambda: ips() == ["10.0.0.1", "10.0.0.99"], what="new IP published")
+        await c.wait(lambda: c.condition("llama3-8b", "Ready").get("status") == "True")
+
+        await c.set_pod("llama3-8b-prefill-0", ready=True, ip="10.0.0.1", restarts=1)
+        await c.wait(lambda: "PrefillRestarted" in c.reasons("llama3-8b"), what="PrefillRestarted")
+        [restart] = [e for e in c.events("llama3-8b") if e["reason"] == "PrefillRestarted"]
+        assert "llama3-8b-prefill-0" in restart["message"]
+
+        await c.client.delete(PODS, "default", "llama3-8b-prefill-0")
+        await c.wait(lambda: ips() == ["10.0.0.99"], what="deleted pod leaves the endpoints")
+        assert c.deployment("llama3-8b")["status"]["prefill"]["ready"] == "1/2"
+        ready_condition = c.condition("llama3-8b", "Ready")
+        assert ready_condition["reason"] == "ReplicasNotReady"
+
+
+async def test_conditions_keep_their_transition_time_unless_they_flip() -> None:
+    async with cluster() as c:
+        await c.apply(example("llama3-8b-hetero-tp"))
+        await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True")
+        first = c.condition("llama3-8b", "Compatible")["lastTransitionTime"]
+        await ready(c, "llama3-8b")
+        assert c.condition("llama3-8b", "Compatible")["lastTransitionTime"] == first
+
+
+async def test_spec_change_rolls_out_with_fingerprints() -> None:
+    async with cluster() as c:
+        await c.apply(example("llama3-8b-hetero-tp"))
+        await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True")
+        await ready(c, "llama3-8b")
+        old = c.deployment("llama3-8b")["status"]["fingerprint"]
+        await c.patch_spec("llama3-8b", {"model": {"kvCacheDtype": "fp8_e4m3"}})
+        await c.wait(lambda: c.deployment("llama3-8b")["status"]["fingerprint"] != old, what="new fingerprint")
+        new = c.deployment("llama3-8b")["status"]["fingerprint"]
+        prefill = c.api.get("statefulsets", "default", "llama3-8b-prefill")
+        assert prefill is not None
+        assert prefill["spec"]["template"]["metadata"]["labels"]["kvbridge.io/fingerprint"] == new
+        # the StatefulSet controller replaces one pod; old and new coexist
+        await c.client.delete(PODS, "default", "llama3-8b-prefill-1")
+        template = copy.deepcopy(prefill["spec"]["template"])
+        pod = {"apiVersion": "v1", "kind": "Pod", "spec": template["spec"],
+               "metadata": {**template["metadata"], "name": "llama3-8b-prefill-1"}}  # fmt: skip
+        await c.client.create(PODS, "default", pod)
+        await c.set_pod("llama3-8b-prefill-1", ready=True, ip="10.0.0.12")
+
+        def fingerprints() -> dict[str, str]:
+            endpoints = c.deployment("llama3-8b")["status"]["prefill"]["endpoints"]
+            return {e["pod"]: e["fingerprint"] for e in endpoints}
+
+        await c.wait(lambda: fingerprints() == {"llama3-8b-prefill-0": old, "llama3-8b-prefill-1": new},
+                     what="old and new endpoints side by side")  # fmt: skip
+        status = c.deployment("llama3-8b")["status"]
+        assert (status["prefill"]["updatedReplicas"], status["prefill"]["readyReplicas"]) == (1, 2)
+        assert status["observedGeneration"] == 2
+        await c.wait(lambda: any("1/2 pods on the current revision" in e["message"] for e in c.events("llama3-8b")
+                                 if e["reason"] == "RolloutProgress"), what="RolloutProgress 1/2")  # fmt: skip
+
+
+async def test_secret_is_created_once_and_kept_across_updates() -> None:
+    async with cluster() as c:
+        await c.apply(example("llama3-8b-hetero-tp"))
+        await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True")
+        first = c.api.get("secrets", "default", "llama3-8b-side-channel")
+        await c.patch_spec("llama3-8b", {"prefill": {"replicas": 3}})
+        await c.wait(lambda: c.deployment("llama3-8b")["status"]["prefill"]["replicas"] == 3)
+        second = c.api.get("secrets", "default", "llama3-8b-side-channel")
+        assert first is not None
+        assert second is not None
+        assert second["data"] == first["data"]
+        assert second["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
+
+
+async def test_operator_restart_converges_without_duplicates() -> None:
+    async with cluster() as c:
+        await c.apply(example("llama3-8b-hetero-tp"))
+        await c.apply(example("deepseek-mla"))
+        await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True")
+        await c.stop_operator()  # possibly in the middle of reconciling deepseek-mla
+        await c.patch_spec("llama3-8b", {"decode": {"replicas": 2}})  # changed while no operator runs
+        await c.start_operator()
+        await c.wait(lambda: c.condition("deepseek-mla", "Compatible").get("status") == "True")
+        await c.wait(lambda: c.deployment("llama3-8b")["status"]["decode"]["replicas"] == 2, what="resumed")
+        names = [o["metadata"]["name"] for o in c.api.objects_of("statefulsets")]
+        assert sorted(names) == sorted(set(names))
+        assert len(names) == 4
+        assert len(c.api.objects_of("secrets")) == 2
+
+
+async def test_bad_resource_is_reported_not_crash_looped() -> None:
+    async with cluster() as c:
+        bad = example("llama3-8b-hetero-tp")
+        bad["metadata"]["name"] = "bad"
+        bad["spec"]["decode"]["tensorParallelSize"] = "two"  # the emulator does no schema validation
+        await c.apply(bad)
+        await c.apply(example("deepseek-mla"))
+        await c.wait(lambda: c.condition("bad", "Compatible").get("reason") == "InvalidSpec", what="InvalidSpec")
+        assert "spec.decode.tensorParallelSize" in c.condition("bad", "Compatible")["message"]
+        await c.wait(lambda: "InvalidSpec" in c.reasons("bad"))
+        await c.wait(lambda: c.condition("deepseek-mla", "Compatible").get("status") == "True", what="others go on")
+        assert children(c, "bad")["statefulsets"] == []
+
+
+async def test_cpu_mode_requests_no_gpus_and_unsupported_engines_are_refused() -> None:
+    async with cluster(OperatorConfig(cpu_mode=True, liveness_port=0)) as c:
+        await c.apply(example("deepseek-mla"))
+        vllm = example("llama3-8b-hetero-tp")
+        vllm["spec"]["engine"] = {"kind": "VLLM"}
+        await c.apply(vllm)
+        await c.wait(lambda: c.condition("deepseek-mla", "Compatible").get("status") == "True")
+        sts = c.api.get("statefulsets", "default", "deepseek-mla-prefill")
+        assert sts is not None
+        resources = sts["spec"]["template"]["spec"]["containers"][0]["resources"]
+        assert "limits" not in resources
+        env = {e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env["KVBRIDGE_DEVICE"] == "cpu"
+        await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "False")
+        assert "ENGINE_UNSUPPORTED at spec.engine.kind" in c.condition("llama3-8b", "Compatible")["message"]
