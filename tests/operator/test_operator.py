@@ -245,3 +245,32 @@ async def test_cpu_mode_requests_no_gpus_and_unsupported_engines_are_refused() -
         assert env["KVBRIDGE_DEVICE"] == "cpu"
         await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "False")
         assert "ENGINE_UNSUPPORTED at spec.engine.kind" in c.condition("llama3-8b", "Compatible")["message"]
+
+
+def printer_columns(obj: Obj) -> list[str]:
+    """What `kubectl get dd` prints for an object, from the CRD's printer-column JSONPaths."""
+    from kvbridge_operator.crd import crd
+
+    row = []
+    for column in crd()["spec"]["versions"][0]["additionalPrinterColumns"]:
+        path = column["jsonPath"]
+        if path.startswith(".status.conditions[?(@.type=="):
+            wanted = path.split('"')[1]
+            conditions = (obj.get("status") or {}).get("conditions") or []
+            row.append(next((c["status"] for c in conditions if c["type"] == wanted), ""))
+        else:
+            value: Any = obj
+            for part in path.strip(".").split("."):
+                value = value.get(part, "") if isinstance(value, dict) else ""
+            row.append(str(value))
+    return row
+
+
+async def test_kubectl_get_columns_show_ready_replicas_and_tp() -> None:
+    async with cluster() as c:
+        await c.apply(example("llama3-8b-hetero-tp"))
+        await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True")
+        await ready(c, "llama3-8b")
+        ready_col, prefill, decode, tp, age = printer_columns(c.deployment("llama3-8b"))
+        assert (ready_col, prefill, decode, tp) == ("True", "2/2", "1/1", "2→1")
+        assert age.endswith("Z")
