@@ -63,7 +63,7 @@ def _operator_run(args: argparse.Namespace) -> int:
     config = OperatorConfig.from_env(
         namespaces=tuple(args.namespace) if args.namespace else None, api_server=args.api_server,
         agent_image=args.agent_image, gpu_resource=args.gpu_resource, cpu_mode=True if args.cpu_mode else None,
-        liveness_port=args.liveness_port,
+        liveness_port=args.liveness_port, metrics_port=args.metrics_port,
     )  # fmt: skip
 
     async def main() -> None:
@@ -120,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--gpu-resource", help="extended resource per TP rank (default nvidia.com/gpu)")
     run.add_argument("--cpu-mode", action="store_true", help="request no GPUs; agents use host memory")
     run.add_argument("--liveness-port", type=int, help="port of /healthz (default 8080; 0 disables)")
+    run.add_argument("--metrics-port", type=int, help="port of Prometheus /metrics (default off)")
     run.set_defaults(func=_operator_run)
 
     demo = commands.add_parser("demo", help="the whole system on one machine (not available yet)")

@@ -33,6 +33,8 @@ class OperatorConfig:
     api_server: str = ""
     #: port of the operator's liveness endpoint (/healthz)
     liveness_port: int = 8080
+    #: port of the operator's Prometheus /metrics (0 disables)
+    metrics_port: int = 0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ, **overrides: object) -> OperatorConfig:

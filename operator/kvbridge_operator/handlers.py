@@ -15,6 +15,7 @@ import kopf
 
 from .config import OperatorConfig
 from .kube import DEPLOYMENTS, KubeClient
+from .metrics import RECONCILE_SECONDS, RECONCILES, serve
 from .reconcile import reconcile
 from .render import LABEL_DEPLOYMENT
 from .spec import GROUP, PLURAL, VERSION
@@ -34,6 +35,7 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
     settings.watching.connect_timeout = 30
     settings.networking.request_timeout = 60
     settings.queueing.error_delays = [1, 2, 5, 10, 30]
+    settings.scanning.disabled = True  # one discovery at start-up: no CRD/namespace watches, no extra RBAC
 
 
 def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorRegistry:
@@ -44,8 +46,15 @@ def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorR
         """Reconcile from a fresh read, one at a time per resource (events may carry stale bodies)."""
         async with locks[(namespace, name)]:
             body = await client.get(DEPLOYMENTS, namespace, name)
-            if body is not None:  # it may be gone by now (its pods drain after it)
-                await reconcile(client, body, config)
+            if body is None:  # it may be gone by now (its pods drain after it)
+                return
+            with RECONCILE_SECONDS.time():
+                try:
+                    outcome = await reconcile(client, body, config)
+                except Exception:
+                    RECONCILES.labels(result="error").inc()
+                    raise
+            RECONCILES.labels(result="applied" if outcome.applied else "refused").inc()
 
     @kopf.on.startup(registry=registry)
     def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -73,10 +82,14 @@ def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorR
     return registry
 
 
-async def run_operator(config: OperatorConfig, stop_flag: asyncio.Event | None = None) -> None:
+async def run_operator(
+    config: OperatorConfig, stop_flag: asyncio.Event | None = None, client: KubeClient | None = None
+) -> None:
     """Run until ``stop_flag`` is set (or forever): one replica, standalone, liveness endpoint on."""
     logging.getLogger("kopf").setLevel(logging.INFO)
-    client = KubeClient(config.api_server, insecure=True) if config.api_server else KubeClient.in_cluster()
+    if client is None:
+        client = KubeClient(config.api_server, insecure=True) if config.api_server else KubeClient.in_cluster()
+    serve(config.metrics_port)
     try:
         await kopf.operator(
             registry=build_registry(config, client),

@@ -16,6 +16,7 @@ from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.crd import crd
 from kvbridge_operator.handlers import run_operator
 from kvbridge_operator.kube import DEPLOYMENTS, PODS, STATEFUL_SETS, KubeClient, Resource
+from kvbridge_operator.rbac import allowed_calls
 
 from .emulator import RealisticKubernetes
 
@@ -31,10 +32,12 @@ class Cluster:
     config: OperatorConfig
     operator: asyncio.Task[None] | None = None
     stop: asyncio.Event = field(default_factory=asyncio.Event)
+    operator_calls: set[tuple[str, str]] = field(default_factory=set)
 
     async def start_operator(self) -> None:
         self.stop = asyncio.Event()
-        self.operator = asyncio.create_task(run_operator(self.config, self.stop))
+        self.operator_client = KubeClient(self.url, insecure=True)
+        self.operator = asyncio.create_task(run_operator(self.config, self.stop, self.operator_client))
 
     async def stop_operator(self) -> None:
         if self.operator is None:
@@ -48,6 +51,10 @@ class Cluster:
                 await self.operator
             raise
         self.operator = None
+        await self.operator_client.close()
+        self.operator_calls |= self.operator_client.calls
+        undeclared = self.operator_calls - allowed_calls()
+        assert not undeclared, f"the operator called what kvbridge_operator.rbac does not declare: {undeclared}"
 
     async def apply(self, document: Obj, namespace: str = "default") -> Obj:
         return await self.client.create(DEPLOYMENTS, namespace, document)

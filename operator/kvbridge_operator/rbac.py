@@ -1,0 +1,29 @@
+"""Every permission the operator needs: its own API calls plus Kopf's watches.
+
+The Helm chart grants exactly these (a test renders the chart and compares),
+and the operator tests check that the client never calls anything else.
+"""
+
+from __future__ import annotations
+
+#: (API group, resource, verbs)
+REQUIRED: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("kvbridge.io", "disaggregateddeployments", ("get", "list", "watch", "patch")),
+    ("kvbridge.io", "disaggregateddeployments/status", ("patch",)),
+    ("apps", "statefulsets", ("get", "create", "patch")),
+    ("", "services", ("create", "patch")),
+    ("networking.k8s.io", "networkpolicies", ("create", "patch")),
+    ("", "secrets", ("create",)),
+    ("", "pods", ("list", "watch")),
+    ("", "events", ("create",)),
+)
+
+#: what Kopf itself calls on top of the operator's client (list+watch of handled resources, annotations)
+KOPF: frozenset[tuple[str, str]] = frozenset(
+    {("list", "disaggregateddeployments"), ("watch", "disaggregateddeployments"),
+     ("patch", "disaggregateddeployments"), ("list", "pods"), ("watch", "pods")}
+)  # fmt: skip
+
+
+def allowed_calls() -> set[tuple[str, str]]:
+    return {(verb, resource) for _group, resource, verbs in REQUIRED for verb in verbs}
