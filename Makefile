@@ -37,7 +37,7 @@ demo: setup
 	$(VENV)/bin/kvbridge demo
 
 crds: setup
-	$(VENV)/bin/kvbridge crd -o crds
+	$(VENV)/bin/kvbridge crd -o crds -o charts/kvbridge/crds
 
 bench-core: setup
 	$(PY) benchmarks/core_plan.py

@@ -1,0 +1,76 @@
+{{/* Chart name. */}}
+{{- define "kvbridge.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Full name: release-chart, unless the release name already contains the chart name. */}}
+{{- define "kvbridge.fullname" -}}
+{{- if contains .Chart.Name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{/* Standard labels. */}}
+{{- define "kvbridge.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "kvbridge.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kvbridge
+{{- end }}
+
+{{/* Selector labels (immutable: never add to these). */}}
+{{- define "kvbridge.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvbridge.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{- define "kvbridge.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "kvbridge.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "kvbridge.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "kvbridge.agentImage" -}}
+{{- default (printf "ghcr.io/kvbridge/kvbridge-agent:%s" .Chart.AppVersion) .Values.agent.image }}
+{{- end }}
+
+{{/*
+The operator's permissions: exactly what kvbridge_operator.rbac.REQUIRED lists
+(a test renders the chart and compares).
+*/}}
+{{- define "kvbridge.rules" -}}
+- apiGroups: ["kvbridge.io"]
+  resources: ["disaggregateddeployments"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["kvbridge.io"]
+  resources: ["disaggregateddeployments/status"]
+  verbs: ["patch"]
+- apiGroups: ["apps"]
+  resources: ["statefulsets"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["create", "patch"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["create", "patch"]
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list", "watch"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end }}

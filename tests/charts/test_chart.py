@@ -1,0 +1,158 @@
+"""The Helm chart rendered in-process (helm-python-sdk): valid objects, least privilege, strict values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvbridge_operator.rbac import REQUIRED
+
+ROOT = Path(__file__).parents[2]
+CHART = ROOT / "charts" / "kvbridge"
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "namespace-scope": {"watch": {"scope": "Namespace"}},
+    "service-monitor": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}},
+    "cpu-mode-custom-images": {"gpu": {"cpuMode": True, "resourceName": "amd.com/gpu"},
+                               "image": {"repository": "registry.local/kvbridge-operator", "tag": "dev"},
+                               "agent": {"image": "registry.local/kvbridge-agent:dev", "numBlocks": 1024}},
+    "no-metrics-existing-sa": {"metrics": {"enabled": False}, "serviceAccount": {"create": False, "name": "ops"}},
+}  # fmt: skip
+
+
+def render(values: dict[str, Any]) -> list[dict[str, Any]]:
+    chart = helm.Chart.load(str(CHART))
+    manifests = chart.render(values, name="kvbridge", namespace="kvbridge-system", is_install=True)
+    return [doc for name, text in sorted(manifests.items()) if name.endswith(".yaml")
+            for doc in yaml.safe_load_all(text) if doc]  # fmt: skip
+
+
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=list(VALUE_SETS))
+def test_every_rendered_object_validates_strictly(values: dict[str, Any]) -> None:
+    objects = render(values)
+    assert objects
+    for obj in objects:
+        if obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            assert obj["spec"]["endpoints"][0]["port"] == "metrics"  # not a built-in schema
+            continue
+        kubernetes_validate.validate(obj, "1.30", strict=True)
+        labels = obj["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "kvbridge"
+        assert labels["app.kubernetes.io/instance"] == "kvbridge"
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+
+
+def by_kind(objects: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    found: dict[str, list[dict[str, Any]]] = {}
+    for obj in objects:
+        found.setdefault(obj["kind"], []).append(obj)
+    return found
+
+
+def test_rbac_grants_exactly_what_the_operator_calls_and_no_wildcards() -> None:
+    wanted = {(group, resource, verb) for group, resource, verbs in REQUIRED for verb in verbs}
+    for values in VALUE_SETS.values():
+        kinds = by_kind(render(values))
+        [role] = kinds.get("ClusterRole", []) + kinds.get("Role", [])
+        granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+                   for v in rule["verbs"]}  # fmt: skip
+        assert granted == wanted
+        assert not any("*" in item for item in granted for item in item)
+
+
+def test_watch_scopes() -> None:
+    cluster = by_kind(render({}))
+    assert {"ClusterRole", "ClusterRoleBinding"} <= set(cluster)
+    assert "Role" not in cluster
+    namespaced = by_kind(render({"watch": {"scope": "Namespace"}}))
+    assert "ClusterRole" not in namespaced
+    assert "ClusterRoleBinding" not in namespaced
+    [binding] = namespaced["RoleBinding"]
+    assert binding["metadata"]["namespace"] == "kvbridge-system"
+    [deployment] = namespaced["Deployment"]
+    env = {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["KVBRIDGE_OPERATOR_NAMESPACES"] == "kvbridge-system"
+    cluster_env = cluster["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert "KVBRIDGE_OPERATOR_NAMESPACES" not in {e["name"] for e in cluster_env}
+
+
+def test_operator_deployment_is_one_restricted_replica() -> None:
+    [deployment] = by_kind(render({}))["Deployment"]
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    [container] = pod["containers"]
+    assert container["securityContext"] == {"readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
+                                            "capabilities": {"drop": ["ALL"]}}  # fmt: skip
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert container["image"] == "ghcr.io/kvbridge/kvbridge-operator:0.1.0"
+    assert container["resources"]["limits"]["memory"] == "512Mi"
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["KVBRIDGE_OPERATOR_AGENT_IMAGE"] == "ghcr.io/kvbridge/kvbridge-agent:0.1.0"
+    assert env["KVBRIDGE_OPERATOR_GPU_RESOURCE"] == "nvidia.com/gpu"
+    assert env["KVBRIDGE_OPERATOR_METRICS_PORT"] == "8081"
+
+
+def test_values_reach_the_operator() -> None:
+    [deployment] = by_kind(render(VALUE_SETS["cpu-mode-custom-images"]))["Deployment"]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert container["image"] == "registry.local/kvbridge-operator:dev"
+    assert env["KVBRIDGE_OPERATOR_AGENT_IMAGE"] == "registry.local/kvbridge-agent:dev"
+    assert env["KVBRIDGE_OPERATOR_CPU_MODE"] == "true"
+    assert env["KVBRIDGE_OPERATOR_AGENT_NUM_BLOCKS"] == "1024"
+    assert env["KVBRIDGE_OPERATOR_GPU_RESOURCE"] == "amd.com/gpu"
+    kinds = by_kind(render(VALUE_SETS["no-metrics-existing-sa"]))
+    assert "ServiceAccount" not in kinds
+    assert "Service" not in kinds
+    assert kinds["Deployment"][0]["spec"]["template"]["spec"]["serviceAccountName"] == "ops"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"watch": {"scope": "Galaxy"}},
+        {"unknownKey": 1},
+        {"image": {"repository": "x", "pullPolicy": "Sometimes"}},
+        {"agent": {"numBlocks": 0}},
+        {"gpu": {"cpuMode": "yes"}},
+        {"metrics": {"port": 70000}},
+        {"metrics": {"serviceMonitor": {"interval": "often"}}},
+    ],
+)
+def test_values_schema_rejects_bad_values(bad: dict[str, Any]) -> None:
+    chart = helm.Chart.load(str(CHART))
+    with pytest.raises(helm.HelmError):
+        chart.validate_schema(bad)
+    with pytest.raises(helm.HelmError):
+        chart.render(bad, name="kvbridge", namespace="kvbridge-system")
+
+
+def test_lint_passes_strictly() -> None:
+    report = helm.lint(str(CHART), strict=True, kube_version="v1.30.0")
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+def test_chart_crds_are_a_byte_copy_of_the_generated_ones() -> None:
+    top = sorted((ROOT / "crds").glob("*.yaml"))
+    chart = sorted((CHART / "crds").glob("*.yaml"))
+    assert [p.name for p in top] == [p.name for p in chart]
+    for a, b in zip(top, chart, strict=True):
+        assert a.read_bytes() == b.read_bytes(), f"{b} differs from {a}: run `make crds`"
+
+
+def test_chart_and_app_versions() -> None:
+    meta = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert meta["apiVersion"] == "v2"
+    assert meta["version"]
+    assert meta["appVersion"]
+    assert meta["kubeVersion"].startswith(">=")
