@@ -115,20 +115,7 @@ def strided_rows(
     when the units of a region are not evenly spaced (``BlocksFirst`` viewed
     as sub-blocks), in which case the caller lists every descriptor.
     """
-    sub_bytes = exact_div(layout.unit_bytes, units_per_block, what="region block bytes per sub-unit")
-    span = sub_bytes - offset if length is None else length
-    if offset < 0 or span <= 0 or offset + span > sub_bytes:
-        raise SpecError(
-            f"descriptor [{offset}, {offset + span}) does not fit in a {sub_bytes}-byte unit",
-            field="offset",
-            code="DESCRIPTOR_OUT_OF_BOUNDS",
-        )
-    if len(bases) != layout.num_tensors:
-        raise SpecError(
-            f"expected {layout.num_tensors} tensor base addresses for this cache layout, got {len(bases)}",
-            field="bases",
-            code="REGION_COUNT_MISMATCH",
-        )
+    sub_bytes, span = _descriptor_span(bases, layout, units_per_block, offset, length)
     if units_per_block > 1 and layout.block_stride != units_per_block * sub_bytes:
         return None
     spacing = sub_bytes if units_per_block > 1 else layout.block_stride
@@ -140,6 +127,27 @@ def strided_rows(
     rows[:, 3] = spacing
     rows[:, 4] = num_blocks * units_per_block
     return rows
+
+
+def _descriptor_span(
+    bases: Sequence[int], layout: RegionLayout, units_per_block: int, offset: int, length: int | None
+) -> tuple[int, int]:
+    """``(sub-unit bytes, descriptor length)``, or a typed error if the descriptors would not fit."""
+    if len(bases) != layout.num_tensors:
+        raise SpecError(
+            f"expected {layout.num_tensors} tensor base addresses for this cache layout, got {len(bases)}",
+            field="bases",
+            code="REGION_COUNT_MISMATCH",
+        )
+    sub_bytes = exact_div(layout.unit_bytes, units_per_block, what="region block bytes per sub-unit")
+    span = sub_bytes - offset if length is None else length
+    if offset < 0 or span <= 0 or offset + span > sub_bytes:
+        raise SpecError(
+            f"descriptor [{offset}, {offset + span}) does not fit in a {sub_bytes}-byte unit",
+            field="offset",
+            code="DESCRIPTOR_OUT_OF_BOUNDS",
+        )
+    return sub_bytes, span
 
 
 def unit_addresses(
@@ -160,22 +168,9 @@ def unit_addresses(
     NIXL can merge contiguous descriptors.  The descriptor with id
     ``region * num_blocks * units_per_block + unit`` is element ``id``.
     """
-    if len(bases) != layout.num_tensors:
-        raise SpecError(
-            f"expected {layout.num_tensors} tensor base addresses for this cache layout, got {len(bases)}",
-            field="bases",
-            code="REGION_COUNT_MISMATCH",
-        )
     if num_blocks < 1:
         raise SpecError("num_blocks must be at least 1", field="num_blocks", code="INVALID_SPEC")
-    sub_bytes = exact_div(layout.unit_bytes, units_per_block, what="region block bytes per sub-unit")
-    span = sub_bytes - offset if length is None else length
-    if offset < 0 or span <= 0 or offset + span > sub_bytes:
-        raise SpecError(
-            f"descriptor [{offset}, {offset + span}) does not fit in a {sub_bytes}-byte unit",
-            field="offset",
-            code="DESCRIPTOR_OUT_OF_BOUNDS",
-        )
+    sub_bytes, _span = _descriptor_span(bases, layout, units_per_block, offset, length)
     base = np.asarray(bases, dtype=np.int64)[np.asarray(layout.region_tensor, dtype=np.int64)]
     region_start = base + np.asarray(layout.region_offset, dtype=np.int64) + offset
     units = np.arange(num_blocks * units_per_block, dtype=np.int64)

@@ -311,17 +311,8 @@ class DecodeRank:
             states = [self.transport.state(h) for h in flight.handles]
             peer = self.peers.get(flight.params.remote_engine_id)
             if "ERR" in states or peer is None:
-                del self._in_flight[request_id]
-                self._cancel(flight)
                 results.append(
-                    ReadResult(
-                        request_id,
-                        False,
-                        TRANSFER_FAILED,
-                        "NIXL reported a failed READ (the prefill engine may be gone)",
-                        flight.blocks,
-                        peer_failed=True,
-                    )
+                    self._fail(flight, TRANSFER_FAILED, "NIXL reported a failed READ (the prefill engine may be gone)")
                 )
             elif all(state == "DONE" for state in states):
                 del self._in_flight[request_id]
@@ -329,18 +320,7 @@ class DecodeRank:
                     self.transport.release(handle)
                 results.append(self._finish(flight, peer))
             elif now > flight.deadline:
-                del self._in_flight[request_id]
-                self._cancel(flight)
-                results.append(
-                    ReadResult(
-                        request_id,
-                        False,
-                        TRANSFER_TIMEOUT,
-                        f"READs not complete after {flight.timeout:g} s",
-                        flight.blocks,
-                        peer_failed=True,
-                    )
-                )
+                results.append(self._fail(flight, TRANSFER_TIMEOUT, f"READs not complete after {flight.timeout:g} s"))
         return results
 
     def _finish(self, flight: _InFlight, peer: RemotePeer) -> ReadResult:
@@ -350,6 +330,12 @@ class DecodeRank:
             seconds=time.perf_counter() - flight.started, ids_microseconds=flight.ids_microseconds,
             make_microseconds=flight.make_microseconds, post_microseconds=flight.post_microseconds,
         )  # fmt: skip
+
+    def _fail(self, flight: _InFlight, code: str, message: str) -> ReadResult:
+        """Stop tracking a request, cancel its READs; its local blocks are invalid, its peer suspect."""
+        del self._in_flight[flight.request_id]
+        self._cancel(flight)
+        return ReadResult(flight.request_id, False, code, message, flight.blocks, peer_failed=True)
 
     def _cancel(self, flight: _InFlight) -> None:
         for handle in flight.handles:

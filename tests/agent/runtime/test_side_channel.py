@@ -38,6 +38,21 @@ def client(
     return SideChannelClient("127.0.0.1", server.port, fingerprint, keys, timeout)
 
 
+def raw_request(server: SideChannelServer, keys: CurveKeys, frames: list[bytes]) -> list[bytes]:
+    """Send raw frames over an authenticated REQ socket; the listener's reply frames."""
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys.public, keys.public, keys.secret
+    sock.connect(f"tcp://127.0.0.1:{server.port}")
+    try:
+        sock.send_multipart(frames)
+        assert sock.poll(3000), "the listener did not answer"
+        reply: list[bytes] = sock.recv_multipart()
+        return reply
+    finally:
+        sock.close()
+
+
 def test_authenticated_client_gets_metadata(server: SideChannelServer, keys: CurveKeys) -> None:
     ranks = client(server, keys).fetch([0])
     assert ranks == {0: (META, b"agent-0")}
@@ -72,19 +87,9 @@ def test_wrong_fingerprint_and_unknown_rank_are_refused_and_the_listener_keeps_s
     ids=["garbage", "truncated", "extra-frames", "empty", "oversized"],
 )
 def test_garbage_frames_get_an_error_reply(server: SideChannelServer, keys: CurveKeys, frames: list[bytes]) -> None:
-    context = zmq.Context.instance()
-    sock = context.socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys.public, keys.public, keys.secret
-    sock.connect(f"tcp://127.0.0.1:{server.port}")
-    try:
-        sock.send_multipart(frames)
-        assert sock.poll(3000), "the listener did not answer"
-        with pytest.raises(HandshakeError) as caught:
-            decode_reply(sock.recv_multipart(), "fp")
-        assert caught.value.code in {"MALFORMED_MESSAGE", "UNKNOWN_MESSAGE_TYPE"}
-    finally:
-        sock.close()
+    with pytest.raises(HandshakeError) as caught:
+        decode_reply(raw_request(server, keys, frames), "fp")
+    assert caught.value.code in {"MALFORMED_MESSAGE", "UNKNOWN_MESSAGE_TYPE"}
     assert client(server, keys).fetch([0])[0][0] == META
 
 
@@ -104,19 +109,8 @@ def test_nobody_listening_times_out(keys: CurveKeys, free_port: int) -> None:
 def test_request_without_envelope_version(server: SideChannelServer, keys: CurveKeys) -> None:
     frames = encode_request(MessageType.METADATA, "fp", rank=0)
     frames[0] = frames[0].replace(b'"version":1', b'"version":2')
-    context = zmq.Context.instance()
-    sock = context.socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys.public, keys.public, keys.secret
-    sock.connect(f"tcp://127.0.0.1:{server.port}")
-    try:
-        sock.send_multipart(frames)
-        assert sock.poll(3000)
-        reply = sock.recv_multipart()
-    finally:
-        sock.close()
     with pytest.raises(HandshakeError) as caught:
-        decode_reply(reply, "fp")
+        decode_reply(raw_request(server, keys, frames), "fp")
     assert caught.value.code == "PROTOCOL_VERSION_MISMATCH"
 
 
