@@ -31,10 +31,9 @@ import yaml
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.operator.emulator import RealisticKubernetes  # noqa: E402
-
 from kvbridge_operator.crd import crd  # noqa: E402
 from kvbridge_operator.kube import DEPLOYMENTS, PODS, KubeClient, Resource  # noqa: E402
+from kvbridge_operator.local.apiserver import RealisticKubernetes  # noqa: E402
 
 CRDS = Resource("apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False)
 

@@ -16,9 +16,8 @@ from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.crd import crd
 from kvbridge_operator.handlers import run_operator
 from kvbridge_operator.kube import DEPLOYMENTS, PODS, STATEFUL_SETS, KubeClient, Resource
+from kvbridge_operator.local.apiserver import RealisticKubernetes
 from kvbridge_operator.rbac import allowed_calls
-
-from .emulator import RealisticKubernetes
 
 CRDS = Resource("apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False)
 Obj = dict[str, Any]
@@ -63,7 +62,7 @@ class Cluster:
         return await self.client.patch(DEPLOYMENTS, namespace, name, {"spec": spec_patch})
 
     def deployment(self, name: str, namespace: str = "default") -> Obj:
-        found = self.api.get("disaggregateddeployments", namespace, name)
+        found = self.api.find("disaggregateddeployments", namespace, name)
         if found is None:
             raise AssertionError(f"deployment {name} not found")
         return found

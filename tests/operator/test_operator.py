@@ -162,7 +162,7 @@ async def test_spec_change_rolls_out_with_fingerprints() -> None:
         await c.patch_spec("llama3-8b", {"model": {"kvCacheDtype": "fp8_e4m3"}})
         await c.wait(lambda: c.deployment("llama3-8b")["status"]["fingerprint"] != old, what="new fingerprint")
         new = c.deployment("llama3-8b")["status"]["fingerprint"]
-        prefill = c.api.get("statefulsets", "default", "llama3-8b-prefill")
+        prefill = c.api.find("statefulsets", "default", "llama3-8b-prefill")
         assert prefill is not None
         assert prefill["spec"]["template"]["metadata"]["labels"]["kvbridge.io/fingerprint"] == new
         # the StatefulSet controller replaces one pod; old and new coexist
@@ -190,10 +190,10 @@ async def test_secret_is_created_once_and_kept_across_updates() -> None:
     async with cluster() as c:
         await c.apply(example("llama3-8b-hetero-tp"))
         await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True")
-        first = c.api.get("secrets", "default", "llama3-8b-side-channel")
+        first = c.api.find("secrets", "default", "llama3-8b-side-channel")
         await c.patch_spec("llama3-8b", {"prefill": {"replicas": 3}})
         await c.wait(lambda: c.deployment("llama3-8b")["status"]["prefill"]["replicas"] == 3)
-        second = c.api.get("secrets", "default", "llama3-8b-side-channel")
+        second = c.api.find("secrets", "default", "llama3-8b-side-channel")
         assert first is not None
         assert second is not None
         assert second["data"] == first["data"]
@@ -237,7 +237,7 @@ async def test_cpu_mode_requests_no_gpus_and_unsupported_engines_are_refused() -
         vllm["spec"]["engine"] = {"kind": "VLLM"}
         await c.apply(vllm)
         await c.wait(lambda: c.condition("deepseek-mla", "Compatible").get("status") == "True")
-        sts = c.api.get("statefulsets", "default", "deepseek-mla-prefill")
+        sts = c.api.find("statefulsets", "default", "deepseek-mla-prefill")
         assert sts is not None
         resources = sts["spec"]["template"]["spec"]["containers"][0]["resources"]
         assert "limits" not in resources

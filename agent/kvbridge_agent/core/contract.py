@@ -46,6 +46,7 @@ _ENGINE_VARS = {
     "KEYS_DIR": "keys_dir",
     "NUM_BLOCKS": "num_blocks",
     "HTTP_PORT": "http_port",
+    "HTTP_HOST": "http_host",
     "DEVICE": "device",
     "TRANSFER_TIMEOUT_SECONDS": "transfer_timeout_seconds",
     "VERIFY": "verify",
@@ -71,6 +72,7 @@ class EngineEnvironment(CamelModel):
     keys_dir: str = Field(default="", description="Directory with curve-public and curve-secret; empty: no CURVE.")
     num_blocks: int = Field(default=256, ge=1, le=1 << 24)
     http_port: int = Field(default=8000, ge=0, le=65535)
+    http_host: str = Field(default="0.0.0.0", min_length=1, description="Address the HTTP API binds.")
     device: str = Field(default="cpu", min_length=1)
     transfer_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
     verify: bool = Field(

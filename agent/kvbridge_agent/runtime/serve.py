@@ -18,7 +18,7 @@ from .keys import load_keys
 log = logging.getLogger(__name__)
 
 
-def serve(env: EngineEnvironment, *, http_host: str = "0.0.0.0", log_level: str = "WARNING") -> int:
+def serve(env: EngineEnvironment, *, log_level: str = "WARNING") -> int:
     """Start ranks, side channel and HTTP; print one JSON ready line on stdout; stop on SIGTERM/SIGINT."""
     stop = threading.Event()
 
@@ -32,7 +32,7 @@ def serve(env: EngineEnvironment, *, http_host: str = "0.0.0.0", log_level: str 
     http: AgentHTTPServer | None = None
     try:
         engine.start()
-        http = AgentHTTPServer(http_host, env.http_port, engine)
+        http = AgentHTTPServer(env.http_host, env.http_port, engine)
         http.start()
         ready = {
             "ready": True,

@@ -24,7 +24,7 @@ import json
 import re
 import secrets
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import aiohttp.web
@@ -220,7 +220,7 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         raw = request._raw_request
         if raw is None:  # pragma: no cover - only synthetic requests lack it
             raise kmock.KubernetesError(status=500, reason="InternalError", message="no raw request")
-        events = aiter(self._serve_watch(request))
+        events = self._serve_watch(request)
         await anext(events)  # subscribed and the backlog is taken: safe to start the response
         response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
         await response.prepare(raw)
@@ -346,7 +346,7 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         return {"apiVersion": self._api_version(gvp), "kind": f"{info['kind']}List",
                 "metadata": {"resourceVersion": str(revision)}, "items": items}  # fmt: skip
 
-    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[Any]:
+    async def _serve_watch(self, request: rendering.Request) -> AsyncGenerator[Any, None]:
         self._info(request)
         gvp = self._gvp(request)
         queue: asyncio.Queue[tuple[int, Obj]] = asyncio.Queue()
@@ -391,7 +391,7 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
 
     # -- discovery --------------------------------------------------------------
     async def _serve_version(self, request: rendering.Request) -> Obj:
-        result: Obj = await super()._serve_version(request)
+        result: Obj = dict(await super()._serve_version(request))  # type: ignore[arg-type]
         if request.resource is not None and not request.resource.group:
             result["groupVersion"] = request.resource.version or "v1"
         return result
@@ -405,7 +405,7 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         """The stored objects themselves (no copies): read-only, for cheap polling in benchmarks."""
         return [o for (_g, _v, p, _ns, _n), o in self.store.items() if p == plural]
 
-    def get(self, plural: str, namespace: str | None, name: str) -> Obj | None:
+    def find(self, plural: str, namespace: str | None, name: str) -> Obj | None:
         for (_g, _v, p, ns, n), obj in self.store.items():
             if p == plural and ns == namespace and n == name:
                 return copy.deepcopy(obj)
