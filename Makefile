@@ -34,7 +34,7 @@ unit: setup
 test: lint typecheck imports unit
 
 demo: setup
-	$(VENV)/bin/kvbridge demo
+	$(VENV)/bin/kvbridge demo $(DEMO_ARGS)
 
 crds: setup
 	$(VENV)/bin/kvbridge crd -o crds -o charts/kvbridge/crds

@@ -1,0 +1,64 @@
+"""`kvbridge demo` end to end (scaled down): the operator, local pods, real transfers, a prefill restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+
+def marked_processes(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if f"KVBRIDGE_DEMO_MARKER={marker}".encode() in environ and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def test_demo_json_contract() -> None:
+    marker = uuid.uuid4().hex
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "kvbridge_operator", "demo", "--json", "--requests", "4"],
+        capture_output=True, text=True, timeout=240, check=False,
+        env={**os.environ, "KVBRIDGE_DEMO_MARKER": marker},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert time.monotonic() - started < 180
+    report = json.loads(result.stdout)
+    assert report["ok"] is True
+    by_name = {d["name"]: d for d in report["deployments"]}
+
+    hetero = by_name["llama3-8b"]
+    assert hetero["conditions"] == {"Compatible": "True", "PrefillReady": "True", "DecodeReady": "True",
+                                    "Ready": "True"}  # fmt: skip
+    assert hetero["plan"]["tpRatio"] == -2
+    assert sorted(e["pod"] for e in hetero["endpoints"]) == ["llama3-8b-prefill-0", "llama3-8b-prefill-1"]
+    assert all(e["ip"].startswith("127.0.0.") and e["port"] == 5600 and e["ranks"] == 2 for e in hetero["endpoints"])
+    assert hetero["transfers"]["requests"] == hetero["transfers"]["verified"] == 4
+    assert hetero["transfers"]["verifiedAfterPrefillRestart"] >= 1
+    assert hetero["transfers"]["failures"] == []
+
+    refused = by_name["replicated-heads"]
+    assert refused["conditions"]["Compatible"] == "False"
+    assert refused["pods"] == 0
+    reasons = {(e["object"].split("/")[1], e["reason"]) for e in report["events"]}
+    assert ("replicated-heads", "Incompatible") in reasons
+    assert ("llama3-8b", "PrefillRestarted") in reasons
+    warning = next(e for e in report["events"] if e["reason"] == "Incompatible")
+    assert "PREFILL_HEADS_REPLICATED" in warning["message"]
+    assert "restarting prefill pod" in result.stderr  # progress output while it runs
+
+    time.sleep(1)
+    assert marked_processes(marker) == [], "the demo left processes behind"
