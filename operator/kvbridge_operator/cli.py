@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from kvbridge_agent.core import KVBridgeError
 
@@ -86,19 +87,29 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"kvbridge demo: error: missing {', '.join(missing)}; install with "
               "pip install 'kvbridge[agent,operator,demo]' (or run make demo)", file=sys.stderr)  # fmt: skip
         return EXIT_INVALID
+    import signal
+
     from .demo import DemoError, render_text, run_demo
 
+    interrupted = asyncio.Event()
+
+    async def main() -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, interrupted.set)
+        return await run_demo(args.file, args.requests, args.num_layers, interrupted)
+
     try:
-        report = asyncio.run(run_demo(args.file, args.requests, args.num_layers))
+        report = asyncio.run(main())
     except KVBridgeError as exc:
         print(f"kvbridge demo: error: {exc.message}", file=sys.stderr)
         return EXIT_INVALID
-    except DemoError as exc:
+    except (DemoError, asyncio.CancelledError, KeyboardInterrupt) as exc:
+        if interrupted.is_set() or not isinstance(exc, DemoError):
+            print("kvbridge demo: interrupted; every process it started was stopped", file=sys.stderr)
+            return 130
         print(f"kvbridge demo: failed: {exc}", file=sys.stderr)
         return EXIT_INCOMPATIBLE
-    except KeyboardInterrupt:
-        print("kvbridge demo: interrupted; every process it started was stopped", file=sys.stderr)
-        return 130
     if args.json:
         print(json.dumps(report))
     else:

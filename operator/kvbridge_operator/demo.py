@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import signal
 import sys
 import tempfile
 import time
@@ -77,10 +78,13 @@ def condition(obj: Obj, kind: str) -> Obj:
     return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == kind), {})
 
 
-async def wait_for_verdicts(client: KubeClient, names: list[str], timeout: float) -> dict[str, Obj]:
+async def wait_for_verdicts(
+    client: KubeClient, names: list[str], timeout: float, interrupted: asyncio.Event | None = None
+) -> dict[str, Obj]:
     deadline = time.monotonic() + timeout
     last = ""
     while True:
+        check(interrupted)
         objects = {n: await client.get(DEPLOYMENTS, NAMESPACE, n) or {} for n in names}
         settled = all(condition(o, "Compatible").get("status") == "False" or condition(o, "Ready").get("status")
                       == "True" for o in objects.values())  # fmt: skip
@@ -120,7 +124,9 @@ async def transfer(session: aiohttp.ClientSession, prefill_url: str, decode_url:
     return True
 
 
-async def route(client: KubeClient, runner: Any, name: str, requests: int, restart: bool) -> Transfers:
+async def route(
+    client: KubeClient, runner: Any, name: str, requests: int, restart: bool, interrupted: asyncio.Event | None = None
+) -> Transfers:
     """Play the router: prefill computes, decode pulls through the published endpoints; one prefill restart."""
     result = Transfers()
     dd = await client.get(DEPLOYMENTS, NAMESPACE, name) or {}
@@ -133,11 +139,12 @@ async def route(client: KubeClient, runner: Any, name: str, requests: int, resta
     block = max(int(spec.get("prefill", {}).get("blockSize", 16)), int(spec.get("decode", {}).get("blockSize", 16)))
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         for index in range(requests):
+            check(interrupted)
             if restart and index == requests // 2:
                 victim = endpoints[0]["pod"]
                 progress(f"  restarting prefill pod {victim} (its engine is killed; the runner starts it again)")
                 runner.crash(NAMESPACE, victim)
-                await wait_restarted(client, name, victim)
+                await wait_restarted(client, name, victim, interrupted=interrupted)
                 dd = await client.get(DEPLOYMENTS, NAMESPACE, name) or {}
                 endpoints = dd["status"]["prefill"]["endpoints"]
             endpoint = endpoints[index % len(endpoints)]
@@ -152,10 +159,13 @@ async def route(client: KubeClient, runner: Any, name: str, requests: int, resta
     return result
 
 
-async def wait_restarted(client: KubeClient, name: str, pod: str, timeout: float = 120) -> None:
+async def wait_restarted(
+    client: KubeClient, name: str, pod: str, timeout: float = 120, interrupted: asyncio.Event | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     seen_down = False
     while time.monotonic() < deadline:
+        check(interrupted)
         dd = await client.get(DEPLOYMENTS, NAMESPACE, name) or {}
         pods = [e["pod"] for e in (dd.get("status") or {}).get("prefill", {}).get("endpoints") or []]
         seen_down = seen_down or pod not in pods
@@ -171,7 +181,14 @@ def events_of(api: Any, name: str) -> list[Obj]:
             for e in api.objects_of("events") if e.get("involvedObject", {}).get("name") == name]  # fmt: skip
 
 
-async def run_demo(files: list[str] | None, requests: int, num_layers: int) -> dict[str, Any]:
+def check(interrupted: asyncio.Event | None) -> None:
+    if interrupted is not None and interrupted.is_set():
+        raise DemoError("interrupted")
+
+
+async def run_demo(
+    files: list[str] | None, requests: int, num_layers: int, interrupted: asyncio.Event | None = None
+) -> dict[str, Any]:
     import kmock
 
     from .crd import crd
@@ -189,8 +206,14 @@ async def run_demo(files: list[str] | None, requests: int, num_layers: int) -> d
             client = KubeClient(url, insecure=True)
             await client.create(CRDS, "", crd())
             config = OperatorConfig(api_server=url, cpu_mode=True, agent_num_blocks=96, liveness_port=0)
-            stop = asyncio.Event()
-            operator = asyncio.create_task(run_operator(config, stop))
+            stop, ready = asyncio.Event(), asyncio.Event()
+            operator = asyncio.create_task(run_operator(config, stop, ready_flag=ready))
+            await asyncio.wait_for(ready.wait(), timeout=60)
+            await asyncio.sleep(0.2)  # Kopf installs its own SIGINT/SIGTERM handlers: ours must win
+            if interrupted is not None:
+                loop = asyncio.get_running_loop()
+                for signum in (signal.SIGINT, signal.SIGTERM):
+                    loop.add_signal_handler(signum, interrupted.set)
             runner = LocalRunner(client, Path(workdir))
             running = asyncio.create_task(runner.run(stop))
             try:
@@ -199,7 +222,7 @@ async def run_demo(files: list[str] | None, requests: int, num_layers: int) -> d
                     await client.create(DEPLOYMENTS, NAMESPACE, doc)
                     names.append(doc["metadata"]["name"])
                     progress(f"applied DisaggregatedDeployment {doc['metadata']['name']}")
-                objects = await wait_for_verdicts(client, names, timeout=150)
+                objects = await wait_for_verdicts(client, names, 150, interrupted)
                 report: dict[str, Any] = {"ok": True, "deployments": [], "events": []}
                 for name in names:
                     obj = objects[name]
@@ -212,7 +235,7 @@ async def run_demo(files: list[str] | None, requests: int, num_layers: int) -> d
                     }
                     if condition(obj, "Compatible").get("status") == "True":
                         progress(f"routing {requests} requests through {name} ...")
-                        transfers = await route(client, runner, name, requests, restart=True)
+                        transfers = await route(client, runner, name, requests, True, interrupted)
                         await asyncio.sleep(1.0)  # let the operator publish the last pod events
                         entry["transfers"] = transfers.to_dict()
                         final = await client.get(DEPLOYMENTS, NAMESPACE, name) or obj

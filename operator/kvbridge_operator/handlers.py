@@ -83,7 +83,10 @@ def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorR
 
 
 async def run_operator(
-    config: OperatorConfig, stop_flag: asyncio.Event | None = None, client: KubeClient | None = None
+    config: OperatorConfig,
+    stop_flag: asyncio.Event | None = None,
+    client: KubeClient | None = None,
+    ready_flag: asyncio.Event | None = None,
 ) -> None:
     """Run until ``stop_flag`` is set (or forever): one replica, standalone, liveness endpoint on."""
     logging.getLogger("kopf").setLevel(logging.INFO)
@@ -98,6 +101,7 @@ async def run_operator(
             namespaces=list(config.namespaces),
             liveness_endpoint=f"http://0.0.0.0:{config.liveness_port}/healthz" if config.liveness_port else None,
             stop_flag=stop_flag,
+            ready_flag=ready_flag,
         )
     finally:
         await client.close()

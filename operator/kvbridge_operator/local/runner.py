@@ -14,6 +14,7 @@ import asyncio
 import base64
 import contextlib
 import copy
+import ctypes
 import itertools
 import os
 import signal
@@ -29,6 +30,12 @@ from ..kube import PODS, SECRETS, STATEFUL_SETS, KubeClient
 from ..render import MANAGED_BY, secret_name
 
 Obj = dict[str, Any]
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: SIGTERM this process when the demo dies, even if it is SIGKILLed (no orphaned engines)."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -142,7 +149,7 @@ class LocalRunner:
         log = open(pod.log_path or os.devnull, "ab")  # noqa: SIM115 - owned by the child from here on
         pod.process = subprocess.Popen(
             [sys.executable, "-m", "kvbridge_agent", "serve"], env=environ, stdout=subprocess.DEVNULL,
-            stderr=log, start_new_session=True,
+            stderr=log, start_new_session=True, preexec_fn=_die_with_parent,
         )  # fmt: skip
         log.close()
         pod.ready = False
