@@ -93,6 +93,22 @@ def _loopback(args: argparse.Namespace) -> int:
     return EXIT_OK if report.ok else EXIT_FAILED
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from kvbridge_agent.runtime.bench import bench
+
+    result = bench(requests=args.requests)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"memcpy {result['memcpyGBps']} GB/s, raw NIXL {result['nixlRawGBps']} GB/s, "
+              f"handshake {result['handshakeMs']} ms")  # fmt: skip
+        for row in result["results"]:
+            print(f"  {row['name']:<20} {row['gbps']:>7} GB/s  {row['ratioToRaw']:.2f} x raw  "
+                  f"{row['ratioToMemcpy']:.2f} x memcpy  {row['descriptorsPerRequest']} descriptors  "
+                  f"{row['overheadUsPerRequest']} us own work per request")  # fmt: skip
+    return EXIT_OK
+
+
 def _keys(args: argparse.Namespace) -> int:
     from kvbridge_agent.runtime.keys import generate_keys
 
@@ -129,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     loop.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     loop.add_argument("--log-level", default=argparse.SUPPRESS, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     loop.set_defaults(func=_loopback)
+
+    bench = commands.add_parser("bench", help="throughput against memcpy and raw NIXL, measured in one run")
+    bench.add_argument("--requests", type=int, default=5, help="requests per configuration (default 5)")
+    bench.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    bench.set_defaults(func=_bench)
 
     keys = commands.add_parser("keys", help="side-channel CURVE keys")
     key_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")

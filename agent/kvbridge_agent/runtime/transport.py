@@ -53,6 +53,9 @@ class Transport:
         ucx_error_handling: str | None = None,
     ) -> None:
         nixl_agent, nixl_agent_config = _nixl()
+        nixl_log = logging.getLogger("nixl")  # NIXL logs every agent start at INFO, on stdout
+        if nixl_log.getEffectiveLevel() < logging.WARNING:
+            nixl_log.setLevel(logging.WARNING)
         if progress_thread is None:
             progress_thread = os.environ.get("KVBRIDGE_NIXL_PROGRESS_THREAD", "0") == "1"
         mode = ucx_error_handling or os.environ.get("KVBRIDGE_UCX_ERROR_HANDLING", "peer")
