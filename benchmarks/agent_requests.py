@@ -21,70 +21,31 @@ import json
 import statistics
 import sys
 import tempfile
-import urllib.request
 
-from kvbridge_agent.core import ModelGeometry, Role, RoleSettings
-from kvbridge_agent.core.contract import EngineEnvironment
+from kvbridge_agent.core import ModelGeometry, RoleSettings
+from kvbridge_agent.runtime.bench import measure_pair
 from kvbridge_agent.runtime.keys import generate_keys
-from kvbridge_agent.runtime.processes import start_engine
-
-
-def handshake_seconds(url: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
-        text = response.read().decode()
-    values = {}
-    for line in text.splitlines():
-        for key in ("kvbridge_handshake_seconds_sum", "kvbridge_handshake_seconds_count"):
-            if line.startswith(key):
-                values[key] = float(line.rsplit(" ", 1)[1])
-    count = values.get("kvbridge_handshake_seconds_count", 0.0)
-    return values.get("kvbridge_handshake_seconds_sum", 0.0) / count if count else 0.0
 
 
 def run(kind: str, blocks: int, requests: int, keys_dir: str) -> dict[str, object]:
     model = ModelGeometry(name="bench-80l", num_layers=80, num_kv_heads=1, head_dim=128, cache_kind=kind)
-    common = {
-        "model": model,
-        "prefill": RoleSettings(),
-        "decode": RoleSettings(),
-        "keys_dir": keys_dir,
-        "num_blocks": blocks + 16,
-        "http_port": 0,
-        "side_channel_listen_port": 0,
-        "verify": False,
+    rows, handshake = measure_pair(
+        kind, model, RoleSettings(), RoleSettings(), tokens=blocks * 16, requests=requests, keys_dir=keys_dir,
+        num_blocks=blocks + 16,
+    )  # fmt: skip
+    seconds = statistics.median(r["transferSeconds"] for r in rows)
+    return {
+        "cacheKind": kind,
+        "blocksPerRequest": blocks,
+        "bytesPerRequest": rows[0]["bytes"],
+        "descriptorsPerRequest": rows[0]["descriptors"],
+        "gbps": round(rows[0]["bytes"] / seconds / 1e9, 3),
+        "transferMs": round(seconds * 1e3, 2),
+        "idsUs": round(statistics.median(r["idsMicroseconds"] for r in rows), 1),
+        "makeUs": round(statistics.median(r["makeMicroseconds"] for r in rows), 1),
+        "postUs": round(statistics.median(r["postMicroseconds"] for r in rows), 1),
+        "handshakeMs": round(handshake * 1e3, 2),
     }
-    prefill = start_engine(EngineEnvironment(role=Role.PREFILL, engine_id=f"bench-{kind}-p", **common))
-    try:
-        decode = start_engine(EngineEnvironment(role=Role.DECODE, engine_id=f"bench-{kind}-d", **common))
-        try:
-            rows = []
-            for index in range(requests + 1):  # the first request carries the handshake: not counted
-                print(f"  {kind}: request {index + 1}/{requests + 1}", file=sys.stderr, flush=True)
-                _, body = prefill.post("/v1/prefill", {"requestId": f"r{index}", "numTokens": blocks * 16})
-                status, result = decode.post(
-                    "/v1/decode", {"requestId": f"d{index}", "kvTransferParams": body["kvTransferParams"]}
-                )
-                if status != 200:
-                    raise SystemExit(f"request failed: {result}")
-                if index:
-                    rows.append(result)
-            seconds = statistics.median(r["transferSeconds"] for r in rows)
-            return {
-                "cacheKind": kind,
-                "blocksPerRequest": blocks,
-                "bytesPerRequest": rows[0]["bytes"],
-                "descriptorsPerRequest": rows[0]["descriptors"],
-                "gbps": round(rows[0]["bytes"] / seconds / 1e9, 3),
-                "transferMs": round(seconds * 1e3, 2),
-                "idsUs": round(statistics.median(r["idsMicroseconds"] for r in rows), 1),
-                "makeUs": round(statistics.median(r["makeMicroseconds"] for r in rows), 1),
-                "postUs": round(statistics.median(r["postMicroseconds"] for r in rows), 1),
-                "handshakeMs": round(handshake_seconds(decode.url) * 1e3, 2),
-            }
-        finally:
-            decode.stop()
-    finally:
-        prefill.stop()
 
 
 def main() -> int:

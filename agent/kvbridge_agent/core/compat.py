@@ -109,8 +109,8 @@ def check_pair(
     bs_p, bs_d = prefill.block_size, decode.block_size
     k = model.num_kv_heads
 
-    def decode_works(**changes: object) -> Callable[[int], bool]:
-        name = next(iter(changes))
+    def decode_works(name: str) -> Callable[[int], bool]:
+        """Would the pair be compatible with decode's ``name`` set to a value (everything else as is)?"""
 
         def works(value: int) -> bool:
             candidate = decode.model_copy(update={name: value})
@@ -121,7 +121,7 @@ def check_pair(
     def hint(candidates: Iterable[int], name: str, what: str) -> str:
         if not suggestions:
             return ""
-        found = _suggest(candidates, decode_works(**{name: 0}), near=getattr(decode, name))
+        found = _suggest(candidates, decode_works(name), near=getattr(decode, name))
         return f"; use {found} for {what}" if found else f"; no {what} alone fixes this: see the other problems"
 
     # Rule 6: heads divide evenly on each side.

@@ -16,7 +16,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from multiprocessing.connection import Connection
 from typing import Any
@@ -107,49 +106,55 @@ def nixl_raw_gbps(trials: int = 5) -> float:
         transport.close()
 
 
-def _handshake_seconds(url: str) -> float:
-    """Mean handshake time from the decode engine's kvbridge_handshake_seconds histogram."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
-        text = response.read().decode()
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        for key in ("kvbridge_handshake_seconds_sum", "kvbridge_handshake_seconds_count"):
-            if line.startswith(key):
-                values[key] = float(line.rsplit(" ", 1)[1])
-    count = values.get("kvbridge_handshake_seconds_count", 0.0)
-    return values.get("kvbridge_handshake_seconds_sum", 0.0) / count if count else 0.0
+def measure_pair(
+    name: str,
+    model: ModelGeometry,
+    prefill: RoleSettings,
+    decode: RoleSettings,
+    *,
+    tokens: int,
+    requests: int,
+    keys_dir: str,
+    num_blocks: int,
+) -> tuple[list[dict[str, Any]], float]:
+    """Decode results of ``requests`` requests through a fresh prefill/decode engine pair (verification off),
+    after a first request that carries the handshake; and the handshake time in seconds."""
+    common: dict[str, Any] = {
+        "model": model, "prefill": prefill, "decode": decode, "keys_dir": keys_dir, "num_blocks": num_blocks,
+        "http_port": 0, "side_channel_listen_port": 0, "verify": False,
+    }  # fmt: skip
+    prefill_engine = start_engine(EngineEnvironment(role=Role.PREFILL, engine_id=f"bench-{name}-p", **common))
+    try:
+        decode_engine = start_engine(EngineEnvironment(role=Role.DECODE, engine_id=f"bench-{name}-d", **common))
+        try:
+            rows = []
+            for index in range(requests + 1):
+                progress(f"  {name}: request {index + 1}/{requests + 1}")
+                _, body = prefill_engine.post("/v1/prefill", {"requestId": f"r{index}", "numTokens": tokens})
+                status, result = decode_engine.post(
+                    "/v1/decode", {"requestId": f"d{index}", "kvTransferParams": body["kvTransferParams"]}
+                )
+                if status != 200:
+                    raise RuntimeError(f"{name}: {result}")
+                if index:
+                    rows.append(result)
+            return rows, decode_engine.handshake_seconds()
+        finally:
+            decode_engine.stop()
+    finally:
+        prefill_engine.stop()
 
 
 def kvbridge_results(keys_dir: str, requests: int, raw: float, memcpy: float) -> tuple[list[dict[str, Any]], float]:
     results = []
     handshake_ms = 0.0
     for name, kind, tp_p, tp_d in CONFIGS:
-        progress(f"  kvbridge {name} ...")
         model = ModelGeometry(name="bench", num_layers=32, num_kv_heads=8, head_dim=128, cache_kind=kind)
-        common: dict[str, Any] = {
-            "model": model, "prefill": RoleSettings(tensor_parallel_size=tp_p),
-            "decode": RoleSettings(tensor_parallel_size=tp_d), "keys_dir": keys_dir, "num_blocks": 80,
-            "http_port": 0, "side_channel_listen_port": 0, "verify": False,
-        }  # fmt: skip
-        prefill = start_engine(EngineEnvironment(role=Role.PREFILL, engine_id=f"bench-{name}-p", **common))
-        try:
-            decode = start_engine(EngineEnvironment(role=Role.DECODE, engine_id=f"bench-{name}-d", **common))
-            try:
-                rows = []
-                for index in range(requests + 1):
-                    _, body = prefill.post("/v1/prefill", {"requestId": f"r{index}", "numTokens": 64 * 16})
-                    status, result = decode.post(
-                        "/v1/decode", {"requestId": f"d{index}", "kvTransferParams": body["kvTransferParams"]}
-                    )
-                    if status != 200:
-                        raise RuntimeError(f"{name}: {result}")
-                    if index:
-                        rows.append(result)
-                handshake_ms = max(handshake_ms, _handshake_seconds(decode.url) * 1e3)
-            finally:
-                decode.stop()
-        finally:
-            prefill.stop()
+        rows, handshake = measure_pair(
+            name, model, RoleSettings(tensor_parallel_size=tp_p), RoleSettings(tensor_parallel_size=tp_d),
+            tokens=64 * 16, requests=requests, keys_dir=keys_dir, num_blocks=80,
+        )  # fmt: skip
+        handshake_ms = max(handshake_ms, handshake * 1e3)
         gbps = rows[0]["bytes"] / statistics.median(r["transferSeconds"] for r in rows) / 1e9
         results.append({
             "name": name, "cacheKind": kind, "gbps": round(gbps, 3), "ratioToRaw": round(gbps / raw, 3),

@@ -429,16 +429,15 @@ class Engine:
                 "request: its blocks are gone", code="STALE_PEER", status=409,
             )  # fmt: skip
         with self._peers_lock:
-            state = self._peers.get(params.remote_engine_id)
-            fresh = state is None or (
-                state.future.done() and (state.future.exception() is not None
-                                         or state.incarnation != params.remote_incarnation)
+            known = self._peers.get(params.remote_engine_id)
+            fresh = known is None or (
+                known.future.done() and (known.future.exception() is not None
+                                         or known.incarnation != params.remote_incarnation)
             )  # fmt: skip
-            if fresh:
-                state = _PeerState(params.remote_incarnation, Future())
-                self._peers[params.remote_engine_id] = state
-        if state is None:  # pragma: no cover - set above
-            raise EngineError("no peer state", code=RANK_FAILED)
+            if known is None or fresh:
+                known = _PeerState(params.remote_incarnation, Future())
+                self._peers[params.remote_engine_id] = known
+            state = known
         if fresh:
             try:
                 self._handshake(params)

@@ -67,6 +67,22 @@ class EngineProcess:
             result: dict[str, Any] = json.loads(response.read())
             return result
 
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the engine's Prometheus samples named ``name`` that carry ``labels``."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            sample = line.split("{", 1)[0].split(" ", 1)[0]
+            if sample == name and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def handshake_seconds(self) -> float:
+        """Mean handshake time from the kvbridge_handshake_seconds histogram (0 before any)."""
+        count = self.metric("kvbridge_handshake_seconds_count")
+        return self.metric("kvbridge_handshake_seconds_sum") / count if count else 0.0
+
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM, then SIGKILL the engine and any rank it left behind."""
         if self.process.poll() is None:

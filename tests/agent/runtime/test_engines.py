@@ -100,13 +100,7 @@ def decode(engine: EngineProcess, request_id: str, params: dict[str, Any], hit: 
 
 
 def metric(engine: EngineProcess, name: str, **labels: str) -> float:
-    with urllib.request.urlopen(engine.url + "/metrics", timeout=10) as response:
-        text = response.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return engine.metric(name, **labels)
 
 
 def wait_for(predicate: Any, timeout: float, step: float = 0.1) -> bool:
