@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[agent,operator,demo,test]'
+	$(PY) -m pip install --quiet -e '.[agent,operator,demo,test,bench]'
 	@touch $(STAMP)
 
 lint: setup

@@ -58,8 +58,8 @@ def main() -> int:
     layout = region_layout(model, 16, 4)
     bases = [i * (1 << 30) for i in range(layout.num_tensors)]
 
-    local_out = np.empty(regions * 2 * 2048, dtype=np.int64)
-    remote_out = np.empty(regions * 2 * 2048, dtype=np.int64)
+    local_out = np.empty(regions * 2 * 2048, dtype=np.int32)
+    remote_out = np.empty(regions * 2 * 2048, dtype=np.int32)
 
     def map_and_ids(out: bool) -> object:
         mapped = map_request_blocks(request, remote, 1)

@@ -96,16 +96,28 @@ def _loopback(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from kvbridge_agent.runtime.bench import bench
 
-    result = bench(requests=args.requests)
+    result = bench(requests=args.requests, quick=args.quick)
+    if args.plot:
+        from kvbridge_agent.runtime.bench_plot import plot
+
+        plot(result, args.plot)
     if args.json:
         print(json.dumps(result))
-    else:
-        print(f"memcpy {result['memcpyGBps']} GB/s, raw NIXL {result['nixlRawGBps']} GB/s, "
-              f"handshake {result['handshakeMs']} ms")  # fmt: skip
-        for row in result["results"]:
-            print(f"  {row['name']:<20} {row['gbps']:>7} GB/s  {row['ratioToRaw']:.2f} x raw  "
-                  f"{row['ratioToMemcpy']:.2f} x memcpy  {row['descriptorsPerRequest']} descriptors  "
-                  f"{row['overheadUsPerRequest']} us own work per request")  # fmt: skip
+        return EXIT_OK
+    print(f"memcpy {result['memcpyGBps']} GB/s, raw NIXL {result['nixlRawGBps']} GB/s (one descriptor), "
+          f"handshake {result['handshakeMs']} ms, {result['seconds']} s")  # fmt: skip
+    print("raw NIXL by descriptor size: " + ", ".join(
+        f"{row['descriptorBytes'] >> 10} KiB {row['gbps']}" for row in result["descriptorSweep"]))  # fmt: skip
+    print(f"{'configuration':<34} {'GB/s':>6} {'x raw':>6} {'x size':>6} {'descs':>7} {'B/desc':>8} "
+          f"{'own us':>7} {'make us':>8} {'post us':>9}")  # fmt: skip
+    for row in result["results"]:
+        print(f"{row['name']:<34} {row['gbps']:>6.2f} {row['ratioToRaw']:>6.2f} "
+              f"{row['ratioToRawAtDescriptorSize']:>6.2f} {row['descriptorsPerRequest']:>7} "
+              f"{row['bytesPerDescriptor']:>8} {row['overheadUsPerRequest']:>7.0f} {row['nixlMakeUsPerRequest']:>8.0f} "
+              f"{row['nixlPostUsPerRequest']:>9.0f}")  # fmt: skip
+    for target in result["targets"]:
+        print(f"{'met' if target['met'] else 'NOT met'}: {target['target']} (worst {target['worst']}: "
+              f"{target['measured']})")  # fmt: skip
     return EXIT_OK
 
 
@@ -147,8 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     loop.set_defaults(func=_loopback)
 
     bench = commands.add_parser("bench", help="throughput against memcpy and raw NIXL, measured in one run")
-    bench.add_argument("--requests", type=int, default=5, help="requests per configuration (default 5)")
+    bench.add_argument("--requests", type=int, default=4, help="requests per configuration (default 4)")
     bench.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    bench.add_argument("--quick", action="store_true", help="Split and CrossLayer at TP 1->1 only, short requests")
+    bench.add_argument("--plot", metavar="PNG", help="also write the throughput figure (needs matplotlib)")
     bench.set_defaults(func=_bench)
 
     keys = commands.add_parser("keys", help="side-channel CURVE keys")

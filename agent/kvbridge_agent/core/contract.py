@@ -8,6 +8,7 @@ Both sides use this one module, so the names cannot drift.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from enum import StrEnum
 
 from pydantic import Field, ValidationError
 from pydantic.alias_generators import to_camel
@@ -50,7 +51,15 @@ _ENGINE_VARS = {
     "DEVICE": "device",
     "TRANSFER_TIMEOUT_SECONDS": "transfer_timeout_seconds",
     "VERIFY": "verify",
+    "BLOCK_ALLOCATION": "block_allocation",
 }
+
+
+class BlockAllocation(StrEnum):
+    """How the agent worker hands out free blocks: in order, or shuffled (fragmented, for benchmarks)."""
+
+    SEQUENTIAL = "Sequential"
+    SCATTERED = "Scattered"
 
 
 class EngineEnvironment(CamelModel):
@@ -78,6 +87,10 @@ class EngineEnvironment(CamelModel):
     verify: bool = Field(
         default=True, description="Agent worker: write and verify synthetic content (off for benchmarks)."
     )
+    block_allocation: BlockAllocation = Field(
+        default=BlockAllocation.SEQUENTIAL,
+        description="Agent worker: Sequential block ids, or Scattered (a shuffled free list, as after long uptime).",
+    )
 
     @property
     def own(self) -> RoleSettings:
@@ -97,7 +110,7 @@ def render_environment(env: EngineEnvironment) -> dict[str, str]:
     for var, name in _ENGINE_VARS.items():
         value = getattr(env, name)
         if value is not None:
-            out[PREFIX + var] = str(value.value if isinstance(value, Role) else value)
+            out[PREFIX + var] = str(_plain(value))
     for var, name in _MODEL_VARS.items():
         out[PREFIX + var] = str(_plain(getattr(env.model, name)))
     for role, settings in ((Role.PREFILL, env.prefill), (Role.DECODE, env.decode)):

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from kvbridge_agent.core import (
     BlockMappingError,
@@ -31,6 +30,7 @@ from kvbridge_agent.core import (
     map_request_blocks,
     region_layout,
 )
+from kvbridge_agent.core.blocks import DescriptorIds
 from kvbridge_agent.core.handshake import (
     PEER_INCOMPATIBLE,
     WIRE_FORMAT_MISMATCH,
@@ -78,12 +78,14 @@ class ReadResult:
     bytes: int = 0
     descriptors: int = 0
     seconds: float = 0.0
-    #: kvbridge's own CPU work per request: block ids -> descriptor ids
+    #: kvbridge mapping block ids to descriptor ids (part of ``own_microseconds``)
     ids_microseconds: float = 0.0
     #: NIXL creating the READs (make_prepped_xfer)
     make_microseconds: float = 0.0
-    #: from the start of the request until every READ is posted (on host memory the copy may happen inside)
+    #: NIXL posting the READs (on host memory the copy happens inside this call: UCX's CMA transport)
     post_microseconds: float = 0.0
+    #: kvbridge's own CPU work from the request to every READ posted, NIXL's calls excluded
+    own_microseconds: float = 0.0
     peer_failed: bool = False
 
 
@@ -101,6 +103,7 @@ class _InFlight:
     ids_microseconds: float
     make_microseconds: float
     post_microseconds: float
+    own_microseconds: float
 
 
 class DecodeRank:
@@ -119,9 +122,9 @@ class DecodeRank:
         self._local_lists: dict[tuple[int, int, int], Any] = {}
         self._in_flight: dict[str, _InFlight] = {}
         self._zombies: list[Any] = []  # transfer handles NIXL could not cancel yet
-        self._id_buffers: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] = (
-            np.empty(0, dtype=np.int64),
-            np.empty(0, dtype=np.int64),
+        self._id_buffers: tuple[DescriptorIds, DescriptorIds] = (
+            np.empty(0, dtype=np.int32),
+            np.empty(0, dtype=np.int32),
         )
 
     @property
@@ -260,7 +263,7 @@ class DecodeRank:
         ids_us = (time.perf_counter() - started) * 1e6
         handles: list[Any] = []
         total_bytes = 0
-        make_us = 0.0
+        make_us = nixl_post_us = 0.0
         try:
             if mapped.full_hit:
                 for p in {r.prefill_rank for r in rank_plan.reads}:
@@ -269,9 +272,11 @@ class DecodeRank:
                 made = time.perf_counter()
                 for remote, local in peer.lists:
                     handles.append(self.transport.make_read(local, local_ids, remote, remote_ids, note))
-                make_us = (time.perf_counter() - made) * 1e6
+                posting = time.perf_counter()
+                make_us = (posting - made) * 1e6
                 for handle in handles:
                     self.transport.post(handle)
+                nixl_post_us = (time.perf_counter() - posting) * 1e6
                 total_bytes = sum(read.length for read in rank_plan.reads) * local_ids.size
             for p in rank_plan.notify_only_ranks:
                 self.transport.notify(peer.agents[p], note)
@@ -279,19 +284,19 @@ class DecodeRank:
             for handle in handles:
                 self.transport.release(handle)
             return ReadResult(request_id, False, TRANSFER_FAILED, exc.message, list(local_blocks), peer_failed=True)
-        post_us = (time.perf_counter() - started) * 1e6
+        own_us = (time.perf_counter() - started) * 1e6 - make_us - nixl_post_us
         flight = _InFlight(
             request_id, params, list(local_blocks), handles, timeout, time.monotonic() + timeout, started,
-            total_bytes, local_ids.size * len(handles), ids_us, make_us, post_us,
+            total_bytes, local_ids.size * len(handles), ids_us, make_us, nixl_post_us, own_us,
         )  # fmt: skip
         if not handles:
             return self._finish(flight, peer)
         self._in_flight[request_id] = flight
         return None
 
-    def _buffers(self, count: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    def _buffers(self, count: int) -> tuple[DescriptorIds, DescriptorIds]:
         if self._id_buffers[0].size < count:
-            self._id_buffers = (np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64))
+            self._id_buffers = (np.empty(count, dtype=np.int32), np.empty(count, dtype=np.int32))
         return self._id_buffers
 
     @property
@@ -329,6 +334,7 @@ class DecodeRank:
             flight.request_id, True, bytes=flight.bytes, descriptors=flight.descriptors,
             seconds=time.perf_counter() - flight.started, ids_microseconds=flight.ids_microseconds,
             make_microseconds=flight.make_microseconds, post_microseconds=flight.post_microseconds,
+            own_microseconds=flight.own_microseconds,
         )  # fmt: skip
 
     def _fail(self, flight: _InFlight, code: str, message: str) -> ReadResult:

@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+import numpy as np
+
 from kvbridge_agent.core import KVBridgeError, build_plan, wire_block_ids
 from kvbridge_agent.core.blocks import blocks_for_tokens
-from kvbridge_agent.core.contract import EngineEnvironment
+from kvbridge_agent.core.contract import BlockAllocation, EngineEnvironment
 from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams, RankMetadata
 from kvbridge_agent.core.model import Role
 from kvbridge_agent.core.tp import handshake_ranks
@@ -61,27 +63,43 @@ class EngineError(KVBridgeError):
 
 
 class BlockAllocator:
-    def __init__(self, num_blocks: int) -> None:
+    """Free blocks of one engine: ``Sequential`` hands out the lowest free ids (contiguous on a fresh engine),
+    ``Scattered`` random free ids in random order (seeded), the way a long-running engine's fragmented free
+    list gives them. Each request may override the engine's default."""
+
+    def __init__(self, num_blocks: int, *, default: BlockAllocation = BlockAllocation.SEQUENTIAL) -> None:
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self.default = default
+        self._free = np.ones(num_blocks, dtype=bool)
+        self._count = num_blocks
+        self._rng = np.random.default_rng(num_blocks)
         self._lock = threading.Lock()
 
-    def allocate(self, count: int) -> list[int]:
+    def allocate(self, count: int, allocation: BlockAllocation | None = None) -> list[int]:
         with self._lock:
-            if count > len(self._free):
+            if count > self._count:
                 raise EngineError(
-                    f"{count} blocks needed, {len(self._free)} of {self.num_blocks} free",
+                    f"{count} blocks needed, {self._count} of {self.num_blocks} free",
                     code=NO_FREE_BLOCKS, status=503,
                 )  # fmt: skip
-            return [self._free.popleft() for _ in range(count)]
+            free = np.flatnonzero(self._free)
+            if (allocation or self.default) is BlockAllocation.SCATTERED:
+                chosen = self._rng.choice(free, size=count, replace=False)
+            else:
+                chosen = free[:count]
+            self._free[chosen] = False
+            self._count -= count
+            return [int(b) for b in chosen]
 
     def free(self, blocks: list[int]) -> None:
         with self._lock:
-            self._free.extend(blocks)
+            ids = np.unique(np.asarray(blocks, dtype=np.int64))
+            self._count += int(np.count_nonzero(~self._free[ids]))
+            self._free[ids] = True
 
     @property
     def free_count(self) -> int:
-        return len(self._free)
+        return self._count
 
 
 class RankHandle:
@@ -169,7 +187,7 @@ class Engine:
         self.log_level = log_level
         self.incarnation = uuid.uuid4().hex[:12]
         self.metrics = AgentMetrics(env.role.value, env.engine_id)
-        self.allocator = BlockAllocator(env.num_blocks)
+        self.allocator = BlockAllocator(env.num_blocks, default=env.block_allocation)
         self.plan = build_plan(env.model, env.prefill, env.decode, env.transfer)
         self.ranks: list[RankHandle] = []
         self.server: SideChannelServer | None = None
@@ -289,7 +307,7 @@ class Engine:
         self.metrics.held_requests.labels(**labels).set(len(self._held))
 
     # -- prefill ----------------------------------------------------------------
-    def prefill(self, request_id: str, num_tokens: int) -> KVTransferParams:
+    def prefill(self, request_id: str, num_tokens: int, allocation: BlockAllocation | None = None) -> KVTransferParams:
         """Compute (synthetically) and offer a request; returns what decode needs to pull it."""
         if self.env.role is not Role.PREFILL:
             raise EngineError("this is a decode engine", code=INVALID_REQUEST, field="role")
@@ -297,7 +315,7 @@ class Engine:
             raise EngineError("requestId must be non-empty and contain no ':'", code=INVALID_REQUEST, field="requestId")
         if num_tokens < 1:
             raise EngineError("numTokens must be at least 1", code=INVALID_REQUEST, field="numTokens")
-        blocks = self.allocator.allocate(blocks_for_tokens(num_tokens, self.env.prefill.block_size))
+        blocks = self.allocator.allocate(blocks_for_tokens(num_tokens, self.env.prefill.block_size), allocation)
         with self._held_lock:
             if request_id in self._held:
                 self.allocator.free(blocks)
@@ -360,7 +378,13 @@ class Engine:
             return {rid: list(held.blocks) for rid, held in self._held.items()}
 
     # -- decode -----------------------------------------------------------------
-    def decode(self, request_id: str, params: KVTransferParams, prefix_hit_blocks: int = 0) -> dict[str, Any]:
+    def decode(
+        self,
+        request_id: str,
+        params: KVTransferParams,
+        prefix_hit_blocks: int = 0,
+        allocation: BlockAllocation | None = None,
+    ) -> dict[str, Any]:
         """Pull a request's KV from its prefill engine; every rank reads its part and verifies it."""
         if self.env.role is not Role.DECODE:
             raise EngineError("this is a prefill engine", code=INVALID_REQUEST, field="role")
@@ -369,7 +393,7 @@ class Engine:
             raise EngineError(
                 f"prefixHitBlocks must be within 0..{total}", code=INVALID_REQUEST, field="prefixHitBlocks"
             )
-        blocks = self.allocator.allocate(total)
+        blocks = self.allocator.allocate(total, allocation)
         self._waiting[request_id] = params
         started = time.perf_counter()
         labels = self.metrics.labels
@@ -417,6 +441,7 @@ class Engine:
             "idsMicroseconds": max(r["idsMicroseconds"] for r in replies),
             "makeMicroseconds": max(r["makeMicroseconds"] for r in replies),
             "postMicroseconds": max(r["postMicroseconds"] for r in replies),
+            "ownMicroseconds": max(r["ownMicroseconds"] for r in replies),
             "verifySeconds": max(r.get("verifySeconds", 0.0) for r in replies),
             "totalSeconds": time.perf_counter() - started,
         }

@@ -4,6 +4,7 @@
 - ``GET /metrics`` — Prometheus text
 - ``POST /v1/prefill`` ``{"requestId", "numTokens"}`` -> ``{"kvTransferParams": {...}}``
 - ``POST /v1/decode`` ``{"requestId", "kvTransferParams", "prefixHitBlocks"}`` -> transfer result
+  (both take an optional ``"blockAllocation": "Sequential" | "Scattered"`` overriding the engine's default)
 - ``GET /v1/held`` — prefill requests whose blocks await readers
 - ``GET /v1/ranks`` — per-rank state (open NIXL handles, requests in flight)
 
@@ -23,6 +24,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvbridge_agent.core import KVBridgeError
+from kvbridge_agent.core.contract import BlockAllocation
 from kvbridge_agent.core.handshake import KVTransferParams
 
 from .engine import INVALID_REQUEST, Engine, EngineError
@@ -90,7 +92,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             body = self._body()
             if self.path == "/v1/prefill":
-                params = engine.prefill(str(body.get("requestId", "")), _int(body, "numTokens"))
+                params = engine.prefill(str(body.get("requestId", "")), _int(body, "numTokens"), _allocation(body))
                 self._send(HTTPStatus.OK, {"kvTransferParams": params.model_dump(by_alias=True)})
             elif self.path == "/v1/decode":
                 try:
@@ -99,7 +101,9 @@ class _Handler(BaseHTTPRequestHandler):
                     first = exc.errors()[0]
                     where = ".".join(str(p) for p in ("kvTransferParams", *first["loc"]))
                     raise EngineError(f"{where}: {first['msg']}", code=INVALID_REQUEST, field=where) from exc
-                result = engine.decode(str(body.get("requestId", "")), params, _int(body, "prefixHitBlocks", 0))
+                result = engine.decode(
+                    str(body.get("requestId", "")), params, _int(body, "prefixHitBlocks", 0), _allocation(body)
+                )
                 self._send(HTTPStatus.OK, result)
             else:
                 self._send(HTTPStatus.NOT_FOUND, _error("NOT_FOUND", f"no route {self.path}"))
@@ -117,6 +121,19 @@ def _int(body: dict[str, Any], name: str, default: int | None = None) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise EngineError(f"{name} must be an integer", code=INVALID_REQUEST, field=name)
     return value
+
+
+def _allocation(body: dict[str, Any]) -> BlockAllocation | None:
+    value = body.get("blockAllocation")
+    if value is None:
+        return None
+    try:
+        return BlockAllocation(value)
+    except ValueError:
+        choices = ", ".join(a.value for a in BlockAllocation)
+        raise EngineError(
+            f"blockAllocation must be one of {choices}, got {value!r}", code=INVALID_REQUEST, field="blockAllocation"
+        ) from None
 
 
 class AgentHTTPServer(ThreadingHTTPServer):

@@ -46,6 +46,7 @@ def _result_dict(result: ReadResult) -> dict[str, Any]:
         "idsMicroseconds": result.ids_microseconds,
         "makeMicroseconds": result.make_microseconds,
         "postMicroseconds": result.post_microseconds,
+        "ownMicroseconds": result.own_microseconds,
         "peerFailed": result.peer_failed,
     }
 

@@ -133,9 +133,9 @@ class Transport:
     def make_read(
         self,
         local: Any,
-        local_ids: npt.NDArray[np.int64],
+        local_ids: npt.NDArray[np.int32],
         remote: Any,
-        remote_ids: npt.NDArray[np.int64],
+        remote_ids: npt.NDArray[np.int32],
         notification: bytes,
     ) -> Any:
         """Create one READ between two prepped lists (not posted yet)."""
@@ -161,9 +161,9 @@ class Transport:
     def read(
         self,
         local: Any,
-        local_ids: npt.NDArray[np.int64],
+        local_ids: npt.NDArray[np.int32],
         remote: Any,
-        remote_ids: npt.NDArray[np.int64],
+        remote_ids: npt.NDArray[np.int32],
         notification: bytes,
     ) -> Any:
         """Create and post one READ; returns the transfer handle."""

@@ -72,7 +72,7 @@ def test_descriptor_ids_are_region_major_and_bounds_checked() -> None:
 
 
 def test_descriptor_ids_into_a_reused_buffer() -> None:
-    out = np.full(10, -1, dtype=np.int64)
+    out = np.full(10, -1, dtype=np.int32)
     ids = descriptor_ids(np.array([0, 3]), 3, 4, out=out)
     assert ids.tolist() == [0, 3, 4, 7, 8, 11]
     assert np.shares_memory(ids, out)

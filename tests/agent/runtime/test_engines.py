@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import socket
@@ -264,3 +265,38 @@ def test_metrics_endpoint_exposes_the_transfer_figures(cluster: Cluster) -> None
         assert re.search(rf"^{name}", text, re.MULTILINE), name
     ranks = cluster.decode.get("/v1/ranks")["ranks"]  # type: ignore[attr-defined]
     assert all(rank["ok"] and rank["inFlight"] == 0 for rank in ranks)
+
+
+def test_the_allocator_hands_out_contiguous_or_scattered_ids() -> None:
+    from kvbridge_agent.core.contract import BlockAllocation
+    from kvbridge_agent.runtime.engine import BlockAllocator, EngineError
+
+    allocator = BlockAllocator(256)
+    assert allocator.allocate(4) == [0, 1, 2, 3]
+    scattered = allocator.allocate(100, BlockAllocation.SCATTERED)
+    assert len(set(scattered)) == 100
+    assert not set(scattered) & {0, 1, 2, 3}
+    adjacent = sum(b == a + 1 for a, b in itertools.pairwise(scattered))
+    assert adjacent < 10  # runs NIXL could merge are rare
+    assert allocator.free_count == 152
+    allocator.free([0, 1, 2, 3, *scattered])
+    allocator.free([0])  # a double free does not inflate the count
+    assert allocator.free_count == 256
+    with pytest.raises(EngineError) as caught:
+        allocator.allocate(257)
+    assert caught.value.code == "NO_FREE_BLOCKS"
+
+
+def test_block_allocation_per_request_scattered_verifies_and_unknown_is_typed(cluster: Cluster) -> None:
+    params = prefill(cluster.prefill, "alloc-1", 40)  # type: ignore[attr-defined]
+    status, body = cluster.decode.post(  # type: ignore[attr-defined]
+        "/v1/decode", {"requestId": "alloc-1", "kvTransferParams": params, "blockAllocation": "Diagonal"}
+    )
+    assert status == 400
+    assert body["error"]["code"] == "INVALID_REQUEST"
+    assert body["error"]["field"] == "blockAllocation"
+    status, body = cluster.decode.post(  # type: ignore[attr-defined]
+        "/v1/decode", {"requestId": "alloc-1", "kvTransferParams": params, "blockAllocation": "Scattered"}
+    )
+    assert status == 200, body
+    assert body["verified"], body  # scattered decode blocks receive every byte

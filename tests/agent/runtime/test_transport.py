@@ -55,7 +55,7 @@ def test_read_with_notification_and_clean_close() -> None:
     )
     assert rows_remote.shape == (4, 5)  # strided: one row per region
     remote, local = dst.prep(name, rows_remote, "DRAM"), dst.prep("", rows_local, "DRAM")
-    ids = np.arange(4 * 64, dtype=np.int64)  # every block of every region, adjacent: NIXL merges them
+    ids = np.arange(4 * 64, dtype=np.int32)  # every block of every region, adjacent: NIXL merges them
     handle = dst.read(local, ids, remote, ids, b"req-1:1")
     notes: list[bytes] = []
     deadline = time.monotonic() + 10
