@@ -17,6 +17,12 @@ ENV_PREFIX = "KVBRIDGE_OPERATOR_"
 class OperatorConfig:
     #: image of the kvbridge agent worker (engine kind Agent)
     agent_image: str = f"ghcr.io/kvbridge/kvbridge-agent:{__version__}"
+    #: image of vLLM engines (engine kind VLLM; `vllm serve` with the NixlConnector)
+    vllm_image: str = "vllm/vllm-openai:v0.11.0"
+    #: llm-d routing sidecar image injected into vLLM decode pods; empty: no sidecar
+    routing_sidecar_image: str = ""
+    #: extra arguments of the routing sidecar (after --port and --vllm-port)
+    routing_sidecar_args: tuple[str, ...] = ("--connector=nixlv2", "--secure-proxy=false")
     #: extended resource that TP ranks request, one per rank
     gpu_resource: str = "nvidia.com/gpu"
     #: request no GPUs and run the agent on host memory (tests, demos, CPU-only clusters)

@@ -68,6 +68,15 @@ def _role_status(pods: Sequence[Obj], replicas: int, revision: str | None) -> Ro
     return RoleStatus(replicas=replicas, ready_replicas=ready, updated_replicas=updated, ready=f"{ready}/{replicas}")
 
 
+def _http_port(pod: Obj) -> int | None:
+    """The container port named ``http`` (the engine's API, or the routing sidecar in front of it)."""
+    for container in pod.get("spec", {}).get("containers", []):
+        for port in container.get("ports", []):
+            if port.get("name") == "http" and isinstance(port.get("containerPort"), int):
+                return int(port["containerPort"])
+    return None
+
+
 def endpoints(pods: Sequence[Obj], port: int) -> list[Endpoint]:
     found = []
     for pod in pods:
@@ -81,6 +90,7 @@ def endpoints(pods: Sequence[Obj], port: int) -> list[Endpoint]:
                     port=port,
                     ranks=int(labels.get(LABEL_TP, "1")),
                     fingerprint=labels.get(LABEL_FINGERPRINT, ""),
+                    http_port=_http_port(pod),
                 )
             )
     return sorted(found, key=lambda e: e.pod)

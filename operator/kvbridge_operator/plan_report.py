@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
-from kvbridge_agent.core import Problem, SpecError, TransferPlan, plan_or_problems
+from kvbridge_agent.core import Problem, Role, SpecError, TransferPlan
 
-from .spec import DisaggregatedDeployment
+from . import vllm
+from .config import OperatorConfig
+from .spec import DisaggregatedDeployment, EngineKind
+from .verdict import verdict_for
 
 
 @dataclass(frozen=True)
@@ -25,8 +30,7 @@ class DocumentPlan:
 
 
 def plan_document(deployment: DisaggregatedDeployment) -> DocumentPlan:
-    spec = deployment.spec
-    result = plan_or_problems(spec.model, spec.prefill.settings(), spec.decode.settings(), spec.transfer)
+    result = verdict_for(deployment)
     if isinstance(result, list):
         return DocumentPlan(deployment.metadata.name, deployment, None, tuple(result))
     return DocumentPlan(deployment.metadata.name, deployment, result, ())
@@ -61,8 +65,28 @@ def entries(document: DocumentPlan, ranks: Iterable[int]) -> list[dict[str, obje
                 }
             )
         else:
-            result.append({"name": document.name, **document.plan.for_decode_rank(rank).to_dict()})
+            entry: dict[str, object] = {"name": document.name, **document.plan.for_decode_rank(rank).to_dict()}
+            if document.deployment.spec.engine.kind is EngineKind.VLLM:
+                entry["vllm"] = vllm_engines(document)
+            result.append(entry)
     return result
+
+
+def vllm_engines(document: DocumentPlan, config: OperatorConfig | None = None) -> dict[str, dict[str, Any]]:
+    """For ``engine: VLLM``: the exact ``vllm serve`` arguments and environment each role's pods get
+    (``config`` defaults to the operator's defaults: image, ports, GPU resource, no routing sidecar)."""
+    if document.plan is None:
+        return {}
+    config = config or OperatorConfig()
+    out: dict[str, dict[str, Any]] = {}
+    for role in (Role.PREFILL, Role.DECODE):
+        engine = vllm.engine(document.deployment, role, document.plan, config)
+        out[role.value.lower()] = {
+            "command": ["vllm", "serve", *engine.args],
+            "env": {**engine.env, **{k: f"<{v}>" for k, v in engine.downward.items()}},
+            "kvTransferConfig": engine.kv_transfer_config,
+        }
+    return out
 
 
 def _table(header: tuple[str, ...], rows: list[tuple[object, ...]], indent: str = "    ") -> list[str]:
@@ -110,4 +134,8 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
             (r.prefill_rank, r.remote_offset, r.local_offset, r.length) for r in rank_plan.reads
         ]
         lines.extend(_table(("prefill rank", "remote offset", "local offset", "length"), rows))
+    if document.deployment.spec.engine.kind is EngineKind.VLLM:
+        for role, engine in vllm_engines(document).items():
+            lines.append(f"  vLLM {role}: {shlex.join(engine['command'])}")
+            lines.extend(f"      {name}={value}" for name, value in engine["env"].items())
     return "\n".join(lines)

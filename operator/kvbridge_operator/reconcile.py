@@ -13,17 +13,17 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge_agent.core import Problem, Role, SpecError, TransferPlan, plan_or_problems
+from kvbridge_agent.core import Role, SpecError, TransferPlan
 
 from .config import OperatorConfig
 from .kube import BY_KIND, DEPLOYMENTS, EVENTS, PODS, SECRETS, STATEFUL_SETS, ApiError, KubeClient
 from .observe import Event, Observation, observe
 from .render import LABEL_DEPLOYMENT, children, role_name, secret
-from .spec import API_VERSION, KIND, DisaggregatedDeployment, EngineKind, parse_deployment
+from .spec import API_VERSION, KIND, parse_deployment
 from .status import Condition, ConditionType, merge_conditions, now_rfc3339
+from .verdict import verdict_for
 
 log = logging.getLogger(__name__)
-ENGINE_UNSUPPORTED = "ENGINE_UNSUPPORTED"
 
 Obj = dict[str, Any]
 
@@ -32,20 +32,6 @@ Obj = dict[str, Any]
 class Outcome:
     applied: bool
     observation: Observation | None
-
-
-def verdict_for(dd: DisaggregatedDeployment) -> TransferPlan | list[Problem]:
-    """The compatibility verdict, plus what this operator version cannot run."""
-    spec = dd.spec
-    result = plan_or_problems(spec.model, spec.prefill.settings(), spec.decode.settings(), spec.transfer)
-    if spec.engine.kind is not EngineKind.AGENT:
-        problem = Problem(
-            ENGINE_UNSUPPORTED,
-            "spec.engine.kind",
-            f"engine {spec.engine.kind.value} is not supported by this kvbridge version yet; use Agent",
-        )
-        return [problem, *result] if isinstance(result, list) else [problem]
-    return result
 
 
 async def apply(client: KubeClient, obj: Obj) -> None:

@@ -17,9 +17,10 @@ from typing import Any
 from kvbridge_agent.core import Role, TransferPlan
 from kvbridge_agent.core.contract import EngineEnvironment, render_environment
 
+from . import vllm
 from .config import OperatorConfig
 from .keys import curve_keypair
-from .spec import API_VERSION, KIND, DisaggregatedDeployment, RoleSpec
+from .spec import API_VERSION, KIND, DisaggregatedDeployment, EngineKind, RoleSpec
 
 LABEL_DEPLOYMENT = "kvbridge.io/deployment"
 LABEL_ROLE = "kvbridge.io/role"
@@ -31,6 +32,7 @@ SIDE_CHANNEL_PORT_NAME = "side-channel"
 HTTP_PORT_NAME = "http"
 KEYS_VOLUME = "side-channel-keys"
 ENGINE_CONTAINER = "engine"
+LABEL_LLM_D_ROLE = "llm-d.ai/role"
 
 Obj = dict[str, Any]
 
@@ -90,10 +92,12 @@ def revision(template: Obj) -> str:
 def engine_env(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig) -> list[Obj]:
     """The environment contract for one role's pods; pod name and IP come from the downward API."""
     spec = dd.spec
+    agent = spec.engine.kind is EngineKind.AGENT
     environment = EngineEnvironment(
         role=role, deployment=dd.metadata.name, engine_id="from-downward-api", model=spec.model,
         prefill=spec.prefill.settings(), decode=spec.decode.settings(), transfer=spec.transfer,
-        side_channel_host="from-downward-api", fingerprint=plan.fingerprint, keys_dir=config.keys_mount_path,
+        side_channel_host="from-downward-api", fingerprint=plan.fingerprint,
+        keys_dir=config.keys_mount_path if agent else "",
         num_blocks=config.agent_num_blocks, http_port=config.agent_http_port,
         device="cpu" if config.cpu_mode else "cuda",
     )  # fmt: skip
@@ -110,19 +114,45 @@ def engine_env(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, conf
 def pod_template(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig) -> Obj:
     spec = dd.spec
     role_spec: RoleSpec = spec.prefill if role is Role.PREFILL else spec.decode
-    ports = [{"name": HTTP_PORT_NAME, "containerPort": config.agent_http_port, "protocol": "TCP"}]
-    if role is Role.PREFILL:
-        ports.append({"name": SIDE_CHANNEL_PORT_NAME, "containerPort": spec.transfer.side_channel_port,
-                      "protocol": "TCP"})  # fmt: skip
-    resources: Obj = {"requests": {"cpu": "1", "memory": "2Gi"}}
+    # vLLM holds the weights in host memory while loading them; the agent worker needs little. Override either
+    # with the role's template.
+    base = {"cpu": "4", "memory": "32Gi"} if spec.engine.kind is EngineKind.VLLM else {"cpu": "1", "memory": "2Gi"}
+    resources: Obj = {"requests": base}
     if not config.cpu_mode:
         gpus = str(role_spec.tensor_parallel_size)
         resources = {"requests": {**resources["requests"], config.gpu_resource: gpus},
                      "limits": {config.gpu_resource: gpus}}  # fmt: skip
+    side_channel = {"name": SIDE_CHANNEL_PORT_NAME, "containerPort": spec.transfer.side_channel_port, "protocol": "TCP"}
+    labels = {**MANAGED_BY, **selector(dd.metadata.name, role), LABEL_FINGERPRINT: plan.fingerprint,
+              LABEL_TP: str(role_spec.tensor_parallel_size)}  # fmt: skip
+    if spec.engine.kind is EngineKind.VLLM:
+        containers, volumes = _vllm_containers(dd, role, plan, config, resources, side_channel)
+        if config.routing_sidecar_image:
+            labels[LABEL_LLM_D_ROLE] = role.value.lower()  # what llm-d's scheduler selects prefill/decode pods by
+    else:
+        containers, volumes = (
+            [_agent_container(dd, role, plan, config, resources, side_channel)],
+            [{"name": KEYS_VOLUME, "secret": {"secretName": secret_name(dd.metadata.name), "defaultMode": 0o400}}],
+        )
+    template: Obj = {
+        "metadata": {"labels": labels},
+        "spec": {"containers": containers, "volumes": volumes, "terminationGracePeriodSeconds": 30},
+    }
+    template = overlay(template, role_spec.template) if role_spec.template else template
+    template["metadata"].setdefault("labels", {})[LABEL_REVISION] = revision(template)
+    return template
+
+
+def _agent_container(
+    dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig, resources: Obj, side: Obj
+) -> Obj:
+    ports = [{"name": HTTP_PORT_NAME, "containerPort": config.agent_http_port, "protocol": "TCP"}]
+    if role is Role.PREFILL:
+        ports.append(side)
     probe = {"httpGet": {"path": "/healthz", "port": HTTP_PORT_NAME}, "periodSeconds": 5, "failureThreshold": 3}
-    container: Obj = {
+    return {
         "name": ENGINE_CONTAINER,
-        "image": spec.engine.image or config.agent_image,
+        "image": dd.spec.engine.image or config.agent_image,
         "command": ["kvbridge-agent", "serve"],
         "env": engine_env(dd, role, plan, config),
         "ports": ports,
@@ -132,19 +162,22 @@ def pod_template(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, co
         "volumeMounts": [{"name": KEYS_VOLUME, "mountPath": config.keys_mount_path, "readOnly": True}],
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
-    template: Obj = {
-        "metadata": {"labels": {**MANAGED_BY, **selector(dd.metadata.name, role), LABEL_FINGERPRINT: plan.fingerprint,
-                                LABEL_TP: str(role_spec.tensor_parallel_size)}},
-        "spec": {
-            "containers": [container],
-            "volumes": [{"name": KEYS_VOLUME, "secret": {"secretName": secret_name(dd.metadata.name),
-                                                         "defaultMode": 0o400}}],
-            "terminationGracePeriodSeconds": 30,
-        },
-    }  # fmt: skip
-    template = overlay(template, role_spec.template) if role_spec.template else template
-    template["metadata"].setdefault("labels", {})[LABEL_REVISION] = revision(template)
-    return template
+
+
+def _vllm_containers(
+    dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig, resources: Obj, side: Obj
+) -> tuple[list[Obj], list[Obj]]:
+    """``vllm serve`` (and, on decode with the routing sidecar, the sidecar in front of it); no key Secret:
+    vLLM's side channel has no CURVE, the NetworkPolicy is what limits who reaches it."""
+    engine = vllm.container(dd, role, plan, config, engine_env(dd, role, plan, config))
+    sidecar = role is Role.DECODE and bool(config.routing_sidecar_image)
+    port = engine["args"][engine["args"].index("--port") + 1]
+    engine["ports"] = [{"name": "vllm" if sidecar else HTTP_PORT_NAME, "containerPort": int(port), "protocol": "TCP"},
+                       side]  # fmt: skip
+    engine["resources"] = resources
+    engine["securityContext"] = {"allowPrivilegeEscalation": False}
+    volumes: list[Obj] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}]
+    return ([vllm.routing_sidecar(config), engine] if sidecar else [engine]), volumes
 
 
 def stateful_set(dd: DisaggregatedDeployment, uid: str, role: Role, plan: TransferPlan, config: OperatorConfig) -> Obj:

@@ -39,6 +39,9 @@ class Endpoint(CamelModel):
     port: int = Field(ge=1, le=65535)
     ranks: int = Field(ge=1, description="TP ranks served by this endpoint.")
     fingerprint: str
+    http_port: int | None = Field(
+        default=None, ge=1, le=65535, description="The pod's HTTP port (engine API, or the routing sidecar in front)."
+    )
 
 
 class RoleStatus(CamelModel):

@@ -110,6 +110,21 @@ def test_values_reach_the_operator() -> None:
     assert env["KVBRIDGE_OPERATOR_CPU_MODE"] == "true"
     assert env["KVBRIDGE_OPERATOR_AGENT_NUM_BLOCKS"] == "1024"
     assert env["KVBRIDGE_OPERATOR_GPU_RESOURCE"] == "amd.com/gpu"
+    default = {e["name"]: e["value"] for e in by_kind(render({}))["Deployment"][0]["spec"]["template"]["spec"][
+        "containers"][0]["env"]}  # fmt: skip
+    assert default["KVBRIDGE_OPERATOR_VLLM_IMAGE"] == "vllm/vllm-openai:v0.11.0"
+    assert default["KVBRIDGE_OPERATOR_ROUTING_SIDECAR_IMAGE"] == ""  # no sidecar unless asked for
+    sidecar = {"vllm": {"routingSidecar": {"image": "ghcr.io/llm-d/llm-d-routing-sidecar:v0.3.0",
+                                           "args": ["--connector=nixlv2", "--secure-proxy=true"]}}}  # fmt: skip
+    [operator] = by_kind(render(sidecar))["Deployment"]
+    env = {e["name"]: e["value"] for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["KVBRIDGE_OPERATOR_ROUTING_SIDECAR_IMAGE"] == "ghcr.io/llm-d/llm-d-routing-sidecar:v0.3.0"
+    from kvbridge_operator.config import OperatorConfig
+
+    config = OperatorConfig.from_env(env)  # what the operator makes of the chart's variables
+    assert config.routing_sidecar_image == "ghcr.io/llm-d/llm-d-routing-sidecar:v0.3.0"
+    assert config.routing_sidecar_args == ("--connector=nixlv2", "--secure-proxy=true")
+    assert config.vllm_image == "vllm/vllm-openai:v0.11.0"
     kinds = by_kind(render(VALUE_SETS["no-metrics-existing-sa"]))
     assert "ServiceAccount" not in kinds
     assert "Service" not in kinds
@@ -126,6 +141,8 @@ def test_values_reach_the_operator() -> None:
         {"gpu": {"cpuMode": "yes"}},
         {"metrics": {"port": 70000}},
         {"metrics": {"serviceMonitor": {"interval": "often"}}},
+        {"vllm": {"image": ""}},
+        {"vllm": {"routingSidecar": {"args": ["--a=1,--b=2"]}}},
     ],
 )
 def test_values_schema_rejects_bad_values(bad: dict[str, Any]) -> None:

@@ -65,9 +65,9 @@ async def test_create_makes_owned_children_status_and_events() -> None:
         assert status["decode"]["ready"] == "1/1"
         assert status["prefill"]["endpoints"] == [
             {"pod": "llama3-8b-prefill-0", "ip": "10.0.0.1", "port": 5600, "ranks": 2,
-             "fingerprint": status["fingerprint"]},
+             "fingerprint": status["fingerprint"], "httpPort": 8000},
             {"pod": "llama3-8b-prefill-1", "ip": "10.0.0.2", "port": 5600, "ranks": 2,
-             "fingerprint": status["fingerprint"]},
+             "fingerprint": status["fingerprint"], "httpPort": 8000},
         ]  # fmt: skip
         await c.wait(lambda: "EndpointsChanged" in c.reasons("llama3-8b"), what="EndpointsChanged event")
         assert "Reconciled" in c.reasons("llama3-8b")
@@ -230,10 +230,10 @@ async def test_bad_resource_is_reported_not_crash_looped() -> None:
         assert children(c, "bad")["statefulsets"] == []
 
 
-async def test_cpu_mode_requests_no_gpus_and_unsupported_engines_are_refused() -> None:
+async def test_cpu_mode_requests_no_gpus_and_vllm_settings_it_cannot_honour_are_refused() -> None:
     async with cluster(OperatorConfig(cpu_mode=True, liveness_port=0)) as c:
         await c.apply(example("deepseek-mla"))
-        vllm = example("llama3-8b-hetero-tp")
+        vllm = example("hetero-block-size")  # needs a prefill-side block split: the kvbridge agent only
         vllm["spec"]["engine"] = {"kind": "VLLM"}
         await c.apply(vllm)
         await c.wait(lambda: c.condition("deepseek-mla", "Compatible").get("status") == "True")
@@ -243,8 +243,10 @@ async def test_cpu_mode_requests_no_gpus_and_unsupported_engines_are_refused() -
         assert "limits" not in resources
         env = {e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
         assert env["KVBRIDGE_DEVICE"] == "cpu"
-        await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "False")
-        assert "ENGINE_UNSUPPORTED at spec.engine.kind" in c.condition("llama3-8b", "Compatible")["message"]
+        name = vllm["metadata"]["name"]
+        await c.wait(lambda: c.condition(name, "Compatible").get("status") == "False")
+        assert "VLLM_PREFILL_CONVERSION at spec.prefill.blockSize" in c.condition(name, "Compatible")["message"]
+        assert children(c, name)["statefulsets"] == []
 
 
 def printer_columns(obj: Obj) -> list[str]:

@@ -14,7 +14,6 @@ import zmq
 from kvbridge_agent.core import Role
 from kvbridge_agent.core.contract import parse_environment
 from kvbridge_operator.config import OperatorConfig
-from kvbridge_operator.reconcile import verdict_for
 from kvbridge_operator.render import (
     LABEL_FINGERPRINT,
     LABEL_REVISION,
@@ -24,6 +23,7 @@ from kvbridge_operator.render import (
     stateful_set,
 )
 from kvbridge_operator.spec import parse_deployment
+from kvbridge_operator.verdict import verdict_for
 
 ROOT = Path(__file__).parents[2]
 UID = "1b4e28ba-2fa1-11d2-883f-0016d3cca427"

@@ -1,0 +1,214 @@
+"""vLLM engines: golden pod templates, every argument and variable, settings vLLM cannot honour, routing sidecar.
+
+Golden files live in tests/operator/golden/; after an intended change of the rendering, rewrite them with
+``KVBRIDGE_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/operator/test_vllm.py`` and review the diff.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvbridge_agent.core import Problem, Role
+from kvbridge_operator.config import OperatorConfig
+from kvbridge_operator.render import children, stateful_set
+from kvbridge_operator.spec import parse_deployment
+from kvbridge_operator.verdict import verdict_for
+
+ROOT = Path(__file__).parents[2]
+GOLDEN = Path(__file__).parent / "golden"
+UID = "1b4e28ba-2fa1-11d2-883f-0016d3cca427"
+EXAMPLES = ["llama3-8b-hetero-tp", "deepseek-v2-lite-mla", "qwen-block-size-ratio"]
+
+
+def document(name: str) -> dict[str, Any]:
+    loaded: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "vllm" / f"{name}.yaml").read_text())
+    return loaded
+
+
+def verdict(doc: dict[str, Any]) -> Any:
+    return verdict_for(parse_deployment(doc))
+
+
+def template(doc: dict[str, Any], role: Role, config: OperatorConfig | None = None) -> dict[str, Any]:
+    dd = parse_deployment(doc)
+    sts = stateful_set(dd, UID, role, verdict_for(dd), config or OperatorConfig())  # type: ignore[arg-type]
+    result: dict[str, Any] = sts["spec"]["template"]
+    return result
+
+
+def engine(doc: dict[str, Any], role: Role, config: OperatorConfig | None = None) -> dict[str, Any]:
+    containers = template(doc, role, config)["spec"]["containers"]
+    [found] = [c for c in containers if c["name"] == "engine"]
+    return found
+
+
+def env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+@pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])
+def test_pod_templates_match_the_golden_files(example: str, role: Role) -> None:
+    rendered = template(document(example), role)
+    path = GOLDEN / f"vllm-{example}-{role.value.lower()}.json"
+    if os.environ.get("KVBRIDGE_UPDATE_GOLDEN"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps(rendered, indent=2, sort_keys=True) + "\n")
+    assert rendered == json.loads(path.read_text()), f"{path.name} differs (see the module docstring)"
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_children_validate_strictly(example: str) -> None:
+    dd = parse_deployment(document(example))
+    for obj in children(dd, UID, verdict_for(dd), OperatorConfig()):  # type: ignore[arg-type]
+        kubernetes_validate.validate(obj, "1.30", strict=True)
+    config = OperatorConfig(routing_sidecar_image="ghcr.io/llm-d/llm-d-routing-sidecar:v0.3.0")
+    for obj in children(dd, UID, verdict_for(dd), config):  # type: ignore[arg-type]
+        kubernetes_validate.validate(obj, "1.30", strict=True)
+
+
+def test_hetero_tp_arguments_environment_and_gpus() -> None:
+    doc = document("llama3-8b-hetero-tp")
+    fingerprint = verdict(doc).fingerprint
+    for role, tp in ((Role.PREFILL, "2"), (Role.DECODE, "1")):
+        container = engine(doc, role)
+        args = container["args"]
+        assert container["command"] == ["vllm", "serve"]
+        assert container["image"] == "vllm/vllm-openai:v0.11.0"
+        assert args[0] == "meta-llama/Llama-3.1-8B-Instruct"
+        assert flag(args, "--tensor-parallel-size") == tp
+        assert flag(args, "--block-size") == "16"
+        assert flag(args, "--port") == "8000"
+        assert flag(args, "--dtype") == "bfloat16"
+        assert flag(args, "--kv-cache-dtype") == "auto"
+        assert args[-2:] == ["--max-model-len=8192", "--gpu-memory-utilization=0.9"]  # extraArgs last
+        assert json.loads(flag(args, "--kv-transfer-config")) == {
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_both",
+            "kv_buffer_device": "cuda",
+            "kv_connector_extra_config": {"backends": ["UCX"]},
+        }
+        variables = env(container)
+        assert variables["VLLM_NIXL_SIDE_CHANNEL_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert variables["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
+        assert variables["VLLM_KV_CACHE_LAYOUT"] == "HND"
+        assert variables["VLLM_ATTENTION_BACKEND"] == "FLASH_ATTN"
+        assert variables["KVBRIDGE_ROLE"] == role.value
+        assert variables["KVBRIDGE_FINGERPRINT"] == fingerprint
+        assert variables["KVBRIDGE_KEYS_DIR"] == ""  # vLLM's side channel has no CURVE keys to mount
+        assert container["resources"]["limits"] == {"nvidia.com/gpu": tp}
+        assert container["resources"]["requests"]["nvidia.com/gpu"] == tp
+        assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": 8000, "side-channel": 5600}
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["httpGet"] == {"path": "/health", "port": 8000}
+        spec = template(doc, role)["spec"]
+        assert {v["name"] for v in spec["volumes"]} == {"dshm"}  # no key Secret for vLLM
+
+
+def test_mla_leaves_the_attention_backend_to_vllm() -> None:
+    container = engine(document("deepseek-v2-lite-mla"), Role.DECODE)
+    assert "VLLM_ATTENTION_BACKEND" not in env(container)
+    assert flag(container["args"], "--block-size") == "64"
+    assert "--trust-remote-code" in container["args"]
+
+
+def test_block_size_ratio_renders_each_side_and_the_decode_permute() -> None:
+    doc = document("qwen-block-size-ratio")
+    prefill, decode = engine(doc, Role.PREFILL), engine(doc, Role.DECODE)
+    assert flag(prefill["args"], "--block-size") == "16"
+    assert flag(decode["args"], "--block-size") == "32"  # vLLM reads 2 prefill blocks into each decode block
+    assert env(prefill)["VLLM_KV_CACHE_LAYOUT"] == "HND"
+    assert env(decode)["VLLM_KV_CACHE_LAYOUT"] == "NHD"
+    extra = json.loads(flag(decode["args"], "--kv-transfer-config"))["kv_connector_extra_config"]
+    assert extra == {"backends": ["UCX"], "enable_permute_local_kv": True}
+    assert "enable_permute_local_kv" not in flag(prefill["args"], "--kv-transfer-config")
+
+
+def test_cross_layer_and_fp8_reach_vllm() -> None:
+    doc = document("llama3-8b-hetero-tp")
+    doc["spec"]["model"].update(cacheKind="CrossLayer", kvCacheDtype="fp8_e4m3")
+    args = engine(doc, Role.DECODE)["args"]
+    assert flag(args, "--kv-cache-dtype") == "fp8_e4m3"
+    assert "--dtype" not in args
+    assert json.loads(flag(args, "--kv-transfer-config"))["kv_connector_extra_config"]["enable_cross_layers_blocks"]
+
+
+def codes(result: Any) -> list[tuple[str, str]]:
+    assert isinstance(result, list), "expected problems"
+    return [(p.code, p.field) for p in result if isinstance(p, Problem)]
+
+
+def test_prefill_side_conversions_are_refused_for_vllm_only() -> None:
+    doc = yaml.safe_load((ROOT / "examples" / "hetero-block-size.yaml").read_text())  # prefill 32 NHD -> 16 HND
+    assert not isinstance(verdict(doc), list)  # the kvbridge agent converts on prefill
+    doc["spec"]["engine"] = {"kind": "VLLM"}
+    assert ("VLLM_PREFILL_CONVERSION", "spec.prefill.blockSize") in codes(verdict(doc))
+    assert ("VLLM_PREFILL_CONVERSION", "spec.prefill.kvLayout") in codes(verdict(doc))
+
+
+def test_extra_args_may_not_override_what_the_plan_checked() -> None:
+    doc = document("llama3-8b-hetero-tp")
+    doc["spec"]["engine"]["extraArgs"] = ["--block-size=32", "--kv-transfer-config", "{}", "--enforce-eager"]
+    assert codes(verdict(doc)) == [("VLLM_MANAGED_ARGUMENT", "spec.engine.extraArgs")] * 2
+
+
+def test_incompatible_and_vllm_problems_are_reported_together() -> None:
+    doc = document("llama3-8b-hetero-tp")
+    doc["spec"]["decode"]["tensorParallelSize"] = 3
+    doc["spec"]["engine"]["extraArgs"] = ["--port=9000"]
+    found = [code for code, _ in codes(verdict(doc))]
+    assert "TP_NOT_DIVISIBLE" in found
+    assert "VLLM_MANAGED_ARGUMENT" in found
+
+
+def test_routing_sidecar_fronts_decode_and_labels_both_roles() -> None:
+    config = OperatorConfig(routing_sidecar_image="ghcr.io/llm-d/llm-d-routing-sidecar:v0.3.0")
+    doc = document("llama3-8b-hetero-tp")
+    decode = template(doc, Role.DECODE, config)
+    sidecar, vllm = decode["spec"]["containers"]
+    assert sidecar["name"] == "routing-sidecar"
+    assert sidecar["image"] == "ghcr.io/llm-d/llm-d-routing-sidecar:v0.3.0"
+    assert sidecar["args"] == ["--port=8000", "--vllm-port=8200", "--connector=nixlv2", "--secure-proxy=false"]
+    assert sidecar["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert flag(vllm["args"], "--port") == "8200"
+    assert {p["name"]: p["containerPort"] for p in vllm["ports"]} == {"vllm": 8200, "side-channel": 5600}
+    assert vllm["readinessProbe"]["httpGet"]["port"] == 8200
+    assert decode["metadata"]["labels"]["llm-d.ai/role"] == "decode"
+    prefill = template(doc, Role.PREFILL, config)
+    assert [c["name"] for c in prefill["spec"]["containers"]] == ["engine"]
+    assert prefill["metadata"]["labels"]["llm-d.ai/role"] == "prefill"
+    assert flag(prefill["spec"]["containers"][0]["args"], "--port") == "8000"
+
+
+def test_plan_prints_the_vllm_command_and_environment_of_each_role() -> None:
+    path = ROOT / "examples" / "vllm" / "qwen-block-size-ratio.yaml"
+    result = subprocess.run(
+        [sys.executable, "-m", "kvbridge_operator", "plan", "-f", str(path), "--json"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    [entry] = json.loads(result.stdout)
+    rendered = engine(document("qwen-block-size-ratio"), Role.DECODE)
+    assert entry["vllm"]["decode"]["command"] == ["vllm", "serve", *rendered["args"]]
+    assert entry["vllm"]["decode"]["env"]["VLLM_KV_CACHE_LAYOUT"] == "NHD"
+    assert entry["vllm"]["decode"]["env"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "<status.podIP>"
+    assert entry["vllm"]["prefill"]["kvTransferConfig"]["kv_connector"] == "NixlConnector"
+    text = subprocess.run(
+        [sys.executable, "-m", "kvbridge_operator", "plan", "-f", str(path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    ).stdout  # fmt: skip
+    assert "vLLM decode: vllm serve Qwen/Qwen2.5-7B-Instruct" in text
+    assert "VLLM_KV_CACHE_LAYOUT=NHD" in text
