@@ -155,9 +155,15 @@ class SideChannelClient:
                 socket.curve_serverkey = self.keys.public
                 socket.curve_publickey = self.keys.public
                 socket.curve_secretkey = self.keys.secret
+            # a send on a REQ socket whose peer never completes the CURVE handshake may block: bound it too
+            socket.setsockopt(zmq.SNDTIMEO, max(1, int((deadline - time.monotonic()) * 1000)))
             socket.connect(self.endpoint)
-            socket.send_multipart(list(request))
-            remaining = deadline - time.monotonic()
+            try:
+                socket.send_multipart(list(request))
+            except zmq.Again:
+                remaining = 0.0
+            else:
+                remaining = deadline - time.monotonic()
             if remaining <= 0 or not socket.poll(int(remaining * 1000), zmq.POLLIN):
                 raise HandshakeError(
                     f"no answer from {self.endpoint} within {self.timeout:g} s (wrong address, engine down, "
