@@ -170,14 +170,11 @@ def _vllm_containers(
     """``vllm serve`` (and, on decode with the routing sidecar, the sidecar in front of it); no key Secret:
     vLLM's side channel has no CURVE, the NetworkPolicy is what limits who reaches it."""
     engine = vllm.container(dd, role, plan, config, engine_env(dd, role, plan, config))
-    sidecar = role is Role.DECODE and bool(config.routing_sidecar_image)
-    port = engine["args"][engine["args"].index("--port") + 1]
-    engine["ports"] = [{"name": "vllm" if sidecar else HTTP_PORT_NAME, "containerPort": int(port), "protocol": "TCP"},
-                       side]  # fmt: skip
+    engine["ports"].append(side)
     engine["resources"] = resources
     engine["securityContext"] = {"allowPrivilegeEscalation": False}
     volumes: list[Obj] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}]
-    return ([vllm.routing_sidecar(config), engine] if sidecar else [engine]), volumes
+    return ([vllm.routing_sidecar(config), engine] if vllm.behind_sidecar(role, config) else [engine]), volumes
 
 
 def stateful_set(dd: DisaggregatedDeployment, uid: str, role: Role, plan: TransferPlan, config: OperatorConfig) -> Obj:

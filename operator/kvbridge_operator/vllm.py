@@ -91,10 +91,15 @@ def kv_transfer_config(
     }
 
 
+def behind_sidecar(role: Role, config: OperatorConfig) -> bool:
+    """Whether this role's vLLM sits behind the routing sidecar (decode pods, when a sidecar image is set)."""
+    return role is Role.DECODE and bool(config.routing_sidecar_image)
+
+
 def engine(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig) -> VLLMEngine:
     spec = dd.spec
     role_spec: RoleSpec = spec.prefill if role is Role.PREFILL else spec.decode
-    port = VLLM_PORT_BEHIND_SIDECAR if role is Role.DECODE and config.routing_sidecar_image else config.agent_http_port
+    port = VLLM_PORT_BEHIND_SIDECAR if behind_sidecar(role, config) else config.agent_http_port
     transfer_config = kv_transfer_config(spec, plan, role, config)
     args = [
         spec.model.name,
@@ -131,7 +136,8 @@ def _dtype_args(dtype: KVCacheDtype) -> list[str]:
 def container(
     dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig, base_env: list[Obj]
 ) -> Obj:
-    """The ``engine`` container running ``vllm serve`` (ports, probes and GPUs are the caller's)."""
+    """The ``engine`` container running ``vllm serve`` with its HTTP port (named ``http``, or ``vllm`` behind the
+    routing sidecar); further ports and GPUs are the caller's."""
     vllm = engine(dd, role, plan, config)
     env = [*base_env, *({"name": k, "value": v} for k, v in vllm.env.items())]
     env += [{"name": k, "valueFrom": {"fieldRef": {"fieldPath": v}}} for k, v in vllm.downward.items()]
@@ -142,6 +148,9 @@ def container(
         "command": ["vllm", "serve"],
         "args": vllm.args,
         "env": env,
+        "ports": [
+            {"name": "vllm" if behind_sidecar(role, config) else "http", "containerPort": vllm.port, "protocol": "TCP"}
+        ],
         # loading weights and compiling take minutes: the startup probe allows 30 min before liveness applies
         "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": 180},
         "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 3},
