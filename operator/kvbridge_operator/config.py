@@ -17,8 +17,10 @@ ENV_PREFIX = "KVBRIDGE_OPERATOR_"
 class OperatorConfig:
     #: image of the kvbridge agent worker (engine kind Agent)
     agent_image: str = f"ghcr.io/kvbridge/kvbridge-agent:{__version__}"
-    #: image of vLLM engines (engine kind VLLM; `vllm serve` with the NixlConnector)
-    vllm_image: str = "vllm/vllm-openai:v0.11.0"
+    #: image of vLLM engines on GPUs (engine kind VLLM; the release the renderer targets, vllm.VLLM_RELEASE)
+    vllm_image: str = "vllm/vllm-openai:v0.32.0"
+    #: image of vLLM engines on CPUs (engine.device CPU; vLLM's CPU build of the same release)
+    vllm_cpu_image: str = "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0"
     #: llm-d routing sidecar image injected into vLLM decode pods; empty: no sidecar
     routing_sidecar_image: str = ""
     #: extra arguments of the routing sidecar (after --port and --vllm-port)

@@ -82,7 +82,8 @@ def vllm_engines(document: DocumentPlan, config: OperatorConfig | None = None) -
     for role in (Role.PREFILL, Role.DECODE):
         engine = vllm.engine(document.deployment, role, document.plan, config)
         out[role.value.lower()] = {
-            "command": ["vllm", "serve", *engine.args],
+            "command": engine.command,
+            "launcher": engine.launcher,
             "env": {**engine.env, **{k: f"<{v}>" for k, v in engine.downward.items()}},
             "kvTransferConfig": engine.kv_transfer_config,
         }
@@ -136,6 +137,10 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
         lines.extend(_table(("prefill rank", "remote offset", "local offset", "length"), rows))
     if document.deployment.spec.engine.kind is EngineKind.VLLM:
         for role, engine in vllm_engines(document).items():
-            lines.append(f"  vLLM {role}: {shlex.join(engine['command'])}")
+            launcher = engine["launcher"]
+            lines.append(f"  vLLM {role}: {shlex.join(engine['command'][len(launcher) :])}")
+            if launcher:
+                lines.append("      (run through kvbridge's CPU launcher: one core set per TP rank, "
+                             "VLLM_CPU_OMP_THREADS_BIND; `--json` shows it)")  # fmt: skip
             lines.extend(f"      {name}={value}" for name, value in engine["env"].items())
     return "\n".join(lines)

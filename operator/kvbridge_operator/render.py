@@ -20,7 +20,7 @@ from kvbridge_agent.core.contract import EngineEnvironment, render_environment
 from . import vllm
 from .config import OperatorConfig
 from .keys import curve_keypair
-from .spec import API_VERSION, KIND, DisaggregatedDeployment, EngineKind, RoleSpec
+from .spec import API_VERSION, KIND, DisaggregatedDeployment, EngineDevice, EngineKind, RoleSpec
 
 LABEL_DEPLOYMENT = "kvbridge.io/deployment"
 LABEL_ROLE = "kvbridge.io/role"
@@ -99,7 +99,7 @@ def engine_env(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, conf
         side_channel_host="from-downward-api", fingerprint=plan.fingerprint,
         keys_dir=config.keys_mount_path if agent else "",
         num_blocks=config.agent_num_blocks, http_port=config.agent_http_port,
-        device="cpu" if config.cpu_mode else "cuda",
+        device="cpu" if on_cpu(dd, config) else "cuda",
     )  # fmt: skip
     downward = {"KVBRIDGE_ENGINE_ID": "metadata.name", "KVBRIDGE_SIDE_CHANNEL_HOST": "status.podIP"}
     env: list[Obj] = []
@@ -114,24 +114,16 @@ def engine_env(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, conf
 def pod_template(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig) -> Obj:
     spec = dd.spec
     role_spec: RoleSpec = spec.prefill if role is Role.PREFILL else spec.decode
-    # vLLM holds the weights in host memory while loading them; the agent worker needs little. Override either
-    # with the role's template.
-    base = {"cpu": "4", "memory": "32Gi"} if spec.engine.kind is EngineKind.VLLM else {"cpu": "1", "memory": "2Gi"}
-    resources: Obj = {"requests": base}
-    if not config.cpu_mode:
-        gpus = str(role_spec.tensor_parallel_size)
-        resources = {"requests": {**resources["requests"], config.gpu_resource: gpus},
-                     "limits": {config.gpu_resource: gpus}}  # fmt: skip
     side_channel = {"name": SIDE_CHANNEL_PORT_NAME, "containerPort": spec.transfer.side_channel_port, "protocol": "TCP"}
     labels = {**MANAGED_BY, **selector(dd.metadata.name, role), LABEL_FINGERPRINT: plan.fingerprint,
               LABEL_TP: str(role_spec.tensor_parallel_size)}  # fmt: skip
     if spec.engine.kind is EngineKind.VLLM:
-        containers, volumes = _vllm_containers(dd, role, plan, config, resources, side_channel)
+        containers, volumes = _vllm_containers(dd, role, plan, config, side_channel)
         if config.routing_sidecar_image:
             labels[LABEL_LLM_D_ROLE] = role.value.lower()  # what llm-d's scheduler selects prefill/decode pods by
     else:
         containers, volumes = (
-            [_agent_container(dd, role, plan, config, resources, side_channel)],
+            [_agent_container(dd, role, plan, config, side_channel)],
             [{"name": KEYS_VOLUME, "secret": {"secretName": secret_name(dd.metadata.name), "defaultMode": 0o400}}],
         )
     template: Obj = {
@@ -143,9 +135,23 @@ def pod_template(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, co
     return template
 
 
+def on_cpu(dd: DisaggregatedDeployment, config: OperatorConfig) -> bool:
+    """Whether the engines keep their KV cache in host memory: ``engine.device: CPU``, or, for the agent worker,
+    the operator's CPU mode too (vLLM pods follow the spec alone: its CPU rules are part of the verdict)."""
+    if dd.spec.engine.kind is EngineKind.VLLM:
+        return vllm.on_cpu(dd.spec)
+    return config.cpu_mode or dd.spec.engine.device is EngineDevice.CPU
+
+
 def _agent_container(
-    dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig, resources: Obj, side: Obj
+    dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig, side: Obj
 ) -> Obj:
+    # the agent worker needs little besides its KV cache; override with the role's template
+    resources: Obj = {"requests": {"cpu": "1", "memory": "2Gi"}}
+    if not on_cpu(dd, config):
+        gpus = str((dd.spec.prefill if role is Role.PREFILL else dd.spec.decode).tensor_parallel_size)
+        resources = {"requests": {**resources["requests"], config.gpu_resource: gpus},
+                     "limits": {config.gpu_resource: gpus}}  # fmt: skip
     ports = [{"name": HTTP_PORT_NAME, "containerPort": config.agent_http_port, "protocol": "TCP"}]
     if role is Role.PREFILL:
         ports.append(side)
@@ -165,13 +171,12 @@ def _agent_container(
 
 
 def _vllm_containers(
-    dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig, resources: Obj, side: Obj
+    dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig, side: Obj
 ) -> tuple[list[Obj], list[Obj]]:
     """``vllm serve`` (and, on decode with the routing sidecar, the sidecar in front of it); no key Secret:
     vLLM's side channel has no CURVE, the NetworkPolicy is what limits who reaches it."""
     engine = vllm.container(dd, role, plan, config, engine_env(dd, role, plan, config))
     engine["ports"].append(side)
-    engine["resources"] = resources
     engine["securityContext"] = {"allowPrivilegeEscalation": False}
     volumes: list[Obj] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}]
     return ([vllm.routing_sidecar(config), engine] if vllm.behind_sidecar(role, config) else [engine]), volumes

@@ -32,12 +32,27 @@ class EngineKind(StrEnum):
     VLLM = "VLLM"  # vLLM with its NixlConnector
 
 
+class EngineDevice(StrEnum):
+    GPU = "GPU"  # one GPU per TP rank; the KV cache in GPU memory
+    CPU = "CPU"  # CPU cores per TP rank; the KV cache in host memory (vLLM's CPU build)
+
+
 class EngineSpec(CamelModel):
     kind: EngineKind = Field(default=EngineKind.AGENT, description="Agent (kvbridge agent worker) or VLLM.")
-    image: str = Field(default="", max_length=512, description="Container image; empty takes the default per kind.")
+    device: EngineDevice = Field(
+        default=EngineDevice.GPU,
+        description="GPU, or CPU (vLLM's CPU build: no GPUs requested, the KV cache in host memory, CPU attention).",
+    )
+    image: str = Field(
+        default="", max_length=512, description="Container image; empty takes the default per kind and device."
+    )
     extra_args: list[str] = Field(
         default_factory=list, max_length=64, description="VLLM only: arguments appended to `vllm serve`."
     )
+    cpu_kv_cache_gib: int = Field(
+        default=4, alias="cpuKVCacheGiB", ge=1, le=4096,
+        description="VLLM on CPU: host memory for the KV cache in GiB (VLLM_CPU_KVCACHE_SPACE).",
+    )  # fmt: skip
 
 
 class RoleSpec(RoleSettings):
@@ -109,6 +124,7 @@ __all__ = [
     "VERSION",
     "DisaggregatedDeployment",
     "DisaggregatedDeploymentSpec",
+    "EngineDevice",
     "EngineKind",
     "EngineSpec",
     "KVBridgeError",

@@ -1,4 +1,7 @@
-"""vLLM engines (``spec.engine.kind: VLLM``): what vLLM's NixlConnector cannot honour, and the engine each role runs.
+"""vLLM engines (``spec.engine.kind: VLLM``): what vLLM cannot honour, and the engine each role runs.
+
+The renderer targets one vLLM release (:data:`VLLM_RELEASE`, also the chart's default image): its flags, its
+environment variables and its names of KV layouts. Specs on ``engine.device: CPU`` run vLLM's CPU build.
 
 Pure functions from a DisaggregatedDeployment and its plan to ``vllm serve`` arguments, the environment and
 the container; :mod:`render` puts them into the pod template and ``kvbridge plan`` prints them. Everything the
@@ -15,29 +18,65 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbridge_agent.core import CacheKind, KVCacheDtype, Problem, Role, TransferPlan
+from kvbridge_agent.core import CacheKind, KVCacheDtype, KVLayout, Problem, Role, TransferPlan
 from kvbridge_agent.core.wire import ConversionKind
 
 from .config import OperatorConfig
-from .spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, RoleSpec
+from .spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineDevice, RoleSpec
+
+#: the vLLM release this renderer targets: the flags, variables and layout names below are that release's
+VLLM_RELEASE = "0.32"
 
 VLLM_PREFILL_CONVERSION = "VLLM_PREFILL_CONVERSION"
 VLLM_MANAGED_ARGUMENT = "VLLM_MANAGED_ARGUMENT"
+VLLM_CPU_BLOCK_SIZE = "VLLM_CPU_BLOCK_SIZE"
+VLLM_CPU_KV_LAYOUT = "VLLM_CPU_KV_LAYOUT"
+VLLM_CPU_BLOCK_SIZE_RATIO = "VLLM_CPU_BLOCK_SIZE_RATIO"
+VLLM_CPU_CACHE_KIND = "VLLM_CPU_CACHE_KIND"
+VLLM_CPU_KV_CACHE_DTYPE = "VLLM_CPU_KV_CACHE_DTYPE"
 
 #: arguments kvbridge sets from the spec; ``extraArgs`` naming one of them is refused
 MANAGED_ARGUMENTS = (
     "--port", "--tensor-parallel-size", "-tp", "--block-size", "--kv-transfer-config", "--kv-cache-dtype",
-    "--dtype", "--model",
+    "--dtype", "--model", "--attention-backend",
 )  # fmt: skip
 #: the port vLLM serves on behind the routing sidecar (the sidecar takes the pod's HTTP port)
 VLLM_PORT_BEHIND_SIDECAR = 8200
 HEALTH_PATH = "/health"  # vLLM's OpenAI server: 200 once the engine is up
+#: CPU attention (vLLM's CPU_ATTN backend) runs blocks of a multiple of this many tokens
+CPU_BLOCK_MULTIPLE = 32
+#: host memory a CPU vLLM pod needs besides its KV cache (API server, engine core, one worker per rank)
+CPU_BASE_MEMORY_GIB = 4
+
+#: vLLM 0.32 names physical KV layouts as stride orders of [L, B, H, N, C] (KVCacheLayout, RFC #42082)
+_LAYOUT_NAMES = {KVLayout.HND: "LBHNC", KVLayout.NHD: "LBNHC"}
+CROSS_LAYER_LAYOUT = "BHLNC"  # one block-major tensor for all layers, heads outermost (transfer-protocol.md §1)
+
+#: a ``python3 -c`` launcher for CPU pods: bind each TP rank to its own share of the cores the container may use
+#: (the kubelet's cpuset), then exec ``vllm serve``. vLLM's "auto" binding gives every rank all cores of a NUMA
+#: node, which on a small node makes TP ranks fight over the same cores.
+CPU_BIND_LAUNCHER = """\
+import os, sys
+tp = int(sys.argv[1])
+cpus = sorted(os.sched_getaffinity(0))
+if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+    if len(cpus) < tp:
+        sys.exit(f"kvbridge: {len(cpus)} CPU(s) available for tensor-parallel size {tp}: request at least {tp}")
+    per = len(cpus) // tp
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+        ",".join(map(str, cpus[r * per:(r + 1) * per])) for r in range(tp))
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
 
 Obj = dict[str, Any]
 
 
+def on_cpu(spec: DisaggregatedDeploymentSpec) -> bool:
+    return spec.engine.device is EngineDevice.CPU
+
+
 def problems(spec: DisaggregatedDeploymentSpec, plan: TransferPlan | None) -> list[Problem]:
-    """What vLLM's NixlConnector cannot run of an otherwise compatible spec (or of any spec, for extraArgs)."""
+    """What vLLM (its NixlConnector, its CPU attention) cannot run of a spec, beyond the compatibility rules."""
     found: list[Problem] = []
     for arg in spec.engine.extra_args:
         name = arg.split("=", 1)[0]
@@ -47,6 +86,8 @@ def problems(spec: DisaggregatedDeploymentSpec, plan: TransferPlan | None) -> li
                 f"{name} is set by kvbridge from the spec (it must agree with the compatibility plan); "
                 "remove it from extraArgs and change the spec field instead",
             ))  # fmt: skip
+    if on_cpu(spec):
+        found += _cpu_problems(spec)
     if plan is not None:
         for step in plan.wire.steps(Role.PREFILL):
             where = "blockSize" if step.kind is ConversionKind.SPLIT_BLOCKS else "kvLayout"
@@ -60,9 +101,50 @@ def problems(spec: DisaggregatedDeploymentSpec, plan: TransferPlan | None) -> li
     return found
 
 
+def _cpu_problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
+    """vLLM's CPU build: CPU attention's block sizes and layout, and NixlConnector's block-size conversion,
+    which does not know CPU attention's block interior (docs/troubleshooting.md, VLLM_CPU_BLOCK_SIZE_RATIO)."""
+    found: list[Problem] = []
+    for role, role_spec in ((Role.PREFILL, spec.prefill), (Role.DECODE, spec.decode)):
+        if role_spec.block_size % CPU_BLOCK_MULTIPLE:
+            fits = max(CPU_BLOCK_MULTIPLE, role_spec.block_size // CPU_BLOCK_MULTIPLE * CPU_BLOCK_MULTIPLE)
+            found.append(Problem(
+                VLLM_CPU_BLOCK_SIZE, f"spec.{role.value}.blockSize",
+                f"vLLM's CPU attention runs blocks of a multiple of {CPU_BLOCK_MULTIPLE} tokens, not "
+                f"{role_spec.block_size} (vLLM fails at start-up); set spec.{role.value}.blockSize: {fits}",
+            ))  # fmt: skip
+        if role_spec.kv_layout is not KVLayout.HND:
+            found.append(Problem(
+                VLLM_CPU_KV_LAYOUT, f"spec.{role.value}.kvLayout",
+                f"vLLM's CPU attention supports only the head-major layout (LBHNC); {role_spec.kv_layout.value} is "
+                f"refused at start-up; set spec.{role.value}.kvLayout: HND",
+            ))  # fmt: skip
+    if spec.prefill.block_size != spec.decode.block_size:
+        found.append(Problem(
+            VLLM_CPU_BLOCK_SIZE_RATIO, "spec.decode.blockSize",
+            f"prefill blocks of {spec.prefill.block_size} and decode blocks of {spec.decode.block_size} tokens: "
+            "vLLM's NixlConnector re-lays received blocks as [heads, tokens, dim], but CPU attention keeps each "
+            "head's keys and then its values inside a block, so decode computes with scrambled KV and returns "
+            f"wrong tokens without an error; set spec.decode.blockSize: {spec.prefill.block_size}",
+        ))  # fmt: skip
+    if spec.model.cache_kind is not CacheKind.SPLIT:
+        found.append(Problem(
+            VLLM_CPU_CACHE_KIND, "spec.model.cacheKind",
+            f"vLLM's CPU attention has one per-layer cache layout; {spec.model.cache_kind.value} is a GPU "
+            "attention backend's layout; set spec.model.cacheKind: Split",
+        ))  # fmt: skip
+    if spec.model.kv_cache_dtype.value.startswith("fp8"):
+        found.append(Problem(
+            VLLM_CPU_KV_CACHE_DTYPE, "spec.model.kvCacheDtype",
+            "vLLM's CPU build does not transfer fp8 KV caches (NotImplementedError in its CPU KV packing); "
+            "set spec.model.kvCacheDtype: bfloat16",
+        ))  # fmt: skip
+    return found
+
+
 @dataclass(frozen=True)
 class VLLMEngine:
-    """One role's vLLM engine: the ``vllm serve`` arguments and environment, as a pod gets them."""
+    """One role's vLLM engine: the command, ``vllm serve`` arguments and environment, as a pod gets them."""
 
     args: list[str]
     env: dict[str, str]
@@ -70,25 +152,43 @@ class VLLMEngine:
     downward: dict[str, str] = field(default_factory=dict)
     port: int = 8000
     kv_transfer_config: Obj = field(default_factory=dict)
+    #: what runs ``vllm serve``: itself on GPUs, the core-binding launcher on CPUs
+    launcher: list[str] = field(default_factory=list)
+
+    @property
+    def command(self) -> list[str]:
+        """The container's whole command line (the pod's ``command`` + ``args``)."""
+        return [*self.launcher, "vllm", "serve", *self.args]
 
 
-def kv_transfer_config(
-    spec: DisaggregatedDeploymentSpec, plan: TransferPlan, role: Role, config: OperatorConfig
-) -> Obj:
-    """vLLM's ``KVTransferConfig`` for one role (NixlConnector)."""
-    extra: Obj = {"backends": list(spec.transfer.backends)}
-    if role is Role.DECODE and any(s.kind is ConversionKind.PERMUTE for s in plan.wire.steps(Role.DECODE)):
-        extra["enable_permute_local_kv"] = True  # decode is NHD, the wire (prefill) HND: permute after reading
-    if spec.model.cache_kind is CacheKind.CROSS_LAYER:
-        extra["enable_cross_layers_blocks"] = True  # one block-major tensor for all layers: 1 descriptor per block
-    return {
-        # vLLM's NixlConnector takes the P or D part per request from kv_transfer_params; its own docs and
-        # tests run both roles as kv_both. The role is in the pod labels and in KVBRIDGE_ROLE.
+def kv_transfer_config(spec: DisaggregatedDeploymentSpec, plan: TransferPlan, role: Role) -> Obj:
+    """vLLM's ``KVTransferConfig`` for one role (NixlConnector, vLLM 0.32)."""
+    extra: Obj = {"backends": list(spec.transfer.backends), "kv_lease_duration": spec.transfer.lease_seconds}
+    config: Obj = {
         "kv_connector": "NixlConnector",
-        "kv_role": "kv_both",
-        "kv_buffer_device": "cpu" if config.cpu_mode else "cuda",
+        "kv_role": "kv_producer" if role is Role.PREFILL else "kv_consumer",
+        "kv_buffer_device": "cpu" if on_cpu(spec) else "cuda",
         "kv_connector_extra_config": extra,
     }
+    if role is Role.DECODE and any(s.kind is ConversionKind.PERMUTE for s in plan.wire.steps(Role.DECODE)):
+        config["enable_permute_local_kv"] = True  # decode is NHD, the wire (prefill) HND: permute after reading
+    return config
+
+
+def kv_cache_layout(spec: DisaggregatedDeploymentSpec, role_spec: RoleSpec) -> str:
+    """``VLLM_KV_CACHE_LAYOUT`` in vLLM 0.32's words."""
+    if spec.model.cache_kind is CacheKind.CROSS_LAYER:
+        return CROSS_LAYER_LAYOUT
+    return _LAYOUT_NAMES[role_spec.kv_layout]
+
+
+def attention_backend(spec: DisaggregatedDeploymentSpec) -> str | None:
+    """``--attention-backend``: the backend whose cache layout the spec describes (MLA picks its own)."""
+    if on_cpu(spec):
+        return "CPU_ATTN"
+    if spec.model.is_mla:
+        return None
+    return "FLASHINFER" if spec.model.cache_kind is CacheKind.BLOCKS_FIRST else "FLASH_ATTN"
 
 
 def behind_sidecar(role: Role, config: OperatorConfig) -> bool:
@@ -100,30 +200,49 @@ def engine(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: 
     spec = dd.spec
     role_spec: RoleSpec = spec.prefill if role is Role.PREFILL else spec.decode
     port = VLLM_PORT_BEHIND_SIDECAR if behind_sidecar(role, config) else config.agent_http_port
-    transfer_config = kv_transfer_config(spec, plan, role, config)
+    transfer_config = kv_transfer_config(spec, plan, role)
+    backend = attention_backend(spec)
     args = [
         spec.model.name,
         "--port", str(port),
         "--tensor-parallel-size", str(role_spec.tensor_parallel_size),
         "--block-size", str(role_spec.block_size),
         *_dtype_args(spec.model.kv_cache_dtype),
+        *(["--attention-backend", backend] if backend else []),
         "--kv-transfer-config", json.dumps(transfer_config, separators=(",", ":"), sort_keys=True),
         *spec.engine.extra_args,
     ]  # fmt: skip
     env = {
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.transfer.side_channel_port),
-        "VLLM_KV_CACHE_LAYOUT": role_spec.kv_layout.value,
+        "VLLM_KV_CACHE_LAYOUT": kv_cache_layout(spec, role_spec),
     }
-    if not spec.model.is_mla:  # MLA picks its own attention backend
-        backend = "FLASHINFER" if spec.model.cache_kind is CacheKind.BLOCKS_FIRST else "FLASH_ATTN"
-        env["VLLM_ATTENTION_BACKEND"] = backend
+    launcher: list[str] = []
+    if on_cpu(spec):
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.engine.cpu_kv_cache_gib)
+        launcher = ["python3", "-c", CPU_BIND_LAUNCHER, str(role_spec.tensor_parallel_size)]
     return VLLMEngine(
         args=args,
         env=env,
         downward={"VLLM_NIXL_SIDE_CHANNEL_HOST": "status.podIP"},
         port=port,
         kv_transfer_config=transfer_config,
+        launcher=launcher,
     )
+
+
+def image(spec: DisaggregatedDeploymentSpec, config: OperatorConfig) -> str:
+    return spec.engine.image or (config.vllm_cpu_image if on_cpu(spec) else config.vllm_image)
+
+
+def resources(spec: DisaggregatedDeploymentSpec, role_spec: RoleSpec, config: OperatorConfig) -> Obj:
+    """GPU pods: TP GPUs and room to load weights; CPU pods: one core per TP rank (requests = limits, so a
+    static CPU manager can give the pod whole cores) and the KV cache space on top of the process memory."""
+    tp = role_spec.tensor_parallel_size
+    if on_cpu(spec):
+        amount = {"cpu": str(tp), "memory": f"{spec.engine.cpu_kv_cache_gib + CPU_BASE_MEMORY_GIB * tp}Gi"}
+        return {"requests": amount, "limits": dict(amount)}
+    return {"requests": {"cpu": "4", "memory": "32Gi", config.gpu_resource: str(tp)},
+            "limits": {config.gpu_resource: str(tp)}}  # fmt: skip
 
 
 def _dtype_args(dtype: KVCacheDtype) -> list[str]:
@@ -137,15 +256,15 @@ def container(
     dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig, base_env: list[Obj]
 ) -> Obj:
     """The ``engine`` container running ``vllm serve`` with its HTTP port (named ``http``, or ``vllm`` behind the
-    routing sidecar); further ports and GPUs are the caller's."""
+    routing sidecar), its GPUs or CPUs; further ports are the caller's."""
     vllm = engine(dd, role, plan, config)
     env = [*base_env, *({"name": k, "value": v} for k, v in vllm.env.items())]
     env += [{"name": k, "valueFrom": {"fieldRef": {"fieldPath": v}}} for k, v in vllm.downward.items()]
     probe = {"httpGet": {"path": HEALTH_PATH, "port": vllm.port}}
     return {
         "name": "engine",
-        "image": dd.spec.engine.image or config.vllm_image,
-        "command": ["vllm", "serve"],
+        "image": image(dd.spec, config),
+        "command": [*vllm.launcher, "vllm", "serve"],
         "args": vllm.args,
         "env": env,
         "ports": [
@@ -155,7 +274,8 @@ def container(
         "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": 180},
         "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
-        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],  # NCCL between TP ranks
+        "resources": resources(dd.spec, dd.spec.prefill if role is Role.PREFILL else dd.spec.decode, config),
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],  # NCCL / shared memory between TP ranks
     }
 
 

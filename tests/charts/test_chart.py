@@ -112,7 +112,8 @@ def test_values_reach_the_operator() -> None:
     assert env["KVBRIDGE_OPERATOR_GPU_RESOURCE"] == "amd.com/gpu"
     default = {e["name"]: e["value"] for e in by_kind(render({}))["Deployment"][0]["spec"]["template"]["spec"][
         "containers"][0]["env"]}  # fmt: skip
-    assert default["KVBRIDGE_OPERATOR_VLLM_IMAGE"] == "vllm/vllm-openai:v0.11.0"
+    assert default["KVBRIDGE_OPERATOR_VLLM_IMAGE"] == "vllm/vllm-openai:v0.32.0"
+    assert default["KVBRIDGE_OPERATOR_VLLM_CPU_IMAGE"] == "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0"
     assert default["KVBRIDGE_OPERATOR_ROUTING_SIDECAR_IMAGE"] == ""  # no sidecar unless asked for
     sidecar = {"vllm": {"routingSidecar": {"image": "ghcr.io/llm-d/llm-d-routing-sidecar:v0.3.0",
                                            "args": ["--connector=nixlv2", "--secure-proxy=true"]}}}  # fmt: skip
@@ -124,7 +125,8 @@ def test_values_reach_the_operator() -> None:
     config = OperatorConfig.from_env(env)  # what the operator makes of the chart's variables
     assert config.routing_sidecar_image == "ghcr.io/llm-d/llm-d-routing-sidecar:v0.3.0"
     assert config.routing_sidecar_args == ("--connector=nixlv2", "--secure-proxy=true")
-    assert config.vllm_image == "vllm/vllm-openai:v0.11.0"
+    assert config.vllm_image == "vllm/vllm-openai:v0.32.0"
+    assert config.vllm_cpu_image == "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0"
     kinds = by_kind(render(VALUE_SETS["no-metrics-existing-sa"]))
     assert "ServiceAccount" not in kinds
     assert "Service" not in kinds

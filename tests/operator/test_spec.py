@@ -26,7 +26,7 @@ def test_defaults_follow_operator_md() -> None:
     dd = parse_deployment(minimal())
     spec = dd.spec
     assert spec.engine.kind is EngineKind.AGENT
-    assert (spec.transfer.side_channel_port, spec.transfer.lease_seconds) == (5600, 30)
+    assert (spec.transfer.side_channel_port, spec.transfer.lease_seconds) == (5600, 120)
     assert spec.transfer.handshake_timeout_seconds == 5
     assert spec.transfer.backends == ["UCX"]
     assert spec.transfer.conversion.value == "Auto"

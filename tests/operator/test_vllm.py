@@ -87,25 +87,26 @@ def test_hetero_tp_arguments_environment_and_gpus() -> None:
         container = engine(doc, role)
         args = container["args"]
         assert container["command"] == ["vllm", "serve"]
-        assert container["image"] == "vllm/vllm-openai:v0.11.0"
+        assert container["image"] == "vllm/vllm-openai:v0.32.0"
         assert args[0] == "meta-llama/Llama-3.1-8B-Instruct"
         assert flag(args, "--tensor-parallel-size") == tp
         assert flag(args, "--block-size") == "16"
         assert flag(args, "--port") == "8000"
         assert flag(args, "--dtype") == "bfloat16"
         assert flag(args, "--kv-cache-dtype") == "auto"
+        assert flag(args, "--attention-backend") == "FLASH_ATTN"
         assert args[-2:] == ["--max-model-len=8192", "--gpu-memory-utilization=0.9"]  # extraArgs last
         assert json.loads(flag(args, "--kv-transfer-config")) == {
             "kv_connector": "NixlConnector",
-            "kv_role": "kv_both",
+            "kv_role": "kv_producer" if role is Role.PREFILL else "kv_consumer",
             "kv_buffer_device": "cuda",
-            "kv_connector_extra_config": {"backends": ["UCX"]},
+            "kv_connector_extra_config": {"backends": ["UCX"], "kv_lease_duration": 120},
         }
         variables = env(container)
         assert variables["VLLM_NIXL_SIDE_CHANNEL_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         assert variables["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
-        assert variables["VLLM_KV_CACHE_LAYOUT"] == "HND"
-        assert variables["VLLM_ATTENTION_BACKEND"] == "FLASH_ATTN"
+        assert variables["VLLM_KV_CACHE_LAYOUT"] == "LBHNC"  # vLLM 0.32's name of HND
+        assert "VLLM_ATTENTION_BACKEND" not in variables  # removed in vLLM 0.32
         assert variables["KVBRIDGE_ROLE"] == role.value
         assert variables["KVBRIDGE_FINGERPRINT"] == fingerprint
         assert variables["KVBRIDGE_KEYS_DIR"] == ""  # vLLM's side channel has no CURVE keys to mount
@@ -120,7 +121,7 @@ def test_hetero_tp_arguments_environment_and_gpus() -> None:
 
 def test_mla_leaves_the_attention_backend_to_vllm() -> None:
     container = engine(document("deepseek-v2-lite-mla"), Role.DECODE)
-    assert "VLLM_ATTENTION_BACKEND" not in env(container)
+    assert "--attention-backend" not in container["args"]
     assert flag(container["args"], "--block-size") == "64"
     assert "--trust-remote-code" in container["args"]
 
@@ -130,20 +131,21 @@ def test_block_size_ratio_renders_each_side_and_the_decode_permute() -> None:
     prefill, decode = engine(doc, Role.PREFILL), engine(doc, Role.DECODE)
     assert flag(prefill["args"], "--block-size") == "16"
     assert flag(decode["args"], "--block-size") == "32"  # vLLM reads 2 prefill blocks into each decode block
-    assert env(prefill)["VLLM_KV_CACHE_LAYOUT"] == "HND"
-    assert env(decode)["VLLM_KV_CACHE_LAYOUT"] == "NHD"
-    extra = json.loads(flag(decode["args"], "--kv-transfer-config"))["kv_connector_extra_config"]
-    assert extra == {"backends": ["UCX"], "enable_permute_local_kv": True}
+    assert env(prefill)["VLLM_KV_CACHE_LAYOUT"] == "LBHNC"
+    assert env(decode)["VLLM_KV_CACHE_LAYOUT"] == "LBNHC"
+    config = json.loads(flag(decode["args"], "--kv-transfer-config"))
+    assert config["enable_permute_local_kv"] is True  # a KVTransferConfig field in vLLM 0.32, not extra config
     assert "enable_permute_local_kv" not in flag(prefill["args"], "--kv-transfer-config")
 
 
 def test_cross_layer_and_fp8_reach_vllm() -> None:
     doc = document("llama3-8b-hetero-tp")
     doc["spec"]["model"].update(cacheKind="CrossLayer", kvCacheDtype="fp8_e4m3")
-    args = engine(doc, Role.DECODE)["args"]
+    container = engine(doc, Role.DECODE)
+    args = container["args"]
     assert flag(args, "--kv-cache-dtype") == "fp8_e4m3"
     assert "--dtype" not in args
-    assert json.loads(flag(args, "--kv-transfer-config"))["kv_connector_extra_config"]["enable_cross_layers_blocks"]
+    assert env(container)["VLLM_KV_CACHE_LAYOUT"] == "BHLNC"  # vLLM 0.32: cross-layer blocks are a layout
 
 
 def codes(result: Any) -> list[tuple[str, str]]:
@@ -203,7 +205,7 @@ def test_plan_prints_the_vllm_command_and_environment_of_each_role() -> None:
     [entry] = json.loads(result.stdout)
     rendered = engine(document("qwen-block-size-ratio"), Role.DECODE)
     assert entry["vllm"]["decode"]["command"] == ["vllm", "serve", *rendered["args"]]
-    assert entry["vllm"]["decode"]["env"]["VLLM_KV_CACHE_LAYOUT"] == "NHD"
+    assert entry["vllm"]["decode"]["env"]["VLLM_KV_CACHE_LAYOUT"] == "LBNHC"
     assert entry["vllm"]["decode"]["env"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "<status.podIP>"
     assert entry["vllm"]["prefill"]["kvTransferConfig"]["kv_connector"] == "NixlConnector"
     text = subprocess.run(
@@ -211,4 +213,95 @@ def test_plan_prints_the_vllm_command_and_environment_of_each_role() -> None:
         capture_output=True, text=True, timeout=60, check=False,
     ).stdout  # fmt: skip
     assert "vLLM decode: vllm serve Qwen/Qwen2.5-7B-Instruct" in text
-    assert "VLLM_KV_CACHE_LAYOUT=NHD" in text
+    assert "VLLM_KV_CACHE_LAYOUT=LBNHC" in text
+
+
+def cpu_document() -> dict[str, Any]:
+    doc = document("llama3-8b-hetero-tp")
+    doc["spec"]["engine"] = {"kind": "VLLM", "device": "CPU", "cpuKVCacheGiB": 2, "extraArgs": ["--enforce-eager"]}
+    for role in ("prefill", "decode"):
+        doc["spec"][role].update(blockSize=32, kvLayout="HND")
+    return doc
+
+
+def test_cpu_engines_request_cores_not_gpus_and_bind_one_core_set_per_rank() -> None:
+    doc = cpu_document()
+    assert not isinstance(verdict(doc), list)
+    for role, tp in ((Role.PREFILL, 2), (Role.DECODE, 1)):
+        container = engine(doc, role)
+        assert container["image"] == "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0"
+        assert container["command"][:2] == ["python3", "-c"]  # the core-binding launcher, then vllm serve
+        assert container["command"][3:] == [str(tp), "vllm", "serve"]
+        resources = container["resources"]
+        assert resources["requests"] == resources["limits"] == {"cpu": str(tp), "memory": f"{2 + 4 * tp}Gi"}
+        config = json.loads(flag(container["args"], "--kv-transfer-config"))
+        assert config["kv_buffer_device"] == "cpu"
+        assert flag(container["args"], "--attention-backend") == "CPU_ATTN"
+        assert env(container)["VLLM_CPU_KVCACHE_SPACE"] == "2"
+        assert env(container)["KVBRIDGE_DEVICE"] == "cpu"
+
+
+@pytest.mark.parametrize(("cpus", "tp", "bound"), [([0, 1], 2, "0|1"), ([4, 5, 6, 7], 2, "4,5|6,7"), ([3], 1, "3")])
+def test_the_cpu_launcher_splits_the_allowed_cores_between_ranks(cpus: list[int], tp: int, bound: str) -> None:
+    from kvbridge_operator.vllm import CPU_BIND_LAUNCHER
+
+    fake = f"import os; os.sched_getaffinity = lambda pid: set({cpus!r}); "
+    probe = fake + f"exec(compile({CPU_BIND_LAUNCHER!r}, 'l', 'exec'))"
+    environ = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
+    result = subprocess.run(
+        [sys.executable, "-c", probe, str(tp), sys.executable, "-c",
+         "import os; print(os.environ['VLLM_CPU_OMP_THREADS_BIND'])"],
+        capture_output=True, text=True, timeout=30, check=False, env=environ,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == bound
+
+
+def test_the_cpu_launcher_refuses_fewer_cores_than_ranks() -> None:
+    from kvbridge_operator.vllm import CPU_BIND_LAUNCHER
+
+    probe = f"import os; os.sched_getaffinity = lambda pid: {{0}}; exec(compile({CPU_BIND_LAUNCHER!r}, 'l', 'exec'))"
+    environ = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
+    result = subprocess.run([sys.executable, "-c", probe, "2", "true"], capture_output=True, text=True, timeout=30,
+                            check=False, env=environ)  # fmt: skip
+    assert result.returncode != 0
+    assert "1 CPU(s) available for tensor-parallel size 2" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"decode": {"blockSize": 16}}, ("VLLM_CPU_BLOCK_SIZE", "spec.decode.blockSize")),
+        ({"prefill": {"blockSize": 48}}, ("VLLM_CPU_BLOCK_SIZE", "spec.prefill.blockSize")),
+        ({"decode": {"kvLayout": "NHD"}}, ("VLLM_CPU_KV_LAYOUT", "spec.decode.kvLayout")),
+        ({"decode": {"blockSize": 64}}, ("VLLM_CPU_BLOCK_SIZE_RATIO", "spec.decode.blockSize")),
+        ({"model": {"cacheKind": "CrossLayer"}}, ("VLLM_CPU_CACHE_KIND", "spec.model.cacheKind")),
+        ({"model": {"kvCacheDtype": "fp8_e4m3"}}, ("VLLM_CPU_KV_CACHE_DTYPE", "spec.model.kvCacheDtype")),
+    ],
+)
+def test_what_vllm_on_cpu_cannot_run_is_refused_with_the_field(
+    change: dict[str, Any], expected: tuple[str, str]
+) -> None:
+    doc = cpu_document()
+    for section, values in change.items():
+        doc["spec"][section].update(values)
+    assert expected in codes(verdict(doc))
+    doc["spec"]["engine"]["device"] = "GPU"  # the same settings on GPUs are not CPU problems
+    result = verdict(doc)
+    assert not isinstance(result, list) or not any(p.code.startswith("VLLM_CPU_") for p in result)
+
+
+def test_the_block_size_ratio_refusal_says_what_would_work() -> None:
+    doc = cpu_document()
+    doc["spec"]["decode"]["blockSize"] = 64
+    [problem] = [p for p in verdict(doc) if p.code == "VLLM_CPU_BLOCK_SIZE_RATIO"]
+    assert "wrong tokens" in problem.message
+    assert problem.message.endswith("set spec.decode.blockSize: 32")
+
+
+def test_the_lease_reaches_vllm() -> None:
+    doc = document("llama3-8b-hetero-tp")
+    doc["spec"]["transfer"] = {"leaseSeconds": 300}
+    for role in (Role.PREFILL, Role.DECODE):
+        config = json.loads(flag(engine(doc, role)["args"], "--kv-transfer-config"))
+        assert config["kv_connector_extra_config"]["kv_lease_duration"] == 300

@@ -127,7 +127,11 @@ class TransferSettings(CamelModel):
         default_factory=lambda: ["UCX"], min_length=1, max_length=8, description="NIXL backends, in order."
     )
     lease_seconds: int = Field(
-        default=30, ge=1, le=3600, description="How long prefill keeps unread blocks without a heartbeat."
+        default=120,
+        ge=1,
+        le=3600,
+        description="How long prefill keeps unread blocks without a heartbeat (vLLM: kv_lease_duration). Long "
+        "enough for a loaded decode to start reading; a shorter lease frees blocks that decode may still read.",
     )
     handshake_timeout_seconds: float = Field(
         default=5.0, gt=0, le=300, description="Receive timeout of one side-channel exchange."
