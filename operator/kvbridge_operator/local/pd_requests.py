@@ -1,0 +1,82 @@
+"""The two-step prefill/decode request against vLLM's OpenAI server, and the single-engine baseline.
+
+What a P/D router does with vLLM's NixlConnector: POST the prompt to a prefill engine with
+``kv_transfer_params: {do_remote_decode: true}`` and ``max_tokens: 1``; POST the same prompt to a decode engine
+with the ``kv_transfer_params`` prefill returned. Prompts are token ids (exact lengths, no tokenizer needed);
+sampling is greedy and ignores the end-of-sequence token, so every answer has exactly ``max_tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+Obj = dict[str, Any]
+
+
+class PDRequestError(Exception):
+    def __init__(self, url: str, status: int, body: str) -> None:
+        super().__init__(f"{url}: HTTP {status}: {body[:500]}")
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Completion:
+    tokens: list[int]
+    kv_transfer_params: Obj | None
+    seconds: float
+
+
+async def complete(
+    session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int, **extra: Any
+) -> Completion:
+    """One greedy completion; raises :class:`PDRequestError` for a non-200 answer."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True, **extra}  # fmt: skip
+    started = time.perf_counter()
+    async with session.post(f"{url}/v1/completions", json=body) as response:
+        if response.status != 200:
+            raise PDRequestError(url, response.status, await response.text())
+        answer: Obj = await response.json()
+    choice = answer["choices"][0]
+    return Completion(list(choice["token_ids"]), answer.get("kv_transfer_params"), time.perf_counter() - started)
+
+
+async def prefill(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], **extra: Any) -> Obj:
+    """Prefill only: computes the prompt's KV cache and returns the ``kv_transfer_params`` for decode."""
+    done = await complete(session, url, model, prompt, 1, kv_transfer_params={"do_remote_decode": True}, **extra)
+    if not done.kv_transfer_params:
+        raise PDRequestError(url, 200, "prefill returned no kv_transfer_params (is it a kv_producer with a connector?)")
+    return done.kv_transfer_params
+
+
+async def decode(
+    session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], params: Obj, max_tokens: int
+) -> Completion:
+    """Decode with the KV cache pulled from the prefill engine named in ``params``."""
+    return await complete(session, url, model, prompt, max_tokens, kv_transfer_params=params)
+
+
+async def disaggregated(
+    session: aiohttp.ClientSession, prefill_url: str, decode_url: str, model: str, prompt: list[int], max_tokens: int
+) -> Completion:
+    params = await prefill(session, prefill_url, model, prompt)
+    return await decode(session, decode_url, model, prompt, params, max_tokens)
+
+
+async def baseline(
+    session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int, salt: str
+) -> Completion:
+    """A single-engine run; ``cache_salt`` keeps it from reusing blocks that P/D requests left in the cache."""
+    return await complete(session, url, model, prompt, max_tokens, cache_salt=salt)
+
+
+async def healthy(session: aiohttp.ClientSession, url: str) -> bool:
+    try:
+        async with session.get(f"{url}/health") as response:
+            return response.status == 200
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        return False

@@ -1,0 +1,171 @@
+"""A rendered pod's engine container as a local process — what a kubelet would run, on this machine.
+
+One function turns the ``engine`` container of a pod template (exactly what the operator renders) into an
+argument vector and an environment: the downward API is resolved, the pod's own loopback address stands in
+for its network namespace, and the model name may be mapped to a local folder (no hub here). Nothing else is
+changed, so what runs is what a cluster would run. Used by the demo's local runner and by the real-vLLM tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..render import ENGINE_CONTAINER
+
+Obj = dict[str, Any]
+#: where the project's own executables (kvbridge-agent, vllm) are: the environment this process runs in
+BIN_DIR = str(Path(sys.executable).parent)
+
+
+class PodStartError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class LocalPodSpec:
+    """What to run for one pod, and with which environment and cores."""
+
+    argv: list[str]
+    env: dict[str, str]
+    #: the container's own files: temporary files, caches, the working directory
+    workdir: Path
+    #: CPU ids the process may use (the kubelet's cpuset); empty: all
+    cpus: tuple[int, ...] = ()
+    http_port: int = 8000
+    health_path: str = "/healthz"
+
+
+def engine_container(template: Obj) -> Obj:
+    """The ``engine`` container of a pod template."""
+    for container in template["spec"]["containers"]:
+        if container["name"] == ENGINE_CONTAINER:
+            found: Obj = container
+            return found
+    raise PodStartError(f"the pod template has no {ENGINE_CONTAINER!r} container")
+
+
+def resolve_env(container: Obj, pod_name: str, ip: str) -> dict[str, str]:
+    """The container's environment with the downward API filled in (pod name and IP)."""
+    fields = {"metadata.name": pod_name, "status.podIP": ip}
+    env: dict[str, str] = {}
+    for item in container.get("env", []):
+        path = item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+        if path is not None and path not in fields:
+            raise PodStartError(f"{item['name']}: the local runner resolves only {sorted(fields)}, not {path}")
+        env[item["name"]] = fields[path] if path is not None else str(item.get("value", ""))
+    return env
+
+
+def cpu_request(container: Obj) -> int:
+    """Whole cores the container requests (at least 1)."""
+    raw = str(container.get("resources", {}).get("requests", {}).get("cpu", "1"))
+    cores = float(raw[:-1]) / 1000 if raw.endswith("m") else float(raw)
+    return max(1, int(cores + 0.999))
+
+
+def local_pod(
+    template: Obj,
+    pod_name: str,
+    ip: str,
+    workdir: Path,
+    *,
+    models: Mapping[str, str] | None = None,
+    cpus: Sequence[int] = (),
+    env_overrides: Mapping[str, str] | None = None,
+) -> LocalPodSpec:
+    """The local process for a pod's engine container.
+
+    ``models`` maps a model name in the arguments to a local folder. vLLM containers bind the pod's address
+    (``--host``: a pod's network namespace has its own 0.0.0.0; on one machine each pod has a loopback address).
+    """
+    container = engine_container(template)
+    argv = [*container.get("command", []), *container.get("args", [])]
+    if not argv:
+        raise PodStartError("the engine container has no command")
+    argv = [(models or {}).get(arg, arg) for arg in argv]
+    is_vllm = "vllm" in argv and argv[argv.index("vllm") + 1 : argv.index("vllm") + 2] == ["serve"]
+    if is_vllm:
+        argv += ["--host", ip]
+    env = resolve_env(container, pod_name, ip)
+    env.update(env_overrides or {})
+    http = next((p for p in container.get("ports", []) if p.get("name") in ("http", "vllm")), None)
+    probe = container.get("readinessProbe", {}).get("httpGet", {})
+    return LocalPodSpec(
+        argv=argv,
+        env=env,
+        workdir=workdir,
+        cpus=tuple(cpus),
+        http_port=int(http["containerPort"]) if http else 8000,
+        health_path=str(probe.get("path", "/healthz")),
+    )
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: SIGTERM this process when its starter dies, even if it is SIGKILLed (no orphaned engines)."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def start(spec: LocalPodSpec, log_path: Path) -> subprocess.Popen[bytes]:
+    """Start the pod's process in its own session (so :func:`stop` can end every process it spawns)."""
+    workdir = spec.workdir
+    workdir.mkdir(parents=True, exist_ok=True)
+    environ = {
+        **os.environ,
+        # the container's private temporary files and caches (vLLM leaves sockets and compiled code there)
+        "TMPDIR": str(workdir),
+        "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
+        "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor"),
+        "HF_HUB_OFFLINE": "1",
+        **spec.env,
+        "PATH": f"{BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    cpus = set(spec.cpus)
+
+    def prepare() -> None:  # pragma: no cover - runs in the child between fork and exec
+        _die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    log = open(log_path, "ab")  # noqa: SIM115 - owned by the child from here on
+    try:
+        return subprocess.Popen(
+            spec.argv, env=environ, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=prepare, cwd=workdir,
+        )  # fmt: skip
+    finally:
+        log.close()
+
+
+def stop(process: subprocess.Popen[bytes], grace: float = 15.0) -> None:
+    """SIGTERM the pod's whole process group, SIGKILL what is left after ``grace`` seconds, and reap it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=grace)
+    # vLLM's engine core and workers are in the same group: kill stragglers even if the leader exited
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _group_alive(process.pid):
+        time.sleep(0.1)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True

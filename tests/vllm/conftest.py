@@ -1,0 +1,88 @@
+"""One set of real vLLM engines for the whole test session (starting one takes about a minute here)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvbridge_agent.core import Role
+from kvbridge_operator.local import tiny_model
+
+from .engines import Engines, deployment, rendered_template, require_vllm
+
+SUMMARY: dict[str, object] = {}
+#: prefill's blocks on the short-lease engine: few, so that later requests reuse a request's freed blocks
+SHORT_LEASE_BLOCKS = 48
+SHORT_LEASE_SECONDS = 2
+
+DEPLOYMENTS = {
+    "tp1": deployment("tiny-tp1", 1),
+    "tp2": deployment("tiny-tp2", 2),
+    "short-lease": deployment("tiny-short-lease", 1, lease=SHORT_LEASE_SECONDS,
+                              extra=(f"--num-gpu-blocks-override={SHORT_LEASE_BLOCKS}",)),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    require_vllm()
+    return tiny_model.make(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def all_engines(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    """Every engine the tests use, rendered once; each phase starts the ones it needs."""
+    found = Engines(tmp_path_factory.mktemp("engines"), tiny_model_path)
+    found.add("decode", rendered_template(DEPLOYMENTS["tp1"], Role.DECODE), "127.0.1.5", (1,))
+    found.add("prefill-tp1", rendered_template(DEPLOYMENTS["tp1"], Role.PREFILL), "127.0.1.2", (0,))
+    found.add("prefill-short-lease", rendered_template(DEPLOYMENTS["short-lease"], Role.PREFILL), "127.0.1.4", (0,))
+    found.add("prefill-tp2", rendered_template(DEPLOYMENTS["tp2"], Role.PREFILL), "127.0.1.3", (0, 1))
+    try:
+        yield found
+    finally:
+        found.stop()
+        SUMMARY.update(found.summary())
+
+
+def _phase(engines: Engines, wanted: list[str]) -> Engines:
+    """Run exactly ``wanted`` (plus nothing else): two cores do not hold every engine at once. Each vLLM worker's
+    NIXL agent runs a progress thread that keeps a core busy even when idle, and with four engines (five agents)
+    on two cores a handshake missed vLLM's fixed 5 s timeout."""
+    engines.stop([name for name in engines.engines if name not in wanted and engines.running(name)])
+    missing = [name for name in wanted if not engines.running(name)]
+    if missing:
+        engines.start(missing)
+    return engines
+
+
+@pytest.fixture
+def tp1_engines(all_engines: Engines) -> Engines:
+    """decode TP 1, prefill TP 1 and the short-lease prefill TP 1."""
+    return _phase(all_engines, ["decode", "prefill-tp1", "prefill-short-lease"])
+
+
+#: prefill TP 2 beside a decode engine: a core per prefill rank, one for decode, one for the NIXL progress threads
+TP2_CORES = 4
+
+
+@pytest.fixture
+def tp2_engines(all_engines: Engines) -> Engines:
+    """decode TP 1 and prefill TP 2 (two ranks, one core each).
+
+    Needs 4 cores. On 2 cores it was tried and does not work (docs/vllm.md, "What was run for real"): the two
+    prefill ranks must run at the same time for every all-reduce, while every NIXL agent's progress thread keeps
+    a core busy even when idle; a decode engine beside them made the prefill's start-up or the decode's first
+    READ take more than 10 minutes."""
+    cores = len(os.sched_getaffinity(0))
+    if cores < TP2_CORES:
+        pytest.skip(f"prefill TP 2 beside a decode engine needs {TP2_CORES} cores, this machine has {cores}")
+    return _phase(all_engines, ["decode", "prefill-tp2"])
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if SUMMARY:
+        terminalreporter.write_line(f"real vLLM engines: {json.dumps(SUMMARY)}")

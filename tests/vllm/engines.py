@@ -1,0 +1,181 @@
+"""Real ``vllm serve`` processes (vLLM's CPU build) started from exactly what the operator renders.
+
+A DisaggregatedDeployment for the tiny local model is rendered by the operator's own code
+(``render.stateful_set``); each role's engine container runs as a local process through the same function
+the demo's runner uses, with only the host (each pod its own loopback address), the model path and the cores
+(a kubelet's cpuset) substituted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvbridge_agent.core import Role, TransferPlan
+from kvbridge_operator.config import OperatorConfig
+from kvbridge_operator.local import pods, tiny_model
+from kvbridge_operator.render import stateful_set
+from kvbridge_operator.spec import parse_deployment
+from kvbridge_operator.verdict import verdict_for
+
+MODEL_NAME = tiny_model.NAME  # what spec.model.name says; mapped to the local folder when started
+VLLM = Path(sys.executable).parent / "vllm"
+START_TIMEOUT = 600.0  # seconds for every engine to answer /health (about 60 s each here, four at once)
+UID = "00000000-0000-0000-0000-00000000e2e0"
+
+
+def require_vllm() -> None:
+    """Skip where vLLM's CPU build is not installed; in CI (where `make test` installs it) that is a failure."""
+    if VLLM.exists():
+        return
+    message = f"vLLM's CPU build is not installed ({VLLM} is missing): run `make setup`"
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def deployment(name: str, prefill_tp: int, *, lease: int | None = None, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A vLLM-on-CPU DisaggregatedDeployment of the tiny model: prefill TP ``prefill_tp`` -> decode TP 1."""
+    transfer: dict[str, Any] = {} if lease is None else {"leaseSeconds": lease}
+    return {
+        "apiVersion": "kvbridge.io/v1alpha1",
+        "kind": "DisaggregatedDeployment",
+        "metadata": {"name": name},
+        "spec": {
+            "engine": {"kind": "VLLM", "device": "CPU", "cpuKVCacheGiB": 1,
+                       "extraArgs": ["--enforce-eager", "--max-model-len=512", *extra]},
+            "model": {"name": MODEL_NAME, **tiny_model.GEOMETRY},
+            "transfer": transfer,
+            "prefill": {"replicas": 1, "tensorParallelSize": prefill_tp, "blockSize": 32},
+            "decode": {"replicas": 1, "tensorParallelSize": 1, "blockSize": 32},
+        },
+    }  # fmt: skip
+
+
+def rendered_template(document: dict[str, Any], role: Role) -> dict[str, Any]:
+    dd = parse_deployment(document)
+    plan = verdict_for(dd)
+    if not isinstance(plan, TransferPlan):
+        raise AssertionError(f"{dd.metadata.name} is not compatible: {plan}")
+    template: dict[str, Any] = stateful_set(dd, UID, role, plan, OperatorConfig())["spec"]["template"]
+    return template
+
+
+@dataclass
+class Engine:
+    name: str
+    ip: str
+    spec: pods.LocalPodSpec
+    log: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.ip}:{self.spec.http_port}"
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+
+
+@dataclass
+class Engines:
+    """Every engine of the session, started together and stopped together."""
+
+    workdir: Path
+    model: Path
+    engines: dict[str, Engine] = field(default_factory=dict)
+    peak_rss: int = 0
+    start_seconds: dict[str, float] = field(default_factory=dict)
+    _sampling: threading.Event = field(default_factory=threading.Event)
+    _sampler_started: bool = False
+
+    def add(self, name: str, template: dict[str, Any], ip: str, cpus: tuple[int, ...]) -> Engine:
+        spec = pods.local_pod(template, name, ip, self.workdir / name, models={MODEL_NAME: str(self.model)},
+                              cpus=cpus)  # fmt: skip
+        engine = Engine(name, ip, spec, self.workdir / f"{name}.log")
+        self.engines[name] = engine
+        return engine
+
+    def start(self, names: list[str]) -> None:
+        """Start these engines together and wait until every one answers /health."""
+        started = time.monotonic()
+        if not self._sampler_started:
+            threading.Thread(target=self._sample_memory, daemon=True).start()
+            self._sampler_started = True
+        for name in names:
+            engine = self.engines[name]
+            engine.process = pods.start(engine.spec, engine.log)
+        deadline = started + START_TIMEOUT
+        waiting = {name: self.engines[name] for name in names}
+        while waiting:
+            for name, engine in list(waiting.items()):
+                if engine.process is not None and engine.process.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {engine.process.returncode}:\n{engine.log_tail()}")
+                if _healthy(engine.url):
+                    del waiting[name]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not healthy after {START_TIMEOUT:g} s: {sorted(waiting)}")
+            time.sleep(1.0)
+        self.start_seconds[",".join(names)] = round(time.monotonic() - started, 1)
+
+    def stop(self, names: list[str] | None = None) -> None:
+        for name in list(self.engines) if names is None else names:
+            engine = self.engines[name]
+            if engine.process is not None:
+                pods.stop(engine.process)
+                engine.process = None
+        if names is None:
+            self._sampling.set()
+
+    def running(self, name: str) -> bool:
+        process = self.engines[name].process
+        return process is not None and process.poll() is None
+
+    def _sample_memory(self) -> None:
+        while not self._sampling.wait(1.0):
+            groups = {e.process.pid for e in self.engines.values() if e.process is not None}
+            self.peak_rss = max(self.peak_rss, _rss_of_groups(groups))
+
+    def summary(self) -> dict[str, Any]:
+        return {"startSeconds": self.start_seconds, "peakRssGiB": round(self.peak_rss / 2**30, 2)}
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, TimeoutError, OSError):
+        return False
+
+
+def _rss_of_groups(groups: set[int]) -> int:
+    """Resident memory of every process in the given process groups (the engines and what they spawned)."""
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(stat[2]) in groups:  # field 5: process group
+                total += int(stat[21]) * os.sysconf("SC_PAGE_SIZE")  # field 24: rss in pages
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+def vllm_parts(template: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+    """What vLLM reads of a pod: its command line and its VLLM_* environment."""
+    container = pods.engine_container(template)
+    env = {e["name"]: json.dumps(e.get("value", e.get("valueFrom"))) for e in container["env"]}
+    return [*container["command"], *container["args"]], {k: v for k, v in env.items() if k.startswith("VLLM_")}
