@@ -82,10 +82,12 @@ def _demo(args: argparse.Namespace) -> int:
     import asyncio
     import importlib.util
 
-    missing = [m for m in ("kmock", "torch", "nixl", "zmq") if importlib.util.find_spec(m) is None]
+    needed = ("kmock", "torch", "nixl", "zmq") + (("vllm", "transformers") if args.engine == "vllm" else ())
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
     if missing:
         print(f"kvbridge demo: error: missing {', '.join(missing)}; install with "
-              "pip install 'kvbridge[agent,operator,demo]' (or run make demo)", file=sys.stderr)  # fmt: skip
+              "pip install 'kvbridge[agent,operator,demo]' and vLLM's CPU build (or run make demo; "
+              "--engine agent runs without vLLM)", file=sys.stderr)  # fmt: skip
         return EXIT_INVALID
     import signal
 
@@ -97,7 +99,13 @@ def _demo(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, interrupted.set)
-        return await run_demo(args.file, args.requests, args.num_layers, interrupted)
+        demo = asyncio.create_task(run_demo(args.file, args.requests, args.num_layers, interrupted, engine=args.engine))
+        stopped = asyncio.create_task(interrupted.wait())
+        await asyncio.wait({demo, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not demo.done():  # interrupted mid-request: cancel it; run_demo's cleanup stops every process it started
+            demo.cancel()
+        stopped.cancel()
+        return await demo
 
     try:
         report = asyncio.run(main())
@@ -159,8 +167,17 @@ def build_parser() -> argparse.ArgumentParser:
         "(also after a prefill restart), and every incompatible one was reported as such.",
     )  # fmt: skip
     demo.add_argument("-f", "--file", action="append", help="manifest(s) to apply (default: two examples)")
+    demo.add_argument(
+        "--engine",
+        choices=("vllm", "agent"),
+        default="vllm",
+        help="vllm (default): real vLLM (CPU build) with a tiny local model, decode's tokens checked "
+        "against a single engine; agent: kvbridge's synthetic engine, every byte checked (fast)",
+    )
     demo.add_argument("--requests", type=int, default=8, help="requests per compatible deployment (default 8)")
-    demo.add_argument("--num-layers", type=int, default=4, help="scale models down to this many layers (default 4)")
+    demo.add_argument(
+        "--num-layers", type=int, default=4, help="agent engines: scale models down to this many layers (default 4)"
+    )
     demo.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     demo.set_defaults(func=_demo)
     return parser

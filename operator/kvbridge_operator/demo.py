@@ -1,10 +1,12 @@
 """``kvbridge demo``: the whole system on one machine, no cluster.
 
 An emulated Kubernetes API, the operator, a local pod runner (a stand-in for
-the StatefulSet controller and kubelet), the example deployments (one
-heterogeneous, one incompatible), and real KV transfers through the
-published endpoints with every byte verified — including across a prefill
-pod restart.
+the StatefulSet controller and kubelet), two example deployments (one
+compatible, one incompatible), and real KV transfers through the published
+endpoints — including across a prefill pod restart. By default the pods run
+real vLLM (its CPU build, a tiny model made locally) and decode's greedy
+tokens are checked against a single engine; ``--engine agent`` runs
+kvbridge's synthetic engine instead and checks every byte.
 """
 
 from __future__ import annotations
@@ -29,7 +31,12 @@ from .manifests import load_deployments
 from .render import LABEL_DEPLOYMENT, LABEL_ROLE
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-DEFAULT_FILES = ("llama3-8b-hetero-tp.yaml", "incompatible-replicated-heads.yaml")
+DEFAULT_FILES = {
+    "vllm": ("vllm/tiny-cpu.yaml", "incompatible-replicated-heads.yaml"),
+    "agent": ("llama3-8b-hetero-tp.yaml", "incompatible-replicated-heads.yaml"),
+}
+#: greedy tokens decode generates per request (compared with a single engine)
+VLLM_MAX_TOKENS = 12
 CRDS = Resource("apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False)
 NAMESPACE = "default"
 
@@ -48,28 +55,44 @@ class Transfers:
     seconds: float = 0.0
     failures: list[dict[str, str]] = field(default_factory=list)
     after_restart: int = 0
+    #: what "verified" means: every byte decode received (agent engines), or decode's tokens (vLLM)
+    check: str = "bytes"
+    #: whether a prefill pod was killed and restarted halfway
+    restarted: bool = True
 
     def to_dict(self) -> dict[str, Any]:
-        return {"requests": self.requests, "verified": self.verified,
-                "gbps": round(self.bytes / self.seconds / 1e9, 3) if self.seconds else 0.0,
-                "verifiedAfterPrefillRestart": self.after_restart, "failures": self.failures}  # fmt: skip
+        out: dict[str, Any] = {
+            "requests": self.requests, "verified": self.verified, "check": self.check,
+            "verifiedAfterPrefillRestart": self.after_restart, "failures": self.failures,
+        }  # fmt: skip
+        if self.check == "bytes":
+            out["gbps"] = round(self.bytes / self.seconds / 1e9, 3) if self.seconds else 0.0
+        else:
+            out["meanRequestSeconds"] = round(self.seconds / self.verified, 3) if self.verified else 0.0
+        return out
 
 
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def documents(files: list[str] | None, num_layers: int) -> list[Obj]:
-    """The manifests to apply, with the model scaled down to ``num_layers`` so the demo fits this machine."""
-    paths = files or [str(EXAMPLES / name) for name in DEFAULT_FILES]
+def is_vllm(document: Obj) -> bool:
+    return bool((document.get("spec", {}).get("engine") or {}).get("kind") == "VLLM")
+
+
+def documents(files: list[str] | None, num_layers: int, engine: str = "vllm") -> list[Obj]:
+    """The manifests to apply; agent-engine models scaled down to ``num_layers`` so the demo fits this machine
+    (vLLM engines serve a real model, whose geometry the spec must state as it is)."""
+    paths = files or [str(EXAMPLES / name) for name in DEFAULT_FILES[engine]]
     found: list[Obj] = []
     for path in paths:
         load_deployments(path)  # the same validation as `kvbridge plan`: readable, valid documents only
         for document in yaml.safe_load_all(Path(path).read_text() if path != "-" else sys.stdin.read()):
             if document:
                 scaled = copy.deepcopy(document)
-                model = scaled["spec"]["model"]
-                model["numLayers"] = min(int(model["numLayers"]), num_layers)
+                if not is_vllm(scaled):
+                    model = scaled["spec"]["model"]
+                    model["numLayers"] = min(int(model["numLayers"]), num_layers)
                 found.append(scaled)
     return found
 
@@ -175,6 +198,68 @@ async def wait_restarted(
     raise DemoError(f"{pod} did not come back within {timeout:g} s")
 
 
+async def route_vllm(
+    client: KubeClient, runner: Any, name: str, requests: int, model: str, interrupted: asyncio.Event | None = None
+) -> Transfers:
+    """Play the router for vLLM pods: prefill computes, decode pulls the KV cache over NIXL and generates; every
+    answer is compared with a single-engine run of the same prompt. Halfway, a prefill pod's engine is killed;
+    once the runner has restarted it, the remaining requests go on (decode meets a new engine id)."""
+    from .local import pd_requests
+
+    dd = await client.get(DEPLOYMENTS, NAMESPACE, name) or {}
+    endpoints = (dd.get("status") or {}).get("prefill", {}).get("endpoints") or []
+    pods = await client.list(PODS, NAMESPACE, f"{LABEL_DEPLOYMENT}={name},{LABEL_ROLE}=decode")
+    decodes = [runner.http_url(NAMESPACE, p["metadata"]["name"]) for p in pods]
+    if not endpoints or not decodes:
+        raise DemoError(f"{name}: no endpoints to route to")
+    block = int(dd["spec"].get("decode", {}).get("blockSize", 32))
+    victim = endpoints[0]["pod"] if requests >= 2 else None
+    result = Transfers(check="tokens", restarted=victim is not None)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        for index in range(requests):
+            check(interrupted)
+            if victim and index == requests // 2:
+                progress(f"  killing prefill pod {victim}'s engine (the runner restarts it, as a kubelet would; vLLM "
+                         "takes about a minute to come back here) ...")  # fmt: skip
+                runner.crash(NAMESPACE, victim)
+                await wait_restarted(client, name, victim, timeout=600, interrupted=interrupted)
+                dd = await client.get(DEPLOYMENTS, NAMESPACE, name) or {}
+                endpoints = dd["status"]["prefill"]["endpoints"]
+                progress(f"  {victim} is back with a new vLLM engine id: decode must handshake with it again")
+            pod = endpoints[index % len(endpoints)]["pod"]
+            after = bool(victim) and index >= requests // 2
+            tokens = [3 * block + 5, 7, 2 * block, block + 1][index % 4]
+            prompt = tiny_model_prompt(tokens, salt=index)
+            prefill_url, decode_url = runner.http_url(NAMESPACE, pod), decodes[index % len(decodes)]
+            result.requests += 1
+            try:
+                got = await pd_requests.disaggregated(session, prefill_url, decode_url, model, prompt,
+                                                      VLLM_MAX_TOKENS)  # fmt: skip
+                want = await pd_requests.baseline(session, decode_url, model, prompt, VLLM_MAX_TOKENS,
+                                                  salt=f"demo-baseline-{index}")  # fmt: skip
+            except (pd_requests.PDRequestError, aiohttp.ClientError, TimeoutError) as exc:
+                result.failures.append({"request": f"{name}-{index}", "code": "REQUEST_FAILED", "message": str(exc)})
+                progress(f"  {name} request {index + 1}/{requests} via {pod}: REQUEST_FAILED")
+                continue
+            if got.tokens == want.tokens:
+                result.verified += 1
+                result.seconds += got.seconds
+                result.after_restart += int(after)
+                outcome = f"{tokens} prompt tokens, decode's {len(got.tokens)} tokens equal a single engine's"
+            else:
+                result.failures.append({"request": f"{name}-{index}", "code": "TOKENS_DIFFER",
+                                        "message": f"P/D {got.tokens} != single engine {want.tokens}"})  # fmt: skip
+                outcome = "TOKENS_DIFFER"
+            progress(f"  {name} request {index + 1}/{requests} via {pod}: {outcome}")
+    return result
+
+
+def tiny_model_prompt(length: int, salt: int) -> list[int]:
+    from .local.tiny_model import prompt
+
+    return prompt(length, salt=1000 + salt)
+
+
 def events_of(api: Any, name: str) -> list[Obj]:
     return [{"object": f"DisaggregatedDeployment/{e['involvedObject']['name']}", "type": e["type"],
              "reason": e["reason"], "message": e["message"]}
@@ -187,7 +272,11 @@ def check(interrupted: asyncio.Event | None) -> None:
 
 
 async def run_demo(
-    files: list[str] | None, requests: int, num_layers: int, interrupted: asyncio.Event | None = None
+    files: list[str] | None,
+    requests: int,
+    num_layers: int,
+    interrupted: asyncio.Event | None = None,
+    engine: str = "vllm",
 ) -> dict[str, Any]:
     import kmock
 
@@ -196,11 +285,25 @@ async def run_demo(
     from .local.apiserver import RealisticKubernetes
     from .local.runner import LocalRunner
 
-    docs = documents(files, num_layers)
-    progress("kvbridge demo — everything on this machine: an emulated Kubernetes API, the operator, and a local "
-             "stand-in for the StatefulSet controller and kubelet (pods are local processes on 127.0.0.N; not a "
-             f"cluster). Models scaled to at most {num_layers} layers.")  # fmt: skip
+    docs = documents(files, num_layers, engine)
+    vllm_docs = [d for d in docs if is_vllm(d)]
+    progress(
+        "kvbridge demo — everything on this machine: an emulated Kubernetes API, the operator, and a local "
+        "stand-in for the StatefulSet controller and kubelet (pods are local processes on 127.0.0.N; not a "
+        "cluster). "
+        + (
+            "vLLM pods run vLLM's CPU build with a tiny model made locally; starting them takes a minute or two."
+            if vllm_docs
+            else f"Models scaled to at most {num_layers} layers."
+        )
+    )
     with tempfile.TemporaryDirectory(prefix="kvbridge-demo-") as workdir:
+        models: dict[str, str] = {}
+        if vllm_docs:
+            from .local import tiny_model
+
+            progress("making the tiny model (random weights, a tokenizer trained here) ...")
+            models[tiny_model.NAME] = str(tiny_model.make(Path(workdir) / "tiny-llama"))
         async with RealisticKubernetes() as api, kmock.Server(api) as server:
             url = str(server.url).rstrip("/")
             client = KubeClient(url, insecure=True)
@@ -214,7 +317,7 @@ async def run_demo(
                 loop = asyncio.get_running_loop()
                 for signum in (signal.SIGINT, signal.SIGTERM):
                     loop.add_signal_handler(signum, interrupted.set)
-            runner = LocalRunner(client, Path(workdir))
+            runner = LocalRunner(client, Path(workdir), models=models)
             running = asyncio.create_task(runner.run(stop))
             try:
                 names = []
@@ -222,7 +325,7 @@ async def run_demo(
                     await client.create(DEPLOYMENTS, NAMESPACE, doc)
                     names.append(doc["metadata"]["name"])
                     progress(f"applied DisaggregatedDeployment {doc['metadata']['name']}")
-                objects = await wait_for_verdicts(client, names, 150, interrupted)
+                objects = await wait_for_verdicts(client, names, 900 if vllm_docs else 150, interrupted)
                 report: dict[str, Any] = {"ok": True, "deployments": [], "events": []}
                 for name in names:
                     obj = objects[name]
@@ -235,14 +338,19 @@ async def run_demo(
                     }
                     if condition(obj, "Compatible").get("status") == "True":
                         progress(f"routing {requests} requests through {name} ...")
-                        transfers = await route(client, runner, name, requests, True, interrupted)
+                        if is_vllm(obj):
+                            model = models.get(obj["spec"]["model"]["name"], obj["spec"]["model"]["name"])
+                            transfers = await route_vllm(client, runner, name, requests, model, interrupted)
+                        else:
+                            transfers = await route(client, runner, name, requests, True, interrupted)
                         await asyncio.sleep(1.0)  # let the operator publish the last pod events
                         entry["transfers"] = transfers.to_dict()
                         final = await client.get(DEPLOYMENTS, NAMESPACE, name) or obj
                         entry["conditions"] = {c["type"]: c["status"] for c in final["status"]["conditions"]}
                         entry["endpoints"] = final["status"]["prefill"].get("endpoints") or []
                         entry["ready"] = _ready_columns(final)
-                        report["ok"] &= (transfers.verified == transfers.requests and transfers.after_restart > 0
+                        report["ok"] &= (transfers.verified == transfers.requests
+                                         and (transfers.after_restart > 0 or not transfers.restarted)
                                          and entry["conditions"].get("Ready") == "True")  # fmt: skip
                     else:
                         pods = await client.list(PODS, NAMESPACE, f"{LABEL_DEPLOYMENT}={name}")
@@ -251,7 +359,8 @@ async def run_demo(
                     report["deployments"].append(entry)
                     report["events"] += events_of(api, name)
                 restarted = any(e["reason"] == "PrefillRestarted" for e in report["events"])
-                report["ok"] &= restarted or not any("transfers" in d for d in report["deployments"])
+                report["ok"] &= restarted or not any(d.get("transfers", {}).get("verifiedAfterPrefillRestart")
+                                                     for d in report["deployments"])  # fmt: skip
                 return report
             finally:
                 stop.set()
@@ -284,8 +393,10 @@ def render_text(report: dict[str, Any]) -> str:
             )
         if "transfers" in d:
             t = d["transfers"]
-            lines.append(f"  transfers: {t['verified']}/{t['requests']} verified ({t['verifiedAfterPrefillRestart']} "
-                         f"after the prefill restart), {t['gbps']} GB/s")  # fmt: skip
+            speed = f"{t['gbps']} GB/s" if "gbps" in t else f"{t['meanRequestSeconds']} s per P/D request"
+            what = "every byte checked" if t["check"] == "bytes" else "decode's tokens equal a single engine's"
+            lines.append(f"  transfers: {t['verified']}/{t['requests']} verified, {what} "
+                         f"({t['verifiedAfterPrefillRestart']} after the prefill restart), {speed}")  # fmt: skip
             for f in t["failures"]:
                 lines.append(f"    FAILED {f['request']}: {f['code']}: {f['message']}")
         if "pods" in d:

@@ -26,11 +26,11 @@ def marked_processes(marker: str) -> list[int]:
     return found
 
 
-def test_demo_json_contract() -> None:
+def test_agent_demo_json_contract() -> None:
     marker = uuid.uuid4().hex
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "kvbridge_operator", "demo", "--json", "--requests", "4"],
+        [sys.executable, "-m", "kvbridge_operator", "demo", "--engine", "agent", "--json", "--requests", "4"],
         capture_output=True, text=True, timeout=240, check=False,
         env={**os.environ, "KVBRIDGE_DEMO_MARKER": marker},
     )  # fmt: skip
@@ -49,6 +49,7 @@ def test_demo_json_contract() -> None:
     assert hetero["transfers"]["requests"] == hetero["transfers"]["verified"] == 4
     assert hetero["transfers"]["verifiedAfterPrefillRestart"] >= 1
     assert hetero["transfers"]["failures"] == []
+    assert hetero["transfers"]["check"] == "bytes"
 
     refused = by_name["replicated-heads"]
     assert refused["conditions"]["Compatible"] == "False"
@@ -60,5 +61,36 @@ def test_demo_json_contract() -> None:
     assert "PREFILL_HEADS_REPLICATED" in warning["message"]
     assert "restarting prefill pod" in result.stderr  # progress output while it runs
 
+    time.sleep(1)
+    assert marked_processes(marker) == [], "the demo left processes behind"
+
+
+def test_vllm_demo_runs_real_engines_and_checks_tokens() -> None:
+    """The default demo: real vLLM (CPU build) pods from the rendered templates, a prefill restart halfway."""
+    from tests.vllm.engines import require_vllm
+
+    require_vllm()
+    marker = uuid.uuid4().hex
+    result = subprocess.run(
+        [sys.executable, "-m", "kvbridge_operator", "demo", "--json", "--requests", "4"],
+        capture_output=True, text=True, timeout=900, check=False,
+        env={**os.environ, "KVBRIDGE_DEMO_MARKER": marker},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout)
+    assert report["ok"] is True
+    by_name = {d["name"]: d for d in report["deployments"]}
+    tiny = by_name["tiny-cpu"]
+    assert tiny["conditions"]["Ready"] == "True"
+    transfers = tiny["transfers"]
+    assert transfers["check"] == "tokens"
+    assert transfers["requests"] == transfers["verified"] == 4
+    assert transfers["verifiedAfterPrefillRestart"] == 2
+    assert transfers["failures"] == []
+    assert [e["httpPort"] for e in tiny["endpoints"]] == [8000]
+    reasons = {(e["object"].split("/")[1], e["reason"]) for e in report["events"]}
+    assert ("tiny-cpu", "PrefillRestarted") in reasons
+    assert ("replicated-heads", "Incompatible") in reasons
+    assert "decode's 12 tokens equal a single engine's" in result.stderr
     time.sleep(1)
     assert marked_processes(marker) == [], "the demo left processes behind"

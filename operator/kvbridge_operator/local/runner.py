@@ -3,8 +3,11 @@
 For every StatefulSet the operator created it creates the pods, gives each
 its own loopback address (127.0.0.N, so every pod can bind the real ports),
 mounts the side-channel Secret as files, resolves the downward-API
-variables, starts the container as a local ``kvbridge-agent serve`` process,
-reports readiness (``/healthz``), IP and restarts into pod status, restarts
+variables, runs the engine container's own command as a local process
+(``kvbridge-agent serve``, or the rendered ``vllm serve`` line with the model
+mapped to a local folder; see :mod:`.pods`), gives pods with CPU limits whole
+cores of their own (as a static CPU manager would), reports readiness (the
+container's readiness probe path), IP and restarts into pod status, restarts
 a process that exits (as a kubelet would), and stops everything on close.
 """
 
@@ -14,12 +17,12 @@ import asyncio
 import base64
 import contextlib
 import copy
-import ctypes
 import itertools
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,14 +31,9 @@ import aiohttp
 
 from ..kube import PODS, SECRETS, STATEFUL_SETS, KubeClient
 from ..render import MANAGED_BY, secret_name
+from . import pods
 
 Obj = dict[str, Any]
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: SIGTERM this process when the demo dies, even if it is SIGKILLed (no orphaned engines)."""
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -44,7 +42,7 @@ class LocalPod:
     name: str
     deployment: str
     ip: str
-    env: dict[str, str]
+    spec: pods.LocalPodSpec
     process: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     ready: bool = False
@@ -52,11 +50,14 @@ class LocalPod:
 
 
 class LocalRunner:
-    def __init__(self, client: KubeClient, workdir: Path) -> None:
+    def __init__(self, client: KubeClient, workdir: Path, models: Mapping[str, str] | None = None) -> None:
         self.client = client
         self.workdir = workdir
+        self.models = dict(models or {})
         self.pods: dict[tuple[str, str], LocalPod] = {}
         self._addresses = itertools.count(2)
+        self._next_core = 0
+        self._cores = sorted(os.sched_getaffinity(0))
         self._session: aiohttp.ClientSession | None = None
 
     # -- lifetime -------------------------------------------------------------
@@ -70,28 +71,17 @@ class LocalRunner:
                 await asyncio.wait_for(stop.wait(), timeout=0.2)
 
     async def close(self) -> None:
-        for pod in self.pods.values():
-            self._terminate(pod)
-        for pod in self.pods.values():
-            if pod.process is not None:
-                try:
-                    pod.process.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    pod.process.kill()
-                    pod.process.wait(timeout=10)
+        await asyncio.gather(*(asyncio.to_thread(pods.stop, p.process) for p in self.pods.values() if p.process))
         if self._session is not None:
             await self._session.close()
 
-    @staticmethod
-    def _terminate(pod: LocalPod) -> None:
-        if pod.process is not None and pod.process.poll() is None:
-            pod.process.send_signal(signal.SIGTERM)
-
     def crash(self, namespace: str, name: str) -> None:
-        """Kill a pod's engine at once (and its ranks, which exit when their pipe closes)."""
+        """Kill a pod's engine at once, with every process it started (vLLM's engine core and workers, the agent's
+        ranks), as an OOM kill or a node failure would."""
         pod = self.pods[(namespace, name)]
         if pod.process is not None and pod.process.poll() is None:
-            pod.process.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pod.process.pid, signal.SIGKILL)
 
     @property
     def pids(self) -> list[int]:
@@ -116,22 +106,29 @@ class LocalRunner:
         deployment = labels.get("kvbridge.io/deployment", "")
         ip = f"127.0.0.{next(self._addresses)}"
         keys_dir = await self._mount_keys(namespace, deployment)
-        container = template["spec"]["containers"][0]
-        env: dict[str, str] = {}
-        for item in container.get("env", []):
-            field = item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
-            env[item["name"]] = pod_name if field == "metadata.name" else ip if field == "status.podIP" else str(
-                item.get("value", ""))  # fmt: skip
-        env.update(KVBRIDGE_KEYS_DIR=str(keys_dir), KVBRIDGE_HTTP_HOST=ip)
+        spec = pods.local_pod(
+            template, pod_name, ip, self.workdir / pod_name, models=self.models, cpus=self._cpuset(template),
+            env_overrides={"KVBRIDGE_KEYS_DIR": str(keys_dir), "KVBRIDGE_HTTP_HOST": ip},
+        )  # fmt: skip
         owner = {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": sts["metadata"]["name"],
                  "uid": sts["metadata"]["uid"], "controller": True}  # fmt: skip
         pod_obj = {"apiVersion": "v1", "kind": "Pod", "spec": template["spec"],
                    "metadata": {**template["metadata"], "name": pod_name, "ownerReferences": [owner]}}  # fmt: skip
         await self.client.create(PODS, namespace, pod_obj)
-        pod = LocalPod(namespace, pod_name, deployment, ip, env, log_path=self.workdir / f"{pod_name}.log")
+        pod = LocalPod(namespace, pod_name, deployment, ip, spec, log_path=self.workdir / f"{pod_name}.log")
         self.pods[(namespace, pod_name)] = pod
         self._start(pod)
         await self._report(pod)
+
+    def _cpuset(self, template: Obj) -> tuple[int, ...]:
+        """Whole cores for a container with CPU limits (what a static CPU manager gives a Guaranteed pod)."""
+        container = pods.engine_container(template)
+        if "cpu" not in container.get("resources", {}).get("limits", {}):
+            return ()
+        count = min(pods.cpu_request(container), len(self._cores))
+        chosen = tuple(sorted(self._cores[(self._next_core + i) % len(self._cores)] for i in range(count)))
+        self._next_core = (self._next_core + count) % len(self._cores)
+        return chosen
 
     async def _mount_keys(self, namespace: str, deployment: str) -> Path:
         path = self.workdir / f"{namespace}-{deployment}-keys"
@@ -145,22 +142,15 @@ class LocalRunner:
         return path
 
     def _start(self, pod: LocalPod) -> None:
-        environ = {**os.environ, **pod.env}
-        log = open(pod.log_path or os.devnull, "ab")  # noqa: SIM115 - owned by the child from here on
-        pod.process = subprocess.Popen(
-            [sys.executable, "-m", "kvbridge_agent", "serve"], env=environ, stdout=subprocess.DEVNULL,
-            stderr=log, start_new_session=True, preexec_fn=_die_with_parent,
-        )  # fmt: skip
-        log.close()
+        pod.process = pods.start(pod.spec, pod.log_path or Path(os.devnull))
         pod.ready = False
 
     async def _healthy(self, pod: LocalPod) -> bool:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
-        port = pod.env.get("KVBRIDGE_HTTP_PORT", "8000")
         try:
-            async with self._session.get(f"http://{pod.ip}:{port}/healthz") as response:
-                return response.status == 200
+            async with self._session.get(f"{self.http_url(pod.namespace, pod.name)}{pod.spec.health_path}") as r:
+                return r.status == 200
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
 
@@ -186,4 +176,4 @@ class LocalRunner:
 
     def http_url(self, namespace: str, name: str) -> str:
         pod = self.pods[(namespace, name)]
-        return f"http://{pod.ip}:{pod.env.get('KVBRIDGE_HTTP_PORT', '8000')}"
+        return f"http://{pod.ip}:{pod.spec.http_port}"
