@@ -25,6 +25,8 @@ from .model import CacheKind, CamelModel, KVLayout
 ENVELOPE_VERSION = 1
 MAX_HEADER_BYTES = 4096
 MAX_PAYLOAD_BYTES = 1 << 20
+#: brackets a request header may contain (a real one has 2); counted before parsing
+MAX_HEADER_NESTING = 16
 
 # Stable error codes of the side channel.
 MALFORMED_MESSAGE = "MALFORMED_MESSAGE"
@@ -81,9 +83,12 @@ def _dump(obj: object) -> bytes:
 def _header(frame: bytes) -> dict[str, object]:
     if len(frame) > MAX_HEADER_BYTES:
         raise HandshakeError(f"header of {len(frame)} bytes exceeds {MAX_HEADER_BYTES}", code=MALFORMED_MESSAGE)
+    depth = max(frame.count(b"["), frame.count(b"{"))
+    if depth > MAX_HEADER_NESTING:  # a bound before parsing: deep nesting makes json.loads raise RecursionError
+        raise HandshakeError(f"header nests up to {depth} levels, at most {MAX_HEADER_NESTING}", code=MALFORMED_MESSAGE)
     try:
         header = json.loads(frame)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise HandshakeError(f"header is not JSON: {exc}", code=MALFORMED_MESSAGE) from exc
     if not isinstance(header, dict):
         raise HandshakeError("header is not a JSON object", code=MALFORMED_MESSAGE)

@@ -105,11 +105,12 @@ class BlockAllocator:
 class RankHandle:
     """The engine's end of one rank process: calls with ids and timeouts, events to a callback."""
 
-    def __init__(self, rank: int, process: Any, conn: Connection, on_event: Any) -> None:
+    def __init__(self, rank: int, process: Any, conn: Connection, on_event: Any, on_gone: Any = None) -> None:
         self.rank = rank
         self.process = process
         self.conn = conn
         self._on_event = on_event
+        self._on_gone = on_gone
         self._ids = itertools.count()
         self._waiting: dict[int, Future[dict[str, Any]]] = {}
         self._lock = threading.Lock()
@@ -137,6 +138,9 @@ class RankHandle:
         for future in list(self._waiting.values()):
             future.set_result(gone)
         self._waiting.clear()
+        self.process.join(timeout=5)  # reap it: no zombie rank
+        if self._on_gone is not None:
+            self._on_gone(self.rank)
 
     def send(self, message: dict[str, Any]) -> None:
         with self._lock:
@@ -201,6 +205,8 @@ class Engine:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.ready = False
+        #: set when a rank process died while the engine was serving (the engine cannot serve without it)
+        self.failure: str | None = None
 
     @property
     def tp_size(self) -> int:
@@ -218,7 +224,7 @@ class Engine:
             )  # fmt: skip
             process.start()
             child.close()
-            self.ranks.append(RankHandle(rank, process, parent, self._on_event))
+            self.ranks.append(RankHandle(rank, process, parent, self._on_event, self._on_rank_gone))
         for handle in self.ranks:
             try:
                 ready = handle.ready.result(timeout=RANK_START_TIMEOUT)
@@ -273,6 +279,22 @@ class Engine:
         if self.server is not None:
             self.server.close()
             self.server = None
+
+    def _on_rank_gone(self, rank: int) -> None:
+        if not self._stop.is_set() and self.failure is None:
+            self.failure = f"rank {rank} process exited"
+            log.error("engine %s: %s; the engine must be restarted", self.env.engine_id, self.failure)
+
+    def problems(self) -> list[str]:
+        """Why the engine cannot serve: a dead rank, a stopped side-channel listener (empty: healthy)."""
+        found = [self.failure] if self.failure else []
+        if self.server is not None and not self.server.alive:
+            found.append(self.server.failure or "side-channel listener is not running")
+        return found
+
+    @property
+    def healthy(self) -> bool:
+        return self.ready and not self.problems()
 
     def rank_pids(self) -> list[int]:
         return [h.process.pid for h in self.ranks if h.process.pid is not None]

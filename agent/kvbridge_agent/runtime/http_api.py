@@ -1,6 +1,6 @@
 """The agent worker's small HTTP API (stdlib server): health, metrics, prefill, decode.
 
-- ``GET /healthz`` — 200 when every rank is up (probes)
+- ``GET /healthz`` — 200 when every rank and the side-channel listener are up (probes); 503 with ``problems``
 - ``GET /metrics`` — Prometheus text
 - ``POST /v1/prefill`` ``{"requestId", "numTokens"}`` -> ``{"kvTransferParams": {...}}``
 - ``POST /v1/decode`` ``{"requestId", "kvTransferParams", "prefixHitBlocks"}`` -> transfer result
@@ -67,11 +67,13 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         engine = self.server.engine
         if self.path == "/healthz":
-            status = HTTPStatus.OK if engine.ready else HTTPStatus.SERVICE_UNAVAILABLE
+            healthy = engine.healthy
+            status = HTTPStatus.OK if healthy else HTTPStatus.SERVICE_UNAVAILABLE
             self._send(
                 status,
                 {
-                    "ok": engine.ready,
+                    "ok": healthy,
+                    "problems": engine.problems(),
                     "role": engine.env.role.value,
                     "engineId": engine.env.engine_id,
                     "incarnation": engine.incarnation,

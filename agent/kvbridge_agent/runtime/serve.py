@@ -17,9 +17,15 @@ from .keys import load_keys
 
 log = logging.getLogger(__name__)
 
+#: how often the engine's components are checked while serving
+HEALTH_CHECK_SECONDS = 0.5
+#: exit status when a rank or the side-channel listener died (the pod is restarted)
+EXIT_UNHEALTHY = 3
+
 
 def serve(env: EngineEnvironment, *, log_level: str = "WARNING") -> int:
-    """Start ranks, side channel and HTTP; print one JSON ready line on stdout; stop on SIGTERM/SIGINT."""
+    """Start ranks, side channel and HTTP; print one JSON ready line on stdout; stop on SIGTERM/SIGINT (0), or
+    exit with :data:`EXIT_UNHEALTHY` when a rank process or the side-channel listener dies."""
     stop = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -45,7 +51,12 @@ def serve(env: EngineEnvironment, *, log_level: str = "WARNING") -> int:
         }
         sys.stdout.write(json.dumps(ready) + "\n")
         sys.stdout.flush()
-        stop.wait()
+        while not stop.wait(HEALTH_CHECK_SECONDS):
+            problems = engine.problems()
+            if problems:  # exit so that the kubelet restarts the pod: fresh ranks, registrations and handshakes
+                log.error("engine cannot serve (%s): exiting", "; ".join(problems))
+                sys.stderr.write(json.dumps({"exiting": True, "problems": problems}) + "\n")
+                return EXIT_UNHEALTHY
     finally:
         if http is not None:
             http.shutdown()

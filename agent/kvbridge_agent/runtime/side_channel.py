@@ -8,6 +8,7 @@ serving.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -19,6 +20,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from kvbridge_agent.core.handshake import (
     HANDSHAKE_TIMEOUT,
+    MAX_HEADER_BYTES,
     UNKNOWN_RANK,
     HandshakeError,
     MessageType,
@@ -35,6 +37,11 @@ from kvbridge_agent.core.handshake import (
 from .keys import CurveKeys
 
 log = logging.getLogger(__name__)
+
+#: the largest message the listener accepts: a request is one header frame (ZMQ drops a peer that sends more,
+#: before anything is allocated for it)
+MAX_REQUEST_BYTES = 4 * MAX_HEADER_BYTES
+INTERNAL_ERROR = "INTERNAL_ERROR"
 
 
 class _OnlyOurKey:
@@ -72,6 +79,7 @@ class SideChannelServer:
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         if self.keys is not None:
             self._auth = ThreadAuthenticator(self._context)
             self._auth.start()
@@ -85,11 +93,25 @@ class SideChannelServer:
         else:
             self._socket.bind(f"tcp://{self.host}:{self.port}")
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name=f"side-channel:{self.port}", daemon=True)
+        #: why the listener stopped serving, if it did without being closed (the engine then reports unhealthy)
+        self.failure: str | None = None
+        self._thread = threading.Thread(target=self._run, name=f"side-channel:{self.port}", daemon=True)
 
     def start(self) -> SideChannelServer:
         self._thread.start()
         return self
+
+    @property
+    def alive(self) -> bool:
+        """Serving: started, not closed, and the listener thread has not died."""
+        return self._thread.is_alive() and self.failure is None
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # recorded and reported through health, never swallowed
+            self.failure = f"side-channel listener stopped: {type(exc).__name__}: {exc}"
+            log.exception("side channel: listener stopped")
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -101,7 +123,14 @@ class SideChannelServer:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK)
             except zmq.ZMQError:
                 continue
-            self._socket.send_multipart(self._answer(frames))
+            try:
+                reply = self._answer(frames)
+            except Exception as exc:  # one bad frame never stops the listener
+                self.stats.rejected += 1
+                log.exception("side channel: unexpected error answering a request")
+                reply = [frames[0], b"", *encode_error(self.fingerprint, INTERNAL_ERROR, type(exc).__name__)]
+            with contextlib.suppress(zmq.ZMQError):  # the peer may be gone already
+                self._socket.send_multipart(reply, zmq.NOBLOCK)
 
     def _answer(self, frames: list[bytes]) -> list[bytes]:
         # ROUTER: [identity, (b"" from REQ), *message]

@@ -300,3 +300,32 @@ def test_block_allocation_per_request_scattered_verifies_and_unknown_is_typed(cl
     )
     assert status == 200, body
     assert body["verified"], body  # scattered decode blocks receive every byte
+
+
+def test_a_dead_rank_makes_the_engine_unhealthy_and_exit_for_a_restart(cluster: Cluster) -> None:
+    """Issue 13 #2: SIGKILL of a rank used to leave /healthz ok and every later request failing RANK_FAILED."""
+    engine = cluster.start(env(Role.DECODE, "d-dies", cluster.keys_dir))
+    assert engine.get("/healthz")["ok"] is True
+    [rank] = engine.ready["rankPids"]
+    os.kill(rank, 9)
+    assert engine.process.wait(timeout=15) == 3  # EXIT_UNHEALTHY: the kubelet restarts the pod
+    assert "rank 0 process exited" in engine.log_tail()
+    assert not _alive(rank)  # reaped, not a zombie
+
+
+def test_a_side_channel_listener_that_stops_says_why() -> None:
+    """If the listener loop itself ever ends with an error, ``alive`` turns false with the reason; the engine puts
+    it in /healthz's problems and exits (as for a dead rank, above)."""
+    from kvbridge_agent.runtime.side_channel import SideChannelServer
+
+    def broken() -> None:
+        raise RuntimeError("boom")
+
+    server = SideChannelServer("127.0.0.1", 0, "fp", {})
+    server._serve = broken  # type: ignore[method-assign]
+    server.start()
+    try:
+        assert wait_for(lambda: not server.alive, timeout=5)
+        assert server.failure == "side-channel listener stopped: RuntimeError: boom"
+    finally:
+        server.close()

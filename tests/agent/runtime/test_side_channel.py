@@ -83,9 +83,10 @@ def test_wrong_fingerprint_and_unknown_rank_are_refused_and_the_listener_keeps_s
 
 @pytest.mark.parametrize(
     "frames",
-    [[b"\x00\xff garbage"], [b'{"version": 1'], [b"{}", b"two", b"three"], [b""], [b"x" * 100_000]],
-    ids=["garbage", "truncated", "extra-frames", "empty", "oversized"],
-)
+    [[b"\x00\xff garbage"], [b'{"version": 1'], [b"{}", b"two", b"three"], [b""], [b"x" * 10_000],
+     [b"[" * 3000], [b'{"a":' * 800 + b"1" + b"}" * 800]],
+    ids=["garbage", "truncated", "extra-frames", "empty", "long", "nested-lists", "nested-objects"],
+)  # fmt: skip
 def test_garbage_frames_get_an_error_reply(server: SideChannelServer, keys: CurveKeys, frames: list[bytes]) -> None:
     with pytest.raises(HandshakeError) as caught:
         decode_reply(raw_request(server, keys, frames), "fp")
@@ -126,3 +127,29 @@ def test_key_files_are_checked(tmp_path: Path) -> None:
     (tmp_path / "b" / "curve-secret").write_text("short")
     with pytest.raises(KeysError, match="40-character"):
         load_keys(tmp_path / "b")
+
+
+def test_a_frame_over_the_size_limit_is_dropped_and_the_listener_keeps_serving(
+    server: SideChannelServer, keys: CurveKeys
+) -> None:
+    """Issue 13 #1: ZMQ_MAXMSGSIZE drops the peer before anything is allocated for a 100 MB frame."""
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys.public, keys.public, keys.secret
+    sock.connect(f"tcp://127.0.0.1:{server.port}")
+    try:
+        sock.send_multipart([b"x" * (100 << 20)])
+        assert not sock.poll(1000), "a frame over the limit got an answer"
+    finally:
+        sock.close()
+    assert server.alive
+    assert client(server, keys).fetch([0])[0][0] == META
+
+
+def test_nested_headers_are_refused_before_parsing() -> None:
+    from kvbridge_agent.core.handshake import decode_request
+
+    for frame in (b"[" * 3000, b"[" * 20 + b"]" * 20, b'{"a":' * 3000):
+        with pytest.raises(HandshakeError) as caught:
+            decode_request([frame], "fp")
+        assert caught.value.code == "MALFORMED_MESSAGE"
