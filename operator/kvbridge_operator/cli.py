@@ -12,6 +12,7 @@ from typing import Any
 
 from kvbridge_agent.core import KVBridgeError
 
+from . import __version__
 from .manifests import load_deployments
 from .plan_report import entries, plan_document, render_text, selected_ranks
 
@@ -127,6 +128,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvbridge", description="Prefill/decode disaggregation on Kubernetes.")
+    parser.add_argument("--version", action="version", version=f"kvbridge {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     plan = commands.add_parser(

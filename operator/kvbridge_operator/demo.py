@@ -23,11 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import yaml
 
 from .config import OperatorConfig
 from .kube import DEPLOYMENTS, PODS, KubeClient, Resource
-from .manifests import load_deployments
+from .manifests import deployments_of, parse_documents, read_text, source_name
 from .render import LABEL_DEPLOYMENT, LABEL_ROLE
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -86,8 +85,10 @@ def documents(files: list[str] | None, num_layers: int, engine: str = "vllm") ->
     paths = files or [str(EXAMPLES / name) for name in DEFAULT_FILES[engine]]
     found: list[Obj] = []
     for path in paths:
-        load_deployments(path)  # the same validation as `kvbridge plan`: readable, valid documents only
-        for document in yaml.safe_load_all(Path(path).read_text() if path != "-" else sys.stdin.read()):
+        source = source_name(path)
+        parsed = parse_documents(read_text(path), source)  # read once: stdin cannot be read twice
+        deployments_of(parsed, source)  # the same validation as `kvbridge plan`: valid documents only
+        for document in parsed:
             if document:
                 scaled = copy.deepcopy(document)
                 if not is_vllm(scaled):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -9,6 +10,8 @@ import sys
 import time
 import uuid
 from pathlib import Path
+
+import pytest
 
 
 def marked_processes(marker: str) -> list[int]:
@@ -94,3 +97,14 @@ def test_vllm_demo_runs_real_engines_and_checks_tokens() -> None:
     assert "decode's 12 tokens equal a single engine's" in result.stderr
     time.sleep(1)
     assert marked_processes(marker) == [], "the demo left processes behind"
+
+
+def test_demo_reads_a_manifest_from_stdin_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 13 #10: `kvbridge demo -f -` read stdin twice and applied nothing (then said ok)."""
+    from kvbridge_operator.demo import documents
+
+    text = (Path(__file__).parents[2] / "examples" / "llama3-8b-hetero-tp.yaml").read_text()
+    monkeypatch.setattr(sys, "stdin", io.StringIO(text))
+    [doc] = documents(["-"], num_layers=4, engine="agent")
+    assert doc["metadata"]["name"] == "llama3-8b"
+    assert doc["spec"]["model"]["numLayers"] == 4  # agent engines are scaled down

@@ -6,6 +6,7 @@ import io
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,49 @@ def test_console_script_runs_as_a_process() -> None:
     )
     assert result.returncode == 1
     assert json.loads(result.stdout)[0]["problems"][0]["code"] == "PREFILL_HEADS_REPLICATED"
+
+
+@pytest.mark.parametrize(
+    ("content", "code", "message"),
+    [
+        ("[" * 10_000, "BAD_YAML", "nests more than 64 levels"),
+        ("a:\n" + "".join(" " * i + f"k{i}:\n" for i in range(1, 1500)), "BAD_YAML", "nests more than 64 levels"),
+        ("a: &x [1, 2]\nb: *x\n", "BAD_YAML", "aliases (*name) are not allowed"),
+        (HETERO.read_text().replace("  numLayers: 32", "  numLayers: 32\n    numLayers: 16"), "BAD_YAML",
+         "duplicate key 'numLayers'"),
+        (HETERO.read_text() + "\n" + "#" * (5 << 20), "TOO_LARGE", "larger than 4 MiB"),
+    ],
+    ids=["deep-lists", "deep-mappings", "alias", "duplicate-key", "too-large"],
+)  # fmt: skip
+def test_hostile_yaml_exits_2_with_a_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, code: str, message: str
+) -> None:
+    """Issue 13 #8: these used to end in a traceback and exit 1, or be accepted (duplicate keys, aliases)."""
+    path = tmp_path / "hostile.yaml"
+    path.write_text(content)
+    status, out, err = run(capsys, "plan", "-f", str(path))
+    assert status == 2, err
+    assert message in err
+    assert "Traceback" not in err
+    assert out == ""
+
+
+def test_an_alias_bomb_is_refused_quickly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(levels) + "\n")
+    started = time.monotonic()
+    status, _, err = run(capsys, "plan", "-f", str(path))
+    assert status == 2
+    assert "aliases" in err
+    assert time.monotonic() - started < 2
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvbridge_operator import __version__
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"kvbridge {__version__}"
