@@ -35,11 +35,37 @@ VLLM_CPU_BLOCK_SIZE_RATIO = "VLLM_CPU_BLOCK_SIZE_RATIO"
 VLLM_CPU_CACHE_KIND = "VLLM_CPU_CACHE_KIND"
 VLLM_CPU_KV_CACHE_DTYPE = "VLLM_CPU_KV_CACHE_DTYPE"
 
+VLLM_UNMODELLED_ARGUMENT = "VLLM_UNMODELLED_ARGUMENT"
+
 #: arguments kvbridge sets from the spec; ``extraArgs`` naming one of them is refused
 MANAGED_ARGUMENTS = (
     "--port", "--tensor-parallel-size", "-tp", "--block-size", "--kv-transfer-config", "--kv-cache-dtype",
     "--dtype", "--model", "--attention-backend",
 )  # fmt: skip
+#: arguments that change what the plan and the pod's resources assume, and that kvbridge does not model yet
+UNMODELLED_ARGUMENTS = {
+    "--pipeline-parallel-size": "splits the model over pipeline stages",
+    "-pp": "splits the model over pipeline stages",
+    "--data-parallel-size": "runs data-parallel engine replicas in one pod",
+    "-dp": "runs data-parallel engine replicas in one pod",
+    "--data-parallel-size-local": "runs data-parallel engine replicas in one pod",
+    "--enable-expert-parallel": "shards experts across ranks",
+    "-ep": "shards experts across ranks",
+    "--decode-context-parallel-size": "shards the KV cache over context-parallel ranks",
+    "-dcp": "shards the KV cache over context-parallel ranks",
+    "--config": "reads further arguments from a file kvbridge cannot check",
+}
+
+
+def argument_name(arg: str) -> str:
+    """An argument's name as vLLM's parser reads it: ``--tensor_parallel_size=16`` is ``--tensor-parallel-size``
+    (argparse there accepts underscores and the ``=`` form; the later of two flags wins)."""
+    name = arg.split("=", 1)[0]
+    if name.startswith("--"):
+        return "--" + name[2:].replace("_", "-")
+    return name
+
+
 #: the port vLLM serves on behind the routing sidecar (the sidecar takes the pod's HTTP port)
 VLLM_PORT_BEHIND_SIDECAR = 8200
 HEALTH_PATH = "/health"  # vLLM's OpenAI server: 200 once the engine is up
@@ -79,12 +105,18 @@ def problems(spec: DisaggregatedDeploymentSpec, plan: TransferPlan | None) -> li
     """What vLLM (its NixlConnector, its CPU attention) cannot run of a spec, beyond the compatibility rules."""
     found: list[Problem] = []
     for arg in spec.engine.extra_args:
-        name = arg.split("=", 1)[0]
+        name = argument_name(arg)
         if name in MANAGED_ARGUMENTS:
             found.append(Problem(
                 VLLM_MANAGED_ARGUMENT, "spec.engine.extraArgs",
-                f"{name} is set by kvbridge from the spec (it must agree with the compatibility plan); "
-                "remove it from extraArgs and change the spec field instead",
+                f"{arg.split('=', 1)[0]} is set by kvbridge from the spec (it must agree with the compatibility "
+                "plan); remove it from extraArgs and change the spec field instead",
+            ))  # fmt: skip
+        elif name in UNMODELLED_ARGUMENTS:
+            found.append(Problem(
+                VLLM_UNMODELLED_ARGUMENT, "spec.engine.extraArgs",
+                f"{arg.split('=', 1)[0]} {UNMODELLED_ARGUMENTS[name]}, which kvbridge's plan, GPU requests and "
+                "compatibility rules do not model; remove it from extraArgs",
             ))  # fmt: skip
     if on_cpu(spec):
         found += _cpu_problems(spec)

@@ -167,6 +167,28 @@ def test_extra_args_may_not_override_what_the_plan_checked() -> None:
     assert codes(verdict(doc)) == [("VLLM_MANAGED_ARGUMENT", "spec.engine.extraArgs")] * 2
 
 
+@pytest.mark.parametrize(
+    ("arg", "code"),
+    [
+        ("--tensor_parallel_size=16", "VLLM_MANAGED_ARGUMENT"),
+        ("--block_size=32", "VLLM_MANAGED_ARGUMENT"),
+        ("--kv_transfer_config={}", "VLLM_MANAGED_ARGUMENT"),
+        ("--attention_backend=TRITON_ATTN", "VLLM_MANAGED_ARGUMENT"),
+        ("--pipeline-parallel-size=2", "VLLM_UNMODELLED_ARGUMENT"),
+        ("-pp", "VLLM_UNMODELLED_ARGUMENT"),
+        ("--data_parallel_size=2", "VLLM_UNMODELLED_ARGUMENT"),
+        ("--enable-expert-parallel", "VLLM_UNMODELLED_ARGUMENT"),
+        ("--config=/etc/vllm.yaml", "VLLM_UNMODELLED_ARGUMENT"),
+    ],
+)
+def test_extra_args_are_read_the_way_vllm_reads_them(arg: str, code: str) -> None:
+    """Issue 13 #9: underscore spellings passed (vLLM accepts them, the later flag wins), and so did parallelism
+    kvbridge does not model, while plan said compatible and the GPU request stayed TP."""
+    doc = document("llama3-8b-hetero-tp")
+    doc["spec"]["engine"]["extraArgs"] = [arg]
+    assert codes(verdict(doc)) == [(code, "spec.engine.extraArgs")]
+
+
 def test_incompatible_and_vllm_problems_are_reported_together() -> None:
     doc = document("llama3-8b-hetero-tp")
     doc["spec"]["decode"]["tensorParallelSize"] = 3
