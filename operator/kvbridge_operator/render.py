@@ -62,23 +62,35 @@ def _metadata(name: str, namespace: str, labels: dict[str, str], owner: Obj) -> 
     return {"name": name, "namespace": namespace, "labels": {**MANAGED_BY, **labels}, "ownerReferences": [owner]}
 
 
-def overlay(base: Any, patch: Any) -> Any:
-    """Merge a user overlay into a rendered object: dicts deeply, lists of named dicts by name, else replace."""
+#: Kubernetes' strategic-merge keys of the lists in a pod template (what `kubectl patch` merges by)
+MERGE_KEYS = {
+    "containers": "name", "initContainers": "name", "ephemeralContainers": "name", "env": "name",
+    "volumes": "name", "imagePullSecrets": "name", "resourceClaims": "name", "ports": "containerPort",
+    "volumeMounts": "mountPath", "volumeDevices": "devicePath", "hostAliases": "ip",
+    "topologySpreadConstraints": "topologyKey", "readinessGates": "conditionType",
+}  # fmt: skip
+
+
+def overlay(base: Any, patch: Any, key: str = "") -> Any:
+    """Merge a user overlay into a rendered object as a strategic merge patch would: dicts deeply, lists of a
+    pod template by their merge key (containers and env by name, ports by containerPort, mounts by mountPath,
+    ...), other lists replaced."""
     if isinstance(base, dict) and isinstance(patch, dict):
         merged = dict(base)
-        for key, value in patch.items():
-            merged[key] = overlay(base[key], value) if key in base else copy.deepcopy(value)
+        for name, value in patch.items():
+            merged[name] = overlay(base[name], value, name) if name in base else copy.deepcopy(value)
         return merged
+    merge_key = MERGE_KEYS.get(key, "name")
     if (
         isinstance(base, list)
         and isinstance(patch, list)
-        and all(isinstance(x, dict) and "name" in x for x in [*base, *patch])
+        and all(isinstance(x, dict) and merge_key in x for x in [*base, *patch])
     ):
         merged_list = [copy.deepcopy(x) for x in base]
-        index = {x["name"]: i for i, x in enumerate(merged_list)}
+        index = {x[merge_key]: i for i, x in enumerate(merged_list)}
         for item in patch:
-            if item["name"] in index:
-                merged_list[index[item["name"]]] = overlay(merged_list[index[item["name"]]], item)
+            if item[merge_key] in index:
+                merged_list[index[item[merge_key]]] = overlay(merged_list[index[item[merge_key]]], item)
             else:
                 merged_list.append(copy.deepcopy(item))
         return merged_list

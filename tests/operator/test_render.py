@@ -144,3 +144,24 @@ def test_overlay_rules() -> None:
     assert overlay({"a": {"b": 1, "c": 2}}, {"a": {"c": 3}}) == {"a": {"b": 1, "c": 3}}
     assert overlay({"l": [1, 2]}, {"l": [3]}) == {"l": [3]}
     assert overlay([{"name": "x", "v": 1}], [{"name": "y"}]) == [{"name": "x", "v": 1}, {"name": "y"}]
+
+
+def test_overlay_merges_lists_by_their_strategic_merge_keys() -> None:
+    """Issue 13 #11: a container port added by the overlay used to replace the http and side-channel ports."""
+    dd = deployment(prefill={"template": {"spec": {"containers": [{
+        "name": "engine",
+        "ports": [{"containerPort": 9090, "name": "debug"}, {"containerPort": 5600, "hostPort": 5600}],
+        "volumeMounts": [{"mountPath": "/models", "name": "models"}],
+    }], "volumes": [{"name": "models", "emptyDir": {}}]}}})  # fmt: skip
+    spec = stateful_set(dd, UID, Role.PREFILL, verdict_for(dd), OperatorConfig())["spec"]["template"]["spec"]  # type: ignore[arg-type]
+    [container] = spec["containers"]
+    ports = {p["containerPort"]: p for p in container["ports"]}
+    assert ports[8000]["name"] == "http"
+    assert ports[5600] == {"name": "side-channel", "containerPort": 5600, "protocol": "TCP", "hostPort": 5600}
+    assert ports[9090]["name"] == "debug"
+    assert {m["mountPath"] for m in container["volumeMounts"]} == {"/var/run/kvbridge/keys", "/models"}
+    assert {v["name"] for v in spec["volumes"]} == {"side-channel-keys", "models"}
+    assert overlay({"ports": [{"containerPort": 1}]}, {"ports": [{"containerPort": 2}]}) == {
+        "ports": [{"containerPort": 1}, {"containerPort": 2}]
+    }
+    assert overlay({"tolerations": [{"key": "a"}]}, {"tolerations": [{"key": "b"}]}) == {"tolerations": [{"key": "b"}]}
