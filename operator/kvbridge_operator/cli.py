@@ -38,6 +38,24 @@ def _plan(args: argparse.Namespace) -> int:
     return EXIT_OK if all(doc.compatible for doc in documents) else EXIT_INCOMPATIBLE
 
 
+def _model(args: argparse.Namespace) -> int:
+    import yaml
+
+    from .hf_config import geometry, model_name, read_config
+
+    try:
+        config = read_config(Path(args.path))
+        found = geometry(config, args.name or model_name(Path(args.path), config))
+    except KVBridgeError as exc:
+        print(f"kvbridge model: error: {exc.message}", file=sys.stderr)
+        return EXIT_INVALID
+    block = found.model_dump(by_alias=True, mode="json", exclude_defaults=False)
+    if found.cache_kind.value == "Split":
+        block.pop("cacheKind")
+    sys.stdout.write(yaml.safe_dump({"model": block}, sort_keys=False))
+    return EXIT_OK
+
+
 def _crd(args: argparse.Namespace) -> int:
     from .crd import FILE_NAME, render_yaml
 
@@ -143,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     ranks.add_argument("--all-ranks", action="store_true", help="plan every decode rank of every document")
     plan.add_argument("--json", action="store_true", help="print one JSON document (a list) on stdout")
     plan.set_defaults(func=_plan)
+
+    model = commands.add_parser(
+        "model", help="print the spec.model block of a Hugging Face model from its config.json (file or folder)"
+    )
+    model.add_argument("path", help="config.json, or a model folder that contains it")
+    model.add_argument("--name", help="spec.model.name (default: the config's _name_or_path or the folder name)")
+    model.set_defaults(func=_model)
 
     crd = commands.add_parser("crd", help="print or write the CustomResourceDefinition generated from the models")
     crd.add_argument("-o", "--output", action="append", metavar="DIR", help="write into DIR (repeatable)")

@@ -1,0 +1,77 @@
+"""``spec.model`` from a Hugging Face ``config.json``: the KV-cache geometry without typing it by hand.
+
+Dense models (Llama, Qwen2, Mistral and the like; MHA or GQA) and MLA models (DeepSeek-V2/V3) are read; what
+cannot be derived exactly is an error that names the config key, never a guess.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvbridge_agent.core import ModelGeometry, SpecError
+
+_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32", "float": "float32"}
+_MLA_TYPES = {"deepseek_v2", "deepseek_v3", "kimi_k2", "deepseek_v32"}
+
+
+class ModelConfigError(SpecError):
+    code = "BAD_MODEL_CONFIG"
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """``config.json`` itself, or the one in a model folder."""
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        loaded = json.loads(file.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ModelConfigError(
+            f"cannot read {file}: {exc.strerror or exc}", field=str(file), code="UNREADABLE"
+        ) from exc
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ModelConfigError(f"{file} is not a JSON config: {exc}", field=str(file)) from exc
+    if not isinstance(loaded, dict):
+        raise ModelConfigError(f"{file} is not a JSON object", field=str(file))
+    text_config = loaded.get("text_config")  # multimodal wrappers keep the language model's config inside
+    return text_config if isinstance(text_config, dict) and "num_hidden_layers" in text_config else loaded
+
+
+def _int(config: dict[str, Any], key: str) -> int:
+    value = config.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ModelConfigError(f"config.json has no positive integer {key!r} (got {value!r})", field=key)
+    return value
+
+
+def geometry(config: dict[str, Any], name: str) -> ModelGeometry:
+    """The ``spec.model`` of a model with this config."""
+    dtype_name = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    if dtype_name not in _DTYPES:
+        raise ModelConfigError(f"unsupported dtype {dtype_name!r} in config.json", field="torch_dtype")
+    common: dict[str, Any] = {"name": name, "num_layers": _int(config, "num_hidden_layers"),
+                              "kv_cache_dtype": _DTYPES[dtype_name]}  # fmt: skip
+    if config.get("model_type") in _MLA_TYPES or "kv_lora_rank" in config:
+        # MLA caches one latent per token: the compressed KV plus the decoupled RoPE key
+        latent = _int(config, "kv_lora_rank") + _int(config, "qk_rope_head_dim")
+        return ModelGeometry(**common, num_kv_heads=1, head_dim=latent, attention="MLA")
+    heads = _int(config, "num_attention_heads")
+    kv_heads = _int(config, "num_key_value_heads") if "num_key_value_heads" in config else heads  # MHA
+    if config.get("head_dim") is not None:
+        head_dim = _int(config, "head_dim")
+    else:
+        hidden = _int(config, "hidden_size")
+        if hidden % heads:
+            raise ModelConfigError(
+                f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} and head_dim is not given",
+                field="head_dim",
+            )
+        head_dim = hidden // heads
+    return ModelGeometry(**common, num_kv_heads=kv_heads, head_dim=head_dim)
+
+
+def model_name(path: Path, config: dict[str, Any]) -> str:
+    recorded = config.get("_name_or_path")
+    if isinstance(recorded, str) and recorded and not recorded.startswith(("/", ".")):
+        return recorded
+    return (path if path.is_dir() else path.parent).resolve().name or "model"
