@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Check DisaggregatedDeployment documents without a cluster. Exit status: 0 all compatible, "
         "1 any incompatible, 2 unreadable or invalid input.",
     )
-    plan.add_argument("-f", "--file", required=True, help="manifest file (multi-document YAML); - reads stdin")
+    plan.add_argument("-f", "--file", required=True,
+                      help="manifest file (multi-document YAML), a folder of them, or - for stdin")  # fmt: skip
     ranks = plan.add_mutually_exclusive_group()
     ranks.add_argument("--decode-rank", type=int, metavar="R", help="plan decode rank R (default 0)")
     ranks.add_argument("--all-ranks", action="store_true", help="plan every decode rank of every document")

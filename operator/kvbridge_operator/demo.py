@@ -112,7 +112,7 @@ async def wait_for_verdicts(
         objects = {n: await client.get(DEPLOYMENTS, NAMESPACE, n) or {} for n in names}
         settled = all(condition(o, "Compatible").get("status") == "False" or condition(o, "Ready").get("status")
                       == "True" for o in objects.values())  # fmt: skip
-        line = "; ".join(f"{n}: {condition(o, 'Ready').get('message') or 'waiting for the operator'}"
+        line = "; ".join(f"{n}: {_short(condition(o, 'Ready').get('message') or 'waiting for the operator')}"
                          for n, o in objects.items())  # fmt: skip
         if line != last:
             progress(f"  {line}")
@@ -122,6 +122,11 @@ async def wait_for_verdicts(
         if time.monotonic() > deadline:
             raise DemoError(f"not settled after {timeout:g} s: {line}")
         await asyncio.sleep(0.5)
+
+
+def _short(message: str, limit: int = 100) -> str:
+    """One status message in a progress line (the full text is in the report and the events)."""
+    return message if len(message) <= limit else message[: limit - 3] + "..."
 
 
 async def transfer(session: aiohttp.ClientSession, prefill_url: str, decode_url: str, request_id: str,

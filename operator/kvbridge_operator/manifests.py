@@ -7,6 +7,7 @@ Manifests are untrusted input: the size is capped before parsing, nesting is bou
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -107,10 +108,29 @@ def parse_documents(text: str, source: str) -> list[Any]:
         raise ManifestError(f"{source}: the document nests too deeply", field=source, code="BAD_YAML") from exc
 
 
+#: file names ``-f DIR`` reads, as kubectl does
+MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def manifest_files(path: str) -> list[str]:
+    """``path`` itself, or for a folder every manifest file in it (sorted, not recursive), as ``kubectl -f``."""
+    if path == "-" or not Path(path).is_dir():
+        return [path]
+    found = sorted(str(p) for p in Path(path).iterdir() if p.is_file() and p.suffix in MANIFEST_SUFFIXES)
+    if not found:
+        raise ManifestError(f"{path}: no {', '.join(MANIFEST_SUFFIXES)} files in this folder", field=path,
+                            code="EMPTY")  # fmt: skip
+    return found
+
+
 def load_deployments(path: str) -> list[DisaggregatedDeployment]:
-    """Every DisaggregatedDeployment in the file, in order; empty documents are skipped."""
-    source = source_name(path)
-    return deployments_of(parse_documents(read_text(path), source), source)
+    """Every DisaggregatedDeployment in the file (or in every manifest file of the folder), in order; empty
+    documents are skipped."""
+    found: list[DisaggregatedDeployment] = []
+    for file in manifest_files(path):
+        source = source_name(file)
+        found += deployments_of(parse_documents(read_text(file), source), source)
+    return found
 
 
 def deployments_of(documents: list[Any], source: str) -> list[DisaggregatedDeployment]:

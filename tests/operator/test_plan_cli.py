@@ -182,3 +182,18 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--version"])
     assert exited.value.code == 0
     assert capsys.readouterr().out.strip() == f"kvbridge {__version__}"
+
+
+def test_a_folder_plans_every_manifest_in_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 13 #16: `plan -f DIR` reads every YAML file in it, as kubectl does."""
+    (tmp_path / "b.yaml").write_text(INCOMPATIBLE.read_text())
+    (tmp_path / "a.yml").write_text(HETERO.read_text())
+    (tmp_path / "notes.txt").write_text("not a manifest")
+    code, out, _ = run(capsys, "plan", "-f", str(tmp_path), "--json")
+    assert code == 1  # one of them is incompatible
+    assert [entry["name"] for entry in json.loads(out)] == ["llama3-8b", "replicated-heads"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = run(capsys, "plan", "-f", str(empty))
+    assert code == 2
+    assert "no .yaml, .yml, .json files" in err
