@@ -210,6 +210,9 @@ class KVTransferParams(CamelModel):
     num_tokens: int = Field(ge=1)
     remote_tp_size: int = Field(ge=1)
     fingerprint: str = Field(min_length=1, max_length=64)
+    #: when prefill's lease on the blocks ends (Unix time, prefill's clock) unless decode's heartbeats renew it;
+    #: decode refuses to read, or to use a read that finished, after it (minus a clock-skew margin)
+    expires_at: float | None = Field(default=None, ge=0)
 
 
 def notification(prefill_request_id: str, decode_tp_size: int) -> bytes:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import multiprocessing
 import threading
 import time
@@ -47,8 +48,12 @@ RANK_FAILED = "RANK_FAILED"
 RANK_TIMEOUT = "RANK_TIMEOUT"
 INVALID_REQUEST = "INVALID_REQUEST"
 STARTUP_FAILED = "STARTUP_FAILED"
+LEASE_EXPIRED = "LEASE_EXPIRED"
 
 RANK_START_TIMEOUT = 180.0
+#: decode treats prefill's lease as ending this much earlier than the expiry it was given (clock skew between
+#: the two pods; NTP keeps nodes within milliseconds, so one second is generous)
+LEASE_CLOCK_MARGIN_SECONDS = 1.0
 
 
 class EngineError(KVBridgeError):
@@ -202,6 +207,7 @@ class Engine:
         self._current: dict[str, str] = {}  # engine id -> incarnation of the last successful handshake
         self._retired: dict[str, deque[str]] = {}  # engine id -> incarnations known to be gone
         self._waiting: dict[str, KVTransferParams] = {}  # decode requests still waiting (heartbeats)
+        self._renewed: dict[str, float] = {}  # decode request -> when its last acknowledged heartbeat was sent
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.ready = False
@@ -344,7 +350,7 @@ class Engine:
                 raise EngineError(
                     f"request {request_id} is already held", code=DUPLICATE_REQUEST, status=409, field="requestId"
                 )
-            self._held[request_id] = _Held(blocks, time.monotonic() + self.env.transfer.lease_seconds)
+            self._held[request_id] = _Held(blocks, math.inf)  # the lease starts when the blocks are offered
         futures = [h.call_async({"op": "offer", "request_id": request_id, "blocks": blocks}) for h in self.ranks]
         for handle, future in zip(self.ranks, futures, strict=True):
             reply = wait_reply(handle.rank, future, 60)
@@ -353,6 +359,12 @@ class Engine:
                 raise EngineError(
                     f"rank {handle.rank}: {reply.get('message')}", code=reply.get("code", RANK_FAILED), status=500
                 )
+        lease = self.env.transfer.lease_seconds
+        with self._held_lock:  # published now: the lease runs from here, not from the allocation before compute
+            held = self._held.get(request_id)
+            if held is not None:
+                held.deadline = time.monotonic() + lease
+        expires_at = time.time() + lease
         self.metrics.held_requests.labels(**self.metrics.labels).set(len(self._held))
         self.metrics.free_blocks.labels(**self.metrics.labels).set(self.allocator.free_count)
         wire = wire_block_ids(blocks, num_tokens, self.plan.split_ratio, self.plan.wire.block_size)
@@ -366,6 +378,7 @@ class Engine:
             num_tokens=num_tokens,
             remote_tp_size=self.tp_size,
             fingerprint=self.plan.fingerprint,
+            expires_at=expires_at,
         )
 
     def _drop_held(self, request_id: str) -> None:
@@ -420,7 +433,8 @@ class Engine:
         started = time.perf_counter()
         labels = self.metrics.labels
         try:
-            self._ensure_peer(params)
+            self._ensure_peer(params)  # first: a restarted prefill (STALE_PEER) says more than an expired lease
+            self._check_lease(request_id, params, "before reading")
             futures = [
                 h.call_async({"op": "read", "request_id": request_id, "params": params.model_dump_json(),
                               "blocks": blocks, "hit": prefix_hit_blocks})
@@ -428,6 +442,8 @@ class Engine:
             ]  # fmt: skip
             limit = self.env.transfer_timeout_seconds + 30
             replies = [wait_reply(h.rank, f, limit) for h, f in zip(self.ranks, futures, strict=True)]
+            if all(r.get("ok") for r in replies):  # prefill may have reused blocks a late read copied
+                self._check_lease(request_id, params, "after reading")
         except EngineError as exc:
             self.metrics.failed_transfers.labels(**labels, code=exc.code).inc()
             self.metrics.requests.labels(**labels, outcome="failed").inc()
@@ -435,6 +451,7 @@ class Engine:
             raise
         finally:
             self._waiting.pop(request_id, None)
+            self._renewed.pop(request_id, None)
             self.allocator.free(blocks)
         failed = [r for r in replies if not r.get("ok")]
         if any(r.get("peerFailed") for r in failed):
@@ -467,6 +484,20 @@ class Engine:
             "verifySeconds": max(r.get("verifySeconds", 0.0) for r in replies),
             "totalSeconds": time.perf_counter() - started,
         }
+
+    def _check_lease(self, request_id: str, params: KVTransferParams, when: str) -> None:
+        """Refuse a read outside prefill's lease: the expiry the params carry, or later renewals by this engine's
+        heartbeats, minus :data:`LEASE_CLOCK_MARGIN_SECONDS` for clock skew (params without an expiry: no check)."""
+        if params.expires_at is None:
+            return
+        renewed = self._renewed.get(request_id, -math.inf) + self.env.transfer.lease_seconds
+        left = max(params.expires_at, renewed) - LEASE_CLOCK_MARGIN_SECONDS - time.time()
+        if left <= 0:
+            raise EngineError(
+                f"prefill's lease on request {params.remote_request_id} ended {-left:.1f} s {when} (expiry "
+                f"{params.expires_at:.1f} less a {LEASE_CLOCK_MARGIN_SECONDS:g} s clock margin): prefill may have "
+                "freed and reused its blocks; prefill it again", code=LEASE_EXPIRED, status=410,
+            )  # fmt: skip
 
     def _ensure_peer(self, params: KVTransferParams) -> None:
         """Handshake with a prefill engine unless its current incarnation is known; one in flight per engine."""
@@ -572,14 +603,22 @@ class Engine:
     def _send_heartbeats(self) -> None:
         interval = max(0.5, self.env.transfer.lease_seconds / 3)
         while not self._stop.wait(interval):
-            by_engine: dict[tuple[str, int], list[str]] = {}
-            for params in list(self._waiting.values()):
-                by_engine.setdefault((params.remote_host, params.remote_port), []).append(params.remote_request_id)
-            for (host, port), ids in by_engine.items():
+            by_engine: dict[tuple[str, int], list[tuple[str, str]]] = {}
+            for request_id, params in list(self._waiting.items()):
+                by_engine.setdefault((params.remote_host, params.remote_port), []).append(
+                    (request_id, params.remote_request_id)
+                )
+            for (host, port), pairs in by_engine.items():
+                sent = time.time()  # prefill renews from when it receives this: no earlier than now
                 try:
-                    SideChannelClient(host, port, self.plan.fingerprint, self.keys, 2.0).heartbeat(ids)
+                    client = SideChannelClient(host, port, self.plan.fingerprint, self.keys, 2.0)
+                    client.heartbeat([remote for _, remote in pairs])
                 except HandshakeError as exc:
                     log.warning("heartbeat to %s:%s failed: %s", host, port, exc)
+                    continue
+                for request_id, _ in pairs:
+                    if request_id in self._waiting:
+                        self._renewed[request_id] = sent
 
     def rank_stats(self) -> list[dict[str, Any]]:
         return [h.call({"op": "stats"}, timeout=10) for h in self.ranks]

@@ -134,6 +134,22 @@ def test_lease_expiry_frees_blocks_that_nobody_reads(cluster: Cluster) -> None:
     assert metric(p, "kvbridge_expired_leases_total") == before + 1
 
 
+def test_a_read_after_the_lease_fails_on_decode_and_never_succeeds(cluster: Cluster) -> None:
+    """Issue 13 #3: decode read freed blocks 36 s late and still reported verified. The params now carry the
+    expiry, and decode refuses a read outside it (typed, with the local blocks to invalidate)."""
+    p, d = cluster.prefill, cluster.decode  # type: ignore[attr-defined]
+    started = time.time()
+    params = prefill(p, "late-1", 40)
+    assert started + TRANSFER.lease_seconds <= params["expiresAt"] <= time.time() + TRANSFER.lease_seconds
+    time.sleep(TRANSFER.lease_seconds - 1.0 + 0.2)  # inside prefill's lease, past it less decode's 1 s margin
+    status, body = decode(d, "d-late-1", params)
+    assert status == 410, body
+    assert body["error"]["code"] == "LEASE_EXPIRED"
+    assert body["error"]["invalidBlocks"]
+    assert body.get("verified") is not True
+    assert decode(d, "d-fresh-1", prefill(p, "fresh-1", 40))[0] == 200  # a fresh prefill reads fine
+
+
 def test_heartbeats_renew_the_lease(cluster: Cluster) -> None:
     p = cluster.prefill  # type: ignore[attr-defined]
     params = prefill(p, "kept-alive", 16)
