@@ -46,7 +46,7 @@ def secret_name(deployment: str) -> str:
 
 
 def network_policy_name(deployment: str) -> str:
-    return f"{deployment}-prefill-side-channel"
+    return f"{deployment}-pods"
 
 
 def selector(deployment: str, role: Role) -> dict[str, str]:
@@ -243,8 +243,15 @@ def secret(dd: DisaggregatedDeployment, uid: str) -> Obj:
     }  # fmt: skip
 
 
+#: namespaces labelled so may reach the engines' HTTP APIs (a router or gateway outside the deployment's namespace)
+LABEL_API_ACCESS = "kvbridge.io/api-access"
+
+
 def network_policy(dd: DisaggregatedDeployment, uid: str, config: OperatorConfig) -> Obj:
-    """Prefill side-channel ingress only from pods of the same deployment; the HTTP API stays reachable."""
+    """Ingress to every pod of the deployment: any port from the deployment's own pods (the side channel, and
+    NIXL/UCX, which connects to ports the rank processes pick at run time), and the HTTP API port only from pods
+    of the same namespace or of namespaces labelled ``kvbridge.io/api-access: allowed`` (the HTTP API has no
+    authentication: it is for the router). Everything else is dropped where policies are enforced."""
     name = dd.metadata.name
     return {
         "apiVersion": "networking.k8s.io/v1",
@@ -252,12 +259,13 @@ def network_policy(dd: DisaggregatedDeployment, uid: str, config: OperatorConfig
         "metadata": _metadata(network_policy_name(name), dd.metadata.namespace or "default",
                               {LABEL_DEPLOYMENT: name}, owner_reference(dd, uid)),
         "spec": {
-            "podSelector": {"matchLabels": selector(name, Role.PREFILL)},
+            "podSelector": {"matchLabels": {LABEL_DEPLOYMENT: name}},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"from": [{"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: name}}}],
-                 "ports": [{"protocol": "TCP", "port": dd.spec.transfer.side_channel_port}]},
-                {"ports": [{"protocol": "TCP", "port": config.agent_http_port}]},
+                {"from": [{"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: name}}}]},
+                {"from": [{"podSelector": {}},
+                          {"namespaceSelector": {"matchLabels": {LABEL_API_ACCESS: "allowed"}}}],
+                 "ports": [{"protocol": "TCP", "port": config.agent_http_port}]},
             ],
         },
     }  # fmt: skip

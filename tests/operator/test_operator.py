@@ -44,7 +44,7 @@ async def test_create_makes_owned_children_status_and_events() -> None:
         assert sorted(o["metadata"]["name"] for o in kids["statefulsets"]) == ["llama3-8b-decode", "llama3-8b-prefill"]
         assert sorted(o["metadata"]["name"] for o in kids["services"]) == ["llama3-8b-decode", "llama3-8b-prefill"]
         assert [o["metadata"]["name"] for o in kids["secrets"]] == ["llama3-8b-side-channel"]
-        assert [o["metadata"]["name"] for o in kids["networkpolicies"]] == ["llama3-8b-prefill-side-channel"]
+        assert [o["metadata"]["name"] for o in kids["networkpolicies"]] == ["llama3-8b-pods"]
         for obj in (o for objs in kids.values() for o in objs):
             assert obj["metadata"]["ownerReferences"][0]["uid"] == created["metadata"]["uid"]
         prefill = next(o for o in kids["statefulsets"] if o["metadata"]["name"].endswith("prefill"))

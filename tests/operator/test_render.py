@@ -110,16 +110,20 @@ def test_secret_holds_a_curve_pair_the_agent_accepts() -> None:
     assert zmq.curve_public(private) == public
 
 
-def test_network_policy_limits_side_channel_ingress_to_the_deployment() -> None:
+def test_network_policy_admits_the_data_plane_within_the_deployment_and_limits_the_api() -> None:
+    """Issue 13 #4: the policy admitted only the side-channel and HTTP ports on prefill (NIXL/UCX's ephemeral
+    ports were dropped) and opened the unauthenticated HTTP API to any source."""
     [policy] = [o for o in rendered() if o["kind"] == "NetworkPolicy"]
-    side_channel, http = policy["spec"]["ingress"]
-    assert policy["spec"]["podSelector"]["matchLabels"] == {
-        "kvbridge.io/deployment": "llama3-8b",
-        "kvbridge.io/role": "prefill",
-    }
-    assert side_channel["from"] == [{"podSelector": {"matchLabels": {"kvbridge.io/deployment": "llama3-8b"}}}]
-    assert side_channel["ports"] == [{"protocol": "TCP", "port": 5600}]
-    assert "from" not in http
+    assert policy["metadata"]["name"] == "llama3-8b-pods"
+    assert policy["spec"]["podSelector"]["matchLabels"] == {"kvbridge.io/deployment": "llama3-8b"}  # both roles
+    data_plane, api = policy["spec"]["ingress"]
+    assert data_plane == {"from": [{"podSelector": {"matchLabels": {"kvbridge.io/deployment": "llama3-8b"}}}]}
+    assert "ports" not in data_plane  # every port: UCX listens where the rank processes choose
+    assert api["ports"] == [{"protocol": "TCP", "port": 8000}]
+    assert api["from"] == [
+        {"podSelector": {}},  # this namespace
+        {"namespaceSelector": {"matchLabels": {"kvbridge.io/api-access": "allowed"}}},
+    ]
 
 
 def test_template_overlay_merges_by_name_and_changes_the_revision() -> None:
