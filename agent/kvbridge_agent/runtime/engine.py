@@ -51,9 +51,18 @@ STARTUP_FAILED = "STARTUP_FAILED"
 LEASE_EXPIRED = "LEASE_EXPIRED"
 
 RANK_START_TIMEOUT = 180.0
+#: how long ranks get to stop by themselves on shutdown, all together, before they are terminated and killed
+SHUTDOWN_GRACE_SECONDS = 3.0
 #: decode treats prefill's lease as ending this much earlier than the expiry it was given (clock skew between
 #: the two pods; NTP keeps nodes within milliseconds, so one second is generous)
 LEASE_CLOCK_MARGIN_SECONDS = 1.0
+
+
+def _join_all(processes: list[Any], budget: float) -> None:
+    """Wait for all the processes, ``budget`` seconds in all."""
+    deadline = time.monotonic() + budget
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 class EngineError(KVBridgeError):
@@ -272,14 +281,15 @@ class Engine:
         for handle in self.ranks:
             with contextlib.suppress(OSError, ValueError):
                 handle.send({"op": "shutdown"})
+        # one budget for all ranks together (not per rank): graceful, then SIGTERM, then SIGKILL
+        processes = [h.process for h in self.ranks]
+        _join_all(processes, SHUTDOWN_GRACE_SECONDS)
+        for escalate in ("terminate", "kill"):
+            alive = [p for p in processes if p.is_alive()]
+            for process in alive:
+                getattr(process, escalate)()
+            _join_all(alive, 2.0)
         for handle in self.ranks:
-            handle.process.join(timeout=10)
-            if handle.process.is_alive():
-                handle.process.terminate()
-                handle.process.join(timeout=5)
-            if handle.process.is_alive():
-                handle.process.kill()
-                handle.process.join(timeout=5)
             handle.conn.close()
         self.ranks = []
         if self.server is not None:

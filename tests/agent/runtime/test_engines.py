@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -345,3 +346,19 @@ def test_a_side_channel_listener_that_stops_says_why() -> None:
         assert server.failure == "side-channel listener stopped: RuntimeError: boom"
     finally:
         server.close()
+
+
+def test_sigterm_stops_an_engine_in_bounded_time_even_with_a_stuck_rank(cluster: Cluster) -> None:
+    """Issue 13 #6: SIGTERM with pending requests took 8-23 s (each rank got 10 + 5 + 5 s in turn). Now the ranks
+    share one budget: 3 s to stop, then SIGTERM, then SIGKILL."""
+    engine = cluster.start(env(Role.PREFILL, "p-stuck", cluster.keys_dir))
+    for index in range(3):
+        prefill(engine, f"pending-{index}", 100)
+    stuck, other = engine.ready["rankPids"]
+    os.kill(stuck, signal.SIGSTOP)  # a rank that cannot answer the shutdown message
+    started = time.monotonic()
+    engine.process.send_signal(signal.SIGTERM)
+    assert engine.process.wait(timeout=30) == 0
+    assert time.monotonic() - started < 10  # 3 s grace + 2 s SIGTERM + SIGKILL; it was 10 + 5 s for this rank
+    assert not _alive(stuck)
+    assert not _alive(other)
