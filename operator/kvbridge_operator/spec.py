@@ -6,6 +6,7 @@ manifest parsed here is checked exactly as the operator checks it.
 
 from __future__ import annotations
 
+import json
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -81,7 +82,10 @@ class DisaggregatedDeploymentSpec(CamelModel):
 class ObjectMeta(CamelModel):
     model_config = CamelModel.model_config | {"extra": "allow"}
 
-    name: str = Field(min_length=1, max_length=253)
+    #: the API server's rule for names of custom resources (a DNS-1123 subdomain)
+    name: str = Field(
+        min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+    )
     namespace: str | None = None
 
 
@@ -109,7 +113,12 @@ def parse_deployment(document: object) -> DisaggregatedDeployment:
         )
     resource = {key: document[key] for key in ("apiVersion", "kind", "metadata", "spec") if key in document}
     try:
-        return DisaggregatedDeployment.model_validate(resource)  # status is the operator's, not the user's
+        text = json.dumps(resource)
+    except (TypeError, ValueError) as exc:  # YAML dates, sets, ...: nothing the API server would accept either
+        raise SpecError(f"the manifest holds a value JSON cannot represent: {exc}", code="INVALID_SPEC") from exc
+    try:
+        # strict, as the API server's schema is: 2.0, "2" and true are not integers; status is the operator's
+        return DisaggregatedDeployment.model_validate_json(text, strict=True)
     except ValidationError as exc:
         errors = exc.errors()
         message = "; ".join(f"{_location(e['loc'])}: {e['msg']}" for e in errors)

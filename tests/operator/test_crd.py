@@ -125,3 +125,71 @@ def test_defaults_make_a_minimal_spec_valid_for_cel() -> None:
     assert spec["prefill"]["tensorParallelSize"] == 1
     assert spec["transfer"]["conversion"] == "Auto"
     assert cel_failures(SPEC_RULES, spec) == []
+
+
+DNS_1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
+
+def unknown_fields(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
+    """Fields the structural schema does not declare (kubectl's default, --validate=strict, refuses them)."""
+    if isinstance(value, list) and "items" in schema:
+        return [f for i, item in enumerate(value) for f in unknown_fields(schema["items"], item, f"{path}[{i}]")]
+    if not isinstance(value, dict) or schema.get("x-kubernetes-preserve-unknown-fields") or "properties" not in schema:
+        return []
+    found = [f"{path}.{k}" for k in value if k not in schema["properties"]]
+    return found + [f for k, v in value.items() if k in schema["properties"]
+                    for f in unknown_fields(schema["properties"][k], v, f"{path}.{k}")]  # fmt: skip
+
+
+def api_server_accepts(document: dict[str, Any]) -> bool:
+    """What the API server decides for a custom resource applied with kubectl: the name rule, strict field
+    validation (kubectl's default), the CRD schema, then CEL."""
+    import re
+
+    name = document.get("metadata", {}).get("name", "")
+    if not isinstance(name, str) or len(name) > 253 or not re.match(DNS_1123_SUBDOMAIN, name):
+        return False
+    if unknown_fields(SPEC_SCHEMA, document["spec"]) or schema_errors(SCHEMA, document):
+        return False
+    return not cel_failures(SPEC_RULES, apply_defaults(SPEC_SCHEMA, document["spec"]))
+
+
+def plan_accepts(document: dict[str, Any]) -> bool:
+    from kvbridge_agent.core import SpecError
+
+    try:
+        parse_deployment(document)
+    except SpecError:
+        return False
+    return True
+
+
+CORPUS: list[tuple[str, Any]] = [
+    ("valid", lambda d: None),
+    ("tp-true", lambda d: d["spec"]["decode"].update(tensorParallelSize=True)),
+    ("tp-string", lambda d: d["spec"]["decode"].update(tensorParallelSize="2")),
+    ("tp-float", lambda d: d["spec"]["decode"].update(tensorParallelSize=2.0)),
+    ("tp-fraction", lambda d: d["spec"]["decode"].update(tensorParallelSize=1.5)),
+    ("block-string", lambda d: d["spec"]["prefill"].update(blockSize="16")),
+    ("port-float", lambda d: d["spec"]["transfer"].update(sideChannelPort=5600.0)),
+    ("timeout-int", lambda d: d["spec"]["transfer"].update(handshakeTimeoutSeconds=5)),
+    ("timeout-string", lambda d: d["spec"]["transfer"].update(handshakeTimeoutSeconds="5")),
+    ("layers-zero", lambda d: d["spec"]["model"].update(numLayers=0)),
+    ("name-upper", lambda d: d["metadata"].update(name="My_Deployment")),
+    ("name-emoji", lambda d: d["metadata"].update(name="llama-\U0001f999")),
+    ("name-dots", lambda d: d["metadata"].update(name="team.llama3")),
+    ("name-too-long", lambda d: d["metadata"].update(name="a" * 254)),
+    ("name-dash-end", lambda d: d["metadata"].update(name="llama-")),
+    ("unknown-field", lambda d: d["spec"]["model"].update(numHeads=8)),
+    ("extra-args-number", lambda d: d["spec"].update(engine={"kind": "VLLM", "extraArgs": [8192]})),
+    ("replicas-negative", lambda d: d["spec"]["prefill"].update(replicas=-1)),
+    ("kind-enum-lower", lambda d: d["spec"].update(engine={"kind": "vllm"})),
+]
+
+
+@pytest.mark.parametrize(("label", "change"), CORPUS, ids=[label for label, _ in CORPUS])
+def test_plan_and_the_api_server_give_the_same_verdict(label: str, change: Any) -> None:
+    """Issue 13 #7: plan accepted true, "2" and 2.0 as integers and names the API server refuses."""
+    document = base()
+    change(document)
+    assert plan_accepts(document) == api_server_accepts(document), label
