@@ -11,16 +11,22 @@ import logging
 from collections import defaultdict
 from typing import Any
 
+import aiohttp
 import kopf
 
+from .backoff import OPERATOR_BACKOFF
 from .config import OperatorConfig
-from .kube import DEPLOYMENTS, KubeClient
+from .kube import DEPLOYMENTS, ApiError, KubeClient
 from .metrics import RECONCILE_SECONDS, RECONCILES, serve
 from .reconcile import reconcile
 from .render import LABEL_DEPLOYMENT
 from .spec import GROUP, PLURAL, VERSION
 
 PREFIX = "kvbridge.io"
+#: period of the level-triggered resync of every deployment (seconds)
+RESYNC_SECONDS = 30.0
+#: tries for the reconcile a pod event triggers (about 6 minutes at the backoff's cap)
+POD_EVENT_ATTEMPTS = 100
 
 
 def configure_settings(settings: kopf.OperatorSettings) -> None:
@@ -34,7 +40,8 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
     settings.watching.client_timeout = 330
     settings.watching.connect_timeout = 30
     settings.networking.request_timeout = 60
-    settings.queueing.error_delays = [1, 2, 5, 10, 30]
+    settings.queueing.error_delays = OPERATOR_BACKOFF  # capped exponential with jitter (backoff.py)
+    settings.networking.error_backoffs = OPERATOR_BACKOFF
     settings.scanning.disabled = True  # one discovery at start-up: no CRD/namespace watches, no extra RBAC
 
 
@@ -72,12 +79,34 @@ def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorR
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", registry=registry)
     @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
-    async def deployment_changed(name: str, namespace: str | None, **_: Any) -> None:
-        await run(namespace or "default", name)
+    async def deployment_changed(name: str, namespace: str | None, retry: int, **_: Any) -> None:
+        try:
+            await run(namespace or "default", name)
+        except (ApiError, aiohttp.ClientError, TimeoutError) as exc:  # the API is down or overloaded: retry soon
+            raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=OPERATOR_BACKOFF.delay(retry)) from exc
+
+    @kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS, registry=registry)
+    async def resync(name: str, namespace: str | None, **_: Any) -> None:
+        """Level-triggered safety net, as Kubernetes' own controllers resync: an event lost to API errors (Kopf
+        skips events of an object while it throttles that object's errors) is made up within this period."""
+        try:
+            await run(namespace or "default", name)
+        except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
+            logging.getLogger(__name__).info("resync of %s/%s: Kubernetes API: %s", namespace, name, exc)
 
     @kopf.on.event("v1", "pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT}, registry=registry)
     async def pod_changed(labels: kopf.Labels, namespace: str | None, **_: Any) -> None:
-        await run(namespace or "default", labels[LABEL_DEPLOYMENT])
+        # event handlers are not retried by Kopf, and a pod event may be the last one for a while (the one that
+        # makes the deployment Ready): retry API failures here, with the same backoff
+        for attempt in range(POD_EVENT_ATTEMPTS):
+            try:
+                await run(namespace or "default", labels[LABEL_DEPLOYMENT])
+                return
+            except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
+                if attempt == POD_EVENT_ATTEMPTS - 1:
+                    raise
+                logging.getLogger(__name__).info("pod event: Kubernetes API: %s; retrying", exc)
+                await asyncio.sleep(OPERATOR_BACKOFF.delay(attempt))
 
     return registry
 

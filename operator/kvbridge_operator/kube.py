@@ -6,6 +6,7 @@ the chart's tests compare with the RBAC rules it grants.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import ssl
@@ -17,6 +18,8 @@ from typing import Any
 import aiohttp
 
 from kvbridge_agent.core import KVBridgeError
+
+from .backoff import Backoff
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 MERGE_PATCH = "application/merge-patch+json"
@@ -74,6 +77,12 @@ class ApiError(KVBridgeError):
         self.reason = reason
 
 
+#: tries per API call for transient failures (5xx, 429, connection errors, timeouts); a create retried after a
+#: 500 that did create answers 409, which the reconciler handles like any existing object
+CALL_ATTEMPTS = 5
+CALL_BACKOFF = Backoff(base=0.2, cap=2.0)
+
+
 class KubeClient:
     def __init__(
         self, server: str, *, token: str | None = None, token_path: Path | None = None, ca_path: str | None = None,
@@ -127,6 +136,23 @@ class KubeClient:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=self._timeout)
         data = None if body is None else json.dumps(body)
+        attempt = 0
+        while True:
+            try:
+                return await self._send(method, path, data, content_type, params)
+            except (ApiError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+                transient = not isinstance(exc, ApiError) or exc.status >= 500 or exc.status == 429
+                if not transient or attempt + 1 >= CALL_ATTEMPTS:
+                    raise
+                await asyncio.sleep(CALL_BACKOFF.delay(attempt))
+                attempt += 1
+
+    async def _send(
+        self, method: str, path: str, data: str | None, content_type: str | None, params: dict[str, str] | None
+    ) -> Any:
+        """One HTTP request; :class:`ApiError` for an error status."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
         async with self._session.request(
             method, self.server + path, data=data, params=params, ssl=self._ssl,
             headers=self._headers(content_type or ("application/json" if data else None)),

@@ -24,7 +24,7 @@ import json
 import re
 import secrets
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any
 
 import aiohttp.web
@@ -132,6 +132,12 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
     watchers: list[tuple[tuple[str, str, str], asyncio.Queue[tuple[int, Obj]]]] = attrs.field(factory=list, init=False)
     counter: itertools.count[int] = attrs.field(factory=lambda: itertools.count(1), init=False)
     revision: int = attrs.field(default=0, init=False)
+    #: fault injection for tests and benchmarks: called with the verb, the plural and the request headers of every
+    #: resource request; returns ``(status, delay_seconds)`` to delay it and, for a status >= 400, fail it, or
+    #: ``None`` to serve it
+    faults: Callable[[str, str, Mapping[str, str]], tuple[int, float] | None] | None = attrs.field(
+        default=None, init=False
+    )
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -207,6 +213,15 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
             kmock.action.DELETE: self._serve_delete,
         }  # fmt: skip
         try:
+            if self.faults is not None:
+                raw_request = request._raw_request
+                headers: Mapping[str, str] = raw_request.headers if raw_request is not None else {}
+                fault = self.faults(str(request.action), resource.plural, headers)
+                if fault is not None:
+                    status, delay = fault
+                    await asyncio.sleep(delay)
+                    if status >= 400:
+                        raise kmock.KubernetesError(status=status, reason="InjectedFault", message="injected fault")
             if request.action == kmock.action.WATCH:
                 return await self._stream(request)
             handler = handlers.get(request.action)
