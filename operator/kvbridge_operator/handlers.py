@@ -23,8 +23,9 @@ from .render import LABEL_DEPLOYMENT
 from .spec import GROUP, PLURAL, VERSION
 
 PREFIX = "kvbridge.io"
-#: period of the level-triggered resync of every deployment (seconds)
-RESYNC_SECONDS = 30.0
+#: period of the level-triggered resync of every deployment (seconds); each resync is a full reconcile (about 16
+#: API calls today, most of them writes: see docs/operator.md)
+RESYNC_SECONDS = 60.0
 #: tries for the reconcile a pod event triggers (about 6 minutes at the backoff's cap)
 POD_EVENT_ATTEMPTS = 100
 
