@@ -153,17 +153,23 @@ async def transfer(session: aiohttp.ClientSession, prefill_url: str, decode_url:
     return True
 
 
-async def route(
-    client: KubeClient, runner: Any, name: str, requests: int, restart: bool, interrupted: asyncio.Event | None = None
-) -> Transfers:
-    """Play the router: prefill computes, decode pulls through the published endpoints; one prefill restart."""
-    result = Transfers()
+async def targets(client: KubeClient, runner: Any, name: str) -> tuple[Obj, list[Obj], list[str]]:
+    """What a router sees of a deployment: the resource, its published prefill endpoints, its decode pods' URLs."""
     dd = await client.get(DEPLOYMENTS, NAMESPACE, name) or {}
     endpoints = (dd.get("status") or {}).get("prefill", {}).get("endpoints") or []
     pods = await client.list(PODS, NAMESPACE, f"{LABEL_DEPLOYMENT}={name},{LABEL_ROLE}=decode")
     decodes = [runner.http_url(NAMESPACE, p["metadata"]["name"]) for p in pods]
     if not endpoints or not decodes:
         raise DemoError(f"{name}: no endpoints to route to")
+    return dd, endpoints, decodes
+
+
+async def route(
+    client: KubeClient, runner: Any, name: str, requests: int, restart: bool, interrupted: asyncio.Event | None = None
+) -> Transfers:
+    """Play the router: prefill computes, decode pulls through the published endpoints; one prefill restart."""
+    result = Transfers()
+    dd, endpoints, decodes = await targets(client, runner, name)
     spec = dd["spec"]
     block = max(int(spec.get("prefill", {}).get("blockSize", 16)), int(spec.get("decode", {}).get("blockSize", 16)))
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
@@ -212,12 +218,7 @@ async def route_vllm(
     once the runner has restarted it, the remaining requests go on (decode meets a new engine id)."""
     from .local import pd_requests
 
-    dd = await client.get(DEPLOYMENTS, NAMESPACE, name) or {}
-    endpoints = (dd.get("status") or {}).get("prefill", {}).get("endpoints") or []
-    pods = await client.list(PODS, NAMESPACE, f"{LABEL_DEPLOYMENT}={name},{LABEL_ROLE}=decode")
-    decodes = [runner.http_url(NAMESPACE, p["metadata"]["name"]) for p in pods]
-    if not endpoints or not decodes:
-        raise DemoError(f"{name}: no endpoints to route to")
+    dd, endpoints, decodes = await targets(client, runner, name)
     block = int(dd["spec"].get("decode", {}).get("blockSize", 32))
     victim = endpoints[0]["pod"] if requests >= 2 else None
     result = Transfers(check="tokens", restarted=victim is not None)
