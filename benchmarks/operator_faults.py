@@ -17,26 +17,22 @@ import argparse
 import asyncio
 import copy
 import json
-import os
 import random
-import subprocess
 import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import kmock
 import yaml
 
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from kvbridge_operator.crd import crd  # noqa: E402
-from kvbridge_operator.kube import DEPLOYMENTS, KubeClient  # noqa: E402
+from kvbridge_operator.kube import DEPLOYMENTS  # noqa: E402
 from kvbridge_operator.local.apiserver import RealisticKubernetes  # noqa: E402
-from operator_reconcile import CRDS, kubelet  # noqa: E402
+from operator_reconcile import operator_on_emulator  # noqa: E402
 
 BENCH_TOKEN = "benchmark"  # requests with this bearer token are never faulted
 
@@ -63,42 +59,25 @@ async def scenario(kind: str, count: int, outage: float = 25.0, timeout: float =
         draw = rng.random()
         return (500, 0.0) if draw < 0.3 else (200, 2.0) if draw < 0.4 else None
 
-    async with RealisticKubernetes() as api, kmock.Server(api) as server:
-        url = str(server.url).rstrip("/")
-        client = KubeClient(url, token=BENCH_TOKEN, insecure=True)
-        await client.create(CRDS, "", crd())
-        env = {**os.environ, "KVBRIDGE_OPERATOR_API_SERVER": url, "KVBRIDGE_OPERATOR_CPU_MODE": "1",
-               "KVBRIDGE_OPERATOR_LIVENESS_PORT": "0"}  # fmt: skip
-        operator = subprocess.Popen([sys.executable, "-m", "kvbridge_operator", "operator", "run"], env=env,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        stop = asyncio.Event()
-        pods = asyncio.create_task(kubelet(api, client, stop))
-        try:
-            await asyncio.sleep(3)  # the operator's watches are up
-            api.faults = faults
-            state["outage"] = True
-            begin = time.monotonic()
-            for index in range(count):
-                document = copy.deepcopy(template)
-                document["metadata"]["name"] = f"dd-{index:03d}"
-                await client.create(DEPLOYMENTS, "default", document)
-            if kind == "outage":
-                await asyncio.sleep(outage)
-                state["outage"] = False
-            healed = time.monotonic()
-            deadline = healed + timeout
-            while len(ready_names(api)) < count and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            done = time.monotonic()
-            return {"scenario": kind, "deployments": count, "ready": len(ready_names(api)),
-                    "secondsAfterHeal" if kind == "outage" else "secondsToReady":
-                        round(done - (healed if kind == "outage" else begin), 1)}  # fmt: skip
-        finally:
-            stop.set()
-            await pods
-            operator.terminate()
-            operator.wait(timeout=30)
-            await client.close()
+    async with operator_on_emulator(token=BENCH_TOKEN) as (api, client, _):
+        api.faults = faults
+        state["outage"] = True
+        begin = time.monotonic()
+        for index in range(count):
+            document = copy.deepcopy(template)
+            document["metadata"]["name"] = f"dd-{index:03d}"
+            await client.create(DEPLOYMENTS, "default", document)
+        if kind == "outage":
+            await asyncio.sleep(outage)
+            state["outage"] = False
+        healed = time.monotonic()
+        deadline = healed + timeout
+        while len(ready_names(api)) < count and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        done = time.monotonic()
+        return {"scenario": kind, "deployments": count, "ready": len(ready_names(api)),
+                "secondsAfterHeal" if kind == "outage" else "secondsToReady":
+                    round(done - (healed if kind == "outage" else begin), 1)}  # fmt: skip
 
 
 def main() -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
 import json
 import os
@@ -22,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -69,11 +71,15 @@ async def kubelet(api: RealisticKubernetes, client: KubeClient, stop: asyncio.Ev
         await asyncio.sleep(0.02)
 
 
-async def run(count: int) -> dict[str, Any]:
-    template = yaml.safe_load((ROOT / "examples" / "llama3-8b-hetero-tp.yaml").read_text())
+@contextlib.asynccontextmanager
+async def operator_on_emulator(
+    token: str | None = None,
+) -> AsyncIterator[tuple[RealisticKubernetes, KubeClient, subprocess.Popen[bytes]]]:
+    """The emulated API with the CRD, ``kvbridge operator run`` as a process against it, and the kubelet stand-in;
+    yields once the operator's watches are up; stops all of it."""
     async with RealisticKubernetes() as api, kmock.Server(api) as server:
         url = str(server.url).rstrip("/")
-        client = KubeClient(url, insecure=True)
+        client = KubeClient(url, token=token, insecure=True)
         await client.create(CRDS, "", crd())
         env = {**os.environ, "KVBRIDGE_OPERATOR_API_SERVER": url, "KVBRIDGE_OPERATOR_CPU_MODE": "1",
                "KVBRIDGE_OPERATOR_LIVENESS_PORT": "0"}  # fmt: skip
@@ -83,42 +89,48 @@ async def run(count: int) -> dict[str, Any]:
         pods = asyncio.create_task(kubelet(api, client, stop))
         try:
             await asyncio.sleep(3)  # let the operator start its watches
-            idle_rss = rss_kib(operator.pid, "VmRSS")
-            created: dict[str, float] = {}
-            done: dict[str, float] = {}
-            begin = time.monotonic()
-            for index in range(count):
-                document = copy.deepcopy(template)
-                document["metadata"]["name"] = f"dd-{index:03d}"
-                created[document["metadata"]["name"]] = time.monotonic()
-                await client.create(DEPLOYMENTS, "default", document)
-            deadline = time.monotonic() + 300
-            while len(done) < count and time.monotonic() < deadline:
-                for obj in api.peek("disaggregateddeployments"):
-                    name = obj["metadata"]["name"]
-                    ready = [c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == "Ready"]
-                    if name not in done and ready and ready[0]["status"] == "True":
-                        done[name] = time.monotonic()
-                await asyncio.sleep(0.02)
-            latencies = sorted(done[n] - created[n] for n in done)
-            return {
-                "deployments": count,
-                "ready": len(done),
-                "p50Seconds": round(statistics.median(latencies), 3),
-                "p99Seconds": round(latencies[max(0, int(len(latencies) * 0.99) - 1)], 3),
-                "maxSeconds": round(latencies[-1], 3),
-                "totalSeconds": round(max(done.values()) - begin, 3),
-                "operatorIdleRssMiB": round(idle_rss / 1024, 1),
-                "operatorPeakRssMiB": round(rss_kib(operator.pid, "VmHWM") / 1024, 1),
-                "operatorCpuSeconds": round(cpu_seconds(operator.pid), 2),
-                "apiServerCpuSeconds": round(cpu_seconds(os.getpid()), 2),
-            }
+            yield api, client, operator
         finally:
             stop.set()
             await pods
             operator.terminate()
             operator.wait(timeout=30)
             await client.close()
+
+
+async def run(count: int) -> dict[str, Any]:
+    template = yaml.safe_load((ROOT / "examples" / "llama3-8b-hetero-tp.yaml").read_text())
+    async with operator_on_emulator() as (api, client, operator):
+        idle_rss = rss_kib(operator.pid, "VmRSS")
+        created: dict[str, float] = {}
+        done: dict[str, float] = {}
+        begin = time.monotonic()
+        for index in range(count):
+            document = copy.deepcopy(template)
+            document["metadata"]["name"] = f"dd-{index:03d}"
+            created[document["metadata"]["name"]] = time.monotonic()
+            await client.create(DEPLOYMENTS, "default", document)
+        deadline = time.monotonic() + 300
+        while len(done) < count and time.monotonic() < deadline:
+            for obj in api.peek("disaggregateddeployments"):
+                name = obj["metadata"]["name"]
+                ready = [c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == "Ready"]
+                if name not in done and ready and ready[0]["status"] == "True":
+                    done[name] = time.monotonic()
+            await asyncio.sleep(0.02)
+        latencies = sorted(done[n] - created[n] for n in done)
+        return {
+            "deployments": count,
+            "ready": len(done),
+            "p50Seconds": round(statistics.median(latencies), 3),
+            "p99Seconds": round(latencies[max(0, int(len(latencies) * 0.99) - 1)], 3),
+            "maxSeconds": round(latencies[-1], 3),
+            "totalSeconds": round(max(done.values()) - begin, 3),
+            "operatorIdleRssMiB": round(idle_rss / 1024, 1),
+            "operatorPeakRssMiB": round(rss_kib(operator.pid, "VmHWM") / 1024, 1),
+            "operatorCpuSeconds": round(cpu_seconds(operator.pid), 2),
+            "apiServerCpuSeconds": round(cpu_seconds(os.getpid()), 2),
+        }
 
 
 def main() -> int:
