@@ -23,6 +23,8 @@ from .render import LABEL_DEPLOYMENT
 from .spec import GROUP, PLURAL, VERSION
 
 PREFIX = "kvbridge.io"
+#: failures of the Kubernetes API that a later try may not meet (after the client's own retries)
+API_ERRORS = (ApiError, aiohttp.ClientError, TimeoutError)
 #: period of the level-triggered resync of every deployment (seconds); each resync is a full reconcile (about 16
 #: API calls today, most of them writes: see docs/operator.md)
 RESYNC_SECONDS = 60.0
@@ -83,7 +85,7 @@ def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorR
     async def deployment_changed(name: str, namespace: str | None, retry: int, **_: Any) -> None:
         try:
             await run(namespace or "default", name)
-        except (ApiError, aiohttp.ClientError, TimeoutError) as exc:  # the API is down or overloaded: retry soon
+        except API_ERRORS as exc:  # the API is down or overloaded: retry soon
             raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=OPERATOR_BACKOFF.delay(retry)) from exc
 
     @kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS, registry=registry)
@@ -92,7 +94,7 @@ def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorR
         skips events of an object while it throttles that object's errors) is made up within this period."""
         try:
             await run(namespace or "default", name)
-        except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
+        except API_ERRORS as exc:
             logging.getLogger(__name__).info("resync of %s/%s: Kubernetes API: %s", namespace, name, exc)
 
     @kopf.on.event("v1", "pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT}, registry=registry)
@@ -103,7 +105,7 @@ def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorR
             try:
                 await run(namespace or "default", labels[LABEL_DEPLOYMENT])
                 return
-            except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
+            except API_ERRORS as exc:
                 if attempt == POD_EVENT_ATTEMPTS - 1:
                     raise
                 logging.getLogger(__name__).info("pod event: Kubernetes API: %s; retrying", exc)

@@ -133,8 +133,6 @@ class KubeClient:
         content_type: str | None = None, params: dict[str, str] | None = None,
     ) -> Any:  # fmt: skip
         self.calls.add((verb, resource.plural if not path.endswith("/status") else f"{resource.plural}/status"))
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
         data = None if body is None else json.dumps(body)
         attempt = 0
         while True:

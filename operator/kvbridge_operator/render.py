@@ -125,7 +125,7 @@ def engine_env(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, conf
 
 def pod_template(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig) -> Obj:
     spec = dd.spec
-    role_spec: RoleSpec = spec.prefill if role is Role.PREFILL else spec.decode
+    role_spec: RoleSpec = spec.role(role)
     side_channel = {"name": SIDE_CHANNEL_PORT_NAME, "containerPort": spec.transfer.side_channel_port, "protocol": "TCP"}
     labels = {**MANAGED_BY, **selector(dd.metadata.name, role), LABEL_FINGERPRINT: plan.fingerprint,
               LABEL_TP: str(role_spec.tensor_parallel_size)}  # fmt: skip
@@ -161,7 +161,7 @@ def _agent_container(
     # the agent worker needs little besides its KV cache; override with the role's template
     resources: Obj = {"requests": {"cpu": "1", "memory": "2Gi"}}
     if not on_cpu(dd, config):
-        gpus = str((dd.spec.prefill if role is Role.PREFILL else dd.spec.decode).tensor_parallel_size)
+        gpus = str(dd.spec.role(role).tensor_parallel_size)
         resources = {"requests": {**resources["requests"], config.gpu_resource: gpus},
                      "limits": {config.gpu_resource: gpus}}  # fmt: skip
     ports = [{"name": HTTP_PORT_NAME, "containerPort": config.agent_http_port, "protocol": "TCP"}]
@@ -197,7 +197,7 @@ def _vllm_containers(
 def stateful_set(dd: DisaggregatedDeployment, uid: str, role: Role, plan: TransferPlan, config: OperatorConfig) -> Obj:
     name = role_name(dd.metadata.name, role)
     namespace = dd.metadata.namespace or "default"
-    role_spec = dd.spec.prefill if role is Role.PREFILL else dd.spec.decode
+    role_spec = dd.spec.role(role)
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",

@@ -15,6 +15,7 @@ from pydantic import Field, ValidationError
 from kvbridge_agent.core import (
     KVBridgeError,
     ModelGeometry,
+    Role,
     RoleSettings,
     SpecError,
     TransferSettings,
@@ -77,6 +78,10 @@ class DisaggregatedDeploymentSpec(CamelModel):
     transfer: TransferSettings = Field(default_factory=TransferSettings)
     prefill: RoleSpec = Field(default_factory=RoleSpec)
     decode: RoleSpec = Field(default_factory=RoleSpec)
+
+    def role(self, role: Role) -> RoleSpec:
+        """The settings of one role."""
+        return self.prefill if role is Role.PREFILL else self.decode
 
 
 class ObjectMeta(CamelModel):

@@ -230,7 +230,7 @@ def behind_sidecar(role: Role, config: OperatorConfig) -> bool:
 
 def engine(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig) -> VLLMEngine:
     spec = dd.spec
-    role_spec: RoleSpec = spec.prefill if role is Role.PREFILL else spec.decode
+    role_spec: RoleSpec = spec.role(role)
     port = VLLM_PORT_BEHIND_SIDECAR if behind_sidecar(role, config) else config.agent_http_port
     transfer_config = kv_transfer_config(spec, plan, role)
     backend = attention_backend(spec)
@@ -306,7 +306,7 @@ def container(
         "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": 180},
         "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
-        "resources": resources(dd.spec, dd.spec.prefill if role is Role.PREFILL else dd.spec.decode, config),
+        "resources": resources(dd.spec, dd.spec.role(role), config),
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],  # NCCL / shared memory between TP ranks
     }
 
