@@ -27,7 +27,7 @@ import aiohttp
 from .config import OperatorConfig
 from .kube import DEPLOYMENTS, PODS, KubeClient, Resource
 from .manifests import deployments_of, parse_documents, read_text, source_name
-from .render import LABEL_DEPLOYMENT, LABEL_ROLE
+from .render import LABEL_DEPLOYMENT, LABEL_PAIRING, LABEL_ROLE
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DEFAULT_FILES = {
@@ -153,15 +153,26 @@ async def transfer(session: aiohttp.ClientSession, prefill_url: str, decode_url:
     return True
 
 
-async def targets(client: KubeClient, runner: Any, name: str) -> tuple[Obj, list[Obj], list[str]]:
-    """What a router sees of a deployment: the resource, its published prefill endpoints, its decode pods' URLs."""
+def pair(endpoints: list[Obj], decode_pods: list[Obj]) -> list[tuple[Obj, str]]:
+    """Every (prefill endpoint, decode pod name) whose pods carry the same pairing key. A router never pairs across
+    keys: during a change of TP, block size or layout the old and new pods of the two roles are not one plan."""
+    return [
+        (endpoint, pod["metadata"]["name"])
+        for pod in decode_pods
+        for endpoint in endpoints
+        if endpoint.get("pairing") and endpoint["pairing"] == pod["metadata"].get("labels", {}).get(LABEL_PAIRING)
+    ]
+
+
+async def targets(client: KubeClient, runner: Any, name: str) -> tuple[Obj, list[tuple[Obj, str]]]:
+    """What a router sees of a deployment: the resource, and its (prefill endpoint, decode URL) pairs."""
     dd = await client.get(DEPLOYMENTS, NAMESPACE, name) or {}
     endpoints = (dd.get("status") or {}).get("prefill", {}).get("endpoints") or []
     pods = await client.list(PODS, NAMESPACE, f"{LABEL_DEPLOYMENT}={name},{LABEL_ROLE}=decode")
-    decodes = [runner.http_url(NAMESPACE, p["metadata"]["name"]) for p in pods]
-    if not endpoints or not decodes:
-        raise DemoError(f"{name}: no endpoints to route to")
-    return dd, endpoints, decodes
+    pairs = [(endpoint, runner.http_url(NAMESPACE, pod)) for endpoint, pod in pair(endpoints, pods)]
+    if not pairs:
+        raise DemoError(f"{name}: no prefill endpoint and decode pod of one pairing key to route to")
+    return dd, pairs
 
 
 async def route(
@@ -169,23 +180,22 @@ async def route(
 ) -> Transfers:
     """Play the router: prefill computes, decode pulls through the published endpoints; one prefill restart."""
     result = Transfers()
-    dd, endpoints, decodes = await targets(client, runner, name)
+    dd, pairs = await targets(client, runner, name)
     spec = dd["spec"]
     block = max(int(spec.get("prefill", {}).get("blockSize", 16)), int(spec.get("decode", {}).get("blockSize", 16)))
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         for index in range(requests):
             check(interrupted)
             if restart and index == requests // 2:
-                victim = endpoints[0]["pod"]
+                victim = pairs[0][0]["pod"]
                 progress(f"  restarting prefill pod {victim} (its engine is killed; the runner starts it again)")
                 runner.crash(NAMESPACE, victim)
                 await wait_restarted(client, name, victim, interrupted=interrupted)
-                dd = await client.get(DEPLOYMENTS, NAMESPACE, name) or {}
-                endpoints = dd["status"]["prefill"]["endpoints"]
-            endpoint = endpoints[index % len(endpoints)]
+                dd, pairs = await targets(client, runner, name)
+            endpoint, decode_url = pairs[index % len(pairs)]
             tokens = [3 * block + 5, 1, 7 * block, 2 * block + 1][index % 4]
             hit = 1 if index % 4 == 2 else 0
-            ok = await transfer(session, runner.http_url(NAMESPACE, endpoint["pod"]), decodes[index % len(decodes)],
+            ok = await transfer(session, runner.http_url(NAMESPACE, endpoint["pod"]), decode_url,
                                 f"{name}-{index}", tokens, hit, result)  # fmt: skip
             if ok and restart and index >= requests // 2:
                 result.after_restart += 1
@@ -218,9 +228,9 @@ async def route_vllm(
     once the runner has restarted it, the remaining requests go on (decode meets a new engine id)."""
     from .local import pd_requests
 
-    dd, endpoints, decodes = await targets(client, runner, name)
+    dd, pairs = await targets(client, runner, name)
     block = int(dd["spec"].get("decode", {}).get("blockSize", 32))
-    victim = endpoints[0]["pod"] if requests >= 2 else None
+    victim = pairs[0][0]["pod"] if requests >= 2 else None
     result = Transfers(check="tokens", restarted=victim is not None)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
         for index in range(requests):
@@ -230,14 +240,14 @@ async def route_vllm(
                          "takes about a minute to come back here) ...")  # fmt: skip
                 runner.crash(NAMESPACE, victim)
                 await wait_restarted(client, name, victim, timeout=600, interrupted=interrupted)
-                dd = await client.get(DEPLOYMENTS, NAMESPACE, name) or {}
-                endpoints = dd["status"]["prefill"]["endpoints"]
+                dd, pairs = await targets(client, runner, name)
                 progress(f"  {victim} is back with a new vLLM engine id: decode must handshake with it again")
-            pod = endpoints[index % len(endpoints)]["pod"]
+            endpoint, decode_url = pairs[index % len(pairs)]
+            pod = endpoint["pod"]
             after = bool(victim) and index >= requests // 2
             tokens = [3 * block + 5, 7, 2 * block, block + 1][index % 4]
             prompt = tiny_model_prompt(tokens, salt=index)
-            prefill_url, decode_url = runner.http_url(NAMESPACE, pod), decodes[index % len(decodes)]
+            prefill_url = runner.http_url(NAMESPACE, pod)
             result.requests += 1
             try:
                 got = await pd_requests.disaggregated(session, prefill_url, decode_url, model, prompt,
@@ -396,7 +406,8 @@ def render_text(report: dict[str, Any]) -> str:
             lines.append(f"  plan: {json.dumps(d['plan'])}")
         for e in d["endpoints"]:
             lines.append(
-                f"  endpoint {e['pod']} {e['ip']}:{e['port']} ranks={e['ranks']} fingerprint={e['fingerprint']}"
+                f"  endpoint {e['pod']} {e['ip']}:{e['port']} ranks={e['ranks']} fingerprint={e['fingerprint']} "
+                f"pairing={e.get('pairing', '')}"
             )
         if "transfers" in d:
             t = d["transfers"]

@@ -14,7 +14,8 @@ from typing import Any
 
 from kvbridge_agent.core import Problem, Role, TransferPlan
 
-from .render import LABEL_FINGERPRINT, LABEL_REVISION, LABEL_ROLE, LABEL_TP
+from .pairing import pairing
+from .render import LABEL_FINGERPRINT, LABEL_PAIRING, LABEL_REVISION, LABEL_ROLE, LABEL_TP
 from .spec import DisaggregatedDeployment
 from .status import (
     Condition,
@@ -90,6 +91,7 @@ def endpoints(pods: Sequence[Obj], port: int) -> list[Endpoint]:
                     port=port,
                     ranks=int(labels.get(LABEL_TP, "1")),
                     fingerprint=labels.get(LABEL_FINGERPRINT, ""),
+                    pairing=labels.get(LABEL_PAIRING, ""),
                     http_port=_http_port(pod),
                 )
             )
@@ -189,6 +191,7 @@ def observe(
     status = DisaggregatedDeploymentStatus(
         observed_generation=generation,
         fingerprint=verdict.fingerprint if isinstance(verdict, TransferPlan) else str(previous.get("fingerprint", "")),
+        pairing=pairing(spec) if isinstance(verdict, TransferPlan) else str(previous.get("pairing", "")),
         tp=f"{spec.prefill.tensor_parallel_size}→{spec.decode.tensor_parallel_size}",
         conditions=merged,
         plan=summary(verdict) if isinstance(verdict, TransferPlan) else _previous_plan(previous),

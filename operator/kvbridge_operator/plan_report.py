@@ -11,6 +11,7 @@ from kvbridge_agent.core import Problem, Role, SpecError, TransferPlan
 
 from . import vllm
 from .config import OperatorConfig
+from .pairing import pairing
 from .spec import DisaggregatedDeployment, EngineKind
 from .verdict import verdict_for
 
@@ -65,7 +66,8 @@ def entries(document: DocumentPlan, ranks: Iterable[int]) -> list[dict[str, obje
                 }
             )
         else:
-            entry: dict[str, object] = {"name": document.name, **document.plan.for_decode_rank(rank).to_dict()}
+            entry: dict[str, object] = {"name": document.name, **document.plan.for_decode_rank(rank).to_dict(),
+                                        "pairing": pairing(document.deployment.spec)}  # fmt: skip
             if document.deployment.spec.engine.kind is EngineKind.VLLM:
                 entry["vllm"] = vllm_engines(document)
             result.append(entry)
@@ -117,7 +119,7 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
     )
     lines = [
         head,
-        f"  compatible  fingerprint {plan.fingerprint}  tpRatio {plan.tp_ratio}"
+        f"  compatible  fingerprint {plan.fingerprint}  pairing {pairing(spec)}  tpRatio {plan.tp_ratio}"
         f"  blockSizeRatio {plan.block_size_ratio}",
         f"  wire format: {plan.wire.block_size}-token blocks, {plan.wire.layout.value}; conversions: {conversions}",
         f"  each prefill rank waits for {plan.notifications_per_prefill_rank} notification(s) per request;"

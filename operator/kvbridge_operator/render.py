@@ -20,12 +20,14 @@ from kvbridge_agent.core.contract import EngineEnvironment, render_environment
 from . import vllm
 from .config import OperatorConfig
 from .keys import curve_keypair
+from .pairing import pairing
 from .spec import API_VERSION, KIND, DisaggregatedDeployment, EngineDevice, EngineKind, RoleSpec
 
 LABEL_DEPLOYMENT = "kvbridge.io/deployment"
 LABEL_ROLE = "kvbridge.io/role"
 LABEL_FINGERPRINT = "kvbridge.io/fingerprint"
 LABEL_REVISION = "kvbridge.io/revision"
+LABEL_PAIRING = "kvbridge.io/pairing"
 LABEL_TP = "kvbridge.io/tensor-parallel-size"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kvbridge", "app.kubernetes.io/part-of": "kvbridge"}
 SIDE_CHANNEL_PORT_NAME = "side-channel"
@@ -128,7 +130,7 @@ def pod_template(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, co
     role_spec: RoleSpec = spec.role(role)
     side_channel = {"name": SIDE_CHANNEL_PORT_NAME, "containerPort": spec.transfer.side_channel_port, "protocol": "TCP"}
     labels = {**MANAGED_BY, **selector(dd.metadata.name, role), LABEL_FINGERPRINT: plan.fingerprint,
-              LABEL_TP: str(role_spec.tensor_parallel_size)}  # fmt: skip
+              LABEL_PAIRING: pairing(spec), LABEL_TP: str(role_spec.tensor_parallel_size)}  # fmt: skip
     if spec.engine.kind is EngineKind.VLLM:
         containers, volumes = _vllm_containers(dd, role, plan, config, side_channel)
         if config.routing_sidecar_image:

@@ -39,6 +39,9 @@ class Endpoint(CamelModel):
     port: int = Field(ge=1, le=65535)
     ranks: int = Field(ge=1, description="TP ranks served by this endpoint.")
     fingerprint: str
+    pairing: str = Field(
+        default="", description="The pod's pairing key: a router pairs it only with decode pods of the same key."
+    )
     http_port: int | None = Field(
         default=None, ge=1, le=65535, description="The pod's HTTP port (engine API, or the routing sidecar in front)."
     )
@@ -67,6 +70,7 @@ class PlanSummary(CamelModel):
 class DisaggregatedDeploymentStatus(CamelModel):
     observed_generation: int = Field(default=0, ge=0)
     fingerprint: str = ""
+    pairing: str = Field(default="", description="The pairing key of the current spec (pods' kvbridge.io/pairing).")
     tp: str = Field(default="", max_length=32, description="prefill TP -> decode TP, for the printer column.")
     conditions: list[Condition] = Field(default_factory=list)
     plan: PlanSummary | None = None

@@ -58,6 +58,9 @@ async def test_create_makes_owned_children_status_and_events() -> None:
         assert status["observedGeneration"] == 1
         assert status["tp"] == "2→1"
         assert prefill["spec"]["template"]["metadata"]["labels"]["kvbridge.io/fingerprint"] == status["fingerprint"]
+        assert len(status["pairing"]) == 10
+        for sts in kids["statefulsets"]:
+            assert sts["spec"]["template"]["metadata"]["labels"]["kvbridge.io/pairing"] == status["pairing"]
 
         await ready(c, "llama3-8b")
         status = c.deployment("llama3-8b")["status"]
@@ -65,9 +68,9 @@ async def test_create_makes_owned_children_status_and_events() -> None:
         assert status["decode"]["ready"] == "1/1"
         assert status["prefill"]["endpoints"] == [
             {"pod": "llama3-8b-prefill-0", "ip": "10.0.0.1", "port": 5600, "ranks": 2,
-             "fingerprint": status["fingerprint"], "httpPort": 8000},
+             "fingerprint": status["fingerprint"], "pairing": status["pairing"], "httpPort": 8000},
             {"pod": "llama3-8b-prefill-1", "ip": "10.0.0.2", "port": 5600, "ranks": 2,
-             "fingerprint": status["fingerprint"], "httpPort": 8000},
+             "fingerprint": status["fingerprint"], "pairing": status["pairing"], "httpPort": 8000},
         ]  # fmt: skip
         await c.wait(lambda: "EndpointsChanged" in c.reasons("llama3-8b"), what="EndpointsChanged event")
         assert "Reconciled" in c.reasons("llama3-8b")
@@ -184,6 +187,41 @@ async def test_spec_change_rolls_out_with_fingerprints() -> None:
         assert status["observedGeneration"] == 2
         await c.wait(lambda: any("1/2 pods on the current revision" in e["message"] for e in c.events("llama3-8b")
                                  if e["reason"] == "RolloutProgress"), what="RolloutProgress 1/2")  # fmt: skip
+
+
+async def test_tp_change_keeps_the_fingerprint_but_not_the_pairing_key_of_the_endpoints() -> None:
+    """A router tells old and new pods apart during a TP change: same model, so same fingerprint, but another
+    pairing key on the new pods and their endpoints (the fingerprint alone cannot tell them apart)."""
+    async with cluster() as c:
+        await c.apply(example("llama3-8b-hetero-tp"))
+        await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True")
+        await ready(c, "llama3-8b")
+        before = c.deployment("llama3-8b")["status"]
+        await c.patch_spec("llama3-8b", {"prefill": {"tensorParallelSize": 4}})
+        await c.wait(lambda: c.deployment("llama3-8b")["status"]["pairing"] != before["pairing"], what="new pairing")
+        after = c.deployment("llama3-8b")["status"]
+        assert after["fingerprint"] == before["fingerprint"]
+        sts = {role: c.api.find("statefulsets", "default", f"llama3-8b-{role}") for role in ("prefill", "decode")}
+        for obj in sts.values():
+            assert obj is not None
+            assert obj["spec"]["template"]["metadata"]["labels"]["kvbridge.io/pairing"] == after["pairing"]
+        prefill = sts["prefill"]
+        assert prefill is not None
+        await c.client.delete(PODS, "default", "llama3-8b-prefill-1")
+        template = copy.deepcopy(prefill["spec"]["template"])
+        pod = {"apiVersion": "v1", "kind": "Pod", "spec": template["spec"],
+               "metadata": {**template["metadata"], "name": "llama3-8b-prefill-1"}}  # fmt: skip
+        await c.client.create(PODS, "default", pod)
+        await c.set_pod("llama3-8b-prefill-1", ready=True, ip="10.0.0.12")
+
+        def keys() -> dict[str, tuple[str, str, int]]:
+            endpoints = c.deployment("llama3-8b")["status"]["prefill"]["endpoints"]
+            return {e["pod"]: (e["fingerprint"], e["pairing"], e["ranks"]) for e in endpoints}
+
+        await c.wait(lambda: keys() == {
+            "llama3-8b-prefill-0": (before["fingerprint"], before["pairing"], 2),
+            "llama3-8b-prefill-1": (before["fingerprint"], after["pairing"], 4),
+        }, what="old and new endpoints with their own pairing keys")  # fmt: skip
 
 
 async def test_secret_is_created_once_and_kept_across_updates() -> None:

@@ -1,0 +1,37 @@
+"""The pairing key: which prefill and decode pods a router may put together.
+
+The fingerprint hashes the model alone, so pods of one deployment keep it
+through a change of tensor-parallel size, block size or layout, although
+such a change makes old and new pods of the two roles a different plan, or
+no plan at all.  The pairing key hashes every input of the compatibility
+verdict, so two pods with the same key were rendered from one checked plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from kvbridge_agent.core.fingerprint import fingerprint_fields
+
+from .spec import DisaggregatedDeploymentSpec
+
+
+def pairing_fields(spec: DisaggregatedDeploymentSpec) -> dict[str, object]:
+    """What the verdict and the rendered transfer configuration depend on, in CRD words: the model (with the
+    protocol version), both roles' settings, the conversion policy, the NIXL backends, the engine kind and device.
+    Not in it: replicas, images, templates, extra arguments, lease and timeouts, the side-channel port."""
+    return {
+        "model": fingerprint_fields(spec.model),
+        "prefill": spec.prefill.settings().model_dump(mode="json", by_alias=True),
+        "decode": spec.decode.settings().model_dump(mode="json", by_alias=True),
+        "conversion": spec.transfer.conversion.value,
+        "backends": list(spec.transfer.backends),
+        "engine": {"kind": spec.engine.kind.value, "device": spec.engine.device.value},
+    }
+
+
+def pairing(spec: DisaggregatedDeploymentSpec) -> str:
+    """Ten hex digits of SHA-256 over the canonical JSON of :func:`pairing_fields`."""
+    canonical = json.dumps(pairing_fields(spec), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:10]

@@ -1,0 +1,100 @@
+"""The pairing key: equal only for pods rendered from one checked plan."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from kvbridge_agent.core import RoleSettings
+from kvbridge_agent.core.model import ModelGeometry
+from kvbridge_operator.pairing import pairing
+from kvbridge_operator.spec import DisaggregatedDeployment
+from kvbridge_operator.verdict import verdict_for
+
+BASE: dict[str, Any] = {
+    "apiVersion": "kvbridge.io/v1alpha1",
+    "kind": "DisaggregatedDeployment",
+    "metadata": {"name": "llama"},
+    "spec": {
+        "model": {"name": "meta-llama/Llama-3.1-8B", "numLayers": 32, "numKVHeads": 8, "headDim": 128},
+        "prefill": {"tensorParallelSize": 1, "blockSize": 16},
+        "decode": {"tensorParallelSize": 1, "blockSize": 16},
+    },
+}
+
+
+def with_(**changes: Any) -> DisaggregatedDeployment:
+    doc = copy.deepcopy(BASE)
+    for path, value in changes.items():
+        node = doc["spec"]
+        *parents, leaf = path.split("__")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return DisaggregatedDeployment.model_validate(doc)
+
+
+def key(dd: DisaggregatedDeployment) -> str:
+    return pairing(dd.spec)
+
+
+def test_prefill_tp_1_2_4_8_share_a_fingerprint_but_not_a_pairing_key() -> None:
+    deployments = [with_(prefill__tensorParallelSize=tp) for tp in (1, 2, 4, 8)]
+    plans = [verdict_for(dd) for dd in deployments]
+    assert len({plan.fingerprint for plan in plans if not isinstance(plan, list)}) == 1
+    assert len({key(dd) for dd in deployments}) == 4
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+@pytest.mark.parametrize(("field", "value"), [("tensorParallelSize", 2), ("blockSize", 32), ("kvLayout", "NHD")])
+def test_every_role_setting_changes_the_key(role: str, field: str, value: object) -> None:
+    assert key(with_(**{f"{role}__{field}": value})) != key(with_())
+
+
+def test_the_test_above_covers_every_role_setting() -> None:
+    assert {f.alias or name for name, f in RoleSettings.model_fields.items()} == {
+        "tensorParallelSize", "blockSize", "kvLayout"
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        ("model__name", "other"), ("model__numLayers", 16), ("model__numKVHeads", 4), ("model__headDim", 64),
+        ("model__kvCacheDtype", "fp8_e4m3"), ("model__attention", "MLA"), ("model__cacheKind", "BlocksFirst"),
+        ("transfer__conversion", "Off"), ("transfer__backends", ["UCX", "LIBFABRIC"]), ("engine__kind", "VLLM"),
+        ("engine__device", "CPU"),
+    ],
+)  # fmt: skip
+def test_model_transfer_and_engine_fields_change_the_key(path: str, value: object) -> None:
+    assert key(with_(**{path: value})) != key(with_())
+
+
+def test_every_model_field_is_in_the_key() -> None:
+    covered = {"name", "numLayers", "numKVHeads", "headDim", "kvCacheDtype", "attention", "cacheKind"}
+    assert {f.alias or name for name, f in ModelGeometry.model_fields.items()} == covered
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        ("prefill__replicas", 5), ("decode__replicas", 0), ("engine__image", "example.com/engine:2"),
+        ("transfer__leaseSeconds", 30), ("transfer__sideChannelPort", 7000), ("transfer__handshakeTimeoutSeconds", 9),
+        ("prefill__template", {"spec": {"nodeSelector": {"pool": "a"}}}),
+    ],
+)  # fmt: skip
+def test_what_does_not_change_the_plan_keeps_the_key(path: str, value: object) -> None:
+    assert key(with_(**{path: value})) == key(with_())
+
+
+def test_the_demo_router_pairs_only_pods_of_one_key() -> None:
+    from kvbridge_operator.demo import pair
+
+    def pod(name: str, key: str | None) -> dict[str, Any]:
+        return {"metadata": {"name": name, "labels": {} if key is None else {"kvbridge.io/pairing": key}}}
+
+    endpoints = [{"pod": "p-0", "pairing": "old"}, {"pod": "p-1", "pairing": "new"}, {"pod": "p-2", "pairing": ""}]
+    decodes = [pod("d-0", "old"), pod("d-1", "new"), pod("d-2", None), pod("d-3", "")]
+    assert [(e["pod"], d) for e, d in pair(endpoints, decodes)] == [("p-0", "d-0"), ("p-1", "d-1")]
