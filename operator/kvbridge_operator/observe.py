@@ -15,6 +15,7 @@ from typing import Any
 from kvbridge_agent.core import Problem, Role, TransferPlan
 
 from .pairing import pairing
+from .remedy import advice
 from .render import LABEL_FINGERPRINT, LABEL_PAIRING, LABEL_REVISION, LABEL_ROLE, LABEL_TP
 from .spec import DisaggregatedDeployment
 from .status import (
@@ -102,8 +103,11 @@ def summary(plan: TransferPlan) -> PlanSummary:
     return PlanSummary.model_validate(plan.summary())
 
 
-def _problems_message(problems: Sequence[Problem]) -> str:
-    return "; ".join(f"{p.code} at {p.field}: {p.message}" for p in problems)
+def _problems_message(dd: DisaggregatedDeployment, problems: Sequence[Problem]) -> str:
+    """Every problem, then the checked fix for all of them at once (when the search finds one)."""
+    message = "; ".join(f"{p.code} at {p.field}: {p.message}" for p in problems)
+    fix = advice(dd)
+    return f"{message}. A fix that passes every check: {fix}" if fix else message
 
 
 def observe(
@@ -155,7 +159,7 @@ def observe(
                 type=ConditionType.COMPATIBLE,
                 status="False",
                 reason="Incompatible",
-                message=_problems_message(verdict),
+                message=_problems_message(dd, verdict),
                 observed_generation=generation,
             )
         )
@@ -205,7 +209,7 @@ def observe(
     if not compatible and (
         old_compatible.get("status") != "False" or int(old_compatible.get("observedGeneration", -1)) != generation
     ):
-        events.append(Event("Warning", "Incompatible", _problems_message(list(verdict))))  # type: ignore[arg-type]
+        events.append(Event("Warning", "Incompatible", _problems_message(dd, list(verdict))))  # type: ignore[arg-type]
     old_endpoints = [Endpoint.model_validate(e) for e in (previous.get("prefill") or {}).get("endpoints") or []]
     if old_endpoints != current_endpoints and (old_endpoints or current_endpoints):
         listed = ", ".join(f"{e.pod}={e.ip}:{e.port}" for e in current_endpoints) or "none"

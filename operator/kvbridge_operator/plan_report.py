@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from kvbridge_agent.core import Problem, Role, SpecError, TransferPlan
 from . import vllm
 from .config import OperatorConfig
 from .pairing import pairing
+from .remedy import Fix, describe, merge_patch, suggested_fix
 from .spec import DisaggregatedDeployment, EngineKind
 from .verdict import verdict_for
 
@@ -24,6 +26,8 @@ class DocumentPlan:
     deployment: DisaggregatedDeployment
     plan: TransferPlan | None
     problems: tuple[Problem, ...]
+    #: for an incompatible document: field changes that make it compatible (checked), when the search finds some
+    fix: Fix | None = None
 
     @property
     def compatible(self) -> bool:
@@ -33,7 +37,7 @@ class DocumentPlan:
 def plan_document(deployment: DisaggregatedDeployment) -> DocumentPlan:
     result = verdict_for(deployment)
     if isinstance(result, list):
-        return DocumentPlan(deployment.metadata.name, deployment, None, tuple(result))
+        return DocumentPlan(deployment.metadata.name, deployment, None, tuple(result), suggested_fix(deployment))
     return DocumentPlan(deployment.metadata.name, deployment, result, ())
 
 
@@ -56,17 +60,19 @@ def entries(document: DocumentPlan, ranks: Iterable[int]) -> list[dict[str, obje
     """The JSON objects of cli-contract.md, one per decode rank."""
     result: list[dict[str, object]] = []
     for rank in ranks:
+        entry: dict[str, object]
         if document.plan is None:
-            result.append(
-                {
-                    "name": document.name,
-                    "decodeRank": rank,
-                    "compatible": False,
-                    "problems": [problem.to_dict() for problem in document.problems],
-                }
-            )
+            entry = {
+                "name": document.name,
+                "decodeRank": rank,
+                "compatible": False,
+                "problems": [problem.to_dict() for problem in document.problems],
+            }
+            if document.fix:
+                entry["suggestedFix"] = document.fix
+            result.append(entry)
         else:
-            entry: dict[str, object] = {"name": document.name, **document.plan.for_decode_rank(rank).to_dict(),
+            entry = {"name": document.name, **document.plan.for_decode_rank(rank).to_dict(),
                                         "pairing": pairing(document.deployment.spec)}  # fmt: skip
             if document.deployment.spec.engine.kind is EngineKind.VLLM:
                 entry["vllm"] = vllm_engines(document)
@@ -112,6 +118,13 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
         for problem in document.problems:
             lines.append(f"  - {problem.code} at {problem.field}")
             lines.append(f"      {problem.message}")
+        if document.fix:
+            patch = json.dumps(merge_patch(document.fix), separators=(",", ":"))
+            lines.append(f"  a fix for all of them at once, checked: {describe(document.fix)}")
+            namespace = document.deployment.metadata.namespace
+            where = f" -n {namespace}" if namespace else ""
+            lines.append(f"      kubectl patch disaggregateddeployment {document.name}{where} --type merge "
+                         f"-p '{patch}'")  # fmt: skip
         return "\n".join(lines)
     plan = document.plan
     conversions = (

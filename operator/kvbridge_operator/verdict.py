@@ -12,7 +12,7 @@ def verdict_for(dd: DisaggregatedDeployment) -> TransferPlan | list[Problem]:
     spec = dd.spec
     result = plan_or_problems(spec.model, spec.prefill.settings(), spec.decode.settings(), spec.transfer)
     if spec.engine.kind is EngineKind.VLLM:
-        engine_problems = vllm.problems(spec, None if isinstance(result, list) else result)
+        engine_problems = vllm.problems(spec)
         if engine_problems:
             return [*result, *engine_problems] if isinstance(result, list) else engine_problems
     return result

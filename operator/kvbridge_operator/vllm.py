@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge_agent.core import CacheKind, KVCacheDtype, KVLayout, Problem, Role, TransferPlan
-from kvbridge_agent.core.wire import ConversionKind
+from kvbridge_agent.core.wire import ConversionKind, wire_format, wire_format_defined
 
 from .config import OperatorConfig
 from .spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineDevice, RoleSpec
@@ -42,6 +42,13 @@ MANAGED_ARGUMENTS = (
     "--port", "--tensor-parallel-size", "-tp", "--block-size", "--kv-transfer-config", "--kv-cache-dtype",
     "--dtype", "--model", "--attention-backend",
 )  # fmt: skip
+#: the spec field each managed argument comes from (what to change instead)
+MANAGED_BY_FIELD = {
+    "--port": "the operator's HTTP port setting", "--tensor-parallel-size": "spec.<role>.tensorParallelSize",
+    "-tp": "spec.<role>.tensorParallelSize", "--block-size": "spec.<role>.blockSize",
+    "--kv-transfer-config": "spec.transfer", "--kv-cache-dtype": "spec.model.kvCacheDtype",
+    "--dtype": "spec.model.kvCacheDtype", "--model": "spec.model.name", "--attention-backend": "spec.model.attention",
+}  # fmt: skip
 #: arguments that change what the plan and the pod's resources assume, and that kvbridge does not model yet
 UNMODELLED_ARGUMENTS = {
     "--pipeline-parallel-size": "splits the model over pipeline stages",
@@ -101,8 +108,9 @@ def on_cpu(spec: DisaggregatedDeploymentSpec) -> bool:
     return spec.engine.device is EngineDevice.CPU
 
 
-def problems(spec: DisaggregatedDeploymentSpec, plan: TransferPlan | None) -> list[Problem]:
-    """What vLLM (its NixlConnector, its CPU attention) cannot run of a spec, beyond the compatibility rules."""
+def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
+    """What vLLM (its NixlConnector, its CPU attention) cannot run of a spec, beyond the compatibility rules;
+    reported together with them (the conversions are looked at wherever the wire format is defined)."""
     found: list[Problem] = []
     for arg in spec.engine.extra_args:
         name = argument_name(arg)
@@ -110,7 +118,7 @@ def problems(spec: DisaggregatedDeploymentSpec, plan: TransferPlan | None) -> li
             found.append(Problem(
                 VLLM_MANAGED_ARGUMENT, "spec.engine.extraArgs",
                 f"{arg.split('=', 1)[0]} is set by kvbridge from the spec (it must agree with the compatibility "
-                "plan); remove it from extraArgs and change the spec field instead",
+                f"plan); remove it from extraArgs and set {MANAGED_BY_FIELD[name]} instead",
             ))  # fmt: skip
         elif name in UNMODELLED_ARGUMENTS:
             found.append(Problem(
@@ -120,15 +128,15 @@ def problems(spec: DisaggregatedDeploymentSpec, plan: TransferPlan | None) -> li
             ))  # fmt: skip
     if on_cpu(spec):
         found += _cpu_problems(spec)
-    if plan is not None:
-        for step in plan.wire.steps(Role.PREFILL):
+    prefill, decode = spec.prefill.settings(), spec.decode.settings()
+    if wire_format_defined(spec.model, prefill, decode):
+        for step in wire_format(spec.model, prefill, decode).steps(Role.PREFILL):
             where = "blockSize" if step.kind is ConversionKind.SPLIT_BLOCKS else "kvLayout"
             found.append(Problem(
                 VLLM_PREFILL_CONVERSION, f"spec.prefill.{where}",
                 f"the plan needs the prefill side to {step.kind.value} ({step.source} -> {step.target}), which "
-                "vLLM's NixlConnector cannot do (only the decode side re-lays blocks there); use a prefill "
-                f"{where} that the decode side can convert (prefill blockSize <= decode blockSize, or the same "
-                "kvLayout), or engine.kind Agent",
+                "vLLM's NixlConnector cannot do (only the decode side re-lays blocks there); set "
+                f"spec.prefill.{where}: {step.target}, or spec.engine.kind: Agent",
             ))  # fmt: skip
     return found
 
@@ -152,12 +160,19 @@ def _cpu_problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
                 f"refused at start-up; set spec.{role.value}.kvLayout: HND",
             ))  # fmt: skip
     if spec.prefill.block_size != spec.decode.block_size:
+        # the one block size both sides can run: prefill's, or the multiple of 32 its own problem suggests
+        common = spec.prefill.block_size
+        if common % CPU_BLOCK_MULTIPLE:
+            common = max(CPU_BLOCK_MULTIPLE, common // CPU_BLOCK_MULTIPLE * CPU_BLOCK_MULTIPLE)
+        fix = f"spec.decode.blockSize: {common}" + (
+            "" if common == spec.prefill.block_size else f" and spec.prefill.blockSize: {common}"
+        )
         found.append(Problem(
             VLLM_CPU_BLOCK_SIZE_RATIO, "spec.decode.blockSize",
             f"prefill blocks of {spec.prefill.block_size} and decode blocks of {spec.decode.block_size} tokens: "
             "vLLM's NixlConnector re-lays received blocks as [heads, tokens, dim], but CPU attention keeps each "
             "head's keys and then its values inside a block, so decode computes with scrambled KV and returns "
-            f"wrong tokens without an error; set spec.decode.blockSize: {spec.prefill.block_size}",
+            f"wrong tokens without an error; set {fix}",
         ))  # fmt: skip
     if spec.model.cache_kind is not CacheKind.SPLIT:
         found.append(Problem(

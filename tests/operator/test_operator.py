@@ -90,7 +90,8 @@ async def test_incompatible_create_schedules_nothing_and_says_why() -> None:
         await c.wait(lambda: "Incompatible" in c.reasons("replicated-heads"), what="Incompatible event")
         [warning] = [e for e in c.events("replicated-heads") if e["reason"] == "Incompatible"]
         assert warning["type"] == "Warning"
-        assert "use prefill TP of at most 2" in warning["message"]
+        assert "set spec.prefill.tensorParallelSize: 2" in warning["message"]
+        assert warning["message"].endswith("A fix that passes every check: spec.prefill.tensorParallelSize: 2")
 
 
 async def test_incompatible_update_keeps_the_running_revision() -> None:

@@ -55,10 +55,16 @@ def test_incompatible_example_exits_1_with_problems(capsys: pytest.CaptureFixtur
     assert entry["compatible"] is False
     assert entry["problems"][0]["code"] == "PREFILL_HEADS_REPLICATED"
     assert entry["problems"][0]["field"] == "spec.prefill.tensorParallelSize"
+    assert entry["suggestedFix"] == {"spec.prefill.tensorParallelSize": 2}
     code, out, _ = run(capsys, "plan", "-f", str(INCOMPATIBLE))
     assert code == 1
     assert "INCOMPATIBLE" in out
     assert "PREFILL_HEADS_REPLICATED at spec.prefill.tensorParallelSize" in out
+    assert "a fix for all of them at once, checked: spec.prefill.tensorParallelSize: 2" in out
+    assert (
+        "kubectl patch disaggregateddeployment replicated-heads --type merge "
+        """-p '{"spec":{"prefill":{"tensorParallelSize":2}}}'""" in out
+    )
 
 
 def test_multi_document_input_and_all_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

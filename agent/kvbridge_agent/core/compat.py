@@ -16,7 +16,7 @@ from .arithmetic import divides_either_way
 from .errors import IncompatibleError, Problem
 from .fingerprint import fingerprint_fields
 from .model import CacheKind, Conversion, KVLayout, ModelGeometry, Role, RoleSettings, TransferSettings
-from .wire import ConversionKind, wire_format
+from .wire import ConversionKind, heads_divide, wire_format, wire_format_defined
 
 # Stable problem codes (documented in docs/troubleshooting.md).
 MLA_KV_HEADS = "MLA_KV_HEADS"
@@ -59,11 +59,16 @@ def _join(values: list[int]) -> str:
     return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
 
 
-def _suggest(candidates: Iterable[int], works: Callable[[int], bool], near: int, limit: int = 4) -> str:
-    """The ``limit`` working values closest to ``near`` (by ratio), in ascending order."""
+def _closest(candidates: Iterable[int], works: Callable[[int], bool], near: int, limit: int = 4) -> list[int]:
+    """The ``limit`` working values closest to ``near`` (by ratio), closest first."""
     good = [c for c in candidates if works(c)]
-    closest = sorted(good, key=lambda c: (abs(math.log2(c / near)), c))[:limit]
-    return _join(sorted(closest)) if closest else ""
+    return sorted(good, key=lambda c: (abs(math.log2(c / near)), c))[:limit]
+
+
+def _advice(path: str, values: list[int]) -> str:
+    """``set spec.x.y: 4`` (the closest value), with the other working values in brackets."""
+    others = f" (or {_join(sorted(values[1:]))})" if len(values) > 1 else ""
+    return f"set {path}: {values[0]}{others}"
 
 
 def check_model(model: ModelGeometry) -> list[Problem]:
@@ -75,7 +80,7 @@ def check_model(model: ModelGeometry) -> list[Problem]:
                 MLA_KV_HEADS,
                 "spec.model.numKVHeads",
                 f"MLA keeps one latent per token, so numKVHeads must be 1 (got {model.num_kv_heads}); "
-                "put the latent width in headDim",
+                "set spec.model.numKVHeads: 1 and put the latent width in spec.model.headDim",
             )
         )
     if model.is_mla and model.cache_kind is not CacheKind.SPLIT:
@@ -84,14 +89,10 @@ def check_model(model: ModelGeometry) -> list[Problem]:
                 MLA_CACHE_KIND,
                 "spec.model.cacheKind",
                 f"MLA uses one latent region per layer; cacheKind {model.cache_kind.value} is not defined "
-                "for it: use Split (the default)",
+                "for it: set spec.model.cacheKind: Split",
             )
         )
     return problems
-
-
-def _heads_ok(model: ModelGeometry, tp: int) -> bool:
-    return model.is_mla or divides_either_way(model.num_kv_heads, tp)
 
 
 def check_pair(
@@ -118,23 +119,30 @@ def check_pair(
 
         return works
 
-    def hint(candidates: Iterable[int], name: str, what: str) -> str:
+    def hint(candidates: Iterable[int], name: str, rule: Callable[[int], bool]) -> str:
+        """Decode values that make the whole pair compatible, else those that at least satisfy this rule."""
         if not suggestions:
             return ""
-        found = _suggest(candidates, decode_works(name), near=getattr(decode, name))
-        return f"; use {found} for {what}" if found else f"; no {what} alone fixes this: see the other problems"
+        path = field_path(Role.DECODE, "tensorParallelSize" if name == "tensor_parallel_size" else "blockSize")
+        near = getattr(decode, name)
+        found = _closest(candidates, decode_works(name), near)
+        if found:
+            return "; " + _advice(path, found)
+        partial = _closest(candidates, rule, near)
+        return f"; {_advice(path, partial)} for this rule, but other problems remain (see them)" if partial else ""
 
     # Rule 6: heads divide evenly on each side.
     for role, settings in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
         tp = settings.tensor_parallel_size
-        if not _heads_ok(model, tp):
-            options = _suggest(_TP_CANDIDATES, lambda c: _heads_ok(model, c), near=tp)
+        if not heads_divide(model, tp):
+            path = field_path(role, "tensorParallelSize")
+            options = _closest(_TP_CANDIDATES, lambda c: heads_divide(model, c), near=tp)
             problems.append(
                 Problem(
                     HEADS_NOT_DIVISIBLE,
-                    field_path(role, "tensorParallelSize"),
+                    path,
                     f"{k} KV heads cannot be spread evenly over {role.value} TP {tp}: the TP size must divide "
-                    f"{k} or be a multiple of it; use {options}",
+                    f"{k} or be a multiple of it; {_advice(path, options)}",
                 )
             )
     tp_ok = divides_either_way(tp_p, tp_d)
@@ -145,7 +153,11 @@ def check_pair(
                 TP_NOT_DIVISIBLE,
                 field_path(Role.DECODE, "tensorParallelSize"),
                 f"prefill TP {tp_p} and decode TP {tp_d} do not divide one another"
-                + hint(_TP_CANDIDATES, "tensor_parallel_size", "decode tensorParallelSize"),
+                + hint(
+                    _TP_CANDIDATES,
+                    "tensor_parallel_size",
+                    lambda c: divides_either_way(tp_p, c) and heads_divide(model, c),
+                ),
             )
         )
     # Rule 2: block sizes divide one another.
@@ -156,7 +168,7 @@ def check_pair(
                 BLOCK_SIZE_NOT_DIVISIBLE,
                 field_path(Role.DECODE, "blockSize"),
                 f"prefill block size {bs_p} and decode block size {bs_d} do not divide one another"
-                + hint(_BLOCK_SIZE_CANDIDATES, "block_size", "decode blockSize"),
+                + hint(_BLOCK_SIZE_CANDIDATES, "block_size", lambda c: divides_either_way(bs_p, c)),
             )
         )
     # Rule 3: dense prefill with replicated heads feeding fewer decode ranks.
@@ -166,8 +178,8 @@ def check_pair(
                 PREFILL_HEADS_REPLICATED,
                 field_path(Role.PREFILL, "tensorParallelSize"),
                 f"prefill TP {tp_p} exceeds the {k} KV heads, so prefill ranks replicate heads, and decode "
-                f"TP {tp_d} would have to deduplicate them into one block: use prefill TP of at most {k}, "
-                f"or decode TP of at least {tp_p}",
+                f"TP {tp_d} would have to deduplicate them into one block: set spec.prefill.tensorParallelSize: "
+                f"{k}, or spec.decode.tensorParallelSize: {tp_p}",
             )
         )
     # Rule 4: no decode-side merge while reading from several prefill ranks.
@@ -177,9 +189,9 @@ def check_pair(
                 MERGE_WITH_TP_FAN_IN,
                 field_path(Role.DECODE, "blockSize"),
                 f"decode would merge {bs_d // bs_p} prefill blocks into each block while reading from several "
-                f"prefill ranks (prefill TP {tp_p} > decode TP {tp_d}), which is not supported: use a decode "
-                f"blockSize of at "
-                f"most {bs_p} (prefill then splits its blocks), or decode TP of at least prefill TP {tp_p}",
+                f"prefill ranks (prefill TP {tp_p} > decode TP {tp_d}), which is not supported: set "
+                f"spec.decode.blockSize: {bs_p} (or smaller: prefill then splits its blocks), or "
+                f"spec.decode.tensorParallelSize: {tp_p}",
             )
         )
     # Rule 8: cross-layer needs HND on both sides and equal block sizes.
@@ -192,7 +204,7 @@ def check_pair(
                         CROSS_LAYER_NEEDS_HND,
                         field_path(role, "kvLayout"),
                         "cacheKind CrossLayer keeps heads outermost across all layers and needs kvLayout HND "
-                        f"on both sides; set {role.value} kvLayout to HND",
+                        f"on both sides; set {field_path(role, 'kvLayout')}: HND",
                     )
                 )
         if bs_p != bs_d:
@@ -201,25 +213,26 @@ def check_pair(
                     CROSS_LAYER_BLOCK_SIZE,
                     field_path(Role.DECODE, "blockSize"),
                     f"cacheKind CrossLayer defines no block conversion: decode blockSize must equal prefill "
-                    f"blockSize {bs_p} (got {bs_d})",
+                    f"blockSize {bs_p} (got {bs_d}); set spec.decode.blockSize: {bs_p}",
                 )
             )
     # Rule 7: with conversion Off, every needed conversion is a problem.
-    heads_valid = _heads_ok(model, tp_p) and _heads_ok(model, tp_d) and tp_ok
-    if conversion is Conversion.OFF and bs_ok and heads_valid and not (cross_layer and bs_p != bs_d):
+    if conversion is Conversion.OFF and wire_format_defined(model, prefill, decode):
         for step in wire_format(model, prefill, decode).conversions:
             if step.kind is ConversionKind.PERMUTE:
                 at = field_path(step.side, "kvLayout")
                 what = f"{step.side.value} would permute its blocks from {step.source} to {step.target}"
-                fix = f"set {step.side.value} kvLayout to {step.target}"
+                fix = f"set {at}: {step.target}"
             else:
                 at = field_path(Role.DECODE, "blockSize")
                 verb = "split" if step.kind is ConversionKind.SPLIT_BLOCKS else "merge"
                 what = f"{step.side.value} would {verb} {step.source}-token blocks into {step.target}-token blocks"
-                fix = f"set decode blockSize to {bs_p}"
+                fix = f"set {at}: {bs_p}"
             problems.append(
                 Problem(
-                    CONVERSION_OFF, at, f"spec.transfer.conversion is Off but {what}: {fix}, or set conversion to Auto"
+                    CONVERSION_OFF,
+                    at,
+                    f"spec.transfer.conversion is Off but {what}: {fix}, or spec.transfer.conversion: Auto",
                 )
             )
     return problems

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from .arithmetic import divides_either_way
 from .geometry import heads_local
 from .model import CacheKind, KVLayout, ModelGeometry, Role, RoleSettings
 
@@ -51,6 +52,26 @@ def heads_split(model: ModelGeometry, prefill: RoleSettings, decode: RoleSetting
     if model.is_mla:
         return False
     return heads_local(model, prefill.tensor_parallel_size) != heads_local(model, decode.tensor_parallel_size)
+
+
+def heads_divide(model: ModelGeometry, tensor_parallel_size: int) -> bool:
+    """Whether one side's KV heads spread evenly over its ranks (always, for MLA's single latent)."""
+    return model.is_mla or divides_either_way(model.num_kv_heads, tensor_parallel_size)
+
+
+def wire_format_defined(model: ModelGeometry, prefill: RoleSettings, decode: RoleSettings) -> bool:
+    """Whether :func:`wire_format` has a meaning for these settings: block sizes and TP sizes divide one another,
+    each side's heads spread evenly, and a cross-layer cache keeps one block size. Otherwise the settings are
+    incompatible for another reason, and the conversions they would need are undefined."""
+    tp_p, tp_d = prefill.tensor_parallel_size, decode.tensor_parallel_size
+    return (
+        divides_either_way(prefill.block_size, decode.block_size)
+        and divides_either_way(tp_p, tp_d)
+        and heads_divide(model, tp_p)
+        and heads_divide(model, tp_d)
+        and not (model.cache_kind is CacheKind.CROSS_LAYER and not model.is_mla
+                 and prefill.block_size != decode.block_size)
+    )  # fmt: skip
 
 
 def wire_format(model: ModelGeometry, prefill: RoleSettings, decode: RoleSettings) -> WireFormat:

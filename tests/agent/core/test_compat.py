@@ -32,20 +32,20 @@ def test_rule1_tp_sizes_must_divide_and_message_suggests_what_works() -> None:
     problems = check_pair(dense(6), role(3), role(2))
     assert codes(problems) == [("TP_NOT_DIVISIBLE", "spec.decode.tensorParallelSize")]
     assert problems[0].message == (
-        "prefill TP 3 and decode TP 2 do not divide one another; use 1, 3, 6 or 12 for decode tensorParallelSize"
+        "prefill TP 3 and decode TP 2 do not divide one another; set spec.decode.tensorParallelSize: 3 (or 1, 6 or 12)"
     )
 
 
 def test_rule2_block_sizes_must_divide() -> None:
     problems = check_pair(dense(8), role(1, 16), role(1, 24))
     assert codes(problems) == [("BLOCK_SIZE_NOT_DIVISIBLE", "spec.decode.blockSize")]
-    assert problems[0].message.endswith("use 16, 32, 48 or 64 for decode blockSize")
+    assert problems[0].message.endswith("set spec.decode.blockSize: 32 (or 16, 48 or 64)")
 
 
 def test_rule3_replicated_prefill_heads_with_fewer_decode_ranks() -> None:
     problems = check_pair(dense(2), role(4), role(2))
     assert codes(problems) == [("PREFILL_HEADS_REPLICATED", "spec.prefill.tensorParallelSize")]
-    assert "at most 2" in problems[0].message
+    assert problems[0].message.endswith("set spec.prefill.tensorParallelSize: 2, or spec.decode.tensorParallelSize: 4")
 
 
 def test_rule3_does_not_apply_to_mla_or_to_more_decode_ranks() -> None:
@@ -56,7 +56,7 @@ def test_rule3_does_not_apply_to_mla_or_to_more_decode_ranks() -> None:
 def test_rule4_no_decode_merge_with_prefill_fan_in() -> None:
     problems = check_pair(dense(8), role(2, 8), role(1, 16))
     assert codes(problems) == [("MERGE_WITH_TP_FAN_IN", "spec.decode.blockSize")]
-    assert "at most 8" in problems[0].message
+    assert "set spec.decode.blockSize: 8 (or smaller" in problems[0].message
 
 
 def test_rule4_allows_prefill_split_with_fan_in() -> None:
@@ -92,12 +92,16 @@ def test_single_head_blocks_need_no_permute() -> None:
     assert wire_format(dense(2), role(2, 16, "NHD"), role(4, 16, "HND")).conversions == ()
 
 
-@pytest.mark.parametrize(("tp", "hint"), [(3, "1, 2, 4 or 8"), (5, "2, 4, 8 or 16"), (12, "8, 16, 24 or 32")])
+@pytest.mark.parametrize(
+    ("tp", "hint"), [(3, "4 (or 1, 2 or 8)"), (5, "4 (or 2, 8 or 16)"), (12, "16 (or 8, 24 or 32)")]
+)
 def test_rule6_heads_divide_evenly(tp: int, hint: str) -> None:
     problems = check_pair(dense(8), role(tp), role(tp))
     assert ("HEADS_NOT_DIVISIBLE", "spec.prefill.tensorParallelSize") in codes(problems)
     assert ("HEADS_NOT_DIVISIBLE", "spec.decode.tensorParallelSize") in codes(problems)
-    assert problems[0].message.endswith(f"the TP size must divide 8 or be a multiple of it; use {hint}")
+    assert problems[0].message.endswith(
+        f"the TP size must divide 8 or be a multiple of it; set spec.prefill.tensorParallelSize: {hint}"
+    )
 
 
 def test_rule7_conversion_off_names_each_needed_conversion() -> None:
@@ -108,7 +112,8 @@ def test_rule7_conversion_off_names_each_needed_conversion() -> None:
     ]
     assert "split 32-token blocks into 16-token blocks" in problems[0].message
     assert "permute its blocks from NHD to HND" in problems[1].message
-    assert all("conversion to Auto" in p.message for p in problems)
+    assert problems[0].message.endswith("set spec.decode.blockSize: 32, or spec.transfer.conversion: Auto")
+    assert problems[1].message.endswith("set spec.prefill.kvLayout: HND, or spec.transfer.conversion: Auto")
 
 
 def test_rule7_conversion_off_accepts_pairs_needing_none() -> None:

@@ -1,0 +1,227 @@
+"""One checked fix for an incompatible spec: a few field changes that make the whole verdict compatible.
+
+Each problem's message says what would fix *it* with everything else as is; two problems can then advise
+different values for one field (a compatibility rule asks decode for 16-token blocks, vLLM's CPU attention
+for 32). :func:`suggested_fix` searches for one set of changes that clears every problem at once, and
+returns it only when the verdict with those changes is compatible, so the advice is never a guess.
+
+The search is a small beam search: each step changes one more field (to values near its current one) and
+keeps the states with the fewest problems left, then the fewest fields changed, then the smallest change.
+Only settings are searched: both roles' TP size, block size and layout, the KV cache dtype and cache kind,
+the conversion policy, and offending ``extraArgs`` (dropped); the model's geometry is a fact about the
+model, not a setting, and is never changed.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvbridge_agent.core import Problem
+from kvbridge_agent.core.compat import CONVERSION_OFF, check_pair
+from kvbridge_agent.core.model import CacheKind, Conversion, KVCacheDtype, KVLayout
+
+from . import vllm
+from .spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind
+from .verdict import verdict_for
+
+#: at most this many fields change (more is a different deployment, not a fix)
+MAX_CHANGES = 6
+_TP_VALUES = tuple(range(1, 129))
+_BLOCK_VALUES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 256, 512, 1024)
+
+#: bfloat16 first: the dtype to fall back to when the one asked for cannot run
+_DTYPES = (KVCacheDtype.BFLOAT16, *(d for d in KVCacheDtype if d is not KVCacheDtype.BFLOAT16))
+
+#: states kept per step of the search, and values tried per field (the nearest to the current one)
+BEAM_WIDTH = 8
+VALUES_PER_FIELD = 12
+
+Fix = dict[str, Any]
+
+
+def _role_field(role: str, name: str) -> tuple[str, Setter]:
+    attribute = {"tensorParallelSize": "tensor_parallel_size", "blockSize": "block_size", "kvLayout": "kv_layout"}
+
+    def apply(spec: DisaggregatedDeploymentSpec, value: Any) -> DisaggregatedDeploymentSpec:
+        current = getattr(spec, role)
+        return spec.model_copy(update={role: current.model_copy(update={attribute[name]: value})})
+
+    return f"spec.{role}.{name}", apply
+
+
+def _model_field(name: str, attribute: str) -> tuple[str, Setter]:
+    def apply(spec: DisaggregatedDeploymentSpec, value: Any) -> DisaggregatedDeploymentSpec:
+        return spec.model_copy(update={"model": spec.model.model_copy(update={attribute: value})})
+
+    return f"spec.model.{name}", apply
+
+
+def _conversion(spec: DisaggregatedDeploymentSpec, value: Any) -> DisaggregatedDeploymentSpec:
+    return spec.model_copy(update={"transfer": spec.transfer.model_copy(update={"conversion": value})})
+
+
+Setter = Callable[[DisaggregatedDeploymentSpec, Any], DisaggregatedDeploymentSpec]
+
+
+def _fields() -> dict[str, tuple[Setter, Sequence[Any]]]:
+    """Every searched field: its path, how to set it on a spec, its candidate values."""
+    fields: dict[str, tuple[Setter, Sequence[Any]]] = {}
+    role_values: tuple[tuple[str, Sequence[Any]], ...] = (
+        ("tensorParallelSize", _TP_VALUES), ("blockSize", _BLOCK_VALUES), ("kvLayout", tuple(KVLayout)),
+    )  # fmt: skip
+    for role in ("prefill", "decode"):
+        for name, values in role_values:
+            path, apply = _role_field(role, name)
+            fields[path] = (apply, values)
+    model_values: tuple[tuple[str, str, Sequence[Any]], ...] = (
+        ("kvCacheDtype", "kv_cache_dtype", _DTYPES), ("cacheKind", "cache_kind", tuple(CacheKind)),
+    )  # fmt: skip
+    for name, attribute, values in model_values:
+        path, apply = _model_field(name, attribute)
+        fields[path] = (apply, values)
+    fields["spec.transfer.conversion"] = (_conversion, (Conversion.AUTO,))
+    return fields
+
+
+_FIELDS = _fields()
+
+
+def _problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
+    """The verdict's problems without the per-problem suggestions (cheap: no plan is built)."""
+    found = check_pair(spec.model, spec.prefill.settings(), spec.decode.settings(), spec.transfer, suggestions=False)
+    if spec.engine.kind is EngineKind.VLLM:
+        found += vllm.problems(spec)
+    return found
+
+
+def _distance(old: Any, new: Any) -> float:
+    if isinstance(old, int) and isinstance(new, int) and old > 0 and new > 0:
+        return abs(math.log2(new / old))
+    return 0.0 if old == new else 1.0
+
+
+def _nearest(values: Sequence[Any], near: Any) -> list[Any]:
+    """The :data:`VALUES_PER_FIELD` candidate values nearest ``near``, nearest first (stable among equals)."""
+    return sorted(values, key=lambda value: _distance(near, value))[:VALUES_PER_FIELD]
+
+
+_ROLE_FIELDS = tuple(path for path in _FIELDS if path.split(".")[1] in ("prefill", "decode"))
+
+
+def _relevant(problems: Sequence[Problem]) -> list[str]:
+    """The fields worth changing: every role setting (the rules tie TP sizes and block sizes of both roles), and
+    a model field or the conversion policy only when a problem is about it."""
+    at_fault = {problem.field for problem in problems}
+    if any(problem.code == CONVERSION_OFF for problem in problems):
+        at_fault.add("spec.transfer.conversion")
+    return [*_ROLE_FIELDS, *(path for path in _FIELDS if path in at_fault and path not in _ROLE_FIELDS)]
+
+
+def _moves(paths: Sequence[str], candidates: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    """One step of the search: one field to a candidate value, or one role setting to the same value on both
+    roles (many rules want them equal: CPU block sizes, cross-layer blocks, layouts without conversions)."""
+    moves: list[dict[str, Any]] = [{path: value} for path in paths for value in candidates[path]]
+    for name in ("tensorParallelSize", "blockSize", "kvLayout"):
+        prefill, decode = f"spec.prefill.{name}", f"spec.decode.{name}"
+        for value in dict.fromkeys([*candidates[prefill], *candidates[decode]]):
+            moves.append({prefill: value, decode: value})
+    return moves
+
+
+def _settings_of(spec: DisaggregatedDeploymentSpec) -> dict[str, Any]:
+    """The searched fields' current values, by path."""
+    sections = {
+        name: getattr(spec, name).model_dump(by_alias=True) for name in ("prefill", "decode", "model", "transfer")
+    }
+    return {path: sections[path.split(".")[1]][path.split(".")[2]] for path in _FIELDS}
+
+
+def suggested_fix(dd: DisaggregatedDeployment) -> Fix | None:
+    """``{"spec.decode.blockSize": 32, ...}`` whose application makes ``dd`` compatible; ``None`` when ``dd`` is
+    compatible already or no fix within :data:`MAX_CHANGES` settings was found."""
+    spec = dd.spec
+    problems = _problems(spec)
+    if not problems:
+        return None
+    fix: Fix = {}
+    refused = {*vllm.MANAGED_ARGUMENTS, *vllm.UNMODELLED_ARGUMENTS}
+    dropped = [a for a in spec.engine.extra_args if vllm.argument_name(a) in refused]
+    if dropped and spec.engine.kind is EngineKind.VLLM:
+        kept = [a for a in spec.engine.extra_args if a not in dropped]
+        fix["spec.engine.extraArgs"] = kept
+        spec = spec.model_copy(update={"engine": spec.engine.model_copy(update={"extra_args": kept})})
+        problems = _problems(spec)
+    original = _settings_of(dd.spec)
+    candidates = {path: _nearest(values, original[path]) for path, (_, values) in _FIELDS.items()}
+    # beam search; a state is (problems left, fields changed, distance, changes, spec)
+    beam: list[tuple[int, int, float, dict[str, Any], DisaggregatedDeploymentSpec]] = [
+        (len(problems), 0, 0.0, {}, spec)
+    ]
+    seen: set[tuple[tuple[str, Any], ...]] = {()}
+    for _ in range(MAX_CHANGES):
+        if any(state[0] == 0 for state in beam):
+            break
+        expanded = []
+        for *_, changes, state in beam:
+            for move in _moves(_relevant(_problems(state)), candidates):
+                new = {**changes, **move}
+                key = tuple(sorted((p, v) for p, v in new.items() if v != original[p]))
+                if key in seen or len(key) > MAX_CHANGES:
+                    continue
+                seen.add(key)
+                moved = state
+                for path, value in move.items():
+                    moved = _FIELDS[path][0](moved, value)
+                cost = sum(_distance(original[p], v) for p, v in key)
+                expanded.append((len(_problems(moved)), len(key), cost, dict(key), moved))
+        if not expanded:
+            return None
+        expanded.sort(key=lambda state: state[:3])
+        beam = expanded[:BEAM_WIDTH]
+    done = [state for state in beam if state[0] == 0]
+    if not done:
+        return None
+    for path, value in min(done, key=lambda state: state[1:3])[3].items():
+        fix[path] = value.value if hasattr(value, "value") else value
+    fixed = DisaggregatedDeployment.model_validate(apply_fix(dd.model_dump(by_alias=True, mode="json"), fix))
+    return fix if not isinstance(verdict_for(fixed), list) else None
+
+
+def apply_fix(manifest: dict[str, Any], fix: Fix) -> dict[str, Any]:
+    """The manifest with the fix's fields set (a copy; the input is left alone)."""
+    out = copy.deepcopy(manifest)
+    for path, value in fix.items():
+        node = out
+        *parents, leaf = path.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def merge_patch(fix: Fix) -> dict[str, Any]:
+    """The fix as a JSON merge patch (``kubectl patch --type merge -p``)."""
+    return apply_fix({}, fix)
+
+
+def describe(fix: Fix) -> str:
+    return ", ".join(f"{path}: {value}" for path, value in fix.items())
+
+
+#: spec JSON -> the fix in words; bounded, oldest first out
+_ADVICE: dict[str, str] = {}
+_ADVICE_SIZE = 256
+
+
+def advice(dd: DisaggregatedDeployment) -> str:
+    """The checked fix in words, for conditions and events; the search runs once per distinct spec."""
+    key = dd.spec.model_dump_json(by_alias=True)
+    if key not in _ADVICE:
+        if len(_ADVICE) >= _ADVICE_SIZE:
+            del _ADVICE[next(iter(_ADVICE))]
+        fix = suggested_fix(dd)
+        _ADVICE[key] = describe(fix) if fix else ""
+    return _ADVICE[key]
