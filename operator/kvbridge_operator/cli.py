@@ -13,8 +13,9 @@ from typing import Any
 from kvbridge_agent.core import KVBridgeError
 
 from . import __version__
-from .manifests import load_deployments
+from .manifests import read_documents, source_name
 from .plan_report import entries, plan_document, render_text, selected_ranks
+from .spec import KIND
 
 EXIT_OK = 0
 EXIT_INCOMPATIBLE = 1
@@ -22,19 +23,38 @@ EXIT_INVALID = 2
 
 
 def _plan(args: argparse.Namespace) -> int:
+    """Plan every valid document; report each invalid one on stderr without hiding the others' verdicts."""
     try:
-        documents = [plan_document(d) for d in load_deployments(args.file)]
+        read = read_documents(args.file)
+    except KVBridgeError as exc:
+        print(f"kvbridge plan: error: {exc.message}", file=sys.stderr)
+        return EXIT_INVALID
+    documents, invalid = [], 0
+    for item in read:
+        if item.skipped:
+            print(f"kvbridge plan: {item.label}: skipped, a {item.skipped} (not a {KIND})", file=sys.stderr)
+        elif item.error is not None:
+            invalid += 1
+            field = f" [{item.error.field}]" if item.error.field and item.error.field not in item.error.message else ""
+            print(f"kvbridge plan: error: {item.error.message}{field}", file=sys.stderr)
+        elif item.deployment is not None:
+            documents.append(plan_document(item.deployment))
+    if not documents and not invalid:
+        print(f"kvbridge plan: error: {source_name(args.file)}: no {KIND} documents found", file=sys.stderr)
+        return EXIT_INVALID
+    try:
         ranks = [selected_ranks(doc, args.decode_rank, args.all_ranks) for doc in documents]
     except KVBridgeError as exc:
-        field = f" [{exc.field}]" if exc.field and exc.field not in exc.message else ""
-        print(f"kvbridge plan: error: {exc.message}{field}", file=sys.stderr)
+        print(f"kvbridge plan: error: {exc.message}", file=sys.stderr)
         return EXIT_INVALID
-    if args.json:
+    if args.json and documents:
         out = [entry for doc, r in zip(documents, ranks, strict=True) for entry in entries(doc, r)]
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
-    else:
+    elif documents:
         print("\n\n".join(render_text(doc, r) for doc, r in zip(documents, ranks, strict=True)))
+    if invalid:
+        return EXIT_INVALID
     return EXIT_OK if all(doc.compatible for doc in documents) else EXIT_INCOMPATIBLE
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from .spec import GROUP, KIND, PLURAL, VERSION, DisaggregatedDeploymentSpec
+from .spec import GROUP, KIND, MAX_NAME_LENGTH, NAME_PATTERN, PLURAL, VERSION, DisaggregatedDeploymentSpec
 from .status import DisaggregatedDeploymentStatus
 
 CRD_NAME = f"{PLURAL}.{GROUP}"
@@ -116,6 +116,16 @@ def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: rules on the whole resource: the name must make valid children (``<name>-prefill`` Service and StatefulSet)
+ROOT_RULES: list[dict[str, str]] = [
+    {
+        "rule": f"self.metadata.name.size() <= {MAX_NAME_LENGTH} && self.metadata.name.matches('{NAME_PATTERN}')",
+        "message": f"metadata.name must be at most {MAX_NAME_LENGTH} characters, start with a letter and have no "
+        "dots: it names the <name>-prefill and <name>-decode Services and StatefulSets",
+    },
+]
+
+
 def model_schema(model: type[BaseModel]) -> dict[str, Any]:
     raw = model.model_json_schema(by_alias=True, mode="validation")
     defs = raw.pop("$defs", {})
@@ -185,6 +195,7 @@ def crd() -> dict[str, Any]:
                                 "status": status_schema(),
                             },
                             "required": ["spec"],
+                            "x-kubernetes-validations": ROOT_RULES,
                         }
                     },
                 }

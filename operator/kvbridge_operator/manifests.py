@@ -7,6 +7,8 @@ Manifests are untrusted input: the size is capped before parsing, nesting is bou
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ from yaml.nodes import MappingNode
 
 from kvbridge_agent.core import SpecError
 
-from .spec import DisaggregatedDeployment, parse_deployment
+from .spec import KIND, DisaggregatedDeployment, parse_deployment
 
 
 class ManifestError(SpecError):
@@ -95,17 +97,28 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def parse_documents(text: str, source: str) -> list[Any]:
-    """The non-empty YAML documents of a manifest, parsed strictly (see :class:`_StrictLoader`)."""
+def _yaml_error(exc: yaml.YAMLError, source: str) -> ManifestError:
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(exc, "problem", None) or str(exc)
+    return ManifestError(f"{source}: not valid YAML{where}: {problem}", field=source, code="BAD_YAML")
+
+
+def _documents(text: str, source: str) -> Iterator[Any]:
+    """The non-empty YAML documents, one by one; a YAML error ends the stream (what follows cannot be trusted)."""
     try:
-        return [doc for doc in yaml.load_all(text, Loader=_StrictLoader) if doc is not None]
+        for document in yaml.load_all(text, Loader=_StrictLoader):
+            if document is not None:
+                yield document
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ManifestError(f"{source}: not valid YAML{where}: {problem}", field=source, code="BAD_YAML") from exc
+        raise _yaml_error(exc, source) from exc
     except RecursionError as exc:
         raise ManifestError(f"{source}: the document nests too deeply", field=source, code="BAD_YAML") from exc
+
+
+def parse_documents(text: str, source: str) -> list[Any]:
+    """The non-empty YAML documents of a manifest, parsed strictly (see :class:`_StrictLoader`)."""
+    return list(_documents(text, source))
 
 
 #: file names ``-f DIR`` reads, as kubectl does
@@ -123,13 +136,46 @@ def manifest_files(path: str) -> list[str]:
     return found
 
 
-def load_deployments(path: str) -> list[DisaggregatedDeployment]:
-    """Every DisaggregatedDeployment in the file (or in every manifest file of the folder), in order; empty
-    documents are skipped."""
-    found: list[DisaggregatedDeployment] = []
+@dataclass(frozen=True)
+class Document:
+    """One document of the input: a DisaggregatedDeployment, a document kvbridge skips (another kind), or
+    the error that keeps it (or, for a YAML error, the rest of its file) from being read."""
+
+    label: str
+    deployment: DisaggregatedDeployment | None = None
+    skipped: str = ""
+    error: ManifestError | None = None
+
+
+def _label(source: str, index: int, document: Any) -> str:
+    name = document.get("metadata", {}).get("name") if isinstance(document, dict) else None
+    return f"{source}: document {index}" + (f" ({name})" if isinstance(name, str) else "")
+
+
+def read_documents(path: str) -> list[Document]:
+    """Every document of the file (or of every manifest file of the folder), each with its own verdict on
+    validity: one bad document does not hide the others. Documents of other kinds are skipped, named by kind."""
+    found: list[Document] = []
     for file in manifest_files(path):
         source = source_name(file)
-        found += deployments_of(parse_documents(read_text(file), source), source)
+        index = 0
+        try:
+            for index, document in enumerate(_documents(read_text(file), source), start=1):
+                label = _label(source, index, document)
+                kind = document.get("kind") if isinstance(document, dict) else None
+                if isinstance(kind, str) and kind != KIND:
+                    found.append(Document(label, skipped=f"{document.get('apiVersion', '?')} {kind}"))
+                    continue
+                try:
+                    found.append(Document(label, deployment=parse_deployment(document)))
+                except SpecError as exc:
+                    found.append(Document(label, error=ManifestError(f"{label}: {exc.message}", field=exc.field,
+                                                                     code=exc.code)))  # fmt: skip
+        except ManifestError as exc:
+            if index:  # the documents before the error were read; say where reading stopped
+                where = f"{source}: documents from {index + 1} on"
+                exc = ManifestError(exc.message.replace(source, where, 1), field=exc.field, code=exc.code)
+            found.append(Document(source, error=exc))
     return found
 
 
@@ -139,8 +185,7 @@ def deployments_of(documents: list[Any], source: str) -> list[DisaggregatedDeplo
         raise ManifestError(f"{source}: no DisaggregatedDeployment documents found", field=source, code="EMPTY")
     deployments = []
     for index, document in enumerate(documents, start=1):
-        name = document.get("metadata", {}).get("name") if isinstance(document, dict) else None
-        label = f"{source}: document {index}" + (f" ({name})" if isinstance(name, str) else "")
+        label = _label(source, index, document)
         try:
             deployments.append(parse_deployment(document))
         except SpecError as exc:

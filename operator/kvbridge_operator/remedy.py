@@ -35,8 +35,9 @@ _BLOCK_VALUES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 256, 512, 1024)
 #: bfloat16 first: the dtype to fall back to when the one asked for cannot run
 _DTYPES = (KVCacheDtype.BFLOAT16, *(d for d in KVCacheDtype if d is not KVCacheDtype.BFLOAT16))
 
-#: states kept per step of the search, and values tried per field (the nearest to the current one)
-BEAM_WIDTH = 8
+#: states kept per step of the search (tried in turn: the wider beam only when the narrower finds nothing), and
+#: values tried per field (the nearest to the current one)
+BEAM_WIDTHS = (8, 48)
 VALUES_PER_FIELD = 12
 
 Fix = dict[str, Any]
@@ -139,6 +140,44 @@ def _settings_of(spec: DisaggregatedDeploymentSpec) -> dict[str, Any]:
     return {path: sections[path.split(".")[1]][path.split(".")[2]] for path in _FIELDS}
 
 
+State = tuple[int, int, float, dict[str, Any], DisaggregatedDeploymentSpec]
+
+
+def _search(
+    spec: DisaggregatedDeploymentSpec,
+    problems: int,
+    original: dict[str, Any],
+    candidates: dict[str, list[Any]],
+    width: int,
+) -> dict[str, Any] | None:
+    """Beam search; a state is (problems left, fields changed, distance, changes, spec). The fewest fields
+    changed, then the smallest change, among the states without problems after the first step that has any."""
+    beam: list[State] = [(problems, 0, 0.0, {}, spec)]
+    seen: set[tuple[tuple[str, Any], ...]] = {()}
+    for _ in range(MAX_CHANGES):
+        if any(state[0] == 0 for state in beam):
+            break
+        expanded: list[State] = []
+        for *_, changes, state in beam:
+            for move in _moves(_relevant(_problems(state)), candidates):
+                new = {**changes, **move}
+                key = tuple(sorted((p, v) for p, v in new.items() if v != original[p]))
+                if key in seen or len(key) > MAX_CHANGES:
+                    continue
+                seen.add(key)
+                moved = state
+                for path, value in move.items():
+                    moved = _FIELDS[path][0](moved, value)
+                cost = sum(_distance(original[p], v) for p, v in key)
+                expanded.append((len(_problems(moved)), len(key), cost, dict(key), moved))
+        if not expanded:
+            return None
+        expanded.sort(key=lambda state: state[:3])
+        beam = expanded[:width]
+    done = [state for state in beam if state[0] == 0]
+    return min(done, key=lambda state: state[1:3])[3] if done else None
+
+
 def suggested_fix(dd: DisaggregatedDeployment) -> Fix | None:
     """``{"spec.decode.blockSize": 32, ...}`` whose application makes ``dd`` compatible; ``None`` when ``dd`` is
     compatible already or no fix within :data:`MAX_CHANGES` settings was found."""
@@ -156,35 +195,13 @@ def suggested_fix(dd: DisaggregatedDeployment) -> Fix | None:
         problems = _problems(spec)
     original = _settings_of(dd.spec)
     candidates = {path: _nearest(values, original[path]) for path, (_, values) in _FIELDS.items()}
-    # beam search; a state is (problems left, fields changed, distance, changes, spec)
-    beam: list[tuple[int, int, float, dict[str, Any], DisaggregatedDeploymentSpec]] = [
-        (len(problems), 0, 0.0, {}, spec)
-    ]
-    seen: set[tuple[tuple[str, Any], ...]] = {()}
-    for _ in range(MAX_CHANGES):
-        if any(state[0] == 0 for state in beam):
+    for width in BEAM_WIDTHS:  # a wider beam only when the narrow one finds nothing (rare, and slower)
+        found = _search(spec, len(problems), original, candidates, width)
+        if found is not None:
             break
-        expanded = []
-        for *_, changes, state in beam:
-            for move in _moves(_relevant(_problems(state)), candidates):
-                new = {**changes, **move}
-                key = tuple(sorted((p, v) for p, v in new.items() if v != original[p]))
-                if key in seen or len(key) > MAX_CHANGES:
-                    continue
-                seen.add(key)
-                moved = state
-                for path, value in move.items():
-                    moved = _FIELDS[path][0](moved, value)
-                cost = sum(_distance(original[p], v) for p, v in key)
-                expanded.append((len(_problems(moved)), len(key), cost, dict(key), moved))
-        if not expanded:
-            return None
-        expanded.sort(key=lambda state: state[:3])
-        beam = expanded[:BEAM_WIDTH]
-    done = [state for state in beam if state[0] == 0]
-    if not done:
+    else:
         return None
-    for path, value in min(done, key=lambda state: state[1:3])[3].items():
+    for path, value in found.items():
         fix[path] = value.value if hasattr(value, "value") else value
     fixed = DisaggregatedDeployment.model_validate(apply_fix(dd.model_dump(by_alias=True, mode="json"), fix))
     return fix if not isinstance(verdict_for(fixed), list) else None

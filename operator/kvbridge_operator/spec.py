@@ -7,10 +7,11 @@ manifest parsed here is checked exactly as the operator checks it.
 from __future__ import annotations
 
 import json
+import re
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 from kvbridge_agent.core import (
     KVBridgeError,
@@ -84,14 +85,29 @@ class DisaggregatedDeploymentSpec(CamelModel):
         return self.prefill if role is Role.PREFILL else self.decode
 
 
+#: a deployment's name must make valid children: ``<name>-prefill`` is a Service (a DNS-1035 label: a letter
+#: first, no dots) and a StatefulSet, whose pods carry ``controller-revision-hash: <name>-prefill-<10 chars>``,
+#: a label value of at most 63 characters; so at most 63 - 11 - len("-prefill") = 44 characters
+MAX_NAME_LENGTH = 44
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+
+
 class ObjectMeta(CamelModel):
     model_config = CamelModel.model_config | {"extra": "allow"}
 
-    #: the API server's rule for names of custom resources (a DNS-1123 subdomain)
-    name: str = Field(
-        min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-    )
+    name: str = Field(min_length=1, max_length=253)
     namespace: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _child_names_fit(cls, name: str) -> str:
+        if len(name) > MAX_NAME_LENGTH or not re.match(NAME_PATTERN, name):
+            raise ValueError(
+                f"{name[:64]!r} cannot name the deployment's children ({name[:64]}-prefill Services and "
+                f"StatefulSets): use at most {MAX_NAME_LENGTH} lower-case letters, digits and '-', starting with a "
+                "letter and ending with a letter or digit"
+            )
+        return name
 
 
 class DisaggregatedDeployment(CamelModel):

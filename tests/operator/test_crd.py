@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvbridge_operator.crd import FILE_NAME, SPEC_RULES, crd, render_yaml
+from kvbridge_operator.crd import FILE_NAME, ROOT_RULES, SPEC_RULES, crd, render_yaml
 from kvbridge_operator.spec import parse_deployment
 
 from .schema_tools import apply_defaults, cel_failures, schema_errors
@@ -151,6 +151,8 @@ def api_server_accepts(document: dict[str, Any]) -> bool:
         return False
     if unknown_fields(SPEC_SCHEMA, document["spec"]) or schema_errors(SCHEMA, document):
         return False
+    if cel_failures(ROOT_RULES, {"metadata": {"name": name}}):
+        return False
     return not cel_failures(SPEC_RULES, apply_defaults(SPEC_SCHEMA, document["spec"]))
 
 
@@ -184,6 +186,12 @@ CORPUS: list[tuple[str, Any]] = [
     ("extra-args-number", lambda d: d["spec"].update(engine={"kind": "VLLM", "extraArgs": [8192]})),
     ("replicas-negative", lambda d: d["spec"]["prefill"].update(replicas=-1)),
     ("kind-enum-lower", lambda d: d["spec"].update(engine={"kind": "vllm"})),
+    ("dtype-fp8-alias", lambda d: d["spec"]["model"].update(kvCacheDtype="fp8")),
+    ("dtype-fp9", lambda d: d["spec"]["model"].update(kvCacheDtype="fp9")),
+    # the children's names: <name>-prefill is a Service (DNS-1035 label) and a StatefulSet (<= 52 characters)
+    ("name-44", lambda d: d["metadata"].update(name="a" * 44)),
+    ("name-45", lambda d: d["metadata"].update(name="a" * 45)),
+    ("name-digit-first", lambda d: d["metadata"].update(name="1llama")),
 ]
 
 
@@ -193,3 +201,36 @@ def test_plan_and_the_api_server_give_the_same_verdict(label: str, change: Any) 
     document = base()
     change(document)
     assert plan_accepts(document) == api_server_accepts(document), label
+
+
+@pytest.mark.parametrize(
+    ("label", "accepted"),
+    [("valid", True), ("dtype-fp8-alias", True), ("dtype-fp9", False), ("name-44", True), ("name-45", False),
+     ("name-digit-first", False), ("name-dots", False), ("name-upper", False)],
+)  # fmt: skip
+def test_the_verdicts_themselves(label: str, accepted: bool) -> None:
+    document = base()
+    dict(CORPUS)[label](document)
+    assert plan_accepts(document) is accepted
+
+
+def test_fp8_is_read_as_fp8_e4m3_so_both_spellings_pair() -> None:
+    from kvbridge_operator.pairing import pairing
+
+    one, other = base(), base()
+    one["spec"]["model"]["kvCacheDtype"] = "fp8"
+    other["spec"]["model"]["kvCacheDtype"] = "fp8_e4m3"
+    first, second = parse_deployment(one), parse_deployment(other)
+    assert first.spec.model.kv_cache_dtype.value == "fp8_e4m3"
+    assert pairing(first.spec) == pairing(second.spec)
+
+
+def test_children_of_the_longest_name_are_valid_kubernetes_names() -> None:
+    """A 44-character name gives a 52-character StatefulSet (its revision-hash label fits 63) and Service."""
+    from kvbridge_agent.core import Role
+    from kvbridge_operator.render import role_name
+
+    for role in Role:
+        child = role_name("a" * 44, role)
+        assert len(child) <= 52
+        assert len(f"{child}-{'x' * 10}") <= 63

@@ -102,7 +102,11 @@ def test_stdin(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[st
     [
         ("spec: [unclosed", "not valid YAML at line 1"),
         ("", "no DisaggregatedDeployment documents"),
-        ("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n", "document 1 (c): expected apiVersion"),
+        ("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n", "document 1 (c): skipped, a v1 ConfigMap"),
+        (
+            "apiVersion: kvbridge.io/v2\nkind: DisaggregatedDeployment\nmetadata: {name: c}\n",
+            "document 1 (c): expected apiVersion kvbridge.io/v1alpha1",
+        ),
         (
             HETERO.read_text().replace("numLayers: 32", "numLayers: -3"),
             "document 1 (llama3-8b): spec.model.numLayers: Input should be greater than or equal to 1",
@@ -121,6 +125,32 @@ def test_invalid_input_exits_2_with_a_message_naming_document_and_field(
     assert out == ""
     assert message in err
     assert "Traceback" not in err
+
+
+def test_one_bad_document_does_not_hide_the_others_verdicts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = HETERO.read_text().replace("numLayers: 32", "numLayers: x").replace("name: llama3-8b", "name: bad")
+    other = "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: settings}\n"
+    manifest = tmp_path / "mixed.yaml"
+    manifest.write_text("---\n".join([HETERO.read_text(), bad, other, INCOMPATIBLE.read_text()]))
+    code, out, err = run(capsys, "plan", "-f", str(manifest), "--json")
+    assert code == 2  # invalid input wins, but every valid document still gets its verdict
+    assert [(e["name"], e["compatible"]) for e in json.loads(out)] == [("llama3-8b", True), ("replicated-heads", False)]
+    assert "document 2 (bad): spec.model.numLayers: Input should be a valid integer" in err
+    assert "document 3 (settings): skipped, a v1 ConfigMap" in err
+    code, out, err = run(capsys, "plan", "-f", str(manifest))
+    assert code == 2
+    assert "llama3-8b: prefill TP 2" in out
+    assert "replicated-heads: prefill TP 4" in out
+
+
+def test_a_yaml_error_keeps_the_documents_before_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    manifest = tmp_path / "broken.yaml"
+    manifest.write_text(HETERO.read_text() + "---\nspec: [unclosed\n")
+    code, out, err = run(capsys, "plan", "-f", str(manifest), "--json")
+    assert code == 2
+    assert [e["name"] for e in json.loads(out)] == ["llama3-8b"]
+    assert "documents from 2 on" in err
+    assert "not valid YAML" in err
 
 
 def test_missing_file_and_rank_out_of_range_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
 #: Version of the agent protocol (side-channel envelope and plan semantics).
@@ -82,6 +82,10 @@ class CamelModel(BaseModel):
     )
 
 
+#: other spellings of a KV cache dtype, as vLLM's ``--kv-cache-dtype`` takes them (``fp8`` is e4m3 there)
+KV_CACHE_DTYPE_ALIASES = {"fp8": KVCacheDtype.FP8_E4M3}
+
+
 class ModelGeometry(CamelModel):
     """What must be identical on both sides (folded into the fingerprint)."""
 
@@ -93,12 +97,21 @@ class ModelGeometry(CamelModel):
     num_layers: int = Field(ge=1, le=1024, description="Number of attention layers.")
     num_kv_heads: int = Field(alias="numKVHeads", ge=1, le=4096, description="Total KV heads of the model; 1 for MLA.")
     head_dim: int = Field(ge=1, le=65536, description="Head dimension; the latent width for MLA (e.g. 576).")
-    kv_cache_dtype: KVCacheDtype = Field(default=KVCacheDtype.BFLOAT16, description="KV cache element type.")
+    kv_cache_dtype: KVCacheDtype = Field(
+        default=KVCacheDtype.BFLOAT16,
+        description="KV cache element type; fp8 is vLLM's spelling of fp8_e4m3 (read as fp8_e4m3).",
+        json_schema_extra={"enum": [*(d.value for d in KVCacheDtype), *KV_CACHE_DTYPE_ALIASES]},
+    )
     attention: Attention = Field(default=Attention.DENSE, description="Dense (MHA/GQA) or MLA.")
     cache_kind: CacheKind = Field(
         default=CacheKind.SPLIT,
         description="Split | BlocksFirst | CrossLayer; MLA uses one latent region per layer (Split).",
     )
+
+    @field_validator("kv_cache_dtype", mode="before")
+    @classmethod
+    def _dtype_alias(cls, value: object) -> object:
+        return KV_CACHE_DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
 
     @property
     def element_bytes(self) -> int:
