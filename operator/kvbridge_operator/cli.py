@@ -96,15 +96,19 @@ def _operator_run(args: argparse.Namespace) -> int:
     import logging
     import signal
 
-    from .config import OperatorConfig
+    from .config import OperatorConfig, settings
     from .handlers import run_operator
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = OperatorConfig.from_env(
-        namespaces=tuple(args.namespace) if args.namespace else None, api_server=args.api_server,
-        agent_image=args.agent_image, gpu_resource=args.gpu_resource, cpu_mode=True if args.cpu_mode else None,
-        liveness_port=args.liveness_port, metrics_port=args.metrics_port,
-    )  # fmt: skip
+    flags: dict[str, object] = {}
+    for item in settings():
+        value = getattr(args, item.name)
+        flags[item.name] = tuple(value) if isinstance(value, list) else value
+    try:
+        config = OperatorConfig.from_env(os.environ, **flags)
+    except KVBridgeError as exc:
+        print(f"kvbridge operator run: error: {exc.message}", file=sys.stderr)
+        return EXIT_INVALID
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -200,13 +204,20 @@ def build_parser() -> argparse.ArgumentParser:
         "run", help="run the operator (settings from flags or KVBRIDGE_OPERATOR_* variables)",
         description="Watches DisaggregatedDeployments and their pods; one replica.",
     )  # fmt: skip
-    run.add_argument("--namespace", action="append", help="watch this namespace (repeatable; default: all)")
-    run.add_argument("--api-server", help="Kubernetes API URL (default: the in-cluster service account)")
-    run.add_argument("--agent-image", help="image of the kvbridge agent worker")
-    run.add_argument("--gpu-resource", help="extended resource per TP rank (default nvidia.com/gpu)")
-    run.add_argument("--cpu-mode", action="store_true", help="request no GPUs; agents use host memory")
-    run.add_argument("--liveness-port", type=int, help="port of /healthz (default 8080; 0 disables)")
-    run.add_argument("--metrics-port", type=int, help="port of Prometheus /metrics (default off)")
+    from .config import default_of, flag_of, settings, variable_of
+
+    for item in settings():  # one flag per setting, generated: the flags and the variables never drift apart
+        default = default_of(item)
+        metavar = flag_of(item).rsplit("-", 1)[-1].upper()
+        shown = ",".join(default) if isinstance(default, tuple) else default
+        text = f"{item.metadata['help']} (default {shown!r}; {variable_of(item)})"
+        if item.type in (bool, "bool"):
+            run.add_argument(flag_of(item), dest=item.name, action="store_true", default=None, help=text)
+        elif "tuple" in str(item.type):
+            run.add_argument(flag_of(item), dest=item.name, action="append", metavar=metavar, help=text)
+        else:
+            kind = int if "int" in str(item.type) else str
+            run.add_argument(flag_of(item), dest=item.name, type=kind, metavar=metavar, help=text)
     run.set_defaults(func=_operator_run)
 
     demo = commands.add_parser(

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any
 
 from kvbridge_agent.core import SpecError
 
@@ -13,36 +15,53 @@ from . import __version__
 ENV_PREFIX = "KVBRIDGE_OPERATOR_"
 
 
+def _setting(default: object, help: str, flag: str = "") -> Any:
+    """A setting: its default, its help (flag help and docs), its flag when not ``--<name-with-dashes>``."""
+    if isinstance(default, tuple):
+        return field(default_factory=lambda: default, metadata={"help": help, "flag": flag})
+    return field(default=default, metadata={"help": help, "flag": flag})
+
+
 @dataclass(frozen=True)
 class OperatorConfig:
-    #: image of the kvbridge agent worker (engine kind Agent)
-    agent_image: str = f"ghcr.io/kvbridge/kvbridge-agent:{__version__}"
-    #: image of vLLM engines on GPUs (engine kind VLLM; the release the renderer targets, vllm.VLLM_RELEASE)
-    vllm_image: str = "vllm/vllm-openai:v0.32.0"
-    #: image of vLLM engines on CPUs (engine.device CPU; vLLM's CPU build of the same release)
-    vllm_cpu_image: str = "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0"
-    #: llm-d routing sidecar image injected into vLLM decode pods; empty: no sidecar
-    routing_sidecar_image: str = ""
-    #: extra arguments of the routing sidecar (after --port and --vllm-port)
-    routing_sidecar_args: tuple[str, ...] = ("--connector=nixlv2", "--secure-proxy=false")
-    #: extended resource that TP ranks request, one per rank
-    gpu_resource: str = "nvidia.com/gpu"
-    #: request no GPUs and run the agent on host memory (tests, demos, CPU-only clusters)
-    cpu_mode: bool = False
-    #: KV blocks each agent-worker rank allocates
-    agent_num_blocks: int = 256
-    #: the agent worker's HTTP port (API and probes)
-    agent_http_port: int = 8000
-    #: where pods mount the side-channel key Secret
-    keys_mount_path: str = "/var/run/kvbridge/keys"
-    #: namespaces to watch; empty means the whole cluster
-    namespaces: tuple[str, ...] = field(default_factory=tuple)
-    #: Kubernetes API server URL; empty: in-cluster service account (or Kopf's own discovery)
-    api_server: str = ""
-    #: port of the operator's liveness endpoint (/healthz)
-    liveness_port: int = 8080
-    #: port of the operator's Prometheus /metrics (0 disables)
-    metrics_port: int = 0
+    """Every setting is a flag of ``kvbridge operator run`` and a ``KVBRIDGE_OPERATOR_<NAME>`` variable (flags win);
+    docs/operator.md lists them all (a test keeps it complete)."""
+
+    agent_image: str = _setting(
+        f"ghcr.io/kvbridge/kvbridge-agent:{__version__}", "image of the kvbridge agent worker (engine kind Agent)"
+    )
+    vllm_image: str = _setting(
+        "vllm/vllm-openai:v0.32.0",
+        "image of vLLM engines on GPUs (engine kind VLLM; vLLM 0.32, what the renderer targets)",
+    )
+    vllm_cpu_image: str = _setting(
+        "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0",
+        "image of vLLM engines on CPUs (engine.device CPU; vLLM's CPU build)",
+    )
+    routing_sidecar_image: str = _setting(
+        "", "llm-d routing sidecar image put in front of vLLM decode pods; empty: no sidecar"
+    )
+    routing_sidecar_args: tuple[str, ...] = _setting(
+        ("--connector=nixlv2", "--secure-proxy=false"),
+        "arguments of the routing sidecar after --port and --vllm-port (flag repeatable, one argument each; "
+        "the variable takes a JSON array)",
+        flag="--routing-sidecar-arg",
+    )
+    gpu_resource: str = _setting("nvidia.com/gpu", "extended resource each TP rank requests, one per rank")
+    cpu_mode: bool = _setting(False, "request no GPUs for agent-worker pods; agents move host memory")
+    agent_num_blocks: int = _setting(256, "KV blocks each agent-worker rank allocates")
+    agent_http_port: int = _setting(8000, "the agent worker's HTTP port (API and probes)")
+    keys_mount_path: str = _setting("/var/run/kvbridge/keys", "where pods mount the side-channel key Secret")
+    namespaces: tuple[str, ...] = _setting(
+        (),
+        "namespace to watch (flag repeatable; the variable takes a comma-separated list); none: all namespaces",
+        flag="--namespace",
+    )
+    api_server: str = _setting(
+        "", "Kubernetes API URL; empty: the in-cluster service account (plain-HTTP URLs are for local emulators)"
+    )
+    liveness_port: int = _setting(8080, "port of the operator's /healthz; 0 disables it")
+    metrics_port: int = _setting(0, "port of the operator's Prometheus /metrics; 0 disables it")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ, **overrides: object) -> OperatorConfig:
@@ -66,6 +85,11 @@ def _convert(name: str, raw: str, kind: object) -> object:
         if "int" in text:
             return int(raw)
         if "tuple" in text:
+            if raw.lstrip().startswith("["):  # a JSON array: items may hold commas (sidecar arguments)
+                items = json.loads(raw)
+                if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+                    raise ValueError(raw)
+                return tuple(items)
             return tuple(p.strip() for p in raw.split(",") if p.strip())
     except ValueError as exc:
         raise SpecError(
@@ -74,3 +98,20 @@ def _convert(name: str, raw: str, kind: object) -> object:
             code="INVALID_ENVIRONMENT",
         ) from exc
     return raw
+
+
+def flag_of(item: Field[Any]) -> str:
+    """The ``kvbridge operator run`` flag of a setting."""
+    return str(item.metadata.get("flag") or "--" + item.name.replace("_", "-"))
+
+
+def variable_of(item: Field[Any]) -> str:
+    return ENV_PREFIX + item.name.upper()
+
+
+def settings() -> tuple[Field[Any], ...]:
+    return fields(OperatorConfig)
+
+
+def default_of(item: Field[Any]) -> Any:
+    return item.default_factory() if item.default_factory is not MISSING else item.default

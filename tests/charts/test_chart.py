@@ -21,6 +21,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "cpu-mode-custom-images": {"gpu": {"cpuMode": True, "resourceName": "amd.com/gpu"},
                                "image": {"repository": "registry.local/kvbridge-operator", "tag": "dev"},
                                "agent": {"image": "registry.local/kvbridge-agent:dev", "numBlocks": 1024}},
+    "three-namespaces": {"watch": {"scope": "Namespace", "namespaces": ["team-a", "team-b", "team-c"]}},
     "no-metrics-existing-sa": {"metrics": {"enabled": False}, "serviceAccount": {"create": False, "name": "ops"}},
 }  # fmt: skip
 
@@ -58,11 +59,13 @@ def test_rbac_grants_exactly_what_the_operator_calls_and_no_wildcards() -> None:
     wanted = {(group, resource, verb) for group, resource, verbs in REQUIRED for verb in verbs}
     for values in VALUE_SETS.values():
         kinds = by_kind(render(values))
-        [role] = kinds.get("ClusterRole", []) + kinds.get("Role", [])
-        granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
-                   for v in rule["verbs"]}  # fmt: skip
-        assert granted == wanted
-        assert not any("*" in item for item in granted for item in item)
+        roles = kinds.get("ClusterRole", []) + kinds.get("Role", [])
+        assert roles
+        for role in roles:
+            granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+                       for v in rule["verbs"]}  # fmt: skip
+            assert granted == wanted
+            assert not any("*" in item for item in granted for item in item)
 
 
 def test_watch_scopes() -> None:
@@ -79,6 +82,35 @@ def test_watch_scopes() -> None:
     assert env["KVBRIDGE_OPERATOR_NAMESPACES"] == "kvbridge-system"
     cluster_env = cluster["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["env"]
     assert "KVBRIDGE_OPERATOR_NAMESPACES" not in {e["name"] for e in cluster_env}
+
+
+def test_several_watched_namespaces_get_a_role_each_and_reach_the_operator() -> None:
+    from kvbridge_operator.config import OperatorConfig
+
+    kinds = by_kind(render(VALUE_SETS["three-namespaces"]))
+    assert "ClusterRole" not in kinds
+    assert "ClusterRoleBinding" not in kinds
+    wanted = ["team-a", "team-b", "team-c"]
+    assert sorted(r["metadata"]["namespace"] for r in kinds["Role"]) == wanted
+    assert sorted(b["metadata"]["namespace"] for b in kinds["RoleBinding"]) == wanted
+    for binding in kinds["RoleBinding"]:
+        assert binding["subjects"][0]["namespace"] == "kvbridge-system"
+    env = {e["name"]: e["value"] for e in kinds["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert OperatorConfig.from_env(env).namespaces == tuple(wanted)
+
+
+@pytest.mark.parametrize(
+    ("values", "reason"),
+    [
+        ({"metrics": {"enabled": False, "serviceMonitor": {"enabled": True}}},
+         "metrics.serviceMonitor.enabled=true needs metrics.enabled=true"),
+        ({"watch": {"namespaces": ["team-a"]}}, "watch.namespaces is set but watch.scope is Cluster"),
+    ],
+)  # fmt: skip
+def test_values_that_contradict_each_other_are_refused_with_a_reason(values: dict[str, Any], reason: str) -> None:
+    chart = helm.Chart.load(str(CHART))
+    with pytest.raises(helm.HelmError, match=reason.replace(".", r"\.")):
+        chart.render(values, name="kvbridge", namespace="kvbridge-system")
 
 
 def test_operator_deployment_is_one_restricted_replica() -> None:
@@ -116,7 +148,8 @@ def test_values_reach_the_operator() -> None:
     assert default["KVBRIDGE_OPERATOR_VLLM_CPU_IMAGE"] == "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0"
     assert default["KVBRIDGE_OPERATOR_ROUTING_SIDECAR_IMAGE"] == ""  # no sidecar unless asked for
     sidecar = {"vllm": {"routingSidecar": {"image": "ghcr.io/llm-d/llm-d-routing-sidecar:v0.3.0",
-                                           "args": ["--connector=nixlv2", "--secure-proxy=true"]}}}  # fmt: skip
+                                           "args": ["--connector=nixlv2", "--secure-proxy=true",
+                                                    "--allowlist=a,b"]}}}  # fmt: skip
     [operator] = by_kind(render(sidecar))["Deployment"]
     env = {e["name"]: e["value"] for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["KVBRIDGE_OPERATOR_ROUTING_SIDECAR_IMAGE"] == "ghcr.io/llm-d/llm-d-routing-sidecar:v0.3.0"
@@ -124,7 +157,8 @@ def test_values_reach_the_operator() -> None:
 
     config = OperatorConfig.from_env(env)  # what the operator makes of the chart's variables
     assert config.routing_sidecar_image == "ghcr.io/llm-d/llm-d-routing-sidecar:v0.3.0"
-    assert config.routing_sidecar_args == ("--connector=nixlv2", "--secure-proxy=true")
+    # one argument with a comma stays one argument (the chart passes a JSON array)
+    assert config.routing_sidecar_args == ("--connector=nixlv2", "--secure-proxy=true", "--allowlist=a,b")
     assert config.vllm_image == "vllm/vllm-openai:v0.32.0"
     assert config.vllm_cpu_image == "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0"
     kinds = by_kind(render(VALUE_SETS["no-metrics-existing-sa"]))
@@ -144,7 +178,8 @@ def test_values_reach_the_operator() -> None:
         {"metrics": {"port": 70000}},
         {"metrics": {"serviceMonitor": {"interval": "often"}}},
         {"vllm": {"image": ""}},
-        {"vllm": {"routingSidecar": {"args": ["--a=1,--b=2"]}}},
+        {"watch": {"scope": "Namespace", "namespaces": ["Team_A"]}},
+        {"watch": {"scope": "Namespace", "namespaces": ["a", "a"]}},
     ],
 )
 def test_values_schema_rejects_bad_values(bad: dict[str, Any]) -> None:

@@ -40,6 +40,26 @@ app.kubernetes.io/component: operator
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
+{{/* The namespaces watched with scope Namespace, as a JSON array: watch.namespaces, or the release's. */}}
+{{- define "kvbridge.watchedNamespaces" -}}
+{{- if .Values.watch.namespaces }}
+{{- toJson .Values.watch.namespaces }}
+{{- else }}
+{{- toJson (list .Release.Namespace) }}
+{{- end }}
+{{- end }}
+
+{{/* Values that are valid one by one but not together: refuse them with a reason (values.schema.json cannot say
+why). */}}
+{{- define "kvbridge.checkValues" -}}
+{{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.enabled) }}
+{{- fail "metrics.serviceMonitor.enabled=true needs metrics.enabled=true: the ServiceMonitor scrapes the metrics Service, which metrics.enabled=false removes (set metrics.enabled=true, or serviceMonitor.enabled=false)" }}
+{{- end }}
+{{- if and .Values.watch.namespaces (eq .Values.watch.scope "Cluster") }}
+{{- fail "watch.namespaces is set but watch.scope is Cluster (every namespace): set watch.scope=Namespace to watch only the listed namespaces, or remove watch.namespaces" }}
+{{- end }}
+{{- end }}
+
 {{- define "kvbridge.agentImage" -}}
 {{- default (printf "ghcr.io/kvbridge/kvbridge-agent:%s" .Chart.AppVersion) .Values.agent.image }}
 {{- end }}

@@ -1,0 +1,71 @@
+"""Operator settings: a flag and a variable for every one, flags win, list values that may hold commas."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import pytest
+
+from kvbridge_agent.core import SpecError
+from kvbridge_operator import cli
+from kvbridge_operator.config import OperatorConfig, flag_of, settings
+
+
+def run_parser() -> argparse.ArgumentParser:
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    operator = commands.choices["operator"]
+    actions = next(a for a in operator._actions if isinstance(a, argparse._SubParsersAction))
+    return actions.choices["run"]
+
+
+def test_every_setting_has_a_flag() -> None:
+    flags = {option for action in run_parser()._actions for option in action.option_strings}
+    for item in settings():
+        assert flag_of(item) in flags, item.name
+
+
+def config_from(argv: list[str], environ: dict[str, str]) -> OperatorConfig:
+    args = run_parser().parse_args(argv)
+    flags: dict[str, Any] = {}
+    for item in settings():
+        value = getattr(args, item.name)
+        flags[item.name] = tuple(value) if isinstance(value, list) else value
+    return OperatorConfig.from_env(environ, **flags)
+
+
+def test_flags_reach_every_setting_and_win_over_variables() -> None:
+    environ = {"KVBRIDGE_OPERATOR_VLLM_IMAGE": "env/vllm:1", "KVBRIDGE_OPERATOR_METRICS_PORT": "9000"}
+    config = config_from(
+        ["--vllm-image", "flag/vllm:2", "--vllm-cpu-image", "flag/cpu:2", "--routing-sidecar-image", "sidecar:1",
+         "--routing-sidecar-arg=--connector=nixlv2", "--routing-sidecar-arg=--allow=a,b", "--namespace", "a",
+         "--namespace", "b", "--agent-num-blocks", "64", "--cpu-mode"],
+        environ,
+    )  # fmt: skip
+    assert config.vllm_image == "flag/vllm:2"
+    assert config.vllm_cpu_image == "flag/cpu:2"
+    assert config.routing_sidecar_image == "sidecar:1"
+    assert config.routing_sidecar_args == ("--connector=nixlv2", "--allow=a,b")  # a comma inside one argument
+    assert config.namespaces == ("a", "b")
+    assert config.agent_num_blocks == 64
+    assert config.cpu_mode is True
+    assert config.metrics_port == 9000  # no flag given: the variable
+    assert config_from([], {}) == OperatorConfig()
+
+
+def test_a_json_array_keeps_commas_inside_sidecar_arguments() -> None:
+    config = OperatorConfig.from_env({"KVBRIDGE_OPERATOR_ROUTING_SIDECAR_ARGS": '["--a=1,2", "--b"]'})
+    assert config.routing_sidecar_args == ("--a=1,2", "--b")
+    assert OperatorConfig.from_env({"KVBRIDGE_OPERATOR_NAMESPACES": "x, y"}).namespaces == ("x", "y")
+
+
+@pytest.mark.parametrize(
+    ("name", "raw"),
+    [("ROUTING_SIDECAR_ARGS", '["--a"'), ("ROUTING_SIDECAR_ARGS", "[1, 2]"), ("METRICS_PORT", "http"),
+     ("CPU_MODE", "maybe")],
+)  # fmt: skip
+def test_bad_variables_are_named(name: str, raw: str) -> None:
+    with pytest.raises(SpecError) as caught:
+        OperatorConfig.from_env({f"KVBRIDGE_OPERATOR_{name}": raw})
+    assert caught.value.field == f"KVBRIDGE_OPERATOR_{name}"
