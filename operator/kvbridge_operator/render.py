@@ -111,7 +111,7 @@ def engine_env(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, conf
         role=role, deployment=dd.metadata.name, engine_id="from-downward-api", model=spec.model,
         prefill=spec.prefill.settings(), decode=spec.decode.settings(), transfer=spec.transfer,
         side_channel_host="from-downward-api", fingerprint=plan.fingerprint,
-        keys_dir=config.keys_mount_path if agent else "",
+        keys_dir=config.keys_mount_path if agent or vllm.uses_kvbridge(spec) else "",
         num_blocks=config.agent_num_blocks, http_port=config.agent_http_port,
         device="cpu" if on_cpu(dd, config) else "cuda",
     )  # fmt: skip
@@ -138,7 +138,7 @@ def pod_template(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, co
     else:
         containers, volumes = (
             [_agent_container(dd, role, plan, config, side_channel)],
-            [{"name": KEYS_VOLUME, "secret": {"secretName": secret_name(dd.metadata.name), "defaultMode": 0o400}}],
+            [_keys_volume(dd)],
         )
     template: Obj = {
         "metadata": {"labels": labels},
@@ -147,6 +147,10 @@ def pod_template(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, co
     template = overlay(template, role_spec.template) if role_spec.template else template
     template["metadata"].setdefault("labels", {})[LABEL_REVISION] = revision(template)
     return template
+
+
+def _keys_volume(dd: DisaggregatedDeployment) -> Obj:
+    return {"name": KEYS_VOLUME, "secret": {"secretName": secret_name(dd.metadata.name), "defaultMode": 0o400}}
 
 
 def on_cpu(dd: DisaggregatedDeployment, config: OperatorConfig) -> bool:
@@ -187,12 +191,18 @@ def _agent_container(
 def _vllm_containers(
     dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig, side: Obj
 ) -> tuple[list[Obj], list[Obj]]:
-    """``vllm serve`` (and, on decode with the routing sidecar, the sidecar in front of it); no key Secret:
-    vLLM's side channel has no CURVE, the NetworkPolicy is what limits who reaches it."""
+    """``vllm serve`` (and, on decode with the routing sidecar, the sidecar in front of it). With NixlConnector no
+    key Secret: its side channel has no CURVE, the NetworkPolicy is what limits who reaches it; kvbridge's
+    connector gets the Secret, as the agent worker does."""
     engine = vllm.container(dd, role, plan, config, engine_env(dd, role, plan, config))
     engine["ports"].append(side)
     engine["securityContext"] = {"allowPrivilegeEscalation": False}
     volumes: list[Obj] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}]
+    if vllm.uses_kvbridge(dd.spec):
+        volumes.append(_keys_volume(dd))
+        engine.setdefault("volumeMounts", []).append(
+            {"name": KEYS_VOLUME, "mountPath": config.keys_mount_path, "readOnly": True}
+        )
     return ([vllm.routing_sidecar(config), engine] if vllm.behind_sidecar(role, config) else [engine]), volumes
 
 

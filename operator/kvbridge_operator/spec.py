@@ -40,11 +40,21 @@ class EngineDevice(StrEnum):
     CPU = "CPU"  # CPU cores per TP rank; the KV cache in host memory (vLLM's CPU build)
 
 
+class Connector(StrEnum):
+    NIXL = "Nixl"  # vLLM's own NixlConnector
+    KVBRIDGE = "KVBridge"  # kvbridge's KVBridgeConnector (kvbridge_agent.vllm_connector) inside vLLM
+
+
 class EngineSpec(CamelModel):
     kind: EngineKind = Field(default=EngineKind.AGENT, description="Agent (kvbridge agent worker) or VLLM.")
     device: EngineDevice = Field(
         default=EngineDevice.GPU,
         description="GPU, or CPU (vLLM's CPU build: no GPUs requested, the KV cache in host memory, CPU attention).",
+    )
+    connector: Connector = Field(
+        default=Connector.NIXL,
+        description="VLLM only: the KV connector, vLLM's Nixl or kvbridge's KVBridge (CURVE side channel, leases "
+        "in the transfer parameters, stale-peer recovery; the image must have kvbridge installed).",
     )
     image: str = Field(
         default="", max_length=512, description="Container image; empty takes the default per kind and device."

@@ -22,7 +22,7 @@ from kvbridge_agent.core import CacheKind, KVCacheDtype, KVLayout, Problem, Role
 from kvbridge_agent.core.wire import ConversionKind, wire_format, wire_format_defined
 
 from .config import OperatorConfig
-from .spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineDevice, RoleSpec
+from .spec import Connector, DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineDevice, RoleSpec
 
 #: the vLLM release this renderer targets: the flags, variables and layout names below are that release's
 VLLM_RELEASE = "0.32"
@@ -36,6 +36,7 @@ VLLM_CPU_CACHE_KIND = "VLLM_CPU_CACHE_KIND"
 VLLM_CPU_KV_CACHE_DTYPE = "VLLM_CPU_KV_CACHE_DTYPE"
 
 VLLM_UNMODELLED_ARGUMENT = "VLLM_UNMODELLED_ARGUMENT"
+VLLM_KVBRIDGE_GPU = "VLLM_KVBRIDGE_GPU"
 
 #: arguments kvbridge sets from the spec; ``extraArgs`` naming one of them is refused
 MANAGED_ARGUMENTS = (
@@ -128,6 +129,12 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
             ))  # fmt: skip
     if on_cpu(spec):
         found += _cpu_problems(spec)
+    elif uses_kvbridge(spec):
+        found.append(Problem(
+            VLLM_KVBRIDGE_GPU, "spec.engine.connector",
+            "KVBridgeConnector has run only with vLLM's CPU build so far (no GPU here to prove it on vLLM's GPU "
+            "cache layouts); set spec.engine.connector: Nixl, or spec.engine.device: CPU",
+        ))  # fmt: skip
     prefill, decode = spec.prefill.settings(), spec.decode.settings()
     if wire_format_defined(spec.model, prefill, decode):
         for step in wire_format(spec.model, prefill, decode).steps(Role.PREFILL):
@@ -208,8 +215,23 @@ class VLLMEngine:
         return [*self.launcher, "vllm", "serve", *self.args]
 
 
+#: where vLLM finds kvbridge's connector (``kv_connector_module_path``)
+KVBRIDGE_CONNECTOR_MODULE = "kvbridge_agent.vllm_connector"
+
+
+def uses_kvbridge(spec: DisaggregatedDeploymentSpec) -> bool:
+    return spec.engine.connector is Connector.KVBRIDGE
+
+
 def kv_transfer_config(spec: DisaggregatedDeploymentSpec, plan: TransferPlan, role: Role) -> Obj:
-    """vLLM's ``KVTransferConfig`` for one role (NixlConnector, vLLM 0.32)."""
+    """vLLM's ``KVTransferConfig`` for one role (vLLM 0.32): NixlConnector's, or kvbridge's connector, which reads
+    everything else from kvbridge's environment contract."""
+    if uses_kvbridge(spec):
+        return {
+            "kv_connector": "KVBridgeConnector", "kv_connector_module_path": KVBRIDGE_CONNECTOR_MODULE,
+            "kv_role": "kv_producer" if role is Role.PREFILL else "kv_consumer",
+            "kv_buffer_device": "cpu" if on_cpu(spec) else "cuda",
+        }  # fmt: skip
     extra: Obj = {"backends": list(spec.transfer.backends), "kv_lease_duration": spec.transfer.lease_seconds}
     config: Obj = {
         "kv_connector": "NixlConnector",

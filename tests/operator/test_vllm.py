@@ -327,3 +327,41 @@ def test_the_lease_reaches_vllm() -> None:
     for role in (Role.PREFILL, Role.DECODE):
         config = json.loads(flag(engine(doc, role)["args"], "--kv-transfer-config"))
         assert config["kv_connector_extra_config"]["kv_lease_duration"] == 300
+
+
+def kvbridge_connector(doc: dict[str, Any]) -> dict[str, Any]:
+    doc["spec"]["engine"]["connector"] = "KVBridge"
+    return doc
+
+
+def test_the_kvbridge_connector_is_loaded_from_the_agent_and_gets_the_keys() -> None:
+    doc = kvbridge_connector(document("tiny-cpu"))
+    assert not isinstance(verdict(doc), list)
+    for role, kv_role in ((Role.PREFILL, "kv_producer"), (Role.DECODE, "kv_consumer")):
+        pod = template(doc, role)
+        container = engine(doc, role)
+        config = json.loads(flag(container["command"] + container.get("args", []), "--kv-transfer-config"))
+        assert config == {"kv_connector": "KVBridgeConnector", "kv_connector_module_path": "kvbridge_agent.vllm_connector",
+                          "kv_role": kv_role, "kv_buffer_device": "cpu"}  # fmt: skip
+        variables = env(container)
+        assert variables["KVBRIDGE_KEYS_DIR"] == OperatorConfig().keys_mount_path
+        assert {"name": "side-channel-keys", "mountPath": OperatorConfig().keys_mount_path, "readOnly": True} in (
+            container["volumeMounts"]
+        )
+        [keys] = [v for v in pod["spec"]["volumes"] if v["name"] == "side-channel-keys"]
+        assert keys["secret"]["secretName"] == "tiny-cpu-side-channel"
+    for obj in children(parse_deployment(doc), UID, verdict(doc), OperatorConfig()):
+        kubernetes_validate.validate(obj, "1.30", strict=True)
+
+
+def test_nixl_pods_get_no_keys() -> None:
+    container = engine(document("tiny-cpu"), Role.PREFILL)
+    assert env(container)["KVBRIDGE_KEYS_DIR"] == ""
+    assert all(m["name"] != "side-channel-keys" for m in container.get("volumeMounts", []))
+
+
+def test_the_kvbridge_connector_on_gpus_is_refused_until_it_has_run_there() -> None:
+    doc = kvbridge_connector(document("llama3-8b-hetero-tp"))
+    problems = verdict(doc)
+    assert isinstance(problems, list)
+    assert [(p.code, p.field) for p in problems] == [("VLLM_KVBRIDGE_GPU", "spec.engine.connector")]

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge_agent.core import Role
+from kvbridge_agent.runtime.keys import generate_keys
 from kvbridge_operator.local import tiny_model
 
 from .engines import Engines, deployment, rendered_template, require_vllm
@@ -22,6 +23,7 @@ SHORT_LEASE_SECONDS = 2
 DEPLOYMENTS = {
     "tp1": deployment("tiny-tp1", 1),
     "tp2": deployment("tiny-tp2", 2),
+    "kvbridge": deployment("tiny-kvbridge", 1, connector="KVBridge"),
     "short-lease": deployment("tiny-short-lease", 1, lease=SHORT_LEASE_SECONDS,
                               extra=(f"--num-gpu-blocks-override={SHORT_LEASE_BLOCKS}",)),
 }  # fmt: skip
@@ -41,6 +43,13 @@ def all_engines(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
     found.add("prefill-tp1", rendered_template(DEPLOYMENTS["tp1"], Role.PREFILL), "127.0.1.2", (0,))
     found.add("prefill-short-lease", rendered_template(DEPLOYMENTS["short-lease"], Role.PREFILL), "127.0.1.4", (0,))
     found.add("prefill-tp2", rendered_template(DEPLOYMENTS["tp2"], Role.PREFILL), "127.0.1.3", (0, 1))
+    # kvbridge's connector: the Secret's key pair, as the pods mount it
+    keys = tmp_path_factory.mktemp("keys")
+    generate_keys(keys)
+    found.keys_dir = keys
+    for role, ip, core in ((Role.PREFILL, "127.0.1.6", 0), (Role.DECODE, "127.0.1.7", 1)):
+        found.add(f"kvbridge-{role.value}", rendered_template(DEPLOYMENTS["kvbridge"], role), ip, (core,),
+                  env={"KVBRIDGE_KEYS_DIR": str(keys)})  # fmt: skip
     try:
         yield found
     finally:
@@ -63,6 +72,12 @@ def _phase(engines: Engines, wanted: list[str]) -> Engines:
 def tp1_engines(all_engines: Engines) -> Engines:
     """decode TP 1, prefill TP 1 and the short-lease prefill TP 1."""
     return _phase(all_engines, ["decode", "prefill-tp1", "prefill-short-lease"])
+
+
+@pytest.fixture
+def kvbridge_engines(all_engines: Engines) -> Engines:
+    """prefill TP 1 and decode TP 1 with kvbridge's KVBridgeConnector."""
+    return _phase(all_engines, ["kvbridge-prefill", "kvbridge-decode"])
 
 
 #: prefill TP 2 beside a decode engine: a core per prefill rank, one for decode, one for the NIXL progress threads

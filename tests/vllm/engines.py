@@ -45,7 +45,9 @@ def require_vllm() -> None:
     pytest.skip(message)
 
 
-def deployment(name: str, prefill_tp: int, *, lease: int | None = None, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+def deployment(
+    name: str, prefill_tp: int, *, lease: int | None = None, extra: tuple[str, ...] = (), connector: str = "Nixl"
+) -> dict[str, Any]:
     """A vLLM-on-CPU DisaggregatedDeployment of the tiny model: prefill TP ``prefill_tp`` -> decode TP 1."""
     transfer: dict[str, Any] = {} if lease is None else {"leaseSeconds": lease}
     return {
@@ -53,7 +55,7 @@ def deployment(name: str, prefill_tp: int, *, lease: int | None = None, extra: t
         "kind": "DisaggregatedDeployment",
         "metadata": {"name": name},
         "spec": {
-            "engine": {"kind": "VLLM", "device": "CPU", "cpuKVCacheGiB": 1,
+            "engine": {"kind": "VLLM", "device": "CPU", "cpuKVCacheGiB": 1, "connector": connector,
                        "extraArgs": ["--enforce-eager", "--max-model-len=512", *extra]},
             "model": {"name": MODEL_NAME, **tiny_model.GEOMETRY},
             "transfer": transfer,
@@ -95,14 +97,17 @@ class Engines:
     workdir: Path
     model: Path
     engines: dict[str, Engine] = field(default_factory=dict)
+    keys_dir: Path | None = None
     peak_rss: int = 0
     start_seconds: dict[str, float] = field(default_factory=dict)
     _sampling: threading.Event = field(default_factory=threading.Event)
     _sampler_started: bool = False
 
-    def add(self, name: str, template: dict[str, Any], ip: str, cpus: tuple[int, ...]) -> Engine:
+    def add(
+        self, name: str, template: dict[str, Any], ip: str, cpus: tuple[int, ...], env: dict[str, str] | None = None
+    ) -> Engine:
         spec = pods.local_pod(template, name, ip, self.workdir / name, models={MODEL_NAME: str(self.model)},
-                              cpus=cpus)  # fmt: skip
+                              cpus=cpus, env_overrides=env)  # fmt: skip
         engine = Engine(name, ip, spec, self.workdir / f"{name}.log")
         self.engines[name] = engine
         return engine

@@ -1,0 +1,108 @@
+"""``KVBridgeConnector``: the class vLLM instantiates, once in the scheduler and once per worker; it forwards."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvbridge_agent.core import SpecError
+
+from .messages import RankHandshake, StepMetadata
+from .scheduler import ConnectorScheduler
+from .settings import ConnectorSettings
+from .worker import ConnectorWorker
+
+if TYPE_CHECKING:
+    import torch
+
+
+class KVBridgeConnector(KVConnectorBase_V1):
+    """kvbridge's KV transfer inside vLLM: CURVE side channel, the plan from the core once per prefill engine,
+    NIXL READs, leases carried in ``kv_transfer_params``, stale-peer eviction."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        if len(groups) > 1:
+            raise SpecError(
+                f"the model has {len(groups)} KV cache groups (hybrid attention); KVBridgeConnector supports one",
+                field="spec.model", code="CONNECTOR_UNSUPPORTED",
+            )  # fmt: skip
+        settings = ConnectorSettings.from_vllm(vllm_config)
+        self._scheduler: ConnectorScheduler | None = None
+        self._worker: ConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = ConnectorScheduler(settings)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._worker = ConnectorWorker(settings, get_tensor_model_parallel_rank())
+
+    def _worker_half(self) -> ConnectorWorker:
+        if self._worker is None:
+            raise SpecError("a worker call reached the scheduler's connector", code="CONNECTOR_ROLE")
+        return self._worker
+
+    def _scheduler_half(self) -> ConnectorScheduler:
+        if self._scheduler is None:
+            raise SpecError("a scheduler call reached a worker's connector", code="CONNECTOR_ROLE")
+        return self._scheduler
+
+    # -- worker ------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker_half().register(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self._worker.handshake_metadata() if self._worker is not None else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if isinstance(meta, StepMetadata):
+            self._worker_half().start(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # the whole request's KV arrives before vLLM schedules it (asynchronous load)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # pull model: decode READs what prefill computed in place
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker_half().finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors() if self._worker is not None else set()
+
+    # -- scheduler ---------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler_half().matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler_half().after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._scheduler_half().build_metadata()
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.transfers_done(connector_output.finished_sending)
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_half().request_finished(request, block_ids)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        if self._scheduler is not None:
+            self._scheduler.set_handshake({r: m for r, m in metadata.items() if isinstance(m, RankHandshake)})
+
+    def shutdown(self) -> None:
+        for half in (self._scheduler, self._worker):
+            if half is not None:
+                half.close()

@@ -1,0 +1,127 @@
+"""The connector's scheduler half: which requests to read or offer, the leases, and the side-channel listener.
+
+It runs in vLLM's engine-core process and touches no KV memory. Prefill: a finished request with
+``do_remote_decode`` keeps its blocks (vLLM's delayed free) until the worker reports every reader done or its
+lease ends; the lease starts when the parameters are published and travels in them (``expiresAt``). Decode: a
+request with kvbridge parameters is loaded asynchronously; its whole prompt comes from prefill less what the
+local prefix cache already holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from kvbridge_agent.core import Role
+from kvbridge_agent.core.handshake import KVTransferParams, RankMetadata
+from kvbridge_agent.runtime.keys import load_keys
+from kvbridge_agent.runtime.side_channel import SideChannelServer
+
+from .messages import PARAMS_KEY, OfferOrder, RankHandshake, ReadOrder, StepMetadata, transfer_params
+from .settings import ConnectorSettings
+
+log = logging.getLogger(f"vllm.kvbridge.{__name__.rsplit('.', 1)[-1]}")  # shown by vLLM's log handler
+
+#: vLLM's request states in which a prefill's KV is complete (anything else frees the blocks at once)
+_FINISHED_NORMALLY = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+
+
+class ConnectorScheduler:
+    def __init__(self, settings: ConnectorSettings) -> None:
+        self.settings = settings
+        self.engine_id = settings.environment.engine_id
+        self._lock = threading.Lock()  # heartbeats arrive on the side-channel thread
+        self._leases: dict[str, float] = {}  # prefill: held request -> lease end (Unix time)
+        self._to_read: dict[str, ReadOrder] = {}
+        self._to_offer: dict[str, OfferOrder] = {}
+        self._server: SideChannelServer | None = None
+        self._incarnation = ""
+        self._tp_size = settings.tp_size
+
+    # -- prefill: serving the ranks' metadata ----------------------------------
+    def set_handshake(self, ranks: dict[int, RankHandshake]) -> None:
+        if self.settings.role is not Role.PREFILL or self._server is not None:
+            return
+        served = {r: (RankMetadata.model_validate_json(h.rank_metadata_json), h.agent_metadata)
+                  for r, h in ranks.items()}  # fmt: skip
+        incarnations = {meta.incarnation for meta, _ in served.values()}
+        if len(incarnations) != 1:
+            raise RuntimeError(f"kvbridge: TP ranks report different incarnations {sorted(incarnations)}")
+        self._incarnation = incarnations.pop()
+        environment = self.settings.environment
+        keys = load_keys(environment.keys_dir) if environment.keys_dir else None
+        self._server = SideChannelServer(
+            environment.side_channel_host, environment.side_channel_port, self.settings.fingerprint, served, keys,
+            on_heartbeat=self._renew,
+        ).start()  # fmt: skip
+        log.info("kvbridge: side channel of %s on %s:%d (%s)", self.engine_id, environment.side_channel_host,
+                 self._server.port, "CURVE" if keys else "no CURVE")  # fmt: skip
+
+    def _renew(self, request_ids: list[str]) -> None:
+        until = time.time() + self.settings.transfer.lease_seconds
+        with self._lock:
+            for request_id in request_ids:
+                if request_id in self._leases:
+                    self._leases[request_id] = max(self._leases[request_id], until)
+
+    # -- decode: what to load ----------------------------------------------------
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        if self.settings.role is not Role.DECODE:
+            return 0, False
+        raw = request.kv_transfer_params
+        if not raw or not raw.get("do_remote_prefill") or transfer_params(raw) is None:
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        raw = request.kv_transfer_params
+        if self.settings.role is not Role.DECODE or not raw or not raw.get("do_remote_prefill"):
+            return
+        params = transfer_params(raw)
+        raw["do_remote_prefill"] = False  # one transfer per request, also after a preemption
+        if params is None:
+            return
+        local = list(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else []
+        self._to_read[request.request_id] = ReadOrder(local, params)
+
+    # -- both: each step ------------------------------------------------------------
+    def build_metadata(self) -> StepMetadata:
+        with self._lock:
+            meta = StepMetadata(self._to_read, self._to_offer, dict(self._leases))
+        self._to_read, self._to_offer = {}, {}
+        return meta
+
+    def transfers_done(self, finished_sending: set[str] | None) -> None:
+        with self._lock:
+            for request_id in finished_sending or ():
+                self._leases.pop(request_id, None)
+
+    # -- prefill: publishing a finished request ------------------------------------
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        raw = request.kv_transfer_params
+        if self.settings.role is not Role.PREFILL or not raw or not raw.get("do_remote_decode"):
+            return False, None
+        blocks = list(block_ids[0]) if block_ids and isinstance(block_ids[0], list | tuple) else list(block_ids)
+        if request.status.name not in _FINISHED_NORMALLY or not blocks or self._server is None:
+            return False, None
+        expires_at = time.time() + self.settings.transfer.lease_seconds
+        with self._lock:
+            self._leases[request.request_id] = expires_at
+        self._to_offer[request.request_id] = OfferOrder(blocks, expires_at)
+        environment = self.settings.environment
+        params = KVTransferParams(
+            remote_engine_id=self.engine_id, remote_incarnation=self._incarnation,
+            remote_host=environment.side_channel_host, remote_port=self._server.port,
+            remote_request_id=request.request_id, remote_block_ids=blocks, num_tokens=request.num_computed_tokens,
+            remote_tp_size=self._tp_size, fingerprint=self.settings.fingerprint, expires_at=expires_at,
+        )  # fmt: skip
+        return True, {"do_remote_prefill": True, "do_remote_decode": False,
+                      PARAMS_KEY: params.model_dump(mode="json", by_alias=True)}  # fmt: skip
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None

@@ -1,0 +1,79 @@
+"""What the connector needs to know, from kvbridge's environment contract and vLLM's own configuration."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge_agent.core import KVLayout, ModelGeometry, Role, RoleSettings, SpecError, TransferSettings
+from kvbridge_agent.core.contract import EngineEnvironment, parse_environment
+from kvbridge_agent.core.plan import plan_or_problems
+
+#: vLLM's KV roles and kvbridge's
+_ROLES = {"kv_producer": Role.PREFILL, "kv_consumer": Role.DECODE}
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """One engine's view of the pair: the model, both roles' settings, the transfer settings, its own identity."""
+
+    role: Role
+    environment: EngineEnvironment
+    block_size: int
+    tp_size: int
+
+    @property
+    def model(self) -> ModelGeometry:
+        return self.environment.model
+
+    @property
+    def transfer(self) -> TransferSettings:
+        return self.environment.transfer
+
+    @property
+    def own(self) -> RoleSettings:
+        return self.environment.own
+
+    @property
+    def fingerprint(self) -> str:
+        return self.environment.fingerprint
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any, environ: Mapping[str, str] = os.environ) -> ConnectorSettings:
+        """The contract from the environment, checked against what vLLM actually runs (block size, TP size,
+        role): a pod whose vLLM flags disagree with the contract fails at start-up, not with wrong tokens."""
+        transfer_config = vllm_config.kv_transfer_config
+        role = _ROLES.get(str(transfer_config.kv_role))
+        if role is None:
+            raise SpecError(
+                f"kv_role {transfer_config.kv_role!r}: KVBridgeConnector runs kv_producer (prefill) or kv_consumer "
+                "(decode) engines", field="kv_transfer_config.kv_role", code="CONNECTOR_ROLE",
+            )  # fmt: skip
+        environment = parse_environment(environ, role=role.value)
+        block_size = int(vllm_config.cache_config.block_size)
+        tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        own = environment.own
+        for name, have, want in (("blockSize", block_size, own.block_size),
+                                 ("tensorParallelSize", tp_size, own.tensor_parallel_size)):  # fmt: skip
+            if have != want:
+                raise SpecError(
+                    f"vLLM runs {name} {have} but the environment contract says {want} for {role.value}: start vLLM "
+                    "with the arguments kvbridge rendered", field=f"spec.{role.value}.{name}",
+                    code="CONNECTOR_MISMATCH",
+                )  # fmt: skip
+        if own.kv_layout is not KVLayout.HND:
+            raise SpecError(
+                f"{role.value} kvLayout {own.kv_layout.value}: the connector reads vLLM's head-major caches (HND)",
+                field=f"spec.{role.value}.kvLayout", code="CONNECTOR_MISMATCH",
+            )  # fmt: skip
+        result = plan_or_problems(environment.model, environment.prefill, environment.decode, environment.transfer)
+        if isinstance(result, list):
+            raise SpecError(
+                "; ".join(f"{p.code} at {p.field}: {p.message}" for p in result), field=result[0].field,
+                code="INCOMPATIBLE",
+            )  # fmt: skip
+        if not environment.fingerprint:
+            environment = environment.model_copy(update={"fingerprint": result.fingerprint})
+        return cls(role, environment, block_size, tp_size)

@@ -1,0 +1,203 @@
+"""The connector's worker half: one TP rank's vLLM KV cache on kvbridge's rank machinery.
+
+vLLM's KV tensors are attached as they are (no copy): a prefill rank is a
+:class:`~kvbridge_agent.runtime.prefill_rank.PrefillRank`, a decode rank a
+:class:`~kvbridge_agent.runtime.decode_rank.DecodeRank` — the same classes the synthetic worker runs. Decode
+handshakes with a prefill engine the first time it meets it (and again when the engine restarted: a new
+incarnation evicts the stale peer), builds the plan once per engine, and READs each request's blocks; a READ
+it cannot start, a failed or late one, or one past the prefill's lease marks the request's blocks invalid, which
+vLLM handles by its ``kv_load_failure_policy`` (recompute, or fail the request) — never by using stale KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any
+
+from kvbridge_agent.core import CacheKind, KVLayout, ModelGeometry, Role, SpecError, TransferPlan
+from kvbridge_agent.core.handshake import HandshakeError
+from kvbridge_agent.core.plan import build_plan
+from kvbridge_agent.core.tp import handshake_ranks
+from kvbridge_agent.runtime.decode_rank import DecodeRank, ReadResult
+from kvbridge_agent.runtime.keys import CurveKeys, load_keys
+from kvbridge_agent.runtime.kv_cache import KVCache, distinct_tensors
+from kvbridge_agent.runtime.prefill_rank import PrefillRank
+from kvbridge_agent.runtime.side_channel import SideChannelClient
+from kvbridge_agent.runtime.transport import Transport, TransportError
+
+from .messages import RankHandshake, ReadOrder, StepMetadata
+from .settings import ConnectorSettings
+
+log = logging.getLogger(f"vllm.kvbridge.{__name__.rsplit('.', 1)[-1]}")  # shown by vLLM's log handler
+
+#: decode refuses a read this close to the prefill's lease end (clock skew between the two hosts)
+LEASE_CLOCK_MARGIN_SECONDS = 1.0
+LEASE_EXPIRED = "LEASE_EXPIRED"
+
+
+def transfer_geometry(model: ModelGeometry, tensors: list[Any]) -> ModelGeometry:
+    """The geometry kvbridge moves bytes by. vLLM's CPU attention keeps one tensor per layer,
+    ``[blocks, heads, block_size, 2 * head_dim]``, each head's keys and then its values in one contiguous chunk:
+    for the transfer that is a Split cache of one region per layer whose head is twice as wide (every TP mapping
+    of heads stays exact, because a head's K and V move together). Other engines' tensors are taken as the
+    model's cache kind describes them."""
+    if model.cache_kind is CacheKind.SPLIT and not model.is_mla and len(tensors) == model.num_layers:
+        return model.model_copy(update={"head_dim": 2 * model.head_dim})
+    return model
+
+
+def refuse_conversions(geometry: ModelGeometry, model: ModelGeometry, plan: TransferPlan) -> None:
+    """Block-size and layout conversions re-lay rows inside a head; with K and V fused per head (the doubled
+    geometry) they would mix keys and values, so they are refused until that layout has its own conversions."""
+    if geometry != model and plan.wire.conversions:
+        steps = ", ".join(f"{s.side.value} {s.kind.value} {s.source}->{s.target}" for s in plan.wire.conversions)
+        raise SpecError(
+            f"the plan needs {steps}, which KVBridgeConnector does not yet do for vLLM's CPU attention layout "
+            "(keys and values fused per head); use equal block sizes and kvLayout HND on both sides",
+            field="spec.decode.blockSize", code="CONNECTOR_UNSUPPORTED",
+        )  # fmt: skip
+
+
+class ConnectorWorker:
+    def __init__(self, settings: ConnectorSettings, tp_rank: int) -> None:
+        self.settings = settings
+        self.tp_rank = tp_rank
+        self.incarnation = uuid.uuid4().hex[:16]
+        environment = settings.environment
+        self.keys: CurveKeys | None = load_keys(environment.keys_dir) if environment.keys_dir else None
+        self.prefill: PrefillRank | None = None
+        self.decode: DecodeRank | None = None
+        self._handshake: RankHandshake | None = None
+        self.geometry: ModelGeometry = settings.model
+        # prefill
+        self._leases: dict[str, float] = {}
+        self._done_sending: set[str] = set()
+        self._finished_seen: set[str] = set()
+        # decode
+        self._results: list[ReadResult] = []
+        self._load_errors: set[int] = set()
+        self.stats = {"reads": 0, "failed": 0, "bytes": 0, "handshakes": 0, "evictions": 0}
+
+    # -- registration --------------------------------------------------------------
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        tensors = distinct_tensors(list(kv_caches.values()))  # vLLM gives them in layer order
+        settings, environment = self.settings, self.settings.environment
+        self.geometry = transfer_geometry(settings.model, tensors)
+        cache = KVCache.attach(
+            self.geometry, settings.block_size, KVLayout.HND, settings.tp_size, self.tp_rank,
+            int(tensors[0].shape[0]), tensors,
+        )  # fmt: skip
+        transport = Transport(
+            f"{environment.engine_id}-{self.incarnation}-{self.tp_rank}", environment.transfer.backends
+        )
+        transport.register(cache.tensors)
+        if settings.role is Role.PREFILL:
+            plan = build_plan(self.geometry, environment.prefill, environment.decode, settings.transfer)
+            refuse_conversions(self.geometry, settings.model, plan)
+            self.prefill = PrefillRank(cache, transport, plan, environment.engine_id, self.incarnation)
+            self._handshake = RankHandshake(self.prefill.metadata().model_dump_json(), transport.metadata())
+        else:
+            self.decode = DecodeRank(cache, transport, environment.decode, settings.transfer)
+        log.info("kvbridge: %s rank %d registered %d KV tensor(s) of %d blocks", settings.role.value, self.tp_rank,
+                 len(cache.tensors), cache.num_blocks)  # fmt: skip
+
+    def handshake_metadata(self) -> RankHandshake | None:
+        return self._handshake
+
+    # -- each step -----------------------------------------------------------------------
+    def start(self, meta: StepMetadata) -> None:
+        if self.prefill is not None:
+            for request_id, order in meta.to_offer.items():
+                self.prefill.offer(request_id, order.block_ids)
+            self._leases.update({r: t for r, t in meta.leases.items() if r in self._leases or r in meta.to_offer})
+            for request_id, order in meta.to_offer.items():
+                self._leases[request_id] = max(order.expires_at, meta.leases.get(request_id, 0.0))
+        if self.decode is not None:
+            for request_id, read in meta.to_read.items():
+                result = self._start_read(self.decode, request_id, read)
+                if result is not None:
+                    self._results.append(result)
+
+    def _start_read(self, decode: DecodeRank, request_id: str, order: ReadOrder) -> ReadResult | None:
+        params = order.params
+        if params.expires_at is not None and time.time() > params.expires_at - LEASE_CLOCK_MARGIN_SECONDS:
+            return ReadResult(request_id, False, LEASE_EXPIRED, "prefill's lease on the blocks has ended",
+                              list(order.local_block_ids))  # fmt: skip
+        try:
+            self._ensure_peer(decode, params.remote_engine_id, params.remote_incarnation, params.remote_host,
+                              params.remote_port, params.remote_tp_size)  # fmt: skip
+        except (HandshakeError, TransportError) as exc:
+            return ReadResult(request_id, False, exc.code, exc.message, list(order.local_block_ids))
+        return decode.start(
+            request_id, params, order.local_block_ids, self.settings.environment.transfer_timeout_seconds
+        )
+
+    def _ensure_peer(
+        self, decode: DecodeRank, engine_id: str, incarnation: str, host: str, port: int, remote_tp: int
+    ) -> None:
+        peer = decode.peers.get(engine_id)
+        if peer is not None and peer.incarnation == incarnation:
+            return
+        if peer is not None:  # the prefill engine restarted: its old agent and lists are stale
+            decode.evict_peer(engine_id)
+            self.stats["evictions"] += 1
+        client = SideChannelClient(host, port, self.settings.fingerprint, self.keys,
+                                   self.settings.transfer.handshake_timeout_seconds)  # fmt: skip
+        ranks = client.fetch(handshake_ranks(remote_tp, self.settings.tp_size, self.tp_rank))
+        got = {meta.incarnation for meta, _ in ranks.values()}
+        if got != {incarnation}:
+            raise HandshakeError(f"{engine_id} now runs incarnation {sorted(got)}, not {incarnation}: the request's "
+                                 "blocks are gone", code="STALE_PEER")  # fmt: skip
+        peer = decode.add_peer(engine_id, incarnation, ranks)
+        try:
+            refuse_conversions(self.geometry, self.settings.model, peer.plan)
+        except SpecError as exc:
+            decode.evict_peer(engine_id)
+            raise HandshakeError(exc.message, code=exc.code) from exc
+        self.stats["handshakes"] += 1
+
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(requests whose blocks prefill may free, requests whose KV decode has received)."""
+        if self.prefill is not None:
+            self._finished_seen |= finished_req_ids
+            self._done_sending |= set(self.prefill.poll().completed)
+            now = time.time()
+            for request_id, until in list(self._leases.items()):
+                if request_id in self._done_sending:
+                    continue
+                if now > until and self.prefill.forget(request_id):
+                    log.warning("kvbridge: lease of %s ended unread; its blocks are freed", request_id)
+                    self._done_sending.add(request_id)
+            ready = self._done_sending & self._finished_seen  # vLLM wants ids it reported finished
+            self._done_sending -= ready
+            self._finished_seen -= ready
+            for request_id in ready:
+                self._leases.pop(request_id, None)
+            return ready or None, None
+        if self.decode is not None:
+            results, self._results = [*self._results, *self.decode.poll()], []
+            done = set()
+            for result in results:
+                done.add(result.request_id)
+                if result.ok:
+                    self.stats["reads"] += 1
+                    self.stats["bytes"] += result.bytes
+                else:
+                    self.stats["failed"] += 1
+                    self._load_errors |= set(result.invalid_blocks)
+                    log.warning("kvbridge: read of %s failed: %s: %s", result.request_id, result.code, result.message)
+            return None, done or None
+        return None, None
+
+    def load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        for rank in (self.prefill, self.decode):
+            if rank is not None:
+                if isinstance(rank, DecodeRank):
+                    rank.close()
+                rank.transport.close()

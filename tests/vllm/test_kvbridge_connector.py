@@ -1,0 +1,99 @@
+"""kvbridge's own connector (``spec.engine.connector: KVBridge``) inside real vLLM, run with exactly what the
+operator renders: equal greedy tokens, a negative control, CURVE, a lease that ended, a prefill restart."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from kvbridge_agent.core.handshake import HandshakeError
+from kvbridge_agent.runtime.keys import generate_keys
+from kvbridge_agent.runtime.side_channel import SideChannelClient
+from kvbridge_operator.local import pd_requests
+from kvbridge_operator.local.tiny_model import prompt
+
+from .engines import Engines
+
+MAX_TOKENS = 12
+BLOCK = 32
+#: a partial single block, one block, several blocks and a partial last one, and close to the 512-token limit
+LENGTHS = (7, BLOCK, 3 * BLOCK + 13, 15 * BLOCK + 3)
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+        yield s
+
+
+def urls(engines: Engines) -> tuple[str, str, str]:
+    return engines.engines["kvbridge-prefill"].url, engines.engines["kvbridge-decode"].url, str(engines.model)
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+async def test_decode_tokens_equal_a_single_engine(
+    kvbridge_engines: Engines, session: aiohttp.ClientSession, length: int
+) -> None:
+    prefill, decode, model = urls(kvbridge_engines)
+    tokens = prompt(length, salt=100 + length)
+    params = await pd_requests.prefill(session, prefill, model, tokens)
+    assert params["do_remote_prefill"] is True
+    assert params["kvbridge"]["expiresAt"] > time.time()  # the lease travels with the parameters
+    got = await pd_requests.decode(session, decode, model, tokens, params, MAX_TOKENS)
+    want = await pd_requests.baseline(session, decode, model, tokens, MAX_TOKENS, salt=f"kvb-baseline-{length}")
+    assert got.tokens == want.tokens
+
+
+async def test_negative_control_decode_uses_the_transferred_kv(
+    kvbridge_engines: Engines, session: aiohttp.ClientSession
+) -> None:
+    """Another prompt's KV (same length) under this prompt's tokens changes the answer: decode really computes
+    from what it read, it does not recompute the prompt."""
+    prefill, decode, model = urls(kvbridge_engines)
+    tokens, other = prompt(3 * BLOCK, salt=7), prompt(3 * BLOCK, salt=8)
+    foreign = await pd_requests.prefill(session, prefill, model, other)
+    got = await pd_requests.decode(session, decode, model, tokens, foreign, MAX_TOKENS)
+    want = await pd_requests.baseline(session, decode, model, tokens, MAX_TOKENS, salt="kvb-negative")
+    assert got.tokens != want.tokens
+
+
+async def test_a_peer_without_the_key_gets_no_metadata(kvbridge_engines: Engines, tmp_path: Path) -> None:
+    assert kvbridge_engines.keys_dir is not None
+    host = kvbridge_engines.engines["kvbridge-prefill"].ip
+    stranger = generate_keys(tmp_path / "stranger")
+    with pytest.raises(HandshakeError):  # CURVE: the listener never answers a client without the deployment's key
+        SideChannelClient(host, 5600, "", stranger, 2.0).fetch([0])
+
+
+async def test_a_read_after_the_lease_fails_the_request_and_decode_keeps_serving(
+    kvbridge_engines: Engines, session: aiohttp.ClientSession
+) -> None:
+    prefill, decode, model = urls(kvbridge_engines)
+    tokens = prompt(2 * BLOCK + 5, salt=11)
+    params = await pd_requests.prefill(session, prefill, model, tokens)
+    params["kvbridge"]["expiresAt"] = time.time() - 5  # as if decode came back after prefill's lease ended
+    with pytest.raises(pd_requests.PDRequestError):
+        await pd_requests.decode(session, decode, model, tokens, params, MAX_TOKENS)  # fails, never stale KV
+    tokens = prompt(2 * BLOCK + 5, salt=12)
+    got = await pd_requests.disaggregated(session, prefill, decode, model, tokens, MAX_TOKENS)
+    want = await pd_requests.baseline(session, decode, model, tokens, MAX_TOKENS, salt="kvb-after-lease")
+    assert got.tokens == want.tokens
+
+
+async def test_a_restarted_prefill_is_met_again_without_restarting_decode(
+    kvbridge_engines: Engines, session: aiohttp.ClientSession
+) -> None:
+    prefill, decode, model = urls(kvbridge_engines)
+    before = await pd_requests.disaggregated(session, prefill, decode, model, prompt(40, salt=21), MAX_TOKENS)
+    assert len(before.tokens) == MAX_TOKENS
+    kvbridge_engines.stop(["kvbridge-prefill"])
+    kvbridge_engines.start(["kvbridge-prefill"])  # a new process: a new incarnation, new NIXL agent
+    assert kvbridge_engines.running("kvbridge-decode")
+    tokens = prompt(3 * BLOCK + 1, salt=22)
+    got = await pd_requests.disaggregated(session, prefill, decode, model, tokens, MAX_TOKENS)
+    want = await pd_requests.baseline(session, decode, model, tokens, MAX_TOKENS, salt="kvb-after-restart")
+    assert got.tokens == want.tokens
