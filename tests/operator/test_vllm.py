@@ -341,8 +341,8 @@ def test_the_kvbridge_connector_is_loaded_from_the_agent_and_gets_the_keys() -> 
         pod = template(doc, role)
         container = engine(doc, role)
         config = json.loads(flag(container["command"] + container.get("args", []), "--kv-transfer-config"))
-        assert config == {"kv_connector": "KVBridgeConnector", "kv_connector_module_path": "kvbridge_agent.vllm_connector",
-                          "kv_role": kv_role, "kv_buffer_device": "cpu"}  # fmt: skip
+        assert config == {"kv_connector": "KVBridgeConnector", "kv_role": kv_role, "kv_buffer_device": "cpu",
+                          "kv_connector_module_path": "kvbridge_agent.vllm_connector"}  # fmt: skip
         variables = env(container)
         assert variables["KVBRIDGE_KEYS_DIR"] == OperatorConfig().keys_mount_path
         assert {"name": "side-channel-keys", "mountPath": OperatorConfig().keys_mount_path, "readOnly": True} in (

@@ -42,6 +42,7 @@ async def test_decode_tokens_equal_a_single_engine(
     tokens = prompt(length, salt=100 + length)
     params = await pd_requests.prefill(session, prefill, model, tokens)
     assert params["do_remote_prefill"] is True
+    assert params["kvbridge"]["numTokens"] == length
     assert params["kvbridge"]["expiresAt"] > time.time()  # the lease travels with the parameters
     got = await pd_requests.decode(session, decode, model, tokens, params, MAX_TOKENS)
     want = await pd_requests.baseline(session, decode, model, tokens, MAX_TOKENS, salt=f"kvb-baseline-{length}")
@@ -96,4 +97,20 @@ async def test_a_restarted_prefill_is_met_again_without_restarting_decode(
     tokens = prompt(3 * BLOCK + 1, salt=22)
     got = await pd_requests.disaggregated(session, prefill, decode, model, tokens, MAX_TOKENS)
     want = await pd_requests.baseline(session, decode, model, tokens, MAX_TOKENS, salt="kvb-after-restart")
+    assert got.tokens == want.tokens
+
+
+async def test_a_decode_prompt_longer_than_prefills_fails_alone(
+    kvbridge_engines: Engines, session: aiohttp.ClientSession
+) -> None:
+    """vLLM's own connector kills the decode engine through an assert here; kvbridge fails that request."""
+    prefill, decode, model = urls(kvbridge_engines)
+    tokens = prompt(2 * BLOCK, salt=31)
+    params = await pd_requests.prefill(session, prefill, model, tokens)
+    longer = tokens + prompt(BLOCK, salt=32)
+    with pytest.raises(pd_requests.PDRequestError):
+        await pd_requests.decode(session, decode, model, longer, params, MAX_TOKENS)
+    tokens = prompt(BLOCK + 3, salt=33)
+    got = await pd_requests.disaggregated(session, prefill, decode, model, tokens, MAX_TOKENS)
+    want = await pd_requests.baseline(session, decode, model, tokens, MAX_TOKENS, salt="kvb-after-mismatch")
     assert got.tokens == want.tokens

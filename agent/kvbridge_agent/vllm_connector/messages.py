@@ -34,6 +34,8 @@ class ReadOrder:
 
     local_block_ids: list[int]
     params: KVTransferParams
+    #: why this request must not be read at all (its blocks are reported invalid); empty: read it
+    refused: str = ""
 
 
 @dataclass

@@ -15,9 +15,9 @@ import time
 from typing import Any
 
 from kvbridge_agent.core import Role
-from kvbridge_agent.core.handshake import KVTransferParams, RankMetadata
+from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams, RankMetadata
 from kvbridge_agent.runtime.keys import load_keys
-from kvbridge_agent.runtime.side_channel import SideChannelServer
+from kvbridge_agent.runtime.side_channel import SideChannelClient, SideChannelServer
 
 from .messages import PARAMS_KEY, OfferOrder, RankHandshake, ReadOrder, StepMetadata, transfer_params
 from .settings import ConnectorSettings
@@ -39,6 +39,16 @@ class ConnectorScheduler:
         self._server: SideChannelServer | None = None
         self._incarnation = ""
         self._tp_size = settings.tp_size
+        environment = settings.environment
+        self._keys = load_keys(environment.keys_dir) if environment.keys_dir else None
+        # decode: requests whose KV is still to be read, by request id; a thread renews their leases on prefill
+        self._waiting: dict[str, KVTransferParams] = {}
+        self._stop = threading.Event()
+        self.heartbeats_sent = 0
+        self._heartbeat_thread: threading.Thread | None = None
+        if settings.role is Role.DECODE:
+            self._heartbeat_thread = threading.Thread(target=self._heartbeats, name="kvbridge-heartbeat", daemon=True)
+            self._heartbeat_thread.start()
 
     # -- prefill: serving the ranks' metadata ----------------------------------
     def set_handshake(self, ranks: dict[int, RankHandshake]) -> None:
@@ -51,7 +61,7 @@ class ConnectorScheduler:
             raise RuntimeError(f"kvbridge: TP ranks report different incarnations {sorted(incarnations)}")
         self._incarnation = incarnations.pop()
         environment = self.settings.environment
-        keys = load_keys(environment.keys_dir) if environment.keys_dir else None
+        keys = self._keys
         self._server = SideChannelServer(
             environment.side_channel_host, environment.side_channel_port, self.settings.fingerprint, served, keys,
             on_heartbeat=self._renew,
@@ -71,8 +81,11 @@ class ConnectorScheduler:
         if self.settings.role is not Role.DECODE:
             return 0, False
         raw = request.kv_transfer_params
-        if not raw or not raw.get("do_remote_prefill") or transfer_params(raw) is None:
+        params = transfer_params(raw) if raw and raw.get("do_remote_prefill") else None
+        if params is None:
             return 0, False
+        with self._lock:
+            self._waiting[request.request_id] = params  # renew prefill's lease while the request waits here
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
@@ -85,7 +98,12 @@ class ConnectorScheduler:
         if params is None:
             return
         local = list(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else []
-        self._to_read[request.request_id] = ReadOrder(local, params)
+        prompt = len(request.prompt_token_ids or ())
+        refused = "" if prompt == params.num_tokens else (
+            f"PROMPT_MISMATCH: decode's prompt has {prompt} tokens, the prefill computed {params.num_tokens}: this "
+            "is not the request prefill ran"
+        )  # fmt: skip
+        self._to_read[request.request_id] = ReadOrder(local, params, refused)
 
     # -- both: each step ------------------------------------------------------------
     def build_metadata(self) -> StepMetadata:
@@ -94,13 +112,33 @@ class ConnectorScheduler:
         self._to_read, self._to_offer = {}, {}
         return meta
 
-    def transfers_done(self, finished_sending: set[str] | None) -> None:
+    def transfers_done(self, finished_sending: set[str] | None, finished_recving: set[str] | None) -> None:
         with self._lock:
             for request_id in finished_sending or ():
                 self._leases.pop(request_id, None)
+            for request_id in finished_recving or ():
+                self._waiting.pop(request_id, None)
+
+    def _heartbeats(self) -> None:
+        """Decode: renew the prefill leases of requests that still wait for their KV (a loaded decode may queue
+        a request for longer than the lease)."""
+        interval = max(0.5, self.settings.transfer.lease_seconds / 3)
+        while not self._stop.wait(interval):
+            with self._lock:
+                by_engine: dict[tuple[str, int], list[str]] = {}
+                for params in self._waiting.values():
+                    by_engine.setdefault((params.remote_host, params.remote_port), []).append(params.remote_request_id)
+            for (host, port), request_ids in by_engine.items():
+                try:
+                    SideChannelClient(host, port, self.settings.fingerprint, self._keys, 2.0).heartbeat(request_ids)
+                    self.heartbeats_sent += 1
+                except HandshakeError as exc:
+                    log.warning("kvbridge: heartbeat to %s:%d failed: %s", host, port, exc)
 
     # -- prefill: publishing a finished request ------------------------------------
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        with self._lock:
+            self._waiting.pop(request.request_id, None)
         raw = request.kv_transfer_params
         if self.settings.role is not Role.PREFILL or not raw or not raw.get("do_remote_decode"):
             return False, None
@@ -122,6 +160,9 @@ class ConnectorScheduler:
                       PARAMS_KEY: params.model_dump(mode="json", by_alias=True)}  # fmt: skip
 
     def close(self) -> None:
+        self._stop.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(timeout=5)
         if self._server is not None:
             self._server.close()
             self._server = None

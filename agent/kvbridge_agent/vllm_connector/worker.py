@@ -122,6 +122,9 @@ class ConnectorWorker:
 
     def _start_read(self, decode: DecodeRank, request_id: str, order: ReadOrder) -> ReadResult | None:
         params = order.params
+        if order.refused:
+            code, _, message = order.refused.partition(": ")
+            return ReadResult(request_id, False, code, message, list(order.local_block_ids))
         if params.expires_at is not None and time.time() > params.expires_at - LEASE_CLOCK_MARGIN_SECONDS:
             return ReadResult(request_id, False, LEASE_EXPIRED, "prefill's lease on the blocks has ended",
                               list(order.local_block_ids))  # fmt: skip
