@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -20,6 +21,14 @@ from .worker import ConnectorWorker
 
 if TYPE_CHECKING:
     import torch
+
+
+def incarnation(vllm_config: Any) -> str:
+    """One value for every TP rank of one engine start, new on every start: vLLM draws the KV engine id and the
+    instance id once, in the front-end process, and hands both to every worker (either may be pinned by hand,
+    hardly both)."""
+    seed = f"{vllm_config.kv_transfer_config.engine_id}/{getattr(vllm_config, 'instance_id', '')}"
+    return hashlib.sha256(seed.encode()).hexdigest()[:16]
 
 
 class KVBridgeConnector(KVConnectorBase_V1):
@@ -42,7 +51,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            self._worker = ConnectorWorker(settings, get_tensor_model_parallel_rank())
+            self._worker = ConnectorWorker(settings, get_tensor_model_parallel_rank(), incarnation(vllm_config))
 
     def _worker_half(self) -> ConnectorWorker:
         if self._worker is None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from typing import Any
 
 from kvbridge_agent.core import CacheKind, KVLayout, ModelGeometry, Role, SpecError, TransferPlan
@@ -61,10 +60,10 @@ def refuse_conversions(geometry: ModelGeometry, model: ModelGeometry, plan: Tran
 
 
 class ConnectorWorker:
-    def __init__(self, settings: ConnectorSettings, tp_rank: int) -> None:
+    def __init__(self, settings: ConnectorSettings, tp_rank: int, incarnation: str) -> None:
         self.settings = settings
         self.tp_rank = tp_rank
-        self.incarnation = uuid.uuid4().hex[:16]
+        self.incarnation = incarnation
         environment = settings.environment
         self.keys: CurveKeys | None = load_keys(environment.keys_dir) if environment.keys_dir else None
         self.prefill: PrefillRank | None = None
