@@ -1,0 +1,142 @@
+"""vLLM's NixlConnector and kvbridge's KVBridgeConnector side by side, one run (not a test).
+
+    .venv/bin/python benchmarks/vllm_connectors.py [--repeats 5] [--json]
+
+Same vLLM build (the CPU build `make setup` installs), same tiny local model, same prompts, same machine, same
+cores (prefill on core 0, decode on core 1): each connector's prefill/decode pair is started from exactly what
+the operator renders for ``spec.engine.connector`` Nixl and KVBridge, one pair at a time. For every prompt
+length: prefill computes it, then decode is asked for one token with the prefill's ``kv_transfer_params``.
+Reported per length (median of the repeats): decode's time to first token as the client sees it (scheduling,
+the KV READ, one forward of the last token), the same prompt recomputed on decode alone (no transfer), the CPU
+seconds the decode engine's processes used per request, and each pair's peak resident memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.vllm.engines import Engines, deployment, rendered_template  # noqa: E402
+
+from kvbridge_agent.core import Role  # noqa: E402
+from kvbridge_agent.runtime.keys import generate_keys  # noqa: E402
+from kvbridge_operator.local import pd_requests, tiny_model  # noqa: E402
+
+LENGTHS = (32, 128, 256, 480)  # up to the 512-token limit the deployment renders
+
+
+def cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds of every process in one process group (an engine and what it spawned)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:
+                total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / ticks
+
+
+async def measure(engines: Engines, model: str, repeats: int) -> dict[str, Any]:
+    prefill, decode = engines.engines["prefill"], engines.engines["decode"]
+    assert decode.process is not None
+    rows: dict[str, Any] = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        for warm in range(2):  # first contact: handshake, connection set-up
+            tokens = tiny_model.prompt(64, salt=9000 + warm)
+            await pd_requests.disaggregated(session, prefill.url, decode.url, model, tokens, 1)
+        for length in LENGTHS:
+            ttft, alone, cpu = [], [], []
+            for repeat in range(repeats):
+                tokens = tiny_model.prompt(length, salt=length * 100 + repeat)
+                params = await pd_requests.prefill(session, prefill.url, model, tokens)
+                before = cpu_seconds(decode.process.pid)
+                started = time.perf_counter()
+                await pd_requests.decode(session, decode.url, model, tokens, params, 1)
+                ttft.append(time.perf_counter() - started)
+                cpu.append(cpu_seconds(decode.process.pid) - before)
+                started = time.perf_counter()
+                await pd_requests.baseline(session, decode.url, model, tokens, 1, salt=f"alone-{length}-{repeat}")
+                alone.append(time.perf_counter() - started)
+            rows[str(length)] = {
+                "decodeTTFTms": round(statistics.median(ttft) * 1000, 1),
+                "recomputeTTFTms": round(statistics.median(alone) * 1000, 1),
+                "decodeCPUSecondsPerRequest": round(statistics.median(cpu), 3),
+            }
+    return rows
+
+
+async def run(repeats: int, workdir: Path) -> dict[str, Any]:
+    model = tiny_model.make(workdir / "tiny-llama")
+    keys = workdir / "keys"
+    generate_keys(keys)
+    results: dict[str, Any] = {}
+    for connector in ("Nixl", "KVBridge"):
+        engines = Engines(workdir / connector, model)
+        document = deployment(f"bench-{connector.lower()}", 1, connector=connector)
+        env = {"KVBRIDGE_KEYS_DIR": str(keys)}
+        engines.add("prefill", rendered_template(document, Role.PREFILL), "127.0.2.2", (0,), env=env)
+        engines.add("decode", rendered_template(document, Role.DECODE), "127.0.2.5", (1,), env=env)
+        print(f"starting the {connector} pair ...", file=sys.stderr, flush=True)
+        try:
+            engines.start(["prefill", "decode"])
+            rows = await measure(engines, str(model), repeats)
+        finally:
+            engines.stop()
+        results[connector] = {"byPromptTokens": rows, **engines.summary()}
+        print(f"{connector}: {json.dumps(rows)}", file=sys.stderr, flush=True)
+    return results
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = ["| prompt tokens | decode TTFT, Nixl (ms) | decode TTFT, KVBridge (ms) | KVBridge / Nixl | recompute on "
+             "decode (ms) | decode CPU s/request, Nixl | KVBridge |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for length in LENGTHS:
+        nixl, ours = results["Nixl"]["byPromptTokens"][str(length)], results["KVBridge"]["byPromptTokens"][str(length)]
+        lines.append(
+            f"| {length} | {nixl['decodeTTFTms']} | {ours['decodeTTFTms']} | "
+            f"{ours['decodeTTFTms'] / nixl['decodeTTFTms']:.2f} | {nixl['recomputeTTFTms']} | "
+            f"{nixl['decodeCPUSecondsPerRequest']} | {ours['decodeCPUSecondsPerRequest']} |"
+        )
+    lines.append("")
+    lines.append(f"peak RSS of the pair: Nixl {results['Nixl']['peakRssGiB']} GiB, "
+                 f"KVBridge {results['KVBridge']['peakRssGiB']} GiB")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--workdir", help="keep the model and the engines' logs here (default: a temporary folder)")
+    args = parser.parse_args()
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
+        results = asyncio.run(run(args.repeats, Path(args.workdir)))
+    else:
+        with tempfile.TemporaryDirectory(prefix="kvbridge-bench-") as workdir:
+            results = asyncio.run(run(args.repeats, Path(workdir)))
+    print(json.dumps(results, indent=2) if args.json else table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
