@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from kvbridge_agent.core import CacheKind, KVLayout, ModelGeometry, Role, SpecError, TransferPlan
-from kvbridge_agent.core.handshake import HandshakeError
+from kvbridge_agent.core import CacheKind, KVBridgeError, KVLayout, ModelGeometry, Role, SpecError, TransferPlan
+from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams, RankMetadata
 from kvbridge_agent.core.plan import build_plan
 from kvbridge_agent.core.tp import handshake_ranks
 from kvbridge_agent.runtime.decode_rank import DecodeRank, ReadResult
@@ -24,7 +25,7 @@ from kvbridge_agent.runtime.keys import CurveKeys, load_keys
 from kvbridge_agent.runtime.kv_cache import KVCache, distinct_tensors
 from kvbridge_agent.runtime.prefill_rank import PrefillRank
 from kvbridge_agent.runtime.side_channel import SideChannelClient
-from kvbridge_agent.runtime.transport import Transport, TransportError
+from kvbridge_agent.runtime.transport import Transport
 
 from .messages import RankHandshake, ReadOrder, StepMetadata
 from .settings import ConnectorSettings
@@ -76,6 +77,9 @@ class ConnectorWorker:
         self._finished_seen: set[str] = set()
         # decode
         self._results: list[ReadResult] = []
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-handshake")
+        self._fetching: dict[tuple[str, str], Future[dict[int, tuple[RankMetadata, bytes]]]] = {}
+        self._parked: dict[tuple[str, str], list[tuple[str, ReadOrder]]] = {}
         self._load_errors: set[int] = set()
         self.stats = {"reads": 0, "failed": 0, "bytes": 0, "handshakes": 0, "evictions": 0}
 
@@ -120,6 +124,8 @@ class ConnectorWorker:
                     self._results.append(result)
 
     def _start_read(self, decode: DecodeRank, request_id: str, order: ReadOrder) -> ReadResult | None:
+        """Post the request's READs; or park it until its prefill engine's handshake is done (that runs on a
+        thread: a handshake never holds up vLLM's forward step); or fail it at once."""
         params = order.params
         if order.refused:
             code, _, message = order.refused.partition(": ")
@@ -127,38 +133,60 @@ class ConnectorWorker:
         if params.expires_at is not None and time.time() > params.expires_at - LEASE_CLOCK_MARGIN_SECONDS:
             return ReadResult(request_id, False, LEASE_EXPIRED, "prefill's lease on the blocks has ended",
                               list(order.local_block_ids))  # fmt: skip
-        try:
-            self._ensure_peer(decode, params.remote_engine_id, params.remote_incarnation, params.remote_host,
-                              params.remote_port, params.remote_tp_size)  # fmt: skip
-        except (HandshakeError, TransportError) as exc:
-            return ReadResult(request_id, False, exc.code, exc.message, list(order.local_block_ids))
+        peer = decode.peers.get(params.remote_engine_id)
+        if peer is None or peer.incarnation != params.remote_incarnation:
+            key = (params.remote_engine_id, params.remote_incarnation)
+            self._parked.setdefault(key, []).append((request_id, order))
+            if key not in self._fetching:
+                self._fetching[key] = self._executor.submit(self._fetch, params)
+            return None
         return decode.start(
             request_id, params, order.local_block_ids, self.settings.environment.transfer_timeout_seconds
         )
 
-    def _ensure_peer(
-        self, decode: DecodeRank, engine_id: str, incarnation: str, host: str, port: int, remote_tp: int
-    ) -> None:
-        peer = decode.peers.get(engine_id)
-        if peer is not None and peer.incarnation == incarnation:
-            return
-        if peer is not None:  # the prefill engine restarted: its old agent and lists are stale
-            decode.evict_peer(engine_id)
-            self.stats["evictions"] += 1
-        client = SideChannelClient(host, port, self.settings.fingerprint, self.keys,
+    def _fetch(self, params: KVTransferParams) -> dict[int, tuple[RankMetadata, bytes]]:
+        """On the handshake thread: the prefill ranks' metadata this rank reads from (network only)."""
+        client = SideChannelClient(params.remote_host, params.remote_port, self.settings.fingerprint, self.keys,
                                    self.settings.transfer.handshake_timeout_seconds)  # fmt: skip
-        ranks = client.fetch(handshake_ranks(remote_tp, self.settings.tp_size, self.tp_rank))
+        ranks = client.fetch(handshake_ranks(params.remote_tp_size, self.settings.tp_size, self.tp_rank))
         got = {meta.incarnation for meta, _ in ranks.values()}
-        if got != {incarnation}:
-            raise HandshakeError(f"{engine_id} now runs incarnation {sorted(got)}, not {incarnation}: the request's "
-                                 "blocks are gone", code="STALE_PEER")  # fmt: skip
-        peer = decode.add_peer(engine_id, incarnation, ranks)
-        try:
-            refuse_conversions(self.geometry, self.settings.model, peer.plan)
-        except SpecError as exc:
-            decode.evict_peer(engine_id)
-            raise HandshakeError(exc.message, code=exc.code) from exc
-        self.stats["handshakes"] += 1
+        if got != {params.remote_incarnation}:
+            raise HandshakeError(
+                f"{params.remote_engine_id} now runs incarnation {sorted(got)}, not {params.remote_incarnation}: "
+                "the request's blocks are gone", code="STALE_PEER",
+            )  # fmt: skip
+        return ranks
+
+    def _finish_handshakes(self, decode: DecodeRank) -> None:
+        """Adopt every finished handshake (NIXL calls stay on vLLM's thread), then post or fail what waited."""
+        for key, future in list(self._fetching.items()):
+            if not future.done():
+                continue
+            del self._fetching[key]
+            engine_id, incarnation = key
+            waiting = self._parked.pop(key, [])
+            try:
+                ranks = future.result()
+                old = decode.peers.get(engine_id)
+                if old is not None:  # the prefill engine restarted: its old agent and lists are stale
+                    decode.evict_peer(engine_id)
+                    self.stats["evictions"] += 1
+                peer = decode.add_peer(engine_id, incarnation, ranks)
+                try:
+                    refuse_conversions(self.geometry, self.settings.model, peer.plan)
+                except SpecError as exc:
+                    decode.evict_peer(engine_id)
+                    raise HandshakeError(exc.message, code=exc.code) from exc
+                self.stats["handshakes"] += 1
+            except (KVBridgeError, OSError) as exc:
+                code = getattr(exc, "code", "HANDSHAKE_FAILED")
+                message = getattr(exc, "message", str(exc))
+                self._results += [ReadResult(r, False, code, message, list(o.local_block_ids)) for r, o in waiting]
+                continue
+            for request_id, order in waiting:
+                result = self._start_read(decode, request_id, order)
+                if result is not None:
+                    self._results.append(result)
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose blocks prefill may free, requests whose KV decode has received)."""
@@ -179,6 +207,7 @@ class ConnectorWorker:
                 self._leases.pop(request_id, None)
             return ready or None, None
         if self.decode is not None:
+            self._finish_handshakes(self.decode)
             results, self._results = [*self._results, *self.decode.poll()], []
             done = set()
             for result in results:
@@ -198,6 +227,7 @@ class ConnectorWorker:
         return errors
 
     def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
         for rank in (self.prefill, self.decode):
             if rank is not None:
                 if isinstance(rank, DecodeRank):
