@@ -191,7 +191,8 @@ class ConnectorWorker:
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose blocks prefill may free, requests whose KV decode has received)."""
         if self.prefill is not None:
-            self._finished_seen |= finished_req_ids
+            # only the requests this rank holds: vLLM reports every finished request, most never offered
+            self._finished_seen |= finished_req_ids & (self._leases.keys() | self._done_sending)
             self._done_sending |= set(self.prefill.poll().completed)
             now = time.time()
             for request_id, until in list(self._leases.items()):

@@ -168,3 +168,30 @@ def test_decode_heartbeats_renew_the_prefill_lease_until_the_kv_arrived(tmp_path
     finally:
         decode.close()
         server.close()
+
+
+def test_a_prefill_worker_remembers_only_the_requests_it_holds() -> None:
+    """vLLM reports every finished request to every worker; a long-running prefill must not keep them all."""
+    from kvbridge_agent.vllm_connector.messages import OfferOrder, StepMetadata
+    from kvbridge_agent.vllm_connector.worker import ConnectorWorker
+
+    settings = ConnectorSettings.from_vllm(vllm_config("kv_producer"), environ(Role.PREFILL, lease=1))
+    worker = ConnectorWorker(settings, 0, "inc")
+
+    class Rank:  # stands in for PrefillRank: no reader ever notifies
+        def offer(self, request_id: str, block_ids: list[int]) -> None: ...
+
+        def poll(self) -> Any:
+            return SimpleNamespace(completed=[])
+
+        def forget(self, request_id: str) -> bool:
+            return True
+
+    worker.prefill = Rank()  # type: ignore[assignment]
+    worker.start(StepMetadata(to_offer={"held": OfferOrder([1], time.time() + 0.3)}))
+    for step in range(1000):
+        worker.finished({f"plain-{step}"} | ({"held"} if step == 0 else set()))
+    assert worker._finished_seen == {"held"}
+    time.sleep(0.4)
+    assert worker.finished(set()) == ({"held"}, None)  # the lease ended unread: its blocks are freed
+    assert worker._finished_seen == set()
