@@ -37,25 +37,35 @@ LEASE_CLOCK_MARGIN_SECONDS = 1.0
 LEASE_EXPIRED = "LEASE_EXPIRED"
 
 
-def transfer_geometry(model: ModelGeometry, tensors: list[Any]) -> ModelGeometry:
-    """The geometry kvbridge moves bytes by. vLLM's CPU attention keeps one tensor per layer,
-    ``[blocks, heads, block_size, 2 * head_dim]``, each head's keys and then its values in one contiguous chunk:
-    for the transfer that is a Split cache of one region per layer whose head is twice as wide (every TP mapping
-    of heads stays exact, because a head's K and V move together). Other engines' tensors are taken as the
-    model's cache kind describes them."""
+def transfer_geometry(model: ModelGeometry, tensors: list[Any], tp_size: int) -> ModelGeometry:
+    """The geometry kvbridge moves bytes by.
+
+    vLLM's CPU attention keeps one tensor per layer, ``[blocks, heads, block_size, 2 * head_dim]``: inside a block,
+    each head's keys, then its values, each ``block_size * head_dim`` elements (keys stored dimension-major,
+    values token-major; tests/vllm/test_cpu_attention_layout.py pins this). For moving whole heads that is a Split
+    cache of one region per layer with twice the heads — head ``h``'s keys are pseudo-head ``2h``, its values
+    ``2h + 1`` — exact for every TP mapping that keeps heads whole (TP size <= KV heads; replicated heads are
+    refused). Other engines' tensors are taken as the model's cache kind describes them."""
     if model.cache_kind is CacheKind.SPLIT and not model.is_mla and len(tensors) == model.num_layers:
-        return model.model_copy(update={"head_dim": 2 * model.head_dim})
+        if tp_size > model.num_kv_heads:
+            raise SpecError(
+                f"TP {tp_size} replicates the model's {model.num_kv_heads} KV heads; KVBridgeConnector moves vLLM's "
+                "CPU attention cache by whole heads only", field="spec.prefill.tensorParallelSize",
+                code="CONNECTOR_UNSUPPORTED",
+            )  # fmt: skip
+        return model.model_copy(update={"num_kv_heads": 2 * model.num_kv_heads})
     return model
 
 
 def refuse_conversions(geometry: ModelGeometry, model: ModelGeometry, plan: TransferPlan) -> None:
-    """Block-size and layout conversions re-lay rows inside a head; with K and V fused per head (the doubled
-    geometry) they would mix keys and values, so they are refused until that layout has its own conversions."""
+    """Block-size conversions concatenate token rows; CPU attention stores keys dimension-major (and its block
+    interior depends on the instruction set), so a merged or split block would hold scrambled keys. Refused on
+    that layout, as the operator refuses block-size ratios on CPU before scheduling."""
     if geometry != model and plan.wire.conversions:
         steps = ", ".join(f"{s.side.value} {s.kind.value} {s.source}->{s.target}" for s in plan.wire.conversions)
         raise SpecError(
-            f"the plan needs {steps}, which KVBridgeConnector does not yet do for vLLM's CPU attention layout "
-            "(keys and values fused per head); use equal block sizes and kvLayout HND on both sides",
+            f"the plan needs {steps}, which vLLM's CPU attention layout cannot take (keys are stored "
+            "dimension-major inside a block); use equal block sizes and kvLayout HND on both sides",
             field="spec.decode.blockSize", code="CONNECTOR_UNSUPPORTED",
         )  # fmt: skip
 
@@ -87,7 +97,7 @@ class ConnectorWorker:
     def register(self, kv_caches: dict[str, Any]) -> None:
         tensors = distinct_tensors(list(kv_caches.values()))  # vLLM gives them in layer order
         settings, environment = self.settings, self.settings.environment
-        self.geometry = transfer_geometry(settings.model, tensors)
+        self.geometry = transfer_geometry(settings.model, tensors, settings.tp_size)
         cache = KVCache.attach(
             self.geometry, settings.block_size, KVLayout.HND, settings.tp_size, self.tp_rank,
             int(tensors[0].shape[0]), tensors,
