@@ -37,6 +37,7 @@ VLLM_CPU_KV_CACHE_DTYPE = "VLLM_CPU_KV_CACHE_DTYPE"
 
 VLLM_UNMODELLED_ARGUMENT = "VLLM_UNMODELLED_ARGUMENT"
 VLLM_KVBRIDGE_GPU = "VLLM_KVBRIDGE_GPU"
+VLLM_KVBRIDGE_REPLICATED_HEADS = "VLLM_KVBRIDGE_REPLICATED_HEADS"
 
 #: arguments kvbridge sets from the spec; ``extraArgs`` naming one of them is refused
 MANAGED_ARGUMENTS = (
@@ -136,14 +137,14 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
             "cache layouts); set spec.engine.connector: Nixl, or spec.engine.device: CPU",
         ))  # fmt: skip
     prefill, decode = spec.prefill.settings(), spec.decode.settings()
-    if wire_format_defined(spec.model, prefill, decode):
+    if wire_format_defined(spec.model, prefill, decode) and not uses_kvbridge(spec):  # kvbridge converts on both
         for step in wire_format(spec.model, prefill, decode).steps(Role.PREFILL):
             where = "blockSize" if step.kind is ConversionKind.SPLIT_BLOCKS else "kvLayout"
             found.append(Problem(
                 VLLM_PREFILL_CONVERSION, f"spec.prefill.{where}",
                 f"the plan needs the prefill side to {step.kind.value} ({step.source} -> {step.target}), which "
                 "vLLM's NixlConnector cannot do (only the decode side re-lays blocks there); set "
-                f"spec.prefill.{where}: {step.target}, or spec.engine.kind: Agent",
+                f"spec.prefill.{where}: {step.target}, or spec.engine.connector: KVBridge",
             ))  # fmt: skip
     return found
 
@@ -166,7 +167,17 @@ def _cpu_problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
                 f"vLLM's CPU attention supports only the head-major layout (LBHNC); {role_spec.kv_layout.value} is "
                 f"refused at start-up; set spec.{role.value}.kvLayout: HND",
             ))  # fmt: skip
-    if spec.prefill.block_size != spec.decode.block_size:
+    if uses_kvbridge(spec):
+        for role, role_spec in ((Role.PREFILL, spec.prefill), (Role.DECODE, spec.decode)):
+            if role_spec.tensor_parallel_size > spec.model.num_kv_heads and not spec.model.is_mla:
+                found.append(Problem(
+                    VLLM_KVBRIDGE_REPLICATED_HEADS, f"spec.{role.value}.tensorParallelSize",
+                    f"TP {role_spec.tensor_parallel_size} replicates the model's {spec.model.num_kv_heads} KV heads; "
+                    "KVBridgeConnector moves CPU attention's cache by whole heads; set "
+                    f"spec.{role.value}.tensorParallelSize: {spec.model.num_kv_heads}",
+                ))  # fmt: skip
+    elif spec.prefill.block_size != spec.decode.block_size:
+        # NixlConnector's re-layout does not know CPU attention's block interior (kvbridge's connector does).
         # the one block size both sides can run: prefill's, or the multiple of 32 its own problem suggests
         common = spec.prefill.block_size
         if common % CPU_BLOCK_MULTIPLE:
@@ -279,6 +290,8 @@ def engine(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: 
         *_dtype_args(spec.model.kv_cache_dtype),
         *(["--attention-backend", backend] if backend else []),
         "--kv-transfer-config", json.dumps(transfer_config, separators=(",", ":"), sort_keys=True),
+        # a block that prefill re-lays for the wire no longer matches its prefix-cache hash
+        *(["--no-enable-prefix-caching"] if role is Role.PREFILL and plan.wire.steps(Role.PREFILL) else []),
         *spec.engine.extra_args,
     ]  # fmt: skip
     env = {

@@ -365,3 +365,26 @@ def test_the_kvbridge_connector_on_gpus_is_refused_until_it_has_run_there() -> N
     problems = verdict(doc)
     assert isinstance(problems, list)
     assert [(p.code, p.field) for p in problems] == [("VLLM_KVBRIDGE_GPU", "spec.engine.connector")]
+
+
+@pytest.mark.parametrize("blocks", [(32, 64), (64, 32), (32, 128)])
+def test_kvbridge_converts_block_sizes_on_cpu_where_nixl_is_refused(blocks: tuple[int, int]) -> None:
+    doc = document("tiny-cpu")
+    doc["spec"]["prefill"]["blockSize"], doc["spec"]["decode"]["blockSize"] = blocks
+    assert {p.code for p in verdict(doc)} >= {"VLLM_CPU_BLOCK_SIZE_RATIO"}  # NixlConnector: wrong tokens
+    plan = verdict(kvbridge_connector(doc))
+    assert not isinstance(plan, list)
+    container = engine(doc, Role.PREFILL)
+    command = container["command"] + container.get("args", [])
+    # prefill re-lays its blocks for the wire when they are larger: its prefix cache must not keep them
+    assert ("--no-enable-prefix-caching" in command) == (blocks[0] > blocks[1])
+
+
+def test_kvbridge_on_cpu_refuses_replicated_heads() -> None:
+    doc = kvbridge_connector(document("tiny-cpu"))
+    doc["spec"]["prefill"]["tensorParallelSize"] = 4  # the tiny model has 2 KV heads
+    problems = verdict(doc)
+    assert isinstance(problems, list)
+    assert ("VLLM_KVBRIDGE_REPLICATED_HEADS", "spec.prefill.tensorParallelSize") in {
+        (p.code, p.field) for p in problems
+    }

@@ -24,6 +24,9 @@ DEPLOYMENTS = {
     "tp1": deployment("tiny-tp1", 1),
     "tp2": deployment("tiny-tp2", 2),
     "kvbridge": deployment("tiny-kvbridge", 1, connector="KVBridge"),
+    # block-size conversions NixlConnector gets wrong on CPU attention: decode merges, prefill splits
+    "kvbridge-merge": deployment("tiny-kvbridge-merge", 1, connector="KVBridge", blocks=(32, 64)),
+    "kvbridge-split": deployment("tiny-kvbridge-split", 1, connector="KVBridge", blocks=(64, 32)),
     "short-lease": deployment("tiny-short-lease", 1, lease=SHORT_LEASE_SECONDS,
                               extra=(f"--num-gpu-blocks-override={SHORT_LEASE_BLOCKS}",)),
 }  # fmt: skip
@@ -47,8 +50,13 @@ def all_engines(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
     keys = tmp_path_factory.mktemp("keys")
     generate_keys(keys)
     found.keys_dir = keys
-    for role, ip, core in ((Role.PREFILL, "127.0.1.6", 0), (Role.DECODE, "127.0.1.7", 1)):
-        found.add(f"kvbridge-{role.value}", rendered_template(DEPLOYMENTS["kvbridge"], role), ip, (core,),
+    for name, deployment_name, role, ip, core in (
+        ("kvbridge-prefill", "kvbridge", Role.PREFILL, "127.0.1.6", 0),
+        ("kvbridge-decode", "kvbridge", Role.DECODE, "127.0.1.7", 1),
+        ("kvbridge-decode-64", "kvbridge-merge", Role.DECODE, "127.0.1.8", 1),  # reads the 32-token prefill
+        ("kvbridge-prefill-64", "kvbridge-split", Role.PREFILL, "127.0.1.9", 0),  # read by the 32-token decode
+    ):
+        found.add(name, rendered_template(DEPLOYMENTS[deployment_name], role), ip, (core,),
                   env={"KVBRIDGE_KEYS_DIR": str(keys)})  # fmt: skip
     try:
         yield found
@@ -76,8 +84,9 @@ def tp1_engines(all_engines: Engines) -> Engines:
 
 @pytest.fixture
 def kvbridge_engines(all_engines: Engines) -> Engines:
-    """prefill TP 1 and decode TP 1 with kvbridge's KVBridgeConnector."""
-    return _phase(all_engines, ["kvbridge-prefill", "kvbridge-decode"])
+    """prefill TP 1 and decode TP 1 with kvbridge's KVBridgeConnector, blocks of 32 tokens on both, plus a
+    64-token decode and a 64-token prefill (no NIXL progress threads: four engines fit on two cores)."""
+    return _phase(all_engines, ["kvbridge-prefill", "kvbridge-decode", "kvbridge-decode-64", "kvbridge-prefill-64"])
 
 
 #: prefill TP 2 beside a decode engine: a core per prefill rank, one for decode, one for the NIXL progress threads

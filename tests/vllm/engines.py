@@ -46,7 +46,13 @@ def require_vllm() -> None:
 
 
 def deployment(
-    name: str, prefill_tp: int, *, lease: int | None = None, extra: tuple[str, ...] = (), connector: str = "Nixl"
+    name: str,
+    prefill_tp: int,
+    *,
+    lease: int | None = None,
+    extra: tuple[str, ...] = (),
+    connector: str = "Nixl",
+    blocks: tuple[int, int] = (32, 32),
 ) -> dict[str, Any]:
     """A vLLM-on-CPU DisaggregatedDeployment of the tiny model: prefill TP ``prefill_tp`` -> decode TP 1."""
     transfer: dict[str, Any] = {} if lease is None else {"leaseSeconds": lease}
@@ -59,8 +65,8 @@ def deployment(
                        "extraArgs": ["--enforce-eager", "--max-model-len=512", *extra]},
             "model": {"name": MODEL_NAME, **tiny_model.GEOMETRY},
             "transfer": transfer,
-            "prefill": {"replicas": 1, "tensorParallelSize": prefill_tp, "blockSize": 32},
-            "decode": {"replicas": 1, "tensorParallelSize": 1, "blockSize": 32},
+            "prefill": {"replicas": 1, "tensorParallelSize": prefill_tp, "blockSize": blocks[0]},
+            "decode": {"replicas": 1, "tensorParallelSize": 1, "blockSize": blocks[1]},
         },
     }  # fmt: skip
 

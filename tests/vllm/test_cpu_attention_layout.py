@@ -9,6 +9,8 @@ relies on to move them between TP ranks. If vLLM changes this layout, this test 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -42,3 +44,53 @@ def test_keys_are_dimension_major_values_token_major_and_each_head_contiguous(bl
         assert torch.equal(keys[DIM - 1], expected)
         assert torch.equal(values[:, 0], -expected)  # every dimension of one token, token after token
         assert torch.equal(values[3], torch.full((DIM,), -(4.0 + 1000 * head), dtype=torch.bfloat16))
+
+
+def write_tokens(block_size: int, num_blocks: int, count: int, isa: str) -> Any:
+    """A CPU attention cache (one layer) holding ``count`` tokens from block 1 on, written by vLLM's kernel."""
+    from vllm import _custom_ops as ops
+
+    generator = torch.Generator().manual_seed(0)
+    key = torch.randn(count, HEADS, DIM, generator=generator).to(torch.bfloat16)
+    value = torch.randn(count, HEADS, DIM, generator=generator).to(torch.bfloat16)
+    cache = torch.zeros(num_blocks, HEADS, block_size, 2 * DIM, dtype=torch.bfloat16)
+    key_cache, value_cache = cache.view(num_blocks, HEADS, 2 * block_size, DIM).chunk(2, dim=2)
+    slots = torch.arange(count, dtype=torch.int64) + block_size
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+    return cache
+
+
+@pytest.mark.parametrize("ratio", [2, 4])
+def test_kvbridge_merges_and_splits_cpu_blocks_exactly_as_vllm_writes_them(ratio: int) -> None:
+    """Blocks of 32 tokens read into one 64- or 128-token block and merged by kvbridge are byte-equal to what
+    vLLM writes into the larger block directly; splitting is the exact inverse."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kvbridge_agent.core import ModelGeometry, Role, RoleSettings
+    from kvbridge_agent.core.plan import build_plan
+    from kvbridge_agent.runtime.kv_cache import KVCache
+    from kvbridge_agent.vllm_connector.cpu_blocks import CPUAttentionBlocks
+    from kvbridge_agent.vllm_connector.worker import transfer_geometry
+
+    small, large = 32, 32 * ratio
+    isa = _get_attn_isa(torch.bfloat16, small, DIM)
+    if isa != _get_attn_isa(torch.bfloat16, large, DIM) or isa not in ("vec", "vec16"):
+        pytest.skip(f"measured for the vec kernels; this CPU runs {isa}")
+    model = ModelGeometry(name="m", num_layers=1, num_kv_heads=HEADS, head_dim=DIM)
+    convert = CPUAttentionBlocks(HEADS, DIM, 2, isa)
+    reference = write_tokens(large, 3, large, isa)  # block 1: every token
+    pieces = write_tokens(small, 2 + ratio, large, isa)  # blocks 1 .. ratio: the same tokens
+    geometry = transfer_geometry(model, [reference], 1)
+
+    received = torch.zeros_like(reference)  # decode: the READs put wire block j into sub-block j of block 1
+    received.view(3, -1)[1] = pieces.view(2 + ratio, -1)[1 : 1 + ratio].reshape(-1)
+    decode = KVCache.attach(geometry, large, "HND", 1, 0, 3, [received])  # type: ignore[arg-type]
+    merge = build_plan(geometry, RoleSettings(block_size=small), RoleSettings(block_size=large))
+    assert convert(decode, merge, Role.DECODE, [1])
+    assert torch.equal(received[1], reference[1])
+
+    offered = reference.clone()  # prefill: split its native block into wire blocks in place
+    prefill = KVCache.attach(geometry, large, "HND", 1, 0, 3, [offered])  # type: ignore[arg-type]
+    split = build_plan(geometry, RoleSettings(block_size=large), RoleSettings(block_size=small))
+    assert convert(prefill, split, Role.PREFILL, [1])
+    assert torch.equal(offered.view(3, -1)[1], pieces.view(2 + ratio, -1)[1 : 1 + ratio].reshape(-1))

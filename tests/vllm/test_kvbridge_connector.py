@@ -114,3 +114,28 @@ async def test_a_decode_prompt_longer_than_prefills_fails_alone(
     got = await pd_requests.disaggregated(session, prefill, decode, model, tokens, MAX_TOKENS)
     want = await pd_requests.baseline(session, decode, model, tokens, MAX_TOKENS, salt="kvb-after-mismatch")
     assert got.tokens == want.tokens
+
+
+@pytest.mark.parametrize(
+    ("prefill_engine", "decode_engine", "conversion"),
+    [("kvbridge-prefill", "kvbridge-decode-64", "decode merges two 32-token blocks into each 64-token block"),
+     ("kvbridge-prefill-64", "kvbridge-decode", "prefill splits each 64-token block into two 32-token blocks")],
+)  # fmt: skip
+@pytest.mark.parametrize("length", [7, 3 * BLOCK + 13, 10 * BLOCK + 5])
+async def test_block_size_conversions_nixl_gets_wrong_on_cpu_give_equal_tokens(
+    kvbridge_engines: Engines,
+    session: aiohttp.ClientSession,
+    prefill_engine: str,
+    decode_engine: str,
+    conversion: str,
+    length: int,
+) -> None:
+    """NixlConnector re-lays received CPU-attention blocks as token rows and scrambles the dimension-major keys
+    (wrong tokens, no error; refused for it). kvbridge's connector converts CPU attention's own block interior
+    (``cpu_blocks``), on either side."""
+    prefill, decode = kvbridge_engines.engines[prefill_engine].url, kvbridge_engines.engines[decode_engine].url
+    model = str(kvbridge_engines.model)
+    tokens = prompt(length, salt=400 + length + len(prefill_engine))
+    got = await pd_requests.disaggregated(session, prefill, decode, model, tokens, MAX_TOKENS)
+    want = await pd_requests.baseline(session, decode, model, tokens, MAX_TOKENS, salt=f"kvb-{decode_engine}-{length}")
+    assert got.tokens == want.tokens, conversion

@@ -42,7 +42,7 @@ from kvbridge_agent.core.handshake import (
 
 from .descriptors import descriptor_rows
 from .kv_cache import KVCache
-from .relayout import convert_for_side
+from .relayout import Converter, convert_for_side
 from .transport import Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,9 @@ class DecodeRank:
         transport: Transport,
         settings: RoleSettings,
         transfer: TransferSettings,
+        convert: Converter = convert_for_side,
     ) -> None:
+        self.convert = convert
         self.cache = cache
         self.transport = transport
         self.settings = settings
@@ -329,7 +331,7 @@ class DecodeRank:
         return results
 
     def _finish(self, flight: _InFlight, peer: RemotePeer) -> ReadResult:
-        convert_for_side(self.cache, peer.plan, Role.DECODE, flight.blocks)
+        self.convert(self.cache, peer.plan, Role.DECODE, flight.blocks)
         return ReadResult(
             flight.request_id, True, bytes=flight.bytes, descriptors=flight.descriptors,
             seconds=time.perf_counter() - flight.started, ids_microseconds=flight.ids_microseconds,

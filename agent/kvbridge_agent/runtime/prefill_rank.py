@@ -9,7 +9,7 @@ from kvbridge_agent.core import Role, TransferPlan
 from kvbridge_agent.core.handshake import RankMetadata, parse_notification
 
 from .kv_cache import KVCache
-from .relayout import convert_for_side
+from .relayout import Converter, convert_for_side
 from .transport import Transport
 
 log = logging.getLogger(__name__)
@@ -34,8 +34,15 @@ class PrefillRank:
     """Holds offered requests until every expected reader has notified this rank."""
 
     def __init__(
-        self, cache: KVCache, transport: Transport, plan: TransferPlan, engine_id: str, incarnation: str
+        self,
+        cache: KVCache,
+        transport: Transport,
+        plan: TransferPlan,
+        engine_id: str,
+        incarnation: str,
+        convert: Converter = convert_for_side,
     ) -> None:
+        self.convert = convert
         self.cache = cache
         self.transport = transport
         self.plan = plan
@@ -65,7 +72,7 @@ class PrefillRank:
 
     def offer(self, request_id: str, block_ids: list[int]) -> None:
         """Convert the request's computed blocks to the wire format and wait for its readers."""
-        convert_for_side(self.cache, self.plan, Role.PREFILL, block_ids)
+        self.convert(self.cache, self.plan, Role.PREFILL, block_ids)
         self._pending[request_id] = _Pending()
 
     def forget(self, request_id: str) -> bool:

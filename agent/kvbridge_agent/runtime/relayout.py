@@ -10,6 +10,7 @@ the bytes inside each block, done with torch on the cache's device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +83,11 @@ def decode_arrangements(plan: TransferPlan) -> tuple[Arrangement, Arrangement]:
         Arrangement(plan.block_size_ratio, wire.block_size, wire.layout),
         Arrangement(1, plan.decode.block_size, plan.decode.kv_layout),
     )
+
+
+#: how a rank re-lays blocks between its native format and the wire format; engines whose block interior is not
+#: the plain HND/NHD one (vLLM's CPU attention) bring their own
+Converter = Callable[[KVCache, TransferPlan, Role, list[int]], bool]
 
 
 def convert_for_side(cache: KVCache, plan: TransferPlan, side: Role, block_ids: list[int]) -> bool:

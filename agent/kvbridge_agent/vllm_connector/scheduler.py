@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from kvbridge_agent.core import Role
+from kvbridge_agent.core import Role, build_plan, wire_block_ids
 from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams, RankMetadata
 from kvbridge_agent.runtime.keys import load_keys
 from kvbridge_agent.runtime.side_channel import SideChannelClient, SideChannelServer
@@ -40,6 +40,8 @@ class ConnectorScheduler:
         self._incarnation = ""
         self._tp_size = settings.tp_size
         environment = settings.environment
+        # prefill offers wire blocks: with a prefill-side split, block b becomes wire blocks b*r .. b*r + r-1
+        self._plan = build_plan(environment.model, environment.prefill, environment.decode, environment.transfer)
         self._keys = load_keys(environment.keys_dir) if environment.keys_dir else None
         # decode: requests whose KV is still to be read, by request id; a thread renews their leases on prefill
         self._waiting: dict[str, KVTransferParams] = {}
@@ -153,7 +155,9 @@ class ConnectorScheduler:
         params = KVTransferParams(
             remote_engine_id=self.engine_id, remote_incarnation=self._incarnation,
             remote_host=environment.side_channel_host, remote_port=self._server.port,
-            remote_request_id=request.request_id, remote_block_ids=blocks, num_tokens=request.num_computed_tokens,
+            remote_request_id=request.request_id, num_tokens=request.num_computed_tokens,
+            remote_block_ids=wire_block_ids(blocks, request.num_computed_tokens, self._plan.split_ratio,
+                                            self._plan.wire.block_size).tolist(),
             remote_tp_size=self._tp_size, fingerprint=self.settings.fingerprint, expires_at=expires_at,
         )  # fmt: skip
         return True, {"do_remote_prefill": True, "do_remote_decode": False,

@@ -20,13 +20,16 @@ from kvbridge_agent.core import CacheKind, KVBridgeError, KVLayout, ModelGeometr
 from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams, RankMetadata
 from kvbridge_agent.core.plan import build_plan
 from kvbridge_agent.core.tp import handshake_ranks
+from kvbridge_agent.core.wire import ConversionKind
 from kvbridge_agent.runtime.decode_rank import DecodeRank, ReadResult
 from kvbridge_agent.runtime.keys import CurveKeys, load_keys
 from kvbridge_agent.runtime.kv_cache import KVCache, distinct_tensors
 from kvbridge_agent.runtime.prefill_rank import PrefillRank
+from kvbridge_agent.runtime.relayout import Converter, convert_for_side
 from kvbridge_agent.runtime.side_channel import SideChannelClient
 from kvbridge_agent.runtime.transport import Transport
 
+from .cpu_blocks import KNOWN_KERNELS, CPUAttentionBlocks
 from .messages import RankHandshake, ReadOrder, StepMetadata
 from .settings import ConnectorSettings
 
@@ -57,17 +60,30 @@ def transfer_geometry(model: ModelGeometry, tensors: list[Any], tp_size: int) ->
     return model
 
 
-def refuse_conversions(geometry: ModelGeometry, model: ModelGeometry, plan: TransferPlan) -> None:
-    """Block-size conversions concatenate token rows; CPU attention stores keys dimension-major (and its block
-    interior depends on the instruction set), so a merged or split block would hold scrambled keys. Refused on
-    that layout, as the operator refuses block-size ratios on CPU before scheduling."""
-    if geometry != model and plan.wire.conversions:
+def refuse_conversions(geometry: ModelGeometry, model: ModelGeometry, plan: TransferPlan, kernel: str) -> None:
+    """On vLLM's CPU attention layout (the pseudo-head geometry) kvbridge converts between block sizes for the
+    kernels whose block interior it knows (:mod:`.cpu_blocks`); a layout permute (CPU attention runs HND only) or
+    a conversion for another kernel is refused."""
+    if geometry == model or not plan.wire.conversions:
+        return
+    permute = any(s.kind is ConversionKind.PERMUTE for s in plan.wire.conversions)
+    if permute or kernel not in KNOWN_KERNELS:
         steps = ", ".join(f"{s.side.value} {s.kind.value} {s.source}->{s.target}" for s in plan.wire.conversions)
         raise SpecError(
-            f"the plan needs {steps}, which vLLM's CPU attention layout cannot take (keys are stored "
-            "dimension-major inside a block); use equal block sizes and kvLayout HND on both sides",
+            f"the plan needs {steps} on vLLM's CPU attention cache (kernel {kernel}); kvbridge converts it only "
+            f"between block sizes and for the {', '.join(KNOWN_KERNELS)} kernels: use kvLayout HND on both sides",
             field="spec.decode.blockSize", code="CONNECTOR_UNSUPPORTED",
         )  # fmt: skip
+
+
+def cpu_kernel(tensor: Any, block_size: int, head_dim: int) -> str:
+    """The CPU attention kernel vLLM runs for this cache (its block interior depends on it)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(_get_attn_isa(tensor.dtype, block_size, head_dim))
+    except Exception:  # another vLLM: unknown, so no conversion is attempted
+        return "unknown"
 
 
 class ConnectorWorker:
@@ -81,6 +97,7 @@ class ConnectorWorker:
         self.decode: DecodeRank | None = None
         self._handshake: RankHandshake | None = None
         self.geometry: ModelGeometry = settings.model
+        self.kernel = "n/a"
         # prefill
         self._leases: dict[str, float] = {}
         self._done_sending: set[str] = set()
@@ -98,6 +115,12 @@ class ConnectorWorker:
         tensors = distinct_tensors(list(kv_caches.values()))  # vLLM gives them in layer order
         settings, environment = self.settings, self.settings.environment
         self.geometry = transfer_geometry(settings.model, tensors, settings.tp_size)
+        self.kernel = "n/a"
+        convert: Converter = convert_for_side
+        if self.geometry != settings.model:  # vLLM's CPU attention: its own block interior
+            self.kernel = cpu_kernel(tensors[0], settings.block_size, settings.model.head_dim)
+            heads = settings.model.num_kv_heads // settings.tp_size
+            convert = CPUAttentionBlocks(heads, settings.model.head_dim, tensors[0].element_size(), self.kernel)
         cache = KVCache.attach(
             self.geometry, settings.block_size, KVLayout.HND, settings.tp_size, self.tp_rank,
             int(tensors[0].shape[0]), tensors,
@@ -108,11 +131,11 @@ class ConnectorWorker:
         transport.register(cache.tensors)
         if settings.role is Role.PREFILL:
             plan = build_plan(self.geometry, environment.prefill, environment.decode, settings.transfer)
-            refuse_conversions(self.geometry, settings.model, plan)
-            self.prefill = PrefillRank(cache, transport, plan, environment.engine_id, self.incarnation)
+            refuse_conversions(self.geometry, settings.model, plan, self.kernel)
+            self.prefill = PrefillRank(cache, transport, plan, environment.engine_id, self.incarnation, convert)
             self._handshake = RankHandshake(self.prefill.metadata().model_dump_json(), transport.metadata())
         else:
-            self.decode = DecodeRank(cache, transport, environment.decode, settings.transfer)
+            self.decode = DecodeRank(cache, transport, environment.decode, settings.transfer, convert)
         log.info("kvbridge: %s rank %d registered %d KV tensor(s) of %d blocks", settings.role.value, self.tp_rank,
                  len(cache.tensors), cache.num_blocks)  # fmt: skip
 
@@ -183,7 +206,7 @@ class ConnectorWorker:
                     self.stats["evictions"] += 1
                 peer = decode.add_peer(engine_id, incarnation, ranks)
                 try:
-                    refuse_conversions(self.geometry, self.settings.model, peer.plan)
+                    refuse_conversions(self.geometry, self.settings.model, peer.plan, self.kernel)
                 except SpecError as exc:
                     decode.evict_peer(engine_id)
                     raise HandshakeError(exc.message, code=exc.code) from exc

@@ -1,0 +1,65 @@
+"""Block-size conversions for vLLM's CPU attention cache, whose block interior is not plain HND.
+
+Inside a block of one layer, for each local head: the keys of every token stored dimension-major
+(``[head_dim, tokens]``), then the values token-major (``[tokens, head_dim]``) — measured with vLLM's own
+cache-write kernel for its ``vec`` kernels (tests/vllm/test_cpu_attention_layout.py). A wire block of
+``bs_w`` tokens has the same interior. Decode merges ``r`` received wire blocks into one native block (keys:
+for every dimension, the tokens of block 0, then block 1, ...; values: the blocks' token rows in order);
+prefill splits a native block into ``r`` wire blocks, the exact inverse. Each is one gather per call on the
+cache's own memory (torch views, no Python loop over blocks).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvbridge_agent.core import Role, SpecError, TransferPlan
+from kvbridge_agent.core.wire import ConversionKind
+from kvbridge_agent.runtime.kv_cache import KVCache
+
+#: the CPU attention kernels whose block interior this module knows
+KNOWN_KERNELS = ("vec", "vec16")
+_INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+class CPUAttentionBlocks:
+    """A :data:`~kvbridge_agent.runtime.relayout.Converter` for one rank's CPU attention cache."""
+
+    def __init__(self, heads: int, head_dim: int, element_bytes: int, kernel: str) -> None:
+        self.heads, self.head_dim, self.kernel = heads, head_dim, kernel
+        self.element = _INTEGER_OF_SIZE[element_bytes]
+
+    def __call__(self, cache: KVCache, plan: TransferPlan, side: Role, block_ids: list[int]) -> bool:
+        steps = plan.wire.steps(side)
+        if not steps or not block_ids:
+            return False
+        if any(step.kind is ConversionKind.PERMUTE for step in steps) or self.kernel not in KNOWN_KERNELS:
+            raise SpecError(
+                f"{side.value} would {', '.join(s.kind.value for s in steps)} on vLLM's CPU attention cache "
+                f"(kernel {self.kernel}), whose block interior kvbridge knows only for {', '.join(KNOWN_KERNELS)} "
+                "and only between block sizes", field="spec.decode.blockSize", code="CONNECTOR_UNSUPPORTED",
+            )  # fmt: skip
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        wire = plan.wire.block_size
+        for index in range(len(cache.tensors)):
+            view = cache.bytes_view(index).view(self.element).view(cache.num_blocks, -1)
+            blocks = view[ids]
+            if side is Role.DECODE:
+                view[ids] = self._merge(blocks, plan.block_size_ratio, wire)
+            else:
+                view[ids] = self._split(blocks, plan.split_ratio, wire)
+        return True
+
+    def _merge(self, x: torch.Tensor, ratio: int, tokens: int) -> torch.Tensor:
+        n, h, d = x.shape[0], self.heads, self.head_dim
+        parts = x.view(n, ratio, h, 2, tokens * d)
+        keys = parts[:, :, :, 0].reshape(n, ratio, h, d, tokens).permute(0, 2, 3, 1, 4).reshape(n, h, -1)
+        values = parts[:, :, :, 1].reshape(n, ratio, h, tokens, d).permute(0, 2, 1, 3, 4).reshape(n, h, -1)
+        return torch.stack((keys, values), dim=2).reshape(n, -1)
+
+    def _split(self, x: torch.Tensor, ratio: int, tokens: int) -> torch.Tensor:
+        n, h, d = x.shape[0], self.heads, self.head_dim
+        parts = x.view(n, h, 2, ratio * tokens * d)
+        keys = parts[:, :, 0].reshape(n, h, d, ratio, tokens).permute(0, 3, 1, 2, 4).reshape(n, ratio, h, -1)
+        values = parts[:, :, 1].reshape(n, h, ratio, tokens, d).permute(0, 2, 1, 3, 4).reshape(n, ratio, h, -1)
+        return torch.stack((keys, values), dim=3).reshape(n, -1)
