@@ -184,3 +184,22 @@ def test_a_local_prefix_hit_reads_only_the_blocks_decode_lacks(decode: Any) -> N
     while decode.requests:
         step(decode)
     assert free_blocks(decode) == initial
+
+
+def test_a_preempted_decode_request_is_recomputed_not_read_again(decode: Any) -> None:
+    tokens = 2 * BLOCK + 9
+    initial = free_blocks(decode)
+    decode.add_request(request("d-4", tokens, remote_params(tokens), max_tokens=4))
+    step(decode, sampled=None)
+    step(decode, sampled=None, finished_recving={"d-4"})
+    step(decode)  # running: the last prompt token computed, one token sampled
+    running = decode.requests["d-4"]
+    decode.running.remove(running)
+    decode._preempt_request(running, time.monotonic())  # as under memory pressure: blocks go back to the pool
+    assert free_blocks(decode) == initial
+    again = step(decode)
+    assert "d-4" not in again.kv_connector_metadata.to_read  # the prefill's blocks are not read a second time
+    assert again.num_scheduled_tokens["d-4"] > 1  # decode recomputes what it had
+    while decode.requests:
+        step(decode)
+    assert free_blocks(decode) == initial
