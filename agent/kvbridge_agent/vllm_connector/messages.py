@@ -36,6 +36,8 @@ class ReadOrder:
     params: KVTransferParams
     #: why this request must not be read at all (its blocks are reported invalid); empty: read it
     refused: str = ""
+    #: the prefill lease's end as decode knows it: ``expiresAt`` moved on by heartbeats that got through
+    expires_at: float | None = None
 
 
 @dataclass

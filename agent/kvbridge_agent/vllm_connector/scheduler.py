@@ -45,6 +45,7 @@ class ConnectorScheduler:
         self._keys = load_keys(environment.keys_dir) if environment.keys_dir else None
         # decode: requests whose KV is still to be read, by request id; a thread renews their leases on prefill
         self._waiting: dict[str, KVTransferParams] = {}
+        self._renewed: dict[str, float] = {}  # decode request -> when a heartbeat last renewed its prefill lease
         self._stop = threading.Event()
         self.heartbeats_sent = 0
         self._heartbeat_thread: threading.Thread | None = None
@@ -100,12 +101,17 @@ class ConnectorScheduler:
         if params is None:
             return
         local = list(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else []
+        with self._lock:
+            renewed = self._renewed.pop(request.request_id, None)
+        expires_at = params.expires_at
+        if expires_at is not None and renewed is not None:  # prefill renews from when the heartbeat arrives
+            expires_at = max(expires_at, renewed + self.settings.transfer.lease_seconds)
         prompt = len(request.prompt_token_ids or ())
         refused = "" if prompt == params.num_tokens else (
             f"PROMPT_MISMATCH: decode's prompt has {prompt} tokens, the prefill computed {params.num_tokens}: this "
             "is not the request prefill ran"
         )  # fmt: skip
-        self._to_read[request.request_id] = ReadOrder(local, params, refused)
+        self._to_read[request.request_id] = ReadOrder(local, params, refused, expires_at)
 
     # -- both: each step ------------------------------------------------------------
     def build_metadata(self) -> StepMetadata:
@@ -120,6 +126,7 @@ class ConnectorScheduler:
                 self._leases.pop(request_id, None)
             for request_id in finished_recving or ():
                 self._waiting.pop(request_id, None)
+                self._renewed.pop(request_id, None)
 
     def _heartbeats(self) -> None:
         """Decode: renew the prefill leases of requests that still wait for their KV (a loaded decode may queue
@@ -127,20 +134,30 @@ class ConnectorScheduler:
         interval = max(0.5, self.settings.transfer.lease_seconds / 3)
         while not self._stop.wait(interval):
             with self._lock:
-                by_engine: dict[tuple[str, int], list[str]] = {}
-                for params in self._waiting.values():
-                    by_engine.setdefault((params.remote_host, params.remote_port), []).append(params.remote_request_id)
-            for (host, port), request_ids in by_engine.items():
+                by_engine: dict[tuple[str, int], list[tuple[str, str]]] = {}
+                for request_id, params in self._waiting.items():
+                    by_engine.setdefault((params.remote_host, params.remote_port), []).append(
+                        (request_id, params.remote_request_id)
+                    )
+            for (host, port), pairs in by_engine.items():
+                sent = time.time()  # prefill renews from when it receives this: no earlier than now
                 try:
-                    SideChannelClient(host, port, self.settings.fingerprint, self._keys, 2.0).heartbeat(request_ids)
+                    client = SideChannelClient(host, port, self.settings.fingerprint, self._keys, 2.0)
+                    client.heartbeat([remote for _, remote in pairs])
                     self.heartbeats_sent += 1
                 except HandshakeError as exc:
                     log.warning("kvbridge: heartbeat to %s:%d failed: %s", host, port, exc)
+                    continue
+                with self._lock:
+                    for request_id, _ in pairs:
+                        if request_id in self._waiting:
+                            self._renewed[request_id] = sent
 
     # -- prefill: publishing a finished request ------------------------------------
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         with self._lock:
             self._waiting.pop(request.request_id, None)
+            self._renewed.pop(request.request_id, None)
         raw = request.kv_transfer_params
         if self.settings.role is not Role.PREFILL or not raw or not raw.get("do_remote_decode"):
             return False, None

@@ -108,6 +108,8 @@ class ConnectorWorker:
         self._fetching: dict[tuple[str, str], Future[dict[int, tuple[RankMetadata, bytes]]]] = {}
         self._parked: dict[tuple[str, str], list[tuple[str, ReadOrder]]] = {}
         self._load_errors: set[int] = set()
+        #: reads in flight -> the lease end they must finish before, and the local blocks they fill
+        self._expiry: dict[str, tuple[float, list[int]]] = {}
         self.stats = {"reads": 0, "failed": 0, "bytes": 0, "handshakes": 0, "evictions": 0}
 
     # -- registration --------------------------------------------------------------
@@ -163,9 +165,12 @@ class ConnectorWorker:
         if order.refused:
             code, _, message = order.refused.partition(": ")
             return ReadResult(request_id, False, code, message, list(order.local_block_ids))
-        if params.expires_at is not None and time.time() > params.expires_at - LEASE_CLOCK_MARGIN_SECONDS:
+        expires_at = order.expires_at if order.expires_at is not None else params.expires_at
+        if expires_at is not None and time.time() > expires_at - LEASE_CLOCK_MARGIN_SECONDS:
             return ReadResult(request_id, False, LEASE_EXPIRED, "prefill's lease on the blocks has ended",
                               list(order.local_block_ids))  # fmt: skip
+        if expires_at is not None:
+            self._expiry[request_id] = (expires_at, list(order.local_block_ids))
         peer = decode.peers.get(params.remote_engine_id)
         if peer is None or peer.incarnation != params.remote_incarnation:
             key = (params.remote_engine_id, params.remote_incarnation)
@@ -244,8 +249,14 @@ class ConnectorWorker:
             self._finish_handshakes(self.decode)
             results, self._results = [*self._results, *self.decode.poll()], []
             done = set()
+            now = time.time()
             for result in results:
                 done.add(result.request_id)
+                lease = self._expiry.pop(result.request_id, None)
+                if result.ok and lease is not None and now > lease[0] - LEASE_CLOCK_MARGIN_SECONDS:
+                    # prefill may have freed and reused the blocks while they were read: never use them
+                    message = "the read ended after prefill's lease"
+                    result = ReadResult(result.request_id, False, LEASE_EXPIRED, message, lease[1])
                 if result.ok:
                     self.stats["reads"] += 1
                     self.stats["bytes"] += result.bytes

@@ -145,21 +145,31 @@ def test_a_decode_prompt_of_another_length_is_refused_for_that_request() -> None
 def test_decode_heartbeats_renew_the_prefill_lease_until_the_kv_arrived(tmp_path: Path) -> None:
     keys = generate_keys(tmp_path / "keys")
     seen: list[list[str]] = []
-    server = SideChannelServer("127.0.0.1", 0, "", {}, keys, on_heartbeat=seen.append).start()
     decode = ConnectorScheduler(
         ConnectorSettings.from_vllm(vllm_config("kv_consumer"), environ(Role.DECODE, lease=1, keys=tmp_path / "keys"))
     )  # fmt: skip
+    server = SideChannelServer("127.0.0.1", 0, decode.settings.fingerprint, {}, keys, on_heartbeat=seen.append)
+    server.start()
     try:
         prefill = prefill_scheduler()
         params = published(prefill)
         prefill.close()
         params["kvbridge"]["remotePort"] = server.port
-        decode.matched_tokens(request("d3", 70, params), 0)
+        params["kvbridge"]["expiresAt"] = time.time() + 1  # the lease as published, 1 s
+        req = request("d3", 70, params)
+        decode.matched_tokens(req, 0)
         deadline = time.monotonic() + 5
-        while not seen and time.monotonic() < deadline:
+        while len(seen) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert seen
         assert seen[0] == ["p1"]
+        # the request waited longer than the published lease; the renewals that got through count
+        time.sleep(0.1)
+        decode.after_alloc(req, SimpleNamespace(get_unhashed_block_ids=lambda: [1, 2, 3]), 70)
+        order = decode.build_metadata().to_read["d3"]
+        assert order.expires_at is not None
+        assert order.expires_at > params["kvbridge"]["expiresAt"]
+        assert order.expires_at > time.time() + 0.2
         decode.transfers_done(None, {"d3"})
         time.sleep(0.8)
         count = len(seen)
