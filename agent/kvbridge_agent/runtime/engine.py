@@ -37,7 +37,7 @@ from kvbridge_agent.core.tp import handshake_ranks
 from .keys import CurveKeys
 from .metrics import AgentMetrics
 from .rank_entry import main as rank_main
-from .side_channel import SideChannelClient, SideChannelServer
+from .side_channel import SideChannelClient, SideChannelServer, heartbeat_interval, send_heartbeats
 
 log = logging.getLogger(__name__)
 
@@ -611,24 +611,11 @@ class Engine:
             self.metrics.stale_evictions.labels(**self.metrics.labels).inc()
 
     def _send_heartbeats(self) -> None:
-        interval = max(0.5, self.env.transfer.lease_seconds / 3)
-        while not self._stop.wait(interval):
-            by_engine: dict[tuple[str, int], list[tuple[str, str]]] = {}
-            for request_id, params in list(self._waiting.items()):
-                by_engine.setdefault((params.remote_host, params.remote_port), []).append(
-                    (request_id, params.remote_request_id)
-                )
-            for (host, port), pairs in by_engine.items():
-                sent = time.time()  # prefill renews from when it receives this: no earlier than now
-                try:
-                    client = SideChannelClient(host, port, self.plan.fingerprint, self.keys, 2.0)
-                    client.heartbeat([remote for _, remote in pairs])
-                except HandshakeError as exc:
-                    log.warning("heartbeat to %s:%s failed: %s", host, port, exc)
-                    continue
-                for request_id, _ in pairs:
-                    if request_id in self._waiting:
-                        self._renewed[request_id] = sent
+        while not self._stop.wait(heartbeat_interval(self.env.transfer.lease_seconds)):
+            renewed = send_heartbeats(dict(self._waiting), self.plan.fingerprint, self.keys)
+            for request_id, sent in renewed.items():
+                if request_id in self._waiting:
+                    self._renewed[request_id] = sent
 
     def rank_stats(self) -> list[dict[str, Any]]:
         return [h.call({"op": "stats"}, timeout=10) for h in self.ranks]

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import zmq
@@ -23,6 +23,7 @@ from kvbridge_agent.core.handshake import (
     MAX_HEADER_BYTES,
     UNKNOWN_RANK,
     HandshakeError,
+    KVTransferParams,
     MessageType,
     RankMetadata,
     decode_ack,
@@ -219,3 +220,31 @@ class SideChannelClient:
             time.monotonic() + self.timeout,
         )
         decode_ack(frames, self.fingerprint)
+
+
+def heartbeat_interval(lease_seconds: float) -> float:
+    """How often decode renews the leases of the requests it waits on: three times per lease."""
+    return max(0.5, lease_seconds / 3)
+
+
+def send_heartbeats(
+    waiting: Mapping[str, KVTransferParams], fingerprint: str, keys: CurveKeys | None, timeout: float = 2.0
+) -> dict[str, float]:
+    """One round of heartbeats: on each prefill engine, renew the leases of the requests (decode's request id ->
+    the prefill's parameters) decode still waits on. Returns, for each request whose prefill acknowledged, the
+    time the heartbeat was sent (prefill renews from when it receives it: no earlier)."""
+    by_engine: dict[tuple[str, int], list[tuple[str, str]]] = {}
+    for request_id, params in waiting.items():
+        by_engine.setdefault((params.remote_host, params.remote_port), []).append(
+            (request_id, params.remote_request_id)
+        )
+    renewed: dict[str, float] = {}
+    for (host, port), pairs in by_engine.items():
+        sent = time.time()
+        try:
+            SideChannelClient(host, port, fingerprint, keys, timeout).heartbeat([remote for _, remote in pairs])
+        except HandshakeError as exc:
+            log.warning("heartbeat to %s:%s failed: %s", host, port, exc)
+            continue
+        renewed.update((request_id, sent) for request_id, _ in pairs)
+    return renewed

@@ -15,9 +15,9 @@ import time
 from typing import Any
 
 from kvbridge_agent.core import Role, build_plan, wire_block_ids
-from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams, RankMetadata
+from kvbridge_agent.core.handshake import KVTransferParams, RankMetadata
 from kvbridge_agent.runtime.keys import load_keys
-from kvbridge_agent.runtime.side_channel import SideChannelClient, SideChannelServer
+from kvbridge_agent.runtime.side_channel import SideChannelServer, heartbeat_interval, send_heartbeats
 
 from .messages import PARAMS_KEY, OfferOrder, RankHandshake, ReadOrder, StepMetadata, transfer_params
 from .settings import ConnectorSettings
@@ -47,7 +47,6 @@ class ConnectorScheduler:
         self._waiting: dict[str, KVTransferParams] = {}
         self._renewed: dict[str, float] = {}  # decode request -> when a heartbeat last renewed its prefill lease
         self._stop = threading.Event()
-        self.heartbeats_sent = 0
         self._heartbeat_thread: threading.Thread | None = None
         if settings.role is Role.DECODE:
             self._heartbeat_thread = threading.Thread(target=self._heartbeats, name="kvbridge-heartbeat", daemon=True)
@@ -131,27 +130,12 @@ class ConnectorScheduler:
     def _heartbeats(self) -> None:
         """Decode: renew the prefill leases of requests that still wait for their KV (a loaded decode may queue
         a request for longer than the lease)."""
-        interval = max(0.5, self.settings.transfer.lease_seconds / 3)
-        while not self._stop.wait(interval):
+        while not self._stop.wait(heartbeat_interval(self.settings.transfer.lease_seconds)):
             with self._lock:
-                by_engine: dict[tuple[str, int], list[tuple[str, str]]] = {}
-                for request_id, params in self._waiting.items():
-                    by_engine.setdefault((params.remote_host, params.remote_port), []).append(
-                        (request_id, params.remote_request_id)
-                    )
-            for (host, port), pairs in by_engine.items():
-                sent = time.time()  # prefill renews from when it receives this: no earlier than now
-                try:
-                    client = SideChannelClient(host, port, self.settings.fingerprint, self._keys, 2.0)
-                    client.heartbeat([remote for _, remote in pairs])
-                    self.heartbeats_sent += 1
-                except HandshakeError as exc:
-                    log.warning("kvbridge: heartbeat to %s:%d failed: %s", host, port, exc)
-                    continue
-                with self._lock:
-                    for request_id, _ in pairs:
-                        if request_id in self._waiting:
-                            self._renewed[request_id] = sent
+                waiting = dict(self._waiting)
+            renewed = send_heartbeats(waiting, self.settings.fingerprint, self._keys)
+            with self._lock:
+                self._renewed.update((r, sent) for r, sent in renewed.items() if r in self._waiting)
 
     # -- prefill: publishing a finished request ------------------------------------
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
