@@ -29,7 +29,7 @@ import aiohttp
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.vllm.engines import Engines, deployment, rendered_template  # noqa: E402
+from tests.vllm.engines import Engines, deployment, process_group_stats, rendered_template  # noqa: E402
 
 from kvbridge_agent.core import Role  # noqa: E402
 from kvbridge_agent.runtime.keys import generate_keys  # noqa: E402
@@ -40,18 +40,8 @@ LENGTHS = (32, 128, 256, 480)  # up to the 512-token limit the deployment render
 
 def cpu_seconds(pgid: int) -> float:
     """User + system CPU seconds of every process in one process group (an engine and what it spawned)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid:
-                total += int(fields[11]) + int(fields[12])
-        except (OSError, IndexError, ValueError):
-            continue
-    return total / ticks
+    ticks = sum(int(fields[11]) + int(fields[12]) for fields in process_group_stats({pgid}))
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 async def measure(engines: Engines, model: str, repeats: int) -> dict[str, Any]:

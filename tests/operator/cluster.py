@@ -92,28 +92,36 @@ class Cluster:
     async def run_pods(self, name: str, role: str, *, ready: bool = True, ip_base: str = "10.0.0.",
                        namespace: str = "default") -> list[Obj]:  # fmt: skip
         """Create (or replace) the pods of a role's StatefulSet as it is now, and report their status."""
+        sts = await self._stateful_set(name, role, namespace)
+        return [await self.replace_pod(name, role, index, ready=ready, ip=f"{ip_base}{index + 1}", namespace=namespace)
+                for index in range(int(sts["spec"]["replicas"]))]  # fmt: skip
+
+    async def replace_pod(self, name: str, role: str, index: int, *, ready: bool = True, ip: str,
+                          namespace: str = "default") -> Obj:  # fmt: skip
+        """What the StatefulSet controller does for one pod: delete it if it exists, create it from the
+        StatefulSet's current template, and report its status."""
+        sts = await self._stateful_set(name, role, namespace)
+        pod_name = f"{name}-{role}-{index}"
+        if await self.client.get(PODS, namespace, pod_name) is not None:
+            await self.client.delete(PODS, namespace, pod_name)
+        template = copy.deepcopy(sts["spec"]["template"])
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {**template["metadata"], "name": pod_name, "namespace": namespace,
+                         "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet",
+                                              "name": sts["metadata"]["name"], "uid": sts["metadata"]["uid"],
+                                              "controller": True}]},
+            "spec": template["spec"],
+        }  # fmt: skip
+        await self.client.create(PODS, namespace, pod)
+        return await self.set_pod(pod_name, ready=ready, ip=ip, namespace=namespace)
+
+    async def _stateful_set(self, name: str, role: str, namespace: str) -> Obj:
         sts = await self.client.get(STATEFUL_SETS, namespace, f"{name}-{role}")
         if sts is None:
             raise AssertionError(f"no StatefulSet {name}-{role}")
-        pods = []
-        for index in range(int(sts["spec"]["replicas"])):
-            pod_name = f"{name}-{role}-{index}"
-            existing = await self.client.get(PODS, namespace, pod_name)
-            if existing is not None:
-                await self.client.delete(PODS, namespace, pod_name)
-            template = copy.deepcopy(sts["spec"]["template"])
-            pod = {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {**template["metadata"], "name": pod_name, "namespace": namespace,
-                             "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet",
-                                                  "name": sts["metadata"]["name"], "uid": sts["metadata"]["uid"],
-                                                  "controller": True}]},
-                "spec": template["spec"],
-            }  # fmt: skip
-            await self.client.create(PODS, namespace, pod)
-            pods.append(await self.set_pod(pod_name, ready=ready, ip=f"{ip_base}{index + 1}", namespace=namespace))
-        return pods
+        return sts
 
     async def set_pod(self, pod_name: str, *, ready: bool, ip: str | None, restarts: int = 0,
                       namespace: str = "default") -> Obj:  # fmt: skip

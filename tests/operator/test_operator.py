@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -170,12 +169,7 @@ async def test_spec_change_rolls_out_with_fingerprints() -> None:
         assert prefill is not None
         assert prefill["spec"]["template"]["metadata"]["labels"]["kvbridge.io/fingerprint"] == new
         # the StatefulSet controller replaces one pod; old and new coexist
-        await c.client.delete(PODS, "default", "llama3-8b-prefill-1")
-        template = copy.deepcopy(prefill["spec"]["template"])
-        pod = {"apiVersion": "v1", "kind": "Pod", "spec": template["spec"],
-               "metadata": {**template["metadata"], "name": "llama3-8b-prefill-1"}}  # fmt: skip
-        await c.client.create(PODS, "default", pod)
-        await c.set_pod("llama3-8b-prefill-1", ready=True, ip="10.0.0.12")
+        await c.replace_pod("llama3-8b", "prefill", 1, ip="10.0.0.12")
 
         def fingerprints() -> dict[str, str]:
             endpoints = c.deployment("llama3-8b")["status"]["prefill"]["endpoints"]
@@ -206,14 +200,7 @@ async def test_tp_change_keeps_the_fingerprint_but_not_the_pairing_key_of_the_en
         for obj in sts.values():
             assert obj is not None
             assert obj["spec"]["template"]["metadata"]["labels"]["kvbridge.io/pairing"] == after["pairing"]
-        prefill = sts["prefill"]
-        assert prefill is not None
-        await c.client.delete(PODS, "default", "llama3-8b-prefill-1")
-        template = copy.deepcopy(prefill["spec"]["template"])
-        pod = {"apiVersion": "v1", "kind": "Pod", "spec": template["spec"],
-               "metadata": {**template["metadata"], "name": "llama3-8b-prefill-1"}}  # fmt: skip
-        await c.client.create(PODS, "default", pod)
-        await c.set_pod("llama3-8b-prefill-1", ready=True, ip="10.0.0.12")
+        await c.replace_pod("llama3-8b", "prefill", 1, ip="10.0.0.12")
 
         def keys() -> dict[str, tuple[str, str, int]]:
             endpoints = c.deployment("llama3-8b")["status"]["prefill"]["endpoints"]

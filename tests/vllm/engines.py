@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ import pytest
 
 from kvbridge_agent.core import Role, TransferPlan
 from kvbridge_operator.config import OperatorConfig
-from kvbridge_operator.local import pods, tiny_model
+from kvbridge_operator.local import pd_requests, pods, tiny_model
 from kvbridge_operator.render import stateful_set
 from kvbridge_operator.spec import parse_deployment
 from kvbridge_operator.verdict import verdict_for
@@ -162,6 +163,24 @@ class Engines:
         return {"startSeconds": self.start_seconds, "peakRssGiB": round(self.peak_rss / 2**30, 2)}
 
 
+async def assert_pd_equals_single_engine(
+    session: Any,
+    prefill_url: str,
+    decode_url: str,
+    model: str,
+    tokens: list[int],
+    max_tokens: int,
+    salt: str,
+    what: str = "",
+) -> None:
+    """Prefill on one engine, decode on the other with its KV: the greedy tokens equal a single-engine run on the
+    decode engine (salted, so it cannot reuse the blocks P/D requests left in its prefix cache)."""
+    got = await pd_requests.disaggregated(session, prefill_url, decode_url, model, tokens, max_tokens)
+    want = await pd_requests.baseline(session, decode_url, model, tokens, max_tokens, salt=salt)
+    assert len(got.tokens) == max_tokens
+    assert got.tokens == want.tokens, f"{what}: P/D {got.tokens} != single engine {want.tokens}"
+
+
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
@@ -170,19 +189,23 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _rss_of_groups(groups: set[int]) -> int:
-    """Resident memory of every process in the given process groups (the engines and what they spawned)."""
-    total = 0
+def process_group_stats(groups: set[int]) -> Iterator[list[str]]:
+    """``/proc/<pid>/stat`` of every process in the given process groups (an engine and what it spawned), as the
+    fields after the command name: index 2 is the group, 11/12 user and system ticks, 21 resident pages."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(stat[2]) in groups:  # field 5: process group
-                total += int(stat[21]) * os.sysconf("SC_PAGE_SIZE")  # field 24: rss in pages
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) in groups:
+                yield fields
         except (OSError, IndexError, ValueError):
             continue
-    return total
+
+
+def _rss_of_groups(groups: set[int]) -> int:
+    """Resident memory of every process in the given process groups."""
+    return sum(int(fields[21]) for fields in process_group_stats(groups)) * os.sysconf("SC_PAGE_SIZE")
 
 
 def vllm_parts(template: dict[str, Any]) -> tuple[list[str], dict[str, str]]:

@@ -16,7 +16,7 @@ from kvbridge_agent.runtime.side_channel import SideChannelClient
 from kvbridge_operator.local import pd_requests
 from kvbridge_operator.local.tiny_model import prompt
 
-from .engines import Engines
+from .engines import Engines, assert_pd_equals_single_engine
 
 MAX_TOKENS = 12
 BLOCK = 32
@@ -79,10 +79,8 @@ async def test_a_read_after_the_lease_fails_the_request_and_decode_keeps_serving
     params["kvbridge"]["expiresAt"] = time.time() - 5  # as if decode came back after prefill's lease ended
     with pytest.raises(pd_requests.PDRequestError):
         await pd_requests.decode(session, decode, model, tokens, params, MAX_TOKENS)  # fails, never stale KV
-    tokens = prompt(2 * BLOCK + 5, salt=12)
-    got = await pd_requests.disaggregated(session, prefill, decode, model, tokens, MAX_TOKENS)
-    want = await pd_requests.baseline(session, decode, model, tokens, MAX_TOKENS, salt="kvb-after-lease")
-    assert got.tokens == want.tokens
+    await assert_pd_equals_single_engine(session, prefill, decode, model, prompt(2 * BLOCK + 5, salt=12), MAX_TOKENS,
+                                         salt="kvb-after-lease", what="after an expired lease")  # fmt: skip
 
 
 async def test_a_restarted_prefill_is_met_again_without_restarting_decode(
@@ -94,10 +92,8 @@ async def test_a_restarted_prefill_is_met_again_without_restarting_decode(
     kvbridge_engines.stop(["kvbridge-prefill"])
     kvbridge_engines.start(["kvbridge-prefill"])  # a new process: a new incarnation, new NIXL agent
     assert kvbridge_engines.running("kvbridge-decode")
-    tokens = prompt(3 * BLOCK + 1, salt=22)
-    got = await pd_requests.disaggregated(session, prefill, decode, model, tokens, MAX_TOKENS)
-    want = await pd_requests.baseline(session, decode, model, tokens, MAX_TOKENS, salt="kvb-after-restart")
-    assert got.tokens == want.tokens
+    await assert_pd_equals_single_engine(session, prefill, decode, model, prompt(3 * BLOCK + 1, salt=22), MAX_TOKENS,
+                                         salt="kvb-after-restart", what="after the prefill restart")  # fmt: skip
 
 
 async def test_a_decode_prompt_longer_than_prefills_fails_alone(
@@ -110,10 +106,8 @@ async def test_a_decode_prompt_longer_than_prefills_fails_alone(
     longer = tokens + prompt(BLOCK, salt=32)
     with pytest.raises(pd_requests.PDRequestError):
         await pd_requests.decode(session, decode, model, longer, params, MAX_TOKENS)
-    tokens = prompt(BLOCK + 3, salt=33)
-    got = await pd_requests.disaggregated(session, prefill, decode, model, tokens, MAX_TOKENS)
-    want = await pd_requests.baseline(session, decode, model, tokens, MAX_TOKENS, salt="kvb-after-mismatch")
-    assert got.tokens == want.tokens
+    await assert_pd_equals_single_engine(session, prefill, decode, model, prompt(BLOCK + 3, salt=33), MAX_TOKENS,
+                                         salt="kvb-after-mismatch", what="after a mismatched prompt")  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -136,6 +130,5 @@ async def test_block_size_conversions_nixl_gets_wrong_on_cpu_give_equal_tokens(
     prefill, decode = kvbridge_engines.engines[prefill_engine].url, kvbridge_engines.engines[decode_engine].url
     model = str(kvbridge_engines.model)
     tokens = prompt(length, salt=400 + length + len(prefill_engine))
-    got = await pd_requests.disaggregated(session, prefill, decode, model, tokens, MAX_TOKENS)
-    want = await pd_requests.baseline(session, decode, model, tokens, MAX_TOKENS, salt=f"kvb-{decode_engine}-{length}")
-    assert got.tokens == want.tokens, conversion
+    await assert_pd_equals_single_engine(session, prefill, decode, model, tokens, MAX_TOKENS,
+                                         salt=f"kvb-{decode_engine}-{length}", what=conversion)  # fmt: skip

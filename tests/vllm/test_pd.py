@@ -17,7 +17,7 @@ from kvbridge_operator.local import pd_requests
 from kvbridge_operator.local.tiny_model import prompt
 
 from .conftest import DEPLOYMENTS, SHORT_LEASE_BLOCKS, SHORT_LEASE_SECONDS
-from .engines import Engines, rendered_template, vllm_parts
+from .engines import Engines, assert_pd_equals_single_engine, rendered_template, vllm_parts
 
 MAX_TOKENS = 12
 BLOCK = 32
@@ -42,10 +42,8 @@ async def equal_tokens(engines: Engines, session: aiohttp.ClientSession, prefill
     model = str(engines.model)
     tokens = prompt(LENGTHS[length], salt=salt)
     source, decode = engines.engines[prefill], engines.engines["decode"]
-    got = await pd_requests.disaggregated(session, source.url, decode.url, model, tokens, MAX_TOKENS)
-    want = await pd_requests.baseline(session, decode.url, model, tokens, MAX_TOKENS, salt=f"baseline-{salt}")
-    assert len(got.tokens) == MAX_TOKENS
-    assert got.tokens == want.tokens, f"{prefill} {length}: P/D {got.tokens} != single engine {want.tokens}"
+    await assert_pd_equals_single_engine(session, source.url, decode.url, model, tokens, MAX_TOKENS,
+                                         salt=f"baseline-{salt}", what=f"{prefill} {length}")  # fmt: skip
 
 
 async def crossed_kv(engines: Engines, session: aiohttp.ClientSession, prefill: str, salt: int) -> None:
