@@ -96,16 +96,12 @@ def _operator_run(args: argparse.Namespace) -> int:
     import logging
     import signal
 
-    from .config import OperatorConfig, settings
+    from .config import from_flags
     from .handlers import run_operator
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    flags: dict[str, object] = {}
-    for item in settings():
-        value = getattr(args, item.name)
-        flags[item.name] = tuple(value) if isinstance(value, list) else value
     try:
-        config = OperatorConfig.from_env(os.environ, **flags)
+        config = from_flags(args)
     except KVBridgeError as exc:
         print(f"kvbridge operator run: error: {exc.message}", file=sys.stderr)
         return EXIT_INVALID

@@ -115,3 +115,13 @@ def settings() -> tuple[Field[Any], ...]:
 
 def default_of(item: Field[Any]) -> Any:
     return item.default_factory() if item.default_factory is not MISSING else item.default
+
+
+def from_flags(flags: object, environ: Mapping[str, str] = os.environ) -> OperatorConfig:
+    """The settings from parsed ``kvbridge operator run`` flags (an attribute per setting, ``None`` when not
+    given; repeatable flags as lists), the variables filling in the rest."""
+    given: dict[str, object] = {}
+    for item in settings():
+        value = getattr(flags, item.name)
+        given[item.name] = tuple(value) if isinstance(value, list) else value
+    return OperatorConfig.from_env(environ, **given)

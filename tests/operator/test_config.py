@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 import pytest
 
 from kvbridge_agent.core import SpecError
 from kvbridge_operator import cli
-from kvbridge_operator.config import OperatorConfig, flag_of, settings
+from kvbridge_operator.config import OperatorConfig, flag_of, from_flags, settings
 
 
 def run_parser() -> argparse.ArgumentParser:
@@ -27,12 +26,7 @@ def test_every_setting_has_a_flag() -> None:
 
 
 def config_from(argv: list[str], environ: dict[str, str]) -> OperatorConfig:
-    args = run_parser().parse_args(argv)
-    flags: dict[str, Any] = {}
-    for item in settings():
-        value = getattr(args, item.name)
-        flags[item.name] = tuple(value) if isinstance(value, list) else value
-    return OperatorConfig.from_env(environ, **flags)
+    return from_flags(run_parser().parse_args(argv), environ)
 
 
 def test_flags_reach_every_setting_and_win_over_variables() -> None:
