@@ -140,26 +140,27 @@ def _settings_of(spec: DisaggregatedDeploymentSpec) -> dict[str, Any]:
     return {path: sections[path.split(".")[1]][path.split(".")[2]] for path in _FIELDS}
 
 
-State = tuple[int, int, float, dict[str, Any], DisaggregatedDeploymentSpec]
+State = tuple[int, int, float, dict[str, Any], DisaggregatedDeploymentSpec, list[Problem]]
 
 
 def _search(
     spec: DisaggregatedDeploymentSpec,
-    problems: int,
+    problems: list[Problem],
     original: dict[str, Any],
     candidates: dict[str, list[Any]],
     width: int,
 ) -> dict[str, Any] | None:
-    """Beam search; a state is (problems left, fields changed, distance, changes, spec). The fewest fields
-    changed, then the smallest change, among the states without problems after the first step that has any."""
-    beam: list[State] = [(problems, 0, 0.0, {}, spec)]
+    """Beam search; a state is (problems left, fields changed, distance, changes, spec, its problems). The fewest
+    fields changed, then the smallest change, among the states without problems after the first step that has
+    any."""
+    beam: list[State] = [(len(problems), 0, 0.0, {}, spec, problems)]
     seen: set[tuple[tuple[str, Any], ...]] = {()}
     for _ in range(MAX_CHANGES):
         if any(state[0] == 0 for state in beam):
             break
         expanded: list[State] = []
-        for *_, changes, state in beam:
-            for move in _moves(_relevant(_problems(state)), candidates):
+        for *_, changes, state, found in beam:
+            for move in _moves(_relevant(found), candidates):
                 new = {**changes, **move}
                 key = tuple(sorted((p, v) for p, v in new.items() if v != original[p]))
                 if key in seen or len(key) > MAX_CHANGES:
@@ -169,7 +170,8 @@ def _search(
                 for path, value in move.items():
                     moved = _FIELDS[path][0](moved, value)
                 cost = sum(_distance(original[p], v) for p, v in key)
-                expanded.append((len(_problems(moved)), len(key), cost, dict(key), moved))
+                left = _problems(moved)
+                expanded.append((len(left), len(key), cost, dict(key), moved, left))
         if not expanded:
             return None
         expanded.sort(key=lambda state: state[:3])
@@ -196,7 +198,7 @@ def suggested_fix(dd: DisaggregatedDeployment) -> Fix | None:
     original = _settings_of(dd.spec)
     candidates = {path: _nearest(values, original[path]) for path, (_, values) in _FIELDS.items()}
     for width in BEAM_WIDTHS:  # a wider beam only when the narrow one finds nothing (rare, and slower)
-        found = _search(spec, len(problems), original, candidates, width)
+        found = _search(spec, problems, original, candidates, width)
         if found is not None:
             break
     else:

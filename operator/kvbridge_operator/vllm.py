@@ -149,13 +149,18 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     return found
 
 
+def _cpu_block_size(block_size: int) -> int:
+    """The block size CPU attention runs nearest below ``block_size`` (itself when it is a multiple of 32)."""
+    return max(CPU_BLOCK_MULTIPLE, block_size // CPU_BLOCK_MULTIPLE * CPU_BLOCK_MULTIPLE)
+
+
 def _cpu_problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     """vLLM's CPU build: CPU attention's block sizes and layout, and NixlConnector's block-size conversion,
     which does not know CPU attention's block interior (docs/troubleshooting.md, VLLM_CPU_BLOCK_SIZE_RATIO)."""
     found: list[Problem] = []
     for role, role_spec in ((Role.PREFILL, spec.prefill), (Role.DECODE, spec.decode)):
-        if role_spec.block_size % CPU_BLOCK_MULTIPLE:
-            fits = max(CPU_BLOCK_MULTIPLE, role_spec.block_size // CPU_BLOCK_MULTIPLE * CPU_BLOCK_MULTIPLE)
+        fits = _cpu_block_size(role_spec.block_size)
+        if fits != role_spec.block_size:
             found.append(Problem(
                 VLLM_CPU_BLOCK_SIZE, f"spec.{role.value}.blockSize",
                 f"vLLM's CPU attention runs blocks of a multiple of {CPU_BLOCK_MULTIPLE} tokens, not "
@@ -179,9 +184,7 @@ def _cpu_problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     elif spec.prefill.block_size != spec.decode.block_size:
         # NixlConnector's re-layout does not know CPU attention's block interior (kvbridge's connector does).
         # the one block size both sides can run: prefill's, or the multiple of 32 its own problem suggests
-        common = spec.prefill.block_size
-        if common % CPU_BLOCK_MULTIPLE:
-            common = max(CPU_BLOCK_MULTIPLE, common // CPU_BLOCK_MULTIPLE * CPU_BLOCK_MULTIPLE)
+        common = _cpu_block_size(spec.prefill.block_size)
         fix = f"spec.decode.blockSize: {common}" + (
             "" if common == spec.prefill.block_size else f" and spec.prefill.blockSize: {common}"
         )

@@ -117,7 +117,6 @@ class ConnectorWorker:
         tensors = distinct_tensors(list(kv_caches.values()))  # vLLM gives them in layer order
         settings, environment = self.settings, self.settings.environment
         self.geometry = transfer_geometry(settings.model, tensors, settings.tp_size)
-        self.kernel = "n/a"
         convert: Converter = convert_for_side
         if self.geometry != settings.model:  # vLLM's CPU attention: its own block interior
             self.kernel = cpu_kernel(tensors[0], settings.block_size, settings.model.head_dim)
