@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge_agent.core import KVLayout, ModelGeometry, Role, RoleSettings, SpecError, TransferSettings
+from kvbridge_agent.core import KVLayout, ModelGeometry, Role, SpecError, TransferSettings
 from kvbridge_agent.core.contract import EngineEnvironment, parse_environment
 from kvbridge_agent.core.plan import plan_or_problems
 
@@ -31,10 +31,6 @@ class ConnectorSettings:
     @property
     def transfer(self) -> TransferSettings:
         return self.environment.transfer
-
-    @property
-    def own(self) -> RoleSettings:
-        return self.environment.own
 
     @property
     def fingerprint(self) -> str:

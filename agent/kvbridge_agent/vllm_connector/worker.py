@@ -110,7 +110,6 @@ class ConnectorWorker:
         self._load_errors: set[int] = set()
         #: reads in flight -> the lease end they must finish before, and the local blocks they fill
         self._expiry: dict[str, tuple[float, list[int]]] = {}
-        self.stats = {"reads": 0, "failed": 0, "bytes": 0, "handshakes": 0, "evictions": 0}
 
     # -- registration --------------------------------------------------------------
     def register(self, kv_caches: dict[str, Any]) -> None:
@@ -203,18 +202,13 @@ class ConnectorWorker:
             engine_id, incarnation = key
             waiting = self._parked.pop(key, [])
             try:
-                ranks = future.result()
-                old = decode.peers.get(engine_id)
-                if old is not None:  # the prefill engine restarted: its old agent and lists are stale
-                    decode.evict_peer(engine_id)
-                    self.stats["evictions"] += 1
-                peer = decode.add_peer(engine_id, incarnation, ranks)
+                # add_peer evicts a stale incarnation first (the prefill engine restarted)
+                peer = decode.add_peer(engine_id, incarnation, future.result())
                 try:
                     refuse_conversions(self.geometry, self.settings.model, peer.plan, self.kernel)
                 except SpecError as exc:
                     decode.evict_peer(engine_id)
                     raise HandshakeError(exc.message, code=exc.code) from exc
-                self.stats["handshakes"] += 1
             except (KVBridgeError, OSError) as exc:
                 code = getattr(exc, "code", "HANDSHAKE_FAILED")
                 message = getattr(exc, "message", str(exc))
@@ -256,11 +250,7 @@ class ConnectorWorker:
                     # prefill may have freed and reused the blocks while they were read: never use them
                     message = "the read ended after prefill's lease"
                     result = ReadResult(result.request_id, False, LEASE_EXPIRED, message, lease[1])
-                if result.ok:
-                    self.stats["reads"] += 1
-                    self.stats["bytes"] += result.bytes
-                else:
-                    self.stats["failed"] += 1
+                if not result.ok:
                     self._load_errors |= set(result.invalid_blocks)
                     log.warning("kvbridge: read of %s failed: %s: %s", result.request_id, result.code, result.message)
             return None, done or None
