@@ -8,7 +8,11 @@ the operator renders for ``spec.engine.connector`` Nixl and KVBridge, one pair a
 length: prefill computes it, then decode is asked for one token with the prefill's ``kv_transfer_params``.
 Reported per length (median of the repeats): decode's time to first token as the client sees it (scheduling,
 the KV READ, one forward of the last token), the same prompt recomputed on decode alone (no transfer), the CPU
-seconds the decode engine's processes used per request, and each pair's peak resident memory.
+seconds the decode engine's processes used per request, each pair's peak resident memory, and what each
+connector reports on decode's /metrics: the mean KV transfer time per request (NixlConnector:
+``vllm:nixl_xfer_time_seconds``, NIXL's own post-to-completion telemetry; KVBridgeConnector:
+``vllm:kvbridge_transfer_seconds``, post to completion as the worker's next step sees it — coarser, it includes
+up to one engine step) and descriptors per request.
 """
 
 from __future__ import annotations
@@ -29,13 +33,18 @@ import aiohttp
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.vllm.engines import Engines, deployment, process_group_stats, rendered_template  # noqa: E402
+from tests.vllm.engines import Engines, deployment, metric, process_group_stats, rendered_template  # noqa: E402
 
 from kvbridge_agent.core import Role  # noqa: E402
 from kvbridge_agent.runtime.keys import generate_keys  # noqa: E402
 from kvbridge_operator.local import pd_requests, tiny_model  # noqa: E402
 
 LENGTHS = (32, 128, 256, 480)  # up to the 512-token limit the deployment renders
+#: each connector's per-request transfer histograms on decode's /metrics: (seconds, descriptors)
+TRANSFER_METRICS = {
+    "Nixl": ("vllm:nixl_xfer_time_seconds", "vllm:nixl_num_descriptors"),
+    "KVBridge": ("vllm:kvbridge_transfer_seconds", "vllm:kvbridge_descriptors_per_request"),
+}
 
 
 def cpu_seconds(pgid: int) -> float:
@@ -44,7 +53,28 @@ def cpu_seconds(pgid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-async def measure(engines: Engines, model: str, repeats: int) -> dict[str, Any]:
+async def transfer_figures(session: aiohttp.ClientSession, url: str, connector: str) -> tuple[float, float, float]:
+    """(requests, seconds, descriptors) the connector has reported so far on decode's /metrics."""
+    seconds, descriptors = TRANSFER_METRICS[connector]
+    return (await metric(session, url, f"{seconds}_count"), await metric(session, url, f"{seconds}_sum"),
+            await metric(session, url, f"{descriptors}_sum"))  # fmt: skip
+
+
+async def reported_since(
+    session: aiohttp.ClientSession, url: str, connector: str, before: tuple[float, float, float], count: int
+) -> tuple[float, float, float]:
+    """What the connector reported for the last ``count`` transfers (vLLM's front end records a step's stats
+    shortly after it); zeros where it reports nothing."""
+    deadline = time.monotonic() + 10
+    while True:
+        now = await transfer_figures(session, url, connector)
+        delta = tuple(a - b for a, b in zip(now, before, strict=True))
+        if delta[0] >= count or time.monotonic() > deadline:
+            return delta  # type: ignore[return-value]
+        await asyncio.sleep(0.2)
+
+
+async def measure(engines: Engines, model: str, repeats: int, connector: str) -> dict[str, Any]:
     prefill, decode = engines.engines["prefill"], engines.engines["decode"]
     assert decode.process is not None
     rows: dict[str, Any] = {}
@@ -54,6 +84,7 @@ async def measure(engines: Engines, model: str, repeats: int) -> dict[str, Any]:
             await pd_requests.disaggregated(session, prefill.url, decode.url, model, tokens, 1)
         for length in LENGTHS:
             ttft, alone, cpu = [], [], []
+            reported = await transfer_figures(session, decode.url, connector)
             for repeat in range(repeats):
                 tokens = tiny_model.prompt(length, salt=length * 100 + repeat)
                 params = await pd_requests.prefill(session, prefill.url, model, tokens)
@@ -65,7 +96,10 @@ async def measure(engines: Engines, model: str, repeats: int) -> dict[str, Any]:
                 started = time.perf_counter()
                 await pd_requests.baseline(session, decode.url, model, tokens, 1, salt=f"alone-{length}-{repeat}")
                 alone.append(time.perf_counter() - started)
+            count, seconds, descriptors = await reported_since(session, decode.url, connector, reported, repeats)
             rows[str(length)] = {
+                "transferMs": round(seconds / count * 1000, 2) if count else None,
+                "descriptorsPerRequest": round(descriptors / count, 1) if count else None,
                 "decodeTTFTms": round(statistics.median(ttft) * 1000, 1),
                 "recomputeTTFTms": round(statistics.median(alone) * 1000, 1),
                 "decodeCPUSecondsPerRequest": round(statistics.median(cpu), 3),
@@ -87,7 +121,7 @@ async def run(repeats: int, workdir: Path) -> dict[str, Any]:
         print(f"starting the {connector} pair ...", file=sys.stderr, flush=True)
         try:
             engines.start(["prefill", "decode"])
-            rows = await measure(engines, str(model), repeats)
+            rows = await measure(engines, str(model), repeats, connector)
         finally:
             engines.stop()
         results[connector] = {"byPromptTokens": rows, **engines.summary()}
@@ -96,13 +130,15 @@ async def run(repeats: int, workdir: Path) -> dict[str, Any]:
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = ["| prompt tokens | decode TTFT, Nixl (ms) | decode TTFT, KVBridge (ms) | KVBridge / Nixl | recompute on "
+    lines = ["| prompt tokens | transfer, Nixl (ms) | transfer, KVBridge (ms) | descriptors, Nixl | KVBridge "
+             "| decode TTFT, Nixl (ms) | decode TTFT, KVBridge (ms) | KVBridge / Nixl | recompute on "
              "decode (ms) | decode CPU s/request, Nixl | KVBridge |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for length in LENGTHS:
         nixl, ours = results["Nixl"]["byPromptTokens"][str(length)], results["KVBridge"]["byPromptTokens"][str(length)]
         lines.append(
-            f"| {length} | {nixl['decodeTTFTms']} | {ours['decodeTTFTms']} | "
+            f"| {length} | {nixl['transferMs']} | {ours['transferMs']} | {nixl['descriptorsPerRequest']} | "
+            f"{ours['descriptorsPerRequest']} | {nixl['decodeTTFTms']} | {ours['decodeTTFTms']} | "
             f"{ours['decodeTTFTms'] / nixl['decodeTTFTms']:.2f} | {nixl['recomputeTTFTms']} | "
             f"{nixl['decodeCPUSecondsPerRequest']} | {ours['decodeCPUSecondsPerRequest']} |"
         )

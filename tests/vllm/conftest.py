@@ -27,6 +27,7 @@ DEPLOYMENTS = {
     # block-size conversions NixlConnector gets wrong on CPU attention: decode merges, prefill splits
     "kvbridge-merge": deployment("tiny-kvbridge-merge", 1, connector="KVBridge", blocks=(32, 64)),
     "kvbridge-split": deployment("tiny-kvbridge-split", 1, connector="KVBridge", blocks=(64, 32)),
+    "kvbridge-tp2": deployment("tiny-kvbridge-tp2", 2, connector="KVBridge"),
     "short-lease": deployment("tiny-short-lease", 1, lease=SHORT_LEASE_SECONDS,
                               extra=(f"--num-gpu-blocks-override={SHORT_LEASE_BLOCKS}",)),
 }  # fmt: skip
@@ -58,6 +59,11 @@ def all_engines(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
     ):
         found.add(name, rendered_template(DEPLOYMENTS[deployment_name], role), ip, (core,),
                   env={"KVBRIDGE_KEYS_DIR": str(keys)})  # fmt: skip
+    # TP 2 -> 1 with kvbridge's connector: the prefill ranks on cores of their own (where there are 4)
+    found.add("kvbridge-prefill-tp2", rendered_template(DEPLOYMENTS["kvbridge-tp2"], Role.PREFILL), "127.0.1.10",
+              (2, 3), env={"KVBRIDGE_KEYS_DIR": str(keys)})  # fmt: skip
+    found.add("kvbridge-decode-tp2", rendered_template(DEPLOYMENTS["kvbridge-tp2"], Role.DECODE), "127.0.1.11",
+              (1,), env={"KVBRIDGE_KEYS_DIR": str(keys)})  # fmt: skip
     try:
         yield found
     finally:
@@ -105,6 +111,20 @@ def tp2_engines(all_engines: Engines) -> Engines:
     if cores < TP2_CORES:
         pytest.skip(f"prefill TP 2 beside a decode engine needs {TP2_CORES} cores, this machine has {cores}")
     return _phase(all_engines, ["decode", "prefill-tp2"])
+
+
+@pytest.fixture
+def kvbridge_tp2_engines(all_engines: Engines) -> Engines:
+    """prefill TP 2 (cores 2 and 3) and decode TP 1 (core 1) with kvbridge's connector.
+
+    Needs 4 cores. On 2 it was tried (prefill ranks on both cores, decode beside them) and decode's handshake
+    timed out after 5, 60 and 120 s: while a finished request's blocks are held for decode, vLLM keeps stepping
+    the prefill engine, whose two TP workers busy-poll their shared-memory queues, so three spinning processes
+    on two cores starve the prefill engine's side-channel listener and the decode front end (docs/vllm.md)."""
+    cores = len(os.sched_getaffinity(0))
+    if cores < TP2_CORES:
+        pytest.skip(f"prefill TP 2 beside a decode engine needs {TP2_CORES} cores, this machine has {cores}")
+    return _phase(all_engines, ["kvbridge-prefill-tp2", "kvbridge-decode-tp2"])
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -181,6 +181,14 @@ async def assert_pd_equals_single_engine(
     assert got.tokens == want.tokens, f"{what}: P/D {got.tokens} != single engine {want.tokens}"
 
 
+async def metric(session: Any, url: str, name: str, labels: str = "") -> float:
+    """The sum of every sample of ``name`` on an engine's /metrics whose labels contain ``labels`` (0: none)."""
+    async with session.get(f"{url}/metrics") as response:
+        text = await response.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and labels in line)  # fmt: skip
+
+
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=2) as response:

@@ -3,6 +3,7 @@ operator renders: equal greedy tokens, a negative control, CURVE, a lease that e
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,7 +17,7 @@ from kvbridge_agent.runtime.side_channel import SideChannelClient
 from kvbridge_operator.local import pd_requests
 from kvbridge_operator.local.tiny_model import prompt
 
-from .engines import Engines, assert_pd_equals_single_engine
+from .engines import Engines, assert_pd_equals_single_engine, metric
 
 MAX_TOKENS = 12
 BLOCK = 32
@@ -132,3 +133,54 @@ async def test_block_size_conversions_nixl_gets_wrong_on_cpu_give_equal_tokens(
     tokens = prompt(length, salt=400 + length + len(prefill_engine))
     await assert_pd_equals_single_engine(session, prefill, decode, model, tokens, MAX_TOKENS,
                                          salt=f"kvb-{decode_engine}-{length}", what=conversion)  # fmt: skip
+
+
+async def test_decode_exports_transfers_and_failures_on_vllms_metrics(
+    kvbridge_engines: Engines, session: aiohttp.ClientSession
+) -> None:
+    """vLLM's /metrics carries the connector's figures: each read's time, bytes and descriptors, failures by code."""
+    prefill, decode, model = urls(kvbridge_engines)
+    names = {"reads": ("vllm:kvbridge_transfer_seconds_count",),
+             "descriptors": ("vllm:kvbridge_descriptors_per_request_sum",),
+             "bytes": ("vllm:kvbridge_transfer_bytes_sum",),
+             "expired": ("vllm:kvbridge_failed_transfers_total", 'code="LEASE_EXPIRED"')}  # fmt: skip
+
+    async def figures() -> dict[str, float]:
+        return {key: await metric(session, decode, *name) for key, name in names.items()}
+
+    before = await figures()
+    await pd_requests.disaggregated(session, prefill, decode, model, prompt(3 * BLOCK + 13, salt=51), MAX_TOKENS)
+    params = await pd_requests.prefill(session, prefill, model, prompt(BLOCK, salt=52))
+    params["kvbridge"]["expiresAt"] = time.time() - 5
+    with pytest.raises(pd_requests.PDRequestError):
+        await pd_requests.decode(session, decode, model, prompt(BLOCK, salt=52), params, MAX_TOKENS)
+    # 109 tokens: 4 blocks of 32, one descriptor per layer (2 layers) per block, each 2 KV heads x 2 (K, V) x 32
+    # tokens x 64 x 2 bytes = 16 KiB
+    want = {"reads": 1, "descriptors": 8, "bytes": 8 * 16384, "expired": 1}
+    deadline = time.monotonic() + 10  # vLLM's front end records them with its next stats update
+    while True:
+        after = await figures()
+        got = {key: after[key] - before[key] for key in names}
+        if got == want or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.2)
+    assert got == want
+
+
+@pytest.mark.parametrize("length", [7, 3 * BLOCK + 13, 15 * BLOCK + 3])
+async def test_prefill_tp2_to_decode_tp1_gives_equal_tokens(
+    kvbridge_tp2_engines: Engines, session: aiohttp.ClientSession, length: int
+) -> None:
+    """Each decode rank reads both prefill ranks' heads (one plan per prefill engine, two remote agents)."""
+    engines = kvbridge_tp2_engines.engines
+    prefill, decode = engines["kvbridge-prefill-tp2"].url, engines["kvbridge-decode-tp2"].url
+    await assert_pd_equals_single_engine(session, prefill, decode, str(kvbridge_tp2_engines.model),
+                                         prompt(length, salt=600 + length), MAX_TOKENS, salt=f"kvb-tp2-{length}",
+                                         what="prefill TP 2 -> decode TP 1")  # fmt: skip
+    other = prompt(3 * BLOCK, salt=700)  # negative control: another prompt's KV under this prompt's tokens
+    foreign = await pd_requests.prefill(session, prefill, str(kvbridge_tp2_engines.model), other)
+    tokens = prompt(3 * BLOCK, salt=701)
+    got = await pd_requests.decode(session, decode, str(kvbridge_tp2_engines.model), tokens, foreign, MAX_TOKENS)
+    want = await pd_requests.baseline(session, decode, str(kvbridge_tp2_engines.model), tokens, MAX_TOKENS,
+                                      salt=f"kvb-tp2-negative-{length}")  # fmt: skip
+    assert got.tokens != want.tokens

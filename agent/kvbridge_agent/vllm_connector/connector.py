@@ -17,6 +17,7 @@ from kvbridge_agent.core import SpecError
 from .messages import RankHandshake, StepMetadata
 from .scheduler import ConnectorScheduler
 from .settings import ConnectorSettings
+from .stats import KVBridgePromMetrics, KVBridgeStats
 from .worker import ConnectorWorker
 
 if TYPE_CHECKING:
@@ -87,6 +88,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker_half().finished(finished_req_ids)
 
+    def get_kv_connector_stats(self) -> KVBridgeStats | None:
+        return self._worker.stats.take() if self._worker is not None else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()
 
@@ -110,6 +114,21 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         if self._scheduler is not None:
             self._scheduler.set_handshake({r: m for r, m in metadata.items() if isinstance(m, RankHandshake)})
+
+    # -- metrics (classmethods: vLLM calls them in the front end, where no connector exists) ---------------
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
+        return KVBridgeStats(data=data) if data is not None else KVBridgeStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVBridgePromMetrics:
+        return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         for half in (self._scheduler, self._worker):

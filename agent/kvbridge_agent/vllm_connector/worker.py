@@ -32,12 +32,14 @@ from kvbridge_agent.runtime.transport import Transport
 from .cpu_blocks import KNOWN_KERNELS, CPUAttentionBlocks
 from .messages import RankHandshake, ReadOrder, StepMetadata
 from .settings import ConnectorSettings
+from .stats import KVBridgeStats
 
 log = logging.getLogger(f"vllm.kvbridge.{__name__.rsplit('.', 1)[-1]}")  # shown by vLLM's log handler
 
 #: decode refuses a read this close to the prefill's lease end (clock skew between the two hosts)
 LEASE_CLOCK_MARGIN_SECONDS = 1.0
 LEASE_EXPIRED = "LEASE_EXPIRED"
+BLOCK_INTERIOR_MISMATCH = "BLOCK_INTERIOR_MISMATCH"
 
 
 def transfer_geometry(model: ModelGeometry, tensors: list[Any], tp_size: int) -> ModelGeometry:
@@ -86,6 +88,18 @@ def cpu_kernel(tensor: Any, block_size: int, head_dim: int) -> str:
         return "unknown"
 
 
+def check_block_interior(mine: str, engine_id: str, ranks: dict[int, tuple[RankMetadata, bytes]]) -> None:
+    """Both engines' kernels must lay a block's bytes out alike: a prefill on another CPU kernel (an AMX node beside
+    a plain AVX-512 one) would hand decode bytes it reads as other tokens."""
+    theirs = {meta.block_interior for meta, _ in ranks.values()}
+    if theirs != {mine}:
+        raise HandshakeError(
+            f"{engine_id} stores KV blocks as {' and '.join(sorted(t or 'its layout says' for t in theirs))}, this "
+            f"decode as {mine or 'its layout says'}: run both roles on nodes whose CPUs give vLLM the same attention "
+            "kernel (a node selector on the CPU feature), or the same engine build", code=BLOCK_INTERIOR_MISMATCH,
+        )  # fmt: skip
+
+
 class ConnectorWorker:
     def __init__(self, settings: ConnectorSettings, tp_rank: int, incarnation: str) -> None:
         self.settings = settings
@@ -98,6 +112,7 @@ class ConnectorWorker:
         self._handshake: RankHandshake | None = None
         self.geometry: ModelGeometry = settings.model
         self.kernel = "n/a"
+        self.stats = KVBridgeStats()
         # prefill
         self._leases: dict[str, float] = {}
         self._done_sending: set[str] = set()
@@ -106,6 +121,7 @@ class ConnectorWorker:
         self._results: list[ReadResult] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-handshake")
         self._fetching: dict[tuple[str, str], Future[dict[int, tuple[RankMetadata, bytes]]]] = {}
+        self._fetch_started: dict[tuple[str, str], float] = {}
         self._parked: dict[tuple[str, str], list[tuple[str, ReadOrder]]] = {}
         self._load_errors: set[int] = set()
         #: reads in flight -> the lease end they must finish before, and the local blocks they fill
@@ -133,11 +149,18 @@ class ConnectorWorker:
             plan = build_plan(self.geometry, environment.prefill, environment.decode, settings.transfer)
             refuse_conversions(self.geometry, settings.model, plan, self.kernel)
             self.prefill = PrefillRank(cache, transport, plan, environment.engine_id, self.incarnation, convert)
-            self._handshake = RankHandshake(self.prefill.metadata().model_dump_json(), transport.metadata())
+            metadata = self.prefill.metadata().model_copy(update={"block_interior": self.block_interior})
+            self._handshake = RankHandshake(metadata.model_dump_json(), transport.metadata())
         else:
             self.decode = DecodeRank(cache, transport, environment.decode, settings.transfer, convert)
         log.info("kvbridge: %s rank %d registered %d KV tensor(s) of %d blocks", settings.role.value, self.tp_rank,
                  len(cache.tensors), cache.num_blocks)  # fmt: skip
+
+    @property
+    def block_interior(self) -> str:
+        """What the handshake says of this cache's block interior: vLLM's CPU attention kernel, which decides it
+        (``vec`` and ``amx`` builds of one layout are not interchangeable); empty for other caches."""
+        return f"vllm-cpu-attention/{self.kernel}" if self.geometry != self.settings.model else ""
 
     def handshake_metadata(self) -> RankHandshake | None:
         return self._handshake
@@ -175,6 +198,7 @@ class ConnectorWorker:
             self._parked.setdefault(key, []).append((request_id, order))
             if key not in self._fetching:
                 self._fetching[key] = self._executor.submit(self._fetch, params)
+                self._fetch_started[key] = time.perf_counter()
             return None
         return decode.start(
             request_id, params, order.local_block_ids, self.settings.environment.transfer_timeout_seconds
@@ -199,11 +223,17 @@ class ConnectorWorker:
             if not future.done():
                 continue
             del self._fetching[key]
+            started = self._fetch_started.pop(key)
             engine_id, incarnation = key
             waiting = self._parked.pop(key, [])
             try:
+                ranks = future.result()
+                check_block_interior(self.block_interior, engine_id, ranks)
+                stale = decode.peers.get(engine_id)
                 # add_peer evicts a stale incarnation first (the prefill engine restarted)
-                peer = decode.add_peer(engine_id, incarnation, future.result())
+                peer = decode.add_peer(engine_id, incarnation, ranks)
+                if stale is not None and stale.incarnation != incarnation:
+                    self.stats.record_eviction()
                 try:
                     refuse_conversions(self.geometry, self.settings.model, peer.plan, self.kernel)
                 except SpecError as exc:
@@ -214,6 +244,7 @@ class ConnectorWorker:
                 message = getattr(exc, "message", str(exc))
                 self._results += [ReadResult(r, False, code, message, list(o.local_block_ids)) for r, o in waiting]
                 continue
+            self.stats.record_handshake(time.perf_counter() - started)
             for request_id, order in waiting:
                 result = self._start_read(decode, request_id, order)
                 if result is not None:
@@ -231,6 +262,7 @@ class ConnectorWorker:
                     continue
                 if now > until and self.prefill.forget(request_id):
                     log.warning("kvbridge: lease of %s ended unread; its blocks are freed", request_id)
+                    self.stats.record_expired_lease()
                     self._done_sending.add(request_id)
             ready = self._done_sending & self._finished_seen  # vLLM wants ids it reported finished
             self._done_sending -= ready
@@ -250,7 +282,10 @@ class ConnectorWorker:
                     # prefill may have freed and reused the blocks while they were read: never use them
                     message = "the read ended after prefill's lease"
                     result = ReadResult(result.request_id, False, LEASE_EXPIRED, message, lease[1])
-                if not result.ok:
+                if result.ok:
+                    self.stats.record_read(result.seconds, result.bytes, result.descriptors)
+                else:
+                    self.stats.record_failure(result.code)
                     self._load_errors |= set(result.invalid_blocks)
                     log.warning("kvbridge: read of %s failed: %s: %s", result.request_id, result.code, result.message)
             return None, done or None

@@ -1,0 +1,139 @@
+"""What the connector reports through vLLM's metrics.
+
+Each worker records what happened since vLLM last asked (:meth:`KVBridgeStats.take`); vLLM gathers the TP ranks'
+records (``aggregate``), logs a summary every logging interval (``reduce``) and exports them on the front end's
+``/metrics`` through :class:`KVBridgePromMetrics` — the same names as the synthetic engine's metrics, with vLLM's
+``vllm:`` prefix. A read is one TP rank's READs for one request.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+#: each observation list: read durations (s), bytes and descriptors per read, handshake durations (s), the codes
+#: of failed reads, and a 1 per lease that ended unread (prefill) and per stale peer evicted (decode)
+_KEYS = ("read_seconds", "read_bytes", "read_descriptors", "handshake_seconds", "failed_reads", "expired_leases",
+         "stale_peer_evictions")  # fmt: skip
+_SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+_DESCRIPTORS = (1, 16, 128, 1024, 4096, 16384, 65536, 262144, 1048576)
+_BYTES = tuple(float(2 ** (10 + 2 * i)) for i in range(13))  # 1 KiB .. 16 GiB
+
+
+@dataclass
+class KVBridgeStats(KVConnectorStats):
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data: dict[str, list[Any]] = {key: [] for key in _KEYS}
+
+    def record_read(self, seconds: float, nbytes: int, descriptors: int) -> None:
+        self.data["read_seconds"].append(seconds)
+        self.data["read_bytes"].append(nbytes)
+        self.data["read_descriptors"].append(descriptors)
+
+    def record_failure(self, code: str) -> None:
+        self.data["failed_reads"].append(code)
+
+    def record_handshake(self, seconds: float) -> None:
+        self.data["handshake_seconds"].append(seconds)
+
+    def record_expired_lease(self) -> None:
+        self.data["expired_leases"].append(1)
+
+    def record_eviction(self) -> None:
+        self.data["stale_peer_evictions"].append(1)
+
+    def take(self) -> KVBridgeStats | None:
+        """What was recorded since the last call (``None``: nothing), leaving this one empty."""
+        if self.is_empty():
+            return None
+        taken = copy.copy(self)
+        self.reset()
+        return taken
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(key) for key in _KEYS)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key in _KEYS:
+            self.data.setdefault(key, []).extend(other.data.get(key, ()))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        seconds = np.asarray(self.data["read_seconds"], dtype=np.float64)
+        reads = len(seconds)
+        summary: dict[str, int | float] = {"Reads": reads}
+        if reads:
+            megabytes = np.asarray(self.data["read_bytes"], dtype=np.float64) / 2**20
+            summary |= {
+                "Avg read (ms)": round(float(seconds.mean()) * 1e3, 3),
+                "P90 read (ms)": round(float(np.percentile(seconds, 90)) * 1e3, 3),
+                "Avg MB per read": round(float(megabytes.mean()), 3),
+                "Throughput (MB/s)": round(float(megabytes.sum() / max(seconds.sum(), 1e-9)), 1),
+                "Avg descriptors": round(float(np.mean(self.data["read_descriptors"])), 1),
+            }
+        return summary | {
+            "Failed reads": len(self.data["failed_reads"]),
+            "Expired leases": len(self.data["expired_leases"]),
+            "Handshakes": len(self.data["handshake_seconds"]),
+            "Stale peers evicted": len(self.data["stale_peer_evictions"]),
+        }
+
+
+class KVBridgePromMetrics(KVConnectorPromMetrics):
+    """``vllm:kvbridge_*`` on the engine's ``/metrics``, one child per engine of the front end."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+        def per_engine(kind: type, name: str, doc: str, **extra: Any) -> dict[int, Any]:
+            metric = kind(name=name, documentation=doc, labelnames=labelnames, **extra)
+            children: dict[int, Any] = create_metric_per_engine(metric, per_engine_labelvalues)
+            return children
+
+        histogram, counter = self._histogram_cls, self._counter_cls
+        self.read_seconds = per_engine(histogram, "vllm:kvbridge_transfer_seconds",
+                                       "One TP rank's READs of one request, from posting to completion.",
+                                       buckets=list(_SECONDS))  # fmt: skip
+        self.read_bytes = per_engine(histogram, "vllm:kvbridge_transfer_bytes",
+                                     "Bytes one TP rank READ for one request.", buckets=list(_BYTES))  # fmt: skip
+        self.read_descriptors = per_engine(histogram, "vllm:kvbridge_descriptors_per_request",
+                                           "Descriptors one TP rank posted for one request.",
+                                           buckets=list(_DESCRIPTORS))  # fmt: skip
+        self.handshake_seconds = per_engine(histogram, "vllm:kvbridge_handshake_seconds",
+                                            "Side-channel handshake with a prefill engine, until its peer is usable.",
+                                            buckets=list(_SECONDS))  # fmt: skip
+        self.expired_leases = per_engine(counter, "vllm:kvbridge_expired_leases",
+                                         "Prefill requests freed because their lease ended unread.")  # fmt: skip
+        self.evictions = per_engine(counter, "vllm:kvbridge_stale_peer_evictions",
+                                    "Prefill engines evicted because they restarted.")  # fmt: skip
+        # one child per (engine, code), made when a code first occurs
+        self._failed = counter(name="vllm:kvbridge_failed_transfers", documentation="Failed reads, by code.",
+                               labelnames=[*labelnames, "code"])  # fmt: skip
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        data = transfer_stats_data
+        for metric, key in ((self.read_seconds, "read_seconds"), (self.read_bytes, "read_bytes"),
+                            (self.read_descriptors, "read_descriptors"),
+                            (self.handshake_seconds, "handshake_seconds")):  # fmt: skip
+            for value in data.get(key, ()):
+                metric[engine_idx].observe(value)
+        for metric, key in ((self.expired_leases, "expired_leases"), (self.evictions, "stale_peer_evictions")):
+            if data.get(key):
+                metric[engine_idx].inc(len(data[key]))
+        for code in data.get("failed_reads", ()):
+            self._failed.labels(*self.per_engine_labelvalues[engine_idx], code).inc()

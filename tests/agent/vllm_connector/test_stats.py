@@ -1,0 +1,79 @@
+"""What the connector reports to vLLM's metrics: records per interval, summed over TP ranks, exported."""
+
+from __future__ import annotations
+
+import pickle
+from functools import partial
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvbridge_agent.vllm_connector import KVBridgeConnector
+from kvbridge_agent.vllm_connector.stats import KVBridgePromMetrics, KVBridgeStats
+
+
+def test_take_hands_over_what_was_recorded_once() -> None:
+    stats = KVBridgeStats()
+    assert stats.take() is None
+    stats.record_read(0.004, 2 << 20, 8)
+    stats.record_failure("LEASE_EXPIRED")
+    taken = stats.take()
+    assert taken is not None
+    assert stats.is_empty()
+    assert stats.take() is None
+    assert taken.data["read_descriptors"] == [8]
+    assert taken.data["failed_reads"] == ["LEASE_EXPIRED"]
+    # vLLM ships stats between processes: they must survive pickling and be rebuilt from their data
+    rebuilt = KVBridgeConnector.build_kv_connector_stats(pickle.loads(pickle.dumps(taken.to_dict())))
+    assert rebuilt.data == taken.data
+
+
+def test_ranks_aggregate_and_reduce_to_a_summary() -> None:
+    rank0, rank1 = KVBridgeStats(), KVBridgeStats()
+    for seconds in (0.001, 0.002, 0.003):
+        rank0.record_read(seconds, 1 << 20, 4)
+    rank1.record_read(0.010, 1 << 20, 4)
+    rank1.record_failure("HANDSHAKE_TIMEOUT")
+    rank1.record_handshake(0.02)
+    rank1.record_eviction()
+    summary = rank0.aggregate(rank1).reduce()
+    assert summary["Reads"] == 4
+    assert summary["Avg read (ms)"] == pytest.approx(4.0)
+    assert summary["Avg MB per read"] == 1.0
+    assert summary["Avg descriptors"] == 4.0
+    assert summary["Throughput (MB/s)"] == pytest.approx(4 / 0.016, rel=1e-3)
+    assert (summary["Failed reads"], summary["Handshakes"], summary["Stale peers evicted"]) == (1, 1, 1)
+
+
+def test_only_failures_still_reduce() -> None:
+    stats = KVBridgeStats()
+    stats.record_expired_lease()
+    assert not stats.is_empty()
+    assert stats.reduce() == {"Reads": 0, "Failed reads": 0, "Expired leases": 1, "Handshakes": 0,
+                              "Stale peers evicted": 0}  # fmt: skip
+
+
+def test_prometheus_metrics_carry_the_engine_label_and_the_failure_code() -> None:
+    registry = CollectorRegistry()
+    kinds = {kind: partial(kind, registry=registry) for kind in (Gauge, Counter, Histogram)}
+    metrics = KVBridgeConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None), kinds,  # type: ignore[arg-type]
+                                                   ["model_name", "engine"], {0: ["tiny", "0"]})  # fmt: skip
+    assert isinstance(metrics, KVBridgePromMetrics)
+    stats = KVBridgeStats()
+    stats.record_read(0.003, 4096, 2)
+    stats.record_read(0.005, 4096, 2)
+    stats.record_failure("LEASE_EXPIRED")
+    stats.record_failure("LEASE_EXPIRED")
+    stats.record_failure("PROMPT_MISMATCH")
+    stats.record_expired_lease()
+    metrics.observe(stats.to_dict(), 0)
+    text = generate_latest(registry).decode()
+    assert 'vllm:kvbridge_transfer_seconds_count{engine="0",model_name="tiny"} 2.0' in text
+    assert 'vllm:kvbridge_descriptors_per_request_sum{engine="0",model_name="tiny"} 4.0' in text
+    assert 'vllm:kvbridge_failed_transfers_total{code="LEASE_EXPIRED",engine="0",model_name="tiny"} 2.0' in text
+    assert 'vllm:kvbridge_failed_transfers_total{code="PROMPT_MISMATCH",engine="0",model_name="tiny"} 1.0' in text
+    assert 'vllm:kvbridge_expired_leases_total{engine="0",model_name="tiny"} 1.0' in text
