@@ -42,6 +42,7 @@ from kvbridge_agent.core.handshake import (
 
 from .descriptors import descriptor_rows
 from .kv_cache import KVCache
+from .peers import STALE_PEER
 from .relayout import Converter, convert_for_side
 from .transport import Transport, TransportError
 
@@ -49,7 +50,6 @@ log = logging.getLogger(__name__)
 
 # Stable failure codes of a decode request (documented in docs/troubleshooting.md).
 UNKNOWN_PEER = "UNKNOWN_PEER"
-STALE_PEER = "STALE_PEER"
 TRANSFER_FAILED = "TRANSFER_FAILED"
 TRANSFER_TIMEOUT = "TRANSFER_TIMEOUT"
 

@@ -36,8 +36,16 @@ from kvbridge_agent.core.tp import handshake_ranks
 
 from .keys import CurveKeys
 from .metrics import AgentMetrics
+from .peers import (
+    LEASE_CLOCK_MARGIN_SECONDS,
+    LEASE_EXPIRED,
+    STALE_PEER,
+    fetch_prefill_ranks,
+    lease_left,
+    require_incarnation,
+)
 from .rank_entry import main as rank_main
-from .side_channel import SideChannelClient, SideChannelServer, heartbeat_interval, send_heartbeats
+from .side_channel import SideChannelServer, heartbeat_interval, send_heartbeats
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +56,10 @@ RANK_FAILED = "RANK_FAILED"
 RANK_TIMEOUT = "RANK_TIMEOUT"
 INVALID_REQUEST = "INVALID_REQUEST"
 STARTUP_FAILED = "STARTUP_FAILED"
-LEASE_EXPIRED = "LEASE_EXPIRED"
 
 RANK_START_TIMEOUT = 180.0
 #: how long ranks get to stop by themselves on shutdown, all together, before they are terminated and killed
 SHUTDOWN_GRACE_SECONDS = 3.0
-#: decode treats prefill's lease as ending this much earlier than the expiry it was given (clock skew between
-#: the two pods; NTP keeps nodes within milliseconds, so one second is generous)
-LEASE_CLOCK_MARGIN_SECONDS = 1.0
 
 
 def _join_all(processes: list[Any], budget: float) -> None:
@@ -501,7 +505,7 @@ class Engine:
         if params.expires_at is None:
             return
         renewed = self._renewed.get(request_id, -math.inf) + self.env.transfer.lease_seconds
-        left = max(params.expires_at, renewed) - LEASE_CLOCK_MARGIN_SECONDS - time.time()
+        left = lease_left(max(params.expires_at, renewed))
         if left <= 0:
             raise EngineError(
                 f"prefill's lease on request {params.remote_request_id} ended {-left:.1f} s {when} (expiry "
@@ -514,7 +518,7 @@ class Engine:
         if params.remote_incarnation in self._retired.get(params.remote_engine_id, ()):
             raise EngineError(
                 f"{params.remote_engine_id} restarted since incarnation {params.remote_incarnation} computed this "
-                "request: its blocks are gone", code="STALE_PEER", status=409,
+                "request: its blocks are gone", code=STALE_PEER, status=409,
             )  # fmt: skip
         with self._peers_lock:
             known = self._peers.get(params.remote_engine_id)
@@ -542,29 +546,17 @@ class Engine:
         except TimeoutError as exc:
             raise EngineError("handshake still in flight", code="HANDSHAKE_TIMEOUT", status=504) from exc
         if state.incarnation != params.remote_incarnation:
-            raise EngineError(
-                f"{params.remote_engine_id} now runs incarnation {state.incarnation}, not "
-                f"{params.remote_incarnation}: the request's blocks are gone", code="STALE_PEER", status=409,
-            )  # fmt: skip
+            try:
+                require_incarnation(params, state.incarnation)
+            except HandshakeError as exc:
+                raise EngineError(exc.message, code=exc.code, status=409) from exc
 
     def _handshake(self, params: KVTransferParams) -> None:
         started = time.perf_counter()
-        client = SideChannelClient(
-            params.remote_host,
-            params.remote_port,
-            self.plan.fingerprint,
-            self.keys,
-            self.env.transfer.handshake_timeout_seconds,
-        )
         tp_d = self.tp_size
         needed = sorted({p for d in range(tp_d) for p in handshake_ranks(params.remote_tp_size, tp_d, d)})
-        ranks = client.fetch(needed)
-        incarnations = {meta.incarnation for meta, _ in ranks.values()}
-        if len(incarnations) != 1:
-            raise HandshakeError(
-                f"prefill ranks report different incarnations {sorted(incarnations)}", code="PEER_INCOMPATIBLE"
-            )
-        incarnation = incarnations.pop()
+        incarnation, ranks = fetch_prefill_ranks(params, needed, self.plan.fingerprint, self.keys,
+                                                 self.env.transfer.handshake_timeout_seconds)  # fmt: skip
         gone = {self._current.get(params.remote_engine_id), params.remote_incarnation} - {None, incarnation}
         for old in gone:
             if old is not None:

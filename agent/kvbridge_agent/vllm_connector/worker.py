@@ -24,9 +24,9 @@ from kvbridge_agent.core.wire import ConversionKind
 from kvbridge_agent.runtime.decode_rank import DecodeRank, ReadResult
 from kvbridge_agent.runtime.keys import CurveKeys, load_keys
 from kvbridge_agent.runtime.kv_cache import KVCache, distinct_tensors
+from kvbridge_agent.runtime.peers import LEASE_EXPIRED, fetch_prefill_ranks, lease_left, require_incarnation
 from kvbridge_agent.runtime.prefill_rank import PrefillRank
 from kvbridge_agent.runtime.relayout import Converter, convert_for_side
-from kvbridge_agent.runtime.side_channel import SideChannelClient
 from kvbridge_agent.runtime.transport import Transport
 
 from .cpu_blocks import KNOWN_KERNELS, CPUAttentionBlocks
@@ -36,9 +36,6 @@ from .stats import KVBridgeStats
 
 log = logging.getLogger(f"vllm.kvbridge.{__name__.rsplit('.', 1)[-1]}")  # shown by vLLM's log handler
 
-#: decode refuses a read this close to the prefill's lease end (clock skew between the two hosts)
-LEASE_CLOCK_MARGIN_SECONDS = 1.0
-LEASE_EXPIRED = "LEASE_EXPIRED"
 BLOCK_INTERIOR_MISMATCH = "BLOCK_INTERIOR_MISMATCH"
 
 
@@ -187,7 +184,7 @@ class ConnectorWorker:
             code, _, message = order.refused.partition(": ")
             return ReadResult(request_id, False, code, message, list(order.local_block_ids))
         expires_at = order.expires_at if order.expires_at is not None else params.expires_at
-        if expires_at is not None and time.time() > expires_at - LEASE_CLOCK_MARGIN_SECONDS:
+        if lease_left(expires_at) <= 0:
             return ReadResult(request_id, False, LEASE_EXPIRED, "prefill's lease on the blocks has ended",
                               list(order.local_block_ids))  # fmt: skip
         if expires_at is not None:
@@ -206,15 +203,10 @@ class ConnectorWorker:
 
     def _fetch(self, params: KVTransferParams) -> dict[int, tuple[RankMetadata, bytes]]:
         """On the handshake thread: the prefill ranks' metadata this rank reads from (network only)."""
-        client = SideChannelClient(params.remote_host, params.remote_port, self.settings.fingerprint, self.keys,
-                                   self.settings.transfer.handshake_timeout_seconds)  # fmt: skip
-        ranks = client.fetch(handshake_ranks(params.remote_tp_size, self.settings.tp_size, self.tp_rank))
-        got = {meta.incarnation for meta, _ in ranks.values()}
-        if got != {params.remote_incarnation}:
-            raise HandshakeError(
-                f"{params.remote_engine_id} now runs incarnation {sorted(got)}, not {params.remote_incarnation}: "
-                "the request's blocks are gone", code="STALE_PEER",
-            )  # fmt: skip
+        needed = handshake_ranks(params.remote_tp_size, self.settings.tp_size, self.tp_rank)
+        incarnation, ranks = fetch_prefill_ranks(params, needed, self.settings.fingerprint, self.keys,
+                                                 self.settings.transfer.handshake_timeout_seconds)  # fmt: skip
+        require_incarnation(params, incarnation)
         return ranks
 
     def _finish_handshakes(self, decode: DecodeRank) -> None:
@@ -278,7 +270,7 @@ class ConnectorWorker:
             for result in results:
                 done.add(result.request_id)
                 lease = self._expiry.pop(result.request_id, None)
-                if result.ok and lease is not None and now > lease[0] - LEASE_CLOCK_MARGIN_SECONDS:
+                if result.ok and lease is not None and lease_left(lease[0], now) <= 0:
                     # prefill may have freed and reused the blocks while they were read: never use them
                     message = "the read ended after prefill's lease"
                     result = ReadResult(result.request_id, False, LEASE_EXPIRED, message, lease[1])

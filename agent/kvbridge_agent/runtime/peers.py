@@ -1,0 +1,55 @@
+"""Decode meeting a prefill engine: its ranks' metadata over the side channel, and whether a lease still holds.
+
+Both decode engines use it — the synthetic engine (``engine.py``, which hands the metadata to its rank processes)
+and vLLM's connector (``vllm_connector.worker``, where each TP rank fetches its own) — so a restarted prefill,
+a mixed-up incarnation and the lease margin mean the same thing in both.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams, RankMetadata
+
+from .keys import CurveKeys
+from .side_channel import SideChannelClient
+
+LEASE_EXPIRED = "LEASE_EXPIRED"
+STALE_PEER = "STALE_PEER"
+#: decode refuses a read this close to the prefill's lease end (clock skew between the two hosts)
+LEASE_CLOCK_MARGIN_SECONDS = 1.0
+
+PrefillRanks = dict[int, tuple[RankMetadata, bytes]]
+
+
+def fetch_prefill_ranks(
+    params: KVTransferParams, ranks: Sequence[int], fingerprint: str, keys: CurveKeys | None, timeout: float
+) -> tuple[str, PrefillRanks]:
+    """The metadata of these prefill ranks (one exchange each, all within ``timeout``) and the incarnation they
+    all run; ranks of different incarnations (an engine restarting under decode's feet) are refused."""
+    fetched = SideChannelClient(params.remote_host, params.remote_port, fingerprint, keys, timeout).fetch(ranks)
+    incarnations = {meta.incarnation for meta, _ in fetched.values()}
+    if len(incarnations) != 1:
+        raise HandshakeError(
+            f"{params.remote_engine_id}'s ranks report different incarnations {sorted(incarnations)}",
+            code="PEER_INCOMPATIBLE",
+        )
+    return incarnations.pop(), fetched
+
+
+def require_incarnation(params: KVTransferParams, incarnation: str) -> None:
+    """The request's blocks exist only in the incarnation that computed them."""
+    if incarnation != params.remote_incarnation:
+        raise HandshakeError(
+            f"{params.remote_engine_id} now runs incarnation {incarnation}, not {params.remote_incarnation}: the "
+            "request's blocks are gone; prefill it again", code=STALE_PEER,
+        )  # fmt: skip
+
+
+def lease_left(expires_at: float | None, now: float | None = None) -> float:
+    """Seconds decode may still read within prefill's lease ending at ``expires_at`` (Unix time), less
+    :data:`LEASE_CLOCK_MARGIN_SECONDS`; ``inf`` for parameters without an expiry."""
+    if expires_at is None:
+        return float("inf")
+    return expires_at - LEASE_CLOCK_MARGIN_SECONDS - (time.time() if now is None else now)
