@@ -8,7 +8,10 @@ plays the StatefulSet controller and kubelet (creates each role's pods and
 marks them ready as soon as the StatefulSet appears), creates N
 DisaggregatedDeployments at once and measures, per deployment, the time
 from its creation to status condition Ready=True. Reports p50/p99/max, the
-total time, and the operator process's peak RSS.
+total time, the operator process's peak RSS, and the operator's API calls
+(its own client and Kopf's, counted by the emulator by User-Agent; watches
+apart): per deployment from creation to Ready, and per pod event once all
+are Ready (the benchmark touches pods' labels and counts what follows).
 """
 
 from __future__ import annotations
@@ -38,6 +41,36 @@ from kvbridge_operator.kube import DEPLOYMENTS, PODS, KubeClient, Resource  # no
 from kvbridge_operator.local.apiserver import RealisticKubernetes  # noqa: E402
 
 CRDS = Resource("apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False)
+BENCHMARK_AGENT = "kvbridge-benchmark"  # this process's own requests, not counted as the operator's
+POD_EVENTS = 20
+
+
+def operator_calls(api: RealisticKubernetes) -> dict[str, int]:
+    """The operator process's API requests so far (watch streams apart), by verb."""
+    calls: dict[str, int] = {}
+    for (agent, verb, _plural), count in api.calls.items():
+        if agent != BENCHMARK_AGENT and "watch" not in verb.lower():
+            verb = verb.rsplit(".", 1)[-1].lower()
+            calls[verb] = calls.get(verb, 0) + count
+    return calls
+
+
+async def settled(api: RealisticKubernetes, quiet: float = 2.0, limit: float = 60.0) -> dict[str, int]:
+    """The operator's calls once it has made none for ``quiet`` seconds."""
+    deadline = time.monotonic() + limit
+    last = operator_calls(api)
+    quiet_since = time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - quiet_since < quiet:
+        await asyncio.sleep(0.1)
+        now = operator_calls(api)
+        if now != last:
+            last, quiet_since = now, time.monotonic()
+    return last
+
+
+def per(calls: dict[str, int], before: dict[str, int], count: int) -> dict[str, float]:
+    delta = {verb: (calls.get(verb, 0) - before.get(verb, 0)) / count for verb in sorted(calls)}
+    return {"total": round(sum(delta.values()), 1)} | {verb: round(n, 1) for verb, n in delta.items() if n}
 
 
 def rss_kib(pid: int, field: str) -> int:
@@ -79,7 +112,7 @@ async def operator_on_emulator(
     yields once the operator's watches are up; stops all of it."""
     async with RealisticKubernetes() as api, kmock.Server(api) as server:
         url = str(server.url).rstrip("/")
-        client = KubeClient(url, token=token, insecure=True)
+        client = KubeClient(url, token=token, insecure=True, user_agent=BENCHMARK_AGENT)
         await client.create(CRDS, "", crd())
         env = {**os.environ, "KVBRIDGE_OPERATOR_API_SERVER": url, "KVBRIDGE_OPERATOR_CPU_MODE": "1",
                "KVBRIDGE_OPERATOR_LIVENESS_PORT": "0"}  # fmt: skip
@@ -105,6 +138,7 @@ async def run(count: int) -> dict[str, Any]:
         created: dict[str, float] = {}
         done: dict[str, float] = {}
         begin = time.monotonic()
+        start_calls = operator_calls(api)
         for index in range(count):
             document = copy.deepcopy(template)
             document["metadata"]["name"] = f"dd-{index:03d}"
@@ -119,6 +153,11 @@ async def run(count: int) -> dict[str, Any]:
                     done[name] = time.monotonic()
             await asyncio.sleep(0.02)
         latencies = sorted(done[n] - created[n] for n in done)
+        to_ready = await settled(api)
+        pods = api.peek("pods")[:POD_EVENTS]
+        for pod in pods:  # one pod event each, nothing the operator needs to act on
+            await client.patch(PODS, "default", pod["metadata"]["name"], {"metadata": {"labels": {"touched": "1"}}})
+        after_events = await settled(api)
         return {
             "deployments": count,
             "ready": len(done),
@@ -130,6 +169,8 @@ async def run(count: int) -> dict[str, Any]:
             "operatorPeakRssMiB": round(rss_kib(operator.pid, "VmHWM") / 1024, 1),
             "operatorCpuSeconds": round(cpu_seconds(operator.pid), 2),
             "apiServerCpuSeconds": round(cpu_seconds(os.getpid()), 2),
+            "operatorCallsPerDeploymentToReady": per(to_ready, start_calls, count),
+            "operatorCallsPerPodEvent": per(after_events, to_ready, len(pods)),
         }
 
 

@@ -83,12 +83,17 @@ CALL_ATTEMPTS = 5
 CALL_BACKOFF = Backoff(base=0.2, cap=2.0)
 
 
+#: how the operator's own requests name themselves to the API server (its audit log, and the emulator's counts)
+USER_AGENT = "kvbridge-operator"
+
+
 class KubeClient:
     def __init__(
         self, server: str, *, token: str | None = None, token_path: Path | None = None, ca_path: str | None = None,
-        insecure: bool = False, timeout: float = 30.0,
+        insecure: bool = False, timeout: float = 30.0, user_agent: str = USER_AGENT,
     ) -> None:  # fmt: skip
         self.server = server.rstrip("/")
+        self.user_agent = user_agent
         self._token = token
         self._token_path = token_path
         self._ssl: ssl.SSLContext | bool = False if insecure else ssl.create_default_context(cafile=ca_path)
@@ -106,7 +111,7 @@ class KubeClient:
                    ca_path=str(SERVICE_ACCOUNT / "ca.crt"))  # fmt: skip
 
     def _headers(self, content_type: str | None = None) -> dict[str, str]:
-        headers = {"Accept": "application/json"}
+        headers = {"Accept": "application/json", "User-Agent": self.user_agent}
         token = self._token
         if self._token_path is not None:
             token = self._token_path.read_text().strip()  # re-read: projected tokens rotate

@@ -6,7 +6,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 RECONCILES = Counter(
-    "kvbridge_operator_reconciles", "Reconciles of DisaggregatedDeployments, by result.", ["result"],
+    "kvbridge_operator_reconciles",
+    "Reconciles of DisaggregatedDeployments, by result: applied, refused (incompatible or invalid), observed "
+    "(status only, after a pod event).", ["result"],
     registry=REGISTRY,
 )  # fmt: skip
 RECONCILE_SECONDS = Histogram(

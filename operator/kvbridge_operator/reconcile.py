@@ -1,9 +1,11 @@
-"""One idempotent reconcile for every path (create, update, resume, pod events).
+"""One idempotent reconcile for every path (create, update, resume, resync, pod events).
 
 It renders the desired children from pure functions, applies them (create,
 or patch on 409; the Secret is created once and never patched), observes
 the StatefulSets and pods, and writes the status, the pod-incarnation
 annotation and the events.  An incompatible spec changes nothing that runs.
+A pod event changes no spec, so it only observes and writes the status
+(``apply_children=False``); the periodic resync re-applies the children.
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ async def _invalid(client: KubeClient, body: Obj, exc: SpecError) -> Outcome:
     return Outcome(False, None)
 
 
-async def reconcile(client: KubeClient, body: Obj, config: OperatorConfig) -> Outcome:
+async def reconcile(client: KubeClient, body: Obj, config: OperatorConfig, apply_children: bool = True) -> Outcome:
     meta = body["metadata"]
     name, namespace, uid = meta["name"], meta.get("namespace") or "default", meta.get("uid", "")
     generation = int(meta.get("generation", 0))
@@ -120,7 +122,7 @@ async def reconcile(client: KubeClient, body: Obj, config: OperatorConfig) -> Ou
     verdict = verdict_for(dd)
     previous: Obj = body.get("status") or {}
     applied = False
-    if isinstance(verdict, TransferPlan):
+    if isinstance(verdict, TransferPlan) and apply_children:
         await ensure_secret(client, secret(dd, uid))
         for child in children(dd, uid, verdict, config):
             await apply(client, child)

@@ -135,11 +135,14 @@ class Cluster:
         return await self.client.patch(PODS, namespace, pod_name, {"status": status}, "status")
 
 
+TEST_AGENT = "kvbridge-test"
+
+
 @contextlib.asynccontextmanager
 async def cluster(config: OperatorConfig | None = None, *, start: bool = True) -> AsyncIterator[Cluster]:
     async with RealisticKubernetes() as api, kmock.Server(api) as server:
         url = str(server.url).rstrip("/")
-        client = KubeClient(url, insecure=True)
+        client = KubeClient(url, insecure=True, user_agent=TEST_AGENT)  # the test's own requests, told apart
         await client.create(CRDS, "", crd())
         base = config or OperatorConfig(liveness_port=0)
         built = Cluster(api, url, client, OperatorConfig(**{**base.__dict__, "api_server": url}))

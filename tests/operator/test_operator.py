@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 
 from kvbridge_operator.config import OperatorConfig
-from kvbridge_operator.kube import PODS
+from kvbridge_operator.kube import PODS, USER_AGENT
 
 from .cluster import Cluster, cluster
 
@@ -21,9 +21,12 @@ def example(name: str) -> Obj:
     return document
 
 
+CHILD_PLURALS = ("statefulsets", "services", "secrets", "networkpolicies")
+
+
 def children(c: Cluster, name: str) -> dict[str, list[Obj]]:
     kinds: dict[str, list[Obj]] = {}
-    for plural in ("statefulsets", "services", "secrets", "networkpolicies"):
+    for plural in CHILD_PLURALS:
         kinds[plural] = [o for o in c.api.objects_of(plural)
                          if o["metadata"].get("labels", {}).get("kvbridge.io/deployment") == name]  # fmt: skip
     return kinds
@@ -145,6 +148,29 @@ async def test_pod_readiness_ip_change_restart_and_deletion_move_endpoints() -> 
         assert c.deployment("llama3-8b")["status"]["prefill"]["ready"] == "1/2"
         ready_condition = c.condition("llama3-8b", "Ready")
         assert ready_condition["reason"] == "ReplicasNotReady"
+
+
+async def test_a_pod_event_writes_the_status_and_nothing_else() -> None:
+    """A pod changes no spec: the operator observes and patches the status, and leaves the children (and the
+    fields an autoscaler or a user set on them) alone; the periodic resync re-applies them."""
+    async with cluster() as c:
+        await c.apply(example("llama3-8b-hetero-tp"))
+        await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True")
+        await ready(c, "llama3-8b")
+
+        def child_writes() -> int:
+            return sum(n for (agent, verb, plural), n in c.api.calls.items()
+                       if agent == USER_AGENT and plural in CHILD_PLURALS and "fetch" not in verb.lower()
+                       and "list" not in verb.lower() and "watch" not in verb.lower())  # fmt: skip
+
+        before = child_writes()
+        await c.set_pod("llama3-8b-prefill-1", ready=True, ip="10.0.0.77")
+
+        def ips() -> list[str]:
+            return [e["ip"] for e in c.deployment("llama3-8b")["status"]["prefill"]["endpoints"]]
+
+        await c.wait(lambda: "10.0.0.77" in ips(), what="the new IP published")
+        assert child_writes() == before
 
 
 async def test_conditions_keep_their_transition_time_unless_they_flip() -> None:

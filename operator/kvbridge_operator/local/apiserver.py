@@ -139,6 +139,9 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         default=None, init=False
     )
 
+    #: every resource request served, by (the client's User-Agent up to its first "/", verb, plural)
+    calls: collections.Counter[tuple[str, str, str]] = attrs.field(factory=collections.Counter, init=False)
+
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         for (group, version, plural), info in BUILTIN.items():
@@ -212,10 +215,11 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
             kmock.action.CREATE: self._serve_create, kmock.action.UPDATE: self._serve_update,
             kmock.action.DELETE: self._serve_delete,
         }  # fmt: skip
+        raw_request = request._raw_request
+        headers: Mapping[str, str] = raw_request.headers if raw_request is not None else {}
+        self.calls[(headers.get("User-Agent", "").split("/", 1)[0], str(request.action), resource.plural)] += 1
         try:
             if self.faults is not None:
-                raw_request = request._raw_request
-                headers: Mapping[str, str] = raw_request.headers if raw_request is not None else {}
                 fault = self.faults(str(request.action), resource.plural, headers)
                 if fault is not None:
                     status, delay = fault
