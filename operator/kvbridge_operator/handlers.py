@@ -104,7 +104,7 @@ def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorR
         # makes the deployment Ready): retry API failures here, with the same backoff
         for attempt in range(POD_EVENT_ATTEMPTS):
             try:
-                # a pod changes no spec: observe and write the status only (API calls per pod event: 16 -> 4)
+                # a pod changes no spec: observe and write the status only (API calls per pod event: 16 -> 5)
                 await run(namespace or "default", labels[LABEL_DEPLOYMENT], apply_children=False)
                 return
             except API_ERRORS as exc:

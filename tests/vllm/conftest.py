@@ -99,6 +99,12 @@ def kvbridge_engines(all_engines: Engines) -> Engines:
 TP2_CORES = 4
 
 
+def _require_tp2_cores() -> None:
+    cores = len(os.sched_getaffinity(0))
+    if cores < TP2_CORES:
+        pytest.skip(f"prefill TP 2 beside a decode engine needs {TP2_CORES} cores, this machine has {cores}")
+
+
 @pytest.fixture
 def tp2_engines(all_engines: Engines) -> Engines:
     """decode TP 1 and prefill TP 2 (two ranks, one core each).
@@ -107,9 +113,7 @@ def tp2_engines(all_engines: Engines) -> Engines:
     prefill ranks must run at the same time for every all-reduce, while every NIXL agent's progress thread keeps
     a core busy even when idle; a decode engine beside them made the prefill's start-up or the decode's first
     READ take more than 10 minutes."""
-    cores = len(os.sched_getaffinity(0))
-    if cores < TP2_CORES:
-        pytest.skip(f"prefill TP 2 beside a decode engine needs {TP2_CORES} cores, this machine has {cores}")
+    _require_tp2_cores()
     return _phase(all_engines, ["decode", "prefill-tp2"])
 
 
@@ -121,9 +125,7 @@ def kvbridge_tp2_engines(all_engines: Engines) -> Engines:
     timed out after 5, 60 and 120 s: while a finished request's blocks are held for decode, vLLM keeps stepping
     the prefill engine, whose two TP workers busy-poll their shared-memory queues, so three spinning processes
     on two cores starve the prefill engine's side-channel listener and the decode front end (docs/vllm.md)."""
-    cores = len(os.sched_getaffinity(0))
-    if cores < TP2_CORES:
-        pytest.skip(f"prefill TP 2 beside a decode engine needs {TP2_CORES} cores, this machine has {cores}")
+    _require_tp2_cores()
     return _phase(all_engines, ["kvbridge-prefill-tp2", "kvbridge-decode-tp2"])
 
 

@@ -545,11 +545,10 @@ class Engine:
             raise
         except TimeoutError as exc:
             raise EngineError("handshake still in flight", code="HANDSHAKE_TIMEOUT", status=504) from exc
-        if state.incarnation != params.remote_incarnation:
-            try:
-                require_incarnation(params, state.incarnation)
-            except HandshakeError as exc:
-                raise EngineError(exc.message, code=exc.code, status=409) from exc
+        try:
+            require_incarnation(params, state.incarnation)
+        except HandshakeError as exc:
+            raise EngineError(exc.message, code=exc.code, status=409) from exc
 
     def _handshake(self, params: KVTransferParams) -> None:
         started = time.perf_counter()

@@ -17,14 +17,20 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from kvbridge_agent.core import CacheKind, KVBridgeError, KVLayout, ModelGeometry, Role, SpecError, TransferPlan
-from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams, RankMetadata
+from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams
 from kvbridge_agent.core.plan import build_plan
 from kvbridge_agent.core.tp import handshake_ranks
 from kvbridge_agent.core.wire import ConversionKind
 from kvbridge_agent.runtime.decode_rank import DecodeRank, ReadResult
 from kvbridge_agent.runtime.keys import CurveKeys, load_keys
 from kvbridge_agent.runtime.kv_cache import KVCache, distinct_tensors
-from kvbridge_agent.runtime.peers import LEASE_EXPIRED, fetch_prefill_ranks, lease_left, require_incarnation
+from kvbridge_agent.runtime.peers import (
+    LEASE_EXPIRED,
+    PrefillRanks,
+    fetch_prefill_ranks,
+    lease_left,
+    require_incarnation,
+)
 from kvbridge_agent.runtime.prefill_rank import PrefillRank
 from kvbridge_agent.runtime.relayout import Converter, convert_for_side
 from kvbridge_agent.runtime.transport import Transport
@@ -85,7 +91,7 @@ def cpu_kernel(tensor: Any, block_size: int, head_dim: int) -> str:
         return "unknown"
 
 
-def check_block_interior(mine: str, engine_id: str, ranks: dict[int, tuple[RankMetadata, bytes]]) -> None:
+def check_block_interior(mine: str, engine_id: str, ranks: PrefillRanks) -> None:
     """Both engines' kernels must lay a block's bytes out alike: a prefill on another CPU kernel (an AMX node beside
     a plain AVX-512 one) would hand decode bytes it reads as other tokens."""
     theirs = {meta.block_interior for meta, _ in ranks.values()}
@@ -117,8 +123,8 @@ class ConnectorWorker:
         # decode
         self._results: list[ReadResult] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-handshake")
-        self._fetching: dict[tuple[str, str], Future[dict[int, tuple[RankMetadata, bytes]]]] = {}
-        self._fetch_started: dict[tuple[str, str], float] = {}
+        #: handshakes in flight, by (prefill engine, incarnation): the fetch and when it started
+        self._fetching: dict[tuple[str, str], tuple[Future[PrefillRanks], float]] = {}
         self._parked: dict[tuple[str, str], list[tuple[str, ReadOrder]]] = {}
         self._load_errors: set[int] = set()
         #: reads in flight -> the lease end they must finish before, and the local blocks they fill
@@ -194,14 +200,13 @@ class ConnectorWorker:
             key = (params.remote_engine_id, params.remote_incarnation)
             self._parked.setdefault(key, []).append((request_id, order))
             if key not in self._fetching:
-                self._fetching[key] = self._executor.submit(self._fetch, params)
-                self._fetch_started[key] = time.perf_counter()
+                self._fetching[key] = (self._executor.submit(self._fetch, params), time.perf_counter())
             return None
         return decode.start(
             request_id, params, order.local_block_ids, self.settings.environment.transfer_timeout_seconds
         )
 
-    def _fetch(self, params: KVTransferParams) -> dict[int, tuple[RankMetadata, bytes]]:
+    def _fetch(self, params: KVTransferParams) -> PrefillRanks:
         """On the handshake thread: the prefill ranks' metadata this rank reads from (network only)."""
         needed = handshake_ranks(params.remote_tp_size, self.settings.tp_size, self.tp_rank)
         incarnation, ranks = fetch_prefill_ranks(params, needed, self.settings.fingerprint, self.keys,
@@ -211,11 +216,10 @@ class ConnectorWorker:
 
     def _finish_handshakes(self, decode: DecodeRank) -> None:
         """Adopt every finished handshake (NIXL calls stay on vLLM's thread), then post or fail what waited."""
-        for key, future in list(self._fetching.items()):
+        for key, (future, started) in list(self._fetching.items()):
             if not future.done():
                 continue
             del self._fetching[key]
-            started = self._fetch_started.pop(key)
             engine_id, incarnation = key
             waiting = self._parked.pop(key, [])
             try:
