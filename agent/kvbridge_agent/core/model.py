@@ -14,7 +14,9 @@ from pydantic.alias_generators import to_camel
 
 #: Version of the agent protocol (side-channel envelope and plan semantics).
 #: Part of the fingerprint: engines of different protocol versions never pair.
-PROTOCOL_VERSION = 1
+#: 2: rank metadata carries ``blockInterior`` (an agent of version 1 refuses the unknown field; with the version
+#: in the envelope it gets PROTOCOL_VERSION_MISMATCH instead of a payload error).
+PROTOCOL_VERSION = 2
 
 
 class Attention(StrEnum):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from kvbridge_agent.core import KVCacheDtype, ModelGeometry, RoleSettings, fingerprint
+from kvbridge_agent.core import PROTOCOL_VERSION, KVCacheDtype, ModelGeometry, RoleSettings, fingerprint
 
 from .conftest import dense
 
@@ -52,4 +52,4 @@ def test_fingerprint_is_stable_and_covers_the_must_match_fields() -> None:
     assert fingerprint(dense(4)) != base
     assert fingerprint(dense(8, kvCacheDtype="bfloat16")) != base
     assert fingerprint(dense(8, cacheKind="CrossLayer")) != base
-    assert fingerprint(dense(8), protocol_version=2) != base
+    assert fingerprint(dense(8), protocol_version=PROTOCOL_VERSION + 1) != base
