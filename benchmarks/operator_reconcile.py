@@ -112,7 +112,7 @@ async def operator_on_emulator(
     yields once the operator's watches are up; stops all of it."""
     async with RealisticKubernetes() as api, kmock.Server(api) as server:
         url = str(server.url).rstrip("/")
-        client = KubeClient(url, token=token, insecure=True, user_agent=BENCHMARK_AGENT)
+        client = KubeClient.for_url(url, token=token, user_agent=BENCHMARK_AGENT)
         await client.create(CRDS, "", crd())
         env = {**os.environ, "KVBRIDGE_OPERATOR_API_SERVER": url, "KVBRIDGE_OPERATOR_CPU_MODE": "1",
                "KVBRIDGE_OPERATOR_LIVENESS_PORT": "0"}  # fmt: skip

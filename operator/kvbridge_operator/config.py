@@ -58,8 +58,16 @@ class OperatorConfig:
         flag="--namespace",
     )
     api_server: str = _setting(
-        "", "Kubernetes API URL; empty: the in-cluster service account (plain-HTTP URLs are for local emulators)"
+        "",
+        "Kubernetes API URL of a local emulator (plain HTTP or unverified TLS, no credentials); empty: the "
+        "kubeconfig or the in-cluster service account",
     )
+    kubeconfig: str = _setting(
+        "",
+        "kubeconfig file for running outside a cluster; empty: KUBECONFIG, else the in-cluster service account, "
+        "else ~/.kube/config",
+    )
+    context: str = _setting("", "kubeconfig context to use; empty: the kubeconfig's current context")
     liveness_port: int = _setting(8080, "port of the operator's /healthz; 0 disables it")
     metrics_port: int = _setting(0, "port of the operator's Prometheus /metrics; 0 disables it")
 

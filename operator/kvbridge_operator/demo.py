@@ -323,7 +323,7 @@ async def run_demo(
             models[tiny_model.NAME] = str(tiny_model.make(Path(workdir) / "tiny-llama"))
         async with RealisticKubernetes() as api, kmock.Server(api) as server:
             url = str(server.url).rstrip("/")
-            client = KubeClient(url, insecure=True)
+            client = KubeClient.for_url(url)
             await client.create(CRDS, "", crd())
             config = OperatorConfig(api_server=url, cpu_mode=True, agent_num_blocks=96, liveness_port=0)
             stop, ready = asyncio.Event(), asyncio.Event()

@@ -16,7 +16,7 @@ import kopf
 
 from .backoff import OPERATOR_BACKOFF
 from .config import OperatorConfig
-from .kube import DEPLOYMENTS, ApiError, KubeClient
+from .kube import DEPLOYMENTS, ApiError, Connection, KubeClient, connect
 from .metrics import RECONCILE_SECONDS, RECONCILES, serve
 from .reconcile import reconcile
 from .render import LABEL_DEPLOYMENT
@@ -48,6 +48,14 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
     settings.scanning.disabled = True  # one discovery at start-up: no CRD/namespace watches, no extra RBAC
 
 
+def connection_info(connection: Connection) -> kopf.ConnectionInfo:
+    configuration = connection.configuration
+    return kopf.ConnectionInfo(
+        server=str(configuration.host), ca_path=configuration.ssl_ca_cert, insecure=not configuration.verify_ssl,
+        token=connection.token, certificate_path=configuration.cert_file, private_key_path=configuration.key_file,
+    )  # fmt: skip
+
+
 def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     locks: defaultdict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
@@ -71,14 +79,11 @@ def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorR
     def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         configure_settings(settings)
 
-    if config.api_server:
-
-        @kopf.on.login(registry=registry)
-        def login(**_: Any) -> kopf.ConnectionInfo:
-            return kopf.ConnectionInfo(server=config.api_server, insecure=True, default_namespace="default")
-
-    else:  # in a pod: the service account, the same credentials as the operator's own client
-        kopf.on.login(registry=registry)(kopf.login_with_service_account)
+    @kopf.on.login(registry=registry)
+    async def login(**_: Any) -> kopf.ConnectionInfo:
+        """Kopf's watches use the credentials of the operator's own client, loaded afresh on every login (Kopf logs
+        in again on a 401: a rotated service-account token, an expired exec-plugin token)."""
+        return connection_info(await connect(config.api_server, config.kubeconfig, config.context))
 
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", registry=registry)
@@ -125,7 +130,9 @@ async def run_operator(
     """Run until ``stop_flag`` is set (or forever): one replica, standalone, liveness endpoint on."""
     logging.getLogger("kopf").setLevel(logging.INFO)
     if client is None:
-        client = KubeClient(config.api_server, insecure=True) if config.api_server else KubeClient.in_cluster()
+        connection = await connect(config.api_server, config.kubeconfig, config.context)
+        logging.getLogger(__name__).info("Kubernetes API: %s (%s)", connection.configuration.host, connection.source)
+        client = KubeClient(connection)
     serve(config.metrics_port)
     try:
         await kopf.operator(

@@ -1,7 +1,14 @@
-"""A small async Kubernetes API client (aiohttp) for exactly the calls the operator makes.
+"""The operator's Kubernetes API access: ``kubernetes_asyncio`` underneath, exactly the calls the operator makes on top.
 
-Every call is recorded as (verb, resource) in :attr:`KubeClient.calls`, which
-the chart's tests compare with the RBAC rules it grants.
+``kubernetes_asyncio`` (the asyncio port of the official client, not the
+blocking ``kubernetes`` package, because every Kopf handler here is async and
+a blocking call would stall the event loop that serves all deployments) loads
+the credentials -- in-cluster service account with token rotation, or a
+kubeconfig with its contexts, client certificates and exec plugins -- and
+carries the requests. On top, this module keeps the resources by name, the
+retries of transient failures, server-side apply under kvbridge's own field
+manager, and a record of every (verb, resource) in :attr:`KubeClient.calls`,
+which the chart's tests compare with the RBAC rules it grants.
 """
 
 from __future__ import annotations
@@ -9,19 +16,20 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import aiohttp
+from kubernetes_asyncio import client as k8s
+from kubernetes_asyncio import config as k8s_config
+from kubernetes_asyncio.client.rest import ApiException
 
 from kvbridge_agent.core import KVBridgeError
 
 from .backoff import Backoff
 
-SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 MERGE_PATCH = "application/merge-patch+json"
 
 Obj = dict[str, Any]
@@ -76,6 +84,19 @@ class ApiError(KVBridgeError):
         self.status = status
         self.reason = reason
 
+    @classmethod
+    def from_exception(cls, exc: ApiException) -> ApiError:
+        """The API's Status object (reason, message) when it sent one, else the HTTP reason and the body."""
+        text = exc.body.decode(errors="replace") if isinstance(exc.body, bytes) else str(exc.body or "")
+        try:
+            payload = json.loads(text)
+        except json.JSONDecodeError:
+            payload = {}
+        payload = payload if isinstance(payload, dict) else {}
+        return cls(
+            int(exc.status or 0), str(payload.get("reason") or exc.reason), str(payload.get("message") or text[:300])
+        )
+
 
 #: tries per API call for transient failures (5xx, 429, connection errors, timeouts); a create retried after a
 #: 500 that did create answers 409, which the reconciler handles like any existing object
@@ -85,41 +106,81 @@ CALL_BACKOFF = Backoff(base=0.2, cap=2.0)
 
 #: how the operator's own requests name themselves to the API server (its audit log, and the emulator's counts)
 USER_AGENT = "kvbridge-operator"
+#: the field manager of every server-side apply: the fields kvbridge sets are kvbridge's; fields others own (an
+#: autoscaler's replicas, a user's annotations) are left alone
+FIELD_MANAGER = "kvbridge-operator"
+APPLY_PATCH = "application/apply-patch+yaml"
+_RESULT = {200: "object", 201: "object", 202: "object"}
+
+
+@dataclass(frozen=True)
+class Connection:
+    """Where the operator's API access comes from, resolved as kubectl and controller-runtime resolve it."""
+
+    configuration: k8s.Configuration
+    source: str  # for the log: "in-cluster", "kubeconfig /path (context x)", "http://127.0.0.1:1234"
+
+    @property
+    def token(self) -> str | None:
+        value = self.configuration.api_key.get("BearerToken")
+        return str(value).removeprefix("Bearer ").strip() if value else None
+
+
+def _url_configuration(server: str, token: str | None = None) -> k8s.Configuration:
+    configuration = k8s.Configuration(host=server.rstrip("/"))
+    configuration.verify_ssl = False  # a URL is for local emulators and tests; clusters come through kubeconfig
+    if token:
+        configuration.api_key["BearerToken"] = f"Bearer {token}"
+    return configuration
+
+
+async def connect(
+    api_server: str = "", kubeconfig: str = "", context: str = "", environ: dict[str, str] | None = None
+) -> Connection:
+    """The API server and credentials: ``api_server`` (a URL, for local emulators); else a kubeconfig named by
+    ``--kubeconfig`` or ``KUBECONFIG``; else the in-cluster service account; else ``~/.kube/config``. A
+    ``context`` picks one of the kubeconfig's contexts (and asks for a kubeconfig even in a pod)."""
+    env = dict(os.environ if environ is None else environ)
+    if api_server:
+        return Connection(_url_configuration(api_server), api_server)
+    path = kubeconfig or env.get("KUBECONFIG", "")
+    in_cluster = bool(env.get("KUBERNETES_SERVICE_HOST")) and not path and not context
+    if in_cluster:
+        configuration = k8s.Configuration()
+        try:
+            k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        except k8s_config.ConfigException as exc:
+            raise KVBridgeError(f"in-cluster configuration: {exc}", code="NO_API_SERVER") from exc
+        return Connection(configuration, "in-cluster service account")
+    path = path or str(Path(env.get("HOME", "~")).expanduser() / ".kube" / "config")
+    if not any(Path(p).expanduser().is_file() for p in path.split(os.pathsep) if p):
+        raise KVBridgeError(
+            f"no Kubernetes API to talk to: not in a pod, and no kubeconfig at {path} (give --kubeconfig, set "
+            "KUBECONFIG, or --api-server for a local emulator)",
+            code="NO_API_SERVER",
+        )
+    configuration = k8s.Configuration()
+    try:
+        await k8s_config.load_kube_config(config_file=path, context=context or None,
+                                          client_configuration=configuration, persist_config=False)  # fmt: skip
+    except (k8s_config.ConfigException, OSError, ValueError) as exc:
+        raise KVBridgeError(f"kubeconfig {path}: {exc}", code="BAD_KUBECONFIG") from exc
+    return Connection(configuration, f"kubeconfig {path}" + (f" (context {context})" if context else ""))
 
 
 class KubeClient:
-    def __init__(
-        self, server: str, *, token: str | None = None, token_path: Path | None = None, ca_path: str | None = None,
-        insecure: bool = False, timeout: float = 30.0, user_agent: str = USER_AGENT,
-    ) -> None:  # fmt: skip
-        self.server = server.rstrip("/")
+    def __init__(self, connection: Connection, *, timeout: float = 30.0, user_agent: str = USER_AGENT) -> None:
+        self.connection = connection
+        self.server = str(connection.configuration.host)
         self.user_agent = user_agent
-        self._token = token
-        self._token_path = token_path
-        self._ssl: ssl.SSLContext | bool = False if insecure else ssl.create_default_context(cafile=ca_path)
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
-        self._session: aiohttp.ClientSession | None = None
+        self._timeout = timeout
+        self._api: k8s.ApiClient | None = None
         self.calls: set[tuple[str, str]] = set()
 
     @classmethod
-    def in_cluster(cls) -> KubeClient:
-        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-        if not host:
-            raise KVBridgeError("not running in a cluster and no API server configured "
-                                "(set KVBRIDGE_OPERATOR_API_SERVER)", code="NO_API_SERVER")  # fmt: skip
-        return cls(f"https://{host}:{port}", token_path=SERVICE_ACCOUNT / "token",
-                   ca_path=str(SERVICE_ACCOUNT / "ca.crt"))  # fmt: skip
-
-    def _headers(self, content_type: str | None = None) -> dict[str, str]:
-        headers = {"Accept": "application/json", "User-Agent": self.user_agent}
-        token = self._token
-        if self._token_path is not None:
-            token = self._token_path.read_text().strip()  # re-read: projected tokens rotate
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        if content_type:
-            headers["Content-Type"] = content_type
-        return headers
+    def for_url(cls, server: str, *, token: str | None = None, user_agent: str = USER_AGENT) -> KubeClient:
+        """A client of a local API (an emulator): plain HTTP or unverified TLS, an optional bearer token."""
+        return cls(Connection(_url_configuration(server, token), server), user_agent=user_agent)
 
     async def __aenter__(self) -> KubeClient:
         return self
@@ -129,20 +190,19 @@ class KubeClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._api is not None:
+            await self._api.close()
+            self._api = None
 
     async def _request(
         self, verb: str, method: str, resource: Resource, path: str, *, body: Any = None,
         content_type: str | None = None, params: dict[str, str] | None = None,
     ) -> Any:  # fmt: skip
         self.calls.add((verb, resource.plural if not path.endswith("/status") else f"{resource.plural}/status"))
-        data = None if body is None else json.dumps(body)
         attempt = 0
         while True:
             try:
-                return await self._send(method, path, data, content_type, params)
+                return await self._send(method, path, body, content_type, params)
             except (ApiError, aiohttp.ClientConnectionError, TimeoutError) as exc:
                 transient = not isinstance(exc, ApiError) or exc.status >= 500 or exc.status == 429
                 if not transient or attempt + 1 >= CALL_ATTEMPTS:
@@ -151,28 +211,28 @@ class KubeClient:
                 attempt += 1
 
     async def _send(
-        self, method: str, path: str, data: str | None, content_type: str | None, params: dict[str, str] | None
+        self, method: str, path: str, body: Any, content_type: str | None, params: dict[str, str] | None
     ) -> Any:
-        """One HTTP request; :class:`ApiError` for an error status."""
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
-        async with self._session.request(
-            method, self.server + path, data=data, params=params, ssl=self._ssl,
-            headers=self._headers(content_type or ("application/json" if data else None)),
-        ) as response:  # fmt: skip
-            text = await response.text()
-            if response.status >= 400:
-                try:
-                    payload = json.loads(text)
-                except json.JSONDecodeError:
-                    payload = {}
-                raise ApiError(response.status, str(payload.get("reason", response.reason)),
-                               str(payload.get("message", text[:300])))  # fmt: skip
-            return json.loads(text) if text else {}
-
-    async def get(self, resource: Resource, namespace: str, name: str) -> Obj | None:
+        """One HTTP request through kubernetes_asyncio; :class:`ApiError` for an error status."""
+        if self._api is None:
+            self._api = k8s.ApiClient(self.connection.configuration)
+            self._api.user_agent = self.user_agent
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type or "application/json"
         try:
-            result: Obj = await self._request("get", "GET", resource, resource.path(namespace, name))
+            return await self._api.call_api(
+                path, method, query_params=list((params or {}).items()), header_params=headers, body=body,
+                response_types_map=_RESULT, auth_settings=["BearerToken"], _return_http_data_only=True,
+                _request_timeout=self._timeout,
+            )  # fmt: skip
+        except ApiException as exc:
+            raise ApiError.from_exception(exc) from None
+
+    async def get(self, resource: Resource, namespace: str, name: str, subresource: str | None = None) -> Obj | None:
+        try:
+            path = resource.path(namespace, name, subresource)
+            result: Obj = await self._request("get", "GET", resource, path)
         except ApiError as exc:
             if exc.status == 404:
                 return None
@@ -193,6 +253,17 @@ class KubeClient:
                     subresource: str | None = None) -> Obj:  # fmt: skip
         path = resource.path(namespace, name, subresource)
         result: Obj = await self._request("patch", "PATCH", resource, path, body=body, content_type=MERGE_PATCH)
+        return result
+
+    async def apply(self, resource: Resource, obj: Obj, *, field_manager: str = FIELD_MANAGER) -> Obj:
+        """Server-side apply: create ``obj`` or make its fields, and only those, what it says; fields this manager
+        set before and left out now are removed unless another manager owns them too. ``force`` takes over a
+        field another manager set to a different value, so ``obj`` must hold only what kvbridge decides."""
+        meta = obj["metadata"]
+        path = resource.path(meta.get("namespace"), meta["name"])
+        params = {"fieldManager": field_manager, "force": "true"}
+        result: Obj = await self._request("patch", "PATCH", resource, path, body=obj, content_type=APPLY_PATCH,
+                                          params=params)  # fmt: skip
         return result
 
     async def delete(self, resource: Resource, namespace: str, name: str) -> None:

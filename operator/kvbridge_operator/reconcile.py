@@ -1,7 +1,8 @@
 """One idempotent reconcile for every path (create, update, resume, resync, pod events).
 
-It renders the desired children from pure functions, applies them (create,
-or patch on 409; the Secret is created once and never patched), observes
+It renders the desired children from pure functions, applies them
+(server-side apply under kvbridge's field manager; the Secret is created
+once and never patched), observes
 the StatefulSets and pods, and writes the status, the pod-incarnation
 annotation and the events.  An incompatible spec changes nothing that runs.
 A pod event changes no spec, so it only observes and writes the status
@@ -37,14 +38,8 @@ class Outcome:
 
 
 async def apply(client: KubeClient, obj: Obj) -> None:
-    resource = BY_KIND[(obj["apiVersion"], obj["kind"])]
-    namespace, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
-    try:
-        await client.create(resource, namespace, obj)
-    except ApiError as exc:
-        if exc.status != 409:
-            raise
-        await client.patch(resource, namespace, name, obj)
+    """Server-side apply under kvbridge's field manager: one call, create or update, others' fields kept."""
+    await client.apply(BY_KIND[(obj["apiVersion"], obj["kind"])], obj)
 
 
 async def ensure_secret(client: KubeClient, obj: Obj) -> None:
@@ -122,6 +117,9 @@ async def reconcile(client: KubeClient, body: Obj, config: OperatorConfig, apply
     verdict = verdict_for(dd)
     previous: Obj = body.get("status") or {}
     applied = False
+    # a status-only reconcile of a spec not applied yet (a pod event racing the update handler) applies it first:
+    # the status must never describe a generation whose children were not written
+    apply_children = apply_children or int(previous.get("observedGeneration", -1)) != generation
     if isinstance(verdict, TransferPlan) and apply_children:
         await ensure_secret(client, secret(dd, uid))
         for child in children(dd, uid, verdict, config):

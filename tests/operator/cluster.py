@@ -35,7 +35,7 @@ class Cluster:
 
     async def start_operator(self) -> None:
         self.stop = asyncio.Event()
-        self.operator_client = KubeClient(self.url, insecure=True)
+        self.operator_client = KubeClient.for_url(self.url)
         self.operator = asyncio.create_task(run_operator(self.config, self.stop, self.operator_client))
 
     async def stop_operator(self) -> None:
@@ -142,7 +142,7 @@ TEST_AGENT = "kvbridge-test"
 async def cluster(config: OperatorConfig | None = None, *, start: bool = True) -> AsyncIterator[Cluster]:
     async with RealisticKubernetes() as api, kmock.Server(api) as server:
         url = str(server.url).rstrip("/")
-        client = KubeClient(url, insecure=True, user_agent=TEST_AGENT)  # the test's own requests, told apart
+        client = KubeClient.for_url(url, user_agent=TEST_AGENT)  # the test's own requests, told apart
         await client.create(CRDS, "", crd())
         base = config or OperatorConfig(liveness_port=0)
         built = Cluster(api, url, client, OperatorConfig(**{**base.__dict__, "api_server": url}))

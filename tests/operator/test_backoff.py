@@ -35,7 +35,7 @@ async def test_transient_failures_are_retried_and_others_are_not() -> None:
 
     async with RealisticKubernetes() as api, kmock.Server(api) as server:
         api.faults = faults
-        client = KubeClient(str(server.url).rstrip("/"), insecure=True)
+        client = KubeClient.for_url(str(server.url))
         try:
             assert await client.get(DEPLOYMENTS, "default", "missing") is None  # 4 x 503, then the real 404
             assert failures["left"] == 0

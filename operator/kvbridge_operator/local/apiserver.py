@@ -4,7 +4,8 @@ kmock 0.8's ``KubernetesEmulator`` keeps objects as plain merged dicts. This
 subclass adds (see ../shared/design/testing.md): ``uid``,
 ``creationTimestamp``, ``generation`` bumped on spec changes only, a fresh
 ``resourceVersion`` on every write, ``generateName``, merge and JSON patches
-(a failed JSON-patch ``test`` answers 422), status subresources, watches that
+(a failed JSON-patch ``test`` answers 422), server-side apply with field managers and
+``metadata.managedFields`` (field_managers), status and scale subresources, watches that
 subscribe before the snapshot and honour ``resourceVersion`` and
 ``timeoutSeconds``, typed lists, ``/api/v1`` discovery, label and field
 selectors, cluster-scoped namespaces and CRDs that register their resource.
@@ -31,8 +32,11 @@ import aiohttp.web
 import attrs
 import jsonpatch
 import kmock
+import yaml
 from kmock._internal import k8s as kmock_k8s
 from kmock._internal import rendering
+
+from . import field_managers
 
 Obj = dict[str, Any]
 Key = tuple[str, str, str, str | None, str]  # group, version, plural, namespace, name
@@ -43,13 +47,18 @@ BUILTIN: dict[tuple[str, str, str], dict[str, Any]] = {
     ("", "v1", "secrets"): {"kind": "Secret", "namespaced": True},
     ("", "v1", "events"): {"kind": "Event", "namespaced": True},
     ("", "v1", "namespaces"): {"kind": "Namespace", "namespaced": False, "subresources": {"status"}},
-    ("apps", "v1", "statefulsets"): {"kind": "StatefulSet", "namespaced": True, "subresources": {"status", "scale"}},
+    ("apps", "v1", "statefulsets"): {"kind": "StatefulSet", "namespaced": True, "subresources": {"status", "scale"},
+                                     "scale": {"specReplicasPath": ".spec.replicas",
+                                               "statusReplicasPath": ".status.replicas"}},
     ("networking.k8s.io", "v1", "networkpolicies"): {"kind": "NetworkPolicy", "namespaced": True},
+    ("policy", "v1", "poddisruptionbudgets"): {"kind": "PodDisruptionBudget", "namespaced": True,
+                                               "subresources": {"status"}},
     ("events.k8s.io", "v1", "events"): {"kind": "Event", "namespaced": True},
     ("apiextensions.k8s.io", "v1", "customresourcedefinitions"): {
         "kind": "CustomResourceDefinition", "namespaced": False, "subresources": {"status"},
     },
 }  # fmt: skip
+APPLY_PATCH = "application/apply-patch+yaml"
 VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
 
 
@@ -150,9 +159,9 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
     # -- resources ------------------------------------------------------------
     def declare(self, group: str, version: str, plural: str, *, kind: str, namespaced: bool,
                 subresources: set[str] | None = None, shortnames: set[str] | None = None,
-                singular: str | None = None) -> None:  # fmt: skip
+                singular: str | None = None, scale: dict[str, str] | None = None) -> None:  # fmt: skip
         self.kinds[(group, version, plural)] = {"kind": kind, "namespaced": namespaced,
-                                                "subresources": set(subresources or ())}  # fmt: skip
+                                                "subresources": set(subresources or ()), "scale": scale}  # fmt: skip
         self.resources[kmock.resource(group, version, plural)] = kmock.ResourceInfo(
             kind=kind, namespaced=namespaced, verbs=VERBS, subresources=subresources or set(),
             shortnames=shortnames or set(), singular=singular or kind.lower(),
@@ -165,6 +174,7 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
             self.declare(spec["group"], version["name"], names["plural"], kind=names["kind"],
                          namespaced=spec.get("scope") == "Namespaced",
                          subresources=set(version.get("subresources") or {}),
+                         scale=(version.get("subresources") or {}).get("scale"),
                          shortnames=set(names.get("shortNames") or ()), singular=names.get("singular"))  # fmt: skip
 
     @staticmethod
@@ -253,6 +263,42 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
             await events.aclose()
         return response
 
+    @staticmethod
+    def _manager(request: rendering.Request) -> str:
+        """The field manager of a write: ``fieldManager``, else the User-Agent up to its first ``/`` (as Kubernetes)."""
+        agent = str(request.headers.get("User-Agent", "")).split("/", 1)[0]
+        return str(request.params.get("fieldManager") or agent or "unknown")
+
+    @staticmethod
+    def _scale_of(obj: Obj, paths: dict[str, str]) -> Obj:
+        """The ``autoscaling/v1`` Scale of an object (what HPA, KEDA and ``kubectl scale`` read and write)."""
+
+        def at(path: str | None) -> Any:
+            return field_managers.lookup(obj, tuple(path.strip(".").split("."))) if path else None
+
+        selector = at(paths.get("labelSelectorPath"))
+        if selector is None and "matchLabels" in (obj.get("spec", {}).get("selector") or {}):
+            selector = ",".join(f"{k}={v}" for k, v in obj["spec"]["selector"]["matchLabels"].items())
+        meta = obj["metadata"]
+        return {"apiVersion": "autoscaling/v1", "kind": "Scale",
+                "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion") if k in meta},
+                "spec": {"replicas": at(paths["specReplicasPath"]) or 0},
+                "status": {"replicas": at(paths.get("statusReplicasPath")) or 0,
+                           **({"selector": selector} if selector else {})}}  # fmt: skip
+
+    @staticmethod
+    def _scaled(current: Obj, data: Any, paths: dict[str, str]) -> Obj:
+        replicas = (data or {}).get("spec", {}).get("replicas") if isinstance(data, dict) else None
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+            raise kmock.KubernetesError(status=422, reason="Invalid", message="spec.replicas: must be >= 0")
+        patched = copy.deepcopy(current)
+        *parents, last = paths["specReplicasPath"].strip(".").split(".")
+        node = patched
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = replicas
+        return patched
+
     async def _serve_create(self, request: rendering.Request) -> Obj:
         info, gvp = self._info(request), self._gvp(request)
         body = copy.deepcopy(request.data) if isinstance(request.data, dict) else {}
@@ -269,6 +315,7 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
             meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
             body.setdefault("apiVersion", self._api_version(gvp))
             body.setdefault("kind", info["kind"])
+            field_managers.record_update(None, body, self._manager(request), "status" in info["subresources"])
             self.store[key] = body
             self._bump(gvp, "ADDED", body)
             if gvp == ("apiextensions.k8s.io", "v1", "customresourcedefinitions"):
@@ -279,12 +326,17 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         info, gvp = self._info(request), self._gvp(request)
         key = self._key(request, request.name)
         content_type = str(request.headers.get("Content-Type", "application/merge-patch+json")).split(";")[0]
+        with_status = "status" in info["subresources"]
+        if content_type == APPLY_PATCH and request.subresource is None:
+            return await self._serve_apply(request, info, gvp, key)
         async with self._lock:
             current = self.store.get(key)
             if current is None:
                 raise kmock_k8s.KubernetesObjectNotFoundError()
             try:
-                if content_type == "application/json-patch+json":
+                if request.subresource == "scale" and info.get("scale"):
+                    patched = self._scaled(current, request.data, info["scale"])
+                elif content_type == "application/json-patch+json":
                     patched = jsonpatch.apply_patch(current, request.data)
                 else:  # merge and strategic-merge patches are merges here
                     patched = merge_patch(current, request.data)
@@ -299,6 +351,8 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
             updated = copy.deepcopy(current)
             if request.subresource == "status":
                 updated["status"] = patched.get("status", {})
+            elif request.subresource == "scale":
+                updated = patched
             else:
                 for k, v in patched.items():
                     if k != "status" or "status" not in info["subresources"]:
@@ -310,6 +364,7 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
                 updated["metadata"] = {**patched.get("metadata", {}), **kept}
             if self._essence(updated) != self._essence(current):
                 updated["metadata"]["generation"] = int(current["metadata"].get("generation", 1)) + 1
+            field_managers.record_update(current, updated, self._manager(request), with_status)
             if updated["metadata"].get("deletionTimestamp") and not updated["metadata"].get("finalizers"):
                 del self.store[key]
                 self._bump(gvp, "DELETED", updated)
@@ -317,6 +372,41 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
             self.store[key] = updated
             self._bump(gvp, "MODIFIED", updated)
             return copy.deepcopy(updated)
+
+    async def _serve_apply(self, request: rendering.Request, info: dict[str, Any], gvp: tuple[str, str, str],
+                           key: Key) -> Obj:  # fmt: skip
+        """Server-side apply (``application/apply-patch+yaml``): create or update, owning fields (field_managers)."""
+        config = request.data if isinstance(request.data, dict) else yaml.safe_load(request.text or "null")
+        if not isinstance(config, dict) or config.get("metadata", {}).get("name") not in (None, request.name):
+            raise kmock.KubernetesError(status=400, reason="BadRequest", message="apply: an object named as the URL")
+        force = str(request.params.get("force", "false")).lower() == "true"
+        manager = request.params.get("fieldManager")
+        if not manager:
+            raise kmock.KubernetesError(status=422, reason="Invalid",
+                                        message="fieldManager is required for apply patch")  # fmt: skip
+        async with self._lock:
+            current = self.store.get(key)
+            try:
+                result = field_managers.apply(current, config, manager, force, "status" in info["subresources"])
+            except field_managers.ConflictError as exc:
+                raise kmock.KubernetesError(status=409, reason="Conflict", message=str(exc)) from exc
+            meta = result["metadata"]
+            if current is None:
+                if info["namespaced"]:
+                    meta["namespace"] = request.namespace
+                meta.update(name=request.name, uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
+                result.setdefault("apiVersion", self._api_version(gvp))
+                result.setdefault("kind", info["kind"])
+                self.store[key] = result
+                self._bump(gvp, "ADDED", result)
+                return copy.deepcopy(result)
+            if self._essence(result) != self._essence(current):
+                meta["generation"] = int(current["metadata"].get("generation", 1)) + 1
+            if result == current:  # nothing changed: no new resourceVersion, no watch event (as Kubernetes)
+                return copy.deepcopy(current)
+            self.store[key] = result
+            self._bump(gvp, "MODIFIED", result)
+            return copy.deepcopy(result)
 
     async def _serve_delete(self, request: rendering.Request) -> Obj:
         gvp = self._gvp(request)
@@ -350,11 +440,13 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         return found
 
     async def _serve_fetch(self, request: rendering.Request) -> Obj:
-        key = self._key(request, request.name)
+        info, key = self._info(request), self._key(request, request.name)
         async with self._lock:
             current = self.store.get(key)
         if current is None:
             raise kmock_k8s.KubernetesObjectNotFoundError()
+        if request.subresource == "scale" and info.get("scale"):
+            return self._scale_of(current, info["scale"])
         return copy.deepcopy(current)
 
     async def _serve_list(self, request: rendering.Request) -> Obj:
