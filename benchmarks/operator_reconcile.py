@@ -36,7 +36,7 @@ import yaml
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvbridge_operator.crd import crd  # noqa: E402
+from kvbridge_operator.crd import crds  # noqa: E402
 from kvbridge_operator.kube import DEPLOYMENTS, PODS, KubeClient, Resource  # noqa: E402
 from kvbridge_operator.local.apiserver import RealisticKubernetes  # noqa: E402
 
@@ -113,7 +113,8 @@ async def operator_on_emulator(
     async with RealisticKubernetes() as api, kmock.Server(api) as server:
         url = str(server.url).rstrip("/")
         client = KubeClient.for_url(url, token=token, user_agent=BENCHMARK_AGENT)
-        await client.create(CRDS, "", crd())
+        for definition in crds():
+            await client.create(CRDS, "", definition)
         env = {**os.environ, "KVBRIDGE_OPERATOR_API_SERVER": url, "KVBRIDGE_OPERATOR_CPU_MODE": "1",
                "KVBRIDGE_OPERATOR_LIVENESS_PORT": "0"}  # fmt: skip
         operator = subprocess.Popen([sys.executable, "-m", "kvbridge_operator", "operator", "run"], env=env,

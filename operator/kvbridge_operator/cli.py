@@ -77,17 +77,18 @@ def _model(args: argparse.Namespace) -> int:
 
 
 def _crd(args: argparse.Namespace) -> int:
-    from .crd import FILE_NAME, render_yaml
+    from .crd import files
 
-    text = render_yaml()
+    rendered = files()
     if args.output is None:
-        sys.stdout.write(text)
+        sys.stdout.write("---\n".join(rendered.values()))
         return EXIT_OK
     for directory in args.output:
-        path = Path(directory) / FILE_NAME
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-        print(f"wrote {path}", file=sys.stderr)
+        for name, text in rendered.items():
+            path = Path(directory) / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+            print(f"wrote {path}", file=sys.stderr)
     return EXIT_OK
 
 

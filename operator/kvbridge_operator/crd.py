@@ -17,11 +17,14 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from .scaling import ROLE_KIND, ROLE_PLURAL
 from .spec import GROUP, KIND, MAX_NAME_LENGTH, NAME_PATTERN, PLURAL, VERSION, DisaggregatedDeploymentSpec
 from .status import DisaggregatedDeploymentStatus
 
 CRD_NAME = f"{PLURAL}.{GROUP}"
 FILE_NAME = f"{CRD_NAME}.yaml"
+ROLE_CRD_NAME = f"{ROLE_PLURAL}.{GROUP}"
+ROLE_FILE_NAME = f"{ROLE_CRD_NAME}.yaml"
 _KEPT = ("type", "enum", "minimum", "maximum", "minLength", "maxLength", "minItems", "maxItems", "pattern",
          "description", "default", "format")  # fmt: skip
 
@@ -58,6 +61,24 @@ SPEC_RULES: list[dict[str, str]] = [
         "rule": "self.model.cacheKind != 'CrossLayer' || self.prefill.blockSize == self.decode.blockSize",
         "message": "cacheKind CrossLayer needs equal prefill and decode blockSize",
         "fieldPath": ".decode.blockSize",
+        "reason": "FieldValueInvalid",
+    },
+    *(
+        {
+            "rule": f"self.{role}.minReplicas <= self.{role}.replicas && "
+            f"self.{role}.replicas <= self.{role}.maxReplicas",
+            "message": f"{role}: replicas must lie within minReplicas and maxReplicas",
+            "fieldPath": f".{role}.replicas",
+            "reason": "FieldValueInvalid",
+        }
+        for role in ("prefill", "decode")
+    ),
+    {
+        "rule": "!has(self.scaling.decodePerPrefill) || !has(self.scaling.decodePerPrefill.min) || "
+        "!has(self.scaling.decodePerPrefill.max) || "
+        "self.scaling.decodePerPrefill.min <= self.scaling.decodePerPrefill.max",
+        "message": "scaling.decodePerPrefill: min must not be above max",
+        "fieldPath": ".scaling.decodePerPrefill",
         "reason": "FieldValueInvalid",
     },
     {
@@ -134,7 +155,7 @@ def model_schema(model: type[BaseModel]) -> dict[str, Any]:
 
 def spec_schema() -> dict[str, Any]:
     schema = model_schema(DisaggregatedDeploymentSpec)
-    for section in ("engine", "transfer", "prefill", "decode"):
+    for section in ("engine", "transfer", "prefill", "decode", "scaling"):
         schema["properties"][section]["default"] = {}  # so nested defaults apply before CEL rules run
     schema["x-kubernetes-validations"] = SPEC_RULES
     return schema
@@ -204,6 +225,80 @@ def crd() -> dict[str, Any]:
     }
 
 
+def role_crd() -> dict[str, Any]:
+    """The DisaggregatedRole: one per role of a deployment, what HPA, KEDA and ``kubectl scale`` target (its
+    ``/scale``); the operator creates it and owns everything but ``spec.replicas`` (see scaling.py)."""
+    count = {"type": "integer", "minimum": 0, "maximum": 1024}
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": ROLE_CRD_NAME, "labels": {"app.kubernetes.io/name": "kvbridge"}},
+        "spec": {
+            "group": GROUP,
+            "names": {"kind": ROLE_KIND, "listKind": f"{ROLE_KIND}List", "plural": ROLE_PLURAL,
+                      "singular": ROLE_KIND.lower(), "shortNames": ["ddrole"], "categories": ["kvbridge"]},
+            "scope": "Namespaced",
+            "versions": [{
+                "name": VERSION, "served": True, "storage": True,
+                "subresources": {"status": {}, "scale": {"specReplicasPath": ".spec.replicas",
+                                                         "statusReplicasPath": ".status.replicas",
+                                                         "labelSelectorPath": ".status.selector"}},
+                "additionalPrinterColumns": [
+                    {"name": "Deployment", "type": "string", "jsonPath": ".spec.deployment"},
+                    {"name": "Role", "type": "string", "jsonPath": ".spec.role"},
+                    {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas"},
+                    {"name": "Effective", "type": "integer", "jsonPath": ".status.effectiveReplicas"},
+                    {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
+                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                ],
+                "schema": {"openAPIV3Schema": {
+                    "type": "object",
+                    "description": "One role of a DisaggregatedDeployment, for autoscalers: spec.replicas (its /scale) "
+                    "is the desired engine count; the operator runs it within the deployment's bounds.",
+                    "properties": {
+                        "apiVersion": {"type": "string"}, "kind": {"type": "string"}, "metadata": {"type": "object"},
+                        "spec": {"type": "object", "required": ["deployment", "role"], "properties": {
+                            "deployment": {"type": "string", "maxLength": 253,
+                                           "description": "The DisaggregatedDeployment this role belongs to."},
+                            "role": {"type": "string", "enum": ["prefill", "decode"]},
+                            "replicas": {**count, "description": "Desired engines (autoscalers write it)."},
+                        }, "x-kubernetes-validations": [
+                            {"rule": "self.deployment == oldSelf.deployment && self.role == oldSelf.role",
+                             "message": "deployment and role are immutable"}]},
+                        "status": {"type": "object", "properties": {
+                            "replicas": {**count, "description": "Pods of the role."},
+                            "readyReplicas": {**count, "description": "Ready pods of the role."},
+                            "desiredReplicas": {**count, "description": "spec.replicas as the operator last saw it."},
+                            "effectiveReplicas": {**count, "description": "Engines the operator runs: the desired "
+                                                  "count within minReplicas, maxReplicas and decodePerPrefill."},
+                            "selector": {"type": "string", "description": "The role's pods (for HPA)."},
+                            "ready": {"type": "string", "maxLength": 32},
+                            "message": {"type": "string", "maxLength": 1024,
+                                        "description": "Why effective differs from desired, if it does."},
+                        }},
+                    },
+                    "required": ["spec"],
+                }},
+            }],
+        },
+    }  # fmt: skip
+
+
+def crds() -> list[dict[str, Any]]:
+    return [crd(), role_crd()]
+
+
+HEADER = "# Generated by `kvbridge crd` from the pydantic models in kvbridge_operator; do not edit.\n"
+
+
 def render_yaml() -> str:
-    header = "# Generated by `kvbridge crd` from the pydantic models in kvbridge_operator; do not edit.\n"
-    return header + yaml.safe_dump(crd(), sort_keys=False, width=100, allow_unicode=True)
+    return HEADER + yaml.safe_dump(crd(), sort_keys=False, width=100, allow_unicode=True)
+
+
+def render_role_yaml() -> str:
+    return HEADER + yaml.safe_dump(role_crd(), sort_keys=False, width=100, allow_unicode=True)
+
+
+def files() -> dict[str, str]:
+    """Every CRD by its file name (``kvbridge crd -o DIR``, the chart's crds/)."""
+    return {FILE_NAME: render_yaml(), ROLE_FILE_NAME: render_role_yaml()}

@@ -297,7 +297,7 @@ async def run_demo(
 ) -> dict[str, Any]:
     import kmock
 
-    from .crd import crd
+    from .crd import crds
     from .handlers import run_operator
     from .local.apiserver import RealisticKubernetes
     from .local.runner import LocalRunner
@@ -324,7 +324,8 @@ async def run_demo(
         async with RealisticKubernetes() as api, kmock.Server(api) as server:
             url = str(server.url).rstrip("/")
             client = KubeClient.for_url(url)
-            await client.create(CRDS, "", crd())
+            for definition in crds():
+                await client.create(CRDS, "", definition)
             config = OperatorConfig(api_server=url, cpu_mode=True, agent_num_blocks=96, liveness_port=0)
             stop, ready = asyncio.Event(), asyncio.Event()
             operator = asyncio.create_task(run_operator(config, stop, ready_flag=ready))

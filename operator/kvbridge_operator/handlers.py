@@ -20,6 +20,7 @@ from .kube import DEPLOYMENTS, ApiError, Connection, KubeClient, connect
 from .metrics import RECONCILE_SECONDS, RECONCILES, serve
 from .reconcile import reconcile
 from .render import LABEL_DEPLOYMENT
+from .scaling import ROLE_PLURAL
 from .spec import GROUP, PLURAL, VERSION
 
 PREFIX = "kvbridge.io"
@@ -103,20 +104,33 @@ def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorR
         except API_ERRORS as exc:
             logging.getLogger(__name__).info("resync of %s/%s: Kubernetes API: %s", namespace, name, exc)
 
-    @kopf.on.event("v1", "pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT}, registry=registry)
-    async def pod_changed(labels: kopf.Labels, namespace: str | None, **_: Any) -> None:
-        # event handlers are not retried by Kopf, and a pod event may be the last one for a while (the one that
-        # makes the deployment Ready): retry API failures here, with the same backoff
+    async def observe_deployment(namespace: str, name: str, what: str) -> None:
+        """A status-only reconcile (it applies only where the running counts are not the effective ones). Event
+        handlers are not retried by Kopf, and an event may be the last one for a while (the one that makes the
+        deployment Ready): retry API failures here, with the same backoff."""
         for attempt in range(POD_EVENT_ATTEMPTS):
             try:
-                # a pod changes no spec: observe and write the status only (API calls per pod event: 16 -> 5)
-                await run(namespace or "default", labels[LABEL_DEPLOYMENT], apply_children=False)
+                await run(namespace, name, apply_children=False)
                 return
             except API_ERRORS as exc:
                 if attempt == POD_EVENT_ATTEMPTS - 1:
                     raise
-                logging.getLogger(__name__).info("pod event: Kubernetes API: %s; retrying", exc)
+                logging.getLogger(__name__).info("%s: Kubernetes API: %s; retrying", what, exc)
                 await asyncio.sleep(OPERATOR_BACKOFF.delay(attempt))
+
+    @kopf.on.event("v1", "pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT}, registry=registry)
+    async def pod_changed(labels: kopf.Labels, namespace: str | None, **_: Any) -> None:
+        # a pod changes no spec: observe and write the status only (API calls per pod event: 16 -> 5 + the roles)
+        await observe_deployment(namespace or "default", labels[LABEL_DEPLOYMENT], "pod event")
+
+    @kopf.on.event(GROUP, VERSION, ROLE_PLURAL, registry=registry)
+    async def role_scaled(body: kopf.Body, namespace: str | None, **_: Any) -> None:
+        """An autoscaler or `kubectl scale` changed a role's replicas: run the new effective counts. The operator's
+        own status writes (desiredReplicas caught up) and deletions do nothing."""
+        spec, status = body.get("spec") or {}, body.get("status") or {}
+        if body.get("metadata", {}).get("deletionTimestamp") or spec.get("replicas") == status.get("desiredReplicas"):
+            return
+        await observe_deployment(namespace or "default", str(spec.get("deployment", "")), "role scaled")
 
     return registry
 

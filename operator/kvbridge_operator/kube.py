@@ -64,7 +64,9 @@ SECRETS = Resource("v1", "secrets")
 EVENTS = Resource("v1", "events")
 STATEFUL_SETS = Resource("apps/v1", "statefulsets")
 NETWORK_POLICIES = Resource("networking.k8s.io/v1", "networkpolicies")
+POD_DISRUPTION_BUDGETS = Resource("policy/v1", "poddisruptionbudgets")
 DEPLOYMENTS = Resource("kvbridge.io/v1alpha1", "disaggregateddeployments")
+ROLES = Resource("kvbridge.io/v1alpha1", "disaggregatedroles")
 
 BY_KIND = {
     ("v1", "Pod"): PODS,
@@ -73,6 +75,8 @@ BY_KIND = {
     ("v1", "Event"): EVENTS,
     ("apps/v1", "StatefulSet"): STATEFUL_SETS,
     ("networking.k8s.io/v1", "NetworkPolicy"): NETWORK_POLICIES,
+    ("policy/v1", "PodDisruptionBudget"): POD_DISRUPTION_BUDGETS,
+    ("kvbridge.io/v1alpha1", "DisaggregatedRole"): ROLES,
 }
 
 

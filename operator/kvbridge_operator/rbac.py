@@ -10,9 +10,12 @@ from __future__ import annotations
 REQUIRED: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("kvbridge.io", "disaggregateddeployments", ("get", "list", "watch", "patch")),
     ("kvbridge.io", "disaggregateddeployments/status", ("patch",)),
+    ("kvbridge.io", "disaggregatedroles", ("get", "list", "watch", "create", "patch")),
+    ("kvbridge.io", "disaggregatedroles/status", ("patch",)),
     ("apps", "statefulsets", ("get", "create", "patch")),
     ("", "services", ("create", "patch")),
     ("networking.k8s.io", "networkpolicies", ("create", "patch")),
+    ("policy", "poddisruptionbudgets", ("create", "patch")),
     ("", "secrets", ("create",)),
     ("", "pods", ("list", "watch")),
     ("", "events", ("create",)),
@@ -21,7 +24,8 @@ REQUIRED: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 #: what Kopf itself calls on top of the operator's client (list+watch of handled resources, annotations)
 KOPF: frozenset[tuple[str, str]] = frozenset(
     {("list", "disaggregateddeployments"), ("watch", "disaggregateddeployments"),
-     ("patch", "disaggregateddeployments"), ("list", "pods"), ("watch", "pods")}
+     ("patch", "disaggregateddeployments"), ("list", "pods"), ("watch", "pods"), ("list", "disaggregatedroles"),
+     ("watch", "disaggregatedroles")}
 )  # fmt: skip
 
 

@@ -206,7 +206,11 @@ def _vllm_containers(
     return ([vllm.routing_sidecar(config), engine] if vllm.behind_sidecar(role, config) else [engine]), volumes
 
 
-def stateful_set(dd: DisaggregatedDeployment, uid: str, role: Role, plan: TransferPlan, config: OperatorConfig) -> Obj:
+def stateful_set(
+    dd: DisaggregatedDeployment, uid: str, role: Role, plan: TransferPlan, config: OperatorConfig,
+    replicas: int | None = None,
+) -> Obj:  # fmt: skip
+    """The role's StatefulSet, running ``replicas`` engines (the effective count, scaling.py; default the spec's)."""
     name = role_name(dd.metadata.name, role)
     namespace = dd.metadata.namespace or "default"
     role_spec = dd.spec.role(role)
@@ -215,7 +219,7 @@ def stateful_set(dd: DisaggregatedDeployment, uid: str, role: Role, plan: Transf
         "kind": "StatefulSet",
         "metadata": _metadata(name, namespace, selector(dd.metadata.name, role), owner_reference(dd, uid)),
         "spec": {
-            "replicas": role_spec.replicas,
+            "replicas": role_spec.replicas if replicas is None else replicas,
             "serviceName": name,
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "RollingUpdate"},
@@ -283,12 +287,32 @@ def network_policy(dd: DisaggregatedDeployment, uid: str, config: OperatorConfig
     }  # fmt: skip
 
 
-def children(dd: DisaggregatedDeployment, uid: str, plan: TransferPlan, config: OperatorConfig) -> list[Obj]:
-    """Every child except the Secret (which is created once, see :func:`secret`)."""
+def pod_disruption_budget(dd: DisaggregatedDeployment, uid: str, role: Role) -> Obj:
+    """Voluntary disruptions (node drains) take one pod of a role at a time. A role of one replica can still be
+    drained (a budget that forbids it would block the drain forever): give it two to keep it up."""
+    name = role_name(dd.metadata.name, role)
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(name, dd.metadata.namespace or "default", selector(dd.metadata.name, role),
+                              owner_reference(dd, uid)),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(dd.metadata.name, role)}},
+    }  # fmt: skip
+
+
+def children(
+    dd: DisaggregatedDeployment, uid: str, plan: TransferPlan, config: OperatorConfig,
+    replicas: dict[Role, int] | None = None,
+) -> list[Obj]:  # fmt: skip
+    """Every child except the Secret (created once, see :func:`secret`) and the DisaggregatedRoles (scaling.py);
+    the StatefulSets run ``replicas`` (the effective counts; default the spec's)."""
+    counts = replicas or {}
     return [
         service(dd, uid, Role.PREFILL, config),
         service(dd, uid, Role.DECODE, config),
         network_policy(dd, uid, config),
-        stateful_set(dd, uid, Role.PREFILL, plan, config),
-        stateful_set(dd, uid, Role.DECODE, plan, config),
+        pod_disruption_budget(dd, uid, Role.PREFILL),
+        pod_disruption_budget(dd, uid, Role.DECODE),
+        stateful_set(dd, uid, Role.PREFILL, plan, config, counts.get(Role.PREFILL)),
+        stateful_set(dd, uid, Role.DECODE, plan, config, counts.get(Role.DECODE)),
     ]

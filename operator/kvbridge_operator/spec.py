@@ -11,7 +11,7 @@ import re
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from kvbridge_agent.core import (
     KVBridgeError,
@@ -71,7 +71,17 @@ class EngineSpec(CamelModel):
 class RoleSpec(RoleSettings):
     """One role (prefill or decode): how many engines and each engine's settings."""
 
-    replicas: int = Field(default=1, ge=0, le=1024, description="Engine instances of this role.")
+    replicas: int = Field(
+        default=1, ge=0, le=1024,
+        description="Engine instances of this role: the initial count of the role's DisaggregatedRole (its /scale, "
+        "which autoscalers and `kubectl scale` change); changing it here sets that count again.",
+    )  # fmt: skip
+    min_replicas: int = Field(
+        default=0, ge=0, le=1024, description="Fewest engines the operator runs, whatever is asked."
+    )
+    max_replicas: int = Field(
+        default=1024, ge=0, le=1024, description="Most engines the operator runs, whatever is asked."
+    )
     template: dict[str, Any] = Field(
         default_factory=dict, description="Optional PodTemplateSpec overlay (image, resources, nodeSelector, ...)."
     )
@@ -83,12 +93,43 @@ class RoleSpec(RoleSettings):
         )
 
 
+class RatioBound(CamelModel):
+    min: float | None = Field(default=None, ge=0, le=1024, description="Fewest decode engines per prefill engine.")
+    max: float | None = Field(default=None, gt=0, le=1024, description="Most decode engines per prefill engine.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RatioBound:
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"min {self.min} is above max {self.max}")
+        return self
+
+
+class ScalingSpec(CamelModel):
+    decode_per_prefill: RatioBound | None = Field(
+        default=None,
+        description="Bounds on decode engines per prefill engine, kept when either role scales: the operator raises "
+        "the other role (never lowers what an autoscaler asked), within its maxReplicas.",
+    )
+
+
 class DisaggregatedDeploymentSpec(CamelModel):
     engine: EngineSpec = Field(default_factory=EngineSpec)
     model: ModelGeometry
     transfer: TransferSettings = Field(default_factory=TransferSettings)
     prefill: RoleSpec = Field(default_factory=RoleSpec)
     decode: RoleSpec = Field(default_factory=RoleSpec)
+    scaling: ScalingSpec = Field(default_factory=ScalingSpec)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> DisaggregatedDeploymentSpec:
+        for name in ("prefill", "decode"):
+            role: RoleSpec = getattr(self, name)
+            if not role.min_replicas <= role.replicas <= role.max_replicas:
+                raise ValueError(
+                    f"{name}: replicas {role.replicas} must lie within minReplicas {role.min_replicas} and "
+                    f"maxReplicas {role.max_replicas}"
+                )
+        return self
 
     def role(self, role: Role) -> RoleSpec:
         """The settings of one role."""

@@ -12,6 +12,7 @@ from enum import StrEnum
 
 from pydantic import Field
 
+from kvbridge_agent.core import Role
 from kvbridge_agent.core.model import CamelModel
 
 
@@ -48,7 +49,10 @@ class Endpoint(CamelModel):
 
 
 class RoleStatus(CamelModel):
-    replicas: int = Field(default=0, ge=0)
+    desired_replicas: int = Field(
+        default=0, ge=0, description="What the role's DisaggregatedRole asks (an autoscaler, kubectl scale, the spec)."
+    )
+    replicas: int = Field(default=0, ge=0, description="Engines run: desired within the bounds and the ratio.")
     ready_replicas: int = Field(default=0, ge=0)
     updated_replicas: int = Field(default=0, ge=0)
     ready: str = Field(default="", max_length=32, description="readyReplicas/replicas, for the printer column.")
@@ -76,6 +80,9 @@ class DisaggregatedDeploymentStatus(CamelModel):
     plan: PlanSummary | None = None
     prefill: RoleStatus = Field(default_factory=RoleStatus)
     decode: RoleStatus = Field(default_factory=RoleStatus)
+
+    def role(self, role: Role) -> RoleStatus:
+        return self.prefill if role is Role.PREFILL else self.decode
 
 
 def now_rfc3339() -> str:

@@ -13,7 +13,7 @@ from typing import Any
 import kmock
 
 from kvbridge_operator.config import OperatorConfig
-from kvbridge_operator.crd import crd
+from kvbridge_operator.crd import crds
 from kvbridge_operator.handlers import run_operator
 from kvbridge_operator.kube import DEPLOYMENTS, PODS, STATEFUL_SETS, KubeClient, Resource
 from kvbridge_operator.local.apiserver import RealisticKubernetes
@@ -143,7 +143,8 @@ async def cluster(config: OperatorConfig | None = None, *, start: bool = True) -
     async with RealisticKubernetes() as api, kmock.Server(api) as server:
         url = str(server.url).rstrip("/")
         client = KubeClient.for_url(url, user_agent=TEST_AGENT)  # the test's own requests, told apart
-        await client.create(CRDS, "", crd())
+        for definition in crds():
+            await client.create(CRDS, "", definition)
         base = config or OperatorConfig(liveness_port=0)
         built = Cluster(api, url, client, OperatorConfig(**{**base.__dict__, "api_server": url}))
         try:
