@@ -73,6 +73,16 @@ SPEC_RULES: list[dict[str, str]] = [
         }
         for role in ("prefill", "decode")
     ),
+    *(
+        {
+            "rule": f"!has(self.{role}.rollout) || "
+            f"self.{role}.rollout.maxSurge + self.{role}.rollout.maxUnavailable >= 1",
+            "message": f"{role}.rollout: maxSurge + maxUnavailable must be at least 1",
+            "fieldPath": f".{role}.rollout",
+            "reason": "FieldValueInvalid",
+        }
+        for role in ("prefill", "decode")
+    ),
     {
         "rule": "!has(self.scaling.decodePerPrefill) || !has(self.scaling.decodePerPrefill.min) || "
         "!has(self.scaling.decodePerPrefill.max) || "

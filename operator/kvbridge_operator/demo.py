@@ -153,15 +153,19 @@ async def transfer(session: aiohttp.ClientSession, prefill_url: str, decode_url:
     return True
 
 
-def pair(endpoints: list[Obj], decode_pods: list[Obj]) -> list[tuple[Obj, str]]:
-    """Every (prefill endpoint, decode pod name) whose pods carry the same pairing key. A router never pairs across
-    keys: during a change of TP, block size or layout the old and new pods of the two roles are not one plan."""
-    return [
-        (endpoint, pod["metadata"]["name"])
-        for pod in decode_pods
-        for endpoint in endpoints
-        if endpoint.get("pairing") and endpoint["pairing"] == pod["metadata"].get("labels", {}).get(LABEL_PAIRING)
-    ]
+def pair(endpoints: list[Obj], decode_pods: list[Obj], pairings: list[Obj] | None = None) -> list[tuple[Obj, str]]:
+    """Every (prefill endpoint, decode pod name) whose pairing keys are equal (one checked plan) or listed together
+    in ``status.rollout.pairings`` (the operator checked that mix during a rollout). Nothing else is paired: the
+    old and new pods of an incompatible change are not one plan."""
+    allowed = {(str(p.get("prefill")), str(p.get("decode"))) for p in pairings or []}
+    found = []
+    for pod in decode_pods:
+        decode_key = pod["metadata"].get("labels", {}).get(LABEL_PAIRING)
+        for endpoint in endpoints:
+            key = endpoint.get("pairing")
+            if key and decode_key and (key == decode_key or (key, decode_key) in allowed):
+                found.append((endpoint, pod["metadata"]["name"]))
+    return found
 
 
 async def targets(client: KubeClient, runner: Any, name: str) -> tuple[Obj, list[tuple[Obj, str]]]:
@@ -169,7 +173,8 @@ async def targets(client: KubeClient, runner: Any, name: str) -> tuple[Obj, list
     dd = await client.get(DEPLOYMENTS, NAMESPACE, name) or {}
     endpoints = (dd.get("status") or {}).get("prefill", {}).get("endpoints") or []
     pods = await client.list(PODS, NAMESPACE, f"{LABEL_DEPLOYMENT}={name},{LABEL_ROLE}=decode")
-    pairs = [(endpoint, runner.http_url(NAMESPACE, pod)) for endpoint, pod in pair(endpoints, pods)]
+    checked = ((dd.get("status") or {}).get("rollout") or {}).get("pairings") or []
+    pairs = [(endpoint, runner.http_url(NAMESPACE, pod)) for endpoint, pod in pair(endpoints, pods, checked)]
     if not pairs:
         raise DemoError(f"{name}: no prefill endpoint and decode pod of one pairing key to route to")
     return dd, pairs

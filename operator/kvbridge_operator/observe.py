@@ -119,8 +119,10 @@ def observe(
     previous: Obj,
     annotations: dict[str, str],
     now: str,
+    replicas: dict[Role, int] | None = None,
 ) -> Observation:
-    """Status, events and annotations; ``previous`` is the current status (dict, maybe empty)."""
+    """Status, events and annotations; ``previous`` is the current status (dict, maybe empty); ``replicas`` are
+    the roles' effective counts (what Ready means; a rollout's surge is not counted), default the StatefulSets'."""
     events: list[Event] = []
     spec = dd.spec
     by_role = {
@@ -129,9 +131,10 @@ def observe(
     roles: dict[Role, RoleStatus] = {}
     for role in Role:
         sts = stateful_sets.get(role)
-        replicas = int(sts["spec"].get("replicas", 0)) if sts else 0
+        count = int(sts["spec"].get("replicas", 0)) if sts else 0
+        count = replicas[role] if replicas is not None else count
         revision = sts["spec"]["template"]["metadata"]["labels"].get(LABEL_REVISION) if sts else None
-        roles[role] = _role_status(by_role[role], replicas, revision)
+        roles[role] = _role_status(by_role[role], count, revision)
     port = spec.transfer.side_channel_port
     current_endpoints = endpoints(by_role[Role.PREFILL], port)
     roles[Role.PREFILL] = roles[Role.PREFILL].model_copy(update={"endpoints": current_endpoints})

@@ -11,6 +11,7 @@ A pod event changes no spec, so it only observes and writes the status
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 from dataclasses import dataclass
@@ -18,13 +19,25 @@ from typing import Any
 
 from kvbridge_agent.core import Role, SpecError, TransferPlan
 
+from . import revisions
 from .config import OperatorConfig
 from .kube import BY_KIND, DEPLOYMENTS, EVENTS, PODS, ROLES, SECRETS, STATEFUL_SETS, ApiError, KubeClient
-from .observe import Event, Observation, observe
-from .render import LABEL_DEPLOYMENT, LABEL_ROLE, children, role_name, secret
+from .observe import Event, Observation, observe, pod_ready
+from .pairing import pairing
+from .render import (
+    LABEL_DEPLOYMENT,
+    LABEL_PAIRING,
+    LABEL_REVISION,
+    LABEL_ROLE,
+    children,
+    role_name,
+    secret,
+    stateful_set,
+)
+from .rollout import Phase, PodState, RoleTarget, Step, Strategy, step
 from .scaling import Scale, desired_of, effective_replicas, replicas_patch, role_resource, role_status
 from .spec import API_VERSION, KIND, DisaggregatedDeployment, parse_deployment
-from .status import Condition, ConditionType, merge_conditions, now_rfc3339
+from .status import Condition, ConditionType, Pairing, RolloutStatus, merge_conditions, now_rfc3339
 from .verdict import verdict_for
 
 log = logging.getLogger(__name__)
@@ -48,8 +61,68 @@ def _notes(scale: Scale, role: Role) -> list[str]:
     return [note for note in scale.notes if note.startswith(role.value) or "cannot" in note]
 
 
-def _replicas(stateful_set: Obj | None) -> int | None:
-    return None if stateful_set is None else int((stateful_set.get("spec") or {}).get("replicas", 0))
+def _state(stateful_set: Obj | None) -> tuple[int, int] | None:
+    """A StatefulSet's replicas and partition (``None``: none yet)."""
+    if stateful_set is None:
+        return None
+    spec = stateful_set.get("spec") or {}
+    partition = ((spec.get("updateStrategy") or {}).get("rollingUpdate") or {}).get("partition", 0)
+    return int(spec.get("replicas", 0)), int(partition)
+
+
+def _revision(stateful_set: Obj | None) -> str | None:
+    if stateful_set is None:
+        return None
+    return str(stateful_set["spec"]["template"]["metadata"].get("labels", {}).get(LABEL_REVISION, ""))
+
+
+def _rollout(
+    dd: DisaggregatedDeployment, uid: str, plan: TransferPlan, config: OperatorConfig, scale: Scale,
+    sets: dict[Role, Obj | None], pods: list[Obj], records: dict[str, Obj],
+) -> Step:  # fmt: skip
+    """The rollout's step for the pods that exist (rollout.py): each StatefulSet's replicas and partition."""
+    name = dd.metadata.name
+    targets, states = {}, {}
+    for role in Role:
+        new = _revision(stateful_set(dd, uid, role, plan, config))
+        current = _state(sets[role])
+        partition = current[1] if current is not None and _revision(sets[role]) == new else None
+        rollout = dd.spec.role(role).rollout
+        targets[role] = RoleTarget(scale.effective[role], rollout.max_surge, rollout.max_unavailable, partition)
+        prefix = role_name(name, role) + "-"
+        states[role] = [
+            PodState(int(pod["metadata"]["name"][len(prefix):]), labels.get(LABEL_REVISION) == new, pod_ready(pod),
+                     str(labels.get(LABEL_PAIRING, "")))
+            for pod in pods
+            if (labels := pod["metadata"].get("labels") or {}).get(LABEL_ROLE) == role.value
+            and pod["metadata"]["name"].startswith(prefix) and pod["metadata"]["name"][len(prefix):].isdigit()
+        ]  # fmt: skip
+    key = pairing(dd.spec)
+    return step(targets, states, key, revisions.pairs_with({**records, key: revisions.record(dd)}, name))
+
+
+def _rollout_status(roll: Step, key: str) -> Obj:
+    return RolloutStatus(
+        strategy=roll.strategy.value, phase=roll.phase.value, revision=key, reason=roll.reason[:4096],
+        prefill=roll.progress.get(Role.PREFILL, ""), decode=roll.progress.get(Role.DECODE, ""),
+        pairings=[Pairing(prefill=p, decode=d) for p, d in roll.pairings],
+    ).model_dump(by_alias=True, mode="json")  # fmt: skip
+
+
+def _rollout_events(previous: Obj, roll: Step) -> list[Event]:
+    """An event when a rollout starts (with its strategy and why), per phase, and when it completes."""
+    was, now = str(previous.get("phase") or Phase.COMPLETE.value), roll.phase.value
+    if was == now:
+        return []
+    progress = f"prefill {roll.progress.get(Role.PREFILL, '')}, decode {roll.progress.get(Role.DECODE, '')}"
+    if now == Phase.COMPLETE.value:
+        return [Event("Normal", "RolloutComplete", f"every pod runs the current spec ({progress})")]
+    events = []
+    if was == Phase.COMPLETE.value:
+        why = roll.reason or "old and new pods of both roles are compatible"
+        events.append(Event("Normal", "RolloutStarted", f"{roll.strategy.value}: {why}"))
+    events.append(Event("Normal", "RolloutPhase", f"{roll.strategy.value} {now}: {progress}"))
+    return events
 
 
 async def ensure_role(client: KubeClient, dd: DisaggregatedDeployment, uid: str, role: Role,
@@ -160,29 +233,34 @@ async def reconcile(client: KubeClient, body: Obj, config: OperatorConfig, apply
     applied = False
     roles = {role: await client.get(ROLES, namespace, role_name(name, role)) for role in Role}
     sets = {role: await client.get(STATEFUL_SETS, namespace, role_name(name, role)) for role in Role}
+    pods = await client.list(PODS, namespace, f"{LABEL_DEPLOYMENT}={name}")
+    annotations: dict[str, str] = dict(meta.get("annotations") or {})
+    records = revisions.load(annotations.get(revisions.ANNOTATION))
     scale = effective_replicas(dd, {role: desired_of(roles[role], dd, role) for role in Role})
-    # a status-only reconcile (a pod event, a DisaggregatedRole scaled) applies when the running counts are not
-    # the effective ones, and when the spec is not applied yet (a pod event racing the update handler): the
-    # status never describes a generation whose children were not written
+    plan = verdict if isinstance(verdict, TransferPlan) else None
+    roll = _rollout(dd, uid, plan, config, scale, sets, pods, records) if plan is not None else None
+    # a status-only reconcile (a pod event, a DisaggregatedRole scaled) applies when the StatefulSets are not what
+    # the spec, the effective counts and the rollout's step want, and when the spec is not applied yet (a pod
+    # event racing the update handler): the status never describes a generation whose children were not written
     apply_children = (
         apply_children
         or int(previous.get("observedGeneration", -1)) != generation
-        or any(_replicas(sets[role]) != scale.effective[role] for role in Role)
+        or (
+            roll is not None and any(_state(sets[role]) != (roll.replicas[role], roll.partition[role]) for role in Role)
+        )
     )
-    before = {role: _replicas(sets[role]) for role in Role}
-    if isinstance(verdict, TransferPlan) and apply_children:
+    if plan is not None and roll is not None and apply_children:
         await ensure_secret(client, secret(dd, uid))
         for role in Role:
             roles[role] = await ensure_role(client, dd, uid, role, roles[role])
         scale = effective_replicas(dd, {role: desired_of(roles[role], dd, role) for role in Role})
-        for child in children(dd, uid, verdict, config, scale.effective):
+        roll = _rollout(dd, uid, plan, config, scale, sets, pods, records)
+        for child in children(dd, uid, plan, config, roll.replicas, roll.partition):
             written = await apply(client, child)
             if child["kind"] == "StatefulSet":
                 sets[Role(child["metadata"]["labels"][LABEL_ROLE])] = written
         applied = True
-    pods = await client.list(PODS, namespace, f"{LABEL_DEPLOYMENT}={name}")
-    annotations: dict[str, str] = dict(meta.get("annotations") or {})
-    observation = observe(dd, generation, verdict, sets, pods, previous, annotations, now_rfc3339())
+    observation = observe(dd, generation, verdict, sets, pods, previous, annotations, now_rfc3339(), scale.effective)
     if applied and int(previous.get("observedGeneration", -1)) != generation:
         observation.events.insert(
             0, Event("Normal", "Reconciled", f"generation {generation}: prefill and decode workloads applied")
@@ -190,16 +268,30 @@ async def reconcile(client: KubeClient, body: Obj, config: OperatorConfig, apply
     status = observation.status.model_dump(by_alias=True, mode="json")
     for role in Role:
         status[role.value]["desiredReplicas"] = scale.desired[role]
-        if applied and before[role] is not None and before[role] != scale.effective[role]:
+        was = (previous.get(role.value) or {}).get("replicas")
+        if plan is not None and isinstance(was, int) and was != scale.effective[role]:
             why = "".join(f"; {note}" for note in _notes(scale, role))
-            observation.events.append(Event("Normal", "Scaled", f"{role.value}: {before[role]} -> "
-                                            f"{scale.effective[role]} engines ({role_name(name, role)} asks "
-                                            f"{scale.desired[role]}{why})"))  # fmt: skip
+            message = f"{role.value}: {was} -> {scale.effective[role]} engines ({role_name(name, role)} asks "
+            observation.events.append(Event("Normal", "Scaled", f"{message}{scale.desired[role]}{why})"))
         current = roles[role]
         if current is not None:
             counts = observation.status.role(role)
             of_role = sum(1 for p in pods if (p["metadata"].get("labels") or {}).get(LABEL_ROLE) == role.value)
             await publish_role_status(client, dd, role, current, scale, counts.ready_replicas, of_role)
+    if roll is not None:
+        before = previous.get("rollout") or {}
+        if roll.phase in (Phase.SCALING_IN, Phase.COMPLETE) and before.get("revision") == pairing(dd.spec):
+            # no old pod is left, so the step alone cannot tell how they went: the strategy stays the rollout's
+            roll = dataclasses.replace(roll, strategy=Strategy(before.get("strategy") or roll.strategy),
+                                       reason=str(before.get("reason") or ""))  # fmt: skip
+        status["rollout"] = _rollout_status(roll, pairing(dd.spec))
+        observation.events.extend(_rollout_events(previous.get("rollout") or {}, roll))
+        present = {str((p["metadata"].get("labels") or {}).get(LABEL_PAIRING, "")) for p in pods} | {pairing(dd.spec)}
+        kept = revisions.dump({**records, pairing(dd.spec): revisions.record(dd)}, present)
+        if annotations.get(revisions.ANNOTATION) != kept:
+            observation.annotations[revisions.ANNOTATION] = kept
+    else:
+        status["rollout"] = previous.get("rollout")
     await client.patch(DEPLOYMENTS, namespace, name, {"status": status}, "status")
     if observation.annotations:
         await client.patch(DEPLOYMENTS, namespace, name, {"metadata": {"annotations": observation.annotations}})

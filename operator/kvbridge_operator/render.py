@@ -208,9 +208,10 @@ def _vllm_containers(
 
 def stateful_set(
     dd: DisaggregatedDeployment, uid: str, role: Role, plan: TransferPlan, config: OperatorConfig,
-    replicas: int | None = None,
+    replicas: int | None = None, partition: int = 0,
 ) -> Obj:  # fmt: skip
-    """The role's StatefulSet, running ``replicas`` engines (the effective count, scaling.py; default the spec's)."""
+    """The role's StatefulSet, running ``replicas`` engines (the effective count, scaling.py, plus a rollout's
+    surge; default the spec's), pods from ordinal ``partition`` up on this template (rollout.py)."""
     name = role_name(dd.metadata.name, role)
     namespace = dd.metadata.namespace or "default"
     role_spec = dd.spec.role(role)
@@ -222,7 +223,7 @@ def stateful_set(
             "replicas": role_spec.replicas if replicas is None else replicas,
             "serviceName": name,
             "podManagementPolicy": "Parallel",
-            "updateStrategy": {"type": "RollingUpdate"},
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": partition}},
             "selector": {"matchLabels": selector(dd.metadata.name, role)},
             "template": pod_template(dd, role, plan, config),
         },
@@ -302,17 +303,17 @@ def pod_disruption_budget(dd: DisaggregatedDeployment, uid: str, role: Role) -> 
 
 def children(
     dd: DisaggregatedDeployment, uid: str, plan: TransferPlan, config: OperatorConfig,
-    replicas: dict[Role, int] | None = None,
+    replicas: dict[Role, int] | None = None, partitions: dict[Role, int] | None = None,
 ) -> list[Obj]:  # fmt: skip
     """Every child except the Secret (created once, see :func:`secret`) and the DisaggregatedRoles (scaling.py);
-    the StatefulSets run ``replicas`` (the effective counts; default the spec's)."""
-    counts = replicas or {}
+    the StatefulSets run ``replicas`` with ``partitions`` (rollout.py; default the spec's counts, partition 0)."""
+    counts, parts = replicas or {}, partitions or {}
     return [
         service(dd, uid, Role.PREFILL, config),
         service(dd, uid, Role.DECODE, config),
         network_policy(dd, uid, config),
         pod_disruption_budget(dd, uid, Role.PREFILL),
         pod_disruption_budget(dd, uid, Role.DECODE),
-        stateful_set(dd, uid, Role.PREFILL, plan, config, counts.get(Role.PREFILL)),
-        stateful_set(dd, uid, Role.DECODE, plan, config, counts.get(Role.DECODE)),
+        stateful_set(dd, uid, Role.PREFILL, plan, config, counts.get(Role.PREFILL), parts.get(Role.PREFILL, 0)),
+        stateful_set(dd, uid, Role.DECODE, plan, config, counts.get(Role.DECODE), parts.get(Role.DECODE, 0)),
     ]

@@ -68,6 +68,21 @@ class EngineSpec(CamelModel):
     )  # fmt: skip
 
 
+class RolloutSpec(CamelModel):
+    max_surge: int = Field(
+        default=1, ge=0, le=1024, description="Extra pods of the role while it rolls in place (new before old goes)."
+    )
+    max_unavailable: int = Field(
+        default=0, ge=0, le=1024, description="Pods of the role's count that may be missing while it rolls in place."
+    )
+
+    @model_validator(mode="after")
+    def _moves(self) -> RolloutSpec:
+        if self.max_surge + self.max_unavailable < 1:
+            raise ValueError("maxSurge + maxUnavailable must be at least 1, or a rollout could never move")
+        return self
+
+
 class RoleSpec(RoleSettings):
     """One role (prefill or decode): how many engines and each engine's settings."""
 
@@ -81,6 +96,10 @@ class RoleSpec(RoleSettings):
     )
     max_replicas: int = Field(
         default=1024, ge=0, le=1024, description="Most engines the operator runs, whatever is asked."
+    )
+    rollout: RolloutSpec = Field(
+        default_factory=RolloutSpec,
+        description="How the role rolls in place when old and new pods of both roles are compatible (else blue/green).",
     )
     template: dict[str, Any] = Field(
         default_factory=dict, description="Optional PodTemplateSpec overlay (image, resources, nodeSelector, ...)."

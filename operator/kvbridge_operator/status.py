@@ -71,6 +71,26 @@ class PlanSummary(CamelModel):
     prefill_prefix_caching_allowed: bool = True
 
 
+class Pairing(CamelModel):
+    prefill: str = Field(description="A prefill pod's pairing key.")
+    decode: str = Field(description="A decode pod's pairing key checked compatible with it.")
+
+
+class RolloutStatus(CamelModel):
+    strategy: str = Field(default="", description="InPlace (old and new pods of both roles compatible) or BlueGreen.")
+    phase: str = Field(default="", description="Complete, RollingPrefill, RollingDecode, SurgingPrefill, "
+                       "SurgingDecode, RetiringDecode, RetiringPrefill or ScalingIn.")  # fmt: skip
+    revision: str = Field(default="", description="The pairing key being rolled out (the spec's).")
+    reason: str = Field(default="", max_length=4096, description="Why not in place, when blue/green.")
+    prefill: str = Field(default="", max_length=64, description="Prefill progress.")
+    decode: str = Field(default="", max_length=64, description="Decode progress.")
+    pairings: list[Pairing] = Field(
+        default_factory=list,
+        description="Every pair of pairing keys present that the operator checked compatible: a router pairs a "
+        "prefill and a decode pod only when their keys are listed together.",
+    )
+
+
 class DisaggregatedDeploymentStatus(CamelModel):
     observed_generation: int = Field(default=0, ge=0)
     fingerprint: str = ""
@@ -80,6 +100,7 @@ class DisaggregatedDeploymentStatus(CamelModel):
     plan: PlanSummary | None = None
     prefill: RoleStatus = Field(default_factory=RoleStatus)
     decode: RoleStatus = Field(default_factory=RoleStatus)
+    rollout: RolloutStatus | None = None
 
     def role(self, role: Role) -> RoleStatus:
         return self.prefill if role is Role.PREFILL else self.decode

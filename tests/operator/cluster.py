@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import itertools
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -154,3 +156,54 @@ async def cluster(config: OperatorConfig | None = None, *, start: bool = True) -
         finally:
             await built.stop_operator()
             await client.close()
+
+
+class StatefulSetController:
+    """The stand-in for the StatefulSet controller and the kubelet, through the API: Parallel pod management,
+    RollingUpdate with a partition (one pod replaced at a time, highest ordinal first, once the others are
+    ready), pods ready one tick after they are created."""
+
+    def __init__(self, c: Cluster, tick: float = 0.03) -> None:
+        self.c, self.tick = c, tick
+        self.ips = itertools.count(10)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            for sts in self.c.api.objects_of("statefulsets"):
+                await self._step(sts)
+            await asyncio.sleep(self.tick)
+
+    async def _step(self, sts: Obj) -> None:
+        name, namespace = sts["metadata"]["name"], sts["metadata"]["namespace"]
+        deployment, role = name.rsplit("-", 1)
+        spec = sts["spec"]
+        replicas = int(spec["replicas"])
+        partition = int(((spec.get("updateStrategy") or {}).get("rollingUpdate") or {}).get("partition", 0))
+        revision = spec["template"]["metadata"]["labels"].get("kvbridge.io/revision")
+        pods = {}
+        for pod in self.c.api.objects_of("pods", namespace):
+            found = re.fullmatch(re.escape(name) + r"-(\d+)", pod["metadata"]["name"])
+            if found:
+                pods[int(found.group(1))] = pod
+        for ordinal, pod in pods.items():  # the kubelet: a pod created last tick is ready now
+            if not _ready(pod) and ordinal < replicas:
+                await self.c.set_pod(pod["metadata"]["name"], ready=True, ip=pod["status"].get("podIP"),
+                                     namespace=namespace)  # fmt: skip
+        for ordinal in [o for o in pods if o >= replicas]:
+            await self.c.client.delete(PODS, namespace, pods.pop(ordinal)["metadata"]["name"])
+        missing = [o for o in range(replicas) if o not in pods]
+        for ordinal in missing:  # Parallel: every missing pod at once
+            await self.c.replace_pod(deployment, role, ordinal, ready=False, ip=f"10.1.0.{next(self.ips)}",
+                                     namespace=namespace)  # fmt: skip
+        if missing:
+            return
+        stale = sorted((o for o, p in pods.items() if o >= partition
+                        and p["metadata"]["labels"].get("kvbridge.io/revision") != revision), reverse=True)  # fmt: skip
+        if stale and all(_ready(p) for o, p in pods.items() if o != stale[0]):
+            await self.c.replace_pod(deployment, role, stale[0], ready=False, ip=f"10.1.0.{next(self.ips)}",
+                                     namespace=namespace)  # fmt: skip
+
+
+def _ready(pod: Obj) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)

@@ -98,3 +98,7 @@ def test_the_demo_router_pairs_only_pods_of_one_key() -> None:
     endpoints = [{"pod": "p-0", "pairing": "old"}, {"pod": "p-1", "pairing": "new"}, {"pod": "p-2", "pairing": ""}]
     decodes = [pod("d-0", "old"), pod("d-1", "new"), pod("d-2", None), pod("d-3", "")]
     assert [(e["pod"], d) for e, d in pair(endpoints, decodes)] == [("p-0", "d-0"), ("p-1", "d-1")]
+    # during an in-place rollout the operator lists the mixed pairs it checked: only those are added
+    checked = [{"prefill": "old", "decode": "new"}]
+    assert [(e["pod"], d) for e, d in pair(endpoints, decodes, checked)] == [("p-0", "d-0"), ("p-0", "d-1"),
+                                                                              ("p-1", "d-1")]  # fmt: skip
