@@ -7,6 +7,7 @@ run several operators in one process.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 from collections import defaultdict
 from typing import Any
@@ -14,12 +15,14 @@ from typing import Any
 import aiohttp
 import kopf
 
+from kvbridge_agent.core import Role
+
 from .backoff import OPERATOR_BACKOFF
 from .config import OperatorConfig
 from .kube import DEPLOYMENTS, ApiError, Connection, KubeClient, connect
 from .metrics import RECONCILE_SECONDS, RECONCILES, serve
-from .reconcile import reconcile
-from .render import LABEL_DEPLOYMENT
+from .reconcile import Children, reconcile
+from .render import LABEL_DEPLOYMENT, role_name
 from .scaling import ROLE_PLURAL
 from .spec import GROUP, PLURAL, VERSION
 
@@ -57,19 +60,40 @@ def connection_info(connection: Connection) -> kopf.ConnectionInfo:
     )  # fmt: skip
 
 
+#: the three indexes handlers receive (by the index functions' names)
+Indexes = dict[str, Any]
+Obj = dict[str, Any]
+
+
+def children_from(indexes: Indexes, namespace: str, name: str) -> Children:
+    """A deployment's children as the operator's watches last saw them."""
+
+    def of(index: str) -> list[Obj]:
+        store = indexes[index].get((namespace, name))
+        return list(store) if store is not None else []
+
+    def by_role(objects: list[Obj]) -> dict[Role, Obj | None]:
+        named = {obj["metadata"]["name"]: obj for obj in objects}
+        return {role: named.get(role_name(name, role)) for role in Role}
+
+    return Children(by_role(of("roles_by_deployment")), by_role(of("sets_by_deployment")), of("pods_by_deployment"))
+
+
 def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     locks: defaultdict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
 
-    async def run(namespace: str, name: str, apply_children: bool = True) -> None:
-        """Reconcile from a fresh read, one at a time per resource (events may carry stale bodies)."""
+    async def run(namespace: str, name: str, indexes: Indexes, apply_children: bool = True) -> None:
+        """Reconcile from a fresh read of the resource, one at a time per resource (events may carry stale
+        bodies); its children come from the operator's watch indexes (no API reads)."""
         async with locks[(namespace, name)]:
             body = await client.get(DEPLOYMENTS, namespace, name)
             if body is None:  # it may be gone by now (its pods drain after it)
                 return
             with RECONCILE_SECONDS.time():
                 try:
-                    outcome = await reconcile(client, body, config, apply_children)
+                    cached = children_from(indexes, namespace, name)
+                    outcome = await reconcile(client, body, config, apply_children, cached)
                 except Exception:
                     RECONCILES.labels(result="error").inc()
                     raise
@@ -80,6 +104,23 @@ def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorR
     def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         configure_settings(settings)
 
+    # what the reconcile reads of the children, kept current by the operator's own watches (Kopf indexes are
+    # filled before any handler runs): a pod event costs the resource read and the status write, not five reads
+    @kopf.index("v1", "pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT}, registry=registry,
+                id="pods_by_deployment")  # fmt: skip
+    def pods_by_deployment(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> Any:
+        return {(namespace or "default", labels[LABEL_DEPLOYMENT]): copy.deepcopy(dict(body))}
+
+    @kopf.index("apps", "v1", "statefulsets", labels={LABEL_DEPLOYMENT: kopf.PRESENT}, registry=registry,
+                id="sets_by_deployment")  # fmt: skip
+    def sets_by_deployment(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> Any:
+        return {(namespace or "default", labels[LABEL_DEPLOYMENT]): copy.deepcopy(dict(body))}
+
+    @kopf.index(GROUP, VERSION, ROLE_PLURAL, labels={LABEL_DEPLOYMENT: kopf.PRESENT}, registry=registry,
+                id="roles_by_deployment")  # fmt: skip
+    def roles_by_deployment(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> Any:
+        return {(namespace or "default", labels[LABEL_DEPLOYMENT]): copy.deepcopy(dict(body))}
+
     @kopf.on.login(registry=registry)
     async def login(**_: Any) -> kopf.ConnectionInfo:
         """Kopf's watches use the credentials of the operator's own client, loaded afresh on every login (Kopf logs
@@ -89,28 +130,28 @@ def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorR
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", registry=registry)
     @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
-    async def deployment_changed(name: str, namespace: str | None, retry: int, **_: Any) -> None:
+    async def deployment_changed(name: str, namespace: str | None, retry: int, **kwargs: Any) -> None:
         try:
-            await run(namespace or "default", name)
+            await run(namespace or "default", name, _indexes(kwargs))
         except API_ERRORS as exc:  # the API is down or overloaded: retry soon
             raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=OPERATOR_BACKOFF.delay(retry)) from exc
 
     @kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS, registry=registry)
-    async def resync(name: str, namespace: str | None, **_: Any) -> None:
+    async def resync(name: str, namespace: str | None, **kwargs: Any) -> None:
         """Level-triggered safety net, as Kubernetes' own controllers resync: an event lost to API errors (Kopf
         skips events of an object while it throttles that object's errors) is made up within this period."""
         try:
-            await run(namespace or "default", name)
+            await run(namespace or "default", name, _indexes(kwargs))
         except API_ERRORS as exc:
             logging.getLogger(__name__).info("resync of %s/%s: Kubernetes API: %s", namespace, name, exc)
 
-    async def observe_deployment(namespace: str, name: str, what: str) -> None:
+    async def observe_deployment(namespace: str, name: str, what: str, indexes: Indexes) -> None:
         """A status-only reconcile (it applies only where the running counts are not the effective ones). Event
         handlers are not retried by Kopf, and an event may be the last one for a while (the one that makes the
         deployment Ready): retry API failures here, with the same backoff."""
         for attempt in range(POD_EVENT_ATTEMPTS):
             try:
-                await run(namespace, name, apply_children=False)
+                await run(namespace, name, indexes, apply_children=False)
                 return
             except API_ERRORS as exc:
                 if attempt == POD_EVENT_ATTEMPTS - 1:
@@ -119,20 +160,25 @@ def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorR
                 await asyncio.sleep(OPERATOR_BACKOFF.delay(attempt))
 
     @kopf.on.event("v1", "pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT}, registry=registry)
-    async def pod_changed(labels: kopf.Labels, namespace: str | None, **_: Any) -> None:
-        # a pod changes no spec: observe and write the status only (API calls per pod event: 16 -> 5 + the roles)
-        await observe_deployment(namespace or "default", labels[LABEL_DEPLOYMENT], "pod event")
+    async def pod_changed(labels: kopf.Labels, namespace: str | None, **kwargs: Any) -> None:
+        # a pod changes no spec: observe and write the status only
+        await observe_deployment(namespace or "default", labels[LABEL_DEPLOYMENT], "pod event", _indexes(kwargs))
 
     @kopf.on.event(GROUP, VERSION, ROLE_PLURAL, registry=registry)
-    async def role_scaled(body: kopf.Body, namespace: str | None, **_: Any) -> None:
+    async def role_scaled(body: kopf.Body, namespace: str | None, **kwargs: Any) -> None:
         """An autoscaler or `kubectl scale` changed a role's replicas: run the new effective counts. The operator's
         own status writes (desiredReplicas caught up) and deletions do nothing."""
         spec, status = body.get("spec") or {}, body.get("status") or {}
         if body.get("metadata", {}).get("deletionTimestamp") or spec.get("replicas") == status.get("desiredReplicas"):
             return
-        await observe_deployment(namespace or "default", str(spec.get("deployment", "")), "role scaled")
+        await observe_deployment(namespace or "default", str(spec.get("deployment", "")), "role scaled",
+                                 _indexes(kwargs))  # fmt: skip
 
     return registry
+
+
+def _indexes(kwargs: dict[str, Any]) -> Indexes:
+    return {name: kwargs[name] for name in ("pods_by_deployment", "sets_by_deployment", "roles_by_deployment")}
 
 
 async def run_operator(

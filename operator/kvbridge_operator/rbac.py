@@ -12,7 +12,7 @@ REQUIRED: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("kvbridge.io", "disaggregateddeployments/status", ("patch",)),
     ("kvbridge.io", "disaggregatedroles", ("get", "list", "watch", "create", "patch")),
     ("kvbridge.io", "disaggregatedroles/status", ("patch",)),
-    ("apps", "statefulsets", ("get", "create", "patch")),
+    ("apps", "statefulsets", ("get", "list", "watch", "create", "patch")),
     ("", "services", ("create", "patch")),
     ("networking.k8s.io", "networkpolicies", ("create", "patch")),
     ("policy", "poddisruptionbudgets", ("create", "patch")),
@@ -25,7 +25,7 @@ REQUIRED: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 KOPF: frozenset[tuple[str, str]] = frozenset(
     {("list", "disaggregateddeployments"), ("watch", "disaggregateddeployments"),
      ("patch", "disaggregateddeployments"), ("list", "pods"), ("watch", "pods"), ("list", "disaggregatedroles"),
-     ("watch", "disaggregatedroles")}
+     ("watch", "disaggregatedroles"), ("list", "statefulsets"), ("watch", "statefulsets")}
 )  # fmt: skip
 
 

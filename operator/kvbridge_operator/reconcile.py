@@ -220,7 +220,27 @@ async def _invalid(client: KubeClient, body: Obj, exc: SpecError) -> Outcome:
     return Outcome(False, None)
 
 
-async def reconcile(client: KubeClient, body: Obj, config: OperatorConfig, apply_children: bool = True) -> Outcome:
+@dataclass(frozen=True)
+class Children:
+    """What the reconcile reads of a deployment's children: its DisaggregatedRoles, StatefulSets and pods."""
+
+    roles: dict[Role, Obj | None]
+    sets: dict[Role, Obj | None]
+    pods: list[Obj]
+
+
+async def read_children(client: KubeClient, namespace: str, name: str) -> Children:
+    """From the API: five calls (the operator's own watches serve them instead: handlers.py)."""
+    roles = {role: await client.get(ROLES, namespace, role_name(name, role)) for role in Role}
+    sets = {role: await client.get(STATEFUL_SETS, namespace, role_name(name, role)) for role in Role}
+    return Children(roles, sets, await client.list(PODS, namespace, f"{LABEL_DEPLOYMENT}={name}"))
+
+
+async def reconcile(
+    client: KubeClient, body: Obj, config: OperatorConfig, apply_children: bool = True,
+    cached: Children | None = None,
+) -> Outcome:  # fmt: skip
+    """One reconcile; ``cached`` children (from the operator's watch indexes) spare their reads."""
     meta = body["metadata"]
     name, namespace, uid = meta["name"], meta.get("namespace") or "default", meta.get("uid", "")
     generation = int(meta.get("generation", 0))
@@ -231,9 +251,8 @@ async def reconcile(client: KubeClient, body: Obj, config: OperatorConfig, apply
     verdict = verdict_for(dd)
     previous: Obj = body.get("status") or {}
     applied = False
-    roles = {role: await client.get(ROLES, namespace, role_name(name, role)) for role in Role}
-    sets = {role: await client.get(STATEFUL_SETS, namespace, role_name(name, role)) for role in Role}
-    pods = await client.list(PODS, namespace, f"{LABEL_DEPLOYMENT}={name}")
+    seen = cached if cached is not None else await read_children(client, namespace, name)
+    roles, sets, pods = dict(seen.roles), dict(seen.sets), list(seen.pods)
     annotations: dict[str, str] = dict(meta.get("annotations") or {})
     records = revisions.load(annotations.get(revisions.ANNOTATION))
     scale = effective_replicas(dd, {role: desired_of(roles[role], dd, role) for role in Role})

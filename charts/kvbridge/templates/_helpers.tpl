@@ -83,7 +83,7 @@ The operator's permissions: exactly what kvbridge_operator.rbac.REQUIRED lists
   verbs: ["patch"]
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["create", "patch"]
