@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/operator_reconcile.py [--deployments 100] [--json]
 
-Starts the emulated Kubernetes API (tests/operator/emulator.py) in this
+Starts the emulated Kubernetes API (kvbridge_operator/local/apiserver.py) in this
 process and ``kvbridge operator run`` as a separate process against it,
 plays the StatefulSet controller and kubelet (creates each role's pods and
 marks them ready as soon as the StatefulSet appears), creates N

@@ -258,7 +258,6 @@ def role_crd() -> dict[str, Any]:
                     {"name": "Role", "type": "string", "jsonPath": ".spec.role"},
                     {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas"},
                     {"name": "Effective", "type": "integer", "jsonPath": ".status.effectiveReplicas"},
-                    {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
                     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                 ],
                 "schema": {"openAPIV3Schema": {
@@ -276,13 +275,12 @@ def role_crd() -> dict[str, Any]:
                             {"rule": "self.deployment == oldSelf.deployment && self.role == oldSelf.role",
                              "message": "deployment and role are immutable"}]},
                         "status": {"type": "object", "properties": {
-                            "replicas": {**count, "description": "Pods of the role."},
-                            "readyReplicas": {**count, "description": "Ready pods of the role."},
+                            "replicas": {**count, "description": "Engines the operator runs (the scale "
+                                         "subresource's current count; the same as effectiveReplicas)."},
                             "desiredReplicas": {**count, "description": "spec.replicas as the operator last saw it."},
                             "effectiveReplicas": {**count, "description": "Engines the operator runs: the desired "
                                                   "count within minReplicas, maxReplicas and decodePerPrefill."},
                             "selector": {"type": "string", "description": "The role's pods (for HPA)."},
-                            "ready": {"type": "string", "maxLength": 32},
                             "message": {"type": "string", "maxLength": 1024,
                                         "description": "Why effective differs from desired, if it does."},
                         }},

@@ -32,7 +32,6 @@ from .render import (
     children,
     role_name,
     secret,
-    stateful_set,
 )
 from .rollout import Phase, PodState, RoleTarget, Step, Strategy, step
 from .scaling import Scale, desired_of, effective_replicas, replicas_patch, role_resource, role_status
@@ -56,6 +55,15 @@ async def apply(client: KubeClient, obj: Obj) -> Obj:
     return await client.apply(BY_KIND[(obj["apiVersion"], obj["kind"])], obj)
 
 
+def _stored(value: Any) -> Any:
+    """A status as the API server keeps it after a merge patch: no null fields."""
+    if isinstance(value, dict):
+        return {k: _stored(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_stored(v) for v in value]
+    return value
+
+
 def _notes(scale: Scale, role: Role) -> list[str]:
     """The scaling notes about one role (its bounds, or a ratio that raised it or cannot be kept)."""
     return [note for note in scale.notes if note.startswith(role.value) or "cannot" in note]
@@ -77,14 +85,14 @@ def _revision(stateful_set: Obj | None) -> str | None:
 
 
 def _rollout(
-    dd: DisaggregatedDeployment, uid: str, plan: TransferPlan, config: OperatorConfig, scale: Scale,
-    sets: dict[Role, Obj | None], pods: list[Obj], records: dict[str, Obj],
+    dd: DisaggregatedDeployment, rendered: list[Obj], scale: Scale, sets: dict[Role, Obj | None], pods: list[Obj],
+    records: dict[str, Obj],
 ) -> Step:  # fmt: skip
     """The rollout's step for the pods that exist (rollout.py): each StatefulSet's replicas and partition."""
     name = dd.metadata.name
     targets, states = {}, {}
     for role in Role:
-        new = _revision(stateful_set(dd, uid, role, plan, config))
+        new = _revision(_stateful_set_of(rendered, role))
         current = _state(sets[role])
         partition = current[1] if current is not None and _revision(sets[role]) == new else None
         rollout = dd.spec.role(role).rollout
@@ -99,6 +107,19 @@ def _rollout(
         ]  # fmt: skip
     key = pairing(dd.spec)
     return step(targets, states, key, revisions.pairs_with({**records, key: revisions.record(dd)}, name))
+
+
+def _stateful_set_of(rendered: list[Obj], role: Role) -> Obj:
+    return next(c for c in rendered if c["kind"] == "StatefulSet" and c["metadata"]["labels"][LABEL_ROLE] == role.value)
+
+
+def _stepped(rendered: list[Obj], roll: Step) -> list[Obj]:
+    """The rendered children with each StatefulSet's replicas and partition as the rollout's step wants."""
+    for role in Role:
+        spec = _stateful_set_of(rendered, role)["spec"]
+        spec["replicas"] = roll.replicas[role]
+        spec["updateStrategy"] = {"type": "RollingUpdate", "rollingUpdate": {"partition": roll.partition[role]}}
+    return rendered
 
 
 def _rollout_status(roll: Step, key: str) -> Obj:
@@ -146,10 +167,9 @@ async def ensure_role(client: KubeClient, dd: DisaggregatedDeployment, uid: str,
 
 
 async def publish_role_status(client: KubeClient, dd: DisaggregatedDeployment, role: Role, current: Obj,
-                              scale: Scale, ready: int, pods: int) -> None:  # fmt: skip
-    """The DisaggregatedRole's status (the selector HPA needs; desired, effective, ready), written when it changed."""
-    wanted = role_status(dd, role, scale, pods, ready)
-    wanted["message"] = "; ".join(_notes(scale, role))
+                              scale: Scale) -> None:  # fmt: skip
+    """The DisaggregatedRole's status (the selector HPA needs; desired and effective), written when it changed."""
+    wanted = role_status(dd, role, scale)
     if current.get("status") == wanted:
         return
     await client.patch(ROLES, dd.metadata.namespace or "default", current["metadata"]["name"], {"status": wanted},
@@ -257,27 +277,30 @@ async def reconcile(
     records = revisions.load(annotations.get(revisions.ANNOTATION))
     scale = effective_replicas(dd, {role: desired_of(roles[role], dd, role) for role in Role})
     plan = verdict if isinstance(verdict, TransferPlan) else None
-    roll = _rollout(dd, uid, plan, config, scale, sets, pods, records) if plan is not None else None
-    # a status-only reconcile (a pod event, a DisaggregatedRole scaled) applies when the StatefulSets are not what
-    # the spec, the effective counts and the rollout's step want, and when the spec is not applied yet (a pod
-    # event racing the update handler): the status never describes a generation whose children were not written
-    apply_children = (
-        apply_children
-        or int(previous.get("observedGeneration", -1)) != generation
-        or (
-            roll is not None and any(_state(sets[role]) != (roll.replicas[role], roll.partition[role]) for role in Role)
-        )
-    )
-    if plan is not None and roll is not None and apply_children:
-        await ensure_secret(client, secret(dd, uid))
-        for role in Role:
-            roles[role] = await ensure_role(client, dd, uid, role, roles[role])
-        scale = effective_replicas(dd, {role: desired_of(roles[role], dd, role) for role in Role})
-        roll = _rollout(dd, uid, plan, config, scale, sets, pods, records)
-        for child in children(dd, uid, plan, config, roll.replicas, roll.partition):
+    rendered = children(dd, uid, plan, config) if plan is not None else []
+    roll = _rollout(dd, rendered, scale, sets, pods, records) if plan is not None else None
+    # every child is applied on create, update, resume and resync, and when the spec is not applied yet (a pod
+    # event racing the update handler: the status never describes a generation whose children were not written);
+    # a status-only reconcile (a pod event, a DisaggregatedRole scaled) applies just the StatefulSets whose
+    # replicas or partition are not what the effective counts and the rollout's step want
+    full = apply_children or int(previous.get("observedGeneration", -1)) != generation
+    wanted = {} if roll is None else {role: (roll.replicas[role], roll.partition[role]) for role in Role}
+    moving = {role for role in wanted if sets[role] is not None and _state(sets[role]) != wanted[role]}
+    if plan is not None and roll is not None and (full or moving):
+        if full:
+            await ensure_secret(client, secret(dd, uid))
+            for role in Role:
+                roles[role] = await ensure_role(client, dd, uid, role, roles[role])
+            scale = effective_replicas(dd, {role: desired_of(roles[role], dd, role) for role in Role})
+            roll = _rollout(dd, rendered, scale, sets, pods, records)
+        for child in _stepped(rendered, roll):
+            role_of = str((child["metadata"].get("labels") or {}).get(LABEL_ROLE, ""))
+            stateful = child["kind"] == "StatefulSet"
+            if not full and not (stateful and Role(role_of) in moving):
+                continue
             written = await apply(client, child)
-            if child["kind"] == "StatefulSet":
-                sets[Role(child["metadata"]["labels"][LABEL_ROLE])] = written
+            if stateful:
+                sets[Role(role_of)] = written
         applied = True
     observation = observe(dd, generation, verdict, sets, pods, previous, annotations, now_rfc3339(), scale.effective)
     if applied and int(previous.get("observedGeneration", -1)) != generation:
@@ -294,9 +317,7 @@ async def reconcile(
             observation.events.append(Event("Normal", "Scaled", f"{message}{scale.desired[role]}{why})"))
         current = roles[role]
         if current is not None:
-            counts = observation.status.role(role)
-            of_role = sum(1 for p in pods if (p["metadata"].get("labels") or {}).get(LABEL_ROLE) == role.value)
-            await publish_role_status(client, dd, role, current, scale, counts.ready_replicas, of_role)
+            await publish_role_status(client, dd, role, current, scale)
     if roll is not None:
         before = previous.get("rollout") or {}
         if roll.phase in (Phase.SCALING_IN, Phase.COMPLETE) and before.get("revision") == pairing(dd.spec):
@@ -311,7 +332,8 @@ async def reconcile(
             observation.annotations[revisions.ANNOTATION] = kept
     else:
         status["rollout"] = previous.get("rollout")
-    await client.patch(DEPLOYMENTS, namespace, name, {"status": status}, "status")
+    if _stored(status) != previous:  # unchanged, it is not written (a write is an event every watcher processes)
+        await client.patch(DEPLOYMENTS, namespace, name, {"status": status}, "status")
     if observation.annotations:
         await client.patch(DEPLOYMENTS, namespace, name, {"metadata": {"annotations": observation.annotations}})
     for event in observation.events:

@@ -130,13 +130,14 @@ def desired_of(current: Obj | None, dd: DisaggregatedDeployment, role: Role) -> 
     )
 
 
-def role_status(dd: DisaggregatedDeployment, role: Role, scale: Scale, pods: int, ready: int) -> Obj:
-    """What the DisaggregatedRole's status says: the selector for HPA, and desired / effective / pods / ready."""
+def role_status(dd: DisaggregatedDeployment, role: Role, scale: Scale) -> Obj:
+    """What the DisaggregatedRole's status says: the selector for HPA, the desired and the effective count (its
+    ``replicas``, the scale subresource's current count), and why they differ. It changes only when the role
+    scales, not with every pod: readiness is the deployment's status (``kubectl get dd``)."""
     return {
-        "replicas": pods,
-        "readyReplicas": ready,
+        "replicas": scale.effective[role],
         "desiredReplicas": scale.desired[role],
         "effectiveReplicas": scale.effective[role],
         "selector": pod_selector(dd.metadata.name, role),
-        "ready": f"{ready}/{scale.effective[role]}",
+        "message": "; ".join(note for note in scale.notes if note.startswith(role.value) or "cannot" in note),
     }
