@@ -29,8 +29,8 @@ from .spec import GROUP, PLURAL, VERSION
 PREFIX = "kvbridge.io"
 #: failures of the Kubernetes API that a later try may not meet (after the client's own retries)
 API_ERRORS = (ApiError, aiohttp.ClientError, TimeoutError)
-#: period of the level-triggered resync of every deployment (seconds); each resync is a full reconcile (about 16
-#: API calls today, most of them writes: see docs/operator.md)
+#: period of the level-triggered resync of every deployment (seconds); each resync is a full reconcile (10 API calls,
+#: server-side applies that change nothing when nothing changed: see docs/operator.md)
 RESYNC_SECONDS = 60.0
 #: tries for the reconcile a pod event triggers (about 6 minutes at the backoff's cap)
 POD_EVENT_ATTEMPTS = 100

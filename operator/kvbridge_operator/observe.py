@@ -94,6 +94,7 @@ def endpoints(pods: Sequence[Obj], port: int) -> list[Endpoint]:
                     fingerprint=labels.get(LABEL_FINGERPRINT, ""),
                     pairing=labels.get(LABEL_PAIRING, ""),
                     http_port=_http_port(pod),
+                    revision=labels.get(LABEL_REVISION, ""),
                 )
             )
     return sorted(found, key=lambda e: e.pod)

@@ -46,6 +46,9 @@ class Endpoint(CamelModel):
     http_port: int | None = Field(
         default=None, ge=1, le=65535, description="The pod's HTTP port (engine API, or the routing sidecar in front)."
     )
+    revision: str = Field(
+        default="", description="The pod's template revision (kvbridge.io/revision): old or new during a rollout."
+    )
 
 
 class RoleStatus(CamelModel):

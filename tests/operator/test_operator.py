@@ -68,10 +68,12 @@ async def test_create_makes_owned_children_status_and_events() -> None:
         status = c.deployment("llama3-8b")["status"]
         assert status["prefill"]["ready"] == "2/2"
         assert status["decode"]["ready"] == "1/1"
+        revision = next(s["spec"]["template"]["metadata"]["labels"]["kvbridge.io/revision"]
+                        for s in kids["statefulsets"] if s["metadata"]["name"].endswith("prefill"))  # fmt: skip
         assert status["prefill"]["endpoints"] == [
-            {"pod": "llama3-8b-prefill-0", "ip": "10.0.0.1", "port": 5600, "ranks": 2,
+            {"pod": "llama3-8b-prefill-0", "ip": "10.0.0.1", "port": 5600, "ranks": 2, "revision": revision,
              "fingerprint": status["fingerprint"], "pairing": status["pairing"], "httpPort": 8000},
-            {"pod": "llama3-8b-prefill-1", "ip": "10.0.0.2", "port": 5600, "ranks": 2,
+            {"pod": "llama3-8b-prefill-1", "ip": "10.0.0.2", "port": 5600, "ranks": 2, "revision": revision,
              "fingerprint": status["fingerprint"], "pairing": status["pairing"], "httpPort": 8000},
         ]  # fmt: skip
         await c.wait(lambda: "EndpointsChanged" in c.reasons("llama3-8b"), what="EndpointsChanged event")
