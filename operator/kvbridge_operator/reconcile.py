@@ -160,10 +160,16 @@ async def ensure_role(client: KubeClient, dd: DisaggregatedDeployment, uid: str,
             if found is None:  # deleted in between: the next reconcile creates it
                 raise
             current = found
-    patch = replicas_patch(dd, role, current)
-    if patch is None:
+    if replicas_patch(dd, role, current) is None:
         return current
-    return await client.patch(ROLES, dd.metadata.namespace or "default", current["metadata"]["name"], patch)
+    # the spec's replicas changed: write them with the resourceVersion of a fresh read (the watch's copy may lag,
+    # and a handler of this very role, waiting here, holds back the watch's next event of it)
+    namespace = dd.metadata.namespace or "default"
+    fresh = await client.get(ROLES, namespace, current["metadata"]["name"]) or current
+    patch = replicas_patch(dd, role, fresh)
+    if patch is None:
+        return fresh
+    return await client.patch(ROLES, namespace, current["metadata"]["name"], patch)
 
 
 async def publish_role_status(client: KubeClient, dd: DisaggregatedDeployment, role: Role, current: Obj,
