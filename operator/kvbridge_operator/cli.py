@@ -114,7 +114,13 @@ def _operator_run(args: argparse.Namespace) -> int:
             loop.add_signal_handler(signum, stop.set)
         await run_operator(config, stop)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except KVBridgeError as exc:  # no API to talk to (no kubeconfig, a bad one, no such context): say so, no trace
+        if exc.code not in ("NO_API_SERVER", "BAD_KUBECONFIG"):
+            raise
+        print(f"kvbridge operator run: error: {exc.code}: {exc.message}", file=sys.stderr)
+        return EXIT_INVALID
     return EXIT_OK
 
 

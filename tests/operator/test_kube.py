@@ -87,3 +87,18 @@ async def test_the_operator_runs_from_a_kubeconfig_with_its_context_token_on_eve
         assert set(seen) == {"Bearer ops-token"}
         async with KubeClient.for_url(c.url) as client:
             assert await client.get(DEPLOYMENTS, "default", "llama3-8b") is not None
+
+
+def test_operator_run_without_any_api_says_what_to_give_and_exits_2(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")}
+    env["HOME"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "kvbridge_operator", "operator", "run", "--liveness-port", "0"],
+                          env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2
+    assert "NO_API_SERVER" in done.stderr
+    assert "--kubeconfig" in done.stderr
+    assert "Traceback" not in done.stderr
