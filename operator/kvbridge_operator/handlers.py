@@ -60,7 +60,8 @@ def connection_info(connection: Connection) -> kopf.ConnectionInfo:
     )  # fmt: skip
 
 
-#: the three indexes handlers receive (by the index functions' names)
+#: the indexes handlers receive (as keyword arguments named by the ids): a deployment's pods, StatefulSets, roles
+INDEXES = ("pods_by_deployment", "sets_by_deployment", "roles_by_deployment")
 Indexes = dict[str, Any]
 Obj = dict[str, Any]
 
@@ -76,7 +77,8 @@ def children_from(indexes: Indexes, namespace: str, name: str) -> Children:
         named = {obj["metadata"]["name"]: obj for obj in objects}
         return {role: named.get(role_name(name, role)) for role in Role}
 
-    return Children(by_role(of("roles_by_deployment")), by_role(of("sets_by_deployment")), of("pods_by_deployment"))
+    pods, sets, roles = (of(index) for index in INDEXES)
+    return Children(by_role(roles), by_role(sets), pods)
 
 
 def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorRegistry:
@@ -106,20 +108,13 @@ def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorR
 
     # what the reconcile reads of the children, kept current by the operator's own watches (Kopf indexes are
     # filled before any handler runs): a pod event costs the resource read and the status write, not five reads
-    @kopf.index("v1", "pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT}, registry=registry,
-                id="pods_by_deployment")  # fmt: skip
-    def pods_by_deployment(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> Any:
+    def by_deployment(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> Any:
         return {(namespace or "default", labels[LABEL_DEPLOYMENT]): copy.deepcopy(dict(body))}
 
-    @kopf.index("apps", "v1", "statefulsets", labels={LABEL_DEPLOYMENT: kopf.PRESENT}, registry=registry,
-                id="sets_by_deployment")  # fmt: skip
-    def sets_by_deployment(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> Any:
-        return {(namespace or "default", labels[LABEL_DEPLOYMENT]): copy.deepcopy(dict(body))}
-
-    @kopf.index(GROUP, VERSION, ROLE_PLURAL, labels={LABEL_DEPLOYMENT: kopf.PRESENT}, registry=registry,
-                id="roles_by_deployment")  # fmt: skip
-    def roles_by_deployment(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> Any:
-        return {(namespace or "default", labels[LABEL_DEPLOYMENT]): copy.deepcopy(dict(body))}
+    owned = {LABEL_DEPLOYMENT: kopf.PRESENT}
+    kopf.index("v1", "pods", labels=owned, registry=registry, id=INDEXES[0])(by_deployment)
+    kopf.index("apps", "v1", "statefulsets", labels=owned, registry=registry, id=INDEXES[1])(by_deployment)
+    kopf.index(GROUP, VERSION, ROLE_PLURAL, labels=owned, registry=registry, id=INDEXES[2])(by_deployment)
 
     @kopf.on.login(registry=registry)
     async def login(**_: Any) -> kopf.ConnectionInfo:
@@ -178,7 +173,7 @@ def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorR
 
 
 def _indexes(kwargs: dict[str, Any]) -> Indexes:
-    return {name: kwargs[name] for name in ("pods_by_deployment", "sets_by_deployment", "roles_by_deployment")}
+    return {name: kwargs[name] for name in INDEXES}
 
 
 async def run_operator(

@@ -16,7 +16,7 @@ from kvbridge_agent.core import Problem, Role, TransferPlan
 
 from .pairing import pairing
 from .remedy import advice
-from .render import LABEL_FINGERPRINT, LABEL_PAIRING, LABEL_REVISION, LABEL_ROLE, LABEL_TP
+from .render import LABEL_FINGERPRINT, LABEL_PAIRING, LABEL_REVISION, LABEL_ROLE, LABEL_TP, template_revision
 from .spec import DisaggregatedDeployment
 from .status import (
     Condition,
@@ -134,7 +134,7 @@ def observe(
         sts = stateful_sets.get(role)
         count = int(sts["spec"].get("replicas", 0)) if sts else 0
         count = replicas[role] if replicas is not None else count
-        revision = sts["spec"]["template"]["metadata"]["labels"].get(LABEL_REVISION) if sts else None
+        revision = template_revision(sts) if sts else None
         roles[role] = _role_status(by_role[role], count, revision)
     port = spec.transfer.side_channel_port
     current_endpoints = endpoints(by_role[Role.PREFILL], port)

@@ -32,6 +32,7 @@ from .render import (
     children,
     role_name,
     secret,
+    template_revision,
 )
 from .rollout import Phase, PodState, RoleTarget, Step, Strategy, step
 from .scaling import Scale, desired_of, effective_replicas, replicas_patch, role_resource, role_status
@@ -64,11 +65,6 @@ def _stored(value: Any) -> Any:
     return value
 
 
-def _notes(scale: Scale, role: Role) -> list[str]:
-    """The scaling notes about one role (its bounds, or a ratio that raised it or cannot be kept)."""
-    return [note for note in scale.notes if note.startswith(role.value) or "cannot" in note]
-
-
 def _state(stateful_set: Obj | None) -> tuple[int, int] | None:
     """A StatefulSet's replicas and partition (``None``: none yet)."""
     if stateful_set is None:
@@ -76,12 +72,6 @@ def _state(stateful_set: Obj | None) -> tuple[int, int] | None:
     spec = stateful_set.get("spec") or {}
     partition = ((spec.get("updateStrategy") or {}).get("rollingUpdate") or {}).get("partition", 0)
     return int(spec.get("replicas", 0)), int(partition)
-
-
-def _revision(stateful_set: Obj | None) -> str | None:
-    if stateful_set is None:
-        return None
-    return str(stateful_set["spec"]["template"]["metadata"].get("labels", {}).get(LABEL_REVISION, ""))
 
 
 def _rollout(
@@ -92,9 +82,11 @@ def _rollout(
     name = dd.metadata.name
     targets, states = {}, {}
     for role in Role:
-        new = _revision(_stateful_set_of(rendered, role))
-        current = _state(sets[role])
-        partition = current[1] if current is not None and _revision(sets[role]) == new else None
+        new = template_revision(_stateful_set_of(rendered, role))
+        running, current = sets[role], _state(sets[role])
+        partition = (
+            current[1] if running is not None and current is not None and template_revision(running) == new else None
+        )
         rollout = dd.spec.role(role).rollout
         targets[role] = RoleTarget(scale.effective[role], rollout.max_surge, rollout.max_unavailable, partition)
         prefix = role_name(name, role) + "-"
@@ -118,7 +110,7 @@ def _stepped(rendered: list[Obj], roll: Step) -> list[Obj]:
     for role in Role:
         spec = _stateful_set_of(rendered, role)["spec"]
         spec["replicas"] = roll.replicas[role]
-        spec["updateStrategy"] = {"type": "RollingUpdate", "rollingUpdate": {"partition": roll.partition[role]}}
+        spec["updateStrategy"]["rollingUpdate"]["partition"] = roll.partition[role]
     return rendered
 
 
@@ -318,7 +310,7 @@ async def reconcile(
         status[role.value]["desiredReplicas"] = scale.desired[role]
         was = (previous.get(role.value) or {}).get("replicas")
         if plan is not None and isinstance(was, int) and was != scale.effective[role]:
-            why = "".join(f"; {note}" for note in _notes(scale, role))
+            why = "".join(f"; {note}" for note in scale.notes_for(role))
             message = f"{role.value}: {was} -> {scale.effective[role]} engines ({role_name(name, role)} asks "
             observation.events.append(Event("Normal", "Scaled", f"{message}{scale.desired[role]}{why})"))
         current = roles[role]

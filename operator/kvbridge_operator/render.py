@@ -103,6 +103,11 @@ def revision(template: Obj) -> str:
     return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
 
 
+def template_revision(stateful_set: Obj) -> str:
+    """The revision label of a StatefulSet's pod template (what its pods carry once they run it)."""
+    return str(stateful_set["spec"]["template"]["metadata"].get("labels", {}).get(LABEL_REVISION, ""))
+
+
 def engine_env(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig) -> list[Obj]:
     """The environment contract for one role's pods; pod name and IP come from the downward API."""
     spec = dd.spec
@@ -206,12 +211,9 @@ def _vllm_containers(
     return ([vllm.routing_sidecar(config), engine] if vllm.behind_sidecar(role, config) else [engine]), volumes
 
 
-def stateful_set(
-    dd: DisaggregatedDeployment, uid: str, role: Role, plan: TransferPlan, config: OperatorConfig,
-    replicas: int | None = None, partition: int = 0,
-) -> Obj:  # fmt: skip
-    """The role's StatefulSet, running ``replicas`` engines (the effective count, scaling.py, plus a rollout's
-    surge; default the spec's), pods from ordinal ``partition`` up on this template (rollout.py)."""
+def stateful_set(dd: DisaggregatedDeployment, uid: str, role: Role, plan: TransferPlan, config: OperatorConfig) -> Obj:
+    """The role's StatefulSet with the spec's replicas and partition 0; the reconcile sets both to the rollout's
+    step (the effective count of scaling.py plus a surge; the ordinal from which pods run this template)."""
     name = role_name(dd.metadata.name, role)
     namespace = dd.metadata.namespace or "default"
     role_spec = dd.spec.role(role)
@@ -220,10 +222,10 @@ def stateful_set(
         "kind": "StatefulSet",
         "metadata": _metadata(name, namespace, selector(dd.metadata.name, role), owner_reference(dd, uid)),
         "spec": {
-            "replicas": role_spec.replicas if replicas is None else replicas,
+            "replicas": role_spec.replicas,
             "serviceName": name,
             "podManagementPolicy": "Parallel",
-            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": partition}},
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": 0}},
             "selector": {"matchLabels": selector(dd.metadata.name, role)},
             "template": pod_template(dd, role, plan, config),
         },
@@ -301,19 +303,14 @@ def pod_disruption_budget(dd: DisaggregatedDeployment, uid: str, role: Role) -> 
     }  # fmt: skip
 
 
-def children(
-    dd: DisaggregatedDeployment, uid: str, plan: TransferPlan, config: OperatorConfig,
-    replicas: dict[Role, int] | None = None, partitions: dict[Role, int] | None = None,
-) -> list[Obj]:  # fmt: skip
-    """Every child except the Secret (created once, see :func:`secret`) and the DisaggregatedRoles (scaling.py);
-    the StatefulSets run ``replicas`` with ``partitions`` (rollout.py; default the spec's counts, partition 0)."""
-    counts, parts = replicas or {}, partitions or {}
+def children(dd: DisaggregatedDeployment, uid: str, plan: TransferPlan, config: OperatorConfig) -> list[Obj]:
+    """Every child except the Secret (created once, see :func:`secret`) and the DisaggregatedRoles (scaling.py)."""
     return [
         service(dd, uid, Role.PREFILL, config),
         service(dd, uid, Role.DECODE, config),
         network_policy(dd, uid, config),
         pod_disruption_budget(dd, uid, Role.PREFILL),
         pod_disruption_budget(dd, uid, Role.DECODE),
-        stateful_set(dd, uid, Role.PREFILL, plan, config, counts.get(Role.PREFILL), parts.get(Role.PREFILL, 0)),
-        stateful_set(dd, uid, Role.DECODE, plan, config, counts.get(Role.DECODE), parts.get(Role.DECODE, 0)),
+        stateful_set(dd, uid, Role.PREFILL, plan, config),
+        stateful_set(dd, uid, Role.DECODE, plan, config),
     ]

@@ -47,6 +47,10 @@ class Scale:
     effective: dict[Role, int]
     notes: list[str] = field(default_factory=list)
 
+    def notes_for(self, role: Role) -> list[str]:
+        """The notes about one role: its bounds, or a ratio that raised it or cannot be kept."""
+        return [note for note in self.notes if note.startswith(role.value) or "cannot" in note]
+
 
 def _clamp(value: int, low: int, high: int) -> int:
     return max(low, min(high, value))
@@ -139,5 +143,5 @@ def role_status(dd: DisaggregatedDeployment, role: Role, scale: Scale) -> Obj:
         "desiredReplicas": scale.desired[role],
         "effectiveReplicas": scale.effective[role],
         "selector": pod_selector(dd.metadata.name, role),
-        "message": "; ".join(note for note in scale.notes if note.startswith(role.value) or "cannot" in note),
+        "message": "; ".join(scale.notes_for(role)),
     }
