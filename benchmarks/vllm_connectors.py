@@ -78,7 +78,7 @@ async def measure(engines: Engines, model: str, repeats: int, connector: str) ->
     prefill, decode = engines.engines["prefill"], engines.engines["decode"]
     assert decode.process is not None
     rows: dict[str, Any] = {}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+    async with pd_requests.client_session(300) as session:
         for warm in range(2):  # first contact: handshake, connection set-up
             tokens = tiny_model.prompt(64, salt=9000 + warm)
             await pd_requests.disaggregated(session, prefill.url, decode.url, model, tokens, 1)

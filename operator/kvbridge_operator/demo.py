@@ -237,7 +237,7 @@ async def route_vllm(
     block = int(dd["spec"].get("decode", {}).get("blockSize", 32))
     victim = pairs[0][0]["pod"] if requests >= 2 else None
     result = Transfers(check="tokens", restarted=victim is not None)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+    async with pd_requests.client_session(300) as session:
         for index in range(requests):
             check(interrupted)
             if victim and index == requests // 2:

@@ -27,7 +27,7 @@ LENGTHS = (7, BLOCK, 3 * BLOCK + 13, 15 * BLOCK + 3)
 
 @pytest.fixture
 async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+    async with pd_requests.client_session(120) as s:
         yield s
 
 

@@ -27,7 +27,7 @@ LENGTHS = {"one-block": BLOCK, "partial-block": 7, "three-blocks": 3 * BLOCK, "p
 
 @pytest.fixture
 async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+    async with pd_requests.client_session(120) as s:
         yield s
 
 

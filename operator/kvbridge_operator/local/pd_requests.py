@@ -15,6 +15,19 @@ from typing import Any
 import aiohttp
 
 Obj = dict[str, Any]
+#: vLLM's HTTP server closes an idle kept-alive connection after VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s). A client that
+#: keeps it longer (aiohttp's default is 15 s) may send its next request down a connection the server is closing
+#: and get "Server disconnected"; so idle connections are dropped on our side first.
+KEEPALIVE_SECONDS = 3.0
+
+
+def client_session(total_seconds: float) -> aiohttp.ClientSession:
+    """A session for talking to vLLM servers: every request bounded by ``total_seconds``, idle connections
+    closed before the server's keep-alive timeout."""
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=total_seconds),
+        connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_SECONDS),
+    )
 
 
 class PDRequestError(Exception):
