@@ -124,6 +124,67 @@ def _operator_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _router(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    import signal
+
+    from .kube import KubeClient, connect
+    from .router.proxy import Router, RouterConfig, serve
+    from .router.source import follow_file, watch_status
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if bool(args.deployment) == bool(args.status_file):
+        print("kvbridge router: error: give --deployment NAME (watched through the Kubernetes API) or --status-file "
+              "FILE (a deployment's YAML or JSON, re-read when it changes)", file=sys.stderr)  # fmt: skip
+        return EXIT_INVALID
+    limits = {"--prefill-timeout": args.prefill_timeout, "--decode-timeout": args.decode_timeout,
+              "--prefill-attempts": args.prefill_attempts}  # fmt: skip
+    problems = [f"{flag} must be positive, got {value}" for flag, value in limits.items() if value <= 0]
+    if problems:
+        print(f"kvbridge router: error: {'; '.join(problems)}", file=sys.stderr)
+        return EXIT_INVALID
+    config = RouterConfig(prefill_timeout=args.prefill_timeout, decode_timeout=args.decode_timeout,
+                          decode_idle_timeout=min(args.decode_timeout, 60.0),
+                          prefill_attempts=args.prefill_attempts)  # fmt: skip
+    router = Router(config)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        if args.status_file:
+            source = follow_file(Path(args.status_file), router.set_pool, stop)
+            await asyncio.gather(source, serve(router, args.host, args.port, stop))
+            return
+        connection = await connect(args.api_server, args.kubeconfig, args.context)
+        namespace = args.namespace or _pod_namespace()
+        async with KubeClient(connection, user_agent="kvbridge-router") as client:
+            source = watch_status(client, namespace, args.deployment, router.set_pool, stop)
+            await asyncio.gather(source, serve(router, args.host, args.port, stop))
+
+    try:
+        asyncio.run(main())
+    except KVBridgeError as exc:
+        print(f"kvbridge router: error: {exc.code}: {exc.message}", file=sys.stderr)
+        return EXIT_INVALID
+    except OSError as exc:  # the port is taken, or the address is not ours
+        print(f"kvbridge router: error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_INVALID
+    return EXIT_OK
+
+
+def _pod_namespace() -> str:
+    """The namespace the router runs in (its service account's), else default."""
+    path = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+    try:
+        return path.read_text(encoding="utf-8").strip() or "default"
+    except OSError:
+        return os.environ.get("POD_NAMESPACE", "default")
+
+
 def _demo(args: argparse.Namespace) -> int:
     import asyncio
     import importlib.util
@@ -222,6 +283,27 @@ def build_parser() -> argparse.ArgumentParser:
             kind = int if "int" in str(item.type) else str
             run.add_argument(flag_of(item), dest=item.name, type=kind, metavar=metavar, help=text)
     run.set_defaults(func=_operator_run)
+
+    router = commands.add_parser(
+        "router", help="OpenAI-compatible front: each request to a prefill pod, then a decode pod paired with it",
+        description="Routes /v1/completions and /v1/chat/completions (streaming passed through) to the pods a "
+        "DisaggregatedDeployment's status lists, pairing only compatible ones; /v1/models, /health, /metrics.",
+    )  # fmt: skip
+    router.add_argument("--deployment", metavar="NAME", help="the DisaggregatedDeployment to route to (watched)")
+    router.add_argument("--namespace", default="", help="its namespace (default: the pod's own, else default)")
+    router.add_argument("--status-file", metavar="FILE", help="route from a file instead (kubectl get dd -o yaml)")
+    router.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    router.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    router.add_argument("--prefill-timeout", type=float, default=60.0, help="seconds per prefill call (default 60)")
+    router.add_argument("--decode-timeout", type=float, default=600.0,
+                        help="seconds for a whole decode answer (default 600; streams: also 60 s at most between "
+                        "chunks)")  # fmt: skip
+    router.add_argument("--prefill-attempts", type=int, default=3,
+                        help="prefill pods tried per request when one fails (default 3)")  # fmt: skip
+    router.add_argument("--api-server", default="", help="Kubernetes API URL of a local emulator")
+    router.add_argument("--kubeconfig", default="", help="kubeconfig (default: KUBECONFIG, in-cluster, ~/.kube/config)")
+    router.add_argument("--context", default="", help="kubeconfig context")
+    router.set_defaults(func=_router)
 
     demo = commands.add_parser(
         "demo", help="the whole system on one machine: emulated API, operator, local pods, real KV transfers",

@@ -21,10 +21,13 @@ from .spec import DisaggregatedDeployment
 from .status import (
     Condition,
     ConditionType,
+    DecodeStatus,
     DisaggregatedDeploymentStatus,
     Endpoint,
     PlanSummary,
+    PrefillStatus,
     RoleStatus,
+    ServingEndpoint,
     merge_conditions,
 )
 
@@ -79,25 +82,46 @@ def _http_port(pod: Obj) -> int | None:
     return None
 
 
+def _ready_addresses(pods: Sequence[Obj]) -> list[tuple[Obj, str, dict[str, str]]]:
+    return sorted(
+        (
+            (pod, pod["status"]["podIP"], pod["metadata"].get("labels", {}))
+            for pod in pods
+            if pod_ready(pod) and pod.get("status", {}).get("podIP")
+        ),
+        key=lambda found: str(found[0]["metadata"]["name"]),
+    )
+
+
 def endpoints(pods: Sequence[Obj], port: int) -> list[Endpoint]:
-    found = []
-    for pod in pods:
-        ip = pod.get("status", {}).get("podIP")
-        labels = pod["metadata"].get("labels", {})
-        if pod_ready(pod) and ip:
-            found.append(
-                Endpoint(
-                    pod=pod["metadata"]["name"],
-                    ip=ip,
-                    port=port,
-                    ranks=int(labels.get(LABEL_TP, "1")),
-                    fingerprint=labels.get(LABEL_FINGERPRINT, ""),
-                    pairing=labels.get(LABEL_PAIRING, ""),
-                    http_port=_http_port(pod),
-                    revision=labels.get(LABEL_REVISION, ""),
-                )
-            )
-    return sorted(found, key=lambda e: e.pod)
+    """Ready prefill pods: side channel (decode agents) and HTTP (routers)."""
+    return [
+        Endpoint(
+            pod=pod["metadata"]["name"],
+            ip=ip,
+            port=port,
+            ranks=int(labels.get(LABEL_TP, "1")),
+            fingerprint=labels.get(LABEL_FINGERPRINT, ""),
+            pairing=labels.get(LABEL_PAIRING, ""),
+            http_port=_http_port(pod),
+            revision=labels.get(LABEL_REVISION, ""),
+        )
+        for pod, ip, labels in _ready_addresses(pods)
+    ]
+
+
+def serving_endpoints(pods: Sequence[Obj]) -> list[ServingEndpoint]:
+    """Ready decode pods' HTTP addresses (routers)."""
+    return [
+        ServingEndpoint(
+            pod=pod["metadata"]["name"],
+            ip=ip,
+            http_port=_http_port(pod),
+            pairing=labels.get(LABEL_PAIRING, ""),
+            revision=labels.get(LABEL_REVISION, ""),
+        )
+        for pod, ip, labels in _ready_addresses(pods)
+    ]
 
 
 def summary(plan: TransferPlan) -> PlanSummary:
@@ -136,9 +160,9 @@ def observe(
         count = replicas[role] if replicas is not None else count
         revision = template_revision(sts) if sts else None
         roles[role] = _role_status(by_role[role], count, revision)
-    port = spec.transfer.side_channel_port
-    current_endpoints = endpoints(by_role[Role.PREFILL], port)
-    roles[Role.PREFILL] = roles[Role.PREFILL].model_copy(update={"endpoints": current_endpoints})
+    current_endpoints = endpoints(by_role[Role.PREFILL], spec.transfer.side_channel_port)
+    prefill = PrefillStatus(**dict(roles[Role.PREFILL]), endpoints=current_endpoints)
+    decode = DecodeStatus(**dict(roles[Role.DECODE]), endpoints=serving_endpoints(by_role[Role.DECODE]))
 
     compatible = isinstance(verdict, TransferPlan)
     conditions: list[Condition] = []
@@ -203,8 +227,8 @@ def observe(
         tp=f"{spec.prefill.tensor_parallel_size}→{spec.decode.tensor_parallel_size}",
         conditions=merged,
         plan=summary(verdict) if isinstance(verdict, TransferPlan) else _previous_plan(previous),
-        prefill=roles[Role.PREFILL],
-        decode=roles[Role.DECODE],
+        prefill=prefill,
+        decode=decode,
     )
 
     # -- events from what changed ----------------------------------------------

@@ -32,23 +32,29 @@ class Condition(CamelModel):
     last_transition_time: str = Field(default="", description="RFC 3339; changes only when status flips.")
 
 
-class Endpoint(CamelModel):
-    """A prefill engine's side-channel endpoint, as decode agents and routers use it."""
+class ServingEndpoint(CamelModel):
+    """A ready engine's HTTP address, as routers use it."""
 
     pod: str
     ip: str
-    port: int = Field(ge=1, le=65535)
-    ranks: int = Field(ge=1, description="TP ranks served by this endpoint.")
-    fingerprint: str
-    pairing: str = Field(
-        default="", description="The pod's pairing key: a router pairs it only with decode pods of the same key."
-    )
     http_port: int | None = Field(
         default=None, ge=1, le=65535, description="The pod's HTTP port (engine API, or the routing sidecar in front)."
     )
+    pairing: str = Field(
+        default="", description="The pod's pairing key: a router pairs it only with pods of the other role whose key "
+        "is equal or listed with it in status.rollout.pairings."
+    )  # fmt: skip
     revision: str = Field(
         default="", description="The pod's template revision (kvbridge.io/revision): old or new during a rollout."
     )
+
+
+class Endpoint(ServingEndpoint):
+    """A prefill engine's side-channel endpoint, as decode agents and routers use it."""
+
+    port: int = Field(ge=1, le=65535, description="The side channel's port.")
+    ranks: int = Field(ge=1, description="TP ranks served by this endpoint.")
+    fingerprint: str
 
 
 class RoleStatus(CamelModel):
@@ -59,7 +65,24 @@ class RoleStatus(CamelModel):
     ready_replicas: int = Field(default=0, ge=0)
     updated_replicas: int = Field(default=0, ge=0)
     ready: str = Field(default="", max_length=32, description="readyReplicas/replicas, for the printer column.")
-    endpoints: list[Endpoint] | None = Field(default=None, description="Prefill only: ready side-channel endpoints.")
+
+
+class PrefillStatus(RoleStatus):
+    endpoints: list[Endpoint] | None = Field(default=None, description="Ready prefill engines: side channel and HTTP.")
+
+
+class DecodeStatus(RoleStatus):
+    endpoints: list[ServingEndpoint] | None = Field(default=None, description="Ready decode engines' HTTP addresses.")
+
+
+class RouterStatus(CamelModel):
+    url: str = Field(default="", description="The router's Service URL inside the cluster (OpenAI-compatible API).")
+
+
+class InferencePoolStatus(CamelModel):
+    name: str = Field(default="", description="The InferencePool rendered for the deployment's pods.")
+    http_route: str = Field(default="", description="The HTTPRoute from spec.inferencePool.gateway, if any.")
+    message: str = Field(default="", max_length=1024, description="Why they could not be made, when not.")
 
 
 class PlanSummary(CamelModel):
@@ -101,9 +124,11 @@ class DisaggregatedDeploymentStatus(CamelModel):
     tp: str = Field(default="", max_length=32, description="prefill TP -> decode TP, for the printer column.")
     conditions: list[Condition] = Field(default_factory=list)
     plan: PlanSummary | None = None
-    prefill: RoleStatus = Field(default_factory=RoleStatus)
-    decode: RoleStatus = Field(default_factory=RoleStatus)
+    prefill: PrefillStatus = Field(default_factory=PrefillStatus)
+    decode: DecodeStatus = Field(default_factory=DecodeStatus)
     rollout: RolloutStatus | None = None
+    router: RouterStatus | None = Field(default=None, description="spec.router's Deployment and Service, when on.")
+    inference_pool: InferencePoolStatus | None = Field(default=None, description="spec.inferencePool's objects.")
 
     def role(self, role: Role) -> RoleStatus:
         return self.prefill if role is Role.PREFILL else self.decode

@@ -11,13 +11,16 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from kvbridge_agent.core import Role
 from kvbridge_agent.core.handshake import HandshakeError
 from kvbridge_agent.runtime.keys import generate_keys
 from kvbridge_agent.runtime.side_channel import SideChannelClient
 from kvbridge_operator.local import pd_requests
 from kvbridge_operator.local.tiny_model import prompt
 
+from .conftest import DEPLOYMENTS
 from .engines import Engines, assert_pd_equals_single_engine, metric
+from .routing import endpoint, pod_calls, pool, running_router, streamed_tokens
 
 MAX_TOKENS = 12
 BLOCK = 32
@@ -48,6 +51,34 @@ async def test_decode_tokens_equal_a_single_engine(
     got = await pd_requests.decode(session, decode, model, tokens, params, MAX_TOKENS)
     want = await pd_requests.baseline(session, decode, model, tokens, MAX_TOKENS, salt=f"kvb-baseline-{length}")
     assert got.tokens == want.tokens
+
+
+async def test_the_router_pairs_only_compatible_kvbridge_pods_and_answers_as_a_single_engine(
+    kvbridge_engines: Engines, session: aiohttp.ClientSession
+) -> None:
+    """kvbridge's router in front of KVBridgeConnector pods, with a decode pod of another pairing key (64-token
+    blocks, another deployment) in its pool: every request goes to the compatible decode pod and answers as a
+    single engine would, streamed or not."""
+    _, decode, model = urls(kvbridge_engines)
+    async with running_router() as (router, url):
+        router.set_pool(pool(
+            [endpoint(kvbridge_engines, "kvbridge-prefill", DEPLOYMENTS["kvbridge"], Role.PREFILL)],
+            [endpoint(kvbridge_engines, "kvbridge-decode", DEPLOYMENTS["kvbridge"], Role.DECODE),
+             endpoint(kvbridge_engines, "kvbridge-decode-64", DEPLOYMENTS["kvbridge-merge"], Role.DECODE)],
+        ))  # fmt: skip
+        for index, length in enumerate((9, 2 * BLOCK + 1)):
+            tokens = prompt(length, salt=300 + index)
+            want = await pd_requests.baseline(session, decode, model, tokens, MAX_TOKENS, salt=f"kvb-router-{index}")
+            body = {"model": model, "prompt": tokens, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                    "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+            async with session.post(f"{url}/v1/completions", json=body) as response:
+                answer = await response.json()
+            assert answer["choices"][0]["token_ids"] == want.tokens
+            async with session.post(f"{url}/v1/completions", json={**body, "stream": True}) as response:
+                assert streamed_tokens(await response.text()) == want.tokens
+        metrics = await (await session.get(f"{url}/metrics")).text()
+    assert pod_calls(metrics, "decode", "kvbridge-decode") == 4
+    assert pod_calls(metrics, "decode", "kvbridge-decode-64") == 0
 
 
 async def test_negative_control_decode_uses_the_transferred_kv(

@@ -5,6 +5,8 @@
 - ``POST /v1/prefill`` ``{"requestId", "numTokens"}`` -> ``{"kvTransferParams": {...}}``
 - ``POST /v1/decode`` ``{"requestId", "kvTransferParams", "prefixHitBlocks"}`` -> transfer result
   (both take an optional ``"blockAllocation": "Sequential" | "Scattered"`` overriding the engine's default)
+- ``POST /v1/completions``, ``/v1/chat/completions`` — what a P/D router sends vLLM (``completions``)
+- ``GET /v1/models`` — the synthetic model's name
 - ``GET /v1/held`` — prefill requests whose blocks await readers
 - ``GET /v1/ranks`` — per-rank state (open NIXL handles, requests in flight)
 
@@ -27,6 +29,7 @@ from kvbridge_agent.core import KVBridgeError
 from kvbridge_agent.core.contract import BlockAllocation
 from kvbridge_agent.core.handshake import KVTransferParams
 
+from . import completions
 from .engine import INVALID_REQUEST, Engine, EngineError
 
 log = logging.getLogger(__name__)
@@ -82,6 +85,8 @@ class _Handler(BaseHTTPRequestHandler):
             )
         elif self.path == "/metrics":
             self._send(HTTPStatus.OK, engine.metrics.render(), "text/plain; version=0.0.4")
+        elif self.path == "/v1/models":
+            self._send(HTTPStatus.OK, completions.models())
         elif self.path == "/v1/held":
             self._send(HTTPStatus.OK, {"held": engine.held(), "freeBlocks": engine.allocator.free_count})
         elif self.path == "/v1/ranks":
@@ -107,6 +112,13 @@ class _Handler(BaseHTTPRequestHandler):
                     str(body.get("requestId", "")), params, _int(body, "prefixHitBlocks", 0), _allocation(body)
                 )
                 self._send(HTTPStatus.OK, result)
+            elif self.path in ("/v1/completions", "/v1/chat/completions"):
+                chat = self.path == "/v1/chat/completions"
+                answer, stream = completions.complete(engine, body, chat, self.headers.get("X-Request-Id") or "")
+                if stream:
+                    self._send(HTTPStatus.OK, completions.event_stream(answer, chat), "text/event-stream")
+                else:
+                    self._send(HTTPStatus.OK, answer)
             else:
                 self._send(HTTPStatus.NOT_FOUND, _error("NOT_FOUND", f"no route {self.path}"))
         except EngineError as exc:

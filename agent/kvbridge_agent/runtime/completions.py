@@ -1,0 +1,89 @@
+"""The synthetic engine's OpenAI-shaped routes, so that a P/D router talks to it as it talks to vLLM.
+
+``POST /v1/completions`` and ``/v1/chat/completions`` take what a router sends vLLM's KV connectors:
+``kv_transfer_params: {"do_remote_decode": true}`` asks for a prefill (the prompt's blocks are computed and held;
+the answer carries the ``kv_transfer_params`` decode needs), and a request carrying those parameters is a
+decode (every rank reads and verifies its part of the KV cache). The synthetic engine generates no text: its
+answer has an empty completion and, under ``kvbridge``, the transfer's result (``verified``, ``bytes``, ...).
+A request without transfer parameters is refused: there is no model to run it on. The prompt's length in tokens
+is the length of a token-id list, else one token per whitespace-separated word (of all chat messages).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from pydantic import ValidationError
+
+from kvbridge_agent.core.handshake import KVTransferParams
+
+from .engine import INVALID_REQUEST, Engine, EngineError
+
+Obj = dict[str, Any]
+MODEL = "kvbridge-synthetic"
+
+
+def prompt_tokens(body: Obj, chat: bool) -> int:
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise EngineError("messages must be a non-empty list", code=INVALID_REQUEST, field="messages")
+        text = " ".join(str(m.get("content", "")) if isinstance(m, dict) else str(m) for m in messages)
+        return max(len(text.split()), 1)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return len(prompt)
+    if isinstance(prompt, str) and prompt.strip():
+        return len(prompt.split())
+    raise EngineError("prompt must be a non-empty string or list of token ids", code=INVALID_REQUEST, field="prompt")
+
+
+def complete(engine: Engine, body: Obj, chat: bool, request_id: str) -> tuple[Obj, bool]:
+    """The answer of one request, and whether it is to be streamed."""
+    if not request_id or ":" in request_id:
+        request_id = uuid.uuid4().hex
+    params = body.get("kv_transfer_params")
+    tokens = prompt_tokens(body, chat)
+    answer: Obj = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", "object": "chat.completion" if chat else
+        "text_completion", "created": int(time.time()), "model": str(body.get("model") or MODEL),
+        "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens},
+    }  # fmt: skip
+    choice: Obj = {"index": 0, "finish_reason": "length"}
+    choice.update({"message": {"role": "assistant", "content": ""}} if chat else {"text": ""})
+    answer["choices"] = [choice]
+    if isinstance(params, dict) and params.get("do_remote_decode"):
+        offered = engine.prefill(request_id, tokens)
+        answer["kv_transfer_params"] = offered.model_dump(by_alias=True, mode="json")
+        return answer, False
+    if not isinstance(params, dict) or not params:
+        raise EngineError("the synthetic engine serves disaggregated requests only: send kv_transfer_params "
+                          "(do_remote_decode to prefill, or what prefill returned to decode)", code=INVALID_REQUEST,
+                          field="kv_transfer_params")  # fmt: skip
+    try:
+        remote = KVTransferParams.model_validate(params)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in ("kv_transfer_params", *first["loc"]))
+        raise EngineError(f"{where}: {first['msg']}", code=INVALID_REQUEST, field=where) from exc
+    result = engine.decode(f"decode-{request_id}", remote)
+    if not result.get("verified") and engine.env.verify:
+        raise EngineError("the KV bytes decode read differ from what prefill computed", code="NOT_VERIFIED",
+                          status=500)  # fmt: skip
+    answer["kvbridge"] = {k: result[k] for k in ("verified", "bytes", "descriptors", "transferSeconds")}
+    return answer, bool(body.get("stream"))
+
+
+def event_stream(answer: Obj, chat: bool) -> bytes:
+    """The answer as OpenAI's server-sent events: one chunk, then ``[DONE]``."""
+    chunk = dict(answer, object="chat.completion.chunk" if chat else "text_completion")
+    if chat:
+        chunk["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": "length"}]
+    return f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode()
+
+
+def models() -> Obj:
+    return {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "kvbridge"}]}

@@ -1,0 +1,75 @@
+"""The router's Prometheus metrics (``GET /metrics``), one registry per router."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+#: latency buckets in seconds, from a cached-prefix decode on a GPU to a long prompt on a CPU
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass
+class RouterMetrics:
+    registry: CollectorRegistry = field(default_factory=lambda: CollectorRegistry(auto_describe=True))
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.requests = Counter(
+            "kvbridge_router_requests", "Requests by API route and outcome: ok, or the error code returned.",
+            ["route", "outcome"], registry=r,
+        )  # fmt: skip
+        self.retries = Counter(
+            "kvbridge_router_prefill_retries", "Prefill attempts retried on another pod, by the failed pod.", ["pod"],
+            registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "kvbridge_router_ttft_seconds",
+            "Time to first token as the client sees it: request received to decode's first streamed byte "
+            "(streaming requests), or to decode's whole answer (non-streaming).",
+            registry=r, buckets=BUCKETS,
+        )  # fmt: skip
+        self.prefill_seconds = Histogram(
+            "kvbridge_router_prefill_seconds", "The prefill call (prompt computed, transfer parameters returned).",
+            registry=r, buckets=BUCKETS,
+        )  # fmt: skip
+        self.request_seconds = Histogram(
+            "kvbridge_router_request_seconds", "Request received to the last byte sent.", registry=r, buckets=BUCKETS
+        )
+        self.overhead_seconds = Histogram(
+            "kvbridge_router_overhead_seconds",
+            "The router's own time per request: the whole request less the prefill and decode calls.",
+            registry=r, buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
+        )  # fmt: skip
+        self.pod_requests = Counter(
+            "kvbridge_router_pod_requests", "Calls sent to each pod (prefill or decode), failed ones included.",
+            ["role", "pod"], registry=r,
+        )  # fmt: skip
+        self.outstanding = Gauge(
+            "kvbridge_router_outstanding_requests", "Requests in flight per pod.", ["role", "pod"], registry=r
+        )
+        self.endpoints = Gauge(
+            "kvbridge_router_endpoints", "Routable pods per role, from the deployment's status.", ["role"], registry=r
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """Requests by outcome, prefill retries, and the router's mean own time per request (for reports)."""
+        samples = {(m.name, tuple(sorted(s.labels.items())), s.name): s.value
+                   for m in self.registry.collect() for s in m.samples}  # fmt: skip
+        outcomes: dict[str, int] = {}
+        retries = 0.0
+        for (metric, labels, sample), value in samples.items():
+            if metric == "kvbridge_router_requests" and sample.endswith("_total"):
+                outcome = dict(labels)["outcome"]
+                outcomes[outcome] = outcomes.get(outcome, 0) + int(value)
+            elif metric == "kvbridge_router_prefill_retries" and sample.endswith("_total"):
+                retries += value
+        count = samples.get(("kvbridge_router_overhead_seconds", (), "kvbridge_router_overhead_seconds_count"), 0.0)
+        total = samples.get(("kvbridge_router_overhead_seconds", (), "kvbridge_router_overhead_seconds_sum"), 0.0)
+        return {"requests": outcomes, "prefillRetries": int(retries),
+                "meanOverheadMilliseconds": round(1000 * total / count, 3) if count else 0.0}  # fmt: skip
+
+    def render(self) -> bytes:
+        return bytes(generate_latest(self.registry))

@@ -1,0 +1,118 @@
+"""Which prefill and decode pods a request may use, read from a DisaggregatedDeployment's status; pure.
+
+A prefill pod and a decode pod are a pair when their pairing keys are equal (one spec, one checked plan) or
+listed together in ``status.rollout.pairings`` (a mix of old and new pods the operator checked during a rollout).
+Nothing else is paired: pods of different keys that are not listed were never checked and may exchange KV
+caches wrongly. Among the pairs, the balancer picks the prefill pod with the fewest requests in flight, then
+the least loaded decode pod paired with it; ties go round-robin so that an idle pool spreads its requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+Obj = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Target:
+    """One engine a request can be sent to."""
+
+    pod: str
+    url: str
+    pairing: str
+    revision: str = ""
+
+
+@dataclass(frozen=True)
+class Pool:
+    prefill: tuple[Target, ...] = ()
+    decode: tuple[Target, ...] = ()
+    #: (prefill key, decode key) pairs checked compatible beyond equal keys
+    pairings: frozenset[tuple[str, str]] = frozenset()
+    #: why an endpoint of the status was left out (no HTTP port, no pairing key), for /health and the log
+    skipped: tuple[str, ...] = ()
+    #: the status' resourceVersion this pool was read from
+    version: str = ""
+
+    @classmethod
+    def from_status(cls, status: Obj, version: str = "") -> Pool:
+        skipped: list[str] = []
+        roles = {role: _targets(status, role, skipped) for role in ("prefill", "decode")}
+        listed = ((status.get("rollout") or {}).get("pairings")) or []
+        pairings = frozenset((str(p.get("prefill", "")), str(p.get("decode", ""))) for p in listed)
+        return cls(roles["prefill"], roles["decode"], pairings, tuple(skipped), version)
+
+    def compatible(self, prefill: Target, decode: Target) -> bool:
+        return prefill.pairing == decode.pairing or (prefill.pairing, decode.pairing) in self.pairings
+
+    def decodes_for(self, prefill: Target) -> list[Target]:
+        return [d for d in self.decode if self.compatible(prefill, d)]
+
+    def routable(self) -> list[Target]:
+        """Prefill pods with at least one decode pod to pair with."""
+        return [p for p in self.prefill if self.decodes_for(p)]
+
+    def problem(self) -> str:
+        """Why no request can be routed, or empty."""
+        if self.routable():
+            return ""
+        if not self.prefill or not self.decode:
+            missing = " and ".join(r for r, t in (("prefill", self.prefill), ("decode", self.decode)) if not t)
+            return f"no ready {missing} endpoint in the deployment's status"
+        return "no ready prefill and decode pods of one pairing key (or a pair listed in status.rollout.pairings)"
+
+
+def _targets(status: Obj, role: str, skipped: list[str]) -> tuple[Target, ...]:
+    found = []
+    for endpoint in (status.get(role) or {}).get("endpoints") or []:
+        pod, ip, port, key = endpoint.get("pod"), endpoint.get("ip"), endpoint.get("httpPort"), endpoint.get("pairing")
+        if not (pod and ip and port and key):
+            skipped.append(f"{role} {pod or '?'}: no " + ("HTTP port" if not port else "pairing key" if not key else
+                                                           "address"))  # fmt: skip
+            continue
+        host = f"[{ip}]" if ":" in str(ip) else str(ip)
+        found.append(Target(str(pod), f"http://{host}:{int(port)}", str(key), str(endpoint.get("revision", ""))))
+    return tuple(found)
+
+
+@dataclass
+class Balancer:
+    """Requests in flight per pod, and the choice of the least loaded one."""
+
+    outstanding: dict[str, int] = field(default_factory=dict)
+    _turn: int = 0
+
+    def pick(self, candidates: Iterable[Target], exclude: Iterable[str] = ()) -> Target | None:
+        left = set(exclude)
+        options = sorted((t for t in candidates if t.pod not in left), key=lambda t: t.pod)
+        if not options:
+            return None
+        fewest = min(self.outstanding.get(t.pod, 0) for t in options)
+        tied = [t for t in options if self.outstanding.get(t.pod, 0) == fewest]
+        self._turn += 1
+        return tied[self._turn % len(tied)]
+
+    def choose(self, pool: Pool, exclude: Iterable[str] = ()) -> tuple[Target, Target] | None:
+        """A (prefill, decode) pair for the next request, or None when none is left."""
+        prefill = self.pick(pool.routable(), exclude)
+        if prefill is None:
+            return None
+        decode = self.pick(pool.decodes_for(prefill))
+        return (prefill, decode) if decode is not None else None
+
+    def started(self, pod: str) -> None:
+        self.outstanding[pod] = self.outstanding.get(pod, 0) + 1
+
+    def finished(self, pod: str) -> None:
+        left = self.outstanding.get(pod, 0) - 1
+        if left > 0:
+            self.outstanding[pod] = left
+        else:
+            self.outstanding.pop(pod, None)
+
+    def load(self, pods: Mapping[str, str]) -> dict[str, int]:
+        """In-flight requests of every pod named in ``pods`` (name -> role), zeros included."""
+        return {pod: self.outstanding.get(pod, 0) for pod in pods}

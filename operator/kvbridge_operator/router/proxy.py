@@ -1,0 +1,333 @@
+"""The router's HTTP front: OpenAI-compatible, each generation request split into prefill then decode.
+
+``POST /v1/completions`` and ``/v1/chat/completions``: the request goes to a prefill pod with
+``kv_transfer_params: {do_remote_decode: true}``, one token and no streaming; the ``kv_transfer_params`` it returns
+go with the client's own request to a decode pod paired with it, whose answer (streamed or not) is passed through
+unchanged. ``GET /v1/models`` is a decode pod's. ``GET /health`` is 200 while some pair is routable, else 503
+with the reason; ``GET /metrics`` is Prometheus text.
+
+Failures: a prefill that cannot be reached, times out, answers 5xx or returns no transfer parameters is tried
+on another prefill pod (``prefill_attempts`` in all); a 4xx from prefill is the client's and is passed back.
+Decode is tried on another paired pod only when it could not be connected to (nothing was sent, so no block
+was read); once a decode pod has the request it is not retried (it may have read and freed the blocks), and
+fails with 502 or 504. Every call has a timeout; errors are ``{"error": {"message", "type", "code"}}``, as
+OpenAI's API writes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from .metrics import RouterMetrics
+from .pool import Balancer, Pool, Target
+
+log = logging.getLogger(__name__)
+Obj = dict[str, Any]
+ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+#: what the router sets on the prefill request (OpenAI and vLLM fields); streaming fields are dropped
+PREFILL_DROPPED = ("stream_options", "min_tokens")
+#: idle upstream connections are dropped before vLLM's own keep-alive timeout (5 s) closes them under us
+KEEPALIVE_SECONDS = 3.0
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    prefill_timeout: float = 60.0
+    decode_timeout: float = 600.0
+    #: streaming decode: the longest wait for the next chunk
+    decode_idle_timeout: float = 60.0
+    connect_timeout: float = 3.0
+    prefill_attempts: int = 3
+    max_body_bytes: int = 16 << 20
+
+
+class RouteError(Exception):
+    """An error the client gets, with an HTTP status and a stable code."""
+
+    def __init__(self, status: int, code: str, message: str, retry: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.retry = status, code, message, retry
+
+    def response(self) -> web.Response:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        body = {"error": {"message": self.message, "type": kind, "code": self.code}}
+        return web.json_response(body, status=self.status)
+
+
+class Router:
+    def __init__(self, config: RouterConfig | None = None, metrics: RouterMetrics | None = None) -> None:
+        self.config = config or RouterConfig()
+        self.metrics = metrics or RouterMetrics()
+        self.pool = Pool()
+        self.balancer = Balancer()
+        self._session: aiohttp.ClientSession | None = None
+
+    def set_pool(self, pool: Pool) -> None:
+        if (pool.prefill, pool.decode, pool.pairings) != (self.pool.prefill, self.pool.decode, self.pool.pairings):
+            skipped = f" (skipped: {'; '.join(pool.skipped)})" if pool.skipped else ""
+            log.info("routing to prefill %s, decode %s%s", [t.pod for t in pool.prefill], [t.pod for t in pool.decode],
+                     skipped)  # fmt: skip
+        self.pool = pool
+        self.metrics.endpoints.labels("prefill").set(len(pool.routable()))
+        self.metrics.endpoints.labels("decode").set(len(pool.decode))
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.on_startup.append(self._open)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _open(self, _: web.Application) -> None:
+        connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_SECONDS, limit=0)
+        self._session = aiohttp.ClientSession(connector=connector, trust_env=False)
+
+    async def _close(self, _: web.Application) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the router's app is not started")
+        return self._session
+
+    # -- read-only routes ------------------------------------------------------------------------------------
+
+    async def _health(self, _: web.Request) -> web.Response:
+        problem = self.pool.problem()
+        body = {"ok": not problem, "problem": problem, "prefill": [t.pod for t in self.pool.routable()],
+                "decode": [t.pod for t in self.pool.decode], "skipped": list(self.pool.skipped)}  # fmt: skip
+        return web.json_response(body, status=503 if problem else 200)
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def _models(self, _: web.Request) -> web.Response:
+        decode = self.balancer.pick(self.pool.decode)
+        if decode is None:
+            return RouteError(503, "NO_DECODE", self.pool.problem() or "no decode pod").response()
+        timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout, connect=self.config.connect_timeout)
+        try:
+            async with self.session.get(f"{decode.url}/v1/models", timeout=timeout) as upstream:
+                return web.Response(body=await upstream.read(), status=upstream.status,
+                                    content_type=upstream.content_type)  # fmt: skip
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return RouteError(502, "DECODE_UNAVAILABLE", f"decode pod {decode.pod}: {_reason(exc)}").response()
+
+    # -- generation ------------------------------------------------------------------------------------------
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        route = ROUTES[request.path]
+        spent = [0.0]  # seconds inside prefill and decode calls
+        try:
+            body = await _json_body(request)
+            request_id = request.headers.get("X-Request-Id") or f"kvb-{uuid.uuid4().hex}"
+            prefill, decode, params = await self._prefill_somewhere(request.path, body, request_id, spent)
+            tried: list[str] = []
+            while True:
+                try:
+                    response = await self._decode(request, decode, body, params, request_id, started, spent)
+                    break
+                except RouteError as exc:  # retried only when decode was never reached (nothing was read)
+                    tried.append(decode.pod)
+                    other = self.balancer.pick(self.pool.decodes_for(prefill), exclude=tried)
+                    if not exc.retry or other is None or len(tried) >= self.config.prefill_attempts:
+                        raise
+                    log.warning("decode pod %s unreachable (%s); trying %s", decode.pod, exc.message, other.pod)
+                    decode = other
+        except RouteError as exc:
+            self.metrics.requests.labels(route, exc.code).inc()
+            log.warning("%s: %s %s", request.path, exc.code, exc.message)
+            return exc.response()
+        self.metrics.requests.labels(route, "ok" if response.status < 400 else f"HTTP_{response.status}").inc()
+        total = time.perf_counter() - started
+        self.metrics.request_seconds.observe(total)
+        self.metrics.overhead_seconds.observe(max(total - spent[0], 0.0))
+        return response
+
+    async def _prefill_somewhere(
+        self, path: str, body: Obj, request_id: str, spent: list[float]
+    ) -> tuple[Target, Target, Obj]:
+        """Prefill on the least loaded pod that has a decode partner; on a pod failure, on another one."""
+        tried: list[str] = []
+        last: RouteError | None = None
+        for _ in range(self.config.prefill_attempts):
+            pair = self.balancer.choose(self.pool, exclude=tried)
+            if pair is None:
+                break
+            prefill, decode = pair
+            started = time.perf_counter()
+            try:
+                params = await self._call_prefill(path, prefill, body, request_id)
+            except RouteError as exc:
+                if not exc.retry:
+                    raise
+                more = len(tried) + 1 < self.config.prefill_attempts
+                log.warning("prefill pod %s failed (%s); %s", prefill.pod, exc.message,
+                            "trying another" if more else "giving up")  # fmt: skip
+                self.metrics.retries.labels(prefill.pod).inc()
+                tried.append(prefill.pod)
+                last = exc
+                continue
+            finally:
+                spent[0] += time.perf_counter() - started
+            self.metrics.prefill_seconds.observe(time.perf_counter() - started)
+            return prefill, decode, params
+        if last is not None:
+            raise RouteError(last.status, last.code, f"{last.message} (prefill pods tried: {', '.join(tried)})")
+        raise RouteError(503, "NO_ROUTE", self.pool.problem() or "every paired prefill pod failed")
+
+    async def _call_prefill(self, path: str, target: Target, body: Obj, request_id: str) -> Obj:
+        request = prefill_request(body)
+        timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout, connect=self.config.connect_timeout)
+        self._enter("prefill", target)
+        try:
+            async with self.session.post(f"{target.url}{path}", json=request, timeout=timeout,
+                                         headers={"X-Request-Id": request_id}) as upstream:  # fmt: skip
+                text = await upstream.text()
+                if upstream.status >= 500:
+                    raise RouteError(502, "PREFILL_FAILED", f"prefill pod {target.pod}: HTTP {upstream.status}: "
+                                     f"{text[:300]}", retry=True)  # fmt: skip
+                if upstream.status != 200:  # the request's fault: another pod would refuse it too
+                    raise RouteError(upstream.status, "PREFILL_REFUSED", f"prefill pod {target.pod}: {text[:1000]}")
+        except TimeoutError:
+            raise RouteError(504, "PREFILL_TIMEOUT", f"prefill pod {target.pod}: no answer within "
+                             f"{self.config.prefill_timeout:g} s", retry=True) from None  # fmt: skip
+        except aiohttp.ClientError as exc:
+            raise RouteError(502, "PREFILL_UNAVAILABLE", f"prefill pod {target.pod}: {_reason(exc)}",
+                             retry=True) from None  # fmt: skip
+        finally:
+            self._leave("prefill", target)
+        try:
+            params = json.loads(text).get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            params = None
+        if not isinstance(params, dict) or not params:
+            raise RouteError(502, "PREFILL_NO_TRANSFER_PARAMS", f"prefill pod {target.pod} answered without "
+                             "kv_transfer_params (is it a kv_producer with a KV connector?)", retry=True)  # fmt: skip
+        return params
+
+    async def _decode(
+        self, request: web.Request, target: Target, body: Obj, params: Obj, request_id: str, started: float,
+        spent: list[float],
+    ) -> web.StreamResponse:  # fmt: skip
+        decode_body = {**body, "kv_transfer_params": params}
+        stream = bool(body.get("stream"))
+        timeout = aiohttp.ClientTimeout(total=self.config.decode_timeout, connect=self.config.connect_timeout,
+                                        sock_read=self.config.decode_idle_timeout if stream else None)  # fmt: skip
+        self._enter("decode", target)
+        called = time.perf_counter()
+        response: web.StreamResponse | None = None
+        try:
+            async with self.session.post(f"{target.url}{request.path}", json=decode_body, timeout=timeout,
+                                         headers={"X-Request-Id": request_id}) as upstream:  # fmt: skip
+                if not stream or upstream.status != 200:
+                    data = await upstream.read()
+                    self.metrics.ttft.observe(time.perf_counter() - started)
+                    return web.Response(body=data, status=upstream.status, content_type=upstream.content_type)
+                response = web.StreamResponse(status=200, headers={"Content-Type": upstream.headers.get(
+                    "Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})  # fmt: skip
+                first = True
+                async for chunk in upstream.content.iter_any():
+                    if first:
+                        self.metrics.ttft.observe(time.perf_counter() - started)
+                        await response.prepare(request)
+                        first = False
+                    await response.write(chunk)
+                if first:
+                    await response.prepare(request)
+                await response.write_eof()
+                return response
+        except (TimeoutError, aiohttp.ClientError, ConnectionResetError) as exc:
+            code, status = ("DECODE_TIMEOUT", 504) if isinstance(exc, TimeoutError) else ("DECODE_UNAVAILABLE", 502)
+            message = f"decode pod {target.pod}: {_reason(exc)}"
+            if response is None or not response.prepared:
+                never_reached = isinstance(exc, aiohttp.ClientConnectorError)
+                raise RouteError(status, code, message, retry=never_reached) from None
+            transport = request.transport
+            if transport is None or transport.is_closing():  # the client went away: stop reading decode's stream
+                self.metrics.requests.labels(ROUTES[request.path], "CLIENT_GONE").inc()
+                return response
+            # the stream has begun: end it with an error event the client can read
+            event = {"error": {"message": message, "type": "server_error", "code": code}}
+            with contextlib.suppress(ConnectionResetError, aiohttp.ClientError):
+                await response.write(f"data: {json.dumps(event)}\n\n".encode())
+                await response.write_eof()
+            self.metrics.requests.labels(ROUTES[request.path], f"{code}_MIDSTREAM").inc()
+            return response
+        finally:
+            spent[0] += time.perf_counter() - called
+            self._leave("decode", target)
+
+    def _enter(self, role: str, target: Target) -> None:
+        self.balancer.started(target.pod)
+        self.metrics.pod_requests.labels(role, target.pod).inc()
+        self.metrics.outstanding.labels(role, target.pod).inc()
+
+    def _leave(self, role: str, target: Target) -> None:
+        self.balancer.finished(target.pod)
+        self.metrics.outstanding.labels(role, target.pod).dec()
+
+
+def prefill_request(body: Obj) -> Obj:
+    """The client's request as prefill gets it: one token, no streaming, and the flag that makes a KV connector
+    keep the prompt's blocks for a remote decode."""
+    request = copy.deepcopy(body)
+    for key in PREFILL_DROPPED:
+        request.pop(key, None)
+    request["stream"] = False
+    request["max_tokens"] = 1
+    if "max_completion_tokens" in request:
+        request["max_completion_tokens"] = 1
+    request["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
+    return request
+
+
+async def _json_body(request: web.Request) -> Obj:
+    try:
+        body = await request.json()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise RouteError(413, "TOO_LARGE", exc.text or "request body too large") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RouteError(400, "INVALID_JSON", f"the request body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RouteError(400, "INVALID_REQUEST", "the request body must be a JSON object")
+    if "kv_transfer_params" in body:
+        raise RouteError(400, "INVALID_REQUEST", "kv_transfer_params is the router's to set, not the client's")
+    return body
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+async def serve(router: Router, host: str, port: int, stop: asyncio.Event) -> None:
+    """Serve until ``stop`` is set."""
+    runner = web.AppRunner(router.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    log.info("router listening on %s:%d", host, port)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,96 @@
+"""The router's pairing and balancing, from a status as the operator writes it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvbridge_operator.router.pool import Balancer, Pool
+
+
+def endpoint(pod: str, key: str, ip: str = "10.0.0.1", port: int | None = 8000) -> dict[str, Any]:
+    found: dict[str, Any] = {"pod": pod, "ip": ip, "pairing": key, "revision": "r"}
+    if port is not None:
+        found["httpPort"] = port
+    return found
+
+
+def status(prefill: list[dict[str, Any]], decode: list[dict[str, Any]], pairings: Any = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"prefill": {"endpoints": prefill}, "decode": {"endpoints": decode}}
+    if pairings is not None:
+        out["rollout"] = {"pairings": [{"prefill": p, "decode": d} for p, d in pairings]}
+    return out
+
+
+def test_only_equal_or_listed_keys_pair() -> None:
+    pool = Pool.from_status(status(
+        [endpoint("p-old", "aaa"), endpoint("p-new", "bbb"), endpoint("p-other", "ccc")],
+        [endpoint("d-old", "aaa"), endpoint("d-new", "bbb")],
+        pairings=[("bbb", "aaa")],  # the operator checked new prefill -> old decode, not old prefill -> new decode
+    ))  # fmt: skip
+    by_name = {t.pod: t for t in pool.prefill}
+    assert [d.pod for d in pool.decodes_for(by_name["p-old"])] == ["d-old"]
+    assert [d.pod for d in pool.decodes_for(by_name["p-new"])] == ["d-old", "d-new"]
+    assert pool.decodes_for(by_name["p-other"]) == []
+    assert [t.pod for t in pool.routable()] == ["p-old", "p-new"]
+
+
+def test_endpoints_without_a_port_or_key_are_skipped_and_said() -> None:
+    pool = Pool.from_status(status([endpoint("p0", "k", port=None), endpoint("p1", "")], [endpoint("d0", "k")]))
+    assert pool.prefill == ()
+    assert pool.skipped == ("prefill p0: no HTTP port", "prefill p1: no pairing key")
+    assert pool.problem() == "no ready prefill endpoint in the deployment's status"
+
+
+def test_urls_bracket_ipv6() -> None:
+    pool = Pool.from_status(status([endpoint("p0", "k", ip="fd00::1")], [endpoint("d0", "k", port=9000)]))
+    assert pool.prefill[0].url == "http://[fd00::1]:8000"
+    assert pool.decode[0].url == "http://10.0.0.1:9000"
+
+
+def test_a_pool_of_different_keys_says_why_it_routes_nothing() -> None:
+    pool = Pool.from_status(status([endpoint("p0", "a")], [endpoint("d0", "b")]))
+    assert Balancer().choose(pool) is None
+    assert "pairing key" in pool.problem()
+    assert Pool.from_status({}).problem() == "no ready prefill and decode endpoint in the deployment's status"
+
+
+def test_idle_pods_take_turns_and_busy_ones_are_avoided() -> None:
+    pool = Pool.from_status(status([endpoint(f"p{i}", "k") for i in range(3)], [endpoint("d0", "k")]))
+    balancer = Balancer()
+    picks = [balancer.choose(pool) for _ in range(6)]
+    assert sorted(p[0].pod for p in picks if p) == ["p0", "p0", "p1", "p1", "p2", "p2"]
+    balancer.started("p0")
+    balancer.started("p1")
+    assert {balancer.choose(pool)[0].pod for _ in range(4)} == {"p2"}  # type: ignore[index]
+    balancer.finished("p0")
+    balancer.finished("p1")
+    balancer.finished("p1")  # never below zero
+    assert balancer.outstanding == {}
+
+
+def test_excluded_pods_are_not_chosen() -> None:
+    pool = Pool.from_status(status([endpoint("p0", "k"), endpoint("p1", "k")], [endpoint("d0", "k")]))
+    balancer = Balancer()
+    assert {balancer.choose(pool, exclude=["p0"])[0].pod for _ in range(4)} == {"p1"}  # type: ignore[index]
+    assert balancer.choose(pool, exclude=["p0", "p1"]) is None
+
+
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.sampled_from("abc")), max_size=6),
+       st.lists(st.sampled_from("abc"), min_size=1, max_size=5), st.lists(st.sampled_from("abc"), min_size=1,
+                                                                          max_size=5))  # fmt: skip
+def test_every_chosen_pair_is_equal_or_listed(pairings: list[tuple[str, str]], prefill: list[str],
+                                              decode: list[str]) -> None:  # fmt: skip
+    pool = Pool.from_status(status([endpoint(f"p{i}", k) for i, k in enumerate(prefill)],
+                                   [endpoint(f"d{i}", k) for i, k in enumerate(decode)], pairings))  # fmt: skip
+    balancer = Balancer()
+    allowed = set(pairings)
+    for _ in range(10):
+        pair = balancer.choose(pool)
+        if pair is None:
+            assert not any(p == d or (p, d) in allowed for p in prefill for d in decode)
+            break
+        assert pair[0].pairing == pair[1].pairing or (pair[0].pairing, pair[1].pairing) in allowed
+        balancer.started(pair[0].pod)

@@ -1,0 +1,305 @@
+"""The router's HTTP front against engines that answer as vLLM's KV connectors do (aiohttp servers here; real
+vLLM in tests/vllm/test_router.py): what prefill and decode receive, streaming, retries, timeouts, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from kvbridge_operator.router.pool import Pool
+from kvbridge_operator.router.proxy import Router, RouterConfig, prefill_request
+
+Obj = dict[str, Any]
+
+
+@dataclass
+class FakeEngine:
+    """A prefill or decode engine: what it was sent, and how it misbehaves."""
+
+    name: str
+    mode: str = "ok"  # ok | 500 | 400 | slow | no-params | die-midstream
+    delay: float = 0.0
+    received: list[Obj] = field(default_factory=list)
+    in_flight: int = 0
+    peak: int = 0
+    server: TestServer | None = None
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append(body)
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        try:
+            if self.mode == "slow":
+                await asyncio.sleep(30)
+            await asyncio.sleep(self.delay)
+            if self.mode == "500":
+                return web.json_response({"error": {"message": "engine dead"}}, status=500)
+            if self.mode == "400":
+                return web.json_response({"error": {"message": "prompt too long"}}, status=400)
+            params = body.get("kv_transfer_params") or {}
+            if params.get("do_remote_decode"):
+                answer: Obj = {"choices": [{"text": "x", "token_ids": [1]}]}
+                if self.mode != "no-params":
+                    answer["kv_transfer_params"] = {"remote_engine_id": self.name, "remote_block_ids": [7]}
+                return web.json_response(answer)
+            tokens = [len(self.received), 2, 3]
+            if not body.get("stream"):
+                return web.json_response({"choices": [{"token_ids": tokens}], "decode": self.name,
+                                          "kv_from": params.get("remote_engine_id")})  # fmt: skip
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for token in tokens:
+                await response.write(f"data: {json.dumps({'choices': [{'token_ids': [token]}]})}\n\n".encode())
+                await asyncio.sleep(0.01)
+                if self.mode == "die-midstream":
+                    raise ConnectionResetError("decode died")
+            await response.write(b"data: [DONE]\n\n")
+            return response
+        finally:
+            self.in_flight -= 1
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "tiny"}]})
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        self.server = TestServer(app, host="127.0.0.1")
+        await self.server.start_server()
+
+    @property
+    def endpoint(self) -> Obj:
+        assert self.server is not None
+        return {"pod": self.name, "ip": "127.0.0.1", "httpPort": self.server.port, "pairing": "k"}
+
+
+@dataclass
+class Rig:
+    router: Router
+    url: str
+    session: aiohttp.ClientSession
+    prefill: list[FakeEngine]
+    decode: list[FakeEngine]
+
+    def route(self, prefill: list[Obj] | None = None, decode: list[Obj] | None = None) -> None:
+        self.router.set_pool(Pool.from_status({
+            "prefill": {"endpoints": prefill if prefill is not None else [e.endpoint for e in self.prefill]},
+            "decode": {"endpoints": decode if decode is not None else [e.endpoint for e in self.decode]},
+        }))  # fmt: skip
+
+    async def post(self, body: Obj, path: str = "/v1/completions") -> tuple[int, Obj]:
+        async with self.session.post(self.url + path, json=body) as r:
+            text = await r.text()
+            return r.status, json.loads(text) if not body.get("stream") else {"events": text}
+
+
+def closed_port_endpoint(name: str) -> Obj:
+    """An endpoint nothing listens on: a killed pod whose address the status still lists."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {"pod": name, "ip": "127.0.0.1", "httpPort": port, "pairing": "k"}
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    prefill = [FakeEngine("prefill-0"), FakeEngine("prefill-1")]
+    decode = [FakeEngine("decode-0")]
+    for engine in prefill + decode:
+        await engine.start()
+    router = Router(RouterConfig(prefill_timeout=1.0, decode_timeout=5.0, decode_idle_timeout=1.0))
+    server = TestServer(router.app(), host="127.0.0.1")
+    await server.start_server()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        found = Rig(router, f"http://127.0.0.1:{server.port}", session, prefill, decode)
+        found.route()
+        yield found
+    await server.close()
+    for engine in prefill + decode:
+        assert engine.server is not None
+        await engine.server.close()
+
+
+def test_prefill_gets_one_token_no_stream_and_the_remote_decode_flag() -> None:
+    body = {"model": "m", "prompt": [1, 2], "max_tokens": 50, "stream": True, "stream_options": {"a": 1},
+            "max_completion_tokens": 50, "temperature": 0}  # fmt: skip
+    sent = prefill_request(body)
+    assert sent == {
+        "model": "m",
+        "prompt": [1, 2],
+        "max_tokens": 1,
+        "stream": False,
+        "max_completion_tokens": 1,
+        "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+    }
+    assert body["max_tokens"] == 50  # the client's request is not changed
+
+
+async def test_decode_gets_the_clients_request_and_prefills_parameters(rig: Rig) -> None:
+    status, answer = await rig.post({"model": "m", "prompt": [1, 2, 3], "max_tokens": 3})
+    assert status == 200
+    sent = rig.decode[0].received[0]
+    assert sent["max_tokens"] == 3
+    assert sent["prompt"] == [1, 2, 3]
+    assert sent["kv_transfer_params"] == {"remote_engine_id": answer["kv_from"], "remote_block_ids": [7]}
+    status, _ = await rig.post({"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                               "/v1/chat/completions")  # fmt: skip
+    assert status == 200
+    assert rig.decode[0].received[-1]["messages"][0]["content"] == "hi"
+
+
+async def test_streams_are_passed_through_chunk_by_chunk(rig: Rig) -> None:
+    async with rig.session.post(rig.url + "/v1/completions", json={"prompt": [1], "stream": True}) as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        text = (await r.read()).decode()
+    events = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    assert [json.loads(e)["choices"][0]["token_ids"][0] for e in events[:-1]] == [1, 2, 3]
+    assert rig.decode[0].received[0]["stream"] is True
+
+
+async def test_requests_spread_over_prefill_pods_by_load(rig: Rig) -> None:
+    for engine in rig.prefill:
+        engine.delay = 0.3
+    results = await asyncio.gather(*(rig.post({"prompt": [i], "max_tokens": 1}) for i in range(6)))
+    assert all(status == 200 for status, _ in results)
+    assert [len(e.received) for e in rig.prefill] == [3, 3]
+    assert max(e.peak for e in rig.prefill) <= 3
+
+
+async def test_a_killed_prefill_pod_is_retried_on_another(rig: Rig) -> None:
+    rig.route(prefill=[closed_port_endpoint("prefill-dead"), rig.prefill[1].endpoint])
+    for i in range(4):
+        status, answer = await rig.post({"prompt": [i], "max_tokens": 2})
+        assert status == 200
+        assert answer["kv_from"] == "prefill-1"
+    metrics = await (await rig.session.get(rig.url + "/metrics")).text()
+    assert 'kvbridge_router_prefill_retries_total{pod="prefill-dead"}' in metrics
+
+
+async def test_a_failing_or_slow_prefill_is_retried_and_the_wait_is_bounded(rig: Rig) -> None:
+    rig.prefill[0].mode = "500"
+    rig.prefill[1].mode = "slow"
+    started = time.monotonic()
+    status, answer = await rig.post({"prompt": [1]})
+    assert time.monotonic() - started < 5  # one timeout (1 s) and one quick failure, never a hang
+    assert status in (502, 504)
+    assert answer["error"]["code"] in ("PREFILL_FAILED", "PREFILL_TIMEOUT")
+    assert "prefill pods tried: " in answer["error"]["message"]
+    rig.prefill[1].mode = "ok"
+    status, _ = await rig.post({"prompt": [1]})
+    assert status == 200
+
+
+async def test_a_prefill_without_transfer_parameters_is_not_sent_to_decode(rig: Rig) -> None:
+    for engine in rig.prefill:
+        engine.mode = "no-params"
+    status, answer = await rig.post({"prompt": [1]})
+    assert status == 502
+    assert answer["error"]["code"] == "PREFILL_NO_TRANSFER_PARAMS"
+    assert rig.decode[0].received == []
+
+
+async def test_a_request_prefill_refuses_is_the_clients_error_and_not_retried(rig: Rig) -> None:
+    rig.prefill[0].mode = rig.prefill[1].mode = "400"
+    status, answer = await rig.post({"prompt": [1]})
+    assert status == 400
+    assert answer["error"]["code"] == "PREFILL_REFUSED"
+    assert sum(len(e.received) for e in rig.prefill) == 1
+
+
+async def test_decode_failures_are_clear_errors(rig: Rig) -> None:
+    rig.route(decode=[closed_port_endpoint("decode-dead")])
+    status, answer = await rig.post({"prompt": [1]})
+    assert status == 502
+    assert answer["error"]["code"] == "DECODE_UNAVAILABLE"
+    assert "decode-dead" in answer["error"]["message"]
+    rig.route()
+    rig.decode[0].mode = "500"
+    status, answer = await rig.post({"prompt": [1]})
+    assert status == 500  # decode's own answer, passed through
+
+
+async def test_a_decode_that_dies_midstream_ends_the_stream_with_an_error_event(rig: Rig) -> None:
+    rig.decode[0].mode = "die-midstream"
+    async with rig.session.post(rig.url + "/v1/completions", json={"prompt": [1], "stream": True}) as r:
+        assert r.status == 200
+        text = (await r.read()).decode()
+    assert '"code": "DECODE_UNAVAILABLE"' in text.split("\n\n")[-2]
+
+
+async def test_no_pair_is_503_with_the_reason(rig: Rig) -> None:
+    rig.route(decode=[])
+    status, answer = await rig.post({"prompt": [1]})
+    assert status == 503
+    assert answer["error"]["code"] == "NO_ROUTE"
+    assert "no ready decode endpoint" in answer["error"]["message"]
+    async with rig.session.get(rig.url + "/health") as r:
+        assert r.status == 503
+        assert "decode" in (await r.json())["problem"]
+
+
+@pytest.mark.parametrize(("data", "code"), [
+    (b"{not json", "INVALID_JSON"), (b"[1, 2]", "INVALID_REQUEST"),
+    (json.dumps({"prompt": [1], "kv_transfer_params": {"remote_host": "evil"}}).encode(), "INVALID_REQUEST"),
+    (b"{" + b" " * (17 << 20) + b"}", "TOO_LARGE"),
+])  # fmt: skip
+async def test_bad_requests_are_refused_before_any_engine_sees_them(rig: Rig, data: bytes, code: str) -> None:
+    async with rig.session.post(rig.url + "/v1/completions", data=data,
+                                headers={"Content-Type": "application/json"}) as r:  # fmt: skip
+        answer = await r.json()
+    assert answer["error"]["code"] == code
+    assert r.status == (413 if code == "TOO_LARGE" else 400)
+    assert all(e.received == [] for e in rig.prefill + rig.decode)
+
+
+async def test_health_models_and_metrics(rig: Rig) -> None:
+    async with rig.session.get(rig.url + "/health") as r:
+        assert r.status == 200
+        assert (await r.json())["prefill"] == ["prefill-0", "prefill-1"]
+    async with rig.session.get(rig.url + "/v1/models") as r:
+        assert (await r.json())["data"][0]["id"] == "tiny"
+    await rig.post({"prompt": [1], "stream": True})
+    await rig.post({"prompt": [1]})
+    metrics = await (await rig.session.get(rig.url + "/metrics")).text()
+    for line in ('kvbridge_router_requests_total{outcome="ok",route="completions"} 2.0',
+                 "kvbridge_router_ttft_seconds_count 2.0", 'kvbridge_router_endpoints{role="prefill"} 2.0',
+                 'kvbridge_router_outstanding_requests{pod="decode-0",role="decode"} 0.0',
+                 "kvbridge_router_overhead_seconds_count 2.0"):  # fmt: skip
+        assert line in metrics
+
+
+async def test_a_decode_pod_that_cannot_be_reached_is_replaced_by_another(rig: Rig) -> None:
+    """Connection refused: decode never got the request, so no block was read; another paired decode pod may."""
+    rig.route(decode=[closed_port_endpoint("decode-dead"), rig.decode[0].endpoint])
+    for i in range(3):
+        status, answer = await rig.post({"prompt": [i]})
+        assert status == 200
+        assert answer["decode"] == "decode-0"
+
+
+async def test_a_client_that_leaves_midstream_releases_the_decode_call(rig: Rig) -> None:
+    for engine in rig.decode:
+        engine.delay = 0.0
+    async with rig.session.post(rig.url + "/v1/completions", json={"prompt": [1], "stream": True}) as r:
+        await r.content.readany()  # the first chunk, then hang up
+    await asyncio.sleep(0.3)
+    assert rig.router.balancer.outstanding == {}
+    status, _ = await rig.post({"prompt": [2]})  # and the router keeps serving
+    assert status == 200

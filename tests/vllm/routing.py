@@ -1,0 +1,60 @@
+"""``kvbridge router`` in front of the session's real vLLM engines: its pool as the operator's status would
+list them (each engine's address and its rendered pod's pairing key)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from aiohttp.test_utils import TestServer
+
+from kvbridge_agent.core import Role
+from kvbridge_operator.render import LABEL_PAIRING
+from kvbridge_operator.router.pool import Pool
+from kvbridge_operator.router.proxy import Router, RouterConfig
+
+from .engines import Engines, rendered_template
+
+Obj = dict[str, Any]
+
+
+def endpoint(engines: Engines, name: str, document: Obj, role: Role) -> Obj:
+    engine = engines.engines[name]
+    key = rendered_template(document, role)["metadata"]["labels"][LABEL_PAIRING]
+    return {"pod": name, "ip": engine.ip, "httpPort": engine.spec.http_port, "pairing": key}
+
+
+def pool(prefill: list[Obj], decode: list[Obj]) -> Pool:
+    return Pool.from_status({"prefill": {"endpoints": prefill}, "decode": {"endpoints": decode}})
+
+
+@asynccontextmanager
+async def running_router(config: RouterConfig | None = None) -> AsyncIterator[tuple[Router, str]]:
+    router = Router(config or RouterConfig(prefill_timeout=60, decode_timeout=120))
+    server = TestServer(router.app(), host="127.0.0.1")
+    await server.start_server()
+    try:
+        yield router, f"http://127.0.0.1:{server.port}"
+    finally:
+        await server.close()
+
+
+def streamed_tokens(text: str) -> list[int]:
+    """Token ids of a streamed completion (vLLM sends them per chunk with ``return_token_ids``)."""
+    tokens: list[int] = []
+    for event in text.split("\n\n"):
+        data = event.strip().removeprefix("data: ")
+        if data and data != "[DONE]":
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise AssertionError(f"the stream ended with an error: {chunk['error']}")
+            for choice in chunk.get("choices", []):
+                tokens += choice.get("token_ids") or []
+    return tokens
+
+
+def pod_calls(metrics_text: str, role: str, pod: str) -> float:
+    wanted = f'kvbridge_router_pod_requests_total{{pod="{pod}",role="{role}"}}'
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines() if line.startswith(wanted))

@@ -1,0 +1,119 @@
+"""``kvbridge router`` in front of real vLLM prefill and decode engines (NixlConnector, exactly the rendered pods):
+a single engine's greedy tokens, streamed or not; a prefill pod killed and restarted while requests go on."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+
+from kvbridge_agent.core import Role
+from kvbridge_operator.local import pd_requests
+from kvbridge_operator.local.tiny_model import prompt
+from kvbridge_operator.router.proxy import RouterConfig
+
+from .conftest import DEPLOYMENTS
+from .engines import Engines
+from .routing import endpoint, pod_calls, pool, running_router, streamed_tokens
+
+MAX_TOKENS = 12
+BLOCK = 32
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with pd_requests.client_session(180) as s:
+        yield s
+
+
+def _pool_of(engines: Engines, prefill: list[str]) -> object:
+    return pool(
+        [endpoint(engines, name, DEPLOYMENTS["short-lease" if "short" in name else "tp1"], Role.PREFILL)
+         for name in prefill],
+        [endpoint(engines, "decode", DEPLOYMENTS["tp1"], Role.DECODE)],
+    )  # fmt: skip
+
+
+async def _via_router(session: aiohttp.ClientSession, url: str, model: str, tokens: list[int], stream: bool,
+                      ) -> tuple[int, list[int], str]:  # fmt: skip
+    body = {"model": model, "prompt": tokens, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True, "stream": stream}  # fmt: skip
+    async with session.post(f"{url}/v1/completions", json=body) as response:
+        text = await response.text()
+    if response.status != 200:
+        return response.status, [], text
+    if stream:
+        return 200, streamed_tokens(text), text
+    import json
+
+    return 200, list(json.loads(text)["choices"][0]["token_ids"]), text
+
+
+async def test_router_answers_as_a_single_engine_streamed_or_not(
+    tp1_engines: Engines, session: aiohttp.ClientSession
+) -> None:
+    model = str(tp1_engines.model)
+    decode = tp1_engines.engines["decode"]
+    async with running_router() as (router, url):
+        router.set_pool(_pool_of(tp1_engines, ["prefill-tp1"]))  # type: ignore[arg-type]
+        for index, length in enumerate((7, BLOCK, 3 * BLOCK + 13)):
+            tokens = prompt(length, salt=900 + index)
+            want = await pd_requests.baseline(session, decode.url, model, tokens, MAX_TOKENS, salt=f"router-{index}")
+            status, got, text = await _via_router(session, url, model, tokens, stream=False)
+            assert status == 200, text
+            assert got == want.tokens, f"{length} tokens via the router: {got} != single engine {want.tokens}"
+            status, streamed, text = await _via_router(session, url, model, tokens, stream=True)
+            assert status == 200, text
+            assert streamed == want.tokens, f"{length} tokens streamed via the router: {streamed} != {want.tokens}"
+            assert text.rstrip().endswith("data: [DONE]")
+        async with session.get(f"{url}/metrics") as response:
+            metrics = await response.text()
+        assert pod_calls(metrics, "prefill", "prefill-tp1") == 6
+        assert pod_calls(metrics, "decode", "decode") == 6
+
+
+async def test_router_keeps_serving_while_a_prefill_pod_is_killed_and_restarted(
+    tp1_engines: Engines, session: aiohttp.ClientSession
+) -> None:
+    """Two prefill pods of one pairing key; one is killed while the status still lists it (the operator has not
+    seen it yet): every request is retried on the other and answers as a single engine. With only the dead pod
+    listed, requests fail at once with 502, never hang. Once the pod is back, requests reach it again (decode
+    handshakes with its new engine id)."""
+    model = str(tp1_engines.model)
+    decode = tp1_engines.engines["decode"]
+    both = _pool_of(tp1_engines, ["prefill-tp1", "prefill-short-lease"])
+    async with running_router(RouterConfig(prefill_timeout=30, decode_timeout=120, connect_timeout=2)) as (router, url):
+        router.set_pool(both)  # type: ignore[arg-type]
+        tp1_engines.stop(["prefill-tp1"])  # the process is gone; its address stays in the pool
+        try:
+            for index in range(4):
+                tokens = prompt(2 * BLOCK + 3, salt=950 + index)
+                status, got, text = await _via_router(session, url, model, tokens, stream=index % 2 == 1)
+                assert status == 200, text
+                want = await pd_requests.baseline(session, decode.url, model, tokens, MAX_TOKENS,
+                                                  salt=f"router-kill-{index}")  # fmt: skip
+                assert got == want.tokens
+            metrics = await (await session.get(f"{url}/metrics")).text()
+            assert 'kvbridge_router_prefill_retries_total{pod="prefill-tp1"}' in metrics  # it was tried and skipped
+            router.set_pool(_pool_of(tp1_engines, ["prefill-tp1"]))  # type: ignore[arg-type]
+            started = time.monotonic()
+            status, _, text = await _via_router(session, url, model, prompt(40, salt=960), stream=False)
+            assert status == 502
+            assert "PREFILL_UNAVAILABLE" in text
+            assert "prefill-tp1" in text
+            assert time.monotonic() - started < 10
+        finally:
+            tp1_engines.start(["prefill-tp1"])
+        router.set_pool(both)  # type: ignore[arg-type]
+        before = pod_calls(await (await session.get(f"{url}/metrics")).text(), "prefill", "prefill-tp1")
+        for index in range(4):  # the balancer takes turns: the restarted pod gets requests again
+            tokens = prompt(BLOCK + 5, salt=970 + index)
+            status, got, text = await _via_router(session, url, model, tokens, stream=False)
+            assert status == 200, text
+            want = await pd_requests.baseline(session, decode.url, model, tokens, MAX_TOKENS,
+                                              salt=f"router-back-{index}")  # fmt: skip
+            assert got == want.tokens
+        after = pod_calls(await (await session.get(f"{url}/metrics")).text(), "prefill", "prefill-tp1")
+        assert after - before >= 1
