@@ -38,6 +38,10 @@ class OperatorConfig:
         "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0",
         "image of vLLM engines on CPUs (engine.device CPU; vLLM's CPU build)",
     )
+    router_image: str = _setting(
+        f"ghcr.io/kvbridge/kvbridge-operator:{__version__}",
+        "image of the router (spec.router; the operator image, which has `kvbridge router`)",
+    )
     routing_sidecar_image: str = _setting(
         "", "llm-d routing sidecar image put in front of vLLM decode pods; empty: no sidecar"
     )

@@ -97,6 +97,20 @@ SPEC_RULES: list[dict[str, str]] = [
         "fieldPath": ".decode.blockSize",
         "reason": "FieldValueInvalid",
     },
+    {
+        "rule": "!has(self.inferencePool) || !has(self.inferencePool.enabled) || !self.inferencePool.enabled || "
+        "(has(self.inferencePool.endpointPicker) && self.inferencePool.endpointPicker != '')",
+        "message": "endpointPicker must name the Endpoint Picker's Service when the pool is enabled",
+        "fieldPath": ".inferencePool.endpointPicker",
+        "reason": "FieldValueRequired",
+    },
+    {
+        "rule": "(!has(self.model.tokenSecret) && !has(self.model.cache)) || "
+        "(has(self.model.source) && self.model.source.startsWith('hf://'))",
+        "message": "tokenSecret and cache are for downloads: set source to hf://ORG/NAME@REVISION",
+        "fieldPath": ".model.source",
+        "reason": "FieldValueInvalid",
+    },
 ]
 
 
@@ -165,7 +179,7 @@ def model_schema(model: type[BaseModel]) -> dict[str, Any]:
 
 def spec_schema() -> dict[str, Any]:
     schema = model_schema(DisaggregatedDeploymentSpec)
-    for section in ("engine", "transfer", "prefill", "decode", "scaling"):
+    for section in ("engine", "transfer", "prefill", "decode", "scaling", "router", "inferencePool"):
         schema["properties"][section]["default"] = {}  # so nested defaults apply before CEL rules run
     schema["x-kubernetes-validations"] = SPEC_RULES
     return schema
@@ -211,6 +225,7 @@ def crd() -> dict[str, Any]:
                         {"name": "Prefill", "type": "string", "jsonPath": ".status.prefill.ready"},
                         {"name": "Decode", "type": "string", "jsonPath": ".status.decode.ready"},
                         {"name": "TP", "type": "string", "jsonPath": ".status.tp"},
+                        {"name": "Router", "type": "string", "jsonPath": ".status.router.url"},
                         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                     ],
                     "schema": {

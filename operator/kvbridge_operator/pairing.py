@@ -20,8 +20,10 @@ from .spec import DisaggregatedDeploymentSpec
 def pairing_fields(spec: DisaggregatedDeploymentSpec) -> dict[str, object]:
     """What the verdict and the rendered transfer configuration depend on, in CRD words: the model (with the
     protocol version), both roles' settings, the conversion policy, the NIXL backends, the engine kind and device.
-    Not in it: replicas, images, templates, extra arguments, lease and timeouts, the side-channel port."""
-    return {
+    The model's source (with its revision) is in it when set: pods of two revisions hold different weights, so
+    KV computed by one is wrong for the other however equal the geometry. Not in it: replicas, images,
+    templates, extra arguments, lease and timeouts, the side-channel port, the router, the InferencePool."""
+    found: dict[str, object] = {
         "model": fingerprint_fields(spec.model),
         "prefill": spec.prefill.settings().model_dump(mode="json", by_alias=True),
         "decode": spec.decode.settings().model_dump(mode="json", by_alias=True),
@@ -29,6 +31,9 @@ def pairing_fields(spec: DisaggregatedDeploymentSpec) -> dict[str, object]:
         "backends": list(spec.transfer.backends),
         "engine": {"kind": spec.engine.kind.value, "device": spec.engine.device.value},
     }
+    if spec.model.source:  # absent when unset, so the keys of deployments without a source stay as they were
+        found["source"] = spec.model.source
+    return found
 
 
 def pairing(spec: DisaggregatedDeploymentSpec) -> str:

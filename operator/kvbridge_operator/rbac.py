@@ -13,12 +13,19 @@ REQUIRED: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("kvbridge.io", "disaggregatedroles", ("get", "list", "watch", "create", "patch")),
     ("kvbridge.io", "disaggregatedroles/status", ("patch",)),
     ("apps", "statefulsets", ("get", "list", "watch", "create", "patch")),
-    ("", "services", ("create", "patch")),
+    ("", "services", ("create", "patch", "delete")),
     ("networking.k8s.io", "networkpolicies", ("create", "patch")),
     ("policy", "poddisruptionbudgets", ("create", "patch")),
     ("", "secrets", ("create",)),
     ("", "pods", ("list", "watch")),
     ("", "events", ("create",)),
+    # the serving path: spec.router (its Role may only read its own deployment) and spec.inferencePool
+    ("apps", "deployments", ("create", "patch", "delete")),
+    ("", "serviceaccounts", ("create", "patch", "delete")),
+    ("rbac.authorization.k8s.io", "roles", ("create", "patch", "delete")),
+    ("rbac.authorization.k8s.io", "rolebindings", ("create", "patch", "delete")),
+    ("inference.networking.k8s.io", "inferencepools", ("create", "patch", "delete")),
+    ("gateway.networking.k8s.io", "httproutes", ("create", "patch", "delete")),
 )
 
 #: what Kopf itself calls on top of the operator's client (list+watch of handled resources, annotations)

@@ -21,7 +21,20 @@ from kvbridge_agent.core import Role, SpecError, TransferPlan
 
 from . import revisions
 from .config import OperatorConfig
-from .kube import BY_KIND, DEPLOYMENTS, EVENTS, PODS, ROLES, SECRETS, STATEFUL_SETS, ApiError, KubeClient
+from .kube import (
+    BY_KIND,
+    DEPLOYMENTS,
+    EVENTS,
+    HTTP_ROUTES,
+    INFERENCE_POOLS,
+    PODS,
+    ROLES,
+    SECRETS,
+    STATEFUL_SETS,
+    ApiError,
+    KubeClient,
+    Resource,
+)
 from .observe import Event, Observation, observe, pod_ready
 from .pairing import pairing
 from .render import (
@@ -36,6 +49,7 @@ from .render import (
 )
 from .rollout import Phase, PodState, RoleTarget, Step, Strategy, step
 from .scaling import Scale, desired_of, effective_replicas, replicas_patch, role_resource, role_status
+from .serving import router_name, router_url, serving_children
 from .spec import API_VERSION, KIND, DisaggregatedDeployment, parse_deployment
 from .status import Condition, ConditionType, Pairing, RolloutStatus, merge_conditions, now_rfc3339
 from .verdict import verdict_for
@@ -174,6 +188,56 @@ async def publish_role_status(client: KubeClient, dd: DisaggregatedDeployment, r
                        "status")  # fmt: skip
 
 
+#: what a cluster without the Gateway API (Inference Extension) CRDs answers for their objects
+OPTIONAL_KINDS = ("InferencePool", "HTTPRoute")
+
+
+async def apply_serving(client: KubeClient, dd: DisaggregatedDeployment, uid: str, config: OperatorConfig,
+                        previous: Obj) -> tuple[Obj, list[Event]]:  # fmt: skip
+    """Apply ``spec.router``'s and ``spec.inferencePool``'s objects; delete the ones the spec no longer asks for
+    (known from the previous status, so a deployment that never had them costs no call). Returns their status
+    fields and events; a cluster without the InferencePool or HTTPRoute CRD gets a Warning, not a failed reconcile."""
+    events: list[Event] = []
+    namespace = dd.metadata.namespace or "default"
+    fields: Obj = {"router": None, "inferencePool": None}
+    made: set[str] = set()
+    missing: list[str] = []
+    for child in serving_children(dd, uid, config):
+        try:
+            await apply(client, child)
+            made.add(child["kind"])
+        except ApiError as exc:
+            if exc.status != 404 or child["kind"] not in OPTIONAL_KINDS:
+                raise
+            missing.append(child["kind"])
+    pool_before = previous.get("inferencePool") or {}
+    if missing:
+        message = (f"the API has no {' or '.join(missing)} resource: install the Gateway API (Inference Extension) "
+                   "CRDs, or set spec.inferencePool.enabled: false")  # fmt: skip
+        fields["inferencePool"] = {"name": "", "httpRoute": "", "message": message}
+        if pool_before.get("message") != message:
+            events.append(Event("Warning", "ServingUnavailable", message))
+    if dd.spec.router.enabled:
+        fields["router"] = {"url": router_url(dd)}
+    elif previous.get("router"):
+        for kind in ("Deployment", "Service", "RoleBinding", "Role", "ServiceAccount"):
+            await client.delete(_resource_of(kind), namespace, router_name(dd.metadata.name))
+        events.append(Event("Normal", "RouterRemoved", f"{router_name(dd.metadata.name)} deleted (spec.router)"))
+    if dd.spec.inference_pool.enabled and "InferencePool" in made:
+        route = dd.metadata.name if "HTTPRoute" in made else ""
+        note = fields["inferencePool"]["message"] if missing else ""
+        fields["inferencePool"] = {"name": dd.metadata.name, "httpRoute": route, "message": note}
+    if pool_before.get("httpRoute") and not (fields["inferencePool"] or {}).get("httpRoute"):
+        await client.delete(HTTP_ROUTES, namespace, str(pool_before["httpRoute"]))
+    if pool_before.get("name") and not fields["inferencePool"]:
+        await client.delete(INFERENCE_POOLS, namespace, str(pool_before["name"]))
+    return fields, events
+
+
+def _resource_of(kind: str) -> Resource:
+    return next(resource for (_, k), resource in BY_KIND.items() if k == kind and resource is not EVENTS)
+
+
 async def ensure_secret(client: KubeClient, obj: Obj) -> None:
     try:
         await client.create(SECRETS, obj["metadata"]["namespace"], obj)
@@ -269,6 +333,8 @@ async def reconcile(
     verdict = verdict_for(dd)
     previous: Obj = body.get("status") or {}
     applied = False
+    serving: Obj = {key: previous.get(key) for key in ("router", "inferencePool")}
+    serving_events: list[Event] = []
     seen = cached if cached is not None else await read_children(client, namespace, name)
     roles, sets, pods = dict(seen.roles), dict(seen.sets), list(seen.pods)
     annotations: dict[str, str] = dict(meta.get("annotations") or {})
@@ -299,6 +365,8 @@ async def reconcile(
             written = await apply(client, child)
             if stateful:
                 sets[Role(role_of)] = written
+        if full:
+            serving, serving_events = await apply_serving(client, dd, uid, config, previous)
         applied = True
     observation = observe(dd, generation, verdict, sets, pods, previous, annotations, now_rfc3339(), scale.effective)
     if applied and int(previous.get("observedGeneration", -1)) != generation:
@@ -306,6 +374,8 @@ async def reconcile(
             0, Event("Normal", "Reconciled", f"generation {generation}: prefill and decode workloads applied")
         )
     status = observation.status.model_dump(by_alias=True, mode="json")
+    status.update(serving)
+    observation.events.extend(serving_events)
     for role in Role:
         status[role.value]["desiredReplicas"] = scale.desired[role]
         was = (previous.get(role.value) or {}).get("replicas")

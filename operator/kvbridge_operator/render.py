@@ -20,6 +20,7 @@ from kvbridge_agent.core.contract import EngineEnvironment, render_environment
 from . import vllm
 from .config import OperatorConfig
 from .keys import curve_keypair
+from .model_source import weights
 from .pairing import pairing
 from .spec import API_VERSION, KIND, DisaggregatedDeployment, EngineDevice, EngineKind, RoleSpec
 
@@ -60,7 +61,7 @@ def owner_reference(dd: DisaggregatedDeployment, uid: str) -> Obj:
             "blockOwnerDeletion": True}  # fmt: skip
 
 
-def _metadata(name: str, namespace: str, labels: dict[str, str], owner: Obj) -> Obj:
+def child_metadata(name: str, namespace: str, labels: dict[str, str], owner: Obj) -> Obj:
     return {"name": name, "namespace": namespace, "labels": {**MANAGED_BY, **labels}, "ownerReferences": [owner]}
 
 
@@ -138,7 +139,7 @@ def pod_template(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, co
               LABEL_PAIRING: pairing(spec), LABEL_TP: str(role_spec.tensor_parallel_size)}  # fmt: skip
     if spec.engine.kind is EngineKind.VLLM:
         containers, volumes = _vllm_containers(dd, role, plan, config, side_channel)
-        if config.routing_sidecar_image:
+        if config.routing_sidecar_image or spec.inference_pool.enabled:
             labels[LABEL_LLM_D_ROLE] = role.value.lower()  # what llm-d's scheduler selects prefill/decode pods by
     else:
         containers, volumes = (
@@ -203,6 +204,7 @@ def _vllm_containers(
     engine["ports"].append(side)
     engine["securityContext"] = {"allowPrivilegeEscalation": False}
     volumes: list[Obj] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}]
+    volumes += weights(dd.spec.model).volumes
     if vllm.uses_kvbridge(dd.spec):
         volumes.append(_keys_volume(dd))
         engine.setdefault("volumeMounts", []).append(
@@ -220,7 +222,7 @@ def stateful_set(dd: DisaggregatedDeployment, uid: str, role: Role, plan: Transf
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": _metadata(name, namespace, selector(dd.metadata.name, role), owner_reference(dd, uid)),
+        "metadata": child_metadata(name, namespace, selector(dd.metadata.name, role), owner_reference(dd, uid)),
         "spec": {
             "replicas": role_spec.replicas,
             "serviceName": name,
@@ -242,7 +244,7 @@ def service(dd: DisaggregatedDeployment, uid: str, role: Role, config: OperatorC
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(name, dd.metadata.namespace or "default", selector(dd.metadata.name, role),
+        "metadata": child_metadata(name, dd.metadata.namespace or "default", selector(dd.metadata.name, role),
                               owner_reference(dd, uid)),
         "spec": {"clusterIP": "None", "selector": selector(dd.metadata.name, role), "ports": ports,
                  "publishNotReadyAddresses": False},
@@ -256,7 +258,7 @@ def secret(dd: DisaggregatedDeployment, uid: str) -> Obj:
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": _metadata(secret_name(dd.metadata.name), dd.metadata.namespace or "default",
+        "metadata": child_metadata(secret_name(dd.metadata.name), dd.metadata.namespace or "default",
                               {LABEL_DEPLOYMENT: dd.metadata.name}, owner_reference(dd, uid)),
         "data": {"curve-public": base64.b64encode(public).decode(), "curve-secret": base64.b64encode(private).decode()},
     }  # fmt: skip
@@ -275,7 +277,7 @@ def network_policy(dd: DisaggregatedDeployment, uid: str, config: OperatorConfig
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _metadata(network_policy_name(name), dd.metadata.namespace or "default",
+        "metadata": child_metadata(network_policy_name(name), dd.metadata.namespace or "default",
                               {LABEL_DEPLOYMENT: name}, owner_reference(dd, uid)),
         "spec": {
             "podSelector": {"matchLabels": {LABEL_DEPLOYMENT: name}},
@@ -297,7 +299,7 @@ def pod_disruption_budget(dd: DisaggregatedDeployment, uid: str, role: Role) -> 
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(name, dd.metadata.namespace or "default", selector(dd.metadata.name, role),
+        "metadata": child_metadata(name, dd.metadata.namespace or "default", selector(dd.metadata.name, role),
                               owner_reference(dd, uid)),
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(dd.metadata.name, role)}},
     }  # fmt: skip

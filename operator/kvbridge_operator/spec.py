@@ -131,13 +131,90 @@ class ScalingSpec(CamelModel):
     )
 
 
+#: hf://ORG/NAME[@REVISION] (a branch, tag or commit) or pvc://CLAIM/PATH, or empty
+SOURCE_PATTERN = (
+    r"^(hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*(@[-A-Za-z0-9_./]{1,128})?"
+    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[-A-Za-z0-9_][-A-Za-z0-9_.]*)*/?)?$"  # no segment starts with "."
+)
+
+
+class SecretKeyRef(CamelModel):
+    name: str = Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    key: str = Field(default="HF_TOKEN", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
+
+
+class ModelCache(CamelModel):
+    claim_name: str = Field(
+        min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="A PersistentVolumeClaim (ReadWriteMany, so every pod of both roles mounts it) where "
+        "downloaded weights are kept (HF_HOME): each pod downloads only what the cache lacks.",
+    )  # fmt: skip
+
+
+class ModelSpec(ModelGeometry):
+    """The model's geometry (what the compatibility rules look at) and where its weights come from."""
+
+    source: str = Field(
+        default="", max_length=512, pattern=SOURCE_PATTERN,
+        description="Where the weights come from: hf://ORG/NAME@REVISION (Hugging Face, pinned to a branch, tag or "
+        "commit) or pvc://CLAIM/PATH (a PersistentVolumeClaim, mounted read-only). Empty: name is what the engine "
+        "loads. Part of the pairing key: pods of two revisions are never paired (their weights differ).",
+    )  # fmt: skip
+    token_secret: SecretKeyRef | None = Field(
+        default=None, description="A Secret key holding a Hugging Face token (HF_TOKEN) for gated or private models."
+    )
+    cache: ModelCache | None = Field(default=None, description="A shared cache of downloaded weights.")
+
+    @model_validator(mode="after")
+    def _source_needs(self) -> ModelSpec:
+        if (self.token_secret or self.cache) and not self.source.startswith("hf://"):
+            raise ValueError("tokenSecret and cache are for downloads: set source to hf://ORG/NAME@REVISION")
+        return self
+
+
+class RouterSpec(CamelModel):
+    enabled: bool = Field(default=False, description="Run kvbridge's router (a Deployment and a Service).")
+    replicas: int = Field(default=1, ge=1, le=64)
+    image: str = Field(default="", max_length=512, description="Empty: the operator's router image.")
+    resources: dict[str, Any] = Field(
+        default_factory=dict, description="The router container's resources (default: 500m CPU, 256Mi memory)."
+    )
+    prefill_timeout_seconds: int = Field(default=60, ge=1, le=3600, description="Per prefill call.")
+    decode_timeout_seconds: int = Field(default=600, ge=1, le=86400, description="Per decode answer.")
+    prefill_attempts: int = Field(default=3, ge=1, le=16, description="Prefill pods tried per request.")
+
+
+class InferencePoolSpec(CamelModel):
+    enabled: bool = Field(
+        default=False, description="Render a Gateway API Inference Extension InferencePool over both roles' pods "
+        "(labelled llm-d.ai/role prefill or decode, for llm-d's P/D scheduler).",
+    )  # fmt: skip
+    endpoint_picker: str = Field(
+        default="", max_length=253, pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$",
+        description="The Endpoint Picker's Service (e.g. llm-d's inference scheduler), installed separately.",
+    )  # fmt: skip
+    endpoint_picker_port: int = Field(default=9002, ge=1, le=65535, description="The Endpoint Picker's gRPC port.")
+    gateway: str = Field(
+        default="", max_length=253, pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$",
+        description="A Gateway of the namespace: an HTTPRoute from it to the pool is rendered too. Empty: none.",
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _picker(self) -> InferencePoolSpec:
+        if self.enabled and not self.endpoint_picker:
+            raise ValueError("endpointPicker must name the Endpoint Picker's Service when the pool is enabled")
+        return self
+
+
 class DisaggregatedDeploymentSpec(CamelModel):
     engine: EngineSpec = Field(default_factory=EngineSpec)
-    model: ModelGeometry
+    model: ModelSpec
     transfer: TransferSettings = Field(default_factory=TransferSettings)
     prefill: RoleSpec = Field(default_factory=RoleSpec)
     decode: RoleSpec = Field(default_factory=RoleSpec)
     scaling: ScalingSpec = Field(default_factory=ScalingSpec)
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    inference_pool: InferencePoolSpec = Field(default_factory=InferencePoolSpec)
 
     @model_validator(mode="after")
     def _bounds(self) -> DisaggregatedDeploymentSpec:

@@ -22,6 +22,7 @@ from kvbridge_agent.core import CacheKind, KVCacheDtype, KVLayout, Problem, Role
 from kvbridge_agent.core.wire import ConversionKind, wire_format, wire_format_defined
 
 from .config import OperatorConfig
+from .model_source import SOURCE_ARGUMENTS, weights
 from .spec import Connector, DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineDevice, RoleSpec
 
 #: the vLLM release this renderer targets: the flags, variables and layout names below are that release's
@@ -116,7 +117,13 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     found: list[Problem] = []
     for arg in spec.engine.extra_args:
         name = argument_name(arg)
-        if name in MANAGED_ARGUMENTS:
+        if spec.model.source and name in SOURCE_ARGUMENTS:
+            found.append(Problem(
+                VLLM_MANAGED_ARGUMENT, "spec.engine.extraArgs",
+                f"{arg.split('=', 1)[0]} is set by kvbridge from spec.model.source and spec.model.name; remove it "
+                "from extraArgs (pin a revision with source: hf://ORG/NAME@REVISION)",
+            ))  # fmt: skip
+        elif name in MANAGED_ARGUMENTS:
             found.append(Problem(
                 VLLM_MANAGED_ARGUMENT, "spec.engine.extraArgs",
                 f"{arg.split('=', 1)[0]} is set by kvbridge from the spec (it must agree with the compatibility "
@@ -285,8 +292,10 @@ def engine(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: 
     port = VLLM_PORT_BEHIND_SIDECAR if behind_sidecar(role, config) else config.agent_http_port
     transfer_config = kv_transfer_config(spec, plan, role)
     backend = attention_backend(spec)
+    loaded = weights(spec.model)
     args = [
-        spec.model.name,
+        loaded.model,
+        *loaded.args,
         "--port", str(port),
         "--tensor-parallel-size", str(role_spec.tensor_parallel_size),
         "--block-size", str(role_spec.block_size),
@@ -345,6 +354,8 @@ def container(
     vllm = engine(dd, role, plan, config)
     env = [*base_env, *({"name": k, "value": v} for k, v in vllm.env.items())]
     env += [{"name": k, "valueFrom": {"fieldRef": {"fieldPath": v}}} for k, v in vllm.downward.items()]
+    loaded = weights(dd.spec.model)
+    env += loaded.env
     probe = {"httpGet": {"path": HEALTH_PATH, "port": vllm.port}}
     return {
         "name": "engine",
@@ -360,7 +371,7 @@ def container(
         "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
         "resources": resources(dd.spec, dd.spec.role(role), config),
-        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],  # NCCL / shared memory between TP ranks
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *loaded.mounts],  # dshm: NCCL, TP ranks' memory
     }
 
 

@@ -56,7 +56,14 @@ def test_schema_is_structural() -> None:
 
 def test_printer_columns_short_names_and_status_subresource() -> None:
     version = crd()["spec"]["versions"][0]
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Ready", "Prefill", "Decode", "TP", "Age"]
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == [
+        "Ready",
+        "Prefill",
+        "Decode",
+        "TP",
+        "Router",
+        "Age",
+    ]
     assert crd()["spec"]["names"]["shortNames"] == ["dd", "disagg"]
     assert version["subresources"] == {"status": {}}
     conditions = SCHEMA["properties"]["status"]["properties"]["conditions"]

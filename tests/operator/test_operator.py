@@ -327,6 +327,78 @@ async def test_kubectl_get_columns_show_ready_replicas_and_tp() -> None:
         await c.apply(example("llama3-8b-hetero-tp"))
         await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True")
         await ready(c, "llama3-8b")
-        ready_col, prefill, decode, tp, age = printer_columns(c.deployment("llama3-8b"))
-        assert (ready_col, prefill, decode, tp) == ("True", "2/2", "1/1", "2→1")
+        ready_col, prefill, decode, tp, router, age = printer_columns(c.deployment("llama3-8b"))
+        assert (ready_col, prefill, decode, tp, router) == ("True", "2/2", "1/1", "2→1", "")
         assert age.endswith("Z")
+
+
+async def test_spec_router_runs_a_router_with_read_only_rbac_and_shows_its_url() -> None:
+    """spec.router.enabled: a Deployment, Service, ServiceAccount, Role and RoleBinding, status.router.url (a
+    printer column), and decode endpoints in the status for it; disabling it deletes them."""
+    names = ("deployments", "services", "serviceaccounts", "roles", "rolebindings")
+    async with cluster() as c:
+        document = example("llama3-8b-hetero-tp")
+        document["spec"]["router"] = {"enabled": True, "replicas": 2, "prefillTimeoutSeconds": 30}
+        await c.apply(document)
+        await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True")
+        await ready(c, "llama3-8b")
+        await c.wait(lambda: (c.deployment("llama3-8b")["status"].get("router") or {}).get("url"), what="router url")
+        assert printer_columns(c.deployment("llama3-8b"))[4] == "http://llama3-8b-router.default.svc:8000"
+        for plural in names:
+            assert c.api.find(plural, "default", "llama3-8b-router") is not None, plural
+        deployment = c.api.find("deployments", "default", "llama3-8b-router")
+        assert deployment is not None
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        assert container["args"][:3] == ["router", "--deployment=llama3-8b", "--namespace=default"]
+        assert "--prefill-timeout=30" in container["args"]
+        assert deployment["spec"]["replicas"] == 2
+        role = c.api.find("roles", "default", "llama3-8b-router")
+        assert role is not None
+        assert role["rules"] == [{"apiGroups": ["kvbridge.io"], "resources": ["disaggregateddeployments"],
+                                  "resourceNames": ["llama3-8b"], "verbs": ["get", "list", "watch"]}]  # fmt: skip
+        decode = c.deployment("llama3-8b")["status"]["decode"]["endpoints"]
+        assert [(e["pod"], e["httpPort"]) for e in decode] == [("llama3-8b-decode-0", 8000)]
+        await c.patch_spec("llama3-8b", {"router": {"enabled": False}})
+        await c.wait(lambda: all(c.api.find(p, "default", "llama3-8b-router") is None for p in names),
+                     what="router children deleted")  # fmt: skip
+        await c.wait(lambda: "router" not in c.deployment("llama3-8b")["status"], what="status.router removed")
+        assert "RouterRemoved" in c.reasons("llama3-8b")
+
+
+def _crd_of(group: str, kind: str, plural: str) -> Obj:
+    """A minimal CustomResourceDefinition, as the Gateway API (Inference Extension) installs it."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{group}"},
+        "spec": {"group": group, "scope": "Namespaced",
+                 "names": {"kind": kind, "plural": plural, "singular": kind.lower(), "listKind": f"{kind}List"},
+                 "versions": [{"name": "v1", "served": True, "storage": True,
+                               "schema": {"openAPIV3Schema": {"type": "object",
+                                                              "x-kubernetes-preserve-unknown-fields": True}}}]},
+    }  # fmt: skip
+
+
+async def test_an_inference_pool_without_its_crd_is_a_warning_and_with_it_is_made() -> None:
+    from kvbridge_operator.kube import Resource
+
+    crds = Resource("apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False)
+    async with cluster() as c:
+        document = example("llama3-8b-hetero-tp")
+        document["spec"]["inferencePool"] = {"enabled": True, "endpointPicker": "llm-d-epp", "gateway": "gw"}
+        await c.apply(document)
+        await c.wait(lambda: "ServingUnavailable" in c.reasons("llama3-8b"), what="the warning")
+        status = c.deployment("llama3-8b")["status"]
+        assert "InferencePool" in status["inferencePool"]["message"]
+        assert c.condition("llama3-8b", "Compatible")["status"] == "True"  # the rest was applied
+        for group, kind, plural in (("inference.networking.k8s.io", "InferencePool", "inferencepools"),
+                                    ("gateway.networking.k8s.io", "HTTPRoute", "httproutes")):  # fmt: skip
+            await c.client.create(crds, "", _crd_of(group, kind, plural))
+        await c.patch_spec("llama3-8b", {"inferencePool": {"endpointPickerPort": 9003}})
+        await c.wait(lambda: c.deployment("llama3-8b")["status"]["inferencePool"]["httpRoute"] == "llama3-8b",
+                     what="pool and route made")  # fmt: skip
+        pool = c.api.find("inferencepools", "default", "llama3-8b")
+        assert pool is not None
+        assert pool["spec"]["endpointPickerRef"]["port"] == {"number": 9003}
+        await c.patch_spec("llama3-8b", {"inferencePool": {"gateway": ""}})
+        await c.wait(lambda: c.api.find("httproutes", "default", "llama3-8b") is None, what="route deleted")
+        assert c.api.find("inferencepools", "default", "llama3-8b") is not None

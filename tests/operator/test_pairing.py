@@ -87,18 +87,3 @@ def test_every_model_field_is_in_the_key() -> None:
 )  # fmt: skip
 def test_what_does_not_change_the_plan_keeps_the_key(path: str, value: object) -> None:
     assert key(with_(**{path: value})) == key(with_())
-
-
-def test_the_demo_router_pairs_only_pods_of_one_key() -> None:
-    from kvbridge_operator.demo import pair
-
-    def pod(name: str, key: str | None) -> dict[str, Any]:
-        return {"metadata": {"name": name, "labels": {} if key is None else {"kvbridge.io/pairing": key}}}
-
-    endpoints = [{"pod": "p-0", "pairing": "old"}, {"pod": "p-1", "pairing": "new"}, {"pod": "p-2", "pairing": ""}]
-    decodes = [pod("d-0", "old"), pod("d-1", "new"), pod("d-2", None), pod("d-3", "")]
-    assert [(e["pod"], d) for e, d in pair(endpoints, decodes)] == [("p-0", "d-0"), ("p-1", "d-1")]
-    # during an in-place rollout the operator lists the mixed pairs it checked: only those are added
-    checked = [{"prefill": "old", "decode": "new"}]
-    assert [(e["pod"], d) for e, d in pair(endpoints, decodes, checked)] == [("p-0", "d-0"), ("p-0", "d-1"),
-                                                                              ("p-1", "d-1")]  # fmt: skip

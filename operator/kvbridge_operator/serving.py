@@ -1,0 +1,137 @@
+"""The serving path in front of a deployment's pods, rendered from ``spec.router`` and ``spec.inferencePool``.
+
+- ``spec.router.enabled``: kvbridge's router (``kvbridge router``) as a Deployment and a ClusterIP Service
+  ``<name>-router``, with a ServiceAccount whose Role may only get and watch this one DisaggregatedDeployment
+  (the router reads the endpoints and pairings from its status; it never lists pods).
+- ``spec.inferencePool.enabled``: a Gateway API Inference Extension ``InferencePool`` (``inference.networking.
+  k8s.io/v1``) selecting both roles' pods, which carry ``llm-d.ai/role: prefill|decode`` for llm-d's P/D
+  scheduler (the Endpoint Picker, installed separately and named in the spec), and an ``HTTPRoute`` from a
+  Gateway when one is named.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import OperatorConfig
+from .render import HTTP_PORT_NAME, LABEL_DEPLOYMENT, MANAGED_BY, child_metadata, owner_reference
+from .spec import DisaggregatedDeployment
+
+Obj = dict[str, Any]
+LABEL_COMPONENT = "app.kubernetes.io/component"
+ROUTER_PORT = 8000
+INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
+
+
+def router_name(deployment: str) -> str:
+    return f"{deployment}-router"
+
+
+def router_selector(deployment: str) -> dict[str, str]:
+    return {LABEL_DEPLOYMENT: deployment, LABEL_COMPONENT: "router"}
+
+
+def router_url(dd: DisaggregatedDeployment) -> str:
+    """The router Service's address inside the cluster."""
+    namespace = dd.metadata.namespace or "default"
+    return f"http://{router_name(dd.metadata.name)}.{namespace}.svc:{ROUTER_PORT}"
+
+
+def router_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfig) -> list[Obj]:
+    name, namespace = router_name(dd.metadata.name), dd.metadata.namespace or "default"
+    owner = owner_reference(dd, uid)
+    labels = router_selector(dd.metadata.name)
+    spec = dd.spec.router
+    args = [
+        "router", f"--deployment={dd.metadata.name}", f"--namespace={namespace}", f"--port={ROUTER_PORT}",
+        f"--prefill-timeout={spec.prefill_timeout_seconds}", f"--decode-timeout={spec.decode_timeout_seconds}",
+        f"--prefill-attempts={spec.prefill_attempts}",
+    ]  # fmt: skip
+    probe = {"httpGet": {"path": "/metrics", "port": HTTP_PORT_NAME}, "periodSeconds": 10}
+    container = {
+        "name": "router",
+        "image": spec.image or config.router_image,
+        "command": ["kvbridge"],
+        "args": args,
+        "ports": [{"name": HTTP_PORT_NAME, "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        # ready once some prefill/decode pair is routable (503 before); alive while it answers at all
+        "readinessProbe": {"httpGet": {"path": "/health", "port": HTTP_PORT_NAME}, "periodSeconds": 5},
+        "livenessProbe": {**probe, "failureThreshold": 6},
+        "resources": spec.resources or {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+                            "capabilities": {"drop": ["ALL"]}},
+    }  # fmt: skip
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": child_metadata(name, namespace, labels, owner)},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": child_metadata(name, namespace, labels, owner),
+            "rules": [{"apiGroups": ["kvbridge.io"], "resources": ["disaggregateddeployments"],
+                       "resourceNames": [dd.metadata.name], "verbs": ["get", "list", "watch"]}],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": child_metadata(name, namespace, labels, owner),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+        },
+        {
+            "apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": child_metadata(name, namespace, labels, owner),
+            "spec": {
+                "replicas": spec.replicas,
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": {**MANAGED_BY, **labels}},
+                    "spec": {"serviceAccountName": name, "containers": [container],
+                             "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}}},
+                },
+            },
+        },
+        {
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": child_metadata(name, namespace, labels, owner),
+            "spec": {"type": "ClusterIP", "selector": labels,
+                     "ports": [{"name": HTTP_PORT_NAME, "port": ROUTER_PORT, "targetPort": HTTP_PORT_NAME,
+                                "protocol": "TCP"}]},
+        },
+    ]  # fmt: skip
+
+
+def inference_pool_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfig) -> list[Obj]:
+    name, namespace = dd.metadata.name, dd.metadata.namespace or "default"
+    owner = owner_reference(dd, uid)
+    labels = {LABEL_DEPLOYMENT: name}
+    pool = dd.spec.inference_pool
+    found: list[Obj] = [
+        {
+            "apiVersion": INFERENCE_POOL_API, "kind": "InferencePool",
+            "metadata": child_metadata(name, namespace, labels, owner),
+            "spec": {
+                # both roles' pods; llm-d's P/D scheduler tells them apart by llm-d.ai/role
+                "selector": {"matchLabels": {LABEL_DEPLOYMENT: name}},
+                "targetPorts": [{"number": config.agent_http_port}],
+                "endpointPickerRef": {"name": pool.endpoint_picker, "kind": "Service",
+                                      "port": {"number": pool.endpoint_picker_port}, "failureMode": "FailClose"},
+            },
+        },
+    ]  # fmt: skip
+    if pool.gateway:
+        found.append({
+            "apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+            "metadata": child_metadata(name, namespace, labels, owner),
+            "spec": {
+                "parentRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": pool.gateway}],
+                "rules": [{"matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+                           "backendRefs": [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                            "name": name}]}],
+            },
+        })  # fmt: skip
+    return found
+
+
+def serving_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfig) -> list[Obj]:
+    return [
+        *(router_children(dd, uid, config) if dd.spec.router.enabled else []),
+        *(inference_pool_children(dd, uid, config) if dd.spec.inference_pool.enabled else []),
+    ]
