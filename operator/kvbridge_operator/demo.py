@@ -15,6 +15,7 @@ import asyncio
 import copy
 import json
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -27,7 +28,8 @@ import aiohttp
 from .config import OperatorConfig
 from .kube import DEPLOYMENTS, PODS, KubeClient, Resource
 from .manifests import deployments_of, parse_documents, read_text, source_name
-from .render import LABEL_DEPLOYMENT, LABEL_PAIRING, LABEL_ROLE
+from .render import LABEL_DEPLOYMENT
+from .router.proxy import Router
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DEFAULT_FILES = {
@@ -58,11 +60,16 @@ class Transfers:
     check: str = "bytes"
     #: whether a prefill pod was killed and restarted halfway
     restarted: bool = True
+    #: the request sent right after the kill: its HTTP status, how long it took, the error code
+    during_outage: dict[str, Any] = field(default_factory=dict)
+    #: the router's own figures (requests by outcome, retries, overhead)
+    router: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "requests": self.requests, "verified": self.verified, "check": self.check,
             "verifiedAfterPrefillRestart": self.after_restart, "failures": self.failures,
+            "duringOutage": self.during_outage, "router": self.router,
         }  # fmt: skip
         if self.check == "bytes":
             out["gbps"] = round(self.bytes / self.seconds / 1e9, 3) if self.seconds else 0.0
@@ -129,84 +136,119 @@ def _short(message: str, limit: int = 100) -> str:
     return message if len(message) <= limit else message[: limit - 3] + "..."
 
 
-async def transfer(session: aiohttp.ClientSession, prefill_url: str, decode_url: str, request_id: str,
-                   tokens: int, hit: int, result: Transfers) -> bool:  # fmt: skip
-    result.requests += 1
-    async with session.post(f"{prefill_url}/v1/prefill", json={"requestId": request_id, "numTokens": tokens}) as r:
-        body = await r.json()
-    if r.status != 200:
-        result.failures.append(
-            {"request": request_id, "code": body["error"]["code"], "message": body["error"]["message"]}
-        )
-        return False
-    params = body["kvTransferParams"]
-    payload = {"requestId": f"decode-{request_id}", "kvTransferParams": params, "prefixHitBlocks": hit}
-    async with session.post(f"{decode_url}/v1/decode", json=payload) as r:
-        body = await r.json()
-    if r.status != 200 or body.get("verified") is not True:
-        error = body.get("error", {"code": "NOT_VERIFIED", "message": "decode did not verify"})
-        result.failures.append({"request": request_id, "code": error["code"], "message": error["message"]})
-        return False
-    result.verified += 1
-    result.bytes += int(body["bytes"])
-    result.seconds += float(body["transferSeconds"])
-    return True
+@dataclass
+class LocalRouter:
+    """``kvbridge router`` for one deployment, in this process: the code the router Deployment runs
+    (spec.router), watching the deployment's status on the emulated API and serving on 127.0.0.1."""
+
+    router: Router
+    url: str
+    stop: asyncio.Event
+    tasks: list[asyncio.Task[None]]
+
+    async def close(self) -> None:
+        self.stop.set()
+        await asyncio.wait_for(asyncio.gather(*self.tasks, return_exceptions=True), timeout=30)
 
 
-def pair(endpoints: list[Obj], decode_pods: list[Obj], pairings: list[Obj] | None = None) -> list[tuple[Obj, str]]:
-    """Every (prefill endpoint, decode pod name) whose pairing keys are equal (one checked plan) or listed together
-    in ``status.rollout.pairings`` (the operator checked that mix during a rollout). Nothing else is paired: the
-    old and new pods of an incompatible change are not one plan."""
-    allowed = {(str(p.get("prefill")), str(p.get("decode"))) for p in pairings or []}
-    found = []
-    for pod in decode_pods:
-        decode_key = pod["metadata"].get("labels", {}).get(LABEL_PAIRING)
-        for endpoint in endpoints:
-            key = endpoint.get("pairing")
-            if key and decode_key and (key == decode_key or (key, decode_key) in allowed):
-                found.append((endpoint, pod["metadata"]["name"]))
-    return found
+async def start_router(client: KubeClient, name: str, timeout: float = 60) -> LocalRouter:
+    from .router.proxy import Router, serve
+    from .router.source import watch_status
+
+    router, stop = Router(), asyncio.Event()
+    with socket.socket() as probe:  # a free port for the router
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    tasks = [asyncio.create_task(watch_status(client, NAMESPACE, name, router.set_pool, stop)),
+             asyncio.create_task(serve(router, "127.0.0.1", port, stop))]  # fmt: skip
+    local = LocalRouter(router, f"http://127.0.0.1:{port}", stop, tasks)
+    deadline = time.monotonic() + timeout
+    while router.pool.problem():
+        if time.monotonic() > deadline:
+            await local.close()
+            raise DemoError(f"{name}: the router found nothing to route to: {router.pool.problem()}")
+        await asyncio.sleep(0.2)
+    return local
 
 
-async def targets(client: KubeClient, runner: Any, name: str) -> tuple[Obj, list[tuple[Obj, str]]]:
-    """What a router sees of a deployment: the resource, and its (prefill endpoint, decode URL) pairs."""
-    dd = await client.get(DEPLOYMENTS, NAMESPACE, name) or {}
-    endpoints = (dd.get("status") or {}).get("prefill", {}).get("endpoints") or []
-    pods = await client.list(PODS, NAMESPACE, f"{LABEL_DEPLOYMENT}={name},{LABEL_ROLE}=decode")
-    checked = ((dd.get("status") or {}).get("rollout") or {}).get("pairings") or []
-    pairs = [(endpoint, runner.http_url(NAMESPACE, pod)) for endpoint, pod in pair(endpoints, pods, checked)]
-    if not pairs:
-        raise DemoError(f"{name}: no prefill endpoint and decode pod of one pairing key to route to")
-    return dd, pairs
+async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """One request through the router: the HTTP status and the JSON answer (or an error of the router's shape)."""
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as response:
+            text = await response.text()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return 0, {"error": {"code": "ROUTER_UNREACHABLE", "message": f"{type(exc).__name__}: {exc}"}}
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        answer = {"error": {"code": "NOT_JSON", "message": text[:300]}}
+    return response.status, answer if isinstance(answer, dict) else {"error": {"code": "NOT_JSON", "message": ""}}
+
+
+def _failure(request: str, status: int, answer: dict[str, Any]) -> dict[str, str]:
+    error = answer.get("error") or {}
+    return {"request": request, "code": str(error.get("code") or f"HTTP_{status}"),
+            "message": str(error.get("message") or answer)[:500]}  # fmt: skip
 
 
 async def route(
     client: KubeClient, runner: Any, name: str, requests: int, restart: bool, interrupted: asyncio.Event | None = None
 ) -> Transfers:
-    """Play the router: prefill computes, decode pulls through the published endpoints; one prefill restart."""
+    """Requests through the router to the synthetic engines, every byte checked; halfway a prefill pod is killed:
+    the request sent at once goes to the other prefill pod (or fails with a clear 5xx), the rest after it is back."""
     result = Transfers()
-    dd, pairs = await targets(client, runner, name)
-    spec = dd["spec"]
-    block = max(int(spec.get("prefill", {}).get("blockSize", 16)), int(spec.get("decode", {}).get("blockSize", 16)))
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-        for index in range(requests):
-            check(interrupted)
-            if restart and index == requests // 2:
-                victim = pairs[0][0]["pod"]
-                progress(f"  restarting prefill pod {victim} (its engine is killed; the runner starts it again)")
-                runner.crash(NAMESPACE, victim)
-                await wait_restarted(client, name, victim, interrupted=interrupted)
-                dd, pairs = await targets(client, runner, name)
-            endpoint, decode_url = pairs[index % len(pairs)]
-            tokens = [3 * block + 5, 1, 7 * block, 2 * block + 1][index % 4]
-            hit = 1 if index % 4 == 2 else 0
-            ok = await transfer(session, runner.http_url(NAMESPACE, endpoint["pod"]), decode_url,
-                                f"{name}-{index}", tokens, hit, result)  # fmt: skip
-            if ok and restart and index >= requests // 2:
-                result.after_restart += 1
-            progress(f"  {name} request {index + 1}/{requests} via {endpoint['pod']}: "
-                     f"{'verified' if ok else result.failures[-1]['code']}")  # fmt: skip
+    dd = await client.get(DEPLOYMENTS, NAMESPACE, name) or {}
+    block = max(int(dd["spec"].get("prefill", {}).get("blockSize", 16)), int(dd["spec"].get("decode", {}).get(
+        "blockSize", 16)))  # fmt: skip
+    local = await start_router(client, name)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            for index in range(requests):
+                check(interrupted)
+                if restart and index == requests // 2:
+                    await _kill_prefill(client, runner, name, local, session, result, interrupted, {"prompt": [1] * 8})
+                tokens = [3 * block + 5, 1, 7 * block, 2 * block + 1][index % 4]
+                result.requests += 1
+                status, answer = await send(session, local.url, {"model": "demo", "prompt": [7] * tokens,
+                                                                 "max_tokens": 1})  # fmt: skip
+                moved = answer.get("kvbridge") or {}
+                ok = status == 200 and moved.get("verified") is True
+                if ok:
+                    result.verified += 1
+                    result.bytes += int(moved["bytes"])
+                    result.seconds += float(moved["transferSeconds"])
+                    result.after_restart += int(restart and index >= requests // 2)
+                else:
+                    result.failures.append(_failure(f"{name}-{index}", status, answer))
+                progress(f"  {name} request {index + 1}/{requests} via the router: "
+                         f"{'verified' if ok else result.failures[-1]['code']}")  # fmt: skip
+    finally:
+        await local.close()
+    result.router = local.router.metrics.summary()
     return result
+
+
+async def _kill_prefill(client: KubeClient, runner: Any, name: str, local: LocalRouter,
+                        session: aiohttp.ClientSession, result: Transfers, interrupted: asyncio.Event | None,
+                        probe: dict[str, Any]) -> None:  # fmt: skip
+    """Kill a prefill pod's engine, send one request at once (the status may still list the dead pod), wait until
+    the pod is back, and let the router see it."""
+    victim = sorted(t.pod for t in local.router.pool.prefill)[0]
+    progress(f"  killing prefill pod {victim}'s engine (the runner restarts it, as a kubelet would)")
+    runner.crash(NAMESPACE, victim)
+    started = time.monotonic()
+    status, answer = await send(session, local.url, probe)
+    seconds = round(time.monotonic() - started, 2)
+    outcome = "answered" if status == 200 else f"{status} {(answer.get('error') or {}).get('code', '')}"
+    result.during_outage = {"status": status, "seconds": seconds,
+                            "code": "" if status == 200 else _failure("outage", status, answer)["code"]}  # fmt: skip
+    progress(f"  a request sent right after the kill: {outcome} in {seconds} s (another prefill pod, or a clear "
+             "error; never a hang)")  # fmt: skip
+    await wait_restarted(client, name, victim, timeout=600, interrupted=interrupted)
+    deadline = time.monotonic() + 30
+    while victim not in {t.pod for t in local.router.pool.routable()} and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    progress(f"  {victim} is back with a new engine: decode handshakes with it again")
 
 
 async def wait_restarted(
@@ -228,51 +270,58 @@ async def wait_restarted(
 async def route_vllm(
     client: KubeClient, runner: Any, name: str, requests: int, model: str, interrupted: asyncio.Event | None = None
 ) -> Transfers:
-    """Play the router for vLLM pods: prefill computes, decode pulls the KV cache over NIXL and generates; every
-    answer is compared with a single-engine run of the same prompt. Halfway, a prefill pod's engine is killed;
-    once the runner has restarted it, the remaining requests go on (decode meets a new engine id)."""
+    """Requests through the router to vLLM pods: prefill computes, decode pulls the KV cache over NIXL and
+    generates; every answer is compared with a single-engine run of the same prompt on the decode pod. Halfway a
+    prefill pod's engine is killed; a request sent at once fails with a clear 5xx (this deployment has one
+    prefill pod) and the rest go on once the runner has restarted it (decode meets a new engine id)."""
     from .local import pd_requests
 
-    dd, pairs = await targets(client, runner, name)
+    dd = await client.get(DEPLOYMENTS, NAMESPACE, name) or {}
     block = int(dd["spec"].get("decode", {}).get("blockSize", 32))
-    victim = pairs[0][0]["pod"] if requests >= 2 else None
-    result = Transfers(check="tokens", restarted=victim is not None)
-    async with pd_requests.client_session(300) as session:
-        for index in range(requests):
-            check(interrupted)
-            if victim and index == requests // 2:
-                progress(f"  killing prefill pod {victim}'s engine (the runner restarts it, as a kubelet would; vLLM "
-                         "takes about a minute to come back here) ...")  # fmt: skip
-                runner.crash(NAMESPACE, victim)
-                await wait_restarted(client, name, victim, timeout=600, interrupted=interrupted)
-                dd, pairs = await targets(client, runner, name)
-                progress(f"  {victim} is back with a new vLLM engine id: decode must handshake with it again")
-            endpoint, decode_url = pairs[index % len(pairs)]
-            pod = endpoint["pod"]
-            after = bool(victim) and index >= requests // 2
-            tokens = [3 * block + 5, 7, 2 * block, block + 1][index % 4]
-            prompt = tiny_model_prompt(tokens, salt=index)
-            prefill_url = runner.http_url(NAMESPACE, pod)
-            result.requests += 1
-            try:
-                got = await pd_requests.disaggregated(session, prefill_url, decode_url, model, prompt,
-                                                      VLLM_MAX_TOKENS)  # fmt: skip
-                want = await pd_requests.baseline(session, decode_url, model, prompt, VLLM_MAX_TOKENS,
-                                                  salt=f"demo-baseline-{index}")  # fmt: skip
-            except (pd_requests.PDRequestError, aiohttp.ClientError, TimeoutError) as exc:
-                result.failures.append({"request": f"{name}-{index}", "code": "REQUEST_FAILED", "message": str(exc)})
-                progress(f"  {name} request {index + 1}/{requests} via {pod}: REQUEST_FAILED")
-                continue
-            if got.tokens == want.tokens:
-                result.verified += 1
-                result.seconds += got.seconds
-                result.after_restart += int(after)
-                outcome = f"{tokens} prompt tokens, decode's {len(got.tokens)} tokens equal a single engine's"
-            else:
-                result.failures.append({"request": f"{name}-{index}", "code": "TOKENS_DIFFER",
-                                        "message": f"P/D {got.tokens} != single engine {want.tokens}"})  # fmt: skip
-                outcome = "TOKENS_DIFFER"
-            progress(f"  {name} request {index + 1}/{requests} via {pod}: {outcome}")
+    restart = requests >= 2
+    result = Transfers(check="tokens", restarted=restart)
+    local = await start_router(client, name)
+    try:
+        async with pd_requests.client_session(300) as session:
+            for index in range(requests):
+                check(interrupted)
+                if restart and index == requests // 2:
+                    probe = {"model": model, "prompt": tiny_model_prompt(8, salt=99), "max_tokens": 1}
+                    await _kill_prefill(client, runner, name, local, session, result, interrupted, probe)
+                tokens = [3 * block + 5, 7, 2 * block, block + 1][index % 4]
+                prompt = tiny_model_prompt(tokens, salt=index)
+                body = {"model": model, "prompt": prompt, "max_tokens": VLLM_MAX_TOKENS, "temperature": 0.0,
+                        "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+                result.requests += 1
+                started = time.perf_counter()
+                status, answer = await send(session, local.url, body)
+                seconds = time.perf_counter() - started
+                decode_url = next(iter(t.url for t in local.router.pool.decode), "")
+                if status != 200 or not decode_url:
+                    result.failures.append(_failure(f"{name}-{index}", status, answer))
+                    progress(f"  {name} request {index + 1}/{requests}: {result.failures[-1]['code']}")
+                    continue
+                got = list(answer["choices"][0]["token_ids"])
+                try:
+                    want = await pd_requests.baseline(session, decode_url, model, prompt, VLLM_MAX_TOKENS,
+                                                      salt=f"demo-baseline-{index}")  # fmt: skip
+                except (pd_requests.PDRequestError, aiohttp.ClientError, TimeoutError) as exc:
+                    result.failures.append({"request": f"{name}-{index}", "code": "BASELINE_FAILED",
+                                            "message": str(exc)})  # fmt: skip
+                    continue
+                if got == want.tokens:
+                    result.verified += 1
+                    result.seconds += seconds
+                    result.after_restart += int(restart and index >= requests // 2)
+                    outcome = f"{tokens} prompt tokens, decode's {len(got)} tokens equal a single engine's"
+                else:
+                    result.failures.append({"request": f"{name}-{index}", "code": "TOKENS_DIFFER",
+                                            "message": f"P/D {got} != single engine {want.tokens}"})  # fmt: skip
+                    outcome = "TOKENS_DIFFER"
+                progress(f"  {name} request {index + 1}/{requests} via the router: {outcome}")
+    finally:
+        await local.close()
+    result.router = local.router.metrics.summary()
     return result
 
 
@@ -423,6 +472,14 @@ def render_text(report: dict[str, Any]) -> str:
                          f"({t['verifiedAfterPrefillRestart']} after the prefill restart), {speed}")  # fmt: skip
             for f in t["failures"]:
                 lines.append(f"    FAILED {f['request']}: {f['code']}: {f['message']}")
+            if t.get("duringOutage"):
+                o = t["duringOutage"]
+                said = "answered (another prefill pod)" if o["status"] == 200 else f"HTTP {o['status']} {o['code']}"
+                lines.append(f"  a request right after the prefill kill: {said} in {o['seconds']} s")
+            if t.get("router"):
+                r = t["router"]
+                lines.append(f"  router: requests {json.dumps(r['requests'])}, prefill retries {r['prefillRetries']}, "
+                             f"own time {r['meanOverheadMilliseconds']} ms per request")  # fmt: skip
         if "pods" in d:
             lines.append(f"  pods created: {d['pods']}")
     lines.append("")

@@ -62,7 +62,10 @@ def test_agent_demo_json_contract() -> None:
     assert ("llama3-8b", "PrefillRestarted") in reasons
     warning = next(e for e in report["events"] if e["reason"] == "Incompatible")
     assert "PREFILL_HEADS_REPLICATED" in warning["message"]
-    assert "restarting prefill pod" in result.stderr  # progress output while it runs
+    assert "killing prefill pod" in result.stderr  # progress output while it runs
+    # the request sent right after the kill went to the other prefill pod (through the router, which retries)
+    assert hetero["transfers"]["duringOutage"]["status"] == 200
+    assert hetero["transfers"]["router"]["requests"] == {"ok": 5}
 
     time.sleep(1)
     assert marked_processes(marker) == [], "the demo left processes behind"
@@ -95,6 +98,12 @@ def test_vllm_demo_runs_real_engines_and_checks_tokens() -> None:
     assert ("tiny-cpu", "PrefillRestarted") in reasons
     assert ("replicated-heads", "Incompatible") in reasons
     assert "decode's 12 tokens equal a single engine's" in result.stderr
+    # one prefill pod: the request sent right after its kill fails at once with a clear 5xx, never hangs
+    outage = transfers["duringOutage"]
+    assert outage["status"] in (502, 503)
+    assert outage["code"] in ("PREFILL_UNAVAILABLE", "NO_ROUTE")
+    assert outage["seconds"] < 10
+    assert transfers["router"]["requests"]["ok"] == 4
     time.sleep(1)
     assert marked_processes(marker) == [], "the demo left processes behind"
 

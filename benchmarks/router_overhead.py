@@ -1,0 +1,200 @@
+"""What `kvbridge router` adds to a P/D request (not a test).
+
+    .venv/bin/python benchmarks/router_overhead.py [--rate 50] [--seconds 20] [--stream] [--json]
+
+Two engine stand-ins (a prefill and a decode, each a separate process answering as vLLM's KV connectors do,
+after ``--engine-ms`` of simulated work) and ``kvbridge router --status-file`` as a third process in front of
+them. At a steady rate the same requests are sent (a) by the client itself, prefill then decode, as a router
+would, and (b) through the router. Reports each path's latency p50/p99, the difference (what the router adds
+per request: one more hop, JSON parsing and re-encoding, the pairing and balancing), and the router process's
+CPU seconds per request (from /proc). The engines are stand-ins so that their CPU is neither counted nor
+competing; real vLLM behind the router is in tests/vllm/test_router.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).parents[1]
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def serve_engine(port: int, role: str, engine_ms: float) -> None:
+    """A vLLM-shaped engine: prefill returns transfer parameters, decode a completion (or a 3-chunk stream)."""
+    from aiohttp import web
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        await asyncio.sleep(engine_ms / 1000)
+        if role == "prefill":
+            return web.json_response(
+                {
+                    "choices": [{"text": "x"}],
+                    "kv_transfer_params": {
+                        "remote_engine_id": "p",
+                        "remote_block_ids": list(range(16)),
+                        "remote_host": "127.0.0.1",
+                    },
+                }
+            )
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"text": "abc", "token_ids": [1, 2, 3]}]})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for token in (1, 2, 3):
+            await response.write(f"data: {json.dumps({'choices': [{'token_ids': [token]}]})}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+async def wait_up(session: aiohttp.ClientSession, url: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            async with session.get(url) as r:
+                if r.status < 500:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"{url} did not come up")
+
+
+async def direct(session: aiohttp.ClientSession, prefill: str, decode: str, body: dict[str, Any]) -> None:
+    first = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    async with session.post(f"{prefill}/v1/completions", json=first) as r:
+        params = (await r.json())["kv_transfer_params"]
+    async with session.post(f"{decode}/v1/completions", json={**body, "kv_transfer_params": params}) as r:
+        await r.read()
+        if r.status != 200:
+            raise RuntimeError(f"decode: HTTP {r.status}")
+
+
+async def routed(session: aiohttp.ClientSession, router: str, body: dict[str, Any]) -> None:
+    async with session.post(f"{router}/v1/completions", json=body) as r:
+        await r.read()
+        if r.status != 200:
+            raise RuntimeError(f"router: HTTP {r.status}")
+
+
+async def steady(rate: float, seconds: float, call: Any) -> list[float]:
+    """Start a request every 1/rate s for ``seconds`` (open loop); each one's latency."""
+    latencies: list[float] = []
+
+    async def one() -> None:
+        started = time.perf_counter()
+        await call()
+        latencies.append(time.perf_counter() - started)
+
+    tasks = []
+    begin = time.perf_counter()
+    for index in range(int(rate * seconds)):
+        await asyncio.sleep(max(0.0, begin + index / rate - time.perf_counter()))
+        tasks.append(asyncio.create_task(one()))
+    await asyncio.gather(*tasks)
+    return latencies
+
+
+def quantiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {"p50Ms": round(1000 * statistics.median(ordered), 3),
+            "p99Ms": round(1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 3)}  # fmt: skip
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    ports = {"prefill": free_port(), "decode": free_port(), "router": free_port()}
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    with tempfile.TemporaryDirectory() as workdir:
+        status = {"prefill": {"endpoints": [{"pod": "prefill-0", "ip": "127.0.0.1", "httpPort": ports["prefill"],
+                                             "pairing": "k"}]},
+                  "decode": {"endpoints": [{"pod": "decode-0", "ip": "127.0.0.1", "httpPort": ports["decode"],
+                                            "pairing": "k"}]}}  # fmt: skip
+        status_file = Path(workdir, "status.json")
+        status_file.write_text(json.dumps(status))
+        try:
+            for role in ("prefill", "decode"):
+                procs[role] = subprocess.Popen([sys.executable, __file__, "--serve-engine", role, "--port",
+                                                str(ports[role]), "--engine-ms", str(args.engine_ms)])  # fmt: skip
+            procs["router"] = subprocess.Popen(
+                [sys.executable, "-m", "kvbridge_operator", "router", "--status-file", str(status_file), "--host",
+                 "127.0.0.1", "--port", str(ports["router"])], stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            urls = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
+            async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
+                for role in ("prefill", "decode"):
+                    await wait_up(session, urls[role] + "/v1/models")
+                await wait_up(session, urls["router"] + "/health")
+                body = {"model": "m", "prompt": list(range(512)), "max_tokens": 3, "stream": args.stream}
+                warm = max(1, int(args.rate))  # warm-up: connections and code paths
+                await steady(args.rate, warm / args.rate, lambda: direct(session, urls["prefill"], urls["decode"],
+                                                                        body))  # fmt: skip
+                await steady(args.rate, warm / args.rate, lambda: routed(session, urls["router"], body))
+                plain = await steady(args.rate, args.seconds,
+                                     lambda: direct(session, urls["prefill"], urls["decode"], body))  # fmt: skip
+                cpu_before = cpu_seconds(procs["router"].pid)
+                via = await steady(args.rate, args.seconds, lambda: routed(session, urls["router"], body))
+                cpu = cpu_seconds(procs["router"].pid) - cpu_before
+        finally:
+            for proc in procs.values():
+                proc.terminate()
+            for proc in procs.values():
+                proc.wait(timeout=10)
+    direct_q, routed_q = quantiles(plain), quantiles(via)
+    return {
+        "rate": args.rate, "seconds": args.seconds, "requests": len(via), "stream": args.stream,
+        "engineMsPerCall": args.engine_ms, "promptTokens": 512,
+        "direct": direct_q, "viaRouter": routed_q,
+        "addedP50Ms": round(routed_q["p50Ms"] - direct_q["p50Ms"], 3),
+        "addedP99Ms": round(routed_q["p99Ms"] - direct_q["p99Ms"], 3),
+        "routerCpuMsPerRequest": round(1000 * cpu / len(via), 3),
+    }  # fmt: skip
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", type=float, default=50.0, help="requests per second (default 50)")
+    parser.add_argument("--seconds", type=float, default=20.0, help="seconds per path (default 20)")
+    parser.add_argument("--engine-ms", type=float, default=5.0, help="simulated work per engine call (default 5)")
+    parser.add_argument("--stream", action="store_true", help="streamed decode answers")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--serve-engine", choices=("prefill", "decode"), help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parsed = parser.parse_args()
+    if parsed.serve_engine:
+        serve_engine(parsed.port, parsed.serve_engine, parsed.engine_ms)
+        sys.exit(0)
+    result = asyncio.run(main(parsed))
+    if parsed.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:>22}: {value}")
