@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import json
 import logging
 import time
@@ -289,9 +288,8 @@ class Router:
 def prefill_request(body: Obj) -> Obj:
     """The client's request as prefill gets it: one token, no streaming, and the flag that makes a KV connector
     keep the prompt's blocks for a remote decode."""
-    request = copy.deepcopy(body)
-    for key in PREFILL_DROPPED:
-        request.pop(key, None)
+    # a shallow copy: only top-level keys change, and the prompt (maybe thousands of token ids) is not copied
+    request = {key: value for key, value in body.items() if key not in PREFILL_DROPPED}
     request["stream"] = False
     request["max_tokens"] = 1
     if "max_completion_tokens" in request:
