@@ -72,7 +72,9 @@ async def _until(events: Any, stop: asyncio.Event) -> Any:
             following = asyncio.ensure_future(events.__anext__())
             done, _ = await asyncio.wait({following, stopping}, return_when=asyncio.FIRST_COMPLETED)
             if following not in done:
-                following.cancel()
+                following.cancel()  # the watch request is cancelled with it; then the generator can close
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await following
                 await events.aclose()
                 return
             try:
