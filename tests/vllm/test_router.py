@@ -1,8 +1,9 @@
 """``kvbridge router`` in front of real vLLM prefill and decode engines (NixlConnector, exactly the rendered pods):
-a single engine's greedy tokens, streamed or not; a prefill pod killed and restarted while requests go on."""
+a single engine's greedy tokens, streamed or not; a prefill pod killed while requests go on."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 
@@ -12,6 +13,7 @@ import pytest
 from kvbridge_agent.core import Role
 from kvbridge_operator.local import pd_requests
 from kvbridge_operator.local.tiny_model import prompt
+from kvbridge_operator.router.pool import Pool
 from kvbridge_operator.router.proxy import RouterConfig
 
 from .conftest import DEPLOYMENTS
@@ -28,7 +30,7 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
         yield s
 
 
-def _pool_of(engines: Engines, prefill: list[str]) -> object:
+def _pool_of(engines: Engines, prefill: list[str]) -> Pool:
     return pool(
         [endpoint(engines, name, DEPLOYMENTS["short-lease" if "short" in name else "tp1"], Role.PREFILL)
          for name in prefill],
@@ -46,8 +48,6 @@ async def _via_router(session: aiohttp.ClientSession, url: str, model: str, toke
         return response.status, [], text
     if stream:
         return 200, streamed_tokens(text), text
-    import json
-
     return 200, list(json.loads(text)["choices"][0]["token_ids"]), text
 
 
@@ -57,7 +57,7 @@ async def test_router_answers_as_a_single_engine_streamed_or_not(
     model = str(tp1_engines.model)
     decode = tp1_engines.engines["decode"]
     async with running_router() as (router, url):
-        router.set_pool(_pool_of(tp1_engines, ["prefill-tp1"]))  # type: ignore[arg-type]
+        router.set_pool(_pool_of(tp1_engines, ["prefill-tp1"]))
         for index, length in enumerate((7, BLOCK, 3 * BLOCK + 13)):
             tokens = prompt(length, salt=900 + index)
             want = await pd_requests.baseline(session, decode.url, model, tokens, MAX_TOKENS, salt=f"router-{index}")
@@ -74,46 +74,33 @@ async def test_router_answers_as_a_single_engine_streamed_or_not(
         assert pod_calls(metrics, "decode", "decode") == 6
 
 
-async def test_router_keeps_serving_while_a_prefill_pod_is_killed_and_restarted(
+async def test_router_keeps_serving_while_a_prefill_pod_is_killed(
     tp1_engines: Engines, session: aiohttp.ClientSession
 ) -> None:
     """Two prefill pods of one pairing key; one is killed while the status still lists it (the operator has not
     seen it yet): every request is retried on the other and answers as a single engine. With only the dead pod
-    listed, requests fail at once with 502, never hang. Once the pod is back, requests reach it again (decode
-    handshakes with its new engine id)."""
+    listed, requests fail at once with 502, never hang. (The pod's restart and the requests that reach its new
+    engine through the router are `make demo`'s, checked in tests/demo/test_demo.py; this file runs last, so the
+    killed engine is not started again here: that would cost a minute and a half of the test run.)"""
     model = str(tp1_engines.model)
     decode = tp1_engines.engines["decode"]
-    both = _pool_of(tp1_engines, ["prefill-tp1", "prefill-short-lease"])
-    async with running_router(RouterConfig(prefill_timeout=30, decode_timeout=120, connect_timeout=2)) as (router, url):
-        router.set_pool(both)  # type: ignore[arg-type]
+    config = RouterConfig(prefill_timeout=30, decode_timeout=120, connect_timeout=2)
+    async with running_router(config) as (router, url):
+        router.set_pool(_pool_of(tp1_engines, ["prefill-tp1", "prefill-short-lease"]))
         tp1_engines.stop(["prefill-tp1"])  # the process is gone; its address stays in the pool
-        try:
-            for index in range(4):
-                tokens = prompt(2 * BLOCK + 3, salt=950 + index)
-                status, got, text = await _via_router(session, url, model, tokens, stream=index % 2 == 1)
-                assert status == 200, text
-                want = await pd_requests.baseline(session, decode.url, model, tokens, MAX_TOKENS,
-                                                  salt=f"router-kill-{index}")  # fmt: skip
-                assert got == want.tokens
-            metrics = await (await session.get(f"{url}/metrics")).text()
-            assert 'kvbridge_router_prefill_retries_total{pod="prefill-tp1"}' in metrics  # it was tried and skipped
-            router.set_pool(_pool_of(tp1_engines, ["prefill-tp1"]))  # type: ignore[arg-type]
-            started = time.monotonic()
-            status, _, text = await _via_router(session, url, model, prompt(40, salt=960), stream=False)
-            assert status == 502
-            assert "PREFILL_UNAVAILABLE" in text
-            assert "prefill-tp1" in text
-            assert time.monotonic() - started < 10
-        finally:
-            tp1_engines.start(["prefill-tp1"])
-        router.set_pool(both)  # type: ignore[arg-type]
-        before = pod_calls(await (await session.get(f"{url}/metrics")).text(), "prefill", "prefill-tp1")
-        for index in range(4):  # the balancer takes turns: the restarted pod gets requests again
-            tokens = prompt(BLOCK + 5, salt=970 + index)
-            status, got, text = await _via_router(session, url, model, tokens, stream=False)
+        for index in range(4):
+            tokens = prompt(2 * BLOCK + 3, salt=950 + index)
+            status, got, text = await _via_router(session, url, model, tokens, stream=index % 2 == 1)
             assert status == 200, text
             want = await pd_requests.baseline(session, decode.url, model, tokens, MAX_TOKENS,
-                                              salt=f"router-back-{index}")  # fmt: skip
+                                              salt=f"router-kill-{index}")  # fmt: skip
             assert got == want.tokens
-        after = pod_calls(await (await session.get(f"{url}/metrics")).text(), "prefill", "prefill-tp1")
-        assert after - before >= 1
+        metrics = await (await session.get(f"{url}/metrics")).text()
+        assert 'kvbridge_router_prefill_retries_total{pod="prefill-tp1"}' in metrics  # it was tried and skipped
+        router.set_pool(_pool_of(tp1_engines, ["prefill-tp1"]))
+        started = time.monotonic()
+        status, _, text = await _via_router(session, url, model, prompt(40, salt=960), stream=False)
+        assert status == 502
+        assert "PREFILL_UNAVAILABLE" in text
+        assert "prefill-tp1" in text
+        assert time.monotonic() - started < 10
