@@ -235,7 +235,7 @@ async def apply_serving(client: KubeClient, dd: DisaggregatedDeployment, uid: st
 
 
 def _resource_of(kind: str) -> Resource:
-    return next(resource for (_, k), resource in BY_KIND.items() if k == kind and resource is not EVENTS)
+    return next(resource for (_, k), resource in BY_KIND.items() if k == kind)
 
 
 async def ensure_secret(client: KubeClient, obj: Obj) -> None:

@@ -83,7 +83,8 @@ class Balancer:
     """Requests in flight per pod, and the choice of the least loaded one."""
 
     outstanding: dict[str, int] = field(default_factory=dict)
-    _turn: int = 0
+    #: the round-robin position per set of candidates (prefill pods, each prefill pod's decode partners, ...)
+    _turns: dict[tuple[str, ...], int] = field(default_factory=dict)
 
     def pick(self, candidates: Iterable[Target], exclude: Iterable[str] = ()) -> Target | None:
         left = set(exclude)
@@ -92,8 +93,11 @@ class Balancer:
             return None
         fewest = min(self.outstanding.get(t.pod, 0) for t in options)
         tied = [t for t in options if self.outstanding.get(t.pod, 0) == fewest]
-        self._turn += 1
-        return tied[self._turn % len(tied)]
+        key = tuple(t.pod for t in options)
+        turn = self._turns[key] = self._turns.get(key, -1) + 1
+        if len(self._turns) > 1024:  # pods come and go: forget old sets rather than grow without bound
+            self._turns = {key: turn}
+        return tied[turn % len(tied)]
 
     def choose(self, pool: Pool, exclude: Iterable[str] = ()) -> tuple[Target, Target] | None:
         """A (prefill, decode) pair for the next request, or None when none is left."""

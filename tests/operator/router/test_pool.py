@@ -71,6 +71,13 @@ def test_idle_pods_take_turns_and_busy_ones_are_avoided() -> None:
     assert balancer.outstanding == {}
 
 
+def test_two_idle_prefill_pods_alternate_though_decode_is_picked_between() -> None:
+    pool = Pool.from_status(status([endpoint("p0", "k"), endpoint("p1", "k")], [endpoint("d0", "k")]))
+    balancer = Balancer()
+    picks = [balancer.choose(pool) for _ in range(4)]
+    assert [p[0].pod for p in picks if p] == ["p0", "p1", "p0", "p1"]
+
+
 def test_excluded_pods_are_not_chosen() -> None:
     pool = Pool.from_status(status([endpoint("p0", "k"), endpoint("p1", "k")], [endpoint("d0", "k")]))
     balancer = Balancer()
