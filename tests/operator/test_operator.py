@@ -362,7 +362,7 @@ async def test_spec_router_runs_a_router_with_read_only_rbac_and_shows_its_url()
         await c.wait(lambda: all(c.api.find(p, "default", "llama3-8b-router") is None for p in names),
                      what="router children deleted")  # fmt: skip
         await c.wait(lambda: "router" not in c.deployment("llama3-8b")["status"], what="status.router removed")
-        assert "RouterRemoved" in c.reasons("llama3-8b")
+        await c.wait(lambda: "RouterRemoved" in c.reasons("llama3-8b"), what="the event")  # posted after the status
 
 
 def _crd_of(group: str, kind: str, plural: str) -> Obj:
