@@ -111,6 +111,13 @@ SPEC_RULES: list[dict[str, str]] = [
         "fieldPath": ".model.source",
         "reason": "FieldValueInvalid",
     },
+    {
+        "rule": "!has(self.placement) || !has(self.placement.colocation) || self.placement.colocation == 'None' || "
+        "(has(self.placement.topologyKey) && self.placement.topologyKey != '')",
+        "message": "colocation needs topologyKey: the node label whose value names the shared domain",
+        "fieldPath": ".placement.topologyKey",
+        "reason": "FieldValueRequired",
+    },
 ]
 
 
@@ -179,7 +186,7 @@ def model_schema(model: type[BaseModel]) -> dict[str, Any]:
 
 def spec_schema() -> dict[str, Any]:
     schema = model_schema(DisaggregatedDeploymentSpec)
-    for section in ("engine", "transfer", "prefill", "decode", "scaling", "router", "inferencePool"):
+    for section in ("engine", "transfer", "prefill", "decode", "scaling", "router", "inferencePool", "placement"):
         schema["properties"][section]["default"] = {}  # so nested defaults apply before CEL rules run
     schema["x-kubernetes-validations"] = SPEC_RULES
     return schema

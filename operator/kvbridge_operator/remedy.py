@@ -23,7 +23,7 @@ from kvbridge_agent.core import Problem
 from kvbridge_agent.core.compat import CONVERSION_OFF, check_pair
 from kvbridge_agent.core.model import CacheKind, Conversion, KVCacheDtype, KVLayout
 
-from . import vllm
+from . import placement, vllm
 from .spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind
 from .verdict import verdict_for
 
@@ -93,6 +93,7 @@ _FIELDS = _fields()
 def _problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     """The verdict's problems without the per-problem suggestions (cheap: no plan is built)."""
     found = check_pair(spec.model, spec.prefill.settings(), spec.decode.settings(), spec.transfer, suggestions=False)
+    found += placement.problems(spec)
     if spec.engine.kind is EngineKind.VLLM:
         found += vllm.problems(spec)
     return found

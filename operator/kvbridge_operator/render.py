@@ -17,7 +17,7 @@ from typing import Any
 from kvbridge_agent.core import Role, TransferPlan
 from kvbridge_agent.core.contract import EngineEnvironment, render_environment
 
-from . import vllm
+from . import placement, vllm
 from .config import OperatorConfig
 from .keys import curve_keypair
 from .model_source import weights
@@ -148,8 +148,9 @@ def pod_template(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, co
         )
     template: Obj = {
         "metadata": {"labels": labels},
-        "spec": {"containers": containers, "volumes": volumes, "terminationGracePeriodSeconds": 30},
-    }
+        "spec": {"containers": containers, "volumes": volumes, "terminationGracePeriodSeconds": 30,
+                 **placement.pod_fields(spec, dd.metadata.name, selector(dd.metadata.name, role), LABEL_DEPLOYMENT)},
+    }  # fmt: skip
     template = overlay(template, role_spec.template) if role_spec.template else template
     template["metadata"].setdefault("labels", {})[LABEL_REVISION] = revision(template)
     return template

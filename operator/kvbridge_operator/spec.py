@@ -206,6 +206,39 @@ class InferencePoolSpec(CamelModel):
         return self
 
 
+class Colocation(StrEnum):
+    NONE = "None"  # no constraint between the roles
+    PREFERRED = "Preferred"  # the scheduler tries to keep prefill and decode pods in one domain
+    REQUIRED = "Required"  # a pod is scheduled only into the domain where the deployment's pods already run
+
+
+class PlacementSpec(CamelModel):
+    gpus_per_node: int | None = Field(
+        default=None, ge=1, le=64,
+        description="GPUs one node offers. A role's engine takes tensorParallelSize GPUs in one pod, so a larger "
+        "TP can never be scheduled: the verdict refuses it (ROLE_DOES_NOT_FIT). Unset: not checked.",
+    )  # fmt: skip
+    topology_key: str = Field(
+        default="", max_length=316, pattern=r"^([-A-Za-z0-9_./]*)$",
+        description="A node label naming the domain prefill and decode should share (a rack, an NVLink domain, a "
+        "zone: e.g. topology.kubernetes.io/zone). Needed by colocation.",
+    )  # fmt: skip
+    colocation: Colocation = Field(
+        default=Colocation.NONE,
+        description="Keep the deployment's prefill and decode pods in one topologyKey domain: Preferred "
+        "(scheduler's preference) or Required (pod affinity; pods wait rather than land elsewhere).",
+    )
+    spread_replicas: bool = Field(
+        default=False, description="Spread each role's pods over nodes (one per node where it can)."
+    )
+
+    @model_validator(mode="after")
+    def _domain(self) -> PlacementSpec:
+        if self.colocation is not Colocation.NONE and not self.topology_key:
+            raise ValueError("colocation needs topologyKey: the node label whose value names the shared domain")
+        return self
+
+
 class DisaggregatedDeploymentSpec(CamelModel):
     engine: EngineSpec = Field(default_factory=EngineSpec)
     model: ModelSpec
@@ -215,6 +248,7 @@ class DisaggregatedDeploymentSpec(CamelModel):
     scaling: ScalingSpec = Field(default_factory=ScalingSpec)
     router: RouterSpec = Field(default_factory=RouterSpec)
     inference_pool: InferencePoolSpec = Field(default_factory=InferencePoolSpec)
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
 
     @model_validator(mode="after")
     def _bounds(self) -> DisaggregatedDeploymentSpec:

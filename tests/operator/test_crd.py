@@ -199,6 +199,19 @@ CORPUS: list[tuple[str, Any]] = [
     ("name-44", lambda d: d["metadata"].update(name="a" * 44)),
     ("name-45", lambda d: d["metadata"].update(name="a" * 45)),
     ("name-digit-first", lambda d: d["metadata"].update(name="1llama")),
+    # the serving path and placement (cross-field rules as CEL)
+    ("pool-without-picker", lambda d: d["spec"].update(inferencePool={"enabled": True})),
+    ("pool-with-picker", lambda d: d["spec"].update(inferencePool={"enabled": True, "endpointPicker": "epp"})),
+    ("token-without-source", lambda d: d["spec"]["model"].update(tokenSecret={"name": "t"})),
+    ("token-with-pvc-source", lambda d: d["spec"]["model"].update(tokenSecret={"name": "t"}, source="pvc://w/m")),
+    ("token-with-hf-source", lambda d: d["spec"]["model"].update(tokenSecret={"name": "t"}, source="hf://o/m@v1")),
+    ("source-s3", lambda d: d["spec"]["model"].update(source="s3://bucket/model")),
+    ("colocation-without-key", lambda d: d["spec"].update(placement={"colocation": "Required"})),
+    (
+        "colocation-with-key",
+        lambda d: d["spec"].update(placement={"colocation": "Preferred", "topologyKey": "topology.kubernetes.io/zone"}),
+    ),
+    ("gpus-per-node-zero", lambda d: d["spec"].update(placement={"gpusPerNode": 0})),
 ]
 
 
@@ -213,7 +226,10 @@ def test_plan_and_the_api_server_give_the_same_verdict(label: str, change: Any) 
 @pytest.mark.parametrize(
     ("label", "accepted"),
     [("valid", True), ("dtype-fp8-alias", True), ("dtype-fp9", False), ("name-44", True), ("name-45", False),
-     ("name-digit-first", False), ("name-dots", False), ("name-upper", False)],
+     ("name-digit-first", False), ("name-dots", False), ("name-upper", False), ("pool-without-picker", False),
+     ("pool-with-picker", True), ("token-without-source", False), ("token-with-pvc-source", False),
+     ("token-with-hf-source", True), ("source-s3", False), ("colocation-without-key", False),
+     ("colocation-with-key", True), ("gpus-per-node-zero", False)],
 )  # fmt: skip
 def test_the_verdicts_themselves(label: str, accepted: bool) -> None:
     document = base()

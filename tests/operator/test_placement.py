@@ -1,0 +1,94 @@
+"""spec.placement: a role that no node can hold is refused before scheduling; colocation and spread as rendered."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvbridge_agent.core import Role, SpecError
+from kvbridge_operator.config import OperatorConfig
+from kvbridge_operator.remedy import advice
+from kvbridge_operator.render import stateful_set
+from kvbridge_operator.spec import parse_deployment
+from kvbridge_operator.verdict import verdict_for
+
+ROOT = Path(__file__).resolve().parents[2]
+UID = "00000000-0000-0000-0000-0000000000bb"
+
+
+def document(name: str = "llama3-8b-hetero-tp", **spec: Any) -> dict[str, Any]:
+    found: dict[str, Any] = yaml.safe_load((ROOT / "examples" / f"{name}.yaml").read_text())
+    for key, value in spec.items():
+        found["spec"][key] = {**found["spec"].get(key, {}), **value}
+    return found
+
+
+def test_a_tp_larger_than_a_node_is_refused_with_the_field_and_what_fits() -> None:
+    doc = document(
+        "deepseek-mla",
+        placement={"gpusPerNode": 8},
+        prefill={"tensorParallelSize": 16},
+        decode={"tensorParallelSize": 8},
+    )
+    dd = parse_deployment(doc)
+    verdict = verdict_for(dd)
+    assert isinstance(verdict, list)
+    [problem] = verdict
+    assert (problem.code, problem.field) == ("ROLE_DOES_NOT_FIT", "spec.prefill.tensorParallelSize")
+    assert "a node has 8" in problem.message
+    assert "at most 8" in problem.message
+    fix = advice(dd)
+    assert fix is not None
+    assert "spec.prefill.tensorParallelSize: 8" in fix
+
+
+def test_fit_is_checked_only_where_known_and_only_for_gpus() -> None:
+    big = {"prefill": {"tensorParallelSize": 16}, "decode": {"tensorParallelSize": 8}}
+    assert not isinstance(verdict_for(parse_deployment(document("deepseek-mla", **big))), list)  # gpusPerNode unset
+    on_cpu = document("deepseek-mla", engine={"device": "CPU"}, placement={"gpusPerNode": 8}, **big)
+    assert not isinstance(verdict_for(parse_deployment(on_cpu)), list)
+    fits = document(placement={"gpusPerNode": 8}, prefill={"tensorParallelSize": 8})
+    assert not isinstance(verdict_for(parse_deployment(fits)), list)
+
+
+def pod_spec(doc: dict[str, Any], role: Role) -> dict[str, Any]:
+    dd = parse_deployment(doc)
+    sts = stateful_set(dd, UID, role, verdict_for(dd), OperatorConfig())  # type: ignore[arg-type]
+    kubernetes_validate.validate(sts, "1.30", strict=True)
+    spec: dict[str, Any] = sts["spec"]["template"]["spec"]
+    return spec
+
+
+@pytest.mark.parametrize("colocation", ["Required", "Preferred"])
+def test_colocation_keeps_both_roles_in_one_domain(colocation: str) -> None:
+    doc = document(placement={"colocation": colocation, "topologyKey": "example.com/nvlink-domain"})
+    for role in Role:
+        affinity = pod_spec(doc, role)["affinity"]["podAffinity"]
+        if colocation == "Required":
+            [term] = affinity["requiredDuringSchedulingIgnoredDuringExecution"]
+        else:
+            [weighted] = affinity["preferredDuringSchedulingIgnoredDuringExecution"]
+            term = weighted["podAffinityTerm"]
+        # the same term for both roles: each pod is drawn to the deployment's pods of either role
+        assert term == {"labelSelector": {"matchLabels": {"kvbridge.io/deployment": "llama3-8b"}},
+                        "topologyKey": "example.com/nvlink-domain"}  # fmt: skip
+
+
+def test_spread_keeps_a_roles_pods_on_different_nodes() -> None:
+    doc = document(placement={"spreadReplicas": True})
+    [constraint] = pod_spec(doc, Role.PREFILL)["topologySpreadConstraints"]
+    assert constraint["topologyKey"] == "kubernetes.io/hostname"
+    assert constraint["labelSelector"]["matchLabels"] == {"kvbridge.io/deployment": "llama3-8b",
+                                                          "kvbridge.io/role": "prefill"}  # fmt: skip
+    plain = pod_spec(document(), Role.PREFILL)
+    assert "affinity" not in plain
+    assert "topologySpreadConstraints" not in plain
+
+
+def test_colocation_needs_a_topology_key() -> None:
+    with pytest.raises(SpecError, match="colocation needs topologyKey"):
+        parse_deployment(document(placement={"colocation": "Required"}))
