@@ -75,6 +75,7 @@ RBAC_ROLES = Resource("rbac.authorization.k8s.io/v1", "roles")
 ROLE_BINDINGS = Resource("rbac.authorization.k8s.io/v1", "rolebindings")
 INFERENCE_POOLS = Resource("inference.networking.k8s.io/v1", "inferencepools")
 HTTP_ROUTES = Resource("gateway.networking.k8s.io/v1", "httproutes")
+POD_GROUPS = Resource("scheduling.x-k8s.io/v1alpha1", "podgroups")  # spec.placement.gang
 
 BY_KIND = {
     ("v1", "Pod"): PODS,
@@ -91,6 +92,7 @@ BY_KIND = {
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): ROLE_BINDINGS,
     ("inference.networking.k8s.io/v1", "InferencePool"): INFERENCE_POOLS,
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): HTTP_ROUTES,
+    ("scheduling.x-k8s.io/v1alpha1", "PodGroup"): POD_GROUPS,
 }
 
 

@@ -9,6 +9,11 @@
   domains it moves slower.
 - **Spread.** Each role's pods over nodes (``kubernetes.io/hostname``, max skew 1, ScheduleAnyway): a node's
   loss takes one engine of a role, not all.
+- **Gang.** The coscheduling plugin of scheduler-plugins (SIG Scheduling): a ``PodGroup``
+  (``scheduling.x-k8s.io/v1alpha1``) with ``minMember``, both roles' pods labelled into it and scheduled by
+  the scheduler that runs the plugin. Chosen over Volcano (a whole replacement scheduler with its own queues
+  and job API) and Kueue (quota and admission of workloads; its plain-pod groups need a count annotation per
+  pod): a PodGroup with a label is all the coscheduling plugin asks of a StatefulSet's pods.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from .spec import Colocation, DisaggregatedDeploymentSpec, EngineDevice
 Obj = dict[str, Any]
 ROLE_DOES_NOT_FIT = "ROLE_DOES_NOT_FIT"
 HOSTNAME = "kubernetes.io/hostname"
+LABEL_POD_GROUP = "scheduling.x-k8s.io/pod-group"
+POD_GROUP_API = "scheduling.x-k8s.io/v1alpha1"
 
 
 def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
@@ -53,8 +60,30 @@ def pod_fields(spec: DisaggregatedDeploymentSpec, deployment: str, role_selector
         else:
             fields["affinity"] = {"podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
                 {"weight": 100, "podAffinityTerm": term}]}}  # fmt: skip
+    if placement.gang is not None:
+        fields["schedulerName"] = placement.gang.scheduler_name
     if placement.spread_replicas:
         fields["topologySpreadConstraints"] = [{"maxSkew": 1, "topologyKey": HOSTNAME,
                                                 "whenUnsatisfiable": "ScheduleAnyway",
                                                 "labelSelector": {"matchLabels": dict(role_selector)}}]  # fmt: skip
     return fields
+
+
+def pod_group_labels(spec: DisaggregatedDeploymentSpec, deployment: str) -> dict[str, str]:
+    return {LABEL_POD_GROUP: deployment} if spec.placement.gang is not None else {}
+
+
+def min_member(spec: DisaggregatedDeploymentSpec) -> int:
+    gang = spec.placement.gang
+    if gang is not None and gang.min_member is not None:
+        return gang.min_member
+    return max(spec.prefill.replicas + spec.decode.replicas, 1)
+
+
+def pod_group(spec: DisaggregatedDeploymentSpec, metadata: Obj) -> Obj | None:
+    """The deployment's PodGroup (``metadata`` as the other children's), or None without ``gang``."""
+    gang = spec.placement.gang
+    if gang is None:
+        return None
+    group_spec = {"minMember": min_member(spec), "scheduleTimeoutSeconds": gang.schedule_timeout_seconds}
+    return {"apiVersion": POD_GROUP_API, "kind": "PodGroup", "metadata": metadata, "spec": group_spec}

@@ -26,6 +26,7 @@ REQUIRED: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("rbac.authorization.k8s.io", "rolebindings", ("create", "patch", "delete")),
     ("inference.networking.k8s.io", "inferencepools", ("create", "patch", "delete")),
     ("gateway.networking.k8s.io", "httproutes", ("create", "patch", "delete")),
+    ("scheduling.x-k8s.io", "podgroups", ("create", "patch", "delete")),
 )
 
 #: what Kopf itself calls on top of the operator's client (list+watch of handled resources, annotations)

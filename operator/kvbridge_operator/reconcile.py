@@ -27,6 +27,7 @@ from .kube import (
     EVENTS,
     HTTP_ROUTES,
     INFERENCE_POOLS,
+    POD_GROUPS,
     PODS,
     ROLES,
     SECRETS,
@@ -189,7 +190,7 @@ async def publish_role_status(client: KubeClient, dd: DisaggregatedDeployment, r
 
 
 #: what a cluster without the Gateway API (Inference Extension) CRDs answers for their objects
-OPTIONAL_KINDS = ("InferencePool", "HTTPRoute")
+OPTIONAL_KINDS = ("InferencePool", "HTTPRoute", "PodGroup")
 
 
 async def apply_serving(client: KubeClient, dd: DisaggregatedDeployment, uid: str, config: OperatorConfig,
@@ -199,7 +200,7 @@ async def apply_serving(client: KubeClient, dd: DisaggregatedDeployment, uid: st
     fields and events; a cluster without the InferencePool or HTTPRoute CRD gets a Warning, not a failed reconcile."""
     events: list[Event] = []
     namespace = dd.metadata.namespace or "default"
-    fields: Obj = {"router": None, "inferencePool": None}
+    fields: Obj = {"router": None, "inferencePool": None, "placement": None}
     made: set[str] = set()
     missing: list[str] = []
     for child in serving_children(dd, uid, config):
@@ -211,6 +212,20 @@ async def apply_serving(client: KubeClient, dd: DisaggregatedDeployment, uid: st
                 raise
             missing.append(child["kind"])
     pool_before = previous.get("inferencePool") or {}
+    group_before = previous.get("placement") or {}
+    if "PodGroup" in missing:
+        missing.remove("PodGroup")
+        message = (
+            "the API has no PodGroup resource (scheduling.x-k8s.io): install scheduler-plugins' "
+            "coscheduling, or remove spec.placement.gang (pods wait for a scheduler that may not run)"
+        )
+        fields["placement"] = {"podGroup": "", "message": message}
+        if group_before.get("message") != message:
+            events.append(Event("Warning", "GangSchedulingUnavailable", message))
+    elif "PodGroup" in made:
+        fields["placement"] = {"podGroup": dd.metadata.name, "message": ""}
+    elif group_before.get("podGroup"):
+        await client.delete(POD_GROUPS, namespace, str(group_before["podGroup"]))
     if missing:
         message = (f"the API has no {' or '.join(missing)} resource: install the Gateway API (Inference Extension) "
                    "CRDs, or set spec.inferencePool.enabled: false")  # fmt: skip
@@ -333,7 +348,7 @@ async def reconcile(
     verdict = verdict_for(dd)
     previous: Obj = body.get("status") or {}
     applied = False
-    serving: Obj = {key: previous.get(key) for key in ("router", "inferencePool")}
+    serving: Obj = {key: previous.get(key) for key in ("router", "inferencePool", "placement")}
     serving_events: list[Event] = []
     seen = cached if cached is not None else await read_children(client, namespace, name)
     roles, sets, pods = dict(seen.roles), dict(seen.sets), list(seen.pods)

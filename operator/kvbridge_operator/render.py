@@ -136,7 +136,8 @@ def pod_template(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, co
     role_spec: RoleSpec = spec.role(role)
     side_channel = {"name": SIDE_CHANNEL_PORT_NAME, "containerPort": spec.transfer.side_channel_port, "protocol": "TCP"}
     labels = {**MANAGED_BY, **selector(dd.metadata.name, role), LABEL_FINGERPRINT: plan.fingerprint,
-              LABEL_PAIRING: pairing(spec), LABEL_TP: str(role_spec.tensor_parallel_size)}  # fmt: skip
+              LABEL_PAIRING: pairing(spec), LABEL_TP: str(role_spec.tensor_parallel_size),
+              **placement.pod_group_labels(spec, dd.metadata.name)}  # fmt: skip
     if spec.engine.kind is EngineKind.VLLM:
         containers, volumes = _vllm_containers(dd, role, plan, config, side_channel)
         if config.routing_sidecar_image or spec.inference_pool.enabled:

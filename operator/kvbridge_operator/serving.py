@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import placement
 from .config import OperatorConfig
 from .render import HTTP_PORT_NAME, LABEL_DEPLOYMENT, MANAGED_BY, child_metadata, owner_reference
 from .spec import DisaggregatedDeployment
@@ -130,8 +131,17 @@ def inference_pool_children(dd: DisaggregatedDeployment, uid: str, config: Opera
     return found
 
 
+def pod_group_children(dd: DisaggregatedDeployment, uid: str) -> list[Obj]:
+    name, namespace = dd.metadata.name, dd.metadata.namespace or "default"
+    group = placement.pod_group(dd.spec, child_metadata(name, namespace, {LABEL_DEPLOYMENT: name},
+                                                        owner_reference(dd, uid)))  # fmt: skip
+    return [group] if group is not None else []
+
+
 def serving_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfig) -> list[Obj]:
+    """The optional children: the router's, the InferencePool's, and the gang's PodGroup."""
     return [
         *(router_children(dd, uid, config) if dd.spec.router.enabled else []),
         *(inference_pool_children(dd, uid, config) if dd.spec.inference_pool.enabled else []),
+        *pod_group_children(dd, uid),
     ]

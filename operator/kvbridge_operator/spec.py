@@ -212,6 +212,24 @@ class Colocation(StrEnum):
     REQUIRED = "Required"  # a pod is scheduled only into the domain where the deployment's pods already run
 
 
+class GangSpec(CamelModel):
+    """All-or-nothing scheduling through the coscheduling plugin of Kubernetes' scheduler-plugins (SIG
+    Scheduling): a PodGroup per deployment, both roles' pods labelled into it."""
+
+    scheduler_name: str = Field(
+        default="scheduler-plugins-scheduler", min_length=1, max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="The scheduler that runs the coscheduling plugin (scheduler-plugins' chart names its second "
+        "scheduler so).",
+    )  # fmt: skip
+    min_member: int | None = Field(
+        default=None, ge=2, le=2048,
+        description="Pods that must be schedulable together before any is bound. Unset: prefill.replicas + "
+        "decode.replicas of the spec (prefill GPUs are not taken while decode cannot be placed).",
+    )  # fmt: skip
+    schedule_timeout_seconds: int = Field(default=300, ge=1, le=86400, description="How long a gang may wait.")
+
+
 class PlacementSpec(CamelModel):
     gpus_per_node: int | None = Field(
         default=None, ge=1, le=64,
@@ -231,6 +249,7 @@ class PlacementSpec(CamelModel):
     spread_replicas: bool = Field(
         default=False, description="Spread each role's pods over nodes (one per node where it can)."
     )
+    gang: GangSpec | None = Field(default=None, description="Gang scheduling of both roles' pods (coscheduling).")
 
     @model_validator(mode="after")
     def _domain(self) -> PlacementSpec:

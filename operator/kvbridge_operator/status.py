@@ -117,6 +117,11 @@ class RolloutStatus(CamelModel):
     )
 
 
+class PlacementStatus(CamelModel):
+    pod_group: str = Field(default="", description="The PodGroup of spec.placement.gang.")
+    message: str = Field(default="", max_length=1024, description="Why it could not be made, when not.")
+
+
 class DisaggregatedDeploymentStatus(CamelModel):
     observed_generation: int = Field(default=0, ge=0)
     fingerprint: str = ""
@@ -129,6 +134,7 @@ class DisaggregatedDeploymentStatus(CamelModel):
     rollout: RolloutStatus | None = None
     router: RouterStatus | None = Field(default=None, description="spec.router's Deployment and Service, when on.")
     inference_pool: InferencePoolStatus | None = Field(default=None, description="spec.inferencePool's objects.")
+    placement: PlacementStatus | None = Field(default=None, description="spec.placement's PodGroup, when gang.")
 
     def role(self, role: Role) -> RoleStatus:
         return self.prefill if role is Role.PREFILL else self.decode

@@ -365,14 +365,14 @@ async def test_spec_router_runs_a_router_with_read_only_rbac_and_shows_its_url()
         await c.wait(lambda: "RouterRemoved" in c.reasons("llama3-8b"), what="the event")  # posted after the status
 
 
-def _crd_of(group: str, kind: str, plural: str) -> Obj:
+def _crd_of(group: str, kind: str, plural: str, version: str = "v1") -> Obj:
     """A minimal CustomResourceDefinition, as the Gateway API (Inference Extension) installs it."""
     return {
         "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
         "metadata": {"name": f"{plural}.{group}"},
         "spec": {"group": group, "scope": "Namespaced",
                  "names": {"kind": kind, "plural": plural, "singular": kind.lower(), "listKind": f"{kind}List"},
-                 "versions": [{"name": "v1", "served": True, "storage": True,
+                 "versions": [{"name": version, "served": True, "storage": True,
                                "schema": {"openAPIV3Schema": {"type": "object",
                                                               "x-kubernetes-preserve-unknown-fields": True}}}]},
     }  # fmt: skip
@@ -402,3 +402,24 @@ async def test_an_inference_pool_without_its_crd_is_a_warning_and_with_it_is_mad
         await c.patch_spec("llama3-8b", {"inferencePool": {"gateway": ""}})
         await c.wait(lambda: c.api.find("httproutes", "default", "llama3-8b") is None, what="route deleted")
         assert c.api.find("inferencepools", "default", "llama3-8b") is not None
+
+
+async def test_gang_scheduling_makes_a_pod_group_where_its_crd_exists() -> None:
+    from kvbridge_operator.kube import Resource
+
+    crds = Resource("apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False)
+    async with cluster() as c:
+        document = example("llama3-8b-hetero-tp")
+        document["spec"]["placement"] = {"gang": {}}
+        await c.apply(document)
+        await c.wait(lambda: "GangSchedulingUnavailable" in c.reasons("llama3-8b"), what="the warning")
+        assert "PodGroup" in c.deployment("llama3-8b")["status"]["placement"]["message"]
+        await c.client.create(crds, "", _crd_of("scheduling.x-k8s.io", "PodGroup", "podgroups", "v1alpha1"))
+        await c.patch_spec("llama3-8b", {"placement": {"gang": {"minMember": 2}}})
+        await c.wait(lambda: c.deployment("llama3-8b")["status"]["placement"]["podGroup"] == "llama3-8b",
+                     what="pod group made")  # fmt: skip
+        group = c.api.find("podgroups", "default", "llama3-8b")
+        assert group is not None
+        assert group["spec"]["minMember"] == 2
+        await c.patch_spec("llama3-8b", {"placement": {"gang": None}})
+        await c.wait(lambda: c.api.find("podgroups", "default", "llama3-8b") is None, what="pod group deleted")

@@ -92,3 +92,22 @@ def test_spread_keeps_a_roles_pods_on_different_nodes() -> None:
 def test_colocation_needs_a_topology_key() -> None:
     with pytest.raises(SpecError, match="colocation needs topologyKey"):
         parse_deployment(document(placement={"colocation": "Required"}))
+
+
+def test_gang_scheduling_labels_both_roles_into_one_pod_group() -> None:
+    from kvbridge_operator.serving import serving_children
+
+    doc = document(placement={"gang": {}})
+    for role in Role:
+        spec = pod_spec(doc, role)
+        assert spec["schedulerName"] == "scheduler-plugins-scheduler"
+    dd = parse_deployment(doc)
+    sts = stateful_set(dd, UID, Role.DECODE, verdict_for(dd), OperatorConfig())  # type: ignore[arg-type]
+    assert sts["spec"]["template"]["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == "llama3-8b"
+    [group] = serving_children(dd, UID, OperatorConfig())
+    assert group["apiVersion"] == "scheduling.x-k8s.io/v1alpha1"
+    assert group["spec"] == {"minMember": 3, "scheduleTimeoutSeconds": 300}  # 2 prefill + 1 decode
+    custom = parse_deployment(document(placement={"gang": {"minMember": 2, "schedulerName": "volcano-ish"}}))
+    assert serving_children(custom, UID, OperatorConfig())[0]["spec"]["minMember"] == 2
+    with pytest.raises(SpecError, match="minMember"):
+        parse_deployment(document(placement={"gang": {"minMember": 1}}))

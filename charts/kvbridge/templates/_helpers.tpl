@@ -120,4 +120,7 @@ The operator's permissions: exactly what kvbridge_operator.rbac.REQUIRED lists
 - apiGroups: ["gateway.networking.k8s.io"]
   resources: ["httproutes"]
   verbs: ["create", "patch", "delete"]
+- apiGroups: ["scheduling.x-k8s.io"]
+  resources: ["podgroups"]
+  verbs: ["create", "patch", "delete"]
 {{- end }}
