@@ -34,6 +34,8 @@ from .pool import Balancer, Pool, Target
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+#: client headers passed on to both engines (vLLM's --api-key checks Authorization)
+FORWARDED_HEADERS = ("Authorization",)
 #: what the router sets on the prefill request (OpenAI and vLLM fields); streaming fields are dropped
 PREFILL_DROPPED = ("stream_options", "min_tokens")
 #: idle upstream connections are dropped before vLLM's own keep-alive timeout (5 s) closes them under us
@@ -117,13 +119,14 @@ class Router:
     async def _metrics(self, _: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
-    async def _models(self, _: web.Request) -> web.Response:
+    async def _models(self, request: web.Request) -> web.Response:
         decode = self.balancer.pick(self.pool.decode)
         if decode is None:
             return RouteError(503, "NO_DECODE", self.pool.problem() or "no decode pod").response()
         timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout, connect=self.config.connect_timeout)
         try:
-            async with self.session.get(f"{decode.url}/v1/models", timeout=timeout) as upstream:
+            forwarded = {k: request.headers[k] for k in FORWARDED_HEADERS if k in request.headers}
+            async with self.session.get(f"{decode.url}/v1/models", timeout=timeout, headers=forwarded) as upstream:
                 return web.Response(body=await upstream.read(), status=upstream.status,
                                     content_type=upstream.content_type)  # fmt: skip
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -138,11 +141,13 @@ class Router:
         try:
             body = await _json_body(request)
             request_id = request.headers.get("X-Request-Id") or f"kvb-{uuid.uuid4().hex}"
-            prefill, decode, params = await self._prefill_somewhere(request.path, body, request_id, spent)
+            headers = {"X-Request-Id": request_id, **{k: request.headers[k] for k in FORWARDED_HEADERS
+                                                      if k in request.headers}}  # fmt: skip
+            prefill, decode, params = await self._prefill_somewhere(request.path, body, headers, spent)
             tried: list[str] = []
             while True:
                 try:
-                    response = await self._decode(request, decode, body, params, request_id, started, spent)
+                    response = await self._decode(request, decode, body, params, headers, started, spent)
                     break
                 except RouteError as exc:  # retried only when decode was never reached (nothing was read)
                     tried.append(decode.pod)
@@ -162,7 +167,7 @@ class Router:
         return response
 
     async def _prefill_somewhere(
-        self, path: str, body: Obj, request_id: str, spent: list[float]
+        self, path: str, body: Obj, headers: dict[str, str], spent: list[float]
     ) -> tuple[Target, Target, Obj]:
         """Prefill on the least loaded pod that has a decode partner; on a pod failure, on another one."""
         tried: list[str] = []
@@ -174,7 +179,7 @@ class Router:
             prefill, decode = pair
             started = time.perf_counter()
             try:
-                params = await self._call_prefill(path, prefill, body, request_id)
+                params = await self._call_prefill(path, prefill, body, headers)
             except RouteError as exc:
                 if not exc.retry:
                     raise
@@ -193,13 +198,13 @@ class Router:
             raise RouteError(last.status, last.code, f"{last.message} (prefill pods tried: {', '.join(tried)})")
         raise RouteError(503, "NO_ROUTE", self.pool.problem() or "every paired prefill pod failed")
 
-    async def _call_prefill(self, path: str, target: Target, body: Obj, request_id: str) -> Obj:
+    async def _call_prefill(self, path: str, target: Target, body: Obj, headers: dict[str, str]) -> Obj:
         request = prefill_request(body)
         timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout, connect=self.config.connect_timeout)
         self._enter("prefill", target)
         try:
             async with self.session.post(f"{target.url}{path}", json=request, timeout=timeout,
-                                         headers={"X-Request-Id": request_id}) as upstream:  # fmt: skip
+                                         headers=headers) as upstream:  # fmt: skip
                 text = await upstream.text()
                 if upstream.status >= 500:
                     raise RouteError(502, "PREFILL_FAILED", f"prefill pod {target.pod}: HTTP {upstream.status}: "
@@ -224,7 +229,7 @@ class Router:
         return params
 
     async def _decode(
-        self, request: web.Request, target: Target, body: Obj, params: Obj, request_id: str, started: float,
+        self, request: web.Request, target: Target, body: Obj, params: Obj, headers: dict[str, str], started: float,
         spent: list[float],
     ) -> web.StreamResponse:  # fmt: skip
         decode_body = {**body, "kv_transfer_params": params}
@@ -236,7 +241,7 @@ class Router:
         response: web.StreamResponse | None = None
         try:
             async with self.session.post(f"{target.url}{request.path}", json=decode_body, timeout=timeout,
-                                         headers={"X-Request-Id": request_id}) as upstream:  # fmt: skip
+                                         headers=headers) as upstream:  # fmt: skip
                 if not stream or upstream.status != 200:
                     data = await upstream.read()
                     self.metrics.ttft.observe(time.perf_counter() - started)

@@ -29,6 +29,7 @@ class FakeEngine:
     mode: str = "ok"  # ok | 500 | 400 | slow | no-params | die-midstream
     delay: float = 0.0
     received: list[Obj] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
     in_flight: int = 0
     peak: int = 0
     server: TestServer | None = None
@@ -36,6 +37,7 @@ class FakeEngine:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.received.append(body)
+        self.headers.append({k.lower(): v for k, v in request.headers.items()})
         self.in_flight += 1
         self.peak = max(self.peak, self.in_flight)
         try:
@@ -303,3 +305,17 @@ async def test_a_client_that_leaves_midstream_releases_the_decode_call(rig: Rig)
     assert rig.router.balancer.outstanding == {}
     status, _ = await rig.post({"prompt": [2]})  # and the router keeps serving
     assert status == 200
+
+
+async def test_the_clients_authorization_and_one_request_id_reach_both_engines(rig: Rig) -> None:
+    """vLLM started with --api-key checks Authorization on prefill and decode alike."""
+    headers = {"Authorization": "Bearer sk-test", "Cookie": "not-forwarded"}
+    async with rig.session.post(rig.url + "/v1/completions", json={"prompt": [1]}, headers=headers) as r:
+        assert r.status == 200
+    prefill = next(e for e in rig.prefill if e.headers).headers[0]
+    decode = rig.decode[0].headers[0]
+    for sent in (prefill, decode):
+        assert sent["authorization"] == "Bearer sk-test"
+        assert "cookie" not in sent
+    assert prefill["x-request-id"] == decode["x-request-id"]
+    assert prefill["x-request-id"].startswith("kvb-")
