@@ -22,7 +22,8 @@ class RouterMetrics:
             ["route", "outcome"], registry=r,
         )  # fmt: skip
         self.retries = Counter(
-            "kvbridge_router_prefill_retries", "Prefill attempts retried on another pod, by the failed pod.", ["pod"],
+            "kvbridge_router_prefill_retries", "Prefill calls that failed, by pod (the request went to another pod "
+            "while attempts were left).", ["pod"],
             registry=r,
         )  # fmt: skip
         self.ttft = Histogram(
