@@ -111,3 +111,15 @@ def test_gang_scheduling_labels_both_roles_into_one_pod_group() -> None:
     assert serving_children(custom, UID, OperatorConfig())[0]["spec"]["minMember"] == 2
     with pytest.raises(SpecError, match="minMember"):
         parse_deployment(document(placement={"gang": {"minMember": 1}}))
+
+
+def test_the_deepseek_v3_example_is_compatible_and_its_tp16_variant_does_not_fit() -> None:
+    doc = document("vllm/deepseek-v3-h200")
+    assert not isinstance(verdict_for(parse_deployment(doc)), list)
+    for role in Role:  # valid pods: affinity, spread, the scheduler, the weights' cache
+        spec = pod_spec(doc, role)
+        assert spec["schedulerName"] == "scheduler-plugins-scheduler"
+    doc["spec"]["prefill"]["tensorParallelSize"] = 16
+    verdict = verdict_for(parse_deployment(doc))
+    assert isinstance(verdict, list)
+    assert [p.code for p in verdict] == ["ROLE_DOES_NOT_FIT"]
