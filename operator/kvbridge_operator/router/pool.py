@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 Obj = dict[str, Any]
@@ -48,12 +49,22 @@ class Pool:
     def compatible(self, prefill: Target, decode: Target) -> bool:
         return prefill.pairing == decode.pairing or (prefill.pairing, decode.pairing) in self.pairings
 
-    def decodes_for(self, prefill: Target) -> list[Target]:
-        return [d for d in self.decode if self.compatible(prefill, d)]
+    @cached_property
+    def _partners(self) -> dict[str, tuple[Target, ...]]:
+        """Each prefill pod's decode partners, computed once per pool (a pool changes only with the status; a
+        request reads this)."""
+        return {p.pod: tuple(d for d in self.decode if self.compatible(p, d)) for p in self.prefill}
 
-    def routable(self) -> list[Target]:
+    def decodes_for(self, prefill: Target) -> tuple[Target, ...]:
+        return self._partners.get(prefill.pod, ())
+
+    @cached_property
+    def _routable(self) -> tuple[Target, ...]:
+        return tuple(p for p in self.prefill if self._partners[p.pod])
+
+    def routable(self) -> tuple[Target, ...]:
         """Prefill pods with at least one decode pod to pair with."""
-        return [p for p in self.prefill if self.decodes_for(p)]
+        return self._routable
 
     def problem(self) -> str:
         """Why no request can be routed, or empty."""

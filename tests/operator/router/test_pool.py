@@ -33,7 +33,7 @@ def test_only_equal_or_listed_keys_pair() -> None:
     by_name = {t.pod: t for t in pool.prefill}
     assert [d.pod for d in pool.decodes_for(by_name["p-old"])] == ["d-old"]
     assert [d.pod for d in pool.decodes_for(by_name["p-new"])] == ["d-old", "d-new"]
-    assert pool.decodes_for(by_name["p-other"]) == []
+    assert pool.decodes_for(by_name["p-other"]) == ()
     assert [t.pod for t in pool.routable()] == ["p-old", "p-new"]
 
 
