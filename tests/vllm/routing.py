@@ -15,7 +15,7 @@ from kvbridge_operator.render import LABEL_PAIRING
 from kvbridge_operator.router.pool import Pool
 from kvbridge_operator.router.proxy import Router, RouterConfig
 
-from .engines import Engines, rendered_template
+from .engines import Engines, metric, rendered_template
 
 Obj = dict[str, Any]
 
@@ -55,6 +55,6 @@ def streamed_tokens(text: str) -> list[int]:
     return tokens
 
 
-def pod_calls(metrics_text: str, role: str, pod: str) -> float:
-    wanted = f'kvbridge_router_pod_requests_total{{pod="{pod}",role="{role}"}}'
-    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines() if line.startswith(wanted))
+async def pod_calls(session: Any, url: str, role: str, pod: str) -> float:
+    """Calls the router at ``url`` sent to one pod (its ``kvbridge_router_pod_requests_total``)."""
+    return await metric(session, url, "kvbridge_router_pod_requests_total", f'pod="{pod}",role="{role}"')

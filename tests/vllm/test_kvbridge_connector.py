@@ -76,9 +76,8 @@ async def test_the_router_pairs_only_compatible_kvbridge_pods_and_answers_as_a_s
             assert answer["choices"][0]["token_ids"] == want.tokens
             async with session.post(f"{url}/v1/completions", json={**body, "stream": True}) as response:
                 assert streamed_tokens(await response.text()) == want.tokens
-        metrics = await (await session.get(f"{url}/metrics")).text()
-    assert pod_calls(metrics, "decode", "kvbridge-decode") == 4
-    assert pod_calls(metrics, "decode", "kvbridge-decode-64") == 0
+        assert await pod_calls(session, url, "decode", "kvbridge-decode") == 4
+        assert await pod_calls(session, url, "decode", "kvbridge-decode-64") == 0
 
 
 async def test_negative_control_decode_uses_the_transferred_kv(

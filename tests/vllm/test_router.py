@@ -68,10 +68,8 @@ async def test_router_answers_as_a_single_engine_streamed_or_not(
             assert status == 200, text
             assert streamed == want.tokens, f"{length} tokens streamed via the router: {streamed} != {want.tokens}"
             assert text.rstrip().endswith("data: [DONE]")
-        async with session.get(f"{url}/metrics") as response:
-            metrics = await response.text()
-        assert pod_calls(metrics, "prefill", "prefill-tp1") == 6
-        assert pod_calls(metrics, "decode", "decode") == 6
+        assert await pod_calls(session, url, "prefill", "prefill-tp1") == 6
+        assert await pod_calls(session, url, "decode", "decode") == 6
 
 
 async def test_router_keeps_serving_while_a_prefill_pod_is_killed(

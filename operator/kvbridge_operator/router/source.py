@@ -99,7 +99,7 @@ def read_status_file(path: Path) -> Pool:
         raise ValueError(f"{path}: {exc}") from exc
     if not isinstance(loaded, dict):
         raise ValueError(f"{path}: expected a DisaggregatedDeployment or its status, a mapping")
-    return Pool.from_status(loaded.get("status", loaded) if "status" in loaded else loaded)
+    return Pool.from_status(loaded.get("status", loaded))
 
 
 async def follow_file(path: Path, publish: Callable[[Pool], None], stop: asyncio.Event, every: float = 1.0) -> None:
