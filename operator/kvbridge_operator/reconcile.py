@@ -50,7 +50,7 @@ from .render import (
 )
 from .rollout import Phase, PodState, RoleTarget, Step, Strategy, step
 from .scaling import Scale, desired_of, effective_replicas, replicas_patch, role_resource, role_status
-from .serving import router_name, router_url, serving_children
+from .serving import optional_children, router_name, router_url
 from .spec import API_VERSION, KIND, DisaggregatedDeployment, parse_deployment
 from .status import Condition, ConditionType, Pairing, RolloutStatus, merge_conditions, now_rfc3339
 from .verdict import verdict_for
@@ -193,17 +193,19 @@ async def publish_role_status(client: KubeClient, dd: DisaggregatedDeployment, r
 OPTIONAL_KINDS = ("InferencePool", "HTTPRoute", "PodGroup")
 
 
-async def apply_serving(client: KubeClient, dd: DisaggregatedDeployment, uid: str, config: OperatorConfig,
-                        previous: Obj) -> tuple[Obj, list[Event]]:  # fmt: skip
-    """Apply ``spec.router``'s and ``spec.inferencePool``'s objects; delete the ones the spec no longer asks for
-    (known from the previous status, so a deployment that never had them costs no call). Returns their status
-    fields and events; a cluster without the InferencePool or HTTPRoute CRD gets a Warning, not a failed reconcile."""
+async def apply_optional_children(
+    client: KubeClient, dd: DisaggregatedDeployment, uid: str, config: OperatorConfig, previous: Obj
+) -> tuple[Obj, list[Event]]:
+    """Apply the optional children (``spec.router``'s, ``spec.inferencePool``'s, ``spec.placement.gang``'s
+    PodGroup); delete the ones the spec no longer asks for (known from the previous status, so a deployment that
+    never had them costs no call). Returns their status fields and events; a cluster without the InferencePool,
+    HTTPRoute or PodGroup CRD gets a Warning, not a failed reconcile."""
     events: list[Event] = []
     namespace = dd.metadata.namespace or "default"
     fields: Obj = {"router": None, "inferencePool": None, "placement": None}
     made: set[str] = set()
     missing: list[str] = []
-    for child in serving_children(dd, uid, config):
+    for child in optional_children(dd, uid, config):
         try:
             await apply(client, child)
             made.add(child["kind"])
@@ -348,8 +350,8 @@ async def reconcile(
     verdict = verdict_for(dd)
     previous: Obj = body.get("status") or {}
     applied = False
-    serving: Obj = {key: previous.get(key) for key in ("router", "inferencePool", "placement")}
-    serving_events: list[Event] = []
+    optional: Obj = {key: previous.get(key) for key in ("router", "inferencePool", "placement")}
+    optional_events: list[Event] = []
     seen = cached if cached is not None else await read_children(client, namespace, name)
     roles, sets, pods = dict(seen.roles), dict(seen.sets), list(seen.pods)
     annotations: dict[str, str] = dict(meta.get("annotations") or {})
@@ -381,7 +383,7 @@ async def reconcile(
             if stateful:
                 sets[Role(role_of)] = written
         if full:
-            serving, serving_events = await apply_serving(client, dd, uid, config, previous)
+            optional, optional_events = await apply_optional_children(client, dd, uid, config, previous)
         applied = True
     observation = observe(dd, generation, verdict, sets, pods, previous, annotations, now_rfc3339(), scale.effective)
     if applied and int(previous.get("observedGeneration", -1)) != generation:
@@ -389,8 +391,8 @@ async def reconcile(
             0, Event("Normal", "Reconciled", f"generation {generation}: prefill and decode workloads applied")
         )
     status = observation.status.model_dump(by_alias=True, mode="json")
-    status.update(serving)
-    observation.events.extend(serving_events)
+    status.update(optional)
+    observation.events.extend(optional_events)
     for role in Role:
         status[role.value]["desiredReplicas"] = scale.desired[role]
         was = (previous.get(role.value) or {}).get("replicas")

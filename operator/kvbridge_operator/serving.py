@@ -138,7 +138,7 @@ def pod_group_children(dd: DisaggregatedDeployment, uid: str) -> list[Obj]:
     return [group] if group is not None else []
 
 
-def serving_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfig) -> list[Obj]:
+def optional_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfig) -> list[Obj]:
     """The optional children: the router's, the InferencePool's, and the gang's PodGroup."""
     return [
         *(router_children(dd, uid, config) if dd.spec.router.enabled else []),

@@ -95,7 +95,7 @@ def test_colocation_needs_a_topology_key() -> None:
 
 
 def test_gang_scheduling_labels_both_roles_into_one_pod_group() -> None:
-    from kvbridge_operator.serving import serving_children
+    from kvbridge_operator.serving import optional_children
 
     doc = document(placement={"gang": {}})
     for role in Role:
@@ -104,11 +104,11 @@ def test_gang_scheduling_labels_both_roles_into_one_pod_group() -> None:
     dd = parse_deployment(doc)
     sts = stateful_set(dd, UID, Role.DECODE, verdict_for(dd), OperatorConfig())  # type: ignore[arg-type]
     assert sts["spec"]["template"]["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == "llama3-8b"
-    [group] = serving_children(dd, UID, OperatorConfig())
+    [group] = optional_children(dd, UID, OperatorConfig())
     assert group["apiVersion"] == "scheduling.x-k8s.io/v1alpha1"
     assert group["spec"] == {"minMember": 3, "scheduleTimeoutSeconds": 300}  # 2 prefill + 1 decode
     custom = parse_deployment(document(placement={"gang": {"minMember": 2, "schedulerName": "volcano-ish"}}))
-    assert serving_children(custom, UID, OperatorConfig())[0]["spec"]["minMember"] == 2
+    assert optional_children(custom, UID, OperatorConfig())[0]["spec"]["minMember"] == 2
     with pytest.raises(SpecError, match="minMember"):
         parse_deployment(document(placement={"gang": {"minMember": 1}}))
 

@@ -15,7 +15,7 @@ from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.pairing import pairing
 from kvbridge_operator.render import LABEL_LLM_D_ROLE, stateful_set
 from kvbridge_operator.rollout import Strategy
-from kvbridge_operator.serving import serving_children
+from kvbridge_operator.serving import optional_children
 from kvbridge_operator.spec import parse_deployment
 from kvbridge_operator.verdict import verdict_for
 from kvbridge_operator.vllm import problems
@@ -43,7 +43,7 @@ def engine_container(doc: dict[str, Any], role: Role = Role.DECODE) -> dict[str,
 
 def test_the_router_objects_are_valid_and_the_role_reads_only_this_deployment() -> None:
     dd = parse_deployment(document(router={"enabled": True, "decodeTimeoutSeconds": 90}))
-    objects = serving_children(dd, UID, OperatorConfig())
+    objects = optional_children(dd, UID, OperatorConfig())
     assert [o["kind"] for o in objects] == ["ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"]
     for obj in objects:
         kubernetes_validate.validate(obj, "1.30", strict=True)
@@ -57,13 +57,13 @@ def test_the_router_objects_are_valid_and_the_role_reads_only_this_deployment() 
     assert pod["containers"][0]["image"] == OperatorConfig().router_image
     assert "--decode-timeout=90" in pod["containers"][0]["args"]
     assert pod["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/health"
-    assert serving_children(parse_deployment(document()), UID, OperatorConfig()) == []
+    assert optional_children(parse_deployment(document()), UID, OperatorConfig()) == []
 
 
 def test_the_inference_pool_selects_both_roles_labelled_for_llm_d() -> None:
     doc = document(inferencePool={"enabled": True, "endpointPicker": "llm-d-epp", "gateway": "inference-gw"})
     dd = parse_deployment(doc)
-    pool, route = serving_children(dd, UID, OperatorConfig())
+    pool, route = optional_children(dd, UID, OperatorConfig())
     assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
     assert pool["spec"]["selector"] == {"matchLabels": {"kvbridge.io/deployment": "llama3-8b-vllm"}}
     assert pool["spec"]["targetPorts"] == [{"number": 8000}]
@@ -77,7 +77,7 @@ def test_the_inference_pool_selects_both_roles_labelled_for_llm_d() -> None:
         assert labels[LABEL_LLM_D_ROLE] == role.value
         assert labels.items() >= pool["spec"]["selector"]["matchLabels"].items()
     no_gateway = parse_deployment(document(inferencePool={"enabled": True, "endpointPicker": "llm-d-epp"}))
-    assert [o["kind"] for o in serving_children(no_gateway, UID, OperatorConfig())] == ["InferencePool"]
+    assert [o["kind"] for o in optional_children(no_gateway, UID, OperatorConfig())] == ["InferencePool"]
     with pytest.raises(SpecError, match="endpointPicker"):
         parse_deployment(document(inferencePool={"enabled": True}))
 
