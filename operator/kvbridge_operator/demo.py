@@ -433,7 +433,12 @@ async def run_demo(
                 restarted = any(e["reason"] == "PrefillRestarted" for e in report["events"])
                 report["ok"] &= restarted or not any(d.get("transfers", {}).get("verifiedAfterPrefillRestart")
                                                      for d in report["deployments"])  # fmt: skip
+                if not report["ok"]:
+                    progress(runner.log_tails())
                 return report
+            except BaseException:
+                progress(runner.log_tails())
+                raise
             finally:
                 stop.set()
                 await running

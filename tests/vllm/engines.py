@@ -150,6 +150,11 @@ class Engines:
         if names is None:
             self._sampling.set()
 
+    def log_tails(self, names: list[str], chars: int = 2500) -> str:
+        """What these engines printed last, for a failing assertion's message (the logs go with pytest's tmp)."""
+        return "\n".join(f"--- {name}'s log, last {chars} characters ---\n{self.engines[name].log_tail(chars)}"
+                         for name in names)  # fmt: skip
+
     def running(self, name: str) -> bool:
         process = self.engines[name].process
         return process is not None and process.poll() is None

@@ -174,6 +174,18 @@ class LocalRunner:
         }  # fmt: skip
         await self.client.patch(PODS, pod.namespace, pod.name, {"status": status}, "status")
 
+    def log_tails(self, lines: int = 40) -> str:
+        """The last lines each pod's containers printed (both incarnations of a restarted pod), for a failure
+        report: the pods' folder is removed when the demo ends."""
+        parts = []
+        for pod in self.pods.values():
+            if pod.log_path is None or not pod.log_path.exists():
+                continue
+            tail = pod.log_path.read_text(errors="replace").splitlines()[-lines:]
+            parts.append(f"--- {pod.name} (restarts: {pod.restarts}), last {len(tail)} lines of its log ---")
+            parts.extend(tail)
+        return "\n".join(parts)
+
     def http_url(self, namespace: str, name: str) -> str:
         pod = self.pods[(namespace, name)]
         return f"http://{pod.ip}:{pod.spec.http_port}"
