@@ -88,19 +88,43 @@ CPU_BASE_MEMORY_GIB = 4
 _LAYOUT_NAMES = {KVLayout.HND: "LBHNC", KVLayout.NHD: "LBNHC"}
 CROSS_LAYER_LAYOUT = "BHLNC"  # one block-major tensor for all layers, heads outermost (transfer-protocol.md §1)
 
+#: the ``sitecustomize`` the CPU launcher gives vLLM's processes: vLLM 0.32's NIXL worker on CPU pins its model
+#: thread to the last core of each NUMA node of the *machine* (``CpuPlatform.discover_numa_topology`` reads /sys and
+#: ignores the container's cpuset), so every P/D engine on a node computes on one core while the cores it was given
+#: idle — or, under a kubelet's static cpuset, the call fails. This keeps every affinity change within the cores the
+#: container started with (an empty intersection keeps them all).
+CPU_CONFINE_SITE = """\
+import os
+_cpus = os.environ.get("KVBRIDGE_CONTAINER_CPUS", "")
+if _cpus and hasattr(os, "sched_setaffinity"):
+    _allowed = frozenset(int(c) for c in _cpus.split(","))
+    _set_affinity = os.sched_setaffinity
+
+    def _confined(pid, mask):
+        _set_affinity(pid, (set(mask) & _allowed) or _allowed)
+
+    os.sched_setaffinity = _confined
+"""
+
 #: a ``python3 -c`` launcher for CPU pods: bind each TP rank to its own share of the cores the container may use
-#: (the kubelet's cpuset), then exec ``vllm serve``. vLLM's "auto" binding gives every rank all cores of a NUMA
-#: node, which on a small node makes TP ranks fight over the same cores.
-CPU_BIND_LAUNCHER = """\
-import os, sys
+#: (the kubelet's cpuset), keep vLLM's later affinity changes within them (``CPU_CONFINE_SITE``, on PYTHONPATH),
+#: then exec ``vllm serve``. vLLM's "auto" binding gives every rank all cores of a NUMA node, which on a small node
+#: makes TP ranks fight over the same cores.
+CPU_BIND_LAUNCHER = f"""\
+import os, sys, tempfile
 tp = int(sys.argv[1])
 cpus = sorted(os.sched_getaffinity(0))
 if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
     if len(cpus) < tp:
-        sys.exit(f"kvbridge: {len(cpus)} CPU(s) available for tensor-parallel size {tp}: request at least {tp}")
+        sys.exit(f"kvbridge: {{len(cpus)}} CPU(s) available for tensor-parallel size {{tp}}: request at least {{tp}}")
     per = len(cpus) // tp
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
         ",".join(map(str, cpus[r * per:(r + 1) * per])) for r in range(tp))
+site = tempfile.mkdtemp(prefix="kvbridge-site-")
+with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+    f.write({CPU_CONFINE_SITE!r})
+os.environ["KVBRIDGE_CONTAINER_CPUS"] = ",".join(map(str, cpus))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH", "")) if p)
 os.execvp(sys.argv[2], sys.argv[2:])
 """
 

@@ -279,6 +279,28 @@ def test_the_cpu_launcher_splits_the_allowed_cores_between_ranks(cpus: list[int]
     assert result.stdout.strip() == bound
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores: one for the container, one outside it")
+def test_the_cpu_launcher_keeps_vllm_affinity_changes_on_the_containers_cores() -> None:
+    """vLLM's CPU NIXL worker pins its model thread to the machine's last core; under the launcher a process (and
+    the processes it spawns) stays on the cores the container started with."""
+    from kvbridge_operator.vllm import CPU_BIND_LAUNCHER
+
+    cores = sorted(os.sched_getaffinity(0))
+    mine, other = cores[0], cores[-1]
+    show = "print(sorted(os.sched_getaffinity(0)))"
+    spawned = f"import os; os.sched_setaffinity(0, {{{other}}}); {show}"
+    child = (f"import os, subprocess, sys; os.sched_setaffinity(0, {{{other}}}); {show}; "
+             f"os.sched_setaffinity(0, {{{mine}, {other}}}); {show}; "
+             f"subprocess.run([sys.executable, '-c', {spawned!r}], check=True)")  # fmt: skip
+    environ = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
+    result = subprocess.run(
+        [sys.executable, "-c", CPU_BIND_LAUNCHER, "1", sys.executable, "-c", child], capture_output=True, text=True,
+        timeout=30, check=False, env=environ, preexec_fn=lambda: os.sched_setaffinity(0, {mine}),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:3] == [f"[{mine}]"] * 3
+
+
 def test_the_cpu_launcher_refuses_fewer_cores_than_ranks() -> None:
     from kvbridge_operator.vllm import CPU_BIND_LAUNCHER
 
