@@ -12,7 +12,7 @@ from typing import Any
 
 from kvbridge_agent.core import KVBridgeError
 
-from . import __version__
+from . import __version__, placement
 from .manifests import read_documents, source_name
 from .plan_report import entries, plan_document, render_text, selected_ranks
 from .spec import KIND
@@ -20,6 +20,17 @@ from .spec import KIND
 EXIT_OK = 0
 EXIT_INCOMPATIBLE = 1
 EXIT_INVALID = 2
+
+
+def _positive(text: str) -> int:
+    """argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -38,7 +49,7 @@ def _plan(args: argparse.Namespace) -> int:
             field = f" [{item.error.field}]" if item.error.field and item.error.field not in item.error.message else ""
             print(f"kvbridge plan: error: {item.error.message}{field}", file=sys.stderr)
         elif item.deployment is not None:
-            documents.append(plan_document(item.deployment))
+            documents.append(plan_document(placement.with_gpus_per_node(item.deployment, args.gpus_per_node)))
     if not documents and not invalid:
         print(f"kvbridge plan: error: {source_name(args.file)}: no {KIND} documents found", file=sys.stderr)
         return EXIT_INVALID
@@ -249,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     ranks.add_argument("--decode-rank", type=int, metavar="R", help="plan decode rank R (default 0)")
     ranks.add_argument("--all-ranks", action="store_true", help="plan every decode rank of every document")
     plan.add_argument("--json", action="store_true", help="print one JSON document (a list) on stdout")
+    plan.add_argument("--gpus-per-node", type=_positive, default=0, metavar="N",
+                      help="GPUs one node of the cluster offers (the operator's --gpus-per-node), for documents "
+                      "without spec.placement.gpusPerNode: a role whose engine cannot fit one is refused")  # fmt: skip
     plan.set_defaults(func=_plan)
 
     model = commands.add_parser(

@@ -52,6 +52,11 @@ class OperatorConfig:
         flag="--routing-sidecar-arg",
     )
     gpu_resource: str = _setting("nvidia.com/gpu", "extended resource each TP rank requests, one per rank")
+    gpus_per_node: int = _setting(
+        0,
+        "GPUs one node offers: the fit check (ROLE_DOES_NOT_FIT) of deployments that leave "
+        "spec.placement.gpusPerNode unset; 0: not checked",
+    )
     cpu_mode: bool = _setting(False, "request no GPUs for agent-worker pods; agents move host memory")
     agent_num_blocks: int = _setting(256, "KV blocks each agent-worker rank allocates")
     agent_http_port: int = _setting(8000, "the agent worker's HTTP port (API and probes)")

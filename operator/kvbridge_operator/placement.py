@@ -1,7 +1,8 @@
 """Where a deployment's pods may run (``spec.placement``): what fits a node, and what stays together.
 
-- **Fit.** A role's engine is one pod holding ``tensorParallelSize`` GPUs. With ``gpusPerNode`` known, a larger
-  TP is a pod no node can take: the verdict refuses it before anything is scheduled (``ROLE_DOES_NOT_FIT``).
+- **Fit.** A role's engine is one pod holding ``tensorParallelSize`` GPUs. With ``gpusPerNode`` known (the
+  spec's, else the operator's ``--gpus-per-node``, the chart's ``gpu.perNode``), a larger TP is a pod no node can
+  take: the verdict refuses it before anything is scheduled (``ROLE_DOES_NOT_FIT``).
   A replica spanning nodes (LeaderWorkerSet) is not rendered yet, so the fix offered is the largest TP that fits.
 - **Colocation.** Pod affinity on ``topologyKey`` to the deployment's own pods (both roles): Preferred weighs
   the scheduler's choice, Required admits a pod only into the domain where the deployment's pods already run
@@ -22,13 +23,22 @@ from typing import Any
 
 from kvbridge_agent.core import Problem, Role
 
-from .spec import Colocation, DisaggregatedDeploymentSpec, EngineDevice
+from .spec import Colocation, DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineDevice
 
 Obj = dict[str, Any]
 ROLE_DOES_NOT_FIT = "ROLE_DOES_NOT_FIT"
 HOSTNAME = "kubernetes.io/hostname"
 LABEL_POD_GROUP = "scheduling.x-k8s.io/pod-group"
 POD_GROUP_API = "scheduling.x-k8s.io/v1alpha1"
+
+
+def with_gpus_per_node(dd: DisaggregatedDeployment, gpus_per_node: int) -> DisaggregatedDeployment:
+    """``dd`` with the cluster's GPUs per node (the operator's setting, 0: unknown) where its spec states none:
+    what the fit check reads. Not in the pairing key, so it changes no pod."""
+    if gpus_per_node <= 0 or dd.spec.placement.gpus_per_node is not None:
+        return dd
+    placement = dd.spec.placement.model_copy(update={"gpus_per_node": gpus_per_node})
+    return dd.model_copy(update={"spec": dd.spec.model_copy(update={"placement": placement})})
 
 
 def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
@@ -42,8 +52,9 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
             found.append(Problem(
                 ROLE_DOES_NOT_FIT, f"spec.{role.value}.tensorParallelSize",
                 f"{role.value} TP {tp} needs {tp} GPUs in one pod, and a node has {per_node} "
-                f"(spec.placement.gpusPerNode): no node can take it. A replica spanning nodes (LeaderWorkerSet) is "
-                f"not supported yet; set spec.{role.value}.tensorParallelSize to at most {per_node}",
+                f"(spec.placement.gpusPerNode, else the operator's gpusPerNode): no node can take it. A replica "
+                f"spanning nodes (LeaderWorkerSet) is not supported yet; set spec.{role.value}.tensorParallelSize "
+                f"to at most {per_node}",
             ))  # fmt: skip
     return found
 

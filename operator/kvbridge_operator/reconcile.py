@@ -19,7 +19,7 @@ from typing import Any
 
 from kvbridge_agent.core import Role, SpecError, TransferPlan
 
-from . import revisions
+from . import placement, revisions
 from .config import OperatorConfig
 from .kube import (
     BY_KIND,
@@ -347,6 +347,7 @@ async def reconcile(
         dd = parse_deployment({**body, "metadata": {**meta, "namespace": namespace}})
     except SpecError as exc:
         return await _invalid(client, body, exc)
+    dd = placement.with_gpus_per_node(dd, config.gpus_per_node)
     verdict = verdict_for(dd)
     previous: Obj = body.get("status") or {}
     applied = False

@@ -234,7 +234,8 @@ class PlacementSpec(CamelModel):
     gpus_per_node: int | None = Field(
         default=None, ge=1, le=64,
         description="GPUs one node offers. A role's engine takes tensorParallelSize GPUs in one pod, so a larger "
-        "TP can never be scheduled: the verdict refuses it (ROLE_DOES_NOT_FIT). Unset: not checked.",
+        "TP can never be scheduled: the verdict refuses it (ROLE_DOES_NOT_FIT). Unset: the operator's gpusPerNode "
+        "(the chart's gpu.perNode), else not checked.",
     )  # fmt: skip
     topology_key: str = Field(
         default="", max_length=316, pattern=r"^([-A-Za-z0-9_./]*)$",

@@ -18,7 +18,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "namespace-scope": {"watch": {"scope": "Namespace"}},
     "service-monitor": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}},
-    "cpu-mode-custom-images": {"gpu": {"cpuMode": True, "resourceName": "amd.com/gpu"},
+    "cpu-mode-custom-images": {"gpu": {"cpuMode": True, "resourceName": "amd.com/gpu", "perNode": 8},
                                "image": {"repository": "registry.local/kvbridge-operator", "tag": "dev"},
                                "agent": {"image": "registry.local/kvbridge-agent:dev", "numBlocks": 1024}},
     "three-namespaces": {"watch": {"scope": "Namespace", "namespaces": ["team-a", "team-b", "team-c"]}},
@@ -142,11 +142,13 @@ def test_values_reach_the_operator() -> None:
     assert env["KVBRIDGE_OPERATOR_CPU_MODE"] == "true"
     assert env["KVBRIDGE_OPERATOR_AGENT_NUM_BLOCKS"] == "1024"
     assert env["KVBRIDGE_OPERATOR_GPU_RESOURCE"] == "amd.com/gpu"
+    assert env["KVBRIDGE_OPERATOR_GPUS_PER_NODE"] == "8"
     default = {e["name"]: e["value"] for e in by_kind(render({}))["Deployment"][0]["spec"]["template"]["spec"][
         "containers"][0]["env"]}  # fmt: skip
     assert default["KVBRIDGE_OPERATOR_VLLM_IMAGE"] == "vllm/vllm-openai:v0.32.0"
     assert default["KVBRIDGE_OPERATOR_VLLM_CPU_IMAGE"] == "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0"
     assert default["KVBRIDGE_OPERATOR_ROUTING_SIDECAR_IMAGE"] == ""  # no sidecar unless asked for
+    assert default["KVBRIDGE_OPERATOR_GPUS_PER_NODE"] == "0"  # fit not checked unless the cluster is described
     sidecar = {"vllm": {"routingSidecar": {"image": "ghcr.io/llm-d/llm-d-routing-sidecar:v0.3.0",
                                            "args": ["--connector=nixlv2", "--secure-proxy=true",
                                                     "--allowlist=a,b"]}}}  # fmt: skip

@@ -322,6 +322,18 @@ def printer_columns(obj: Obj) -> list[str]:
     return row
 
 
+async def test_the_operators_gpus_per_node_refuses_an_engine_no_node_can_hold() -> None:
+    """The chart's gpu.perNode (KVBRIDGE_OPERATOR_GPUS_PER_NODE) checks deployments that state no gpusPerNode."""
+    async with cluster(OperatorConfig(gpus_per_node=8, liveness_port=0)) as c:
+        big = example("deepseek-mla")
+        big["spec"]["prefill"]["tensorParallelSize"] = 16
+        await c.apply(big)
+        await c.wait(lambda: c.condition("deepseek-mla", "Compatible").get("status") == "False")
+        assert "ROLE_DOES_NOT_FIT at spec.prefill.tensorParallelSize" in c.condition("deepseek-mla", "Compatible")[
+            "message"]  # fmt: skip
+        assert children(c, "deepseek-mla")["statefulsets"] == []
+
+
 async def test_kubectl_get_columns_show_ready_replicas_and_tp() -> None:
     async with cluster() as c:
         await c.apply(example("llama3-8b-hetero-tp"))

@@ -11,6 +11,8 @@ import yaml
 
 from kvbridge_agent.core import Role, SpecError
 from kvbridge_operator.config import OperatorConfig
+from kvbridge_operator.pairing import pairing
+from kvbridge_operator.placement import with_gpus_per_node
 from kvbridge_operator.remedy import advice
 from kvbridge_operator.render import stateful_set
 from kvbridge_operator.spec import parse_deployment
@@ -53,6 +55,19 @@ def test_fit_is_checked_only_where_known_and_only_for_gpus() -> None:
     assert not isinstance(verdict_for(parse_deployment(on_cpu)), list)
     fits = document(placement={"gpusPerNode": 8}, prefill={"tensorParallelSize": 8})
     assert not isinstance(verdict_for(parse_deployment(fits)), list)
+
+
+def test_the_operators_gpus_per_node_applies_where_the_spec_states_none() -> None:
+    tp = {"prefill": {"tensorParallelSize": 16}, "decode": {"tensorParallelSize": 8}}
+    big = parse_deployment(document("deepseek-mla", **tp))
+    assert with_gpus_per_node(big, 0) is big  # unknown: not checked
+    refused = verdict_for(with_gpus_per_node(big, 8))
+    assert isinstance(refused, list)
+    assert [(p.code, p.field) for p in refused] == [("ROLE_DOES_NOT_FIT", "spec.prefill.tensorParallelSize")]
+    assert "operator's gpusPerNode" in refused[0].message
+    assert pairing(with_gpus_per_node(big, 8).spec) == pairing(big.spec)  # no pod changes with the setting
+    stated = parse_deployment(document("deepseek-mla", placement={"gpusPerNode": 16}, **tp))
+    assert not isinstance(verdict_for(with_gpus_per_node(stated, 8)), list)  # the spec's own value wins
 
 
 def pod_spec(doc: dict[str, Any], role: Role) -> dict[str, Any]:

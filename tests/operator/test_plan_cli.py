@@ -233,3 +233,25 @@ def test_a_folder_plans_every_manifest_in_it(tmp_path: Path, capsys: pytest.Capt
     code, _, err = run(capsys, "plan", "-f", str(empty))
     assert code == 2
     assert "no .yaml, .yml, .json files" in err
+
+
+def test_gpus_per_node_refuses_an_engine_no_node_can_hold(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The cluster's GPUs per node given on the command line (the operator's --gpus-per-node) for documents that
+    state none: prefill TP 16 on 8-GPU nodes is refused with the field and what fits; without it, compatible."""
+    big = (EXAMPLES / "deepseek-mla.yaml").read_text().replace("tensorParallelSize: 2", "tensorParallelSize: 16", 1)
+    path = tmp_path / "big.yaml"
+    path.write_text(big)
+    code, out, _ = run(capsys, "plan", "-f", str(path), "--json")
+    assert code == 0, out
+    code, out, _ = run(capsys, "plan", "-f", str(path), "--json", "--gpus-per-node", "8")
+    assert code == 1
+    [entry] = json.loads(out)
+    assert [(p["code"], p["field"]) for p in entry["problems"]] == [("ROLE_DOES_NOT_FIT",
+                                                                    "spec.prefill.tensorParallelSize")]  # fmt: skip
+    assert "at most 8" in entry["problems"][0]["message"]
+    code, out, _ = run(capsys, "plan", "-f", str(path), "--gpus-per-node", "16")
+    assert code == 0
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "-f", str(path), "--gpus-per-node", "0"])
+    assert exit_info.value.code == 2
+    assert "--gpus-per-node: 0 is not at least 1" in capsys.readouterr().err
