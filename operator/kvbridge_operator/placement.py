@@ -2,8 +2,9 @@
 
 - **Fit.** A role's engine is one pod holding ``tensorParallelSize`` GPUs. With ``gpusPerNode`` known (the
   spec's, else the operator's ``--gpus-per-node``, the chart's ``gpu.perNode``), a larger TP is a pod no node can
-  take: the verdict refuses it before anything is scheduled (``ROLE_DOES_NOT_FIT``).
-  A replica spanning nodes (LeaderWorkerSet) is not rendered yet, so the fix offered is the largest TP that fits.
+  take: the verdict refuses it before anything is scheduled (``ROLE_DOES_NOT_FIT``). With ``nodes`` above 1 an
+  engine's pod holds ``tensorParallelSize / nodes`` GPUs (multinode.py); the fix offered for vLLM is the fewest
+  nodes that hold the TP evenly.
 - **Colocation.** Pod affinity on ``topologyKey`` to the deployment's own pods (both roles): Preferred weighs
   the scheduler's choice, Required admits a pod only into the domain where the deployment's pods already run
   (the first pod matches itself, as Kubernetes allows). KV moves between the roles; across racks or NVLink
@@ -23,10 +24,12 @@ from typing import Any
 
 from kvbridge_agent.core import Problem, Role
 
-from .spec import Colocation, DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineDevice
+from . import multinode
+from .spec import Colocation, DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineDevice, EngineKind
 
 Obj = dict[str, Any]
 ROLE_DOES_NOT_FIT = "ROLE_DOES_NOT_FIT"
+MAX_NODES = 64  # spec.<role>.nodes
 HOSTNAME = "kubernetes.io/hostname"
 LABEL_POD_GROUP = "scheduling.x-k8s.io/pod-group"
 POD_GROUP_API = "scheduling.x-k8s.io/v1alpha1"
@@ -47,14 +50,20 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
         return []
     found = []
     for role in Role:
-        tp = spec.role(role).tensor_parallel_size
-        if tp > per_node:
+        tp, nodes = spec.role(role).tensor_parallel_size, spec.role(role).nodes
+        gpus = multinode.gpus_per_pod(spec, role)
+        if gpus > per_node:
+            spans = -(-tp // per_node)  # the fewest nodes that hold TP ranks
+            while tp % spans:
+                spans += 1
+            fix = (f"set spec.{role.value}.nodes to {spans} ({tp // spans} GPUs per pod)"
+                   if spec.engine.kind is EngineKind.VLLM and spans <= MAX_NODES
+                   else f"set spec.{role.value}.tensorParallelSize to at most {per_node * nodes}")  # fmt: skip
             found.append(Problem(
                 ROLE_DOES_NOT_FIT, f"spec.{role.value}.tensorParallelSize",
-                f"{role.value} TP {tp} needs {tp} GPUs in one pod, and a node has {per_node} "
-                f"(spec.placement.gpusPerNode, else the operator's gpusPerNode): no node can take it. A replica "
-                f"spanning nodes (LeaderWorkerSet) is not supported yet; set spec.{role.value}.tensorParallelSize "
-                f"to at most {per_node}",
+                f"{role.value} TP {tp} over {nodes} node(s) needs {gpus} GPUs in one pod, and a node has "
+                f"{per_node} (spec.placement.gpusPerNode, else the operator's gpusPerNode): no node can take it; "
+                f"{fix}",
             ))  # fmt: skip
     return found
 

@@ -23,13 +23,14 @@ from kvbridge_agent.core import Problem
 from kvbridge_agent.core.compat import CONVERSION_OFF, check_pair
 from kvbridge_agent.core.model import CacheKind, Conversion, KVCacheDtype, KVLayout
 
-from . import placement, vllm
+from . import multinode, placement, vllm
 from .spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind
 from .verdict import verdict_for
 
 #: at most this many fields change (more is a different deployment, not a fix)
 MAX_CHANGES = 6
 _TP_VALUES = tuple(range(1, 129))
+_NODE_VALUES = tuple(range(1, 65))
 _BLOCK_VALUES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 256, 512, 1024)
 
 #: bfloat16 first: the dtype to fall back to when the one asked for cannot run
@@ -44,7 +45,8 @@ Fix = dict[str, Any]
 
 
 def _role_field(role: str, name: str) -> tuple[str, Setter]:
-    attribute = {"tensorParallelSize": "tensor_parallel_size", "blockSize": "block_size", "kvLayout": "kv_layout"}
+    attribute = {"tensorParallelSize": "tensor_parallel_size", "blockSize": "block_size", "kvLayout": "kv_layout",
+                 "nodes": "nodes"}  # fmt: skip
 
     def apply(spec: DisaggregatedDeploymentSpec, value: Any) -> DisaggregatedDeploymentSpec:
         current = getattr(spec, role)
@@ -72,6 +74,7 @@ def _fields() -> dict[str, tuple[Setter, Sequence[Any]]]:
     fields: dict[str, tuple[Setter, Sequence[Any]]] = {}
     role_values: tuple[tuple[str, Sequence[Any]], ...] = (
         ("tensorParallelSize", _TP_VALUES), ("blockSize", _BLOCK_VALUES), ("kvLayout", tuple(KVLayout)),
+        ("nodes", _NODE_VALUES),
     )  # fmt: skip
     for role in ("prefill", "decode"):
         for name, values in role_values:
@@ -93,7 +96,7 @@ _FIELDS = _fields()
 def _problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     """The verdict's problems without the per-problem suggestions (cheap: no plan is built)."""
     found = check_pair(spec.model, spec.prefill.settings(), spec.decode.settings(), spec.transfer, suggestions=False)
-    found += placement.problems(spec)
+    found += multinode.problems(spec) + placement.problems(spec)
     if spec.engine.kind is EngineKind.VLLM:
         found += vllm.problems(spec)
     return found

@@ -17,7 +17,7 @@ from typing import Any
 from kvbridge_agent.core import Role, TransferPlan
 from kvbridge_agent.core.contract import EngineEnvironment, render_environment
 
-from . import placement, vllm
+from . import multinode, placement, vllm
 from .config import OperatorConfig
 from .keys import curve_keypair
 from .model_source import weights
@@ -104,9 +104,16 @@ def revision(template: Obj) -> str:
     return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
 
 
-def template_revision(stateful_set: Obj) -> str:
-    """The revision label of a StatefulSet's pod template (what its pods carry once they run it)."""
-    return str(stateful_set["spec"]["template"]["metadata"].get("labels", {}).get(LABEL_REVISION, ""))
+#: what runs a role's engines: one pod per engine, or a group of pods per engine (multinode.py)
+WORKLOAD_KINDS = ("StatefulSet", multinode.LWS_KIND)
+
+
+def template_revision(workload: Obj) -> str:
+    """The revision label of a workload's pod template (what its pods carry once they run it; a LeaderWorkerSet's
+    leader and workers are rendered from one template and carry the same)."""
+    spec = workload["spec"]
+    template = spec["leaderWorkerTemplate"]["workerTemplate"] if "leaderWorkerTemplate" in spec else spec["template"]
+    return str(template["metadata"].get("labels", {}).get(LABEL_REVISION, ""))
 
 
 def engine_env(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig) -> list[Obj]:
@@ -236,6 +243,20 @@ def stateful_set(dd: DisaggregatedDeployment, uid: str, role: Role, plan: Transf
     }
 
 
+def leader_worker_set(
+    dd: DisaggregatedDeployment, uid: str, role: Role, plan: TransferPlan, config: OperatorConfig
+) -> Obj:
+    """A multi-node role's LeaderWorkerSet (``spec.<role>.nodes`` above 1): the spec's replicas as groups of
+    ``nodes`` pods, the role's rollout as the LWS's rolling update."""
+    name = role_name(dd.metadata.name, role)
+    role_spec = dd.spec.role(role)
+    metadata = child_metadata(name, dd.metadata.namespace or "default", selector(dd.metadata.name, role),
+                              owner_reference(dd, uid))  # fmt: skip
+    return multinode.leader_worker_set(metadata, role_spec.replicas, role_spec.nodes,
+                                       pod_template(dd, role, plan, config), role_spec.rollout.max_surge,
+                                       role_spec.rollout.max_unavailable)  # fmt: skip
+
+
 def service(dd: DisaggregatedDeployment, uid: str, role: Role, config: OperatorConfig) -> Obj:
     name = role_name(dd.metadata.name, role)
     ports = [{"name": HTTP_PORT_NAME, "port": config.agent_http_port, "targetPort": HTTP_PORT_NAME, "protocol": "TCP"}]
@@ -315,6 +336,14 @@ def children(dd: DisaggregatedDeployment, uid: str, plan: TransferPlan, config: 
         network_policy(dd, uid, config),
         pod_disruption_budget(dd, uid, Role.PREFILL),
         pod_disruption_budget(dd, uid, Role.DECODE),
-        stateful_set(dd, uid, Role.PREFILL, plan, config),
-        stateful_set(dd, uid, Role.DECODE, plan, config),
+        workload(dd, uid, Role.PREFILL, plan, config),
+        workload(dd, uid, Role.DECODE, plan, config),
     ]
+
+
+def workload(dd: DisaggregatedDeployment, uid: str, role: Role, plan: TransferPlan, config: OperatorConfig) -> Obj:
+    """What runs the role's engines: a StatefulSet (an engine is a pod), or a LeaderWorkerSet for an engine that
+    spans nodes (an engine is a group of pods)."""
+    if multinode.spans_nodes(dd.spec, role):
+        return leader_worker_set(dd, uid, role, plan, config)
+    return stateful_set(dd, uid, role, plan, config)

@@ -97,6 +97,12 @@ class RoleSpec(RoleSettings):
     max_replicas: int = Field(
         default=1024, ge=0, le=1024, description="Most engines the operator runs, whatever is asked."
     )
+    nodes: int = Field(
+        default=1, ge=1, le=64,
+        description="Nodes one engine of this role spans (VLLM on GPUs): 1, a pod per engine (StatefulSet); more, "
+        "a LeaderWorkerSet group of this many pods per engine, each holding tensorParallelSize / nodes GPUs "
+        "(vLLM's multi-node launch: --nnodes, --node-rank, workers --headless).",
+    )  # fmt: skip
     rollout: RolloutSpec = Field(
         default_factory=RolloutSpec,
         description="How the role rolls in place when old and new pods of both roles are compatible (else blue/green).",

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from kvbridge_agent.core import Problem, TransferPlan, plan_or_problems
 
-from . import placement, vllm
+from . import multinode, placement, vllm
 from .spec import DisaggregatedDeployment, EngineKind
 
 
 def verdict_for(dd: DisaggregatedDeployment) -> TransferPlan | list[Problem]:
     spec = dd.spec
     result = plan_or_problems(spec.model, spec.prefill.settings(), spec.decode.settings(), spec.transfer)
-    more = placement.problems(spec)
+    more = [*multinode.problems(spec), *placement.problems(spec)]
     if spec.engine.kind is EngineKind.VLLM:
         more += vllm.problems(spec)
     if more:

@@ -43,7 +43,8 @@ VLLM_KVBRIDGE_REPLICATED_HEADS = "VLLM_KVBRIDGE_REPLICATED_HEADS"
 #: arguments kvbridge sets from the spec; ``extraArgs`` naming one of them is refused
 MANAGED_ARGUMENTS = (
     "--port", "--tensor-parallel-size", "-tp", "--block-size", "--kv-transfer-config", "--kv-cache-dtype",
-    "--dtype", "--model", "--attention-backend",
+    "--dtype", "--model", "--attention-backend", "--nnodes", "-n", "--node-rank", "-r", "--master-addr",
+    "--master-port", "--headless",
 )  # fmt: skip
 #: the spec field each managed argument comes from (what to change instead)
 MANAGED_BY_FIELD = {
@@ -51,6 +52,8 @@ MANAGED_BY_FIELD = {
     "-tp": "spec.<role>.tensorParallelSize", "--block-size": "spec.<role>.blockSize",
     "--kv-transfer-config": "spec.transfer", "--kv-cache-dtype": "spec.model.kvCacheDtype",
     "--dtype": "spec.model.kvCacheDtype", "--model": "spec.model.name", "--attention-backend": "spec.model.attention",
+    **dict.fromkeys(("--nnodes", "-n", "--node-rank", "-r", "--master-addr", "--master-port", "--headless"),
+                    "spec.<role>.nodes"),
 }  # fmt: skip
 #: arguments that change what the plan and the pod's resources assume, and that kvbridge does not model yet
 UNMODELLED_ARGUMENTS = {
@@ -353,14 +356,16 @@ def image(spec: DisaggregatedDeploymentSpec, config: OperatorConfig) -> str:
 
 
 def resources(spec: DisaggregatedDeploymentSpec, role_spec: RoleSpec, config: OperatorConfig) -> Obj:
-    """GPU pods: TP GPUs and room to load weights; CPU pods: one core per TP rank (requests = limits, so a
-    static CPU manager can give the pod whole cores) and the KV cache space on top of the process memory."""
+    """GPU pods: TP GPUs (TP / nodes for an engine spanning nodes) and room to load weights; CPU pods: one core per
+    TP rank (requests = limits, so a static CPU manager can give the pod whole cores) and the KV cache space on top of
+    the process memory."""
     tp = role_spec.tensor_parallel_size
     if on_cpu(spec):
         amount = {"cpu": str(tp), "memory": f"{spec.engine.cpu_kv_cache_gib + CPU_BASE_MEMORY_GIB * tp}Gi"}
         return {"requests": amount, "limits": dict(amount)}
-    return {"requests": {"cpu": "4", "memory": "32Gi", config.gpu_resource: str(tp)},
-            "limits": {config.gpu_resource: str(tp)}}  # fmt: skip
+    gpus = str(tp // role_spec.nodes)  # an engine spanning nodes: each node's pod holds its share of the ranks
+    return {"requests": {"cpu": "4", "memory": "32Gi", config.gpu_resource: gpus},
+            "limits": {config.gpu_resource: gpus}}  # fmt: skip
 
 
 def _dtype_args(dtype: KVCacheDtype) -> list[str]:
