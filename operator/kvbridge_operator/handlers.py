@@ -61,7 +61,7 @@ def connection_info(connection: Connection) -> kopf.ConnectionInfo:
 
 
 #: the indexes handlers receive (as keyword arguments named by the ids): a deployment's pods, StatefulSets, roles
-INDEXES = ("pods_by_deployment", "sets_by_deployment", "roles_by_deployment")
+INDEXES = ("pods_by_deployment", "sets_by_deployment", "roles_by_deployment", "groups_by_deployment")
 Indexes = dict[str, Any]
 Obj = dict[str, Any]
 
@@ -77,8 +77,8 @@ def children_from(indexes: Indexes, namespace: str, name: str) -> Children:
         named = {obj["metadata"]["name"]: obj for obj in objects}
         return {role: named.get(role_name(name, role)) for role in Role}
 
-    pods, sets, roles = (of(index) for index in INDEXES)
-    return Children(by_role(roles), by_role(sets), pods)
+    pods, sets, roles, groups = (of(index) for index in INDEXES)
+    return Children(by_role(roles), by_role(sets), pods, by_role(groups))
 
 
 def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorRegistry:
@@ -115,6 +115,9 @@ def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorR
     kopf.index("v1", "pods", labels=owned, registry=registry, id=INDEXES[0])(by_deployment)
     kopf.index("apps", "v1", "statefulsets", labels=owned, registry=registry, id=INDEXES[1])(by_deployment)
     kopf.index(GROUP, VERSION, ROLE_PLURAL, labels=owned, registry=registry, id=INDEXES[2])(by_deployment)
+    # engines spanning nodes: served only where the LeaderWorkerSet CRD is installed (Kopf skips it elsewhere)
+    kopf.index("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", labels=owned, registry=registry,
+               id=INDEXES[3])(by_deployment)  # fmt: skip
 
     @kopf.on.login(registry=registry)
     async def login(**_: Any) -> kopf.ConnectionInfo:

@@ -76,6 +76,7 @@ ROLE_BINDINGS = Resource("rbac.authorization.k8s.io/v1", "rolebindings")
 INFERENCE_POOLS = Resource("inference.networking.k8s.io/v1", "inferencepools")
 HTTP_ROUTES = Resource("gateway.networking.k8s.io/v1", "httproutes")
 POD_GROUPS = Resource("scheduling.x-k8s.io/v1alpha1", "podgroups")  # spec.placement.gang
+LEADER_WORKER_SETS = Resource("leaderworkerset.x-k8s.io/v1", "leaderworkersets")  # spec.<role>.nodes above 1
 
 BY_KIND = {
     ("v1", "Pod"): PODS,
@@ -93,6 +94,7 @@ BY_KIND = {
     ("inference.networking.k8s.io/v1", "InferencePool"): INFERENCE_POOLS,
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): HTTP_ROUTES,
     ("scheduling.x-k8s.io/v1alpha1", "PodGroup"): POD_GROUPS,
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): LEADER_WORKER_SETS,
 }
 
 

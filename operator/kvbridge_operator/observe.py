@@ -14,6 +14,7 @@ from typing import Any
 
 from kvbridge_agent.core import Problem, Role, TransferPlan
 
+from . import multinode
 from .pairing import pairing
 from .remedy import advice
 from .render import LABEL_FINGERPRINT, LABEL_PAIRING, LABEL_REVISION, LABEL_ROLE, LABEL_TP, template_revision
@@ -150,9 +151,11 @@ def observe(
     the roles' effective counts (what Ready means; a rollout's surge is not counted), default the StatefulSets'."""
     events: list[Event] = []
     spec = dd.spec
-    by_role = {
-        role: [p for p in pods if p["metadata"].get("labels", {}).get(LABEL_ROLE) == role.value] for role in Role
-    }
+    by_role = {  # an engine is a pod, or a LeaderWorkerSet group's leader (its workers are part of it)
+        role: [p for p in pods if p["metadata"].get("labels", {}).get(LABEL_ROLE) == role.value
+               and not multinode.is_worker(p)]
+        for role in Role
+    }  # fmt: skip
     roles: dict[Role, RoleStatus] = {}
     for role in Role:
         sts = stateful_sets.get(role)

@@ -12,7 +12,8 @@ REQUIRED: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("kvbridge.io", "disaggregateddeployments/status", ("patch",)),
     ("kvbridge.io", "disaggregatedroles", ("get", "list", "watch", "create", "patch")),
     ("kvbridge.io", "disaggregatedroles/status", ("patch",)),
-    ("apps", "statefulsets", ("get", "list", "watch", "create", "patch")),
+    ("apps", "statefulsets", ("get", "list", "watch", "create", "patch", "delete")),
+    ("leaderworkerset.x-k8s.io", "leaderworkersets", ("get", "list", "watch", "create", "patch", "delete")),
     ("", "services", ("create", "patch", "delete")),
     ("networking.k8s.io", "networkpolicies", ("create", "patch")),
     ("policy", "poddisruptionbudgets", ("create", "patch")),
@@ -33,7 +34,8 @@ REQUIRED: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 KOPF: frozenset[tuple[str, str]] = frozenset(
     {("list", "disaggregateddeployments"), ("watch", "disaggregateddeployments"),
      ("patch", "disaggregateddeployments"), ("list", "pods"), ("watch", "pods"), ("list", "disaggregatedroles"),
-     ("watch", "disaggregatedroles"), ("list", "statefulsets"), ("watch", "statefulsets")}
+     ("watch", "disaggregatedroles"), ("list", "statefulsets"), ("watch", "statefulsets"),
+     ("list", "leaderworkersets"), ("watch", "leaderworkersets")}
 )  # fmt: skip
 
 

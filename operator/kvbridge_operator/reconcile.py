@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge_agent.core import Role, SpecError, TransferPlan
 
-from . import placement, revisions
+from . import multinode, placement, revisions
 from .config import OperatorConfig
 from .kube import (
     BY_KIND,
@@ -27,6 +27,7 @@ from .kube import (
     EVENTS,
     HTTP_ROUTES,
     INFERENCE_POOLS,
+    LEADER_WORKER_SETS,
     POD_GROUPS,
     PODS,
     ROLES,
@@ -43,6 +44,7 @@ from .render import (
     LABEL_PAIRING,
     LABEL_REVISION,
     LABEL_ROLE,
+    WORKLOAD_KINDS,
     children,
     role_name,
     secret,
@@ -80,13 +82,28 @@ def _stored(value: Any) -> Any:
     return value
 
 
-def _state(stateful_set: Obj | None) -> tuple[int, int] | None:
-    """A StatefulSet's replicas and partition (``None``: none yet)."""
-    if stateful_set is None:
+def _rolling(workload: Obj) -> Obj:
+    """Where a workload keeps its rolling update's partition: a StatefulSet's ``updateStrategy.rollingUpdate``, a
+    LeaderWorkerSet's ``rolloutStrategy.rollingUpdateConfiguration`` (both count ordinals: pods, or groups)."""
+    spec = workload.setdefault("spec", {})
+    rolling: Obj
+    if workload.get("kind") == multinode.LWS_KIND:
+        rolling = spec.setdefault("rolloutStrategy", {}).setdefault("rollingUpdateConfiguration", {})
+    else:
+        rolling = spec.setdefault("updateStrategy", {}).setdefault("rollingUpdate", {})
+    return rolling
+
+
+def _state(workload: Obj | None) -> tuple[int, int] | None:
+    """A workload's replicas and partition (``None``: none yet)."""
+    if workload is None:
         return None
-    spec = stateful_set.get("spec") or {}
-    partition = ((spec.get("updateStrategy") or {}).get("rollingUpdate") or {}).get("partition", 0)
-    return int(spec.get("replicas", 0)), int(partition)
+    spec = workload.get("spec") or {}
+    if workload.get("kind") == multinode.LWS_KIND:
+        rolling = (spec.get("rolloutStrategy") or {}).get("rollingUpdateConfiguration") or {}
+    else:
+        rolling = (spec.get("updateStrategy") or {}).get("rollingUpdate") or {}
+    return int(spec.get("replicas", 0)), int(rolling.get("partition", 0))
 
 
 def _rollout(
@@ -117,15 +134,18 @@ def _rollout(
 
 
 def _stateful_set_of(rendered: list[Obj], role: Role) -> Obj:
-    return next(c for c in rendered if c["kind"] == "StatefulSet" and c["metadata"]["labels"][LABEL_ROLE] == role.value)
+    """The role's workload among the rendered children: its StatefulSet or LeaderWorkerSet."""
+    return next(
+        c for c in rendered if c["kind"] in WORKLOAD_KINDS and c["metadata"]["labels"][LABEL_ROLE] == role.value
+    )
 
 
 def _stepped(rendered: list[Obj], roll: Step) -> list[Obj]:
-    """The rendered children with each StatefulSet's replicas and partition as the rollout's step wants."""
+    """The rendered children with each workload's replicas and partition as the rollout's step wants."""
     for role in Role:
-        spec = _stateful_set_of(rendered, role)["spec"]
-        spec["replicas"] = roll.replicas[role]
-        spec["updateStrategy"]["rollingUpdate"]["partition"] = roll.partition[role]
+        workload = _stateful_set_of(rendered, role)
+        workload["spec"]["replicas"] = roll.replicas[role]
+        _rolling(workload)["partition"] = roll.partition[role]
     return rendered
 
 
@@ -321,18 +341,56 @@ async def _invalid(client: KubeClient, body: Obj, exc: SpecError) -> Outcome:
 
 @dataclass(frozen=True)
 class Children:
-    """What the reconcile reads of a deployment's children: its DisaggregatedRoles, StatefulSets and pods."""
+    """What the reconcile reads of a deployment's children: its DisaggregatedRoles, StatefulSets, pods and, for
+    roles whose engines span nodes, LeaderWorkerSets."""
 
     roles: dict[Role, Obj | None]
     sets: dict[Role, Obj | None]
     pods: list[Obj]
+    groups: dict[Role, Obj | None] = field(default_factory=dict)
+
+
+async def _retire_other_kind(client: KubeClient, dd: DisaggregatedDeployment, seen: Children,
+                             keep: set[Role]) -> list[Event]:  # fmt: skip
+    """A role whose ``nodes`` crossed 1 runs under the other workload kind now: the old one (and, through its
+    owner references, its pods) goes at once, once the new one is written (not for the roles in ``keep``, whose
+    new workload could not be). The old engines cannot serve beside the new kind's (one name, one Service), so the
+    role is down until the new engines are ready; the event says so."""
+    events = []
+    namespace = dd.metadata.namespace or "default"
+    for role in Role:
+        if role in keep:
+            continue
+        spans = multinode.spans_nodes(dd.spec, role)
+        stale = seen.sets[role] if spans else seen.groups.get(role)
+        if stale is None:
+            continue
+        await client.delete(LEADER_WORKER_SETS if stale["kind"] == multinode.LWS_KIND else STATEFUL_SETS, namespace,
+                            stale["metadata"]["name"])  # fmt: skip
+        now = "a LeaderWorkerSet (engines spanning nodes)" if spans else "a StatefulSet (one pod per engine)"
+        events.append(Event("Warning", "WorkloadReplaced", (
+            f"{role.value}: spec.{role.value}.nodes is now {dd.spec.role(role).nodes}, so its engines run as {now}; "
+            f"the {stale['kind']} {stale['metadata']['name']} and its pods were deleted (the role serves again "
+            "once the new engines are ready)")))  # fmt: skip
+    return events
 
 
 async def read_children(client: KubeClient, namespace: str, name: str) -> Children:
     """From the API: five calls (the operator's own watches serve them instead: handlers.py)."""
     roles = {role: await client.get(ROLES, namespace, role_name(name, role)) for role in Role}
     sets = {role: await client.get(STATEFUL_SETS, namespace, role_name(name, role)) for role in Role}
-    return Children(roles, sets, await client.list(PODS, namespace, f"{LABEL_DEPLOYMENT}={name}"))
+    groups = {role: await _get_optional(client, LEADER_WORKER_SETS, namespace, role_name(name, role)) for role in Role}
+    return Children(roles, sets, await client.list(PODS, namespace, f"{LABEL_DEPLOYMENT}={name}"), groups)
+
+
+async def _get_optional(client: KubeClient, resource: Resource, namespace: str, name: str) -> Obj | None:
+    """An object of a kind whose CRD may not be installed (then: none)."""
+    try:
+        return await client.get(resource, namespace, name)
+    except ApiError as exc:
+        if exc.status == 404:
+            return None
+        raise
 
 
 async def reconcile(
@@ -354,7 +412,8 @@ async def reconcile(
     optional: Obj = {key: previous.get(key) for key in ("router", "inferencePool", "placement")}
     optional_events: list[Event] = []
     seen = cached if cached is not None else await read_children(client, namespace, name)
-    roles, sets, pods = dict(seen.roles), dict(seen.sets), list(seen.pods)
+    roles, pods = dict(seen.roles), list(seen.pods)
+    sets = {role: (seen.groups.get(role) if multinode.spans_nodes(dd.spec, role) else seen.sets[role]) for role in Role}
     annotations: dict[str, str] = dict(meta.get("annotations") or {})
     records = revisions.load(annotations.get(revisions.ANNOTATION))
     scale = effective_replicas(dd, {role: desired_of(roles[role], dd, role) for role in Role})
@@ -375,16 +434,29 @@ async def reconcile(
                 roles[role] = await ensure_role(client, dd, uid, role, roles[role])
             scale = effective_replicas(dd, {role: desired_of(roles[role], dd, role) for role in Role})
             roll = _rollout(dd, rendered, scale, sets, pods, records)
+        not_applied: set[Role] = set()
         for child in _stepped(rendered, roll):
             role_of = str((child["metadata"].get("labels") or {}).get(LABEL_ROLE, ""))
-            stateful = child["kind"] == "StatefulSet"
+            stateful = child["kind"] in WORKLOAD_KINDS
             if not full and not (stateful and Role(role_of) in moving):
                 continue
-            written = await apply(client, child)
+            try:
+                written = await apply(client, child)
+            except ApiError as exc:
+                if exc.status != 404 or child["kind"] != multinode.LWS_KIND:
+                    raise
+                optional_events.append(Event("Warning", "LeaderWorkerSetUnavailable", (
+                    f"{role_of} spans {dd.spec.role(Role(role_of)).nodes} nodes, which runs as a LeaderWorkerSet, "
+                    "and the API has no LeaderWorkerSet resource: install LeaderWorkerSet (kubernetes-sigs/lws) or "
+                    f"set spec.{role_of}.nodes to 1")))  # fmt: skip
+                not_applied.add(Role(role_of))
+                continue
             if stateful:
                 sets[Role(role_of)] = written
         if full:
-            optional, optional_events = await apply_optional_children(client, dd, uid, config, previous)
+            optional_events += await _retire_other_kind(client, dd, seen, keep=not_applied)
+            optional, serving_events = await apply_optional_children(client, dd, uid, config, previous)
+            optional_events += serving_events
         applied = True
     observation = observe(dd, generation, verdict, sets, pods, previous, annotations, now_rfc3339(), scale.effective)
     if applied and int(previous.get("observedGeneration", -1)) != generation:

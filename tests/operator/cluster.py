@@ -17,7 +17,7 @@ import kmock
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.crd import crds
 from kvbridge_operator.handlers import run_operator
-from kvbridge_operator.kube import DEPLOYMENTS, PODS, STATEFUL_SETS, KubeClient, Resource
+from kvbridge_operator.kube import DEPLOYMENTS, LEADER_WORKER_SETS, PODS, STATEFUL_SETS, KubeClient, Resource
 from kvbridge_operator.local.apiserver import RealisticKubernetes
 from kvbridge_operator.rbac import allowed_calls
 
@@ -118,6 +118,35 @@ class Cluster:
         }  # fmt: skip
         await self.client.create(PODS, namespace, pod)
         return await self.set_pod(pod_name, ready=ready, ip=ip, namespace=namespace)
+
+    async def run_groups(self, name: str, role: str, *, ip_base: str = "10.0.2.", namespace: str = "default"
+                         ) -> list[Obj]:  # fmt: skip
+        """What the LeaderWorkerSet controller (and the kubelet) do for a multi-node role: per group ``i``, a
+        leader pod ``<lws>-<i>`` and worker pods ``<lws>-<i>-<j>`` from the two templates, with LWS's labels,
+        all Running and ready."""
+        lws = await self.client.get(LEADER_WORKER_SETS, namespace, f"{name}-{role}")
+        if lws is None:
+            raise AssertionError(f"no LeaderWorkerSet {name}-{role}")
+        group = lws["spec"]["leaderWorkerTemplate"]
+        owner = {"apiVersion": lws["apiVersion"], "kind": "LeaderWorkerSet", "name": lws["metadata"]["name"],
+                 "uid": lws["metadata"]["uid"], "controller": True}  # fmt: skip
+        made = []
+        for index in range(int(lws["spec"]["replicas"])):
+            for worker in range(int(group["size"])):
+                template = copy.deepcopy(group["leaderTemplate"] if worker == 0 else group["workerTemplate"])
+                pod_name = f"{lws['metadata']['name']}-{index}" + (f"-{worker}" if worker else "")
+                labels = {**template["metadata"].get("labels", {}), "leaderworkerset.sigs.k8s.io/name":
+                          lws["metadata"]["name"], "leaderworkerset.sigs.k8s.io/group-index": str(index),
+                          "leaderworkerset.sigs.k8s.io/worker-index": str(worker)}  # fmt: skip
+                pod = {"apiVersion": "v1", "kind": "Pod", "spec": template["spec"],
+                       "metadata": {**template["metadata"], "labels": labels, "name": pod_name, "namespace": namespace,
+                                    "ownerReferences": [owner]}}  # fmt: skip
+                if await self.client.get(PODS, namespace, pod_name) is not None:
+                    await self.client.delete(PODS, namespace, pod_name)
+                await self.client.create(PODS, namespace, pod)
+                made.append(await self.set_pod(pod_name, ready=True, ip=f"{ip_base}{index * 16 + worker + 1}",
+                                               namespace=namespace))  # fmt: skip
+        return made
 
     async def _stateful_set(self, name: str, role: str, namespace: str) -> Obj:
         sts = await self.client.get(STATEFUL_SETS, namespace, f"{name}-{role}")

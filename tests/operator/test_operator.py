@@ -435,3 +435,102 @@ async def test_gang_scheduling_makes_a_pod_group_where_its_crd_exists() -> None:
         assert group["spec"]["minMember"] == 2
         await c.patch_spec("llama3-8b", {"placement": {"gang": None}})
         await c.wait(lambda: c.api.find("podgroups", "default", "llama3-8b") is None, what="pod group deleted")
+
+
+async def test_a_prefill_spanning_two_nodes_runs_as_leader_worker_groups_with_one_endpoint_per_engine() -> None:
+    """DeepSeek-V3 with prefill TP 16 over two 8-GPU nodes: a LeaderWorkerSet of groups of 2 pods (decode stays a
+    StatefulSet); each group's leader is the engine's endpoint with all 16 ranks, its worker is not an engine."""
+    from kvbridge_operator.kube import Resource
+
+    crds = Resource("apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False)
+    async with cluster() as c:
+        await c.client.create(crds, "", _crd_of("leaderworkerset.x-k8s.io", "LeaderWorkerSet", "leaderworkersets"))
+        document = yaml.safe_load((ROOT / "examples" / "vllm" / "deepseek-v3-h200.yaml").read_text())
+        document["spec"]["prefill"].update(tensorParallelSize=16, nodes=2)
+        await c.apply(document)
+        await c.wait(lambda: c.api.find("leaderworkersets", "default", "deepseek-v3-prefill") is not None
+                     and c.api.find("statefulsets", "default", "deepseek-v3-decode") is not None,
+                     what="the prefill LeaderWorkerSet and the decode StatefulSet")  # fmt: skip
+        assert c.api.find("statefulsets", "default", "deepseek-v3-prefill") is None
+        lws = c.api.find("leaderworkersets", "default", "deepseek-v3-prefill")
+        assert lws is not None
+        assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+        made = await c.run_groups("deepseek-v3", "prefill")
+        names = [p["metadata"]["name"] for p in made]
+        assert names == [f"deepseek-v3-prefill-{g}{w}" for g in (0, 1) for w in ("", "-1")]  # leader, then worker
+        await c.run_pods("deepseek-v3", "decode", ip_base="10.0.1.")
+        await c.wait(lambda: c.condition("deepseek-v3", "Ready").get("status") == "True", what="Ready")
+        status = c.deployment("deepseek-v3")["status"]
+        endpoints = status["prefill"]["endpoints"]
+        assert [(e["pod"], e["ranks"]) for e in endpoints] == [("deepseek-v3-prefill-0", 16),
+                                                               ("deepseek-v3-prefill-1", 16)]  # fmt: skip
+        assert status["prefill"]["ready"] == "2/2"  # engines, not pods
+
+
+async def test_a_multi_node_role_without_the_leader_worker_set_crd_is_a_warning() -> None:
+    """Without LWS installed a multi-node role is a Warning, and the StatefulSet it would replace stays."""
+    async with cluster() as c:
+        document = yaml.safe_load((ROOT / "examples" / "vllm" / "deepseek-v3-h200.yaml").read_text())
+        await c.apply(document)
+        await c.wait(lambda: c.api.find("statefulsets", "default", "deepseek-v3-prefill") is not None, what="sts")
+        await c.patch_spec("deepseek-v3", {"prefill": {"tensorParallelSize": 16, "nodes": 2}})
+        await c.wait(lambda: "LeaderWorkerSetUnavailable" in c.reasons("deepseek-v3"), what="the warning")
+        assert c.api.find("statefulsets", "default", "deepseek-v3-prefill") is not None  # not retired for nothing
+        assert "WorkloadReplaced" not in c.reasons("deepseek-v3")
+        [warning] = [e for e in c.events("deepseek-v3") if e["reason"] == "LeaderWorkerSetUnavailable"]
+        assert warning["type"] == "Warning"
+        assert "set spec.prefill.nodes to 1" in warning["message"]
+        assert c.api.find("statefulsets", "default", "deepseek-v3-decode") is not None  # the rest is applied
+
+
+async def test_nodes_crossing_one_replaces_the_roles_workload_and_says_so() -> None:
+    from kvbridge_operator.kube import Resource
+
+    crds = Resource("apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False)
+    async with cluster() as c:
+        await c.client.create(crds, "", _crd_of("leaderworkerset.x-k8s.io", "LeaderWorkerSet", "leaderworkersets"))
+        document = yaml.safe_load((ROOT / "examples" / "vllm" / "deepseek-v3-h200.yaml").read_text())
+        await c.apply(document)
+        await c.wait(lambda: c.api.find("statefulsets", "default", "deepseek-v3-prefill") is not None, what="sts")
+        await c.patch_spec("deepseek-v3", {"prefill": {"tensorParallelSize": 16, "nodes": 2}})
+        await c.wait(lambda: c.api.find("leaderworkersets", "default", "deepseek-v3-prefill") is not None
+                     and c.api.find("statefulsets", "default", "deepseek-v3-prefill") is None,
+                     what="the StatefulSet replaced by a LeaderWorkerSet")  # fmt: skip
+        await c.wait(lambda: "WorkloadReplaced" in c.reasons("deepseek-v3"), what="the event")
+        [event] = [e for e in c.events("deepseek-v3") if e["reason"] == "WorkloadReplaced"][:1]
+        assert "StatefulSet deepseek-v3-prefill" in event["message"]
+        await c.patch_spec("deepseek-v3", {"prefill": {"tensorParallelSize": 8, "nodes": 1}})
+        await c.wait(lambda: c.api.find("statefulsets", "default", "deepseek-v3-prefill") is not None
+                     and c.api.find("leaderworkersets", "default", "deepseek-v3-prefill") is None,
+                     what="and back")  # fmt: skip
+
+
+async def test_an_in_place_change_of_a_multi_node_role_steps_its_leader_worker_set() -> None:
+    """A change that keeps old and new pods compatible (an image) rolls the multi-node prefill in place: the
+    rollout's step is written to the LeaderWorkerSet (a surge group, then the partition), as for a StatefulSet."""
+    from kvbridge_operator.kube import Resource
+
+    crds = Resource("apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False)
+    async with cluster() as c:
+        await c.client.create(crds, "", _crd_of("leaderworkerset.x-k8s.io", "LeaderWorkerSet", "leaderworkersets"))
+        await c.apply(yaml.safe_load((ROOT / "examples" / "vllm" / "deepseek-v3-h200-two-node-prefill.yaml")
+                                     .read_text()))  # fmt: skip
+        name = "deepseek-v3-2n"
+        await c.wait(lambda: c.api.find("statefulsets", "default", f"{name}-decode") is not None, what="applied")
+        await c.run_groups(name, "prefill")
+        await c.run_pods(name, "decode", ip_base="10.0.1.")
+        await c.wait(lambda: c.condition(name, "Ready").get("status") == "True", what="Ready")
+
+        def rolling() -> tuple[int, int]:
+            lws = c.api.find("leaderworkersets", "default", f"{name}-prefill") or {}
+            spec = lws.get("spec") or {}
+            partition = spec["rolloutStrategy"]["rollingUpdateConfiguration"]["partition"]
+            return int(spec["replicas"]), int(partition)
+
+        assert rolling() == (1, 0)
+        await c.patch_spec(name, {"prefill": {"template": {"spec": {"containers": [
+            {"name": "engine", "image": "vllm/vllm-openai:v0.32.1"}]}}}})  # fmt: skip
+        await c.wait(lambda: (c.deployment(name)["status"].get("rollout") or {}).get("phase") == "RollingPrefill",
+                     what="the prefill rolls")  # fmt: skip
+        assert c.deployment(name)["status"]["rollout"]["strategy"] == "InPlace"
+        assert rolling() == (2, 1)  # one surge group on the new template; group 0 keeps the old until it is ready
