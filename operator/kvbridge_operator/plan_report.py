@@ -10,7 +10,7 @@ from typing import Any
 
 from kvbridge_agent.core import Problem, Role, SpecError, TransferPlan
 
-from . import vllm
+from . import multinode, vllm
 from .config import OperatorConfig
 from .pairing import pairing
 from .remedy import Fix, describe, merge_patch, suggested_fix
@@ -158,4 +158,10 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
                 lines.append("      (run through kvbridge's CPU launcher: one core set per TP rank, "
                              "VLLM_CPU_OMP_THREADS_BIND; `--json` shows it)")  # fmt: skip
             lines.extend(f"      {name}={value}" for name, value in engine["env"].items())
+            nodes = spec.role(Role(role)).nodes
+            if nodes > 1:
+                lines.append(f"      over {nodes} nodes: a LeaderWorkerSet group per engine, "
+                             f"{multinode.gpus_per_pod(spec, Role(role))} GPUs per pod; the leader adds "
+                             f"{shlex.join(multinode.launch_args(nodes, True))}, each worker "
+                             f"{shlex.join(multinode.launch_args(nodes, False))}")  # fmt: skip
     return "\n".join(lines)
