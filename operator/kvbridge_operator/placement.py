@@ -97,7 +97,8 @@ def min_member(spec: DisaggregatedDeploymentSpec) -> int:
     gang = spec.placement.gang
     if gang is not None and gang.min_member is not None:
         return gang.min_member
-    return max(spec.prefill.replicas + spec.decode.replicas, 1)
+    # pods, not engines: an engine that spans nodes is a group of `nodes` pods, all needed together
+    return max(spec.prefill.replicas * spec.prefill.nodes + spec.decode.replicas * spec.decode.nodes, 1)
 
 
 def pod_group(spec: DisaggregatedDeploymentSpec, metadata: Obj) -> Obj | None:

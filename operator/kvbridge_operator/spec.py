@@ -230,8 +230,8 @@ class GangSpec(CamelModel):
     )  # fmt: skip
     min_member: int | None = Field(
         default=None, ge=2, le=2048,
-        description="Pods that must be schedulable together before any is bound. Unset: prefill.replicas + "
-        "decode.replicas of the spec (prefill GPUs are not taken while decode cannot be placed).",
+        description="Pods that must be schedulable together before any is bound. Unset: every pod of the spec's "
+        "engines, replicas x nodes of both roles (prefill GPUs are not taken while decode cannot be placed).",
     )  # fmt: skip
     schedule_timeout_seconds: int = Field(default=300, ge=1, le=86400, description="How long a gang may wait.")
 

@@ -73,6 +73,13 @@ def test_what_a_multi_node_role_cannot_be(change: dict[str, Any], code: str) -> 
         assert "one of 2, 4, 8, 16" in problem.message
 
 
+def test_a_gang_counts_every_pod_of_a_multi_node_engine() -> None:
+    from kvbridge_operator.placement import min_member
+
+    spec = parse_deployment(deepseek(prefill={"tensorParallelSize": 16, "nodes": 2})).spec
+    assert min_member(spec) == 2 * 2 + 2  # two prefill engines of 2 pods, two decode engines of 1
+
+
 def test_the_leader_worker_set_has_what_the_lws_api_requires_and_valid_pod_templates() -> None:
     dd = parse_deployment(deepseek(prefill={"tensorParallelSize": 16, "nodes": 2, "replicas": 3}))
     plan = verdict_for(dd)
