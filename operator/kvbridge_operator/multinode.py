@@ -17,7 +17,7 @@ from typing import Any
 
 from kvbridge_agent.core import Problem, Role
 
-from .spec import DisaggregatedDeploymentSpec, EngineDevice, EngineKind
+from .spec import MAX_NODES, DisaggregatedDeploymentSpec, EngineDevice, EngineKind
 
 Obj = dict[str, Any]
 LWS_API = "leaderworkerset.x-k8s.io/v1"
@@ -63,7 +63,7 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
             ))  # fmt: skip
         elif role_spec.tensor_parallel_size % role_spec.nodes:
             tp = role_spec.tensor_parallel_size
-            even = [n for n in range(1, min(tp, 64) + 1) if tp % n == 0 and n > 1]
+            even = [n for n in range(2, min(tp, MAX_NODES) + 1) if tp % n == 0]
             found.append(Problem(
                 NODES_DO_NOT_DIVIDE_TP, field,
                 f"{role.value} TP {tp} over {role_spec.nodes} nodes leaves nodes with different numbers of ranks "

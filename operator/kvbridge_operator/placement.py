@@ -25,11 +25,10 @@ from typing import Any
 from kvbridge_agent.core import Problem, Role
 
 from . import multinode
-from .spec import Colocation, DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineDevice, EngineKind
+from .spec import MAX_NODES, Colocation, DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineDevice, EngineKind
 
 Obj = dict[str, Any]
 ROLE_DOES_NOT_FIT = "ROLE_DOES_NOT_FIT"
-MAX_NODES = 64  # spec.<role>.nodes
 HOSTNAME = "kubernetes.io/hostname"
 LABEL_POD_GROUP = "scheduling.x-k8s.io/pod-group"
 POD_GROUP_API = "scheduling.x-k8s.io/v1alpha1"

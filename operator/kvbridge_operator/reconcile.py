@@ -82,16 +82,12 @@ def _stored(value: Any) -> Any:
     return value
 
 
-def _rolling(workload: Obj) -> Obj:
+def _rolling_keys(workload: Obj) -> tuple[str, str]:
     """Where a workload keeps its rolling update's partition: a StatefulSet's ``updateStrategy.rollingUpdate``, a
     LeaderWorkerSet's ``rolloutStrategy.rollingUpdateConfiguration`` (both count ordinals: pods, or groups)."""
-    spec = workload.setdefault("spec", {})
-    rolling: Obj
     if workload.get("kind") == multinode.LWS_KIND:
-        rolling = spec.setdefault("rolloutStrategy", {}).setdefault("rollingUpdateConfiguration", {})
-    else:
-        rolling = spec.setdefault("updateStrategy", {}).setdefault("rollingUpdate", {})
-    return rolling
+        return "rolloutStrategy", "rollingUpdateConfiguration"
+    return "updateStrategy", "rollingUpdate"
 
 
 def _state(workload: Obj | None) -> tuple[int, int] | None:
@@ -99,11 +95,9 @@ def _state(workload: Obj | None) -> tuple[int, int] | None:
     if workload is None:
         return None
     spec = workload.get("spec") or {}
-    if workload.get("kind") == multinode.LWS_KIND:
-        rolling = (spec.get("rolloutStrategy") or {}).get("rollingUpdateConfiguration") or {}
-    else:
-        rolling = (spec.get("updateStrategy") or {}).get("rollingUpdate") or {}
-    return int(spec.get("replicas", 0)), int(rolling.get("partition", 0))
+    strategy, rolling = _rolling_keys(workload)
+    partition = ((spec.get(strategy) or {}).get(rolling) or {}).get("partition", 0)
+    return int(spec.get("replicas", 0)), int(partition)
 
 
 def _rollout(
@@ -114,7 +108,7 @@ def _rollout(
     name = dd.metadata.name
     targets, states = {}, {}
     for role in Role:
-        new = template_revision(_stateful_set_of(rendered, role))
+        new = template_revision(_workload_of(rendered, role))
         running, current = sets[role], _state(sets[role])
         partition = (
             current[1] if running is not None and current is not None and template_revision(running) == new else None
@@ -133,7 +127,7 @@ def _rollout(
     return step(targets, states, key, revisions.pairs_with({**records, key: revisions.record(dd)}, name))
 
 
-def _stateful_set_of(rendered: list[Obj], role: Role) -> Obj:
+def _workload_of(rendered: list[Obj], role: Role) -> Obj:
     """The role's workload among the rendered children: its StatefulSet or LeaderWorkerSet."""
     return next(
         c for c in rendered if c["kind"] in WORKLOAD_KINDS and c["metadata"]["labels"][LABEL_ROLE] == role.value
@@ -143,9 +137,10 @@ def _stateful_set_of(rendered: list[Obj], role: Role) -> Obj:
 def _stepped(rendered: list[Obj], roll: Step) -> list[Obj]:
     """The rendered children with each workload's replicas and partition as the rollout's step wants."""
     for role in Role:
-        workload = _stateful_set_of(rendered, role)
+        workload = _workload_of(rendered, role)
+        strategy, rolling = _rolling_keys(workload)
         workload["spec"]["replicas"] = roll.replicas[role]
-        _rolling(workload)["partition"] = roll.partition[role]
+        workload["spec"][strategy][rolling]["partition"] = roll.partition[role]
     return rendered
 
 
@@ -365,8 +360,7 @@ async def _retire_other_kind(client: KubeClient, dd: DisaggregatedDeployment, se
         stale = seen.sets[role] if spans else seen.groups.get(role)
         if stale is None:
             continue
-        await client.delete(LEADER_WORKER_SETS if stale["kind"] == multinode.LWS_KIND else STATEFUL_SETS, namespace,
-                            stale["metadata"]["name"])  # fmt: skip
+        await client.delete(_resource_of(stale["kind"]), namespace, stale["metadata"]["name"])
         now = "a LeaderWorkerSet (engines spanning nodes)" if spans else "a StatefulSet (one pod per engine)"
         events.append(Event("Warning", "WorkloadReplaced", (
             f"{role.value}: spec.{role.value}.nodes is now {dd.spec.role(role).nodes}, so its engines run as {now}; "
@@ -379,18 +373,9 @@ async def read_children(client: KubeClient, namespace: str, name: str) -> Childr
     """From the API: five calls (the operator's own watches serve them instead: handlers.py)."""
     roles = {role: await client.get(ROLES, namespace, role_name(name, role)) for role in Role}
     sets = {role: await client.get(STATEFUL_SETS, namespace, role_name(name, role)) for role in Role}
-    groups = {role: await _get_optional(client, LEADER_WORKER_SETS, namespace, role_name(name, role)) for role in Role}
+    # without the LeaderWorkerSet CRD the API answers 404, which get reads as none
+    groups = {role: await client.get(LEADER_WORKER_SETS, namespace, role_name(name, role)) for role in Role}
     return Children(roles, sets, await client.list(PODS, namespace, f"{LABEL_DEPLOYMENT}={name}"), groups)
-
-
-async def _get_optional(client: KubeClient, resource: Resource, namespace: str, name: str) -> Obj | None:
-    """An object of a kind whose CRD may not be installed (then: none)."""
-    try:
-        return await client.get(resource, namespace, name)
-    except ApiError as exc:
-        if exc.status == 404:
-            return None
-        raise
 
 
 async def reconcile(

@@ -83,6 +83,10 @@ class RolloutSpec(CamelModel):
         return self
 
 
+#: the most nodes one engine may span (``spec.<role>.nodes``)
+MAX_NODES = 64
+
+
 class RoleSpec(RoleSettings):
     """One role (prefill or decode): how many engines and each engine's settings."""
 
@@ -98,7 +102,7 @@ class RoleSpec(RoleSettings):
         default=1024, ge=0, le=1024, description="Most engines the operator runs, whatever is asked."
     )
     nodes: int = Field(
-        default=1, ge=1, le=64,
+        default=1, ge=1, le=MAX_NODES,
         description="Nodes one engine of this role spans (VLLM on GPUs): 1, a pod per engine (StatefulSet); more, "
         "a LeaderWorkerSet group of this many pods per engine, each holding tensorParallelSize / nodes GPUs "
         "(vLLM's multi-node launch: --nnodes, --node-rank, workers --headless).",
