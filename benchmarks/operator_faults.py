@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/operator_faults.py [--deployments 10] [--json]
 
-The emulated API (kvbridge_operator.local.apiserver) injects faults into the operator's requests only (the
+The emulated API (kvbridge_sim.apiserver) injects faults into the operator's requests only (the
 benchmark's own client and its kubelet stand-in are exempt), ``kvbridge operator run`` runs as a process:
 
 - outage: every operator request answers 500 for 25 s while N deployments are created; reported: the time from
@@ -18,7 +18,6 @@ import asyncio
 import copy
 import json
 import random
-import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,13 +25,11 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from kvbridge_operator.kube import DEPLOYMENTS
+from kvbridge_sim.apiserver import RealisticKubernetes
+from operator_reconcile import operator_on_emulator
 
-from kvbridge_operator.kube import DEPLOYMENTS  # noqa: E402
-from kvbridge_operator.local.apiserver import RealisticKubernetes  # noqa: E402
-from operator_reconcile import operator_on_emulator  # noqa: E402
+ROOT = Path(__file__).parents[1]
 
 BENCH_TOKEN = "benchmark"  # requests with this bearer token are never faulted
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/operator_reconcile.py [--deployments 100] [--json]
 
-Starts the emulated Kubernetes API (kvbridge_operator/local/apiserver.py) in this
+Starts the emulated Kubernetes API (kvbridge_sim/apiserver.py) in this
 process and ``kvbridge operator run`` as a separate process against it,
 plays the StatefulSet controller and kubelet (creates each role's pods and
 marks them ready as soon as the StatefulSet appears), creates N
@@ -30,17 +30,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import kmock
 import yaml
 
+from kvbridge_operator.kube import DEPLOYMENTS, PODS, KubeClient
+from kvbridge_sim.apiserver import RealisticKubernetes, emulated_api
+
 ROOT = Path(__file__).parents[1]
-sys.path.insert(0, str(ROOT))
 
-from kvbridge_operator.crd import crds  # noqa: E402
-from kvbridge_operator.kube import DEPLOYMENTS, PODS, KubeClient, Resource  # noqa: E402
-from kvbridge_operator.local.apiserver import RealisticKubernetes  # noqa: E402
-
-CRDS = Resource("apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False)
 BENCHMARK_AGENT = "kvbridge-benchmark"  # this process's own requests, not counted as the operator's
 POD_EVENTS = 20
 
@@ -110,11 +106,7 @@ async def operator_on_emulator(
 ) -> AsyncIterator[tuple[RealisticKubernetes, KubeClient, subprocess.Popen[bytes]]]:
     """The emulated API with the CRD, ``kvbridge operator run`` as a process against it, and the kubelet stand-in;
     yields once the operator's watches are up; stops all of it."""
-    async with RealisticKubernetes() as api, kmock.Server(api) as server:
-        url = str(server.url).rstrip("/")
-        client = KubeClient.for_url(url, token=token, user_agent=BENCHMARK_AGENT)
-        for definition in crds():
-            await client.create(CRDS, "", definition)
+    async with emulated_api(token=token, user_agent=BENCHMARK_AGENT) as (api, url, client):
         env = {**os.environ, "KVBRIDGE_OPERATOR_API_SERVER": url, "KVBRIDGE_OPERATOR_CPU_MODE": "1",
                "KVBRIDGE_OPERATOR_LIVENESS_PORT": "0"}  # fmt: skip
         operator = subprocess.Popen([sys.executable, "-m", "kvbridge_operator", "operator", "run"], env=env,
@@ -129,7 +121,6 @@ async def operator_on_emulator(
             await pods
             operator.terminate()
             operator.wait(timeout=30)
-            await client.close()
 
 
 async def run(count: int) -> dict[str, Any]:

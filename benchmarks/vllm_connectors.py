@@ -30,14 +30,12 @@ from typing import Any
 
 import aiohttp
 
+from kvbridge_agent.core import Role
+from kvbridge_agent.transfer.keys import generate_keys
+from kvbridge_sim import pd_requests, tiny_model
+from kvbridge_sim.vllm_engines import Engines, deployment, metric, process_group_stats, rendered_template
+
 ROOT = Path(__file__).parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tests.vllm.engines import Engines, deployment, metric, process_group_stats, rendered_template  # noqa: E402
-
-from kvbridge_agent.core import Role  # noqa: E402
-from kvbridge_agent.runtime.keys import generate_keys  # noqa: E402
-from kvbridge_operator.local import pd_requests, tiny_model  # noqa: E402
 
 LENGTHS = (32, 128, 256, 480)  # up to the 512-token limit the deployment renders
 #: each connector's per-request transfer histograms on decode's /metrics: (seconds, descriptors)

@@ -1,7 +1,8 @@
 """kvbridge in-pod agent library.
 
-``kvbridge_agent.core`` is the pure plan math (no torch, nixl, zmq or
-kubernetes); ``kvbridge_agent.runtime`` does the I/O on top of it.
+Layers, each importing only those below it: ``core`` (pure plan math: no torch, nixl, zmq or kubernetes),
+``transfer`` (the I/O every engine shares), then the engines — ``synthetic`` (kvbridge's own test engine) and
+``vllm_connector`` (inside vLLM) — and ``bench`` (``kvbridge-agent bench`` and ``loopback``).
 """
 
 __version__ = "0.1.0"

@@ -50,7 +50,7 @@ def _scaled(pair: PairSpec, num_layers: int | None) -> PairSpec:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvbridge_agent.runtime.serve import serve
+    from kvbridge_agent.synthetic.serve import serve
 
     overrides: dict[str, Any] = {
         "role": args.role,
@@ -65,7 +65,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _loopback(args: argparse.Namespace) -> int:
-    from kvbridge_agent.runtime.loopback import loopback
+    from kvbridge_agent.bench.loopback import loopback
 
     name, pair = read_deployment(args.file)
     pair = _scaled(pair, args.num_layers)
@@ -94,11 +94,11 @@ def _loopback(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from kvbridge_agent.runtime.bench import bench
+    from kvbridge_agent.bench.measure import bench
 
     result = bench(requests=args.requests, quick=args.quick)
     if args.plot:
-        from kvbridge_agent.runtime.bench_plot import plot
+        from kvbridge_agent.bench.plot import plot
 
         plot(result, args.plot)
     if args.json:
@@ -122,7 +122,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _keys(args: argparse.Namespace) -> int:
-    from kvbridge_agent.runtime.keys import generate_keys
+    from kvbridge_agent.transfer.keys import generate_keys
 
     keys = generate_keys(args.dir)
     print(f"wrote {args.dir}/curve-public and {args.dir}/curve-secret (public key {keys.public.decode()})")

@@ -28,12 +28,11 @@ from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio.client.rest import ApiException
 
 from kvbridge_agent.core import KVBridgeError
+from kvbridge_operator.api.objects import Obj
 
 from .backoff import Backoff
 
 MERGE_PATCH = "application/merge-patch+json"
-
-Obj = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -96,6 +95,11 @@ BY_KIND = {
     ("scheduling.x-k8s.io/v1alpha1", "PodGroup"): POD_GROUPS,
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): LEADER_WORKER_SETS,
 }
+
+
+def resource_of(kind: str) -> Resource:
+    """The resource of a kind kvbridge writes (kinds are unique among them)."""
+    return next(resource for (_, k), resource in BY_KIND.items() if k == kind)
 
 
 class ApiError(KVBridgeError):

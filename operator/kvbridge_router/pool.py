@@ -12,9 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
 
-Obj = dict[str, Any]
+from kvbridge_operator.api.objects import Obj
 
 
 @dataclass(frozen=True)

@@ -23,16 +23,15 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from .metrics import RouterMetrics
-from .pool import Balancer, Pool, Target
+from kvbridge_operator.api.objects import Obj
+from kvbridge_router.metrics import RouterMetrics
+from kvbridge_router.pool import Balancer, Pool, Target
 
 log = logging.getLogger(__name__)
-Obj = dict[str, Any]
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 #: client headers passed on to both engines (vLLM's --api-key checks Authorization)
 FORWARDED_HEADERS = ("Authorization",)

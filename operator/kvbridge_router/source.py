@@ -19,12 +19,11 @@ from typing import Any
 import aiohttp
 import yaml
 
-from ..backoff import Backoff
-from ..kube import DEPLOYMENTS, ApiError, KubeClient
-from .pool import Pool
+from kvbridge_operator.backoff import Backoff
+from kvbridge_operator.kube import DEPLOYMENTS, ApiError, KubeClient
+from kvbridge_router.pool import Pool
 
 log = logging.getLogger(__name__)
-Obj = dict[str, Any]
 WATCH_SECONDS = 300
 RETRY = Backoff(base=0.5, cap=10.0)
 

@@ -1,4 +1,12 @@
-"""Local stand-ins for a cluster: an emulated API server and a pod runner (the demo and the tests).
+"""The emulated cluster: everything ``kvbridge demo``, the tests and the benchmarks run on instead of Kubernetes.
 
-Nothing here is needed in a cluster; it needs the ``demo`` extra (kmock).
+Reading order: ``apiserver`` (kmock's emulator made realistic: uids, generations, watches, selectors, server-side
+apply with ``field_managers``, subresources; ``emulated_api`` starts it with the CRDs), ``runner`` and ``pods`` (a
+local stand-in for the StatefulSet controller and kubelet that runs each pod's command as a process), ``tiny_model``
+(a random-weight model and tokenizer made locally), ``pd_requests`` (prefill-then-decode calls), ``demo`` and ``cli``
+(``kvbridge demo``), and the helpers tests and benchmarks share: ``cluster`` (the operator in-process on the
+emulator, with a stand-in StatefulSet/LWS controller) and ``vllm_engines`` (real vLLM engines started from rendered
+pod templates).
+
+Never imported by a product package (import-linter); no image contains it. Needs the ``demo`` extra (kmock).
 """

@@ -1,7 +1,7 @@
 """A realistic enough Kubernetes API for Kopf and the operator: kmock's emulator plus what they rely on.
 
 kmock 0.8's ``KubernetesEmulator`` keeps objects as plain merged dicts. This
-subclass adds (see ../shared/design/testing.md): ``uid``,
+subclass adds (docs/development.md): ``uid``,
 ``creationTimestamp``, ``generation`` bumped on spec changes only, a fresh
 ``resourceVersion`` on every write, ``generateName``, merge and JSON patches
 (a failed JSON-patch ``test`` answers 422), server-side apply with field managers and
@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import copy
 import datetime
 import itertools
 import json
-import re
 import secrets
 import uuid
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Any
 
 import aiohttp.web
@@ -36,9 +36,12 @@ import yaml
 from kmock._internal import k8s as kmock_k8s
 from kmock._internal import rendering
 
-from . import field_managers
+from kvbridge_operator.api.crd import crds
+from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.kube import USER_AGENT, KubeClient, Resource
+from kvbridge_sim import field_managers
+from kvbridge_sim.selectors import field_match, label_match, merge_patch
 
-Obj = dict[str, Any]
 Key = tuple[str, str, str, str | None, str]  # group, version, plural, namespace, name
 
 BUILTIN: dict[tuple[str, str, str], dict[str, Any]] = {
@@ -70,71 +73,6 @@ VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
 
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386 JSON merge patch."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    result = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = merge_patch(result.get(key), value)
-    return result
-
-
-_REQUIREMENT = re.compile(r"^\s*(!?)([\w./-]+)\s*(?:(==|=|!=)\s*([\w./-]*)|\s+(in|notin)\s*\(([^)]*)\))?\s*$")
-
-
-def _split_selector(text: str) -> list[str]:
-    parts, depth, current = [], 0, ""
-    for char in text:
-        depth += char == "("
-        depth -= char == ")"
-        if char == "," and depth == 0:
-            parts.append(current)
-            current = ""
-        else:
-            current += char
-    return [*parts, current] if current.strip() else parts
-
-
-def label_match(selector: str, labels: dict[str, str]) -> bool:
-    for requirement in _split_selector(selector):
-        found = _REQUIREMENT.match(requirement)
-        if not found:
-            raise kmock.KubernetesError(status=400, reason="BadRequest", message=f"bad selector {requirement!r}")
-        negate, key, operator, value, set_operator, values = found.groups()
-        if negate:
-            if key in labels:
-                return False
-        elif operator in ("=", "=="):
-            if labels.get(key) != value:
-                return False
-        elif operator == "!=":
-            if labels.get(key) == value:
-                return False
-        elif set_operator:
-            options = {v.strip() for v in values.split(",")}
-            if (labels.get(key) in options) != (set_operator == "in"):
-                return False
-        elif key not in labels:
-            return False
-    return True
-
-
-def field_match(selector: str, obj: Obj) -> bool:
-    for requirement in filter(None, (p.strip() for p in selector.split(","))):
-        path, _, value = requirement.replace("==", "=").partition("=")
-        negate = path.endswith("!")
-        current: Any = obj
-        for part in path.rstrip("!").split("."):
-            current = current.get(part) if isinstance(current, dict) else None
-        if (str(current) == value) == negate:
-            return False
-    return True
 
 
 @attrs.define(kw_only=True)
@@ -527,3 +465,24 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
             if p == plural and ns == namespace and n == name:
                 return copy.deepcopy(obj)
         return None
+
+
+#: where the CRDs are created
+CRDS = Resource("apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False)
+
+
+@contextlib.asynccontextmanager
+async def emulated_api(
+    *, token: str | None = None, user_agent: str = USER_AGENT
+) -> AsyncIterator[tuple[RealisticKubernetes, str, KubeClient]]:
+    """The emulated API server on a local port with kvbridge's CRDs installed: the emulator, its URL and a client of
+    it (``user_agent`` tells its calls apart from the operator's); all closed on exit."""
+    async with RealisticKubernetes() as api, kmock.Server(api) as server:
+        url = str(server.url).rstrip("/")
+        client = KubeClient.for_url(url, token=token, user_agent=user_agent)
+        try:
+            for definition in crds():
+                await client.create(CRDS, "", definition)
+            yield api, url, client
+        finally:
+            await client.close()

@@ -10,19 +10,13 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-import kmock
-
+from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.api.rbac import allowed_calls
 from kvbridge_operator.config import OperatorConfig
-from kvbridge_operator.crd import crds
-from kvbridge_operator.handlers import run_operator
-from kvbridge_operator.kube import DEPLOYMENTS, LEADER_WORKER_SETS, PODS, STATEFUL_SETS, KubeClient, Resource
-from kvbridge_operator.local.apiserver import RealisticKubernetes
-from kvbridge_operator.rbac import allowed_calls
-
-CRDS = Resource("apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False)
-Obj = dict[str, Any]
+from kvbridge_operator.controller.handlers import run_operator
+from kvbridge_operator.kube import DEPLOYMENTS, LEADER_WORKER_SETS, PODS, STATEFUL_SETS, KubeClient
+from kvbridge_sim.apiserver import RealisticKubernetes, emulated_api
 
 
 @dataclass
@@ -55,7 +49,8 @@ class Cluster:
         await self.operator_client.close()
         self.operator_calls |= self.operator_client.calls
         undeclared = self.operator_calls - allowed_calls()
-        assert not undeclared, f"the operator called what kvbridge_operator.rbac does not declare: {undeclared}"
+        if undeclared:
+            raise AssertionError(f"the operator called what kvbridge_operator.api.rbac does not declare: {undeclared}")
 
     async def apply(self, document: Obj, namespace: str = "default") -> Obj:
         return await self.client.create(DEPLOYMENTS, namespace, document)
@@ -171,11 +166,7 @@ TEST_AGENT = "kvbridge-test"
 
 @contextlib.asynccontextmanager
 async def cluster(config: OperatorConfig | None = None, *, start: bool = True) -> AsyncIterator[Cluster]:
-    async with RealisticKubernetes() as api, kmock.Server(api) as server:
-        url = str(server.url).rstrip("/")
-        client = KubeClient.for_url(url, user_agent=TEST_AGENT)  # the test's own requests, told apart
-        for definition in crds():
-            await client.create(CRDS, "", definition)
+    async with emulated_api(user_agent=TEST_AGENT) as (api, url, client):  # the test's own requests, told apart
         base = config or OperatorConfig(liveness_port=0)
         built = Cluster(api, url, client, OperatorConfig(**{**base.__dict__, "api_server": url}))
         try:
@@ -184,7 +175,6 @@ async def cluster(config: OperatorConfig | None = None, *, start: bool = True) -
             yield built
         finally:
             await built.stop_operator()
-            await client.close()
 
 
 class StatefulSetController:

@@ -25,11 +25,12 @@ from typing import Any
 
 import aiohttp
 
-from .config import OperatorConfig
-from .kube import DEPLOYMENTS, PODS, KubeClient, Resource
-from .manifests import deployments_of, parse_documents, read_text, source_name
-from .render import LABEL_DEPLOYMENT
-from .router.proxy import Router
+from kvbridge_operator.api.names import LABEL_DEPLOYMENT
+from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.cli.manifests import deployments_of, parse_documents, read_text, source_name
+from kvbridge_operator.config import OperatorConfig
+from kvbridge_operator.kube import DEPLOYMENTS, PODS, KubeClient
+from kvbridge_router.proxy import Router
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DEFAULT_FILES = {
@@ -38,10 +39,7 @@ DEFAULT_FILES = {
 }
 #: greedy tokens decode generates per request (compared with a single engine)
 VLLM_MAX_TOKENS = 12
-CRDS = Resource("apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False)
 NAMESPACE = "default"
-
-Obj = dict[str, Any]
 
 
 class DemoError(Exception):
@@ -152,8 +150,8 @@ class LocalRouter:
 
 
 async def start_router(client: KubeClient, name: str, timeout: float = 60) -> LocalRouter:
-    from .router.proxy import Router, serve
-    from .router.source import watch_status
+    from kvbridge_router.proxy import Router, serve
+    from kvbridge_router.source import watch_status
 
     router, stop = Router(), asyncio.Event()
     with socket.socket() as probe:  # a free port for the router
@@ -274,7 +272,7 @@ async def route_vllm(
     generates; every answer is compared with a single-engine run of the same prompt on the decode pod. Halfway a
     prefill pod's engine is killed; a request sent at once fails with a clear 5xx (this deployment has one
     prefill pod) and the rest go on once the runner has restarted it (decode meets a new engine id)."""
-    from .local import pd_requests
+    from kvbridge_sim import pd_requests
 
     dd = await client.get(DEPLOYMENTS, NAMESPACE, name) or {}
     block = int(dd["spec"].get("decode", {}).get("blockSize", 32))
@@ -326,7 +324,7 @@ async def route_vllm(
 
 
 def tiny_model_prompt(length: int, salt: int) -> list[int]:
-    from .local.tiny_model import prompt
+    from kvbridge_sim.tiny_model import prompt
 
     return prompt(length, salt=1000 + salt)
 
@@ -349,12 +347,10 @@ async def run_demo(
     interrupted: asyncio.Event | None = None,
     engine: str = "vllm",
 ) -> dict[str, Any]:
-    import kmock
 
-    from .crd import crds
-    from .handlers import run_operator
-    from .local.apiserver import RealisticKubernetes
-    from .local.runner import LocalRunner
+    from kvbridge_operator.controller.handlers import run_operator
+    from kvbridge_sim.apiserver import emulated_api
+    from kvbridge_sim.runner import LocalRunner
 
     docs = documents(files, num_layers, engine)
     vllm_docs = [d for d in docs if is_vllm(d)]
@@ -371,15 +367,11 @@ async def run_demo(
     with tempfile.TemporaryDirectory(prefix="kvbridge-demo-") as workdir:
         models: dict[str, str] = {}
         if vllm_docs:
-            from .local import tiny_model
+            from kvbridge_sim import tiny_model
 
             progress("making the tiny model (random weights, a tokenizer trained here) ...")
             models[tiny_model.NAME] = str(tiny_model.make(Path(workdir) / "tiny-llama"))
-        async with RealisticKubernetes() as api, kmock.Server(api) as server:
-            url = str(server.url).rstrip("/")
-            client = KubeClient.for_url(url)
-            for definition in crds():
-                await client.create(CRDS, "", definition)
+        async with emulated_api() as (api, url, client):
             config = OperatorConfig(api_server=url, cpu_mode=True, agent_num_blocks=96, liveness_port=0)
             stop, ready = asyncio.Event(), asyncio.Event()
             operator = asyncio.create_task(run_operator(config, stop, ready_flag=ready))
@@ -444,7 +436,6 @@ async def run_demo(
                 await running
                 await runner.close()
                 await asyncio.wait_for(operator, timeout=30)
-                await client.close()
 
 
 def _ready_columns(obj: Obj) -> dict[str, str]:

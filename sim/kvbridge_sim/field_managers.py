@@ -23,7 +23,8 @@ import copy
 import datetime
 from typing import Any
 
-Obj = dict[str, Any]
+from kvbridge_operator.api.objects import Obj
+
 Path = tuple[str, ...]
 
 APPLY = "Apply"

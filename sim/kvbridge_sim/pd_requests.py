@@ -14,7 +14,8 @@ from typing import Any
 
 import aiohttp
 
-Obj = dict[str, Any]
+from kvbridge_operator.api.objects import Obj
+
 #: vLLM's HTTP server closes an idle kept-alive connection after VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s). A client that
 #: keeps it longer (aiohttp's default is 15 s) may send its next request down a connection the server is closing
 #: and get "Server disconnected"; so idle connections are dropped on our side first.

@@ -18,11 +18,10 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from ..render import ENGINE_CONTAINER
+from kvbridge_operator.api.names import ENGINE_CONTAINER
+from kvbridge_operator.api.objects import Obj
 
-Obj = dict[str, Any]
 #: where the project's own executables (kvbridge-agent, vllm) are: the environment this process runs in
 BIN_DIR = str(Path(sys.executable).parent)
 

@@ -25,15 +25,13 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 
-from ..kube import PODS, SECRETS, STATEFUL_SETS, KubeClient
-from ..render import MANAGED_BY, secret_name
-from . import pods
-
-Obj = dict[str, Any]
+from kvbridge_operator.api.names import MANAGED_BY, secret_name
+from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.kube import PODS, SECRETS, STATEFUL_SETS, KubeClient
+from kvbridge_sim import pods
 
 
 @dataclass

@@ -21,29 +21,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from kvbridge_agent.core import Role, TransferPlan
+from kvbridge_operator.api.spec import parse_deployment
+from kvbridge_operator.children.render import stateful_set
+from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.config import OperatorConfig
-from kvbridge_operator.local import pd_requests, pods, tiny_model
-from kvbridge_operator.render import stateful_set
-from kvbridge_operator.spec import parse_deployment
-from kvbridge_operator.verdict import verdict_for
+from kvbridge_sim import pods, tiny_model
 
 MODEL_NAME = tiny_model.NAME  # what spec.model.name says; mapped to the local folder when started
 VLLM = Path(sys.executable).parent / "vllm"
 START_TIMEOUT = 600.0  # seconds for every engine to answer /health (about 60 s each here, four at once)
 UID = "00000000-0000-0000-0000-00000000e2e0"
-
-
-def require_vllm() -> None:
-    """Skip where vLLM's CPU build is not installed; in CI (where `make test` installs it) that is a failure."""
-    if VLLM.exists():
-        return
-    message = f"vLLM's CPU build is not installed ({VLLM} is missing): run `make setup`"
-    if os.environ.get("CI"):
-        pytest.fail(message)
-    pytest.skip(message)
 
 
 def deployment(
@@ -166,24 +154,6 @@ class Engines:
 
     def summary(self) -> dict[str, Any]:
         return {"startSeconds": self.start_seconds, "peakRssGiB": round(self.peak_rss / 2**30, 2)}
-
-
-async def assert_pd_equals_single_engine(
-    session: Any,
-    prefill_url: str,
-    decode_url: str,
-    model: str,
-    tokens: list[int],
-    max_tokens: int,
-    salt: str,
-    what: str = "",
-) -> None:
-    """Prefill on one engine, decode on the other with its KV: the greedy tokens equal a single-engine run on the
-    decode engine (salted, so it cannot reuse the blocks P/D requests left in its prefix cache)."""
-    got = await pd_requests.disaggregated(session, prefill_url, decode_url, model, tokens, max_tokens)
-    want = await pd_requests.baseline(session, decode_url, model, tokens, max_tokens, salt=salt)
-    assert len(got.tokens) == max_tokens
-    assert got.tokens == want.tokens, f"{what}: P/D {got.tokens} != single engine {want.tokens}"
 
 
 async def metric(session: Any, url: str, name: str, labels: str = "") -> float:

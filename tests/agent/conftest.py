@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge_agent.runtime.keys import CurveKeys, generate_keys
+from kvbridge_agent.transfer.keys import CurveKeys, generate_keys
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvbridge_operator.rbac import REQUIRED
+from kvbridge_operator.api.rbac import REQUIRED
 
 ROOT = Path(__file__).parents[2]
 CHART = ROOT / "charts" / "kvbridge"

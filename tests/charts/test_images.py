@@ -59,3 +59,11 @@ def test_images_run_the_commands_the_operator_and_chart_use() -> None:
     assert operator_cmd == ["operator", "run"]  # the chart runs `kvbridge operator run`
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".venv", ".git", "tests"} <= set(ignored)
+
+
+def test_no_image_contains_the_simulation() -> None:
+    """The emulated cluster (sim/) is for a checkout's demo and tests: no image copies it, so none can import it."""
+    for dockerfile in ("operator/Dockerfile", "agent/Dockerfile"):
+        copies = [rest for word, rest in instructions(ROOT / dockerfile) if word in ("COPY", "ADD")]
+        assert copies, dockerfile
+        assert not any(rest.split()[0].rstrip("/") in (".", "sim") for rest in copies), (dockerfile, copies)

@@ -73,7 +73,7 @@ def test_agent_demo_json_contract() -> None:
 
 def test_vllm_demo_runs_real_engines_and_checks_tokens() -> None:
     """The default demo: real vLLM (CPU build) pods from the rendered templates, a prefill restart halfway."""
-    from tests.vllm.engines import require_vllm
+    from tests.vllm.assertions import require_vllm
 
     require_vllm()
     marker = uuid.uuid4().hex
@@ -110,7 +110,7 @@ def test_vllm_demo_runs_real_engines_and_checks_tokens() -> None:
 
 def test_demo_reads_a_manifest_from_stdin_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 13 #10: `kvbridge demo -f -` read stdin twice and applied nothing (then said ok)."""
-    from kvbridge_operator.demo import documents
+    from kvbridge_sim.demo import documents
 
     text = (Path(__file__).parents[2] / "examples" / "llama3-8b-hetero-tp.yaml").read_text()
     monkeypatch.setattr(sys, "stdin", io.StringIO(text))

@@ -10,7 +10,7 @@ import pytest
 
 from kvbridge_operator.backoff import Backoff
 from kvbridge_operator.kube import CALL_ATTEMPTS, DEPLOYMENTS, ApiError, KubeClient
-from kvbridge_operator.local.apiserver import RealisticKubernetes
+from kvbridge_sim.apiserver import RealisticKubernetes
 
 
 def test_delays_double_up_to_the_cap_and_are_jittered() -> None:

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from kvbridge_agent.core import SpecError
-from kvbridge_operator import cli
+from kvbridge_operator.cli import main as cli
 from kvbridge_operator.config import OperatorConfig, flag_of, from_flags, settings
 
 

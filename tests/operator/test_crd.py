@@ -10,8 +10,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvbridge_operator.crd import FILE_NAME, ROOT_RULES, SPEC_RULES, crd, render_yaml
-from kvbridge_operator.spec import parse_deployment
+from kvbridge_operator.api.crd import FILE_NAME, ROOT_RULES, SPEC_RULES, crd, render_yaml
+from kvbridge_operator.api.spec import parse_deployment
 
 from .schema_tools import apply_defaults, cel_failures, schema_errors
 
@@ -238,7 +238,7 @@ def test_the_verdicts_themselves(label: str, accepted: bool) -> None:
 
 
 def test_fp8_is_read_as_fp8_e4m3_so_both_spellings_pair() -> None:
-    from kvbridge_operator.pairing import pairing
+    from kvbridge_operator.children.pairing import pairing
 
     one, other = base(), base()
     one["spec"]["model"]["kvCacheDtype"] = "fp8"
@@ -251,7 +251,7 @@ def test_fp8_is_read_as_fp8_e4m3_so_both_spellings_pair() -> None:
 def test_children_of_the_longest_name_are_valid_kubernetes_names() -> None:
     """A 44-character name gives a 52-character StatefulSet (its revision-hash label fits 63) and Service."""
     from kvbridge_agent.core import Role
-    from kvbridge_operator.render import role_name
+    from kvbridge_operator.api.names import role_name
 
     for role in Role:
         child = role_name("a" * 44, role)

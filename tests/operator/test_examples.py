@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge_operator.cli import main
+from kvbridge_operator.cli.main import main
 
 ROOT = Path(__file__).parents[2]
 EXPECTED = {

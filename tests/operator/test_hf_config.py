@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
-from kvbridge_operator.cli import main
-from kvbridge_operator.spec import parse_deployment
+from kvbridge_operator.api.spec import parse_deployment
+from kvbridge_operator.cli.main import main
 
 CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "llama-gqa": (

@@ -11,10 +11,10 @@ import yaml
 
 from kvbridge_agent.core import KVBridgeError
 from kvbridge_operator.config import OperatorConfig
-from kvbridge_operator.handlers import run_operator
+from kvbridge_operator.controller.handlers import run_operator
 from kvbridge_operator.kube import DEPLOYMENTS, KubeClient, connect
+from kvbridge_sim.cluster import cluster
 
-from .cluster import cluster
 from .test_operator import example
 
 

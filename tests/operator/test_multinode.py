@@ -10,11 +10,11 @@ import pytest
 import yaml
 
 from kvbridge_agent.core import Role
+from kvbridge_operator.api.spec import parse_deployment
+from kvbridge_operator.children.remedy import suggested_fix
+from kvbridge_operator.children.render import leader_worker_set
+from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.config import OperatorConfig
-from kvbridge_operator.remedy import suggested_fix
-from kvbridge_operator.render import leader_worker_set
-from kvbridge_operator.spec import parse_deployment
-from kvbridge_operator.verdict import verdict_for
 
 ROOT = Path(__file__).resolve().parents[2]
 UID = "00000000-0000-0000-0000-0000000000cc"
@@ -74,7 +74,7 @@ def test_what_a_multi_node_role_cannot_be(change: dict[str, Any], code: str) -> 
 
 
 def test_a_gang_counts_every_pod_of_a_multi_node_engine() -> None:
-    from kvbridge_operator.placement import min_member
+    from kvbridge_operator.children.placement import min_member
 
     spec = parse_deployment(deepseek(prefill={"tensorParallelSize": 16, "nodes": 2})).spec
     assert min_member(spec) == 2 * 2 + 2  # two prefill engines of 2 pods, two decode engines of 1

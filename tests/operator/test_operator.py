@@ -9,8 +9,7 @@ import yaml
 
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.kube import PODS, USER_AGENT
-
-from .cluster import Cluster, cluster
+from kvbridge_sim.cluster import Cluster, cluster
 
 ROOT = Path(__file__).parents[2]
 Obj = dict[str, Any]
@@ -305,7 +304,7 @@ async def test_cpu_mode_requests_no_gpus_and_vllm_settings_it_cannot_honour_are_
 
 def printer_columns(obj: Obj) -> list[str]:
     """What `kubectl get dd` prints for an object, from the CRD's printer-column JSONPaths."""
-    from kvbridge_operator.crd import crd
+    from kvbridge_operator.api.crd import crd
 
     row = []
     for column in crd()["spec"]["versions"][0]["additionalPrinterColumns"]:

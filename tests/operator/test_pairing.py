@@ -9,9 +9,9 @@ import pytest
 
 from kvbridge_agent.core import RoleSettings
 from kvbridge_agent.core.model import ModelGeometry
-from kvbridge_operator.pairing import pairing
-from kvbridge_operator.spec import DisaggregatedDeployment
-from kvbridge_operator.verdict import verdict_for
+from kvbridge_operator.api.spec import DisaggregatedDeployment
+from kvbridge_operator.children.pairing import pairing
+from kvbridge_operator.children.verdict import verdict_for
 
 BASE: dict[str, Any] = {
     "apiVersion": "kvbridge.io/v1alpha1",

@@ -10,13 +10,13 @@ import pytest
 import yaml
 
 from kvbridge_agent.core import Role, SpecError
+from kvbridge_operator.api.spec import parse_deployment
+from kvbridge_operator.children.pairing import pairing
+from kvbridge_operator.children.placement import with_gpus_per_node
+from kvbridge_operator.children.remedy import advice
+from kvbridge_operator.children.render import stateful_set
+from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.config import OperatorConfig
-from kvbridge_operator.pairing import pairing
-from kvbridge_operator.placement import with_gpus_per_node
-from kvbridge_operator.remedy import advice
-from kvbridge_operator.render import stateful_set
-from kvbridge_operator.spec import parse_deployment
-from kvbridge_operator.verdict import verdict_for
 
 ROOT = Path(__file__).resolve().parents[2]
 UID = "00000000-0000-0000-0000-0000000000bb"
@@ -110,7 +110,7 @@ def test_colocation_needs_a_topology_key() -> None:
 
 
 def test_gang_scheduling_labels_both_roles_into_one_pod_group() -> None:
-    from kvbridge_operator.serving import optional_children
+    from kvbridge_operator.children.serving import optional_children
 
     doc = document(placement={"gang": {}})
     for role in Role:

@@ -1,4 +1,4 @@
-"""``kvbridge plan`` as in cli-contract.md: JSON shape, multi-document input, exit codes, errors."""
+"""``kvbridge plan`` as in docs/cli.md: JSON shape, multi-document input, exit codes, errors."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge_operator.cli import main
+from kvbridge_operator.cli.main import main
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 HETERO = EXAMPLES / "llama3-8b-hetero-tp.yaml"

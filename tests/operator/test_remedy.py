@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbridge_operator.remedy import apply_fix, suggested_fix
-from kvbridge_operator.spec import DisaggregatedDeployment
-from kvbridge_operator.verdict import verdict_for
+from kvbridge_operator.api.spec import DisaggregatedDeployment
+from kvbridge_operator.children.remedy import apply_fix, suggested_fix
+from kvbridge_operator.children.verdict import verdict_for
 
 
 def manifest(name: str, **spec: Any) -> dict[str, Any]:

@@ -13,17 +13,11 @@ import zmq
 
 from kvbridge_agent.core import Role
 from kvbridge_agent.core.contract import parse_environment
+from kvbridge_operator.api.names import LABEL_FINGERPRINT, LABEL_REVISION
+from kvbridge_operator.api.spec import parse_deployment
+from kvbridge_operator.children.render import children, overlay, secret, stateful_set
+from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.config import OperatorConfig
-from kvbridge_operator.render import (
-    LABEL_FINGERPRINT,
-    LABEL_REVISION,
-    children,
-    overlay,
-    secret,
-    stateful_set,
-)
-from kvbridge_operator.spec import parse_deployment
-from kvbridge_operator.verdict import verdict_for
 
 ROOT = Path(__file__).parents[2]
 UID = "1b4e28ba-2fa1-11d2-883f-0016d3cca427"

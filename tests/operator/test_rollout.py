@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge_agent.core import Role
-from kvbridge_operator import revisions
-from kvbridge_operator.pairing import pairing
-from kvbridge_operator.rollout import Phase, PodState, RoleTarget, Strategy, step
-from kvbridge_operator.spec import parse_deployment
+from kvbridge_operator.api.spec import parse_deployment
+from kvbridge_operator.children.pairing import pairing
+from kvbridge_operator.controller import revisions
+from kvbridge_operator.controller.rollout import Phase, PodState, RoleTarget, Strategy, step
 
 from .test_operator import example
 
@@ -204,7 +204,7 @@ async def roll(change: dict, mixed_pairs: bool) -> tuple[list[str], list[dict]]:
     import contextlib
     import time
 
-    from .cluster import StatefulSetController, cluster
+    from kvbridge_sim.cluster import StatefulSetController, cluster
 
     before = example("llama3-8b-hetero-tp")
     after = changed(**change)

@@ -15,12 +15,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvbridge_agent.core import Role, SpecError
-from kvbridge_operator.crd import role_crd
+from kvbridge_operator.api.crd import role_crd
+from kvbridge_operator.api.spec import parse_deployment
+from kvbridge_operator.children.scaling import effective_replicas
 from kvbridge_operator.kube import ROLES, STATEFUL_SETS
-from kvbridge_operator.scaling import effective_replicas
-from kvbridge_operator.spec import parse_deployment
+from kvbridge_sim.cluster import Cluster, cluster
 
-from .cluster import Cluster, cluster
 from .test_operator import example
 
 ROOT = Path(__file__).resolve().parents[2]

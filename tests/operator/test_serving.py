@@ -11,14 +11,15 @@ import pytest
 import yaml
 
 from kvbridge_agent.core import Role, SpecError
+from kvbridge_operator.api.names import LABEL_LLM_D_ROLE
+from kvbridge_operator.api.spec import parse_deployment
+from kvbridge_operator.children.pairing import pairing
+from kvbridge_operator.children.render import stateful_set
+from kvbridge_operator.children.serving import optional_children
+from kvbridge_operator.children.verdict import verdict_for
+from kvbridge_operator.children.vllm_engine import problems
 from kvbridge_operator.config import OperatorConfig
-from kvbridge_operator.pairing import pairing
-from kvbridge_operator.render import LABEL_LLM_D_ROLE, stateful_set
-from kvbridge_operator.rollout import Strategy
-from kvbridge_operator.serving import optional_children
-from kvbridge_operator.spec import parse_deployment
-from kvbridge_operator.verdict import verdict_for
-from kvbridge_operator.vllm import problems
+from kvbridge_operator.controller.rollout import Strategy
 
 from .test_rollout import strategy_for
 

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from kvbridge_agent.core import SpecError
-from kvbridge_operator.spec import EngineKind, parse_deployment
+from kvbridge_operator.api.spec import EngineKind, parse_deployment
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 

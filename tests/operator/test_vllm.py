@@ -18,10 +18,10 @@ import pytest
 import yaml
 
 from kvbridge_agent.core import Problem, Role
+from kvbridge_operator.api.spec import parse_deployment
+from kvbridge_operator.children.render import children, stateful_set
+from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.config import OperatorConfig
-from kvbridge_operator.render import children, stateful_set
-from kvbridge_operator.spec import parse_deployment
-from kvbridge_operator.verdict import verdict_for
 
 ROOT = Path(__file__).parents[2]
 GOLDEN = Path(__file__).parent / "golden"
@@ -265,7 +265,7 @@ def test_cpu_engines_request_cores_not_gpus_and_bind_one_core_set_per_rank() -> 
 
 @pytest.mark.parametrize(("cpus", "tp", "bound"), [([0, 1], 2, "0|1"), ([4, 5, 6, 7], 2, "4,5|6,7"), ([3], 1, "3")])
 def test_the_cpu_launcher_splits_the_allowed_cores_between_ranks(cpus: list[int], tp: int, bound: str) -> None:
-    from kvbridge_operator.vllm import CPU_BIND_LAUNCHER
+    from kvbridge_operator.children.vllm_engine import CPU_BIND_LAUNCHER
 
     fake = f"import os; os.sched_getaffinity = lambda pid: set({cpus!r}); "
     probe = fake + f"exec(compile({CPU_BIND_LAUNCHER!r}, 'l', 'exec'))"
@@ -283,7 +283,7 @@ def test_the_cpu_launcher_splits_the_allowed_cores_between_ranks(cpus: list[int]
 def test_the_cpu_launcher_keeps_vllm_affinity_changes_on_the_containers_cores() -> None:
     """vLLM's CPU NIXL worker pins its model thread to the machine's last core; under the launcher a process (and
     the processes it spawns) stays on the cores the container started with."""
-    from kvbridge_operator.vllm import CPU_BIND_LAUNCHER
+    from kvbridge_operator.children.vllm_engine import CPU_BIND_LAUNCHER
 
     cores = sorted(os.sched_getaffinity(0))
     mine, other = cores[0], cores[-1]
@@ -302,7 +302,7 @@ def test_the_cpu_launcher_keeps_vllm_affinity_changes_on_the_containers_cores() 
 
 
 def test_the_cpu_launcher_refuses_fewer_cores_than_ranks() -> None:
-    from kvbridge_operator.vllm import CPU_BIND_LAUNCHER
+    from kvbridge_operator.children.vllm_engine import CPU_BIND_LAUNCHER
 
     probe = f"import os; os.sched_getaffinity = lambda pid: {{0}}; exec(compile({CPU_BIND_LAUNCHER!r}, 'l', 'exec'))"
     environ = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge_operator.cli import main
+from kvbridge_operator.cli.main import main
 
 
 @pytest.mark.parametrize(("args", "said"), [

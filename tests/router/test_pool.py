@@ -7,7 +7,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvbridge_operator.router.pool import Balancer, Pool
+from kvbridge_router.pool import Balancer, Pool
 
 
 def endpoint(pod: str, key: str, ip: str = "10.0.0.1", port: int | None = 8000) -> dict[str, Any]:

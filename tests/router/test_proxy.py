@@ -15,8 +15,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from kvbridge_operator.router.pool import Pool
-from kvbridge_operator.router.proxy import Router, RouterConfig, prefill_request
+from kvbridge_router.pool import Pool
+from kvbridge_router.proxy import Router, RouterConfig, prefill_request
 
 Obj = dict[str, Any]
 

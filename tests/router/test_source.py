@@ -9,17 +9,14 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-import kmock
 import pytest
 
-from kvbridge_operator.crd import crds
-from kvbridge_operator.kube import DEPLOYMENTS, KubeClient, Resource
-from kvbridge_operator.local.apiserver import RealisticKubernetes
-from kvbridge_operator.router.pool import Pool
-from kvbridge_operator.router.source import follow_file, read_status_file, watch_status
+from kvbridge_operator.kube import DEPLOYMENTS, KubeClient
+from kvbridge_router.pool import Pool
+from kvbridge_router.source import follow_file, read_status_file, watch_status
+from kvbridge_sim.apiserver import emulated_api
 
-CRDS = Resource("apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False)
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def status(*prefill: str) -> dict[str, Any]:
@@ -37,12 +34,8 @@ async def until(predicate: Callable[[], bool], timeout: float = 10) -> None:
 
 @pytest.fixture
 async def api() -> AsyncIterator[KubeClient]:
-    async with RealisticKubernetes() as emulator, kmock.Server(emulator) as server:
-        client = KubeClient.for_url(str(server.url).rstrip("/"), user_agent="kvbridge-router")
-        for definition in crds():
-            await client.create(CRDS, "", definition)
+    async with emulated_api(user_agent="kvbridge-router") as (_, _, client):
         yield client
-        await client.close()
 
 
 async def test_the_pool_follows_status_changes_and_deletion(api: KubeClient) -> None:

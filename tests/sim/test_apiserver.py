@@ -9,7 +9,7 @@ import kmock
 import pytest
 
 from kvbridge_operator.kube import STATEFUL_SETS, ApiError, KubeClient
-from kvbridge_operator.local.apiserver import RealisticKubernetes
+from kvbridge_sim.apiserver import RealisticKubernetes
 
 Obj = dict[str, Any]
 

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from kvbridge_agent.core import Role
-from kvbridge_agent.runtime.keys import generate_keys
-from kvbridge_operator.local import tiny_model
+from kvbridge_agent.transfer.keys import generate_keys
+from kvbridge_sim import tiny_model
+from kvbridge_sim.vllm_engines import Engines, deployment, rendered_template
 
-from .engines import Engines, deployment, rendered_template, require_vllm
+from .assertions import require_vllm
 
 SUMMARY: dict[str, object] = {}
 #: prefill's blocks on the short-lease engine: few, so that later requests reuse a request's freed blocks

@@ -11,11 +11,10 @@ from typing import Any
 from aiohttp.test_utils import TestServer
 
 from kvbridge_agent.core import Role
-from kvbridge_operator.render import LABEL_PAIRING
-from kvbridge_operator.router.pool import Pool
-from kvbridge_operator.router.proxy import Router, RouterConfig
-
-from .engines import Engines, metric, rendered_template
+from kvbridge_operator.api.names import LABEL_PAIRING
+from kvbridge_router.pool import Pool
+from kvbridge_router.proxy import Router, RouterConfig
+from kvbridge_sim.vllm_engines import Engines, metric, rendered_template
 
 Obj = dict[str, Any]
 

@@ -68,7 +68,7 @@ def test_kvbridge_merges_and_splits_cpu_blocks_exactly_as_vllm_writes_them(ratio
 
     from kvbridge_agent.core import ModelGeometry, Role, RoleSettings
     from kvbridge_agent.core.plan import build_plan
-    from kvbridge_agent.runtime.kv_cache import KVCache
+    from kvbridge_agent.transfer.kv_cache import KVCache
     from kvbridge_agent.vllm_connector.cpu_blocks import CPUAttentionBlocks
     from kvbridge_agent.vllm_connector.worker import transfer_geometry
 

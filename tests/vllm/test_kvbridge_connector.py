@@ -13,13 +13,14 @@ import pytest
 
 from kvbridge_agent.core import Role
 from kvbridge_agent.core.handshake import HandshakeError
-from kvbridge_agent.runtime.keys import generate_keys
-from kvbridge_agent.runtime.side_channel import SideChannelClient
-from kvbridge_operator.local import pd_requests
-from kvbridge_operator.local.tiny_model import prompt
+from kvbridge_agent.transfer.keys import generate_keys
+from kvbridge_agent.transfer.side_channel import SideChannelClient
+from kvbridge_sim import pd_requests
+from kvbridge_sim.tiny_model import prompt
+from kvbridge_sim.vllm_engines import Engines, metric
 
+from .assertions import assert_pd_equals_single_engine
 from .conftest import DEPLOYMENTS
-from .engines import Engines, assert_pd_equals_single_engine, metric
 from .routing import endpoint, pod_calls, pool, running_router, streamed_tokens
 
 MAX_TOKENS = 12

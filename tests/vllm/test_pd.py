@@ -13,11 +13,12 @@ import aiohttp
 import pytest
 
 from kvbridge_agent.core import Role
-from kvbridge_operator.local import pd_requests
-from kvbridge_operator.local.tiny_model import prompt
+from kvbridge_sim import pd_requests
+from kvbridge_sim.tiny_model import prompt
+from kvbridge_sim.vllm_engines import Engines, rendered_template, vllm_parts
 
+from .assertions import assert_pd_equals_single_engine
 from .conftest import DEPLOYMENTS, SHORT_LEASE_BLOCKS, SHORT_LEASE_SECONDS
-from .engines import Engines, assert_pd_equals_single_engine, rendered_template, vllm_parts
 
 MAX_TOKENS = 12
 BLOCK = 32

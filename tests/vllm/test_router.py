@@ -11,13 +11,13 @@ import aiohttp
 import pytest
 
 from kvbridge_agent.core import Role
-from kvbridge_operator.local import pd_requests
-from kvbridge_operator.local.tiny_model import prompt
-from kvbridge_operator.router.pool import Pool
-from kvbridge_operator.router.proxy import RouterConfig
+from kvbridge_router.pool import Pool
+from kvbridge_router.proxy import RouterConfig
+from kvbridge_sim import pd_requests
+from kvbridge_sim.tiny_model import prompt
+from kvbridge_sim.vllm_engines import Engines
 
 from .conftest import DEPLOYMENTS
-from .engines import Engines
 from .routing import endpoint, pod_calls, pool, running_router, streamed_tokens
 
 MAX_TOKENS = 12

@@ -19,9 +19,8 @@ from typing import Any
 from kvbridge_agent.core import Role, build_plan
 from kvbridge_agent.core.blocks import blocks_for_tokens
 from kvbridge_agent.core.contract import EngineEnvironment, PairSpec
-
-from .keys import generate_keys
-from .processes import EngineProcess, start_engine
+from kvbridge_agent.synthetic.processes import EngineProcess, start_engine
+from kvbridge_agent.transfer.keys import generate_keys
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,8 @@ import numpy as np
 
 from kvbridge_agent.core import Attention, CacheKind, ModelGeometry, Role, RoleSettings
 from kvbridge_agent.core.contract import BlockAllocation, EngineEnvironment
-
-from .keys import generate_keys
-from .processes import EngineProcess, start_engine
+from kvbridge_agent.synthetic.processes import EngineProcess, start_engine
+from kvbridge_agent.transfer.keys import generate_keys
 
 SIZE = 256 << 20
 SWEEP = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
@@ -110,7 +109,7 @@ def _holder(conn: Connection, name: str) -> None:
     import torch
 
     os.dup2(2, 1)  # the parent's stdout carries only its result
-    from .transport import Transport
+    from kvbridge_agent.transfer.transport import Transport
 
     tensor = torch.ones(SIZE, dtype=torch.uint8)
     transport = Transport(name)
@@ -132,7 +131,7 @@ def nixl_ceilings(trials: int = 5) -> tuple[float, list[dict[str, float]]]:
     """Raw NIXL READ throughput between two processes: one descriptor, and the descriptor-size sweep."""
     import torch
 
-    from .transport import Transport
+    from kvbridge_agent.transfer.transport import Transport
 
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()

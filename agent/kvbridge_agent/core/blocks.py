@@ -1,4 +1,4 @@
-"""Per-request block-id work (transfer-protocol.md §4): the only math on the hot path.
+"""Per-request block-id work (docs/protocol.md §4): the only math on the hot path.
 
 Everything here is vectorised with numpy; nothing loops per block in Python.
 """

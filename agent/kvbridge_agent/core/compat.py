@@ -1,6 +1,6 @@
 """Compatibility rules: can these prefill and decode settings exchange KV caches?
 
-Every rule of transfer-protocol.md §2 is checked and *every* violation is
+Every rule of docs/protocol.md §2 is checked and *every* violation is
 returned at once, each as a :class:`Problem` with a stable code, the CRD
 field at fault and a message that says what would work.  The operator runs
 these before anything is scheduled; the agent runs them again at handshake

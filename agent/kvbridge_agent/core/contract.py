@@ -98,7 +98,7 @@ class EngineEnvironment(CamelModel):
 
     @property
     def side_channel_port(self) -> int:
-        """``base port + data parallel index`` (transfer-protocol.md §5), unless overridden."""
+        """``base port + data parallel index`` (docs/protocol.md §5), unless overridden."""
         if self.side_channel_listen_port is not None:
             return self.side_channel_listen_port
         return self.transfer.side_channel_port + self.dp_index

@@ -9,7 +9,7 @@ from .model import PROTOCOL_VERSION, ModelGeometry
 
 
 def fingerprint_fields(model: ModelGeometry, protocol_version: int = PROTOCOL_VERSION) -> dict[str, object]:
-    """The must-match fields (transfer-protocol.md §2), in CRD words."""
+    """The must-match fields (docs/protocol.md §2), in CRD words."""
     return {
         "protocolVersion": protocol_version,
         "name": model.name,

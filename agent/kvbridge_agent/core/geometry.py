@@ -1,4 +1,4 @@
-"""Block byte geometry of one TP rank's KV cache (transfer-protocol.md §1).
+"""Block byte geometry of one TP rank's KV cache (docs/protocol.md §1).
 
 A rank's cache is a set of *tensors* (distinct base addresses) viewed as
 *regions*: the unit that descriptors are numbered in.  Every region of a

@@ -1,4 +1,4 @@
-"""Side-channel messages (transfer-protocol.md §5): a versioned envelope and per-rank metadata.
+"""Side-channel messages (docs/protocol.md §5): a versioned envelope and per-rank metadata.
 
 Wire format: a ZeroMQ multipart message.
 

@@ -25,7 +25,7 @@ class Attention(StrEnum):
 
 
 class CacheKind(StrEnum):
-    """How one TP rank lays out its KV cache (transfer-protocol.md §1)."""
+    """How one TP rank lays out its KV cache (docs/protocol.md §1)."""
 
     SPLIT = "Split"  # K and V in separate tensors per layer (FlashAttention-like)
     BLOCKS_FIRST = "BlocksFirst"  # K and V inside one block per layer (FlashInfer-like)
@@ -61,7 +61,7 @@ _ELEMENT_BYTES = {
 
 
 class Conversion(StrEnum):
-    """May either side re-lay blocks (transfer-protocol.md §4b)."""
+    """May either side re-lay blocks (docs/protocol.md §4b)."""
 
     AUTO = "Auto"
     OFF = "Off"

@@ -1,4 +1,4 @@
-"""Tensor-parallel mapping between prefill and decode ranks (transfer-protocol.md §3).
+"""Tensor-parallel mapping between prefill and decode ranks (docs/protocol.md §3).
 
 All functions take validated TP sizes (one divides the other); they raise a
 typed error instead of returning a wrong rank when given anything else.

@@ -1,4 +1,4 @@
-"""The wire format and the conversions each side performs (transfer-protocol.md §2 rule 5, §4b).
+"""The wire format and the conversions each side performs (docs/protocol.md §2 rule 5, §4b).
 
 The plan fixes one wire block size (the smaller block size) and one wire
 layout; a side whose native format differs re-lays its blocks in place:

@@ -19,8 +19,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvbridge_agent.core.handshake import KVTransferParams
-
-from .engine import INVALID_REQUEST, Engine, EngineError
+from kvbridge_agent.synthetic.engine import Engine
+from kvbridge_agent.synthetic.ranks import INVALID_REQUEST, EngineError
 
 Obj = dict[str, Any]
 MODEL = "kvbridge-synthetic"

@@ -13,8 +13,7 @@ import hashlib
 import torch
 
 from kvbridge_agent.core import KVLayout, SpecError
-
-from .kv_cache import KVCache
+from kvbridge_agent.transfer.kv_cache import KVCache
 
 MASK = 0xFFFFFFFF
 

@@ -28,9 +28,9 @@ from pydantic import ValidationError
 from kvbridge_agent.core import KVBridgeError
 from kvbridge_agent.core.contract import BlockAllocation
 from kvbridge_agent.core.handshake import KVTransferParams
-
-from . import completions
-from .engine import INVALID_REQUEST, Engine, EngineError
+from kvbridge_agent.synthetic import completions
+from kvbridge_agent.synthetic.engine import Engine
+from kvbridge_agent.synthetic.ranks import INVALID_REQUEST, EngineError
 
 log = logging.getLogger(__name__)
 MAX_BODY = 64 << 20

@@ -6,6 +6,6 @@ from multiprocessing.connection import Connection
 
 
 def main(env_json: str, rank: int, incarnation: str, conn: Connection, log_level: str) -> None:
-    from .rank_worker import rank_main
+    from kvbridge_agent.synthetic.rank_worker import rank_main
 
     rank_main(env_json, rank, incarnation, conn, log_level)

@@ -20,12 +20,11 @@ from kvbridge_agent.core import KVBridgeError, build_plan
 from kvbridge_agent.core.contract import EngineEnvironment
 from kvbridge_agent.core.handshake import KVTransferParams, RankMetadata
 from kvbridge_agent.core.model import Role
-
-from .content import fill_request, invalid_blocks, scribble
-from .decode_rank import DecodeRank, ReadResult
-from .kv_cache import KVCache
-from .prefill_rank import PrefillRank
-from .transport import Transport
+from kvbridge_agent.synthetic.content import fill_request, invalid_blocks, scribble
+from kvbridge_agent.transfer.decode_rank import DecodeRank, ReadResult
+from kvbridge_agent.transfer.kv_cache import KVCache
+from kvbridge_agent.transfer.prefill_rank import PrefillRank
+from kvbridge_agent.transfer.transport import Transport
 
 log = logging.getLogger(__name__)
 

@@ -10,10 +10,9 @@ import threading
 from typing import Any
 
 from kvbridge_agent.core.contract import EngineEnvironment
-
-from .engine import Engine
-from .http_api import AgentHTTPServer
-from .keys import load_keys
+from kvbridge_agent.synthetic.engine import Engine
+from kvbridge_agent.synthetic.http_api import AgentHTTPServer
+from kvbridge_agent.transfer.keys import load_keys
 
 log = logging.getLogger(__name__)
 

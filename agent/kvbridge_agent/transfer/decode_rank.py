@@ -39,12 +39,11 @@ from kvbridge_agent.core.handshake import (
     RankMetadata,
     notification,
 )
-
-from .descriptors import descriptor_rows
-from .kv_cache import KVCache
-from .peers import STALE_PEER
-from .relayout import Converter, convert_for_side
-from .transport import Transport, TransportError
+from kvbridge_agent.transfer.descriptors import descriptor_rows
+from kvbridge_agent.transfer.kv_cache import KVCache
+from kvbridge_agent.transfer.peers import STALE_PEER
+from kvbridge_agent.transfer.relayout import Converter, convert_for_side
+from kvbridge_agent.transfer.transport import Transport, TransportError
 
 log = logging.getLogger(__name__)
 

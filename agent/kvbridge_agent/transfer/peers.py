@@ -11,9 +11,8 @@ import time
 from collections.abc import Sequence
 
 from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams, RankMetadata
-
-from .keys import CurveKeys
-from .side_channel import SideChannelClient
+from kvbridge_agent.transfer.keys import CurveKeys
+from kvbridge_agent.transfer.side_channel import SideChannelClient
 
 LEASE_EXPIRED = "LEASE_EXPIRED"
 STALE_PEER = "STALE_PEER"

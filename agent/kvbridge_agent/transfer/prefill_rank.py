@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 
 from kvbridge_agent.core import Role, TransferPlan
 from kvbridge_agent.core.handshake import RankMetadata, parse_notification
-
-from .kv_cache import KVCache
-from .relayout import Converter, convert_for_side
-from .transport import Transport
+from kvbridge_agent.transfer.kv_cache import KVCache
+from kvbridge_agent.transfer.relayout import Converter, convert_for_side
+from kvbridge_agent.transfer.transport import Transport
 
 log = logging.getLogger(__name__)
 

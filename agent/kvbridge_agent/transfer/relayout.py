@@ -1,4 +1,4 @@
-"""In-place conversions between a side's native block format and the wire format (transfer-protocol.md §4b).
+"""In-place conversions between a side's native block format and the wire format (docs/protocol.md §4b).
 
 A block of one region is viewed as ``units`` units of ``tokens_per_unit``
 tokens, each in HND (``[heads, tokens, row]``) or NHD (``[tokens, heads,
@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbridge_agent.core import KVLayout, Role, TransferPlan
-
-from .kv_cache import KVCache
+from kvbridge_agent.transfer.kv_cache import KVCache
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""The side channel (transfer-protocol.md §5): one ZeroMQ ROUTER per prefill engine, REQ clients on decode.
+"""The side channel (docs/protocol.md §5): one ZeroMQ ROUTER per prefill engine, REQ clients on decode.
 
 Authenticated and encrypted with CURVE when keys are configured: the server
 admits only clients holding the deployment's key pair.  Every receive has a
@@ -34,8 +34,7 @@ from kvbridge_agent.core.handshake import (
     encode_reply,
     encode_request,
 )
-
-from .keys import CurveKeys
+from kvbridge_agent.transfer.keys import CurveKeys
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import torch
 
 from kvbridge_agent.core import Role, SpecError, TransferPlan
 from kvbridge_agent.core.wire import ConversionKind
-from kvbridge_agent.runtime.kv_cache import KVCache
+from kvbridge_agent.transfer.kv_cache import KVCache
 
 #: the CPU attention kernels whose block interior this module knows
 KNOWN_KERNELS = ("vec", "vec16")
@@ -23,7 +23,7 @@ _INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
 class CPUAttentionBlocks:
-    """A :data:`~kvbridge_agent.runtime.relayout.Converter` for one rank's CPU attention cache."""
+    """A :data:`~kvbridge_agent.transfer.relayout.Converter` for one rank's CPU attention cache."""
 
     def __init__(self, heads: int, head_dim: int, element_bytes: int, kernel: str) -> None:
         self.heads, self.head_dim, self.kernel = heads, head_dim, kernel

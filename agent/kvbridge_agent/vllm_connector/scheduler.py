@@ -16,8 +16,8 @@ from typing import Any
 
 from kvbridge_agent.core import Role, build_plan, wire_block_ids
 from kvbridge_agent.core.handshake import KVTransferParams, RankMetadata
-from kvbridge_agent.runtime.keys import load_keys
-from kvbridge_agent.runtime.side_channel import SideChannelServer, heartbeat_interval, send_heartbeats
+from kvbridge_agent.transfer.keys import load_keys
+from kvbridge_agent.transfer.side_channel import SideChannelServer, heartbeat_interval, send_heartbeats
 
 from .messages import PARAMS_KEY, OfferOrder, RankHandshake, ReadOrder, StepMetadata, transfer_params
 from .settings import ConnectorSettings

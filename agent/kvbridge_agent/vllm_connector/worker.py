@@ -1,8 +1,8 @@
 """The connector's worker half: one TP rank's vLLM KV cache on kvbridge's rank machinery.
 
 vLLM's KV tensors are attached as they are (no copy): a prefill rank is a
-:class:`~kvbridge_agent.runtime.prefill_rank.PrefillRank`, a decode rank a
-:class:`~kvbridge_agent.runtime.decode_rank.DecodeRank` — the same classes the synthetic worker runs. Decode
+:class:`~kvbridge_agent.transfer.prefill_rank.PrefillRank`, a decode rank a
+:class:`~kvbridge_agent.transfer.decode_rank.DecodeRank` — the same classes the synthetic worker runs. Decode
 handshakes with a prefill engine the first time it meets it (and again when the engine restarted: a new
 incarnation evicts the stale peer), builds the plan once per engine, and READs each request's blocks; a READ
 it cannot start, a failed or late one, or one past the prefill's lease marks the request's blocks invalid, which
@@ -21,19 +21,19 @@ from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams
 from kvbridge_agent.core.plan import build_plan
 from kvbridge_agent.core.tp import handshake_ranks
 from kvbridge_agent.core.wire import ConversionKind
-from kvbridge_agent.runtime.decode_rank import DecodeRank, ReadResult
-from kvbridge_agent.runtime.keys import CurveKeys, load_keys
-from kvbridge_agent.runtime.kv_cache import KVCache, distinct_tensors
-from kvbridge_agent.runtime.peers import (
+from kvbridge_agent.transfer.decode_rank import DecodeRank, ReadResult
+from kvbridge_agent.transfer.keys import CurveKeys, load_keys
+from kvbridge_agent.transfer.kv_cache import KVCache, distinct_tensors
+from kvbridge_agent.transfer.peers import (
     LEASE_EXPIRED,
     PrefillRanks,
     fetch_prefill_ranks,
     lease_left,
     require_incarnation,
 )
-from kvbridge_agent.runtime.prefill_rank import PrefillRank
-from kvbridge_agent.runtime.relayout import Converter, convert_for_side
-from kvbridge_agent.runtime.transport import Transport
+from kvbridge_agent.transfer.prefill_rank import PrefillRank
+from kvbridge_agent.transfer.relayout import Converter, convert_for_side
+from kvbridge_agent.transfer.transport import Transport
 
 from .cpu_blocks import KNOWN_KERNELS, CPUAttentionBlocks
 from .messages import RankHandshake, ReadOrder, StepMetadata

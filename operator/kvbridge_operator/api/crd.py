@@ -17,9 +17,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from .scaling import ROLE_KIND, ROLE_PLURAL
-from .spec import GROUP, KIND, MAX_NAME_LENGTH, NAME_PATTERN, PLURAL, VERSION, DisaggregatedDeploymentSpec
-from .status import DisaggregatedDeploymentStatus
+from kvbridge_operator.api.names import GROUP, KIND, PLURAL, ROLE_KIND, ROLE_PLURAL, VERSION
+from kvbridge_operator.api.spec import MAX_NAME_LENGTH, NAME_PATTERN, DisaggregatedDeploymentSpec
+from kvbridge_operator.api.status import DisaggregatedDeploymentStatus
 
 CRD_NAME = f"{PLURAL}.{GROUP}"
 FILE_NAME = f"{CRD_NAME}.yaml"

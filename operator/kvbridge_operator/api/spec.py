@@ -13,21 +13,9 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from kvbridge_agent.core import (
-    KVBridgeError,
-    ModelGeometry,
-    Role,
-    RoleSettings,
-    SpecError,
-    TransferSettings,
-)
+from kvbridge_agent.core import KVBridgeError, ModelGeometry, Role, RoleSettings, SpecError, TransferSettings
 from kvbridge_agent.core.model import CamelModel
-
-GROUP = "kvbridge.io"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "DisaggregatedDeployment"
-PLURAL = "disaggregateddeployments"
+from kvbridge_operator.api.names import API_VERSION, KIND
 
 
 class EngineKind(StrEnum):
@@ -358,11 +346,6 @@ def parse_deployment(document: object) -> DisaggregatedDeployment:
 
 
 __all__ = [
-    "API_VERSION",
-    "GROUP",
-    "KIND",
-    "PLURAL",
-    "VERSION",
     "DisaggregatedDeployment",
     "DisaggregatedDeploymentSpec",
     "EngineDevice",

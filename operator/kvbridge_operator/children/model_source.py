@@ -11,11 +11,10 @@ routers use. Without a source, ``spec.model.name`` is what vLLM loads, as before
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from .spec import ModelSpec
+from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.api.spec import ModelSpec
 
-Obj = dict[str, Any]
 PVC_ROOT = "/models"
 CACHE_PATH = "/model-cache"
 #: vLLM arguments a source decides; extraArgs may not set them when spec.model.source is set

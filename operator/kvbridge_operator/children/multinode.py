@@ -13,20 +13,15 @@ Pure: renders objects, checks specs; the reconcile decides when to apply them.
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 from kvbridge_agent.core import Problem, Role
+from kvbridge_operator.api.names import LABEL_WORKER_INDEX, LWS_API, LWS_KIND
+from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.api.spec import MAX_NODES, DisaggregatedDeploymentSpec, EngineDevice, EngineKind
 
-from .spec import MAX_NODES, DisaggregatedDeploymentSpec, EngineDevice, EngineKind
-
-Obj = dict[str, Any]
-LWS_API = "leaderworkerset.x-k8s.io/v1"
-LWS_KIND = "LeaderWorkerSet"
 #: torch.distributed's rendezvous on the leader (vLLM's --master-port)
 MASTER_PORT = 29500
 MASTER_PORT_NAME = "rendezvous"
-#: the label LWS puts on every pod of a group: its index in the group (the leader's is 0)
-LABEL_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 NODES_NEED_VLLM_ON_GPU = "NODES_NEED_VLLM_ON_GPU"
 NODES_DO_NOT_DIVIDE_TP = "NODES_DO_NOT_DIVIDE_TP"
 

@@ -13,8 +13,7 @@ import hashlib
 import json
 
 from kvbridge_agent.core.fingerprint import fingerprint_fields
-
-from .spec import DisaggregatedDeploymentSpec
+from kvbridge_operator.api.spec import DisaggregatedDeploymentSpec
 
 
 def pairing_fields(spec: DisaggregatedDeploymentSpec) -> dict[str, object]:

@@ -20,18 +20,21 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvbridge_agent.core import Problem, Role
+from kvbridge_operator.api.names import LABEL_POD_GROUP, POD_GROUP_API
+from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.api.spec import (
+    MAX_NODES,
+    Colocation,
+    DisaggregatedDeployment,
+    DisaggregatedDeploymentSpec,
+    EngineDevice,
+    EngineKind,
+)
+from kvbridge_operator.children import multinode
 
-from . import multinode
-from .spec import MAX_NODES, Colocation, DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineDevice, EngineKind
-
-Obj = dict[str, Any]
 ROLE_DOES_NOT_FIT = "ROLE_DOES_NOT_FIT"
 HOSTNAME = "kubernetes.io/hostname"
-LABEL_POD_GROUP = "scheduling.x-k8s.io/pod-group"
-POD_GROUP_API = "scheduling.x-k8s.io/v1alpha1"
 
 
 def with_gpus_per_node(dd: DisaggregatedDeployment, gpus_per_node: int) -> DisaggregatedDeployment:

@@ -22,10 +22,10 @@ from typing import Any
 from kvbridge_agent.core import Problem
 from kvbridge_agent.core.compat import CONVERSION_OFF, check_pair
 from kvbridge_agent.core.model import CacheKind, Conversion, KVCacheDtype, KVLayout
-
-from . import multinode, placement, vllm
-from .spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind
-from .verdict import verdict_for
+from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind
+from kvbridge_operator.children import multinode, placement
+from kvbridge_operator.children import vllm_engine as vllm
+from kvbridge_operator.children.verdict import verdict_for
 
 #: at most this many fields change (more is a different deployment, not a fix)
 MAX_CHANGES = 6

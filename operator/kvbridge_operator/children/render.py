@@ -16,40 +16,34 @@ from typing import Any
 
 from kvbridge_agent.core import Role, TransferPlan
 from kvbridge_agent.core.contract import EngineEnvironment, render_environment
-
-from . import multinode, placement, vllm
-from .config import OperatorConfig
-from .keys import curve_keypair
-from .model_source import weights
-from .pairing import pairing
-from .spec import API_VERSION, KIND, DisaggregatedDeployment, EngineDevice, EngineKind, RoleSpec
-
-LABEL_DEPLOYMENT = "kvbridge.io/deployment"
-LABEL_ROLE = "kvbridge.io/role"
-LABEL_FINGERPRINT = "kvbridge.io/fingerprint"
-LABEL_REVISION = "kvbridge.io/revision"
-LABEL_PAIRING = "kvbridge.io/pairing"
-LABEL_TP = "kvbridge.io/tensor-parallel-size"
-MANAGED_BY = {"app.kubernetes.io/managed-by": "kvbridge", "app.kubernetes.io/part-of": "kvbridge"}
-SIDE_CHANNEL_PORT_NAME = "side-channel"
-HTTP_PORT_NAME = "http"
-KEYS_VOLUME = "side-channel-keys"
-ENGINE_CONTAINER = "engine"
-LABEL_LLM_D_ROLE = "llm-d.ai/role"
-
-Obj = dict[str, Any]
-
-
-def role_name(deployment: str, role: Role) -> str:
-    return f"{deployment}-{role.value}"
-
-
-def secret_name(deployment: str) -> str:
-    return f"{deployment}-side-channel"
-
-
-def network_policy_name(deployment: str) -> str:
-    return f"{deployment}-pods"
+from kvbridge_operator.api.names import (
+    API_VERSION,
+    ENGINE_CONTAINER,
+    HTTP_PORT_NAME,
+    KEYS_VOLUME,
+    KIND,
+    LABEL_API_ACCESS,
+    LABEL_DEPLOYMENT,
+    LABEL_FINGERPRINT,
+    LABEL_LLM_D_ROLE,
+    LABEL_PAIRING,
+    LABEL_REVISION,
+    LABEL_ROLE,
+    LABEL_TP,
+    MANAGED_BY,
+    SIDE_CHANNEL_PORT_NAME,
+    network_policy_name,
+    role_name,
+    secret_name,
+)
+from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.api.spec import DisaggregatedDeployment, EngineDevice, EngineKind, RoleSpec
+from kvbridge_operator.children import multinode, placement
+from kvbridge_operator.children import vllm_engine as vllm
+from kvbridge_operator.children.keys import curve_keypair
+from kvbridge_operator.children.model_source import weights
+from kvbridge_operator.children.pairing import pairing
+from kvbridge_operator.config import OperatorConfig
 
 
 def selector(deployment: str, role: Role) -> dict[str, str]:
@@ -104,10 +98,6 @@ def revision(template: Obj) -> str:
     return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
 
 
-#: what runs a role's engines: one pod per engine, or a group of pods per engine (multinode.py)
-WORKLOAD_KINDS = ("StatefulSet", multinode.LWS_KIND)
-
-
 def template_revision(workload: Obj) -> str:
     """The revision label of a workload's pod template (what its pods carry once they run it; a LeaderWorkerSet's
     leader and workers are rendered from one template and carry the same)."""
@@ -138,12 +128,14 @@ def engine_env(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, conf
     return env
 
 
-def pod_template(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig) -> Obj:
+def pod_template(
+    dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig, key: str | None = None
+) -> Obj:
     spec = dd.spec
     role_spec: RoleSpec = spec.role(role)
     side_channel = {"name": SIDE_CHANNEL_PORT_NAME, "containerPort": spec.transfer.side_channel_port, "protocol": "TCP"}
     labels = {**MANAGED_BY, **selector(dd.metadata.name, role), LABEL_FINGERPRINT: plan.fingerprint,
-              LABEL_PAIRING: pairing(spec), LABEL_TP: str(role_spec.tensor_parallel_size),
+              LABEL_PAIRING: key or pairing(spec), LABEL_TP: str(role_spec.tensor_parallel_size),
               **placement.pod_group_labels(spec, dd.metadata.name)}  # fmt: skip
     if spec.engine.kind is EngineKind.VLLM:
         containers, volumes = _vllm_containers(dd, role, plan, config, side_channel)
@@ -222,7 +214,14 @@ def _vllm_containers(
     return ([vllm.routing_sidecar(config), engine] if vllm.behind_sidecar(role, config) else [engine]), volumes
 
 
-def stateful_set(dd: DisaggregatedDeployment, uid: str, role: Role, plan: TransferPlan, config: OperatorConfig) -> Obj:
+def stateful_set(
+    dd: DisaggregatedDeployment,
+    uid: str,
+    role: Role,
+    plan: TransferPlan,
+    config: OperatorConfig,
+    key: str | None = None,
+) -> Obj:
     """The role's StatefulSet with the spec's replicas and partition 0; the reconcile sets both to the rollout's
     step (the effective count of scaling.py plus a surge; the ordinal from which pods run this template)."""
     name = role_name(dd.metadata.name, role)
@@ -238,13 +237,18 @@ def stateful_set(dd: DisaggregatedDeployment, uid: str, role: Role, plan: Transf
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": 0}},
             "selector": {"matchLabels": selector(dd.metadata.name, role)},
-            "template": pod_template(dd, role, plan, config),
+            "template": pod_template(dd, role, plan, config, key),
         },
     }
 
 
 def leader_worker_set(
-    dd: DisaggregatedDeployment, uid: str, role: Role, plan: TransferPlan, config: OperatorConfig
+    dd: DisaggregatedDeployment,
+    uid: str,
+    role: Role,
+    plan: TransferPlan,
+    config: OperatorConfig,
+    key: str | None = None,
 ) -> Obj:
     """A multi-node role's LeaderWorkerSet (``spec.<role>.nodes`` above 1): the spec's replicas as groups of
     ``nodes`` pods, the role's rollout as the LWS's rolling update."""
@@ -253,7 +257,7 @@ def leader_worker_set(
     metadata = child_metadata(name, dd.metadata.namespace or "default", selector(dd.metadata.name, role),
                               owner_reference(dd, uid))  # fmt: skip
     return multinode.leader_worker_set(metadata, role_spec.replicas, role_spec.nodes,
-                                       pod_template(dd, role, plan, config), role_spec.rollout.max_surge,
+                                       pod_template(dd, role, plan, config, key), role_spec.rollout.max_surge,
                                        role_spec.rollout.max_unavailable)  # fmt: skip
 
 
@@ -285,10 +289,6 @@ def secret(dd: DisaggregatedDeployment, uid: str) -> Obj:
                               {LABEL_DEPLOYMENT: dd.metadata.name}, owner_reference(dd, uid)),
         "data": {"curve-public": base64.b64encode(public).decode(), "curve-secret": base64.b64encode(private).decode()},
     }  # fmt: skip
-
-
-#: namespaces labelled so may reach the engines' HTTP APIs (a router or gateway outside the deployment's namespace)
-LABEL_API_ACCESS = "kvbridge.io/api-access"
 
 
 def network_policy(dd: DisaggregatedDeployment, uid: str, config: OperatorConfig) -> Obj:
@@ -328,7 +328,9 @@ def pod_disruption_budget(dd: DisaggregatedDeployment, uid: str, role: Role) -> 
     }  # fmt: skip
 
 
-def children(dd: DisaggregatedDeployment, uid: str, plan: TransferPlan, config: OperatorConfig) -> list[Obj]:
+def children(
+    dd: DisaggregatedDeployment, uid: str, plan: TransferPlan, config: OperatorConfig, key: str | None = None
+) -> list[Obj]:
     """Every child except the Secret (created once, see :func:`secret`) and the DisaggregatedRoles (scaling.py)."""
     return [
         service(dd, uid, Role.PREFILL, config),
@@ -336,14 +338,21 @@ def children(dd: DisaggregatedDeployment, uid: str, plan: TransferPlan, config: 
         network_policy(dd, uid, config),
         pod_disruption_budget(dd, uid, Role.PREFILL),
         pod_disruption_budget(dd, uid, Role.DECODE),
-        workload(dd, uid, Role.PREFILL, plan, config),
-        workload(dd, uid, Role.DECODE, plan, config),
+        workload(dd, uid, Role.PREFILL, plan, config, key),
+        workload(dd, uid, Role.DECODE, plan, config, key),
     ]
 
 
-def workload(dd: DisaggregatedDeployment, uid: str, role: Role, plan: TransferPlan, config: OperatorConfig) -> Obj:
+def workload(
+    dd: DisaggregatedDeployment,
+    uid: str,
+    role: Role,
+    plan: TransferPlan,
+    config: OperatorConfig,
+    key: str | None = None,
+) -> Obj:
     """What runs the role's engines: a StatefulSet (an engine is a pod), or a LeaderWorkerSet for an engine that
     spans nodes (an engine is a group of pods)."""
     if multinode.spans_nodes(dd.spec, role):
-        return leader_worker_set(dd, uid, role, plan, config)
-    return stateful_set(dd, uid, role, plan, config)
+        return leader_worker_set(dd, uid, role, plan, config, key)
+    return stateful_set(dd, uid, role, plan, config, key)

@@ -24,19 +24,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvbridge_agent.core import Role
-
-from .render import MANAGED_BY, owner_reference, role_name, selector
-from .spec import API_VERSION, DisaggregatedDeployment
-
-ROLE_KIND = "DisaggregatedRole"
-ROLE_PLURAL = "disaggregatedroles"
-#: the deployment's spec.<role>.replicas last written into the role's spec.replicas (so a change is seen once)
-ANNOTATION_SPEC_REPLICAS = "kvbridge.io/spec-replicas"
-
-Obj = dict[str, Any]
+from kvbridge_operator.api.names import ANNOTATION_SPEC_REPLICAS, API_VERSION, MANAGED_BY, ROLE_KIND, role_name
+from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.api.spec import DisaggregatedDeployment
+from kvbridge_operator.children.render import owner_reference, selector
 
 
 @dataclass(frozen=True)
@@ -114,9 +107,14 @@ def role_resource(dd: DisaggregatedDeployment, uid: str, role: Role) -> Obj:
 
 def replicas_patch(dd: DisaggregatedDeployment, role: Role, current: Obj) -> Obj | None:
     """A merge patch that sets the role's replicas to the deployment's, if the deployment's changed since it was
-    last written (a person's choice wins over an autoscaler's then, as with ``kubectl scale``); else ``None``.
-    It carries the resourceVersion read, so an autoscaler's write in between makes it fail and be retried."""
-    wanted = dd.spec.role(role).replicas
+    last written; else ``None`` (:func:`spec_replicas_patch`)."""
+    return spec_replicas_patch(dd.spec.role(role).replicas, current)
+
+
+def spec_replicas_patch(wanted: int, current: Obj) -> Obj | None:
+    """A merge patch that sets a role's replicas to the deployment's ``wanted``, unless they were last written as
+    that (a person's choice wins over an autoscaler's then, as with ``kubectl scale``). It carries the
+    resourceVersion read, so an autoscaler's write in between makes it fail and be retried."""
     meta = current.get("metadata") or {}
     if (meta.get("annotations") or {}).get(ANNOTATION_SPEC_REPLICAS) == str(wanted):
         return None

@@ -11,21 +11,21 @@
 
 from __future__ import annotations
 
-from typing import Any
+from kvbridge_operator.api.names import (
+    HTTP_PORT_NAME,
+    INFERENCE_POOL_API,
+    LABEL_COMPONENT,
+    LABEL_DEPLOYMENT,
+    MANAGED_BY,
+    router_name,
+)
+from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.api.spec import DisaggregatedDeployment
+from kvbridge_operator.children import placement
+from kvbridge_operator.children.render import child_metadata, owner_reference
+from kvbridge_operator.config import OperatorConfig
 
-from . import placement
-from .config import OperatorConfig
-from .render import HTTP_PORT_NAME, LABEL_DEPLOYMENT, MANAGED_BY, child_metadata, owner_reference
-from .spec import DisaggregatedDeployment
-
-Obj = dict[str, Any]
-LABEL_COMPONENT = "app.kubernetes.io/component"
 ROUTER_PORT = 8000
-INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
-
-
-def router_name(deployment: str) -> str:
-    return f"{deployment}-router"
 
 
 def router_selector(deployment: str) -> dict[str, str]:

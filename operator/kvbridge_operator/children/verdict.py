@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from kvbridge_agent.core import Problem, TransferPlan, plan_or_problems
-
-from . import multinode, placement, vllm
-from .spec import DisaggregatedDeployment, EngineKind
+from kvbridge_operator.api.spec import DisaggregatedDeployment, EngineKind
+from kvbridge_operator.children import multinode, placement
+from kvbridge_operator.children import vllm_engine as vllm
 
 
 def verdict_for(dd: DisaggregatedDeployment) -> TransferPlan | list[Problem]:

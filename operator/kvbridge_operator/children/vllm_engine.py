@@ -16,14 +16,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvbridge_agent.core import CacheKind, KVCacheDtype, KVLayout, Problem, Role, TransferPlan
 from kvbridge_agent.core.wire import ConversionKind, wire_format, wire_format_defined
-
-from .config import OperatorConfig
-from .model_source import SOURCE_ARGUMENTS, weights
-from .spec import Connector, DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineDevice, RoleSpec
+from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.api.spec import (
+    Connector,
+    DisaggregatedDeployment,
+    DisaggregatedDeploymentSpec,
+    EngineDevice,
+    RoleSpec,
+)
+from kvbridge_operator.children.model_source import SOURCE_ARGUMENTS, weights
+from kvbridge_operator.config import OperatorConfig
 
 #: the vLLM release this renderer targets: the flags, variables and layout names below are that release's
 VLLM_RELEASE = "0.32"
@@ -89,7 +94,7 @@ CPU_BASE_MEMORY_GIB = 4
 
 #: vLLM 0.32 names physical KV layouts as stride orders of [L, B, H, N, C] (KVCacheLayout, RFC #42082)
 _LAYOUT_NAMES = {KVLayout.HND: "LBHNC", KVLayout.NHD: "LBNHC"}
-CROSS_LAYER_LAYOUT = "BHLNC"  # one block-major tensor for all layers, heads outermost (transfer-protocol.md §1)
+CROSS_LAYER_LAYOUT = "BHLNC"  # one block-major tensor for all layers, heads outermost (docs/protocol.md §1)
 
 #: the ``sitecustomize`` the CPU launcher gives vLLM's processes: vLLM 0.32's NIXL worker on CPU pins its model
 #: thread to the last core of each NUMA node of the *machine* (``CpuPlatform.discover_numa_topology`` reads /sys and
@@ -130,8 +135,6 @@ os.environ["KVBRIDGE_CONTAINER_CPUS"] = ",".join(map(str, cpus))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH", "")) if p)
 os.execvp(sys.argv[2], sys.argv[2:])
 """
-
-Obj = dict[str, Any]
 
 
 def on_cpu(spec: DisaggregatedDeploymentSpec) -> bool:

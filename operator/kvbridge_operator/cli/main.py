@@ -6,16 +6,15 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from kvbridge_agent.core import KVBridgeError
-
-from . import __version__, placement
-from .manifests import read_documents, source_name
-from .plan_report import entries, plan_document, render_text, selected_ranks
-from .spec import KIND
+from kvbridge_operator import __version__
+from kvbridge_operator.api.names import KIND
+from kvbridge_operator.children import placement
+from kvbridge_operator.cli.manifests import read_documents, source_name
+from kvbridge_operator.cli.plan_report import entries, plan_document, render_text, selected_ranks
 
 EXIT_OK = 0
 EXIT_INCOMPATIBLE = 1
@@ -72,7 +71,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _model(args: argparse.Namespace) -> int:
     import yaml
 
-    from .hf_config import geometry, model_name, read_config
+    from kvbridge_operator.cli.hf_config import geometry, model_name, read_config
 
     try:
         config = read_config(Path(args.path))
@@ -88,7 +87,7 @@ def _model(args: argparse.Namespace) -> int:
 
 
 def _crd(args: argparse.Namespace) -> int:
-    from .crd import files
+    from kvbridge_operator.api.crd import files
 
     rendered = files()
     if args.output is None:
@@ -108,8 +107,8 @@ def _operator_run(args: argparse.Namespace) -> int:
     import logging
     import signal
 
-    from .config import from_flags
-    from .handlers import run_operator
+    from kvbridge_operator.config import from_flags
+    from kvbridge_operator.controller.handlers import run_operator
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -140,9 +139,9 @@ def _router(args: argparse.Namespace) -> int:
     import logging
     import signal
 
-    from .kube import KubeClient, connect
-    from .router.proxy import Router, RouterConfig, serve
-    from .router.source import follow_file, watch_status
+    from kvbridge_operator.kube import KubeClient, connect
+    from kvbridge_router.proxy import Router, RouterConfig, serve
+    from kvbridge_router.source import follow_file, watch_status
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if bool(args.deployment) == bool(args.status_file):
@@ -196,51 +195,30 @@ def _pod_namespace() -> str:
         return os.environ.get("POD_NAMESPACE", "default")
 
 
+#: commands other packages of the distribution contribute (``kvbridge demo``: kvbridge_sim, a checkout's sim/), found
+#: through entry points so that the operator never imports them and an image without them still runs
+COMMANDS_GROUP = "kvbridge.commands"
+
+
+def _contributed(name: str) -> Callable[[argparse.Namespace], int] | None:
+    from importlib.metadata import entry_points
+
+    for entry in entry_points(group=COMMANDS_GROUP, name=name):
+        try:
+            command: Callable[[argparse.Namespace], int] = entry.load()
+        except ImportError:
+            return None
+        return command
+    return None
+
+
 def _demo(args: argparse.Namespace) -> int:
-    import asyncio
-    import importlib.util
-
-    needed = ("kmock", "torch", "nixl", "zmq") + (("vllm", "transformers") if args.engine == "vllm" else ())
-    missing = [m for m in needed if importlib.util.find_spec(m) is None]
-    if missing:
-        print(f"kvbridge demo: error: missing {', '.join(missing)}; install with "
-              "pip install 'kvbridge[agent,operator,demo]' and vLLM's CPU build (or run make demo; "
-              "--engine agent runs without vLLM)", file=sys.stderr)  # fmt: skip
+    command = _contributed("demo")
+    if command is None:
+        print("kvbridge demo: error: this installation has no kvbridge_sim (the emulated cluster the demo runs on); "
+              "run the demo from a checkout: make demo", file=sys.stderr)  # fmt: skip
         return EXIT_INVALID
-    import signal
-
-    from .demo import DemoError, render_text, run_demo
-
-    interrupted = asyncio.Event()
-
-    async def main() -> dict[str, Any]:
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, interrupted.set)
-        demo = asyncio.create_task(run_demo(args.file, args.requests, args.num_layers, interrupted, engine=args.engine))
-        stopped = asyncio.create_task(interrupted.wait())
-        await asyncio.wait({demo, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if not demo.done():  # interrupted mid-request: cancel it; run_demo's cleanup stops every process it started
-            demo.cancel()
-        stopped.cancel()
-        return await demo
-
-    try:
-        report = asyncio.run(main())
-    except KVBridgeError as exc:
-        print(f"kvbridge demo: error: {exc.message}", file=sys.stderr)
-        return EXIT_INVALID
-    except (DemoError, asyncio.CancelledError, KeyboardInterrupt) as exc:
-        if interrupted.is_set() or not isinstance(exc, DemoError):
-            print("kvbridge demo: interrupted; every process it started was stopped", file=sys.stderr)
-            return 130
-        print(f"kvbridge demo: failed: {exc}", file=sys.stderr)
-        return EXIT_INCOMPATIBLE
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print(render_text(report))
-    return EXIT_OK if report["ok"] else EXIT_INCOMPATIBLE
+    return command(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -282,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
         "run", help="run the operator (settings from flags or KVBRIDGE_OPERATOR_* variables)",
         description="Watches DisaggregatedDeployments and their pods; one replica.",
     )  # fmt: skip
-    from .config import default_of, flag_of, settings, variable_of
+    from kvbridge_operator.config import default_of, flag_of, settings, variable_of
 
     for item in settings():  # one flag per setting, generated: the flags and the variables never drift apart
         default = default_of(item)

@@ -16,8 +16,8 @@ import yaml
 from yaml.nodes import MappingNode
 
 from kvbridge_agent.core import SpecError
-
-from .spec import KIND, DisaggregatedDeployment, parse_deployment
+from kvbridge_operator.api.names import KIND
+from kvbridge_operator.api.spec import DisaggregatedDeployment, parse_deployment
 
 
 class ManifestError(SpecError):

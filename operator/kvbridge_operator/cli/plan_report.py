@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge_agent.core import Problem, Role, SpecError, TransferPlan
-
-from . import multinode, vllm
-from .config import OperatorConfig
-from .pairing import pairing
-from .remedy import Fix, describe, merge_patch, suggested_fix
-from .spec import DisaggregatedDeployment, EngineKind
-from .verdict import verdict_for
+from kvbridge_operator.api.spec import DisaggregatedDeployment, EngineKind
+from kvbridge_operator.children import multinode
+from kvbridge_operator.children import vllm_engine as vllm
+from kvbridge_operator.children.pairing import pairing
+from kvbridge_operator.children.remedy import Fix, describe, merge_patch, suggested_fix
+from kvbridge_operator.children.verdict import verdict_for
+from kvbridge_operator.config import OperatorConfig
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def selected_ranks(document: DocumentPlan, decode_rank: int | None, all_ranks: b
 
 
 def entries(document: DocumentPlan, ranks: Iterable[int]) -> list[dict[str, object]]:
-    """The JSON objects of cli-contract.md, one per decode rank."""
+    """The JSON objects of docs/cli.md, one per decode rank."""
     result: list[dict[str, object]] = []
     for rank in ranks:
         entry: dict[str, object]

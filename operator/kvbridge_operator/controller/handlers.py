@@ -16,15 +16,14 @@ import aiohttp
 import kopf
 
 from kvbridge_agent.core import Role
-
-from .backoff import OPERATOR_BACKOFF
-from .config import OperatorConfig
-from .kube import DEPLOYMENTS, ApiError, Connection, KubeClient, connect
-from .metrics import RECONCILE_SECONDS, RECONCILES, serve
-from .reconcile import Children, reconcile
-from .render import LABEL_DEPLOYMENT, role_name
-from .scaling import ROLE_PLURAL
-from .spec import GROUP, PLURAL, VERSION
+from kvbridge_operator.api.names import GROUP, LABEL_DEPLOYMENT, PLURAL, ROLE_PLURAL, VERSION, role_name
+from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.backoff import OPERATOR_BACKOFF
+from kvbridge_operator.config import OperatorConfig
+from kvbridge_operator.controller.metrics import RECONCILE_SECONDS, RECONCILES, serve
+from kvbridge_operator.controller.plan import Children
+from kvbridge_operator.controller.reconcile import reconcile
+from kvbridge_operator.kube import DEPLOYMENTS, ApiError, Connection, KubeClient, connect
 
 PREFIX = "kvbridge.io"
 #: failures of the Kubernetes API that a later try may not meet (after the client's own retries)
@@ -63,7 +62,6 @@ def connection_info(connection: Connection) -> kopf.ConnectionInfo:
 #: the indexes handlers receive (as keyword arguments named by the ids): a deployment's pods, StatefulSets, roles
 INDEXES = ("pods_by_deployment", "sets_by_deployment", "roles_by_deployment", "groups_by_deployment")
 Indexes = dict[str, Any]
-Obj = dict[str, Any]
 
 
 def children_from(indexes: Indexes, namespace: str, name: str) -> Children:
@@ -77,8 +75,8 @@ def children_from(indexes: Indexes, namespace: str, name: str) -> Children:
         named = {obj["metadata"]["name"]: obj for obj in objects}
         return {role: named.get(role_name(name, role)) for role in Role}
 
-    pods, sets, roles, groups = (of(index) for index in INDEXES)
-    return Children(by_role(roles), by_role(sets), pods, by_role(groups))
+    pods, stateful_sets, roles, leader_worker_sets = (of(index) for index in INDEXES)
+    return Children(by_role(roles), by_role(stateful_sets), pods, by_role(leader_worker_sets))
 
 
 def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorRegistry:

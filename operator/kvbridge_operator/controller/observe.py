@@ -1,8 +1,9 @@
-"""Pure: status, conditions and events of a DisaggregatedDeployment from what the operator observes.
+"""Pure: a DisaggregatedDeployment's whole status, its conditions and the events they call for.
 
-Input: the parsed resource, the compatibility verdict, the role StatefulSets
-and the pods; output: the status to write, the events to post and the
-annotation that remembers prefill pod incarnations (for PrefillRestarted).
+The one place the status is built. Input: the parsed resource, the compatibility verdict, each role's workload
+(StatefulSet or LeaderWorkerSet, as it is once the reconcile's writes are done), the pods, and the facts the plan
+already worked out (effective and desired replicas, the optional children's fields, the rollout); output: the status
+to write, the events to post and the annotation that remembers prefill pod incarnations (for PrefillRestarted).
 """
 
 from __future__ import annotations
@@ -10,16 +11,19 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from kvbridge_agent.core import Problem, Role, TransferPlan
-
-from . import multinode
-from .pairing import pairing
-from .remedy import advice
-from .render import LABEL_FINGERPRINT, LABEL_PAIRING, LABEL_REVISION, LABEL_ROLE, LABEL_TP, template_revision
-from .spec import DisaggregatedDeployment
-from .status import (
+from kvbridge_agent.core import Problem, Role, SpecError, TransferPlan
+from kvbridge_operator.api.names import (
+    LABEL_FINGERPRINT,
+    LABEL_PAIRING,
+    LABEL_REVISION,
+    LABEL_ROLE,
+    LABEL_TP,
+    PODS_ANNOTATION,
+)
+from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.api.spec import DisaggregatedDeployment
+from kvbridge_operator.api.status import (
     Condition,
     ConditionType,
     DecodeStatus,
@@ -31,22 +35,29 @@ from .status import (
     ServingEndpoint,
     merge_conditions,
 )
+from kvbridge_operator.children import multinode
+from kvbridge_operator.children.remedy import advice
+from kvbridge_operator.children.render import template_revision
+from kvbridge_operator.children.scaling import Scale
+from kvbridge_operator.controller.actions import Event
 
-PODS_ANNOTATION = "kvbridge.io/prefill-pods"
 
-Obj = dict[str, Any]
+@dataclass(frozen=True)
+class Facts:
+    """What the plan worked out before the status is built."""
+
+    generation: int
+    previous: Obj  # the status as read (maybe empty)
+    annotations: dict[str, str]  # the deployment's, as read
+    now: str
+    scale: Scale  # each role's effective count (what Ready means; a rollout's surge is not counted) and desired
+    serving: Obj  # status.router, status.inferencePool, status.placement
+    rollout: Obj | None  # status.rollout
 
 
 @dataclass
-class Event:
-    type: str  # Normal | Warning
-    reason: str
-    message: str
-
-
-@dataclass
-class Observation:
-    status: DisaggregatedDeploymentStatus
+class Report:
+    status: Obj
     events: list[Event] = field(default_factory=list)
     annotations: dict[str, str] = field(default_factory=dict)
 
@@ -138,17 +149,14 @@ def _problems_message(dd: DisaggregatedDeployment, problems: Sequence[Problem]) 
 
 def observe(
     dd: DisaggregatedDeployment,
-    generation: int,
     verdict: TransferPlan | Sequence[Problem],
-    stateful_sets: dict[Role, Obj | None],
+    key: str,
+    workloads: dict[Role, Obj | None],
     pods: Sequence[Obj],
-    previous: Obj,
-    annotations: dict[str, str],
-    now: str,
-    replicas: dict[Role, int] | None = None,
-) -> Observation:
-    """Status, events and annotations; ``previous`` is the current status (dict, maybe empty); ``replicas`` are
-    the roles' effective counts (what Ready means; a rollout's surge is not counted), default the StatefulSets'."""
+    facts: Facts,
+) -> Report:
+    """The whole status, the events and the annotations (``key``: the spec's pairing key when it is compatible)."""
+    generation, previous, annotations, now = facts.generation, facts.previous, facts.annotations, facts.now
     events: list[Event] = []
     spec = dd.spec
     by_role = {  # an engine is a pod, or a LeaderWorkerSet group's leader (its workers are part of it)
@@ -158,11 +166,9 @@ def observe(
     }  # fmt: skip
     roles: dict[Role, RoleStatus] = {}
     for role in Role:
-        sts = stateful_sets.get(role)
-        count = int(sts["spec"].get("replicas", 0)) if sts else 0
-        count = replicas[role] if replicas is not None else count
-        revision = template_revision(sts) if sts else None
-        roles[role] = _role_status(by_role[role], count, revision)
+        workload = workloads.get(role)
+        revision = template_revision(workload) if workload else None
+        roles[role] = _role_status(by_role[role], facts.scale.effective[role], revision)
     current_endpoints = endpoints(by_role[Role.PREFILL], spec.transfer.side_channel_port)
     prefill = PrefillStatus(**dict(roles[Role.PREFILL]), endpoints=current_endpoints)
     decode = DecodeStatus(**dict(roles[Role.DECODE]), endpoints=serving_endpoints(by_role[Role.DECODE]))
@@ -197,7 +203,7 @@ def observe(
     for role, kind in ((Role.PREFILL, ConditionType.PREFILL_READY), (Role.DECODE, ConditionType.DECODE_READY)):
         counts = roles[role]
         ok = counts.ready_replicas >= counts.replicas
-        if stateful_sets.get(role) is None:
+        if workloads.get(role) is None:
             conditions.append(
                 Condition(
                     type=kind,
@@ -226,7 +232,7 @@ def observe(
     status = DisaggregatedDeploymentStatus(
         observed_generation=generation,
         fingerprint=verdict.fingerprint if isinstance(verdict, TransferPlan) else str(previous.get("fingerprint", "")),
-        pairing=pairing(spec) if isinstance(verdict, TransferPlan) else str(previous.get("pairing", "")),
+        pairing=key if isinstance(verdict, TransferPlan) else str(previous.get("pairing", "")),
         tp=f"{spec.prefill.tensor_parallel_size}→{spec.decode.tensor_parallel_size}",
         conditions=merged,
         plan=summary(verdict) if isinstance(verdict, TransferPlan) else _previous_plan(previous),
@@ -261,7 +267,7 @@ def observe(
         now_role = roles[role]
         if (
             now_role.updated_replicas != old.get("updatedReplicas")
-            and stateful_sets.get(role) is not None
+            and workloads.get(role) is not None
             and (now_role.updated_replicas < now_role.replicas or old.get("updatedReplicas") is not None)
         ):
             events.append(
@@ -276,7 +282,31 @@ def observe(
     encoded = json.dumps(current, sort_keys=True)
     if annotations.get(PODS_ANNOTATION) != encoded:
         new_annotations[PODS_ANNOTATION] = encoded
-    return Observation(status, events, new_annotations)
+    whole = status.model_dump(by_alias=True, mode="json")
+    whole.update(facts.serving)
+    for role in Role:
+        whole[role.value]["desiredReplicas"] = facts.scale.desired[role]
+    whole["rollout"] = facts.rollout
+    return Report(whole, events, new_annotations)
+
+
+def invalid(previous: Obj, generation: int, exc: SpecError, now: str) -> tuple[Obj, list[Event]]:
+    """A resource the schema should have rejected (or an older CRD): its status and events (reported, never a
+    crash loop); nothing else of the status changes."""
+    message = f"{exc.field}: {exc.message}"
+    conditions = [
+        Condition(type=kind, status="False", reason="InvalidSpec", message=message, observed_generation=generation)
+        for kind in (ConditionType.COMPATIBLE, ConditionType.READY)
+    ]
+    merged = merge_conditions(previous.get("conditions") or [], conditions, now)
+    status = {
+        "observedGeneration": generation,
+        "conditions": [c.model_dump(by_alias=True, mode="json") for c in merged],
+    }
+    old = {str(c.get("type")): c for c in previous.get("conditions") or []}.get("Compatible", {})
+    if old.get("reason") != "InvalidSpec" or int(old.get("observedGeneration", -1)) != generation:
+        return status, [Event("Warning", "InvalidSpec", message)]
+    return status, []
 
 
 def _previous_plan(previous: Obj) -> PlanSummary | None:

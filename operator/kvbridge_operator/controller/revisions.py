@@ -17,15 +17,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvbridge_agent.core import KVBridgeError, TransferPlan
-
-from .spec import API_VERSION, KIND, DisaggregatedDeployment, parse_deployment
-from .verdict import verdict_for
+from kvbridge_operator.api.names import API_VERSION, KIND
+from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.api.spec import DisaggregatedDeployment, parse_deployment
+from kvbridge_operator.children.verdict import verdict_for
 
 ANNOTATION = "kvbridge.io/pairing-specs"
 #: role fields that do not decide compatibility (kept out of the record)
 _ROLE_RUNTIME = {"replicas", "minReplicas", "maxReplicas", "rollout", "template"}
-
-Obj = dict[str, Any]
 
 
 def record(dd: DisaggregatedDeployment) -> Obj:

@@ -1,4 +1,4 @@
-"""Rollouts that keep prefill/decode working: which strategy, and the next step of each role's StatefulSet.
+"""Rollouts that keep prefill/decode working: which strategy, and the next step of each role's workload.
 
 Pure and level-triggered: every reconcile looks at the pods that exist (their pairing key, whether they run
 the role's current template, whether they are ready) and computes, from nothing else, each StatefulSet's
@@ -25,6 +25,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from kvbridge_agent.core import Role
+from kvbridge_operator.api.names import LABEL_PAIRING, LABEL_REVISION, LABEL_ROLE, LWS_KIND, WORKLOAD_KINDS, role_name
+from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.api.spec import DisaggregatedDeployment
+from kvbridge_operator.api.status import Pairing, RolloutStatus
+from kvbridge_operator.children.render import template_revision
+from kvbridge_operator.children.scaling import Scale
+from kvbridge_operator.controller.actions import Event
+from kvbridge_operator.controller.observe import pod_ready
 
 ORDER = (Role.PREFILL, Role.DECODE)
 
@@ -73,6 +81,10 @@ class Step:
     pairings: list[tuple[str, str]]
     reason: str = ""
     progress: dict[Role, str] = field(default_factory=dict)
+
+    def target(self, role: Role) -> tuple[int, int]:
+        """The role's workload as this step wants it: (replicas, partition)."""
+        return self.replicas[role], self.partition[role]
 
 
 def choose(
@@ -162,3 +174,89 @@ def step(
     replicas[Role.DECODE] = max(count[Role.DECODE], max((p.ordinal + 1 for p in pods[Role.DECODE]), default=0))
     partition[Role.PREFILL] = 0
     return result(Phase.RETIRING_PREFILL)
+
+
+# -- the rollout of a deployment's workloads (StatefulSets, or LeaderWorkerSets for engines spanning nodes) ----------
+def rolling_keys(workload: Obj) -> tuple[str, str]:
+    """Where a workload keeps its rolling update's partition: a StatefulSet's ``updateStrategy.rollingUpdate``, a
+    LeaderWorkerSet's ``rolloutStrategy.rollingUpdateConfiguration`` (both count ordinals: pods, or groups)."""
+    if workload.get("kind") == LWS_KIND:
+        return "rolloutStrategy", "rollingUpdateConfiguration"
+    return "updateStrategy", "rollingUpdate"
+
+
+def state_of(workload: Obj | None) -> tuple[int, int] | None:
+    """A workload's replicas and partition (``None``: none yet)."""
+    if workload is None:
+        return None
+    spec = workload.get("spec") or {}
+    strategy, rolling = rolling_keys(workload)
+    partition = ((spec.get(strategy) or {}).get(rolling) or {}).get("partition", 0)
+    return int(spec.get("replicas", 0)), int(partition)
+
+
+def workload_of(rendered: list[Obj], role: Role) -> Obj:
+    """The role's workload among the rendered children: its StatefulSet or LeaderWorkerSet."""
+    return next(
+        c for c in rendered if c["kind"] in WORKLOAD_KINDS and c["metadata"]["labels"][LABEL_ROLE] == role.value
+    )
+
+
+def for_workloads(dd: DisaggregatedDeployment, key: str, rendered: list[Obj], scale: Scale,
+                  workloads: dict[Role, Obj | None], pods: list[Obj], pairs_with: Callable[[str, str], str | None],
+                  ) -> Step:  # fmt: skip
+    """The step for the pods that exist: each workload's replicas and partition (``rendered``: the children the spec
+    renders; ``workloads``: each role's workload as it is now; ``key``: the spec's pairing key)."""
+    name = dd.metadata.name
+    targets, states = {}, {}
+    for role in Role:
+        new = template_revision(workload_of(rendered, role))
+        running, current = workloads[role], state_of(workloads[role])
+        partition = (
+            current[1] if running is not None and current is not None and template_revision(running) == new else None
+        )
+        spec = dd.spec.role(role).rollout
+        targets[role] = RoleTarget(scale.effective[role], spec.max_surge, spec.max_unavailable, partition)
+        prefix = role_name(name, role) + "-"
+        states[role] = [
+            PodState(int(pod["metadata"]["name"][len(prefix):]), labels.get(LABEL_REVISION) == new, pod_ready(pod),
+                     str(labels.get(LABEL_PAIRING, "")))
+            for pod in pods
+            if (labels := pod["metadata"].get("labels") or {}).get(LABEL_ROLE) == role.value
+            and pod["metadata"]["name"].startswith(prefix) and pod["metadata"]["name"][len(prefix):].isdigit()
+        ]  # fmt: skip
+    return step(targets, states, key, pairs_with)
+
+
+def stepped(rendered: list[Obj], roll: Step) -> list[Obj]:
+    """The rendered children with each workload's replicas and partition as the step wants."""
+    for role in Role:
+        workload = workload_of(rendered, role)
+        strategy, rolling = rolling_keys(workload)
+        workload["spec"]["replicas"], workload["spec"][strategy][rolling]["partition"] = roll.target(role)
+    return rendered
+
+
+def status_of(roll: Step, key: str) -> Obj:
+    """``status.rollout``."""
+    return RolloutStatus(
+        strategy=roll.strategy.value, phase=roll.phase.value, revision=key, reason=roll.reason[:4096],
+        prefill=roll.progress.get(Role.PREFILL, ""), decode=roll.progress.get(Role.DECODE, ""),
+        pairings=[Pairing(prefill=p, decode=d) for p, d in roll.pairings],
+    ).model_dump(by_alias=True, mode="json")  # fmt: skip
+
+
+def events_of(previous: Obj, roll: Step) -> list[Event]:
+    """An event when a rollout starts (with its strategy and why), per phase, and when it completes."""
+    was, now = str(previous.get("phase") or Phase.COMPLETE.value), roll.phase.value
+    if was == now:
+        return []
+    progress = f"prefill {roll.progress.get(Role.PREFILL, '')}, decode {roll.progress.get(Role.DECODE, '')}"
+    if now == Phase.COMPLETE.value:
+        return [Event("Normal", "RolloutComplete", f"every pod runs the current spec ({progress})")]
+    events = []
+    if was == Phase.COMPLETE.value:
+        why = roll.reason or "old and new pods of both roles are compatible"
+        events.append(Event("Normal", "RolloutStarted", f"{roll.strategy.value}: {why}"))
+    events.append(Event("Normal", "RolloutPhase", f"{roll.strategy.value} {now}: {progress}"))
+    return events

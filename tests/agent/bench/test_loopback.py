@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from kvbridge_agent.bench.loopback import loopback
 from kvbridge_agent.core import Attention, CacheKind, ModelGeometry, RoleSettings
 from kvbridge_agent.core.contract import PairSpec
-from kvbridge_agent.runtime.loopback import loopback
 
 ROOT = Path(__file__).parents[3]
 EXAMPLES = ROOT / "examples"

@@ -1,4 +1,4 @@
-"""Per-request block ids (transfer-protocol.md §4): prefix hits, block-size ratios, clipping, errors."""
+"""Per-request block ids (docs/protocol.md §4): prefix hits, block-size ratios, clipping, errors."""
 
 from __future__ import annotations
 

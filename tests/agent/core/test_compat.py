@@ -1,4 +1,4 @@
-"""Every compatibility rule of transfer-protocol.md §2: code, field and an actionable message."""
+"""Every compatibility rule of docs/protocol.md §2: code, field and an actionable message."""
 
 from __future__ import annotations
 

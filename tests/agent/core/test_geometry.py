@@ -1,4 +1,4 @@
-"""Region geometry of each cache kind and descriptor addresses (transfer-protocol.md §1)."""
+"""Region geometry of each cache kind and descriptor addresses (docs/protocol.md §1)."""
 
 from __future__ import annotations
 

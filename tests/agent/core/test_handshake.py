@@ -1,4 +1,4 @@
-"""Side-channel envelope (transfer-protocol.md §5): the fingerprint and version are checked before the payload."""
+"""Side-channel envelope (docs/protocol.md §5): the fingerprint and version are checked before the payload."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Property tests of the plan math against the brute-force byte model (testing.md "Properties").
+"""Property tests of the plan math against the brute-force byte model (docs/development.md, "Properties").
 
 For random compatible prefill/decode pairs and random requests (partial last
 blocks, prefix hits), every decode rank executes its plan as a real byte

@@ -1,4 +1,4 @@
-"""The worked public examples of transfer-protocol.md §7, row by row."""
+"""The worked public examples of docs/protocol.md §7, row by row."""
 
 from __future__ import annotations
 

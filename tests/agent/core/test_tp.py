@@ -1,4 +1,4 @@
-"""TP mapping (transfer-protocol.md §3)."""
+"""TP mapping (docs/protocol.md §3)."""
 
 from __future__ import annotations
 

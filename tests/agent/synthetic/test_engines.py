@@ -20,10 +20,10 @@ import pytest
 from kvbridge_agent.core import ModelGeometry, Role, RoleSettings, TransferSettings
 from kvbridge_agent.core.contract import EngineEnvironment
 from kvbridge_agent.core.handshake import HandshakeError
-from kvbridge_agent.runtime.keys import CurveKeys, generate_keys
-from kvbridge_agent.runtime.processes import EngineProcess, start_engine
-from kvbridge_agent.runtime.side_channel import SideChannelClient
-from kvbridge_agent.runtime.transport import Transport
+from kvbridge_agent.synthetic.processes import EngineProcess, start_engine
+from kvbridge_agent.transfer.keys import CurveKeys, generate_keys
+from kvbridge_agent.transfer.side_channel import SideChannelClient
+from kvbridge_agent.transfer.transport import Transport
 
 MODEL = ModelGeometry(name="tiny", num_layers=2, num_kv_heads=8, head_dim=32)
 TRANSFER = TransferSettings(lease_seconds=3, handshake_timeout_seconds=2)
@@ -286,7 +286,7 @@ def test_metrics_endpoint_exposes_the_transfer_figures(cluster: Cluster) -> None
 
 def test_the_allocator_hands_out_contiguous_or_scattered_ids() -> None:
     from kvbridge_agent.core.contract import BlockAllocation
-    from kvbridge_agent.runtime.engine import BlockAllocator, EngineError
+    from kvbridge_agent.synthetic.ranks import BlockAllocator, EngineError
 
     allocator = BlockAllocator(256)
     assert allocator.allocate(4) == [0, 1, 2, 3]
@@ -333,7 +333,7 @@ def test_a_dead_rank_makes_the_engine_unhealthy_and_exit_for_a_restart(cluster: 
 def test_a_side_channel_listener_that_stops_says_why() -> None:
     """If the listener loop itself ever ends with an error, ``alive`` turns false with the reason; the engine puts
     it in /healthz's problems and exits (as for a dead rank, above)."""
-    from kvbridge_agent.runtime.side_channel import SideChannelServer
+    from kvbridge_agent.transfer.side_channel import SideChannelServer
 
     def broken() -> None:
         raise RuntimeError("boom")

@@ -13,11 +13,11 @@ from kvbridge_agent.core import ModelGeometry, RoleSettings, TransferPlan, Trans
 from kvbridge_agent.core.blocks import blocks_for_tokens, wire_block_ids
 from kvbridge_agent.core.handshake import KVTransferParams
 from kvbridge_agent.core.tp import handshake_ranks
-from kvbridge_agent.runtime.content import fill_request, invalid_blocks, scribble
-from kvbridge_agent.runtime.decode_rank import DecodeRank, ReadResult
-from kvbridge_agent.runtime.kv_cache import KVCache
-from kvbridge_agent.runtime.prefill_rank import PrefillRank
-from kvbridge_agent.runtime.transport import Transport
+from kvbridge_agent.synthetic.content import fill_request, invalid_blocks, scribble
+from kvbridge_agent.transfer.decode_rank import DecodeRank, ReadResult
+from kvbridge_agent.transfer.kv_cache import KVCache
+from kvbridge_agent.transfer.prefill_rank import PrefillRank
+from kvbridge_agent.transfer.transport import Transport
 
 
 def scattered(num_blocks: int, seed: int) -> list[int]:

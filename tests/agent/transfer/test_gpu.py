@@ -1,4 +1,4 @@
-"""VRAM variants of the transfer tests (transfer-protocol.md on GPUs): run on a CUDA machine, skipped elsewhere."""
+"""VRAM variants of the transfer tests (docs/protocol.md on GPUs): run on a CUDA machine, skipped elsewhere."""
 
 from __future__ import annotations
 

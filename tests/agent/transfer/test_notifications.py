@@ -1,4 +1,4 @@
-"""Prefill keeps a request until every expected reader notified it (transfer-protocol.md §3, §6)."""
+"""Prefill keeps a request until every expected reader notified it (docs/protocol.md §3, §6)."""
 
 from __future__ import annotations
 

@@ -8,14 +8,14 @@ import pytest
 
 from kvbridge_agent.core import CacheKind, KVLayout
 from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams, MemoryType, RankMetadata
-from kvbridge_agent.runtime.peers import (
+from kvbridge_agent.transfer.peers import (
     LEASE_CLOCK_MARGIN_SECONDS,
     STALE_PEER,
     fetch_prefill_ranks,
     lease_left,
     require_incarnation,
 )
-from kvbridge_agent.runtime.side_channel import SideChannelServer
+from kvbridge_agent.transfer.side_channel import SideChannelServer
 
 FINGERPRINT = "f00d"
 

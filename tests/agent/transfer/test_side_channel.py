@@ -10,8 +10,8 @@ import pytest
 import zmq
 
 from kvbridge_agent.core.handshake import HandshakeError, MessageType, RankMetadata, decode_reply, encode_request
-from kvbridge_agent.runtime.keys import CurveKeys, KeysError, generate_keys, load_keys
-from kvbridge_agent.runtime.side_channel import SideChannelClient, SideChannelServer
+from kvbridge_agent.transfer.keys import CurveKeys, KeysError, generate_keys, load_keys
+from kvbridge_agent.transfer.side_channel import SideChannelClient, SideChannelServer
 
 META = RankMetadata(
     engine_id="p-0", incarnation="abc", agent_name="p-0.abc.0", tp_rank=0, tp_size=1, block_size=16,

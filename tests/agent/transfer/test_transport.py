@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kvbridge_agent.core import KVLayout, ModelGeometry, SpecError
-from kvbridge_agent.runtime.descriptors import descriptor_rows
-from kvbridge_agent.runtime.kv_cache import KVCache
-from kvbridge_agent.runtime.transport import Transport
+from kvbridge_agent.transfer.descriptors import descriptor_rows
+from kvbridge_agent.transfer.kv_cache import KVCache
+from kvbridge_agent.transfer.transport import Transport
 
 MODEL = ModelGeometry(name="m", num_layers=2, num_kv_heads=2, head_dim=8, kv_cache_dtype="float16")
 

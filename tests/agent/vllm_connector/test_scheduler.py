@@ -14,8 +14,8 @@ pytest.importorskip("vllm")
 from kvbridge_agent.core import ModelGeometry, Role, RoleSettings, SpecError
 from kvbridge_agent.core.contract import EngineEnvironment, render_environment
 from kvbridge_agent.core.handshake import RankMetadata
-from kvbridge_agent.runtime.keys import generate_keys
-from kvbridge_agent.runtime.side_channel import SideChannelServer
+from kvbridge_agent.transfer.keys import generate_keys
+from kvbridge_agent.transfer.side_channel import SideChannelServer
 from kvbridge_agent.vllm_connector.scheduler import ConnectorScheduler
 from kvbridge_agent.vllm_connector.settings import ConnectorSettings
 

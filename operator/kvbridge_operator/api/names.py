@@ -1,0 +1,73 @@
+"""The names the operator gives things: API group and kinds, label and annotation keys, child and port names.
+
+One module, so the renderer, the controller, the router and the tests agree on every name without importing each
+other's logic.
+"""
+
+from __future__ import annotations
+
+from kvbridge_agent.core import Role
+
+# -- the API ------------------------------------------------------------------------------------------------------
+GROUP = "kvbridge.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "DisaggregatedDeployment"
+PLURAL = "disaggregateddeployments"
+#: one per role, with the /scale subresource (HPA, KEDA, kubectl scale)
+ROLE_KIND = "DisaggregatedRole"
+ROLE_PLURAL = "disaggregatedroles"
+
+# -- the kinds kvbridge renders besides the built-in ones -----------------------------------------------------------
+LWS_API = "leaderworkerset.x-k8s.io/v1"
+LWS_KIND = "LeaderWorkerSet"
+#: what runs a role's engines: one pod per engine, or a group of pods per engine (children/multinode.py)
+WORKLOAD_KINDS = ("StatefulSet", LWS_KIND)
+INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
+POD_GROUP_API = "scheduling.x-k8s.io/v1alpha1"
+
+# -- labels ---------------------------------------------------------------------------------------------------------
+LABEL_DEPLOYMENT = "kvbridge.io/deployment"
+LABEL_ROLE = "kvbridge.io/role"
+LABEL_FINGERPRINT = "kvbridge.io/fingerprint"
+LABEL_REVISION = "kvbridge.io/revision"
+LABEL_PAIRING = "kvbridge.io/pairing"
+LABEL_TP = "kvbridge.io/tensor-parallel-size"
+#: namespaces labelled so may reach the engines' HTTP APIs (a router or gateway outside the deployment's namespace)
+LABEL_API_ACCESS = "kvbridge.io/api-access"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "kvbridge", "app.kubernetes.io/part-of": "kvbridge"}
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_LLM_D_ROLE = "llm-d.ai/role"
+#: the label LWS puts on every pod of a group: its index in the group (the leader's is 0)
+LABEL_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
+LABEL_POD_GROUP = "scheduling.x-k8s.io/pod-group"
+
+# -- annotations ----------------------------------------------------------------------------------------------------
+#: the deployment's spec.<role>.replicas last written into the role's spec.replicas (so a change is seen once)
+ANNOTATION_SPEC_REPLICAS = "kvbridge.io/spec-replicas"
+#: the prefill pods' incarnations last seen (for PrefillRestarted)
+PODS_ANNOTATION = "kvbridge.io/prefill-pods"
+
+# -- containers, ports, volumes -------------------------------------------------------------------------------------
+ENGINE_CONTAINER = "engine"
+SIDE_CHANNEL_PORT_NAME = "side-channel"
+HTTP_PORT_NAME = "http"
+KEYS_VOLUME = "side-channel-keys"
+
+
+# -- child names ----------------------------------------------------------------------------------------------------
+def role_name(deployment: str, role: Role) -> str:
+    """A role's workload, headless Service, DisaggregatedRole and PodDisruptionBudget."""
+    return f"{deployment}-{role.value}"
+
+
+def secret_name(deployment: str) -> str:
+    return f"{deployment}-side-channel"
+
+
+def network_policy_name(deployment: str) -> str:
+    return f"{deployment}-pods"
+
+
+def router_name(deployment: str) -> str:
+    return f"{deployment}-router"

@@ -1,0 +1,4 @@
+"""The ``kvbridge`` command: ``main`` (every subcommand), ``plan_report`` (what ``kvbridge plan`` prints),
+``manifests`` (reading manifests safely), ``hf_config`` (``kvbridge model``). ``kvbridge demo`` is contributed by
+``kvbridge_sim`` through the ``kvbridge.commands`` entry points.
+"""
