@@ -41,7 +41,6 @@ from kvbridge_operator.api.spec import DisaggregatedDeployment, EngineDevice, En
 from kvbridge_operator.children import multinode, placement
 from kvbridge_operator.children import vllm_engine as vllm
 from kvbridge_operator.children.keys import curve_keypair
-from kvbridge_operator.children.model_source import weights
 from kvbridge_operator.children.pairing import pairing
 from kvbridge_operator.config import OperatorConfig
 
@@ -134,11 +133,14 @@ def pod_template(
     spec = dd.spec
     role_spec: RoleSpec = spec.role(role)
     side_channel = {"name": SIDE_CHANNEL_PORT_NAME, "containerPort": spec.transfer.side_channel_port, "protocol": "TCP"}
+    group_labels = placement.pod_group_labels(spec, dd.metadata.name)
+    placed = placement.pod_fields(spec, dd.metadata.name, selector(dd.metadata.name, role), LABEL_DEPLOYMENT)
     labels = {**MANAGED_BY, **selector(dd.metadata.name, role), LABEL_FINGERPRINT: plan.fingerprint,
               LABEL_PAIRING: key or pairing(spec), LABEL_TP: str(role_spec.tensor_parallel_size),
-              **placement.pod_group_labels(spec, dd.metadata.name)}  # fmt: skip
+              **group_labels}  # fmt: skip
     if spec.engine.kind is EngineKind.VLLM:
-        containers, volumes = _vllm_containers(dd, role, plan, config, side_channel)
+        containers, volumes = vllm.pod_containers(dd, role, plan, config, engine_env(dd, role, plan, config),
+                                                  side_channel, _keys_volume(dd))  # fmt: skip
         if config.routing_sidecar_image or spec.inference_pool.enabled:
             labels[LABEL_LLM_D_ROLE] = role.value.lower()  # what llm-d's scheduler selects prefill/decode pods by
     else:
@@ -148,8 +150,7 @@ def pod_template(
         )
     template: Obj = {
         "metadata": {"labels": labels},
-        "spec": {"containers": containers, "volumes": volumes, "terminationGracePeriodSeconds": 30,
-                 **placement.pod_fields(spec, dd.metadata.name, selector(dd.metadata.name, role), LABEL_DEPLOYMENT)},
+        "spec": {"containers": containers, "volumes": volumes, "terminationGracePeriodSeconds": 30, **placed},
     }  # fmt: skip
     template = overlay(template, role_spec.template) if role_spec.template else template
     template["metadata"].setdefault("labels", {})[LABEL_REVISION] = revision(template)
@@ -195,33 +196,8 @@ def _agent_container(
     }
 
 
-def _vllm_containers(
-    dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig, side: Obj
-) -> tuple[list[Obj], list[Obj]]:
-    """``vllm serve`` (and, on decode with the routing sidecar, the sidecar in front of it). With NixlConnector no
-    key Secret: its side channel has no CURVE, the NetworkPolicy is what limits who reaches it; kvbridge's
-    connector gets the Secret, as the agent worker does."""
-    engine = vllm.container(dd, role, plan, config, engine_env(dd, role, plan, config))
-    engine["ports"].append(side)
-    engine["securityContext"] = {"allowPrivilegeEscalation": False}
-    volumes: list[Obj] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}]
-    volumes += weights(dd.spec.model).volumes
-    if vllm.uses_kvbridge(dd.spec):
-        volumes.append(_keys_volume(dd))
-        engine.setdefault("volumeMounts", []).append(
-            {"name": KEYS_VOLUME, "mountPath": config.keys_mount_path, "readOnly": True}
-        )
-    return ([vllm.routing_sidecar(config), engine] if vllm.behind_sidecar(role, config) else [engine]), volumes
-
-
-def stateful_set(
-    dd: DisaggregatedDeployment,
-    uid: str,
-    role: Role,
-    plan: TransferPlan,
-    config: OperatorConfig,
-    key: str | None = None,
-) -> Obj:
+def stateful_set(dd: DisaggregatedDeployment, uid: str, role: Role, plan: TransferPlan, config: OperatorConfig,
+                 key: str | None = None) -> Obj:  # fmt: skip
     """The role's StatefulSet with the spec's replicas and partition 0; the reconcile sets both to the rollout's
     step (the effective count of scaling.py plus a surge; the ordinal from which pods run this template)."""
     name = role_name(dd.metadata.name, role)
@@ -242,14 +218,8 @@ def stateful_set(
     }
 
 
-def leader_worker_set(
-    dd: DisaggregatedDeployment,
-    uid: str,
-    role: Role,
-    plan: TransferPlan,
-    config: OperatorConfig,
-    key: str | None = None,
-) -> Obj:
+def leader_worker_set(dd: DisaggregatedDeployment, uid: str, role: Role, plan: TransferPlan, config: OperatorConfig,
+                      key: str | None = None) -> Obj:  # fmt: skip
     """A multi-node role's LeaderWorkerSet (``spec.<role>.nodes`` above 1): the spec's replicas as groups of
     ``nodes`` pods, the role's rollout as the LWS's rolling update."""
     name = role_name(dd.metadata.name, role)

@@ -27,7 +27,7 @@ from kvbridge_operator.api.spec import (
     EngineDevice,
     RoleSpec,
 )
-from kvbridge_operator.children.model_source import SOURCE_ARGUMENTS, weights
+from kvbridge_operator.children.model_source import SOURCE_ARGUMENTS, Weights, weights
 from kvbridge_operator.config import OperatorConfig
 
 #: the vLLM release this renderer targets: the flags, variables and layout names below are that release's
@@ -316,13 +316,14 @@ def behind_sidecar(role: Role, config: OperatorConfig) -> bool:
     return role is Role.DECODE and bool(config.routing_sidecar_image)
 
 
-def engine(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig) -> VLLMEngine:
+def engine(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig,
+           loaded: Weights) -> VLLMEngine:  # fmt: skip
+    """What ``vllm serve`` runs with (``loaded``: the model's weights, ``model_source.weights``)."""
     spec = dd.spec
     role_spec: RoleSpec = spec.role(role)
     port = VLLM_PORT_BEHIND_SIDECAR if behind_sidecar(role, config) else config.agent_http_port
     transfer_config = kv_transfer_config(spec, plan, role)
     backend = attention_backend(spec)
-    loaded = weights(spec.model)
     args = [
         loaded.model,
         *loaded.args,
@@ -378,15 +379,31 @@ def _dtype_args(dtype: KVCacheDtype) -> list[str]:
     return ["--dtype", dtype.value, "--kv-cache-dtype", "auto"]
 
 
-def container(
-    dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig, base_env: list[Obj]
-) -> Obj:
+def pod_containers(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig,
+                   base_env: list[Obj], side_channel: Obj, keys_volume: Obj,
+                   ) -> tuple[list[Obj], list[Obj]]:  # fmt: skip
+    """A vLLM pod's containers — ``vllm serve`` (and, on decode with the routing sidecar, the sidecar in front of it)
+    — and its volumes. With NixlConnector no key Secret: its side channel has no CURVE, the NetworkPolicy is what
+    limits who reaches it; kvbridge's connector gets the Secret (``keys_volume``), as the agent worker does."""
+    loaded = weights(dd.spec.model)
+    served = container(dd, role, plan, config, base_env, loaded)
+    served["ports"].append(side_channel)
+    served["securityContext"] = {"allowPrivilegeEscalation": False}
+    volumes: list[Obj] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}, *loaded.volumes]
+    if uses_kvbridge(dd.spec):
+        volumes.append(keys_volume)
+        served["volumeMounts"].append({"name": keys_volume["name"], "mountPath": config.keys_mount_path,
+                                       "readOnly": True})  # fmt: skip
+    return ([routing_sidecar(config), served] if behind_sidecar(role, config) else [served]), volumes
+
+
+def container(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig,
+              base_env: list[Obj], loaded: Weights) -> Obj:  # fmt: skip
     """The ``engine`` container running ``vllm serve`` with its HTTP port (named ``http``, or ``vllm`` behind the
     routing sidecar), its GPUs or CPUs; further ports are the caller's."""
-    vllm = engine(dd, role, plan, config)
+    vllm = engine(dd, role, plan, config, loaded)
     env = [*base_env, *({"name": k, "value": v} for k, v in vllm.env.items())]
     env += [{"name": k, "valueFrom": {"fieldRef": {"fieldPath": v}}} for k, v in vllm.downward.items()]
-    loaded = weights(dd.spec.model)
     env += loaded.env
     probe = {"httpGet": {"path": HEALTH_PATH, "port": vllm.port}}
     return {

@@ -12,6 +12,7 @@ from kvbridge_agent.core import Problem, Role, SpecError, TransferPlan
 from kvbridge_operator.api.spec import DisaggregatedDeployment, EngineKind
 from kvbridge_operator.children import multinode
 from kvbridge_operator.children import vllm_engine as vllm
+from kvbridge_operator.children.model_source import weights
 from kvbridge_operator.children.pairing import pairing
 from kvbridge_operator.children.remedy import Fix, describe, merge_patch, suggested_fix
 from kvbridge_operator.children.verdict import verdict_for
@@ -88,7 +89,7 @@ def vllm_engines(document: DocumentPlan, config: OperatorConfig | None = None) -
     config = config or OperatorConfig()
     out: dict[str, dict[str, Any]] = {}
     for role in (Role.PREFILL, Role.DECODE):
-        engine = vllm.engine(document.deployment, role, document.plan, config)
+        engine = vllm.engine(document.deployment, role, document.plan, config, weights(document.deployment.spec.model))
         out[role.value.lower()] = {
             "command": engine.command,
             "launcher": engine.launcher,

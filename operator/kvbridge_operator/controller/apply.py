@@ -8,17 +8,7 @@ import logging
 from kvbridge_operator.api.names import API_VERSION, KIND
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.children.scaling import spec_replicas_patch
-from kvbridge_operator.controller.actions import (
-    Action,
-    Annotate,
-    Apply,
-    CreateOnce,
-    Delete,
-    EnsureRole,
-    Event,
-    Post,
-    WriteStatus,
-)
+from kvbridge_operator.controller import actions
 from kvbridge_operator.kube import BY_KIND, EVENTS, ROLES, ApiError, KubeClient
 
 log = logging.getLogger(__name__)
@@ -32,44 +22,44 @@ class KindMissingError(Exception):
         self.kind = kind
 
 
-async def execute(client: KubeClient, actions: list[Action], done: list[Action]) -> None:
-    """Carry out ``actions`` in order, skipping those in ``done`` (a plan made again after a :class:`KindMissingError`
+async def execute(client: KubeClient, todo: list[actions.Action], done: list[actions.Action]) -> None:
+    """Carry out ``todo`` in order, skipping those in ``done`` (a plan made again after a :class:`KindMissingError`
     repeats what was already done) and appending each one carried out to it."""
-    for action in actions:
+    for action in todo:
         if action in done:
             continue
         await _carry_out(client, action)
         done.append(action)
 
 
-async def _carry_out(client: KubeClient, action: Action) -> None:
+async def _carry_out(client: KubeClient, action: actions.Action) -> None:
     match action:
-        case Apply(obj=obj, optional=optional):
+        case actions.Apply(obj=obj, optional=optional):
             try:
                 await client.apply(BY_KIND[(obj["apiVersion"], obj["kind"])], obj)
             except ApiError as exc:
                 if exc.status == 404 and optional:
                     raise KindMissingError(str(obj["kind"])) from exc
                 raise
-        case CreateOnce(resource=resource, obj=obj):
+        case actions.CreateOnce(resource=resource, obj=obj):
             try:
                 await client.create(resource, obj["metadata"]["namespace"], obj)
             except ApiError as exc:
                 if exc.status != 409:  # it exists: keep it
                     raise
-        case EnsureRole():
+        case actions.EnsureRole():
             await _ensure_role(client, action)
-        case Delete(resource=resource, namespace=namespace, name=name):
+        case actions.Delete(resource=resource, namespace=namespace, name=name):
             await client.delete(resource, namespace, name)
-        case WriteStatus(resource=resource, namespace=namespace, name=name, status=status):
+        case actions.WriteStatus(resource=resource, namespace=namespace, name=name, status=status):
             await client.patch(resource, namespace, name, {"status": status}, "status")
-        case Annotate(resource=resource, namespace=namespace, name=name, annotations=annotations):
+        case actions.Annotate(resource=resource, namespace=namespace, name=name, annotations=annotations):
             await client.patch(resource, namespace, name, {"metadata": {"annotations": annotations}})
-        case Post(involved=involved, event=event):
+        case actions.Post(involved=involved, event=event):
             await _post(client, involved, event)
 
 
-async def _ensure_role(client: KubeClient, action: EnsureRole) -> None:
+async def _ensure_role(client: KubeClient, action: actions.EnsureRole) -> None:
     meta = action.obj["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     if not action.exists:
@@ -89,7 +79,7 @@ async def _ensure_role(client: KubeClient, action: EnsureRole) -> None:
         await client.patch(ROLES, namespace, name, patch)
 
 
-async def _post(client: KubeClient, involved: Obj, event: Event) -> None:
+async def _post(client: KubeClient, involved: Obj, event: actions.Event) -> None:
     now = datetime.datetime.now(datetime.UTC).isoformat()
     namespace = involved.get("namespace") or "default"
     payload = {

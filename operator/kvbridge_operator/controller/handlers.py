@@ -28,7 +28,7 @@ from kvbridge_operator.kube import DEPLOYMENTS, ApiError, Connection, KubeClient
 PREFIX = "kvbridge.io"
 #: failures of the Kubernetes API that a later try may not meet (after the client's own retries)
 API_ERRORS = (ApiError, aiohttp.ClientError, TimeoutError)
-#: period of the level-triggered resync of every deployment (seconds); each resync is a full reconcile (10 API calls,
+#: period of the level-triggered resync of every deployment (seconds); each resync is a full reconcile (9 API calls,
 #: server-side applies that change nothing when nothing changed: see docs/operator.md)
 RESYNC_SECONDS = 60.0
 #: tries for the reconcile a pod event triggers (about 6 minutes at the backoff's cap)
@@ -59,7 +59,8 @@ def connection_info(connection: Connection) -> kopf.ConnectionInfo:
     )  # fmt: skip
 
 
-#: the indexes handlers receive (as keyword arguments named by the ids): a deployment's pods, StatefulSets, roles
+#: the indexes handlers receive (as keyword arguments named by the ids): a deployment's pods, StatefulSets,
+#: DisaggregatedRoles and LeaderWorkerSets
 INDEXES = ("pods_by_deployment", "sets_by_deployment", "roles_by_deployment", "groups_by_deployment")
 Indexes = dict[str, Any]
 
