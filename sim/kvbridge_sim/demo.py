@@ -32,9 +32,11 @@ from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.kube import DEPLOYMENTS, PODS, KubeClient
 from kvbridge_router.proxy import Router
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+#: the demo's own manifests (package data: byte copies of examples/vllm/tiny-cpu.yaml and examples/*.yaml, kept
+#: equal by a test), so the demo runs wherever kvbridge_sim is installed, not only from a checkout
+MANIFESTS = Path(__file__).resolve().parent / "manifests"
 DEFAULT_FILES = {
-    "vllm": ("vllm/tiny-cpu.yaml", "incompatible-replicated-heads.yaml"),
+    "vllm": ("tiny-cpu.yaml", "incompatible-replicated-heads.yaml"),
     "agent": ("llama3-8b-hetero-tp.yaml", "incompatible-replicated-heads.yaml"),
 }
 #: greedy tokens decode generates per request (compared with a single engine)
@@ -87,7 +89,7 @@ def is_vllm(document: Obj) -> bool:
 def documents(files: list[str] | None, num_layers: int, engine: str = "vllm") -> list[Obj]:
     """The manifests to apply; agent-engine models scaled down to ``num_layers`` so the demo fits this machine
     (vLLM engines serve a real model, whose geometry the spec must state as it is)."""
-    paths = files or [str(EXAMPLES / name) for name in DEFAULT_FILES[engine]]
+    paths = files or [str(MANIFESTS / name) for name in DEFAULT_FILES[engine]]
     found: list[Obj] = []
     for path in paths:
         source = source_name(path)

@@ -35,3 +35,18 @@ def test_without_the_simulation_the_demo_says_so_and_nothing_else_breaks() -> No
     assert "this installation has no kvbridge_sim" in done.stderr
     assert "make demo" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_demos_manifests_are_the_examples_the_docs_show() -> None:
+    """The demo ships its manifests as package data (it runs wherever kvbridge_sim is installed); they are the
+    examples byte for byte."""
+    from pathlib import Path
+
+    from kvbridge_sim.demo import DEFAULT_FILES, MANIFESTS
+
+    sources = {"tiny-cpu.yaml": "vllm/tiny-cpu.yaml", "llama3-8b-hetero-tp.yaml": "llama3-8b-hetero-tp.yaml",
+               "incompatible-replicated-heads.yaml": "incompatible-replicated-heads.yaml"}  # fmt: skip
+    assert {name for names in DEFAULT_FILES.values() for name in names} == set(sources)
+    examples = Path(__file__).parents[2] / "examples"
+    for name, source in sources.items():
+        assert (MANIFESTS / name).read_bytes() == (examples / source).read_bytes(), f"copy examples/{source}"

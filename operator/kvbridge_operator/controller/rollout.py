@@ -1,9 +1,10 @@
 """Rollouts that keep prefill/decode working: which strategy, and the next step of each role's workload.
 
 Pure and level-triggered: every reconcile looks at the pods that exist (their pairing key, whether they run
-the role's current template, whether they are ready) and computes, from nothing else, each StatefulSet's
-``replicas`` and ``rollingUpdate.partition`` (pods with an ordinal at or above the partition run the new
-template; the StatefulSet controller replaces one pod at a time, highest ordinal first).
+the role's current template, whether they are ready) and computes, from nothing else, each workload's
+``replicas`` and partition (pods with an ordinal at or above the partition run the new template; the StatefulSet
+controller replaces one pod at a time, highest ordinal first; a LeaderWorkerSet numbers and replaces its groups
+the same way, so one step serves both kinds).
 
 The strategy follows from the compatibility of every prefill key present with every decode key present (the
 new spec's key included), judged with the same verdict as any spec:
