@@ -143,3 +143,48 @@ def role_status(dd: DisaggregatedDeployment, role: Role, scale: Scale) -> Obj:
         "selector": pod_selector(dd.metadata.name, role),
         "message": "; ".join(scale.notes_for(role)),
     }
+
+
+@dataclass(frozen=True)
+class Roles:
+    """What a reconcile does with the deployment's DisaggregatedRoles, and the engine counts that follow."""
+
+    create: dict[Role, Obj]  # roles that do not exist yet
+    rescale: dict[Role, int]  # roles whose replicas the spec's changed: the new value
+    held: dict[Role, Obj | None]  # each role as the API will hold it once those writes are done
+    scale: Scale
+    status: dict[Role, Obj]  # the status of each role whose status changes
+    scaled: list[str]  # a message for each role whose effective count changed since the previous status
+
+
+def plan_roles(dd: DisaggregatedDeployment, uid: str, current: dict[Role, Obj | None], write: bool,
+               previous: Obj) -> Roles:  # fmt: skip
+    """Each role created with the spec's replicas when missing; afterwards its replicas change only when the spec's
+    do, so what an autoscaler set stays (``write``: a full reconcile, which creates and rescales roles; else the
+    roles are only read). ``previous``: the deployment's status, for the Scaled messages."""
+    create: dict[Role, Obj] = {}
+    rescale: dict[Role, int] = {}
+    held = dict(current)
+    for role in Role if write else ():
+        wanted = dd.spec.role(role).replicas
+        role_obj = current[role]
+        if role_obj is None:
+            create[role] = held[role] = role_resource(dd, uid, role)
+        elif spec_replicas_patch(wanted, role_obj) is not None:
+            rescale[role] = wanted
+            meta = role_obj.get("metadata") or {}
+            held[role] = {**role_obj, "spec": {**(role_obj.get("spec") or {}), "replicas": wanted},
+                          "metadata": {**meta, "annotations": {**(meta.get("annotations") or {}),
+                                                               ANNOTATION_SPEC_REPLICAS: str(wanted)}}}  # fmt: skip
+    scale = effective_replicas(dd, {role: desired_of(held[role], dd, role) for role in Role})
+    status = {role: role_status(dd, role, scale) for role in Role if held[role] is not None}
+    scaled = []
+    for role in Role:
+        was = (previous.get(role.value) or {}).get("replicas")
+        if isinstance(was, int) and was != scale.effective[role]:
+            why = "".join(f"; {note}" for note in scale.notes_for(role))
+            scaled.append(f"{role.value}: {was} -> {scale.effective[role]} engines ({dd.metadata.name}-{role.value} "
+                          f"asks {scale.desired[role]}{why})")  # fmt: skip
+    return Roles(create, rescale, held, scale,
+                 {role: wanted for role, wanted in status.items() if (held[role] or {}).get("status") != wanted},
+                 scaled)  # fmt: skip

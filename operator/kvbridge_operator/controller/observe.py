@@ -36,7 +36,6 @@ from kvbridge_operator.api.status import (
     merge_conditions,
 )
 from kvbridge_operator.children import multinode
-from kvbridge_operator.children.remedy import advice
 from kvbridge_operator.children.render import template_revision
 from kvbridge_operator.children.scaling import Scale
 from kvbridge_operator.controller.actions import Event
@@ -53,6 +52,7 @@ class Facts:
     scale: Scale  # each role's effective count (what Ready means; a rollout's surge is not counted) and desired
     serving: Obj  # status.router, status.inferencePool, status.placement
     rollout: Obj | None  # status.rollout
+    fix: str = ""  # an incompatible spec's checked fix (remedy.advice), "" when the search found none
 
 
 @dataclass
@@ -140,10 +140,9 @@ def summary(plan: TransferPlan) -> PlanSummary:
     return PlanSummary.model_validate(plan.summary())
 
 
-def _problems_message(dd: DisaggregatedDeployment, problems: Sequence[Problem]) -> str:
+def _problems_message(problems: Sequence[Problem], fix: str) -> str:
     """Every problem, then the checked fix for all of them at once (when the search finds one)."""
     message = "; ".join(f"{p.code} at {p.field}: {p.message}" for p in problems)
-    fix = advice(dd)
     return f"{message}. A fix that passes every check: {fix}" if fix else message
 
 
@@ -196,7 +195,7 @@ def observe(
                 type=ConditionType.COMPATIBLE,
                 status="False",
                 reason="Incompatible",
-                message=_problems_message(dd, verdict),
+                message=_problems_message(verdict, facts.fix),
                 observed_generation=generation,
             )
         )
@@ -246,7 +245,7 @@ def observe(
     if not compatible and (
         old_compatible.get("status") != "False" or int(old_compatible.get("observedGeneration", -1)) != generation
     ):
-        events.append(Event("Warning", "Incompatible", _problems_message(dd, list(verdict))))  # type: ignore[arg-type]
+        events.append(Event("Warning", "Incompatible", _problems_message(list(verdict), facts.fix)))  # type: ignore[arg-type]
     old_endpoints = [Endpoint.model_validate(e) for e in (previous.get("prefill") or {}).get("endpoints") or []]
     if old_endpoints != current_endpoints and (old_endpoints or current_endpoints):
         listed = ", ".join(f"{e.pod}={e.ip}:{e.port}" for e in current_endpoints) or "none"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from kvbridge_agent.core import KVBridgeError, TransferPlan
@@ -86,3 +87,19 @@ def _judge(records: dict[str, Obj], name: str, prefill_key: str, decode_key: str
     if isinstance(verdict, TransferPlan):
         return None
     return "; ".join(f"{p.code} at {p.field}" for p in verdict)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What the deployment remembers of the specs its pods run."""
+
+    pairs_with: Callable[[str, str], str | None]  # the verdict between two pairing keys (None: compatible)
+    annotation: str | None  # the annotation's new value, when it changes
+
+
+def remember(dd: DisaggregatedDeployment, key: str, text: str | None, present: Iterable[str]) -> Memory:
+    """The records of the annotation ``text`` with the current spec's (``key``) added, judged for pairing; and what
+    the annotation keeps: the records of the keys still ``present`` (the pods' and the current one)."""
+    records = {**load(text), key: record(dd)}
+    kept = dump(records, present)
+    return Memory(pairs_with(records, dd.metadata.name), kept if kept != text else None)

@@ -21,6 +21,7 @@ router pairs a prefill and a decode pod only when their keys are listed together
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -261,3 +262,27 @@ def events_of(previous: Obj, roll: Step) -> list[Event]:
         events.append(Event("Normal", "RolloutStarted", f"{roll.strategy.value}: {why}"))
     events.append(Event("Normal", "RolloutPhase", f"{roll.strategy.value} {now}: {progress}"))
     return events
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The rollout's part of a reconcile."""
+
+    children: list[Obj]  # the rendered children, each workload with the step's replicas and partition
+    moving: set[Role]  # roles whose workload exists and is not yet where the step wants it
+    status: Obj  # status.rollout
+    events: list[Event]
+
+
+def plan(dd: DisaggregatedDeployment, key: str, rendered: list[Obj], scale: Scale, workloads: dict[Role, Obj | None],
+         pods: list[Obj], pairs_with: Callable[[str, str], str | None], before: Obj) -> Outcome:  # fmt: skip
+    """The step for the pods that exist, the rendered children stepped, and the rollout's status and events
+    (``before``: the previous ``status.rollout``)."""
+    roll = for_workloads(dd, key, rendered, scale, workloads, pods, pairs_with)
+    moving = {role for role in Role if workloads[role] is not None and state_of(workloads[role]) != roll.target(role)}
+    stepped(rendered, roll)
+    if roll.phase in (Phase.SCALING_IN, Phase.COMPLETE) and before.get("revision") == key:
+        # no old pod is left, so the step alone cannot tell how they went: the strategy stays the rollout's
+        roll = dataclasses.replace(roll, strategy=Strategy(before.get("strategy") or roll.strategy),
+                                   reason=str(before.get("reason") or ""))  # fmt: skip
+    return Outcome(rendered, moving, status_of(roll, key), events_of(before, roll))
