@@ -90,7 +90,7 @@ def pod_selector(deployment: str, role: Role) -> str:
 
 def role_resource(dd: DisaggregatedDeployment, uid: str, role: Role) -> Obj:
     """A new DisaggregatedRole, its replicas the deployment's (created once; afterwards its replicas are the
-    autoscaler's, see :func:`replicas_patch`)."""
+    autoscaler's, see :func:`spec_replicas_patch`)."""
     name, replicas = dd.metadata.name, dd.spec.role(role).replicas
     return {
         "apiVersion": API_VERSION,
@@ -103,12 +103,6 @@ def role_resource(dd: DisaggregatedDeployment, uid: str, role: Role) -> Obj:
         },
         "spec": {"deployment": name, "role": role.value, "replicas": replicas},
     }  # fmt: skip
-
-
-def replicas_patch(dd: DisaggregatedDeployment, role: Role, current: Obj) -> Obj | None:
-    """A merge patch that sets the role's replicas to the deployment's, if the deployment's changed since it was
-    last written; else ``None`` (:func:`spec_replicas_patch`)."""
-    return spec_replicas_patch(dd.spec.role(role).replicas, current)
 
 
 def spec_replicas_patch(wanted: int, current: Obj) -> Obj | None:
