@@ -26,8 +26,10 @@ from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from kvbridge_operator.api.objects import Obj
+from kvbridge_router.admission import Limits, RefusedError, admit
 from kvbridge_router.metrics import RouterMetrics
 from kvbridge_router.pool import Balancer, Pool, Target
 
@@ -37,6 +39,9 @@ ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 FORWARDED_HEADERS = ("Authorization",)
 #: what the router sets on the prefill request (OpenAI and vLLM fields); streaming fields are dropped
 PREFILL_DROPPED = ("stream_options", "min_tokens")
+#: a request with more headers, or a longer header or request line, is refused (431/400) before it is routed
+MAX_HEADERS = 64
+MAX_HEADER_BYTES = 8190
 #: idle upstream connections are dropped before vLLM's own keep-alive timeout (5 s) closes them under us
 KEEPALIVE_SECONDS = 3.0
 
@@ -50,18 +55,24 @@ class RouterConfig:
     connect_timeout: float = 3.0
     prefill_attempts: int = 3
     max_body_bytes: int = 16 << 20
+    #: seconds a request's body may take to arrive (a client that stalls gets 408)
+    body_timeout: float = 10.0
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.max_body_bytes, self.body_timeout)
 
 
 class RouteError(Exception):
     """An error the client gets, with an HTTP status and a stable code."""
 
-    def __init__(self, status: int, code: str, message: str, retry: bool = False) -> None:
+    def __init__(self, status: int, code: str, message: str, retry: bool = False, param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.code, self.message, self.retry = status, code, message, retry
+        self.status, self.code, self.message, self.retry, self.param = status, code, message, retry, param
 
     def response(self) -> web.Response:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
-        body = {"error": {"message": self.message, "type": kind, "code": self.code}}
+        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
         return web.json_response(body, status=self.status)
 
 
@@ -138,7 +149,10 @@ class Router:
         route = ROUTES[request.path]
         spent = [0.0]  # seconds inside prefill and decode calls
         try:
-            body = await _json_body(request)
+            try:
+                body = await admit(request, route, self.config.limits)
+            except RefusedError as refused:
+                raise RouteError(refused.status, refused.code, refused.message, param=refused.param) from None
             request_id = request.headers.get("X-Request-Id") or f"kvb-{uuid.uuid4().hex}"
             headers = {"X-Request-Id": request_id, **{k: request.headers[k] for k in FORWARDED_HEADERS
                                                       if k in request.headers}}  # fmt: skip
@@ -302,29 +316,33 @@ def prefill_request(body: Obj) -> Obj:
     return request
 
 
-async def _json_body(request: web.Request) -> Obj:
-    try:
-        body = await request.json()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise RouteError(413, "TOO_LARGE", exc.text or "request body too large") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RouteError(400, "INVALID_JSON", f"the request body is not JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise RouteError(400, "INVALID_REQUEST", "the request body must be a JSON object")
-    if "kv_transfer_params" in body:
-        raise RouteError(400, "INVALID_REQUEST", "kv_transfer_params is the router's to set, not the client's")
-    return body
-
-
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "timed out"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+class _MalformedInOneLine(logging.Filter):
+    """aiohttp logs a request it cannot parse (too many headers, a line too long, bad framing) as an error with its
+    traceback; it has already answered 400/431. One warning line says enough."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError):
+            reason = " ".join(str(error.message).split())[:200]
+            record.msg, record.args = "refused a malformed HTTP request (%s %s)", (error.code, reason)
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 async def serve(router: Router, host: str, port: int, stop: asyncio.Event) -> None:
     """Serve until ``stop`` is set."""
-    runner = web.AppRunner(router.app(), access_log=None)
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _MalformedInOneLine) for f in server_log.filters):
+        server_log.addFilter(_MalformedInOneLine())
+    runner = web.AppRunner(router.app(), access_log=None, max_headers=MAX_HEADERS, max_field_size=MAX_HEADER_BYTES,
+                           max_line_size=MAX_HEADER_BYTES)  # fmt: skip
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

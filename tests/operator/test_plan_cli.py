@@ -113,6 +113,8 @@ def test_stdin(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[st
         ),
         (HETERO.read_text().replace("    headDim: 128\n", ""), "spec.model.headDim: Field required"),
         ("- just\n- a list\n", "expected a mapping"),
+        (HETERO.read_text().replace("numLayers: 32", "numLayers: " + "9" * 5000), "an integer of 5000 characters"),
+        ("a: " + "[" * 5000 + "]" * 5000 + "\n", "nests more than"),
     ],
 )
 def test_invalid_input_exits_2_with_a_message_naming_document_and_field(
@@ -122,9 +124,13 @@ def test_invalid_input_exits_2_with_a_message_naming_document_and_field(
     manifest.write_text(content)
     code, out, err = run(capsys, "plan", "-f", str(manifest), "--json")
     assert code == 2
-    assert out == ""
     assert message in err
     assert "Traceback" not in err
+    for entry in json.loads(out) if out else []:  # each invalid document is an object with its errors
+        assert entry["invalid"] is True
+        assert entry["compatible"] is False
+        assert entry["problems"][0]["code"]
+        assert message in entry["problems"][0]["message"] or message in err
 
 
 def test_one_bad_document_does_not_hide_the_others_verdicts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -134,7 +140,13 @@ def test_one_bad_document_does_not_hide_the_others_verdicts(tmp_path: Path, caps
     manifest.write_text("---\n".join([HETERO.read_text(), bad, other, INCOMPATIBLE.read_text()]))
     code, out, err = run(capsys, "plan", "-f", str(manifest), "--json")
     assert code == 2  # invalid input wins, but every valid document still gets its verdict
-    assert [(e["name"], e["compatible"]) for e in json.loads(out)] == [("llama3-8b", True), ("replicated-heads", False)]
+    found = [(e["name"], e["compatible"], e.get("invalid", False)) for e in json.loads(out)]
+    assert found == [("llama3-8b", True, False), ("bad", False, True), ("replicated-heads", False, False)]
+    bad = json.loads(out)[1]
+    assert bad["document"].endswith("document 2 (bad)")
+    assert bad["problems"] == [{"code": "INVALID_SPEC", "field": "spec.model.numLayers",
+                                "message": bad["problems"][0]["message"]}]  # fmt: skip
+    assert "spec.model.numLayers: Input should be a valid integer" in bad["problems"][0]["message"]
     assert "document 2 (bad): spec.model.numLayers: Input should be a valid integer" in err
     assert "document 3 (settings): skipped, a v1 ConfigMap" in err
     code, out, err = run(capsys, "plan", "-f", str(manifest))
@@ -148,7 +160,7 @@ def test_a_yaml_error_keeps_the_documents_before_it(tmp_path: Path, capsys: pyte
     manifest.write_text(HETERO.read_text() + "---\nspec: [unclosed\n")
     code, out, err = run(capsys, "plan", "-f", str(manifest), "--json")
     assert code == 2
-    assert [e["name"] for e in json.loads(out)] == ["llama3-8b"]
+    assert [(e["name"], e.get("invalid", False)) for e in json.loads(out)] == [("llama3-8b", False), (None, True)]
     assert "documents from 2 on" in err
     assert "not valid YAML" in err
 
@@ -255,3 +267,24 @@ def test_gpus_per_node_refuses_an_engine_no_node_can_hold(tmp_path: Path, capsys
         main(["plan", "-f", str(path), "--gpus-per-node", "0"])
     assert exit_info.value.code == 2
     assert "--gpus-per-node: 0 is not at least 1" in capsys.readouterr().err
+
+
+def test_all_documents_invalid_still_print_one_object_each(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = HETERO.read_text().replace("numLayers: 32", "numLayers: x")
+    manifest = tmp_path / "bad.yaml"
+    manifest.write_text("---\n".join([bad, bad.replace("name: llama3-8b", "name: other")]))
+    code, out, _ = run(capsys, "plan", "-f", str(manifest), "--json")
+    assert code == 2
+    assert [(e["name"], e["invalid"]) for e in json.loads(out)] == [("llama3-8b", True), ("other", True)]
+
+
+def test_unknown_top_level_fields_are_warned_of(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    manifest = tmp_path / "typo.yaml"
+    manifest.write_text(HETERO.read_text() + "specc: {decode: {replicas: 3}}\n")
+    code, out, err = run(capsys, "plan", "-f", str(manifest), "--json")
+    assert code == 0
+    assert "warning:" in err
+    assert "unknown top-level field 'specc' is ignored" in err
+    assert all("unknown top-level field 'specc'" in e["warnings"][0] for e in json.loads(out))
+    code, _, err = run(capsys, "plan", "-f", str(HETERO), "--json")
+    assert "warning" not in err

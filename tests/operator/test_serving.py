@@ -14,7 +14,7 @@ from kvbridge_agent.core import Role, SpecError
 from kvbridge_operator.api.names import LABEL_LLM_D_ROLE
 from kvbridge_operator.api.spec import parse_deployment
 from kvbridge_operator.children.pairing import pairing
-from kvbridge_operator.children.render import stateful_set
+from kvbridge_operator.children.render import children, stateful_set
 from kvbridge_operator.children.serving import optional_children
 from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.children.vllm_engine import problems
@@ -66,7 +66,7 @@ def test_the_inference_pool_selects_both_roles_labelled_for_llm_d() -> None:
     dd = parse_deployment(doc)
     pool, route = optional_children(dd, UID, OperatorConfig())
     assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
-    assert pool["spec"]["selector"] == {"matchLabels": {"kvbridge.io/deployment": "llama3-8b-vllm"}}
+    assert pool["spec"]["selector"] == {"matchLabels": {"kvbridge.io/inference-pool": "llama3-8b-vllm"}}
     assert pool["spec"]["targetPorts"] == [{"number": 8000}]
     assert pool["spec"]["endpointPickerRef"]["name"] == "llm-d-epp"
     assert route["spec"]["parentRefs"][0]["name"] == "inference-gw"
@@ -81,6 +81,60 @@ def test_the_inference_pool_selects_both_roles_labelled_for_llm_d() -> None:
     assert [o["kind"] for o in optional_children(no_gateway, UID, OperatorConfig())] == ["InferencePool"]
     with pytest.raises(SpecError, match="endpointPicker"):
         parse_deployment(document(inferencePool={"enabled": True}))
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels; matchExpressions Exists, DoesNotExist, In) applied to labels."""
+    if not labels.items() >= selector.get("matchLabels", {}).items():
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator = expression["key"], expression["operator"]
+        if (operator == "Exists" and key not in labels) or (operator == "DoesNotExist" and key in labels):
+            return False
+        if operator == "In" and labels.get(key) not in expression["values"]:
+            return False
+    return True
+
+
+def _pod_labels(dd: Any, role: Role) -> dict[str, str]:
+    labels: dict[str, str] = stateful_set(dd, UID, role, verdict_for(dd), OperatorConfig())[  # type: ignore[arg-type]
+        "spec"
+    ]["template"]["metadata"]["labels"]
+    return labels
+
+
+def test_router_pods_are_not_engine_pods() -> None:
+    """The engines' NetworkPolicy does not fence the router, and the InferencePool does not count router pods (nor
+    the headless workers of multi-node engines) as model servers."""
+    config = OperatorConfig()
+    dd = parse_deployment(document(router={"enabled": True},
+                                   inferencePool={"enabled": True, "endpointPicker": "llm-d-epp"}))  # fmt: skip
+    extra = optional_children(dd, UID, config)
+    router_pod = next(o for o in extra if o["kind"] == "Deployment")["spec"]["template"]["metadata"]["labels"]
+    pool = next(o for o in extra if o["kind"] == "InferencePool")["spec"]["selector"]
+    policy = next(c for c in children(dd, UID, verdict_for(dd), config)  # type: ignore[arg-type]
+                  if c["kind"] == "NetworkPolicy")["spec"]  # fmt: skip
+    kubernetes_validate.validate({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                                  "metadata": {"name": "p"}, "spec": policy}, "1.30", strict=True)  # fmt: skip
+    for role in Role:
+        engine = _pod_labels(dd, role)
+        assert _selects(policy["podSelector"], engine), role
+        assert _selects(pool, engine), role
+        assert _selects(policy["ingress"][0]["from"][0]["podSelector"], router_pod)  # the router reaches the engines
+    assert not _selects(policy["podSelector"], router_pod)
+    assert not _selects(pool, router_pod)
+    # an engine spanning nodes: its leader serves the API and is in the pool; its workers serve none
+    big = document("vllm/deepseek-v3-h200-two-node-prefill", inferencePool={"enabled": True, "endpointPicker": "epp"})
+    big_dd = parse_deployment(big)
+    [group] = [c for c in children(big_dd, UID, verdict_for(big_dd), config)  # type: ignore[arg-type]
+               if c["kind"] == "LeaderWorkerSet"]  # fmt: skip
+    templates = group["spec"]["leaderWorkerTemplate"]
+    big_pool = next(o for o in optional_children(big_dd, UID, config) if o["kind"] == "InferencePool")["spec"]
+    assert _selects(big_pool["selector"], templates["leaderTemplate"]["metadata"]["labels"])
+    assert not _selects(big_pool["selector"], templates["workerTemplate"]["metadata"]["labels"])
+    # without spec.inferencePool the engines' pods are as before (no label: no rollout of existing deployments)
+    plain = parse_deployment(document())
+    assert "kvbridge.io/inference-pool" not in _pod_labels(plain, Role.PREFILL)
 
 
 def test_a_hugging_face_source_pins_the_revision_and_serves_under_the_models_name() -> None:

@@ -41,6 +41,9 @@ LABEL_LLM_D_ROLE = "llm-d.ai/role"
 #: the label LWS puts on every pod of a group: its index in the group (the leader's is 0)
 LABEL_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 LABEL_POD_GROUP = "scheduling.x-k8s.io/pod-group"
+#: on the pods that serve a deployment's model API (single-pod engines, the leaders of multi-node groups) when
+#: spec.inferencePool is on: what the InferencePool selects, so the router's pods and headless workers are not in it
+LABEL_INFERENCE_POOL = "kvbridge.io/inference-pool"
 
 # -- annotations ----------------------------------------------------------------------------------------------------
 #: the deployment's spec.<role>.replicas last written into the role's spec.replicas (so a change is seen once)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 
 from kvbridge_agent.core import Problem, Role
-from kvbridge_operator.api.names import LABEL_WORKER_INDEX, LWS_API, LWS_KIND
+from kvbridge_operator.api.names import LABEL_INFERENCE_POOL, LABEL_WORKER_INDEX, LWS_API, LWS_KIND
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import MAX_NODES, DisaggregatedDeploymentSpec, EngineDevice, EngineKind
 
@@ -94,6 +94,7 @@ def group_templates(template: Obj, nodes: int) -> tuple[Obj, Obj]:
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 engine.pop(probe, None)
             pod["spec"]["containers"] = [c for c in pod["spec"]["containers"] if c["name"] == "engine"]
+            pod["metadata"].get("labels", {}).pop(LABEL_INFERENCE_POOL, None)  # serves no API: not in the pool
     return leader, worker
 
 

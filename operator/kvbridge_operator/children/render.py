@@ -25,6 +25,7 @@ from kvbridge_operator.api.names import (
     LABEL_API_ACCESS,
     LABEL_DEPLOYMENT,
     LABEL_FINGERPRINT,
+    LABEL_INFERENCE_POOL,
     LABEL_LLM_D_ROLE,
     LABEL_PAIRING,
     LABEL_REVISION,
@@ -143,6 +144,8 @@ def pod_template(
                                                   side_channel, _keys_volume(dd))  # fmt: skip
         if config.routing_sidecar_image or spec.inference_pool.enabled:
             labels[LABEL_LLM_D_ROLE] = role.value.lower()  # what llm-d's scheduler selects prefill/decode pods by
+        if spec.inference_pool.enabled:
+            labels[LABEL_INFERENCE_POOL] = dd.metadata.name  # what the InferencePool selects: engines only
     else:
         containers, volumes = (
             [_agent_container(dd, role, plan, config, side_channel)],
@@ -262,7 +265,7 @@ def secret(dd: DisaggregatedDeployment, uid: str) -> Obj:
 
 
 def network_policy(dd: DisaggregatedDeployment, uid: str, config: OperatorConfig) -> Obj:
-    """Ingress to every pod of the deployment: any port from the deployment's own pods (the side channel, and
+    """Ingress to every engine pod of the deployment: any port from the deployment's own pods (the side channel, and
     NIXL/UCX, which connects to ports the rank processes pick at run time), and the HTTP API port only from pods
     of the same namespace or of namespaces labelled ``kvbridge.io/api-access: allowed`` (the HTTP API has no
     authentication: it is for the router). Everything else is dropped where policies are enforced."""
@@ -273,7 +276,9 @@ def network_policy(dd: DisaggregatedDeployment, uid: str, config: OperatorConfig
         "metadata": child_metadata(network_policy_name(name), dd.metadata.namespace or "default",
                               {LABEL_DEPLOYMENT: name}, owner_reference(dd, uid)),
         "spec": {
-            "podSelector": {"matchLabels": {LABEL_DEPLOYMENT: name}},
+            # the engines' pods (they carry a role; the router's pods do not, and are not fenced by this policy)
+            "podSelector": {"matchLabels": {LABEL_DEPLOYMENT: name},
+                            "matchExpressions": [{"key": LABEL_ROLE, "operator": "Exists"}]},
             "policyTypes": ["Ingress"],
             "ingress": [
                 {"from": [{"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: name}}}]},

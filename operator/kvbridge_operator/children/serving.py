@@ -16,6 +16,7 @@ from kvbridge_operator.api.names import (
     INFERENCE_POOL_API,
     LABEL_COMPONENT,
     LABEL_DEPLOYMENT,
+    LABEL_INFERENCE_POOL,
     MANAGED_BY,
     router_name,
 )
@@ -109,8 +110,9 @@ def inference_pool_children(dd: DisaggregatedDeployment, uid: str, config: Opera
             "apiVersion": INFERENCE_POOL_API, "kind": "InferencePool",
             "metadata": child_metadata(name, namespace, labels, owner),
             "spec": {
-                # both roles' pods; llm-d's P/D scheduler tells them apart by llm-d.ai/role
-                "selector": {"matchLabels": {LABEL_DEPLOYMENT: name}},
+                # both roles' serving pods (not the router's, not multi-node workers); llm-d's P/D scheduler tells
+                # them apart by llm-d.ai/role
+                "selector": {"matchLabels": {LABEL_INFERENCE_POOL: name}},
                 "targetPorts": [{"number": config.agent_http_port}],
                 "endpointPickerRef": {"name": pool.endpoint_picker, "kind": "Service",
                                       "port": {"number": pool.endpoint_picker_port}, "failureMode": "FailClose"},

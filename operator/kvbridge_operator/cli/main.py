@@ -12,9 +12,19 @@ from pathlib import Path
 from kvbridge_agent.core import KVBridgeError
 from kvbridge_operator import __version__
 from kvbridge_operator.api.names import KIND
+from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.children import placement
 from kvbridge_operator.cli.manifests import read_documents, source_name
-from kvbridge_operator.cli.plan_report import entries, plan_document, render_text, selected_ranks
+from kvbridge_operator.cli.plan_report import (
+    DocumentPlan as PlannedDocument,
+)
+from kvbridge_operator.cli.plan_report import (
+    entries,
+    invalid_entry,
+    plan_document,
+    render_text,
+    selected_ranks,
+)
 
 EXIT_OK = 0
 EXIT_INCOMPATIBLE = 1
@@ -40,15 +50,22 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"kvbridge plan: error: {exc.message}", file=sys.stderr)
         return EXIT_INVALID
     documents, invalid = [], 0
+    order: list[PlannedDocument | Obj] = []  # in input order: a planned document, or an invalid one's entry
     for item in read:
+        for warning in item.warnings:
+            print(f"kvbridge plan: warning: {item.label}: {warning}", file=sys.stderr)
         if item.skipped:
             print(f"kvbridge plan: {item.label}: skipped, a {item.skipped} (not a {KIND})", file=sys.stderr)
         elif item.error is not None:
             invalid += 1
             field = f" [{item.error.field}]" if item.error.field and item.error.field not in item.error.message else ""
             print(f"kvbridge plan: error: {item.error.message}{field}", file=sys.stderr)
+            order.append(invalid_entry(item.label, item.name, item.error))
         elif item.deployment is not None:
-            documents.append(plan_document(placement.with_gpus_per_node(item.deployment, args.gpus_per_node)))
+            planned = plan_document(placement.with_gpus_per_node(item.deployment, args.gpus_per_node),
+                                    warnings=item.warnings)  # fmt: skip
+            documents.append(planned)
+            order.append(planned)
     if not documents and not invalid:
         print(f"kvbridge plan: error: {source_name(args.file)}: no {KIND} documents found", file=sys.stderr)
         return EXIT_INVALID
@@ -57,8 +74,13 @@ def _plan(args: argparse.Namespace) -> int:
     except KVBridgeError as exc:
         print(f"kvbridge plan: error: {exc.message}", file=sys.stderr)
         return EXIT_INVALID
-    if args.json and documents:
-        out = [entry for doc, r in zip(documents, ranks, strict=True) for entry in entries(doc, r)]
+    if args.json and order:
+        rank_of = {id(doc): r for doc, r in zip(documents, ranks, strict=True)}
+        out = [
+            entry
+            for item in order
+            for entry in (entries(item, rank_of[id(item)]) if isinstance(item, PlannedDocument) else [item])
+        ]
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
     elif documents:
@@ -149,14 +171,14 @@ def _router(args: argparse.Namespace) -> int:
               "FILE (a deployment's YAML or JSON, re-read when it changes)", file=sys.stderr)  # fmt: skip
         return EXIT_INVALID
     limits = {"--prefill-timeout": args.prefill_timeout, "--decode-timeout": args.decode_timeout,
-              "--prefill-attempts": args.prefill_attempts}  # fmt: skip
+              "--prefill-attempts": args.prefill_attempts, "--body-timeout": args.body_timeout}  # fmt: skip
     problems = [f"{flag} must be positive, got {value}" for flag, value in limits.items() if value <= 0]
     if problems:
         print(f"kvbridge router: error: {'; '.join(problems)}", file=sys.stderr)
         return EXIT_INVALID
     config = RouterConfig(prefill_timeout=args.prefill_timeout, decode_timeout=args.decode_timeout,
                           decode_idle_timeout=min(args.decode_timeout, 60.0),
-                          prefill_attempts=args.prefill_attempts)  # fmt: skip
+                          prefill_attempts=args.prefill_attempts, body_timeout=args.body_timeout)  # fmt: skip
     router = Router(config)
 
     async def main() -> None:
@@ -292,6 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "chunks)")  # fmt: skip
     router.add_argument("--prefill-attempts", type=int, default=3,
                         help="prefill pods tried per request when one fails (default 3)")  # fmt: skip
+    router.add_argument(
+        "--body-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a request's body may take to arrive; a client that stalls gets 408 (default 10)",
+    )
     router.add_argument("--api-server", default="", help="Kubernetes API URL of a local emulator")
     router.add_argument("--kubeconfig", default="", help="kubeconfig (default: KUBECONFIG, in-cluster, ~/.kube/config)")
     router.add_argument("--context", default="", help="kubeconfig context")

@@ -97,6 +97,19 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    """An integer; one too long for Python to read (over 4300 digits) is a YAML error at its place, not a crash."""
+    try:
+        return int(yaml.constructor.SafeConstructor.construct_yaml_int(loader, node))
+    except ValueError as exc:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"an integer of {len(str(node.value))} characters is too long to read", node.start_mark
+        ) from exc
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+
 def _yaml_error(exc: yaml.YAMLError, source: str) -> ManifestError:
     mark = getattr(exc, "problem_mark", None)
     where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -145,11 +158,31 @@ class Document:
     deployment: DisaggregatedDeployment | None = None
     skipped: str = ""
     error: ManifestError | None = None
+    name: str = ""  # metadata.name, where the document has one
+    warnings: tuple[str, ...] = ()
+
+
+#: the top-level fields of a custom resource; the API server drops any other (kubectl warns of them)
+TOP_LEVEL_FIELDS = ("apiVersion", "kind", "metadata", "spec", "status")
+
+
+def unknown_fields(document: Any) -> tuple[str, ...]:
+    """What a document says at its top level that the API server would drop without a word."""
+    if not isinstance(document, dict):
+        return ()
+    return tuple(f"unknown top-level field {key!r} is ignored (a DisaggregatedDeployment has "
+                 f"{', '.join(TOP_LEVEL_FIELDS)})" for key in document if key not in TOP_LEVEL_FIELDS)  # fmt: skip
+
+
+def _name(document: Any) -> str:
+    metadata = document.get("metadata") if isinstance(document, dict) else None
+    name = metadata.get("name") if isinstance(metadata, dict) else None
+    return name if isinstance(name, str) else ""
 
 
 def _label(source: str, index: int, document: Any) -> str:
-    name = document.get("metadata", {}).get("name") if isinstance(document, dict) else None
-    return f"{source}: document {index}" + (f" ({name})" if isinstance(name, str) else "")
+    name = _name(document)
+    return f"{source}: document {index}" + (f" ({name})" if name else "")
 
 
 def read_documents(path: str) -> list[Document]:
@@ -166,11 +199,13 @@ def read_documents(path: str) -> list[Document]:
                 if isinstance(kind, str) and kind != KIND:
                     found.append(Document(label, skipped=f"{document.get('apiVersion', '?')} {kind}"))
                     continue
+                name = _name(document)
                 try:
-                    found.append(Document(label, deployment=parse_deployment(document)))
+                    found.append(Document(label, deployment=parse_deployment(document), name=name,
+                                          warnings=unknown_fields(document)))  # fmt: skip
                 except SpecError as exc:
                     found.append(Document(label, error=ManifestError(f"{label}: {exc.message}", field=exc.field,
-                                                                     code=exc.code)))  # fmt: skip
+                                                                     code=exc.code), name=name))  # fmt: skip
         except ManifestError as exc:
             if index:  # the documents before the error were read; say where reading stopped
                 where = f"{source}: documents from {index + 1} on"

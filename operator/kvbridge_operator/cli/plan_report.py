@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge_agent.core import Problem, Role, SpecError, TransferPlan
+from kvbridge_agent.core import KVBridgeError, Problem, Role, SpecError, TransferPlan
 from kvbridge_operator.api.spec import DisaggregatedDeployment, EngineKind
 from kvbridge_operator.children import multinode
 from kvbridge_operator.children import vllm_engine as vllm
@@ -29,17 +29,27 @@ class DocumentPlan:
     problems: tuple[Problem, ...]
     #: for an incompatible document: field changes that make it compatible (checked), when the search finds some
     fix: Fix | None = None
+    #: what the manifest says that the API server would drop (unknown top-level fields)
+    warnings: tuple[str, ...] = ()
 
     @property
     def compatible(self) -> bool:
         return self.plan is not None
 
 
-def plan_document(deployment: DisaggregatedDeployment) -> DocumentPlan:
+def plan_document(deployment: DisaggregatedDeployment, warnings: tuple[str, ...] = ()) -> DocumentPlan:
     result = verdict_for(deployment)
     if isinstance(result, list):
-        return DocumentPlan(deployment.metadata.name, deployment, None, tuple(result), suggested_fix(deployment))
-    return DocumentPlan(deployment.metadata.name, deployment, result, ())
+        return DocumentPlan(deployment.metadata.name, deployment, None, tuple(result), suggested_fix(deployment),
+                            warnings)  # fmt: skip
+    return DocumentPlan(deployment.metadata.name, deployment, result, (), warnings=warnings)
+
+
+def invalid_entry(label: str, name: str, error: KVBridgeError) -> dict[str, object]:
+    """The JSON object of a document that is not a valid DisaggregatedDeployment: like an incompatible plan's, with
+    ``invalid: true`` and the document's place (``name`` is null where the document has none)."""
+    return {"name": name or None, "document": label, "compatible": False, "invalid": True,
+            "problems": [{"code": error.code, "field": error.field, "message": error.message}]}  # fmt: skip
 
 
 def selected_ranks(document: DocumentPlan, decode_rank: int | None, all_ranks: bool) -> list[int]:
@@ -78,6 +88,8 @@ def entries(document: DocumentPlan, ranks: Iterable[int]) -> list[dict[str, obje
             if document.deployment.spec.engine.kind is EngineKind.VLLM:
                 entry["vllm"] = vllm_engines(document)
             result.append(entry)
+        if document.warnings:
+            entry["warnings"] = list(document.warnings)
     return result
 
 

@@ -1,0 +1,169 @@
+"""What the router admits: a request is read and checked before any prefill, so bad input costs no engine work.
+
+Each refusal is a :class:`RefusedError` with an HTTP status, a stable code, the offending parameter and a message; the
+proxy answers it in OpenAI's error shape. Checked, in order: the media type and charset (415), the declared size
+(413, before a byte is read), a body that stalls (408), the size read (413), JSON syntax and nesting (400), then the
+OpenAI fields the router itself relies on (400): ``prompt`` or ``messages``, ``stream``, ``max_tokens`` and
+``max_completion_tokens``, ``model``, ``n``, and that the client does not set ``kv_transfer_params``. Fields the
+router does not read are the engines' to judge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from kvbridge_operator.api.objects import Obj
+
+#: deeper JSON than this is refused (an OpenAI request nests a few levels: messages, content parts, tool schemas)
+MAX_DEPTH = 64
+JSON_TYPES = ("application/json",)
+CHARSETS = ("utf-8", "utf8")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = 16 << 20
+    #: seconds the whole body may take to arrive once the headers did (a client that stalls gets 408)
+    body_timeout: float = 10.0
+
+
+class RefusedError(Exception):
+    """A request the router does not send on."""
+
+    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.param = status, code, message, param
+
+
+async def admit(request: web.Request, route: str, limits: Limits) -> Obj:
+    """The request's body, read within the limits and checked for what ``route`` (``completions`` or ``chat``)
+    needs; raises :class:`RefusedError`."""
+    _media_type(request)
+    declared = request.content_length
+    if declared is not None and declared > limits.max_body_bytes:
+        raise RefusedError(
+            413, "TOO_LARGE", f"the request body ({declared} bytes) exceeds {limits.max_body_bytes} bytes"
+        )
+    announced = f"{declared if declared is not None else 'unknown'} bytes announced"
+    try:
+        raw = await asyncio.wait_for(request.read(), timeout=limits.body_timeout)
+    except TimeoutError:
+        raise RefusedError(408, "BODY_TIMEOUT", f"the request body did not arrive within {limits.body_timeout:g} s "
+                           f"({announced})") from None  # fmt: skip
+    except (ConnectionResetError, aiohttp.ClientPayloadError):  # the client left (or broke off) mid-body
+        raise RefusedError(400, "BODY_INCOMPLETE", f"the client closed the connection before the body arrived "
+                           f"({announced})") from None  # fmt: skip
+    except web.HTTPRequestEntityTooLarge:
+        raise RefusedError(413, "TOO_LARGE", f"the request body exceeds {limits.max_body_bytes} bytes") from None
+    body = _parse(raw)
+    check_fields(body, route)
+    return body
+
+
+def _media_type(request: web.Request) -> None:
+    kind = request.content_type  # aiohttp: application/octet-stream when the header is absent
+    if request.headers.get("Content-Type") and kind not in JSON_TYPES and not kind.endswith("+json"):
+        raise RefusedError(415, "UNSUPPORTED_MEDIA_TYPE",
+                           f"the request body must be JSON (Content-Type: application/json), not {kind}")  # fmt: skip
+    charset = (request.charset or "utf-8").lower()
+    if charset not in CHARSETS:
+        raise RefusedError(
+            415, "UNSUPPORTED_MEDIA_TYPE", f"the request body must be UTF-8 JSON, not charset {charset!r}"
+        )
+
+
+def _parse(raw: bytes) -> Obj:
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise RefusedError(400, "INVALID_JSON", f"the request body nests deeper than {MAX_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RefusedError(400, "INVALID_JSON", f"the request body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RefusedError(400, "INVALID_REQUEST", "the request body must be a JSON object")
+    if _depth_exceeds(body, MAX_DEPTH):
+        raise RefusedError(400, "INVALID_JSON", f"the request body nests deeper than {MAX_DEPTH} levels")
+    return body
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether containers nest deeper than ``limit`` (iterative: no recursion on hostile input)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        current, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = current.values() if isinstance(current, dict) else current
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
+
+
+def check_fields(body: Obj, route: str) -> None:
+    """The OpenAI fields the router relies on have the types OpenAI's API gives them."""
+    if "kv_transfer_params" in body:
+        raise RefusedError(400, "INVALID_REQUEST", "kv_transfer_params is the router's to set, not the client's",
+                      "kv_transfer_params")  # fmt: skip
+    if route == "chat":
+        _messages(body.get("messages"))
+    else:
+        _prompt(body.get("prompt"))
+    if "model" in body and not isinstance(body["model"], str):
+        raise RefusedError(400, "INVALID_REQUEST", "model must be a string", "model")
+    if "stream" in body and body["stream"] is not None and not isinstance(body["stream"], bool):
+        raise RefusedError(400, "INVALID_REQUEST", f"stream must be true or false, not {json.dumps(body['stream'])}",
+                      "stream")  # fmt: skip
+    for name in ("max_tokens", "max_completion_tokens"):
+        if body.get(name) is not None and not _positive_int(body[name]):
+            raise RefusedError(400, "INVALID_REQUEST", f"{name} must be a positive integer, not {_shown(body[name])}",
+                          name)  # fmt: skip
+    if body.get("n") is not None and body["n"] != 1:
+        raise RefusedError(400, "INVALID_REQUEST", "n must be 1: each request is prefilled once and decoded once", "n")
+    if "stream_options" in body and body["stream_options"] is not None and not isinstance(body["stream_options"],
+                                                                                        dict):  # fmt: skip
+        raise RefusedError(400, "INVALID_REQUEST", "stream_options must be an object", "stream_options")
+
+
+def _prompt(prompt: Any) -> None:
+    """A non-empty string, a non-empty list of token ids, or one prompt in a list (P/D prefills one prompt)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return
+    if isinstance(prompt, list) and prompt and all(_token(t) for t in prompt):
+        return
+    if prompt is None:
+        raise RefusedError(400, "INVALID_REQUEST", "prompt is required: a string or a list of token ids", "prompt")
+    raise RefusedError(400, "INVALID_REQUEST", "prompt must be a non-empty string or a non-empty list of token ids "
+                  "(one prompt per request)", "prompt")  # fmt: skip
+
+
+def _messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise RefusedError(400, "INVALID_REQUEST", "messages must be a non-empty list", "messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RefusedError(400, "INVALID_REQUEST", f"messages[{index}] must be an object with a string role",
+                          f"messages[{index}]")  # fmt: skip
+        content = message.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise RefusedError(400, "INVALID_REQUEST", f"messages[{index}].content must be a string or a list of parts",
+                          f"messages[{index}].content")  # fmt: skip
+
+
+def _token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
