@@ -6,7 +6,11 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
-SOURCES = [ROOT / "agent" / "kvbridge_agent", ROOT / "operator" / "kvbridge_operator"]
+SOURCES = [
+    ROOT / "agent" / "kvbridge_agent",
+    ROOT / "operator" / "kvbridge_operator",
+    ROOT / "operator" / "kvbridge_router",
+]
 CODE_PATTERNS = [
     re.compile(r'\bcode\s*=\s*"([A-Z][A-Z0-9_]+)"'),  # code="X" arguments and class attributes
     re.compile(r'^([A-Z][A-Z0-9_]+)\s*=\s*"\1"\s*$', re.MULTILINE),  # NAME = "NAME" constants
@@ -14,6 +18,7 @@ CODE_PATTERNS = [
     re.compile(r'_error\(\s*"([A-Z][A-Z0-9_]+)"'),  # HTTP error bodies
     re.compile(r'get\("code",\s*"([A-Z][A-Z0-9_]+)"\)'),  # defaults for codes from elsewhere
     re.compile(r'RouteError\(\s*\w+,\s*"([A-Z][A-Z0-9_]+)"'),  # the router's errors
+    re.compile(r'RefusedError\(\s*\d+,\s*"([A-Z][A-Z0-9_]+)"'),  # what the router does not admit
     re.compile(r'\("([A-Z][A-Z0-9_]+)", 50[24]\)'),  # the router's decode errors
 ]
 

@@ -410,3 +410,29 @@ def test_kvbridge_on_cpu_refuses_replicated_heads() -> None:
     assert ("VLLM_KVBRIDGE_REPLICATED_HEADS", "spec.prefill.tensorParallelSize") in {
         (p.code, p.field) for p in problems
     }
+
+
+def test_the_advice_for_a_prefill_conversion_does_not_loop() -> None:
+    """On GPUs the prefill-side conversion's advice was 'or connector: KVBridge', which is then refused (KVBridge on
+    GPUs) with advice back to Nixl: every suggestion must lead somewhere that passes."""
+    doc = document("llama3-8b-hetero-tp")
+    doc["spec"]["prefill"]["blockSize"] = 32
+    [problem] = [p for p in verdict(doc) if p.code == "VLLM_PREFILL_CONVERSION"]
+    assert "KVBridge" not in problem.message
+    assert "spec.prefill.blockSize: 16" in problem.message
+    doc["spec"]["prefill"]["blockSize"] = 16
+    assert not isinstance(verdict(doc), list)  # the advice, applied, passes
+    on_cpu = document("tiny-cpu")
+    on_cpu["spec"]["prefill"]["blockSize"], on_cpu["spec"]["decode"]["blockSize"] = 64, 32
+    [cpu_problem] = [p for p in verdict(on_cpu) if p.code == "VLLM_PREFILL_CONVERSION"]
+    assert "spec.engine.connector: KVBridge" in cpu_problem.message  # where kvbridge's connector runs, it converts
+    on_cpu["spec"]["engine"]["connector"] = "KVBridge"
+    assert not isinstance(verdict(on_cpu), list)
+
+
+def test_messages_speak_of_the_product_not_of_where_it_was_built() -> None:
+    doc = document("llama3-8b-hetero-tp")
+    doc["spec"]["engine"]["connector"] = "KVBridge"
+    [problem] = [p for p in verdict(doc) if p.code == "VLLM_KVBRIDGE_GPU"]
+    assert "here" not in problem.message
+    assert "spec.engine.connector: Nixl" in problem.message

@@ -99,9 +99,17 @@ class RoleSpec(RoleSettings):
         default_factory=RolloutSpec,
         description="How the role rolls in place when old and new pods of both roles are compatible (else blue/green).",
     )
+    extra_args: list[str] = Field(
+        default_factory=list, max_length=64,
+        description="VLLM only: arguments appended to `vllm serve` for this role's engines, after "
+        "spec.engine.extraArgs; checked like them.",
+    )  # fmt: skip
     template: dict[str, Any] = Field(
-        default_factory=dict, description="Optional PodTemplateSpec overlay (image, resources, nodeSelector, ...)."
-    )
+        default_factory=dict,
+        description="Optional PodTemplateSpec overlay (image, resources, nodeSelector, tolerations, sidecars, ...); "
+        "what kvbridge renders from the checked plan (the engine's command, args, managed env and ports, kvbridge "
+        "labels, GPUs) may not be overridden.",
+    )  # fmt: skip
 
     def settings(self) -> RoleSettings:
         """The settings that the compatibility rules look at."""

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from kvbridge_agent.core import Problem, TransferPlan, plan_or_problems
 from kvbridge_operator.api.spec import DisaggregatedDeployment, EngineKind
-from kvbridge_operator.children import multinode, placement
+from kvbridge_operator.children import multinode, placement, templates
 from kvbridge_operator.children import vllm_engine as vllm
 
 
 def verdict_for(dd: DisaggregatedDeployment) -> TransferPlan | list[Problem]:
     spec = dd.spec
     result = plan_or_problems(spec.model, spec.prefill.settings(), spec.decode.settings(), spec.transfer)
-    more = [*multinode.problems(spec), *placement.problems(spec)]
+    more = [*multinode.problems(spec), *placement.problems(spec), *templates.problems(spec)]
     if spec.engine.kind is EngineKind.VLLM:
         more += vllm.problems(spec)
     if more:

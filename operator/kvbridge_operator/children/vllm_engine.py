@@ -145,23 +145,25 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     """What vLLM (its NixlConnector, its CPU attention) cannot run of a spec, beyond the compatibility rules;
     reported together with them (the conversions are looked at wherever the wire format is defined)."""
     found: list[Problem] = []
-    for arg in spec.engine.extra_args:
+    given = [("spec.engine.extraArgs", arg) for arg in spec.engine.extra_args]
+    given += [(f"spec.{role.value}.extraArgs", arg) for role in Role for arg in spec.role(role).extra_args]
+    for where, arg in given:
         name = argument_name(arg)
         if spec.model.source and name in SOURCE_ARGUMENTS:
             found.append(Problem(
-                VLLM_MANAGED_ARGUMENT, "spec.engine.extraArgs",
+                VLLM_MANAGED_ARGUMENT, where,
                 f"{arg.split('=', 1)[0]} is set by kvbridge from spec.model.source and spec.model.name; remove it "
                 "from extraArgs (pin a revision with source: hf://ORG/NAME@REVISION)",
             ))  # fmt: skip
         elif name in MANAGED_ARGUMENTS:
             found.append(Problem(
-                VLLM_MANAGED_ARGUMENT, "spec.engine.extraArgs",
+                VLLM_MANAGED_ARGUMENT, where,
                 f"{arg.split('=', 1)[0]} is set by kvbridge from the spec (it must agree with the compatibility "
                 f"plan); remove it from extraArgs and set {MANAGED_BY_FIELD[name]} instead",
             ))  # fmt: skip
         elif name in UNMODELLED_ARGUMENTS:
             found.append(Problem(
-                VLLM_UNMODELLED_ARGUMENT, "spec.engine.extraArgs",
+                VLLM_UNMODELLED_ARGUMENT, where,
                 f"{arg.split('=', 1)[0]} {UNMODELLED_ARGUMENTS[name]}, which kvbridge's plan, GPU requests and "
                 "compatibility rules do not model; remove it from extraArgs",
             ))  # fmt: skip
@@ -170,8 +172,8 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     elif uses_kvbridge(spec):
         found.append(Problem(
             VLLM_KVBRIDGE_GPU, "spec.engine.connector",
-            "KVBridgeConnector has run only with vLLM's CPU build so far (no GPU here to prove it on vLLM's GPU "
-            "cache layouts); set spec.engine.connector: Nixl, or spec.engine.device: CPU",
+            "this release of kvbridge supports KVBridgeConnector on vLLM's CPU build only (its reads of vLLM's GPU "
+            "cache layouts are not yet verified); set spec.engine.connector: Nixl, or spec.engine.device: CPU",
         ))  # fmt: skip
     prefill, decode = spec.prefill.settings(), spec.decode.settings()
     if wire_format_defined(spec.model, prefill, decode) and not uses_kvbridge(spec):  # kvbridge converts on both
@@ -181,7 +183,8 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
                 VLLM_PREFILL_CONVERSION, f"spec.prefill.{where}",
                 f"the plan needs the prefill side to {step.kind.value} ({step.source} -> {step.target}), which "
                 "vLLM's NixlConnector cannot do (only the decode side re-lays blocks there); set "
-                f"spec.prefill.{where}: {step.target}, or spec.engine.connector: KVBridge",
+                f"spec.prefill.{where}: {step.target}"
+                + (", or spec.engine.connector: KVBridge" if on_cpu(spec) else ""),
             ))  # fmt: skip
     return found
 
@@ -336,6 +339,7 @@ def engine(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: 
         # a block that prefill re-lays for the wire no longer matches its prefix-cache hash
         *(["--no-enable-prefix-caching"] if role is Role.PREFILL and plan.wire.steps(Role.PREFILL) else []),
         *spec.engine.extra_args,
+        *role_spec.extra_args,
     ]  # fmt: skip
     env = {
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.transfer.side_channel_port),

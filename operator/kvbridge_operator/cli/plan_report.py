@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge_agent.core import KVBridgeError, Problem, Role, SpecError, TransferPlan
+from kvbridge_operator.api.names import ENGINE_CONTAINER
 from kvbridge_operator.api.spec import DisaggregatedDeployment, EngineKind
 from kvbridge_operator.children import multinode
 from kvbridge_operator.children import vllm_engine as vllm
@@ -105,7 +106,11 @@ def vllm_engines(document: DocumentPlan, config: OperatorConfig | None = None) -
         out[role.value.lower()] = {
             "command": engine.command,
             "launcher": engine.launcher,
-            "env": {**engine.env, **{k: f"<{v}>" for k, v in engine.downward.items()}},
+            "env": {
+                **engine.env,
+                **{k: f"<{v}>" for k, v in engine.downward.items()},
+                **overlay_env(document.deployment.spec.role(role).template),
+            },
             "kvTransferConfig": engine.kv_transfer_config,
         }
     return out
@@ -178,3 +183,16 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
                              f"{shlex.join(multinode.launch_args(nodes, True))}, each worker "
                              f"{shlex.join(multinode.launch_args(nodes, False))}")  # fmt: skip
     return "\n".join(lines)
+
+
+def overlay_env(template: dict[str, Any]) -> dict[str, str]:
+    """The environment a role's template overlay adds to the engine container (kvbridge's own names cannot be
+    overridden: children/templates.py), as the pod will have it; a value from elsewhere is shown as its source."""
+    found: dict[str, str] = {}
+    for container in (template.get("spec") or {}).get("containers") or []:
+        if isinstance(container, dict) and container.get("name") == ENGINE_CONTAINER:
+            for variable in container.get("env") or []:
+                if isinstance(variable, dict) and isinstance(variable.get("name"), str):
+                    source = next(iter(variable.get("valueFrom") or {}), "")
+                    found[variable["name"]] = str(variable["value"]) if "value" in variable else f"<{source}>"
+    return found
