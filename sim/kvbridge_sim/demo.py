@@ -83,7 +83,7 @@ def progress(message: str) -> None:
 
 
 def is_vllm(document: Obj) -> bool:
-    return bool((document.get("spec", {}).get("engine") or {}).get("kind") == "VLLM")
+    return bool(((document.get("spec") or {}).get("engine") or {}).get("kind", "VLLM") == "VLLM")  # VLLM: the default
 
 
 def documents(files: list[str] | None, num_layers: int, engine: str = "vllm") -> list[Obj]:

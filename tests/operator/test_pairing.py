@@ -64,7 +64,7 @@ def test_the_test_above_covers_every_role_setting() -> None:
     [
         ("model__name", "other"), ("model__numLayers", 16), ("model__numKVHeads", 4), ("model__headDim", 64),
         ("model__kvCacheDtype", "fp8_e4m3"), ("model__attention", "MLA"), ("model__cacheKind", "BlocksFirst"),
-        ("transfer__conversion", "Off"), ("transfer__backends", ["UCX", "LIBFABRIC"]), ("engine__kind", "VLLM"),
+        ("transfer__conversion", "Off"), ("transfer__backends", ["UCX", "LIBFABRIC"]), ("engine__kind", "Agent"),
         ("engine__device", "CPU"),
     ],
 )  # fmt: skip

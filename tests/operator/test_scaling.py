@@ -198,7 +198,15 @@ def vllm_metric_names() -> set[str]:
     return set(re.findall(r'name="(vllm:[a-z_]+)"', text))
 
 
-ROLE_NAMES = {f"llama3-8b-{role.value}": role for role in Role}
+#: the deployment the autoscaling examples scale: vLLM engines, whose metrics they read
+SCALED = yaml.safe_load((ROOT / "examples" / "vllm" / "llama3-8b-hetero-tp.yaml").read_text())
+ROLE_NAMES = {f"{SCALED['metadata']['name']}-{role.value}": role for role in Role}
+
+
+def test_the_autoscaling_examples_scale_a_vllm_deployment() -> None:
+    assert SCALED["spec"]["engine"]["kind"] == "VLLM"  # the metrics they read are vLLM's
+    for name in ("hpa.yaml", "keda-scaledobject.yaml"):
+        assert SCALED["metadata"]["name"] in (ROOT / "examples" / "autoscaling" / name).read_text()
 
 
 def test_the_role_resource_is_a_scale_target() -> None:
@@ -241,5 +249,5 @@ def test_the_keda_example_has_what_kedas_schema_requires_and_queries_one_role_ea
             assert pods is not None
             role = ROLE_NAMES[target["name"]]
             other = Role.DECODE if role is Role.PREFILL else Role.PREFILL
-            assert re.fullmatch(pods.group(1), f"llama3-8b-{role.value}-0")
-            assert not re.fullmatch(pods.group(1), f"llama3-8b-{other.value}-0")
+            assert re.fullmatch(pods.group(1), f"{SCALED['metadata']['name']}-{role.value}-0")
+            assert not re.fullmatch(pods.group(1), f"{SCALED['metadata']['name']}-{other.value}-0")

@@ -25,7 +25,7 @@ def minimal() -> dict[str, object]:
 def test_defaults_follow_operator_md() -> None:
     dd = parse_deployment(minimal())
     spec = dd.spec
-    assert spec.engine.kind is EngineKind.AGENT
+    assert spec.engine.kind is EngineKind.VLLM  # the synthetic engine (Agent) is chosen explicitly
     assert (spec.transfer.side_channel_port, spec.transfer.lease_seconds) == (5600, 120)
     assert spec.transfer.handshake_timeout_seconds == 5
     assert spec.transfer.backends == ["UCX"]

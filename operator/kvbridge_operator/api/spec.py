@@ -34,7 +34,11 @@ class Connector(StrEnum):
 
 
 class EngineSpec(CamelModel):
-    kind: EngineKind = Field(default=EngineKind.AGENT, description="Agent (kvbridge agent worker) or VLLM.")
+    kind: EngineKind = Field(
+        default=EngineKind.VLLM,
+        description="VLLM (vLLM serving the model, the default) or Agent (kvbridge's synthetic engine worker: moves "
+        "real KV bytes, serves no model; for tests and benchmarks).",
+    )
     device: EngineDevice = Field(
         default=EngineDevice.GPU,
         description="GPU, or CPU (vLLM's CPU build: no GPUs requested, the KV cache in host memory, CPU attention).",

@@ -10,7 +10,7 @@ from typing import Any
 
 from kvbridge_agent.core import KVBridgeError, Problem, Role, SpecError, TransferPlan
 from kvbridge_operator.api.names import ENGINE_CONTAINER
-from kvbridge_operator.api.spec import DisaggregatedDeployment, EngineKind
+from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind
 from kvbridge_operator.children import multinode
 from kvbridge_operator.children import vllm_engine as vllm
 from kvbridge_operator.children.model_source import weights
@@ -79,13 +79,18 @@ def entries(document: DocumentPlan, ranks: Iterable[int]) -> list[dict[str, obje
                 "decodeRank": rank,
                 "compatible": False,
                 "problems": [problem.to_dict() for problem in document.problems],
+                "engine": engine_of(document.deployment.spec),
             }
             if document.fix:
                 entry["suggestedFix"] = document.fix
             result.append(entry)
         else:
-            entry = {"name": document.name, **document.plan.for_decode_rank(rank).to_dict(),
-                                        "pairing": pairing(document.deployment.spec)}  # fmt: skip
+            entry = {
+                "name": document.name,
+                **document.plan.for_decode_rank(rank).to_dict(),
+                "pairing": pairing(document.deployment.spec),
+                "engine": engine_of(document.deployment.spec),
+            }
             if document.deployment.spec.engine.kind is EngineKind.VLLM:
                 entry["vllm"] = vllm_engines(document)
             result.append(entry)
@@ -122,6 +127,23 @@ def _table(header: tuple[str, ...], rows: list[tuple[object, ...]], indent: str 
     return [indent + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
 
 
+def engine_words(spec: DisaggregatedDeploymentSpec) -> str:
+    """What runs the engines, in the plan's first line: ``vLLM on GPU, NixlConnector``, ``synthetic engine (Agent)
+    on CPU``."""
+    device = spec.engine.device.value
+    if spec.engine.kind is EngineKind.VLLM:
+        return f"vLLM on {device}, {spec.engine.connector.value}Connector"
+    return f"synthetic engine (Agent) on {device}"
+
+
+def engine_of(spec: DisaggregatedDeploymentSpec) -> dict[str, str]:
+    """The ``engine`` object of the JSON entries."""
+    found = {"kind": spec.engine.kind.value, "device": spec.engine.device.value}
+    if spec.engine.kind is EngineKind.VLLM:
+        found["connector"] = spec.engine.connector.value
+    return found
+
+
 def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
     """The human-readable report for one document."""
     spec = document.deployment.spec
@@ -129,7 +151,7 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
     head = (
         f"{document.name}: prefill TP {tp_p} / block {spec.prefill.block_size} {spec.prefill.kv_layout.value}"
         f" -> decode TP {tp_d} / block {spec.decode.block_size} {spec.decode.kv_layout.value}"
-        f" ({spec.model.name}, {spec.model.attention.value}, {spec.model.cache_kind.value})"
+        f" ({spec.model.name}, {spec.model.attention.value}, {spec.model.cache_kind.value}; {engine_words(spec)})"
     )
     if document.plan is None:
         lines = [head, f"  INCOMPATIBLE: {len(document.problems)} problem(s)"]
