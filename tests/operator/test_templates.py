@@ -164,3 +164,24 @@ def test_kvbridge_plan_prints_the_command_and_environment_the_pod_runs() -> None
     assert printed["decode"]["env"]["NCCL_DEBUG"] == "INFO"
     assert printed["decode"]["env"]["HF_HUB_TOKEN_FILE"] == "<secretKeyRef>"
     assert "NCCL_DEBUG" not in printed["prefill"]["env"]
+
+
+@pytest.mark.parametrize("connector", ["Nixl", "KVBridge"])
+def test_plan_json_gives_the_whole_environment_each_role_runs_with(connector: str) -> None:
+    """`kvbridge plan --json` has, per role, the command and the engine container's whole environment (kvbridge's
+    contract included; downward-API values named): enough to start the role outside Kubernetes."""
+    doc = document("vllm/tiny-cpu")
+    doc["spec"]["engine"]["connector"] = connector
+    dd = parse_deployment(doc)
+    plan = verdict_for(dd)
+    assert not isinstance(plan, list), plan
+    printed = vllm_engines(plan_document(dd))
+    for role in Role:
+        container = stateful_set(dd, UID, role, plan, OperatorConfig())["spec"]["template"]["spec"]["containers"][0]
+        environment = printed[role.value.lower()]["environment"]
+        assert set(environment) == {e["name"] for e in container["env"]}
+        assert environment["KVBRIDGE_ENGINE_ID"] == "<metadata.name>"
+        assert environment["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "<status.podIP>"
+        assert environment["KVBRIDGE_ROLE"] == role.value
+        assert environment["KVBRIDGE_MODEL_NAME"] == doc["spec"]["model"]["name"]
+        assert (environment["KVBRIDGE_KEYS_DIR"] != "") is (connector == "KVBridge")

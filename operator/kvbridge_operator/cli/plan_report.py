@@ -16,6 +16,7 @@ from kvbridge_operator.children import vllm_engine as vllm
 from kvbridge_operator.children.model_source import weights
 from kvbridge_operator.children.pairing import pairing
 from kvbridge_operator.children.remedy import Fix, describe, merge_patch, suggested_fix
+from kvbridge_operator.children.render import pod_template
 from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.config import OperatorConfig
 
@@ -117,8 +118,30 @@ def vllm_engines(document: DocumentPlan, config: OperatorConfig | None = None) -
                 **overlay_env(document.deployment.spec.role(role).template),
             },
             "kvTransferConfig": engine.kv_transfer_config,
+            "environment": pod_environment(document.deployment, role, document.plan, config),
         }
     return out
+
+
+def pod_environment(deployment: DisaggregatedDeployment, role: Role, plan: TransferPlan,
+                    config: OperatorConfig) -> dict[str, str]:  # fmt: skip
+    """The engine container's whole environment as the rendered pod has it (kvbridge's contract, vLLM's settings,
+    the model source's, the overlay's), read from the pod template itself: what running the role outside
+    Kubernetes needs. A value the pod takes from elsewhere is named: ``<metadata.name>``, ``<status.podIP>``
+    (downward API), ``<secretKeyRef NAME/KEY>``."""
+    template = pod_template(deployment, role, plan, config)
+    container = next(c for c in template["spec"]["containers"] if c["name"] == ENGINE_CONTAINER)
+    found: dict[str, str] = {}
+    for variable in container.get("env") or []:
+        source = variable.get("valueFrom") or {}
+        if "value" in variable:
+            found[variable["name"]] = str(variable["value"])
+        elif "fieldRef" in source:
+            found[variable["name"]] = f"<{source['fieldRef']['fieldPath']}>"
+        elif source:
+            kind, ref = next(iter(source.items()))
+            found[variable["name"]] = f"<{kind} {ref.get('name', '')}/{ref.get('key', '')}>"
+    return found
 
 
 def _table(header: tuple[str, ...], rows: list[tuple[object, ...]], indent: str = "    ") -> list[str]:
