@@ -119,11 +119,24 @@ def test_hetero_tp_arguments_environment_and_gpus() -> None:
         assert {v["name"] for v in spec["volumes"]} == {"dshm"}  # no key Secret for vLLM
 
 
-def test_mla_leaves_the_attention_backend_to_vllm() -> None:
+def test_mla_renders_flashmla_and_its_block_size_is_checked() -> None:
+    """vLLM 0.32's FlashMLA runs only 64-token blocks: kvbridge renders that backend for MLA on GPUs (instead of
+    leaving vLLM to pick another one silently) and refuses another block size before scheduling, with the fix."""
     container = engine(document("deepseek-v2-lite-mla"), Role.DECODE)
-    assert "--attention-backend" not in container["args"]
+    assert flag(container["args"], "--attention-backend") == "FLASHMLA"
     assert flag(container["args"], "--block-size") == "64"
     assert "--trust-remote-code" in container["args"]
+    doc = document("deepseek-v2-lite-mla")
+    doc["spec"]["prefill"]["blockSize"] = doc["spec"]["decode"]["blockSize"] = 16  # the default
+    problems = verdict(doc)
+    assert codes(problems) == [("VLLM_MLA_BLOCK_SIZE", "spec.prefill.blockSize"),
+                               ("VLLM_MLA_BLOCK_SIZE", "spec.decode.blockSize")]  # fmt: skip
+    assert "spec.decode.blockSize: 64" in problems[1].message
+    from kvbridge_operator.children.remedy import suggested_fix
+
+    fix = suggested_fix(parse_deployment(doc))
+    assert fix is not None
+    assert "64" in str(fix)
 
 
 def test_block_size_ratio_renders_each_side_and_the_decode_permute() -> None:

@@ -44,6 +44,11 @@ VLLM_CPU_KV_CACHE_DTYPE = "VLLM_CPU_KV_CACHE_DTYPE"
 VLLM_UNMODELLED_ARGUMENT = "VLLM_UNMODELLED_ARGUMENT"
 VLLM_KVBRIDGE_GPU = "VLLM_KVBRIDGE_GPU"
 VLLM_KVBRIDGE_REPLICATED_HEADS = "VLLM_KVBRIDGE_REPLICATED_HEADS"
+VLLM_MLA_BLOCK_SIZE = "VLLM_MLA_BLOCK_SIZE"
+#: vLLM 0.32's MLA backend kvbridge renders on GPUs, and the only block size it runs (with another, vLLM would pick
+#: another MLA backend by itself, whose cache the plan did not describe)
+MLA_BACKEND = "FLASHMLA"
+MLA_BLOCK_SIZE = 64
 
 #: arguments kvbridge sets from the spec; ``extraArgs`` naming one of them is refused
 MANAGED_ARGUMENTS = (
@@ -167,6 +172,12 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
                 f"{arg.split('=', 1)[0]} {UNMODELLED_ARGUMENTS[name]}, which kvbridge's plan, GPU requests and "
                 "compatibility rules do not model; remove it from extraArgs",
             ))  # fmt: skip
+    if not on_cpu(spec) and spec.model.is_mla:
+        found += [Problem(VLLM_MLA_BLOCK_SIZE, f"spec.{role.value}.blockSize", (
+            f"vLLM serves MLA on GPUs with its {MLA_BACKEND} backend (kvbridge renders --attention-backend "
+            f"{MLA_BACKEND}), which runs only {MLA_BLOCK_SIZE}-token blocks, and {role.value} has "
+            f"{spec.role(role).block_size}; set spec.{role.value}.blockSize: {MLA_BLOCK_SIZE}"))
+            for role in Role if spec.role(role).block_size != MLA_BLOCK_SIZE]  # fmt: skip
     if on_cpu(spec):
         found += _cpu_problems(spec)
     elif uses_kvbridge(spec):
@@ -306,11 +317,11 @@ def kv_cache_layout(spec: DisaggregatedDeploymentSpec, role_spec: RoleSpec) -> s
 
 
 def attention_backend(spec: DisaggregatedDeploymentSpec) -> str | None:
-    """``--attention-backend``: the backend whose cache layout the spec describes (MLA picks its own)."""
+    """``--attention-backend``: the backend whose cache layout the spec describes (MLA on GPUs: FlashMLA)."""
     if on_cpu(spec):
         return "CPU_ATTN"
     if spec.model.is_mla:
-        return None
+        return MLA_BACKEND  # chosen, not left to vLLM: the block size the plan checked must be one it runs
     return "FLASHINFER" if spec.model.cache_kind is CacheKind.BLOCKS_FIRST else "FLASH_ATTN"
 
 
