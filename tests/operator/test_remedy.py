@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbridge_operator.api.spec import DisaggregatedDeployment
+from kvbridge_operator.api.spec import DisaggregatedDeployment, parse_deployment
 from kvbridge_operator.children.remedy import apply_fix, suggested_fix
 from kvbridge_operator.children.verdict import verdict_for
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def manifest(name: str, **spec: Any) -> dict[str, Any]:
@@ -139,3 +143,53 @@ def test_a_suggested_fix_is_always_compatible(
         assert not isinstance(verdict_for(DisaggregatedDeployment.model_validate(apply_fix(doc, fix))), list)
     else:
         assert fix is None
+
+
+def _plan_fix(text: str) -> object:
+    return suggested_fix(parse_deployment(yaml.safe_load(text)))
+
+
+AGENT_HEAD = """apiVersion: kvbridge.io/v1alpha1
+kind: DisaggregatedDeployment
+metadata: {name: x}
+spec:
+  engine: {kind: Agent}
+"""
+
+
+def test_every_problem_named_here_gets_the_checked_fix_its_message_offers() -> None:
+    """The fix the search finds is one the message names, so the advice never points somewhere else (or loops)."""
+    from kvbridge_agent.core.compat import check_pair
+
+    fan_in = (
+        AGENT_HEAD
+        + """  model: {name: m, numLayers: 4, numKVHeads: 8, headDim: 128}
+  prefill: {tensorParallelSize: 2, blockSize: 16}
+  decode: {tensorParallelSize: 1, blockSize: 32}
+"""
+    )
+    dd = parse_deployment(yaml.safe_load(fan_in))
+    [problem] = check_pair(dd.spec.model, dd.spec.prefill.settings(), dd.spec.decode.settings(), dd.spec.transfer)
+    fix = _plan_fix(fan_in)
+    assert fix == {"spec.prefill.tensorParallelSize": 1}
+    assert "spec.prefill.tensorParallelSize: 1" in problem.message
+    mla = (
+        AGENT_HEAD
+        + """  model: {name: m, numLayers: 4, numKVHeads: 8, headDim: 576, attention: MLA}
+"""
+    )
+    assert _plan_fix(mla) == {"spec.model.numKVHeads": 1}
+    gpu = (
+        (ROOT / "examples" / "vllm" / "llama3-8b-hetero-tp.yaml")
+        .read_text()
+        .replace("kind: VLLM", "kind: VLLM\n    connector: KVBridge")
+    )
+    assert _plan_fix(gpu) == {"spec.engine.connector": "Nixl"}
+
+
+def test_no_fix_is_claimed_for_what_the_search_cannot_change() -> None:
+    """A template overlay that replaces the engine's args has no fix among the searched fields: none is claimed
+    (the message says what to remove)."""
+    doc = yaml.safe_load((ROOT / "examples" / "vllm" / "llama3-8b-hetero-tp.yaml").read_text())
+    doc["spec"]["decode"]["template"] = {"spec": {"containers": [{"name": "engine", "args": ["x"]}]}}
+    assert suggested_fix(parse_deployment(doc)) is None

@@ -190,8 +190,8 @@ def check_pair(
                 field_path(Role.DECODE, "blockSize"),
                 f"decode would merge {bs_d // bs_p} prefill blocks into each block while reading from several "
                 f"prefill ranks (prefill TP {tp_p} > decode TP {tp_d}), which is not supported: set "
-                f"spec.decode.blockSize: {bs_p} (or smaller: prefill then splits its blocks), or "
-                f"spec.decode.tensorParallelSize: {tp_p}",
+                f"spec.decode.blockSize: {bs_p} (or smaller: prefill then splits its blocks), "
+                f"spec.decode.tensorParallelSize: {tp_p}, or spec.prefill.tensorParallelSize: {tp_d}",
             )
         )
     # Rule 8: cross-layer needs HND on both sides and equal block sizes.

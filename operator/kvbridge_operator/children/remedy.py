@@ -20,10 +20,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvbridge_agent.core import Problem
-from kvbridge_agent.core.compat import CONVERSION_OFF, check_pair
+from kvbridge_agent.core.compat import CONVERSION_OFF, MLA_KV_HEADS, check_pair
 from kvbridge_agent.core.model import CacheKind, Conversion, KVCacheDtype, KVLayout
-from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind
-from kvbridge_operator.children import multinode, placement
+from kvbridge_operator.api.spec import Connector, DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind
+from kvbridge_operator.children import multinode, placement, templates
 from kvbridge_operator.children import vllm_engine as vllm
 from kvbridge_operator.children.verdict import verdict_for
 
@@ -87,7 +87,20 @@ def _fields() -> dict[str, tuple[Setter, Sequence[Any]]]:
         path, apply = _model_field(name, attribute)
         fields[path] = (apply, values)
     fields["spec.transfer.conversion"] = (_conversion, (Conversion.AUTO,))
+    # only where a problem names them (see _relevant): the one value MLA allows, the connector GPUs support
+    fields[MLA_HEADS_FIELD] = (_model_field("numKVHeads", "num_kv_heads")[1], (1,))
+    fields[CONNECTOR_FIELD] = (_connector, (Connector.NIXL,))
     return fields
+
+
+MLA_HEADS_FIELD = "spec.model.numKVHeads"
+CONNECTOR_FIELD = "spec.engine.connector"
+#: fields searched only for these problems (a model's geometry is a fact, not a setting to search, except this)
+_ONLY_FOR = {MLA_HEADS_FIELD: MLA_KV_HEADS, CONNECTOR_FIELD: vllm.VLLM_KVBRIDGE_GPU}
+
+
+def _connector(spec: DisaggregatedDeploymentSpec, value: Any) -> DisaggregatedDeploymentSpec:
+    return spec.model_copy(update={"engine": spec.engine.model_copy(update={"connector": value})})
 
 
 _FIELDS = _fields()
@@ -96,7 +109,7 @@ _FIELDS = _fields()
 def _problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     """The verdict's problems without the per-problem suggestions (cheap: no plan is built)."""
     found = check_pair(spec.model, spec.prefill.settings(), spec.decode.settings(), spec.transfer, suggestions=False)
-    found += multinode.problems(spec) + placement.problems(spec)
+    found += multinode.problems(spec) + placement.problems(spec) + templates.problems(spec)
     if spec.engine.kind is EngineKind.VLLM:
         found += vllm.problems(spec)
     return found
@@ -122,6 +135,8 @@ def _relevant(problems: Sequence[Problem]) -> list[str]:
     at_fault = {problem.field for problem in problems}
     if any(problem.code == CONVERSION_OFF for problem in problems):
         at_fault.add("spec.transfer.conversion")
+    codes = {problem.code for problem in problems}
+    at_fault = {path for path in at_fault if path not in _ONLY_FOR or _ONLY_FOR[path] in codes}
     return [*_ROLE_FIELDS, *(path for path in _FIELDS if path in at_fault and path not in _ROLE_FIELDS)]
 
 
@@ -139,7 +154,8 @@ def _moves(paths: Sequence[str], candidates: dict[str, list[Any]]) -> list[dict[
 def _settings_of(spec: DisaggregatedDeploymentSpec) -> dict[str, Any]:
     """The searched fields' current values, by path."""
     sections = {
-        name: getattr(spec, name).model_dump(by_alias=True) for name in ("prefill", "decode", "model", "transfer")
+        name: getattr(spec, name).model_dump(by_alias=True)
+        for name in ("prefill", "decode", "model", "transfer", "engine")
     }
     return {path: sections[path.split(".")[1]][path.split(".")[2]] for path in _FIELDS}
 
