@@ -1,6 +1,6 @@
 """What the router admits: a request is read and checked before any prefill, so bad input costs no engine work.
 
-Each refusal is a :class:`RefusedError` with an HTTP status, a stable code, the offending parameter and a message; the
+Each refusal is a :class:`RouteError` with an HTTP status, a stable code, the offending parameter and a message; the
 proxy answers it in OpenAI's error shape. Checked, in order: the media type and charset (415), the declared size
 (413, before a byte is read), a body that stalls (408), the size read (413), JSON syntax and nesting (400), then the
 OpenAI fields the router itself relies on (400): ``prompt`` or ``messages``, ``stream``, ``max_tokens`` and
@@ -19,6 +19,7 @@ import aiohttp
 from aiohttp import web
 
 from kvbridge_operator.api.objects import Obj
+from kvbridge_router.errors import RouteError
 
 #: deeper JSON than this is refused (an OpenAI request nests a few levels: messages, content parts, tool schemas)
 MAX_DEPTH = 64
@@ -33,34 +34,24 @@ class Limits:
     body_timeout: float = 10.0
 
 
-class RefusedError(Exception):
-    """A request the router does not send on."""
-
-    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message, self.param = status, code, message, param
-
-
 async def admit(request: web.Request, route: str, limits: Limits) -> Obj:
     """The request's body, read within the limits and checked for what ``route`` (``completions`` or ``chat``)
-    needs; raises :class:`RefusedError`."""
+    needs; raises :class:`RouteError`."""
     _media_type(request)
     declared = request.content_length
     if declared is not None and declared > limits.max_body_bytes:
-        raise RefusedError(
-            413, "TOO_LARGE", f"the request body ({declared} bytes) exceeds {limits.max_body_bytes} bytes"
-        )
+        raise RouteError(413, "TOO_LARGE", f"the request body ({declared} bytes) exceeds {limits.max_body_bytes} bytes")
     announced = f"{declared if declared is not None else 'unknown'} bytes announced"
     try:
         raw = await asyncio.wait_for(request.read(), timeout=limits.body_timeout)
     except TimeoutError:
-        raise RefusedError(408, "BODY_TIMEOUT", f"the request body did not arrive within {limits.body_timeout:g} s "
+        raise RouteError(408, "BODY_TIMEOUT", f"the request body did not arrive within {limits.body_timeout:g} s "
                            f"({announced})") from None  # fmt: skip
     except (ConnectionResetError, aiohttp.ClientPayloadError):  # the client left (or broke off) mid-body
-        raise RefusedError(400, "BODY_INCOMPLETE", f"the client closed the connection before the body arrived "
+        raise RouteError(400, "BODY_INCOMPLETE", f"the client closed the connection before the body arrived "
                            f"({announced})") from None  # fmt: skip
     except web.HTTPRequestEntityTooLarge:
-        raise RefusedError(413, "TOO_LARGE", f"the request body exceeds {limits.max_body_bytes} bytes") from None
+        raise RouteError(413, "TOO_LARGE", f"the request body exceeds {limits.max_body_bytes} bytes") from None
     body = _parse(raw)
     check_fields(body, route)
     return body
@@ -69,26 +60,24 @@ async def admit(request: web.Request, route: str, limits: Limits) -> Obj:
 def _media_type(request: web.Request) -> None:
     kind = request.content_type  # aiohttp: application/octet-stream when the header is absent
     if request.headers.get("Content-Type") and kind not in JSON_TYPES and not kind.endswith("+json"):
-        raise RefusedError(415, "UNSUPPORTED_MEDIA_TYPE",
+        raise RouteError(415, "UNSUPPORTED_MEDIA_TYPE",
                            f"the request body must be JSON (Content-Type: application/json), not {kind}")  # fmt: skip
     charset = (request.charset or "utf-8").lower()
     if charset not in CHARSETS:
-        raise RefusedError(
-            415, "UNSUPPORTED_MEDIA_TYPE", f"the request body must be UTF-8 JSON, not charset {charset!r}"
-        )
+        raise RouteError(415, "UNSUPPORTED_MEDIA_TYPE", f"the request body must be UTF-8 JSON, not charset {charset!r}")
 
 
 def _parse(raw: bytes) -> Obj:
     try:
         body = json.loads(raw)
     except RecursionError:
-        raise RefusedError(400, "INVALID_JSON", f"the request body nests deeper than {MAX_DEPTH} levels") from None
+        raise RouteError(400, "INVALID_JSON", f"the request body nests deeper than {MAX_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise RefusedError(400, "INVALID_JSON", f"the request body is not JSON: {exc}") from None
+        raise RouteError(400, "INVALID_JSON", f"the request body is not JSON: {exc}") from None
     if not isinstance(body, dict):
-        raise RefusedError(400, "INVALID_REQUEST", "the request body must be a JSON object")
+        raise RouteError(400, "INVALID_REQUEST", "the request body must be a JSON object")
     if _depth_exceeds(body, MAX_DEPTH):
-        raise RefusedError(400, "INVALID_JSON", f"the request body nests deeper than {MAX_DEPTH} levels")
+        raise RouteError(400, "INVALID_JSON", f"the request body nests deeper than {MAX_DEPTH} levels")
     return body
 
 
@@ -107,26 +96,28 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
 def check_fields(body: Obj, route: str) -> None:
     """The OpenAI fields the router relies on have the types OpenAI's API gives them."""
     if "kv_transfer_params" in body:
-        raise RefusedError(400, "INVALID_REQUEST", "kv_transfer_params is the router's to set, not the client's",
-                      "kv_transfer_params")  # fmt: skip
+        raise RouteError(400, "INVALID_REQUEST", "kv_transfer_params is the router's to set, not the client's",
+                      param="kv_transfer_params")  # fmt: skip
     if route == "chat":
         _messages(body.get("messages"))
     else:
         _prompt(body.get("prompt"))
     if "model" in body and not isinstance(body["model"], str):
-        raise RefusedError(400, "INVALID_REQUEST", "model must be a string", "model")
+        raise RouteError(400, "INVALID_REQUEST", "model must be a string", param="model")
     if "stream" in body and body["stream"] is not None and not isinstance(body["stream"], bool):
-        raise RefusedError(400, "INVALID_REQUEST", f"stream must be true or false, not {json.dumps(body['stream'])}",
-                      "stream")  # fmt: skip
+        raise RouteError(400, "INVALID_REQUEST", f"stream must be true or false, not {json.dumps(body['stream'])}",
+                      param="stream")  # fmt: skip
     for name in ("max_tokens", "max_completion_tokens"):
         if body.get(name) is not None and not _positive_int(body[name]):
-            raise RefusedError(400, "INVALID_REQUEST", f"{name} must be a positive integer, not {_shown(body[name])}",
-                          name)  # fmt: skip
+            raise RouteError(400, "INVALID_REQUEST", f"{name} must be a positive integer, not {_shown(body[name])}",
+                          param=name)  # fmt: skip
     if body.get("n") is not None and body["n"] != 1:
-        raise RefusedError(400, "INVALID_REQUEST", "n must be 1: each request is prefilled once and decoded once", "n")
+        raise RouteError(
+            400, "INVALID_REQUEST", "n must be 1: each request is prefilled once and decoded once", param="n"
+        )
     if "stream_options" in body and body["stream_options"] is not None and not isinstance(body["stream_options"],
                                                                                         dict):  # fmt: skip
-        raise RefusedError(400, "INVALID_REQUEST", "stream_options must be an object", "stream_options")
+        raise RouteError(400, "INVALID_REQUEST", "stream_options must be an object", param="stream_options")
 
 
 def _prompt(prompt: Any) -> None:
@@ -138,22 +129,22 @@ def _prompt(prompt: Any) -> None:
     if isinstance(prompt, list) and prompt and all(_token(t) for t in prompt):
         return
     if prompt is None:
-        raise RefusedError(400, "INVALID_REQUEST", "prompt is required: a string or a list of token ids", "prompt")
-    raise RefusedError(400, "INVALID_REQUEST", "prompt must be a non-empty string or a non-empty list of token ids "
-                  "(one prompt per request)", "prompt")  # fmt: skip
+        raise RouteError(400, "INVALID_REQUEST", "prompt is required: a string or a list of token ids", param="prompt")
+    raise RouteError(400, "INVALID_REQUEST", "prompt must be a non-empty string or a non-empty list of token ids "
+                  "(one prompt per request)", param="prompt")  # fmt: skip
 
 
 def _messages(messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
-        raise RefusedError(400, "INVALID_REQUEST", "messages must be a non-empty list", "messages")
+        raise RouteError(400, "INVALID_REQUEST", "messages must be a non-empty list", param="messages")
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise RefusedError(400, "INVALID_REQUEST", f"messages[{index}] must be an object with a string role",
-                          f"messages[{index}]")  # fmt: skip
+            raise RouteError(400, "INVALID_REQUEST", f"messages[{index}] must be an object with a string role",
+                          param=f"messages[{index}]")  # fmt: skip
         content = message.get("content")
         if content is not None and not isinstance(content, str | list):
-            raise RefusedError(400, "INVALID_REQUEST", f"messages[{index}].content must be a string or a list of parts",
-                          f"messages[{index}].content")  # fmt: skip
+            raise RouteError(400, "INVALID_REQUEST", f"messages[{index}].content must be a string or a list of parts",
+                          param=f"messages[{index}].content")  # fmt: skip
 
 
 def _token(value: Any) -> bool:

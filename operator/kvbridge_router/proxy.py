@@ -29,7 +29,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from kvbridge_operator.api.objects import Obj
-from kvbridge_router.admission import Limits, RefusedError, admit
+from kvbridge_router.admission import Limits, admit
+from kvbridge_router.errors import RouteError
 from kvbridge_router.metrics import RouterMetrics
 from kvbridge_router.pool import Balancer, Pool, Target
 
@@ -61,19 +62,6 @@ class RouterConfig:
     @property
     def limits(self) -> Limits:
         return Limits(self.max_body_bytes, self.body_timeout)
-
-
-class RouteError(Exception):
-    """An error the client gets, with an HTTP status and a stable code."""
-
-    def __init__(self, status: int, code: str, message: str, retry: bool = False, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message, self.retry, self.param = status, code, message, retry, param
-
-    def response(self) -> web.Response:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-        return web.json_response(body, status=self.status)
 
 
 class Router:
@@ -149,10 +137,7 @@ class Router:
         route = ROUTES[request.path]
         spent = [0.0]  # seconds inside prefill and decode calls
         try:
-            try:
-                body = await admit(request, route, self.config.limits)
-            except RefusedError as refused:
-                raise RouteError(refused.status, refused.code, refused.message, param=refused.param) from None
+            body = await admit(request, route, self.config.limits)
             request_id = request.headers.get("X-Request-Id") or f"kvb-{uuid.uuid4().hex}"
             headers = {"X-Request-Id": request_id, **{k: request.headers[k] for k in FORWARDED_HEADERS
                                                       if k in request.headers}}  # fmt: skip

@@ -18,7 +18,6 @@ CODE_PATTERNS = [
     re.compile(r'_error\(\s*"([A-Z][A-Z0-9_]+)"'),  # HTTP error bodies
     re.compile(r'get\("code",\s*"([A-Z][A-Z0-9_]+)"\)'),  # defaults for codes from elsewhere
     re.compile(r'RouteError\(\s*\w+,\s*"([A-Z][A-Z0-9_]+)"'),  # the router's errors
-    re.compile(r'RefusedError\(\s*\d+,\s*"([A-Z][A-Z0-9_]+)"'),  # what the router does not admit
     re.compile(r'\("([A-Z][A-Z0-9_]+)", 50[24]\)'),  # the router's decode errors
 ]
 

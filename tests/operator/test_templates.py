@@ -185,3 +185,30 @@ def test_plan_json_gives_the_whole_environment_each_role_runs_with(connector: st
         assert environment["KVBRIDGE_ROLE"] == role.value
         assert environment["KVBRIDGE_MODEL_NAME"] == doc["spec"]["model"]["name"]
         assert (environment["KVBRIDGE_KEYS_DIR"] != "") is (connector == "KVBridge")
+
+
+RENDERED = [(p.stem, "Nixl") for p in sorted((ROOT / "examples" / "vllm").glob("*.yaml"))] + [("tiny-cpu", "KVBridge")]
+
+
+@pytest.mark.parametrize(("example", "connector"), RENDERED)
+def test_every_variable_kvbridge_renders_is_one_an_overlay_may_not_set(example: str, connector: str) -> None:
+    """The overlay rule's list of managed names follows the renderer: nothing kvbridge sets on the engine
+    container can be overridden by a template (a new variable in the renderer must join the list)."""
+    from kvbridge_operator.children.render import children
+    from kvbridge_operator.children.templates import MANAGED_ENV, MANAGED_ENV_PREFIX
+
+    doc = document(f"vllm/{example}")
+    doc["spec"]["engine"]["connector"] = connector
+    dd = parse_deployment(doc)
+    plan = verdict_for(dd)
+    assert not isinstance(plan, list), plan
+    names = set()
+    for child in children(dd, UID, plan, OperatorConfig()):
+        spec = child["spec"]
+        group = spec.get("leaderWorkerTemplate")
+        for template in [group["leaderTemplate"], group["workerTemplate"]] if group else [spec.get("template")]:
+            for container in (template or {}).get("spec", {}).get("containers", []):
+                if container["name"] == "engine":
+                    names |= {variable["name"] for variable in container["env"]}
+    assert names  # the engine's environment was found
+    assert {n for n in names if not n.startswith(MANAGED_ENV_PREFIX) and n not in MANAGED_ENV} == set()

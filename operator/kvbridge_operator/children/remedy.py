@@ -23,9 +23,8 @@ from kvbridge_agent.core import Problem
 from kvbridge_agent.core.compat import CONVERSION_OFF, MLA_KV_HEADS, check_pair
 from kvbridge_agent.core.model import CacheKind, Conversion, KVCacheDtype, KVLayout
 from kvbridge_operator.api.spec import Connector, DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind
-from kvbridge_operator.children import multinode, placement, templates
 from kvbridge_operator.children import vllm_engine as vllm
-from kvbridge_operator.children.verdict import verdict_for
+from kvbridge_operator.children.verdict import spec_problems, verdict_for
 
 #: at most this many fields change (more is a different deployment, not a fix)
 MAX_CHANGES = 6
@@ -109,10 +108,7 @@ _FIELDS = _fields()
 def _problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     """The verdict's problems without the per-problem suggestions (cheap: no plan is built)."""
     found = check_pair(spec.model, spec.prefill.settings(), spec.decode.settings(), spec.transfer, suggestions=False)
-    found += multinode.problems(spec) + placement.problems(spec) + templates.problems(spec)
-    if spec.engine.kind is EngineKind.VLLM:
-        found += vllm.problems(spec)
-    return found
+    return found + spec_problems(spec)
 
 
 def _distance(old: Any, new: Any) -> float:

@@ -75,11 +75,11 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"kvbridge plan: error: {exc.message}", file=sys.stderr)
         return EXIT_INVALID
     if args.json and order:
-        rank_of = {id(doc): r for doc, r in zip(documents, ranks, strict=True)}
+        planned_ranks = iter(ranks)  # the planned documents come in `order` as in `documents`
         out = [
             entry
             for item in order
-            for entry in (entries(item, rank_of[id(item)]) if isinstance(item, PlannedDocument) else [item])
+            for entry in (entries(item, next(planned_ranks)) if isinstance(item, PlannedDocument) else [item])
         ]
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")

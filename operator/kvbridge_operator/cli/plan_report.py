@@ -72,6 +72,8 @@ def selected_ranks(document: DocumentPlan, decode_rank: int | None, all_ranks: b
 def entries(document: DocumentPlan, ranks: Iterable[int]) -> list[dict[str, object]]:
     """The JSON objects of docs/cli.md, one per decode rank."""
     result: list[dict[str, object]] = []
+    # the same for every decode rank (and it renders both roles' pods): built once per document
+    engines = vllm_engines(document) if document.deployment.spec.engine.kind is EngineKind.VLLM else None
     for rank in ranks:
         entry: dict[str, object]
         if document.plan is None:
@@ -92,8 +94,8 @@ def entries(document: DocumentPlan, ranks: Iterable[int]) -> list[dict[str, obje
                 "pairing": pairing(document.deployment.spec),
                 "engine": engine_of(document.deployment.spec),
             }
-            if document.deployment.spec.engine.kind is EngineKind.VLLM:
-                entry["vllm"] = vllm_engines(document)
+            if engines is not None:
+                entry["vllm"] = engines
             result.append(entry)
         if document.warnings:
             entry["warnings"] = list(document.warnings)

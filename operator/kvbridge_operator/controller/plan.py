@@ -115,15 +115,14 @@ def plan(observed: Observed) -> Plan:
     full = observed.apply_children or int(previous.get("observedGeneration", -1)) != generation
     compatible = isinstance(verdict, TransferPlan)
     roles = plan_roles(dd, meta.get("uid", ""), seen.roles, full and compatible, previous)
+    annotations = _annotations(body)
     if isinstance(verdict, TransferPlan):
         key = pairing(dd.spec)
-        work = _work(observed, dd, verdict, key, roles, previous, full)
+        work = _work(observed, dd, verdict, key, roles, previous, annotations, full)
         fix = ""
     else:
         key, fix = "", advice(dd)
-        work = Work(workloads=seen.workloads(dd), serving={name: previous.get(name) for name in optional.STATUS_FIELDS},
-                    rollout=previous.get("rollout"))  # fmt: skip
-    annotations = _annotations(body)
+        work = Work(workloads=seen.workloads(dd), serving=_serving_as_before(previous), rollout=previous.get("rollout"))
     facts = Facts(generation, previous, annotations, observed.now, roles.scale, work.serving, work.rollout, fix)
     report = observe(dd, verdict, key, work.workloads, seen.pods, facts)
     if work.applied and int(previous.get("observedGeneration", -1)) != generation:
@@ -135,15 +134,15 @@ def plan(observed: Observed) -> Plan:
 
 
 def _work(observed: Observed, dd: DisaggregatedDeployment, transfer: TransferPlan, key: str, roles: Roles,
-          previous: Obj, full: bool) -> Work:  # fmt: skip
+          previous: Obj, annotations: dict[str, str], full: bool) -> Work:  # fmt: skip
     """A compatible spec's children: the Secret and roles (on a full reconcile), each child rendered and applied
     with the rollout's step, the optional ones, and what the rollout and the revisions annotation say."""
     seen, config = observed.children, observed.config
     uid = observed.body["metadata"].get("uid", "")
     present = {str((p["metadata"].get("labels") or {}).get(LABEL_PAIRING, "")) for p in seen.pods} | {key}
-    memory = revisions.remember(dd, key, _annotations(observed.body).get(revisions.ANNOTATION), present)
+    memory = revisions.remember(dd, key, annotations.get(revisions.ANNOTATION), present)
     rendered, keys = children(dd, uid, transfer, config, key), secret(dd, uid)
-    work = Work(workloads=seen.workloads(dd), serving={name: previous.get(name) for name in optional.STATUS_FIELDS})
+    work = Work(workloads=seen.workloads(dd), serving=_serving_as_before(previous))
     if full:
         work.actions.append(CreateOnce(SECRETS, keys))
         for role in Role:
@@ -179,6 +178,11 @@ def _work(observed: Observed, dd: DisaggregatedDeployment, transfer: TransferPla
     if memory.annotation is not None:
         work.annotations[revisions.ANNOTATION] = memory.annotation
     return work
+
+
+def _serving_as_before(previous: Obj) -> Obj:
+    """The optional children's status fields as the previous status has them (a reconcile that applies none)."""
+    return {name: previous.get(name) for name in optional.STATUS_FIELDS}
 
 
 def _annotations(body: Obj) -> dict[str, str]:

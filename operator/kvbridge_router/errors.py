@@ -1,0 +1,19 @@
+"""The router's errors: an HTTP status, a stable code (docs/troubleshooting.md) and a message, answered in OpenAI's
+error shape."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+
+class RouteError(Exception):
+    """An error the client gets, with an HTTP status and a stable code."""
+
+    def __init__(self, status: int, code: str, message: str, retry: bool = False, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.retry, self.param = status, code, message, retry, param
+
+    def response(self) -> web.Response:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        return web.json_response(body, status=self.status)
