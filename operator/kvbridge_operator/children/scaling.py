@@ -139,6 +139,12 @@ def role_status(dd: DisaggregatedDeployment, role: Role, scale: Scale) -> Obj:
     }
 
 
+def _merged(obj: Obj, patch: Obj) -> Obj:
+    """``obj`` with a merge patch of maps applied (RFC 7386, without deletions: the patches here set values)."""
+    return {**obj, **{key: _merged(obj.get(key) or {}, value) if isinstance(value, dict) else value
+                      for key, value in patch.items()}}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Roles:
     """What a reconcile does with the deployment's DisaggregatedRoles, and the engine counts that follow."""
@@ -164,12 +170,9 @@ def plan_roles(dd: DisaggregatedDeployment, uid: str, current: dict[Role, Obj | 
         role_obj = current[role]
         if role_obj is None:
             create[role] = held[role] = role_resource(dd, uid, role)
-        elif spec_replicas_patch(wanted, role_obj) is not None:
+        elif (patch := spec_replicas_patch(wanted, role_obj)) is not None:
             rescale[role] = wanted
-            meta = role_obj.get("metadata") or {}
-            held[role] = {**role_obj, "spec": {**(role_obj.get("spec") or {}), "replicas": wanted},
-                          "metadata": {**meta, "annotations": {**(meta.get("annotations") or {}),
-                                                               ANNOTATION_SPEC_REPLICAS: str(wanted)}}}  # fmt: skip
+            held[role] = _merged(role_obj, patch)  # as the API holds it once the patch is written
     scale = effective_replicas(dd, {role: desired_of(held[role], dd, role) for role in Role})
     status = {role: role_status(dd, role, scale) for role in Role if held[role] is not None}
     scaled = []
