@@ -8,10 +8,12 @@ subclass adds (docs/development.md): ``uid``,
 ``metadata.managedFields`` (field_managers), status and scale subresources, watches that
 subscribe before the snapshot and honour ``resourceVersion`` and
 ``timeoutSeconds``, typed lists, ``/api/v1`` discovery, label and field
-selectors, cluster-scoped namespaces and CRDs that register their resource.
+selectors, cluster-scoped namespaces and CRDs that register their resource; and what the
+real ``kubectl`` needs: discovery as Kubernetes lists it, OpenAPI v3 (openapi), server-side
+Tables (tables), 404s worded as Kubernetes words them.
 
-Like kmock, it does no garbage collection and no schema validation: tests
-check ownerReferences and validate objects separately.
+Like kmock, it does no garbage collection; it validates custom resources only for unknown
+fields (``fieldValidation``): tests check ownerReferences and validate objects separately.
 """
 
 from __future__ import annotations
@@ -39,32 +41,35 @@ from kmock._internal import rendering
 from kvbridge_operator.api.crd import crds
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.kube import USER_AGENT, KubeClient, Resource
-from kvbridge_sim import field_managers
+from kvbridge_sim import field_managers, openapi, tables
 from kvbridge_sim.selectors import field_match, label_match, merge_patch
 
 Key = tuple[str, str, str, str | None, str]  # group, version, plural, namespace, name
 
+_SCALE = {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas"}
 BUILTIN: dict[tuple[str, str, str], dict[str, Any]] = {
-    ("", "v1", "pods"): {"kind": "Pod", "namespaced": True, "subresources": {"status"}},
-    ("", "v1", "services"): {"kind": "Service", "namespaced": True, "subresources": {"status"}},
+    ("", "v1", "pods"): {"kind": "Pod", "namespaced": True, "subresources": {"status"}, "shortnames": {"po"}},
+    ("", "v1", "services"): {"kind": "Service", "namespaced": True, "subresources": {"status"},
+                             "shortnames": {"svc"}},
     ("", "v1", "secrets"): {"kind": "Secret", "namespaced": True},
-    ("", "v1", "events"): {"kind": "Event", "namespaced": True},
-    ("", "v1", "namespaces"): {"kind": "Namespace", "namespaced": False, "subresources": {"status"}},
+    ("", "v1", "events"): {"kind": "Event", "namespaced": True, "shortnames": {"ev"}},
+    ("", "v1", "namespaces"): {"kind": "Namespace", "namespaced": False, "subresources": {"status"},
+                               "shortnames": {"ns"}},
     ("apps", "v1", "statefulsets"): {"kind": "StatefulSet", "namespaced": True, "subresources": {"status", "scale"},
-                                     "scale": {"specReplicasPath": ".spec.replicas",
-                                               "statusReplicasPath": ".status.replicas"}},
-    ("networking.k8s.io", "v1", "networkpolicies"): {"kind": "NetworkPolicy", "namespaced": True},
+                                     "scale": _SCALE, "shortnames": {"sts"}},
+    ("networking.k8s.io", "v1", "networkpolicies"): {"kind": "NetworkPolicy", "namespaced": True,
+                                                     "shortnames": {"netpol"}},
     ("apps", "v1", "deployments"): {"kind": "Deployment", "namespaced": True, "subresources": {"status", "scale"},
-                                    "scale": {"specReplicasPath": ".spec.replicas",
-                                              "statusReplicasPath": ".status.replicas"}},
-    ("", "v1", "serviceaccounts"): {"kind": "ServiceAccount", "namespaced": True},
+                                    "scale": _SCALE, "shortnames": {"deploy"}},
+    ("", "v1", "serviceaccounts"): {"kind": "ServiceAccount", "namespaced": True, "shortnames": {"sa"}},
     ("rbac.authorization.k8s.io", "v1", "roles"): {"kind": "Role", "namespaced": True},
     ("rbac.authorization.k8s.io", "v1", "rolebindings"): {"kind": "RoleBinding", "namespaced": True},
     ("policy", "v1", "poddisruptionbudgets"): {"kind": "PodDisruptionBudget", "namespaced": True,
-                                               "subresources": {"status"}},
-    ("events.k8s.io", "v1", "events"): {"kind": "Event", "namespaced": True},
+                                               "subresources": {"status"}, "shortnames": {"pdb"}},
+    ("events.k8s.io", "v1", "events"): {"kind": "Event", "namespaced": True, "shortnames": {"ev"}},
     ("apiextensions.k8s.io", "v1", "customresourcedefinitions"): {
         "kind": "CustomResourceDefinition", "namespaced": False, "subresources": {"status"},
+        "shortnames": {"crd", "crds"},
     },
 }  # fmt: skip
 APPLY_PATCH = "application/apply-patch+yaml"
@@ -103,9 +108,13 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
     # -- resources ------------------------------------------------------------
     def declare(self, group: str, version: str, plural: str, *, kind: str, namespaced: bool,
                 subresources: set[str] | None = None, shortnames: set[str] | None = None,
-                singular: str | None = None, scale: dict[str, str] | None = None) -> None:  # fmt: skip
+                singular: str | None = None, scale: dict[str, str] | None = None, schema: Obj | None = None,
+                columns: list[Obj] | None = None) -> None:  # fmt: skip
         self.kinds[(group, version, plural)] = {"kind": kind, "namespaced": namespaced,
-                                                "subresources": set(subresources or ()), "scale": scale}  # fmt: skip
+                                                "subresources": set(subresources or ()), "scale": scale,
+                                                "schema": schema, "columns": columns,
+                                                "singular": singular or kind.lower(),
+                                                "shortnames": sorted(shortnames or ())}  # fmt: skip
         self.resources[kmock.resource(group, version, plural)] = kmock.ResourceInfo(
             kind=kind, namespaced=namespaced, verbs=VERBS, subresources=subresources or set(),
             shortnames=shortnames or set(), singular=singular or kind.lower(),
@@ -119,7 +128,9 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
                          namespaced=spec.get("scope") == "Namespaced",
                          subresources=set(version.get("subresources") or {}),
                          scale=(version.get("subresources") or {}).get("scale"),
-                         shortnames=set(names.get("shortNames") or ()), singular=names.get("singular"))  # fmt: skip
+                         shortnames=set(names.get("shortNames") or ()), singular=names.get("singular"),
+                         schema=(version.get("schema") or {}).get("openAPIV3Schema"),
+                         columns=version.get("additionalPrinterColumns"))  # fmt: skip
 
     @staticmethod
     def _gvp(request: rendering.Request) -> tuple[str, str, str]:
@@ -155,10 +166,19 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         return (*gvp, namespace, name)
 
     @staticmethod
+    def _not_found(key: Key) -> kmock.KubernetesError:
+        """404 worded as Kubernetes words it: ``disaggregatedroles.kvbridge.io "x" not found``."""
+        group, _version, plural, _namespace, name = key
+        resource = f"{plural}.{group}" if group else plural
+        return kmock.KubernetesError(status=404, reason="NotFound", message=f'{resource} "{name}" not found')
+
+    @staticmethod
     def _essence(obj: Obj) -> Obj:
         return {k: v for k, v in obj.items() if k not in ("metadata", "status")}
 
     async def _handle(self, request: rendering.Request) -> Any:
+        if request.url.path == "/openapi/v3" or request.url.path.startswith("/openapi/v3/"):
+            return await self._serve_openapi(request)
         # Resource requests go straight to this class (its state lives in `store`); kmock's reaction
         # routing re-checks every filter against every request and gets slower with each request served.
         resource = request.resource
@@ -185,9 +205,59 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
             handler = handlers.get(request.action)
             if handler is None:
                 raise kmock.KubernetesError(status=405, reason="MethodNotAllowed", message=str(request.action))
-            return aiohttp.web.json_response(await handler(request))
+            warnings = self._validate_fields(request)
+            result = await handler(request)
+            if (
+                request.action in (kmock.action.LIST, kmock.action.FETCH)
+                and request.subresource is None
+                and (tables.wants_table(headers.get("Accept", "")))
+            ):
+                result = self._table(request, result.get("items", [result]), result["metadata"].get(
+                    "resourceVersion", ""))  # fmt: skip
+            response = aiohttp.web.json_response(result)
+            for warning in warnings:
+                response.headers.add("Warning", f'299 - "{warning}"')
+            return response
         except kmock.KubernetesError as exc:
             return await self._render_error(exc)
+
+    def _validate_fields(self, request: rendering.Request) -> list[str]:
+        """``fieldValidation`` on a write of a kind with a schema (the CRDs): ``Strict`` refuses unknown fields
+        (HTTP 400, as Kubernetes), ``Warn`` (the API's default) answers them as warnings, ``Ignore`` drops the
+        check. Returns the warnings."""
+        directive = str(request.params.get("fieldValidation") or "Warn")
+        if (
+            request.action not in (kmock.action.CREATE, kmock.action.UPDATE)
+            or request.subresource
+            or (directive == "Ignore")
+        ):
+            return []
+        info = self._info(request)
+        body = request.data
+        if body is None and request.text:
+            with contextlib.suppress(yaml.YAMLError):
+                body = yaml.safe_load(request.text)
+        content_type = str(request.headers.get("Content-Type", "")).split(";")[0]
+        if not info.get("schema") or not isinstance(body, dict) or content_type == "application/json-patch+json":
+            return []
+        unknown = openapi.unknown_fields(body, info["schema"])
+        if unknown and directive == "Strict":
+            kind, version = info["kind"], self._gvp(request)[1]
+            fields = ", ".join(f'unknown field "{f}"' for f in unknown)
+            raise kmock.KubernetesError(
+                status=400,
+                reason="BadRequest",
+                message=(
+                    f'{kind} in version "{version}" cannot be handled as a {kind}: strict decoding error: {fields}'
+                ),
+            )
+        return [f'unknown field "{f}"' for f in unknown]
+
+    def _table(self, request: rendering.Request, objects: list[Obj], resource_version: str) -> Obj:
+        info = self._info(request)
+        whole = str(request.params.get("includeObject", "Metadata")) == "Object"
+        return tables.table(objects, tables.columns_for(info["kind"], info.get("columns")), resource_version,
+                            whole=whole)  # fmt: skip
 
     async def _stream(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         raw = request._raw_request
@@ -197,8 +267,12 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         await anext(events)  # subscribed and the backlog is taken: safe to start the response
         response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
         await response.prepare(raw)
+        as_table = tables.wants_table(str(request.headers.get("Accept", "")))
         try:
             async for event in events:
+                if as_table:
+                    rv = event["object"]["metadata"].get("resourceVersion", "")
+                    event = {"type": event["type"], "object": self._table(request, [event["object"]], rv)}
                 await response.write(json.dumps(event).encode() + b"\n")
             await response.write_eof()
         except (ConnectionError, RuntimeError):  # the client went away
@@ -276,7 +350,7 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         async with self._lock:
             current = self.store.get(key)
             if current is None:
-                raise kmock_k8s.KubernetesObjectNotFoundError()
+                raise self._not_found(key)
             try:
                 if request.subresource == "scale" and info.get("scale"):
                     patched = self._scaled(current, request.data, info["scale"])
@@ -315,6 +389,8 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
                 return copy.deepcopy(updated)
             self.store[key] = updated
             self._bump(gvp, "MODIFIED", updated)
+            if request.subresource == "scale":  # a write to /scale answers with the Scale, as Kubernetes
+                return self._scale_of(updated, info["scale"])
             return copy.deepcopy(updated)
 
     async def _serve_apply(self, request: rendering.Request, info: dict[str, Any], gvp: tuple[str, str, str],
@@ -358,7 +434,7 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         async with self._lock:
             current = self.store.get(key)
             if current is None:
-                raise kmock_k8s.KubernetesObjectNotFoundError()
+                raise self._not_found(key)
             if current["metadata"].get("finalizers"):
                 if not current["metadata"].get("deletionTimestamp"):
                     current["metadata"]["deletionTimestamp"] = _now()
@@ -381,14 +457,14 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
             if fields and not field_match(fields, obj):
                 continue
             found.append(copy.deepcopy(obj))
-        return found
+        return sorted(found, key=lambda o: (o["metadata"].get("namespace") or "", o["metadata"]["name"]))
 
     async def _serve_fetch(self, request: rendering.Request) -> Obj:
         info, key = self._info(request), self._key(request, request.name)
         async with self._lock:
             current = self.store.get(key)
         if current is None:
-            raise kmock_k8s.KubernetesObjectNotFoundError()
+            raise self._not_found(key)
         if request.subresource == "scale" and info.get("scale"):
             return self._scale_of(current, info["scale"])
         return copy.deepcopy(current)
@@ -446,10 +522,39 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
 
     # -- discovery --------------------------------------------------------------
     async def _serve_version(self, request: rendering.Request) -> Obj:
-        result: Obj = dict(await super()._serve_version(request))  # type: ignore[arg-type]
-        if request.resource is not None and not request.resource.group:
-            result["groupVersion"] = request.resource.version or "v1"
-        return result
+        """``/api/v1``, ``/apis/GROUP/VERSION``: the APIResourceList, subresources as Kubernetes lists them (no
+        short names, ``scale`` of kind ``autoscaling/v1`` Scale), so ``kubectl`` resolves ``dd`` to one resource."""
+        if request.resource is None:  # pragma: no cover - the route has a group-version
+            raise kmock_k8s.KubernetesResourceNotFoundError()
+        group, version = request.resource.group or "", request.resource.version or "v1"
+        entries: list[Obj] = []
+        for (g, v, plural), info in sorted(self.kinds.items()):
+            if (g, v) != (group, version):
+                continue
+            entries.append({"name": plural, "singularName": info["singular"], "namespaced": info["namespaced"],
+                            "kind": info["kind"], "verbs": sorted(VERBS | {"deletecollection"}),
+                            **({"shortNames": info["shortnames"]} if info["shortnames"] else {})})  # fmt: skip
+            for sub in sorted(info["subresources"]):
+                scale = {"group": "autoscaling", "version": "v1", "kind": "Scale"} if sub == "scale" else {}
+                entries.append({"name": f"{plural}/{sub}", "singularName": "", "namespaced": info["namespaced"],
+                                "kind": info["kind"], "verbs": ["get", "patch", "update"], **scale})  # fmt: skip
+        if not entries and group:
+            raise kmock_k8s.KubernetesResourceNotFoundError()
+        return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": f"{group}/{version}" if group
+                else version, "resources": entries}  # fmt: skip
+
+    async def _serve_openapi(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        """``/openapi/v3`` and its per-group-version documents (openapi)."""
+        group_versions = {(g, v) for g, v, _p in self.kinds}
+        schemas = {gvp: info["schema"] for gvp, info in self.kinds.items() if info.get("schema")}
+        documents = {openapi.group_version_path(g, v): openapi.document(g, v, self.kinds, schemas)
+                     for g, v in group_versions}  # fmt: skip
+        wanted = request.url.path.removeprefix("/openapi/v3").strip("/")
+        if not wanted:
+            return aiohttp.web.json_response(openapi.root(group_versions, documents))
+        if wanted not in documents:
+            return await self._render_error(kmock_k8s.KubernetesEndpointNotFoundError())
+        return aiohttp.web.json_response(documents[wanted])
 
     # -- helpers for tests ------------------------------------------------------
     def objects_of(self, plural: str, namespace: str | None = None) -> list[Obj]:

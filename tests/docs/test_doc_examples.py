@@ -3,8 +3,13 @@ docs cannot go stale. Each ``$ `` line of a ``console`` block is run with bash f
 virtual environment's commands on the PATH); the lines after it, up to the next ``$ `` line, are its output. A
 line ``...`` in the page stands for any number of lines; a line ending in ``...`` for any line it begins.
 
-Commands of the kinds in :data:`NOT_RUN_HERE` need what these tests do not start (a cluster for kubectl, a model
-folder for ``kvbridge model``); the test lists them, so a new example of a runnable kind cannot slip through.
+``kubectl`` examples run, in the page's order, with the real kubectl against a fresh emulated cluster per page (the
+API, the operator and the StatefulSet controller stand-in; kvbridge_sim.kubectl). Ages and column padding are not
+compared (they depend on when the command ran), and a ``kubectl get``/``describe`` whose output does not match yet
+is run again for up to 20 s: the operator reconciles asynchronously, as on a real cluster.
+
+Commands of the kinds in :data:`NOT_RUN_HERE` need what these tests do not start (a model folder for
+``kvbridge model``); the test lists them, so a new example of a runnable kind cannot slip through.
 """
 
 from __future__ import annotations
@@ -13,17 +18,23 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from kvbridge_sim.kubectl import KUBECTL, background_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 #: the commands these tests run, by their first words
 RUN = ("kvbridge plan", "sed ")
+#: run in order per page against an emulated cluster
+KUBECTL_EXAMPLES = "kubectl "
+#: an age as kubectl prints it (3m, 12s, 2h5m, 4d)
+_AGE = re.compile(r"(?<!\S)\d+[smhdy](\d+[smhd])?(?!\S)")
 #: kinds of example not run here, and why
 NOT_RUN_HERE = {
-    "kubectl ": "needs a cluster",
     "kvbridge model ": "needs a model folder on the reader's machine",
     "kvbridge-agent loopback ": "starts engine processes for a minute; tests/agent/bench/test_loopback.py runs it",
 }
@@ -77,7 +88,8 @@ def test_every_example_is_run_or_says_why_not() -> None:
     assert EXAMPLES
     for where, command, _ in EXAMPLES:
         command = _command(command)
-        assert command.startswith(RUN) or any(command.startswith(k) for k in NOT_RUN_HERE), (where, command)
+        runnable = command.startswith((*RUN, KUBECTL_EXAMPLES))
+        assert runnable or any(command.startswith(k) for k in NOT_RUN_HERE), (where, command)
 
 
 @pytest.mark.parametrize(
@@ -91,3 +103,29 @@ def test_the_example_prints_what_the_page_shows(where: str, command: str, shown:
                           timeout=120, check=False)  # fmt: skip
     got = done.stdout.splitlines()
     assert _matches(shown, got), f"{where}: `{command}` prints\n" + "\n".join(got) + f"\n(stderr: {done.stderr})"
+
+
+def _loose(lines: list[str]) -> list[str]:
+    """Lines with every age as ``<age>`` and runs of blanks as one: what does not depend on when kubectl ran."""
+    return [" ".join(_AGE.sub("<age>", line).split()) for line in lines]
+
+
+KUBECTL_PAGES = sorted({e[0].split(":")[0] for e in EXAMPLES if e[1].startswith(KUBECTL_EXAMPLES)})
+
+
+@pytest.mark.skipif(KUBECTL is None, reason="no kubectl binary on the PATH (CI machines have one)")
+@pytest.mark.parametrize("page", KUBECTL_PAGES)
+def test_the_pages_kubectl_examples_print_what_it_shows(page: str) -> None:
+    steps = [e for e in EXAMPLES if e[0].startswith(f"{page}:") and e[1].startswith(KUBECTL_EXAMPLES)]
+    with background_cluster() as config:
+        env = {**os.environ, "KUBECONFIG": str(config)}
+        for where, command, shown in steps:
+            deadline = time.monotonic() + (20 if command.startswith(("kubectl get", "kubectl describe")) else 0)
+            while True:
+                done = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True,
+                                      timeout=60, check=False)  # fmt: skip
+                got = (done.stdout + done.stderr).splitlines()
+                if _matches(_loose(shown), _loose(got)) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.3)
+            assert _matches(_loose(shown), _loose(got)), f"{where}: `{command}` prints\n" + "\n".join(got)

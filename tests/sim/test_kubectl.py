@@ -1,0 +1,141 @@
+"""The real kubectl against the emulated API, with the operator running: discovery, OpenAPI v3 (apply, explain,
+strict field validation), server-side Tables with the CRDs' printer columns, ``scale``, ``describe`` and events.
+
+Runs where a kubectl binary is installed (CI machines have one); elsewhere it skips, saying so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from kvbridge_sim.cluster import Cluster, StatefulSetController, cluster
+from kvbridge_sim.kubectl import KUBECTL, kubeconfig, run
+
+pytestmark = pytest.mark.skipif(KUBECTL is None, reason="no kubectl binary on the PATH (CI machines have one)")
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "llama3-8b-hetero-tp.yaml"
+
+
+@contextlib.asynccontextmanager
+async def running(tmp_path: Path) -> AsyncIterator[tuple[Cluster, Path]]:
+    """The emulated cluster with the operator and the StatefulSet controller stand-in, and a kubeconfig for it."""
+    async with cluster() as c:
+        config = tmp_path / "kubeconfig"
+        config.write_text(kubeconfig(c.url))
+        stop = asyncio.Event()
+        controller = asyncio.create_task(StatefulSetController(c).run(stop))
+        try:
+            yield c, config
+        finally:
+            stop.set()
+            await controller
+
+
+async def kubectl(config: Path, arguments: str, *, ok: bool = True) -> str:
+    done = await run(config, f"{KUBECTL} {arguments}")
+    if ok:
+        assert done.returncode == 0, (arguments, done.stdout, done.stderr)
+        assert "Warning" not in done.stderr, done.stderr  # e.g. an ambiguous short name
+    return done.stdout + done.stderr
+
+
+async def eventually(config: Path, arguments: str, wanted: str, timeout: float = 20.0) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        out = await kubectl(config, arguments)
+        if wanted in out or time.monotonic() > deadline:
+            return out
+        await asyncio.sleep(0.3)
+
+
+def rows(table: str) -> list[list[str]]:
+    return [line.split() for line in table.strip().splitlines()]
+
+
+async def test_discovery_names_the_resources_and_their_short_names(tmp_path: Path) -> None:
+    async with running(tmp_path) as (_c, config):
+        out = await kubectl(config, "api-resources --api-group=kvbridge.io")
+        assert rows(out)[1:] == [
+            ["disaggregateddeployments", "dd,disagg", "kvbridge.io/v1alpha1", "true", "DisaggregatedDeployment"],
+            ["disaggregatedroles", "ddrole", "kvbridge.io/v1alpha1", "true", "DisaggregatedRole"],
+        ]
+
+
+async def test_apply_then_get_shows_the_documented_columns_and_scale_changes_the_effective_count(
+    tmp_path: Path,
+) -> None:
+    async with running(tmp_path) as (_c, config):
+        assert "disaggregateddeployment.kvbridge.io/llama3-8b created" in await kubectl(config, f"apply -f {EXAMPLE}")
+        out = await eventually(config, "get dd", "True")
+        header, row = rows(out)
+        assert header == ["NAME", "READY", "PREFILL", "DECODE", "TP", "ROUTER", "AGE"]
+        assert row[:5] == ["llama3-8b", "True", "2/2", "1/1", "2→1"]  # no router: the ROUTER cell is empty
+        assert len(row) == 6
+        assert "unchanged" in await kubectl(config, f"apply -f {EXAMPLE}")
+
+        assert "scaled" in await kubectl(config, "scale ddrole/llama3-8b-decode --replicas=3")
+        out = await eventually(config, "get ddrole", "decode    3         3")
+        assert rows(out) == [
+            ["NAME", "DEPLOYMENT", "ROLE", "DESIRED", "EFFECTIVE", "AGE"],
+            ["llama3-8b-decode", "llama3-8b", "decode", "3", "3", rows(out)[1][-1]],
+            ["llama3-8b-prefill", "llama3-8b", "prefill", "2", "2", rows(out)[2][-1]],
+        ]
+        out = await eventually(config, "get dd", "3/3")
+        assert rows(out)[1][:4] == ["llama3-8b", "True", "2/2", "3/3"]
+        pods = rows(await kubectl(config, "get pods -l kvbridge.io/role=decode"))
+        assert [p[0] for p in pods[1:]] == [f"llama3-8b-decode-{i}" for i in range(3)]
+        assert pods[0] == ["NAME", "READY", "STATUS", "RESTARTS", "AGE"]
+        jsonpath = await kubectl(config, "get dd llama3-8b -o jsonpath={.status.rollout.phase}")
+        assert jsonpath == "Complete"
+
+
+async def test_describe_and_get_events_show_the_operators_events(tmp_path: Path) -> None:
+    async with running(tmp_path) as (_c, config):
+        await kubectl(config, f"apply -f {EXAMPLE}")
+        await eventually(config, "get dd", "True")
+        described = await eventually(config, "describe dd llama3-8b", "EndpointsChanged")
+        assert "Kind:         DisaggregatedDeployment" in described
+        assert "Reason:                PlanBuilt" in described
+        events_section = described.split("\nEvents:\n", 1)[1]
+        assert "Normal  Reconciled" in events_section
+        assert "kvbridge-operator" in events_section
+        events = await kubectl(config, "get events --field-selector involvedObject.name=llama3-8b")
+        header = events.splitlines()[0].split()
+        assert header == ["LAST", "SEEN", "TYPE", "REASON", "OBJECT", "MESSAGE"]
+        assert "disaggregateddeployment/llama3-8b" in events
+        assert "Reconciled" in events
+
+
+async def test_apply_refuses_an_unknown_field_as_a_real_server_does(tmp_path: Path) -> None:
+    async with running(tmp_path) as (c, config):
+        bad = EXAMPLE.read_text().replace("numLayers:", "numLayerz:")
+        done = await run(config, f"{KUBECTL} apply -f - <<'EOF'\n{bad}\nEOF")
+        assert done.returncode == 1
+        assert 'strict decoding error: unknown field "spec.model.numLayerz"' in done.stderr
+        assert c.api.find("disaggregateddeployments", "default", "llama3-8b") is None
+        done = await run(config, f"{KUBECTL} apply --validate=false -f - <<'EOF'\n{bad}\nEOF")  # Ignore: stored as sent
+        assert done.returncode == 0, done.stderr
+
+
+async def test_explain_reads_the_crd_schema_over_openapi_v3(tmp_path: Path) -> None:
+    async with running(tmp_path) as (_c, config):
+        out = await kubectl(config, "explain dd.spec.engine.kind")
+        assert "KIND:       DisaggregatedDeployment" in out
+        assert "ENUM:" in out
+        assert "VLLM (vLLM serving the model, the default)" in out
+
+
+async def test_server_side_apply_of_the_crds_as_the_install_guide_does(tmp_path: Path) -> None:
+    async with running(tmp_path) as (_c, config):
+        out = await kubectl(config, f"apply --server-side -f {ROOT / 'crds'}")
+        assert (
+            "customresourcedefinition.apiextensions.k8s.io/disaggregateddeployments.kvbridge.io serverside-applied"
+            in (out)
+        )
+        assert "disaggregateddeployments.kvbridge.io" in await kubectl(config, "get crd")
