@@ -23,6 +23,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                                "agent": {"image": "registry.local/kvbridge-agent:dev", "numBlocks": 1024}},
     "three-namespaces": {"watch": {"scope": "Namespace", "namespaces": ["team-a", "team-b", "team-c"]}},
     "no-metrics-existing-sa": {"metrics": {"enabled": False}, "serviceAccount": {"create": False, "name": "ops"}},
+    "monitoring": {"monitoring": {"podMonitor": {"enabled": True, "labels": {"release": "prom"}},
+                                  "dashboard": {"enabled": True, "namespace": "grafana"}}},
 }  # fmt: skip
 
 
@@ -38,8 +40,10 @@ def test_every_rendered_object_validates_strictly(values: dict[str, Any]) -> Non
     objects = render(values)
     assert objects
     for obj in objects:
-        if obj["apiVersion"].startswith("monitoring.coreos.com/"):
+        if obj["kind"] == "ServiceMonitor":
             assert obj["spec"]["endpoints"][0]["port"] == "metrics"  # not a built-in schema
+            continue
+        if obj["kind"] == "PodMonitor":  # not a built-in schema: checked in test_the_pod_monitor_...
             continue
         kubernetes_validate.validate(obj, "1.30", strict=True)
         labels = obj["metadata"]["labels"]
@@ -212,3 +216,68 @@ def test_chart_and_app_versions() -> None:
     assert meta["version"]
     assert meta["appVersion"]
     assert meta["kubeVersion"].startswith(">=")
+
+
+def test_the_pod_monitor_scrapes_every_kvbridge_pod_by_its_port_names() -> None:
+    """Engines, the synthetic engine and the router name their HTTP port ``http`` (a decode vLLM behind the routing
+    sidecar: ``vllm``); the PodMonitor selects every pod the operator labels with its deployment."""
+    (monitor,) = by_kind(render(VALUE_SETS["monitoring"]))["PodMonitor"]
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    spec = monitor["spec"]
+    assert spec["namespaceSelector"] == {"any": True}
+    assert spec["selector"] == {"matchExpressions": [{"key": "kvbridge.io/deployment", "operator": "Exists"}]}
+    assert [e["port"] for e in spec["podMetricsEndpoints"]] == ["http", "vllm"]
+    targets = {r["targetLabel"] for r in spec["podMetricsEndpoints"][0]["relabelings"]}
+    assert {"deployment", "role"} <= targets
+    assert "PodMonitor" not in by_kind(render({}))
+
+
+def _exported_metric_names() -> set[str]:
+    """Every series name kvbridge and vLLM export: the agent's and router's registries as they render, the
+    connector's ``vllm:kvbridge_*`` and vLLM's own ``vllm:*`` names as their sources declare them."""
+    import importlib.util
+    import re
+
+    from prometheus_client import CollectorRegistry
+
+    from kvbridge_agent.transfer.metrics import AgentMetrics
+    from kvbridge_router.metrics import RouterMetrics
+
+    names: set[str] = set()
+    registries: list[CollectorRegistry] = [AgentMetrics("decode", "e").registry, RouterMetrics().registry]
+    for registry in registries:
+        for family in registry.collect():
+            names |= {family.name, f"{family.name}_total", f"{family.name}_bucket"}
+    sources = [ROOT / "agent" / "kvbridge_agent" / "vllm_connector" / "stats.py"]
+    vllm = importlib.util.find_spec("vllm")
+    if vllm is not None and vllm.origin is not None:
+        package = Path(vllm.origin).parent
+        sources += [package / "v1" / "metrics" / "loggers.py",
+                    *(package / "distributed" / "kv_transfer").rglob("nixl/*.py")]  # fmt: skip
+    for source in sources:
+        for name in re.findall(r'"(vllm:[a-z_]+)"', source.read_text()):
+            names |= {name, f"{name}_total", f"{name}_bucket"}
+    return names
+
+
+def test_the_dashboard_is_valid_json_and_plots_only_series_that_exist() -> None:
+    import json
+    import re
+
+    (config_map,) = by_kind(render(VALUE_SETS["monitoring"]))["ConfigMap"]
+    assert config_map["metadata"]["namespace"] == "grafana"
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(config_map["data"]["kvbridge-pd.json"])
+    assert dashboard == json.loads((CHART / "dashboards" / "kvbridge-pd.json").read_text())
+    titles = [p["title"] for p in dashboard["panels"]]
+    for wanted in ("KV transfer time", "Failed transfers by code", "Time to first token", "Queues", "Expired leases"):
+        assert any(t.startswith(wanted) for t in titles), titles
+    exported = _exported_metric_names()
+    assert "vllm:num_requests_waiting" in exported  # the vLLM sources were read
+    plotted = set()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            plotted |= set(re.findall(r"((?:vllm:)?[a-z_]+_(?:seconds_bucket|total|requests|waiting|running))\b",
+                                      target["expr"]))  # fmt: skip
+    assert len(plotted) >= 15
+    assert plotted <= exported, plotted - exported
