@@ -184,14 +184,18 @@ def check_pair(
         )
     # Rule 4: no decode-side merge while reading from several prefill ranks.
     if tp_p > tp_d and bs_p < bs_d and bs_ok:
+        # equal TP sizes end the fan-in; offered only where the heads spread evenly over it (else the advice
+        # would lead to HEADS_NOT_DIVISIBLE, whose advice leads back here)
+        equal_tp = [f"spec.decode.tensorParallelSize: {tp_p}"] if heads_divide(model, tp_p) else []
+        equal_tp += [f"spec.prefill.tensorParallelSize: {tp_d}"] if heads_divide(model, tp_d) else []
         problems.append(
             Problem(
                 MERGE_WITH_TP_FAN_IN,
                 field_path(Role.DECODE, "blockSize"),
                 f"decode would merge {bs_d // bs_p} prefill blocks into each block while reading from several "
                 f"prefill ranks (prefill TP {tp_p} > decode TP {tp_d}), which is not supported: set "
-                f"spec.decode.blockSize: {bs_p} (or smaller: prefill then splits its blocks), "
-                f"spec.decode.tensorParallelSize: {tp_p}, or spec.prefill.tensorParallelSize: {tp_d}",
+                f"spec.decode.blockSize: {bs_p} (or smaller: prefill then splits its blocks)"
+                + "".join(f"{', or' if i == len(equal_tp) - 1 else ','} {o}" for i, o in enumerate(equal_tp)),
             )
         )
     # Rule 8: cross-layer needs HND on both sides and equal block sizes.

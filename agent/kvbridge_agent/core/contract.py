@@ -190,16 +190,22 @@ class PairSpec(CamelModel):
     decode: RoleSettings = Field(default_factory=RoleSettings)
 
 
-_POD_FIELDS = ("replicas", "template")
+#: the fields of a DisaggregatedDeployment that decide pods, not the transfer: the operator reads them, the agent not
+_POD_FIELDS = {
+    "prefill": ("replicas", "minReplicas", "maxReplicas", "nodes", "rollout", "extraArgs", "template"),
+    "decode": ("replicas", "minReplicas", "maxReplicas", "nodes", "rollout", "extraArgs", "template"),
+    "model": ("source", "tokenSecret", "cache"),
+    "transfer": ("network",),
+}
 
 
 def pair_from_spec(spec: Mapping[str, object]) -> PairSpec:
     """Read a DisaggregatedDeployment ``spec`` (a mapping) for the agent; typed error naming the field."""
     data = {key: spec[key] for key in ("model", "transfer", "prefill", "decode") if key in spec}
-    for role in ("prefill", "decode"):
-        section = data.get(role)
+    for name, pod_fields in _POD_FIELDS.items():
+        section = data.get(name)
         if isinstance(section, Mapping):
-            data[role] = {k: v for k, v in section.items() if k not in _POD_FIELDS}
+            data[name] = {k: v for k, v in section.items() if k not in pod_fields}
     try:
         return PairSpec.model_validate(data)
     except ValidationError as exc:

@@ -269,10 +269,60 @@ class PlacementSpec(CamelModel):
         return self
 
 
+class Memlock(StrEnum):
+    UNCHECKED = "Unchecked"  # the container runtime's locked-memory limit, whatever it is
+    REQUIRED = "Required"  # the engine starts only under an unlimited hard limit (RDMA registers pinned memory)
+
+
+class NetworkSpec(CamelModel):
+    """What the KV data path needs between nodes on GPUs (vLLM's NixlConnector guide: UCX transports and devices;
+    RDMA NICs as extended resources; pinned memory): rendered on the engine pods of both connectors."""
+
+    ucx_transports: list[str] = Field(
+        default_factory=list, max_length=32,
+        description="UCX_TLS: the UCX transports, in UCX's names (rc, ud, dc, tcp, sm, cuda_copy, cuda_ipc, "
+        "gdr_copy, ... ; ^name excludes one). Empty: UCX chooses (all). A list that cannot reach another node "
+        "is refused unless placement keeps both roles on one node.",
+    )  # fmt: skip
+    ucx_devices: list[str] = Field(
+        default_factory=list, max_length=64,
+        description="UCX_NET_DEVICES: the devices UCX may use (e.g. mlx5_0:1). Empty: all.",
+    )  # fmt: skip
+    rdma_resources: dict[str, int] = Field(
+        default_factory=dict, max_length=16,
+        description="Extended resources each engine pod requests (and limits), e.g. rdma/ib: 1 or "
+        "nvidia.com/hostdev: 8: what the RDMA device plugin advertises.",
+    )  # fmt: skip
+    ipc_lock: bool = Field(
+        default=False, description="Add the IPC_LOCK capability to the engine container (RDMA memory registration)."
+    )
+    memlock: Memlock = Field(
+        default=Memlock.UNCHECKED,
+        description="Required: the engine container checks at start that its locked-memory hard limit is "
+        "unlimited, raises the soft limit to it, and exits naming the fix if not (Kubernetes cannot set ulimits: "
+        "the container runtime's default applies).",
+    )
+    secondary_networks: list[str] = Field(
+        default_factory=list, max_length=16,
+        description="Multus networks to attach the engine pods to (k8s.v1.cni.cncf.io/networks), e.g. an RDMA "
+        "network: [namespace/]name.",
+    )  # fmt: skip
+
+    @property
+    def configured(self) -> bool:
+        return self != NetworkSpec()
+
+
+class TransferSpec(TransferSettings):
+    """The agent's transfer settings, and the network the data path runs on."""
+
+    network: NetworkSpec = Field(default_factory=NetworkSpec, description=NetworkSpec.__doc__ or "")
+
+
 class DisaggregatedDeploymentSpec(CamelModel):
     engine: EngineSpec = Field(default_factory=EngineSpec)
     model: ModelSpec
-    transfer: TransferSettings = Field(default_factory=TransferSettings)
+    transfer: TransferSpec = Field(default_factory=TransferSpec)
     prefill: RoleSpec = Field(default_factory=RoleSpec)
     decode: RoleSpec = Field(default_factory=RoleSpec)
     scaling: ScalingSpec = Field(default_factory=ScalingSpec)

@@ -23,6 +23,7 @@ from kvbridge_agent.core import Problem
 from kvbridge_agent.core.compat import CONVERSION_OFF, MLA_KV_HEADS, check_pair
 from kvbridge_agent.core.model import CacheKind, Conversion, KVCacheDtype, KVLayout
 from kvbridge_operator.api.spec import Connector, DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind
+from kvbridge_operator.children import network
 from kvbridge_operator.children import vllm_engine as vllm
 from kvbridge_operator.children.verdict import spec_problems, verdict_for
 
@@ -210,6 +211,12 @@ def suggested_fix(dd: DisaggregatedDeployment) -> Fix | None:
         kept = [a for a in spec.engine.extra_args if a not in dropped]
         fix["spec.engine.extraArgs"] = kept
         spec = spec.model_copy(update={"engine": spec.engine.model_copy(update={"extra_args": kept})})
+        problems = _problems(spec)
+    transports = network.fixed_transports(spec)
+    if transports is not None:
+        fix[network.TRANSPORTS_FIELD] = transports
+        changed = spec.transfer.network.model_copy(update={"ucx_transports": transports})
+        spec = spec.model_copy(update={"transfer": spec.transfer.model_copy(update={"network": changed})})
         problems = _problems(spec)
     original = _settings_of(dd.spec)
     candidates = {path: _nearest(values, original[path]) for path, (_, values) in _FIELDS.items()}

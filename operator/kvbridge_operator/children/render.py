@@ -39,7 +39,7 @@ from kvbridge_operator.api.names import (
 )
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import DisaggregatedDeployment, EngineDevice, EngineKind, RoleSpec
-from kvbridge_operator.children import multinode, placement
+from kvbridge_operator.children import multinode, network, placement
 from kvbridge_operator.children import vllm_engine as vllm
 from kvbridge_operator.children.keys import curve_keypair
 from kvbridge_operator.children.pairing import pairing
@@ -155,6 +155,7 @@ def pod_template(
         "metadata": {"labels": labels},
         "spec": {"containers": containers, "volumes": volumes, "terminationGracePeriodSeconds": 30, **placed},
     }  # fmt: skip
+    network.apply(template, spec)
     template = overlay(template, role_spec.template) if role_spec.template else template
     template["metadata"].setdefault("labels", {})[LABEL_REVISION] = revision(template)
     return template

@@ -39,7 +39,7 @@ EXTRA_ARGS_NEED_VLLM = "EXTRA_ARGS_NEED_VLLM"
 #: environment variables kvbridge renders on the engine container (besides every KVBRIDGE_* of the agent's contract)
 MANAGED_ENV = frozenset({
     "VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_KV_CACHE_LAYOUT", "VLLM_CPU_KVCACHE_SPACE",
-    "VLLM_CPU_OMP_THREADS_BIND", "HF_TOKEN", "HF_HOME",
+    "VLLM_CPU_OMP_THREADS_BIND", "HF_TOKEN", "HF_HOME", "UCX_TLS", "UCX_NET_DEVICES",
 })  # fmt: skip
 MANAGED_ENV_PREFIX = "KVBRIDGE_"
 #: the KVBRIDGE_* variables that tune one engine without deciding anything the plan checked (capacity, checks,

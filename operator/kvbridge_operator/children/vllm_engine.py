@@ -18,6 +18,7 @@ import json
 from dataclasses import dataclass, field
 
 from kvbridge_agent.core import CacheKind, KVCacheDtype, KVLayout, Problem, Role, TransferPlan
+from kvbridge_agent.core.compat import check_pair
 from kvbridge_agent.core.wire import ConversionKind, wire_format, wire_format_defined
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import (
@@ -176,7 +177,8 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
         found += [Problem(VLLM_MLA_BLOCK_SIZE, f"spec.{role.value}.blockSize", (
             f"vLLM serves MLA on GPUs with its {MLA_BACKEND} backend (kvbridge renders --attention-backend "
             f"{MLA_BACKEND}), which runs only {MLA_BLOCK_SIZE}-token blocks, and {role.value} has "
-            f"{spec.role(role).block_size}; set spec.{role.value}.blockSize: {MLA_BLOCK_SIZE}"))
+            f"{spec.role(role).block_size}; set spec.{role.value}.blockSize: {MLA_BLOCK_SIZE}"
+            + _other_block_size(spec, role, MLA_BLOCK_SIZE, follows=True)))
             for role in Role if spec.role(role).block_size != MLA_BLOCK_SIZE]  # fmt: skip
     if on_cpu(spec):
         found += _cpu_problems(spec)
@@ -200,6 +202,20 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     return found
 
 
+def _other_block_size(spec: DisaggregatedDeploymentSpec, role: Role, value: int, *, follows: bool) -> str:
+    """`` and spec.<other role>.blockSize: <value>`` where the advice to set ``role``'s block size to ``value``
+    needs the other role to follow: the rule wants both (``follows``), or the compatibility rules refuse the ratio
+    this role's value alone would make; else nothing."""
+    other = Role.DECODE if role is Role.PREFILL else Role.PREFILL
+    if spec.role(other).block_size == value:
+        return ""
+    alone = spec.model_copy(update={role.value: spec.role(role).model_copy(update={"block_size": value})})
+    if not follows:
+        follows = bool(check_pair(alone.model, alone.prefill.settings(), alone.decode.settings(), alone.transfer,
+                                  suggestions=False))  # fmt: skip
+    return f" and spec.{other.value}.blockSize: {value}" if follows else ""
+
+
 def _cpu_block_size(block_size: int) -> int:
     """The block size CPU attention runs nearest below ``block_size`` (itself when it is a multiple of 32)."""
     return max(CPU_BLOCK_MULTIPLE, block_size // CPU_BLOCK_MULTIPLE * CPU_BLOCK_MULTIPLE)
@@ -212,10 +228,12 @@ def _cpu_problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     for role, role_spec in ((Role.PREFILL, spec.prefill), (Role.DECODE, spec.decode)):
         fits = _cpu_block_size(role_spec.block_size)
         if fits != role_spec.block_size:
+            # NixlConnector on CPU needs equal block sizes (VLLM_CPU_BLOCK_SIZE_RATIO)
+            both = _other_block_size(spec, role, fits, follows=not uses_kvbridge(spec))
             found.append(Problem(
                 VLLM_CPU_BLOCK_SIZE, f"spec.{role.value}.blockSize",
                 f"vLLM's CPU attention runs blocks of a multiple of {CPU_BLOCK_MULTIPLE} tokens, not "
-                f"{role_spec.block_size} (vLLM fails at start-up); set spec.{role.value}.blockSize: {fits}",
+                f"{role_spec.block_size} (vLLM fails at start-up); set spec.{role.value}.blockSize: {fits}{both}",
             ))  # fmt: skip
         if role_spec.kv_layout is not KVLayout.HND:
             found.append(Problem(

@@ -10,8 +10,8 @@ from typing import Any
 
 from kvbridge_agent.core import KVBridgeError, Problem, Role, SpecError, TransferPlan
 from kvbridge_operator.api.names import ENGINE_CONTAINER
-from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind
-from kvbridge_operator.children import multinode
+from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind, Memlock
+from kvbridge_operator.children import multinode, network
 from kvbridge_operator.children import vllm_engine as vllm
 from kvbridge_operator.children.model_source import weights
 from kvbridge_operator.children.pairing import pairing
@@ -109,15 +109,21 @@ def vllm_engines(document: DocumentPlan, config: OperatorConfig | None = None) -
         return {}
     config = config or OperatorConfig()
     out: dict[str, dict[str, Any]] = {}
+    spec = document.deployment.spec
     for role in (Role.PREFILL, Role.DECODE):
-        engine = vllm.engine(document.deployment, role, document.plan, config, weights(document.deployment.spec.model))
+        engine = vllm.engine(document.deployment, role, document.plan, config, weights(spec.model))
+        template = pod_template(document.deployment, role, document.plan, config)
+        container = next(c for c in template["spec"]["containers"] if c["name"] == ENGINE_CONTAINER)
+        command = list(container["command"])  # what runs `vllm serve`, read from the pod (launchers, checks)
+        launcher = command[:-2] if command[-2:] == ["vllm", "serve"] else list(engine.launcher)
         out[role.value.lower()] = {
-            "command": engine.command,
-            "launcher": engine.launcher,
+            "command": [*launcher, *engine.command[len(engine.launcher) :]],
+            "launcher": launcher,
             "env": {
                 **engine.env,
                 **{k: f"<{v}>" for k, v in engine.downward.items()},
-                **overlay_env(document.deployment.spec.role(role).template),
+                **network.environment(spec),
+                **overlay_env(spec.role(role).template),
             },
             "kvTransferConfig": engine.kv_transfer_config,
             "environment": pod_environment(document.deployment, role, document.plan, config),
@@ -219,9 +225,12 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
         for role, engine in vllm_engines(document).items():
             launcher = engine["launcher"]
             lines.append(f"  vLLM {role}: {shlex.join(engine['command'][len(launcher) :])}")
-            if launcher:
+            if vllm.on_cpu(spec):
                 lines.append("      (run through kvbridge's CPU launcher: one core set per TP rank, "
                              "VLLM_CPU_OMP_THREADS_BIND; `--json` shows it)")  # fmt: skip
+            if spec.transfer.network.memlock is Memlock.REQUIRED:
+                lines.append("      (run through the memlock check: starts only under an unlimited locked-memory "
+                             "limit; `--json` shows it)")  # fmt: skip
             lines.extend(f"      {name}={value}" for name, value in engine["env"].items())
             nodes = spec.role(Role(role)).nodes
             if nodes > 1:
