@@ -3,7 +3,8 @@
 A DisaggregatedDeployment for the tiny local model is rendered by the operator's own code
 (``render.stateful_set``); each role's engine container runs as a local process through the same function
 the demo's runner uses, with only the host (each pod its own loopback address), the model path and the cores
-(a kubelet's cpuset) substituted.
+(a kubelet's cpuset) substituted. Or an engine is started from ``kvbridge plan --json`` alone (plan_json_pod),
+with the same substitutions: the proof that the JSON is enough to run a role outside Kubernetes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from kvbridge_agent.core import Role, TransferPlan
 from kvbridge_operator.api.spec import parse_deployment
@@ -58,6 +61,43 @@ def deployment(
             "decode": {"replicas": 1, "tensorParallelSize": 1, "blockSize": blocks[1]},
         },
     }  # fmt: skip
+
+
+def plan_json(document: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    """``kvbridge plan --json`` of one deployment, run as a user runs it (the installed command, a manifest file)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    manifest = workdir / f"{document['metadata']['name']}.yaml"
+    manifest.write_text(yaml.safe_dump(document))
+    done = subprocess.run([str(Path(sys.executable).parent / "kvbridge"), "plan", "-f", str(manifest), "--json"],
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    if done.returncode != 0:
+        raise AssertionError(f"kvbridge plan --json failed ({done.returncode}): {done.stderr}")
+    entries = json.loads(done.stdout)
+    entry: dict[str, Any] = entries[0] if isinstance(entries, list) else entries
+    return entry
+
+
+def plan_json_pod(entry: dict[str, Any], role: Role, pod_name: str, ip: str, workdir: Path, *,
+                  models: dict[str, str], cpus: tuple[int, ...] = (),
+                  env_overrides: dict[str, str] | None = None) -> pods.LocalPodSpec:  # fmt: skip
+    """A role's engine process from ``kvbridge plan --json`` alone: its ``command`` and ``environment``, with only
+    what a pod gets from elsewhere filled in — the downward API's ``<metadata.name>`` and ``<status.podIP>``, the
+    model folder for the model name, ``--host`` (each pod its own address), the keys folder (the Secret's
+    mount) and the cores (a kubelet's cpuset)."""
+    engine = entry["vllm"][role.value.lower()]
+    fields = {"<metadata.name>": pod_name, "<status.podIP>": ip}
+    env: dict[str, str] = {}
+    for name, value in engine["environment"].items():
+        if value.startswith("<") and value.endswith(">"):
+            if value not in fields:
+                raise AssertionError(f"{name}={value}: the JSON names a source this runner cannot fill")
+            value = fields[value]
+        env[name] = value
+    env.update(env_overrides or {})
+    argv = [models.get(arg, arg) for arg in engine["command"]] + ["--host", ip]
+    port = int(argv[argv.index("--port") + 1]) if "--port" in argv else 8000
+    return pods.LocalPodSpec(argv=argv, env=env, workdir=workdir, cpus=tuple(cpus), http_port=port,
+                             health_path="/health")  # fmt: skip
 
 
 def rendered_template(document: dict[str, Any], role: Role) -> dict[str, Any]:
@@ -103,6 +143,12 @@ class Engines:
     ) -> Engine:
         spec = pods.local_pod(template, name, ip, self.workdir / name, models={MODEL_NAME: str(self.model)},
                               cpus=cpus, env_overrides=env)  # fmt: skip
+        engine = Engine(name, ip, spec, self.workdir / f"{name}.log")
+        self.engines[name] = engine
+        return engine
+
+    def add_spec(self, name: str, ip: str, spec: pods.LocalPodSpec) -> Engine:
+        """An engine whose process is already described (e.g. from ``kvbridge plan --json``: plan_json_pod)."""
         engine = Engine(name, ip, spec, self.workdir / f"{name}.log")
         self.engines[name] = engine
         return engine

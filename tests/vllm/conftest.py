@@ -12,7 +12,7 @@ import pytest
 from kvbridge_agent.core import Role
 from kvbridge_agent.transfer.keys import generate_keys
 from kvbridge_sim import tiny_model
-from kvbridge_sim.vllm_engines import Engines, deployment, rendered_template
+from kvbridge_sim.vllm_engines import Engines, deployment, plan_json, plan_json_pod, rendered_template
 
 from .assertions import require_vllm
 
@@ -44,17 +44,27 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def all_engines(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
     """Every engine the tests use, rendered once; each phase starts the ones it needs."""
     found = Engines(tmp_path_factory.mktemp("engines"), tiny_model_path)
-    found.add("decode", rendered_template(DEPLOYMENTS["tp1"], Role.DECODE), "127.0.1.5", (1,))
-    found.add("prefill-tp1", rendered_template(DEPLOYMENTS["tp1"], Role.PREFILL), "127.0.1.2", (0,))
+    models = {tiny_model.NAME: str(tiny_model_path)}
+    plans = tmp_path_factory.mktemp("plans")
+
+    def from_plan_json(name: str, deployment_name: str, role: Role, ip: str, core: int, **env: str) -> None:
+        """An engine started from ``kvbridge plan --json`` alone (docs/cli.md): the TP-1 engines of both connectors
+        run so, and test_pd/test_kvbridge_connector compare their tokens with a single engine's."""
+        spec = plan_json_pod(plan_json(DEPLOYMENTS[deployment_name], plans), role, name, ip, found.workdir / name,
+                             models=models, cpus=(core,), env_overrides=env)  # fmt: skip
+        found.add_spec(name, ip, spec)
+
+    from_plan_json("decode", "tp1", Role.DECODE, "127.0.1.5", 1)
+    from_plan_json("prefill-tp1", "tp1", Role.PREFILL, "127.0.1.2", 0)
     found.add("prefill-short-lease", rendered_template(DEPLOYMENTS["short-lease"], Role.PREFILL), "127.0.1.4", (0,))
     found.add("prefill-tp2", rendered_template(DEPLOYMENTS["tp2"], Role.PREFILL), "127.0.1.3", (0, 1))
     # kvbridge's connector: the Secret's key pair, as the pods mount it
     keys = tmp_path_factory.mktemp("keys")
     generate_keys(keys)
     found.keys_dir = keys
+    from_plan_json("kvbridge-prefill", "kvbridge", Role.PREFILL, "127.0.1.6", 0, KVBRIDGE_KEYS_DIR=str(keys))
+    from_plan_json("kvbridge-decode", "kvbridge", Role.DECODE, "127.0.1.7", 1, KVBRIDGE_KEYS_DIR=str(keys))
     for name, deployment_name, role, ip, core in (
-        ("kvbridge-prefill", "kvbridge", Role.PREFILL, "127.0.1.6", 0),
-        ("kvbridge-decode", "kvbridge", Role.DECODE, "127.0.1.7", 1),
         ("kvbridge-decode-64", "kvbridge-merge", Role.DECODE, "127.0.1.8", 1),  # reads the 32-token prefill
         ("kvbridge-prefill-64", "kvbridge-split", Role.PREFILL, "127.0.1.9", 0),  # read by the 32-token decode
     ):
