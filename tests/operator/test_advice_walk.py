@@ -113,11 +113,11 @@ CASES = {
     ),
     "vllm-gpu-prefill-conversion": manifest(
         "conv", engine={"kind": "VLLM"}, prefill={"blockSize": 32}, decode={"blockSize": 16}
-    ),  # fmt: skip
+    ),
     "mla-heads": manifest("mla", model={"attention": "MLA", "numKVHeads": 8, "headDim": 576}),
     "mla-vllm-block": manifest(
         "mla", engine={"kind": "VLLM"}, model={"attention": "MLA", "numKVHeads": 1, "headDim": 576}
-    ),  # fmt: skip
+    ),
     "template-args": manifest(
         "tpl",
         engine={"kind": "VLLM"},
@@ -126,7 +126,7 @@ CASES = {
                 "spec": {"containers": [{"name": "engine", "args": ["x"], "env": [{"name": "UCX_TLS", "value": "sm"}]}]}
             }
         },
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -152,7 +152,8 @@ def test_generated_specs_get_advice_that_does_not_loop(
     engine: dict[str, Any] = {"kind": kind, "device": device} | ({"connector": connector} if kind == "VLLM" else {})
     model: dict[str, Any] = {"numKVHeads": heads} | ({"attention": "MLA", "headDim": 576} if mla else {})
     document = manifest(
-        "gen", engine=engine, model=model, transfer={"conversion": conversion, "network": {"ucxTransports": transports}},
+        "gen", engine=engine, model=model,
+        transfer={"conversion": conversion, "network": {"ucxTransports": transports}},
         prefill={"tensorParallelSize": tp_p, "blockSize": bs_p, "kvLayout": layout_p},
         decode={"tensorParallelSize": tp_d, "blockSize": bs_d, "kvLayout": layout_d},
     )  # fmt: skip
