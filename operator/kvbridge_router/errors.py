@@ -9,9 +9,13 @@ from aiohttp import web
 class RouteError(Exception):
     """An error the client gets, with an HTTP status and a stable code."""
 
-    def __init__(self, status: int, code: str, message: str, retry: bool = False, param: str | None = None) -> None:
+    def __init__(self, status: int, code: str, message: str, retry: bool = False, param: str | None = None,
+                 reprefill: bool = False) -> None:  # fmt: skip
+        """``retry``: another pod may succeed (nothing reached the client); ``reprefill``: the failed decode pod
+        had the request (it may have read the KV and prefill freed it), so a retry prefills again."""
         super().__init__(message)
         self.status, self.code, self.message, self.retry, self.param = status, code, message, retry, param
+        self.reprefill = reprefill
 
     def response(self) -> web.Response:
         kind = "invalid_request_error" if self.status < 500 else "server_error"

@@ -26,6 +26,11 @@ class RouterMetrics:
             "while attempts were left).", ["pod"],
             registry=r,
         )  # fmt: skip
+        self.decode_retries = Counter(
+            "kvbridge_router_decode_retries", "Decode calls that failed before anything reached the client, by pod "
+            "(the request went to another pair).", ["pod"],
+            registry=r,
+        )  # fmt: skip
         self.ttft = Histogram(
             "kvbridge_router_ttft_seconds",
             "Time to first token as the client sees it: request received to decode's first streamed byte "

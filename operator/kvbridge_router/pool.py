@@ -109,12 +109,16 @@ class Balancer:
             self._turns = {key: turn}
         return tied[turn % len(tied)]
 
-    def choose(self, pool: Pool, exclude: Iterable[str] = ()) -> tuple[Target, Target] | None:
-        """A (prefill, decode) pair for the next request, or None when none is left."""
-        prefill = self.pick(pool.routable(), exclude)
+    def choose(self, pool: Pool, exclude: Iterable[str] = (), exclude_decodes: Iterable[str] = ()
+               ) -> tuple[Target, Target] | None:  # fmt: skip
+        """A (prefill, decode) pair for the next request, or None when none is left; ``exclude`` names prefill
+        pods, ``exclude_decodes`` decode pods (ones that failed this request)."""
+        avoided = set(exclude_decodes)
+        candidates = [p for p in pool.routable() if any(d.pod not in avoided for d in pool.decodes_for(p))]
+        prefill = self.pick(candidates, exclude)
         if prefill is None:
             return None
-        decode = self.pick(pool.decodes_for(prefill))
+        decode = self.pick(pool.decodes_for(prefill), avoided)
         return (prefill, decode) if decode is not None else None
 
     def started(self, pod: str) -> None:

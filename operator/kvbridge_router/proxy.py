@@ -8,10 +8,14 @@ with the reason; ``GET /metrics`` is Prometheus text.
 
 Failures: a prefill that cannot be reached, times out, answers 5xx or returns no transfer parameters is tried
 on another prefill pod (``prefill_attempts`` in all); a 4xx from prefill is the client's and is passed back.
-Decode is tried on another paired pod only when it could not be connected to (nothing was sent, so no block
-was read); once a decode pod has the request it is not retried (it may have read and freed the blocks), and
-fails with 502 or 504. Every call has a timeout; errors are ``{"error": {"message", "type", "code"}}``, as
-OpenAI's API writes them.
+A decode call that fails before anything reached the client (connection refused or reset, a 5xx, a timeout
+before the first byte — a pod being drained or killed) is retried on another pair, ``decode_attempts`` in all:
+on another decode pod with the same transfer parameters when the failed pod was never reached (nothing was
+read), else prefilled again (the failed pod may have read the KV, and prefill freed it). A 4xx from decode is
+the client's and is passed back. Once the stream has begun it is not retried: it ends with an error event.
+Bounds: ``connect_timeout`` per connection, ``decode_idle_timeout`` for each chunk of a stream (the first one
+included), ``decode_timeout`` per decode call, and ``request_timeout`` for the whole request, retries included:
+no client waits longer. Errors are ``{"error": {"message", "type", "code"}}``, as OpenAI's API writes them.
 """
 
 from __future__ import annotations
@@ -55,6 +59,10 @@ class RouterConfig:
     decode_idle_timeout: float = 60.0
     connect_timeout: float = 3.0
     prefill_attempts: int = 3
+    #: decode calls per request (the first and its retries on other pairs)
+    decode_attempts: int = 3
+    #: the whole request, every prefill and decode call and retry included
+    request_timeout: float = 900.0
     max_body_bytes: int = 16 << 20
     #: seconds a request's body may take to arrive (a client that stalls gets 408)
     body_timeout: float = 10.0
@@ -147,13 +155,24 @@ class Router:
                 try:
                     response = await self._decode(request, decode, body, params, headers, started, spent)
                     break
-                except RouteError as exc:  # retried only when decode was never reached (nothing was read)
+                except RouteError as exc:  # retried only while nothing has reached the client
                     tried.append(decode.pod)
-                    other = self.balancer.pick(self.pool.decodes_for(prefill), exclude=tried)
-                    if not exc.retry or other is None or len(tried) >= self.config.prefill_attempts:
+                    left = self.config.request_timeout - (time.perf_counter() - started)
+                    no_pair = not any(
+                        d.pod not in tried for p in self.pool.routable() for d in self.pool.decodes_for(p)
+                    )
+                    if not exc.retry or len(tried) >= self.config.decode_attempts or left <= 0 or no_pair:
                         raise
-                    log.warning("decode pod %s unreachable (%s); trying %s", decode.pod, exc.message, other.pod)
-                    decode = other
+                    self.metrics.decode_retries.labels(decode.pod).inc()
+                    other = None if exc.reprefill else self.balancer.pick(self.pool.decodes_for(prefill), tried)
+                    if other is None:  # decode had the request (or no partner is left): prefill again
+                        log.warning("decode pod %s failed (%s); prefilling again for another pair", decode.pod,
+                                    exc.message)  # fmt: skip
+                        prefill, decode, params = await self._prefill_somewhere(request.path, body, headers, spent,
+                                                                                exclude_decodes=tried)  # fmt: skip
+                    else:
+                        log.warning("decode pod %s unreachable (%s); trying %s", decode.pod, exc.message, other.pod)
+                        decode = other
         except RouteError as exc:
             self.metrics.requests.labels(route, exc.code).inc()
             log.warning("%s: %s %s", request.path, exc.code, exc.message)
@@ -165,13 +184,19 @@ class Router:
         return response
 
     async def _prefill_somewhere(
-        self, path: str, body: Obj, headers: dict[str, str], spent: list[float]
+        self,
+        path: str,
+        body: Obj,
+        headers: dict[str, str],
+        spent: list[float],
+        exclude_decodes: list[str] | None = None,
     ) -> tuple[Target, Target, Obj]:
-        """Prefill on the least loaded pod that has a decode partner; on a pod failure, on another one."""
+        """Prefill on the least loaded pod that has a decode partner (other than ``exclude_decodes``); on a pod
+        failure, on another one."""
         tried: list[str] = []
         last: RouteError | None = None
         for _ in range(self.config.prefill_attempts):
-            pair = self.balancer.choose(self.pool, exclude=tried)
+            pair = self.balancer.choose(self.pool, exclude=tried, exclude_decodes=exclude_decodes or ())
             if pair is None:
                 break
             prefill, decode = pair
@@ -232,7 +257,9 @@ class Router:
     ) -> web.StreamResponse:  # fmt: skip
         decode_body = {**body, "kv_transfer_params": params}
         stream = bool(body.get("stream"))
-        timeout = aiohttp.ClientTimeout(total=self.config.decode_timeout, connect=self.config.connect_timeout,
+        left = self.config.request_timeout - (time.perf_counter() - started)
+        timeout = aiohttp.ClientTimeout(total=max(min(self.config.decode_timeout, left), 0.001),
+                                        connect=self.config.connect_timeout,
                                         sock_read=self.config.decode_idle_timeout if stream else None)  # fmt: skip
         self._enter("decode", target)
         called = time.perf_counter()
@@ -240,6 +267,10 @@ class Router:
         try:
             async with self.session.post(f"{target.url}{request.path}", json=decode_body, timeout=timeout,
                                          headers=headers) as upstream:  # fmt: skip
+                if upstream.status >= 500:  # nothing has reached the client: another pair may serve it
+                    text = (await upstream.read()).decode(errors="replace")
+                    raise RouteError(502, "DECODE_FAILED", f"decode pod {target.pod}: HTTP {upstream.status}: "
+                                     f"{text[:300]}", retry=True, reprefill=True)  # fmt: skip
                 if not stream or upstream.status != 200:
                     data = await upstream.read()
                     self.metrics.ttft.observe(time.perf_counter() - started)
@@ -260,9 +291,9 @@ class Router:
         except (TimeoutError, aiohttp.ClientError, ConnectionResetError) as exc:
             code, status = ("DECODE_TIMEOUT", 504) if isinstance(exc, TimeoutError) else ("DECODE_UNAVAILABLE", 502)
             message = f"decode pod {target.pod}: {_reason(exc)}"
-            if response is None or not response.prepared:
-                never_reached = isinstance(exc, aiohttp.ClientConnectorError)
-                raise RouteError(status, code, message, retry=never_reached) from None
+            if response is None or not response.prepared:  # nothing reached the client: retry on another pair
+                reached = not isinstance(exc, aiohttp.ClientConnectorError)
+                raise RouteError(status, code, message, retry=True, reprefill=reached) from None
             transport = request.transport
             if transport is None or transport.is_closing():  # the client went away: stop reading decode's stream
                 self.metrics.requests.labels(ROUTES[request.path], "CLIENT_GONE").inc()

@@ -235,7 +235,12 @@ async def test_decode_failures_are_clear_errors(rig: Rig) -> None:
     rig.route()
     rig.decode[0].mode = "500"
     status, answer = await rig.post({"prompt": [1]})
-    assert status == 500  # decode's own answer, passed through
+    assert status == 502  # tried on every pair there is (one here), then a clear error
+    assert answer["error"]["code"] == "DECODE_FAILED"
+    assert len(rig.decode[0].received) == 1  # one decode pod: nothing else to try
+    rig.decode[0].mode = "400"
+    status, answer = await rig.post({"prompt": [1]})
+    assert status == 400  # the client's fault: passed back, not retried
 
 
 async def test_a_decode_that_dies_midstream_ends_the_stream_with_an_error_event(rig: Rig) -> None:
@@ -319,3 +324,57 @@ async def test_the_clients_authorization_and_one_request_id_reach_both_engines(r
         assert "cookie" not in sent
     assert prefill["x-request-id"] == decode["x-request-id"]
     assert prefill["x-request-id"].startswith("kvb-")
+
+
+async def two_decodes(rig: Rig) -> FakeEngine:
+    second = FakeEngine("decode-1")
+    await second.start()
+    rig.decode.append(second)
+    rig.route()
+    return second
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_decode_that_fails_before_the_first_byte_is_retried_on_another_pair_with_a_new_prefill(
+    rig: Rig, stream: bool
+) -> None:
+    """A draining vLLM answers 500 (or its connection resets) after it had the request: it may have read the
+    KV and prefill freed it, so the request is prefilled again and decoded on another pair, invisibly."""
+    second = await two_decodes(rig)
+    rig.decode[0].mode = "500"
+    for i in range(4):
+        status, answer = await rig.post({"prompt": [i], "stream": stream})
+        assert status == 200, answer
+        if not stream:
+            assert answer["decode"] == "decode-1"
+    prefills = sum(len(e.received) for e in rig.prefill)
+    failed = len(rig.decode[0].received)
+    assert prefills == 4 + failed  # each request that met the failing pod was prefilled once more
+    assert len(second.received) == 4
+    metrics = await (await rig.session.get(rig.url + "/metrics")).text()
+    assert f'kvbridge_router_decode_retries_total{{pod="decode-0"}} {float(failed)}' in metrics
+
+
+async def test_a_decode_that_hangs_before_the_first_byte_is_cut_at_its_bound_and_retried(rig: Rig) -> None:
+    second = await two_decodes(rig)
+    rig.decode[0].mode = "slow"  # answers nothing for 30 s: a pod stuck in its shutdown
+    started = asyncio.get_running_loop().time()
+    for i in range(2):
+        async with rig.session.post(rig.url + "/v1/completions", json={"prompt": [i], "stream": True}) as r:
+            assert r.status == 200
+            assert "[DONE]" in (await r.text())
+    assert asyncio.get_running_loop().time() - started < 10  # the 1 s chunk bound, not the 30 s hang
+    assert len(second.received) == 2
+
+
+async def test_the_whole_request_is_bounded_across_retries(rig: Rig) -> None:
+    rig.router.config = RouterConfig(prefill_timeout=1.0, decode_timeout=5.0, decode_idle_timeout=3.0,
+                                     request_timeout=1.5)  # fmt: skip
+    await two_decodes(rig)
+    for engine in rig.decode:
+        engine.mode = "slow"
+    started = asyncio.get_running_loop().time()
+    async with rig.session.post(rig.url + "/v1/completions", json={"prompt": [1], "stream": True}) as r:
+        answer = await r.json()
+    assert answer["error"]["code"] == "DECODE_TIMEOUT"
+    assert asyncio.get_running_loop().time() - started < 3  # request_timeout, not 2 x the chunk bound

@@ -171,14 +171,16 @@ def _router(args: argparse.Namespace) -> int:
               "FILE (a deployment's YAML or JSON, re-read when it changes)", file=sys.stderr)  # fmt: skip
         return EXIT_INVALID
     limits = {"--prefill-timeout": args.prefill_timeout, "--decode-timeout": args.decode_timeout,
-              "--prefill-attempts": args.prefill_attempts, "--body-timeout": args.body_timeout}  # fmt: skip
+              "--prefill-attempts": args.prefill_attempts, "--decode-attempts": args.decode_attempts,
+              "--request-timeout": args.request_timeout, "--body-timeout": args.body_timeout}  # fmt: skip
     problems = [f"{flag} must be positive, got {value}" for flag, value in limits.items() if value <= 0]
     if problems:
         print(f"kvbridge router: error: {'; '.join(problems)}", file=sys.stderr)
         return EXIT_INVALID
     config = RouterConfig(prefill_timeout=args.prefill_timeout, decode_timeout=args.decode_timeout,
                           decode_idle_timeout=min(args.decode_timeout, 60.0),
-                          prefill_attempts=args.prefill_attempts, body_timeout=args.body_timeout)  # fmt: skip
+                          prefill_attempts=args.prefill_attempts, decode_attempts=args.decode_attempts,
+                          request_timeout=args.request_timeout, body_timeout=args.body_timeout)  # fmt: skip
     router = Router(config)
 
     async def main() -> None:
@@ -314,6 +316,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "chunks)")  # fmt: skip
     router.add_argument("--prefill-attempts", type=int, default=3,
                         help="prefill pods tried per request when one fails (default 3)")  # fmt: skip
+    router.add_argument("--decode-attempts", type=int, default=3,
+                        help="decode calls per request: one failing before anything reached the client is retried "
+                        "on another pair (default 3)")  # fmt: skip
+    router.add_argument(
+        "--request-timeout",
+        type=float,
+        default=900.0,
+        help="seconds for a whole request, retries included: no client waits longer (default 900)",
+    )
     router.add_argument(
         "--body-timeout",
         type=float,
