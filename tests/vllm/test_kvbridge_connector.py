@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -215,3 +216,27 @@ async def test_prefill_tp2_to_decode_tp1_gives_equal_tokens(
     want = await pd_requests.baseline(session, decode, str(kvbridge_tp2_engines.model), tokens, MAX_TOKENS,
                                       salt=f"kvb-tp2-negative-{length}")  # fmt: skip
     assert got.tokens != want.tokens
+
+
+async def test_prefill_exports_the_kv_it_holds_for_readers(
+    kvbridge_engines: Engines, session: aiohttp.ClientSession
+) -> None:
+    """The prefill scaling signal (and what the pod's preStop waits on): ``vllm:kvbridge_held_bytes`` rises by a
+    request's blocks when prefill holds them and falls when decode has read them."""
+    prefill, decode, model = urls(kvbridge_engines)
+    one_block = BLOCK * 2 * 2 * 2 * 64 * 2  # 32 tokens x 2 layers x (K, V) x 2 KV heads x 64 x 2 bytes
+
+    async def held_after(condition: Any, what: str) -> float:
+        deadline = time.monotonic() + 10  # vLLM's front end records them with its next stats update
+        while True:
+            value = await metric(session, prefill, "vllm:kvbridge_held_bytes")
+            if condition(value) or time.monotonic() > deadline:
+                assert condition(value), f"{what}: vllm:kvbridge_held_bytes is {value}"
+                return value
+            await asyncio.sleep(0.2)
+
+    tokens = prompt(BLOCK, salt=61)
+    params = await pd_requests.prefill(session, prefill, model, tokens)
+    during = await held_after(lambda v: v >= one_block, "held for decode")
+    await pd_requests.decode(session, decode, model, tokens, params, MAX_TOKENS)
+    await held_after(lambda v: v <= during - one_block, "read by decode")

@@ -123,6 +123,12 @@ class ModelGeometry(CamelModel):
     def is_mla(self) -> bool:
         return self.attention is Attention.MLA
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """The KV cache of one token over all layers and heads (keys and values; MLA: one latent), counted once
+        however tensor parallelism splits or replicates it: what a prefill engine holds per token for readers."""
+        return self.num_layers * (1 if self.is_mla else 2) * self.num_kv_heads * self.head_dim * self.element_bytes
+
 
 class RoleSettings(CamelModel):
     """Settings that may differ between prefill and decode, within the rules of §2."""

@@ -216,9 +216,18 @@ class Engine:
 
     def _free(self, blocks: list[int]) -> None:
         self.allocator.free(blocks)
+        self.metrics.free_blocks.labels(**self.metrics.labels).set(self.allocator.free_count)
+        self._report_held()
+
+    def _report_held(self) -> None:
+        """The held requests and the bytes of their blocks, for autoscalers (scale down the pod holding least)."""
+        with self._held_lock:
+            requests, blocks = len(self._held), sum(len(h.blocks) for h in self._held.values())
         labels = self.metrics.labels
-        self.metrics.free_blocks.labels(**labels).set(self.allocator.free_count)
-        self.metrics.held_requests.labels(**labels).set(len(self._held))
+        self.metrics.held_requests.labels(**labels).set(requests)
+        self.metrics.held_bytes.labels(**labels).set(
+            blocks * self.env.prefill.block_size * self.env.model.kv_bytes_per_token
+        )
 
     # -- prefill ----------------------------------------------------------------
     def prefill(self, request_id: str, num_tokens: int, allocation: BlockAllocation | None = None) -> KVTransferParams:
@@ -251,7 +260,7 @@ class Engine:
             if held is not None:
                 held.deadline = time.monotonic() + lease
         expires_at = time.time() + lease
-        self.metrics.held_requests.labels(**self.metrics.labels).set(len(self._held))
+        self._report_held()
         self.metrics.free_blocks.labels(**self.metrics.labels).set(self.allocator.free_count)
         wire = wire_block_ids(blocks, num_tokens, self.plan.split_ratio, self.plan.wire.block_size)
         return KVTransferParams(

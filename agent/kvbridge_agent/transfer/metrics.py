@@ -43,6 +43,10 @@ class AgentMetrics:
             "kvbridge_held_requests", "Prefill requests whose blocks await readers.", list(labels),
             registry=self.registry,
         )  # fmt: skip
+        self.held_bytes = Gauge(
+            "kvbridge_held_bytes", "KV cache bytes prefill holds for readers (the blocks of held requests): a "
+            "prefill pod with none is the one to scale down.", list(labels), registry=self.registry,
+        )  # fmt: skip
         self.free_blocks = Gauge("kvbridge_free_blocks", "Free KV blocks.", list(labels), registry=self.registry)
 
     def render(self) -> bytes:

@@ -17,9 +17,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 #: each observation list: read durations (s), bytes and descriptors per read, handshake durations (s), the codes
-#: of failed reads, and a 1 per lease that ended unread (prefill) and per stale peer evicted (decode)
+#: of failed reads, and a 1 per lease that ended unread (prefill) and per stale peer evicted (decode); ``held``:
+#: (TP rank, requests, bytes) a prefill rank holds for readers, each time it changes
 _KEYS = ("read_seconds", "read_bytes", "read_descriptors", "handshake_seconds", "failed_reads", "expired_leases",
-         "stale_peer_evictions")  # fmt: skip
+         "stale_peer_evictions", "held")  # fmt: skip
 _SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 _DESCRIPTORS = (1, 16, 128, 1024, 4096, 16384, 65536, 262144, 1048576)
 _BYTES = tuple(float(2 ** (10 + 2 * i)) for i in range(13))  # 1 KiB .. 16 GiB
@@ -44,6 +45,9 @@ class KVBridgeStats(KVConnectorStats):
 
     def record_handshake(self, seconds: float) -> None:
         self.data["handshake_seconds"].append(seconds)
+
+    def record_held(self, tp_rank: int, requests: int, nbytes: int) -> None:
+        self.data["held"].append((tp_rank, requests, nbytes))
 
     def record_expired_lease(self) -> None:
         self.data["expired_leases"].append(1)
@@ -124,6 +128,16 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         # one child per (engine, code), made when a code first occurs
         self._failed = counter(name="vllm:kvbridge_failed_transfers", documentation="Failed reads, by code.",
                                labelnames=[*labelnames, "code"])  # fmt: skip
+        gauge = self._gauge_cls
+        self.held_requests = per_engine(gauge, "vllm:kvbridge_held_requests",
+                                        "Prefill requests whose KV this engine holds for readers.",
+                                        multiprocess_mode="mostrecent")  # fmt: skip
+        self.held_bytes = per_engine(gauge, "vllm:kvbridge_held_bytes",
+                                     "KV cache bytes this prefill engine holds for readers (the model's KV per token "
+                                     "over the held blocks): a pod with none is the one to scale down.",
+                                     multiprocess_mode="mostrecent")  # fmt: skip
+        #: each engine's TP ranks' last (requests, bytes): the engine holds the most requests any rank holds
+        self._held: dict[int, dict[int, tuple[int, int]]] = {}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         data = transfer_stats_data
@@ -137,3 +151,9 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                 metric[engine_idx].inc(len(data[key]))
         for code in data.get("failed_reads", ()):
             self._failed.labels(*self.per_engine_labelvalues[engine_idx], code).inc()
+        if data.get("held"):
+            ranks = self._held.setdefault(engine_idx, {})
+            for rank, requests, nbytes in data["held"]:
+                ranks[int(rank)] = (int(requests), int(nbytes))
+            self.held_requests[engine_idx].set(max(r for r, _ in ranks.values()))
+            self.held_bytes[engine_idx].set(max(b for _, b in ranks.values()))

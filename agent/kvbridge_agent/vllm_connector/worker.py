@@ -118,6 +118,8 @@ class ConnectorWorker:
         self.stats = KVBridgeStats()
         # prefill
         self._leases: dict[str, float] = {}
+        self._held_blocks: dict[str, int] = {}  # offered request -> its blocks here (until its blocks are freed)
+        self._reported_held: tuple[int, int] | None = None
         self._done_sending: set[str] = set()
         self._finished_seen: set[str] = set()
         # decode
@@ -176,6 +178,7 @@ class ConnectorWorker:
             self._leases.update({r: t for r, t in meta.leases.items() if r in self._leases or r in meta.to_offer})
             for request_id, order in meta.to_offer.items():
                 self._leases[request_id] = max(order.expires_at, meta.leases.get(request_id, 0.0))
+                self._held_blocks[request_id] = len(order.block_ids)
         if self.decode is not None:
             for request_id, read in meta.to_read.items():
                 result = self._start_read(self.decode, request_id, read)
@@ -246,6 +249,17 @@ class ConnectorWorker:
                 if result is not None:
                     self._results.append(result)
 
+    def _report_held(self) -> None:
+        """Requests whose KV this prefill rank holds for readers, and their bytes (the model's KV per token over
+        the rank's blocks, counted once for the engine): recorded when they change, for the gauges autoscalers
+        and the pod's preStop drain read."""
+        waiting = [r for r in self._leases if r not in self._done_sending]
+        tokens = sum(self._held_blocks.get(r, 0) for r in waiting) * self.settings.environment.prefill.block_size
+        held = (len(waiting), tokens * self.settings.model.kv_bytes_per_token)
+        if held != self._reported_held:
+            self._reported_held = held
+            self.stats.record_held(self.tp_rank, *held)
+
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose blocks prefill may free, requests whose KV decode has received)."""
         if self.prefill is not None:
@@ -265,6 +279,8 @@ class ConnectorWorker:
             self._finished_seen -= ready
             for request_id in ready:
                 self._leases.pop(request_id, None)
+                self._held_blocks.pop(request_id, None)
+            self._report_held()
             return ready or None, None
         if self.decode is not None:
             self._finish_handshakes(self.decode)

@@ -116,12 +116,17 @@ def wait_for(predicate: Any, timeout: float, step: float = 0.1) -> bool:
 
 def test_blocks_are_held_until_read_then_freed(cluster: Cluster) -> None:
     p, d = cluster.prefill, cluster.decode  # type: ignore[attr-defined]
+    before = metric(p, "kvbridge_held_bytes")
     params = prefill(p, "held-1", 40)
     assert "held-1" in p.get("/v1/held")["held"]
+    during = metric(p, "kvbridge_held_bytes")  # the scaling signal: what this prefill pod holds for readers
+    assert during > before
+    assert metric(p, "kvbridge_held_requests") >= 1
     status, body = decode(d, "d-held-1", params)
     assert status == 200, body
     assert body["verified"] is True
     assert wait_for(lambda: "held-1" not in p.get("/v1/held")["held"], 5)
+    assert metric(p, "kvbridge_held_bytes") < during
 
 
 def test_lease_expiry_frees_blocks_that_nobody_reads(cluster: Cluster) -> None:

@@ -77,3 +77,29 @@ def test_prometheus_metrics_carry_the_engine_label_and_the_failure_code() -> Non
     assert 'vllm:kvbridge_failed_transfers_total{code="LEASE_EXPIRED",engine="0",model_name="tiny"} 2.0' in text
     assert 'vllm:kvbridge_failed_transfers_total{code="PROMPT_MISMATCH",engine="0",model_name="tiny"} 1.0' in text
     assert 'vllm:kvbridge_expired_leases_total{engine="0",model_name="tiny"} 1.0' in text
+
+
+def test_held_kv_is_a_gauge_of_the_most_any_rank_holds() -> None:
+    """What a prefill engine holds for readers (requests, bytes), for autoscalers and the pod's preStop drain:
+    every TP rank holds the same requests, so the engine's figure is the most any rank reports, and it falls back
+    to 0 when the readers are done."""
+    registry = CollectorRegistry()
+    kinds = {kind: partial(kind, registry=registry) for kind in (Gauge, Counter, Histogram)}
+    metrics = KVBridgeConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None), kinds,  # type: ignore[arg-type]
+                                                   ["model_name", "engine"], {0: ["tiny", "0"]})  # fmt: skip
+    assert isinstance(metrics, KVBridgePromMetrics)
+    stats = KVBridgeStats()
+    stats.record_held(0, 3, 3 << 20)
+    stats.record_held(1, 3, 3 << 20)
+    assert not stats.is_empty()
+    metrics.observe(pickle.loads(pickle.dumps(stats.take())).to_dict(), 0)
+    text = generate_latest(registry).decode()
+    assert 'vllm:kvbridge_held_requests{engine="0",model_name="tiny"} 3.0' in text
+    assert 'vllm:kvbridge_held_bytes{engine="0",model_name="tiny"} 3.145728e+06' in text
+    stats.record_held(0, 0, 0)
+    metrics.observe(stats.to_dict(), 0)  # rank 1 still holds
+    assert 'vllm:kvbridge_held_requests{engine="0",model_name="tiny"} 3.0' in generate_latest(registry).decode()
+    stats = KVBridgeStats()
+    stats.record_held(1, 0, 0)
+    metrics.observe(stats.to_dict(), 0)
+    assert 'vllm:kvbridge_held_requests{engine="0",model_name="tiny"} 0.0' in generate_latest(registry).decode()
