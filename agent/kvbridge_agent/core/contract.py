@@ -52,6 +52,7 @@ _ENGINE_VARS = {
     "TRANSFER_TIMEOUT_SECONDS": "transfer_timeout_seconds",
     "VERIFY": "verify",
     "BLOCK_ALLOCATION": "block_allocation",
+    "DRAIN_SECONDS": "drain_seconds",
 }
 
 
@@ -87,6 +88,10 @@ class EngineEnvironment(CamelModel):
     verify: bool = Field(
         default=True, description="Agent worker: write and verify synthetic content (off for benchmarks)."
     )
+    drain_seconds: float = Field(
+        default=30.0, ge=0, le=3600,
+        description="Agent worker: on SIGTERM, how long the requests in flight may finish (new ones get 503).",
+    )  # fmt: skip
     block_allocation: BlockAllocation = Field(
         default=BlockAllocation.SEQUENTIAL,
         description="Agent worker: Sequential block ids, or Scattered (a shuffled free list, as after long uptime).",

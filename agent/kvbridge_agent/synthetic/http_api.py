@@ -11,7 +11,8 @@
 - ``GET /v1/ranks`` — per-rank state (open NIXL handles, requests in flight)
 
 Errors are ``{"error": {"code", "field", "message", "invalidBlocks"}}`` with a
-4xx/5xx status; a bad request never affects other requests.
+4xx/5xx status; a bad request never affects other requests. On SIGTERM the server drains: new POSTs get 503
+``DRAINING`` (a router retries them elsewhere) while those in flight finish, at most ``KVBRIDGE_DRAIN_SECONDS``.
 """
 
 from __future__ import annotations
@@ -95,6 +96,16 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(HTTPStatus.NOT_FOUND, _error("NOT_FOUND", f"no route {self.path}"))
 
     def do_POST(self) -> None:
+        server: AgentHTTPServer = self.server
+        if not server.enter():  # draining (SIGTERM): the router retries the request on another pair
+            self._send(HTTPStatus.SERVICE_UNAVAILABLE, _error("DRAINING", "this engine is shutting down"))
+            return
+        try:
+            self._post()
+        finally:
+            server.leave()
+
+    def _post(self) -> None:
         engine = self.server.engine
         try:
             body = self._body()
@@ -156,6 +167,30 @@ class AgentHTTPServer(ThreadingHTTPServer):
     def __init__(self, host: str, port: int, engine: Engine) -> None:
         super().__init__((host, port), _Handler)
         self.engine = engine
+        self._in_flight = 0
+        self._draining = False
+        self._idle = threading.Condition()
+
+    def enter(self) -> bool:
+        """A request starts, unless the server drains (then it is refused)."""
+        with self._idle:
+            if self._draining:
+                return False
+            self._in_flight += 1
+            return True
+
+    def leave(self) -> None:
+        with self._idle:
+            self._in_flight -= 1
+            self._idle.notify_all()
+
+    def drain(self, seconds: float) -> int:
+        """Refuse new requests (503 ``DRAINING``) and wait, at most ``seconds``, for those in flight to finish;
+        returns how many were still running."""
+        with self._idle:
+            self._draining = True
+            self._idle.wait_for(lambda: self._in_flight == 0, timeout=seconds)
+            return self._in_flight
 
     @property
     def port(self) -> int:

@@ -58,6 +58,9 @@ def serve(env: EngineEnvironment, *, log_level: str = "WARNING") -> int:
                 return EXIT_UNHEALTHY
     finally:
         if http is not None:
+            left = http.drain(env.drain_seconds)  # SIGTERM: finish what is in flight, refuse what is new
+            if left:
+                log.warning("drain: %d request(s) still running after %g s; stopping", left, env.drain_seconds)
             http.shutdown()
             http.server_close()
         engine.close()

@@ -314,9 +314,16 @@ class NetworkSpec(CamelModel):
 
 
 class TransferSpec(TransferSettings):
-    """The agent's transfer settings, and the network the data path runs on."""
+    """The agent's transfer settings, the network the data path runs on, and how long a terminating engine
+    drains."""
 
     network: NetworkSpec = Field(default_factory=NetworkSpec, description=NetworkSpec.__doc__ or "")
+    drain_seconds: int = Field(
+        default=30, ge=0, le=3600,
+        description="How long a terminating engine may finish the requests it has (vLLM: --shutdown-timeout). "
+        "The pod's grace period adds the wait for routers to stop sending to it and, on a prefill pod that "
+        "exports what it holds, for decode to read its KV (at most leaseSeconds).",
+    )  # fmt: skip
 
 
 class DisaggregatedDeploymentSpec(CamelModel):

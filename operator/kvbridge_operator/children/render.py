@@ -39,7 +39,7 @@ from kvbridge_operator.api.names import (
 )
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import DisaggregatedDeployment, EngineDevice, EngineKind, RoleSpec
-from kvbridge_operator.children import multinode, network, placement
+from kvbridge_operator.children import multinode, network, placement, termination
 from kvbridge_operator.children import vllm_engine as vllm
 from kvbridge_operator.children.keys import curve_keypair
 from kvbridge_operator.children.pairing import pairing
@@ -116,7 +116,7 @@ def engine_env(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, conf
         side_channel_host="from-downward-api", fingerprint=plan.fingerprint,
         keys_dir=config.keys_mount_path if agent or vllm.uses_kvbridge(spec) else "",
         num_blocks=config.agent_num_blocks, http_port=config.agent_http_port,
-        device="cpu" if on_cpu(dd, config) else "cuda",
+        device="cpu" if on_cpu(dd, config) else "cuda", drain_seconds=spec.transfer.drain_seconds,
     )  # fmt: skip
     downward = {"KVBRIDGE_ENGINE_ID": "metadata.name", "KVBRIDGE_SIDE_CHANNEL_HOST": "status.podIP"}
     env: list[Obj] = []
@@ -153,9 +153,10 @@ def pod_template(
         )
     template: Obj = {
         "metadata": {"labels": labels},
-        "spec": {"containers": containers, "volumes": volumes, "terminationGracePeriodSeconds": 30, **placed},
+        "spec": {"containers": containers, "volumes": volumes, **placed},
     }  # fmt: skip
     network.apply(template, spec)
+    termination.apply(template, spec, role, config.agent_http_port)
     template = overlay(template, role_spec.template) if role_spec.template else template
     template["metadata"].setdefault("labels", {})[LABEL_REVISION] = revision(template)
     return template

@@ -28,13 +28,14 @@ ROUTE_GRACE_SECONDS = 5
 MARGIN_SECONDS = 10
 #: the preStop wait: routers first, then (prefill) the KV held for readers, read from the engine's /metrics
 DRAIN_SCRIPT = """\
-import sys, time, urllib.request
+import os, sys, time, urllib.request
 port, route_grace, lease, gauge = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+host = os.environ.get("KVBRIDGE_DRAIN_HOST", "127.0.0.1")
 time.sleep(route_grace)
 deadline = time.monotonic() + lease
 while gauge and time.monotonic() < deadline:
     try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+        text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=2).read().decode()
     except OSError:
         break
     held = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()

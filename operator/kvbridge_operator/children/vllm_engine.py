@@ -55,7 +55,7 @@ MLA_BLOCK_SIZE = 64
 MANAGED_ARGUMENTS = (
     "--port", "--tensor-parallel-size", "-tp", "--block-size", "--kv-transfer-config", "--kv-cache-dtype",
     "--dtype", "--model", "--attention-backend", "--nnodes", "-n", "--node-rank", "-r", "--master-addr",
-    "--master-port", "--headless",
+    "--master-port", "--headless", "--shutdown-timeout",
 )  # fmt: skip
 #: the spec field each managed argument comes from (what to change instead)
 MANAGED_BY_FIELD = {
@@ -63,6 +63,7 @@ MANAGED_BY_FIELD = {
     "-tp": "spec.<role>.tensorParallelSize", "--block-size": "spec.<role>.blockSize",
     "--kv-transfer-config": "spec.transfer", "--kv-cache-dtype": "spec.model.kvCacheDtype",
     "--dtype": "spec.model.kvCacheDtype", "--model": "spec.model.name", "--attention-backend": "spec.model.attention",
+    "--shutdown-timeout": "spec.transfer.drainSeconds",
     **dict.fromkeys(("--nnodes", "-n", "--node-rank", "-r", "--master-addr", "--master-port", "--headless"),
                     "spec.<role>.nodes"),
 }  # fmt: skip
@@ -367,6 +368,8 @@ def engine(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: 
         "--kv-transfer-config", json.dumps(transfer_config, separators=(",", ":"), sort_keys=True),
         # a block that prefill re-lays for the wire no longer matches its prefix-cache hash
         *(["--no-enable-prefix-caching"] if role is Role.PREFILL and plan.wire.steps(Role.PREFILL) else []),
+        # SIGTERM drains the requests the engine has (children/termination.py: the pod's whole sequence)
+        "--shutdown-timeout", str(spec.transfer.drain_seconds),
         *spec.engine.extra_args,
         *role_spec.extra_args,
     ]  # fmt: skip
