@@ -384,7 +384,8 @@ async def run_demo(
                 for signum in (signal.SIGINT, signal.SIGTERM):
                     loop.add_signal_handler(signum, interrupted.set)
             runner = LocalRunner(client, Path(workdir), models=models)
-            running = asyncio.create_task(runner.run(stop))
+            runner_stop = asyncio.Event()
+            running = asyncio.create_task(runner.run(runner_stop))
             try:
                 names = []
                 for doc in docs:
@@ -433,10 +434,11 @@ async def run_demo(
             except BaseException:
                 progress(runner.log_tails())
                 raise
-            finally:
-                stop.set()
+            finally:  # the pods end first (vLLM drains on SIGTERM), then the operator: Kopf's exit cancels what runs
+                runner_stop.set()
                 await running
                 await runner.close()
+                stop.set()
                 await asyncio.wait_for(operator, timeout=30)
 
 

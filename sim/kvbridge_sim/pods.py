@@ -162,6 +162,17 @@ def stop(process: subprocess.Popen[bytes], grace: float = 15.0) -> None:
         time.sleep(0.1)
 
 
+def terminate(process: subprocess.Popen[bytes], grace: float) -> None:
+    """What a kubelet does to a container: SIGTERM its main process only (it shuts down its own children), wait
+    at most ``grace`` seconds for it to exit, then SIGKILL everything left (a container's end takes every process
+    in it)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(process.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=max(grace, 0.0))
+    stop(process, grace=0.0)
+
+
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)

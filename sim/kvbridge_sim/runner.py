@@ -9,6 +9,12 @@ mapped to a local folder; see :mod:`.pods`), gives pods with CPU limits whole
 cores of their own (as a static CPU manager would), reports readiness (the
 container's readiness probe path), IP and restarts into pod status, restarts
 a process that exits (as a kubelet would), and stops everything on close.
+
+Pods end as on a cluster: a pod above the StatefulSet's replicas, or of an older revision (a rolling update:
+highest ordinal first, one at a time, once the others are ready, above the partition), is deleted through the API
+(a finalizer of this stand-in's keeps it visible with its deletion timestamp, as a real pod is while it
+terminates); then its container's ``preStop`` runs, SIGTERM goes to its main process, SIGKILL follows after the
+pod's ``terminationGracePeriodSeconds``, and the pod object goes.
 """
 
 from __future__ import annotations
@@ -28,10 +34,13 @@ from pathlib import Path
 
 import aiohttp
 
-from kvbridge_operator.api.names import MANAGED_BY, secret_name
+from kvbridge_operator.api.names import LABEL_REVISION, MANAGED_BY, secret_name
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.kube import PODS, SECRETS, STATEFUL_SETS, KubeClient
 from kvbridge_sim import pods
+
+#: keeps a deleted pod visible (with its deletion timestamp) until this stand-in has ended its container
+KUBELET_FINALIZER = "kvbridge.io/local-kubelet"
 
 
 @dataclass
@@ -45,6 +54,10 @@ class LocalPod:
     restarts: int = 0
     ready: bool = False
     log_path: Path | None = None
+    revision: str = ""
+    #: the pod's template as created (preStop, grace period)
+    template: Obj | None = None
+    terminating: bool = False
 
 
 class LocalRunner:
@@ -57,6 +70,7 @@ class LocalRunner:
         self._next_core = 0
         self._cores = sorted(os.sched_getaffinity(0))
         self._session: aiohttp.ClientSession | None = None
+        self._endings: set[asyncio.Task[None]] = set()
 
     # -- lifetime -------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
@@ -69,6 +83,9 @@ class LocalRunner:
                 await asyncio.wait_for(stop.wait(), timeout=0.2)
 
     async def close(self) -> None:
+        for task in list(self._endings):
+            task.cancel()
+        await asyncio.gather(*self._endings, return_exceptions=True)
         await asyncio.gather(*(asyncio.to_thread(pods.stop, p.process) for p in self.pods.values() if p.process))
         if self._session is not None:
             await self._session.close()
@@ -88,14 +105,69 @@ class LocalRunner:
     # -- reconciling pods -------------------------------------------------------------
     async def sync(self) -> None:
         selector = ",".join(f"{k}={v}" for k, v in MANAGED_BY.items())
+        wanted: set[tuple[str, str]] = set()
         for sts in await self.client.list(STATEFUL_SETS, None, selector):
             namespace, name = sts["metadata"]["namespace"], sts["metadata"]["name"]
-            for index in range(int(sts["spec"].get("replicas", 0))):
+            replicas = int(sts["spec"].get("replicas", 0))
+            wanted |= {(namespace, f"{name}-{index}") for index in range(replicas)}
+            for index in range(replicas):
                 key = (namespace, f"{name}-{index}")
                 if key not in self.pods:
                     await self._create(sts, key[1])
+            self._roll(sts, replicas)
+        for key, pod in list(self.pods.items()):
+            if key not in wanted and not pod.terminating:  # scaled down, or its StatefulSet is gone
+                self._end(pod)
         for pod in list(self.pods.values()):
-            await self._watch(pod)
+            if not pod.terminating:
+                await self._watch(pod)
+
+    def _roll(self, sts: Obj, replicas: int) -> None:
+        """RollingUpdate: the highest-ordinal pod of an older revision at or above the partition is replaced, one
+        at a time, once every other pod is ready (as the StatefulSet controller does)."""
+        namespace, name = sts["metadata"]["namespace"], sts["metadata"]["name"]
+        revision = sts["spec"]["template"]["metadata"].get("labels", {}).get(LABEL_REVISION, "")
+        update = (sts["spec"].get("updateStrategy") or {}).get("rollingUpdate") or {}
+        partition = int(update.get("partition", 0))
+        mine = {i: self.pods.get((namespace, f"{name}-{i}")) for i in range(replicas)}
+        present = {i: p for i, p in mine.items() if p is not None and not p.terminating}
+        if len(present) < replicas:  # a pod is being replaced or created
+            return
+        stale = sorted((i for i, p in present.items() if i >= partition and p.revision != revision), reverse=True)
+        if stale and all(p.ready for i, p in present.items() if i != stale[0]):
+            self._end(present[stale[0]])
+
+    def _end(self, pod: LocalPod) -> None:
+        pod.terminating = True
+        task = asyncio.create_task(self._terminate(pod))
+        self._endings.add(task)
+        task.add_done_callback(self._endings.discard)
+
+    async def _terminate(self, pod: LocalPod) -> None:
+        """A kubelet ending a deleted pod: the deletion timestamp (routers stop sending), preStop, SIGTERM, at
+        most the grace period, SIGKILL, then the pod object goes (its finalizer released)."""
+        spec = (pod.template or {}).get("spec", {})
+        grace = float(spec.get("terminationGracePeriodSeconds", 30))
+        started = asyncio.get_running_loop().time()
+        with contextlib.suppress(Exception):
+            await self.client.delete(PODS, pod.namespace, pod.name)
+        pre_stop = (pods.engine_container(pod.template).get("lifecycle") or {}).get("preStop", {}).get("exec", {}) if (
+            pod.template) else {}  # fmt: skip
+        if pre_stop.get("command") and pod.process is not None and pod.process.poll() is None:
+            environ = {**os.environ, **pod.spec.env, "KVBRIDGE_DRAIN_HOST": pod.ip}
+            quiet = subprocess.DEVNULL
+            hook = await asyncio.create_subprocess_exec(*pre_stop["command"], env=environ, stdout=quiet, stderr=quiet)
+            try:
+                await asyncio.wait_for(hook.wait(), timeout=grace)
+            except TimeoutError:
+                hook.kill()
+                await hook.wait()
+        if pod.process is not None:
+            left = grace - (asyncio.get_running_loop().time() - started)
+            await asyncio.to_thread(pods.terminate, pod.process, left)
+        with contextlib.suppress(Exception):
+            await self.client.patch(PODS, pod.namespace, pod.name, {"metadata": {"finalizers": None}})
+        self.pods.pop((pod.namespace, pod.name), None)
 
     async def _create(self, sts: Obj, pod_name: str) -> None:
         namespace = sts["metadata"]["namespace"]
@@ -111,9 +183,11 @@ class LocalRunner:
         owner = {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": sts["metadata"]["name"],
                  "uid": sts["metadata"]["uid"], "controller": True}  # fmt: skip
         pod_obj = {"apiVersion": "v1", "kind": "Pod", "spec": template["spec"],
-                   "metadata": {**template["metadata"], "name": pod_name, "ownerReferences": [owner]}}  # fmt: skip
+                   "metadata": {**template["metadata"], "name": pod_name, "ownerReferences": [owner],
+                                "finalizers": [KUBELET_FINALIZER]}}  # fmt: skip
         await self.client.create(PODS, namespace, pod_obj)
-        pod = LocalPod(namespace, pod_name, deployment, ip, spec, log_path=self.workdir / f"{pod_name}.log")
+        pod = LocalPod(namespace, pod_name, deployment, ip, spec, log_path=self.workdir / f"{pod_name}.log",
+                       revision=labels.get(LABEL_REVISION, ""), template=template)  # fmt: skip
         self.pods[(namespace, pod_name)] = pod
         self._start(pod)
         await self._report(pod)
