@@ -28,6 +28,8 @@ def demo(args: argparse.Namespace) -> int:
     from kvbridge_sim.demo import DemoError, render_text, run_demo
 
     interrupted = asyncio.Event()
+    if getattr(args, "serve", False):
+        return _serve(args)
 
     async def main() -> dict[str, Any]:
         loop = asyncio.get_running_loop()
@@ -57,3 +59,32 @@ def demo(args: argparse.Namespace) -> int:
     else:
         print(render_text(report))
     return EXIT_OK if report["ok"] else EXIT_INCOMPATIBLE
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """``kvbridge demo --serve``: until SIGINT/SIGTERM (kvbridge_sim.serve)."""
+    import asyncio
+    import signal
+
+    from kvbridge_sim.demo import DemoError
+    from kvbridge_sim.serve import serve
+
+    stop = asyncio.Event()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        await serve(args.file, args.num_layers, args.engine, stop)
+
+    try:
+        asyncio.run(main())
+    except KVBridgeError as exc:
+        print(f"kvbridge demo: error: {exc.message}", file=sys.stderr)
+        return EXIT_INVALID
+    except (DemoError, asyncio.CancelledError, KeyboardInterrupt) as exc:
+        if not stop.is_set():
+            print(f"kvbridge demo: failed: {exc}", file=sys.stderr)
+            return EXIT_INCOMPATIBLE
+    print("kvbridge demo: stopped; every process it started was stopped", file=sys.stderr)
+    return EXIT_OK

@@ -117,3 +117,56 @@ def test_demo_reads_a_manifest_from_stdin_once(monkeypatch: pytest.MonkeyPatch) 
     [doc] = documents(["-"], num_layers=4, engine="agent")
     assert doc["metadata"]["name"] == "llama3-8b"
     assert doc["spec"]["model"]["numLayers"] == 4  # agent engines are scaled down
+
+
+def test_serve_keeps_the_cluster_up_for_your_own_clients_and_ctrl_c_stops_everything() -> None:
+    """``kvbridge demo --serve``: a kubeconfig for the emulated API and a router URL on stdout; a request through the
+    router and kubectl against the API work; SIGINT stops every process it started."""
+    import re
+    import shutil
+    import signal
+    import urllib.request
+
+    marker = uuid.uuid4().hex
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvbridge_operator", "demo", "--serve", "--engine", "agent"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "KVBRIDGE_DEMO_MARKER": marker},
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        lines: list[str] = []
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = process.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("serving:"):
+                break
+        assert lines, process.stderr.read() if process.poll() is not None else "no output"
+        assert lines[-1].startswith("serving:"), lines
+        config = re.search(r"^kubeconfig (\S+)", "".join(lines), re.M)
+        router = re.search(r"^router llama3-8b (\S+)", "".join(lines), re.M)
+        assert config, lines
+        assert router, lines
+        assert any(line.startswith("not served replicated-heads") for line in lines)
+        request = urllib.request.Request(router.group(1) + "/v1/completions", method="POST",
+                                         headers={"Content-Type": "application/json"},
+                                         data=json.dumps({"model": "demo", "prompt": [5] * 40}).encode())  # fmt: skip
+        with urllib.request.urlopen(request, timeout=60) as response:
+            answer = json.loads(response.read())
+        assert answer["kvbridge"]["verified"] is True
+        if shutil.which("kubectl"):
+            got = subprocess.run(["kubectl", "get", "dd", "llama3-8b"], capture_output=True, text=True, timeout=30,
+                                 env={**os.environ, "KUBECONFIG": config.group(1)}, check=False)  # fmt: skip
+            assert got.returncode == 0, got.stderr
+            assert got.stdout.split("\n")[1].split()[:4] == ["llama3-8b", "True", "2/2", "1/1"]
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=90) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    time.sleep(1)
+    assert marked_processes(marker) == [], "the demo left processes behind"

@@ -354,6 +354,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-layers", type=int, default=4, help="agent engines: scale models down to this many layers (default 4)"
     )
     demo.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    demo.add_argument("--serve", action="store_true",
+                      help="keep the cluster up instead: print a kubeconfig for the emulated API and each router's "
+                      "URL for your own clients (curl, the OpenAI SDK, vllm bench serve, kubectl); Ctrl-C stops "
+                      "everything")  # fmt: skip
     demo.set_defaults(func=_demo)
     return parser
 
