@@ -12,6 +12,7 @@ kvbridge's synthetic engine instead and checks every byte.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import signal
@@ -19,6 +20,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -342,6 +344,68 @@ def check(interrupted: asyncio.Event | None) -> None:
         raise DemoError("interrupted")
 
 
+def models_for(docs: list[Obj], workdir: Path) -> dict[str, str]:
+    """The local model folder for each model name the vLLM documents serve (the tiny model, made here)."""
+    if not any(is_vllm(d) for d in docs):
+        return {}
+    from kvbridge_sim import tiny_model
+
+    progress("making the tiny model (random weights, a tokenizer trained here) ...")
+    return {tiny_model.NAME: str(tiny_model.make(workdir / "tiny-llama"))}
+
+
+@dataclass
+class LocalCluster:
+    """The emulated API, its client and the local kubelet (the operator runs beside them)."""
+
+    api: Any
+    url: str
+    client: KubeClient
+    runner: Any
+
+
+@contextlib.asynccontextmanager
+async def local_cluster(workdir: Path, models: dict[str, str], interrupted: asyncio.Event | None
+                        ) -> AsyncIterator[LocalCluster]:  # fmt: skip
+    """The emulated API, the operator (in this process) and the local kubelet, started in that order; on exit the
+    pods end first (engines drain on SIGTERM), then the operator (Kopf's exit cancels what still runs).
+    ``interrupted`` is set on SIGINT/SIGTERM (after the operator started: Kopf installs its own handlers)."""
+    from kvbridge_operator.controller.handlers import run_operator
+    from kvbridge_sim.apiserver import emulated_api
+    from kvbridge_sim.runner import LocalRunner
+
+    async with emulated_api() as (api, url, client):
+        config = OperatorConfig(api_server=url, cpu_mode=True, agent_num_blocks=96, liveness_port=0)
+        stop, ready = asyncio.Event(), asyncio.Event()
+        operator = asyncio.create_task(run_operator(config, stop, ready_flag=ready))
+        await asyncio.wait_for(ready.wait(), timeout=60)
+        await asyncio.sleep(0.2)  # Kopf installs its own SIGINT/SIGTERM handlers: ours must win
+        if interrupted is not None:
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, interrupted.set)
+        runner, runner_stop = LocalRunner(client, workdir, models=models), asyncio.Event()
+        running = asyncio.create_task(runner.run(runner_stop))
+        try:
+            yield LocalCluster(api, url, client, runner)
+        finally:
+            runner_stop.set()
+            await running
+            await runner.close()
+            stop.set()
+            await asyncio.wait_for(operator, timeout=30)
+
+
+async def apply_all(client: KubeClient, docs: list[Obj]) -> list[str]:
+    """Create each DisaggregatedDeployment; their names."""
+    names = []
+    for doc in docs:
+        await client.create(DEPLOYMENTS, NAMESPACE, doc)
+        names.append(doc["metadata"]["name"])
+        progress(f"applied DisaggregatedDeployment {doc['metadata']['name']}")
+    return names
+
+
 async def run_demo(
     files: list[str] | None,
     requests: int,
@@ -349,11 +413,6 @@ async def run_demo(
     interrupted: asyncio.Event | None = None,
     engine: str = "vllm",
 ) -> dict[str, Any]:
-
-    from kvbridge_operator.controller.handlers import run_operator
-    from kvbridge_sim.apiserver import emulated_api
-    from kvbridge_sim.runner import LocalRunner
-
     docs = documents(files, num_layers, engine)
     vllm_docs = [d for d in docs if is_vllm(d)]
     progress(
@@ -367,31 +426,11 @@ async def run_demo(
         )
     )
     with tempfile.TemporaryDirectory(prefix="kvbridge-demo-") as workdir:
-        models: dict[str, str] = {}
-        if vllm_docs:
-            from kvbridge_sim import tiny_model
-
-            progress("making the tiny model (random weights, a tokenizer trained here) ...")
-            models[tiny_model.NAME] = str(tiny_model.make(Path(workdir) / "tiny-llama"))
-        async with emulated_api() as (api, url, client):
-            config = OperatorConfig(api_server=url, cpu_mode=True, agent_num_blocks=96, liveness_port=0)
-            stop, ready = asyncio.Event(), asyncio.Event()
-            operator = asyncio.create_task(run_operator(config, stop, ready_flag=ready))
-            await asyncio.wait_for(ready.wait(), timeout=60)
-            await asyncio.sleep(0.2)  # Kopf installs its own SIGINT/SIGTERM handlers: ours must win
-            if interrupted is not None:
-                loop = asyncio.get_running_loop()
-                for signum in (signal.SIGINT, signal.SIGTERM):
-                    loop.add_signal_handler(signum, interrupted.set)
-            runner = LocalRunner(client, Path(workdir), models=models)
-            runner_stop = asyncio.Event()
-            running = asyncio.create_task(runner.run(runner_stop))
+        models = models_for(docs, Path(workdir))
+        async with local_cluster(Path(workdir), models, interrupted) as cluster:
+            api, client, runner = cluster.api, cluster.client, cluster.runner
             try:
-                names = []
-                for doc in docs:
-                    await client.create(DEPLOYMENTS, NAMESPACE, doc)
-                    names.append(doc["metadata"]["name"])
-                    progress(f"applied DisaggregatedDeployment {doc['metadata']['name']}")
+                names = await apply_all(client, docs)
                 objects = await wait_for_verdicts(client, names, 900 if vllm_docs else 150, interrupted)
                 report: dict[str, Any] = {"ok": True, "deployments": [], "events": []}
                 for name in names:
@@ -434,12 +473,6 @@ async def run_demo(
             except BaseException:
                 progress(runner.log_tails())
                 raise
-            finally:  # the pods end first (vLLM drains on SIGTERM), then the operator: Kopf's exit cancels what runs
-                runner_stop.set()
-                await running
-                await runner.close()
-                stop.set()
-                await asyncio.wait_for(operator, timeout=30)
 
 
 def _ready_columns(obj: Obj) -> dict[str, str]:

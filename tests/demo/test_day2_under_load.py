@@ -6,18 +6,14 @@ by the engines; not one may fail. (The bounded version of benchmarks' chaos-unde
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from kvbridge_operator.config import OperatorConfig
-from kvbridge_operator.controller.handlers import run_operator
 from kvbridge_operator.kube import DEPLOYMENTS
-from kvbridge_sim.apiserver import emulated_api
-from kvbridge_sim.demo import NAMESPACE, send, start_router
+from kvbridge_sim.demo import NAMESPACE, apply_all, local_cluster, send, start_router
 from kvbridge_sim.runner import LocalRunner
 
 NAME = "day2"
@@ -49,63 +45,49 @@ def pods_of(runner: LocalRunner, role: str) -> list[str]:
 async def test_a_rollout_and_scale_downs_under_load_lose_no_request(tmp_path: Path) -> None:
     results: list[tuple[str, int, str]] = []  # (phase, HTTP status, error code)
     phase = ["steady"]
-    async with emulated_api() as (_api, url, client):
-        config = OperatorConfig(api_server=url, cpu_mode=True, agent_num_blocks=96, liveness_port=0)
-        stop, ready = asyncio.Event(), asyncio.Event()
-        operator = asyncio.create_task(run_operator(config, stop, ready_flag=ready))
-        await asyncio.wait_for(ready.wait(), timeout=60)
-        runner = LocalRunner(client, tmp_path)
-        runner_stop = asyncio.Event()
-        running = asyncio.create_task(runner.run(runner_stop))
+    async with local_cluster(tmp_path, {}, None) as cluster:
+        client, runner = cluster.client, cluster.runner
         load_stop = asyncio.Event()
+        await apply_all(client, [manifest()])
+        await until(lambda: len(pods_of(runner, "prefill")) == 2 and all(p.ready for p in runner.pods.values())
+                    and len(runner.pods) == 4, 120, "four ready pods")  # fmt: skip
+        router = await start_router(client, NAME)
+
+        async def client_loop(index: int) -> None:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+                n = 0
+                while not load_stop.is_set():
+                    n += 1
+                    body = {"model": "demo", "prompt": [index + 1] * (17 + 13 * (n % 5)), "max_tokens": 1}
+                    status, answer = await send(session, router.url, body)
+                    verified = (answer.get("kvbridge") or {}).get("verified") is True
+                    code = "" if status == 200 and verified else str((answer.get("error") or {}).get("code"))
+                    results.append((phase[0], status, code))
+
+        load = [asyncio.create_task(client_loop(i)) for i in range(CLIENTS)]
         try:
-            await client.create(DEPLOYMENTS, NAMESPACE, manifest())
-            await until(lambda: len(pods_of(runner, "prefill")) == 2 and all(p.ready for p in runner.pods.values())
-                        and len(runner.pods) == 4, 120, "four ready pods")  # fmt: skip
-            router = await start_router(client, NAME)
+            await asyncio.sleep(2)
+            initial = {p.revision for p in runner.pods.values()}  # one per role
+            phase[0] = "rollout"  # a template change the pairing key ignores: both roles roll in place
+            await client.patch(DEPLOYMENTS, NAMESPACE, NAME, {"spec": {"transfer": {"drainSeconds": 6}}})
 
-            async def client_loop(index: int) -> None:
-                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-                    n = 0
-                    while not load_stop.is_set():
-                        n += 1
-                        body = {"model": "demo", "prompt": [index + 1] * (17 + 13 * (n % 5)), "max_tokens": 1}
-                        status, answer = await send(session, router.url, body)
-                        verified = (answer.get("kvbridge") or {}).get("verified") is True
-                        code = "" if status == 200 and verified else str((answer.get("error") or {}).get("code"))
-                        results.append((phase[0], status, code))
+            def rolled() -> bool:
+                settled = len(runner.pods) == 4 and all(p.ready for p in runner.pods.values())
+                return settled and not {p.revision for p in runner.pods.values()} & initial
 
-            load = [asyncio.create_task(client_loop(i)) for i in range(CLIENTS)]
-            try:
-                await asyncio.sleep(2)
-                initial = {p.revision for p in runner.pods.values()}  # one per role
-                phase[0] = "rollout"  # a template change the pairing key ignores: both roles roll in place
-                await client.patch(DEPLOYMENTS, NAMESPACE, NAME, {"spec": {"transfer": {"drainSeconds": 6}}})
-
-                def rolled() -> bool:
-                    settled = len(runner.pods) == 4 and all(p.ready for p in runner.pods.values())
-                    return settled and not {p.revision for p in runner.pods.values()} & initial
-
-                await until(rolled, 180, "every pod on the new revision and ready")
-                phase[0] = "prefill 2->1"
-                await client.patch(DEPLOYMENTS, NAMESPACE, NAME, {"spec": {"prefill": {"replicas": 1}}})
-                await until(lambda: len(runner.pods) == 3, 120, "one prefill pod left")
-                phase[0] = "decode 2->1"
-                await client.patch(DEPLOYMENTS, NAMESPACE, NAME, {"spec": {"decode": {"replicas": 1}}})
-                await until(lambda: len(runner.pods) == 2, 120, "one decode pod left")
-                phase[0] = "after"
-                await asyncio.sleep(1)
-            finally:
-                load_stop.set()
-                await asyncio.gather(*load)
-                await router.close()
-        finally:  # the pods end first, then the operator (Kopf's exit cancels what still runs)
-            runner_stop.set()
-            await running
-            await runner.close()
-            stop.set()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(operator, timeout=30)
+            await until(rolled, 180, "every pod on the new revision and ready")
+            phase[0] = "prefill 2->1"
+            await client.patch(DEPLOYMENTS, NAMESPACE, NAME, {"spec": {"prefill": {"replicas": 1}}})
+            await until(lambda: len(runner.pods) == 3, 120, "one prefill pod left")
+            phase[0] = "decode 2->1"
+            await client.patch(DEPLOYMENTS, NAMESPACE, NAME, {"spec": {"decode": {"replicas": 1}}})
+            await until(lambda: len(runner.pods) == 2, 120, "one decode pod left")
+            phase[0] = "after"
+            await asyncio.sleep(1)
+        finally:
+            load_stop.set()
+            await asyncio.gather(*load)
+            await router.close()
     by_phase = {p: sum(1 for q, _s, _c in results if q == p) for p in ("steady", "rollout", "prefill 2->1",
                                                                       "decode 2->1")}  # fmt: skip
     failed = [r for r in results if r[2]]

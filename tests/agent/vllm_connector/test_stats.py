@@ -57,12 +57,18 @@ def test_only_failures_still_reduce() -> None:
                               "Stale peers evicted": 0}  # fmt: skip
 
 
-def test_prometheus_metrics_carry_the_engine_label_and_the_failure_code() -> None:
-    registry = CollectorRegistry()
+def prometheus_metrics(registry: CollectorRegistry) -> KVBridgePromMetrics:
+    """The connector's metrics as vLLM's front end builds them (one engine, labels model_name and engine)."""
     kinds = {kind: partial(kind, registry=registry) for kind in (Gauge, Counter, Histogram)}
     metrics = KVBridgeConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None), kinds,  # type: ignore[arg-type]
                                                    ["model_name", "engine"], {0: ["tiny", "0"]})  # fmt: skip
     assert isinstance(metrics, KVBridgePromMetrics)
+    return metrics
+
+
+def test_prometheus_metrics_carry_the_engine_label_and_the_failure_code() -> None:
+    registry = CollectorRegistry()
+    metrics = prometheus_metrics(registry)
     stats = KVBridgeStats()
     stats.record_read(0.003, 4096, 2)
     stats.record_read(0.005, 4096, 2)
@@ -84,10 +90,7 @@ def test_held_kv_is_a_gauge_of_the_most_any_rank_holds() -> None:
     every TP rank holds the same requests, so the engine's figure is the most any rank reports, and it falls back
     to 0 when the readers are done."""
     registry = CollectorRegistry()
-    kinds = {kind: partial(kind, registry=registry) for kind in (Gauge, Counter, Histogram)}
-    metrics = KVBridgeConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None), kinds,  # type: ignore[arg-type]
-                                                   ["model_name", "engine"], {0: ["tiny", "0"]})  # fmt: skip
-    assert isinstance(metrics, KVBridgePromMetrics)
+    metrics = prometheus_metrics(registry)
     stats = KVBridgeStats()
     stats.record_held(0, 3, 3 << 20)
     stats.record_held(1, 3, 3 << 20)
