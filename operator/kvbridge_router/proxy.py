@@ -168,6 +168,9 @@ class Router:
                     if other is None:  # decode had the request (or no partner is left): prefill again
                         log.warning("decode pod %s failed (%s); prefilling again for another pair", decode.pod,
                                     exc.message)  # fmt: skip
+                        # a new request id: the first prefill pod may still hold the first one's KV (until its
+                        # lease ends) and would refuse the id as a duplicate
+                        headers = {**headers, "X-Request-Id": f"{request_id}-retry{len(tried)}"}
                         prefill, decode, params = await self._prefill_somewhere(request.path, body, headers, spent,
                                                                                 exclude_decodes=tried)  # fmt: skip
                     else:

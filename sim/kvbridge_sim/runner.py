@@ -10,8 +10,9 @@ cores of their own (as a static CPU manager would), reports readiness (the
 container's readiness probe path), IP and restarts into pod status, restarts
 a process that exits (as a kubelet would), and stops everything on close.
 
-Pods end as on a cluster: a pod above the StatefulSet's replicas, or of an older revision (a rolling update:
-highest ordinal first, one at a time, once the others are ready, above the partition), is deleted through the API
+Pods end as on a cluster: a pod deleted through the API by anyone (an eviction, a node drain) or one above the
+StatefulSet's replicas, or of an older revision (a rolling update: highest ordinal first, one at a time, once the
+others are ready, above the partition), is deleted through the API
 (a finalizer of this stand-in's keeps it visible with its deletion timestamp, as a real pod is while it
 terminates); then its container's ``preStop`` runs, SIGTERM goes to its main process, SIGKILL follows after the
 pod's ``terminationGracePeriodSeconds``, and the pod object goes.
@@ -115,8 +116,11 @@ class LocalRunner:
                 if key not in self.pods:
                     await self._create(sts, key[1])
             self._roll(sts, replicas)
+        deleted = {(p["metadata"]["namespace"], p["metadata"]["name"]) for p in await self.client.list(PODS, None)
+                   if p["metadata"].get("deletionTimestamp")}  # fmt: skip
         for key, pod in list(self.pods.items()):
-            if key not in wanted and not pod.terminating:  # scaled down, or its StatefulSet is gone
+            # scaled down, its StatefulSet gone, or deleted by someone else (an eviction, a node drain)
+            if (key not in wanted or key in deleted) and not pod.terminating:
                 self._end(pod)
         for pod in list(self.pods.values()):
             if not pod.terminating:

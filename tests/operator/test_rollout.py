@@ -185,6 +185,17 @@ def test_which_changes_roll_in_place_and_which_go_blue_green() -> None:
     assert layout is Strategy.BLUE_GREEN
 
 
+def test_pods_planned_with_other_wire_formats_are_not_paired() -> None:
+    """Each running pod was planned with its own spec's peer settings: prefill 32 -> decode 16 is a compatible spec
+    (prefill splits its blocks), but a prefill pod of the 32/32 spec offers 32-token wire blocks and a decode pod of
+    the 16/16 spec reads 16-token ones. Found under load by benchmarks/chaos_under_load.py: the router paired them
+    and decode refused every read (WIRE_FORMAT_MISMATCH)."""
+    bigger = {"blockSize": 32}
+    strategy, why = strategy_for(changed(), changed(prefill=bigger, decode=bigger))
+    assert strategy is Strategy.BLUE_GREEN
+    assert "WIRE_FORMAT_MISMATCH" in why
+
+
 def test_an_unknown_key_is_never_paired_with_another() -> None:
     judge = revisions.pairs_with({}, "x")
     assert judge("a", "a") is None

@@ -350,6 +350,9 @@ async def test_a_decode_that_fails_before_the_first_byte_is_retried_on_another_p
     prefills = sum(len(e.received) for e in rig.prefill)
     failed = len(rig.decode[0].received)
     assert prefills == 4 + failed  # each request that met the failing pod was prefilled once more
+    ids = [h["x-request-id"] for e in rig.prefill for h in e.headers]
+    assert len(set(ids)) == len(ids)  # the retry's prefill has its own id (the first pod may still hold the first)
+    assert sum(i.endswith("-retry1") for i in ids) == failed
     assert len(second.received) == 4
     metrics = await (await rig.session.get(rig.url + "/metrics")).text()
     assert f'kvbridge_router_decode_retries_total{{pod="decode-0"}} {float(failed)}' in metrics

@@ -80,13 +80,25 @@ def _judge(records: dict[str, Obj], name: str, prefill_key: str, decode_key: str
         return "spec.engine (kind, device or connector) differs"
     mixed = {**decode, "prefill": prefill["prefill"]}
     try:
-        verdict = verdict_for(parse_deployment({"apiVersion": API_VERSION, "kind": KIND,
-                                                "metadata": {"name": name}, "spec": mixed}))  # fmt: skip
+        verdict = verdict_for(_deployment(name, mixed))
+        own = {key: verdict_for(_deployment(name, spec)) for key, spec in ((prefill_key, prefill),
+                                                                           (decode_key, decode))}  # fmt: skip
     except KVBridgeError as exc:
         return exc.message
-    if isinstance(verdict, TransferPlan):
-        return None
-    return "; ".join(f"{p.code} at {p.field}" for p in verdict)
+    if not isinstance(verdict, TransferPlan):
+        return "; ".join(f"{p.code} at {p.field}" for p in verdict)
+    # each running pod was planned with its own spec's peer settings: the prefill pod offers blocks in its plan's
+    # wire format, the decode pod reads in its own; a mixed pair works only where both are the mixed plan's
+    for key, plan in own.items():
+        if not isinstance(plan, TransferPlan) or plan.wire != verdict.wire:
+            offered = plan.wire.block_size if isinstance(plan, TransferPlan) else "?"
+            return (f"the pods of {key} were planned with {offered}-token wire blocks, a mixed pair needs "
+                    f"{verdict.wire.block_size}: they would refuse each other (WIRE_FORMAT_MISMATCH)")  # fmt: skip
+    return None
+
+
+def _deployment(name: str, spec: Obj) -> DisaggregatedDeployment:
+    return parse_deployment({"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name}, "spec": spec})
 
 
 @dataclass(frozen=True)
