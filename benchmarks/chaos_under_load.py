@@ -36,19 +36,18 @@ import aiohttp
 import numpy as np
 
 from kvbridge_operator.kube import DEPLOYMENTS, PODS
-from kvbridge_sim.demo import NAMESPACE, LocalCluster, apply_all, local_cluster, send, start_router
+from kvbridge_sim.demo import (
+    NAMESPACE,
+    LocalCluster,
+    apply_all,
+    local_cluster,
+    send,
+    start_router,
+    synthetic_deployment,
+    until,
+)
 
 NAME = "chaos"
-
-
-def manifest() -> dict[str, Any]:
-    return {
-        "apiVersion": "kvbridge.io/v1alpha1", "kind": "DisaggregatedDeployment", "metadata": {"name": NAME},
-        "spec": {"engine": {"kind": "Agent", "device": "CPU"},
-                 "model": {"name": "m", "numLayers": 2, "numKVHeads": 4, "headDim": 64},
-                 "transfer": {"leaseSeconds": 20, "drainSeconds": 5},
-                 "prefill": {"replicas": 2, "blockSize": 16}, "decode": {"replicas": 2, "blockSize": 16}},
-    }  # fmt: skip
 
 
 @dataclass
@@ -73,14 +72,6 @@ def settled(cluster: LocalCluster, prefill: int, decode: int) -> bool:
         len(pods) == len(cluster.runner.pods))  # fmt: skip
 
 
-async def until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out: {what}")
-        await asyncio.sleep(0.2)
-
-
 async def run(clients: int, bound: float) -> list[dict[str, Any]]:
     outcomes: dict[str, Outcome] = {}
     current = ["warm-up"]
@@ -88,7 +79,7 @@ async def run(clients: int, bound: float) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="kvbridge-chaos-") as folder:
         async with local_cluster(Path(folder), {}, None) as cluster:
             client = cluster.client
-            await apply_all(client, [manifest()])
+            await apply_all(client, [synthetic_deployment(NAME)])
             await until(lambda: settled(cluster, 2, 2), 180, "2 + 2 ready pods")
             router = await start_router(client, NAME)
 

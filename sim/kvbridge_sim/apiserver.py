@@ -39,7 +39,7 @@ from kmock._internal import k8s as kmock_k8s
 from kmock._internal import rendering
 
 from kvbridge_operator.api.crd import crds
-from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.api.objects import Obj, with_fields
 from kvbridge_operator.kube import USER_AGENT, KubeClient, Resource
 from kvbridge_sim import field_managers, openapi, tables
 from kvbridge_sim.selectors import field_match, label_match, merge_patch
@@ -309,13 +309,7 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         replicas = (data or {}).get("spec", {}).get("replicas") if isinstance(data, dict) else None
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
             raise kmock.KubernetesError(status=422, reason="Invalid", message="spec.replicas: must be >= 0")
-        patched = copy.deepcopy(current)
-        *parents, last = paths["specReplicasPath"].strip(".").split(".")
-        node = patched
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = replicas
-        return patched
+        return with_fields(current, {paths["specReplicasPath"].strip("."): replicas})
 
     async def _serve_create(self, request: rendering.Request) -> Obj:
         info, gvp = self._info(request), self._gvp(request)

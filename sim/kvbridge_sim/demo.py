@@ -20,7 +20,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -342,6 +342,27 @@ def events_of(api: Any, name: str) -> list[Obj]:
 def check(interrupted: asyncio.Event | None) -> None:
     if interrupted is not None and interrupted.is_set():
         raise DemoError("interrupted")
+
+
+def synthetic_deployment(name: str) -> Obj:
+    """2 prefill + 2 decode synthetic-engine pods on CPU (a small model, a 20 s lease, a 5 s drain): the
+    deployment the day-2 test and benchmarks/chaos_under_load.py run operations on under load."""
+    return {
+        "apiVersion": "kvbridge.io/v1alpha1", "kind": "DisaggregatedDeployment", "metadata": {"name": name},
+        "spec": {"engine": {"kind": "Agent", "device": "CPU"},
+                 "model": {"name": "m", "numLayers": 2, "numKVHeads": 4, "headDim": 64},
+                 "transfer": {"leaseSeconds": 20, "drainSeconds": 5},
+                 "prefill": {"replicas": 2, "blockSize": 16}, "decode": {"replicas": 2, "blockSize": 16}},
+    }  # fmt: skip
+
+
+async def until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """Wait until ``predicate()`` holds, polling; ``TimeoutError`` naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out: {what}")
+        await asyncio.sleep(0.1)
 
 
 def models_for(docs: list[Obj], workdir: Path) -> dict[str, str]:

@@ -51,13 +51,13 @@ class LocalPod:
     deployment: str
     ip: str
     spec: pods.LocalPodSpec
+    #: the pod's template as created (its preStop and grace period)
+    template: Obj
     process: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     ready: bool = False
     log_path: Path | None = None
     revision: str = ""
-    #: the pod's template as created (preStop, grace period)
-    template: Obj | None = None
     terminating: bool = False
 
 
@@ -116,8 +116,8 @@ class LocalRunner:
                 if key not in self.pods:
                     await self._create(sts, key[1])
             self._roll(sts, replicas)
-        deleted = {(p["metadata"]["namespace"], p["metadata"]["name"]) for p in await self.client.list(PODS, None)
-                   if p["metadata"].get("deletionTimestamp")}  # fmt: skip
+        deleted = {(p["metadata"]["namespace"], p["metadata"]["name"]) for p in await self.client.list(
+            PODS, None, selector) if p["metadata"].get("deletionTimestamp")}  # fmt: skip
         for key, pod in list(self.pods.items()):
             # scaled down, its StatefulSet gone, or deleted by someone else (an eviction, a node drain)
             if (key not in wanted or key in deleted) and not pod.terminating:
@@ -150,13 +150,11 @@ class LocalRunner:
     async def _terminate(self, pod: LocalPod) -> None:
         """A kubelet ending a deleted pod: the deletion timestamp (routers stop sending), preStop, SIGTERM, at
         most the grace period, SIGKILL, then the pod object goes (its finalizer released)."""
-        spec = (pod.template or {}).get("spec", {})
-        grace = float(spec.get("terminationGracePeriodSeconds", 30))
+        grace = float(pod.template["spec"].get("terminationGracePeriodSeconds", 30))
         started = asyncio.get_running_loop().time()
         with contextlib.suppress(Exception):
             await self.client.delete(PODS, pod.namespace, pod.name)
-        pre_stop = (pods.engine_container(pod.template).get("lifecycle") or {}).get("preStop", {}).get("exec", {}) if (
-            pod.template) else {}  # fmt: skip
+        pre_stop = (pods.engine_container(pod.template).get("lifecycle") or {}).get("preStop", {}).get("exec", {})
         if pre_stop.get("command") and pod.process is not None and pod.process.poll() is None:
             environ = {**os.environ, **pod.spec.env, "KVBRIDGE_DRAIN_HOST": pod.ip}
             quiet = subprocess.DEVNULL
@@ -190,8 +188,8 @@ class LocalRunner:
                    "metadata": {**template["metadata"], "name": pod_name, "ownerReferences": [owner],
                                 "finalizers": [KUBELET_FINALIZER]}}  # fmt: skip
         await self.client.create(PODS, namespace, pod_obj)
-        pod = LocalPod(namespace, pod_name, deployment, ip, spec, log_path=self.workdir / f"{pod_name}.log",
-                       revision=labels.get(LABEL_REVISION, ""), template=template)  # fmt: skip
+        pod = LocalPod(namespace, pod_name, deployment, ip, spec, template, log_path=self.workdir / f"{pod_name}.log",
+                       revision=labels.get(LABEL_REVISION, ""))  # fmt: skip
         self.pods[(namespace, pod_name)] = pod
         self._start(pod)
         await self._report(pod)

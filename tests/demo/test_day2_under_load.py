@@ -6,36 +6,16 @@ by the engines; not one may fail. (The bounded version of benchmarks' chaos-unde
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 
 from kvbridge_operator.kube import DEPLOYMENTS
-from kvbridge_sim.demo import NAMESPACE, apply_all, local_cluster, send, start_router
+from kvbridge_sim.demo import NAMESPACE, apply_all, local_cluster, send, start_router, synthetic_deployment, until
 from kvbridge_sim.runner import LocalRunner
 
 NAME = "day2"
 CLIENTS = 3
-
-
-def manifest() -> dict[str, Any]:
-    return {
-        "apiVersion": "kvbridge.io/v1alpha1", "kind": "DisaggregatedDeployment", "metadata": {"name": NAME},
-        "spec": {"engine": {"kind": "Agent", "device": "CPU"},
-                 "model": {"name": "m", "numLayers": 2, "numKVHeads": 4, "headDim": 64},
-                 "transfer": {"leaseSeconds": 20, "drainSeconds": 5},
-                 "prefill": {"replicas": 2, "blockSize": 16}, "decode": {"replicas": 2, "blockSize": 16}},
-    }  # fmt: skip
-
-
-async def until(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out: {what}")
-        await asyncio.sleep(0.1)
 
 
 def pods_of(runner: LocalRunner, role: str) -> list[str]:
@@ -48,7 +28,7 @@ async def test_a_rollout_and_scale_downs_under_load_lose_no_request(tmp_path: Pa
     async with local_cluster(tmp_path, {}, None) as cluster:
         client, runner = cluster.client, cluster.runner
         load_stop = asyncio.Event()
-        await apply_all(client, [manifest()])
+        await apply_all(client, [synthetic_deployment(NAME)])
         await until(lambda: len(pods_of(runner, "prefill")) == 2 and all(p.ready for p in runner.pods.values())
                     and len(runner.pods) == 4, 120, "four ready pods")  # fmt: skip
         router = await start_router(client, NAME)

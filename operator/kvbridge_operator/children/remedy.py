@@ -14,7 +14,6 @@ model, not a setting, and is never changed.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 from kvbridge_agent.core import Problem
 from kvbridge_agent.core.compat import CONVERSION_OFF, MLA_KV_HEADS, check_pair
 from kvbridge_agent.core.model import CacheKind, Conversion, KVCacheDtype, KVLayout
+from kvbridge_operator.api.objects import with_fields
 from kvbridge_operator.api.spec import Connector, DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind
 from kvbridge_operator.children import network
 from kvbridge_operator.children import vllm_engine as vllm
@@ -234,14 +234,7 @@ def suggested_fix(dd: DisaggregatedDeployment) -> Fix | None:
 
 def apply_fix(manifest: dict[str, Any], fix: Fix) -> dict[str, Any]:
     """The manifest with the fix's fields set (a copy; the input is left alone)."""
-    out = copy.deepcopy(manifest)
-    for path, value in fix.items():
-        node = out
-        *parents, leaf = path.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return out
+    return with_fields(manifest, fix)
 
 
 def merge_patch(fix: Fix) -> dict[str, Any]:

@@ -55,18 +55,22 @@ def held_gauge(spec: DisaggregatedDeploymentSpec, role: Role) -> str:
     return "vllm:kvbridge_held_requests" if spec.engine.connector is Connector.KVBRIDGE else ""
 
 
+def held_wait_seconds(spec: DisaggregatedDeploymentSpec, role: Role) -> int:
+    """The longest the preStop waits for decode to read what the pod holds: the lease, where there is a figure."""
+    return spec.transfer.lease_seconds if held_gauge(spec, role) else 0
+
+
 def grace_seconds(spec: DisaggregatedDeploymentSpec, role: Role) -> int:
     """``terminationGracePeriodSeconds``: the preStop waits, the engine's drain and a margin."""
-    held = spec.transfer.lease_seconds if held_gauge(spec, role) else 0
-    return ROUTE_GRACE_SECONDS + held + spec.transfer.drain_seconds + MARGIN_SECONDS
+    return ROUTE_GRACE_SECONDS + held_wait_seconds(spec, role) + spec.transfer.drain_seconds + MARGIN_SECONDS
 
 
 def apply(template: Obj, spec: DisaggregatedDeploymentSpec, role: Role, port: int) -> Obj:
     """``template`` (changed in place and returned) with the engine container's preStop drain and the pod's grace
     period; ``port`` is the engine's HTTP port (its /metrics)."""
     template["spec"]["terminationGracePeriodSeconds"] = grace_seconds(spec, role)
-    held = spec.transfer.lease_seconds if held_gauge(spec, role) else 0
-    command = ["python3", "-c", DRAIN_SCRIPT, str(port), str(ROUTE_GRACE_SECONDS), str(held), held_gauge(spec, role)]
+    command = ["python3", "-c", DRAIN_SCRIPT, str(port), str(ROUTE_GRACE_SECONDS), str(held_wait_seconds(spec, role)),
+               held_gauge(spec, role)]  # fmt: skip
     for container in template["spec"]["containers"]:
         if container.get("name") == ENGINE_CONTAINER:
             container["lifecycle"] = {"preStop": {"exec": {"command": command}}}

@@ -3,7 +3,6 @@ with advice that holds under every check (no suggestion leads to a problem whose
 
 from __future__ import annotations
 
-import copy
 import re
 from typing import Any
 
@@ -11,6 +10,7 @@ from pydantic import ValidationError
 
 from kvbridge_agent.core import KVBridgeError, Problem, TransferPlan, plan_or_problems
 from kvbridge_agent.core.compat import check_pair
+from kvbridge_operator.api.objects import with_fields
 from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind
 from kvbridge_operator.children import multinode, network, placement, templates
 from kvbridge_operator.children import vllm_engine as vllm
@@ -72,13 +72,7 @@ def alternatives(message: str) -> tuple[str, list[dict[str, Any]]]:
 
 
 def _with(spec: DisaggregatedDeploymentSpec, changes: dict[str, Any]) -> DisaggregatedDeploymentSpec | None:
-    data: Any = {"spec": copy.deepcopy(spec.model_dump(by_alias=True, mode="json"))}
-    for path, value in changes.items():
-        node = data
-        *parents, leaf = path.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
+    data = with_fields({"spec": spec.model_dump(by_alias=True, mode="json")}, changes)
     try:
         return DisaggregatedDeploymentSpec.model_validate(data["spec"])
     except (ValidationError, KVBridgeError, ValueError):

@@ -10,6 +10,7 @@ from typing import Any
 
 from kvbridge_agent.core import KVBridgeError, Problem, Role, SpecError, TransferPlan
 from kvbridge_operator.api.names import ENGINE_CONTAINER
+from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind, Memlock
 from kvbridge_operator.children import multinode, network
 from kvbridge_operator.children import vllm_engine as vllm
@@ -126,19 +127,16 @@ def vllm_engines(document: DocumentPlan, config: OperatorConfig | None = None) -
                 **overlay_env(spec.role(role).template),
             },
             "kvTransferConfig": engine.kv_transfer_config,
-            "environment": pod_environment(document.deployment, role, document.plan, config),
+            "environment": container_environment(container),
         }
     return out
 
 
-def pod_environment(deployment: DisaggregatedDeployment, role: Role, plan: TransferPlan,
-                    config: OperatorConfig) -> dict[str, str]:  # fmt: skip
+def container_environment(container: Obj) -> dict[str, str]:
     """The engine container's whole environment as the rendered pod has it (kvbridge's contract, vLLM's settings,
-    the model source's, the overlay's), read from the pod template itself: what running the role outside
-    Kubernetes needs. A value the pod takes from elsewhere is named: ``<metadata.name>``, ``<status.podIP>``
-    (downward API), ``<secretKeyRef NAME/KEY>``."""
-    template = pod_template(deployment, role, plan, config)
-    container = next(c for c in template["spec"]["containers"] if c["name"] == ENGINE_CONTAINER)
+    the model source's, the network's, the overlay's): what running the role outside Kubernetes needs. A value
+    the pod takes from elsewhere is named: ``<metadata.name>``, ``<status.podIP>`` (downward API),
+    ``<secretKeyRef NAME/KEY>``."""
     found: dict[str, str] = {}
     for variable in container.get("env") or []:
         source = variable.get("valueFrom") or {}
