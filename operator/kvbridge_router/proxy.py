@@ -11,8 +11,10 @@ on another prefill pod (``prefill_attempts`` in all); a 4xx from prefill is the 
 A decode call that fails before anything reached the client (connection refused or reset, a 5xx, a timeout
 before the first byte — a pod being drained or killed) is retried on another pair, ``decode_attempts`` in all:
 on another decode pod with the same transfer parameters when the failed pod was never reached (nothing was
-read), else prefilled again (the failed pod may have read the KV, and prefill freed it). A 4xx from decode is
-the client's and is passed back. Once the stream has begun it is not retried: it ends with an error event.
+read), else prefilled again (the failed pod may have read the KV, and prefill freed it). An answer a shutting-down
+engine aborted (HTTP 200 without tokens) counts as a failure: a stream is held back until its first token
+(answers.py). A 4xx from decode is the client's and is passed back. Once the stream has begun it is not retried:
+it ends with an error event.
 Bounds: ``connect_timeout`` per connection, ``decode_idle_timeout`` for each chunk of a stream (the first one
 included), ``decode_timeout`` per decode call, and ``request_timeout`` for the whole request, retries included:
 no client waits longer. Errors are ``{"error": {"message", "type", "code"}}``, as OpenAI's API writes them.
@@ -34,6 +36,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from kvbridge_operator.api.objects import Obj
 from kvbridge_router.admission import Limits, admit
+from kvbridge_router.answers import Start, StreamStart, aborted
 from kvbridge_router.errors import RouteError
 from kvbridge_router.metrics import RouterMetrics
 from kvbridge_router.pool import Balancer, Pool, Target
@@ -276,19 +279,34 @@ class Router:
                                      f"{text[:300]}", retry=True, reprefill=True)  # fmt: skip
                 if not stream or upstream.status != 200:
                     data = await upstream.read()
+                    if upstream.status == 200 and aborted(data):
+                        raise RouteError(502, "DECODE_ABORTED", f"decode pod {target.pod}: the engine aborted the "
+                                         "request (shutting down?)", retry=True, reprefill=True)  # fmt: skip
                     self.metrics.ttft.observe(time.perf_counter() - started)
                     return web.Response(body=data, status=upstream.status, content_type=upstream.content_type)
                 response = web.StreamResponse(status=200, headers={"Content-Type": upstream.headers.get(
                     "Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})  # fmt: skip
-                first = True
+                start: StreamStart | None = StreamStart()  # held back until an event with content (answers.py)
                 async for chunk in upstream.content.iter_any():
-                    if first:
-                        self.metrics.ttft.observe(time.perf_counter() - started)
-                        await response.prepare(request)
-                        first = False
-                    await response.write(chunk)
-                if first:
+                    if start is None:
+                        await response.write(chunk)
+                        continue
+                    state = start.feed(chunk)
+                    if state is Start.PENDING:
+                        continue
+                    if state is Start.FAILED:
+                        break
+                    self.metrics.ttft.observe(time.perf_counter() - started)
                     await response.prepare(request)
+                    await response.write(start.held)
+                    start = None
+                if start is not None and (start.reason or start.end() is Start.FAILED):
+                    raise RouteError(502, "DECODE_ABORTED", f"decode pod {target.pod}: {start.reason}", retry=True,
+                                     reprefill=True)  # fmt: skip
+                if start is not None:  # ended with content in its last event
+                    self.metrics.ttft.observe(time.perf_counter() - started)
+                    await response.prepare(request)
+                    await response.write(start.held)
                 await response.write_eof()
                 return response
         except (TimeoutError, aiohttp.ClientError, ConnectionResetError) as exc:

@@ -91,10 +91,7 @@ def local_pod(
     argv = [*container.get("command", []), *container.get("args", [])]
     if not argv:
         raise PodStartError("the engine container has no command")
-    argv = [(models or {}).get(arg, arg) for arg in argv]
-    is_vllm = "vllm" in argv and argv[argv.index("vllm") + 1 : argv.index("vllm") + 2] == ["serve"]
-    if is_vllm:
-        argv += ["--host", ip]
+    argv = local_argv(argv, models or {}, ip)
     env = resolve_env(container, pod_name, ip)
     env.update(env_overrides or {})
     http = next((p for p in container.get("ports", []) if p.get("name") in ("http", "vllm")), None)
@@ -107,6 +104,20 @@ def local_pod(
         http_port=int(http["containerPort"]) if http else 8000,
         health_path=str(probe.get("path", "/healthz")),
     )
+
+
+def local_argv(argv: Sequence[str], models: Mapping[str, str], ip: str) -> list[str]:
+    """A container's command line as a local process runs it: model names mapped to local folders; a vLLM server
+    binds the pod's own address (``--host``: on one machine each pod has a loopback address of its own) and serves
+    the model under its name as on a cluster (and under the folder, which tests send)."""
+    is_vllm = "vllm" in argv and list(argv[argv.index("vllm") + 1 : argv.index("vllm") + 2]) == ["serve"]
+    mapped = [arg for arg in argv if arg in models]
+    local = [models.get(arg, arg) for arg in argv]
+    if is_vllm:
+        local += ["--host", ip]
+        if mapped and "--served-model-name" not in local:
+            local += ["--served-model-name", mapped[0], models[mapped[0]]]
+    return local
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec

@@ -47,7 +47,9 @@ async def serve(files: list[str] | None, num_layers: int, engine: str, stop: asy
                 for name in names:
                     if condition(objects[name], "Ready").get("status") == "True":
                         routers.append(await start_router(cluster.client, name))
-                        say(f"router {name} {routers[-1].url}  (POST /v1/completions, /v1/chat/completions)")
+                        model = objects[name]["spec"]["model"]["name"]
+                        say(f"router {name} {routers[-1].url} model {model}  (POST /v1/completions, "
+                            "/v1/chat/completions)")  # fmt: skip
                     else:
                         say(f"not served {name}: {condition(objects[name], 'Compatible').get('message', '')[:200]}")
                 say("serving: Ctrl-C stops everything")

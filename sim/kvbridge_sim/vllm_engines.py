@@ -94,7 +94,7 @@ def plan_json_pod(entry: dict[str, Any], role: Role, pod_name: str, ip: str, wor
             value = fields[value]
         env[name] = value
     env.update(env_overrides or {})
-    argv = [models.get(arg, arg) for arg in engine["command"]] + ["--host", ip]
+    argv = pods.local_argv(engine["command"], models, ip)
     port = int(argv[argv.index("--port") + 1]) if "--port" in argv else 8000
     return pods.LocalPodSpec(argv=argv, env=env, workdir=workdir, cpus=tuple(cpus), http_port=port,
                              health_path="/health")  # fmt: skip

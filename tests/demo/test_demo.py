@@ -147,7 +147,7 @@ def test_serve_keeps_the_cluster_up_for_your_own_clients_and_ctrl_c_stops_everyt
         assert lines, process.stderr.read() if process.poll() is not None else "no output"
         assert lines[-1].startswith("serving:"), lines
         config = re.search(r"^kubeconfig (\S+)", "".join(lines), re.M)
-        router = re.search(r"^router llama3-8b (\S+)", "".join(lines), re.M)
+        router = re.search(r"^router llama3-8b (\S+) model meta-llama/Llama-3.1-8B-Instruct ", "".join(lines), re.M)
         assert config, lines
         assert router, lines
         assert any(line.startswith("not served replicated-heads") for line in lines)

@@ -64,6 +64,11 @@ def all_engines(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
     found.keys_dir = keys
     from_plan_json("kvbridge-prefill", "kvbridge", Role.PREFILL, "127.0.1.6", 0, KVBRIDGE_KEYS_DIR=str(keys))
     from_plan_json("kvbridge-decode", "kvbridge", Role.DECODE, "127.0.1.7", 1, KVBRIDGE_KEYS_DIR=str(keys))
+    # a second pod of each role of the same deployment: one of each is sent SIGTERM under load (test_drain)
+    for name, role, ip, core in (("kvbridge-prefill-b", Role.PREFILL, "127.0.1.12", 0),
+                                 ("kvbridge-decode-b", Role.DECODE, "127.0.1.13", 1)):  # fmt: skip
+        found.add(name, rendered_template(DEPLOYMENTS["kvbridge"], role), ip, (core,),
+                  env={"KVBRIDGE_KEYS_DIR": str(keys)})  # fmt: skip
     for name, deployment_name, role, ip, core in (
         ("kvbridge-decode-64", "kvbridge-merge", Role.DECODE, "127.0.1.8", 1),  # reads the 32-token prefill
         ("kvbridge-prefill-64", "kvbridge-split", Role.PREFILL, "127.0.1.9", 0),  # read by the 32-token decode
@@ -104,6 +109,13 @@ def kvbridge_engines(all_engines: Engines) -> Engines:
     """prefill TP 1 and decode TP 1 with kvbridge's KVBridgeConnector, blocks of 32 tokens on both, plus a
     64-token decode and a 64-token prefill (no NIXL progress threads: four engines fit on two cores)."""
     return _phase(all_engines, ["kvbridge-prefill", "kvbridge-decode", "kvbridge-decode-64", "kvbridge-prefill-64"])
+
+
+@pytest.fixture
+def kvbridge_pairs(all_engines: Engines) -> Engines:
+    """Two prefill and two decode pods of one KVBridgeConnector deployment (blocks of 32 tokens): every pod has
+    a compatible partner left when one is terminated."""
+    return _phase(all_engines, ["kvbridge-prefill", "kvbridge-prefill-b", "kvbridge-decode", "kvbridge-decode-b"])
 
 
 #: prefill TP 2 beside a decode engine: a core per prefill rank, one for decode, one for the NIXL progress threads

@@ -1,0 +1,102 @@
+"""Whether a decode pod's answer holds an answer yet, or an engine's refusal dressed as one.
+
+A vLLM engine that is shutting down (SIGTERM with ``--shutdown-timeout``) keeps its HTTP server open: requests
+that reach it are rejected by its engine core as *aborted* — HTTP 200 with ``finish_reason: "abort"`` and no
+tokens, or a stream that ends (``data: [DONE]``) with nothing in it — and once the core has exited, a stream
+carries an error event. None of it is the model's answer; passed on, the client gets HTTP 200 with no tokens. The
+router therefore holds a stream back until its first event with content (a token, text, or a real finish) and
+retries on another pair when an abort, an error or the end comes first; a whole answer aborted is retried too.
+Only the first events of a stream are parsed; the rest pass through as bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from enum import Enum
+
+_ABORTED = re.compile(rb'"finish_reason"\s*:\s*"abort"')
+#: a stream event is at most this long before its first content; longer: passed on as it is (not our concern)
+_MAX_HELD_BYTES = 1 << 20
+
+
+class Start(Enum):
+    PENDING = "pending"  # nothing but role or empty events so far
+    STARTED = "started"  # an event with content: the answer is the model's, pass everything on
+    FAILED = "failed"  # an abort, an error event or the end came first: retry elsewhere
+
+
+def aborted(body: bytes) -> bool:
+    """A whole (not streamed) answer that an engine aborted: retried, never passed on as HTTP 200."""
+    return _ABORTED.search(body) is not None
+
+
+class StreamStart:
+    """Reads a decode stream's first events (Server-Sent Events as vLLM writes them) until it knows."""
+
+    def __init__(self) -> None:
+        self._held = b""
+        self.reason = ""
+
+    @property
+    def held(self) -> bytes:
+        """What was read so far (written to the client once the stream has started)."""
+        return self._held
+
+    def feed(self, chunk: bytes) -> Start:
+        self._held += chunk
+        if len(self._held) > _MAX_HELD_BYTES:
+            return Start.STARTED
+        *events, _ = self._held.split(b"\n\n")
+        for event in events:
+            state = self._judge(event)
+            if state is not Start.PENDING:
+                return state
+        return Start.PENDING
+
+    def end(self) -> Start:
+        """The stream ended: started only if an event with content came."""
+        state = self.feed(b"\n\n")
+        if state is Start.PENDING:
+            self.reason = "the stream ended before any token"
+            return Start.FAILED
+        return state
+
+    def _judge(self, event: bytes) -> Start:
+        for line in event.splitlines():
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                self.reason = "the stream ended before any token"
+                return Start.FAILED
+            try:
+                message = json.loads(data)
+            except ValueError:
+                return Start.STARTED  # not vLLM's framing: not ours to judge
+            if not isinstance(message, dict):
+                return Start.STARTED
+            if "error" in message:
+                error = message["error"]
+                self.reason = str(error.get("message", error) if isinstance(error, dict) else error)[:300]
+                return Start.FAILED
+            for choice in message.get("choices") or ():
+                state = self._choice(choice)
+                if state is not Start.PENDING:
+                    return state
+        return Start.PENDING
+
+    def _choice(self, choice: object) -> Start:
+        if not isinstance(choice, dict):
+            return Start.STARTED
+        finish = choice.get("finish_reason")
+        if finish == "abort":
+            self.reason = "the engine aborted the request (shutting down?)"
+            return Start.FAILED
+        given = choice.get("delta")
+        delta: dict[str, object] = given if isinstance(given, dict) else {}
+        content = (choice.get("text"), choice.get("token_ids"), delta.get("content"), delta.get("reasoning_content"),
+                   delta.get("tool_calls"))  # fmt: skip
+        if finish is not None or any(content):
+            return Start.STARTED
+        return Start.PENDING
