@@ -105,25 +105,30 @@ async def measure(engines: Engines, model: str, repeats: int, connector: str) ->
     return rows
 
 
-async def run(repeats: int, workdir: Path) -> dict[str, Any]:
+async def run(repeats: int, workdir: Path, verification: list[str]) -> dict[str, Any]:
     model = tiny_model.make(workdir / "tiny-llama")
     keys = workdir / "keys"
     generate_keys(keys)
     results: dict[str, Any] = {}
-    for connector in ("Nixl", "KVBridge"):
-        engines = Engines(workdir / connector, model)
-        document = deployment(f"bench-{connector.lower()}", 1, connector=connector)
+    # KVBridgeConnector once per verification policy (spec.transfer.verification); the first is the table's
+    variants = [("Nixl", "Nixl", ""), *((("KVBridge" if i == 0 else f"KVBridge-{v}"), "KVBridge", v)
+                                        for i, v in enumerate(verification))]  # fmt: skip
+    for name, connector, policy in variants:
+        engines = Engines(workdir / name, model)
+        document = deployment(f"bench-{name.lower()}", 1, connector=connector)
+        if policy:
+            document["spec"]["transfer"]["verification"] = policy
         env = {"KVBRIDGE_KEYS_DIR": str(keys)}
         engines.add("prefill", rendered_template(document, Role.PREFILL), "127.0.2.2", (0,), env=env)
         engines.add("decode", rendered_template(document, Role.DECODE), "127.0.2.5", (1,), env=env)
-        print(f"starting the {connector} pair ...", file=sys.stderr, flush=True)
+        print(f"starting the {name} pair ...", file=sys.stderr, flush=True)
         try:
             engines.start(["prefill", "decode"])
             rows = await measure(engines, str(model), repeats, connector)
         finally:
             engines.stop()
-        results[connector] = {"byPromptTokens": rows, **engines.summary()}
-        print(f"{connector}: {json.dumps(rows)}", file=sys.stderr, flush=True)
+        results[name] = {"byPromptTokens": rows, "verification": policy or "none", **engines.summary()}
+        print(f"{name}: {json.dumps(rows)}", file=sys.stderr, flush=True)
     return results
 
 
@@ -150,14 +155,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--verification",
+        nargs="+",
+        default=["Sampled"],
+        choices=["All", "Sampled", "Off"],
+        help="run KVBridgeConnector once per policy (the first fills the table; the rest: --json)",
+    )
     parser.add_argument("--workdir", help="keep the model and the engines' logs here (default: a temporary folder)")
     args = parser.parse_args()
     if args.workdir:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
-        results = asyncio.run(run(args.repeats, Path(args.workdir)))
+        results = asyncio.run(run(args.repeats, Path(args.workdir), args.verification))
     else:
         with tempfile.TemporaryDirectory(prefix="kvbridge-bench-") as workdir:
-            results = asyncio.run(run(args.repeats, Path(workdir)))
+            results = asyncio.run(run(args.repeats, Path(workdir), args.verification))
     print(json.dumps(results, indent=2) if args.json else table(results))
     return 0
 

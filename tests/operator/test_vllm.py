@@ -449,3 +449,21 @@ def test_messages_speak_of_the_product_not_of_where_it_was_built() -> None:
     [problem] = [p for p in verdict(doc) if p.code == "VLLM_KVBRIDGE_GPU"]
     assert "here" not in problem.message
     assert "spec.engine.connector: Nixl" in problem.message
+
+
+def test_verification_all_is_refused_where_the_connector_cannot_verify() -> None:
+    """spec.transfer.verification: All is a promise NixlConnector cannot keep (it has no transfer digest): refused
+    with the way out; kvbridge's connector takes it, and renders it for both roles."""
+    for name, kvbridge_fix in (("tiny-cpu", True), ("llama3-8b-hetero-tp", False)):
+        doc = document(name)
+        doc["spec"]["transfer"] = {**doc["spec"].get("transfer", {}), "verification": "All"}
+        [problem] = [p for p in verdict(doc) if p.code == "VLLM_NIXL_UNVERIFIED"]
+        assert problem.field == "spec.transfer.verification"
+        assert ("spec.engine.connector: KVBridge" in problem.message) is kvbridge_fix
+        assert "spec.transfer.verification: Off" in problem.message
+    doc = kvbridge_connector(document("tiny-cpu"))
+    doc["spec"]["transfer"] = {"verification": "All"}
+    assert not isinstance(verdict(doc), list)
+    for role in Role:
+        env = {e["name"]: e.get("value") for e in engine(doc, role)["env"]}
+        assert env["KVBRIDGE_VERIFICATION"] == "All"

@@ -13,10 +13,11 @@ import aiohttp
 import pytest
 
 from kvbridge_agent.core import Role
-from kvbridge_agent.core.handshake import HandshakeError
-from kvbridge_agent.transfer.keys import generate_keys
+from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams
+from kvbridge_agent.transfer.keys import generate_keys, load_keys
 from kvbridge_agent.transfer.side_channel import SideChannelClient
 from kvbridge_sim import pd_requests
+from kvbridge_sim.kv_faults import overwrite_prefill_kv
 from kvbridge_sim.tiny_model import prompt
 from kvbridge_sim.vllm_engines import Engines, metric
 
@@ -240,3 +241,38 @@ async def test_prefill_exports_the_kv_it_holds_for_readers(
     during = await held_after(lambda v: v >= one_block, "held for decode")
     await pd_requests.decode(session, decode, model, tokens, params, MAX_TOKENS)
     await held_after(lambda v: v <= during - one_block, "read by decode")
+
+
+async def test_kv_overwritten_after_publish_never_gives_other_tokens(
+    kvbridge_engines: Engines, session: aiohttp.ClientSession
+) -> None:
+    """Verification (issue 27, spec.transfer.verification, Sampled: every request of the first minutes): prefill's
+    KV memory overwritten from outside its process after it answered, before decode read it. Decode's digest differs
+    from prefill's: the request fails (kv_load_failure_policy) or is recomputed, never answered with other tokens,
+    and the mismatch is counted by peer; decode keeps serving. The negative control reads the same fault without
+    verification (the parameters' ``verify`` cleared) and answers other tokens, so this test can fail."""
+    assert kvbridge_engines.keys_dir is not None
+    keys = load_keys(str(kvbridge_engines.keys_dir))
+    prefill, decode, model = urls(kvbridge_engines)
+    for verified in (True, False):
+        tokens = prompt(2 * BLOCK + 9, salt=40 + verified)
+        salt = f"kvb-overwritten-{verified}"
+        want = await pd_requests.baseline(session, decode, model, tokens, MAX_TOKENS, salt=salt)
+        params = await pd_requests.prefill(session, prefill, model, tokens)
+        assert params["kvbridge"]["verify"] is True
+        assert overwrite_prefill_kv(KVTransferParams.model_validate(params["kvbridge"]), keys) == 1
+        if not verified:
+            params["kvbridge"]["verify"] = False
+        before = await metric(session, decode, "vllm:kvbridge_digest_mismatches_total")
+        try:
+            got = (await pd_requests.decode(session, decode, model, tokens, params, MAX_TOKENS)).tokens
+        except pd_requests.PDRequestError:
+            got = None  # failed loudly
+        if verified:
+            assert got is None or got == want.tokens, "decode answered other tokens than a single engine"
+            assert await metric(session, decode, "vllm:kvbridge_digest_mismatches_total") == before + 1
+        else:
+            assert got is not None
+            assert got != want.tokens, "the overwritten KV did not change the answer: the fault proves nothing"
+    await assert_pd_equals_single_engine(session, prefill, decode, model, prompt(2 * BLOCK + 5, salt=44), MAX_TOKENS,
+                                         salt="kvb-after-overwrite", what="after a digest mismatch")  # fmt: skip

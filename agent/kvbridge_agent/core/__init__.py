@@ -20,6 +20,7 @@ from .model import (
     Role,
     RoleSettings,
     TransferSettings,
+    Verification,
 )
 from .plan import DecodeRankPlan, Read, TransferPlan, build_plan, plan_or_problems
 from .wire import ConversionKind, ConversionStep, WireFormat, wire_format
@@ -48,6 +49,7 @@ __all__ = [
     "SpecError",
     "TransferPlan",
     "TransferSettings",
+    "Verification",
     "WireFormat",
     "blocks_for_tokens",
     "build_plan",

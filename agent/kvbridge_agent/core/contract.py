@@ -35,6 +35,9 @@ _TRANSFER_VARS = {
     "HANDSHAKE_TIMEOUT_SECONDS": "handshake_timeout_seconds",
     "CONVERSION": "conversion",
     "BACKENDS": "backends",
+    "VERIFICATION": "verification",
+    "VERIFICATION_FIRST_SECONDS": "verification_first_seconds",
+    "VERIFICATION_FRACTION": "verification_fraction",
 }
 _ENGINE_VARS = {
     "ROLE": "role",

@@ -49,6 +49,13 @@ class HandshakeError(KVBridgeError):
 class MessageType(StrEnum):
     METADATA = "metadata"  # ask for one TP rank's metadata
     HEARTBEAT = "heartbeat"  # renew the leases of requests decode still waits on
+    DIGEST = "digest"  # the digests prefill computed for one request (docs/protocol.md §8)
+
+
+class DigestState(StrEnum):
+    READY = "ready"
+    PENDING = "pending"  # offered but not digested yet (vLLM: the worker reports it a step later)
+    UNKNOWN = "unknown"  # never offered for verification, or no longer held
 
 
 class MemoryType(StrEnum):
@@ -156,6 +163,30 @@ def encode_reply(fingerprint: str, metadata: RankMetadata, agent_metadata: bytes
     return [_dump(header), metadata.model_dump_json(by_alias=True).encode(), agent_metadata]
 
 
+def encode_digest_reply(fingerprint: str, state: DigestState, heads: list[int], data: bytes) -> list[bytes]:
+    header = {"version": ENVELOPE_VERSION, "fingerprint": fingerprint, "state": state.value, "heads": heads}
+    return [_dump(header), data]
+
+
+def decode_digest_reply(frames: Sequence[bytes], fingerprint: str) -> tuple[DigestState, list[int], bytes]:
+    """``(state, heads, digest bytes)`` of a digest reply; the envelope is checked first."""
+    if not frames:
+        raise HandshakeError("empty reply", code=MALFORMED_MESSAGE)
+    header = _header(frames[0])
+    _check_envelope(header, fingerprint)
+    _raise_peer_error(header)
+    heads = header.get("heads")
+    if len(frames) != 2 or not isinstance(heads, list) or not all(isinstance(h, int) for h in heads):
+        raise HandshakeError("a digest reply is a header with heads and one data frame", code=MALFORMED_MESSAGE)
+    if len(frames[1]) > MAX_PAYLOAD_BYTES:
+        raise HandshakeError("digest payload too large", code=MALFORMED_MESSAGE)
+    try:
+        state = DigestState(str(header.get("state")))
+    except ValueError as exc:
+        raise HandshakeError(f"unknown digest state {header.get('state')!r}", code=MALFORMED_MESSAGE) from exc
+    return state, [int(h) for h in heads], bytes(frames[1])
+
+
 def encode_ack(fingerprint: str) -> list[bytes]:
     return [_dump({"version": ENVELOPE_VERSION, "fingerprint": fingerprint})]
 
@@ -218,6 +249,8 @@ class KVTransferParams(CamelModel):
     #: when prefill's lease on the blocks ends (Unix time, prefill's clock) unless decode's heartbeats renew it;
     #: decode refuses to read, or to use a read that finished, after it (minus a clock-skew margin)
     expires_at: float | None = Field(default=None, ge=0)
+    #: prefill digested this request (spec.transfer.verification): decode must verify what it read before use
+    verify: bool = False
 
 
 def notification(prefill_request_id: str, decode_tp_size: int) -> bytes:

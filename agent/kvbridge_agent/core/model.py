@@ -16,7 +16,9 @@ from pydantic.alias_generators import to_camel
 #: Part of the fingerprint: engines of different protocol versions never pair.
 #: 2: rank metadata carries ``blockInterior`` (an agent of version 1 refuses the unknown field; with the version
 #: in the envelope it gets PROTOCOL_VERSION_MISMATCH instead of a payload error).
-PROTOCOL_VERSION = 2
+#: 3: verified transfers (docs/protocol.md §8): transfer parameters carry ``verify``, the side channel answers
+#: ``digest`` requests; engines of version 2 would ignore the flag or refuse the message, so they never pair.
+PROTOCOL_VERSION = 3
 
 
 class Attention(StrEnum):
@@ -64,6 +66,14 @@ class Conversion(StrEnum):
     """May either side re-lay blocks (docs/protocol.md §4b)."""
 
     AUTO = "Auto"
+    OFF = "Off"
+
+
+class Verification(StrEnum):
+    """Which transfers decode verifies against prefill's digest (docs/protocol.md §8)."""
+
+    ALL = "All"
+    SAMPLED = "Sampled"
     OFF = "Off"
 
 
@@ -160,3 +170,18 @@ class TransferSettings(CamelModel):
     conversion: Conversion = Field(
         default=Conversion.AUTO, description="Auto: either side may re-lay blocks; Off: forbid every conversion."
     )
+    verification: Verification = Field(
+        default=Verification.SAMPLED,
+        description="Which transfers decode verifies against the digest prefill computed (a mismatch fails the "
+        "request with KV_DIGEST_MISMATCH, never wrong tokens). All: every one; Sampled: every request of a prefill "
+        "engine's first verificationFirstSeconds, then verificationFraction of them; Off: none.",
+    )  # fmt: skip
+    verification_first_seconds: int = Field(
+        default=300, ge=0, le=86400,
+        description="Sampled: for this long after a prefill engine offers its first request, every request is "
+        "verified.",
+    )  # fmt: skip
+    verification_fraction: float = Field(
+        default=0.05, ge=0.0, le=1.0,
+        description="Sampled: the fraction of requests verified after the first verificationFirstSeconds.",
+    )  # fmt: skip

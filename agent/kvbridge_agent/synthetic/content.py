@@ -12,26 +12,14 @@ import hashlib
 
 import torch
 
-from kvbridge_agent.core import KVLayout, SpecError
 from kvbridge_agent.transfer.kv_cache import KVCache
+from kvbridge_agent.transfer.kv_view import check_per_layer, global_heads, logical_layer, tokens_major
 
 MASK = 0xFFFFFFFF
 
 
 def request_seed(prefill_request_id: str) -> int:
     return int.from_bytes(hashlib.sha256(prefill_request_id.encode()).digest()[:4], "little")
-
-
-def global_heads(cache: KVCache) -> list[int]:
-    """Global KV heads of this rank, in local order."""
-    model = cache.model
-    if model.is_mla:
-        return [0]
-    k, tp = model.num_kv_heads, cache.tp_size
-    if tp <= k:
-        per = k // tp
-        return list(range(cache.tp_rank * per, (cache.tp_rank + 1) * per))
-    return [cache.tp_rank * k // tp]
 
 
 def layer_content(cache: KVCache, seed: int, layer: int, blocks: int, first_token: int) -> torch.Tensor:
@@ -56,26 +44,16 @@ def layer_content(cache: KVCache, seed: int, layer: int, blocks: int, first_toke
     return ((value ^ (value >> 15)) & 0xFF).to(torch.uint8)
 
 
-def _tokens_major(x: torch.Tensor, layout: KVLayout) -> torch.Tensor:
-    """``[..., heads, tokens, row]`` (HND) or ``[..., tokens, heads, row]`` (NHD) -> tokens first."""
-    return x.transpose(-3, -2) if layout is KVLayout.HND else x
-
-
-def _check(cache: KVCache) -> None:
-    if not cache.per_layer_tensors:
-        raise SpecError("synthetic content needs one tensor per layer (no shared tensors)", code="INVALID_KV_TENSOR")
-
-
 def write_layer(cache: KVCache, block_ids: torch.Tensor, layer: int, data: torch.Tensor) -> None:
     """Write ``[n, kv, tokens, heads, row]`` bytes into the native layout of ``block_ids``."""
-    _check(cache)
+    check_per_layer(cache)
     n, hl, bs, row = block_ids.numel(), cache.heads_local, cache.block_size, cache.row_bytes
     layout = cache.kv_layout
     if cache.cross_layer:
         view = cache.bytes_view(0).view(cache.num_blocks, hl, cache.model.num_layers, 2, bs, row)
         view[block_ids, :, layer] = data.permute(0, 3, 1, 2, 4)
         return
-    native = _tokens_major(data, layout)  # the same transpose maps back
+    native = tokens_major(data, layout)  # the same transpose maps back
     if cache.model.is_mla:
         cache.bytes_view(layer).view(cache.num_blocks, bs, row)[block_ids] = data[:, 0, :, 0, :]
     elif cache.layout.num_regions == cache.layout.num_tensors:  # split: K and V tensors
@@ -83,23 +61,6 @@ def write_layer(cache: KVCache, block_ids: torch.Tensor, layer: int, data: torch
             cache.bytes_view(2 * layer + kv).view(cache.num_blocks, -1)[block_ids] = native[:, kv].reshape(n, -1)
     else:  # blocks-first
         cache.bytes_view(layer).view(cache.num_blocks, -1)[block_ids] = native.reshape(n, -1)
-
-
-def read_layer(cache: KVCache, block_ids: torch.Tensor, layer: int) -> torch.Tensor:
-    """The bytes of ``block_ids`` as ``[n, kv, tokens, heads, row]``."""
-    _check(cache)
-    n, hl, bs, row = block_ids.numel(), cache.heads_local, cache.block_size, cache.row_bytes
-    layout = cache.kv_layout
-    physical = (hl, bs, row) if layout is KVLayout.HND else (bs, hl, row)
-    if cache.cross_layer:
-        view = cache.bytes_view(0).view(cache.num_blocks, hl, cache.model.num_layers, 2, bs, row)
-        return view[block_ids, :, layer].permute(0, 2, 3, 1, 4)
-    if cache.model.is_mla:
-        return cache.bytes_view(layer).view(cache.num_blocks, bs, row)[block_ids].view(n, 1, bs, 1, row)
-    if cache.layout.num_regions == cache.layout.num_tensors:
-        parts = [cache.bytes_view(2 * layer + kv)[block_ids].view(n, *physical) for kv in range(2)]
-        return _tokens_major(torch.stack(parts, dim=1), layout)
-    return _tokens_major(cache.bytes_view(layer)[block_ids].view(n, 2, *physical), layout)
 
 
 def fill_request(cache: KVCache, prefill_request_id: str, block_ids: list[int], first_token: int = 0) -> None:
@@ -132,6 +93,6 @@ def invalid_blocks(cache: KVCache, prefill_request_id: str, block_ids: list[int]
     real = (torch.arange(len(block_ids) * bs, device=device) < num_tokens).view(len(block_ids), 1, bs, 1, 1)
     bad = torch.zeros(len(block_ids), dtype=torch.bool, device=device)
     for layer in range(cache.model.num_layers):
-        differs = (read_layer(cache, ids, layer) != layer_content(cache, seed, layer, len(block_ids), 0)) & real
+        differs = (logical_layer(cache, ids, layer) != layer_content(cache, seed, layer, len(block_ids), 0)) & real
         bad |= differs.flatten(1).any(dim=1)
     return [block_ids[i] for i in torch.nonzero(bad).flatten().tolist()]

@@ -26,7 +26,15 @@ from typing import Any
 from kvbridge_agent.core import build_plan, wire_block_ids
 from kvbridge_agent.core.blocks import blocks_for_tokens
 from kvbridge_agent.core.contract import BlockAllocation, EngineEnvironment
-from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams, RankMetadata
+from kvbridge_agent.core.digest import (
+    KV_DIGEST_MISMATCH,
+    KV_DIGEST_UNAVAILABLE,
+    HeadDigests,
+    from_bytes,
+    should_verify,
+    to_bytes,
+)
+from kvbridge_agent.core.handshake import DigestState, HandshakeError, KVTransferParams, RankMetadata
 from kvbridge_agent.core.model import Role
 from kvbridge_agent.core.tp import handshake_ranks
 from kvbridge_agent.synthetic.rank_entry import main as rank_main
@@ -54,7 +62,12 @@ from kvbridge_agent.transfer.peers import (
     lease_left,
     require_incarnation,
 )
-from kvbridge_agent.transfer.side_channel import SideChannelServer, heartbeat_interval, send_heartbeats
+from kvbridge_agent.transfer.side_channel import (
+    SideChannelClient,
+    SideChannelServer,
+    heartbeat_interval,
+    send_heartbeats,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +77,8 @@ class _Held:
     blocks: list[int]
     deadline: float
     done_ranks: set[int] = field(default_factory=set)
+    #: what the ranks digested at offer, for decode to verify (empty: not verified)
+    digests: HeadDigests = field(default_factory=dict)
 
 
 @dataclass
@@ -76,6 +91,7 @@ class Engine:
     """One prefill or decode engine of the agent worker."""
 
     def __init__(self, env: EngineEnvironment, keys: CurveKeys | None = None, log_level: str = "WARNING") -> None:
+        self._first_offer: float | None = None  # when this prefill engine offered its first request
         self.env = env
         self.keys = keys
         self.log_level = log_level
@@ -136,7 +152,7 @@ class Engine:
                 ranks[handle.rank] = (RankMetadata.model_validate_json(reply["metadata"]), reply["agent"])
             self.server = SideChannelServer(
                 self.env.side_channel_host, self.env.side_channel_port, self.plan.fingerprint, ranks,
-                keys=self.keys, on_heartbeat=self.heartbeat,
+                keys=self.keys, on_heartbeat=self.heartbeat, digests=self._published_digests,
             ).start()  # fmt: skip
             self._spawn(self._expire_leases, "leases")
         else:
@@ -246,7 +262,12 @@ class Engine:
                     f"request {request_id} is already held", code=DUPLICATE_REQUEST, status=409, field="requestId"
                 )
             self._held[request_id] = _Held(blocks, math.inf)  # the lease starts when the blocks are offered
-        futures = [h.call_async({"op": "offer", "request_id": request_id, "blocks": blocks}) for h in self.ranks]
+        if self._first_offer is None:
+            self._first_offer = time.monotonic()
+        verify = should_verify(self.env.transfer, request_id, time.monotonic() - self._first_offer)
+        futures = [h.call_async({"op": "offer", "request_id": request_id, "blocks": blocks,
+                                 "digest_tokens": num_tokens if verify else 0}) for h in self.ranks]  # fmt: skip
+        digests: HeadDigests = {}
         for handle, future in zip(self.ranks, futures, strict=True):
             reply = wait_reply(handle.rank, future, 60)
             if not reply.get("ok"):
@@ -254,11 +275,13 @@ class Engine:
                 raise EngineError(
                     f"rank {handle.rank}: {reply.get('message')}", code=reply.get("code", RANK_FAILED), status=500
                 )
+            digests.update(from_bytes(reply.get("digestHeads", []), reply.get("digest", b"")))
         lease = self.env.transfer.lease_seconds
         with self._held_lock:  # published now: the lease runs from here, not from the allocation before compute
             held = self._held.get(request_id)
             if held is not None:
                 held.deadline = time.monotonic() + lease
+                held.digests = digests
         expires_at = time.time() + lease
         self._report_held()
         self.metrics.free_blocks.labels(**self.metrics.labels).set(self.allocator.free_count)
@@ -274,7 +297,16 @@ class Engine:
             remote_tp_size=self.tp_size,
             fingerprint=self.plan.fingerprint,
             expires_at=expires_at,
+            verify=verify,
         )
+
+    def _published_digests(self, request_id: str) -> tuple[DigestState, HeadDigests]:
+        """The side channel's answer to a decode asking for a request's digests."""
+        with self._held_lock:
+            held = self._held.get(request_id)
+            if held is None or not held.digests:
+                return DigestState.UNKNOWN, {}
+            return DigestState.READY, held.digests
 
     def _drop_held(self, request_id: str) -> None:
         with self._held_lock:
@@ -330,9 +362,10 @@ class Engine:
         try:
             self._ensure_peer(params)  # first: a restarted prefill (STALE_PEER) says more than an expired lease
             self._check_lease(request_id, params, "before reading")
+            expected = self._expected_digests(params) if params.verify else None
             futures = [
                 h.call_async({"op": "read", "request_id": request_id, "params": params.model_dump_json(),
-                              "blocks": blocks, "hit": prefix_hit_blocks})
+                              "blocks": blocks, "hit": prefix_hit_blocks, "expected": expected})
                 for h in self.ranks
             ]  # fmt: skip
             limit = self.env.transfer_timeout_seconds + 30
@@ -353,6 +386,8 @@ class Engine:
             self._evict(params.remote_engine_id)
         if failed:
             first = failed[0]
+            if any(r.get("code") == KV_DIGEST_MISMATCH for r in failed):
+                self.metrics.digest_mismatches.labels(**labels, peer=params.remote_engine_id).inc()
             invalid = sorted({b for r in failed for b in r.get("invalidBlocks", [])})
             self.metrics.failed_transfers.labels(**labels, code=first.get("code", RANK_FAILED)).inc()
             self.metrics.requests.labels(**labels, outcome="failed").inc()
@@ -379,6 +414,22 @@ class Engine:
             "verifySeconds": max(r.get("verifySeconds", 0.0) for r in replies),
             "totalSeconds": time.perf_counter() - started,
         }
+
+    def _expected_digests(self, params: KVTransferParams) -> tuple[list[int], bytes]:
+        """Prefill's digests of the request (its side channel), as the ranks get them: ``(heads, bytes)``."""
+        client = SideChannelClient(params.remote_host, params.remote_port, self.plan.fingerprint, self.keys,
+                                   self.env.transfer.handshake_timeout_seconds)  # fmt: skip
+        try:
+            state, digests = client.digests(params.remote_request_id)
+        except HandshakeError as exc:
+            raise EngineError(f"prefill's digests of {params.remote_request_id}: {exc.message}", code=exc.code,
+                              status=502) from exc  # fmt: skip
+        if state is not DigestState.READY:
+            raise EngineError(
+                f"prefill {params.remote_engine_id} has no digests of {params.remote_request_id} ({state.value}): "
+                "its lease ended or it restarted; recompute the request", code=KV_DIGEST_UNAVAILABLE, status=410,
+            )  # fmt: skip
+        return to_bytes(digests)
 
     def _check_lease(self, request_id: str, params: KVTransferParams, when: str) -> None:
         """Refuse a read outside prefill's lease: the expiry the params carry, or later renewals by this engine's

@@ -18,10 +18,11 @@ from typing import Any
 
 from kvbridge_agent.core import KVBridgeError, build_plan
 from kvbridge_agent.core.contract import EngineEnvironment
+from kvbridge_agent.core.digest import from_bytes, to_bytes
 from kvbridge_agent.core.handshake import KVTransferParams, RankMetadata
 from kvbridge_agent.core.model import Role
 from kvbridge_agent.synthetic.content import fill_request, invalid_blocks, scribble
-from kvbridge_agent.transfer.decode_rank import DecodeRank, ReadResult
+from kvbridge_agent.transfer.decode_rank import DecodeRank, ReadResult, Verify
 from kvbridge_agent.transfer.kv_cache import KVCache
 from kvbridge_agent.transfer.prefill_rank import PrefillRank
 from kvbridge_agent.transfer.transport import Transport
@@ -95,8 +96,9 @@ class RankWorker:
         blocks = list(message["blocks"])
         if self.env.verify:
             fill_request(self.cache, message["request_id"], blocks)  # the synthetic "compute"
-        prefill.offer(message["request_id"], blocks)
-        return {"ok": True}
+        digests = prefill.offer(message["request_id"], blocks, int(message.get("digest_tokens", 0)))
+        heads, data = to_bytes(digests)
+        return {"ok": True, "digestHeads": heads, "digest": data}
 
     def _op_forget(self, message: dict[str, Any]) -> None:
         if self.prefill is not None:
@@ -126,7 +128,9 @@ class RankWorker:
             scribble(self.cache, blocks[hit:])  # so a missing write cannot pass verification
         request_id = message["request_id"]
         self._reads[request_id] = {"id": message["id"], "params": params, "blocks": blocks}
-        result = self.decode.start(request_id, params, blocks[hit:], self.env.transfer_timeout_seconds)
+        expected = message.get("expected")
+        verify = Verify(from_bytes(*expected), blocks, params.num_tokens) if expected else None
+        result = self.decode.start(request_id, params, blocks[hit:], self.env.transfer_timeout_seconds, verify)
         if result is not None:
             self._complete(result)
         return None  # replied when the READs complete

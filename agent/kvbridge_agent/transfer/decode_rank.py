@@ -31,6 +31,7 @@ from kvbridge_agent.core import (
     region_layout,
 )
 from kvbridge_agent.core.blocks import DescriptorIds
+from kvbridge_agent.core.digest import KV_DIGEST_MISMATCH, HeadDigests, mismatched
 from kvbridge_agent.core.handshake import (
     PEER_INCOMPATIBLE,
     WIRE_FORMAT_MISMATCH,
@@ -40,6 +41,7 @@ from kvbridge_agent.core.handshake import (
     notification,
 )
 from kvbridge_agent.transfer.descriptors import descriptor_rows
+from kvbridge_agent.transfer.digest import Digester, LogicalView
 from kvbridge_agent.transfer.kv_cache import KVCache
 from kvbridge_agent.transfer.peers import STALE_PEER
 from kvbridge_agent.transfer.relayout import Converter, convert_for_side
@@ -103,6 +105,17 @@ class _InFlight:
     make_microseconds: float
     post_microseconds: float
     own_microseconds: float
+    verify: Verify | None = None
+
+
+@dataclass(frozen=True)
+class Verify:
+    """What decode checks after a request's reads and conversions, before the KV is used: its digests over every
+    local block of the request (prefix hits included) equal prefill's."""
+
+    expected: HeadDigests
+    all_blocks: list[int]  # the request's local blocks in token order, the ones read last
+    num_tokens: int
 
 
 class DecodeRank:
@@ -123,6 +136,12 @@ class DecodeRank:
         self._local_lists: dict[tuple[int, int, int], Any] = {}
         self._in_flight: dict[str, _InFlight] = {}
         self._zombies: list[Any] = []  # transfer handles NIXL could not cancel yet
+        self._digester: Digester | None = None
+        #: how the digest reads this cache (core.digest): the cache's geometry unless the engine says otherwise
+        self.digest_view: LogicalView | None = None
+        self.digest_heads: list[int] | None = None
+        #: digest time of the last verified request (seconds), for the cost measurements
+        self.last_digest_seconds = 0.0
         self._id_buffers: tuple[DescriptorIds, DescriptorIds] = (
             np.empty(0, dtype=np.int32),
             np.empty(0, dtype=np.int32),
@@ -231,9 +250,11 @@ class DecodeRank:
 
     # -- requests -----------------------------------------------------------
     def start(
-        self, request_id: str, params: KVTransferParams, local_blocks: list[int], timeout: float
-    ) -> ReadResult | None:
-        """Post the READs of one request; returns a result at once on failure or a full prefix hit."""
+        self, request_id: str, params: KVTransferParams, local_blocks: list[int], timeout: float,
+        verify: Verify | None = None,
+    ) -> ReadResult | None:  # fmt: skip
+        """Post the READs of one request; returns a result at once on failure or a full prefix hit. With
+        ``verify``, the request succeeds only if the digests of what it then holds equal prefill's."""
         started = time.perf_counter()
         peer = self.peers.get(params.remote_engine_id)
         if peer is None:
@@ -288,7 +309,7 @@ class DecodeRank:
         own_us = (time.perf_counter() - started) * 1e6 - make_us - nixl_post_us
         flight = _InFlight(
             request_id, params, list(local_blocks), handles, timeout, time.monotonic() + timeout, started,
-            total_bytes, local_ids.size * len(handles), ids_us, make_us, nixl_post_us, own_us,
+            total_bytes, local_ids.size * len(handles), ids_us, make_us, nixl_post_us, own_us, verify,
         )  # fmt: skip
         if not handles:
             return self._finish(flight, peer)
@@ -331,12 +352,34 @@ class DecodeRank:
 
     def _finish(self, flight: _InFlight, peer: RemotePeer) -> ReadResult:
         self.convert(self.cache, peer.plan, Role.DECODE, flight.blocks)
+        if flight.verify is not None:
+            bad = self.verify(flight.verify, peer.plan)
+            if bad:
+                return ReadResult(
+                    flight.request_id, False, KV_DIGEST_MISMATCH,
+                    f"the KV of blocks {bad[:8]}{'...' if len(bad) > 8 else ''} differs from what prefill "
+                    f"{flight.params.remote_engine_id} computed (digest mismatch): not used",
+                    bad, peer_failed=False,
+                )  # fmt: skip
         return ReadResult(
             flight.request_id, True, bytes=flight.bytes, descriptors=flight.descriptors,
             seconds=time.perf_counter() - flight.started, ids_microseconds=flight.ids_microseconds,
             make_microseconds=flight.make_microseconds, post_microseconds=flight.post_microseconds,
             own_microseconds=flight.own_microseconds,
         )  # fmt: skip
+
+    def verify(self, verify: Verify, plan: TransferPlan) -> list[int]:
+        """Local blocks whose digests differ from prefill's (empty: verified)."""
+        started = time.perf_counter()
+        if self._digester is None:
+            self._digester = Digester(self.cache, self.digest_view, self.digest_heads)
+        wire = plan.wire.block_size
+        got = self._digester.request(verify.all_blocks, verify.num_tokens, wire)
+        wire_per_local = self.cache.block_size // wire
+        bad = sorted({verify.all_blocks[i // wire_per_local] for i in mismatched(verify.expected, self._digester.heads,
+                                                                                   got)})  # fmt: skip
+        self.last_digest_seconds = time.perf_counter() - started
+        return bad
 
     def _fail(self, flight: _InFlight, code: str, message: str) -> ReadResult:
         """Stop tracking a request, cancel its READs; its local blocks are invalid, its peer suspect."""

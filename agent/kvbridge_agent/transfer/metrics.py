@@ -35,6 +35,11 @@ class AgentMetrics:
         self.failed_notifications = counter(
             "kvbridge_failed_notifications", "Notifications ignored by prefill, by reason.", ("reason",)
         )
+        self.digest_mismatches = counter(
+            "kvbridge_digest_mismatches",
+            "Decode requests whose KV differed from prefill's digest, by prefill engine.",
+            ("peer",),
+        )
         self.expired_leases = counter("kvbridge_expired_leases", "Prefill requests freed because their lease expired.")
         self.stale_evictions = counter(
             "kvbridge_stale_peer_evictions", "Remote engines evicted because they restarted or failed."

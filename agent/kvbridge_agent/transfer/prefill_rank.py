@@ -6,7 +6,9 @@ import logging
 from dataclasses import dataclass, field
 
 from kvbridge_agent.core import Role, TransferPlan
+from kvbridge_agent.core.digest import HeadDigests
 from kvbridge_agent.core.handshake import RankMetadata, parse_notification
+from kvbridge_agent.transfer.digest import Digester, LogicalView
 from kvbridge_agent.transfer.kv_cache import KVCache
 from kvbridge_agent.transfer.relayout import Converter, convert_for_side
 from kvbridge_agent.transfer.transport import Transport
@@ -48,6 +50,12 @@ class PrefillRank:
         self.engine_id = engine_id
         self.incarnation = incarnation
         self._pending: dict[str, _Pending] = {}
+        self._digester: Digester | None = None
+        #: how the digest reads this cache (core.digest): the cache's geometry unless the engine says otherwise
+        self.digest_view: LogicalView | None = None
+        self.digest_heads: list[int] | None = None
+        #: digests of offered requests that were to be verified, until the request is done or forgotten
+        self.digests: dict[str, HeadDigests] = {}
 
     def metadata(self) -> RankMetadata:
         cache = self.cache
@@ -69,13 +77,28 @@ class PrefillRank:
             device_id=cache.device_id,
         )
 
-    def offer(self, request_id: str, block_ids: list[int]) -> None:
-        """Convert the request's computed blocks to the wire format and wait for its readers."""
+    def offer(self, request_id: str, block_ids: list[int], digest_tokens: int = 0) -> HeadDigests:
+        """Convert the request's computed blocks to the wire format and wait for its readers. With
+        ``digest_tokens`` (the request's token count) the content is digested first, as computed (core.digest):
+        returned, per global head this rank holds, for decode to verify what it read."""
+        digests: HeadDigests = {}
+        if digest_tokens:
+            digests = self.digest(block_ids, digest_tokens)
+            self.digests[request_id] = digests
         self.convert(self.cache, self.plan, Role.PREFILL, block_ids)
         self._pending[request_id] = _Pending()
+        return digests
+
+    def digest(self, block_ids: list[int], num_tokens: int) -> HeadDigests:
+        """The digests of a request's blocks in this rank's native format (before any conversion)."""
+        if self._digester is None:
+            self._digester = Digester(self.cache, self.digest_view, self.digest_heads)
+        rows = self._digester.request(block_ids, num_tokens, self.plan.wire.block_size)
+        return dict(zip(self._digester.heads, rows, strict=True))
 
     def forget(self, request_id: str) -> bool:
         """Stop waiting for a request (its lease expired); late notifications count as unknown."""
+        self.digests.pop(request_id, None)
         return self._pending.pop(request_id, None) is not None
 
     @property
@@ -103,5 +126,6 @@ class PrefillRank:
                 pending.received += 1
                 if pending.received >= pending.expected:
                     del self._pending[request_id]
+                    self.digests.pop(request_id, None)
                     events.completed.append(request_id)
         return events

@@ -18,18 +18,23 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from kvbridge_agent.core.digest import HeadDigests, from_bytes, to_bytes
 from kvbridge_agent.core.handshake import (
     HANDSHAKE_TIMEOUT,
+    MALFORMED_MESSAGE,
     MAX_HEADER_BYTES,
     UNKNOWN_RANK,
+    DigestState,
     HandshakeError,
     KVTransferParams,
     MessageType,
     RankMetadata,
     decode_ack,
+    decode_digest_reply,
     decode_reply,
     decode_request,
     encode_ack,
+    encode_digest_reply,
     encode_error,
     encode_reply,
     encode_request,
@@ -59,6 +64,7 @@ class ServerStats:
     served: int = 0
     rejected: int = 0  # malformed, wrong fingerprint or version, unknown rank
     heartbeats: int = 0
+    digests: int = 0
 
 
 @dataclass
@@ -71,6 +77,8 @@ class SideChannelServer:
     ranks: dict[int, tuple[RankMetadata, bytes]]
     keys: CurveKeys | None = None
     on_heartbeat: Callable[[list[str]], None] | None = None
+    #: a request's digests as prefill published them (docs/protocol.md §8), or why there are none
+    digests: Callable[[str], tuple[DigestState, HeadDigests]] | None = None
     stats: ServerStats = field(default_factory=ServerStats)
 
     def __post_init__(self) -> None:
@@ -146,6 +154,13 @@ class SideChannelServer:
                 if self.on_heartbeat is not None:
                     self.on_heartbeat(request_ids)
                 return envelope + encode_ack(self.fingerprint)
+            if kind is MessageType.DIGEST:
+                if len(request_ids) != 1:
+                    raise HandshakeError("a digest request names one request", code=MALFORMED_MESSAGE)
+                state, found = self.digests(request_ids[0]) if self.digests else (DigestState.UNKNOWN, {})
+                self.stats.digests += 1
+                heads, data = to_bytes(found) if state is DigestState.READY else ([], b"")
+                return envelope + encode_digest_reply(self.fingerprint, state, heads, data)
             if rank not in self.ranks:
                 raise HandshakeError(f"this engine has ranks {sorted(self.ranks)}, not {rank}", code=UNKNOWN_RANK)
             metadata, agent = self.ranks[rank]
@@ -212,6 +227,18 @@ class SideChannelClient:
             frames = self._exchange(encode_request(MessageType.METADATA, self.fingerprint, rank=rank), deadline)
             result[rank] = decode_reply(frames, self.fingerprint)
         return result
+
+    def digests(self, request_id: str) -> tuple[DigestState, HeadDigests]:
+        """The digests prefill published for one of its requests (by prefill's request id)."""
+        frames = self._exchange(
+            encode_request(MessageType.DIGEST, self.fingerprint, request_ids=[request_id]),
+            time.monotonic() + self.timeout,
+        )
+        state, heads, data = decode_digest_reply(frames, self.fingerprint)
+        try:
+            return state, from_bytes(heads, data)
+        except ValueError as exc:
+            raise HandshakeError(f"digest reply: {exc}", code=MALFORMED_MESSAGE) from exc
 
     def heartbeat(self, request_ids: Sequence[str]) -> None:
         frames = self._exchange(

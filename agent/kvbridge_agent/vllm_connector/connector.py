@@ -106,6 +106,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
+            self._scheduler.take_digests(connector_output.kv_connector_stats)
             self._scheduler.transfers_done(connector_output.finished_sending, connector_output.finished_recving)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:

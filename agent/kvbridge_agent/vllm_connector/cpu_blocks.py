@@ -50,6 +50,19 @@ class CPUAttentionBlocks:
                 view[ids] = self._split(blocks, plan.split_ratio, wire)
         return True
 
+    def logical(self, cache: KVCache, block_ids: torch.Tensor, layer: int) -> torch.Tensor:
+        """The blocks of one layer as the transfer digest reads any cache: ``[blocks, kv, tokens, heads, row
+        bytes]`` (keys back to token-major), whatever the block size (kvbridge_agent.transfer.digest)."""
+        h, d = self.heads, self.head_dim
+        x = torch.index_select(cache.bytes_view(layer).view(self.element), 0, block_ids).view(
+            -1, h, 2, d * cache.block_size
+        )
+        n = x.shape[0]
+        keys = x[:, :, 0].reshape(n, h, d, -1).transpose(-1, -2)  # [n, heads, tokens, dim]
+        values = x[:, :, 1].reshape(n, h, -1, d)
+        logical = torch.stack((keys, values), dim=1).permute(0, 1, 3, 2, 4).contiguous()  # [n, kv, tokens, heads, d]
+        return logical.view(torch.uint8)
+
     def _merge(self, x: torch.Tensor, ratio: int, tokens: int) -> torch.Tensor:
         n, h, d = x.shape[0], self.heads, self.head_dim
         parts = x.view(n, ratio, h, 2, tokens * d)

@@ -38,6 +38,8 @@ class ReadOrder:
     refused: str = ""
     #: the prefill lease's end as decode knows it: ``expiresAt`` moved on by heartbeats that got through
     expires_at: float | None = None
+    #: every local block of the request in token order (prefix hits first): what a verification digests
+    all_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -46,6 +48,8 @@ class OfferOrder:
 
     block_ids: list[int]
     expires_at: float
+    #: digest the request's first ``digest_tokens`` tokens before any reader (0: not verified)
+    digest_tokens: int = 0
 
 
 @dataclass

@@ -12,18 +12,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from typing import Any
 
 from kvbridge_agent.core import Role, build_plan, wire_block_ids
-from kvbridge_agent.core.handshake import KVTransferParams, RankMetadata
+from kvbridge_agent.core.digest import HeadDigests, from_bytes, should_verify
+from kvbridge_agent.core.handshake import DigestState, KVTransferParams, RankMetadata
 from kvbridge_agent.transfer.keys import load_keys
 from kvbridge_agent.transfer.side_channel import SideChannelServer, heartbeat_interval, send_heartbeats
 
 from .messages import PARAMS_KEY, OfferOrder, RankHandshake, ReadOrder, StepMetadata, transfer_params
 from .settings import ConnectorSettings
+from .stats import DIGESTS
 
 log = logging.getLogger(f"vllm.kvbridge.{__name__.rsplit('.', 1)[-1]}")  # shown by vLLM's log handler
 
+#: how long prefill keeps serving a request's digests after its readers are done (they ask right after reading)
+RETIRED_DIGEST_SECONDS = 60.0
 #: vLLM's request states in which a prefill's KV is complete (anything else frees the blocks at once)
 _FINISHED_NORMALLY = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 
@@ -38,6 +43,14 @@ class ConnectorScheduler:
         self._to_offer: dict[str, OfferOrder] = {}
         self._server: SideChannelServer | None = None
         self._incarnation = ""
+        # prefill, verification: requests offered to be digested, and the digests the ranks reported (by head)
+        self._first_offer: float | None = None
+        self._verifying: set[str] = set()
+        self._digests: dict[str, HeadDigests] = {}
+        #: digests of requests whose readers are done, kept a while: a reader asks for them after its READs
+        #: completed, which is also when prefill learns it is done
+        self._retired: deque[tuple[float, str]] = deque()
+        self._heads = 1 if settings.model.is_mla else settings.model.num_kv_heads
         self._tp_size = settings.tp_size
         environment = settings.environment
         # prefill offers wire blocks: with a prefill-side split, block b becomes wire blocks b*r .. b*r + r-1
@@ -66,10 +79,29 @@ class ConnectorScheduler:
         keys = self._keys
         self._server = SideChannelServer(
             environment.side_channel_host, environment.side_channel_port, self.settings.fingerprint, served, keys,
-            on_heartbeat=self._renew,
+            on_heartbeat=self._renew, digests=self._published_digests,
         ).start()  # fmt: skip
         log.info("kvbridge: side channel of %s on %s:%d (%s)", self.engine_id, environment.side_channel_host,
                  self._server.port, "CURVE" if keys else "no CURVE")  # fmt: skip
+
+    def _published_digests(self, request_id: str) -> tuple[DigestState, HeadDigests]:
+        """The side channel's answer to a decode asking for a request's digests (on the listener's thread)."""
+        with self._lock:
+            found = self._digests.get(request_id, {})
+            if len(found) == self._heads:
+                return DigestState.READY, found
+            return (DigestState.PENDING if request_id in self._verifying else DigestState.UNKNOWN), {}
+
+    def take_digests(self, stats: Any) -> None:
+        """The digests the prefill ranks computed this step (they ride in the worker's stats): kept for the side
+        channel and taken out, so that they never travel on to the metrics."""
+        data = getattr(stats, "data", None)
+        if not isinstance(data, dict) or not data.get(DIGESTS):
+            return
+        with self._lock:
+            for request_id, heads, raw in data.pop(DIGESTS):
+                self._digests.setdefault(request_id, {}).update(from_bytes(heads, raw))
+        data[DIGESTS] = []
 
     def _renew(self, request_ids: list[str]) -> None:
         until = time.time() + self.settings.transfer.lease_seconds
@@ -110,7 +142,9 @@ class ConnectorScheduler:
             f"PROMPT_MISMATCH: decode's prompt has {prompt} tokens, the prefill computed {params.num_tokens}: this "
             "is not the request prefill ran"
         )  # fmt: skip
-        self._to_read[request.request_id] = ReadOrder(local, params, refused, expires_at)
+        every = blocks.get_block_ids()
+        all_blocks = list(every[0]) if every and isinstance(every[0], list | tuple) else list(every)
+        self._to_read[request.request_id] = ReadOrder(local, params, refused, expires_at, all_blocks)
 
     # -- both: each step ------------------------------------------------------------
     def build_metadata(self) -> StepMetadata:
@@ -121,8 +155,14 @@ class ConnectorScheduler:
 
     def transfers_done(self, finished_sending: set[str] | None, finished_recving: set[str] | None) -> None:
         with self._lock:
+            now = time.monotonic()
             for request_id in finished_sending or ():
                 self._leases.pop(request_id, None)
+                if request_id in self._verifying:
+                    self._verifying.discard(request_id)
+                    self._retired.append((now + RETIRED_DIGEST_SECONDS, request_id))
+            while self._retired and self._retired[0][0] < now:
+                self._digests.pop(self._retired.popleft()[1], None)
             for request_id in finished_recving or ():
                 self._waiting.pop(request_id, None)
                 self._renewed.pop(request_id, None)
@@ -149,9 +189,15 @@ class ConnectorScheduler:
         if request.status.name not in _FINISHED_NORMALLY or not blocks or self._server is None:
             return False, None
         expires_at = time.time() + self.settings.transfer.lease_seconds
+        if self._first_offer is None:
+            self._first_offer = time.monotonic()
+        verify = should_verify(self.settings.transfer, request.request_id, time.monotonic() - self._first_offer)
         with self._lock:
             self._leases[request.request_id] = expires_at
-        self._to_offer[request.request_id] = OfferOrder(blocks, expires_at)
+            if verify:
+                self._verifying.add(request.request_id)
+        self._to_offer[request.request_id] = OfferOrder(blocks, expires_at,
+                                                        request.num_computed_tokens if verify else 0)  # fmt: skip
         environment = self.settings.environment
         params = KVTransferParams(
             remote_engine_id=self.engine_id, remote_incarnation=self._incarnation,
@@ -160,6 +206,7 @@ class ConnectorScheduler:
             remote_block_ids=wire_block_ids(blocks, request.num_computed_tokens, self._plan.split_ratio,
                                             self._plan.wire.block_size).tolist(),
             remote_tp_size=self._tp_size, fingerprint=self.settings.fingerprint, expires_at=expires_at,
+            verify=verify,
         )  # fmt: skip
         return True, {"do_remote_prefill": True, "do_remote_decode": False,
                       PARAMS_KEY: params.model_dump(mode="json", by_alias=True)}  # fmt: skip

@@ -16,11 +16,14 @@ import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+#: prefill ranks' digests of offered requests, (request id, heads, bytes): taken out by the scheduler half
+#: (update_connector_output) and served on the side channel; they never reach the metrics
+DIGESTS = "digests"
 #: each observation list: read durations (s), bytes and descriptors per read, handshake durations (s), the codes
 #: of failed reads, and a 1 per lease that ended unread (prefill) and per stale peer evicted (decode); ``held``:
 #: (TP rank, requests, bytes) a prefill rank holds for readers, each time it changes
 _KEYS = ("read_seconds", "read_bytes", "read_descriptors", "handshake_seconds", "failed_reads", "expired_leases",
-         "stale_peer_evictions", "held")  # fmt: skip
+         "stale_peer_evictions", "held", "digest_mismatches", DIGESTS)  # fmt: skip
 _SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 _DESCRIPTORS = (1, 16, 128, 1024, 4096, 16384, 65536, 262144, 1048576)
 _BYTES = tuple(float(2 ** (10 + 2 * i)) for i in range(13))  # 1 KiB .. 16 GiB
@@ -48,6 +51,12 @@ class KVBridgeStats(KVConnectorStats):
 
     def record_held(self, tp_rank: int, requests: int, nbytes: int) -> None:
         self.data["held"].append((tp_rank, requests, nbytes))
+
+    def record_digests(self, request_id: str, heads: list[int], data: bytes) -> None:
+        self.data[DIGESTS].append((request_id, heads, data))
+
+    def record_digest_mismatch(self, peer: str) -> None:
+        self.data["digest_mismatches"].append(peer)
 
     def record_expired_lease(self) -> None:
         self.data["expired_leases"].append(1)
@@ -128,6 +137,9 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         # one child per (engine, code), made when a code first occurs
         self._failed = counter(name="vllm:kvbridge_failed_transfers", documentation="Failed reads, by code.",
                                labelnames=[*labelnames, "code"])  # fmt: skip
+        self._mismatches = counter(name="vllm:kvbridge_digest_mismatches",
+                                   documentation="Requests whose KV differed from prefill's digest, by prefill engine.",
+                                   labelnames=[*labelnames, "peer"])  # fmt: skip
         gauge = self._gauge_cls
         self.held_requests = per_engine(gauge, "vllm:kvbridge_held_requests",
                                         "Prefill requests whose KV this engine holds for readers.",
@@ -151,6 +163,8 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                 metric[engine_idx].inc(len(data[key]))
         for code in data.get("failed_reads", ()):
             self._failed.labels(*self.per_engine_labelvalues[engine_idx], code).inc()
+        for peer in data.get("digest_mismatches", ()):
+            self._mismatches.labels(*self.per_engine_labelvalues[engine_idx], peer).inc()
         if data.get("held"):
             ranks = self._held.setdefault(engine_idx, {})
             for rank, requests, nbytes in data["held"]:

@@ -17,11 +17,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from kvbridge_agent.core import CacheKind, KVBridgeError, KVLayout, ModelGeometry, Role, SpecError, TransferPlan
-from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams
+from kvbridge_agent.core.digest import KV_DIGEST_MISMATCH, KV_DIGEST_UNAVAILABLE, HeadDigests, to_bytes
+from kvbridge_agent.core.handshake import DigestState, HandshakeError, KVTransferParams
 from kvbridge_agent.core.plan import build_plan
 from kvbridge_agent.core.tp import handshake_ranks
 from kvbridge_agent.core.wire import ConversionKind
-from kvbridge_agent.transfer.decode_rank import DecodeRank, ReadResult
+from kvbridge_agent.transfer.decode_rank import DecodeRank, ReadResult, Verify
 from kvbridge_agent.transfer.keys import CurveKeys, load_keys
 from kvbridge_agent.transfer.kv_cache import KVCache, distinct_tensors
 from kvbridge_agent.transfer.peers import (
@@ -33,6 +34,7 @@ from kvbridge_agent.transfer.peers import (
 )
 from kvbridge_agent.transfer.prefill_rank import PrefillRank
 from kvbridge_agent.transfer.relayout import Converter, convert_for_side
+from kvbridge_agent.transfer.side_channel import SideChannelClient
 from kvbridge_agent.transfer.transport import Transport
 
 from .cpu_blocks import KNOWN_KERNELS, CPUAttentionBlocks
@@ -131,6 +133,11 @@ class ConnectorWorker:
         self._load_errors: set[int] = set()
         #: reads in flight -> the lease end they must finish before, and the local blocks they fill
         self._expiry: dict[str, tuple[float, list[int]]] = {}
+        # verification: the orders of reads in flight that must be verified, and the digest fetches of reads done
+        self._orders: dict[str, ReadOrder] = {}
+        self._digest_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbridge-digest")
+        self._checking: dict[str, tuple[Future[HeadDigests], ReadResult, ReadOrder]] = {}
+        self._prefetch: dict[str, Future[HeadDigests]] = {}
 
     # -- registration --------------------------------------------------------------
     def register(self, kv_caches: dict[str, Any]) -> None:
@@ -150,14 +157,18 @@ class ConnectorWorker:
             f"{environment.engine_id}-{self.incarnation}-{self.tp_rank}", environment.transfer.backends
         )
         transport.register(cache.tensors)
+        rank: PrefillRank | DecodeRank
         if settings.role is Role.PREFILL:
             plan = build_plan(self.geometry, environment.prefill, environment.decode, settings.transfer)
             refuse_conversions(self.geometry, settings.model, plan, self.kernel)
-            self.prefill = PrefillRank(cache, transport, plan, environment.engine_id, self.incarnation, convert)
+            self.prefill = rank = PrefillRank(cache, transport, plan, environment.engine_id, self.incarnation, convert)
             metadata = self.prefill.metadata().model_copy(update={"block_interior": self.block_interior})
             self._handshake = RankHandshake(metadata.model_dump_json(), transport.metadata())
         else:
-            self.decode = DecodeRank(cache, transport, environment.decode, settings.transfer, convert)
+            self.decode = rank = DecodeRank(cache, transport, environment.decode, settings.transfer, convert)
+        if isinstance(convert, CPUAttentionBlocks):  # the digest reads keys back to token-major, real heads
+            rank.digest_view = convert.logical
+            rank.digest_heads = list(range(self.tp_rank * convert.heads, (self.tp_rank + 1) * convert.heads))
         log.info("kvbridge: %s rank %d registered %d KV tensor(s) of %d blocks", settings.role.value, self.tp_rank,
                  len(cache.tensors), cache.num_blocks)  # fmt: skip
 
@@ -174,7 +185,9 @@ class ConnectorWorker:
     def start(self, meta: StepMetadata) -> None:
         if self.prefill is not None:
             for request_id, order in meta.to_offer.items():
-                self.prefill.offer(request_id, order.block_ids)
+                digests = self.prefill.offer(request_id, order.block_ids, order.digest_tokens)
+                if digests:
+                    self.stats.record_digests(request_id, *to_bytes(digests))
             self._leases.update({r: t for r, t in meta.leases.items() if r in self._leases or r in meta.to_offer})
             for request_id, order in meta.to_offer.items():
                 self._leases[request_id] = max(order.expires_at, meta.leases.get(request_id, 0.0))
@@ -205,9 +218,69 @@ class ConnectorWorker:
             if key not in self._fetching:
                 self._fetching[key] = (self._executor.submit(self._fetch, params), time.perf_counter())
             return None
+        if params.verify:  # prefill's digests are fetched while the READs run
+            self._orders[request_id] = order
+            self._prefetch[request_id] = self._digest_executor.submit(self._fetch_digests, params, expires_at)
         return decode.start(
             request_id, params, order.local_block_ids, self.settings.environment.transfer_timeout_seconds
         )
+
+    def _fetch_digests(self, params: KVTransferParams, until: float | None) -> HeadDigests:
+        """On a digest thread: prefill's digests of the request. Its ranks report them one engine step after the
+        offer, so a pending answer is asked again, until the lease ends."""
+        timeout = self.settings.transfer.handshake_timeout_seconds
+        client = SideChannelClient(params.remote_host, params.remote_port, self.settings.fingerprint, self.keys,
+                                   timeout)  # fmt: skip
+        until = until if until is not None else time.time() + self.settings.transfer.lease_seconds
+        delay = 0.002
+        while True:
+            state, digests = client.digests(params.remote_request_id)
+            if state is DigestState.READY:
+                return digests
+            if state is DigestState.UNKNOWN or time.time() + delay > until:
+                raise HandshakeError(
+                    f"prefill {params.remote_engine_id} has no digests of {params.remote_request_id} "
+                    f"({state.value}): its lease ended or it restarted", code=KV_DIGEST_UNAVAILABLE,
+                )  # fmt: skip
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    def _check(self, decode: DecodeRank, result: ReadResult) -> ReadResult | None:
+        """A read that must be verified: start fetching prefill's digests (``None``: the result comes later)."""
+        order = self._orders.pop(result.request_id, None)
+        future = self._prefetch.pop(result.request_id, None)
+        if order is None or future is None or not result.ok:
+            if future is not None:
+                future.cancel()
+            return result
+        self._checking[result.request_id] = (future, result, order)
+        return None
+
+    def _verified(self, decode: DecodeRank) -> list[ReadResult]:
+        """Reads whose digests arrived: compared with what this rank holds now, before vLLM uses it."""
+        results = []
+        for request_id, (future, result, order) in list(self._checking.items()):
+            if not future.done():
+                continue
+            del self._checking[request_id]
+            blocks = order.all_block_ids or list(order.local_block_ids)
+            try:
+                peer = decode.peers.get(order.params.remote_engine_id)
+                if peer is None:
+                    raise HandshakeError(f"{order.params.remote_engine_id} was evicted during the check")
+                bad = decode.verify(Verify(future.result(), blocks, order.params.num_tokens), peer.plan)
+            except (KVBridgeError, OSError) as exc:
+                code = getattr(exc, "code", KV_DIGEST_UNAVAILABLE)
+                results.append(ReadResult(request_id, False, code, getattr(exc, "message", str(exc)),
+                                          list(order.local_block_ids)))  # fmt: skip
+                continue
+            if bad:
+                self.stats.record_digest_mismatch(order.params.remote_engine_id)
+                message = (f"the KV of blocks {bad[:8]} differs from what prefill {order.params.remote_engine_id} "
+                           "computed (digest mismatch): not used")  # fmt: skip
+                result = ReadResult(request_id, False, KV_DIGEST_MISMATCH, message, bad)
+            results.append(result)
+        return results
 
     def _fetch(self, params: KVTransferParams) -> PrefillRanks:
         """On the handshake thread: the prefill ranks' metadata this rank reads from (network only)."""
@@ -284,7 +357,9 @@ class ConnectorWorker:
             return ready or None, None
         if self.decode is not None:
             self._finish_handshakes(self.decode)
-            results, self._results = [*self._results, *self.decode.poll()], []
+            polled = [self._check(self.decode, r) for r in [*self._results, *self.decode.poll()]]
+            self._results = []
+            results = [*(r for r in polled if r is not None), *self._verified(self.decode)]
             done = set()
             now = time.time()
             for result in results:
@@ -309,6 +384,7 @@ class ConnectorWorker:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._digest_executor.shutdown(wait=False, cancel_futures=True)
         for rank in (self.prefill, self.decode):
             if rank is not None:
                 if isinstance(rank, DecodeRank):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from kvbridge_agent.core import CacheKind, KVCacheDtype, KVLayout, Problem, Role, TransferPlan
+from kvbridge_agent.core import CacheKind, KVCacheDtype, KVLayout, Problem, Role, TransferPlan, Verification
 from kvbridge_agent.core.compat import check_pair
 from kvbridge_agent.core.wire import ConversionKind, wire_format, wire_format_defined
 from kvbridge_operator.api.objects import Obj
@@ -45,6 +45,8 @@ VLLM_CPU_KV_CACHE_DTYPE = "VLLM_CPU_KV_CACHE_DTYPE"
 VLLM_UNMODELLED_ARGUMENT = "VLLM_UNMODELLED_ARGUMENT"
 VLLM_KVBRIDGE_GPU = "VLLM_KVBRIDGE_GPU"
 VLLM_KVBRIDGE_REPLICATED_HEADS = "VLLM_KVBRIDGE_REPLICATED_HEADS"
+#: verification: All asked of vLLM's NixlConnector, which has no transfer digest
+VLLM_NIXL_UNVERIFIED = "VLLM_NIXL_UNVERIFIED"
 VLLM_MLA_BLOCK_SIZE = "VLLM_MLA_BLOCK_SIZE"
 #: vLLM 0.32's MLA backend kvbridge renders on GPUs, and the only block size it runs (with another, vLLM would pick
 #: another MLA backend by itself, whose cache the plan did not describe)
@@ -152,6 +154,14 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     """What vLLM (its NixlConnector, its CPU attention) cannot run of a spec, beyond the compatibility rules;
     reported together with them (the conversions are looked at wherever the wire format is defined)."""
     found: list[Problem] = []
+    if spec.transfer.verification is Verification.ALL and not uses_kvbridge(spec):
+        found.append(Problem(
+            VLLM_NIXL_UNVERIFIED, "spec.transfer.verification",
+            "verification: All asks decode to check every transfer against prefill's digest, but vLLM's "
+            "NixlConnector has none (decode would use whatever it read); set "
+            + ("spec.engine.connector: KVBridge, or " if on_cpu(spec) else "(kvbridge's connector runs vLLM's CPU "
+               "build only, so far) ") + "spec.transfer.verification: Off to run unverified",
+        ))  # fmt: skip
     given = [("spec.engine.extraArgs", arg) for arg in spec.engine.extra_args]
     given += [(f"spec.{role.value}.extraArgs", arg) for role in Role for arg in spec.role(role).extra_args]
     for where, arg in given:

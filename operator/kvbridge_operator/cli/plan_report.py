@@ -8,10 +8,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge_agent.core import KVBridgeError, Problem, Role, SpecError, TransferPlan
+from kvbridge_agent.core import KVBridgeError, Problem, Role, SpecError, TransferPlan, Verification
 from kvbridge_operator.api.names import ENGINE_CONTAINER
 from kvbridge_operator.api.objects import Obj
-from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind, Memlock
+from kvbridge_operator.api.spec import (
+    Connector,
+    DisaggregatedDeployment,
+    DisaggregatedDeploymentSpec,
+    EngineKind,
+    Memlock,
+)
 from kvbridge_operator.children import multinode, network
 from kvbridge_operator.children import vllm_engine as vllm
 from kvbridge_operator.children.model_source import weights
@@ -94,6 +100,7 @@ def entries(document: DocumentPlan, ranks: Iterable[int]) -> list[dict[str, obje
                 **document.plan.for_decode_rank(rank).to_dict(),
                 "pairing": pairing(document.deployment.spec),
                 "engine": engine_of(document.deployment.spec),
+                "verification": verification_of(document.deployment.spec),
             }
             if engines is not None:
                 entry["vllm"] = engines
@@ -173,6 +180,32 @@ def engine_of(spec: DisaggregatedDeploymentSpec) -> dict[str, str]:
     return found
 
 
+def verifies(spec: DisaggregatedDeploymentSpec) -> bool:
+    """Whether the engines verify transfers at all: kvbridge's connector and the agent worker do (docs/protocol.md
+    §8); vLLM's NixlConnector has no transfer digest."""
+    return spec.engine.kind is EngineKind.AGENT or spec.engine.connector is Connector.KVBRIDGE
+
+
+def verification_of(spec: DisaggregatedDeploymentSpec) -> dict[str, object]:
+    """``spec.transfer.verification`` as the engines apply it (``--json``)."""
+    transfer = spec.transfer
+    return {"policy": transfer.verification.value if verifies(spec) else Verification.OFF.value,
+            "firstSeconds": transfer.verification_first_seconds, "fraction": transfer.verification_fraction,
+            "supported": verifies(spec)}  # fmt: skip
+
+
+def verification_words(spec: DisaggregatedDeploymentSpec) -> str:
+    transfer = spec.transfer
+    if not verifies(spec):
+        return "none (vLLM's NixlConnector has no transfer digest; connector: KVBridge verifies)"
+    if transfer.verification is Verification.SAMPLED:
+        return (f"Sampled (decode checks prefill's digest of every request for {transfer.verification_first_seconds}"
+                f" s after a prefill engine's first, then of {transfer.verification_fraction:.0%})")  # fmt: skip
+    if transfer.verification is Verification.ALL:
+        return "All (decode checks prefill's digest of every request)"
+    return "Off"
+
+
 def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
     """The human-readable report for one document."""
     spec = document.deployment.spec
@@ -207,6 +240,7 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
         f"  each prefill rank waits for {plan.notifications_per_prefill_rank} notification(s) per request;"
         f" prefill prefix caching {'allowed' if plan.wire.prefill_prefix_caching_allowed else 'must be off'}",
         f"  bytes per region block: local {plan.local_block_bytes}, remote wire {plan.remote_block_bytes}",
+        f"  verification: {verification_words(spec)}",
     ]
     for rank in ranks:
         rank_plan = plan.for_decode_rank(rank)

@@ -17,13 +17,15 @@ from typing import Any
 
 import pytest
 
-from kvbridge_agent.core import ModelGeometry, Role, RoleSettings, TransferSettings
+from kvbridge_agent.core import ModelGeometry, Role, RoleSettings, TransferSettings, Verification
 from kvbridge_agent.core.contract import EngineEnvironment
-from kvbridge_agent.core.handshake import HandshakeError
+from kvbridge_agent.core.digest import KV_DIGEST_MISMATCH
+from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams
 from kvbridge_agent.synthetic.processes import EngineProcess, start_engine
 from kvbridge_agent.transfer.keys import CurveKeys, generate_keys
 from kvbridge_agent.transfer.side_channel import SideChannelClient
 from kvbridge_agent.transfer.transport import Transport
+from kvbridge_sim.kv_faults import overwrite_prefill_kv
 
 MODEL = ModelGeometry(name="tiny", num_layers=2, num_kv_heads=8, head_dim=32)
 TRANSFER = TransferSettings(lease_seconds=3, handshake_timeout_seconds=2)
@@ -244,7 +246,8 @@ def test_killed_prefill_fails_its_requests_in_time_and_a_restart_is_rehandshaken
     elapsed = time.monotonic() - started
     thread.join(timeout=60)
     assert status in (502, 504), body
-    assert body["error"]["code"] in {"TRANSFER_FAILED", "TRANSFER_TIMEOUT"}
+    # verified requests ask prefill's side channel for its digests first: a dead prefill does not answer
+    assert body["error"]["code"] in {"TRANSFER_FAILED", "TRANSFER_TIMEOUT", "HANDSHAKE_TIMEOUT"}
     assert body["error"]["invalidBlocks"]
     assert elapsed < 5 + 10  # the transfer deadline, plus slack for a busy machine
     assert results["other"][0] == 200, results["other"]  # other requests are unaffected
@@ -367,3 +370,30 @@ def test_sigterm_stops_an_engine_in_bounded_time_even_with_a_stuck_rank(cluster:
     assert time.monotonic() - started < 10  # 3 s grace + 2 s SIGTERM + SIGKILL; it was 10 + 5 s for this rank
     assert not _alive(stuck)
     assert not _alive(other)
+
+
+def test_kv_overwritten_after_publish_fails_the_request_loudly_and_engines_keep_serving(cluster: Cluster) -> None:
+    """Verification (issue 27): prefill's KV overwritten from outside its process after it published the request,
+    before decode read it: decode's digest differs from prefill's, the request fails with KV_DIGEST_MISMATCH and
+    the blocks it names, counted by peer; the next request is served. With verification off (the negative control)
+    the same fault gets past the transfer, and only the synthetic engine's own byte check sees the wrong bytes."""
+    p, d = cluster.prefill, cluster.decode  # type: ignore[attr-defined]
+    params = prefill(p, "overwritten-1", 40)
+    assert params["verify"] is True  # Sampled: every request of the engine's first minutes
+    assert overwrite_prefill_kv(KVTransferParams.model_validate(params), cluster.keys) == 2
+    status, body = decode(d, "d-overwritten-1", params)
+    assert status == 502, body
+    assert body["error"]["code"] == KV_DIGEST_MISMATCH
+    assert body["error"]["invalidBlocks"]
+    assert metric(d, "kvbridge_digest_mismatches_total", peer="p1") >= 1
+    status, body = decode(d, "d-after-1", prefill(p, "after-overwrite-1", 40))
+    assert status == 200, body
+    assert body["verified"] is True
+    unverified = TRANSFER.model_copy(update={"verification": Verification.OFF})
+    off = cluster.start(env(Role.PREFILL, "p-off", cluster.keys_dir).model_copy(update={"transfer": unverified}))
+    params = prefill(off, "overwritten-2", 40)
+    assert params["verify"] is False
+    overwrite_prefill_kv(KVTransferParams.model_validate(params), cluster.keys)
+    status, body = decode(d, "d-overwritten-2", params)
+    assert status == 502, body
+    assert body["error"]["code"] == "VERIFY_MISMATCH"  # the wrong bytes were read and would have been used

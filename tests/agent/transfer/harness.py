@@ -9,12 +9,22 @@ from __future__ import annotations
 import time
 import uuid
 
-from kvbridge_agent.core import ModelGeometry, RoleSettings, TransferPlan, TransferSettings, build_plan
+from kvbridge_agent.core import (
+    Attention,
+    CacheKind,
+    KVLayout,
+    ModelGeometry,
+    RoleSettings,
+    TransferPlan,
+    TransferSettings,
+    build_plan,
+)
 from kvbridge_agent.core.blocks import blocks_for_tokens, wire_block_ids
+from kvbridge_agent.core.digest import HeadDigests
 from kvbridge_agent.core.handshake import KVTransferParams
 from kvbridge_agent.core.tp import handshake_ranks
 from kvbridge_agent.synthetic.content import fill_request, invalid_blocks, scribble
-from kvbridge_agent.transfer.decode_rank import DecodeRank, ReadResult
+from kvbridge_agent.transfer.decode_rank import DecodeRank, ReadResult, Verify
 from kvbridge_agent.transfer.kv_cache import KVCache
 from kvbridge_agent.transfer.prefill_rank import PrefillRank
 from kvbridge_agent.transfer.transport import Transport
@@ -46,6 +56,8 @@ class InProcessPair:
         self.decode: list[DecodeRank] = []
         self.completed: dict[int, list[str]] = {}
         self.unknown = 0
+        #: per offered request: prefill's digests by global head (when offered with ``digest=True``)
+        self.digests: dict[str, HeadDigests] = {}
         for p in range(prefill.tensor_parallel_size):
             cache = KVCache.allocate(
                 model, prefill.block_size, prefill.kv_layout, prefill.tensor_parallel_size, p, num_blocks, device
@@ -71,10 +83,12 @@ class InProcessPair:
         for d, rank in enumerate(self.decode):
             rank.add_peer(self.engine_id, self.incarnation, {p: metas[p] for p in handshake_ranks(tp_p, tp_d, d)})
 
-    def offer(self, request_id: str, num_tokens: int, prefill_blocks: list[int]) -> KVTransferParams:
+    def offer(self, request_id: str, num_tokens: int, prefill_blocks: list[int], digest: bool = False
+              ) -> KVTransferParams:  # fmt: skip
         for rank in self.prefill:
             fill_request(rank.cache, request_id, prefill_blocks)
-            rank.offer(request_id, prefill_blocks)
+            published = rank.offer(request_id, prefill_blocks, num_tokens if digest else 0)
+            self.digests.setdefault(request_id, {}).update(published)
         wire = wire_block_ids(prefill_blocks, num_tokens, self.plan.split_ratio, self.plan.wire.block_size)
         return KVTransferParams(
             remote_engine_id=self.engine_id, remote_incarnation=self.incarnation, remote_host="127.0.0.1",
@@ -89,6 +103,7 @@ class InProcessPair:
         hit: int,
         ranks: list[int] | None = None,
         timeout: float = 20.0,
+        verify: bool = False,
     ) -> dict[int, ReadResult]:
         """Every (or the given) decode rank reads; polls both sides until all results are in."""
         ranks = list(range(len(self.decode))) if ranks is None else ranks
@@ -97,7 +112,10 @@ class InProcessPair:
             cache = self.decode[d].cache
             fill_request(cache, params.remote_request_id, decode_blocks[:hit])
             scribble(cache, decode_blocks[hit:])
-            immediate = self.decode[d].start(f"d-{params.remote_request_id}", params, decode_blocks[hit:], timeout)
+            check = (Verify(self.digests[params.remote_request_id], decode_blocks, params.num_tokens)
+                     if verify else None)  # fmt: skip
+            immediate = self.decode[d].start(f"d-{params.remote_request_id}", params, decode_blocks[hit:], timeout,
+                                             check)  # fmt: skip
             if immediate is not None:
                 results[d] = immediate
         deadline = time.monotonic() + timeout + 5
@@ -139,3 +157,44 @@ class InProcessPair:
             rank.transport.close()
         for prank in self.prefill:
             prank.transport.close()
+
+
+def model(kind: CacheKind = CacheKind.SPLIT, heads: int = 8, mla: bool = False) -> ModelGeometry:
+    return ModelGeometry(
+        name="tiny", num_layers=2, num_kv_heads=1 if mla else heads, head_dim=32 if mla else 16,
+        kv_cache_dtype="bfloat16", attention=Attention.MLA if mla else Attention.DENSE, cache_kind=kind,
+    )  # fmt: skip
+
+
+def role(tp: int, bs: int = 16, layout: str = "HND") -> RoleSettings:
+    return RoleSettings(tensor_parallel_size=tp, block_size=bs, kv_layout=KVLayout(layout))
+
+
+CASES = {
+    # (model, prefill, decode)
+    "dense-1to1": (model(), role(1), role(1)),
+    "dense-2to1": (model(), role(2), role(1)),
+    "dense-1to2": (model(), role(1), role(2)),
+    "dense-4to2": (model(), role(4), role(2)),
+    "dense-2to4": (model(), role(2), role(4)),
+    "dense-4to1": (model(), role(4), role(1)),
+    "dense-2to8-replicated-decode": (model(heads=4), role(2), role(8)),
+    "mla-1to1": (model(mla=True), role(1), role(1)),
+    "mla-2to1": (model(mla=True), role(2), role(1)),
+    "mla-1to2": (model(mla=True), role(1), role(2)),
+    "mla-4to2": (model(mla=True), role(4), role(2)),
+    "mla-2to4": (model(mla=True), role(2), role(4)),
+    "mla-4to1": (model(mla=True), role(4), role(1)),
+    "bsr2-decode-merges": (model(), role(1, 8), role(1, 16)),
+    "bsr2-decode-merges-tp1to2": (model(), role(1, 8), role(2, 16)),
+    "bsr2-decode-merges-nhd": (model(), role(1, 8, "NHD"), role(1, 16, "NHD")),
+    "prefill-splits-32nhd-tp2-to-16hnd-tp1": (model(), role(2, 32, "NHD"), role(1, 16, "HND")),
+    "prefill-splits-128nhd-tp4-to-16hnd-tp1": (model(), role(4, 128, "NHD"), role(1, 16, "HND")),
+    "decode-permutes-to-nhd": (model(), role(2), role(1, 16, "NHD")),
+    "equal-tp-nhd-to-hnd": (model(), role(2, 16, "NHD"), role(2, 16, "HND")),
+    "blocks-first-2to1": (model(CacheKind.BLOCKS_FIRST), role(2), role(1)),
+    "blocks-first-1to2-nhd": (model(CacheKind.BLOCKS_FIRST), role(1, 16, "NHD"), role(2, 16, "NHD")),
+    "blocks-first-bsr2": (model(CacheKind.BLOCKS_FIRST), role(1, 8), role(1, 16)),
+    "cross-layer-2to1": (model(CacheKind.CROSS_LAYER), role(2), role(1)),
+    "cross-layer-1to4": (model(CacheKind.CROSS_LAYER), role(1), role(4)),
+}

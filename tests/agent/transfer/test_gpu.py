@@ -39,3 +39,26 @@ def test_vram_transfers_verify(kind: CacheKind, prefill: RoleSettings, decode: R
         pair.roundtrip("gpu-hit", 3 * 32 + 5, 2, offset=3)
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("kind", [CacheKind.SPLIT, CacheKind.BLOCKS_FIRST, CacheKind.CROSS_LAYER])
+def test_the_digest_runs_on_the_device_and_equals_the_cpu_one(kind: CacheKind) -> None:
+    """Transfer verification's torch form on VRAM (docs/protocol.md §8): computed where the cache lives, the same
+    values as on the CPU, and a verified transfer between two GPU caches passes."""
+    from kvbridge_agent.transfer.digest import Digester
+    from kvbridge_agent.transfer.kv_cache import KVCache
+
+    model = ModelGeometry(name="gpu", num_layers=2, num_kv_heads=8, head_dim=64, cache_kind=kind)
+    gpu = KVCache.allocate(model, 16, KVLayout.HND, 1, 0, 16, device="cuda")
+    for tensor in gpu.tensors:
+        tensor.copy_(torch.randint(0, 256, tensor.shape, dtype=torch.uint8, device="cuda"))
+    cpu = KVCache(gpu.model, 16, KVLayout.HND, 1, 0, 16, [t.cpu() for t in gpu.tensors], gpu.layout)
+    ids = [3, 9, 4]
+    assert (Digester(gpu).request(ids, 40, 16) == Digester(cpu).request(ids, 40, 16)).all()
+    pair = InProcessPair(model, role(2), role(1), device="cuda")
+    try:
+        params = pair.offer("gpu-verified", 45, [1, 5, 7], digest=True)
+        result = pair.read(params, [2, 6, 8], 0, verify=True)[0]
+        assert result.ok, result
+    finally:
+        pair.close()

@@ -6,10 +6,18 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import zmq
 
-from kvbridge_agent.core.handshake import HandshakeError, MessageType, RankMetadata, decode_reply, encode_request
+from kvbridge_agent.core.handshake import (
+    DigestState,
+    HandshakeError,
+    MessageType,
+    RankMetadata,
+    decode_reply,
+    encode_request,
+)
 from kvbridge_agent.transfer.keys import CurveKeys, KeysError, generate_keys, load_keys
 from kvbridge_agent.transfer.side_channel import SideChannelClient, SideChannelServer
 
@@ -153,3 +161,30 @@ def test_nested_headers_are_refused_before_parsing() -> None:
         with pytest.raises(HandshakeError) as caught:
             decode_request([frame], "fp")
         assert caught.value.code == "MALFORMED_MESSAGE"
+
+
+def test_digests_travel_only_to_a_keyed_client_and_bad_digest_requests_are_refused(
+    keys: CurveKeys, tmp_path: Path
+) -> None:
+    """The digest message (docs/protocol.md §8): ready digests arrive bit for bit, a request still being digested is
+    pending, anything else unknown; a request naming several ids or no id is refused; a client without the key gets
+    nothing."""
+    row = np.array([1, 2**64 - 1, 12345], dtype=np.uint64)
+    table = {"ready": (DigestState.READY, {0: row, 3: row[::-1].copy()}), "soon": (DigestState.PENDING, {})}
+    srv = SideChannelServer("127.0.0.1", 0, "fp", {0: (META, b"agent-0")}, keys=keys,
+                            digests=lambda rid: table.get(rid, (DigestState.UNKNOWN, {}))).start()  # fmt: skip
+    try:
+        state, found = client(srv, keys).digests("ready")
+        assert state is DigestState.READY
+        assert sorted(found) == [0, 3]
+        assert found[0].tolist() == row.tolist()
+        assert client(srv, keys).digests("soon") == (DigestState.PENDING, {})
+        assert client(srv, keys).digests("other") == (DigestState.UNKNOWN, {})
+        for ids in (["a", "b"], []):
+            frames = encode_request(MessageType.DIGEST, "fp", request_ids=ids)
+            assert b"MALFORMED_MESSAGE" in raw_request(srv, keys, frames)[0]
+        with pytest.raises(HandshakeError):
+            client(srv, generate_keys(tmp_path / "stranger"), timeout=0.5).digests("ready")
+        assert client(srv, keys).digests("ready")[0] is DigestState.READY  # still serving
+    finally:
+        srv.close()

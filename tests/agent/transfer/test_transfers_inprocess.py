@@ -8,63 +8,7 @@ derivation.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
-
-from kvbridge_agent.core import Attention, CacheKind, KVLayout, ModelGeometry, RoleSettings
-
 from .harness import InProcessPair
-
-
-def model(kind: CacheKind = CacheKind.SPLIT, heads: int = 8, mla: bool = False) -> ModelGeometry:
-    return ModelGeometry(
-        name="tiny", num_layers=2, num_kv_heads=1 if mla else heads, head_dim=32 if mla else 16,
-        kv_cache_dtype="bfloat16", attention=Attention.MLA if mla else Attention.DENSE, cache_kind=kind,
-    )  # fmt: skip
-
-
-def role(tp: int, bs: int = 16, layout: str = "HND") -> RoleSettings:
-    return RoleSettings(tensor_parallel_size=tp, block_size=bs, kv_layout=KVLayout(layout))
-
-
-CASES = {
-    # (model, prefill, decode)
-    "dense-1to1": (model(), role(1), role(1)),
-    "dense-2to1": (model(), role(2), role(1)),
-    "dense-1to2": (model(), role(1), role(2)),
-    "dense-4to2": (model(), role(4), role(2)),
-    "dense-2to4": (model(), role(2), role(4)),
-    "dense-4to1": (model(), role(4), role(1)),
-    "dense-2to8-replicated-decode": (model(heads=4), role(2), role(8)),
-    "mla-1to1": (model(mla=True), role(1), role(1)),
-    "mla-2to1": (model(mla=True), role(2), role(1)),
-    "mla-1to2": (model(mla=True), role(1), role(2)),
-    "mla-4to2": (model(mla=True), role(4), role(2)),
-    "mla-2to4": (model(mla=True), role(2), role(4)),
-    "mla-4to1": (model(mla=True), role(4), role(1)),
-    "bsr2-decode-merges": (model(), role(1, 8), role(1, 16)),
-    "bsr2-decode-merges-tp1to2": (model(), role(1, 8), role(2, 16)),
-    "bsr2-decode-merges-nhd": (model(), role(1, 8, "NHD"), role(1, 16, "NHD")),
-    "prefill-splits-32nhd-tp2-to-16hnd-tp1": (model(), role(2, 32, "NHD"), role(1, 16, "HND")),
-    "prefill-splits-128nhd-tp4-to-16hnd-tp1": (model(), role(4, 128, "NHD"), role(1, 16, "HND")),
-    "decode-permutes-to-nhd": (model(), role(2), role(1, 16, "NHD")),
-    "equal-tp-nhd-to-hnd": (model(), role(2, 16, "NHD"), role(2, 16, "HND")),
-    "blocks-first-2to1": (model(CacheKind.BLOCKS_FIRST), role(2), role(1)),
-    "blocks-first-1to2-nhd": (model(CacheKind.BLOCKS_FIRST), role(1, 16, "NHD"), role(2, 16, "NHD")),
-    "blocks-first-bsr2": (model(CacheKind.BLOCKS_FIRST), role(1, 8), role(1, 16)),
-    "cross-layer-2to1": (model(CacheKind.CROSS_LAYER), role(2), role(1)),
-    "cross-layer-1to4": (model(CacheKind.CROSS_LAYER), role(1), role(4)),
-}
-
-
-@pytest.fixture(params=sorted(CASES), scope="module")
-def pair(request: pytest.FixtureRequest) -> Iterator[InProcessPair]:
-    built = InProcessPair(*CASES[request.param])
-    try:
-        yield built
-    finally:
-        built.close()
 
 
 def test_partial_last_block(pair: InProcessPair) -> None:

@@ -111,6 +111,11 @@ def published(scheduler: ConnectorScheduler, tokens: int = 70) -> dict[str, Any]
     return params
 
 
+def blocks_of(ids: list[int]) -> SimpleNamespace:
+    """vLLM's KVCacheBlocks of a request with no prefix hit (one KV cache group)."""
+    return SimpleNamespace(get_unhashed_block_ids=lambda: ids, get_block_ids=lambda: (ids,))
+
+
 def test_decode_loads_the_prompt_less_its_prefix_hit_once() -> None:
     prefill = prefill_scheduler()
     decode = ConnectorScheduler(ConnectorSettings.from_vllm(vllm_config("kv_consumer"), environ(Role.DECODE)))
@@ -118,10 +123,11 @@ def test_decode_loads_the_prompt_less_its_prefix_hit_once() -> None:
         params = published(prefill)
         req = request("d1", 70, params)
         assert decode.matched_tokens(req, 32) == (38, True)  # one block already in decode's prefix cache
-        blocks = SimpleNamespace(get_unhashed_block_ids=lambda: [11, 12])
+        blocks = SimpleNamespace(get_unhashed_block_ids=lambda: [11, 12], get_block_ids=lambda: ([5, 11, 12],))
         decode.after_alloc(req, blocks, 38)
         order = decode.build_metadata().to_read["d1"]
         assert (order.local_block_ids, order.refused) == ([11, 12], "")
+        assert order.all_block_ids == [5, 11, 12]  # a verification digests the prefix hit too
         assert req.kv_transfer_params["do_remote_prefill"] is False  # a preempted request is not read twice
         assert decode.matched_tokens(req, 0) == (0, False)
     finally:
@@ -135,7 +141,7 @@ def test_a_decode_prompt_of_another_length_is_refused_for_that_request() -> None
     try:
         req = request("d2", 102, published(prefill, tokens=70))
         decode.matched_tokens(req, 0)
-        decode.after_alloc(req, SimpleNamespace(get_unhashed_block_ids=lambda: [1, 2, 3, 4]), 102)
+        decode.after_alloc(req, blocks_of([1, 2, 3, 4]), 102)
         assert decode.build_metadata().to_read["d2"].refused.startswith("PROMPT_MISMATCH")
     finally:
         prefill.close()
@@ -165,7 +171,7 @@ def test_decode_heartbeats_renew_the_prefill_lease_until_the_kv_arrived(tmp_path
         assert seen[0] == ["p1"]
         # the request waited longer than the published lease; the renewals that got through count
         time.sleep(0.1)
-        decode.after_alloc(req, SimpleNamespace(get_unhashed_block_ids=lambda: [1, 2, 3]), 70)
+        decode.after_alloc(req, blocks_of([1, 2, 3]), 70)
         order = decode.build_metadata().to_read["d3"]
         assert order.expires_at is not None
         assert order.expires_at > params["kvbridge"]["expiresAt"]
@@ -189,7 +195,8 @@ def test_a_prefill_worker_remembers_only_the_requests_it_holds() -> None:
     worker = ConnectorWorker(settings, 0, "inc")
 
     class Rank:  # stands in for PrefillRank: no reader ever notifies
-        def offer(self, request_id: str, block_ids: list[int]) -> None: ...
+        def offer(self, request_id: str, block_ids: list[int], digest_tokens: int = 0) -> dict[int, Any]:
+            return {}
 
         def poll(self) -> Any:
             return SimpleNamespace(completed=[])

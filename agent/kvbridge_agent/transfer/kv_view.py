@@ -1,0 +1,48 @@
+"""A rank's KV cache read logically — ``[blocks, kv, tokens, heads, row bytes]`` — whatever its cache kind and
+layout: what the synthetic engine writes and checks, and what the transfer digest (``transfer.digest``) reads."""
+
+from __future__ import annotations
+
+import torch
+
+from kvbridge_agent.core import KVLayout, SpecError
+from kvbridge_agent.transfer.kv_cache import KVCache
+
+
+def global_heads(cache: KVCache) -> list[int]:
+    """Global KV heads of this rank, in local order."""
+    model = cache.model
+    if model.is_mla:
+        return [0]
+    k, tp = model.num_kv_heads, cache.tp_size
+    if tp <= k:
+        per = k // tp
+        return list(range(cache.tp_rank * per, (cache.tp_rank + 1) * per))
+    return [cache.tp_rank * k // tp]
+
+
+def tokens_major(x: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """``[..., heads, tokens, row]`` (HND) or ``[..., tokens, heads, row]`` (NHD) -> tokens first."""
+    return x.transpose(-3, -2) if layout is KVLayout.HND else x
+
+
+def check_per_layer(cache: KVCache) -> None:
+    if not cache.per_layer_tensors:
+        raise SpecError("synthetic content needs one tensor per layer (no shared tensors)", code="INVALID_KV_TENSOR")
+
+
+def logical_layer(cache: KVCache, block_ids: torch.Tensor, layer: int) -> torch.Tensor:
+    """The bytes of ``block_ids`` as ``[n, kv, tokens, heads, row]``."""
+    check_per_layer(cache)
+    n, hl, bs, row = block_ids.numel(), cache.heads_local, cache.block_size, cache.row_bytes
+    layout = cache.kv_layout
+    physical = (hl, bs, row) if layout is KVLayout.HND else (bs, hl, row)
+    if cache.cross_layer:
+        view = cache.bytes_view(0).view(cache.num_blocks, hl, cache.model.num_layers, 2, bs, row)
+        return view[block_ids, :, layer].permute(0, 2, 3, 1, 4)
+    if cache.model.is_mla:
+        return cache.bytes_view(layer).view(cache.num_blocks, bs, row)[block_ids].view(n, 1, bs, 1, row)
+    if cache.layout.num_regions == cache.layout.num_tensors:
+        parts = [cache.bytes_view(2 * layer + kv)[block_ids].view(n, *physical) for kv in range(2)]
+        return tokens_major(torch.stack(parts, dim=1), layout)
+    return tokens_major(cache.bytes_view(layer)[block_ids].view(n, 2, *physical), layout)

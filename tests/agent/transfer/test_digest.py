@@ -1,0 +1,138 @@
+"""The digest with torch on real transfers (real NIXL on DRAM, in one process): prefill digests what it computed,
+decode what it holds after its READs and conversions, and they agree for every TP pair, cache kind, layout and
+block-size conversion of the transfer matrix; each injected fault is caught (KV_DIGEST_MISMATCH, the bad blocks
+named) and, with verification off, the same fault leaves wrong bytes that decode would have used."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvbridge_agent.core import CacheKind, Role, TransferPlan
+from kvbridge_agent.core.blocks import blocks_for_tokens
+from kvbridge_agent.core.digest import KV_DIGEST_MISMATCH, block_digests
+from kvbridge_agent.synthetic.content import fill_request
+from kvbridge_agent.transfer.digest import Digester
+from kvbridge_agent.transfer.kv_cache import KVCache
+from kvbridge_agent.transfer.kv_view import logical_layer
+from kvbridge_agent.transfer.relayout import convert_for_side
+
+from .harness import CASES, InProcessPair, model, role, scattered
+
+TOKENS = 45  # two full 16-token blocks and a partial one
+
+
+def blocks(pair: InProcessPair, tokens: int, offset: int) -> tuple[list[int], list[int]]:
+    bs_p, bs_d = pair.prefill_settings.block_size, pair.decode_settings.block_size
+    return (scattered(pair.num_blocks, offset)[: blocks_for_tokens(tokens, bs_p)],
+            scattered(pair.num_blocks, offset + 1)[: blocks_for_tokens(tokens, bs_d)])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kind", "layout", "mla"),
+    [(CacheKind.SPLIT, "HND", False), (CacheKind.SPLIT, "NHD", False), (CacheKind.BLOCKS_FIRST, "HND", False),
+     (CacheKind.BLOCKS_FIRST, "NHD", False), (CacheKind.CROSS_LAYER, "HND", False), (CacheKind.SPLIT, "HND", True)],
+)  # fmt: skip
+def test_torch_equals_the_reference(kind: CacheKind, layout: str, mla: bool) -> None:
+    """The fast path (row sums on the blocks as they lie) and the reference over the logical content agree."""
+    geometry = model(kind, mla=mla)
+    cache = KVCache.allocate(geometry, 16, role(1, 16, layout).kv_layout, 1, 0, 8)
+    for tensor in cache.tensors:
+        tensor.copy_(torch.randint(0, 256, tensor.shape, dtype=torch.uint8))
+    ids = [5, 2, 7]
+    got = Digester(cache).request(ids, 40, 8)
+    kv, heads = (1, 1) if mla else (2, geometry.num_kv_heads)
+    logical = torch.stack([logical_layer(cache, torch.tensor(ids), layer) for layer in range(2)])
+    # [layers, n, kv, bs, heads, row] -> [layers, kv, positions, heads, words]
+    words = logical.transpose(1, 2).reshape(2, kv, 3 * 16, heads, -1).contiguous().view(torch.int32).numpy()
+    want = block_digests(words.view(np.uint32), 40, 8, kv_count=kv)[:, :5]
+    assert np.array_equal(got, want)
+    assert np.array_equal(Digester(cache, logical_layer).request(ids, 40, 8), want)  # the generic path too
+
+
+@pytest.mark.parametrize("hit", [0, 1])
+def test_prefill_and_decode_digests_agree_across_the_matrix(pair: InProcessPair, hit: int) -> None:
+    request = f"agree-{hit}"
+    prefill_blocks, decode_blocks = blocks(pair, TOKENS, 3 + hit)
+    params = pair.offer(request, TOKENS, prefill_blocks, digest=True)
+    heads = pair.model.num_kv_heads
+    assert sorted(pair.digests[request]) == list(range(heads))  # every global head published by some rank
+    results = pair.read(params, decode_blocks, min(hit, len(decode_blocks) - 1), verify=True)
+    for d, result in results.items():
+        assert result.ok, (d, result.code, result.message)
+        assert pair.verify(d, request, decode_blocks, TOKENS) == []
+    pair.poll_prefill()
+
+
+FAULTS = ("bytes flipped after publish", "a wrong block id", "blocks freed and reused before the read")
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("case", ["dense-2to1", "dense-1to2", "bsr2-decode-merges", "mla-2to1",
+                                  "prefill-splits-32nhd-tp2-to-16hnd-tp1", "cross-layer-1to4"])  # fmt: skip
+def test_each_fault_is_caught_and_without_verification_decode_holds_wrong_bytes(case: str, fault: str) -> None:
+    pair = InProcessPair(*CASES[case])
+    try:
+        for verify in (True, False):
+            request = f"fault-{verify}"
+            prefill_blocks, decode_blocks = blocks(pair, TOKENS, 5 if verify else 9)
+            params = pair.offer(request, TOKENS, prefill_blocks, digest=True)
+            if fault == "bytes flipped after publish":
+                for rank in pair.prefill:
+                    rank.cache.bytes_view(0)[prefill_blocks[1]][7] ^= 0x10
+            elif fault == "a wrong block id":
+                spare = next(b for b in range(pair.num_blocks) if b not in prefill_blocks)
+                ids = list(params.remote_block_ids)
+                ids[0] = spare * pair.plan.split_ratio
+                params = params.model_copy(update={"remote_block_ids": ids})
+            else:  # the lease ran out, prefill freed the blocks and another request's KV now fills them
+                for rank in pair.prefill:
+                    fill_request(rank.cache, "another-request", prefill_blocks)
+                    convert_for_side(rank.cache, pair.plan, Role.PREFILL, prefill_blocks)
+            results = pair.read(params, decode_blocks, 0, verify=verify)
+            pair.poll_prefill()
+            wrong = {d: pair.verify(d, request, decode_blocks, TOKENS) for d in results}
+            assert any(wrong.values()), "the fault must leave wrong bytes, or this test cannot fail"
+            for d, result in results.items():
+                if verify and wrong[d]:
+                    assert (result.ok, result.code) == (False, KV_DIGEST_MISMATCH), (d, result)
+                    assert set(wrong[d]) <= set(result.invalid_blocks), "every wrong block is named"
+                if verify and not wrong[d]:
+                    assert result.ok, (d, result)  # no false alarm on the ranks the fault did not touch
+                if not verify:
+                    assert result.ok  # the negative control: unverified, the wrong bytes pass as KV
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("broken", ["heads swapped", "K and V swapped"])
+def test_a_broken_conversion_is_caught(broken: str) -> None:
+    """A decode-side merge that misplaces a head slice or swaps K and V in one block."""
+
+    def convert(cache: KVCache, plan: TransferPlan, side: Role, block_ids: list[int]) -> bool:
+        done = convert_for_side(cache, plan, side, block_ids)
+        if side is Role.DECODE and block_ids:
+            b = block_ids[0]
+            k, v = cache.bytes_view(0).view(cache.num_blocks, -1), cache.bytes_view(1).view(cache.num_blocks, -1)
+            if broken == "K and V swapped":
+                saved = k[b].clone()
+                k[b] = v[b]
+                v[b] = saved
+            else:  # HND: the first head's bytes of the block exchanged with the second's
+                half = k.shape[1] // cache.heads_local
+                first = k[b, :half].clone()
+                k[b, :half] = k[b, half : 2 * half]
+                k[b, half : 2 * half] = first
+        return done
+
+    pair = InProcessPair(*CASES["bsr2-decode-merges"])
+    try:
+        pair.decode[0].convert = convert
+        prefill_blocks, decode_blocks = blocks(pair, TOKENS, 2)
+        params = pair.offer("broken", TOKENS, prefill_blocks, digest=True)
+        result = pair.read(params, decode_blocks, 0, verify=True)[0]
+        assert (result.ok, result.code) == (False, KV_DIGEST_MISMATCH)
+        assert decode_blocks[0] in result.invalid_blocks
+    finally:
+        pair.close()
