@@ -15,8 +15,10 @@ Per operation: requests sent, failed, hung past ``--bound`` seconds, wrong (the 
 byte decode read), and the p99 latency during it. Targets: 0 failed, 0 hung, 0 wrong for every planned
 operation; for a SIGKILL, no more failures than requests in flight on that pod, 0 hung.
 
-Real vLLM engines in place of the synthetic ones need about one core per engine (2 + 2 engines, their surge
-pods and the clients): this machine has 2, so the vLLM run is not made here (docs/benchmarks.md).
+``--engine vllm``: real vLLM (the CPU build) with kvbridge's connector and the tiny local model, 2 + 2 pods
+rendered by the operator, each answer's tokens (a sample per operation) compared with a single engine's (a
+surviving decode pod, its prefix cache salted). The blue/green rollout is left out there: it runs both revisions
+at once, 8 vLLM engines, more memory than a 24 GiB machine has.
 """
 
 from __future__ import annotations
@@ -41,11 +43,14 @@ from kvbridge_sim.demo import (
     LocalCluster,
     apply_all,
     local_cluster,
+    models_for,
     send,
     start_router,
     synthetic_deployment,
     until,
 )
+from kvbridge_sim.tiny_model import NAME as TINY_MODEL
+from kvbridge_sim.vllm_engines import deployment as vllm_deployment
 
 NAME = "chaos"
 
@@ -58,11 +63,15 @@ class Outcome:
     wrong: int = 0
     codes: dict[str, int] = field(default_factory=dict)
     seconds: list[float] = field(default_factory=list)
+    #: vLLM: answers to compare with a single engine afterwards, (prompt, max tokens, tokens)
+    answers: list[tuple[list[int], int, list[int]]] = field(default_factory=list)
+    checked: int = 0
 
     def row(self, name: str) -> dict[str, Any]:
         p99 = float(np.percentile(self.seconds, 99)) if self.seconds else 0.0
         return {"operation": name, "sent": self.sent, "failed": self.failed, "hung": self.hung, "wrong": self.wrong,
-                "p99Seconds": round(p99, 3), "codes": self.codes}  # fmt: skip
+                "checked": self.checked or self.sent - self.failed - self.hung, "p99Seconds": round(p99, 3),
+                "codes": self.codes}  # fmt: skip
 
 
 def settled(cluster: LocalCluster, prefill: int, decode: int) -> bool:
@@ -72,15 +81,27 @@ def settled(cluster: LocalCluster, prefill: int, decode: int) -> bool:
         len(pods) == len(cluster.runner.pods))  # fmt: skip
 
 
-async def run(clients: int, bound: float) -> list[dict[str, Any]]:
+def vllm_chaos_deployment() -> dict[str, Any]:
+    """2 prefill + 2 decode pods of real vLLM with kvbridge's connector (a 60 s lease, a 10 s drain)."""
+    document = vllm_deployment(NAME, 1, connector="KVBridge")
+    spec = document["spec"]
+    spec["transfer"] = {"leaseSeconds": 60, "drainSeconds": 10}
+    spec["prefill"]["replicas"] = spec["decode"]["replicas"] = 2
+    return document
+
+
+async def run(clients: int, bound: float, engine: str) -> list[dict[str, Any]]:
     outcomes: dict[str, Outcome] = {}
     current = ["warm-up"]
     stop = asyncio.Event()
+    vllm = engine == "vllm"
+    wait = 900 if vllm else 300
     with tempfile.TemporaryDirectory(prefix="kvbridge-chaos-") as folder:
-        async with local_cluster(Path(folder), {}, None) as cluster:
+        document = vllm_chaos_deployment() if vllm else synthetic_deployment(NAME)
+        async with local_cluster(Path(folder), models_for([document], Path(folder)), None) as cluster:
             client = cluster.client
-            await apply_all(client, [synthetic_deployment(NAME)])
-            await until(lambda: settled(cluster, 2, 2), 180, "2 + 2 ready pods")
+            await apply_all(client, [document])
+            await until(lambda: settled(cluster, 2, 2), wait, "2 + 2 ready pods")
             router = await start_router(client, NAME)
 
             async def load(index: int) -> None:
@@ -90,6 +111,10 @@ async def run(clients: int, bound: float) -> list[dict[str, Any]]:
                     while not stop.is_set():
                         n += 1
                         body = {"model": "demo", "prompt": [index + 1] * (17 + 13 * (n % 5)), "max_tokens": 1}
+                        if vllm:  # distinct prompts of 16 to 300 tokens, greedy, a few tokens each
+                            prompt = [(index * 7919 + n * 104729 + i * 31) % 900 + 5 for i in range(16 + 37 * n % 285)]
+                            body = {"model": TINY_MODEL, "prompt": prompt, "max_tokens": 4 + n % 9, "temperature": 0.0,
+                                    "ignore_eos": True, "return_token_ids": True}  # fmt: skip
                         started = time.monotonic()
                         status, answer = await send(session, router.url, body)
                         elapsed = time.monotonic() - started
@@ -102,6 +127,13 @@ async def run(clients: int, bound: float) -> list[dict[str, Any]]:
                         elif status != 200:
                             outcome.failed += 1
                             outcome.codes[code] = outcome.codes.get(code, 0) + 1
+                        elif vllm:
+                            choice = (answer.get("choices") or [{}])[0]
+                            tokens = list(choice.get("token_ids") or [])
+                            if len(tokens) != body["max_tokens"] or choice.get("finish_reason") != "length":
+                                outcome.wrong += 1  # HTTP 200 without the whole answer
+                            else:
+                                outcome.answers.append((body["prompt"], body["max_tokens"], tokens))
                         elif (answer.get("kvbridge") or {}).get("verified") is not True:
                             outcome.wrong += 1
 
@@ -125,7 +157,7 @@ async def run(clients: int, bound: float) -> list[dict[str, Any]]:
             async def nothing() -> None:
                 return None
 
-            operations: list[tuple[str, Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]] = [
+            everything: list[tuple[str, Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]] = [
                 ("scale prefill 2 -> 1", lambda: patch({"prefill": {"replicas": 1}}),
                  lambda: patch({"prefill": {"replicas": 2}})),
                 ("scale decode 2 -> 1", lambda: patch({"decode": {"replicas": 1}}),
@@ -137,6 +169,7 @@ async def run(clients: int, bound: float) -> list[dict[str, Any]]:
                 ("prefill pod SIGKILLed", lambda: kill("prefill"), nothing),
                 ("decode pod SIGKILLed", lambda: kill("decode"), nothing),
             ]  # fmt: skip
+            operations = [o for o in everything if not (vllm and o[0].startswith("blue/green"))]
             tasks = [asyncio.create_task(load(i)) for i in range(clients)]
             try:
                 await asyncio.sleep(3)
@@ -148,19 +181,40 @@ async def run(clients: int, bound: float) -> list[dict[str, Any]]:
                     await asyncio.sleep(1)
                     shape = (1, 2) if name.startswith("scale prefill") else (2, 1) if name.startswith(
                         "scale decode") else (2, 2)  # fmt: skip
-                    await until(lambda shape=shape: settled(cluster, *shape), 300, name)  # type: ignore[misc]
+                    await until(lambda shape=shape: settled(cluster, *shape), wait, name)  # type: ignore[misc]
                     if "rollout" in name:
                         await until(lambda b=before: not revisions() & b and settled(cluster, 2, 2),  # type: ignore[misc]
-                                    300, name)  # fmt: skip
+                                    wait, name)  # fmt: skip
                     current[0] = "between operations"
                     await restore()
-                    await until(lambda: settled(cluster, 2, 2), 300, f"back to 2 + 2 after {name}")
+                    await until(lambda: settled(cluster, 2, 2), wait, f"back to 2 + 2 after {name}")
                     await asyncio.sleep(1)
             finally:
                 stop.set()
                 await asyncio.gather(*tasks)
                 await router.close()
+            if vllm:
+                await compare_with_a_single_engine(cluster, outcomes)
     return [outcomes[name].row(name) for name, *_ in operations if name in outcomes]
+
+
+async def compare_with_a_single_engine(cluster: LocalCluster, outcomes: dict[str, Outcome], sample: int = 40) -> None:
+    """vLLM: a sample of each operation's answers against one decode pod alone (no transfer, prefix cache salted)."""
+    import random
+
+    decode = next(p for p in cluster.runner.pods.values() if "-decode-" in p.name and p.ready)
+    url = f"http://{decode.ip}:{decode.spec.http_port}"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        for name, outcome in outcomes.items():
+            for index, (prompt, max_tokens, tokens) in enumerate(random.Random(0).sample(
+                    outcome.answers, min(sample, len(outcome.answers)))):  # fmt: skip
+                salt = f"chaos-{name}-{index}"
+                body = {"model": TINY_MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                        "ignore_eos": True, "return_token_ids": True, "cache_salt": salt}  # fmt: skip
+                async with session.post(f"{url}/v1/completions", json=body) as response:
+                    want = (await response.json())["choices"][0]["token_ids"]
+                outcome.checked += 1
+                outcome.wrong += want != tokens
 
 
 def main() -> int:
@@ -168,16 +222,17 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--bound", type=float, default=60.0, help="seconds after which a request counts as hung")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--engine", choices=["agent", "vllm"], default="agent")
     args = parser.parse_args()
-    rows = asyncio.run(run(args.clients, args.bound))
+    rows = asyncio.run(run(args.clients, args.bound, args.engine))
     if args.json:
         print(json.dumps(rows))
         return 0
-    print("| operation | sent | failed | hung | wrong | p99 (s) | codes |")
+    print("| operation | sent | failed | hung | wrong (of checked) | p99 (s) | codes |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['operation']} | {r['sent']} | {r['failed']} | {r['hung']} | {r['wrong']} | {r['p99Seconds']} | "
-              f"{r['codes'] or ''} |")  # fmt: skip
+        print(f"| {r['operation']} | {r['sent']} | {r['failed']} | {r['hung']} | {r['wrong']} ({r['checked']}) | "
+              f"{r['p99Seconds']} | {r['codes'] or ''} |")  # fmt: skip
     return 0
 
 
