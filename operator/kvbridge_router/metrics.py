@@ -26,6 +26,11 @@ class RouterMetrics:
             "while attempts were left).", ["pod"],
             registry=r,
         )  # fmt: skip
+        self.prefix_chunks = Counter(
+            "kvbridge_router_prefix_chunks", "Leading prompt chunks of routed requests (kv-aware policy), by whether "
+            "the chosen prefill pod had been sent them before (hit) or not (miss): the router's view of the "
+            "prefix-cache hit rate.", ["result"], registry=r,
+        )  # fmt: skip
         self.decode_retries = Counter(
             "kvbridge_router_decode_retries", "Decode calls that failed before anything reached the client, by pod "
             "(the request went to another pair).", ["pod"],

@@ -14,6 +14,14 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from kvbridge_operator.api.objects import Obj
+from kvbridge_router.prefixes import PrefixIndex
+
+KV_AWARE = "kv-aware"
+LEAST_LOADED = "least-loaded"
+POLICIES = (KV_AWARE, LEAST_LOADED)
+#: kv-aware: a pod holding the prompt's prefix is preferred while it has at most this many more requests in flight
+#: than the least loaded pod (a busy pod's queue costs more than recomputing a prefix elsewhere)
+LOAD_SLACK = 2
 
 
 @dataclass(frozen=True)
@@ -90,36 +98,60 @@ def _targets(status: Obj, role: str, skipped: list[str]) -> tuple[Target, ...]:
 
 @dataclass
 class Balancer:
-    """Requests in flight per pod, and the choice of the least loaded one."""
+    """Requests in flight per pod, and the choice of a pod: the least loaded one (``least-loaded``), or
+    (``kv-aware``) among the pods at most :data:`LOAD_SLACK` requests busier than the least loaded, the one that
+    was sent the longest leading part of the prompt (``prefixes``: its prefix cache most likely holds it), ties
+    to the least loaded; then round-robin."""
 
+    policy: str = KV_AWARE
     outstanding: dict[str, int] = field(default_factory=dict)
     #: the round-robin position per set of candidates (prefill pods, each prefill pod's decode partners, ...)
     _turns: dict[tuple[str, ...], int] = field(default_factory=dict)
+    prefixes: PrefixIndex = field(default_factory=PrefixIndex)
+    #: kv-aware: how many leading chunks of the last chosen prefill pod's prompt it had been sent before
+    last_matched: int = 0
 
-    def pick(self, candidates: Iterable[Target], exclude: Iterable[str] = ()) -> Target | None:
+    def pick(self, candidates: Iterable[Target], exclude: Iterable[str] = (), keys: list[int] | None = None
+             ) -> Target | None:  # fmt: skip
         left = set(exclude)
         options = sorted((t for t in candidates if t.pod not in left), key=lambda t: t.pod)
         if not options:
             return None
         fewest = min(self.outstanding.get(t.pod, 0) for t in options)
         tied = [t for t in options if self.outstanding.get(t.pod, 0) == fewest]
+        if keys and self.policy == KV_AWARE:
+            near = [t for t in options if self.outstanding.get(t.pod, 0) <= fewest + LOAD_SLACK]
+            scored = {t.pod: self.prefixes.matched(t.pod, keys) for t in near}
+            best = max(scored.values())
+            if best > 0:
+                tied = [t for t in near if scored[t.pod] == best]
+                fewest_of_best = min(self.outstanding.get(t.pod, 0) for t in tied)
+                tied = [t for t in tied if self.outstanding.get(t.pod, 0) == fewest_of_best]
         key = tuple(t.pod for t in options)
         turn = self._turns[key] = self._turns.get(key, -1) + 1
         if len(self._turns) > 1024:  # pods come and go: forget old sets rather than grow without bound
             self._turns = {key: turn}
         return tied[turn % len(tied)]
 
-    def choose(self, pool: Pool, exclude: Iterable[str] = (), exclude_decodes: Iterable[str] = ()
-               ) -> tuple[Target, Target] | None:  # fmt: skip
+    def choose(self, pool: Pool, exclude: Iterable[str] = (), exclude_decodes: Iterable[str] = (),
+               keys: list[int] | None = None) -> tuple[Target, Target] | None:  # fmt: skip
         """A (prefill, decode) pair for the next request, or None when none is left; ``exclude`` names prefill
-        pods, ``exclude_decodes`` decode pods (ones that failed this request)."""
+        pods, ``exclude_decodes`` decode pods (ones that failed this request); ``keys``: the prompt's prefix keys
+        (``prefixes.prefix_keys``), for the kv-aware policy. Decode affinity: the decode partner that was sent the
+        prompt's prefix already holds those blocks, and reads only the rest."""
         avoided = set(exclude_decodes)
         candidates = [p for p in pool.routable() if any(d.pod not in avoided for d in pool.decodes_for(p))]
-        prefill = self.pick(candidates, exclude)
+        prefill = self.pick(candidates, exclude, keys)
         if prefill is None:
             return None
-        decode = self.pick(pool.decodes_for(prefill), avoided)
-        return (prefill, decode) if decode is not None else None
+        decode = self.pick(pool.decodes_for(prefill), avoided, keys)
+        if decode is None:
+            return None
+        if keys and self.policy == KV_AWARE:
+            self.last_matched = self.prefixes.matched(prefill.pod, keys)
+            self.prefixes.record(prefill.pod, keys)
+            self.prefixes.record(decode.pod, keys)
+        return prefill, decode
 
     def started(self, pod: str) -> None:
         self.outstanding[pod] = self.outstanding.get(pod, 0) + 1

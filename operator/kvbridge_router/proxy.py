@@ -39,7 +39,8 @@ from kvbridge_router.admission import Limits, admit
 from kvbridge_router.answers import Start, StreamStart, aborted
 from kvbridge_router.errors import RouteError
 from kvbridge_router.metrics import RouterMetrics
-from kvbridge_router.pool import Balancer, Pool, Target
+from kvbridge_router.pool import KV_AWARE, Balancer, Pool, Target
+from kvbridge_router.prefixes import prefix_keys
 
 log = logging.getLogger(__name__)
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
@@ -64,6 +65,8 @@ class RouterConfig:
     prefill_attempts: int = 3
     #: decode calls per request (the first and its retries on other pairs)
     decode_attempts: int = 3
+    #: how pods are chosen: kv-aware (by the prompt prefix each pod was sent, then load) or least-loaded
+    policy: str = KV_AWARE
     #: the whole request, every prefill and decode call and retry included
     request_timeout: float = 900.0
     max_body_bytes: int = 16 << 20
@@ -80,7 +83,7 @@ class Router:
         self.config = config or RouterConfig()
         self.metrics = metrics or RouterMetrics()
         self.pool = Pool()
-        self.balancer = Balancer()
+        self.balancer = Balancer(policy=self.config.policy)
         self._session: aiohttp.ClientSession | None = None
 
     def set_pool(self, pool: Pool) -> None:
@@ -89,6 +92,7 @@ class Router:
             log.info("routing to prefill %s, decode %s%s", [t.pod for t in pool.prefill], [t.pod for t in pool.decode],
                      skipped)  # fmt: skip
         self.pool = pool
+        self.balancer.prefixes.keep_only(t.pod for t in (*pool.prefill, *pool.decode))
         self.metrics.endpoints.labels("prefill").set(len(pool.routable()))
         self.metrics.endpoints.labels("decode").set(len(pool.decode))
 
@@ -197,15 +201,20 @@ class Router:
         spent: list[float],
         exclude_decodes: list[str] | None = None,
     ) -> tuple[Target, Target, Obj]:
-        """Prefill on the least loaded pod that has a decode partner (other than ``exclude_decodes``); on a pod
-        failure, on another one."""
+        """Prefill on the pod the policy chooses among those with a decode partner (other than
+        ``exclude_decodes``); on a pod failure, on another one."""
         tried: list[str] = []
         last: RouteError | None = None
+        keys = prefix_keys(body) if self.balancer.policy == KV_AWARE else []
         for _ in range(self.config.prefill_attempts):
-            pair = self.balancer.choose(self.pool, exclude=tried, exclude_decodes=exclude_decodes or ())
+            pair = self.balancer.choose(self.pool, exclude=tried, exclude_decodes=exclude_decodes or (), keys=keys)
             if pair is None:
                 break
             prefill, decode = pair
+            if keys:
+                hit = self.balancer.last_matched
+                self.metrics.prefix_chunks.labels("hit").inc(hit)
+                self.metrics.prefix_chunks.labels("miss").inc(len(keys) - hit)
             started = time.perf_counter()
             try:
                 params = await self._call_prefill(path, prefill, body, headers)

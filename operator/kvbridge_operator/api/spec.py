@@ -182,6 +182,13 @@ class ModelSpec(ModelGeometry):
         return self
 
 
+class RouterPolicy(StrEnum):
+    """How kvbridge's router chooses pods (docs/router.md, "Policies")."""
+
+    KV_AWARE = "kv-aware"  # the pod most of the prompt's prefix was sent to, unless it is much busier
+    LEAST_LOADED = "least-loaded"  # the pod with the fewest requests in flight
+
+
 class RouterSpec(CamelModel):
     enabled: bool = Field(default=False, description="Run kvbridge's router (a Deployment and a Service).")
     replicas: int = Field(default=1, ge=1, le=64)
@@ -192,6 +199,12 @@ class RouterSpec(CamelModel):
     prefill_timeout_seconds: int = Field(default=60, ge=1, le=3600, description="Per prefill call.")
     decode_timeout_seconds: int = Field(default=600, ge=1, le=86400, description="Per decode answer.")
     prefill_attempts: int = Field(default=3, ge=1, le=16, description="Prefill pods tried per request.")
+    policy: RouterPolicy = Field(
+        default=RouterPolicy.KV_AWARE,
+        description="kv-aware: send a request to the prefill and decode pods that were sent the longest leading part "
+        "of its prompt (their prefix caches), unless they are busier than the least loaded by more than 2 requests; "
+        "least-loaded: the pod with the fewest requests in flight.",
+    )  # fmt: skip
 
 
 class InferencePoolSpec(CamelModel):

@@ -13,6 +13,7 @@ from kvbridge_agent.core import KVBridgeError
 from kvbridge_operator import __version__
 from kvbridge_operator.api.names import KIND
 from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.api.spec import RouterPolicy
 from kvbridge_operator.children import placement
 from kvbridge_operator.cli.manifests import read_documents, source_name
 from kvbridge_operator.cli.plan_report import (
@@ -180,7 +181,8 @@ def _router(args: argparse.Namespace) -> int:
     config = RouterConfig(prefill_timeout=args.prefill_timeout, decode_timeout=args.decode_timeout,
                           decode_idle_timeout=min(args.decode_timeout, 60.0),
                           prefill_attempts=args.prefill_attempts, decode_attempts=args.decode_attempts,
-                          request_timeout=args.request_timeout, body_timeout=args.body_timeout)  # fmt: skip
+                          request_timeout=args.request_timeout, body_timeout=args.body_timeout,
+                          policy=args.policy)  # fmt: skip
     router = Router(config)
 
     async def main() -> None:
@@ -314,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--decode-timeout", type=float, default=600.0,
                         help="seconds for a whole decode answer (default 600; streams: also 60 s at most between "
                         "chunks)")  # fmt: skip
+    router.add_argument("--policy", choices=[p.value for p in RouterPolicy], default=RouterPolicy.KV_AWARE.value,
+                        help="kv-aware (default): the pods that were sent the longest leading part of the prompt, "
+                        "unless much busier; least-loaded: the fewest requests in flight (docs/router.md)")  # fmt: skip
     router.add_argument("--prefill-attempts", type=int, default=3,
                         help="prefill pods tried per request when one fails (default 3)")  # fmt: skip
     router.add_argument("--decode-attempts", type=int, default=3,

@@ -1,0 +1,100 @@
+"""What the router sent each pod, by prompt prefix: the index the ``kv-aware`` policy scores by.
+
+A prompt is cut into leading chunks, each key hashing the previous key with the chunk, so a key stands for the
+whole prefix up to its chunk (as vLLM's prefix-cache block hashes do). Token-id prompts are cut every
+``CHUNK_TOKENS`` tokens; text prompts and chat messages, without a tokenizer, every ``CHUNK_BYTES`` bytes of their
+UTF-8 text (roles and contents joined with separators that text cannot contain): a shared system prompt or an
+earlier turn gives equal leading keys either way, which is all the score needs. Only whole chunks count.
+
+Per pod, a bounded LRU set of the keys it was sent. The router learns only from what it sends: a pod that
+restarted, evicted blocks or was replaced keeps its entries until they age out or the pod leaves the pool, so
+stale knowledge costs a cache miss on that pod — never a pairing, which the pool alone decides.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from kvbridge_operator.api.objects import Obj
+
+CHUNK_TOKENS = 16
+CHUNK_BYTES = 64
+#: at most this many leading chunks are keyed (longer prompts: their first 64 Ki tokens or 512 KiB)
+MAX_CHUNKS = 4096
+#: keys remembered per pod (about a million prompt tokens' worth of 16-token chunks)
+KEYS_PER_POD = 1 << 16
+
+
+def prefix_keys(body: Obj) -> list[int]:
+    """The chained keys of a completion or chat request's prompt; empty when it has no whole chunk."""
+    prompt = body.get("prompt")
+    chunks: Iterable[object]
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        whole = min(len(prompt) // CHUNK_TOKENS, MAX_CHUNKS)
+        chunks = (tuple(prompt[i * CHUNK_TOKENS : (i + 1) * CHUNK_TOKENS]) for i in range(whole))
+    else:
+        text = _text(prompt, body.get("messages"))
+        if not text:
+            return []
+        data = text.encode("utf-8", "surrogatepass")
+        whole = min(len(data) // CHUNK_BYTES, MAX_CHUNKS)
+        chunks = (data[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES] for i in range(whole))
+    keys: list[int] = []
+    key = 0
+    for chunk in chunks:
+        key = hash((key, chunk))
+        keys.append(key)
+    return keys
+
+
+def _text(prompt: object, messages: object) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(messages, list):
+        parts = []
+        for message in messages:
+            if isinstance(message, dict):
+                content = message.get("content")
+                if isinstance(content, list):  # OpenAI content parts: their text, in order
+                    content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+                parts.append(f"{message.get('role', '')}\x1f{content if isinstance(content, str) else ''}")
+        return "\x1e".join(parts)
+    return ""
+
+
+class PrefixIndex:
+    """Per pod, the prefix keys it was sent (an LRU set each)."""
+
+    def __init__(self, keys_per_pod: int = KEYS_PER_POD) -> None:
+        self.keys_per_pod = keys_per_pod
+        self._pods: dict[str, OrderedDict[int, None]] = {}
+
+    def matched(self, pod: str, keys: list[int]) -> int:
+        """How many leading keys of a prompt the pod was sent (its cached prefix, in chunks, as far as known)."""
+        known = self._pods.get(pod)
+        if not known:
+            return 0
+        count = 0
+        for key in keys:
+            if key not in known:
+                break
+            count += 1
+        return count
+
+    def record(self, pod: str, keys: list[int]) -> None:
+        """The pod is computing (prefill) or holding (decode) this prompt: remember its keys, newest last."""
+        if not keys:
+            return
+        known = self._pods.setdefault(pod, OrderedDict())
+        for key in keys:
+            known[key] = None
+            known.move_to_end(key)
+        while len(known) > self.keys_per_pod:
+            known.popitem(last=False)
+
+    def keep_only(self, pods: Iterable[str]) -> None:
+        """Forget pods that left the pool (scaled down, replaced by a rollout)."""
+        kept = set(pods)
+        for pod in [p for p in self._pods if p not in kept]:
+            del self._pods[pod]

@@ -1,0 +1,80 @@
+"""The kv-aware policy (issue 28, in part): prompt prefix keys without a tokenizer, the per-pod index, and the
+choice it makes — the pod that was sent the prompt's prefix, unless it is much busier; least-loaded unchanged."""
+
+from __future__ import annotations
+
+from kvbridge_operator.api.spec import RouterPolicy
+from kvbridge_router.pool import KV_AWARE, LEAST_LOADED, LOAD_SLACK, POLICIES, Balancer, Pool
+from kvbridge_router.prefixes import CHUNK_BYTES, CHUNK_TOKENS, PrefixIndex, prefix_keys
+
+
+def pool(prefills: int = 2, decodes: int = 2) -> Pool:
+    endpoint = lambda name, i: {"pod": name, "ip": f"10.0.0.{i}", "httpPort": 8000, "pairing": "k"}  # noqa: E731
+    return Pool.from_status({"prefill": {"endpoints": [endpoint(f"p{i}", i) for i in range(prefills)]},
+                             "decode": {"endpoints": [endpoint(f"d{i}", 10 + i) for i in range(decodes)]}})  # fmt: skip
+
+
+def test_the_policies_are_the_specs() -> None:
+    assert set(POLICIES) == {p.value for p in RouterPolicy}
+
+
+def test_keys_chain_whole_chunks_of_tokens_text_and_chat() -> None:
+    system = list(range(100, 100 + 3 * CHUNK_TOKENS))
+    a, b = prefix_keys({"prompt": [*system, 1, 2, 3]}), prefix_keys({"prompt": [*system, 9] * 1})
+    assert len(a) == 3
+    assert a == b  # the same leading chunks, different tails shorter than a chunk
+    assert prefix_keys({"prompt": [7, *system]})[0] != a[0]  # a prefix, not a bag of chunks
+    assert prefix_keys({"prompt": list(range(CHUNK_TOKENS - 1))}) == []
+    text = "You are a careful assistant. " * 10
+    assert prefix_keys({"prompt": text + "Q1"})[:4] == prefix_keys({"prompt": text + "Q2"})[:4]
+    assert len(prefix_keys({"prompt": "x" * (2 * CHUNK_BYTES + 5)})) == 2
+    chat = [{"role": "system", "content": text}, {"role": "user", "content": "hi"}]
+    followup = [*chat, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    first, second = prefix_keys({"messages": chat}), prefix_keys({"messages": followup})
+    assert first
+    assert second[: len(first) - 1] == first[:-1]  # a chat's next turn shares its leading chunks
+    parts = [{"role": "system", "content": [{"type": "text", "text": text}]}]
+    assert prefix_keys({"messages": parts})[:3] == prefix_keys({"messages": [{"role": "system", "content": text}]})[:3]
+    for body in ({}, {"prompt": 5}, {"prompt": [1.5] * 40}, {"messages": "x"}, {"prompt": [True] * 40}):
+        assert prefix_keys(body) == []  # nothing to key: routed by load
+
+
+def test_the_index_is_bounded_and_forgets_pods_that_left() -> None:
+    index = PrefixIndex(keys_per_pod=8)
+    keys = list(range(20))
+    index.record("p0", keys)
+    assert index.matched("p0", keys) == 0  # the oldest keys (the prefix) were evicted first
+    index.record("p0", keys[:4])
+    assert index.matched("p0", keys) == 4
+    index.keep_only(["p1"])
+    assert index.matched("p0", keys) == 0
+
+
+def test_kv_aware_follows_the_prefix_unless_the_pod_is_much_busier() -> None:
+    balancer, routes = Balancer(policy=KV_AWARE), pool()
+    shared = prefix_keys({"prompt": list(range(8 * CHUNK_TOKENS))})
+    first = balancer.choose(routes, keys=shared)
+    assert first is not None
+    for _ in range(5):  # the same prefix keeps going to the same pair
+        again = balancer.choose(routes, keys=shared)
+        assert again == first
+        assert balancer.last_matched == len(shared)
+    other = prefix_keys({"prompt": list(range(500, 500 + 8 * CHUNK_TOKENS))})
+    assert balancer.choose(routes, keys=other) is not None
+    assert balancer.last_matched == 0
+    for _ in range(LOAD_SLACK + 1):  # the prefix holder is now busier than the other by more than the slack
+        balancer.started(first[0].pod)
+    moved = balancer.choose(routes, keys=shared)
+    assert moved is not None
+    assert moved[0] != first[0]
+
+
+def test_least_loaded_ignores_prefixes() -> None:
+    balancer, routes = Balancer(policy=LEAST_LOADED), pool()
+    shared = prefix_keys({"prompt": list(range(8 * CHUNK_TOKENS))})
+    chosen = []
+    for _ in range(4):
+        pair = balancer.choose(routes, keys=shared)
+        assert pair is not None
+        chosen.append(pair[0].pod)
+    assert set(chosen) == {"p0", "p1"}  # round-robin among equally loaded pods
