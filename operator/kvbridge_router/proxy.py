@@ -295,27 +295,22 @@ class Router:
                     return web.Response(body=data, status=upstream.status, content_type=upstream.content_type)
                 response = web.StreamResponse(status=200, headers={"Content-Type": upstream.headers.get(
                     "Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})  # fmt: skip
-                start: StreamStart | None = StreamStart()  # held back until an event with content (answers.py)
-                async for chunk in upstream.content.iter_any():
-                    if start is None:
-                        await response.write(chunk)
-                        continue
+                start = StreamStart()  # held back until an event with content (answers.py)
+                chunks = upstream.content.iter_any()
+                async for chunk in chunks:
                     state = start.feed(chunk)
-                    if state is Start.PENDING:
-                        continue
-                    if state is Start.FAILED:
+                    if state is not Start.PENDING:
                         break
-                    self.metrics.ttft.observe(time.perf_counter() - started)
-                    await response.prepare(request)
-                    await response.write(start.held)
-                    start = None
-                if start is not None and (start.reason or start.end() is Start.FAILED):
+                else:
+                    state = start.end()
+                if state is Start.FAILED:
                     raise RouteError(502, "DECODE_ABORTED", f"decode pod {target.pod}: {start.reason}", retry=True,
                                      reprefill=True)  # fmt: skip
-                if start is not None:  # ended with content in its last event
-                    self.metrics.ttft.observe(time.perf_counter() - started)
-                    await response.prepare(request)
-                    await response.write(start.held)
+                self.metrics.ttft.observe(time.perf_counter() - started)
+                await response.prepare(request)
+                await response.write(start.held)
+                async for chunk in chunks:  # the rest, as it comes
+                    await response.write(chunk)
                 await response.write_eof()
                 return response
         except (TimeoutError, aiohttp.ClientError, ConnectionResetError) as exc:

@@ -42,6 +42,7 @@ cache's device (``kvbridge_agent.transfer.digest``), tested equal.
 from __future__ import annotations
 
 import hashlib
+import time
 
 import numpy as np
 import numpy.typing as npt
@@ -159,6 +160,20 @@ def should_verify(transfer: TransferSettings, request_id: str, serving_seconds: 
     if transfer.verification is Verification.OFF:
         return False
     return serving_seconds < transfer.verification_first_seconds or sampled(request_id, transfer.verification_fraction)
+
+
+class VerificationPolicy:
+    """A prefill engine's decision per request, the ``Sampled`` warm-up timed from its first offered request."""
+
+    def __init__(self, transfer: TransferSettings) -> None:
+        self.transfer = transfer
+        self._first_offer: float | None = None
+
+    def decide(self, request_id: str) -> bool:
+        now = time.monotonic()
+        if self._first_offer is None:
+            self._first_offer = now
+        return should_verify(self.transfer, request_id, now - self._first_offer)
 
 
 def to_bytes(digests: HeadDigests) -> tuple[list[int], bytes]:

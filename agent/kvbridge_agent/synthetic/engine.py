@@ -30,8 +30,8 @@ from kvbridge_agent.core.digest import (
     KV_DIGEST_MISMATCH,
     KV_DIGEST_UNAVAILABLE,
     HeadDigests,
+    VerificationPolicy,
     from_bytes,
-    should_verify,
     to_bytes,
 )
 from kvbridge_agent.core.handshake import DigestState, HandshakeError, KVTransferParams, RankMetadata
@@ -58,12 +58,12 @@ from kvbridge_agent.transfer.peers import (
     LEASE_CLOCK_MARGIN_SECONDS,
     LEASE_EXPIRED,
     STALE_PEER,
+    fetch_digests,
     fetch_prefill_ranks,
     lease_left,
     require_incarnation,
 )
 from kvbridge_agent.transfer.side_channel import (
-    SideChannelClient,
     SideChannelServer,
     heartbeat_interval,
     send_heartbeats,
@@ -91,7 +91,7 @@ class Engine:
     """One prefill or decode engine of the agent worker."""
 
     def __init__(self, env: EngineEnvironment, keys: CurveKeys | None = None, log_level: str = "WARNING") -> None:
-        self._first_offer: float | None = None  # when this prefill engine offered its first request
+        self._verification = VerificationPolicy(env.transfer)
         self.env = env
         self.keys = keys
         self.log_level = log_level
@@ -262,9 +262,7 @@ class Engine:
                     f"request {request_id} is already held", code=DUPLICATE_REQUEST, status=409, field="requestId"
                 )
             self._held[request_id] = _Held(blocks, math.inf)  # the lease starts when the blocks are offered
-        if self._first_offer is None:
-            self._first_offer = time.monotonic()
-        verify = should_verify(self.env.transfer, request_id, time.monotonic() - self._first_offer)
+        verify = self._verification.decide(request_id)
         futures = [h.call_async({"op": "offer", "request_id": request_id, "blocks": blocks,
                                  "digest_tokens": num_tokens if verify else 0}) for h in self.ranks]  # fmt: skip
         digests: HeadDigests = {}
@@ -417,18 +415,14 @@ class Engine:
 
     def _expected_digests(self, params: KVTransferParams) -> tuple[list[int], bytes]:
         """Prefill's digests of the request (its side channel), as the ranks get them: ``(heads, bytes)``."""
-        client = SideChannelClient(params.remote_host, params.remote_port, self.plan.fingerprint, self.keys,
-                                   self.env.transfer.handshake_timeout_seconds)  # fmt: skip
+        until = params.expires_at if params.expires_at is not None else time.time()
         try:
-            state, digests = client.digests(params.remote_request_id)
+            digests = fetch_digests(params, self.plan.fingerprint, self.keys,
+                                    self.env.transfer.handshake_timeout_seconds, until)  # fmt: skip
         except HandshakeError as exc:
+            status = 410 if exc.code == KV_DIGEST_UNAVAILABLE else 502
             raise EngineError(f"prefill's digests of {params.remote_request_id}: {exc.message}", code=exc.code,
-                              status=502) from exc  # fmt: skip
-        if state is not DigestState.READY:
-            raise EngineError(
-                f"prefill {params.remote_engine_id} has no digests of {params.remote_request_id} ({state.value}): "
-                "its lease ended or it restarted; recompute the request", code=KV_DIGEST_UNAVAILABLE, status=410,
-            )  # fmt: skip
+                              status=status) from exc  # fmt: skip
         return to_bytes(digests)
 
     def _check_lease(self, request_id: str, params: KVTransferParams, when: str) -> None:

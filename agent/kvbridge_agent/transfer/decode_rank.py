@@ -41,7 +41,7 @@ from kvbridge_agent.core.handshake import (
     notification,
 )
 from kvbridge_agent.transfer.descriptors import descriptor_rows
-from kvbridge_agent.transfer.digest import Digester, LogicalView
+from kvbridge_agent.transfer.digest import Digester
 from kvbridge_agent.transfer.kv_cache import KVCache
 from kvbridge_agent.transfer.peers import STALE_PEER
 from kvbridge_agent.transfer.relayout import Converter, convert_for_side
@@ -136,10 +136,9 @@ class DecodeRank:
         self._local_lists: dict[tuple[int, int, int], Any] = {}
         self._in_flight: dict[str, _InFlight] = {}
         self._zombies: list[Any] = []  # transfer handles NIXL could not cancel yet
-        self._digester: Digester | None = None
-        #: how the digest reads this cache (core.digest): the cache's geometry unless the engine says otherwise
-        self.digest_view: LogicalView | None = None
-        self.digest_heads: list[int] | None = None
+        #: the transfer digest of this cache (core.digest): made from the cache's geometry when first needed,
+        #: unless the engine sets one that reads its own block interior
+        self.digester: Digester | None = None
         #: digest time of the last verified request (seconds), for the cost measurements
         self.last_digest_seconds = 0.0
         self._id_buffers: tuple[DescriptorIds, DescriptorIds] = (
@@ -352,34 +351,29 @@ class DecodeRank:
 
     def _finish(self, flight: _InFlight, peer: RemotePeer) -> ReadResult:
         self.convert(self.cache, peer.plan, Role.DECODE, flight.blocks)
-        if flight.verify is not None:
-            bad = self.verify(flight.verify, peer.plan)
-            if bad:
-                return ReadResult(
-                    flight.request_id, False, KV_DIGEST_MISMATCH,
-                    f"the KV of blocks {bad[:8]}{'...' if len(bad) > 8 else ''} differs from what prefill "
-                    f"{flight.params.remote_engine_id} computed (digest mismatch): not used",
-                    bad, peer_failed=False,
-                )  # fmt: skip
-        return ReadResult(
+        result = ReadResult(
             flight.request_id, True, bytes=flight.bytes, descriptors=flight.descriptors,
             seconds=time.perf_counter() - flight.started, ids_microseconds=flight.ids_microseconds,
             make_microseconds=flight.make_microseconds, post_microseconds=flight.post_microseconds,
             own_microseconds=flight.own_microseconds,
         )  # fmt: skip
+        return result if flight.verify is None else self.verified(result, flight.verify, peer)
 
-    def verify(self, verify: Verify, plan: TransferPlan) -> list[int]:
-        """Local blocks whose digests differ from prefill's (empty: verified)."""
+    def verified(self, result: ReadResult, verify: Verify, peer: RemotePeer) -> ReadResult:
+        """``result`` (a read that completed) if the digests of what this rank now holds equal prefill's; else the
+        request fails with ``KV_DIGEST_MISMATCH``, naming the local blocks that differ."""
         started = time.perf_counter()
-        if self._digester is None:
-            self._digester = Digester(self.cache, self.digest_view, self.digest_heads)
-        wire = plan.wire.block_size
-        got = self._digester.request(verify.all_blocks, verify.num_tokens, wire)
-        wire_per_local = self.cache.block_size // wire
-        bad = sorted({verify.all_blocks[i // wire_per_local] for i in mismatched(verify.expected, self._digester.heads,
-                                                                                   got)})  # fmt: skip
+        digester = self.digester = self.digester or Digester(self.cache)
+        wire = peer.plan.wire.block_size
+        got = digester.request(verify.all_blocks, verify.num_tokens, wire)
+        per_local = self.cache.block_size // wire
+        bad = sorted({verify.all_blocks[i // per_local] for i in mismatched(verify.expected, digester.heads, got)})
         self.last_digest_seconds = time.perf_counter() - started
-        return bad
+        if not bad:
+            return result
+        message = (f"the KV of blocks {bad[:8]}{'...' if len(bad) > 8 else ''} differs from what prefill "
+                   f"{peer.engine_id} computed (digest mismatch): not used")  # fmt: skip
+        return ReadResult(result.request_id, False, KV_DIGEST_MISMATCH, message, bad)
 
     def _fail(self, flight: _InFlight, code: str, message: str) -> ReadResult:
         """Stop tracking a request, cancel its READs; its local blocks are invalid, its peer suspect."""

@@ -10,7 +10,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams, RankMetadata
+from kvbridge_agent.core.digest import KV_DIGEST_UNAVAILABLE, HeadDigests
+from kvbridge_agent.core.handshake import DigestState, HandshakeError, KVTransferParams, RankMetadata
 from kvbridge_agent.transfer.keys import CurveKeys
 from kvbridge_agent.transfer.side_channel import SideChannelClient
 
@@ -35,6 +36,26 @@ def fetch_prefill_ranks(
             code="PEER_INCOMPATIBLE",
         )
     return incarnations.pop(), fetched
+
+
+def fetch_digests(params: KVTransferParams, fingerprint: str, keys: CurveKeys | None, timeout: float,
+                  until: float) -> HeadDigests:  # fmt: skip
+    """Prefill's digests of a request to verify (docs/protocol.md §8). A prefill that has not digested it yet
+    (vLLM's ranks report one engine step after the offer) is asked again until ``until`` (Unix time: the lease);
+    none to be had is :data:`KV_DIGEST_UNAVAILABLE`."""
+    client = SideChannelClient(params.remote_host, params.remote_port, fingerprint, keys, timeout)
+    delay = 0.002
+    while True:
+        state, digests = client.digests(params.remote_request_id)
+        if state is DigestState.READY:
+            return digests
+        if state is DigestState.UNKNOWN or time.time() + delay > until:
+            raise HandshakeError(
+                f"prefill {params.remote_engine_id} has no digests of {params.remote_request_id} ({state.value}): "
+                "its lease ended or it restarted; prefill the request again", code=KV_DIGEST_UNAVAILABLE,
+            )  # fmt: skip
+        time.sleep(delay)
+        delay = min(delay * 2, 0.01)
 
 
 def require_incarnation(params: KVTransferParams, incarnation: str) -> None:

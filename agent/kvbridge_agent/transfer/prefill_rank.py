@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from kvbridge_agent.core import Role, TransferPlan
 from kvbridge_agent.core.digest import HeadDigests
 from kvbridge_agent.core.handshake import RankMetadata, parse_notification
-from kvbridge_agent.transfer.digest import Digester, LogicalView
+from kvbridge_agent.transfer.digest import Digester
 from kvbridge_agent.transfer.kv_cache import KVCache
 from kvbridge_agent.transfer.relayout import Converter, convert_for_side
 from kvbridge_agent.transfer.transport import Transport
@@ -50,12 +50,9 @@ class PrefillRank:
         self.engine_id = engine_id
         self.incarnation = incarnation
         self._pending: dict[str, _Pending] = {}
-        self._digester: Digester | None = None
-        #: how the digest reads this cache (core.digest): the cache's geometry unless the engine says otherwise
-        self.digest_view: LogicalView | None = None
-        self.digest_heads: list[int] | None = None
-        #: digests of offered requests that were to be verified, until the request is done or forgotten
-        self.digests: dict[str, HeadDigests] = {}
+        #: the transfer digest of this cache (core.digest): made from the cache's geometry when first needed,
+        #: unless the engine sets one that reads its own block interior
+        self.digester: Digester | None = None
 
     def metadata(self) -> RankMetadata:
         cache = self.cache
@@ -81,24 +78,19 @@ class PrefillRank:
         """Convert the request's computed blocks to the wire format and wait for its readers. With
         ``digest_tokens`` (the request's token count) the content is digested first, as computed (core.digest):
         returned, per global head this rank holds, for decode to verify what it read."""
-        digests: HeadDigests = {}
-        if digest_tokens:
-            digests = self.digest(block_ids, digest_tokens)
-            self.digests[request_id] = digests
+        digests = self.digest(block_ids, digest_tokens) if digest_tokens else {}
         self.convert(self.cache, self.plan, Role.PREFILL, block_ids)
         self._pending[request_id] = _Pending()
         return digests
 
     def digest(self, block_ids: list[int], num_tokens: int) -> HeadDigests:
         """The digests of a request's blocks in this rank's native format (before any conversion)."""
-        if self._digester is None:
-            self._digester = Digester(self.cache, self.digest_view, self.digest_heads)
-        rows = self._digester.request(block_ids, num_tokens, self.plan.wire.block_size)
-        return dict(zip(self._digester.heads, rows, strict=True))
+        digester = self.digester = self.digester or Digester(self.cache)
+        rows = digester.request(block_ids, num_tokens, self.plan.wire.block_size)
+        return dict(zip(digester.heads, rows, strict=True))
 
     def forget(self, request_id: str) -> bool:
         """Stop waiting for a request (its lease expired); late notifications count as unknown."""
-        self.digests.pop(request_id, None)
         return self._pending.pop(request_id, None) is not None
 
     @property
@@ -126,6 +118,5 @@ class PrefillRank:
                 pending.received += 1
                 if pending.received >= pending.expected:
                     del self._pending[request_id]
-                    self.digests.pop(request_id, None)
                     events.completed.append(request_id)
         return events

@@ -16,7 +16,7 @@ from collections import deque
 from typing import Any
 
 from kvbridge_agent.core import Role, build_plan, wire_block_ids
-from kvbridge_agent.core.digest import HeadDigests, from_bytes, should_verify
+from kvbridge_agent.core.digest import HeadDigests, VerificationPolicy, from_bytes
 from kvbridge_agent.core.handshake import DigestState, KVTransferParams, RankMetadata
 from kvbridge_agent.transfer.keys import load_keys
 from kvbridge_agent.transfer.side_channel import SideChannelServer, heartbeat_interval, send_heartbeats
@@ -44,7 +44,7 @@ class ConnectorScheduler:
         self._server: SideChannelServer | None = None
         self._incarnation = ""
         # prefill, verification: requests offered to be digested, and the digests the ranks reported (by head)
-        self._first_offer: float | None = None
+        self._verification = VerificationPolicy(settings.transfer)
         self._verifying: set[str] = set()
         self._digests: dict[str, HeadDigests] = {}
         #: digests of requests whose readers are done, kept a while: a reader asks for them after its READs
@@ -189,9 +189,7 @@ class ConnectorScheduler:
         if request.status.name not in _FINISHED_NORMALLY or not blocks or self._server is None:
             return False, None
         expires_at = time.time() + self.settings.transfer.lease_seconds
-        if self._first_offer is None:
-            self._first_offer = time.monotonic()
-        verify = should_verify(self.settings.transfer, request.request_id, time.monotonic() - self._first_offer)
+        verify = self._verification.decide(request.request_id)
         with self._lock:
             self._leases[request.request_id] = expires_at
             if verify:

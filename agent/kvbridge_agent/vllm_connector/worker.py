@@ -18,23 +18,24 @@ from typing import Any
 
 from kvbridge_agent.core import CacheKind, KVBridgeError, KVLayout, ModelGeometry, Role, SpecError, TransferPlan
 from kvbridge_agent.core.digest import KV_DIGEST_MISMATCH, KV_DIGEST_UNAVAILABLE, HeadDigests, to_bytes
-from kvbridge_agent.core.handshake import DigestState, HandshakeError, KVTransferParams
+from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams
 from kvbridge_agent.core.plan import build_plan
 from kvbridge_agent.core.tp import handshake_ranks
 from kvbridge_agent.core.wire import ConversionKind
 from kvbridge_agent.transfer.decode_rank import DecodeRank, ReadResult, Verify
+from kvbridge_agent.transfer.digest import Digester
 from kvbridge_agent.transfer.keys import CurveKeys, load_keys
 from kvbridge_agent.transfer.kv_cache import KVCache, distinct_tensors
 from kvbridge_agent.transfer.peers import (
     LEASE_EXPIRED,
     PrefillRanks,
+    fetch_digests,
     fetch_prefill_ranks,
     lease_left,
     require_incarnation,
 )
 from kvbridge_agent.transfer.prefill_rank import PrefillRank
 from kvbridge_agent.transfer.relayout import Converter, convert_for_side
-from kvbridge_agent.transfer.side_channel import SideChannelClient
 from kvbridge_agent.transfer.transport import Transport
 
 from .cpu_blocks import KNOWN_KERNELS, CPUAttentionBlocks
@@ -167,8 +168,8 @@ class ConnectorWorker:
         else:
             self.decode = rank = DecodeRank(cache, transport, environment.decode, settings.transfer, convert)
         if isinstance(convert, CPUAttentionBlocks):  # the digest reads keys back to token-major, real heads
-            rank.digest_view = convert.logical
-            rank.digest_heads = list(range(self.tp_rank * convert.heads, (self.tp_rank + 1) * convert.heads))
+            owned = list(range(self.tp_rank * convert.heads, (self.tp_rank + 1) * convert.heads))
+            rank.digester = Digester(cache, convert.logical, owned)
         log.info("kvbridge: %s rank %d registered %d KV tensor(s) of %d blocks", settings.role.value, self.tp_rank,
                  len(cache.tensors), cache.num_blocks)  # fmt: skip
 
@@ -226,24 +227,10 @@ class ConnectorWorker:
         )
 
     def _fetch_digests(self, params: KVTransferParams, until: float | None) -> HeadDigests:
-        """On a digest thread: prefill's digests of the request. Its ranks report them one engine step after the
-        offer, so a pending answer is asked again, until the lease ends."""
-        timeout = self.settings.transfer.handshake_timeout_seconds
-        client = SideChannelClient(params.remote_host, params.remote_port, self.settings.fingerprint, self.keys,
-                                   timeout)  # fmt: skip
+        """On a digest thread: prefill's digests of the request, until its lease ends."""
         until = until if until is not None else time.time() + self.settings.transfer.lease_seconds
-        delay = 0.002
-        while True:
-            state, digests = client.digests(params.remote_request_id)
-            if state is DigestState.READY:
-                return digests
-            if state is DigestState.UNKNOWN or time.time() + delay > until:
-                raise HandshakeError(
-                    f"prefill {params.remote_engine_id} has no digests of {params.remote_request_id} "
-                    f"({state.value}): its lease ended or it restarted", code=KV_DIGEST_UNAVAILABLE,
-                )  # fmt: skip
-            time.sleep(delay)
-            delay = min(delay * 2, 0.01)
+        return fetch_digests(params, self.settings.fingerprint, self.keys,
+                             self.settings.transfer.handshake_timeout_seconds, until)  # fmt: skip
 
     def _check(self, decode: DecodeRank, result: ReadResult) -> ReadResult | None:
         """A read that must be verified: start fetching prefill's digests (``None``: the result comes later)."""
@@ -268,17 +255,14 @@ class ConnectorWorker:
                 peer = decode.peers.get(order.params.remote_engine_id)
                 if peer is None:
                     raise HandshakeError(f"{order.params.remote_engine_id} was evicted during the check")
-                bad = decode.verify(Verify(future.result(), blocks, order.params.num_tokens), peer.plan)
+                result = decode.verified(result, Verify(future.result(), blocks, order.params.num_tokens), peer)
             except (KVBridgeError, OSError) as exc:
                 code = getattr(exc, "code", KV_DIGEST_UNAVAILABLE)
                 results.append(ReadResult(request_id, False, code, getattr(exc, "message", str(exc)),
                                           list(order.local_block_ids)))  # fmt: skip
                 continue
-            if bad:
+            if result.code == KV_DIGEST_MISMATCH:
                 self.stats.record_digest_mismatch(order.params.remote_engine_id)
-                message = (f"the KV of blocks {bad[:8]} differs from what prefill {order.params.remote_engine_id} "
-                           "computed (digest mismatch): not used")  # fmt: skip
-                result = ReadResult(request_id, False, KV_DIGEST_MISMATCH, message, bad)
             results.append(result)
         return results
 
