@@ -1,14 +1,18 @@
 """What `kvbridge router` adds to a P/D request (not a test).
 
-    .venv/bin/python benchmarks/router_overhead.py [--rate 50] [--seconds 20] [--stream] [--json]
+    .venv/bin/python benchmarks/router_overhead.py [--rate 50] [--seconds 20] [--stream] [--before REV] [--json]
 
 Two engine stand-ins (a prefill and a decode, each a separate process answering as vLLM's KV connectors do,
 after ``--engine-ms`` of simulated work) and ``kvbridge router --status-file`` as a third process in front of
 them. At a steady rate the same requests are sent (a) by the client itself, prefill then decode, as a router
 would, and (b) through the router. Reports each path's latency p50/p99, the difference (what the router adds
 per request: one more hop, JSON parsing and re-encoding, the pairing and balancing), and the router process's
-CPU seconds per request (from /proc). The engines are stand-ins so that their CPU is neither counted nor
-competing; real vLLM behind the router is in tests/vllm/test_router.py.
+CPU seconds per request (from /proc, user and system). The engines are stand-ins so that their CPU is neither
+counted nor competing; real vLLM behind the router is in tests/vllm/test_router.py.
+
+``--before REV`` runs a second router, the one of git revision REV, beside this checkout's: the paths take turns
+(``--rounds``), so that a change is measured before and after in one run, under the same noise. ``--profile FILE``
+runs this checkout's router under cProfile.
 """
 
 from __future__ import annotations
@@ -70,9 +74,10 @@ def serve_engine(port: int, role: str, engine_ms: float) -> None:
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """A process's user and system CPU seconds so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
 
 
 async def wait_up(session: aiohttp.ClientSession, url: str) -> None:
@@ -129,9 +134,25 @@ def quantiles(values: list[float]) -> dict[str, float]:
             "p99Ms": round(1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 3)}  # fmt: skip
 
 
+def router_code(workdir: str, ref: str | None) -> dict[str, str]:
+    """The environment that runs the router of git revision ``ref`` (its agent and operator sources, extracted
+    into ``workdir``), or of this checkout when None."""
+    if ref is None:
+        return {}
+    tree = Path(workdir, "before")
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "agent", "operator"], check=True,
+                             capture_output=True).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return {"PYTHONPATH": os.pathsep.join((str(tree / "operator"), str(tree / "agent")))}
+
+
 async def main(args: argparse.Namespace) -> dict[str, Any]:
-    ports = {"prefill": free_port(), "decode": free_port(), "router": free_port()}
+    names = ["before", "after"] if args.before else ["router"]
+    ports = {"prefill": free_port(), "decode": free_port(), **{name: free_port() for name in names}}
     procs: dict[str, subprocess.Popen[bytes]] = {}
+    latencies: dict[str, list[float]] = {name: [] for name in ("direct", *names)}
+    cpu = {name: [0.0, 0.0] for name in names}
     with tempfile.TemporaryDirectory() as workdir:
         status = {"prefill": {"endpoints": [{"pod": "prefill-0", "ip": "127.0.0.1", "httpPort": ports["prefill"],
                                              "pairing": "k"}]},
@@ -143,40 +164,57 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             for role in ("prefill", "decode"):
                 procs[role] = subprocess.Popen([sys.executable, __file__, "--serve-engine", role, "--port",
                                                 str(ports[role]), "--engine-ms", str(args.engine_ms)])  # fmt: skip
-            procs["router"] = subprocess.Popen(
-                [sys.executable, "-m", "kvbridge_operator", "router", "--status-file", str(status_file), "--host",
-                 "127.0.0.1", "--port", str(ports["router"])], stderr=subprocess.DEVNULL,
-            )  # fmt: skip
+            for name in names:
+                env = {**os.environ, **router_code(workdir, args.before if name == "before" else None)}
+                profile = ["-m", "cProfile", "-o", args.profile] if args.profile and name != "before" else []
+                procs[name] = subprocess.Popen(
+                    [sys.executable, *profile, "-m", "kvbridge_operator", "router", "--status-file", str(status_file),
+                     "--host", "127.0.0.1", "--port", str(ports[name])], stderr=subprocess.DEVNULL, env=env,
+                )  # fmt: skip
             urls = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
             async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
                 for role in ("prefill", "decode"):
                     await wait_up(session, urls[role] + "/v1/models")
-                await wait_up(session, urls["router"] + "/health")
+                for name in names:
+                    await wait_up(session, urls[name] + "/health")
                 body = {"model": "m", "prompt": list(range(512)), "max_tokens": 3, "stream": args.stream}
+                calls = {"direct": lambda: direct(session, urls["prefill"], urls["decode"], body),
+                         **{name: (lambda url=urls[name]: routed(session, url, body)) for name in names}}  # fmt: skip
                 warm = max(1, int(args.rate))  # warm-up: connections and code paths
-                await steady(args.rate, warm / args.rate, lambda: direct(session, urls["prefill"], urls["decode"],
-                                                                        body))  # fmt: skip
-                await steady(args.rate, warm / args.rate, lambda: routed(session, urls["router"], body))
-                plain = await steady(args.rate, args.seconds,
-                                     lambda: direct(session, urls["prefill"], urls["decode"], body))  # fmt: skip
-                cpu_before = cpu_seconds(procs["router"].pid)
-                via = await steady(args.rate, args.seconds, lambda: routed(session, urls["router"], body))
-                cpu = cpu_seconds(procs["router"].pid) - cpu_before
+                for call in calls.values():
+                    await steady(args.rate, warm / args.rate, call)
+                # rounds that take turns, so that a noisy neighbour (CPU steal on a shared VM) hits every path alike
+                for round_ in range(args.rounds):
+                    for name, call in calls.items():
+                        before = cpu_seconds(procs[name].pid) if name in cpu else (0.0, 0.0)
+                        latencies[name] += await steady(args.rate, args.seconds / args.rounds, call)
+                        if name in cpu:
+                            after = cpu_seconds(procs[name].pid)
+                            cpu[name] = [total + b - a for total, a, b in zip(cpu[name], before, after, strict=True)]
+                    print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
         finally:
             for proc in procs.values():
                 proc.terminate()
             for proc in procs.values():
                 proc.wait(timeout=10)
-    direct_q, routed_q = quantiles(plain), quantiles(via)
-    return {
-        "rate": args.rate, "seconds": args.seconds, "requests": len(via), "stream": args.stream,
-        "engineMsPerCall": args.engine_ms, "promptTokens": 512,
-        "direct": direct_q, "viaRouter": routed_q,
-        "addedP50Ms": round(routed_q["p50Ms"] - direct_q["p50Ms"], 3),
-        "addedP99Ms": round(routed_q["p99Ms"] - direct_q["p99Ms"], 3),
-        "routerCpuMsPerRequest": round(1000 * cpu / len(via), 3),
+    direct_q = quantiles(latencies["direct"])
+    result: dict[str, Any] = {
+        "rate": args.rate, "seconds": args.seconds, "rounds": args.rounds, "stream": args.stream,
+        "engineMsPerCall": args.engine_ms, "promptTokens": 512, "direct": direct_q,
     }  # fmt: skip
+    for name in names:
+        routed_q, count = quantiles(latencies[name]), len(latencies[name])
+        user, system = cpu[name]
+        result[name] = {
+            **({"revision": args.before} if name == "before" else {}), "requests": count, "viaRouter": routed_q,
+            "addedP50Ms": round(routed_q["p50Ms"] - direct_q["p50Ms"], 3),
+            "addedP99Ms": round(routed_q["p99Ms"] - direct_q["p99Ms"], 3),
+            "routerCpuMsPerRequest": round(1000 * (user + system) / count, 3),
+            "routerUserMsPerRequest": round(1000 * user / count, 3),
+            "routerSystemMsPerRequest": round(1000 * system / count, 3),
+        }  # fmt: skip
+    return result
 
 
 if __name__ == "__main__":
@@ -185,7 +223,13 @@ if __name__ == "__main__":
     parser.add_argument("--seconds", type=float, default=20.0, help="seconds per path (default 20)")
     parser.add_argument("--engine-ms", type=float, default=5.0, help="simulated work per engine call (default 5)")
     parser.add_argument("--stream", action="store_true", help="streamed decode answers")
+    parser.add_argument("--before", metavar="REV", help="also run the router of this git revision (say, the commit "
+                        "before a change), taking turns with this checkout's, and report both")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=4, help="turns each path takes, --seconds split among them "
+                        "(default 4)")  # fmt: skip
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--profile", metavar="FILE", help="run the router under cProfile, its stats written to FILE "
+                        "(read with python -m pstats FILE; CPU per request is then inflated)")  # fmt: skip
     parser.add_argument("--serve-engine", choices=("prefill", "decode"), help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parsed = parser.parse_args()
@@ -197,4 +241,8 @@ if __name__ == "__main__":
         print(json.dumps(result))
     else:
         for key, value in result.items():
-            print(f"{key:>22}: {value}")
+            if isinstance(value, dict) and "viaRouter" in value:
+                for inner, item in value.items():
+                    print(f"{key + ' ' + inner:>32}: {item}")
+            else:
+                print(f"{key:>32}: {value}")

@@ -2,9 +2,10 @@
 
 A prompt is cut into leading chunks, each key hashing the previous key with the chunk, so a key stands for the
 whole prefix up to its chunk (as vLLM's prefix-cache block hashes do). Token-id prompts are cut every
-``CHUNK_TOKENS`` tokens; text prompts and chat messages, without a tokenizer, every ``CHUNK_BYTES`` bytes of their
-UTF-8 text (roles and contents joined with separators that text cannot contain): a shared system prompt or an
-earlier turn gives equal leading keys either way, which is all the score needs. Only whole chunks count.
+``block_tokens`` tokens, the prefill pods' KV block size (vLLM caches whole blocks only, so a chunk is what one
+cache hit is); text prompts and chat messages, without a tokenizer, every ``BYTES_PER_TOKEN * block_tokens`` bytes
+of their UTF-8 text (roles and contents joined with separators that text cannot contain): a shared system prompt
+or an earlier turn gives equal leading keys either way, which is all the score needs. Only whole chunks count.
 
 Per pod, a bounded LRU set of the keys it was sent. The router learns only from what it sends: a pod that
 restarted, evicted blocks or was replaced keeps its entries until they age out or the pod leaves the pool, so
@@ -18,28 +19,35 @@ from collections.abc import Iterable
 
 from kvbridge_operator.api.objects import Obj
 
+#: the chunk of token-id prompts when the block size is not given (vLLM's default block size on GPUs)
 CHUNK_TOKENS = 16
-CHUNK_BYTES = 64
-#: at most this many leading chunks are keyed (longer prompts: their first 64 Ki tokens or 512 KiB)
+#: text is chunked by bytes, about this many per token (BPE tokenizers on English: 3.5-4.5)
+BYTES_PER_TOKEN = 4
+CHUNK_BYTES = BYTES_PER_TOKEN * CHUNK_TOKENS
+#: at most this many leading chunks are keyed (longer prompts: their first 4096 blocks)
 MAX_CHUNKS = 4096
 #: keys remembered per pod (about a million prompt tokens' worth of 16-token chunks)
 KEYS_PER_POD = 1 << 16
 
 
-def prefix_keys(body: Obj) -> list[int]:
-    """The chained keys of a completion or chat request's prompt; empty when it has no whole chunk."""
+def prefix_keys(body: Obj, block_tokens: int = CHUNK_TOKENS) -> list[int]:
+    """The chained keys of a completion or chat request's prompt, a key per whole block of ``block_tokens``
+    tokens (or ``BYTES_PER_TOKEN`` times as many bytes of text); empty when it has no whole chunk."""
     prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # one prompt in a list
     chunks: Iterable[object]
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        whole = min(len(prompt) // CHUNK_TOKENS, MAX_CHUNKS)
-        chunks = (tuple(prompt[i * CHUNK_TOKENS : (i + 1) * CHUNK_TOKENS]) for i in range(whole))
+    if isinstance(prompt, list) and prompt and set(map(type, prompt)) == {int}:
+        whole = min(len(prompt) // block_tokens, MAX_CHUNKS)
+        chunks = (tuple(prompt[i * block_tokens : (i + 1) * block_tokens]) for i in range(whole))
     else:
         text = _text(prompt, body.get("messages"))
         if not text:
             return []
         data = text.encode("utf-8", "surrogatepass")
-        whole = min(len(data) // CHUNK_BYTES, MAX_CHUNKS)
-        chunks = (data[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES] for i in range(whole))
+        size = BYTES_PER_TOKEN * block_tokens
+        whole = min(len(data) // size, MAX_CHUNKS)
+        chunks = (data[i * size : (i + 1) * size] for i in range(whole))
     keys: list[int] = []
     key = 0
     for chunk in chunks:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import time
@@ -40,7 +41,8 @@ from kvbridge_router.answers import Start, StreamStart, aborted
 from kvbridge_router.errors import RouteError
 from kvbridge_router.metrics import RouterMetrics
 from kvbridge_router.pool import KV_AWARE, Balancer, Pool, Target
-from kvbridge_router.prefixes import prefix_keys
+from kvbridge_router.prefixes import CHUNK_TOKENS, prefix_keys
+from kvbridge_router.upstream import UnreachableError, Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
@@ -53,6 +55,10 @@ MAX_HEADERS = 64
 MAX_HEADER_BYTES = 8190
 #: idle upstream connections are dropped before vLLM's own keep-alive timeout (5 s) closes them under us
 KEEPALIVE_SECONDS = 3.0
+JSON_HEADERS = {"Content-Type": "application/json"}
+#: JSON's whitespace and an object's brackets, as byte values
+JSON_SPACE = frozenset(b" \t\r\n")
+OPEN, CLOSE = ord("{"), ord("}")
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,8 @@ class RouterConfig:
     decode_attempts: int = 3
     #: how pods are chosen: kv-aware (by the prompt prefix each pod was sent, then load) or least-loaded
     policy: str = KV_AWARE
+    #: kv-aware: tokens per prompt chunk scored, the prefill pods' KV block size (vLLM caches whole blocks)
+    block_tokens: int = CHUNK_TOKENS
     #: the whole request, every prefill and decode call and retry included
     request_timeout: float = 900.0
     max_body_bytes: int = 16 << 20
@@ -85,6 +93,8 @@ class Router:
         self.pool = Pool()
         self.balancer = Balancer(policy=self.config.policy)
         self._session: aiohttp.ClientSession | None = None
+        #: the prefill and decode calls (every request's two); the session serves the rest
+        self.upstream = Upstream(KEEPALIVE_SECONDS)
 
     def set_pool(self, pool: Pool) -> None:
         if (pool.prefill, pool.decode, pool.pairings) != (self.pool.prefill, self.pool.decode, self.pool.pairings):
@@ -109,9 +119,11 @@ class Router:
 
     async def _open(self, _: web.Application) -> None:
         connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_SECONDS, limit=0)
-        self._session = aiohttp.ClientSession(connector=connector, trust_env=False)
+        # no cookie jar: engines set no cookies, and one client's would otherwise leak to another's requests
+        self._session = aiohttp.ClientSession(connector=connector, trust_env=False, cookie_jar=aiohttp.DummyCookieJar())
 
     async def _close(self, _: web.Application) -> None:
+        self.upstream.close()
         if self._session is not None:
             await self._session.close()
 
@@ -152,7 +164,7 @@ class Router:
         route = ROUTES[request.path]
         spent = [0.0]  # seconds inside prefill and decode calls
         try:
-            body = await admit(request, route, self.config.limits)
+            body, raw = await admit(request, route, self.config.limits)
             request_id = request.headers.get("X-Request-Id") or f"kvb-{uuid.uuid4().hex}"
             headers = {"X-Request-Id": request_id, **{k: request.headers[k] for k in FORWARDED_HEADERS
                                                       if k in request.headers}}  # fmt: skip
@@ -160,7 +172,7 @@ class Router:
             tried: list[str] = []
             while True:
                 try:
-                    response = await self._decode(request, decode, body, params, headers, started, spent)
+                    response = await self._decode(request, decode, body, raw, params, headers, started, spent)
                     break
                 except RouteError as exc:  # retried only while nothing has reached the client
                     tried.append(decode.pod)
@@ -205,7 +217,7 @@ class Router:
         ``exclude_decodes``); on a pod failure, on another one."""
         tried: list[str] = []
         last: RouteError | None = None
-        keys = prefix_keys(body) if self.balancer.policy == KV_AWARE else []
+        keys = prefix_keys(body, self.config.block_tokens) if self.balancer.policy == KV_AWARE else []
         for _ in range(self.config.prefill_attempts):
             pair = self.balancer.choose(self.pool, exclude=tried, exclude_decodes=exclude_decodes or (), keys=keys)
             if pair is None:
@@ -237,28 +249,29 @@ class Router:
         raise RouteError(503, "NO_ROUTE", self.pool.problem() or "every paired prefill pod failed")
 
     async def _call_prefill(self, path: str, target: Target, body: Obj, headers: dict[str, str]) -> Obj:
-        request = prefill_request(body)
-        timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout, connect=self.config.connect_timeout)
+        request = _encoded(prefill_request(body))
         self._enter("prefill", target)
         try:
-            async with self.session.post(f"{target.url}{path}", json=request, timeout=timeout,
-                                         headers=headers) as upstream:  # fmt: skip
-                text = await upstream.text()
-                if upstream.status >= 500:
-                    raise RouteError(502, "PREFILL_FAILED", f"prefill pod {target.pod}: HTTP {upstream.status}: "
-                                     f"{text[:300]}", retry=True)  # fmt: skip
-                if upstream.status != 200:  # the request's fault: another pod would refuse it too
-                    raise RouteError(upstream.status, "PREFILL_REFUSED", f"prefill pod {target.pod}: {text[:1000]}")
+            async with asyncio.timeout(self.config.prefill_timeout):
+                async with self.upstream.post(target.url, path, request, headers,
+                                              self.config.connect_timeout) as upstream:  # fmt: skip
+                    data = await upstream.read()
+            text = data.decode(errors="replace") if upstream.status != 200 else ""
+            if upstream.status >= 500:
+                raise RouteError(502, "PREFILL_FAILED", f"prefill pod {target.pod}: HTTP {upstream.status}: "
+                                 f"{text[:300]}", retry=True)  # fmt: skip
+            if upstream.status != 200:  # the request's fault: another pod would refuse it too
+                raise RouteError(upstream.status, "PREFILL_REFUSED", f"prefill pod {target.pod}: {text[:1000]}")
         except TimeoutError:
             raise RouteError(504, "PREFILL_TIMEOUT", f"prefill pod {target.pod}: no answer within "
                              f"{self.config.prefill_timeout:g} s", retry=True) from None  # fmt: skip
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
             raise RouteError(502, "PREFILL_UNAVAILABLE", f"prefill pod {target.pod}: {_reason(exc)}",
                              retry=True) from None  # fmt: skip
         finally:
             self._leave("prefill", target)
         try:
-            params = json.loads(text).get("kv_transfer_params")
+            params = json.loads(data).get("kv_transfer_params")
         except (ValueError, AttributeError):
             params = None
         if not isinstance(params, dict) or not params:
@@ -267,57 +280,56 @@ class Router:
         return params
 
     async def _decode(
-        self, request: web.Request, target: Target, body: Obj, params: Obj, headers: dict[str, str], started: float,
-        spent: list[float],
+        self, request: web.Request, target: Target, body: Obj, raw: bytes, params: Obj, headers: dict[str, str],
+        started: float, spent: list[float],
     ) -> web.StreamResponse:  # fmt: skip
-        decode_body = {**body, "kv_transfer_params": params}
+        decode_body = with_field(raw, "kv_transfer_params", params) or _encoded({**body, "kv_transfer_params": params})
         stream = bool(body.get("stream"))
         left = self.config.request_timeout - (time.perf_counter() - started)
-        timeout = aiohttp.ClientTimeout(total=max(min(self.config.decode_timeout, left), 0.001),
-                                        connect=self.config.connect_timeout,
-                                        sock_read=self.config.decode_idle_timeout if stream else None)  # fmt: skip
+        idle = self.config.decode_idle_timeout if stream else None  # streams: the longest wait for each chunk
         self._enter("decode", target)
         called = time.perf_counter()
         response: web.StreamResponse | None = None
         try:
-            async with self.session.post(f"{target.url}{request.path}", json=decode_body, timeout=timeout,
-                                         headers=headers) as upstream:  # fmt: skip
-                if upstream.status >= 500:  # nothing has reached the client: another pair may serve it
-                    text = (await upstream.read()).decode(errors="replace")
-                    raise RouteError(502, "DECODE_FAILED", f"decode pod {target.pod}: HTTP {upstream.status}: "
-                                     f"{text[:300]}", retry=True, reprefill=True)  # fmt: skip
-                if not stream or upstream.status != 200:
-                    data = await upstream.read()
-                    if upstream.status == 200 and aborted(data):
-                        raise RouteError(502, "DECODE_ABORTED", f"decode pod {target.pod}: the engine aborted the "
-                                         "request (shutting down?)", retry=True, reprefill=True)  # fmt: skip
+            async with asyncio.timeout(max(min(self.config.decode_timeout, left), 0.001)):
+                async with self.upstream.post(target.url, request.path, decode_body, headers,
+                                              self.config.connect_timeout, idle) as upstream:  # fmt: skip
+                    if upstream.status >= 500:  # nothing has reached the client: another pair may serve it
+                        text = (await upstream.read()).decode(errors="replace")
+                        raise RouteError(502, "DECODE_FAILED", f"decode pod {target.pod}: HTTP {upstream.status}: "
+                                         f"{text[:300]}", retry=True, reprefill=True)  # fmt: skip
+                    if not stream or upstream.status != 200:
+                        data = await upstream.read()
+                        if upstream.status == 200 and aborted(data):
+                            raise RouteError(502, "DECODE_ABORTED", f"decode pod {target.pod}: the engine aborted "
+                                             "the request (shutting down?)", retry=True, reprefill=True)  # fmt: skip
+                        self.metrics.ttft.observe(time.perf_counter() - started)
+                        return web.Response(body=data, status=upstream.status, content_type=upstream.content_type)
+                    response = web.StreamResponse(status=200, headers={"Content-Type": upstream.headers.get(
+                        "content-type", "text/event-stream"), "Cache-Control": "no-cache"})  # fmt: skip
+                    start = StreamStart()  # held back until an event with content (answers.py)
+                    chunks = upstream.chunks(idle)
+                    async for chunk in chunks:
+                        state = start.feed(chunk)
+                        if state is not Start.PENDING:
+                            break
+                    else:
+                        state = start.end()
+                    if state is Start.FAILED:
+                        raise RouteError(502, "DECODE_ABORTED", f"decode pod {target.pod}: {start.reason}",
+                                         retry=True, reprefill=True)  # fmt: skip
                     self.metrics.ttft.observe(time.perf_counter() - started)
-                    return web.Response(body=data, status=upstream.status, content_type=upstream.content_type)
-                response = web.StreamResponse(status=200, headers={"Content-Type": upstream.headers.get(
-                    "Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})  # fmt: skip
-                start = StreamStart()  # held back until an event with content (answers.py)
-                chunks = upstream.content.iter_any()
-                async for chunk in chunks:
-                    state = start.feed(chunk)
-                    if state is not Start.PENDING:
-                        break
-                else:
-                    state = start.end()
-                if state is Start.FAILED:
-                    raise RouteError(502, "DECODE_ABORTED", f"decode pod {target.pod}: {start.reason}", retry=True,
-                                     reprefill=True)  # fmt: skip
-                self.metrics.ttft.observe(time.perf_counter() - started)
-                await response.prepare(request)
-                await response.write(start.held)
-                async for chunk in chunks:  # the rest, as it comes
-                    await response.write(chunk)
-                await response.write_eof()
-                return response
-        except (TimeoutError, aiohttp.ClientError, ConnectionResetError) as exc:
+                    await response.prepare(request)
+                    await response.write(start.held)
+                    async for chunk in chunks:  # the rest, as it comes
+                        await response.write(chunk)
+                    await response.write_eof()
+                    return response
+        except (TimeoutError, UpstreamError, ConnectionResetError, aiohttp.ClientError) as exc:
             code, status = ("DECODE_TIMEOUT", 504) if isinstance(exc, TimeoutError) else ("DECODE_UNAVAILABLE", 502)
             message = f"decode pod {target.pod}: {_reason(exc)}"
             if response is None or not response.prepared:  # nothing reached the client: retry on another pair
-                reached = not isinstance(exc, aiohttp.ClientConnectorError)
+                reached = not isinstance(exc, UnreachableError)  # else nothing was sent: same parameters elsewhere
                 raise RouteError(status, code, message, retry=True, reprefill=reached) from None
             transport = request.transport
             if transport is None or transport.is_closing():  # the client went away: stop reading decode's stream
@@ -357,6 +369,29 @@ def prefill_request(body: Obj) -> Obj:
     return request
 
 
+def with_field(raw: bytes, name: str, value: object) -> bytes | None:
+    """The client's JSON object ``raw`` (already parsed, so valid) with one more field, added before its closing
+    brace: its bytes are copied once and not re-encoded. None when ``raw`` is not UTF-8 text shaped ``{...}`` (UTF-16
+    JSON, say); the caller encodes the parsed object then. The field must not be in the object already."""
+    start, end = 0, len(raw)
+    while start < end and raw[start] in JSON_SPACE:
+        start += 1
+    while end > start and raw[end - 1] in JSON_SPACE:
+        end -= 1
+    if end - start < 2 or raw[start] != OPEN or raw[end - 1] != CLOSE:
+        return None
+    inner = start + 1
+    while inner < end - 1 and raw[inner] in JSON_SPACE:
+        inner += 1
+    comma = b"" if inner == end - 1 else b","  # an empty object gets no comma
+    return b"".join((memoryview(raw)[: end - 1], comma, _encoded({name: value})[1:]))
+
+
+def _encoded(obj: object) -> bytes:
+    """Compact JSON, ASCII-only (lone surrogates a client sent stay escaped)."""
+    return json.dumps(obj, separators=(",", ":")).encode("ascii")
+
+
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "timed out"
@@ -388,6 +423,9 @@ async def serve(router: Router, host: str, port: int, stop: asyncio.Event) -> No
     site = web.TCPSite(runner, host, port)
     await site.start()
     log.info("router listening on %s:%d", host, port)
+    # what was built at start-up (modules, the app) lives as long as the router: keep it out of the collector's
+    # scans, which otherwise grow with every import and run every few hundred allocations
+    gc.freeze()
     try:
         await stop.wait()
     finally:

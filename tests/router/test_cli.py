@@ -17,6 +17,7 @@ from kvbridge_operator.cli.main import main
     (["--deployment", "x", "--status-file", "f"], "give --deployment NAME"),
     (["--status-file", "f", "--prefill-timeout", "0"], "--prefill-timeout must be positive"),
     (["--status-file", "f", "--prefill-attempts", "-1"], "--prefill-attempts must be positive"),
+    (["--status-file", "f", "--block-size", "0"], "--block-size"),
 ])  # fmt: skip
 def test_bad_flags_exit_2(args: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["router", *args]) == 2

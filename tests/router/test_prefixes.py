@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvbridge_operator.api.spec import RouterPolicy
 from kvbridge_router.pool import KV_AWARE, LEAST_LOADED, LOAD_SLACK, POLICIES, Balancer, Pool
-from kvbridge_router.prefixes import CHUNK_BYTES, CHUNK_TOKENS, PrefixIndex, prefix_keys
+from kvbridge_router.prefixes import BYTES_PER_TOKEN, CHUNK_BYTES, CHUNK_TOKENS, PrefixIndex, prefix_keys
 
 
 def pool(prefills: int = 2, decodes: int = 2) -> Pool:
@@ -37,6 +37,19 @@ def test_keys_chain_whole_chunks_of_tokens_text_and_chat() -> None:
     assert prefix_keys({"messages": parts})[:3] == prefix_keys({"messages": [{"role": "system", "content": text}]})[:3]
     for body in ({}, {"prompt": 5}, {"prompt": [1.5] * 40}, {"messages": "x"}, {"prompt": [True] * 40}):
         assert prefix_keys(body) == []  # nothing to key: routed by load
+
+
+def test_keys_are_per_block_of_the_prefill_pods_block_size() -> None:
+    """vLLM caches whole blocks: with 32-token blocks a 48-token shared prefix is one block of hits, not three
+    16-token chunks."""
+    shared = list(range(200, 248))
+    a, b = prefix_keys({"prompt": [*shared, 1] * 1}, 32), prefix_keys({"prompt": [*shared, *range(40)]}, 32)
+    assert len(a) == 1
+    assert b[0] == a[0]
+    assert len(b) == (48 + 40) // 32
+    assert prefix_keys({"prompt": shared}, 16)[0] != a[0]  # a different block size: different keys
+    assert len(prefix_keys({"prompt": "y" * (BYTES_PER_TOKEN * 32 * 3 + 1)}, 32)) == 3  # text: bytes per block
+    assert prefix_keys({"prompt": [shared]}, 32) == prefix_keys({"prompt": shared}, 32)  # one prompt in a list
 
 
 def test_the_index_is_bounded_and_forgets_pods_that_left() -> None:

@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from kvbridge_router.pool import Pool
-from kvbridge_router.proxy import Router, RouterConfig, prefill_request
+from kvbridge_router.proxy import Router, RouterConfig, prefill_request, with_field
 
 Obj = dict[str, Any]
 
@@ -188,6 +188,24 @@ async def test_decode_gets_the_clients_request_and_prefills_parameters(rig: Rig)
                                "/v1/chat/completions")  # fmt: skip
     assert status == 200
     assert rig.decode[0].received[-1]["messages"][0]["content"] == "hi"
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"prompt":[1,2],"max_tokens":3}', b' \r\n{ "prompt" : "hi",\n "max_tokens": 3 }\n\t', b'{"a":"}"}',
+    '{"prompt":"caf\u00e9 \\ud800"}'.encode(),
+])  # fmt: skip
+def test_decode_gets_the_clients_bytes_with_the_transfer_parameters_appended(raw: bytes) -> None:
+    params = {"remote_engine_id": "e", "remote_block_ids": [1, 2]}
+    out = with_field(raw, "kv_transfer_params", params)
+    assert out is not None
+    assert out.startswith(raw.rstrip()[:-1])  # the client's bytes unchanged, not re-encoded
+    assert json.loads(out) == {**json.loads(raw), "kv_transfer_params": params}
+    assert json.loads(with_field(b"{ }", "k", 1) or b"") == {"k": 1}
+
+
+def test_bodies_that_are_not_utf8_objects_are_encoded_again_instead() -> None:
+    for raw in ('{"prompt": "x"}'.encode("utf-16"), b"\xef\xbb\xbf{}", b"[1]", b"", b"{"):
+        assert with_field(raw, "k", 1) is None
 
 
 async def test_streams_are_passed_through_chunk_by_chunk(rig: Rig) -> None:

@@ -1,0 +1,272 @@
+"""The router's HTTP/1.1 client to the engines: keep-alive connections, one request at a time on each.
+
+The hot path of every routed request is two calls to engines (prefill, then decode) on the same few hosts. A
+general client (aiohttp's) spends most of the router's CPU per request on what these calls never need: cookies,
+redirects, proxies, URL building, compression, tracing. This one writes a request in one ``write`` (head and body
+together) and parses the answer with ``httptools`` (llhttp, Node's parser: Content-Length, chunked and
+keep-alive handled there).
+
+Errors: :class:`UnreachableError` when no connection could be made (nothing was sent: another pod may be tried with
+the same request), :class:`UpstreamError` for anything after (the engine may have the request), ``TimeoutError``
+for a bound passed. A connection is reused only after its answer was read whole and the engine kept it alive;
+idle ones are dropped after ``keepalive`` seconds (before the engine's own keep-alive timeout closes them under
+a request). A body arriving faster than the router passes it on pauses reading from the engine (at
+``BUFFER_BYTES``), so a slow client holds back its engine's stream, not the router's memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+import urllib.parse
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+
+import httptools
+
+#: buffered body bytes above which reading from the engine pauses until the router has passed them on
+BUFFER_BYTES = 1 << 20
+#: an answer's headers larger than this are refused (the engines' are a few hundred bytes)
+MAX_HEAD_BYTES = 64 << 10
+
+
+class UpstreamError(Exception):
+    """The call failed after a connection was made: the engine may have received the request."""
+
+
+class UnreachableError(UpstreamError):
+    """No connection could be made (refused, no route, DNS): the engine did not receive the request."""
+
+
+@dataclass
+class Answer:
+    """An engine's answer: its status and headers, its body read whole (:meth:`read`) or as it comes
+    (:meth:`chunks`)."""
+
+    _connection: _Connection
+    status: int = 0
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def content_type(self) -> str:
+        return self.headers.get("content-type", "application/octet-stream").split(";", 1)[0].strip()
+
+    async def read(self) -> bytes:
+        return b"".join([chunk async for chunk in self.chunks()])
+
+    async def chunks(self, idle_timeout: float | None = None) -> AsyncIterator[bytes]:
+        """The body's pieces as they arrive; ``TimeoutError`` when none comes for ``idle_timeout`` seconds."""
+        connection = self._connection
+        while True:
+            chunk = await connection.next_chunk(idle_timeout)
+            if chunk is None:
+                return
+            yield chunk
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection; its answer parsed as it arrives."""
+
+    def __init__(self, key: tuple[str, int]) -> None:
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.idle_since = 0.0
+        self._parser = httptools.HttpResponseParser(self)
+        self._answer: Answer | None = None
+        self._head = asyncio.get_running_loop().create_future()  # type: asyncio.Future[None]
+        self._body: deque[bytes] = deque()
+        self._buffered = 0
+        self._paused = False
+        self._complete = False
+        self._keep_alive = False
+        self._error: BaseException | None = None
+        self._wake: asyncio.Future[None] | None = None
+        self._header_name = b""
+        self._head_bytes = 0
+
+    # -- asyncio.Protocol ----------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self._answer is None:  # nothing asked: an engine talking out of turn
+            self._fail(UpstreamError("the engine sent data with no request outstanding"))
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamError(f"malformed HTTP answer: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if not self._complete:
+            self._fail(UpstreamError(f"the engine closed the connection{f': {exc}' if exc else ''}"))
+
+    # -- httptools callbacks -------------------------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_bytes += len(name) + len(value)
+        if self._head_bytes > MAX_HEAD_BYTES:
+            raise httptools.HttpParserError("answer headers too large")
+        if self._answer is not None:
+            self._answer.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        if self._answer is not None:
+            self._answer.status = self._parser.get_status_code()
+        if not self._head.done():
+            self._head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+        self._buffered += len(body)
+        if self._buffered > BUFFER_BYTES and not self._paused and self.transport is not None:
+            self.transport.pause_reading()
+            self._paused = True
+        self._notify()
+
+    def on_message_complete(self) -> None:
+        self._complete = True
+        self._keep_alive = self._parser.should_keep_alive()  # llhttp forgets it once the message is done
+        self._notify()
+
+    # -- the router's side ---------------------------------------------------------------------------------
+    def begin(self, request: bytes) -> Answer:
+        if self.transport is None:
+            raise UpstreamError("the connection closed")
+        self._answer = Answer(self)
+        self._head = asyncio.get_running_loop().create_future()
+        self._body.clear()
+        self._buffered, self._complete, self._keep_alive, self._error, self._head_bytes = 0, False, False, None, 0
+        self.transport.write(request)
+        return self._answer
+
+    async def head(self) -> None:
+        await self._head
+
+    async def next_chunk(self, idle_timeout: float | None) -> bytes | None:
+        while not self._body:
+            if self._error is not None:
+                raise self._error
+            if self._complete:
+                return None
+            self._wake = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait_for(self._wake, idle_timeout)
+            finally:
+                self._wake = None
+        chunk = self._body.popleft()
+        self._buffered -= len(chunk)
+        if self._paused and self._buffered <= BUFFER_BYTES // 2 and self.transport is not None:
+            self.transport.resume_reading()
+            self._paused = False
+        return chunk
+
+    @property
+    def reusable(self) -> bool:
+        return (self._complete and not self._body and self._error is None and self.transport is not None
+                and not self.transport.is_closing() and self._keep_alive)  # fmt: skip
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        if not self._head.done():
+            self._head.set_exception(error)
+            self._head.exception()  # retrieved: no "never retrieved" warning when nobody waits
+        self._notify()
+        self.close()
+
+    def _notify(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+
+class Upstream:
+    """Connections to the engines, pooled per host and port."""
+
+    def __init__(self, keepalive: float) -> None:
+        self.keepalive = keepalive
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._closed = False
+
+    async def _connect(self, host: str, port: int, timeout: float) -> _Connection:
+        key = (host, port)
+        idle = self._idle.get(key)
+        now = time.monotonic()
+        while idle:
+            connection = idle.pop()
+            if connection.transport is not None and now - connection.idle_since < self.keepalive:
+                return connection
+            connection.close()
+        loop = asyncio.get_running_loop()
+        try:
+            _, protocol = await asyncio.wait_for(loop.create_connection(lambda: _Connection(key), host, port), timeout)
+        except OSError as exc:  # refused, unreachable, no such host
+            raise UnreachableError(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from None
+        return protocol
+
+    def _release(self, connection: _Connection) -> None:
+        if self._closed or not connection.reusable:
+            connection.close()
+            return
+        connection.idle_since = time.monotonic()
+        self._idle.setdefault(connection.key, []).append(connection)
+
+    def post(self, base: str, path: str, body: bytes, headers: Mapping[str, str], connect_timeout: float,
+             head_timeout: float | None = None) -> _Call:  # fmt: skip
+        """A POST of a JSON body to ``base`` (``http://host:port``) + ``path``; use it as an async context manager,
+        which gives the :class:`Answer` once its status and headers arrived (within ``head_timeout`` seconds when
+        given) and on leaving puts the connection back in the pool, or closes it."""
+        host, port, authority = _address(base)
+        lines = [f"POST {path} HTTP/1.1", f"Host: {authority}", f"Content-Length: {len(body)}",
+                 "Content-Type: application/json"]  # fmt: skip
+        for name, value in headers.items():
+            if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+                raise ValueError(f"header {name!r} holds a line break")
+            lines.append(f"{name}: {value}")
+        head = ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape")
+        return _Call(self, host, port, head + body, connect_timeout, head_timeout)
+
+    def close(self) -> None:
+        self._closed = True
+        for connections in self._idle.values():
+            for connection in connections:
+                connection.close()
+        self._idle.clear()
+
+
+class _Call:
+    def __init__(self, upstream: Upstream, host: str, port: int, request: bytes, connect_timeout: float,
+                 head_timeout: float | None) -> None:  # fmt: skip
+        self.upstream, self.host, self.port, self.request = upstream, host, port, request
+        self.connect_timeout, self.head_timeout = connect_timeout, head_timeout
+        self.connection: _Connection | None = None
+
+    async def __aenter__(self) -> Answer:
+        self.connection = connection = await self.upstream._connect(self.host, self.port, self.connect_timeout)
+        try:
+            answer = connection.begin(self.request)
+            await asyncio.wait_for(connection.head(), self.head_timeout)
+        except BaseException:
+            connection.close()
+            raise
+        return answer
+
+    async def __aexit__(self, *_: object) -> None:
+        if self.connection is not None:
+            self.upstream._release(self.connection)
+
+
+@functools.lru_cache(maxsize=1024)
+def _address(base: str) -> tuple[str, int, str]:
+    """``http://host:port`` as the host to connect to, its port and the Host header's value."""
+    parts = urllib.parse.urlsplit(base)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"not an http://host:port address: {base!r}")
+    return parts.hostname, parts.port or 80, parts.netloc

@@ -1,0 +1,185 @@
+"""The router's HTTP/1.1 client to the engines (kvbridge_router.upstream): connections kept alive and reused only
+when the answer was read whole, every way an engine can fail mapped to one error, every wait bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+from aiohttp import web
+
+from kvbridge_router.upstream import BUFFER_BYTES, UnreachableError, Upstream, UpstreamError
+
+
+async def serve(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> AsyncIterator[tuple[str, set]]:
+    peers: set[tuple[str, int]] = set()
+
+    async def counted(request: web.Request) -> web.StreamResponse:
+        peers.add(request.transport.get_extra_info("peername") if request.transport else ("?", 0))
+        return await handler(request)
+
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", counted)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}", peers
+    finally:
+        await runner.cleanup()
+
+
+async def raw_server(answer: bytes, close: bool = True) -> tuple[str, asyncio.Server]:
+    """A server that reads a request and writes ``answer`` verbatim (then closes, when ``close``)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(answer)
+        await writer.drain()
+        if close:
+            writer.close()
+        else:
+            await asyncio.sleep(30)
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", server
+
+
+async def drain(upstream: Upstream, url: str, idle: float) -> int:
+    """POST to ``url`` and read the answer's body chunk by chunk; its length."""
+    base, path = url.rsplit("/", 1)
+    async with upstream.post(base, "/" + path, b"{}", {}, 3) as got:
+        return sum([len(chunk) async for chunk in got.chunks(idle_timeout=idle)])
+
+
+async def echo(request: web.Request) -> web.Response:
+    body = await request.read()
+    close = {"Connection": "close"} if request.query.get("close") else {}
+    return web.Response(body=body, content_type="application/json",
+                        headers={"X-Seen": request.headers.get("X-Request-Id", ""), **close})  # fmt: skip
+
+
+async def test_a_connection_is_reused_only_after_an_answer_read_whole() -> None:
+    upstream = Upstream(keepalive=3.0)
+    async for url, peers in serve(echo):
+        for index in range(4):
+            async with upstream.post(url, "/v1/completions", b'{"i": %d}' % index, {"X-Request-Id": "r"}, 3) as got:
+                assert got.status == 200
+                assert got.headers["x-seen"] == "r"
+                assert got.content_type == "application/json"
+                assert await got.read() == b'{"i": %d}' % index
+        assert len(peers) == 1  # one connection for all four
+        async with upstream.post(url, "/x?close=1", b"{}", {}, 3) as got:
+            await got.read()
+        async with upstream.post(url, "/x", b"{}", {}, 3) as got:  # the engine said close: a new connection
+            await got.read()
+        async with upstream.post(url, "/x", b"{}", {}, 3):
+            pass  # left unread: this connection is not reused
+        async with upstream.post(url, "/x", b"{}", {}, 3) as got:
+            await got.read()
+        assert len(peers) == 3
+    upstream.close()
+
+
+async def test_idle_connections_older_than_the_keepalive_are_not_used() -> None:
+    upstream = Upstream(keepalive=0.05)
+    async for url, peers in serve(echo):
+        for _ in range(2):
+            async with upstream.post(url, "/x", b"{}", {}, 3) as got:
+                await got.read()
+            await asyncio.sleep(0.1)
+        assert len(peers) == 2
+    upstream.close()
+
+
+async def test_a_stream_comes_chunk_by_chunk_and_a_silent_one_is_cut_at_its_idle_bound() -> None:
+    release = asyncio.Event()
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for index in range(3):
+            await response.write(b"data: %d\n\n" % index)
+            await asyncio.sleep(0.02)
+        if request.query.get("hang"):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(release.wait(), 10)
+        await response.write_eof()
+        return response
+
+    upstream = Upstream(keepalive=3.0)
+    async for url, _ in serve(stream):
+        async with upstream.post(url, "/s", b"{}", {}, 3) as got:
+            assert got.content_type == "text/event-stream"
+            chunks = [chunk async for chunk in got.chunks(idle_timeout=2)]
+        assert b"".join(chunks) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+        assert len(chunks) >= 2  # as they came, not the whole body at the end
+        with pytest.raises(TimeoutError):
+            await drain(upstream, url + "/s?hang=1", idle=0.3)
+        release.set()
+    upstream.close()
+
+
+async def test_no_connection_is_unreachable_and_a_broken_answer_is_an_upstream_error() -> None:
+    upstream = Upstream(keepalive=3.0)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed_port = probe.getsockname()[1]
+    with pytest.raises(UnreachableError):
+        async with upstream.post(f"http://127.0.0.1:{closed_port}", "/x", b"{}", {}, 3):
+            pass
+    answers = [
+        b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nshort",  # closed mid-body
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab",  # closed mid-chunk
+        b"NOT HTTP AT ALL\r\n\r\n",  # malformed
+        b"",  # closed before answering
+    ]
+    for answer in answers:
+        url, server = await raw_server(answer)
+        async with server:
+            with pytest.raises(UpstreamError) as caught:
+                async with upstream.post(url, "/x", b"{}", {}, 3) as got:
+                    await got.read()
+            assert not isinstance(caught.value, UnreachableError)  # it was sent: the engine may have it
+    url, server = await raw_server(b"HTTP/1.1 200 OK\r\n" + b"X-Big: " + b"a" * (70 << 10) + b"\r\n\r\n", close=False)
+    async with server:
+        with pytest.raises(UpstreamError):
+            async with upstream.post(url, "/x", b"{}", {}, 3):
+                pass
+    url, server = await raw_server(b"", close=False)  # never answers: the head's bound
+    async with server:
+        with pytest.raises(TimeoutError):
+            async with upstream.post(url, "/x", b"{}", {}, 3, head_timeout=0.2):
+                pass
+    with pytest.raises(ValueError, match="line break"):
+        upstream.post(url, "/x", b"{}", {"X-Request-Id": "a\r\nX-Evil: 1"}, 3)
+    upstream.close()
+
+
+async def test_a_body_faster_than_it_is_passed_on_pauses_the_engine() -> None:
+    size = 4 * BUFFER_BYTES
+
+    async def big(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for _ in range(size // 65536):
+            await response.write(b"x" * 65536)
+        await response.write_eof()
+        return response
+
+    upstream = Upstream(keepalive=3.0)
+    async for url, _ in serve(big):
+        async with upstream.post(url, "/b", b"{}", {}, 3) as got:
+            await asyncio.sleep(0.5)  # the router is slow to pass it on
+            connection = got._connection
+            assert connection._buffered <= BUFFER_BYTES + (1 << 18)  # reading paused near the bound
+            total = 0
+            async for chunk in got.chunks(idle_timeout=5):
+                total += len(chunk)
+            assert total == size
+    upstream.close()
