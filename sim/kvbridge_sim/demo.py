@@ -154,10 +154,14 @@ class LocalRouter:
 
 
 async def start_router(client: KubeClient, name: str, timeout: float = 60) -> LocalRouter:
-    from kvbridge_router.proxy import Router, serve
+    """A router in this process for deployment ``name``, set as its spec says (policy, prefill block size)."""
+    from kvbridge_router.proxy import Router, RouterConfig, serve
     from kvbridge_router.source import watch_status
 
-    router, stop = Router(), asyncio.Event()
+    spec = (await client.get(DEPLOYMENTS, NAMESPACE, name) or {}).get("spec") or {}
+    config = RouterConfig(policy=str((spec.get("router") or {}).get("policy", "kv-aware")),
+                          block_tokens=int((spec.get("prefill") or {}).get("blockSize", 16)))  # fmt: skip
+    router, stop = Router(config), asyncio.Event()
     with socket.socket() as probe:  # a free port for the router
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -366,13 +370,18 @@ async def until(predicate: Callable[[], bool], timeout: float, what: str) -> Non
 
 
 def models_for(docs: list[Obj], workdir: Path) -> dict[str, str]:
-    """The local model folder for each model name the vLLM documents serve (the tiny model, made here)."""
+    """The local model folder for each model name the vLLM documents serve (the tiny model, and the small one
+    where a document names it: made here)."""
     if not any(is_vllm(d) for d in docs):
         return {}
     from kvbridge_sim import tiny_model
 
-    progress("making the tiny model (random weights, a tokenizer trained here) ...")
-    return {tiny_model.NAME: str(tiny_model.make(workdir / "tiny-llama"))}
+    named = {str(((d.get("spec") or {}).get("model") or {}).get("name", "")) for d in docs if is_vllm(d)}
+    folders = {}
+    for shape in (s for s in tiny_model.SHAPES.values() if s is tiny_model.TINY or s.name in named):
+        progress(f"making {shape.name} (random weights, a tokenizer trained here) ...")
+        folders[shape.name] = str(tiny_model.make(workdir / shape.name.split("/")[-1], shape))
+    return folders
 
 
 @dataclass

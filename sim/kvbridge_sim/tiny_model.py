@@ -14,6 +14,7 @@ import json
 import os
 import random
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,37 @@ GEOMETRY: dict[str, Any] = {"numLayers": NUM_LAYERS, "numKVHeads": NUM_KV_HEADS,
                             "kvCacheDtype": "bfloat16"}  # fmt: skip
 #: bumped whenever what :func:`make` writes changes, so a cached folder is rebuilt
 RECIPE = 1
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A random-weight Llama's size (the tokenizer is the same for all)."""
+
+    name: str
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    max_positions: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.num_heads
+
+    @property
+    def geometry(self) -> dict[str, Any]:
+        """The ``spec.model`` block of a DisaggregatedDeployment serving it (besides its name)."""
+        return {"numLayers": self.num_layers, "numKVHeads": self.num_kv_heads, "headDim": self.head_dim,
+                "kvCacheDtype": "bfloat16"}  # fmt: skip
+
+
+TINY = Shape(NAME, NUM_LAYERS, HIDDEN, NUM_HEADS, NUM_KV_HEADS, MAX_POSITIONS)
+#: big enough that prefill of a few hundred tokens dominates a P/D request's time to first token on a CPU (about
+#: 60 M parameters: a 416-token prefill takes ~0.3 s on one core, its decode step ~30 ms), for measuring what a
+#: prefix-cache hit saves (benchmarks/router_policies.py)
+SMALL = Shape("kvbridge/small-llama", num_layers=4, hidden=1024, num_heads=16, num_kv_heads=4, max_positions=2048)
+#: the local models by ``spec.model.name``
+SHAPES = {shape.name: shape for shape in (TINY, SMALL)}
 _MARKER = "kvbridge-tiny-model.json"
 
 _TEXT = (
@@ -47,11 +79,13 @@ def _corpus(lines: int, rng: random.Random) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(4, 24))) for _ in range(lines)]
 
 
-def make(path: Path) -> Path:
+def make(path: Path, shape: Shape = TINY) -> Path:
     """Write the model and tokenizer to ``path`` (idempotent: a folder made by the same recipe is kept)."""
     marker = path / _MARKER
-    if marker.exists() and json.loads(marker.read_text()).get("recipe") == RECIPE:
-        return path
+    if marker.exists():
+        made = json.loads(marker.read_text())
+        if made.get("recipe") == RECIPE and made.get("name", NAME) == shape.name:
+            return path
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -66,17 +100,17 @@ def make(path: Path) -> Path:
     tokenizer.train_from_iterator(_corpus(4000, random.Random(SEED)), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=NUM_HEADS, num_key_value_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
-        max_position_embeddings=MAX_POSITIONS, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-        initializer_range=0.1, dtype="bfloat16",
+        vocab_size=VOCAB, hidden_size=shape.hidden, intermediate_size=4 * shape.hidden,
+        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads, head_dim=shape.head_dim, max_position_embeddings=shape.max_positions,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, initializer_range=0.1, dtype="bfloat16",
     )  # fmt: skip
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     with tempfile.TemporaryDirectory(dir=path.parent) as staging:  # write then rename: no half-made model
         model.save_pretrained(staging)
         fast.save_pretrained(staging)
-        Path(staging, _MARKER).write_text(json.dumps({"recipe": RECIPE, **GEOMETRY}))
+        Path(staging, _MARKER).write_text(json.dumps({"recipe": RECIPE, "name": shape.name, **shape.geometry}))
         for item in Path(staging).iterdir():
             os.replace(item, path / item.name)
     return path

@@ -57,6 +57,8 @@ def test_the_router_objects_are_valid_and_the_role_reads_only_this_deployment() 
     assert pod["serviceAccountName"] == "llama3-8b-vllm-router"
     assert pod["containers"][0]["image"] == OperatorConfig().router_image
     assert "--decode-timeout=90" in pod["containers"][0]["args"]
+    # kv-aware by default, scoring prompts in the prefill pods' blocks (vLLM hits whole blocks only)
+    assert {"--policy=kv-aware", f"--block-size={dd.spec.prefill.block_size}"} <= set(pod["containers"][0]["args"])
     assert pod["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/health"
     assert optional_children(parse_deployment(document()), UID, OperatorConfig()) == []
 

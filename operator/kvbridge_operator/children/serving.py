@@ -48,6 +48,7 @@ def router_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfi
         "router", f"--deployment={dd.metadata.name}", f"--namespace={namespace}", f"--port={ROUTER_PORT}",
         f"--prefill-timeout={spec.prefill_timeout_seconds}", f"--decode-timeout={spec.decode_timeout_seconds}",
         f"--prefill-attempts={spec.prefill_attempts}", f"--policy={spec.policy.value}",
+        f"--block-size={dd.spec.prefill.block_size}",
     ]  # fmt: skip
     probe = {"httpGet": {"path": "/metrics", "port": HTTP_PORT_NAME}, "periodSeconds": 10}
     container = {

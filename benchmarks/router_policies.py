@@ -1,0 +1,245 @@
+"""The router's policies measured with vLLM's own client on real vLLM (not a test).
+
+    .venv/bin/python benchmarks/router_policies.py [--manifest examples/vllm/small-cpu-kv-aware.yaml]
+        [--rate 1.5] [--num-prompts 160] [--prefixes 40] [--prefix-len 384] [--suffix-len 32] [--json]
+
+``kvbridge demo --serve -f MANIFEST`` runs the deployment's pods (real ``vllm serve`` processes of the CPU build,
+kvbridge's connector), and two ``kvbridge router --status-file`` processes are put over the same pods, one per
+policy (``kv-aware``, ``least-loaded``). Each workload is sent by ``vllm bench serve`` through one router, then the
+other, a new seed per run (no prefix carried over from one run to the next):
+
+- ``prefix_repetition``: ``--prefixes`` shared prefixes of ``--prefix-len`` tokens, each with ``num-prompts /
+  prefixes`` short suffixes, in random order (an agent's system prompt, a chat's earlier turns);
+- ``random``: prompts of the same length that share nothing (kv-aware must be no worse).
+
+Reported per run: TTFT p50/p99 (vllm bench serve's), the prefill pods' prefix-cache hit rate over the run
+(``vllm:prefix_cache_hits_total / queries_total``, vLLM's own counters), the workload's ideal hit rate (every
+prefix's first request misses, every later one hits its whole blocks), and the KV bytes the decode pods read
+(``vllm:kvbridge_transfer_bytes``: with decode affinity a follow-up reads only the blocks its decode pod lacks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).parents[1]
+BIN = Path(sys.executable).parent
+POLICIES = ("least-loaded", "kv-aware")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def read_line(proc: subprocess.Popen[str], pattern: str, timeout: float) -> re.Match[str]:
+    """The first stdout line of ``proc`` matching ``pattern`` (other lines are passed to stderr)."""
+    deadline = time.monotonic() + timeout
+    if proc.stdout is None:
+        raise RuntimeError("kvbridge demo --serve was started without a stdout pipe")
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"kvbridge demo --serve ended (exit {proc.wait()}) before printing {pattern!r}")
+        progress(f"  demo: {line.rstrip()}")
+        found = re.search(pattern, line)
+        if found:
+            return found
+    raise TimeoutError(f"kvbridge demo --serve printed no {pattern!r} within {timeout:g} s")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """A pod's Prometheus counters summed by metric name (labels dropped)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        try:
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        except ValueError:
+            continue
+    return totals
+
+
+def counters(urls: dict[str, list[str]]) -> dict[str, float]:
+    prefill = [scrape(u) for u in urls["prefill"]]
+    decode = [scrape(u) for u in urls["decode"]]
+    return {
+        "hits": sum(m.get("vllm:prefix_cache_hits_total", 0.0) for m in prefill),
+        "queries": sum(m.get("vllm:prefix_cache_queries_total", 0.0) for m in prefill),
+        "readBytes": sum(m.get("vllm:kvbridge_transfer_bytes_sum", 0.0) for m in decode),
+        "reads": sum(m.get("vllm:kvbridge_transfer_bytes_count", 0.0) for m in decode),
+    }
+
+
+def wait_healthy(url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"router {url} not healthy within {timeout:g} s")
+
+
+def bench(url: str, model: str, tokenizer: Path, workload: str, args: argparse.Namespace, seed: int,
+          workdir: Path) -> dict[str, Any]:  # fmt: skip
+    """One ``vllm bench serve`` run through the router at ``url``; its saved result."""
+    name = f"{workload}-{seed}.json"
+    data = (["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(args.prefix_len),
+             "--prefix-repetition-suffix-len", str(args.suffix_len), "--prefix-repetition-num-prefixes",
+             str(args.prefixes), "--prefix-repetition-output-len", str(args.output_len)]
+            if workload == "prefix_repetition" else
+            ["--dataset-name", "random", "--random-input-len", str(args.prefix_len + args.suffix_len),
+             "--random-output-len", str(args.output_len), "--random-range-ratio", "0"])  # fmt: skip
+    command = [str(BIN / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", url, "--endpoint",
+               "/v1/completions", "--model", model, "--tokenizer", str(tokenizer), *data, "--num-prompts",
+               str(args.num_prompts), "--request-rate", str(args.rate), "--seed", str(seed), "--ignore-eos",
+               "--percentile-metrics", "ttft", "--metric-percentiles", "50,99", "--save-result", "--result-dir",
+               str(workdir), "--result-filename", name]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, timeout=args.num_prompts / args.rate + 900)
+    if run.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed ({run.returncode}): {run.stderr[-2000:]}")
+    return dict(json.loads((workdir / name).read_text()))
+
+
+def ideal_hit_rate(args: argparse.Namespace, block: int) -> float:
+    """Every prefix's first request misses; every later one hits the whole blocks of its prefix."""
+    later = (args.num_prompts - args.prefixes) / args.num_prompts
+    return later * (args.prefix_len // block * block) / (args.prefix_len + args.suffix_len)
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    procs: list[subprocess.Popen[Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kvbridge-policies-") as folder:
+        workdir = Path(folder)
+        try:
+            if args.attach:  # a `kvbridge demo --serve` already running: its kubeconfig
+                kubeconfig = str(args.attach)
+                listed = json.loads(subprocess.run(["kubectl", "--kubeconfig", kubeconfig, "get", "dd", "-o", "json"],
+                                                   check=True, capture_output=True, text=True).stdout)  # fmt: skip
+                dd = listed["items"][0]
+            else:
+                progress(f"starting kvbridge demo --serve -f {args.manifest} (models made, engines started: "
+                         "minutes)")  # fmt: skip
+                demo = subprocess.Popen([str(BIN / "kvbridge"), "demo", "--serve", "-f", str(args.manifest)],
+                                        stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+                procs.append(demo)
+                kubeconfig = read_line(demo, r"^kubeconfig (\S+)", 1800).group(1)
+                name = read_line(demo, r"^router (\S+) (\S+) model (\S+)", 300).group(1)
+                got = subprocess.run(["kubectl", "--kubeconfig", kubeconfig, "get", "dd", name, "-o", "json"],
+                                     check=True, capture_output=True, text=True)  # fmt: skip
+                dd = json.loads(got.stdout)
+            model = str(dd["spec"]["model"]["name"])
+            status_file = workdir / "dd.json"
+            status_file.write_text(json.dumps(dd))
+            block = int(dd["spec"]["prefill"].get("blockSize", 16))
+            urls = {role: [f"http://{e['ip']}:{e['httpPort']}" for e in dd["status"][role]["endpoints"]]
+                    for role in ("prefill", "decode")}  # fmt: skip
+            routers: dict[str, str] = {}
+            for policy in POLICIES:
+                port = free_port()
+                procs.append(subprocess.Popen(
+                    [str(BIN / "kvbridge"), "router", "--status-file", str(status_file), "--host", "127.0.0.1",
+                     "--port", str(port), "--policy", policy, "--block-size", str(block)],
+                    stderr=subprocess.DEVNULL,
+                ))  # fmt: skip
+                routers[policy] = f"http://127.0.0.1:{port}"
+                wait_healthy(routers[policy])
+            from kvbridge_sim import tiny_model
+
+            tokenizer = tiny_model.make(workdir / "tokenizer")  # every local model has the same tokenizer
+            runs = []
+            seed = args.seed
+            for workload in args.workloads:
+                for policy in POLICIES:
+                    seed += 1
+                    progress(f"{workload} through the {policy} router ({args.num_prompts} prompts at "
+                             f"{args.rate:g}/s, seed {seed}) ...")  # fmt: skip
+                    before = counters(urls)
+                    result = bench(routers[policy], model, tokenizer, workload, args, seed, workdir)
+                    after = counters(urls)
+                    delta = {k: after[k] - before[k] for k in after}
+                    runs.append({
+                        "workload": workload, "policy": policy, "seed": seed,
+                        "completed": result.get("completed"), "failed": result.get("failed", 0),
+                        "ttftP50Ms": round(float(result["p50_ttft_ms"]), 1),
+                        "ttftP99Ms": round(float(result["p99_ttft_ms"]), 1),
+                        "hitRate": round(delta["hits"] / delta["queries"], 4) if delta["queries"] else None,
+                        "idealHitRate": round(ideal_hit_rate(args, block), 4)
+                        if workload == "prefix_repetition" else 0.0,
+                        "decodeReadMiB": round(delta["readBytes"] / 2**20, 1), "decodeReads": int(delta["reads"]),
+                    })  # fmt: skip
+                    progress(f"  {runs[-1]}")
+        finally:
+            for proc in reversed(procs):
+                if proc.poll() is None and proc.args[1:3] == ["demo", "--serve"]:
+                    os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C: routers, pods, then the operator
+                elif proc.poll() is None:
+                    proc.terminate()
+            for proc in reversed(procs):
+                try:
+                    proc.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    return {"manifest": str(args.manifest), "rate": args.rate, "numPrompts": args.num_prompts,
+            "prefixes": args.prefixes, "prefixLen": args.prefix_len, "suffixLen": args.suffix_len,
+            "outputLen": args.output_len, "runs": runs}  # fmt: skip
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = ["| workload | policy | TTFT p50 (ms) | TTFT p99 (ms) | prefill hit rate (ideal) | decode KV read (MiB) "
+             "| failed |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for run in result["runs"]:
+        rate = "—" if run["hitRate"] is None else f"{100 * run['hitRate']:.1f} %"
+        if run["idealHitRate"]:
+            rate += f" ({100 * run['idealHitRate']:.1f} %)"
+        lines.append(f"| {run['workload']} | {run['policy']} | {run['ttftP50Ms']} | {run['ttftP99Ms']} | {rate} | "
+                     f"{run['decodeReadMiB']} | {run['failed']} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--manifest", type=Path, default=ROOT / "examples/vllm/small-cpu-kv-aware.yaml")
+    parser.add_argument("--rate", type=float, default=1.5, help="requests per second (default 1.5)")
+    parser.add_argument("--num-prompts", type=int, default=160, help="requests per run (default 160)")
+    parser.add_argument("--prefixes", type=int, default=40, help="shared prefixes (default 40)")
+    parser.add_argument("--prefix-len", type=int, default=384, help="tokens per shared prefix (default 384)")
+    parser.add_argument("--suffix-len", type=int, default=32, help="tokens after it (default 32)")
+    parser.add_argument("--output-len", type=int, default=4, help="tokens generated per request (default 4)")
+    parser.add_argument("--seed", type=int, default=int(time.time()) % 1_000_000 * 10,
+                        help="the first run's seed, each run adds one (default: from the clock, so that a second "
+                        "invocation against the same pods finds none of its prefixes cached)")  # fmt: skip
+    parser.add_argument("--workloads", nargs="+", default=["prefix_repetition", "random"],
+                        choices=["prefix_repetition", "random"])  # fmt: skip
+    parser.add_argument("--attach", type=Path, metavar="KUBECONFIG", help="use the `kvbridge demo --serve` "
+                        "already running with this kubeconfig instead of starting one")  # fmt: skip
+    parser.add_argument("--json", action="store_true")
+    parsed = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed: still stop what it started (finally)
+    outcome = main(parsed)
+    print(json.dumps(outcome) if parsed.json else table(outcome))

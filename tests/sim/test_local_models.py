@@ -1,0 +1,35 @@
+"""The local random-weight models `kvbridge demo` makes: the manifests that name them say their geometry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvbridge_sim import tiny_model
+from kvbridge_sim.demo import models_for
+
+EXAMPLES = Path(__file__).parents[2] / "examples" / "vllm"
+
+
+@pytest.mark.parametrize(("manifest", "shape"), [
+    ("tiny-cpu.yaml", tiny_model.TINY), ("small-cpu-kv-aware.yaml", tiny_model.SMALL),
+])  # fmt: skip
+def test_the_example_manifests_say_the_models_geometry(manifest: str, shape: tiny_model.Shape) -> None:
+    model = yaml.safe_load((EXAMPLES / manifest).read_text())["spec"]["model"]
+    assert model["name"] == shape.name
+    assert {k: model[k] for k in shape.geometry} == shape.geometry
+    assert shape.hidden % shape.num_heads == 0
+
+
+def test_only_the_models_a_manifest_names_are_made_besides_the_tiny_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[str] = []
+    monkeypatch.setattr(tiny_model, "make", lambda path, shape=tiny_model.TINY: made.append(shape.name) or path)
+    docs = [yaml.safe_load((EXAMPLES / "small-cpu-kv-aware.yaml").read_text())]
+    folders = models_for(docs, tmp_path)
+    assert sorted(folders) == sorted(made) == sorted([tiny_model.TINY.name, tiny_model.SMALL.name])
+    assert models_for([{"spec": {"engine": {"kind": "Agent"}}}], tmp_path) == {}
+    assert models_for([{"spec": None}], tmp_path) == {tiny_model.TINY.name: str(tmp_path / "tiny-llama")}
