@@ -283,7 +283,9 @@ class Router:
         self, request: web.Request, target: Target, body: Obj, raw: bytes, params: Obj, headers: dict[str, str],
         started: float, spent: list[float],
     ) -> web.StreamResponse:  # fmt: skip
-        decode_body = with_field(raw, "kv_transfer_params", params) or _encoded({**body, "kv_transfer_params": params})
+        decode_body = with_field(raw, "kv_transfer_params", params)
+        if decode_body is None:  # not UTF-8 shaped {...}: encoded again
+            decode_body = [_encoded({**body, "kv_transfer_params": params})]
         stream = bool(body.get("stream"))
         left = self.config.request_timeout - (time.perf_counter() - started)
         idle = self.config.decode_idle_timeout if stream else None  # streams: the longest wait for each chunk
@@ -369,10 +371,11 @@ def prefill_request(body: Obj) -> Obj:
     return request
 
 
-def with_field(raw: bytes, name: str, value: object) -> bytes | None:
-    """The client's JSON object ``raw`` (already parsed, so valid) with one more field, added before its closing
-    brace: its bytes are copied once and not re-encoded. None when ``raw`` is not UTF-8 text shaped ``{...}`` (UTF-16
-    JSON, say); the caller encodes the parsed object then. The field must not be in the object already."""
+def with_field(raw: bytes, name: str, value: object) -> list[bytes | memoryview] | None:
+    """The client's JSON object ``raw`` (already parsed, so valid) with one more field added before its closing
+    brace, as the pieces to send in order: a view of the client's bytes (neither copied nor re-encoded), then the
+    field. None when ``raw`` is not UTF-8 text shaped ``{...}`` (UTF-16 JSON, say); the caller encodes the parsed
+    object then. The field must not be in the object already."""
     start, end = 0, len(raw)
     while start < end and raw[start] in JSON_SPACE:
         start += 1
@@ -384,7 +387,7 @@ def with_field(raw: bytes, name: str, value: object) -> bytes | None:
     while inner < end - 1 and raw[inner] in JSON_SPACE:
         inner += 1
     comma = b"" if inner == end - 1 else b","  # an empty object gets no comma
-    return b"".join((memoryview(raw)[: end - 1], comma, _encoded({name: value})[1:]))
+    return [memoryview(raw)[: end - 1], comma + _encoded({name: value})[1:]]
 
 
 def _encoded(obj: object) -> bytes:

@@ -21,10 +21,13 @@ import functools
 import time
 import urllib.parse
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import httptools
+
+#: what a request is written from: bytes, or slices of the client's body (memoryviews: not copied)
+Buffer = bytes | memoryview
 
 #: buffered body bytes above which reading from the engine pauses until the router has passed them on
 BUFFER_BYTES = 1 << 20
@@ -132,14 +135,14 @@ class _Connection(asyncio.Protocol):
         self._notify()
 
     # -- the router's side ---------------------------------------------------------------------------------
-    def begin(self, request: bytes) -> Answer:
+    def begin(self, request: Sequence[Buffer]) -> Answer:
         if self.transport is None:
             raise UpstreamError("the connection closed")
         self._answer = Answer(self)
         self._head = asyncio.get_running_loop().create_future()
         self._body.clear()
         self._buffered, self._complete, self._keep_alive, self._error, self._head_bytes = 0, False, False, None, 0
-        self.transport.write(request)
+        self.transport.writelines(request)  # uvloop: one vectored send, the pieces not joined
         return self._answer
 
     async def head(self) -> None:
@@ -218,20 +221,21 @@ class Upstream:
         connection.idle_since = time.monotonic()
         self._idle.setdefault(connection.key, []).append(connection)
 
-    def post(self, base: str, path: str, body: bytes, headers: Mapping[str, str], connect_timeout: float,
-             head_timeout: float | None = None) -> _Call:  # fmt: skip
+    def post(self, base: str, path: str, body: bytes | Sequence[Buffer], headers: Mapping[str, str],
+             connect_timeout: float, head_timeout: float | None = None) -> _Call:  # fmt: skip
         """A POST of a JSON body to ``base`` (``http://host:port``) + ``path``; use it as an async context manager,
         which gives the :class:`Answer` once its status and headers arrived (within ``head_timeout`` seconds when
         given) and on leaving puts the connection back in the pool, or closes it."""
         host, port, authority = _address(base)
-        lines = [f"POST {path} HTTP/1.1", f"Host: {authority}", f"Content-Length: {len(body)}",
+        parts = [body] if isinstance(body, bytes) else list(body)  # the body's pieces, sent as they are
+        lines = [f"POST {path} HTTP/1.1", f"Host: {authority}", f"Content-Length: {sum(map(len, parts))}",
                  "Content-Type: application/json"]  # fmt: skip
         for name, value in headers.items():
             if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
                 raise ValueError(f"header {name!r} holds a line break")
             lines.append(f"{name}: {value}")
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape")
-        return _Call(self, host, port, head + body, connect_timeout, head_timeout)
+        return _Call(self, host, port, [head, *parts], connect_timeout, head_timeout)
 
     def close(self) -> None:
         self._closed = True
@@ -242,7 +246,7 @@ class Upstream:
 
 
 class _Call:
-    def __init__(self, upstream: Upstream, host: str, port: int, request: bytes, connect_timeout: float,
+    def __init__(self, upstream: Upstream, host: str, port: int, request: list[Buffer], connect_timeout: float,
                  head_timeout: float | None) -> None:  # fmt: skip
         self.upstream, self.host, self.port, self.request = upstream, host, port, request
         self.connect_timeout, self.head_timeout = connect_timeout, head_timeout
