@@ -126,10 +126,16 @@ def check_fields(body: Obj, route: str) -> None:
         raise RouteError(400, "INVALID_REQUEST", "stream_options must be an object", param="stream_options")
 
 
+def one_prompt(prompt: Any) -> Any:
+    """``prompt`` itself, or the one prompt of a list holding one (a string or a list of token ids)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        return prompt[0]
+    return prompt
+
+
 def _prompt(prompt: Any) -> None:
     """A non-empty string, a non-empty list of token ids, or one prompt in a list (P/D prefills one prompt)."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
+    prompt = one_prompt(prompt)
     if isinstance(prompt, str) and prompt:
         return
     if isinstance(prompt, list) and token_ids(prompt):

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from kvbridge_operator.api.objects import Obj
+from kvbridge_router.admission import one_prompt, token_ids
 
 #: the chunk of token-id prompts when the block size is not given (vLLM's default block size on GPUs)
 CHUNK_TOKENS = 16
@@ -33,11 +34,9 @@ KEYS_PER_POD = 1 << 16
 def prefix_keys(body: Obj, block_tokens: int = CHUNK_TOKENS) -> list[int]:
     """The chained keys of a completion or chat request's prompt, a key per whole block of ``block_tokens``
     tokens (or ``BYTES_PER_TOKEN`` times as many bytes of text); empty when it has no whole chunk."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # one prompt in a list
+    prompt = one_prompt(body.get("prompt"))
     chunks: Iterable[object]
-    if isinstance(prompt, list) and prompt and set(map(type, prompt)) == {int}:
+    if isinstance(prompt, list) and token_ids(prompt):
         whole = min(len(prompt) // block_tokens, MAX_CHUNKS)
         chunks = (tuple(prompt[i * block_tokens : (i + 1) * block_tokens]) for i in range(whole))
     else:

@@ -55,7 +55,6 @@ MAX_HEADERS = 64
 MAX_HEADER_BYTES = 8190
 #: idle upstream connections are dropped before vLLM's own keep-alive timeout (5 s) closes them under us
 KEEPALIVE_SECONDS = 3.0
-JSON_HEADERS = {"Content-Type": "application/json"}
 #: JSON's whitespace and an object's brackets, as byte values
 JSON_SPACE = frozenset(b" \t\r\n")
 OPEN, CLOSE = ord("{"), ord("}")

@@ -2,9 +2,9 @@
 
 The hot path of every routed request is two calls to engines (prefill, then decode) on the same few hosts. A
 general client (aiohttp's) spends most of the router's CPU per request on what these calls never need: cookies,
-redirects, proxies, URL building, compression, tracing. This one writes a request in one ``write`` (head and body
-together) and parses the answer with ``httptools`` (llhttp, Node's parser: Content-Length, chunked and
-keep-alive handled there).
+redirects, proxies, URL building, compression, tracing. This one writes a request's head and body in one vectored
+write (the body's pieces as given: a view of the client's bytes is not copied) and parses the answer with
+``httptools`` (llhttp, Node's parser: Content-Length, chunked and keep-alive handled there).
 
 Errors: :class:`UnreachableError` when no connection could be made (nothing was sent: another pod may be tried with
 the same request), :class:`UpstreamError` for anything after (the engine may have the request), ``TimeoutError``
@@ -86,7 +86,6 @@ class _Connection(asyncio.Protocol):
         self._keep_alive = False
         self._error: BaseException | None = None
         self._wake: asyncio.Future[None] | None = None
-        self._header_name = b""
         self._head_bytes = 0
 
     # -- asyncio.Protocol ----------------------------------------------------------------------------------

@@ -155,12 +155,12 @@ class LocalRouter:
 
 async def start_router(client: KubeClient, name: str, timeout: float = 60) -> LocalRouter:
     """A router in this process for deployment ``name``, set as its spec says (policy, prefill block size)."""
+    from kvbridge_operator.api.spec import parse_deployment
     from kvbridge_router.proxy import Router, RouterConfig, serve
     from kvbridge_router.source import watch_status
 
-    spec = (await client.get(DEPLOYMENTS, NAMESPACE, name) or {}).get("spec") or {}
-    config = RouterConfig(policy=str((spec.get("router") or {}).get("policy", "kv-aware")),
-                          block_tokens=int((spec.get("prefill") or {}).get("blockSize", 16)))  # fmt: skip
+    spec = parse_deployment(await client.get(DEPLOYMENTS, NAMESPACE, name) or {}).spec
+    config = RouterConfig(policy=spec.router.policy.value, block_tokens=spec.prefill.block_size)
     router, stop = Router(config), asyncio.Event()
     with socket.socket() as probe:  # a free port for the router
         probe.bind(("127.0.0.1", 0))

@@ -24,13 +24,9 @@ NUM_LAYERS = 2
 HIDDEN = 256
 NUM_HEADS = 4
 NUM_KV_HEADS = 2
-HEAD_DIM = HIDDEN // NUM_HEADS
 VOCAB = 1024
 MAX_POSITIONS = 1024
 SEED = 1234
-#: the ``spec.model`` block of a DisaggregatedDeployment serving this model (besides its name)
-GEOMETRY: dict[str, Any] = {"numLayers": NUM_LAYERS, "numKVHeads": NUM_KV_HEADS, "headDim": HEAD_DIM,
-                            "kvCacheDtype": "bfloat16"}  # fmt: skip
 #: bumped whenever what :func:`make` writes changes, so a cached folder is rebuilt
 RECIPE = 1
 
@@ -58,6 +54,8 @@ class Shape:
 
 
 TINY = Shape(NAME, NUM_LAYERS, HIDDEN, NUM_HEADS, NUM_KV_HEADS, MAX_POSITIONS)
+#: the ``spec.model`` block of a DisaggregatedDeployment serving the tiny model (besides its name)
+GEOMETRY = TINY.geometry
 #: big enough that prefill of a few hundred tokens dominates a P/D request's time to first token on a CPU (about
 #: 60 M parameters: a 416-token prefill takes ~0.3 s on one core, its decode step ~30 ms), for measuring what a
 #: prefix-cache hit saves (benchmarks/router_policies.py)
