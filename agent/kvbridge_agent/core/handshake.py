@@ -14,6 +14,7 @@ clear message instead of a parse error.  Only this module knows the layout.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from enum import StrEnum
 
@@ -234,6 +235,29 @@ def decode_reply(frames: Sequence[bytes], fingerprint: str) -> tuple[RankMetadat
     return metadata, frames[2]
 
 
+#: a request id kvbridge can carry: it names the request in notifications (``"<id>:<tp>"``) and on the side channel
+MAX_REQUEST_ID_CHARS = 256
+#: visible ASCII but ``:``
+REQUEST_ID_PATTERN = r"^[\x21-\x39\x3b-\x7e]+$"
+_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
+INVALID_REQUEST_ID = "INVALID_REQUEST_ID"
+
+
+def request_id_problem(request_id: object) -> str:
+    """Why ``request_id`` cannot name a transfer (empty when it can): a non-empty string of at most
+    :data:`MAX_REQUEST_ID_CHARS` visible ASCII characters without ``:`` (the notification's separator). Engines
+    check it before they record anything for the request, so a bad id fails that request and leaves nothing held."""
+    if not isinstance(request_id, str) or not request_id:
+        return "the request id is empty"
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        return f"the request id has {len(request_id)} characters, at most {MAX_REQUEST_ID_CHARS}"
+    if ":" in request_id:
+        return "the request id contains ':' (kvbridge's notifications use it as a separator)"
+    if not _REQUEST_ID.fullmatch(request_id):
+        return "the request id holds characters other than visible ASCII (no spaces or control characters)"
+    return ""
+
+
 class KVTransferParams(CamelModel):
     """What prefill returns for a request and the router hands to decode."""
 
@@ -241,7 +265,7 @@ class KVTransferParams(CamelModel):
     remote_incarnation: str = Field(min_length=1, max_length=64)
     remote_host: str = Field(min_length=1, max_length=256)
     remote_port: int = Field(ge=1, le=65535)
-    remote_request_id: str = Field(min_length=1, max_length=256, pattern=r"^[^:]+$")
+    remote_request_id: str = Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=REQUEST_ID_PATTERN)
     remote_block_ids: list[int] = Field(max_length=1 << 20)
     num_tokens: int = Field(ge=1)
     remote_tp_size: int = Field(ge=1)

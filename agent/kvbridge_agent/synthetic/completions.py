@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvbridge_agent.core.handshake import KVTransferParams
+from kvbridge_agent.core.handshake import KVTransferParams, request_id_problem
 from kvbridge_agent.synthetic.engine import Engine
 from kvbridge_agent.synthetic.ranks import INVALID_REQUEST, EngineError
 
@@ -43,7 +43,7 @@ def prompt_tokens(body: Obj, chat: bool) -> int:
 
 def complete(engine: Engine, body: Obj, chat: bool, request_id: str) -> tuple[Obj, bool]:
     """The answer of one request, and whether it is to be streamed."""
-    if not request_id or ":" in request_id:
+    if request_id_problem(request_id):  # an id kvbridge cannot carry (the client's X-Request-Id): one of ours
         request_id = uuid.uuid4().hex
     params = body.get("kv_transfer_params")
     tokens = prompt_tokens(body, chat)

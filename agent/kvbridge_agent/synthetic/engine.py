@@ -34,7 +34,14 @@ from kvbridge_agent.core.digest import (
     from_bytes,
     to_bytes,
 )
-from kvbridge_agent.core.handshake import DigestState, HandshakeError, KVTransferParams, RankMetadata
+from kvbridge_agent.core.handshake import (
+    INVALID_REQUEST_ID,
+    DigestState,
+    HandshakeError,
+    KVTransferParams,
+    RankMetadata,
+    request_id_problem,
+)
 from kvbridge_agent.core.model import Role
 from kvbridge_agent.core.tp import handshake_ranks
 from kvbridge_agent.synthetic.rank_entry import main as rank_main
@@ -250,8 +257,9 @@ class Engine:
         """Compute (synthetically) and offer a request; returns what decode needs to pull it."""
         if self.env.role is not Role.PREFILL:
             raise EngineError("this is a decode engine", code=INVALID_REQUEST, field="role")
-        if not request_id or ":" in request_id:
-            raise EngineError("requestId must be non-empty and contain no ':'", code=INVALID_REQUEST, field="requestId")
+        problem = request_id_problem(request_id)
+        if problem:  # checked before anything is allocated or held for it
+            raise EngineError(problem, code=INVALID_REQUEST_ID, field="requestId")
         if num_tokens < 1:
             raise EngineError("numTokens must be at least 1", code=INVALID_REQUEST, field="numTokens")
         blocks = self.allocator.allocate(blocks_for_tokens(num_tokens, self.env.prefill.block_size), allocation)

@@ -12,12 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
 from kvbridge_agent.core.handshake import KVTransferParams
 
 #: the key of kvbridge's own parameters inside vLLM's ``kv_transfer_params``
 PARAMS_KEY = "kvbridge"
+#: where prefill puts why it offers nothing for a request (``{"code", "message"}``): the request's own fault, so the
+#: router answers it without trying another pod
+ERROR_KEY = "kvbridge_error"
 
 
 @dataclass
@@ -33,7 +37,8 @@ class ReadOrder:
     """Decode: read one request's KV into these local blocks (empty: a full local prefix hit, notify only)."""
 
     local_block_ids: list[int]
-    params: KVTransferParams
+    #: None only for a refused order (parameters that did not validate)
+    params: KVTransferParams | None
     #: why this request must not be read at all (its blocks are reported invalid); empty: read it
     refused: str = ""
     #: the prefill lease's end as decode knows it: ``expiresAt`` moved on by heartbeats that got through
@@ -60,8 +65,24 @@ class StepMetadata(KVConnectorMetadata):
     leases: dict[str, float] = field(default_factory=dict)
 
 
+class InvalidTransferParamsError(ValueError):
+    """A request's ``kv_transfer_params`` name a kvbridge transfer but do not validate: that request fails."""
+
+    code = "INVALID_TRANSFER_PARAMS"
+
+
 def transfer_params(raw: dict[str, Any] | None) -> KVTransferParams | None:
-    """kvbridge's parameters from a request's ``kv_transfer_params`` (``None``: not a kvbridge transfer)."""
-    if not raw or not isinstance(raw.get(PARAMS_KEY), dict):
+    """kvbridge's parameters from a request's ``kv_transfer_params`` (``None``: not a kvbridge transfer); raises
+    :class:`InvalidTransferParamsError` (never pydantic's error, never a traceback into vLLM) when they do not
+    validate."""
+    if not raw or PARAMS_KEY not in raw:
         return None
-    return KVTransferParams.model_validate(raw[PARAMS_KEY])
+    ours = raw[PARAMS_KEY]
+    if not isinstance(ours, dict):
+        raise InvalidTransferParamsError(f"kv_transfer_params.{PARAMS_KEY} must be an object")
+    try:
+        return KVTransferParams.model_validate(ours)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in ("kv_transfer_params", PARAMS_KEY, *first["loc"]))
+        raise InvalidTransferParamsError(f"{where}: {first['msg']}") from None

@@ -15,13 +15,28 @@ import time
 from collections import deque
 from typing import Any
 
-from kvbridge_agent.core import Role, build_plan, wire_block_ids
+from kvbridge_agent.core import KVBridgeError, Role, build_plan, wire_block_ids
 from kvbridge_agent.core.digest import HeadDigests, VerificationPolicy, from_bytes
-from kvbridge_agent.core.handshake import DigestState, KVTransferParams, RankMetadata
+from kvbridge_agent.core.handshake import (
+    INVALID_REQUEST_ID,
+    DigestState,
+    KVTransferParams,
+    RankMetadata,
+    request_id_problem,
+)
 from kvbridge_agent.transfer.keys import load_keys
 from kvbridge_agent.transfer.side_channel import SideChannelServer, heartbeat_interval, send_heartbeats
 
-from .messages import PARAMS_KEY, OfferOrder, RankHandshake, ReadOrder, StepMetadata, transfer_params
+from .messages import (
+    ERROR_KEY,
+    PARAMS_KEY,
+    InvalidTransferParamsError,
+    OfferOrder,
+    RankHandshake,
+    ReadOrder,
+    StepMetadata,
+    transfer_params,
+)
 from .settings import ConnectorSettings
 from .stats import DIGESTS
 
@@ -58,6 +73,8 @@ class ConnectorScheduler:
         self._keys = load_keys(environment.keys_dir) if environment.keys_dir else None
         # decode: requests whose KV is still to be read, by request id; a thread renews their leases on prefill
         self._waiting: dict[str, KVTransferParams] = {}
+        #: decode: requests whose kvbridge parameters did not validate, and why (until their blocks are allocated)
+        self._refused: dict[str, str] = {}
         self._renewed: dict[str, float] = {}  # decode request -> when a heartbeat last renewed its prefill lease
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
@@ -115,23 +132,37 @@ class ConnectorScheduler:
         if self.settings.role is not Role.DECODE:
             return 0, False
         raw = request.kv_transfer_params
-        params = transfer_params(raw) if raw and raw.get("do_remote_prefill") else None
+        if not isinstance(raw, dict) or not raw.get("do_remote_prefill"):
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        try:
+            params = transfer_params(raw)
+        except InvalidTransferParamsError as exc:  # the request fails when its load is reported, never by a raise
+            self._refused[request.request_id] = f"{exc.code}: {exc}"
+            log.warning("kvbridge: request %.80s: %s", request.request_id, exc)
+            return (count, True) if count > 0 else (0, False)
         if params is None:
             return 0, False
         with self._lock:
             self._waiting[request.request_id] = params  # renew prefill's lease while the request waits here
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         raw = request.kv_transfer_params
-        if self.settings.role is not Role.DECODE or not raw or not raw.get("do_remote_prefill"):
+        if self.settings.role is not Role.DECODE or not isinstance(raw, dict) or not raw.get("do_remote_prefill"):
             return
-        params = transfer_params(raw)
         raw["do_remote_prefill"] = False  # one transfer per request, also after a preemption
+        local = list(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else []
+        refused = self._refused.pop(request.request_id, "")
+        if refused:  # parameters that did not validate: the request's blocks are reported invalid, nothing read
+            self._to_read[request.request_id] = ReadOrder(local, None, refused)
+            return
+        try:
+            params = transfer_params(raw)
+        except InvalidTransferParamsError:  # refused in matched_tokens already (a full prefix hit loads nothing)
+            return
         if params is None:
             return
-        local = list(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else []
         with self._lock:
             renewed = self._renewed.pop(request.request_id, None)
         expires_at = params.expires_at
@@ -179,33 +210,52 @@ class ConnectorScheduler:
 
     # -- prefill: publishing a finished request ------------------------------------
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        request_id = request.request_id
         with self._lock:
-            self._waiting.pop(request.request_id, None)
-            self._renewed.pop(request.request_id, None)
+            self._waiting.pop(request_id, None)
+            self._renewed.pop(request_id, None)
+            self._refused.pop(request_id, None)
         raw = request.kv_transfer_params
-        if self.settings.role is not Role.PREFILL or not raw or not raw.get("do_remote_decode"):
+        if self.settings.role is not Role.PREFILL or not isinstance(raw, dict) or not raw.get("do_remote_decode"):
             return False, None
         blocks = list(block_ids[0]) if block_ids and isinstance(block_ids[0], list | tuple) else list(block_ids)
         if request.status.name not in _FINISHED_NORMALLY or not blocks or self._server is None:
             return False, None
+        # everything a request carries is checked before anything is recorded for it: a bad one frees its blocks
+        # now and says why in its answer (vLLM treats an exception here as the engine's death)
+        problem = request_id_problem(request_id)
+        if problem:
+            log.warning("kvbridge: not offering request %.80s: %s", request_id, problem)
+            error = {"code": INVALID_REQUEST_ID, "message": problem}
+            return False, {"do_remote_prefill": False, "do_remote_decode": False, ERROR_KEY: error}
         expires_at = time.time() + self.settings.transfer.lease_seconds
-        verify = self._verification.decide(request.request_id)
-        with self._lock:
-            self._leases[request.request_id] = expires_at
-            if verify:
-                self._verifying.add(request.request_id)
-        self._to_offer[request.request_id] = OfferOrder(blocks, expires_at,
-                                                        request.num_computed_tokens if verify else 0)  # fmt: skip
+        verify = self._verification.decide(request_id)
         environment = self.settings.environment
+        num_tokens = request.num_computed_tokens
+        try:
+            wire = wire_block_ids(blocks, num_tokens, self._plan.split_ratio, self._plan.wire.block_size)
+        except KVBridgeError as exc:  # blocks that cannot hold the tokens: that request is not offered
+            log.error("kvbridge: not offering request %.80s: %s", request_id, exc.message)
+            error = {"code": exc.code, "message": exc.message}
+            return False, {"do_remote_prefill": False, "do_remote_decode": False, ERROR_KEY: error}
         params = KVTransferParams(
-            remote_engine_id=self.engine_id, remote_incarnation=self._incarnation,
-            remote_host=environment.side_channel_host, remote_port=self._server.port,
-            remote_request_id=request.request_id, num_tokens=request.num_computed_tokens,
-            remote_block_ids=wire_block_ids(blocks, request.num_computed_tokens, self._plan.split_ratio,
-                                            self._plan.wire.block_size).tolist(),
-            remote_tp_size=self._tp_size, fingerprint=self.settings.fingerprint, expires_at=expires_at,
+            remote_engine_id=self.engine_id,
+            remote_incarnation=self._incarnation,
+            remote_host=environment.side_channel_host,
+            remote_port=self._server.port,
+            remote_request_id=request_id,
+            num_tokens=num_tokens,
+            remote_block_ids=wire.tolist(),
+            remote_tp_size=self._tp_size,
+            fingerprint=self.settings.fingerprint,
+            expires_at=expires_at,
             verify=verify,
-        )  # fmt: skip
+        )
+        with self._lock:
+            self._leases[request_id] = expires_at
+            if verify:
+                self._verifying.add(request_id)
+        self._to_offer[request_id] = OfferOrder(blocks, expires_at, num_tokens if verify else 0)
         return True, {"do_remote_prefill": True, "do_remote_decode": False,
                       PARAMS_KEY: params.model_dump(mode="json", by_alias=True)}  # fmt: skip
 

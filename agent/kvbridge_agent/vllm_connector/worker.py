@@ -203,8 +203,8 @@ class ConnectorWorker:
         """Post the request's READs; or park it until its prefill engine's handshake is done (that runs on a
         thread: a handshake never holds up vLLM's forward step); or fail it at once."""
         params = order.params
-        if order.refused:
-            code, _, message = order.refused.partition(": ")
+        if order.refused or params is None:
+            code, _, message = (order.refused or "INVALID_TRANSFER_PARAMS: no parameters").partition(": ")
             return ReadResult(request_id, False, code, message, list(order.local_block_ids))
         expires_at = order.expires_at if order.expires_at is not None else params.expires_at
         if lease_left(expires_at) <= 0:
@@ -251,18 +251,21 @@ class ConnectorWorker:
                 continue
             del self._checking[request_id]
             blocks = order.all_block_ids or list(order.local_block_ids)
+            params = order.params
             try:
-                peer = decode.peers.get(order.params.remote_engine_id)
+                if params is None:  # never: only orders with parameters are read
+                    raise HandshakeError("a refused order reached the check")
+                peer = decode.peers.get(params.remote_engine_id)
                 if peer is None:
-                    raise HandshakeError(f"{order.params.remote_engine_id} was evicted during the check")
-                result = decode.verified(result, Verify(future.result(), blocks, order.params.num_tokens), peer)
+                    raise HandshakeError(f"{params.remote_engine_id} was evicted during the check")
+                result = decode.verified(result, Verify(future.result(), blocks, params.num_tokens), peer)
             except (KVBridgeError, OSError) as exc:
                 code = getattr(exc, "code", KV_DIGEST_UNAVAILABLE)
                 results.append(ReadResult(request_id, False, code, getattr(exc, "message", str(exc)),
                                           list(order.local_block_ids)))  # fmt: skip
                 continue
-            if result.code == KV_DIGEST_MISMATCH:
-                self.stats.record_digest_mismatch(order.params.remote_engine_id)
+            if result.code == KV_DIGEST_MISMATCH and params is not None:
+                self.stats.record_digest_mismatch(params.remote_engine_id)
             results.append(result)
         return results
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import signal
@@ -209,6 +210,29 @@ def test_bad_requests_get_typed_errors_and_the_engines_keep_serving(cluster: Clu
     assert caught.value.code == 400
     status, body = decode(d, "d-bad-ok", params)  # the original, intact request still verifies
     assert status == 200, body
+
+
+HOSTILE_IDS = ["a:b", "x" * 300, "with space", "nul\x00", "\u00e9t\u00e9"]
+
+
+def test_hostile_request_ids_fail_their_own_request_and_hold_nothing(cluster: Cluster) -> None:
+    """An id kvbridge cannot carry is refused before anything is allocated (it used to hold its blocks for the
+    whole lease, so later requests failed NO_FREE_BLOCKS); a client's X-Request-Id is replaced by one of ours."""
+    p, d = cluster.prefill, cluster.decode  # type: ignore[attr-defined]
+    held = set(p.get("/v1/held")["held"])
+    for request_id in HOSTILE_IDS:
+        status, body = p.post("/v1/prefill", {"requestId": request_id, "numTokens": 64})
+        assert (status, body["error"]["code"], body["error"]["field"]) == (400, "INVALID_REQUEST_ID", "requestId")
+    for request_id in HOSTILE_IDS[:3]:  # an HTTP header cannot hold NUL or non-Latin-1 text
+        body = {"prompt": [1] * 64, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+        request = urllib.request.Request(p.url + "/v1/completions", data=json.dumps(body).encode(), headers=headers)
+        with urllib.request.urlopen(request, timeout=30) as response:
+            answer = json.loads(response.read())
+        ours = answer["kv_transfer_params"]["remoteRequestId"]
+        assert ours != request_id
+        assert decode(d, f"d-{ours}", answer["kv_transfer_params"])[0] == 200  # read: nothing left held
+    assert wait_for(lambda: set(p.get("/v1/held")["held"]) == held, 10)
 
 
 def test_a_peer_without_the_key_gets_no_metadata(cluster: Cluster) -> None:

@@ -212,3 +212,74 @@ def test_a_prefill_worker_remembers_only_the_requests_it_holds() -> None:
     time.sleep(0.4)
     assert worker.finished(set()) == ({"held"}, None)  # the lease ended unread: its blocks are freed
     assert worker._finished_seen == set()
+
+
+@pytest.mark.parametrize(
+    "request_id",
+    ["a:b", "cmpl-" + "x" * 300, "with space", "tab\there", "nul\x00", "é-not-ascii", ""],
+)
+def test_a_request_id_kvbridge_cannot_carry_fails_that_request_and_records_nothing(request_id: str) -> None:
+    """vLLM derives request ids from the client's X-Request-Id; an exception out of request_finished is fatal to
+    vLLM's engine core, so a bad id must fail its own request, typed, with no lease or offer left behind."""
+    scheduler = prefill_scheduler()
+    try:
+        delay, params = scheduler.request_finished(request(request_id, 70, {"do_remote_decode": True}), ([3, 4],))
+        assert delay is False  # vLLM frees the blocks now
+        assert params is not None
+        assert params["kvbridge_error"]["code"] == "INVALID_REQUEST_ID"
+        assert params["do_remote_prefill"] is False
+        meta = scheduler.build_metadata()
+        assert (meta.to_offer, meta.leases) == ({}, {})
+        # the engine keeps serving: the next request is offered as usual
+        assert scheduler.request_finished(request("next", 40, {"do_remote_decode": True}), ([5, 6],))[0] is True
+    finally:
+        scheduler.close()
+
+
+@pytest.mark.parametrize(
+    "mutation",
+    [
+        {"remoteRequestId": "a:b"},
+        {"remoteRequestId": "x" * 300},
+        {"remotePort": 0},
+        {"remoteBlockIds": "not a list"},
+        {"numTokens": -1},
+        {"fingerprint": None},
+    ],
+)
+def test_decode_parameters_that_do_not_validate_fail_that_request_without_raising(mutation: dict[str, Any]) -> None:
+    """A client that calls decode directly with forged kvbridge parameters: the request's blocks are reported
+    invalid (vLLM fails it by its kv_load_failure_policy), nothing is read, no heartbeat is sent for it."""
+    from kvbridge_agent.vllm_connector.worker import ConnectorWorker
+
+    prefill = prefill_scheduler()
+    decode = ConnectorScheduler(ConnectorSettings.from_vllm(vllm_config("kv_consumer"), environ(Role.DECODE)))
+    try:
+        params = published(prefill)
+        params["kvbridge"].update(mutation)
+        req = request("d9", 70, params)
+        assert decode.matched_tokens(req, 0) == (70, True)
+        assert decode._waiting == {}
+        decode.after_alloc(req, blocks_of([1, 2, 3]), 70)
+        order = decode.build_metadata().to_read["d9"]
+        assert order.params is None
+        assert order.refused.startswith("INVALID_TRANSFER_PARAMS: kv_transfer_params.kvbridge")
+        worker = ConnectorWorker(decode.settings, 0, "inc")
+        result = worker._start_read(None, "d9", order)  # type: ignore[arg-type]
+        assert result is not None
+        assert (result.ok, result.code, result.invalid_blocks) == (False, "INVALID_TRANSFER_PARAMS", [1, 2, 3])
+        worker.close()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_decode_parameters_that_are_not_an_object_fail_that_request() -> None:
+    decode = ConnectorScheduler(ConnectorSettings.from_vllm(vllm_config("kv_consumer"), environ(Role.DECODE)))
+    try:
+        req = request("d10", 40, {"do_remote_prefill": True, "kvbridge": ["not", "an", "object"]})
+        assert decode.matched_tokens(req, 0) == (40, True)
+        decode.after_alloc(req, blocks_of([4, 5]), 40)
+        assert decode.build_metadata().to_read["d10"].refused.startswith("INVALID_TRANSFER_PARAMS")
+    finally:
+        decode.close()
