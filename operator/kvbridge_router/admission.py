@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +26,8 @@ from kvbridge_router.errors import RouteError
 
 #: deeper JSON than this is refused (an OpenAI request nests a few levels: messages, content parts, tool schemas)
 MAX_DEPTH = 64
+#: a client's X-Request-Id the router passes on (with a suffix); any other is replaced
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 #: the JSON types that hold others
 CONTAINERS = (dict, list)
 JSON_TYPES = ("application/json",)
@@ -124,6 +128,16 @@ def check_fields(body: Obj, route: str) -> None:
     if "stream_options" in body and body["stream_options"] is not None and not isinstance(body["stream_options"],
                                                                                         dict):  # fmt: skip
         raise RouteError(400, "INVALID_REQUEST", "stream_options must be an object", param="stream_options")
+
+
+def engine_request_id(client_id: str | None) -> str:
+    """The request id the engines get (``X-Request-Id``; vLLM derives its own ids from it): the client's, when it is
+    1-64 letters, digits, ``.``, ``_`` or ``-``, with a random suffix (two clients' ids never collide on an engine),
+    else one of the router's. Never refused: an id is the client's label, not its request."""
+    suffix = secrets.token_hex(6)
+    if client_id and _CLIENT_ID.fullmatch(client_id):
+        return f"{client_id}-{suffix}"
+    return f"kvb-{secrets.token_hex(10)}{suffix}"
 
 
 def one_prompt(prompt: Any) -> Any:

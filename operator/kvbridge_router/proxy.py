@@ -28,7 +28,6 @@ import gc
 import json
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 
 import aiohttp
@@ -36,7 +35,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from kvbridge_operator.api.objects import Obj
-from kvbridge_router.admission import Limits, admit
+from kvbridge_router.admission import Limits, admit, engine_request_id
 from kvbridge_router.answers import Start, StreamStart, aborted
 from kvbridge_router.errors import RouteError
 from kvbridge_router.metrics import RouterMetrics
@@ -164,7 +163,7 @@ class Router:
         spent = [0.0]  # seconds inside prefill and decode calls
         try:
             body, raw = await admit(request, route, self.config.limits)
-            request_id = request.headers.get("X-Request-Id") or f"kvb-{uuid.uuid4().hex}"
+            request_id = engine_request_id(request.headers.get("X-Request-Id"))
             headers = {"X-Request-Id": request_id, **{k: request.headers[k] for k in FORWARDED_HEADERS
                                                       if k in request.headers}}  # fmt: skip
             prefill, decode, params = await self._prefill_somewhere(request.path, body, headers, spent)

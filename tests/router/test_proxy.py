@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -370,6 +371,32 @@ async def test_the_clients_authorization_and_one_request_id_reach_both_engines(r
         assert "cookie" not in sent
     assert prefill["x-request-id"] == decode["x-request-id"]
     assert prefill["x-request-id"].startswith("kvb-")
+
+
+@pytest.mark.parametrize(
+    "client_id", ["a:b", "x" * 300, "with space", "semi;colon", "\u00e9", "../../etc", "%00", "-" * 65]
+)
+async def test_a_hostile_client_request_id_never_reaches_the_engines(rig: Rig, client_id: str) -> None:
+    """vLLM derives its request ids from X-Request-Id; kvbridge's connector cannot carry ':' or 256+ characters (it
+    used to raise in vLLM's engine core): the router passes on only ids it knows are safe, and never refuses."""
+    headers = {"X-Request-Id": client_id.encode("utf-8").decode("latin-1")}
+    async with rig.session.post(rig.url + "/v1/completions", json={"prompt": [1]}, headers=headers) as r:
+        assert r.status == 200
+    sent = next(e for e in rig.prefill if e.headers).headers[0]["x-request-id"]
+    assert sent.startswith("kvb-")
+    assert re.fullmatch(r"[A-Za-z0-9._-]{1,100}", sent)
+    assert rig.decode[0].headers[0]["x-request-id"] == sent
+
+
+async def test_a_clients_safe_request_id_is_kept_and_two_clients_ids_never_collide(rig: Rig) -> None:
+    for _ in range(2):
+        headers = {"X-Request-Id": "trace-42.a_b"}
+        async with rig.session.post(rig.url + "/v1/completions", json={"prompt": [1]}, headers=headers) as r:
+            assert r.status == 200
+    ids = [h["x-request-id"] for e in rig.prefill for h in e.headers]
+    assert len(ids) == 2
+    assert all(i.startswith("trace-42.a_b-") for i in ids)
+    assert ids[0] != ids[1]
 
 
 async def two_decodes(rig: Rig) -> FakeEngine:

@@ -13,6 +13,8 @@ clear message instead of a parse error.  Only this module knows the layout.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import re
 from collections.abc import Sequence
@@ -23,7 +25,8 @@ from pydantic import Field, ValidationError
 from .errors import KVBridgeError
 from .model import CacheKind, CamelModel, KVLayout
 
-ENVELOPE_VERSION = 1
+#: 2: heartbeats and digest requests carry each request's lease token (a request's capability, §5)
+ENVELOPE_VERSION = 2
 MAX_HEADER_BYTES = 4096
 MAX_PAYLOAD_BYTES = 1 << 20
 #: brackets a request header may contain (a real one has 2); counted before parsing
@@ -127,19 +130,25 @@ def _check_envelope(header: dict[str, object], fingerprint: str) -> None:
         )
 
 
+#: a request named in a heartbeat or a digest request: prefill's request id and its lease token
+Named = tuple[str, str]
+
+
 def encode_request(
-    kind: MessageType, fingerprint: str, *, rank: int = 0, request_ids: Sequence[str] = ()
+    kind: MessageType, fingerprint: str, *, rank: int = 0, requests: Sequence[Named] = ()
 ) -> list[bytes]:
     header: dict[str, object] = {"version": ENVELOPE_VERSION, "fingerprint": fingerprint, "type": kind.value}
     if kind is MessageType.METADATA:
         header["rank"] = rank
     else:
-        header["requestIds"] = list(request_ids)
+        header["requestIds"] = [request_id for request_id, _ in requests]
+        header["tokens"] = [token for _, token in requests]
     return [_dump(header)]
 
 
-def decode_request(frames: Sequence[bytes], fingerprint: str) -> tuple[MessageType, int, list[str]]:
-    """``(type, rank, request ids)`` of a request; raises :class:`HandshakeError` for anything else."""
+def decode_request(frames: Sequence[bytes], fingerprint: str) -> tuple[MessageType, int, list[Named]]:
+    """``(type, rank, (request id, lease token) pairs)`` of a request; raises :class:`HandshakeError` for anything
+    else."""
     if len(frames) != 1:
         raise HandshakeError(f"request has {len(frames)} frames, expected 1", code=MALFORMED_MESSAGE)
     header = _header(frames[0])
@@ -153,10 +162,12 @@ def decode_request(frames: Sequence[bytes], fingerprint: str) -> tuple[MessageTy
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise HandshakeError(f"rank must be a non-negative integer, got {rank!r}", code=MALFORMED_MESSAGE)
         return kind, rank, []
-    ids = header.get("requestIds")
+    ids, tokens = header.get("requestIds"), header.get("tokens")
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
         raise HandshakeError("requestIds must be a list of strings", code=MALFORMED_MESSAGE)
-    return kind, 0, list(ids)
+    if not isinstance(tokens, list) or len(tokens) != len(ids) or not all(isinstance(t, str) for t in tokens):
+        raise HandshakeError("tokens must be a list of strings, one per request id", code=MALFORMED_MESSAGE)
+    return kind, 0, list(zip(ids, tokens, strict=True))
 
 
 def encode_reply(fingerprint: str, metadata: RankMetadata, agent_metadata: bytes) -> list[bytes]:
@@ -258,6 +269,19 @@ def request_id_problem(request_id: object) -> str:
     return ""
 
 
+def lease_token(secret: bytes, request_id: str) -> str:
+    """The capability to renew a request's lease and fetch its digests (§5): an HMAC of prefill's request id under
+    the engine's own random secret. Prefill puts it in the request's transfer parameters, so only whoever was handed
+    them (the decode the router chose) can hold the blocks longer or ask for the digests; prefill checks it without
+    keeping any state."""
+    return hmac.new(secret, request_id.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def token_matches(secret: bytes, request_id: str, token: str) -> bool:
+    """Whether ``token`` is ``request_id``'s lease token under ``secret`` (a constant-time comparison)."""
+    return hmac.compare_digest(lease_token(secret, request_id), token)
+
+
 class KVTransferParams(CamelModel):
     """What prefill returns for a request and the router hands to decode."""
 
@@ -275,6 +299,8 @@ class KVTransferParams(CamelModel):
     expires_at: float | None = Field(default=None, ge=0)
     #: prefill digested this request (spec.transfer.verification): decode must verify what it read before use
     verify: bool = False
+    #: the request's lease token (:func:`lease_token`): heartbeats and digest requests without it are refused
+    lease_token: str = Field(default="", max_length=64)
 
 
 def notification(prefill_request_id: str, decode_tp_size: int) -> bytes:

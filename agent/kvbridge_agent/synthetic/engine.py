@@ -304,6 +304,7 @@ class Engine:
             fingerprint=self.plan.fingerprint,
             expires_at=expires_at,
             verify=verify,
+            lease_token=self.server.token(request_id) if self.server else "",
         )
 
     def _published_digests(self, request_id: str) -> tuple[DigestState, HeadDigests]:

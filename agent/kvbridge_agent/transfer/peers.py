@@ -46,7 +46,7 @@ def fetch_digests(params: KVTransferParams, fingerprint: str, keys: CurveKeys | 
     client = SideChannelClient(params.remote_host, params.remote_port, fingerprint, keys, timeout)
     delay = 0.002
     while True:
-        state, digests = client.digests(params.remote_request_id)
+        state, digests = client.digests(params.remote_request_id, params.lease_token)
         if state is DigestState.READY:
             return digests
         if state is DigestState.UNKNOWN or time.time() + delay > until:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +29,7 @@ from kvbridge_agent.core.handshake import (
     HandshakeError,
     KVTransferParams,
     MessageType,
+    Named,
     RankMetadata,
     decode_ack,
     decode_digest_reply,
@@ -38,6 +40,8 @@ from kvbridge_agent.core.handshake import (
     encode_error,
     encode_reply,
     encode_request,
+    lease_token,
+    token_matches,
 )
 from kvbridge_agent.transfer.keys import CurveKeys
 
@@ -46,6 +50,9 @@ log = logging.getLogger(__name__)
 #: the largest message the listener accepts: a request is one header frame (ZMQ drops a peer that sends more,
 #: before anything is allocated for it)
 MAX_REQUEST_BYTES = 4 * MAX_HEADER_BYTES
+#: the largest frame a client accepts in a reply (the NIXL agent's metadata is the largest, tens of KiB for a
+#: 128-region cache); ZMQ drops a listener that sends more before allocating it, and the exchange times out
+MAX_REPLY_FRAME_BYTES = 8 << 20
 INTERNAL_ERROR = "INTERNAL_ERROR"
 
 
@@ -65,6 +72,8 @@ class ServerStats:
     rejected: int = 0  # malformed, wrong fingerprint or version, unknown rank
     heartbeats: int = 0
     digests: int = 0
+    #: heartbeats or digest requests naming a request without its lease token (not offered to the asker)
+    not_offered: int = 0
 
 
 @dataclass
@@ -80,6 +89,8 @@ class SideChannelServer:
     #: a request's digests as prefill published them (docs/protocol.md §8), or why there are none
     digests: Callable[[str], tuple[DigestState, HeadDigests]] | None = None
     stats: ServerStats = field(default_factory=ServerStats)
+    #: this listener's secret: the lease tokens of the requests its engine offers are derived from it
+    secret: bytes = field(default_factory=lambda: os.urandom(32), repr=False)
 
     def __post_init__(self) -> None:
         self._context = zmq.Context()
@@ -148,16 +159,18 @@ class SideChannelServer:
             envelope.append(b"")
             rest = rest[1:]
         try:
-            kind, rank, request_ids = decode_request(rest, self.fingerprint)
+            kind, rank, named = decode_request(rest, self.fingerprint)
+            request_ids = self._offered(named)
             if kind is MessageType.HEARTBEAT:
                 self.stats.heartbeats += 1
-                if self.on_heartbeat is not None:
+                if self.on_heartbeat is not None and request_ids:
                     self.on_heartbeat(request_ids)
                 return envelope + encode_ack(self.fingerprint)
             if kind is MessageType.DIGEST:
-                if len(request_ids) != 1:
+                if len(named) != 1:
                     raise HandshakeError("a digest request names one request", code=MALFORMED_MESSAGE)
-                state, found = self.digests(request_ids[0]) if self.digests else (DigestState.UNKNOWN, {})
+                asked = request_ids[0] if request_ids else None
+                state, found = self.digests(asked) if self.digests and asked else (DigestState.UNKNOWN, {})
                 self.stats.digests += 1
                 heads, data = to_bytes(found) if state is DigestState.READY else ([], b"")
                 return envelope + encode_digest_reply(self.fingerprint, state, heads, data)
@@ -170,6 +183,18 @@ class SideChannelServer:
             self.stats.rejected += 1
             log.warning("side channel: rejected a request: %s", exc)
             return envelope + encode_error(self.fingerprint, exc.code, exc.message)
+
+    def token(self, request_id: str) -> str:
+        """The lease token of a request this engine offers (it goes in the request's transfer parameters)."""
+        return lease_token(self.secret, request_id)
+
+    def _offered(self, named: list[Named]) -> list[str]:
+        """The request ids whose lease token is right: those the asker was handed the parameters of."""
+        offered = [request_id for request_id, token in named if token_matches(self.secret, request_id, token)]
+        if len(offered) != len(named):
+            self.stats.not_offered += len(named) - len(offered)
+            log.warning("side channel: %d request(s) named without their lease token", len(named) - len(offered))
+        return offered
 
     def close(self) -> None:
         self._stop.set()
@@ -195,6 +220,7 @@ class SideChannelClient:
         socket = self._context.socket(zmq.REQ)
         try:
             socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_FRAME_BYTES)
             if self.keys is not None:
                 socket.curve_serverkey = self.keys.public
                 socket.curve_publickey = self.keys.public
@@ -211,7 +237,7 @@ class SideChannelClient:
             if remaining <= 0 or not socket.poll(int(remaining * 1000), zmq.POLLIN):
                 raise HandshakeError(
                     f"no answer from {self.endpoint} within {self.timeout:g} s (wrong address, engine down, "
-                    "or a side-channel key that does not match)",
+                    f"a side-channel key that does not match, or a reply frame over {MAX_REPLY_FRAME_BYTES} bytes)",
                     code=HANDSHAKE_TIMEOUT,
                 )
             frames: list[bytes] = socket.recv_multipart()
@@ -228,10 +254,10 @@ class SideChannelClient:
             result[rank] = decode_reply(frames, self.fingerprint)
         return result
 
-    def digests(self, request_id: str) -> tuple[DigestState, HeadDigests]:
-        """The digests prefill published for one of its requests (by prefill's request id)."""
+    def digests(self, request_id: str, token: str) -> tuple[DigestState, HeadDigests]:
+        """The digests prefill published for one of its requests (by prefill's request id and its lease token)."""
         frames = self._exchange(
-            encode_request(MessageType.DIGEST, self.fingerprint, request_ids=[request_id]),
+            encode_request(MessageType.DIGEST, self.fingerprint, requests=[(request_id, token)]),
             time.monotonic() + self.timeout,
         )
         state, heads, data = decode_digest_reply(frames, self.fingerprint)
@@ -240,9 +266,10 @@ class SideChannelClient:
         except ValueError as exc:
             raise HandshakeError(f"digest reply: {exc}", code=MALFORMED_MESSAGE) from exc
 
-    def heartbeat(self, request_ids: Sequence[str]) -> None:
+    def heartbeat(self, requests: Sequence[Named]) -> None:
+        """Renew the leases of these requests (prefill's request id and lease token each)."""
         frames = self._exchange(
-            encode_request(MessageType.HEARTBEAT, self.fingerprint, request_ids=request_ids),
+            encode_request(MessageType.HEARTBEAT, self.fingerprint, requests=requests),
             time.monotonic() + self.timeout,
         )
         decode_ack(frames, self.fingerprint)
@@ -259,16 +286,15 @@ def send_heartbeats(
     """One round of heartbeats: on each prefill engine, renew the leases of the requests (decode's request id ->
     the prefill's parameters) decode still waits on. Returns, for each request whose prefill acknowledged, the
     time the heartbeat was sent (prefill renews from when it receives it: no earlier)."""
-    by_engine: dict[tuple[str, int], list[tuple[str, str]]] = {}
+    by_engine: dict[tuple[str, int], list[tuple[str, KVTransferParams]]] = {}
     for request_id, params in waiting.items():
-        by_engine.setdefault((params.remote_host, params.remote_port), []).append(
-            (request_id, params.remote_request_id)
-        )
+        by_engine.setdefault((params.remote_host, params.remote_port), []).append((request_id, params))
     renewed: dict[str, float] = {}
     for (host, port), pairs in by_engine.items():
         sent = time.time()
         try:
-            SideChannelClient(host, port, fingerprint, keys, timeout).heartbeat([remote for _, remote in pairs])
+            named = [(params.remote_request_id, params.lease_token) for _, params in pairs]
+            SideChannelClient(host, port, fingerprint, keys, timeout).heartbeat(named)
         except HandshakeError as exc:
             log.warning("heartbeat to %s:%s failed: %s", host, port, exc)
             continue

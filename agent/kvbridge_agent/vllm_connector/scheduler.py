@@ -250,6 +250,7 @@ class ConnectorScheduler:
             fingerprint=self.settings.fingerprint,
             expires_at=expires_at,
             verify=verify,
+            lease_token=self._server.token(request_id),
         )
         with self._lock:
             self._leases[request_id] = expires_at

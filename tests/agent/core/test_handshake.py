@@ -32,8 +32,9 @@ META = RankMetadata(
 def test_request_and_reply_round_trip() -> None:
     kind, rank, ids = decode_request(encode_request(MessageType.METADATA, "fp", rank=1), "fp")
     assert (kind, rank, ids) == (MessageType.METADATA, 1, [])
-    kind, _, ids = decode_request(encode_request(MessageType.HEARTBEAT, "fp", request_ids=["a", "b"]), "fp")
-    assert (kind, ids) == (MessageType.HEARTBEAT, ["a", "b"])
+    named = [("a", "t1"), ("b", "t2")]
+    kind, _, ids = decode_request(encode_request(MessageType.HEARTBEAT, "fp", requests=named), "fp")
+    assert (kind, ids) == (MessageType.HEARTBEAT, named)
     meta, agent = decode_reply(encode_reply("fp", META, b"nixl"), "fp")
     assert (meta, agent) == (META, b"nixl")
     decode_ack(encode_ack("fp"), "fp")
@@ -60,10 +61,10 @@ def test_version_mismatch_is_named() -> None:
     [
         ([b"\xff\xfe garbage"], "MALFORMED_MESSAGE"),
         ([b"[1, 2]"], "MALFORMED_MESSAGE"),
-        ([b'{"version": 1, "fingerprint": "fp", "type": "metadata", "rank": -1}'], "MALFORMED_MESSAGE"),
-        ([b'{"version": 1, "fingerprint": "fp", "type": "metadata", "rank": true}'], "MALFORMED_MESSAGE"),
-        ([b'{"version": 1, "fingerprint": "fp", "type": "steal"}'], "UNKNOWN_MESSAGE_TYPE"),
-        ([b'{"version": 1, "fingerprint": "fp", "type": "heartbeat", "requestIds": [1]}'], "MALFORMED_MESSAGE"),
+        ([b'{"version": 2, "fingerprint": "fp", "type": "metadata", "rank": -1}'], "MALFORMED_MESSAGE"),
+        ([b'{"version": 2, "fingerprint": "fp", "type": "metadata", "rank": true}'], "MALFORMED_MESSAGE"),
+        ([b'{"version": 2, "fingerprint": "fp", "type": "steal"}'], "UNKNOWN_MESSAGE_TYPE"),
+        ([b'{"version": 2, "fingerprint": "fp", "type": "heartbeat", "requestIds": [1]}'], "MALFORMED_MESSAGE"),
         ([b"x" * 5000], "MALFORMED_MESSAGE"),
         ([], "MALFORMED_MESSAGE"),
         ([b"{}", b"extra"], "MALFORMED_MESSAGE"),
@@ -110,3 +111,27 @@ def test_kv_transfer_params_reject_ids_with_colons() -> None:
     }
     with pytest.raises(ValueError, match="remoteRequestId"):
         KVTransferParams.model_validate(base)
+
+
+def test_a_lease_token_is_the_request_s_own_under_the_engine_s_secret() -> None:
+    from kvbridge_agent.core.handshake import lease_token, token_matches
+
+    token = lease_token(b"s" * 32, "req-1")
+    assert token_matches(b"s" * 32, "req-1", token)
+    assert not token_matches(b"s" * 32, "req-2", token)  # another request's token
+    assert not token_matches(b"t" * 32, "req-1", token)  # another engine (or a restart) drew another secret
+    assert not token_matches(b"s" * 32, "req-1", "")
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b'{"version":2,"fingerprint":"fp","type":"heartbeat","requestIds":["a"]}',
+        b'{"version":2,"fingerprint":"fp","type":"heartbeat","requestIds":["a"],"tokens":["t","u"]}',
+        b'{"version":2,"fingerprint":"fp","type":"heartbeat","requestIds":["a"],"tokens":[1]}',
+    ],
+)
+def test_request_ids_without_one_token_each_are_malformed(header: bytes) -> None:
+    with pytest.raises(HandshakeError) as caught:
+        decode_request([header], "fp")
+    assert caught.value.code == "MALFORMED_MESSAGE"

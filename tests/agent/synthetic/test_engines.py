@@ -164,10 +164,24 @@ def test_heartbeats_renew_the_lease(cluster: Cluster) -> None:
     params = prefill(p, "kept-alive", 16)
     client = SideChannelClient("127.0.0.1", params["remotePort"], params["fingerprint"], cluster.keys, 2)
     for _ in range(5):  # 5 s > the 3 s lease
-        client.heartbeat(["kept-alive"])
+        client.heartbeat([("kept-alive", params["leaseToken"])])
         time.sleep(1)
         assert "kept-alive" in p.get("/v1/held")["held"]
     assert wait_for(lambda: "kept-alive" not in p.get("/v1/held")["held"], 8)
+
+
+def test_a_lease_is_renewed_only_for_whoever_was_handed_its_parameters(cluster: Cluster) -> None:
+    """A keyed peer that was not handed a request's parameters (no lease token, or another request's) cannot hold
+    its blocks past the lease, nor fetch its digests."""
+    p = cluster.prefill  # type: ignore[attr-defined]
+    params = prefill(p, "not-yours", 16)
+    other = prefill(p, "someone-else", 16)
+    client = SideChannelClient("127.0.0.1", params["remotePort"], params["fingerprint"], cluster.keys, 2)
+    for _ in range(5):  # 5 s > the 3 s lease
+        client.heartbeat([("not-yours", ""), ("not-yours", other["leaseToken"])])
+        time.sleep(1)
+    assert "not-yours" not in p.get("/v1/held")["held"]
+    assert client.digests("someone-else", params["leaseToken"])[0].value == "unknown"
 
 
 def test_unknown_and_malformed_notifications_are_ignored_and_counted(cluster: Cluster) -> None:

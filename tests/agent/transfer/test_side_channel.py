@@ -103,7 +103,10 @@ def test_garbage_frames_get_an_error_reply(server: SideChannelServer, keys: Curv
 
 
 def test_heartbeats_reach_the_engine(server: SideChannelServer, keys: CurveKeys) -> None:
-    client(server, keys).heartbeat(["r1", "r2"])
+    client(server, keys).heartbeat([("r1", server.token("r1")), ("r2", server.token("r2")), ("r3", "forged")])
+    assert server.beats == [["r1", "r2"]]  # type: ignore[attr-defined]
+    assert server.stats.not_offered == 1
+    client(server, keys).heartbeat([("r4", server.token("r1"))])  # another request's token renews nothing
     assert server.beats == [["r1", "r2"]]  # type: ignore[attr-defined]
 
 
@@ -117,7 +120,7 @@ def test_nobody_listening_times_out(keys: CurveKeys, free_port: int) -> None:
 
 def test_request_without_envelope_version(server: SideChannelServer, keys: CurveKeys) -> None:
     frames = encode_request(MessageType.METADATA, "fp", rank=0)
-    frames[0] = frames[0].replace(b'"version":1', b'"version":2')
+    frames[0] = frames[0].replace(b'"version":2', b'"version":1')
     with pytest.raises(HandshakeError) as caught:
         decode_reply(raw_request(server, keys, frames), "fp")
     assert caught.value.code == "PROTOCOL_VERSION_MISMATCH"
@@ -174,17 +177,67 @@ def test_digests_travel_only_to_a_keyed_client_and_bad_digest_requests_are_refus
     srv = SideChannelServer("127.0.0.1", 0, "fp", {0: (META, b"agent-0")}, keys=keys,
                             digests=lambda rid: table.get(rid, (DigestState.UNKNOWN, {}))).start()  # fmt: skip
     try:
-        state, found = client(srv, keys).digests("ready")
+        state, found = client(srv, keys).digests("ready", srv.token("ready"))
         assert state is DigestState.READY
         assert sorted(found) == [0, 3]
         assert found[0].tolist() == row.tolist()
-        assert client(srv, keys).digests("soon") == (DigestState.PENDING, {})
-        assert client(srv, keys).digests("other") == (DigestState.UNKNOWN, {})
-        for ids in (["a", "b"], []):
-            frames = encode_request(MessageType.DIGEST, "fp", request_ids=ids)
+        assert client(srv, keys).digests("soon", srv.token("soon")) == (DigestState.PENDING, {})
+        assert client(srv, keys).digests("other", srv.token("other")) == (DigestState.UNKNOWN, {})
+        # a keyed peer that was not handed the request's parameters gets nothing
+        assert client(srv, keys).digests("ready", srv.token("soon")) == (DigestState.UNKNOWN, {})
+        for ids in ([("a", srv.token("a")), ("b", srv.token("b"))], []):
+            frames = encode_request(MessageType.DIGEST, "fp", requests=ids)
             assert b"MALFORMED_MESSAGE" in raw_request(srv, keys, frames)[0]
         with pytest.raises(HandshakeError):
-            client(srv, generate_keys(tmp_path / "stranger"), timeout=0.5).digests("ready")
-        assert client(srv, keys).digests("ready")[0] is DigestState.READY  # still serving
+            client(srv, generate_keys(tmp_path / "stranger"), timeout=0.5).digests("ready", srv.token("ready"))
+        assert client(srv, keys).digests("ready", srv.token("ready"))[0] is DigestState.READY  # still serving
     finally:
         srv.close()
+
+
+def test_a_reply_frame_over_the_limit_is_refused_before_it_is_allocated(keys: CurveKeys) -> None:
+    """A listener (or something on its port) answering with a 256 MiB frame: the client's ZMQ drops it as it
+    arrives (ZMQ_MAXMSGSIZE), so the client neither allocates it nor hangs. Before the limit a 256 MiB frame cost
+    the client 512 MiB of peak memory before it was refused. Run in a child process to measure its peak."""
+    import subprocess
+    import sys
+    import threading
+
+    context = zmq.Context.instance()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.curve_server = True
+    router.curve_publickey, router.curve_secretkey = keys.public, keys.secret
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def answer_hugely() -> None:
+        big = b"x" * (256 << 20)
+        while not stop.is_set():
+            if router.poll(100):
+                identity, *_ = router.recv_multipart()
+                router.send_multipart([identity, b"", b"{}", big, b"agent"])
+
+    thread = threading.Thread(target=answer_hugely, daemon=True)
+    thread.start()
+    script = f"""
+import resource, sys
+from kvbridge_agent.core.handshake import HandshakeError
+from kvbridge_agent.transfer.keys import CurveKeys
+from kvbridge_agent.transfer.side_channel import SideChannelClient
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    SideChannelClient("127.0.0.1", {port}, "fp", CurveKeys({keys.public!r}, {keys.secret!r}), 3).fetch([0])
+except HandshakeError as exc:
+    print(exc.code)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        router.close()
+    code, grown = done.stdout.split()
+    assert code == "HANDSHAKE_TIMEOUT"
+    assert int(grown) < 64, f"the client's peak memory grew by {grown} MiB"

@@ -154,12 +154,16 @@ def test_decode_heartbeats_renew_the_prefill_lease_until_the_kv_arrived(tmp_path
     decode = ConnectorScheduler(
         ConnectorSettings.from_vllm(vllm_config("kv_consumer"), environ(Role.DECODE, lease=1, keys=tmp_path / "keys"))
     )  # fmt: skip
-    server = SideChannelServer("127.0.0.1", 0, decode.settings.fingerprint, {}, keys, on_heartbeat=seen.append)
+    prefill = prefill_scheduler()
+    params = published(prefill)
+    assert prefill._server is not None
+    secret = prefill._server.secret  # the stand-in listener checks the lease tokens prefill's listener handed out
+    prefill.close()
+    server = SideChannelServer(
+        "127.0.0.1", 0, decode.settings.fingerprint, {}, keys, on_heartbeat=seen.append, secret=secret
+    )
     server.start()
     try:
-        prefill = prefill_scheduler()
-        params = published(prefill)
-        prefill.close()
         params["kvbridge"]["remotePort"] = server.port
         params["kvbridge"]["expiresAt"] = time.time() + 1  # the lease as published, 1 s
         req = request("d3", 70, params)
