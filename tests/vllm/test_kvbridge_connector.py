@@ -276,3 +276,56 @@ async def test_kv_overwritten_after_publish_never_gives_other_tokens(
             assert got != want.tokens, "the overwritten KV did not change the answer: the fault proves nothing"
     await assert_pd_equals_single_engine(session, prefill, decode, model, prompt(2 * BLOCK + 5, salt=44), MAX_TOKENS,
                                          salt="kvb-after-overwrite", what="after a digest mismatch")  # fmt: skip
+
+
+#: client request ids vLLM turns into its own (``cmpl-<id>-...``) that kvbridge cannot carry: a ':' (its
+#: notification separator) and ids past 256 characters raised in request_finished, fatal to vLLM's engine core
+HOSTILE_IDS = ("a:b", "x" * 300, "tab\there")
+
+
+async def test_hostile_request_ids_fail_their_own_request_and_the_engines_keep_serving(
+    kvbridge_engines: Engines, session: aiohttp.ClientSession
+) -> None:
+    """Straight to prefill: the answer says why nothing was offered (INVALID_REQUEST_ID), nothing stays held and
+    the engine keeps serving; through the router: the ids never reach vLLM, every answer equals a single engine's."""
+    prefill, decode, model = urls(kvbridge_engines)
+    tokens = prompt(BLOCK + 3, salt=61)
+    body = {"model": model, "prompt": tokens, "max_tokens": 1, "temperature": 0.0,
+            "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+    held = await metric(session, prefill, "vllm:kvbridge_held_requests")
+    for request_id in HOSTILE_IDS:
+        async with session.post(f"{prefill}/v1/completions", json=body, headers={"X-Request-Id": request_id}) as r:
+            assert r.status == 200, await r.text()
+            params = (await r.json())["kv_transfer_params"]
+        assert params["kvbridge_error"]["code"] == "INVALID_REQUEST_ID"
+        assert params["do_remote_prefill"] is False
+        assert await pd_requests.healthy(session, prefill)
+    assert await metric(session, prefill, "vllm:kvbridge_held_requests") <= held  # nothing offered, nothing held
+    async with running_router() as (router, url):
+        router.set_pool(pool(
+            [endpoint(kvbridge_engines, "kvbridge-prefill", DEPLOYMENTS["kvbridge"], Role.PREFILL)],
+            [endpoint(kvbridge_engines, "kvbridge-decode", DEPLOYMENTS["kvbridge"], Role.DECODE)],
+        ))  # fmt: skip
+        want = await pd_requests.baseline(session, decode, model, tokens, MAX_TOKENS, salt="kvb-hostile-ids")
+        for request_id in HOSTILE_IDS:
+            request = {**body, "max_tokens": MAX_TOKENS, "ignore_eos": True, "return_token_ids": True}
+            del request["kv_transfer_params"]
+            async with session.post(f"{url}/v1/completions", json=request, headers={"X-Request-Id": request_id}) as r:
+                assert r.status == 200, await r.text()
+                assert (await r.json())["choices"][0]["token_ids"] == want.tokens
+        assert await pod_calls(session, url, "prefill", "kvbridge-prefill") == len(HOSTILE_IDS)  # never retried
+
+
+async def test_forged_transfer_parameters_fail_that_request_and_decode_keeps_serving(
+    kvbridge_engines: Engines, session: aiohttp.ClientSession
+) -> None:
+    prefill, decode, model = urls(kvbridge_engines)
+    tokens = prompt(2 * BLOCK, salt=71)
+    params = await pd_requests.prefill(session, prefill, model, tokens)
+    for forged in ({"remoteRequestId": "a:b"}, {"remotePort": 0}, {"remoteBlockIds": "all"}):
+        bad = {**params, "kvbridge": {**params["kvbridge"], **forged}}
+        with pytest.raises(pd_requests.PDRequestError):
+            await pd_requests.decode(session, decode, model, tokens, bad, MAX_TOKENS)
+        assert await pd_requests.healthy(session, decode)
+    await assert_pd_equals_single_engine(session, prefill, decode, model, prompt(BLOCK + 9, salt=72), MAX_TOKENS,
+                                         salt="kvb-after-forged", what="after forged parameters")  # fmt: skip
