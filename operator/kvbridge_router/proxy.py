@@ -17,7 +17,10 @@ engine aborted (HTTP 200 without tokens) counts as a failure: a stream is held b
 it ends with an error event.
 Bounds: ``connect_timeout`` per connection, ``decode_idle_timeout`` for each chunk of a stream (the first one
 included), ``decode_timeout`` per decode call, and ``request_timeout`` for the whole request, retries included:
-no client waits longer. Errors are ``{"error": {"message", "type", "code"}}``, as OpenAI's API writes them.
+no client waits longer. A prefill answer, and a decode answer that is not streamed, is read whole up to
+``max_answer_bytes`` (16 MiB; more is refused unread, ``*_ANSWER_TOO_LARGE``, and not retried: the request asked
+for it); a stream is passed on as it comes. Errors are ``{"error": {"message", "type", "code"}}``, as OpenAI's API
+writes them.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from kvbridge_router.errors import RouteError
 from kvbridge_router.metrics import RouterMetrics
 from kvbridge_router.pool import KV_AWARE, Balancer, Pool, Target
 from kvbridge_router.prefixes import CHUNK_TOKENS, prefix_keys
-from kvbridge_router.upstream import UnreachableError, Upstream, UpstreamError
+from kvbridge_router.upstream import AnswerTooLargeError, UnreachableError, Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
@@ -79,6 +82,8 @@ class RouterConfig:
     max_body_bytes: int = 16 << 20
     #: seconds a request's body may take to arrive (a client that stalls gets 408)
     body_timeout: float = 10.0
+    #: the largest prefill answer, and decode answer when not streamed, read whole (streams are passed on as they come)
+    max_answer_bytes: int = 16 << 20
 
     @property
     def limits(self) -> Limits:
@@ -254,7 +259,7 @@ class Router:
             async with asyncio.timeout(self.config.prefill_timeout):
                 async with self.upstream.post(target.url, path, request, headers,
                                               self.config.connect_timeout) as upstream:  # fmt: skip
-                    data = await upstream.read()
+                    data = await upstream.read(self.config.max_answer_bytes)
             text = data.decode(errors="replace") if upstream.status != 200 else ""
             if upstream.status >= 500:
                 raise RouteError(502, "PREFILL_FAILED", f"prefill pod {target.pod}: HTTP {upstream.status}: "
@@ -264,6 +269,8 @@ class Router:
         except TimeoutError:
             raise RouteError(504, "PREFILL_TIMEOUT", f"prefill pod {target.pod}: no answer within "
                              f"{self.config.prefill_timeout:g} s", retry=True) from None  # fmt: skip
+        except AnswerTooLargeError as exc:  # the request's (prompt_logprobs, say): another pod would answer the same
+            raise RouteError(502, "PREFILL_ANSWER_TOO_LARGE", f"prefill pod {target.pod}: {exc}") from None
         except UpstreamError as exc:
             raise RouteError(502, "PREFILL_UNAVAILABLE", f"prefill pod {target.pod}: {_reason(exc)}",
                              retry=True) from None  # fmt: skip
@@ -296,11 +303,11 @@ class Router:
                 async with self.upstream.post(target.url, request.path, decode_body, headers,
                                               self.config.connect_timeout, idle) as upstream:  # fmt: skip
                     if upstream.status >= 500:  # nothing has reached the client: another pair may serve it
-                        text = (await upstream.read()).decode(errors="replace")
+                        text = (await upstream.read(self.config.max_answer_bytes)).decode(errors="replace")
                         raise RouteError(502, "DECODE_FAILED", f"decode pod {target.pod}: HTTP {upstream.status}: "
                                          f"{text[:300]}", retry=True, reprefill=True)  # fmt: skip
                     if not stream or upstream.status != 200:
-                        data = await upstream.read()
+                        data = await upstream.read(self.config.max_answer_bytes)
                         if upstream.status == 200 and aborted(data):
                             raise RouteError(502, "DECODE_ABORTED", f"decode pod {target.pod}: the engine aborted "
                                              "the request (shutting down?)", retry=True, reprefill=True)  # fmt: skip
@@ -326,6 +333,8 @@ class Router:
                         await response.write(chunk)
                     await response.write_eof()
                     return response
+        except AnswerTooLargeError as exc:  # read before anything reached the client; the request's, not retried
+            raise RouteError(502, "DECODE_ANSWER_TOO_LARGE", f"decode pod {target.pod}: {exc}") from None
         except (TimeoutError, UpstreamError, ConnectionResetError, aiohttp.ClientError) as exc:
             code, status = ("DECODE_TIMEOUT", 504) if isinstance(exc, TimeoutError) else ("DECODE_UNAVAILABLE", 502)
             message = f"decode pod {target.pod}: {_reason(exc)}"

@@ -66,8 +66,8 @@ class AnswerTooLargeError(UpstreamError):
     """A body read whole is larger than its limit; the rest was not read and the connection is closed."""
 
     def __init__(self, limit: int, size: int | None = None) -> None:
-        said = f"announced as {size} bytes" if size is not None else "larger"
-        super().__init__(f"the answer is {said}, over the limit of {limit} bytes")
+        said = f"is announced as {size} bytes, over" if size is not None else "passed"
+        super().__init__(f"the answer {said} the limit of {limit} bytes")
         self.limit = limit
 
 

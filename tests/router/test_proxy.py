@@ -4,6 +4,7 @@ vLLM in tests/vllm/test_router.py): what prefill and decode receive, streaming, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -26,7 +27,8 @@ class FakeEngine:
     """A prefill or decode engine: what it was sent, and how it misbehaves."""
 
     name: str
-    mode: str = "ok"  # ok | 500 | 400 | slow | no-params | die-midstream | DRAIN_ANSWERS (a shutting-down vLLM)
+    #: ok | 500 | 400 | slow | no-params | die-midstream | huge | huge-chunked | DRAIN_ANSWERS (a shutting-down vLLM)
+    mode: str = "ok"
     delay: float = 0.0
     received: list[Obj] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
@@ -48,6 +50,8 @@ class FakeEngine:
                 return web.json_response({"error": {"message": "engine dead"}}, status=500)
             if self.mode == "400":
                 return web.json_response({"error": {"message": "prompt too long"}}, status=400)
+            if self.mode.startswith("huge"):
+                return await huge_answer(request, chunked=self.mode == "huge-chunked")
             params = body.get("kv_transfer_params") or {}
             if params.get("do_remote_decode"):
                 answer: Obj = {"choices": [{"text": "x", "token_ids": [1]}]}
@@ -87,6 +91,26 @@ class FakeEngine:
     def endpoint(self) -> Obj:
         assert self.server is not None
         return {"pod": self.name, "ip": "127.0.0.1", "httpPort": self.server.port, "pairing": "k"}
+
+
+HUGE_BYTES = 8 << 20
+
+
+async def huge_answer(request: web.Request, chunked: bool) -> web.StreamResponse:
+    """An 8 MiB JSON answer, its length announced or chunked; it stops when the router hangs up."""
+    response = web.StreamResponse(headers={"Content-Type": "application/json"})
+    if chunked:
+        response.enable_chunked_encoding()
+    else:
+        response.content_length = HUGE_BYTES
+    await response.prepare(request)
+    with contextlib.suppress(ConnectionError):
+        await response.write(b'{"x": "')
+        for _ in range(HUGE_BYTES // 65536 - 1):
+            await response.write(b"x" * 65536)
+        await response.write(b"x" * (65536 - 9) + b'"}')
+        await response.write_eof()
+    return response
 
 
 #: what vLLM 0.32 answers while it shuts down (SIGTERM, --shutdown-timeout): its engine core rejects the request as
@@ -466,3 +490,28 @@ def test_a_stream_is_held_back_only_until_its_first_token() -> None:
     assert StreamStart().feed(b'data: {"choices": [{"text": "", "finish_reason": "stop"}]}\n\n') is Start.STARTED
     assert StreamStart().end() is Start.FAILED  # nothing at all
     assert StreamStart().feed(b"data: not json\n\n") is Start.STARTED  # not vLLM's framing: passed on
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_an_answer_over_the_size_bound_is_refused_unread_and_not_retried(rig: Rig, chunked: bool) -> None:
+    """A 128 MiB prefill answer was buffered whole (router RSS 40 -> 687 MB); now refused past the bound."""
+    rig.router.config = RouterConfig(prefill_timeout=1.0, decode_timeout=5.0, decode_idle_timeout=1.0,
+                                     max_answer_bytes=1 << 20)  # fmt: skip
+    huge = "huge-chunked" if chunked else "huge"
+    for engine in rig.prefill:
+        engine.mode = huge
+    status, answer = await rig.post({"prompt": [1]})
+    assert (status, answer["error"]["code"]) == (502, "PREFILL_ANSWER_TOO_LARGE"), answer
+    assert str(1 << 20) in answer["error"]["message"]
+    assert sum(len(e.received) for e in rig.prefill) == 1  # the request's answer, not the pod's fault
+    assert rig.decode[0].received == []
+    for engine in rig.prefill:
+        engine.mode = "ok"
+    rig.decode[0].mode = huge
+    status, answer = await rig.post({"prompt": [1]})
+    assert (status, answer["error"]["code"]) == (502, "DECODE_ANSWER_TOO_LARGE"), answer
+    assert len(rig.decode[0].received) == 1
+    assert rig.router.balancer.outstanding == {}
+    rig.decode[0].mode = "ok"
+    status, _ = await rig.post({"prompt": [1]})
+    assert status == 200
