@@ -515,3 +515,33 @@ async def test_an_answer_over_the_size_bound_is_refused_unread_and_not_retried(r
     rig.decode[0].mode = "ok"
     status, _ = await rig.post({"prompt": [1]})
     assert status == 200
+
+
+def test_holding_a_stream_back_judges_each_event_once() -> None:
+    """Each feed re-split and re-judged everything held: quadratic, about 2 s of the event loop for 1,000 empty
+    events. Now each event is judged once, when its end arrives, wherever the chunks cut it."""
+    from kvbridge_router.answers import Start, StreamStart
+
+    judged: list[bytes] = []
+
+    class Counted(StreamStart):
+        def _judge(self, event: bytes) -> Start:
+            judged.append(event)
+            return super()._judge(event)
+
+    empty = b'data: {"choices": [{"index": 0, "text": ""}]}\n\n'
+    start = Counted()
+    for _ in range(1000):
+        assert start.feed(empty) is Start.PENDING
+    assert len(judged) == 1000
+    token = b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+    for cut in (token[:10], token[10:-1]):  # the event's end, "\n\n", cut between two chunks
+        assert start.feed(cut) is Start.PENDING
+    assert start.feed(b"\n") is Start.STARTED
+    assert len(judged) == 1001
+    assert start.held == empty * 1000 + token  # all of it, in order, as it came
+    tail = Counted()
+    assert tail.feed(empty + token[:-2]) is Start.PENDING  # the last event without its end: judged at the end
+    assert tail.end() is Start.STARTED
+    assert tail.held == empty + token[:-2]
+    assert Counted().feed(b"data: [DONE]\n\n") is Start.FAILED
