@@ -196,8 +196,11 @@ async def scripted_server(script: Callable[[int, int], list[bytes]]) -> tuple[st
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
             for index in range(100):
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length:"))  # fmt: skip
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
                 await reader.readexactly(length)
                 for piece in script(connection, index):
                     writer.write(piece)
@@ -243,13 +246,16 @@ async def test_interim_answers_are_skipped_and_the_final_one_is_the_answer() -> 
     upstream.close()
 
 
-@pytest.mark.parametrize("head", [
-    b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\nraw bytes",
-    b"HTTP/1.1 204 No Content\r\n\r\n",
-    b"HTTP/1.1 304 Not Modified\r\nContent-Length: 5\r\n\r\n",
-    b"HTTP/1.1 600 Odd\r\nContent-Length: 0\r\n\r\n",
-    b"HTTP/1.1 099 Odd\r\nContent-Length: 0\r\n\r\n",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\nraw bytes",
+        b"HTTP/1.1 204 No Content\r\n\r\n",
+        b"HTTP/1.1 304 Not Modified\r\nContent-Length: 5\r\n\r\n",
+        b"HTTP/1.1 600 Odd\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 099 Odd\r\nContent-Length: 0\r\n\r\n",
+    ],
+)
 async def test_a_switching_bodiless_or_odd_status_is_an_error_and_the_connection_is_dropped(head: bytes) -> None:
     upstream = Upstream(keepalive=3.0)
     url, server, connections = await scripted_server(lambda c, i: [head] if (c, i) == (0, 0) else [answer(b"ok")])
@@ -294,11 +300,14 @@ async def test_bytes_on_an_idle_connection_discard_it() -> None:
     upstream.close()
 
 
-@pytest.mark.parametrize("head", [
-    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n",
-    b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n",
+        b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n",
+    ],
+)
 async def test_an_answer_delimited_by_closing_the_connection_is_complete_when_it_closes(head: bytes) -> None:
     upstream = Upstream(keepalive=3.0)
     body = b'{"kv_transfer_params": {"a": 1}}' * 1000
