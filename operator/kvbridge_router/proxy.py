@@ -15,12 +15,13 @@ read), else prefilled again (the failed pod may have read the KV, and prefill fr
 engine aborted (HTTP 200 without tokens) counts as a failure: a stream is held back until its first token
 (answers.py). A 4xx from decode is the client's and is passed back. Once the stream has begun it is not retried:
 it ends with an error event.
-Bounds: ``connect_timeout`` per connection, ``decode_idle_timeout`` for each chunk of a stream (the first one
-included), ``decode_timeout`` per decode call, and ``request_timeout`` for the whole request, retries included:
-no client waits longer. A prefill answer, and a decode answer that is not streamed, is read whole up to
-``max_answer_bytes`` (16 MiB; more is refused unread, ``*_ANSWER_TOO_LARGE``, and not retried: the request asked
-for it); a stream is passed on as it comes. Errors are ``{"error": {"message", "type", "code"}}``, as OpenAI's API
-writes them.
+Bounds: ``connect_timeout`` per connection, ``prefill_timeout`` per prefill call, ``decode_idle_timeout`` for each
+chunk of a stream (the first one included), ``decode_timeout`` per decode call, and ``request_timeout`` for the
+whole request, retries included: no call gets more than the time left, none is made when none is left (504
+``REQUEST_TIMEOUT`` when prefill runs out of it), and no client waits longer. A prefill answer, and a decode answer
+that is not streamed, is read whole up to ``max_answer_bytes`` (16 MiB; more is refused unread,
+``*_ANSWER_TOO_LARGE``, and not retried: the request asked for it); a stream is passed on as it comes. Errors are
+``{"error": {"message", "type", "code"}}``, as OpenAI's API writes them.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ class Router:
             request_id = request.headers.get("X-Request-Id") or f"kvb-{uuid.uuid4().hex}"
             headers = {"X-Request-Id": request_id, **{k: request.headers[k] for k in FORWARDED_HEADERS
                                                       if k in request.headers}}  # fmt: skip
-            prefill, decode, params = await self._prefill_somewhere(request.path, body, headers, spent)
+            prefill, decode, params = await self._prefill_somewhere(request.path, body, headers, spent, started)
             tried: list[str] = []
             while True:
                 try:
@@ -194,8 +195,9 @@ class Router:
                         # a new request id: the first prefill pod may still hold the first one's KV (until its
                         # lease ends) and would refuse the id as a duplicate
                         headers = {**headers, "X-Request-Id": f"{request_id}-retry{len(tried)}"}
-                        prefill, decode, params = await self._prefill_somewhere(request.path, body, headers, spent,
-                                                                                exclude_decodes=tried)  # fmt: skip
+                        prefill, decode, params = await self._prefill_somewhere(
+                            request.path, body, headers, spent, started, exclude_decodes=tried
+                        )
                     else:
                         log.warning("decode pod %s unreachable (%s); trying %s", decode.pod, exc.message, other.pod)
                         decode = other
@@ -215,14 +217,19 @@ class Router:
         body: Obj,
         headers: dict[str, str],
         spent: list[float],
+        started: float,
         exclude_decodes: list[str] | None = None,
     ) -> tuple[Target, Target, Obj]:
         """Prefill on the pod the policy chooses among those with a decode partner (other than
-        ``exclude_decodes``); on a pod failure, on another one."""
+        ``exclude_decodes``); on a pod failure, on another one. Each call is bounded by ``prefill_timeout`` and by
+        what is left of the request's ``request_timeout`` (it ``started`` then); none is made when nothing is."""
         tried: list[str] = []
         last: RouteError | None = None
         keys = prefix_keys(body, self.config.block_tokens) if self.balancer.policy == KV_AWARE else []
         for _ in range(self.config.prefill_attempts):
+            left = self.config.request_timeout - (time.perf_counter() - started)
+            if left <= 0:
+                raise self._request_timeout(tried)
             pair = self.balancer.choose(self.pool, exclude=tried, exclude_decodes=exclude_decodes or (), keys=keys)
             if pair is None:
                 break
@@ -231,10 +238,13 @@ class Router:
                 hit = self.balancer.last_matched
                 self.metrics.prefix_chunks.labels("hit").inc(hit)
                 self.metrics.prefix_chunks.labels("miss").inc(len(keys) - hit)
-            started = time.perf_counter()
+            called = time.perf_counter()
+            timeout = min(self.config.prefill_timeout, left)
             try:
-                params = await self._call_prefill(path, prefill, body, headers)
+                params = await self._call_prefill(path, prefill, body, headers, timeout)
             except RouteError as exc:
+                if exc.code == "PREFILL_TIMEOUT" and timeout < self.config.prefill_timeout:
+                    raise self._request_timeout([*tried, prefill.pod]) from None  # cut at the time left: no more
                 if not exc.retry:
                     raise
                 more = len(tried) + 1 < self.config.prefill_attempts
@@ -245,18 +255,26 @@ class Router:
                 last = exc
                 continue
             finally:
-                spent[0] += time.perf_counter() - started
-            self.metrics.prefill_seconds.observe(time.perf_counter() - started)
+                spent[0] += time.perf_counter() - called
+            self.metrics.prefill_seconds.observe(time.perf_counter() - called)
             return prefill, decode, params
         if last is not None:
             raise RouteError(last.status, last.code, f"{last.message} (prefill pods tried: {', '.join(tried)})")
         raise RouteError(503, "NO_ROUTE", self.pool.problem() or "every paired prefill pod failed")
 
-    async def _call_prefill(self, path: str, target: Target, body: Obj, headers: dict[str, str]) -> Obj:
+    def _request_timeout(self, tried: list[str]) -> RouteError:
+        pods = f" (prefill pods tried: {', '.join(tried)})" if tried else ""
+        return RouteError(
+            504,
+            "REQUEST_TIMEOUT",
+            f"no answer within the request's bound, request_timeout {self.config.request_timeout:g} s{pods}",
+        )
+
+    async def _call_prefill(self, path: str, target: Target, body: Obj, headers: dict[str, str], timeout: float) -> Obj:
         request = _encoded(prefill_request(body))
         self._enter("prefill", target)
         try:
-            async with asyncio.timeout(self.config.prefill_timeout):
+            async with asyncio.timeout(timeout):
                 async with self.upstream.post(target.url, path, request, headers,
                                               self.config.connect_timeout) as upstream:  # fmt: skip
                     data = await upstream.read(self.config.max_answer_bytes)
@@ -267,8 +285,8 @@ class Router:
             if upstream.status != 200:  # the request's fault: another pod would refuse it too
                 raise RouteError(upstream.status, "PREFILL_REFUSED", f"prefill pod {target.pod}: {text[:1000]}")
         except TimeoutError:
-            raise RouteError(504, "PREFILL_TIMEOUT", f"prefill pod {target.pod}: no answer within "
-                             f"{self.config.prefill_timeout:g} s", retry=True) from None  # fmt: skip
+            raise RouteError(504, "PREFILL_TIMEOUT", f"prefill pod {target.pod}: no answer within {timeout:g} s",
+                             retry=True) from None  # fmt: skip
         except AnswerTooLargeError as exc:  # the request's (prompt_logprobs, say): another pod would answer the same
             raise RouteError(502, "PREFILL_ANSWER_TOO_LARGE", f"prefill pod {target.pod}: {exc}") from None
         except UpstreamError as exc:

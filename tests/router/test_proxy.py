@@ -495,8 +495,9 @@ def test_a_stream_is_held_back_only_until_its_first_token() -> None:
 @pytest.mark.parametrize("chunked", [False, True])
 async def test_an_answer_over_the_size_bound_is_refused_unread_and_not_retried(rig: Rig, chunked: bool) -> None:
     """A 128 MiB prefill answer was buffered whole (router RSS 40 -> 687 MB); now refused past the bound."""
-    rig.router.config = RouterConfig(prefill_timeout=1.0, decode_timeout=5.0, decode_idle_timeout=1.0,
-                                     max_answer_bytes=1 << 20)  # fmt: skip
+    rig.router.config = RouterConfig(
+        prefill_timeout=1.0, decode_timeout=5.0, decode_idle_timeout=1.0, max_answer_bytes=1 << 20
+    )
     huge = "huge-chunked" if chunked else "huge"
     for engine in rig.prefill:
         engine.mode = huge
@@ -545,3 +546,27 @@ def test_holding_a_stream_back_judges_each_event_once() -> None:
     assert tail.end() is Start.STARTED
     assert tail.held == empty + token[:-2]
     assert Counted().feed(b"data: [DONE]\n\n") is Start.FAILED
+
+
+async def test_the_whole_request_bounds_prefill_and_its_retries(rig: Rig) -> None:
+    """Each prefill call had prefill_timeout whatever the time left: three slow pods kept a client 3 s past a 1.3 s
+    request_timeout. Now each call gets at most the time left, and none is tried when none is left."""
+    third = FakeEngine("prefill-2")
+    await third.start()
+    rig.prefill.append(third)
+    rig.route()
+    rig.router.config = RouterConfig(
+        prefill_timeout=1.0, decode_timeout=5.0, decode_idle_timeout=1.0, request_timeout=1.3
+    )
+    for engine in rig.prefill:
+        engine.mode = "slow"
+    started = asyncio.get_running_loop().time()
+    status, answer = await rig.post({"prompt": [1]})
+    took = asyncio.get_running_loop().time() - started
+    assert (status, answer["error"]["code"]) == (504, "REQUEST_TIMEOUT"), answer
+    assert "1.3 s" in answer["error"]["message"]
+    assert "prefill pods tried: " in answer["error"]["message"]
+    assert 1.2 < took < 2.2, took  # 1 s, then the 0.3 s left; not 3 x 1 s
+    assert sum(len(e.received) for e in rig.prefill) == 2
+    assert rig.decode[0].received == []
+    assert rig.router.balancer.outstanding == {}
