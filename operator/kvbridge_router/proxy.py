@@ -18,8 +18,10 @@ it ends with an error event.
 Bounds: ``connect_timeout`` per connection, ``prefill_timeout`` per prefill call, ``decode_idle_timeout`` for each
 chunk of a stream (the first one included), ``decode_timeout`` per decode call, and ``request_timeout`` for the
 whole request, retries included: no call gets more than the time left, none is made when none is left (504
-``REQUEST_TIMEOUT`` when prefill runs out of it), and no client waits longer. A prefill answer, and a decode answer
-that is not streamed, is read whole up to ``max_answer_bytes`` (16 MiB; more is refused unread,
+``REQUEST_TIMEOUT`` when prefill runs out of it), and no client waits longer. A client's connection is closed when a
+request's head has not arrived ``header_timeout`` seconds after the connection opened or the head began
+(:class:`_HeadBound`), and when idle ``CLIENT_KEEPALIVE_SECONDS``; its body has ``body_timeout``. A prefill answer,
+and a decode answer that is not streamed, is read whole up to ``max_answer_bytes`` (16 MiB; more is refused unread,
 ``*_ANSWER_TOO_LARGE``, and not retried: the request asked for it); a stream is passed on as it comes. Errors are
 ``{"error": {"message", "type", "code"}}``, as OpenAI's API writes them.
 """
@@ -33,6 +35,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -59,6 +62,9 @@ MAX_HEADERS = 64
 MAX_HEADER_BYTES = 8190
 #: idle upstream connections are dropped before vLLM's own keep-alive timeout (5 s) closes them under us
 KEEPALIVE_SECONDS = 3.0
+#: clients' idle keep-alive connections are closed after this; longer than load balancers' idle timeouts (AWS ALB's
+#: 60 s), which then close first and never send on a connection the router is closing
+CLIENT_KEEPALIVE_SECONDS = 75.0
 #: JSON's whitespace and an object's brackets, as byte values
 JSON_SPACE = frozenset(b" \t\r\n")
 OPEN, CLOSE = ord("{"), ord("}")
@@ -83,6 +89,9 @@ class RouterConfig:
     max_body_bytes: int = 16 << 20
     #: seconds a request's body may take to arrive (a client that stalls gets 408)
     body_timeout: float = 10.0
+    #: seconds a request's head may take to arrive, from the connection's opening or the head's first byte (a client
+    #: that sends nothing or half a head is disconnected)
+    header_timeout: float = 10.0
     #: the largest prefill answer, and decode answer when not streamed, read whole (streams are passed on as they come)
     max_answer_bytes: int = 16 << 20
 
@@ -112,7 +121,7 @@ class Router:
         self.metrics.endpoints.labels("decode").set(len(pool.decode))
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[_head_arrived])
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/v1/models", self._models)
@@ -441,16 +450,102 @@ class _MalformedInOneLine(logging.Filter):
         return True
 
 
+class _HeadBound(asyncio.Protocol):
+    """aiohttp's protocol for one client connection, with a bound on the request head: the connection is closed when
+    no whole head arrived ``timeout`` seconds after the connection opened, or after the first byte of a later
+    request (aiohttp's own timer bounds only idle keep-alive connections, and not at all before version 3.14). The
+    app's middleware (:func:`_head_arrived`) says when a head arrived and when its request was answered; a head
+    begun while the previous request is served waits for the keep-alive bound."""
+
+    def __init__(self, inner: web.RequestHandler, timeout: float) -> None:
+        self.inner, self.timeout = inner, timeout
+        self._timer: asyncio.TimerHandle | None = None
+        self._serving = False  # a head arrived and its request is not answered yet
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.inner.connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if not self._serving and self._timer is None:  # the first byte of the next request's head
+            self._arm()
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        self.inner.eof_received()
+        return False  # as aiohttp's: the transport closes itself once the client has closed its side
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def head_arrived(self) -> None:
+        self._serving = True
+        self._disarm()
+
+    def answered(self, _: object = None) -> None:
+        self._serving = False
+
+    def _arm(self) -> None:
+        self._timer = asyncio.get_running_loop().call_later(self.timeout, self._expired)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self) -> None:
+        self._timer = None
+        if not self._serving:
+            self.inner.force_close()
+
+
+@web.middleware
+async def _head_arrived(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Tells the connection's :class:`_HeadBound` (when served by :func:`serve`) that a head arrived, and that its
+    request was answered when the request's task ends (aiohttp runs each in its own, answer written included)."""
+    transport = request.transport
+    bound = transport.get_protocol() if transport is not None else None
+    if isinstance(bound, _HeadBound):
+        bound.head_arrived()
+        task = asyncio.current_task()
+        if task is not None:
+            task.add_done_callback(bound.answered)
+    return await handler(request)
+
+
 async def serve(router: Router, host: str, port: int, stop: asyncio.Event) -> None:
     """Serve until ``stop`` is set."""
     server_log = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, _MalformedInOneLine) for f in server_log.filters):
         server_log.addFilter(_MalformedInOneLine())
-    runner = web.AppRunner(router.app(), access_log=None, max_headers=MAX_HEADERS, max_field_size=MAX_HEADER_BYTES,
-                           max_line_size=MAX_HEADER_BYTES)  # fmt: skip
+    runner = web.AppRunner(
+        router.app(),
+        access_log=None,
+        keepalive_timeout=CLIENT_KEEPALIVE_SECONDS,
+        max_headers=MAX_HEADERS,
+        max_field_size=MAX_HEADER_BYTES,
+        max_line_size=MAX_HEADER_BYTES,
+    )
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
+    handlers = runner.server  # aiohttp's protocol factory, each protocol wrapped in the head's bound
+    if handlers is None:
+        raise RuntimeError("the router's app runner has no server")
+    timeout = router.config.header_timeout
+    loop = asyncio.get_running_loop()
+    try:
+        listening = await loop.create_server(lambda: _HeadBound(handlers(), timeout), host, port, backlog=128)
+    except BaseException:
+        await runner.cleanup()
+        raise
     log.info("router listening on %s:%d", host, port)
     # what was built at start-up (modules, the app) lives as long as the router: keep it out of the collector's
     # scans, which otherwise grow with every import and run every few hundred allocations
@@ -458,4 +553,5 @@ async def serve(router: Router, host: str, port: int, stop: asyncio.Event) -> No
     try:
         await stop.wait()
     finally:
+        listening.close()
         await runner.cleanup()
