@@ -6,25 +6,25 @@ redirects, proxies, URL building, compression, tracing. This one writes a reques
 write (the body's pieces as given: a view of the client's bytes is not copied) and parses the answer with
 ``httptools`` (llhttp, Node's parser: Content-Length, chunked and keep-alive handled there).
 
-Answers are read as HTTP/1.1 says: interim ``1xx`` answers (``100 Continue``, ``103 Early Hints``) are skipped
-and the final answer is the one given; a body without ``Content-Length`` or chunked framing ends when the engine
-closes the connection. A status that is no final answer with a body (``101``, ``204``, ``304``, anything outside
-200-599) is an error.
+Answers are read as HTTP/1.1 says: interim ``1xx`` answers (``100 Continue``, ``103 Early Hints``) are skipped and
+the final answer is the one given; a body with neither ``Content-Length`` nor ``Transfer-Encoding`` ends when the
+engine closes the connection. A status that is no final answer with a body (``101``, ``204``, ``304``, anything
+outside 200-599) is an error.
 
 Errors: :class:`UnreachableError` when no connection could be made (nothing was sent: another pod may be tried with
-the same request), :class:`UpstreamError` for anything after (the engine may have the request; a malformed answer,
-a status as above, a connection closed mid-answer), :class:`AnswerTooLargeError` (an ``UpstreamError``) when a body read
-whole passes its limit, ``TimeoutError`` for a bound passed. A connection is reused only after its answer was read
-whole and the engine kept it alive; one that fails, or on which the engine sends anything while no answer is due
-(after the answer, or while idle in the pool), is closed, so no byte of one answer can become another's. Idle
+the same request), :class:`UpstreamError` for anything after (the engine may have the request; a malformed answer, a
+status as above, a connection closed mid-answer), :class:`AnswerTooLargeError` (an ``UpstreamError``) when a body
+read whole passes its limit, ``TimeoutError`` for a bound passed. A connection is reused only after its answer was
+read whole and the engine kept it alive; one that fails, or on which the engine sends anything while no answer is
+due (after the answer, or while idle in the pool), is closed, so no byte of one answer can become another's. Idle
 ones are dropped after ``keepalive`` seconds (before the engine's own keep-alive timeout closes them under a
 request).
 
 Bounds: an answer's head is at most ``MAX_HEAD_BYTES`` (interim answers included, at most ``MAX_INTERIM`` of them);
 a body read whole (:meth:`Answer.read`) at most its ``limit`` (``MAX_ANSWER_BYTES`` unless given), refused on an
-announced ``Content-Length`` before a byte of it is read, else as soon as it passes; a body arriving faster than
-the router passes it on pauses reading from the engine (at ``BUFFER_BYTES``), so a slow client holds back its
-engine's stream, not the router's memory.
+announced ``Content-Length`` before a byte of it is read, else as soon as it passes; a body arriving faster than the
+router passes it on pauses reading from the engine (at ``BUFFER_BYTES``), so a slow client holds back its engine's
+stream, not the router's memory.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class _Connection(asyncio.Protocol):
         self._head_bytes = 0
         self._interim = 0  # interim answers skipped so far; the one being parsed is one while _in_interim
         self._in_interim = False
-        self._framed = False  # the body's end is given (Content-Length, chunked): else it ends at the close
+        self._framed = False  # the body's end is given (Content-Length, Transfer-Encoding): else it is the close
 
     # -- asyncio.Protocol ----------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -166,17 +166,13 @@ class _Connection(asyncio.Protocol):
         if self._answer is None or self._complete:
             raise _OutOfTurnError("the engine sent data with no request outstanding")
         self._answer.headers.clear()  # an interim answer's headers are not the final one's
-        self._framed = False
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._head_bytes += len(name) + len(value)
         if self._head_bytes > MAX_HEAD_BYTES:
             raise UpstreamError(f"the answer's headers exceed {MAX_HEAD_BYTES} bytes")
-        key = name.decode("latin-1").lower()
-        if key == "content-length" or (key == "transfer-encoding" and value.rstrip().lower().endswith(b"chunked")):
-            self._framed = True
         if self._answer is not None:
-            self._answer.headers[key] = value.decode("latin-1")
+            self._answer.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
@@ -190,6 +186,8 @@ class _Connection(asyncio.Protocol):
             raise UpstreamError(f"the engine answered with status {status}, not an answer with a body")
         if self._answer is not None:
             self._answer.status = status
+            # a body's end is given by its length or its transfer coding; with neither, it ends at the close
+            self._framed = "content-length" in self._answer.headers or "transfer-encoding" in self._answer.headers
         if not self._head.done():
             self._head.set_result(None)
 

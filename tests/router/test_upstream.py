@@ -136,6 +136,7 @@ async def test_no_connection_is_unreachable_and_a_broken_answer_is_an_upstream_e
     answers = [
         b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nshort",  # closed mid-body
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab",  # closed mid-chunk
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: Chunked\r\n\r\n5\r\nab",  # the coding's name in any case
         b"NOT HTTP AT ALL\r\n\r\n",  # malformed
         b"",  # closed before answering
     ]
