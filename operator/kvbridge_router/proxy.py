@@ -455,7 +455,8 @@ class _HeadBound(asyncio.Protocol):
     no whole head arrived ``timeout`` seconds after the connection opened, or after the first byte of a later
     request (aiohttp's own timer bounds only idle keep-alive connections, and not at all before version 3.14). The
     app's middleware (:func:`_head_arrived`) says when a head arrived and when its request was answered; a head
-    begun while the previous request is served waits for the keep-alive bound."""
+    begun while the previous request is served waits for the keep-alive bound, and none is late while an answer is
+    still being written."""
 
     def __init__(self, inner: web.RequestHandler, timeout: float) -> None:
         self.inner, self.timeout = inner, timeout
@@ -489,7 +490,7 @@ class _HeadBound(asyncio.Protocol):
         self._serving = True
         self._disarm()
 
-    def answered(self, _: object = None) -> None:
+    def answered(self) -> None:
         self._serving = False
 
     def _arm(self) -> None:
@@ -502,24 +503,30 @@ class _HeadBound(asyncio.Protocol):
 
     def _expired(self) -> None:
         self._timer = None
-        if not self._serving:
-            self.inner.force_close()
+        transport = self.inner.transport
+        if self._serving or transport is None:
+            return
+        if transport.get_write_buffer_size():  # an answer still going out: the next head is not late yet
+            self._arm()
+            return
+        self.inner.force_close()
 
 
 @web.middleware
 async def _head_arrived(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    """Tells the connection's :class:`_HeadBound` (when served by :func:`serve`) that a head arrived, and that its
-    request was answered when the request's task ends (aiohttp runs each in its own, answer written included)."""
+    """Tells the connection's :class:`_HeadBound` (when served by :func:`serve`) that a head arrived, and when its
+    request's handler returned."""
     transport = request.transport
     bound = transport.get_protocol() if transport is not None else None
-    if isinstance(bound, _HeadBound):
-        bound.head_arrived()
-        task = asyncio.current_task()
-        if task is not None:
-            task.add_done_callback(bound.answered)
-    return await handler(request)
+    if not isinstance(bound, _HeadBound):
+        return await handler(request)
+    bound.head_arrived()
+    try:
+        return await handler(request)
+    finally:
+        bound.answered()
 
 
 async def serve(router: Router, host: str, port: int, stop: asyncio.Event) -> None:
