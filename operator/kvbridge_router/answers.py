@@ -32,22 +32,34 @@ def aborted(body: bytes) -> bool:
 
 
 class StreamStart:
-    """Reads a decode stream's first events (Server-Sent Events as vLLM writes them) until it knows."""
+    """Reads a decode stream's first events (Server-Sent Events as vLLM writes them) until it knows.
+
+    Linear in what it holds: each event is judged once, when its end (a blank line) arrives; only the bytes after
+    the last complete event are kept apart, and each feed looks only at what it brought."""
 
     def __init__(self) -> None:
-        self._held = b""
+        self._held: list[bytes] = []
+        self._size = 0
+        self._tail = bytearray()  # the bytes after the last complete event: its next event's beginning
         self.reason = ""
 
     @property
     def held(self) -> bytes:
         """What was read so far (written to the client once the stream has started)."""
-        return self._held
+        return b"".join(self._held)
 
     def feed(self, chunk: bytes) -> Start:
-        self._held += chunk
-        if len(self._held) > _MAX_HELD_BYTES:
+        self._held.append(chunk)
+        self._size += len(chunk)
+        if self._size > _MAX_HELD_BYTES:
             return Start.STARTED
-        *events, _ = self._held.split(b"\n\n")
+        seen = max(len(self._tail) - 1, 0)  # the tail holds no event end; one may span it and the chunk
+        self._tail += chunk
+        end = self._tail.rfind(b"\n\n", seen)
+        if end < 0:
+            return Start.PENDING
+        events = bytes(self._tail[:end]).split(b"\n\n")
+        del self._tail[: end + 2]
         for event in events:
             state = self._judge(event)
             if state is not Start.PENDING:
@@ -55,8 +67,9 @@ class StreamStart:
         return Start.PENDING
 
     def end(self) -> Start:
-        """The stream ended: started only if an event with content came."""
-        state = self.feed(b"\n\n")
+        """The stream ended: started only if an event with content came (its last event may lack its end)."""
+        state = Start.STARTED if self._size > _MAX_HELD_BYTES else self._judge(bytes(self._tail))
+        self._tail.clear()
         if state is Start.PENDING:
             self.reason = "the stream ended before any token"
             return Start.FAILED

@@ -15,9 +15,15 @@ read), else prefilled again (the failed pod may have read the KV, and prefill fr
 engine aborted (HTTP 200 without tokens) counts as a failure: a stream is held back until its first token
 (answers.py). A 4xx from decode is the client's and is passed back. Once the stream has begun it is not retried:
 it ends with an error event.
-Bounds: ``connect_timeout`` per connection, ``decode_idle_timeout`` for each chunk of a stream (the first one
-included), ``decode_timeout`` per decode call, and ``request_timeout`` for the whole request, retries included:
-no client waits longer. Errors are ``{"error": {"message", "type", "code"}}``, as OpenAI's API writes them.
+Bounds: ``connect_timeout`` per connection, ``prefill_timeout`` per prefill call, ``decode_idle_timeout`` for each
+chunk of a stream (the first one included), ``decode_timeout`` per decode call, and ``request_timeout`` for the
+whole request, retries included: no call gets more than the time left, none is made when none is left (504
+``REQUEST_TIMEOUT`` when prefill runs out of it), and no client waits longer. A client's connection is closed when a
+request's head has not arrived ``header_timeout`` seconds after the connection opened or the head began
+(:class:`_HeadBound`), and when idle ``CLIENT_KEEPALIVE_SECONDS``; its body has ``body_timeout``. A prefill answer,
+and a decode answer that is not streamed, is read whole up to ``max_answer_bytes`` (16 MiB; more is refused unread,
+``*_ANSWER_TOO_LARGE``, and not retried: the request asked for it); a stream is passed on as it comes. Errors are
+``{"error": {"message", "type", "code"}}``, as OpenAI's API writes them.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import gc
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -41,7 +48,7 @@ from kvbridge_router.errors import RouteError
 from kvbridge_router.metrics import RouterMetrics
 from kvbridge_router.pool import KV_AWARE, Balancer, Pool, Target
 from kvbridge_router.prefixes import CHUNK_TOKENS, prefix_keys
-from kvbridge_router.upstream import UnreachableError, Upstream, UpstreamError
+from kvbridge_router.upstream import AnswerTooLargeError, UnreachableError, Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
@@ -54,6 +61,9 @@ MAX_HEADERS = 64
 MAX_HEADER_BYTES = 8190
 #: idle upstream connections are dropped before vLLM's own keep-alive timeout (5 s) closes them under us
 KEEPALIVE_SECONDS = 3.0
+#: clients' idle keep-alive connections are closed after this; longer than load balancers' idle timeouts (AWS ALB's
+#: 60 s), which then close first and never send on a connection the router is closing
+CLIENT_KEEPALIVE_SECONDS = 75.0
 #: JSON's whitespace and an object's brackets, as byte values
 JSON_SPACE = frozenset(b" \t\r\n")
 OPEN, CLOSE = ord("{"), ord("}")
@@ -78,6 +88,11 @@ class RouterConfig:
     max_body_bytes: int = 16 << 20
     #: seconds a request's body may take to arrive (a client that stalls gets 408)
     body_timeout: float = 10.0
+    #: seconds a request's head may take to arrive, from the connection's opening or the head's first byte (a client
+    #: that sends nothing or half a head is disconnected)
+    header_timeout: float = 10.0
+    #: the largest prefill answer, and decode answer when not streamed, read whole (streams are passed on as they come)
+    max_answer_bytes: int = 16 << 20
 
     @property
     def limits(self) -> Limits:
@@ -105,7 +120,7 @@ class Router:
         self.metrics.endpoints.labels("decode").set(len(pool.decode))
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[_head_arrived])
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/v1/models", self._models)
@@ -166,7 +181,7 @@ class Router:
             request_id = engine_request_id(request.headers.get("X-Request-Id"))
             headers = {"X-Request-Id": request_id, **{k: request.headers[k] for k in FORWARDED_HEADERS
                                                       if k in request.headers}}  # fmt: skip
-            prefill, decode, params = await self._prefill_somewhere(request.path, body, headers, spent)
+            prefill, decode, params = await self._prefill_somewhere(request.path, body, headers, spent, started)
             tried: list[str] = []
             while True:
                 try:
@@ -188,8 +203,9 @@ class Router:
                         # a new request id: the first prefill pod may still hold the first one's KV (until its
                         # lease ends) and would refuse the id as a duplicate
                         headers = {**headers, "X-Request-Id": f"{request_id}-retry{len(tried)}"}
-                        prefill, decode, params = await self._prefill_somewhere(request.path, body, headers, spent,
-                                                                                exclude_decodes=tried)  # fmt: skip
+                        prefill, decode, params = await self._prefill_somewhere(
+                            request.path, body, headers, spent, started, exclude_decodes=tried
+                        )
                     else:
                         log.warning("decode pod %s unreachable (%s); trying %s", decode.pod, exc.message, other.pod)
                         decode = other
@@ -209,14 +225,19 @@ class Router:
         body: Obj,
         headers: dict[str, str],
         spent: list[float],
+        started: float,
         exclude_decodes: list[str] | None = None,
     ) -> tuple[Target, Target, Obj]:
         """Prefill on the pod the policy chooses among those with a decode partner (other than
-        ``exclude_decodes``); on a pod failure, on another one."""
+        ``exclude_decodes``); on a pod failure, on another one. Each call is bounded by ``prefill_timeout`` and by
+        what is left of the request's ``request_timeout`` (it ``started`` then); none is made when nothing is."""
         tried: list[str] = []
         last: RouteError | None = None
         keys = prefix_keys(body, self.config.block_tokens) if self.balancer.policy == KV_AWARE else []
         for _ in range(self.config.prefill_attempts):
+            left = self.config.request_timeout - (time.perf_counter() - started)
+            if left <= 0:
+                raise self._request_timeout(tried)
             pair = self.balancer.choose(self.pool, exclude=tried, exclude_decodes=exclude_decodes or (), keys=keys)
             if pair is None:
                 break
@@ -225,10 +246,13 @@ class Router:
                 hit = self.balancer.last_matched
                 self.metrics.prefix_chunks.labels("hit").inc(hit)
                 self.metrics.prefix_chunks.labels("miss").inc(len(keys) - hit)
-            started = time.perf_counter()
+            called = time.perf_counter()
+            timeout = min(self.config.prefill_timeout, left)
             try:
-                params = await self._call_prefill(path, prefill, body, headers)
+                params = await self._call_prefill(path, prefill, body, headers, timeout)
             except RouteError as exc:
+                if exc.code == "PREFILL_TIMEOUT" and timeout < self.config.prefill_timeout:
+                    raise self._request_timeout([*tried, prefill.pod]) from None  # cut at the time left: no more
                 if not exc.retry:
                     raise
                 more = len(tried) + 1 < self.config.prefill_attempts
@@ -239,21 +263,29 @@ class Router:
                 last = exc
                 continue
             finally:
-                spent[0] += time.perf_counter() - started
-            self.metrics.prefill_seconds.observe(time.perf_counter() - started)
+                spent[0] += time.perf_counter() - called
+            self.metrics.prefill_seconds.observe(time.perf_counter() - called)
             return prefill, decode, params
         if last is not None:
             raise RouteError(last.status, last.code, f"{last.message} (prefill pods tried: {', '.join(tried)})")
         raise RouteError(503, "NO_ROUTE", self.pool.problem() or "every paired prefill pod failed")
 
-    async def _call_prefill(self, path: str, target: Target, body: Obj, headers: dict[str, str]) -> Obj:
+    def _request_timeout(self, tried: list[str]) -> RouteError:
+        pods = f" (prefill pods tried: {', '.join(tried)})" if tried else ""
+        return RouteError(
+            504,
+            "REQUEST_TIMEOUT",
+            f"no answer within the request's bound, request_timeout {self.config.request_timeout:g} s{pods}",
+        )
+
+    async def _call_prefill(self, path: str, target: Target, body: Obj, headers: dict[str, str], timeout: float) -> Obj:
         request = _encoded(prefill_request(body))
         self._enter("prefill", target)
         try:
-            async with asyncio.timeout(self.config.prefill_timeout):
+            async with asyncio.timeout(timeout):
                 async with self.upstream.post(target.url, path, request, headers,
                                               self.config.connect_timeout) as upstream:  # fmt: skip
-                    data = await upstream.read()
+                    data = await upstream.read(self.config.max_answer_bytes)
             text = data.decode(errors="replace") if upstream.status != 200 else ""
             if upstream.status >= 500:
                 raise RouteError(502, "PREFILL_FAILED", f"prefill pod {target.pod}: HTTP {upstream.status}: "
@@ -261,8 +293,10 @@ class Router:
             if upstream.status != 200:  # the request's fault: another pod would refuse it too
                 raise RouteError(upstream.status, "PREFILL_REFUSED", f"prefill pod {target.pod}: {text[:1000]}")
         except TimeoutError:
-            raise RouteError(504, "PREFILL_TIMEOUT", f"prefill pod {target.pod}: no answer within "
-                             f"{self.config.prefill_timeout:g} s", retry=True) from None  # fmt: skip
+            raise RouteError(504, "PREFILL_TIMEOUT", f"prefill pod {target.pod}: no answer within {timeout:g} s",
+                             retry=True) from None  # fmt: skip
+        except AnswerTooLargeError as exc:  # the request's (prompt_logprobs, say): another pod would answer the same
+            raise RouteError(502, "PREFILL_ANSWER_TOO_LARGE", f"prefill pod {target.pod}: {exc}") from None
         except UpstreamError as exc:
             raise RouteError(502, "PREFILL_UNAVAILABLE", f"prefill pod {target.pod}: {_reason(exc)}",
                              retry=True) from None  # fmt: skip
@@ -295,11 +329,11 @@ class Router:
                 async with self.upstream.post(target.url, request.path, decode_body, headers,
                                               self.config.connect_timeout, idle) as upstream:  # fmt: skip
                     if upstream.status >= 500:  # nothing has reached the client: another pair may serve it
-                        text = (await upstream.read()).decode(errors="replace")
+                        text = (await upstream.read(self.config.max_answer_bytes)).decode(errors="replace")
                         raise RouteError(502, "DECODE_FAILED", f"decode pod {target.pod}: HTTP {upstream.status}: "
                                          f"{text[:300]}", retry=True, reprefill=True)  # fmt: skip
                     if not stream or upstream.status != 200:
-                        data = await upstream.read()
+                        data = await upstream.read(self.config.max_answer_bytes)
                         if upstream.status == 200 and aborted(data):
                             raise RouteError(502, "DECODE_ABORTED", f"decode pod {target.pod}: the engine aborted "
                                              "the request (shutting down?)", retry=True, reprefill=True)  # fmt: skip
@@ -325,6 +359,8 @@ class Router:
                         await response.write(chunk)
                     await response.write_eof()
                     return response
+        except AnswerTooLargeError as exc:  # read before anything reached the client; the request's, not retried
+            raise RouteError(502, "DECODE_ANSWER_TOO_LARGE", f"decode pod {target.pod}: {exc}") from None
         except (TimeoutError, UpstreamError, ConnectionResetError, aiohttp.ClientError) as exc:
             code, status = ("DECODE_TIMEOUT", 504) if isinstance(exc, TimeoutError) else ("DECODE_UNAVAILABLE", 502)
             message = f"decode pod {target.pod}: {_reason(exc)}"
@@ -413,16 +449,109 @@ class _MalformedInOneLine(logging.Filter):
         return True
 
 
+class _HeadBound(asyncio.Protocol):
+    """aiohttp's protocol for one client connection, with a bound on the request head: the connection is closed when
+    no whole head arrived ``timeout`` seconds after the connection opened, or after the first byte of a later
+    request (aiohttp's own timer bounds only idle keep-alive connections, and not at all before version 3.14). The
+    app's middleware (:func:`_head_arrived`) says when a head arrived and when its request was answered; a head
+    begun while the previous request is served waits for the keep-alive bound, and none is late while an answer is
+    still being written."""
+
+    def __init__(self, inner: web.RequestHandler, timeout: float) -> None:
+        self.inner, self.timeout = inner, timeout
+        self._timer: asyncio.TimerHandle | None = None
+        self._serving = False  # a head arrived and its request is not answered yet
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.inner.connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if not self._serving and self._timer is None:  # the first byte of the next request's head
+            self._arm()
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        self.inner.eof_received()
+        return False  # as aiohttp's: the transport closes itself once the client has closed its side
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def head_arrived(self) -> None:
+        self._serving = True
+        self._disarm()
+
+    def answered(self) -> None:
+        self._serving = False
+
+    def _arm(self) -> None:
+        self._timer = asyncio.get_running_loop().call_later(self.timeout, self._expired)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self) -> None:
+        self._timer = None
+        transport = self.inner.transport
+        if self._serving or transport is None:
+            return
+        if transport.get_write_buffer_size():  # an answer still going out: the next head is not late yet
+            self._arm()
+            return
+        self.inner.force_close()
+
+
+@web.middleware
+async def _head_arrived(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Tells the connection's :class:`_HeadBound` (when served by :func:`serve`) that a head arrived, and when its
+    request's handler returned."""
+    transport = request.transport
+    bound = transport.get_protocol() if transport is not None else None
+    if not isinstance(bound, _HeadBound):
+        return await handler(request)
+    bound.head_arrived()
+    try:
+        return await handler(request)
+    finally:
+        bound.answered()
+
+
 async def serve(router: Router, host: str, port: int, stop: asyncio.Event) -> None:
     """Serve until ``stop`` is set."""
     server_log = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, _MalformedInOneLine) for f in server_log.filters):
         server_log.addFilter(_MalformedInOneLine())
-    runner = web.AppRunner(router.app(), access_log=None, max_headers=MAX_HEADERS, max_field_size=MAX_HEADER_BYTES,
-                           max_line_size=MAX_HEADER_BYTES)  # fmt: skip
+    runner = web.AppRunner(
+        router.app(),
+        access_log=None,
+        keepalive_timeout=CLIENT_KEEPALIVE_SECONDS,
+        max_headers=MAX_HEADERS,
+        max_field_size=MAX_HEADER_BYTES,
+        max_line_size=MAX_HEADER_BYTES,
+    )
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
+    handlers = runner.server  # aiohttp's protocol factory, each protocol wrapped in the head's bound
+    if handlers is None:
+        raise RuntimeError("the router's app runner has no server")
+    timeout = router.config.header_timeout
+    loop = asyncio.get_running_loop()
+    try:
+        listening = await loop.create_server(lambda: _HeadBound(handlers(), timeout), host, port, backlog=128)
+    except BaseException:
+        await runner.cleanup()
+        raise
     log.info("router listening on %s:%d", host, port)
     # what was built at start-up (modules, the app) lives as long as the router: keep it out of the collector's
     # scans, which otherwise grow with every import and run every few hundred allocations
@@ -430,4 +559,5 @@ async def serve(router: Router, host: str, port: int, stop: asyncio.Event) -> No
     try:
         await stop.wait()
     finally:
+        listening.close()
         await runner.cleanup()

@@ -6,12 +6,25 @@ redirects, proxies, URL building, compression, tracing. This one writes a reques
 write (the body's pieces as given: a view of the client's bytes is not copied) and parses the answer with
 ``httptools`` (llhttp, Node's parser: Content-Length, chunked and keep-alive handled there).
 
+Answers are read as HTTP/1.1 says: interim ``1xx`` answers (``100 Continue``, ``103 Early Hints``) are skipped and
+the final answer is the one given; a body with neither ``Content-Length`` nor ``Transfer-Encoding`` ends when the
+engine closes the connection. A status that is no final answer with a body (``101``, ``204``, ``304``, anything
+outside 200-599) is an error.
+
 Errors: :class:`UnreachableError` when no connection could be made (nothing was sent: another pod may be tried with
-the same request), :class:`UpstreamError` for anything after (the engine may have the request), ``TimeoutError``
-for a bound passed. A connection is reused only after its answer was read whole and the engine kept it alive;
-idle ones are dropped after ``keepalive`` seconds (before the engine's own keep-alive timeout closes them under
-a request). A body arriving faster than the router passes it on pauses reading from the engine (at
-``BUFFER_BYTES``), so a slow client holds back its engine's stream, not the router's memory.
+the same request), :class:`UpstreamError` for anything after (the engine may have the request; a malformed answer, a
+status as above, a connection closed mid-answer), :class:`AnswerTooLargeError` (an ``UpstreamError``) when a body
+read whole passes its limit, ``TimeoutError`` for a bound passed. A connection is reused only after its answer was
+read whole and the engine kept it alive; one that fails, or on which the engine sends anything while no answer is
+due (after the answer, or while idle in the pool), is closed, so no byte of one answer can become another's. Idle
+ones are dropped after ``keepalive`` seconds (before the engine's own keep-alive timeout closes them under a
+request).
+
+Bounds: an answer's head is at most ``MAX_HEAD_BYTES`` (interim answers included, at most ``MAX_INTERIM`` of them);
+a body read whole (:meth:`Answer.read`) at most its ``limit`` (``MAX_ANSWER_BYTES`` unless given), refused on an
+announced ``Content-Length`` before a byte of it is read, else as soon as it passes; a body arriving faster than the
+router passes it on pauses reading from the engine (at ``BUFFER_BYTES``), so a slow client holds back its engine's
+stream, not the router's memory.
 """
 
 from __future__ import annotations
@@ -33,6 +46,12 @@ Buffer = bytes | memoryview
 BUFFER_BYTES = 1 << 20
 #: an answer's headers larger than this are refused (the engines' are a few hundred bytes)
 MAX_HEAD_BYTES = 64 << 10
+#: interim (1xx) answers skipped before the final one; more is an engine talking nonsense
+MAX_INTERIM = 8
+#: a body read whole (Answer.read) larger than this is refused unless the caller gives its own limit
+MAX_ANSWER_BYTES = 16 << 20
+#: statuses that are a final answer but have no body (RFC 9110 6.4.1), and the switch to another protocol
+NO_ANSWER_STATUSES = frozenset((101, 204, 304))
 
 
 class UpstreamError(Exception):
@@ -41,6 +60,15 @@ class UpstreamError(Exception):
 
 class UnreachableError(UpstreamError):
     """No connection could be made (refused, no route, DNS): the engine did not receive the request."""
+
+
+class AnswerTooLargeError(UpstreamError):
+    """A body read whole is larger than its limit; the rest was not read and the connection is closed."""
+
+    def __init__(self, limit: int, size: int | None = None) -> None:
+        said = f"is announced as {size} bytes, over" if size is not None else "passed"
+        super().__init__(f"the answer {said} the limit of {limit} bytes")
+        self.limit = limit
 
 
 @dataclass
@@ -56,8 +84,21 @@ class Answer:
     def content_type(self) -> str:
         return self.headers.get("content-type", "application/octet-stream").split(";", 1)[0].strip()
 
-    async def read(self) -> bytes:
-        return b"".join([chunk async for chunk in self.chunks()])
+    async def read(self, limit: int = MAX_ANSWER_BYTES) -> bytes:
+        """The whole body; over ``limit`` bytes, :class:`AnswerTooLargeError` (rest unread, connection closed)."""
+        announced = self.headers.get("content-length", "")
+        if announced.isdigit() and int(announced) > limit:
+            self._connection.close()
+            raise AnswerTooLargeError(limit, int(announced))
+        pieces: list[bytes] = []
+        size = 0
+        async for chunk in self.chunks():
+            size += len(chunk)
+            if size > limit:
+                self._connection.close()
+                raise AnswerTooLargeError(limit)
+            pieces.append(chunk)
+        return b"".join(pieces)
 
     async def chunks(self, idle_timeout: float | None = None) -> AsyncIterator[bytes]:
         """The body's pieces as they arrive; ``TimeoutError`` when none comes for ``idle_timeout`` seconds."""
@@ -67,6 +108,10 @@ class Answer:
             if chunk is None:
                 return
             yield chunk
+
+
+class _OutOfTurnError(UpstreamError):
+    """Bytes after an answer was whole: the answer stands, the connection is dropped."""
 
 
 class _Connection(asyncio.Protocol):
@@ -87,36 +132,62 @@ class _Connection(asyncio.Protocol):
         self._error: BaseException | None = None
         self._wake: asyncio.Future[None] | None = None
         self._head_bytes = 0
+        self._interim = 0  # interim answers skipped so far; the one being parsed is one while _in_interim
+        self._in_interim = False
+        self._framed = False  # the body's end is given (Content-Length, Transfer-Encoding): else it is the close
 
     # -- asyncio.Protocol ----------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        if self._answer is None:  # nothing asked: an engine talking out of turn
-            self._fail(UpstreamError("the engine sent data with no request outstanding"))
+        if self._answer is None or self._complete:  # no answer due: an engine talking out of turn
+            self.close()  # an answer already read stands; the connection goes, its bytes with it
             return
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(UpstreamError(f"malformed HTTP answer: {exc}"))
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            cause = exc.__context__  # a callback's own error (httptools reports it as the cause's context)
+            if isinstance(cause, _OutOfTurnError):  # bytes behind a whole answer, in its last packet
+                self.close()
+                return
+            self._fail(cause if isinstance(cause, UpstreamError) else UpstreamError(f"malformed HTTP answer: {exc}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        if not self._complete and exc is None and self._head.done() and not self._framed and self._error is None:
+            self._complete = True  # a body delimited by the close (no length, not chunked): whole now
+            self._notify()
         if not self._complete:
             self._fail(UpstreamError(f"the engine closed the connection{f': {exc}' if exc else ''}"))
 
-    # -- httptools callbacks -------------------------------------------------------------------------------
+    # -- httptools callbacks (an UpstreamError raised here stops the parser and is the call's error) ----------
+    def on_message_begin(self) -> None:
+        if self._answer is None or self._complete:
+            raise _OutOfTurnError("the engine sent data with no request outstanding")
+        self._answer.headers.clear()  # an interim answer's headers are not the final one's
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self._head_bytes += len(name) + len(value)
         if self._head_bytes > MAX_HEAD_BYTES:
-            raise httptools.HttpParserError("answer headers too large")
+            raise UpstreamError(f"the answer's headers exceed {MAX_HEAD_BYTES} bytes")
         if self._answer is not None:
             self._answer.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if 100 <= status < 200 and status != 101:  # interim: the final answer follows on the same connection
+            self._interim += 1
+            if self._interim > MAX_INTERIM:
+                raise UpstreamError(f"more than {MAX_INTERIM} interim (1xx) answers")
+            self._in_interim = True
+            return
+        if status in NO_ANSWER_STATUSES or not 200 <= status < 600:
+            raise UpstreamError(f"the engine answered with status {status}, not an answer with a body")
         if self._answer is not None:
-            self._answer.status = self._parser.get_status_code()
+            self._answer.status = status
+            # a body's end is given by its length or its transfer coding; with neither, it ends at the close
+            self._framed = "content-length" in self._answer.headers or "transfer-encoding" in self._answer.headers
         if not self._head.done():
             self._head.set_result(None)
 
@@ -129,6 +200,9 @@ class _Connection(asyncio.Protocol):
         self._notify()
 
     def on_message_complete(self) -> None:
+        if self._in_interim:
+            self._in_interim = False
+            return
         self._complete = True
         self._keep_alive = self._parser.should_keep_alive()  # llhttp forgets it once the message is done
         self._notify()
@@ -141,6 +215,7 @@ class _Connection(asyncio.Protocol):
         self._head = asyncio.get_running_loop().create_future()
         self._body.clear()
         self._buffered, self._complete, self._keep_alive, self._error, self._head_bytes = 0, False, False, None, 0
+        self._interim, self._in_interim, self._framed = 0, False, False
         self.transport.writelines(request)  # uvloop: one vectored send, the pieces not joined
         return self._answer
 

@@ -18,6 +18,7 @@ from kvbridge_operator.cli.main import main
     (["--status-file", "f", "--prefill-timeout", "0"], "--prefill-timeout must be positive"),
     (["--status-file", "f", "--prefill-attempts", "-1"], "--prefill-attempts must be positive"),
     (["--status-file", "f", "--block-size", "0"], "--block-size"),
+    (["--status-file", "f", "--header-timeout", "0"], "--header-timeout must be positive"),
 ])  # fmt: skip
 def test_bad_flags_exit_2(args: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["router", *args]) == 2

@@ -26,6 +26,7 @@ import pytest
 from .test_proxy import FakeEngine
 
 BODY_TIMEOUT = 1.0
+HEADER_TIMEOUT = 1.0
 VALID = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4}
 
 
@@ -70,6 +71,7 @@ async def router(tmp_path: Path) -> AsyncIterator[RouterProcess]:
         process = subprocess.Popen(
             [sys.executable, "-m", "kvbridge_operator", "router", "--status-file", str(tmp_path / "dd.json"),
              "--host", "127.0.0.1", "--port", str(port), "--body-timeout", str(BODY_TIMEOUT),
+             "--header-timeout", str(HEADER_TIMEOUT),
              "--prefill-timeout", "5", "--decode-timeout", "5"],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
@@ -240,3 +242,40 @@ async def test_a_fuzz_of_broken_requests_never_gets_a_5xx(router: RouterProcess)
             assert isinstance(answer, dict), answer
             assert answer["error"]["code"], answer
     assert refused > 200  # most mutations are refused; the rest happened to stay valid and were served
+
+
+async def _closed_after(reader: asyncio.StreamReader, started: float) -> float:
+    """Seconds from ``started`` until the router closed the connection (it answers nothing)."""
+    assert await asyncio.wait_for(reader.read(), HEADER_TIMEOUT + 5) == b""
+    return time.monotonic() - started
+
+
+async def test_a_connection_without_a_whole_request_head_is_closed_within_the_bound(router: RouterProcess) -> None:
+    """A client that connects and sends nothing, or half a head, held a connection (and a file descriptor) for as
+    long as it liked: aiohttp's keep-alive timer (an hour) was all there was."""
+    for sent in (b"", b"P", b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Le"):
+        reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+        try:
+            started = time.monotonic()
+            writer.write(sent)
+            took = await _closed_after(reader, started)
+            assert HEADER_TIMEOUT * 0.9 <= took < HEADER_TIMEOUT + 3, (sent, took)
+        finally:
+            writer.close()
+    reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+    try:  # a request served on a kept-alive connection, then half of the next one's head
+        body = json.dumps(VALID).encode()
+        writer.write(_head(len(body)) + body)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert b" 200 " in head.split(b"\r\n")[0]
+        length = next(
+            int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+        )
+        await reader.readexactly(length)
+        await asyncio.sleep(HEADER_TIMEOUT * 1.5)  # idle between requests is not a late head
+        writer.write(b"POST /v1/completions HTTP/1.1\r\n")
+        took = await _closed_after(reader, time.monotonic())
+        assert HEADER_TIMEOUT * 0.9 <= took < HEADER_TIMEOUT + 3, took
+    finally:
+        writer.close()
+    assert router.reached_engines() == 2

@@ -4,6 +4,7 @@ vLLM in tests/vllm/test_router.py): what prefill and decode receive, streaming, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -27,7 +28,8 @@ class FakeEngine:
     """A prefill or decode engine: what it was sent, and how it misbehaves."""
 
     name: str
-    mode: str = "ok"  # ok | 500 | 400 | slow | no-params | die-midstream | DRAIN_ANSWERS (a shutting-down vLLM)
+    #: ok | 500 | 400 | slow | no-params | die-midstream | huge | huge-chunked | DRAIN_ANSWERS (a shutting-down vLLM)
+    mode: str = "ok"
     delay: float = 0.0
     received: list[Obj] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
@@ -49,6 +51,8 @@ class FakeEngine:
                 return web.json_response({"error": {"message": "engine dead"}}, status=500)
             if self.mode == "400":
                 return web.json_response({"error": {"message": "prompt too long"}}, status=400)
+            if self.mode.startswith("huge"):
+                return await huge_answer(request, chunked=self.mode == "huge-chunked")
             params = body.get("kv_transfer_params") or {}
             if params.get("do_remote_decode"):
                 answer: Obj = {"choices": [{"text": "x", "token_ids": [1]}]}
@@ -88,6 +92,26 @@ class FakeEngine:
     def endpoint(self) -> Obj:
         assert self.server is not None
         return {"pod": self.name, "ip": "127.0.0.1", "httpPort": self.server.port, "pairing": "k"}
+
+
+HUGE_BYTES = 8 << 20
+
+
+async def huge_answer(request: web.Request, chunked: bool) -> web.StreamResponse:
+    """An 8 MiB JSON answer, its length announced or chunked; it stops when the router hangs up."""
+    response = web.StreamResponse(headers={"Content-Type": "application/json"})
+    if chunked:
+        response.enable_chunked_encoding()
+    else:
+        response.content_length = HUGE_BYTES
+    await response.prepare(request)
+    with contextlib.suppress(ConnectionError):
+        await response.write(b'{"x": "')
+        for _ in range(HUGE_BYTES // 65536 - 1):
+            await response.write(b"x" * 65536)
+        await response.write(b"x" * (65536 - 9) + b'"}')
+        await response.write_eof()
+    return response
 
 
 #: what vLLM 0.32 answers while it shuts down (SIGTERM, --shutdown-timeout): its engine core rejects the request as
@@ -493,3 +517,83 @@ def test_a_stream_is_held_back_only_until_its_first_token() -> None:
     assert StreamStart().feed(b'data: {"choices": [{"text": "", "finish_reason": "stop"}]}\n\n') is Start.STARTED
     assert StreamStart().end() is Start.FAILED  # nothing at all
     assert StreamStart().feed(b"data: not json\n\n") is Start.STARTED  # not vLLM's framing: passed on
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_an_answer_over_the_size_bound_is_refused_unread_and_not_retried(rig: Rig, chunked: bool) -> None:
+    """A 128 MiB prefill answer was buffered whole (router RSS 40 -> 687 MB); now refused past the bound."""
+    rig.router.config = RouterConfig(
+        prefill_timeout=1.0, decode_timeout=5.0, decode_idle_timeout=1.0, max_answer_bytes=1 << 20
+    )
+    huge = "huge-chunked" if chunked else "huge"
+    for engine in rig.prefill:
+        engine.mode = huge
+    status, answer = await rig.post({"prompt": [1]})
+    assert (status, answer["error"]["code"]) == (502, "PREFILL_ANSWER_TOO_LARGE"), answer
+    assert str(1 << 20) in answer["error"]["message"]
+    assert sum(len(e.received) for e in rig.prefill) == 1  # the request's answer, not the pod's fault
+    assert rig.decode[0].received == []
+    for engine in rig.prefill:
+        engine.mode = "ok"
+    rig.decode[0].mode = huge
+    status, answer = await rig.post({"prompt": [1]})
+    assert (status, answer["error"]["code"]) == (502, "DECODE_ANSWER_TOO_LARGE"), answer
+    assert len(rig.decode[0].received) == 1
+    assert rig.router.balancer.outstanding == {}
+    rig.decode[0].mode = "ok"
+    status, _ = await rig.post({"prompt": [1]})
+    assert status == 200
+
+
+def test_holding_a_stream_back_judges_each_event_once() -> None:
+    """Each feed re-split and re-judged everything held: quadratic, about 2 s of the event loop for 1,000 empty
+    events. Now each event is judged once, when its end arrives, wherever the chunks cut it."""
+    from kvbridge_router.answers import Start, StreamStart
+
+    judged: list[bytes] = []
+
+    class Counted(StreamStart):
+        def _judge(self, event: bytes) -> Start:
+            judged.append(event)
+            return super()._judge(event)
+
+    empty = b'data: {"choices": [{"index": 0, "text": ""}]}\n\n'
+    start = Counted()
+    for _ in range(1000):
+        assert start.feed(empty) is Start.PENDING
+    assert len(judged) == 1000
+    token = b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+    for cut in (token[:10], token[10:-1]):  # the event's end, "\n\n", cut between two chunks
+        assert start.feed(cut) is Start.PENDING
+    assert start.feed(b"\n") is Start.STARTED
+    assert len(judged) == 1001
+    assert start.held == empty * 1000 + token  # all of it, in order, as it came
+    tail = Counted()
+    assert tail.feed(empty + token[:-2]) is Start.PENDING  # the last event without its end: judged at the end
+    assert tail.end() is Start.STARTED
+    assert tail.held == empty + token[:-2]
+    assert Counted().feed(b"data: [DONE]\n\n") is Start.FAILED
+
+
+async def test_the_whole_request_bounds_prefill_and_its_retries(rig: Rig) -> None:
+    """Each prefill call had prefill_timeout whatever the time left: three slow pods kept a client 3 s past a 1.3 s
+    request_timeout. Now each call gets at most the time left, and none is tried when none is left."""
+    third = FakeEngine("prefill-2")
+    await third.start()
+    rig.prefill.append(third)
+    rig.route()
+    rig.router.config = RouterConfig(
+        prefill_timeout=1.0, decode_timeout=5.0, decode_idle_timeout=1.0, request_timeout=1.3
+    )
+    for engine in rig.prefill:
+        engine.mode = "slow"
+    started = asyncio.get_running_loop().time()
+    status, answer = await rig.post({"prompt": [1]})
+    took = asyncio.get_running_loop().time() - started
+    assert (status, answer["error"]["code"]) == (504, "REQUEST_TIMEOUT"), answer
+    assert "1.3 s" in answer["error"]["message"]
+    assert "prefill pods tried: " in answer["error"]["message"]
+    assert 1.2 < took < 2.2, took  # 1 s, then the 0.3 s left; not 3 x 1 s
+    assert sum(len(e.received) for e in rig.prefill) == 2
+    assert rig.decode[0].received == []
+    assert rig.router.balancer.outstanding == {}

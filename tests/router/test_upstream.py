@@ -136,6 +136,7 @@ async def test_no_connection_is_unreachable_and_a_broken_answer_is_an_upstream_e
     answers = [
         b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nshort",  # closed mid-body
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab",  # closed mid-chunk
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: Chunked\r\n\r\n5\r\nab",  # the coding's name in any case
         b"NOT HTTP AT ALL\r\n\r\n",  # malformed
         b"",  # closed before answering
     ]
@@ -182,4 +183,177 @@ async def test_a_body_faster_than_it_is_passed_on_pauses_the_engine() -> None:
             async for chunk in got.chunks(idle_timeout=5):
                 total += len(chunk)
             assert total == size
+    upstream.close()
+
+
+async def scripted_server(script: Callable[[int, int], list[bytes]]) -> tuple[str, asyncio.Server, list[int]]:
+    """A server that reads each request whole (head and Content-Length body) and writes the pieces
+    ``script(connection, request)`` gives, 50 ms apart; it keeps the connection open. The list counts connections."""
+    connections: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connection = len(connections)
+        connections.append(connection)
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            for index in range(100):
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                await reader.readexactly(length)
+                for piece in script(connection, index):
+                    writer.write(piece)
+                    await writer.drain()
+                    await asyncio.sleep(0.05)
+            await reader.read()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", server, connections
+
+
+def answer(body: bytes, *headers: bytes) -> bytes:
+    head = b"HTTP/1.1 200 OK\r\n" + b"".join(h + b"\r\n" for h in headers)
+    return head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+
+
+async def test_interim_answers_are_skipped_and_the_final_one_is_the_answer() -> None:
+    """A 100 Continue taken as the answer left the real answer on the connection for the next request: one
+    client's kv_transfer_params handed to another's decode."""
+    interim = b"HTTP/1.1 100 Continue\r\n\r\n"
+    hints = b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n"
+
+    def script(_: int, index: int) -> list[bytes]:
+        if index == 0:
+            return [interim, answer(b"first", b"X-Final: 1")]  # apart: the interim alone in its packet
+        return [interim + hints + interim + answer(b"second")]  # together: one packet
+
+    upstream = Upstream(keepalive=3.0)
+    url, server, connections = await scripted_server(script)
+    async with server:
+        for expected in (b"first", b"second"):
+            async with upstream.post(url, "/x", b"{}", {}, 3, head_timeout=3) as got:
+                assert got.status == 200
+                assert "link" not in got.headers  # the interim answers' headers are not the answer's
+                assert await got.read() == expected
+        assert len(connections) == 1  # each answer whole on the one connection
+        url, server, _ = await scripted_server(lambda _, __: [interim * 40])
+        async with server:
+            with pytest.raises(UpstreamError, match="interim"):
+                async with upstream.post(url, "/x", b"{}", {}, 3, head_timeout=3):
+                    pass
+    upstream.close()
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\nraw bytes",
+        b"HTTP/1.1 204 No Content\r\n\r\n",
+        b"HTTP/1.1 304 Not Modified\r\nContent-Length: 5\r\n\r\n",
+        b"HTTP/1.1 600 Odd\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 099 Odd\r\nContent-Length: 0\r\n\r\n",
+    ],
+)
+async def test_a_switching_bodiless_or_odd_status_is_an_error_and_the_connection_is_dropped(head: bytes) -> None:
+    upstream = Upstream(keepalive=3.0)
+    url, server, connections = await scripted_server(lambda c, i: [head] if (c, i) == (0, 0) else [answer(b"ok")])
+    async with server:
+        with pytest.raises(UpstreamError) as caught:
+            async with upstream.post(url, "/x", b"{}", {}, 3, head_timeout=3) as got:
+                await got.read()
+        assert not isinstance(caught.value, UnreachableError)
+        assert "status" in str(caught.value)
+        async with upstream.post(url, "/x", b"{}", {}, 3, head_timeout=3) as got:
+            assert await got.read() == b"ok"
+        assert len(connections) == 2  # not reused
+    upstream.close()
+
+
+async def test_bytes_on_an_idle_connection_discard_it() -> None:
+    """An engine writing after its answer was complete: those bytes are no later request's answer."""
+
+    def script(connection: int, index: int) -> list[bytes]:
+        if (connection, index) == (0, 0):
+            return [answer(b"ok"), b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n"]  # then a stray head
+        if connection == 0:
+            return [b"stray", answer(b"second")]
+        return [answer(b"second")]
+
+    upstream = Upstream(keepalive=3.0)
+    url, server, connections = await scripted_server(script)
+    async with server:
+        async with upstream.post(url, "/x", b"{}", {}, 3, head_timeout=3) as got:
+            assert await got.read() == b"ok"
+        await asyncio.sleep(0.3)  # the stray head arrives while the connection is idle in the pool
+        async with upstream.post(url, "/x", b"{}", {}, 3, head_timeout=3) as got:
+            assert await got.read() == b"second"
+        assert len(connections) == 2
+        # and stray bytes right behind an answer, in its last packet: the answer stands, the connection goes
+        url, server, connections = await scripted_server(lambda _, __: [answer(b"ok") + answer(b"stray")])
+        async with server:
+            for _ in range(2):
+                async with upstream.post(url, "/x", b"{}", {}, 3, head_timeout=3) as got:
+                    assert await got.read() == b"ok"
+            assert len(connections) == 2
+    upstream.close()
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n",
+        b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n",
+    ],
+)
+async def test_an_answer_delimited_by_closing_the_connection_is_complete_when_it_closes(head: bytes) -> None:
+    upstream = Upstream(keepalive=3.0)
+    body = b'{"kv_transfer_params": {"a": 1}}' * 1000
+    url, server = await raw_server(head + body)
+    async with server:
+        for _ in range(2):
+            async with upstream.post(url, "/x", b"{}", {}, 3) as got:
+                assert got.status == 200
+                assert await got.read() == body
+                assert not got._connection.reusable
+    upstream.close()
+
+
+async def test_an_answer_over_the_limit_is_refused_without_reading_the_rest_and_its_connection_closed() -> None:
+    from kvbridge_router.upstream import AnswerTooLargeError
+
+    closed = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        announced = b"HTTP/1.1 200 OK\r\nContent-Length: 1073741824\r\n\r\n"  # a gigabyte announced
+        writer.write(chunked if server.chunked else announced)
+        with contextlib.suppress(ConnectionError):
+            for _ in range(200):  # up to 12.5 MiB, 64 KiB at a time, unless the router hangs up first
+                piece = b"x" * 65536
+                writer.write(b"%x\r\n%s\r\n" % (len(piece), piece) if server.chunked else piece)
+                await writer.drain()
+                await asyncio.sleep(0.001)
+            await asyncio.wait_for(reader.read(), 10)  # the router closes the connection
+        closed.set()
+        writer.close()
+
+    upstream = Upstream(keepalive=3.0)
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    async with server:
+        for server.chunked in (False, True):  # type: ignore[attr-defined]
+            closed.clear()
+            async with upstream.post(url, "/x", b"{}", {}, 3, head_timeout=3) as got:
+                with pytest.raises(AnswerTooLargeError) as caught:
+                    await got.read(limit=1 << 20)
+                assert caught.value.limit == 1 << 20
+                assert isinstance(caught.value, UpstreamError)
+            await asyncio.wait_for(closed.wait(), 5)
+            assert got._connection.transport is None
     upstream.close()

@@ -178,7 +178,7 @@ def _router(args: argparse.Namespace) -> int:
     limits = {"--prefill-timeout": args.prefill_timeout, "--decode-timeout": args.decode_timeout,
               "--prefill-attempts": args.prefill_attempts, "--decode-attempts": args.decode_attempts,
               "--request-timeout": args.request_timeout, "--body-timeout": args.body_timeout,
-              "--block-size": args.block_size}  # fmt: skip
+              "--header-timeout": args.header_timeout, "--block-size": args.block_size}  # fmt: skip
     problems = [f"{flag} must be positive, got {value}" for flag, value in limits.items() if value <= 0]
     if problems:
         print(f"kvbridge router: error: {'; '.join(problems)}", file=sys.stderr)
@@ -187,6 +187,7 @@ def _router(args: argparse.Namespace) -> int:
                           decode_idle_timeout=min(args.decode_timeout, 60.0),
                           prefill_attempts=args.prefill_attempts, decode_attempts=args.decode_attempts,
                           request_timeout=args.request_timeout, body_timeout=args.body_timeout,
+                          header_timeout=args.header_timeout,
                           policy=args.policy, block_tokens=args.block_size)  # fmt: skip
     router = Router(config)
 
@@ -353,6 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=10.0,
         help="seconds a request's body may take to arrive; a client that stalls gets 408 (default 10)",
+    )
+    router.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a request's head may take to arrive, from the connection's opening or the head's first byte; "
+        "a client that sends nothing or half a head is disconnected (default 10)",
     )
     router.add_argument("--api-server", default="", help="Kubernetes API URL of a local emulator")
     router.add_argument("--kubeconfig", default="", help="kubeconfig (default: KUBECONFIG, in-cluster, ~/.kube/config)")
