@@ -36,6 +36,13 @@ class RouterMetrics:
             "(the request went to another pair).", ["pod"],
             registry=r,
         )  # fmt: skip
+        self.engines_lost = Counter(
+            "kvbridge_router_engines_lost",
+            "Engines still in the pool that answered a request 500 and were unhealthy right after, by role and pod "
+            "(a request is sent to one more engine after such a loss, never a second: it may be what kills them).",
+            ["role", "pod"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "kvbridge_router_ttft_seconds",
             "Time to first token as the client sees it: request received to decode's first streamed byte "

@@ -73,6 +73,14 @@ class Pool:
         """Prefill pods with at least one decode pod to pair with."""
         return self._routable
 
+    @cached_property
+    def _pods(self) -> frozenset[str]:
+        return frozenset(t.pod for t in (*self.prefill, *self.decode))
+
+    def has(self, pod: str) -> bool:
+        """Whether ``pod`` is in the pool (a pod being drained or replaced has left the status)."""
+        return pod in self._pods
+
     def problem(self) -> str:
         """Why no request can be routed, or empty."""
         if self.routable():

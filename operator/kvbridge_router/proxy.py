@@ -59,6 +59,11 @@ PREFILL_DROPPED = ("stream_options", "min_tokens")
 #: a request with more headers, or a longer header or request line, is refused (431/400) before it is routed
 MAX_HEADERS = 64
 MAX_HEADER_BYTES = 8190
+#: how long the router waits for an engine's /health after it answered 500
+HEALTH_PROBE_SECONDS = 1.0
+#: where a KV connector's prefill says why it offers nothing for a request (kvbridge's connector; vLLM frees the
+#: blocks): the request is answered, not sent to another pod
+ENGINE_REFUSAL = "kvbridge_error"
 #: idle upstream connections are dropped before vLLM's own keep-alive timeout (5 s) closes them under us
 KEEPALIVE_SECONDS = 3.0
 #: clients' idle keep-alive connections are closed after this; longer than load balancers' idle timeouts (AWS ALB's
@@ -67,6 +72,16 @@ CLIENT_KEEPALIVE_SECONDS = 75.0
 #: JSON's whitespace and an object's brackets, as byte values
 JSON_SPACE = frozenset(b" \t\r\n")
 OPEN, CLOSE = ord("{"), ord("}")
+
+
+@dataclass
+class Ledger:
+    """One client request's account, across its prefill and decode calls and their retries."""
+
+    #: seconds spent inside prefill and decode calls (the rest is the router's own time)
+    spent: float = 0.0
+    #: engines that answered it 500 and were unhealthy right after (:meth:`Router._judge_5xx`)
+    engines_lost: int = 0
 
 
 @dataclass(frozen=True)
@@ -175,17 +190,17 @@ class Router:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
         route = ROUTES[request.path]
-        spent = [0.0]  # seconds inside prefill and decode calls
+        ledger = Ledger()
         try:
             body, raw = await admit(request, route, self.config.limits)
             request_id = engine_request_id(request.headers.get("X-Request-Id"))
             headers = {"X-Request-Id": request_id, **{k: request.headers[k] for k in FORWARDED_HEADERS
                                                       if k in request.headers}}  # fmt: skip
-            prefill, decode, params = await self._prefill_somewhere(request.path, body, headers, spent, started)
+            prefill, decode, params = await self._prefill_somewhere(request.path, body, headers, ledger, started)
             tried: list[str] = []
             while True:
                 try:
-                    response = await self._decode(request, decode, body, raw, params, headers, started, spent)
+                    response = await self._decode(request, decode, body, raw, params, headers, started, ledger)
                     break
                 except RouteError as exc:  # retried only while nothing has reached the client
                     tried.append(decode.pod)
@@ -204,7 +219,7 @@ class Router:
                         # lease ends) and would refuse the id as a duplicate
                         headers = {**headers, "X-Request-Id": f"{request_id}-retry{len(tried)}"}
                         prefill, decode, params = await self._prefill_somewhere(
-                            request.path, body, headers, spent, started, exclude_decodes=tried
+                            request.path, body, headers, ledger, started, exclude_decodes=tried
                         )
                     else:
                         log.warning("decode pod %s unreachable (%s); trying %s", decode.pod, exc.message, other.pod)
@@ -216,7 +231,7 @@ class Router:
         self.metrics.requests.labels(route, "ok" if response.status < 400 else f"HTTP_{response.status}").inc()
         total = time.perf_counter() - started
         self.metrics.request_seconds.observe(total)
-        self.metrics.overhead_seconds.observe(max(total - spent[0], 0.0))
+        self.metrics.overhead_seconds.observe(max(total - ledger.spent, 0.0))
         return response
 
     async def _prefill_somewhere(
@@ -224,7 +239,7 @@ class Router:
         path: str,
         body: Obj,
         headers: dict[str, str],
-        spent: list[float],
+        ledger: Ledger,
         started: float,
         exclude_decodes: list[str] | None = None,
     ) -> tuple[Target, Target, Obj]:
@@ -249,7 +264,7 @@ class Router:
             called = time.perf_counter()
             timeout = min(self.config.prefill_timeout, left)
             try:
-                params = await self._call_prefill(path, prefill, body, headers, timeout)
+                params = await self._call_prefill(path, prefill, body, headers, timeout, ledger)
             except RouteError as exc:
                 if exc.code == "PREFILL_TIMEOUT" and timeout < self.config.prefill_timeout:
                     raise self._request_timeout([*tried, prefill.pod]) from None  # cut at the time left: no more
@@ -263,7 +278,7 @@ class Router:
                 last = exc
                 continue
             finally:
-                spent[0] += time.perf_counter() - called
+                ledger.spent += time.perf_counter() - called
             self.metrics.prefill_seconds.observe(time.perf_counter() - called)
             return prefill, decode, params
         if last is not None:
@@ -278,7 +293,9 @@ class Router:
             f"no answer within the request's bound, request_timeout {self.config.request_timeout:g} s{pods}",
         )
 
-    async def _call_prefill(self, path: str, target: Target, body: Obj, headers: dict[str, str], timeout: float) -> Obj:
+    async def _call_prefill(
+        self, path: str, target: Target, body: Obj, headers: dict[str, str], timeout: float, ledger: Ledger
+    ) -> Obj:
         request = _encoded(prefill_request(body))
         self._enter("prefill", target)
         try:
@@ -288,8 +305,9 @@ class Router:
                     data = await upstream.read(self.config.max_answer_bytes)
             text = data.decode(errors="replace") if upstream.status != 200 else ""
             if upstream.status >= 500:
-                raise RouteError(502, "PREFILL_FAILED", f"prefill pod {target.pod}: HTTP {upstream.status}: "
-                                 f"{text[:300]}", retry=True)  # fmt: skip
+                retry, why = await self._judge_5xx(target, upstream.status, ledger, "prefill")
+                message = f"prefill pod {target.pod}: HTTP {upstream.status}: {text[:300]}{why}"
+                raise RouteError(502, "PREFILL_FAILED", message, retry=retry)
             if upstream.status != 200:  # the request's fault: another pod would refuse it too
                 raise RouteError(upstream.status, "PREFILL_REFUSED", f"prefill pod {target.pod}: {text[:1000]}")
         except TimeoutError:
@@ -306,6 +324,12 @@ class Router:
             params = json.loads(data).get("kv_transfer_params")
         except (ValueError, AttributeError):
             params = None
+        refused = params.get(ENGINE_REFUSAL) if isinstance(params, dict) else None
+        if isinstance(
+            refused, dict
+        ):  # the engine's KV connector would not offer this request: not another pod's to try
+            code, message = str(refused.get("code", "")), str(refused.get("message", ""))[:300]
+            raise RouteError(502, "PREFILL_REFUSED", f"prefill pod {target.pod} offered no KV: {code}: {message}")
         if not isinstance(params, dict) or not params:
             raise RouteError(502, "PREFILL_NO_TRANSFER_PARAMS", f"prefill pod {target.pod} answered without "
                              "kv_transfer_params (is it a kv_producer with a KV connector?)", retry=True)  # fmt: skip
@@ -313,7 +337,7 @@ class Router:
 
     async def _decode(
         self, request: web.Request, target: Target, body: Obj, raw: bytes, params: Obj, headers: dict[str, str],
-        started: float, spent: list[float],
+        started: float, ledger: Ledger,
     ) -> web.StreamResponse:  # fmt: skip
         decode_body = with_field(raw, "kv_transfer_params", params)
         if decode_body is None:  # not UTF-8 shaped {...}: encoded again
@@ -330,8 +354,9 @@ class Router:
                                               self.config.connect_timeout, idle) as upstream:  # fmt: skip
                     if upstream.status >= 500:  # nothing has reached the client: another pair may serve it
                         text = (await upstream.read(self.config.max_answer_bytes)).decode(errors="replace")
-                        raise RouteError(502, "DECODE_FAILED", f"decode pod {target.pod}: HTTP {upstream.status}: "
-                                         f"{text[:300]}", retry=True, reprefill=True)  # fmt: skip
+                        retry, why = await self._judge_5xx(target, upstream.status, ledger, "decode")
+                        message = f"decode pod {target.pod}: HTTP {upstream.status}: {text[:300]}{why}"
+                        raise RouteError(502, "DECODE_FAILED", message, retry=retry, reprefill=True)
                     if not stream or upstream.status != 200:
                         data = await upstream.read(self.config.max_answer_bytes)
                         if upstream.status == 200 and aborted(data):
@@ -379,8 +404,39 @@ class Router:
             self.metrics.requests.labels(ROUTES[request.path], f"{code}_MIDSTREAM").inc()
             return response
         finally:
-            spent[0] += time.perf_counter() - called
+            ledger.spent += time.perf_counter() - called
             self._leave("decode", target)
+
+    async def _judge_5xx(self, target: Target, status: int, ledger: Ledger, role: str) -> tuple[bool, str]:
+        """After an engine answered 5xx: whether another pod may serve the request, and why not (for the message).
+
+        502, 503 and 504 say the engine is unavailable, and a pod that left the pool is being drained or replaced:
+        another pod. A 500 from an engine that is still healthy (``/health`` 200 within ``HEALTH_PROBE_SECONDS``)
+        is that engine failing this request: on prefill the request's own fault, answered as it is (another pod
+        would fail it too); on decode a KV load that failed (lease, digest, peer: vLLM answers 500 for those), which
+        another pair serves, since prefill already took the request. A 500 from an engine that is no longer healthy
+        may have been caused by the request (an engine killed by what it was sent would be killed again): one such
+        engine per request is retried, never a second."""
+        if status in (502, 503, 504) or not self.pool.has(target.pod):
+            return True, ""
+        if await self._healthy(target):
+            if role == "prefill":
+                return False, " (the engine is healthy: this request failed on it, and would on another pod)"
+            return True, ""
+        ledger.engines_lost += 1
+        self.metrics.engines_lost.labels(role, target.pod).inc()
+        if ledger.engines_lost > 1:
+            lost = ledger.engines_lost
+            return False, f" (unhealthy since: {lost} engines failed after this request; not sent to another)"
+        return True, ""
+
+    async def _healthy(self, target: Target) -> bool:
+        try:
+            timeout = aiohttp.ClientTimeout(total=HEALTH_PROBE_SECONDS)
+            async with self.session.get(f"{target.url}/health", timeout=timeout) as answer:
+                return answer.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
 
     def _enter(self, role: str, target: Target) -> None:
         self.balancer.started(target.pod)

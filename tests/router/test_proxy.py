@@ -23,6 +23,9 @@ from kvbridge_router.proxy import Router, RouterConfig, prefill_request, with_fi
 Obj = dict[str, Any]
 
 
+REFUSAL = {"code": "INVALID_REQUEST_ID", "message": "the request id contains ':'"}
+
+
 @dataclass
 class FakeEngine:
     """A prefill or decode engine: what it was sent, and how it misbehaves."""
@@ -47,7 +50,7 @@ class FakeEngine:
             if self.mode == "slow":
                 await asyncio.sleep(30)
             await asyncio.sleep(self.delay)
-            if self.mode == "500":
+            if self.mode in ("500", "500-alive"):
                 return web.json_response({"error": {"message": "engine dead"}}, status=500)
             if self.mode == "400":
                 return web.json_response({"error": {"message": "prompt too long"}}, status=400)
@@ -56,7 +59,9 @@ class FakeEngine:
             params = body.get("kv_transfer_params") or {}
             if params.get("do_remote_decode"):
                 answer: Obj = {"choices": [{"text": "x", "token_ids": [1]}]}
-                if self.mode != "no-params":
+                if self.mode == "refuse":  # kvbridge's connector would not offer this request
+                    answer["kv_transfer_params"] = {"do_remote_prefill": False, "kvbridge_error": REFUSAL}
+                elif self.mode != "no-params":
                     answer["kv_transfer_params"] = {"remote_engine_id": self.name, "remote_block_ids": [7]}
                 return web.json_response(answer)
             tokens = [len(self.received), 2, 3]
@@ -77,6 +82,11 @@ class FakeEngine:
         finally:
             self.in_flight -= 1
 
+    async def health(self, _: web.Request) -> web.Response:
+        """vLLM's /health: 200 unless the engine is dead (mode "500": it answered 500 and died; "500-alive": it
+        failed a request and serves on)."""
+        return web.json_response({}, status=503 if self.mode == "500" else 200)
+
     async def models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "tiny"}]})
 
@@ -85,6 +95,7 @@ class FakeEngine:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
         self.server = TestServer(app, host="127.0.0.1")
         await self.server.start_server()
 
@@ -278,6 +289,65 @@ async def test_a_failing_or_slow_prefill_is_retried_and_the_wait_is_bounded(rig:
     rig.prefill[1].mode = "ok"
     status, _ = await rig.post({"prompt": [1]})
     assert status == 200
+
+
+async def test_a_500_from_a_healthy_prefill_is_the_requests_and_not_retried(rig: Rig) -> None:
+    """Issue 34: a request that fails an engine must not be sent on to fail (or kill) the next one."""
+    for engine in rig.prefill:
+        engine.mode = "500-alive"
+    status, answer = await rig.post({"prompt": [1]})
+    assert (status, answer["error"]["code"]) == (502, "PREFILL_FAILED")
+    assert "the engine is healthy" in answer["error"]["message"]
+    assert sum(len(e.received) for e in rig.prefill) == 1
+    assert rig.decode[0].received == []
+
+
+async def test_a_request_that_leaves_engines_dead_is_sent_to_one_more_never_a_second(rig: Rig) -> None:
+    third = FakeEngine("prefill-2", mode="500")
+    await third.start()
+    rig.prefill.append(third)
+    rig.route()
+    for engine in rig.prefill:
+        engine.mode = "500"  # each answers 500 and is unhealthy after: maybe killed by the request
+    status, answer = await rig.post({"prompt": [1]})
+    assert (status, answer["error"]["code"]) == (502, "PREFILL_FAILED")
+    assert sum(len(e.received) for e in rig.prefill) == 2  # the first and one more; the third is spared
+    metrics = await (await rig.session.get(rig.url + "/metrics")).text()
+    assert metrics.count('kvbridge_router_engines_lost_total{pod="prefill-') == 2
+
+
+async def test_a_500_from_a_pod_that_left_the_pool_is_retried_elsewhere(rig: Rig) -> None:
+    """A pod being drained (it left the status before its engine was told to stop) may fail what it still has."""
+    leaving, staying = rig.prefill
+    leaving.mode, leaving.delay = "500-alive", 0.3
+    rig.route(prefill=[leaving.endpoint])
+    request = asyncio.ensure_future(rig.post({"prompt": [1]}))
+    await asyncio.sleep(0.1)
+    rig.route(prefill=[staying.endpoint])
+    status, answer = await request
+    assert status == 200, answer
+    assert answer["kv_from"] == "prefill-1"
+
+
+async def test_a_healthy_decode_that_failed_its_kv_load_is_retried_on_another_pair(rig: Rig) -> None:
+    """vLLM answers 500 for a KV load that failed (lease ended, digest mismatch, prefill restarted): prefill already
+    took the request, so the pair failed, not the request."""
+    second = await two_decodes(rig)
+    rig.decode[0].mode = "500-alive"
+    status, answer = await rig.post({"prompt": [5]})
+    assert status == 200, answer
+    assert answer["decode"] == "decode-1"
+    assert len(second.received) == 1
+
+
+async def test_a_prefill_that_offers_nothing_for_a_request_is_answered_not_retried(rig: Rig) -> None:
+    for engine in rig.prefill:
+        engine.mode = "refuse"
+    status, answer = await rig.post({"prompt": [1]})
+    assert (status, answer["error"]["code"]) == (502, "PREFILL_REFUSED")
+    assert "INVALID_REQUEST_ID" in answer["error"]["message"]
+    assert sum(len(e.received) for e in rig.prefill) == 1
+    assert rig.decode[0].received == []
 
 
 async def test_a_prefill_without_transfer_parameters_is_not_sent_to_decode(rig: Rig) -> None:

@@ -70,7 +70,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         engine = self.server.engine
-        if self.path == "/healthz":
+        if self.path in ("/healthz", "/health"):  # /health: vLLM's name, which routers probe
             healthy = engine.healthy
             status = HTTPStatus.OK if healthy else HTTPStatus.SERVICE_UNAVAILABLE
             self._send(
