@@ -1,0 +1,142 @@
+"""The agent worker behind a signing router (spec.router.signTransfers): decode reads only the transfer parameters
+the router signed; anything else gets 403 TRANSFER_NOT_SIGNED before a byte is read."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvbridge_agent.core import ModelGeometry, Role, RoleSettings, SpecError
+from kvbridge_agent.core.contract import EngineEnvironment
+from kvbridge_agent.core.handshake import KVTransferParams
+from kvbridge_agent.core.signing import SIGNATURE_KEY, signed
+from kvbridge_agent.synthetic.completions import complete
+from kvbridge_agent.synthetic.engine import Engine
+from kvbridge_agent.synthetic.http_api import AgentHTTPServer
+from kvbridge_agent.synthetic.ranks import EngineError
+
+TOKEN = b"f" * 64
+PARAMS = KVTransferParams(
+    remote_engine_id="p1",
+    remote_incarnation="inc",
+    remote_host="127.0.0.1",
+    remote_port=5600,
+    remote_request_id="r1",
+    remote_block_ids=[3, 4],
+    num_tokens=20,
+    remote_tp_size=1,
+    fingerprint="abcd1234",
+).model_dump(by_alias=True, mode="json")
+
+
+class StubEngine:
+    """What the completions route uses of a decode engine: its token, and a decode that records what it read."""
+
+    def __init__(self, token: bytes | None) -> None:
+        self.transfer_token = token
+        self.env = SimpleNamespace(verify=True)
+        self.read: list[KVTransferParams] = []
+
+    def decode(self, request_id: str, params: KVTransferParams, *rest: Any) -> dict[str, Any]:
+        self.read.append(params)
+        return {"verified": True, "bytes": 1, "descriptors": 1, "transferSeconds": 0.0}
+
+
+def body(params: dict[str, Any]) -> dict[str, Any]:
+    return {"model": "m", "prompt": "a b c", "max_tokens": 3, "kv_transfer_params": params}
+
+
+def test_decode_reads_what_the_router_signed() -> None:
+    engine = StubEngine(TOKEN)
+    answer, _ = complete(engine, body(signed(TOKEN, PARAMS)), False, "req-1")  # type: ignore[arg-type]
+    assert answer["kvbridge"]["verified"] is True
+    assert [p.remote_block_ids for p in engine.read] == [[3, 4]]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        PARAMS,  # unsigned
+        {**signed(TOKEN, PARAMS), "remoteBlockIds": [5, 6]},  # replayed with another request's blocks
+        signed(b"another token of enough bytes", PARAMS),
+        {**PARAMS, SIGNATURE_KEY: None},
+    ],
+)
+def test_decode_refuses_unsigned_or_changed_parameters_with_403_before_reading(params: dict[str, Any]) -> None:
+    engine = StubEngine(TOKEN)
+    with pytest.raises(EngineError) as caught:
+        complete(engine, body(params), False, "req-2")  # type: ignore[arg-type]
+    assert (caught.value.status, caught.value.code) == (403, "TRANSFER_NOT_SIGNED")
+    assert caught.value.field == f"kv_transfer_params.{SIGNATURE_KEY}"
+    assert engine.read == []
+
+
+def test_decode_without_the_token_takes_signed_and_unsigned_parameters() -> None:
+    engine = StubEngine(None)
+    complete(engine, body(PARAMS), False, "req-3")  # type: ignore[arg-type]
+    complete(engine, body(signed(TOKEN, PARAMS)), False, "req-4")  # type: ignore[arg-type]
+    assert len(engine.read) == 2  # the signature is no field of the parameters: it is dropped, not refused
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[AgentHTTPServer, StubEngine]]:
+    engine = StubEngine(TOKEN)
+    http = AgentHTTPServer("127.0.0.1", 0, engine)  # type: ignore[arg-type]
+    http.start()
+    try:
+        yield http, engine
+    finally:
+        http.shutdown()
+        http.server_close()
+
+
+def post(http: AgentHTTPServer, path: str, data: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(f"http://127.0.0.1:{http.port}{path}", data=json.dumps(data).encode())
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_the_http_api_answers_403_with_the_code_on_both_decode_routes(
+    server: tuple[AgentHTTPServer, StubEngine],
+) -> None:
+    http, engine = server
+    status, answer = post(http, "/v1/completions", body(PARAMS))
+    assert status == 403
+    assert answer["error"]["code"] == "TRANSFER_NOT_SIGNED"
+    status, answer = post(http, "/v1/decode", {"requestId": "d1", "kvTransferParams": PARAMS})
+    assert (status, answer["error"]["code"]) == (403, "TRANSFER_NOT_SIGNED")
+    assert answer["error"]["field"] == f"kvTransferParams.{SIGNATURE_KEY}"
+    assert engine.read == []
+    status, _ = post(http, "/v1/completions", body(signed(TOKEN, PARAMS)))
+    assert status == 200
+    assert len(engine.read) == 1
+
+
+def environment(role: Role, token_file: Path) -> EngineEnvironment:
+    return EngineEnvironment(
+        role=role,
+        engine_id="e",
+        model=ModelGeometry(name="m", num_layers=1, num_kv_heads=1, head_dim=8),
+        prefill=RoleSettings(),
+        decode=RoleSettings(),
+        transfer_token_file=str(token_file),
+    )
+
+
+def test_a_decode_engine_reads_its_token_from_the_contract_and_a_prefill_engine_ignores_it(tmp_path: Path) -> None:
+    (tmp_path / "token").write_bytes(TOKEN + b"\n")
+    assert Engine(environment(Role.DECODE, tmp_path / "token")).transfer_token == TOKEN
+    assert Engine(environment(Role.PREFILL, tmp_path / "token")).transfer_token is None
+    with pytest.raises(SpecError) as caught:
+        Engine(environment(Role.DECODE, tmp_path / "missing"))
+    assert caught.value.code == "TRANSFER_TOKEN_UNREADABLE"
