@@ -28,12 +28,13 @@ import gc
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from kvbridge_agent.core.signing import signed
 from kvbridge_operator.api.objects import Obj
 from kvbridge_router.admission import Limits, admit, engine_request_id
 from kvbridge_router.answers import Start, StreamStart, aborted
@@ -78,6 +79,8 @@ class RouterConfig:
     max_body_bytes: int = 16 << 20
     #: seconds a request's body may take to arrive (a client that stalls gets 408)
     body_timeout: float = 10.0
+    #: the router's token (--transfer-token-file): set, decode's kv_transfer_params carry its signature
+    transfer_token: bytes = field(default=b"", repr=False)
 
     @property
     def limits(self) -> Limits:
@@ -281,6 +284,7 @@ class Router:
         self, request: web.Request, target: Target, body: Obj, raw: bytes, params: Obj, headers: dict[str, str],
         started: float, spent: list[float],
     ) -> web.StreamResponse:  # fmt: skip
+        params = signed(self.config.transfer_token, params) if self.config.transfer_token else params
         decode_body = with_field(raw, "kv_transfer_params", params)
         if decode_body is None:  # not UTF-8 shaped {...}: encoded again
             decode_body = [_encoded({**body, "kv_transfer_params": params})]
