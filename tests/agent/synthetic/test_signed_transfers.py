@@ -11,7 +11,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp.test_utils import TestServer
 
 from kvbridge_agent.core import ModelGeometry, Role, RoleSettings, SpecError
 from kvbridge_agent.core.contract import EngineEnvironment
@@ -20,7 +22,11 @@ from kvbridge_agent.core.signing import SIGNATURE_KEY, signed
 from kvbridge_agent.synthetic.completions import complete
 from kvbridge_agent.synthetic.engine import Engine
 from kvbridge_agent.synthetic.http_api import AgentHTTPServer
+from kvbridge_agent.synthetic.processes import EngineProcess, start_engine
 from kvbridge_agent.synthetic.ranks import EngineError
+from kvbridge_agent.transfer.keys import generate_keys
+from kvbridge_router.pool import Pool
+from kvbridge_router.proxy import Router, RouterConfig
 
 TOKEN = b"f" * 64
 PARAMS = KVTransferParams(
@@ -140,3 +146,74 @@ def test_a_decode_engine_reads_its_token_from_the_contract_and_a_prefill_engine_
     with pytest.raises(SpecError) as caught:
         Engine(environment(Role.DECODE, tmp_path / "missing"))
     assert caught.value.code == "TRANSFER_TOKEN_UNREADABLE"
+
+
+# -- end to end: agent engines as processes, kvbridge's router in front ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineProcess, EngineProcess]]:
+    root = tmp_path_factory.mktemp("signed")
+    generate_keys(root / "keys")
+    (root / "token").write_bytes(TOKEN + b"\n")
+    model = ModelGeometry(name="tiny", num_layers=2, num_kv_heads=4, head_dim=16)
+
+    def env(role: Role, token: str | None) -> EngineEnvironment:
+        return EngineEnvironment(
+            role=role,
+            engine_id=f"signed-{role.value}",
+            model=model,
+            prefill=RoleSettings(),
+            decode=RoleSettings(),
+            keys_dir=str(root / "keys"),
+            num_blocks=32,
+            http_port=0,
+            side_channel_listen_port=0,
+            transfer_timeout_seconds=10,
+            transfer_token_file=token,
+        )
+
+    started = [start_engine(env(Role.PREFILL, None))]
+    try:
+        started.append(start_engine(env(Role.DECODE, str(root / "token"))))
+        yield started[0], started[1]
+    finally:
+        for engine in started:
+            engine.stop()
+
+
+def endpoint(engine: EngineProcess) -> dict[str, Any]:
+    return {"pod": engine.env.engine_id, "ip": "127.0.0.1", "httpPort": engine.ready["httpPort"], "pairing": "k"}
+
+
+async def test_through_the_signing_router_decode_reads_and_around_it_decode_refuses(
+    engines: tuple[EngineProcess, EngineProcess],
+) -> None:
+    prefill, decode = engines
+    router = Router(RouterConfig(transfer_token=TOKEN))
+    router.set_pool(
+        Pool.from_status({"prefill": {"endpoints": [endpoint(prefill)]}, "decode": {"endpoints": [endpoint(decode)]}})
+    )
+    server = TestServer(router.app(), host="127.0.0.1")
+    await server.start_server()
+    try:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                f"http://127.0.0.1:{server.port}/v1/completions",
+                json={"prompt": "one two three four five", "max_tokens": 1},
+            ) as answer,
+        ):
+            assert answer.status == 200, await answer.text()
+            assert (await answer.json())["kvbridge"]["verified"] is True
+    finally:
+        await server.close()
+    # a caller that reaches decode with what prefill returned, not through the router
+    status, offered = prefill.post(
+        "/v1/completions", {"prompt": "six seven", "kv_transfer_params": {"do_remote_decode": True}}
+    )
+    assert status == 200
+    status, refused = decode.post(
+        "/v1/completions", {"prompt": "six seven", "kv_transfer_params": offered["kv_transfer_params"]}
+    )
+    assert (status, refused["error"]["code"]) == (403, "TRANSFER_NOT_SIGNED")
