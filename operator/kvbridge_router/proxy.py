@@ -35,12 +35,13 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from kvbridge_agent.core.signing import signed
 from kvbridge_operator.api.objects import Obj
 from kvbridge_router.admission import Limits, admit, engine_request_id
 from kvbridge_router.answers import Start, StreamStart, aborted
@@ -108,6 +109,8 @@ class RouterConfig:
     header_timeout: float = 10.0
     #: the largest prefill answer, and decode answer when not streamed, read whole (streams are passed on as they come)
     max_answer_bytes: int = 16 << 20
+    #: the router's token (--transfer-token-file): set, decode's kv_transfer_params carry its signature
+    transfer_token: bytes = field(default=b"", repr=False)
 
     @property
     def limits(self) -> Limits:
@@ -339,6 +342,7 @@ class Router:
         self, request: web.Request, target: Target, body: Obj, raw: bytes, params: Obj, headers: dict[str, str],
         started: float, ledger: Ledger,
     ) -> web.StreamResponse:  # fmt: skip
+        params = signed(self.config.transfer_token, params) if self.config.transfer_token else params
         decode_body = with_field(raw, "kv_transfer_params", params)
         if decode_body is None:  # not UTF-8 shaped {...}: encoded again
             decode_body = [_encoded({**body, "kv_transfer_params": params})]

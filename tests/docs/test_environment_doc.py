@@ -11,7 +11,7 @@ ROOT = Path(__file__).parents[2]
 
 def test_every_rendered_variable_is_documented() -> None:
     env = EngineEnvironment.model_validate(
-        {"role": "prefill", "engineId": "e", "sideChannelListenPort": 0,
+        {"role": "prefill", "engineId": "e", "sideChannelListenPort": 0, "transferTokenFile": "/t",
          "model": {"name": "m", "numLayers": 1, "numKVHeads": 1, "headDim": 1}, "prefill": {}, "decode": {}}
     )  # fmt: skip
     text = (ROOT / "docs" / "environment.md").read_text()

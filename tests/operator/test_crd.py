@@ -117,6 +117,7 @@ def test_schema_rejects_bad_resources(change: Any, where: str) -> None:
         ),
         (lambda s: s["model"].update(cacheKind="CrossLayer") or s["decode"].update(blockSize=32), ".decode.blockSize"),
         (lambda s: s["transfer"].update(conversion="Off") or s["decode"].update(blockSize=32), ".decode.blockSize"),
+        (lambda s: s["router"].update(signTransfers=True), ".router.signTransfers"),
     ],
 )
 def test_cel_rules_reject_cross_field_violations(change: Any, field_path: str) -> None:
@@ -212,6 +213,8 @@ CORPUS: list[tuple[str, Any]] = [
         lambda d: d["spec"].update(placement={"colocation": "Preferred", "topologyKey": "topology.kubernetes.io/zone"}),
     ),
     ("gpus-per-node-zero", lambda d: d["spec"].update(placement={"gpusPerNode": 0})),
+    ("sign-without-router", lambda d: d["spec"].update(router={"signTransfers": True})),
+    ("sign-with-router", lambda d: d["spec"].update(router={"enabled": True, "signTransfers": True})),
 ]
 
 
@@ -229,7 +232,8 @@ def test_plan_and_the_api_server_give_the_same_verdict(label: str, change: Any) 
      ("name-digit-first", False), ("name-dots", False), ("name-upper", False), ("pool-without-picker", False),
      ("pool-with-picker", True), ("token-without-source", False), ("token-with-pvc-source", False),
      ("token-with-hf-source", True), ("source-s3", False), ("colocation-without-key", False),
-     ("colocation-with-key", True), ("gpus-per-node-zero", False)],
+     ("colocation-with-key", True), ("gpus-per-node-zero", False), ("sign-without-router", False),
+     ("sign-with-router", True)],
 )  # fmt: skip
 def test_the_verdicts_themselves(label: str, accepted: bool) -> None:
     document = base()

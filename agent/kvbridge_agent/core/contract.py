@@ -56,6 +56,7 @@ _ENGINE_VARS = {
     "VERIFY": "verify",
     "BLOCK_ALLOCATION": "block_allocation",
     "DRAIN_SECONDS": "drain_seconds",
+    "TRANSFER_TOKEN_FILE": "transfer_token_file",
 }
 
 
@@ -95,6 +96,11 @@ class EngineEnvironment(CamelModel):
         default=30.0, ge=0, le=3600,
         description="Agent worker: on SIGTERM, how long the requests in flight may finish (new ones get 503).",
     )  # fmt: skip
+    transfer_token_file: str | None = Field(
+        default=None,
+        description="Decode: a file holding the router's token (spec.router.signTransfers); set, the engine accepts "
+        "kv_transfer_params only with the router's signature (core/signing.py). Unset or empty: any.",
+    )
     block_allocation: BlockAllocation = Field(
         default=BlockAllocation.SEQUENTIAL,
         description="Agent worker: Sequential block ids, or Scattered (a shuffled free list, as after long uptime).",

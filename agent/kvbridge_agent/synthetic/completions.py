@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvbridge_agent.core.handshake import KVTransferParams, request_id_problem
+from kvbridge_agent.core.signing import TransferNotSignedError, check_signature, unsigned
 from kvbridge_agent.synthetic.engine import Engine
 from kvbridge_agent.synthetic.ranks import INVALID_REQUEST, EngineError
 
@@ -63,6 +64,7 @@ def complete(engine: Engine, body: Obj, chat: bool, request_id: str) -> tuple[Ob
         raise EngineError("the synthetic engine serves disaggregated requests only: send kv_transfer_params "
                           "(do_remote_decode to prefill, or what prefill returned to decode)", code=INVALID_REQUEST,
                           field="kv_transfer_params")  # fmt: skip
+    params = signed_by_router(engine, params, "kv_transfer_params")
     try:
         remote = KVTransferParams.model_validate(params)
     except ValidationError as exc:
@@ -75,6 +77,18 @@ def complete(engine: Engine, body: Obj, chat: bool, request_id: str) -> tuple[Ob
                           status=500)  # fmt: skip
     answer["kvbridge"] = {k: result[k] for k in ("verified", "bytes", "descriptors", "transferSeconds")}
     return answer, bool(body.get("stream"))
+
+
+def signed_by_router(engine: Engine, params: Obj, field: str) -> Obj:
+    """``params`` without the router's signature; where the engine holds the router's token
+    (``spec.router.signTransfers``) the signature is checked first: missing or wrong, the request gets 403
+    ``TRANSFER_NOT_SIGNED`` and nothing is read."""
+    if engine.transfer_token is not None:
+        try:
+            check_signature(engine.transfer_token, params, field)
+        except TransferNotSignedError as exc:
+            raise EngineError(exc.message, code=exc.code, field=exc.field, status=403) from None
+    return unsigned(params)
 
 
 def event_stream(answer: Obj, chat: bool) -> bytes:

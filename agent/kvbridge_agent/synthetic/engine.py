@@ -43,6 +43,7 @@ from kvbridge_agent.core.handshake import (
     request_id_problem,
 )
 from kvbridge_agent.core.model import Role
+from kvbridge_agent.core.signing import load_token
 from kvbridge_agent.core.tp import handshake_ranks
 from kvbridge_agent.synthetic.rank_entry import main as rank_main
 from kvbridge_agent.synthetic.ranks import (
@@ -101,6 +102,10 @@ class Engine:
         self._verification = VerificationPolicy(env.transfer)
         self.env = env
         self.keys = keys
+        #: decode: the router's token (spec.router.signTransfers): transfer parameters without its signature get 403
+        self.transfer_token = (
+            load_token(env.transfer_token_file) if env.transfer_token_file and env.role is Role.DECODE else None
+        )
         self.log_level = log_level
         self.incarnation = uuid.uuid4().hex[:12]
         self.metrics = AgentMetrics(env.role.value, env.engine_id)

@@ -113,8 +113,10 @@ class _Handler(BaseHTTPRequestHandler):
                 params = engine.prefill(str(body.get("requestId", "")), _int(body, "numTokens"), _allocation(body))
                 self._send(HTTPStatus.OK, {"kvTransferParams": params.model_dump(by_alias=True)})
             elif self.path == "/v1/decode":
+                raw = body.get("kvTransferParams")
+                raw = completions.signed_by_router(engine, raw, "kvTransferParams") if isinstance(raw, dict) else raw
                 try:
-                    params = KVTransferParams.model_validate(body.get("kvTransferParams"))
+                    params = KVTransferParams.model_validate(raw)
                 except ValidationError as exc:
                     first = exc.errors()[0]
                     where = ".".join(str(p) for p in ("kvTransferParams", *first["loc"]))

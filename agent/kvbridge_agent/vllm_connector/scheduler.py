@@ -24,6 +24,7 @@ from kvbridge_agent.core.handshake import (
     RankMetadata,
     request_id_problem,
 )
+from kvbridge_agent.core.signing import TransferNotSignedError, check_signature, load_token
 from kvbridge_agent.transfer.keys import load_keys
 from kvbridge_agent.transfer.side_channel import SideChannelServer, heartbeat_interval, send_heartbeats
 
@@ -71,6 +72,12 @@ class ConnectorScheduler:
         # prefill offers wire blocks: with a prefill-side split, block b becomes wire blocks b*r .. b*r + r-1
         self._plan = build_plan(environment.model, environment.prefill, environment.decode, environment.transfer)
         self._keys = load_keys(environment.keys_dir) if environment.keys_dir else None
+        #: decode: the router's token (spec.router.signTransfers): parameters without its signature are refused
+        self._transfer_token = (
+            load_token(environment.transfer_token_file)
+            if environment.transfer_token_file and settings.role is Role.DECODE
+            else None
+        )
         # decode: requests whose KV is still to be read, by request id; a thread renews their leases on prefill
         self._waiting: dict[str, KVTransferParams] = {}
         #: decode: requests whose kvbridge parameters did not validate, and why (until their blocks are allocated)
@@ -136,9 +143,13 @@ class ConnectorScheduler:
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         try:
+            if self._transfer_token is not None:
+                check_signature(self._transfer_token, raw)
             params = transfer_params(raw)
-        except InvalidTransferParamsError as exc:  # the request fails when its load is reported, never by a raise
-            self._refused[request.request_id] = f"{exc.code}: {exc}"
+        except (InvalidTransferParamsError, TransferNotSignedError) as exc:
+            # the request fails when its load is reported, never by a raise
+            why = f"{exc.field}: {exc.message}" if isinstance(exc, TransferNotSignedError) else str(exc)
+            self._refused[request.request_id] = f"{exc.code}: {why}"
             log.warning("kvbridge: request %.80s: %s", request.request_id, exc)
             return (count, True) if count > 0 else (0, False)
         if params is None:

@@ -105,6 +105,13 @@ SPEC_RULES: list[dict[str, str]] = [
         "reason": "FieldValueRequired",
     },
     {
+        "rule": "!has(self.router) || !has(self.router.signTransfers) || !self.router.signTransfers || "
+        "(has(self.router.enabled) && self.router.enabled)",
+        "message": "signTransfers needs kvbridge's router, which signs what decode is handed: set router.enabled: true",
+        "fieldPath": ".router.signTransfers",
+        "reason": "FieldValueInvalid",
+    },
+    {
         "rule": "(!has(self.model.tokenSecret) && !has(self.model.cache)) || "
         "(has(self.model.source) && self.model.source.startsWith('hf://'))",
         "message": "tokenSecret and cache are for downloads: set source to hf://ORG/NAME@REVISION",

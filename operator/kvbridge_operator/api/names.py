@@ -56,6 +56,8 @@ ENGINE_CONTAINER = "engine"
 SIDE_CHANNEL_PORT_NAME = "side-channel"
 HTTP_PORT_NAME = "http"
 KEYS_VOLUME = "side-channel-keys"
+#: the router's token (spec.router.signTransfers), on the router's pods and the decode engines'
+ROUTER_TOKEN_VOLUME = "router-token"
 
 
 # -- child names ----------------------------------------------------------------------------------------------------
@@ -66,6 +68,11 @@ def role_name(deployment: str, role: Role) -> str:
 
 def secret_name(deployment: str) -> str:
     return f"{deployment}-side-channel"
+
+
+def router_token_secret_name(deployment: str) -> str:
+    """The router's token for signing decode's transfer parameters (spec.router.signTransfers)."""
+    return f"{deployment}-router-token"
 
 
 def network_policy_name(deployment: str) -> str:

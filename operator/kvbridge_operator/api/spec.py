@@ -11,7 +11,7 @@ import re
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from kvbridge_agent.core import KVBridgeError, ModelGeometry, Role, RoleSettings, SpecError, TransferSettings
 from kvbridge_agent.core.model import CamelModel
@@ -205,6 +205,23 @@ class RouterSpec(CamelModel):
         "of its prompt (their prefix caches), unless they are busier than the least loaded by more than 2 requests; "
         "least-loaded: the pod with the fewest requests in flight.",
     )  # fmt: skip
+    sign_transfers: bool = Field(
+        default=False,
+        description="Decode engines accept kv_transfer_params only with this router's signature (HMAC-SHA256 under "
+        "a token in the Secret <name>-router-token, created once and mounted into the router and the decode pods): "
+        "a pod that reaches a decode engine's port cannot hand it forged or altered parameters. Needs enabled, and "
+        "engines that check it: kind Agent, or VLLM with connector KVBridge.",
+    )
+
+    @field_validator("sign_transfers")
+    @classmethod
+    def _signed_by_the_router(cls, sign: bool, info: ValidationInfo) -> bool:
+        if sign and not info.data.get("enabled", False):
+            raise ValueError(
+                "signTransfers needs kvbridge's router, which signs what decode is handed: set router.enabled: true, "
+                "or signTransfers: false"
+            )
+        return sign
 
 
 class InferencePoolSpec(CamelModel):

@@ -39,7 +39,7 @@ from kvbridge_operator.api.names import (
 )
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import DisaggregatedDeployment, EngineDevice, EngineKind, RoleSpec
-from kvbridge_operator.children import multinode, network, placement, termination
+from kvbridge_operator.children import multinode, network, placement, termination, transfer_token
 from kvbridge_operator.children import vllm_engine as vllm
 from kvbridge_operator.children.keys import curve_keypair
 from kvbridge_operator.children.pairing import pairing
@@ -117,6 +117,7 @@ def engine_env(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, conf
         keys_dir=config.keys_mount_path if agent or vllm.uses_kvbridge(spec) else "",
         num_blocks=config.agent_num_blocks, http_port=config.agent_http_port,
         device="cpu" if on_cpu(dd, config) else "cuda", drain_seconds=spec.transfer.drain_seconds,
+        transfer_token_file=transfer_token.token_file(spec, role),
     )  # fmt: skip
     downward = {"KVBRIDGE_ENGINE_ID": "metadata.name", "KVBRIDGE_SIDE_CHANNEL_HOST": "status.podIP"}
     env: list[Obj] = []
@@ -157,6 +158,7 @@ def pod_template(
     }  # fmt: skip
     network.apply(template, spec)
     termination.apply(template, spec, role, config.agent_http_port)
+    transfer_token.apply(template, spec, dd.metadata.name, role)
     template = overlay(template, role_spec.template) if role_spec.template else template
     template["metadata"].setdefault("labels", {})[LABEL_REVISION] = revision(template)
     return template

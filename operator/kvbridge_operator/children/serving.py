@@ -2,7 +2,9 @@
 
 - ``spec.router.enabled``: kvbridge's router (``kvbridge router``) as a Deployment and a ClusterIP Service
   ``<name>-router``, with a ServiceAccount whose Role may only get and watch this one DisaggregatedDeployment
-  (the router reads the endpoints and pairings from its status; it never lists pods).
+  (the router reads the endpoints and pairings from its status; it never lists pods). With
+  ``spec.router.signTransfers`` it signs decode's ``kv_transfer_params`` with the token of the Secret
+  ``<name>-router-token`` (:func:`router_token_secret`; transfer_token.py).
 - ``spec.inferencePool.enabled``: a Gateway API Inference Extension ``InferencePool`` (``inference.networking.
   k8s.io/v1``) selecting both roles' pods, which carry ``llm-d.ai/role: prefill|decode`` for llm-d's P/D
   scheduler (the Endpoint Picker, installed separately and named in the spec), and an ``HTTPRoute`` from a
@@ -19,10 +21,11 @@ from kvbridge_operator.api.names import (
     LABEL_INFERENCE_POOL,
     MANAGED_BY,
     router_name,
+    router_token_secret_name,
 )
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import DisaggregatedDeployment
-from kvbridge_operator.children import placement
+from kvbridge_operator.children import placement, transfer_token
 from kvbridge_operator.children.render import child_metadata, owner_reference
 from kvbridge_operator.config import OperatorConfig
 
@@ -50,8 +53,10 @@ def router_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfi
         f"--prefill-attempts={spec.prefill_attempts}", f"--policy={spec.policy.value}",
         f"--block-size={dd.spec.prefill.block_size}",
     ]  # fmt: skip
+    signs = transfer_token.signs(dd.spec)
+    args += [f"--transfer-token-file={transfer_token.TOKEN_FILE}"] if signs else []
     probe = {"httpGet": {"path": "/metrics", "port": HTTP_PORT_NAME}, "periodSeconds": 10}
-    container = {
+    container: Obj = {
         "name": "router",
         "image": spec.image or config.router_image,
         "command": ["kvbridge"],
@@ -63,7 +68,10 @@ def router_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfi
         "resources": spec.resources or {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
                             "capabilities": {"drop": ["ALL"]}},
+        **({"volumeMounts": [transfer_token.mount()]} if signs else {}),
     }  # fmt: skip
+    # the token's file is root's: readable by the router's non-root user
+    volumes = {"volumes": [transfer_token.volume(dd.metadata.name, 0o444)]} if signs else {}
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": child_metadata(name, namespace, labels, owner)},
         {
@@ -87,7 +95,7 @@ def router_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfi
                 "template": {
                     "metadata": {"labels": {**MANAGED_BY, **labels}},
                     "spec": {"serviceAccountName": name, "containers": [container],
-                             "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}}},
+                             "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}}, **volumes},
                 },
             },
         },
@@ -99,6 +107,21 @@ def router_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfi
                                 "protocol": "TCP"}]},
         },
     ]  # fmt: skip
+
+
+def router_token_secret(dd: DisaggregatedDeployment, uid: str) -> Obj:
+    """The router's token (``spec.router.signTransfers``, transfer_token.py): a fresh one; created once, never
+    patched (rotation is an explicit action)."""
+    namespace = dd.metadata.namespace or "default"
+    name = router_token_secret_name(dd.metadata.name)
+    metadata = child_metadata(name, namespace, {LABEL_DEPLOYMENT: dd.metadata.name}, owner_reference(dd, uid))
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": metadata,
+        "data": transfer_token.secret_data(),
+    }
 
 
 def inference_pool_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfig) -> list[Obj]:

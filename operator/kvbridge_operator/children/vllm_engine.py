@@ -47,6 +47,8 @@ VLLM_KVBRIDGE_GPU = "VLLM_KVBRIDGE_GPU"
 VLLM_KVBRIDGE_REPLICATED_HEADS = "VLLM_KVBRIDGE_REPLICATED_HEADS"
 #: verification: All asked of vLLM's NixlConnector, which has no transfer digest
 VLLM_NIXL_UNVERIFIED = "VLLM_NIXL_UNVERIFIED"
+#: router.signTransfers asked of vLLM's NixlConnector, which cannot check the router's signature
+VLLM_NIXL_UNSIGNED = "VLLM_NIXL_UNSIGNED"
 VLLM_MLA_BLOCK_SIZE = "VLLM_MLA_BLOCK_SIZE"
 #: vLLM 0.32's MLA backend kvbridge renders on GPUs, and the only block size it runs (with another, vLLM would pick
 #: another MLA backend by itself, whose cache the plan did not describe)
@@ -162,6 +164,18 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
             + ("spec.engine.connector: KVBridge, or " if on_cpu(spec) else "(kvbridge's connector runs vLLM's CPU "
                "build only, so far) ") + "spec.transfer.verification: Off to run unverified",
         ))  # fmt: skip
+    if spec.router.sign_transfers and not uses_kvbridge(spec):
+        # on GPUs kvbridge's connector is refused (VLLM_KVBRIDGE_GPU): the advice offers it on CPUs only
+        instead = "spec.engine.connector: KVBridge, or " if on_cpu(spec) else ""
+        found.append(
+            Problem(
+                VLLM_NIXL_UNSIGNED,
+                "spec.router.signTransfers",
+                "signTransfers asks decode to accept kv_transfer_params only with the router's signature, but vLLM's "
+                "NixlConnector uses whatever parameters it is handed (it cannot check one; kvbridge's connector "
+                f"does, on vLLM's CPU build so far); set {instead}spec.router.signTransfers: false to go without",
+            )
+        )
     given = [("spec.engine.extraArgs", arg) for arg in spec.engine.extra_args]
     given += [(f"spec.{role.value}.extraArgs", arg) for role in Role for arg in spec.role(role).extra_args]
     for where, arg in given:

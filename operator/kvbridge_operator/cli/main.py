@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvbridge_agent.core import KVBridgeError
+from kvbridge_agent.core.signing import load_token
 from kvbridge_operator import __version__
 from kvbridge_operator.api.names import KIND
 from kvbridge_operator.api.objects import Obj
@@ -183,12 +184,17 @@ def _router(args: argparse.Namespace) -> int:
     if problems:
         print(f"kvbridge router: error: {'; '.join(problems)}", file=sys.stderr)
         return EXIT_INVALID
+    try:
+        token = load_token(args.transfer_token_file) if args.transfer_token_file else b""
+    except KVBridgeError as exc:
+        print(f"kvbridge router: error: {exc.code}: {exc.message}", file=sys.stderr)
+        return EXIT_INVALID
     config = RouterConfig(prefill_timeout=args.prefill_timeout, decode_timeout=args.decode_timeout,
                           decode_idle_timeout=min(args.decode_timeout, 60.0),
                           prefill_attempts=args.prefill_attempts, decode_attempts=args.decode_attempts,
                           request_timeout=args.request_timeout, body_timeout=args.body_timeout,
-                          header_timeout=args.header_timeout,
-                          policy=args.policy, block_tokens=args.block_size)  # fmt: skip
+                          header_timeout=args.header_timeout, policy=args.policy, block_tokens=args.block_size,
+                          transfer_token=token)  # fmt: skip
     router = Router(config)
 
     async def main() -> None:
@@ -361,6 +367,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds a request's head may take to arrive, from the connection's opening or the head's first byte; "
         "a client that sends nothing or half a head is disconnected (default 10)",
+    )
+    router.add_argument(
+        "--transfer-token-file",
+        metavar="PATH",
+        default="",
+        help="a file holding the token decode engines check (spec.router.signTransfers): the kv_transfer_params "
+        "sent to decode carry its HMAC signature (docs/router.md)",
     )
     router.add_argument("--api-server", default="", help="Kubernetes API URL of a local emulator")
     router.add_argument("--kubeconfig", default="", help="kubeconfig (default: KUBECONFIG, in-cluster, ~/.kube/config)")

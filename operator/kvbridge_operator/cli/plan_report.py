@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge_agent.core import KVBridgeError, Problem, Role, SpecError, TransferPlan, Verification
-from kvbridge_operator.api.names import ENGINE_CONTAINER
+from kvbridge_operator.api.names import ENGINE_CONTAINER, router_token_secret_name
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import (
     Connector,
@@ -18,7 +18,7 @@ from kvbridge_operator.api.spec import (
     EngineKind,
     Memlock,
 )
-from kvbridge_operator.children import multinode, network
+from kvbridge_operator.children import multinode, network, transfer_token
 from kvbridge_operator.children import vllm_engine as vllm
 from kvbridge_operator.children.model_source import weights
 from kvbridge_operator.children.pairing import pairing
@@ -101,6 +101,7 @@ def entries(document: DocumentPlan, ranks: Iterable[int]) -> list[dict[str, obje
                 "pairing": pairing(document.deployment.spec),
                 "engine": engine_of(document.deployment.spec),
                 "verification": verification_of(document.deployment.spec),
+                "router": router_of(document.deployment),
             }
             if engines is not None:
                 entry["vllm"] = engines
@@ -206,6 +207,24 @@ def verification_words(spec: DisaggregatedDeploymentSpec) -> str:
     return "Off"
 
 
+def router_of(deployment: DisaggregatedDeployment) -> dict[str, object]:
+    """``spec.router`` as it will run (``--json``): whether kvbridge's router runs, its policy, and whether it signs
+    decode's transfer parameters with the token of ``tokenSecret`` (empty when it does not)."""
+    router = deployment.spec.router
+    signs = transfer_token.signs(deployment.spec)
+    secret = router_token_secret_name(deployment.metadata.name) if signs else ""
+    return {"enabled": router.enabled, "policy": router.policy.value, "signTransfers": signs, "tokenSecret": secret}
+
+
+def router_words(deployment: DisaggregatedDeployment) -> str:
+    """The router's line of the text report: its policy, and who decode takes transfer parameters from."""
+    policy = deployment.spec.router.policy.value
+    if not transfer_token.signs(deployment.spec):
+        return f"{policy}; decode accepts kv_transfer_params from any pod that reaches it (signTransfers off)"
+    secret = router_token_secret_name(deployment.metadata.name)
+    return f"{policy}; decode accepts kv_transfer_params only as the router signs them (signTransfers, Secret {secret})"
+
+
 def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
     """The human-readable report for one document."""
     spec = document.deployment.spec
@@ -242,6 +261,8 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
         f"  bytes per region block: local {plan.local_block_bytes}, remote wire {plan.remote_block_bytes}",
         f"  verification: {verification_words(spec)}",
     ]
+    if spec.router.enabled:
+        lines.append(f"  router: {router_words(document.deployment)}")
     for rank in ranks:
         rank_plan = plan.for_decode_rank(rank)
         notify = ", ".join(map(str, rank_plan.notify_only_ranks)) or "-"

@@ -19,11 +19,12 @@ from kvbridge_agent.core import Role, SpecError, TransferPlan
 from kvbridge_operator.api.names import LABEL_PAIRING, LABEL_ROLE, LWS_KIND, WORKLOAD_KINDS
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import DisaggregatedDeployment, parse_deployment
-from kvbridge_operator.children import multinode, placement
+from kvbridge_operator.children import multinode, placement, transfer_token
 from kvbridge_operator.children.pairing import pairing
 from kvbridge_operator.children.remedy import advice
 from kvbridge_operator.children.render import children, secret
 from kvbridge_operator.children.scaling import Roles, plan_roles
+from kvbridge_operator.children.serving import router_token_secret
 from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.controller import optional, revisions, rollout
@@ -135,7 +136,7 @@ def plan(observed: Observed) -> Plan:
 
 def _work(observed: Observed, dd: DisaggregatedDeployment, transfer: TransferPlan, key: str, roles: Roles,
           previous: Obj, annotations: dict[str, str], full: bool) -> Work:  # fmt: skip
-    """A compatible spec's children: the Secret and roles (on a full reconcile), each child rendered and applied
+    """A compatible spec's children: the Secrets and roles (on a full reconcile), each child rendered and applied
     with the rollout's step, the optional ones, and what the rollout and the revisions annotation say."""
     seen, config = observed.children, observed.config
     uid = observed.body["metadata"].get("uid", "")
@@ -145,6 +146,8 @@ def _work(observed: Observed, dd: DisaggregatedDeployment, transfer: TransferPla
     work = Work(workloads=seen.workloads(dd), serving=_serving_as_before(previous))
     if full:
         work.actions.append(CreateOnce(SECRETS, keys))
+        if transfer_token.signs(dd.spec):  # before the pods that mount it (the router's, decode's)
+            work.actions.append(CreateOnce(SECRETS, router_token_secret(dd, uid)))
         for role in Role:
             if role in roles.create:
                 work.actions.append(EnsureRole(roles.create[role], exists=False, replicas=dd.spec.role(role).replicas))
