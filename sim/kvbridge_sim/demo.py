@@ -158,9 +158,11 @@ async def start_router(client: KubeClient, name: str, timeout: float = 60) -> Lo
     from kvbridge_operator.api.spec import parse_deployment
     from kvbridge_router.proxy import Router, RouterConfig, serve
     from kvbridge_router.source import watch_status
+    from kvbridge_sim.runner import router_token
 
     spec = parse_deployment(await client.get(DEPLOYMENTS, NAMESPACE, name) or {}).spec
-    config = RouterConfig(policy=spec.router.policy.value, block_tokens=spec.prefill.block_size)
+    token = await router_token(client, NAMESPACE, name) if spec.router.enabled and spec.router.sign_transfers else b""
+    config = RouterConfig(policy=spec.router.policy.value, block_tokens=spec.prefill.block_size, transfer_token=token)
     router, stop = Router(config), asyncio.Event()
     with socket.socket() as probe:  # a free port for the router
         probe.bind(("127.0.0.1", 0))

@@ -35,7 +35,8 @@ from pathlib import Path
 
 import aiohttp
 
-from kvbridge_operator.api.names import LABEL_REVISION, MANAGED_BY, secret_name
+from kvbridge_agent.core.contract import PREFIX
+from kvbridge_operator.api.names import LABEL_REVISION, MANAGED_BY, router_token_secret_name, secret_name
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.kube import PODS, SECRETS, STATEFUL_SETS, KubeClient
 from kvbridge_sim import pods
@@ -178,10 +179,18 @@ class LocalRunner:
         deployment = labels.get("kvbridge.io/deployment", "")
         ip = f"127.0.0.{next(self._addresses)}"
         keys_dir = await self._mount_keys(namespace, deployment)
+        overrides = {"KVBRIDGE_KEYS_DIR": str(keys_dir), "KVBRIDGE_HTTP_HOST": ip}
+        if any(e.get("name") == TOKEN_ENV for e in pods.engine_container(template).get("env", [])):
+            overrides[TOKEN_ENV] = str(await self._mount_token(namespace, deployment))
         spec = pods.local_pod(
-            template, pod_name, ip, self.workdir / pod_name, models=self.models, cpus=self._cpuset(template),
-            env_overrides={"KVBRIDGE_KEYS_DIR": str(keys_dir), "KVBRIDGE_HTTP_HOST": ip},
-        )  # fmt: skip
+            template,
+            pod_name,
+            ip,
+            self.workdir / pod_name,
+            models=self.models,
+            cpus=self._cpuset(template),
+            env_overrides=overrides,
+        )
         owner = {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": sts["metadata"]["name"],
                  "uid": sts["metadata"]["uid"], "controller": True}  # fmt: skip
         pod_obj = {"apiVersion": "v1", "kind": "Pod", "spec": template["spec"],
@@ -214,6 +223,10 @@ class LocalRunner:
                 target.write_bytes(base64.b64decode(value))
                 target.chmod(0o400)
         return path
+
+    async def _mount_token(self, namespace: str, deployment: str) -> Path:
+        """The router's token (spec.router.signTransfers) as the file a decode pod's engine reads."""
+        return await mount_router_token(self.client, namespace, deployment, self.workdir)
 
     def _start(self, pod: LocalPod) -> None:
         pod.process = pods.start(pod.spec, pod.log_path or Path(os.devnull))
@@ -263,3 +276,25 @@ class LocalRunner:
     def http_url(self, namespace: str, name: str) -> str:
         pod = self.pods[(namespace, name)]
         return f"http://{pod.ip}:{pod.spec.http_port}"
+
+
+#: the engine environment variable naming the router's token file (the agent core's contract)
+TOKEN_ENV = PREFIX + "TRANSFER_TOKEN_FILE"
+
+
+async def router_token(client: KubeClient, namespace: str, deployment: str) -> bytes:
+    """The deployment's router token (spec.router.signTransfers), as its Secret holds it; the operator creates the
+    Secret before the workloads that mount it."""
+    secret = await client.get(SECRETS, namespace, router_token_secret_name(deployment))
+    if secret is None:
+        raise RuntimeError(f"the Secret {router_token_secret_name(deployment)} is missing")
+    return base64.b64decode(secret["data"]["token"]).strip()
+
+
+async def mount_router_token(client: KubeClient, namespace: str, deployment: str, workdir: Path) -> Path:
+    """The router token written to a file under ``workdir``, what a kubelet's Secret volume gives a pod."""
+    path = workdir / f"{namespace}-{deployment}-router-token"
+    if not path.exists():
+        path.write_bytes(await router_token(client, namespace, deployment))
+        path.chmod(0o400)
+    return path
