@@ -402,10 +402,45 @@ def _location(loc: tuple[int | str, ...]) -> str:
     return ".".join(str(part) for part in loc)
 
 
+#: how deeply a manifest may nest, the root being level 1 (a DisaggregatedDeployment with a pod template overlay
+#: needs about 15); ``kvbridge plan`` reads YAML with the same bound
+MAX_DEPTH = 64
+NESTING_TOO_DEEP = "NESTING_TOO_DEEP"
+#: the leading steps of a path that nests too deeply that its refusal names (the path goes on below them)
+_NAMED_STEPS = 12
+
+
+def nesting_error(document: object, limit: int = MAX_DEPTH) -> SpecError | None:
+    """A refusal naming where ``document`` nests deeper than ``limit`` levels (each map, list and value a level,
+    as the YAML reader counts them), else None.
+
+    Walked with an explicit stack, so input of any depth (the API server stores JSON up to 10,000 levels deep)
+    is refused here, before it reaches code that recurses once per level: JSON encoding, validation, the template
+    merge, all of which would raise RecursionError instead."""
+    stack: list[tuple[object, tuple[int | str, ...]]] = [(document, ())]
+    while stack:
+        value, path = stack.pop()
+        if len(path) >= limit:
+            named = _location(path[:_NAMED_STEPS]) + ("..." if len(path) > _NAMED_STEPS else "")
+            return SpecError(
+                f"{named} nests deeper than {limit} levels (a DisaggregatedDeployment, pod template overlay "
+                "included, needs about 15): nothing Kubernetes or kvbridge reads there is that deep; write the "
+                "value flatter",
+                field=named,
+                code=NESTING_TOO_DEEP,
+            )
+        children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        stack.extend((child, (*path, key)) for key, child in children)
+    return None
+
+
 def parse_deployment(document: object) -> DisaggregatedDeployment:
     """Parse one manifest, or raise :class:`SpecError` naming the first bad field."""
     if not isinstance(document, dict):
         raise SpecError(f"expected a mapping, got {type(document).__name__}", code="NOT_A_MAPPING")
+    too_deep = nesting_error(document)
+    if too_deep is not None:
+        raise too_deep
     if document.get("apiVersion") != API_VERSION or document.get("kind") != KIND:
         raise SpecError(
             f"expected apiVersion {API_VERSION} and kind {KIND}, got apiVersion "
