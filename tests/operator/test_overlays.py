@@ -108,3 +108,72 @@ def test_a_spec_within_the_bound_parses() -> None:
     doc = document()
     doc["spec"]["decode"]["template"] = {"metadata": {"annotations": {"a": "b"}}, "spec": {"affinity": nested(40)}}
     parse_deployment(doc)
+
+
+def test_an_unexpected_error_in_the_checks_is_reported_in_the_status(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reconcile is pure up to the API calls: an exception there is a bug in kvbridge, which no retry mends;
+    it is reported in the status and an event (and logged), and nothing that runs changes."""
+
+    def broken(*_: object, **__: object) -> None:
+        raise TypeError("'NoneType' object does not support item assignment")
+
+    monkeypatch.setattr("kvbridge_operator.controller.plan.verdict_for", broken)
+    status, events, applied = reconciled(document())
+    assert not applied
+    compatible = condition(status)
+    assert (compatible["status"], compatible["reason"]) == ("False", "CheckFailed")
+    assert "TypeError: 'NoneType' object does not support item assignment" in compatible["message"]
+    assert "report" in compatible["message"]
+    assert condition(status, "Ready")["reason"] == "CheckFailed"
+    assert [(e.type, e.reason) for e in events] == [("Warning", "CheckFailed")]
+
+
+def test_the_operator_process_decodes_any_object_the_api_server_stores() -> None:
+    """The API server stores JSON up to 10,000 levels deep; Python's JSON decoder (Kopf's watches, the API client)
+    recurses once per level. The operator's process allows that depth, so such an object reaches the typed
+    refusal instead of ending Kopf's watch of every deployment with RecursionError."""
+    import sys
+
+    from kvbridge_operator.controller.handlers import allow_api_depth
+
+    limit = sys.getrecursionlimit()
+    try:
+        allow_api_depth()
+        doc = document()
+        doc["spec"]["decode"]["template"] = {"spec": {"nodeSelector": "DEEP"}}
+        event = json.dumps({"type": "ADDED", "object": doc}).replace('"DEEP"', '{"a":' * 9990 + "1" + "}" * 9990)
+        body = json.loads(event)["object"]
+        status, _, applied = reconciled(body)
+    finally:
+        sys.setrecursionlimit(limit)
+    assert not applied
+    assert condition(status)["reason"] == "InvalidSpec"
+    assert condition(status)["message"].startswith("spec.decode.template.spec.nodeSelector.a.a")
+
+
+async def test_a_deep_deployment_is_refused_in_its_status_and_the_others_keep_being_served() -> None:
+    import aiohttp
+
+    from kvbridge_sim.cluster import cluster
+
+    async with cluster() as c:
+        first = document()
+        await c.apply(first)  # the operator runs (and has set its process up) once this one is reconciled
+        name = first["metadata"]["name"]
+        await c.wait(lambda: c.condition(name, "Compatible").get("status") == "True", what="first Compatible")
+        deep = document()
+        deep["metadata"]["name"] = "deep"
+        deep["spec"]["decode"]["template"] = {"spec": {"nodeSelector": "DEEP"}}
+        text = json.dumps(deep).replace('"DEEP"', '{"a":' * 3000 + '"b"' + "}" * 3000)
+        url = f"{c.url}/apis/kvbridge.io/v1alpha1/namespaces/default/disaggregateddeployments"
+        headers = {"Content-Type": "application/json"}
+        async with aiohttp.ClientSession() as session, session.post(url, data=text, headers=headers) as response:
+            assert response.status in (200, 201), await response.text()
+        await c.wait(lambda: c.condition("deep", "Compatible").get("reason") == "InvalidSpec", what="deep refused")
+        assert "nests deeper than 64 levels" in c.condition("deep", "Compatible")["message"]
+        later = document()
+        later["metadata"]["name"] = "later"
+        await c.apply(later)
+        await c.wait(lambda: c.condition("later", "Compatible").get("status") == "True", what="later Compatible")
+        assert c.operator is not None
+        assert not c.operator.done()

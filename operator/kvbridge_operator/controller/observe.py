@@ -289,12 +289,15 @@ def observe(
     return Report(whole, events, new_annotations)
 
 
-def invalid(previous: Obj, generation: int, exc: SpecError, now: str) -> tuple[Obj, list[Event]]:
-    """A resource the schema should have rejected (or an older CRD): its status and events (reported, never a
-    crash loop); nothing else of the status changes."""
+def invalid(
+    previous: Obj, generation: int, exc: SpecError, now: str, reason: str = "InvalidSpec"
+) -> tuple[Obj, list[Event]]:
+    """A resource the schema should have rejected (or an older CRD), or one kvbridge's checks failed on
+    (``reason`` CheckFailed): its status and events (reported, never a crash loop); nothing else of the status
+    changes."""
     message = f"{exc.field}: {exc.message}"
     conditions = [
-        Condition(type=kind, status="False", reason="InvalidSpec", message=message, observed_generation=generation)
+        Condition(type=kind, status="False", reason=reason, message=message, observed_generation=generation)
         for kind in (ConditionType.COMPATIBLE, ConditionType.READY)
     ]
     merged = merge_conditions(previous.get("conditions") or [], conditions, now)
@@ -303,8 +306,8 @@ def invalid(previous: Obj, generation: int, exc: SpecError, now: str) -> tuple[O
         "conditions": [c.model_dump(by_alias=True, mode="json") for c in merged],
     }
     old = {str(c.get("type")): c for c in previous.get("conditions") or []}.get("Compatible", {})
-    if old.get("reason") != "InvalidSpec" or int(old.get("observedGeneration", -1)) != generation:
-        return status, [Event("Warning", "InvalidSpec", message)]
+    if old.get("reason") != reason or int(old.get("observedGeneration", -1)) != generation:
+        return status, [Event("Warning", reason, message)]
     return status, []
 
 
