@@ -5,6 +5,7 @@ kvbridge manages stays; never a traceback, never a 'compatible' verdict over a p
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -177,3 +178,82 @@ async def test_a_deep_deployment_is_refused_in_its_status_and_the_others_keep_be
         await c.wait(lambda: c.condition("later", "Compatible").get("status") == "True", what="later Compatible")
         assert c.operator is not None
         assert not c.operator.done()
+
+
+# --- comma-joined network fields: items of a sane alphabet and length, a bounded count ---------------------------
+
+#: (field under spec.transfer, value, the item's index refused); each list is joined with commas into one setting
+#: (UCX_TLS, UCX_NET_DEVICES, the Multus annotation, KVBRIDGE_BACKENDS), where a comma inside an item makes two
+BAD_ITEMS: list[tuple[str, list[str], int]] = [
+    ("network.ucxTransports", ["rc,tcp"], 0),
+    ("network.ucxTransports", ["tcp", "tcp\x00"], 1),
+    ("network.ucxTransports", ["x" * 100_000], 0),
+    ("network.ucxTransports", ["rc\ntcp"], 0),
+    ("network.ucxTransports", [""], 0),
+    ("network.ucxDevices", ["mlx5_0:1,mlx5_1:1"], 0),
+    ("network.ucxDevices", ["mlx5_0:1", "eth0 "], 1),
+    ("network.secondaryNetworks", ["rdma/net-a,other"], 0),
+    ("network.secondaryNetworks", ["ns/x\x01"], 0),
+    ("network.secondaryNetworks", ["a" * 100_000], 0),
+    ("network.secondaryNetworks", ['[{"name": "x"}]'], 0),
+    ("backends", ["UCX,GDS"], 0),
+    ("backends", ["UCX", "GDS\x00"], 1),
+    ("backends", ["U" * 100_000], 0),
+]
+GOOD_ITEMS: list[tuple[str, list[str]]] = [
+    ("network.ucxTransports", ["rc", "^ud", "cuda_copy", "rc_x", "tcp"]),
+    ("network.ucxDevices", ["mlx5_0:1", "mlx5_bond_0:1", "eth0", "bond0.100"]),
+    ("network.secondaryNetworks", ["rdma-net", "kube-system/sriov-a@net1", "team-a/net.b"]),
+    ("backends", ["UCX", "GDS_MT", "LIBFABRIC"]),
+]
+
+
+def with_transfer(path: str, value: Any) -> dict[str, Any]:
+    doc = document()
+    where = doc["spec"].setdefault("transfer", {})
+    *parents, last = path.split(".")
+    for part in parents:
+        where = where.setdefault(part, {})
+    where[last] = value
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "index"), BAD_ITEMS, ids=[f"{p}-{i}" for i, (p, _, _) in enumerate(BAD_ITEMS)]
+)
+def test_an_odd_item_of_a_joined_network_field_is_refused_with_its_field(
+    path: str, value: list[str], index: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    field = f"spec.transfer.{path}.{index}"
+    doc = with_transfer(path, value)
+    with pytest.raises(SpecError) as raised:
+        parse_deployment(doc)
+    assert (raised.value.code, raised.value.field) == ("INVALID_SPEC", field)
+    assert len(raised.value.message) < 1000  # a 100,000-character value is not echoed back
+    code, entries, err = planned(doc, tmp_path, capsys)
+    assert code == 2
+    assert "Traceback" not in err
+    assert entries[0]["problems"][0]["field"] == field
+    status, _, applied = reconciled(doc)
+    assert not applied
+    assert condition(status)["reason"] == "InvalidSpec"
+    assert condition(status)["message"].startswith(f"{field}: ")
+
+
+@pytest.mark.parametrize(("path", "value"), GOOD_ITEMS, ids=[p for p, _ in GOOD_ITEMS])
+def test_the_names_these_fields_take_are_accepted(path: str, value: list[str]) -> None:
+    parse_deployment(with_transfer(path, value))
+
+
+def test_the_crd_bounds_each_item_as_the_model_does() -> None:
+    """The API server refuses the same items (the CRD is generated from the model): a pattern and a length per
+    item, and a count per list."""
+    from kvbridge_operator.api.crd import crd
+
+    transfer = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    transfer = transfer["transfer"]["properties"]
+    network = transfer["network"]["properties"]
+    for schema in (network["ucxTransports"], network["ucxDevices"], network["secondaryNetworks"], transfer["backends"]):
+        assert schema["maxItems"] <= 64
+        assert {"pattern", "maxLength", "minLength"} <= set(schema["items"])
+        assert re.fullmatch(schema["items"]["pattern"], "rc,tcp") is None
