@@ -257,3 +257,35 @@ def test_the_crd_bounds_each_item_as_the_model_does() -> None:
         assert schema["maxItems"] <= 64
         assert {"pattern", "maxLength", "minLength"} <= set(schema["items"])
         assert re.fullmatch(schema["items"]["pattern"], "rc,tcp") is None
+
+
+# --- GPUs through spec.transfer.network.rdmaResources ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["nvidia.com/gpu", "amd.com/gpu", "nvidia.com/mig-1g.10gb", "gpu.intel.com/i915"])
+def test_rdma_resources_may_not_ask_for_gpus(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """GPUs are what the ranks take (tensorParallelSize / nodes, checked against the node's GPUs); asked here they
+    went around that check (the rendered requests and limits said 8 where the plan said 1 or 2)."""
+    doc = with_transfer("network.rdmaResources", {"rdma/ib": 1, name: 8})
+    field = f"spec.transfer.network.rdmaResources.{name}"
+    code, entries, err = planned(doc, tmp_path, capsys)
+    assert code == 1, err
+    assert [(p["code"], p["field"]) for p in entries[0]["problems"]] == [("RDMA_RESOURCE_GPU", field)]
+    message = entries[0]["problems"][0]["message"]
+    assert "tensorParallelSize" in message
+    assert "remove" in message
+    status, _, applied = reconciled(doc)
+    assert not applied
+    assert condition(status)["reason"] == "Incompatible"
+    assert f"RDMA_RESOURCE_GPU at {field}" in condition(status)["message"]
+
+
+def test_rdma_resources_of_a_nic_are_still_rendered() -> None:
+    from kvbridge_operator.children.render import pod_template
+    from kvbridge_operator.children.verdict import verdict_for
+
+    dd = parse_deployment(with_transfer("network.rdmaResources", {"rdma/ib": 1, "nvidia.com/hostdev": 2}))
+    verdict = verdict_for(dd)
+    assert not isinstance(verdict, list), verdict
+    engine = pod_template(dd, Role.DECODE, verdict, OperatorConfig())["spec"]["containers"][0]
+    assert engine["resources"]["limits"] == {"nvidia.com/gpu": "1", "rdma/ib": "1", "nvidia.com/hostdev": "2"}
