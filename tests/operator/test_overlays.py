@@ -289,3 +289,214 @@ def test_rdma_resources_of_a_nic_are_still_rendered() -> None:
     assert not isinstance(verdict, list), verdict
     engine = pod_template(dd, Role.DECODE, verdict, OperatorConfig())["spec"]["containers"][0]
     assert engine["resources"]["limits"] == {"nvidia.com/gpu": "1", "rdma/ib": "1", "nvidia.com/hostdev": "2"}
+
+
+# --- role template overlays: nulls, empty and odd items over what kvbridge manages --------------------------------
+
+ENGINE = "spec.decode.template.spec.containers[0]"
+
+
+def engine_overlay(**fields: Any) -> dict[str, Any]:
+    return {"spec": {"containers": [{"name": "engine", **fields}]}}
+
+
+#: (what, overlay, code, field): each refused by plan and the operator alike, naming the overlay's field
+TEMPLATE_REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
+    ("env null", engine_overlay(env=None), "TEMPLATE_NULL", f"{ENGINE}.env"),
+    ("resources null", engine_overlay(resources=None), "TEMPLATE_NULL", f"{ENGINE}.resources"),
+    ("ports null", engine_overlay(ports=None), "TEMPLATE_NULL", f"{ENGINE}.ports"),
+    ("volumeMounts null", engine_overlay(volumeMounts=None), "TEMPLATE_NULL", f"{ENGINE}.volumeMounts"),
+    ("limits null", engine_overlay(resources={"limits": None}), "TEMPLATE_NULL", f"{ENGINE}.resources.limits"),
+    (
+        "the GPUs null",
+        engine_overlay(resources={"requests": {"nvidia.com/gpu": None}}),
+        "TEMPLATE_NULL",
+        f"{ENGINE}.resources.requests.nvidia.com/gpu",
+    ),
+    ("labels null", {"metadata": {"labels": None}}, "TEMPLATE_NULL", "spec.decode.template.metadata.labels"),
+    (
+        "annotations null",
+        {"metadata": {"annotations": None}},
+        "TEMPLATE_NULL",
+        "spec.decode.template.metadata.annotations",
+    ),
+    ("metadata null", {"metadata": None}, "TEMPLATE_NULL", "spec.decode.template.metadata"),
+    ("spec null", {"spec": None}, "TEMPLATE_NULL", "spec.decode.template.spec"),
+    ("containers null", {"spec": {"containers": None}}, "TEMPLATE_NULL", "spec.decode.template.spec.containers"),
+    ("volumes null", {"spec": {"volumes": None}}, "TEMPLATE_NULL", "spec.decode.template.spec.volumes"),
+    ("a name-less env item", engine_overlay(env=[{"value": "x"}]), "TEMPLATE_INVALID", f"{ENGINE}.env[0]"),
+    ("an empty env name", engine_overlay(env=[{"name": "", "value": "x"}]), "TEMPLATE_INVALID", f"{ENGINE}.env[0]"),
+    (
+        "a null env item",
+        engine_overlay(env=[{"name": "A", "value": "1"}, None]),
+        "TEMPLATE_INVALID",
+        f"{ENGINE}.env[1]",
+    ),
+    (
+        "an env value not a string",
+        engine_overlay(env=[{"name": "NCCL_DEBUG", "value": 1}]),
+        "TEMPLATE_INVALID",
+        f"{ENGINE}.env[0]",
+    ),
+    (
+        "a variable twice",
+        engine_overlay(env=[{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]),
+        "TEMPLATE_INVALID",
+        f"{ENGINE}.env[1]",
+    ),
+    ("env not a list", engine_overlay(env="NCCL_DEBUG=INFO"), "TEMPLATE_INVALID", f"{ENGINE}.env"),
+    (
+        "a port without its number",
+        engine_overlay(ports=[{"name": "metrics"}]),
+        "TEMPLATE_INVALID",
+        f"{ENGINE}.ports[0]",
+    ),
+    (
+        "a port number twice",
+        engine_overlay(ports=[{"containerPort": 9090}, {"containerPort": 9090, "name": "m"}]),
+        "TEMPLATE_INVALID",
+        f"{ENGINE}.ports[1]",
+    ),
+    (
+        "a port on kvbridge's HTTP port",
+        engine_overlay(ports=[{"name": "metrics", "containerPort": 8000}]),
+        "TEMPLATE_MANAGED_FIELD",
+        f"{ENGINE}.ports[0]",
+    ),
+    (
+        "a port on the side channel's",
+        engine_overlay(ports=[{"containerPort": 5600, "protocol": "UDP"}]),
+        "TEMPLATE_MANAGED_FIELD",
+        f"{ENGINE}.ports[0]",
+    ),
+    ("resources not a map", engine_overlay(resources=["gpu"]), "TEMPLATE_INVALID", f"{ENGINE}.resources"),
+    (
+        "a mount without its path",
+        engine_overlay(volumeMounts=[{"name": "x"}]),
+        "TEMPLATE_INVALID",
+        f"{ENGINE}.volumeMounts[0]",
+    ),
+    (
+        "a mount over kvbridge's",
+        engine_overlay(volumeMounts=[{"name": "mine", "mountPath": "/dev/shm"}]),
+        "TEMPLATE_MANAGED_FIELD",
+        f"{ENGINE}.volumeMounts[0]",
+    ),
+    (
+        "a volume without a name",
+        {"spec": {"volumes": [{"emptyDir": {}}]}},
+        "TEMPLATE_INVALID",
+        "spec.decode.template.spec.volumes[0]",
+    ),
+    (
+        "kvbridge's volume replaced",
+        {"spec": {"volumes": [{"name": "dshm", "hostPath": {"path": "/"}}]}},
+        "TEMPLATE_MANAGED_FIELD",
+        "spec.decode.template.spec.volumes[0]",
+    ),
+    ("a null container", {"spec": {"containers": [None]}}, "TEMPLATE_INVALID", "spec.decode.template.spec.containers"),
+    (
+        "the engine twice",
+        {"spec": {"containers": [{"name": "engine"}, {"name": "engine", "image": "x"}]}},
+        "TEMPLATE_INVALID",
+        "spec.decode.template.spec.containers[1]",
+    ),
+    ("metadata not a map", {"metadata": ["labels"]}, "TEMPLATE_INVALID", "spec.decode.template.metadata"),
+    ("spec not a map", {"spec": "nodeSelector"}, "TEMPLATE_INVALID", "spec.decode.template.spec"),
+    (
+        "a label not a string",
+        {"metadata": {"labels": {"team": None}}},
+        "TEMPLATE_INVALID",
+        "spec.decode.template.metadata.labels.team",
+    ),
+    (
+        "Multus' annotation",
+        {"metadata": {"annotations": {"k8s.v1.cni.cncf.io/networks": "mine"}}},
+        "TEMPLATE_MANAGED_FIELD",
+        "spec.decode.template.metadata.annotations.k8s.v1.cni.cncf.io/networks",
+    ),
+]
+
+
+@pytest.mark.parametrize(("what", "template", "code", "field"), TEMPLATE_REFUSED, ids=[r[0] for r in TEMPLATE_REFUSED])
+def test_a_template_that_would_drop_or_garble_what_kvbridge_manages_is_refused(
+    what: str, template: dict[str, Any], code: str, field: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = document()
+    doc["spec"]["decode"]["template"] = template
+    exit_code, entries, err = planned(doc, tmp_path, capsys)
+    assert "Traceback" not in err, what
+    assert exit_code == 1, (what, err)
+    found = [(p["code"], p["field"]) for p in entries[0]["problems"]]
+    assert (code, field) in found, found
+    message = next(p["message"] for p in entries[0]["problems"] if p["field"] == field)
+    assert any(word in message for word in ("remove", "write", "leave")), message  # says what to do instead
+    status, _, applied = reconciled(doc)
+    assert not applied
+    assert condition(status)["reason"] == "Incompatible", condition(status)
+    assert f"{code} at {field}" in condition(status)["message"]
+
+
+def test_the_template_may_not_drop_the_ipc_lock_capability_the_network_asks() -> None:
+    doc = with_transfer("network.ipcLock", True)
+    doc["spec"]["decode"]["template"] = engine_overlay(securityContext={"capabilities": {"add": ["SYS_PTRACE"]}})
+    status, _, applied = reconciled(doc)
+    assert not applied
+    assert f"TEMPLATE_MANAGED_FIELD at {ENGINE}.securityContext.capabilities.add" in condition(status)["message"]
+
+
+def test_the_template_may_not_change_the_rdma_resources_the_network_asks() -> None:
+    doc = with_transfer("network.rdmaResources", {"rdma/ib": 1})
+    doc["spec"]["decode"]["template"] = engine_overlay(resources={"limits": {"rdma/ib": 4}})
+    status, _, applied = reconciled(doc)
+    assert not applied
+    assert f"TEMPLATE_MANAGED_FIELD at {ENGINE}.resources.limits.rdma/ib" in condition(status)["message"]
+
+
+#: overlays that keep everything kvbridge manages: merged, and the pod has it all
+TEMPLATE_MERGED: dict[str, dict[str, Any]] = {
+    "no env added": engine_overlay(env=[]),
+    "no ports added": engine_overlay(ports=[]),
+    "no mounts added": engine_overlay(volumeMounts=[]),
+    "no resources changed": engine_overlay(resources={}),
+    "no limits changed": engine_overlay(resources={"limits": {}}),
+    "no containers": {"spec": {"containers": []}},
+    "no volumes added": {"spec": {"volumes": []}},
+    "no labels added": {"metadata": {"labels": {}}},
+    "no annotations added": {"metadata": {"annotations": {}}},
+    "an empty template": {},
+    "an empty pod spec": {"spec": {}},
+    "a node selector of none": {"spec": {"nodeSelector": None}},
+    "the liveness probe removed": engine_overlay(livenessProbe=None),
+    "a metrics port": engine_overlay(ports=[{"name": "metrics", "containerPort": 9090}]),
+    "a variable with an empty value": engine_overlay(env=[{"name": "A", "value": ""}, {"name": "B", "value": None}]),
+    "a volume and its mount": {
+        "spec": {
+            "volumes": [{"name": "scratch", "emptyDir": {}}],
+            "containers": [{"name": "engine", "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}]}],
+        }
+    },
+}
+
+
+@pytest.mark.parametrize("what", sorted(TEMPLATE_MERGED))
+def test_a_template_that_keeps_what_kvbridge_manages_is_merged_with_all_of_it(what: str) -> None:
+    from kvbridge_operator.children.render import pod_template
+    from kvbridge_operator.children.verdict import verdict_for
+
+    plain = parse_deployment(document())
+    doc = document()
+    doc["spec"]["decode"]["template"] = TEMPLATE_MERGED[what]
+    dd = parse_deployment(doc)
+    verdict = verdict_for(dd)
+    assert not isinstance(verdict, list), verdict
+    before = pod_template(plain, Role.DECODE, verdict, OperatorConfig())
+    after = pod_template(dd, Role.DECODE, verdict, OperatorConfig())
+    old, new = (t["spec"]["containers"][0] for t in (before, after))
+    for field in ("command", "args", "env", "volumeMounts"):
+        assert [x for x in new[field] if x in old[field]] == old[field], field  # every item, once, unchanged
+    assert [p for p in new["ports"] if p in old["ports"]] == old["ports"]
+    assert new["resources"]["limits"]["nvidia.com/gpu"] == old["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert [v for v in after["spec"]["volumes"] if v in before["spec"]["volumes"]] == before["spec"]["volumes"]
+    labels = {k: v for k, v in before["metadata"]["labels"].items() if k != "kvbridge.io/revision"}
+    assert labels.items() <= after["metadata"]["labels"].items()

@@ -14,6 +14,7 @@ from kvbridge_operator.api.objects import with_fields
 from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind
 from kvbridge_operator.children import multinode, network, placement, templates
 from kvbridge_operator.children import vllm_engine as vllm
+from kvbridge_operator.config import OperatorConfig
 
 
 def spec_problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
@@ -26,10 +27,15 @@ def spec_problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     return found
 
 
-def verdict_for(dd: DisaggregatedDeployment) -> TransferPlan | list[Problem]:
+def verdict_for(dd: DisaggregatedDeployment, config: OperatorConfig | None = None) -> TransferPlan | list[Problem]:
+    """The plan, or every problem that prevents one. Once the rules find none, each role's pod is rendered with
+    and without its template overlay (for ``config``, the operator's settings: the defaults for ``kvbridge plan``)
+    and what the overlay changed of kvbridge's values is refused too: the pods run what was checked."""
     spec = dd.spec
     result = plan_or_problems(spec.model, spec.prefill.settings(), spec.decode.settings(), spec.transfer)
     more = spec_problems(spec)
+    if not more and not isinstance(result, list):
+        more = templates.rendered_problems(dd, result, config or OperatorConfig())
     if more or isinstance(result, list):
         return [narrowed(problem, spec) for problem in ([*result, *more] if isinstance(result, list) else more)]
     return result

@@ -133,7 +133,7 @@ def _plan(observed: Observed) -> Plan:
     previous: Obj = body.get("status") or {}
     dd = parse_deployment({**body, "metadata": {**meta, "namespace": namespace}})
     dd = placement.with_gpus_per_node(dd, observed.config.gpus_per_node)
-    verdict = verdict_for(dd)
+    verdict = verdict_for(dd, observed.config)
     seen = observed.children
     # every child is applied on create, update, resume and resync, and when the spec is not applied yet (a pod event
     # racing the update handler: the status never describes a generation whose children were not written); a
