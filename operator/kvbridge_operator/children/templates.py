@@ -103,6 +103,8 @@ _NULL = (
 _NOT_A_MAP = "{field} must be a map: write it as {{key: value}}, or leave it out"
 _NOT_A_LIST = "{field} must be a list of {items}: write it as [{example}], or leave it out"
 _NOT_A_STRING = 'the {what} {name} is {value}, and {kind} are strings: write it quoted ({name}: "{text}")'
+_NULL_STRING = 'the {what} {name} is null, and {kind} are strings: write one ({name}: "VALUE"), or leave it out'
+_ENV_NOT_A_STRING = 'the value of {name} is {value}, and environment values are strings: write value: "{text}"'
 _TWICE = "{what} is listed twice in the overlay ({field}); write it once"
 _NO_KEY = (
     "each item of {field} needs its {key} ({example}): the overlay merges {items} by {key}, and a list with an "
@@ -199,7 +201,8 @@ def _metadata(metadata: dict[str, Any], where: str) -> list[Problem]:
             found.append(_invalid(field, _NOT_A_MAP.format(field=field)))
         for name, value in values.items() if isinstance(values, dict) else ():
             if not isinstance(value, str):
-                message = _NOT_A_STRING.format(what=what, name=name, value=json.dumps(value), kind=key, text=value)
+                wrong = _NULL_STRING if value is None else _NOT_A_STRING
+                message = wrong.format(what=what, name=name, value=json.dumps(value), kind=key, text=value)
                 found.append(_invalid(f"{field}.{name}", message))
             elif key == "labels" and (name.startswith(MANAGED_LABEL_PREFIX) or name in MANAGED_LABELS):
                 found.append(_managed(f"{field}.{name}", _MANAGED_LABEL.format(name=name)))
@@ -293,8 +296,7 @@ def _env(env: Any, where: str) -> list[Problem]:
         elif (name.startswith(MANAGED_ENV_PREFIX) and name not in TUNABLE_ENV) or name in MANAGED_ENV:
             found.append(_managed(field, _MANAGED_ENV.format(name=name)))
         elif value is not None and not isinstance(value, str):
-            text = json.dumps(value)
-            message = _NOT_A_STRING.format(what="value of", name=name, value=text, kind="values", text=value)
+            message = _ENV_NOT_A_STRING.format(name=name, value=json.dumps(value), text=value)
             found.append(_invalid(field, message))
         seen.add(name)
     return found
