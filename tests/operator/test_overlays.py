@@ -500,3 +500,25 @@ def test_a_template_that_keeps_what_kvbridge_manages_is_merged_with_all_of_it(wh
     assert [v for v in after["spec"]["volumes"] if v in before["spec"]["volumes"]] == before["spec"]["volumes"]
     labels = {k: v for k, v in before["metadata"]["labels"].items() if k != "kvbridge.io/revision"}
     assert labels.items() <= after["metadata"]["labels"].items()
+
+
+def test_thousands_of_odd_items_are_summed_up_in_the_status_not_refused_for_its_length() -> None:
+    """A condition's message may hold 32,768 characters: 2,000 problems are listed as far as 8,192 characters go."""
+    doc = document()
+    doc["spec"]["decode"]["template"] = engine_overlay(env=[{"value": "x"}] * 2000)
+    status, events, applied = reconciled(doc)
+    assert not applied
+    compatible = condition(status)
+    assert compatible["reason"] == "Incompatible"
+    assert len(compatible["message"]) <= 8192
+    assert compatible["message"].startswith(f"TEMPLATE_INVALID at {ENGINE}.env[0]: ")
+    assert compatible["message"].endswith("more problem(s) (kvbridge plan lists them all)")
+    assert [len(e.message) <= 8192 for e in events] == [True]
+
+
+def test_a_long_spec_error_is_cut_to_fit_the_status() -> None:
+    from kvbridge_operator.controller.observe import MAX_MESSAGE, invalid
+
+    status, [event] = invalid({}, 3, SpecError("x" * 100_000, field="spec.model.name"), NOW)
+    assert [len(c["message"]) <= MAX_MESSAGE for c in status["conditions"]] == [True, True]
+    assert len(event.message) <= MAX_MESSAGE

@@ -140,10 +140,34 @@ def summary(plan: TransferPlan) -> PlanSummary:
     return PlanSummary.model_validate(plan.summary())
 
 
+#: the longest message of a condition or event kvbridge writes (a condition's may hold 32,768 characters): a spec
+#: with thousands of problems (a template of thousands of odd items) is summed up, not refused for its message
+MAX_MESSAGE = 8192
+_MORE = "; and {count} more problem(s) (kvbridge plan lists them all)"
+
+
+def _bounded(message: str) -> str:
+    if len(message) <= MAX_MESSAGE:
+        return message
+    cut = f"... ({len(message)} characters)"
+    return message[: MAX_MESSAGE - len(cut)] + cut
+
+
 def _problems_message(problems: Sequence[Problem], fix: str) -> str:
-    """Every problem, then the checked fix for all of them at once (when the search finds one)."""
-    message = "; ".join(f"{p.code} at {p.field}: {p.message}" for p in problems)
-    return f"{message}. A fix that passes every check: {fix}" if fix else message
+    """Every problem as far as :data:`MAX_MESSAGE` goes, then the checked fix for all of them at once (when the
+    search finds one)."""
+    fixed = f". A fix that passes every check: {fix}" if fix else ""
+    parts = [f"{p.code} at {p.field}: {p.message}" for p in problems]
+    room = MAX_MESSAGE - len(fixed) - len(_MORE.format(count=len(parts)))
+    kept: list[str] = []
+    length = -2  # the separators: one fewer than the parts
+    for part in parts:
+        length += len(part) + 2
+        if length > room:
+            break
+        kept.append(part)
+    more = _MORE.format(count=len(parts) - len(kept)) if len(kept) < len(parts) else ""
+    return _bounded("; ".join(kept) + more + fixed)
 
 
 def observe(
@@ -295,7 +319,7 @@ def invalid(
     """A resource the schema should have rejected (or an older CRD), or one kvbridge's checks failed on
     (``reason`` CheckFailed): its status and events (reported, never a crash loop); nothing else of the status
     changes."""
-    message = f"{exc.field}: {exc.message}"
+    message = _bounded(f"{exc.field}: {exc.message}")
     conditions = [
         Condition(type=kind, status="False", reason=reason, message=message, observed_generation=generation)
         for kind in (ConditionType.COMPATIBLE, ConditionType.READY)

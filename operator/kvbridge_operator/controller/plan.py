@@ -111,7 +111,7 @@ def plan(observed: Observed) -> Plan:
         return _refused(observed, exc, "InvalidSpec")
     except Exception as exc:
         logging.getLogger(__name__).exception("checking %s failed", observed.body["metadata"].get("name"))
-        error = SpecError(_CHECK_FAILED_MESSAGE.format(error=f"{type(exc).__name__}: {exc}"), field="spec")
+        error = SpecError(_CHECK_FAILED_MESSAGE.format(error=f"{type(exc).__name__}: {str(exc)[:500]}"), field="spec")
         return _refused(observed, error, CHECK_FAILED)
 
 
