@@ -522,3 +522,14 @@ def test_a_long_spec_error_is_cut_to_fit_the_status() -> None:
     status, [event] = invalid({}, 3, SpecError("x" * 100_000, field="spec.model.name"), NOW)
     assert [len(c["message"]) <= MAX_MESSAGE for c in status["conditions"]] == [True, True]
     assert len(event.message) <= MAX_MESSAGE
+
+
+def test_a_port_on_the_rendezvous_of_an_engine_over_nodes_is_refused() -> None:
+    """The leader of an engine spanning nodes opens vLLM's rendezvous port (29500) after the overlay is merged: the
+    check looks at the leader's and the workers' pods as they are rendered."""
+    doc = document(ROOT / "examples" / "vllm" / "deepseek-v3-h200-two-node-prefill.yaml")
+    doc["spec"]["prefill"]["template"] = engine_overlay(ports=[{"containerPort": 29500, "name": "metrics"}])
+    status, _, applied = reconciled(doc)
+    assert not applied
+    field = "spec.prefill.template.spec.containers[0].ports[0]"
+    assert f"TEMPLATE_MANAGED_FIELD at {field}" in condition(status)["message"]

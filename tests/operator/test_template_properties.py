@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from kvbridge_agent.core import Role
@@ -43,7 +43,8 @@ def _example(path: str, **transfer: Any) -> Obj:
 
 #: deployments without a template, each compatible: vLLM on GPUs with the whole network rendered (UCX variables,
 #: RDMA resources, IPC_LOCK, Multus' annotation), the synthetic engine (the key Secret mounted), vLLM on CPUs
-#: with kvbridge's connector (the key Secret, the CPU environment)
+#: with kvbridge's connector (the key Secret, the CPU environment), vLLM with a prefill engine over two nodes (a
+#: LeaderWorkerSet: the rendezvous port; the model's cache volume and HF_HOME; a pod group label)
 NETWORK = {
     "ucxTransports": ["rc", "tcp"],
     "ucxDevices": ["mlx5_0:1"],
@@ -55,6 +56,7 @@ BASES = [
     _example("vllm/llama3-8b-hetero-tp.yaml", network=NETWORK),
     _example("llama3-8b-hetero-tp.yaml"),
     _example("vllm/tiny-cpu.yaml"),
+    _example("vllm/deepseek-v3-h200-two-node-prefill.yaml"),
 ]
 BASES[2]["spec"]["engine"]["connector"] = "KVBridge"
 
@@ -276,6 +278,14 @@ def _reconciled_reason(doc: Obj) -> str:
     return str(compatible["reason"])
 
 
+#: the overlays that slipped past the checks once, kept as examples: kvbridge's volume of the key Secret replaced
+#: (before the rendered check); a port on the rendezvous port an engine over nodes opens after the merge
+@example(base=1, role=Role.PREFILL, template={"spec": {"volumes": [{"name": "side-channel-keys", "emptyDir": {}}]}})
+@example(
+    base=3,
+    role=Role.PREFILL,
+    template={"spec": {"containers": [{"name": "engine", "ports": [{"containerPort": 29500}]}]}},
+)
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(base=st.sampled_from(range(len(BASES))), role=st.sampled_from(list(Role)), template=TEMPLATES)
 def test_an_overlay_is_refused_with_its_field_or_keeps_every_managed_value(

@@ -47,7 +47,9 @@ from kvbridge_operator.api.names import (
 )
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind
+from kvbridge_operator.children import multinode
 from kvbridge_operator.children.network import NETWORKS_ANNOTATION, is_gpu_resource
+from kvbridge_operator.children.render import overlay, rendered_template
 from kvbridge_operator.config import OperatorConfig
 
 TEMPLATE_MANAGED_FIELD = "TEMPLATE_MANAGED_FIELD"
@@ -361,8 +363,6 @@ def rendered_problems(dd: DisaggregatedDeployment, plan: TransferPlan, config: O
     capabilities, the routing sidecar's arguments and ports, the pod's volumes, labels and annotations. Each is
     named at the overlay's field that changes it (the item merged into kvbridge's by its key, else the nearest
     field the overlay sets)."""
-    from kvbridge_operator.children.render import overlay, rendered_template
-
     found: list[Problem] = []
     for role in Role:
         template = dd.spec.role(role).template
@@ -370,12 +370,26 @@ def rendered_problems(dd: DisaggregatedDeployment, plan: TransferPlan, config: O
             continue
         base = rendered_template(dd, role, plan, config)
         merged = overlay(base, template)
-        kept = list(_values(merged))
-        for kind, key, value in _values(base):
-            now = [v for k, n, v in kept if (k, n) == (kind, key)]
-            if len(now) != 1 or not _keeps(kind, value, now[0]):
-                found.append(_changed(template, f"spec.{role.value}.template", kind, key, value, now))
+        seen: set[tuple[str, str]] = set()  # the leader's and the workers' pods lose the same values
+        for before, after in zip(_pods(dd, role, base), _pods(dd, role, merged), strict=True):
+            kept = list(_values(after))
+            for kind, key, value in _values(before):
+                now = [v for k, n, v in kept if (k, n) == (kind, key)]
+                if (len(now) != 1 or not _keeps(kind, value, now[0])) and (kind, str(key)) not in seen:
+                    found.append(_changed(template, f"spec.{role.value}.template", kind, key, value, now))
+                    seen.add((kind, str(key)))
     return found
+
+
+def _pods(dd: DisaggregatedDeployment, role: Role, template: Obj) -> tuple[Obj, ...]:
+    """The pod templates a role's workload gets from its template: itself, or for an engine spanning nodes the
+    leader's (which opens the rendezvous port after the overlay is merged) and the workers'."""
+    engines = [
+        c for c in _list(_map(template.get("spec")).get("containers")) if _map(c).get("name") == ENGINE_CONTAINER
+    ]
+    if not multinode.spans_nodes(dd.spec, role) or len(engines) != 1:
+        return (template,)  # one pod; or no single engine, which _values reports
+    return multinode.group_templates(template, dd.spec.role(role).nodes)
 
 
 def _keeps(kind: str, value: Any, now: Any) -> bool:
