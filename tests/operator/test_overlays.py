@@ -533,3 +533,15 @@ def test_a_port_on_the_rendezvous_of_an_engine_over_nodes_is_refused() -> None:
     assert not applied
     field = "spec.prefill.template.spec.containers[0].ports[0]"
     assert f"TEMPLATE_MANAGED_FIELD at {field}" in condition(status)["message"]
+
+
+def test_rdma_resources_may_not_ask_for_the_gpu_resource_the_operator_is_set_to() -> None:
+    """An operator whose GPUs are another extended resource (``gpuResource``) refuses that name there too."""
+    from kvbridge_operator.children.verdict import verdict_for
+
+    dd = parse_deployment(with_transfer("network.rdmaResources", {"example.com/accelerator": 8}))
+    assert not isinstance(verdict_for(dd), list)  # the default GPU resource is nvidia.com/gpu
+    verdict = verdict_for(dd, OperatorConfig(gpu_resource="example.com/accelerator"))
+    assert isinstance(verdict, list)
+    field = "spec.transfer.network.rdmaResources.example.com/accelerator"
+    assert [(p.code, p.field) for p in verdict] == [("RDMA_RESOURCE_GPU", field)]

@@ -74,6 +74,14 @@ def _name(transport: str) -> str:
     return transport.strip().lstrip("^").split(":", 1)[0].lower()
 
 
+def gpu_resource_problems(spec: DisaggregatedDeploymentSpec, gpu_resource: str) -> list[Problem]:
+    """The operator's own GPU resource (its ``gpuResource`` setting, whatever its name) among the RDMA resources:
+    the names :func:`problems` does not know as a GPU's."""
+    named = gpu_resource in spec.transfer.network.rdma_resources and not is_gpu_resource(gpu_resource)
+    message = _GPU_IN_RDMA_RESOURCES.format(name=gpu_resource)
+    return [Problem(RDMA_RESOURCE_GPU, f"{FIELD}.rdmaResources.{gpu_resource}", message)] if named else []
+
+
 def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     network = spec.transfer.network
     found = []
