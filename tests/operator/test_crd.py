@@ -215,6 +215,14 @@ CORPUS: list[tuple[str, Any]] = [
     ("gpus-per-node-zero", lambda d: d["spec"].update(placement={"gpusPerNode": 0})),
     ("sign-without-router", lambda d: d["spec"].update(router={"signTransfers": True})),
     ("sign-with-router", lambda d: d["spec"].update(router={"enabled": True, "signTransfers": True})),
+    # lists joined with commas into one setting: one name per item (issue 34, item 4)
+    ("transports-joined", lambda d: d["spec"].update(transfer={"network": {"ucxTransports": ["rc,tcp"]}})),
+    ("transport-nul", lambda d: d["spec"].update(transfer={"network": {"ucxTransports": ["tcp\x00"]}})),
+    ("networks-joined", lambda d: d["spec"].update(transfer={"network": {"secondaryNetworks": ["a,b"]}})),
+    ("network-huge", lambda d: d["spec"].update(transfer={"network": {"secondaryNetworks": ["a" * 100_000]}})),
+    ("network-named", lambda d: d["spec"].update(transfer={"network": {"secondaryNetworks": ["ns/rdma@net1"]}})),
+    ("backends-joined", lambda d: d["spec"].update(transfer={"backends": ["UCX,GDS"]})),
+    ("backends-two", lambda d: d["spec"].update(transfer={"backends": ["UCX", "GDS_MT"]})),
 ]
 
 
@@ -233,7 +241,8 @@ def test_plan_and_the_api_server_give_the_same_verdict(label: str, change: Any) 
      ("pool-with-picker", True), ("token-without-source", False), ("token-with-pvc-source", False),
      ("token-with-hf-source", True), ("source-s3", False), ("colocation-without-key", False),
      ("colocation-with-key", True), ("gpus-per-node-zero", False), ("sign-without-router", False),
-     ("sign-with-router", True)],
+     ("sign-with-router", True), ("transports-joined", False), ("transport-nul", False), ("networks-joined", False),
+     ("network-huge", False), ("network-named", True), ("backends-joined", False), ("backends-two", True)],
 )  # fmt: skip
 def test_the_verdicts_themselves(label: str, accepted: bool) -> None:
     document = base()

@@ -7,9 +7,12 @@ DisaggregatedDeployment spec from them.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from enum import StrEnum
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
 #: Version of the agent protocol (side-channel envelope and plan semantics).
@@ -148,13 +151,50 @@ class RoleSettings(CamelModel):
     kv_layout: KVLayout = Field(default=KVLayout.HND, description="Order inside one block: HND or NHD.")
 
 
+#: how much of a refused value its message shows
+_SHOWN_CHARACTERS = 40
+
+
+def joined_item_check(pattern: str, max_length: int, what: str) -> Callable[[object], object]:
+    """The check of one item of a list that is joined with commas into one setting (UCX_TLS, UCX_NET_DEVICES,
+    KVBRIDGE_BACKENDS, Multus' annotation), as a ``BeforeValidator``: an item holding a comma would be two, and
+    a control character or a value of any length would reach the pod. It refuses what ``pattern`` (anchored) and
+    ``max_length`` refuse, which the CRD says too (``Field(pattern=..., max_length=...)`` before it in the
+    ``Annotated``: after a validator, pydantic leaves the pattern out of the JSON schema), with a message that
+    says what the item must be and shows the start of the value only."""
+    compiled = re.compile(pattern)
+
+    def check(value: object) -> object:
+        if isinstance(value, str) and (len(value) > max_length or not compiled.fullmatch(value)):
+            shown = repr(value[:_SHOWN_CHARACTERS]) + (
+                f" ({len(value)} characters)" if len(value) > _SHOWN_CHARACTERS else ""
+            )
+            raise ValueError(
+                f"{shown} is not {what}: at most {max_length} characters matching {pattern}, one name per item "
+                "(the list is joined with commas, so an item may hold no comma)"
+            )
+        return value
+
+    return check
+
+
+BACKEND_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"
+BACKEND_MAX_LENGTH = 32
+#: one NIXL backend plugin's name (UCX, GDS, GDS_MT, LIBFABRIC, ...)
+Backend = Annotated[
+    str,
+    Field(min_length=1, max_length=BACKEND_MAX_LENGTH, pattern=BACKEND_PATTERN),
+    BeforeValidator(joined_item_check(BACKEND_PATTERN, BACKEND_MAX_LENGTH, "a NIXL backend's name")),
+]
+
+
 class TransferSettings(CamelModel):
     """How the two roles talk: side channel, leases, timeouts, conversions."""
 
     side_channel_port: int = Field(
         default=5600, ge=1, le=65535, description="Base port of the side channel; + data parallel index."
     )
-    backends: list[str] = Field(
+    backends: list[Backend] = Field(
         default_factory=lambda: ["UCX"], min_length=1, max_length=8, description="NIXL backends, in order."
     )
     lease_seconds: int = Field(

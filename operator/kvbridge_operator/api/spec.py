@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import re
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BeforeValidator, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from kvbridge_agent.core import KVBridgeError, ModelGeometry, Role, RoleSettings, SpecError, TransferSettings
-from kvbridge_agent.core.model import CamelModel
+from kvbridge_agent.core.model import CamelModel, joined_item_check
 from kvbridge_operator.api.names import API_VERSION, KIND
 
 
@@ -304,17 +304,45 @@ class Memlock(StrEnum):
     REQUIRED = "Required"  # the engine starts only under an unlimited hard limit (RDMA registers pinned memory)
 
 
+UCX_TRANSPORT_PATTERN = r"^\^?[A-Za-z0-9_]+(:[A-Za-z0-9_]+)?$"
+#: one UCX transport (rc, ^ud, cuda_copy, ...)
+UCXTransport = Annotated[
+    str,
+    Field(min_length=1, max_length=32, pattern=UCX_TRANSPORT_PATTERN),
+    BeforeValidator(joined_item_check(UCX_TRANSPORT_PATTERN, 32, "a UCX transport's name")),
+]
+UCX_DEVICE_PATTERN = r"^\^?[A-Za-z0-9][A-Za-z0-9_.:-]*$"
+#: one UCX network device (mlx5_0:1, eth0, ...)
+UCXDevice = Annotated[
+    str,
+    Field(min_length=1, max_length=64, pattern=UCX_DEVICE_PATTERN),
+    BeforeValidator(joined_item_check(UCX_DEVICE_PATTERN, 64, "a UCX device's name")),
+]
+#: one Multus network: [namespace/]name[@interface] (a DNS label, a DNS subdomain, a Linux interface name)
+SECONDARY_NETWORK_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9.]*[a-z0-9])?(@[A-Za-z0-9_.-]{1,15})?$"
+SECONDARY_NETWORK_MAX_LENGTH = 63 + 1 + 253 + 16
+SecondaryNetwork = Annotated[
+    str,
+    Field(min_length=1, max_length=SECONDARY_NETWORK_MAX_LENGTH, pattern=SECONDARY_NETWORK_PATTERN),
+    BeforeValidator(
+        joined_item_check(
+            SECONDARY_NETWORK_PATTERN, SECONDARY_NETWORK_MAX_LENGTH, "a Multus network ([namespace/]name[@interface])"
+        )
+    ),
+]
+
+
 class NetworkSpec(CamelModel):
     """What the KV data path needs between nodes on GPUs (vLLM's NixlConnector guide: UCX transports and devices;
     RDMA NICs as extended resources; pinned memory): rendered on the engine pods of both connectors."""
 
-    ucx_transports: list[str] = Field(
+    ucx_transports: list[UCXTransport] = Field(
         default_factory=list, max_length=32,
         description="UCX_TLS: the UCX transports, in UCX's names (rc, ud, dc, tcp, sm, cuda_copy, cuda_ipc, "
         "gdr_copy, ... ; ^name excludes one). Empty: UCX chooses (all). A list that cannot reach another node "
         "is refused unless placement keeps both roles on one node.",
     )  # fmt: skip
-    ucx_devices: list[str] = Field(
+    ucx_devices: list[UCXDevice] = Field(
         default_factory=list, max_length=64,
         description="UCX_NET_DEVICES: the devices UCX may use (e.g. mlx5_0:1). Empty: all.",
     )  # fmt: skip
@@ -332,7 +360,7 @@ class NetworkSpec(CamelModel):
         "unlimited, raises the soft limit to it, and exits naming the fix if not (Kubernetes cannot set ulimits: "
         "the container runtime's default applies).",
     )
-    secondary_networks: list[str] = Field(
+    secondary_networks: list[SecondaryNetwork] = Field(
         default_factory=list, max_length=16,
         description="Multus networks to attach the engine pods to (k8s.v1.cni.cncf.io/networks), e.g. an RDMA "
         "network: [namespace/]name.",
@@ -419,10 +447,45 @@ def _location(loc: tuple[int | str, ...]) -> str:
     return ".".join(str(part) for part in loc)
 
 
+#: how deeply a manifest may nest, the root being level 1 (a DisaggregatedDeployment with a pod template overlay
+#: needs about 15); ``kvbridge plan`` reads YAML with the same bound
+MAX_DEPTH = 64
+NESTING_TOO_DEEP = "NESTING_TOO_DEEP"
+#: the leading steps of a path that nests too deeply that its refusal names (the path goes on below them)
+_NAMED_STEPS = 12
+
+
+def nesting_error(document: object, limit: int = MAX_DEPTH) -> SpecError | None:
+    """A refusal naming where ``document`` nests deeper than ``limit`` levels (each map, list and value a level,
+    as the YAML reader counts them), else None.
+
+    Walked with an explicit stack, so input of any depth (the API server stores JSON up to 10,000 levels deep)
+    is refused here, before it reaches code that recurses once per level: JSON encoding, validation, the template
+    merge, all of which would raise RecursionError instead."""
+    stack: list[tuple[object, tuple[int | str, ...]]] = [(document, ())]
+    while stack:
+        value, path = stack.pop()
+        if len(path) >= limit:
+            named = _location(path[:_NAMED_STEPS]) + ("..." if len(path) > _NAMED_STEPS else "")
+            return SpecError(
+                f"{named} nests deeper than {limit} levels (a DisaggregatedDeployment, pod template overlay "
+                "included, needs about 15): nothing Kubernetes or kvbridge reads there is that deep; write the "
+                "value flatter",
+                field=named,
+                code=NESTING_TOO_DEEP,
+            )
+        children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        stack.extend((child, (*path, key)) for key, child in children)
+    return None
+
+
 def parse_deployment(document: object) -> DisaggregatedDeployment:
     """Parse one manifest, or raise :class:`SpecError` naming the first bad field."""
     if not isinstance(document, dict):
         raise SpecError(f"expected a mapping, got {type(document).__name__}", code="NOT_A_MAPPING")
+    too_deep = nesting_error(document)
+    if too_deep is not None:
+        raise too_deep
     if document.get("apiVersion") != API_VERSION or document.get("kind") != KIND:
         raise SpecError(
             f"expected apiVersion {API_VERSION} and kind {KIND}, got apiVersion "

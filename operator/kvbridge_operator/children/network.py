@@ -7,7 +7,8 @@ the same UCX variables (NIXL's UCX backend), so this renders the same on vLLM an
 
 - **Checked:** transport names UCX knows (``UCX_TRANSPORT_UNKNOWN``); a transport list that cannot leave the
   node while prefill and decode may run on different nodes (``UCX_TRANSPORTS_NODE_LOCAL``); resource names
-  and counts (``RDMA_RESOURCE_INVALID``).
+  and counts (``RDMA_RESOURCE_INVALID``), and no GPUs among them (``RDMA_RESOURCE_GPU``: the ranks' GPUs are
+  kvbridge's to request).
 - **Rendered:** ``UCX_TLS``/``UCX_NET_DEVICES`` on the engine container, the resources as requests and limits,
   ``IPC_LOCK`` added to its capabilities, the memlock check wrapped around its command, the
   ``k8s.v1.cni.cncf.io/networks`` annotation on the pod.
@@ -29,6 +30,7 @@ from kvbridge_operator.api.spec import Colocation, DisaggregatedDeploymentSpec, 
 UCX_TRANSPORT_UNKNOWN = "UCX_TRANSPORT_UNKNOWN"
 UCX_TRANSPORTS_NODE_LOCAL = "UCX_TRANSPORTS_NODE_LOCAL"
 RDMA_RESOURCE_INVALID = "RDMA_RESOURCE_INVALID"
+RDMA_RESOURCE_GPU = "RDMA_RESOURCE_GPU"
 FIELD = "spec.transfer.network"
 TRANSPORTS_FIELD = f"{FIELD}.ucxTransports"
 NETWORKS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
@@ -52,8 +54,32 @@ _MEMLOCK_CHECK = (
 )
 
 
+_GPU_IN_RDMA_RESOURCES = (
+    "{name} is a GPU resource: kvbridge requests each pod's GPUs itself, one per TP rank it runs "
+    "(tensorParallelSize / nodes, checked against the nodes' GPUs), and asked here they would go around that "
+    "check; remove {name} from rdmaResources (change tensorParallelSize for more GPUs): rdmaResources is for the "
+    "NICs the RDMA device plugin advertises (rdma/ib, nvidia.com/hostdev)"
+)
+
+
+def is_gpu_resource(name: str) -> bool:
+    """Whether an extended resource is a GPU or a share of one, as the common device plugins name them:
+    ``<vendor>/gpu`` (nvidia.com, amd.com), NVIDIA's shared GPUs and MIG slices (``nvidia.com/gpu.shared``,
+    ``nvidia.com/mig-1g.10gb``), Intel's ``gpu.intel.com/*``."""
+    vendor, _, kind = name.lower().partition("/")
+    return kind.startswith(("gpu", "mig-")) or vendor.startswith("gpu.")
+
+
 def _name(transport: str) -> str:
     return transport.strip().lstrip("^").split(":", 1)[0].lower()
+
+
+def gpu_resource_problems(spec: DisaggregatedDeploymentSpec, gpu_resource: str) -> list[Problem]:
+    """The operator's own GPU resource (its ``gpuResource`` setting, whatever its name) among the RDMA resources:
+    the names :func:`problems` does not know as a GPU's."""
+    named = gpu_resource in spec.transfer.network.rdma_resources and not is_gpu_resource(gpu_resource)
+    message = _GPU_IN_RDMA_RESOURCES.format(name=gpu_resource)
+    return [Problem(RDMA_RESOURCE_GPU, f"{FIELD}.rdmaResources.{gpu_resource}", message)] if named else []
 
 
 def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
@@ -76,7 +102,10 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
             "topologyKey: kubernetes.io/hostname)"
         )))  # fmt: skip
     for name, count in network.rdma_resources.items():
-        if not _RESOURCE.match(name) or name.startswith(("kubernetes.io/", "requests.")) or count < 1:
+        if is_gpu_resource(name):
+            message = _GPU_IN_RDMA_RESOURCES.format(name=name)
+            found.append(Problem(RDMA_RESOURCE_GPU, f"{FIELD}.rdmaResources.{name}", message))
+        elif not _RESOURCE.match(name) or name.startswith(("kubernetes.io/", "requests.")) or count < 1:
             found.append(Problem(RDMA_RESOURCE_INVALID, f"{FIELD}.rdmaResources.{name}", (
                 f"{name}: {count} is not an extended resource request: a name prefix/name as the RDMA device "
                 "plugin advertises it (e.g. rdma/ib, nvidia.com/hostdev) and a count of at least 1"

@@ -112,6 +112,15 @@ def _problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     return found + spec_problems(spec)
 
 
+#: problems that no setting the search changes can clear (a template overlay's, an RDMA resource's name): with one
+#: of them no fix exists, and the search would try every candidate (seconds) to find none
+_UNSEARCHABLE_CODES = frozenset({network.RDMA_RESOURCE_INVALID, network.RDMA_RESOURCE_GPU})
+
+
+def _unsearchable(problem: Problem) -> bool:
+    return problem.code in _UNSEARCHABLE_CODES or problem.code.startswith("TEMPLATE_")
+
+
 def _distance(old: Any, new: Any) -> float:
     if isinstance(old, int) and isinstance(new, int) and old > 0 and new > 0:
         return abs(math.log2(new / old))
@@ -202,7 +211,7 @@ def suggested_fix(dd: DisaggregatedDeployment) -> Fix | None:
     compatible already or no fix within :data:`MAX_CHANGES` settings was found."""
     spec = dd.spec
     problems = _problems(spec)
-    if not problems:
+    if not problems or any(_unsearchable(problem) for problem in problems):
         return None
     fix: Fix = {}
     refused = {*vllm.MANAGED_ARGUMENTS, *vllm.UNMODELLED_ARGUMENTS}

@@ -132,6 +132,19 @@ def engine_env(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, conf
 def pod_template(
     dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig, key: str | None = None
 ) -> Obj:
+    """The role's pod template: what kvbridge renders (:func:`rendered_template`), the role's template overlay
+    merged over it, and the revision label (the hash of the result)."""
+    template = rendered_template(dd, role, plan, config, key)
+    overlaid = dd.spec.role(role).template
+    template = overlay(template, overlaid) if overlaid else template
+    template["metadata"].setdefault("labels", {})[LABEL_REVISION] = revision(template)
+    return template
+
+
+def rendered_template(
+    dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig, key: str | None = None
+) -> Obj:
+    """The role's pod template as kvbridge renders it from the spec and the plan, before the role's overlay."""
     spec = dd.spec
     role_spec: RoleSpec = spec.role(role)
     side_channel = {"name": SIDE_CHANNEL_PORT_NAME, "containerPort": spec.transfer.side_channel_port, "protocol": "TCP"}
@@ -159,8 +172,6 @@ def pod_template(
     network.apply(template, spec)
     termination.apply(template, spec, role, config.agent_http_port)
     transfer_token.apply(template, spec, dd.metadata.name, role)
-    template = overlay(template, role_spec.template) if role_spec.template else template
-    template["metadata"].setdefault("labels", {})[LABEL_REVISION] = revision(template)
     return template
 
 

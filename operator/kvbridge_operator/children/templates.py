@@ -1,7 +1,8 @@
 """What a role's ``template`` overlay may change, checked before scheduling: the pod runs what was checked.
 
-The overlay is merged into the rendered pod template as a strategic merge patch (render.py): containers and env by
-name, ports by number, other lists replaced. Whatever kvbridge renders from the checked plan stays kvbridge's:
+The overlay is merged into the rendered pod template as a strategic merge patch (render.py): containers, env and
+volumes by name, ports by number, mounts by path, other lists replaced. Whatever kvbridge renders from the checked
+plan stays kvbridge's:
 
 * the ``engine`` container's ``command`` and ``args`` (an overlay's list would replace the whole command line, KV
   transfer configuration, TP and block size included): vLLM arguments go in ``spec.engine.extraArgs`` or
@@ -10,30 +11,51 @@ name, ports by number, other lists replaced. Whatever kvbridge renders from the 
   CPU settings; the model source's ``HF_*``) and its ports (HTTP, side channel, rendezvous);
 * the pod labels kvbridge reads (``kvbridge.io/*``: role, fingerprint, pairing, revision; llm-d's role; the pod
   group; LeaderWorkerSet's);
-* the GPUs of the engine container, which must equal the ranks each pod runs.
+* the GPUs of the engine container, which must equal the ranks each pod runs;
+* the RDMA resources, the ``IPC_LOCK`` capability and Multus' annotation that ``spec.transfer.network`` renders;
+* the volumes and mounts kvbridge renders (shared memory, the key Secret, the model's).
 
-Everything else (images, resources other than GPUs, node selection, tolerations, volumes, sidecars, other env and
-labels) is the user's. Each refusal names the overlay's field and what to set instead.
+Everything else (images, resources other than GPUs, node selection, tolerations, probes, other volumes, sidecars,
+other env and labels) is the user's. Each refusal names the overlay's field and what to write instead.
+
+What the user writes is what runs, for nulls and odd values too: a null in a strategic merge patch deletes the
+field, and an item without its merge key (an env variable without a name, a port without its number) makes the
+overlay's list replace kvbridge's whole list, so a null over a field that holds kvbridge's values is refused
+(``TEMPLATE_NULL``), as are items without their merge key, duplicates and values of the wrong type
+(``TEMPLATE_INVALID``). A null over a field of the user's (``nodeSelector: null``, ``livenessProbe: null``)
+is merged as written. Then, once the spec is compatible, :func:`rendered_problems` renders each role's pod with
+and without its overlay and refuses any value kvbridge rendered that the overlay changed or removed (an item
+that merges into kvbridge's by its key: a port on kvbridge's number, a mount on its path, a volume of its name),
+for the operator's settings (its HTTP port, GPU resource, key mount path): the pod runs what was checked.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from typing import Any
 
-from kvbridge_agent.core import Problem, Role
+from kvbridge_agent.core import Problem, Role, TransferPlan
 from kvbridge_operator.api.names import (
     ENGINE_CONTAINER,
     HTTP_PORT_NAME,
     LABEL_LLM_D_ROLE,
     LABEL_POD_GROUP,
+    LABEL_REVISION,
     LABEL_WORKER_INDEX,
     SIDE_CHANNEL_PORT_NAME,
 )
-from kvbridge_operator.api.spec import DisaggregatedDeploymentSpec, EngineKind
+from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind
+from kvbridge_operator.children import multinode
+from kvbridge_operator.children.network import NETWORKS_ANNOTATION, is_gpu_resource
+from kvbridge_operator.children.render import overlay, rendered_template
+from kvbridge_operator.config import OperatorConfig
 
 TEMPLATE_MANAGED_FIELD = "TEMPLATE_MANAGED_FIELD"
 TEMPLATE_GPUS = "TEMPLATE_GPUS"
 TEMPLATE_INVALID = "TEMPLATE_INVALID"
+TEMPLATE_NULL = "TEMPLATE_NULL"
 EXTRA_ARGS_NEED_VLLM = "EXTRA_ARGS_NEED_VLLM"
 
 #: environment variables kvbridge renders on the engine container (besides every KVBRIDGE_* of the agent's contract)
@@ -56,74 +78,442 @@ MANAGED_LABELS = frozenset({LABEL_LLM_D_ROLE, LABEL_POD_GROUP, LABEL_WORKER_INDE
 
 
 def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
-    """Every change a role's template overlay makes to what kvbridge renders from the checked plan; and per-role
-    ``extraArgs`` on an engine that takes none."""
+    """Every change a role's template overlay makes to what kvbridge renders from the checked plan that can be
+    seen without rendering (nulls, odd items, kvbridge's names); and per-role ``extraArgs`` on an engine that takes
+    none."""
     found: list[Problem] = []
     for role in Role:
         role_spec = spec.role(role)
         where = f"spec.{role.value}"
         if role_spec.extra_args and spec.engine.kind is not EngineKind.VLLM:
-            found.append(Problem(EXTRA_ARGS_NEED_VLLM, f"{where}.extraArgs", (
-                f"{where}.extraArgs passes arguments to vllm serve, and spec.engine.kind is "
-                f"{spec.engine.kind.value}: remove them, or set spec.engine.kind: VLLM")))  # fmt: skip
+            message = _EXTRA_ARGS.format(where=where, kind=spec.engine.kind.value)
+            found.append(Problem(EXTRA_ARGS_NEED_VLLM, f"{where}.extraArgs", message))
         if role_spec.template:
-            found += _template(role_spec.template, f"{where}.template",
-                               role_spec.tensor_parallel_size // max(role_spec.nodes, 1))  # fmt: skip
+            gpus = role_spec.tensor_parallel_size // max(role_spec.nodes, 1)
+            found += _template(role_spec.template, f"{where}.template", gpus, spec)
     return found
 
 
-def _template(template: dict[str, Any], where: str, gpus: int) -> list[Problem]:
+_EXTRA_ARGS = (
+    "{where}.extraArgs passes arguments to vllm serve, and spec.engine.kind is {kind}: remove them, or set "
+    "spec.engine.kind: VLLM"
+)
+_NULL = (
+    "{field} is null, and a null in the overlay deletes the field (a strategic merge patch's null), {what} with it; "
+    "leave the key out to keep kvbridge's, or write the value you want"
+)
+_NOT_A_MAP = "{field} must be a map: write it as {{key: value}}, or leave it out"
+_NOT_A_LIST = "{field} must be a list of {items}: write it as [{example}], or leave it out"
+_NOT_A_STRING = 'the {what} {name} is {value}, and {kind} are strings: write it quoted ({name}: "{text}")'
+_NULL_STRING = 'the {what} {name} is null, and {kind} are strings: write one ({name}: "VALUE"), or leave it out'
+_ENV_NOT_A_STRING = 'the value of {name} is {value}, and environment values are strings: write value: "{text}"'
+_TWICE = "{what} is listed twice in the overlay ({field}); write it once"
+_NO_KEY = (
+    "each item of {field} needs its {key} ({example}): the overlay merges {items} by {key}, and a list with an "
+    "item without one replaces kvbridge's whole list; write {example}"
+)
+_CONTAINERS = (
+    "containers must be a list of objects with a name: write them as [{{name: {engine}, ...}}] (the overlay is "
+    "merged by container name; the engine's is {engine!r})"
+)
+_MANAGED_LABEL = (
+    "the label {name} is kvbridge's (routers, rollouts and schedulers pair and count pods by it); remove it from "
+    "the template, or use a label of your own"
+)
+_MANAGED_ANNOTATION = (
+    "the annotation {name} is rendered from spec.transfer.network.secondaryNetworks; remove it from the template "
+    "and list the networks there"
+)
+_MANAGED_COMMAND = (
+    "the engine's {field} is rendered from the checked plan (KV transfer configuration, TP, block size, layout, "
+    "attention backend, side channel) and an overlay would replace all of it: remove {field} from the template "
+    "and put vLLM arguments in spec.engine.extraArgs or the role's extraArgs, which are checked before scheduling"
+)
+_MANAGED_ENV = (
+    "{name} is set by kvbridge from the spec; remove it from the template and set the spec field it comes from "
+    "(docs/environment.md lists them)"
+)
+_MANAGED_PORT = (
+    "the port {name} is kvbridge's (its number comes from the spec and is published in the status); remove it "
+    "from the template (spec.transfer.sideChannelPort sets the side channel's)"
+)
+_GPUS = (
+    "each pod of this role runs {gpus} TP rank(s), one per GPU, and the template asks {amount}: remove the GPU "
+    "{kind} from the template (kvbridge sets {gpus}), or change tensorParallelSize"
+)
+_MANAGED_RDMA = (
+    "{resource} is rendered from spec.transfer.network.rdmaResources ({count}), and the template asks {amount}: "
+    "remove it from the template and change rdmaResources"
+)
+#: what kvbridge renders under each field of a template whose null would delete it
+_HOLDS = {
+    "metadata": "kvbridge's labels",
+    "labels": "kvbridge's labels (routers, rollouts and schedulers pair and count pods by them)",
+    "annotations": "kvbridge's annotations (Multus' networks)",
+    "spec": "kvbridge's containers and volumes",
+    "containers": "the engine container",
+    "volumes": "kvbridge's volumes (shared memory, the key Secret, the model's)",
+    "env": "kvbridge's environment (the agent's contract, vLLM's side channel and cache layout)",
+    "ports": "kvbridge's ports (HTTP, side channel)",
+    "resources": "the GPUs the ranks need",
+    "requests": "the GPUs the ranks need",
+    "limits": "the GPUs the ranks need",
+    "volumeMounts": "kvbridge's mounts (shared memory, the key Secret, the model's)",
+}
+
+
+def _null(field: str, key: str) -> Problem:
+    return Problem(TEMPLATE_NULL, field, _NULL.format(field=field, what=_HOLDS.get(key, "kvbridge's value")))
+
+
+def _invalid(field: str, message: str) -> Problem:
+    return Problem(TEMPLATE_INVALID, field, message)
+
+
+def _managed(field: str, message: str) -> Problem:
+    return Problem(TEMPLATE_MANAGED_FIELD, field, message)
+
+
+def _template(template: dict[str, Any], where: str, gpus: int, spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     found: list[Problem] = []
-    labels = (template.get("metadata") or {}).get("labels") or {}
-    if not isinstance(labels, dict):
-        return [Problem(TEMPLATE_INVALID, f"{where}.metadata.labels",
-                        "labels must be a map of strings: write them as {key: value}")]  # fmt: skip
-    for key in labels:
-        if str(key).startswith(MANAGED_LABEL_PREFIX) or key in MANAGED_LABELS:
-            found.append(Problem(TEMPLATE_MANAGED_FIELD, f"{where}.metadata.labels.{key}", (
-                f"the label {key} is kvbridge's (routers, rollouts and schedulers pair and count pods by it); "
-                "remove it from the template, or use a label of your own")))  # fmt: skip
-    containers = (template.get("spec") or {}).get("containers")
+    for key in ("metadata", "spec"):
+        if key in template and template[key] is None:
+            found.append(_null(f"{where}.{key}", key))
+        elif key in template and not isinstance(template[key], dict):
+            found.append(_invalid(f"{where}.{key}", _NOT_A_MAP.format(field=f"{where}.{key}")))
+    metadata = template.get("metadata")
+    if isinstance(metadata, dict):
+        found += _metadata(metadata, f"{where}.metadata")
+    pod = template.get("spec")
+    if isinstance(pod, dict):
+        found += _pod(pod, f"{where}.spec", gpus, spec)
+    return found
+
+
+def _metadata(metadata: dict[str, Any], where: str) -> list[Problem]:
+    found: list[Problem] = []
+    for key, what in (("labels", "label"), ("annotations", "annotation")):
+        if key not in metadata:
+            continue
+        values = metadata[key]
+        field = f"{where}.{key}"
+        if values is None:
+            found.append(_null(field, key))
+        elif not isinstance(values, dict):
+            found.append(_invalid(field, _NOT_A_MAP.format(field=field)))
+        for name, value in values.items() if isinstance(values, dict) else ():
+            if not isinstance(value, str):
+                wrong = _NULL_STRING if value is None else _NOT_A_STRING
+                message = wrong.format(what=what, name=name, value=json.dumps(value), kind=key, text=value)
+                found.append(_invalid(f"{field}.{name}", message))
+            elif key == "labels" and (name.startswith(MANAGED_LABEL_PREFIX) or name in MANAGED_LABELS):
+                found.append(_managed(f"{field}.{name}", _MANAGED_LABEL.format(name=name)))
+            elif key == "annotations" and name == NETWORKS_ANNOTATION:
+                found.append(_managed(f"{field}.{name}", _MANAGED_ANNOTATION.format(name=name)))
+    return found
+
+
+def _pod(pod: dict[str, Any], where: str, gpus: int, spec: DisaggregatedDeploymentSpec) -> list[Problem]:
+    found: list[Problem] = []
+    for key in ("containers", "volumes"):
+        if key in pod and pod[key] is None:
+            found.append(_null(f"{where}.{key}", key))
+    if pod.get("volumes") is not None:
+        found += _keyed(pod["volumes"], f"{where}.volumes", "name", "volumes", "{name: NAME, emptyDir: {}}")
+    containers = pod.get("containers")
     if containers is None:
         return found
-    if not isinstance(containers, list) or not all(isinstance(c, dict) and "name" in c for c in containers):
-        return [*found, Problem(TEMPLATE_INVALID, f"{where}.spec.containers", (
-            f"containers must be a list of objects with a name: write them as [{{name: {ENGINE_CONTAINER}, ...}}] "
-            f"(the overlay is merged by container name; the engine's is {ENGINE_CONTAINER!r})"))]  # fmt: skip
+    if not isinstance(containers, list) or not all(_named(c) for c in containers):
+        return [*found, _invalid(f"{where}.containers", _CONTAINERS.format(engine=ENGINE_CONTAINER))]
+    seen: set[str] = set()
     for index, container in enumerate(containers):
-        if container["name"] == ENGINE_CONTAINER:
-            found += _engine(container, f"{where}.spec.containers[{index}]", gpus)
+        field = f"{where}.containers[{index}]"
+        if container["name"] in seen:
+            found.append(_invalid(field, _TWICE.format(what=f"the container {container['name']}", field=field)))
+        elif container["name"] == ENGINE_CONTAINER:
+            found += _engine(container, field, gpus, spec)
+        seen.add(container["name"])
     return found
 
 
-def _engine(container: dict[str, Any], where: str, gpus: int) -> list[Problem]:
+def _named(item: Any) -> bool:
+    return isinstance(item, dict) and isinstance(item.get("name"), str) and bool(item["name"])
+
+
+def _keyed(items: Any, where: str, key: str, what: str, example: str) -> list[Problem]:
+    """A list the overlay merges by ``key`` (volumes by name, mounts by path): a list, each item a map with a
+    non-empty string ``key``, none twice."""
+    if not isinstance(items, list):
+        return [_invalid(where, _NOT_A_LIST.format(field=where, items=what, example=example))]
+    found: list[Problem] = []
+    seen: set[str] = set()
+    for index, item in enumerate(items):
+        value = item.get(key) if isinstance(item, dict) else None
+        field = f"{where}[{index}]"
+        if not isinstance(value, str) or not value:
+            found.append(_invalid(field, _NO_KEY.format(field=where, key=key, items=what, example=example)))
+            continue
+        if value in seen:
+            found.append(_invalid(field, _TWICE.format(what=f"{key} {value}", field=field)))
+        seen.add(value)
+    return found
+
+
+def _engine(container: dict[str, Any], where: str, gpus: int, spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     found: list[Problem] = []
     for field in ("command", "args"):
         if field in container:
-            found.append(Problem(TEMPLATE_MANAGED_FIELD, f"{where}.{field}", (
-                f"the engine's {field} is rendered from the checked plan (KV transfer configuration, TP, block "
-                "size, layout, attention backend, side channel) and an overlay would replace all of it: remove "
-                f"{field} from the template and put vLLM arguments in spec.engine.extraArgs or the role's "
-                "extraArgs, which are checked before scheduling")))  # fmt: skip
-    for position, variable in enumerate(container.get("env") or []):
-        name = variable.get("name") if isinstance(variable, dict) else None
-        managed = name.startswith(MANAGED_ENV_PREFIX) and name not in TUNABLE_ENV if isinstance(name, str) else False
-        if isinstance(name, str) and (managed or name in MANAGED_ENV):
-            found.append(Problem(TEMPLATE_MANAGED_FIELD, f"{where}.env[{position}]", (
-                f"{name} is set by kvbridge from the spec; remove it from the template and set the spec field it "
-                "comes from (docs/environment.md lists them)")))  # fmt: skip
-    for position, port in enumerate(container.get("ports") or []):
-        name = port.get("name") if isinstance(port, dict) else None
-        if name in MANAGED_PORTS:
-            found.append(Problem(TEMPLATE_MANAGED_FIELD, f"{where}.ports[{position}]", (
-                f"the port {name} is kvbridge's (its number comes from the spec and is published in the status); "
-                "remove it from the template (spec.transfer.sideChannelPort sets the side channel's)")))  # fmt: skip
-    resources = container.get("resources") or {}
-    for kind in ("requests", "limits"):
-        for resource, amount in (resources.get(kind) or {}).items() if isinstance(resources, dict) else ():
-            if str(resource).endswith("/gpu") and str(amount) != str(gpus):
-                found.append(Problem(TEMPLATE_GPUS, f"{where}.resources.{kind}.{resource}", (
-                    f"each pod of this role runs {gpus} TP rank(s), one per GPU, and the template asks {amount}: "
-                    f"remove the GPU {kind} from the template (kvbridge sets {gpus}), or change "
-                    "tensorParallelSize")))  # fmt: skip
+            found.append(_managed(f"{where}.{field}", _MANAGED_COMMAND.format(field=field)))
+    for field in ("env", "ports", "resources", "volumeMounts"):
+        if field in container and container[field] is None:
+            found.append(_null(f"{where}.{field}", field))
+    if container.get("env") is not None:
+        found += _env(container["env"], f"{where}.env")
+    if container.get("ports") is not None:
+        found += _ports(container["ports"], f"{where}.ports")
+    if container.get("resources") is not None:
+        found += _resources(container["resources"], f"{where}.resources", gpus, spec)
+    if container.get("volumeMounts") is not None:
+        example = "{name: NAME, mountPath: /PATH}"
+        found += _keyed(container["volumeMounts"], f"{where}.volumeMounts", "mountPath", "volumeMounts", example)
     return found
+
+
+def _env(env: Any, where: str) -> list[Problem]:
+    example = "{name: NAME, value: VALUE}"
+    if not isinstance(env, list):
+        return [_invalid(where, _NOT_A_LIST.format(field=where, items="variables", example=example))]
+    found: list[Problem] = []
+    seen: set[str] = set()
+    for position, variable in enumerate(env):
+        field = f"{where}[{position}]"
+        name = variable.get("name") if isinstance(variable, dict) else None
+        if not isinstance(variable, dict) or not isinstance(name, str) or not name:
+            found.append(_invalid(field, _NO_KEY.format(field=where, key="name", items="env", example=example)))
+            continue
+        value = variable.get("value")
+        if name in seen:
+            what = f"the variable {name} (the pod would run only the later one)"
+            found.append(_invalid(field, _TWICE.format(what=what, field=field)))
+        elif (name.startswith(MANAGED_ENV_PREFIX) and name not in TUNABLE_ENV) or name in MANAGED_ENV:
+            found.append(_managed(field, _MANAGED_ENV.format(name=name)))
+        elif value is not None and not isinstance(value, str):
+            message = _ENV_NOT_A_STRING.format(name=name, value=json.dumps(value), text=value)
+            found.append(_invalid(field, message))
+        seen.add(name)
+    return found
+
+
+def _ports(ports: Any, where: str) -> list[Problem]:
+    example = "{name: NAME, containerPort: NUMBER}"
+    if not isinstance(ports, list):
+        return [_invalid(where, _NOT_A_LIST.format(field=where, items="ports", example=example))]
+    found: list[Problem] = []
+    seen: set[int] = set()
+    for position, port in enumerate(ports):
+        field = f"{where}[{position}]"
+        number = port.get("containerPort") if isinstance(port, dict) else None
+        if not isinstance(number, int) or isinstance(number, bool) or not 1 <= number <= 65535:
+            key = "containerPort (1-65535)"
+            found.append(_invalid(field, _NO_KEY.format(field=where, key=key, items="ports", example=example)))
+            continue
+        if number in seen:
+            found.append(_invalid(field, _TWICE.format(what=f"the port {number}", field=field)))
+        elif port.get("name") in MANAGED_PORTS:
+            found.append(_managed(field, _MANAGED_PORT.format(name=port["name"])))
+        seen.add(number)
+    return found
+
+
+def _resources(resources: Any, where: str, gpus: int, spec: DisaggregatedDeploymentSpec) -> list[Problem]:
+    if not isinstance(resources, dict):
+        return [_invalid(where, _NOT_A_MAP.format(field=where))]
+    found: list[Problem] = []
+    rdma = spec.transfer.network.rdma_resources
+    for kind in ("requests", "limits"):
+        amounts = resources.get(kind)
+        field = f"{where}.{kind}"
+        if kind in resources and amounts is None:
+            found.append(_null(field, kind))
+        elif kind in resources and not isinstance(amounts, dict):
+            found.append(_invalid(field, _NOT_A_MAP.format(field=field)))
+        for resource, amount in amounts.items() if isinstance(amounts, dict) else ():
+            if (is_gpu_resource(resource) or resource in rdma) and amount is None:
+                found.append(_null(f"{field}.{resource}", kind))
+            elif is_gpu_resource(resource) and str(amount) != str(gpus):
+                message = _GPUS.format(gpus=gpus, amount=amount, kind=kind)
+                found.append(Problem(TEMPLATE_GPUS, f"{field}.{resource}", message))
+            elif resource in rdma and str(amount) != str(rdma[resource]):
+                message = _MANAGED_RDMA.format(resource=resource, count=rdma[resource], amount=amount)
+                found.append(_managed(f"{field}.{resource}", message))
+    return found
+
+
+# --- what the overlay did to the rendered pod ---------------------------------------------------------------------
+
+#: one value kvbridge rendered: (kind, key within its kind, the value)
+Managed = tuple[str, Any, Any]
+_SHOWN = 160
+
+
+def rendered_problems(dd: DisaggregatedDeployment, plan: TransferPlan, config: OperatorConfig) -> list[Problem]:
+    """Every value kvbridge renders in a role's pod that the role's overlay changes or removes, found by rendering
+    the pod without and with it (for the operator's settings: its HTTP port, GPU resource, key mount path): the
+    engine container's command, arguments, environment, ports, mounts, GPUs and RDMA resources and added
+    capabilities, the routing sidecar's arguments and ports, the pod's volumes, labels and annotations. Each is
+    named at the overlay's field that changes it (the item merged into kvbridge's by its key, else the nearest
+    field the overlay sets)."""
+    found: list[Problem] = []
+    for role in Role:
+        template = dd.spec.role(role).template
+        if not template:
+            continue
+        base = rendered_template(dd, role, plan, config)
+        merged = overlay(base, template)
+        seen: set[tuple[str, str]] = set()  # the leader's and the workers' pods lose the same values
+        for before, after in zip(_pods(dd, role, base), _pods(dd, role, merged), strict=True):
+            kept = list(_values(after))
+            for kind, key, value in _values(before):
+                now = [v for k, n, v in kept if (k, n) == (kind, key)]
+                if (len(now) != 1 or not _keeps(kind, value, now[0])) and (kind, str(key)) not in seen:
+                    found.append(_changed(template, f"spec.{role.value}.template", kind, key, value, now))
+                    seen.add((kind, str(key)))
+    return found
+
+
+def _pods(dd: DisaggregatedDeployment, role: Role, template: Obj) -> tuple[Obj, ...]:
+    """The pod templates a role's workload gets from its template: itself, or for an engine spanning nodes the
+    leader's (which opens the rendezvous port after the overlay is merged) and the workers'."""
+    engines = [
+        c for c in _list(_map(template.get("spec")).get("containers")) if _map(c).get("name") == ENGINE_CONTAINER
+    ]
+    if not multinode.spans_nodes(dd.spec, role) or len(engines) != 1:
+        return (template,)  # one pod; or no single engine, which _values reports
+    return multinode.group_templates(template, dd.spec.role(role).nodes)
+
+
+def _keeps(kind: str, value: Any, now: Any) -> bool:
+    """Whether ``now`` is kvbridge's ``value`` still: the same, or for a port, with its name, number and protocol
+    as they were (the overlay may add a hostPort to kvbridge's port)."""
+    if kind in ("port", "sidecar port") and isinstance(value, dict) and isinstance(now, dict):
+        return value.items() <= now.items()
+    return bool(now == value)
+
+
+def _values(template: Obj) -> Iterator[Managed]:
+    """What kvbridge manages in a pod template, read defensively: the template may be what an odd overlay made."""
+    metadata = _map(template.get("metadata"))
+    for name, value in _map(metadata.get("labels")).items():
+        if name != LABEL_REVISION:
+            yield "label", name, value
+    for name, value in _map(metadata.get("annotations")).items():
+        yield "annotation", name, value
+    pod = _map(template.get("spec"))
+    for volume in _list(pod.get("volumes")):
+        yield "volume", _map(volume).get("name"), volume
+    containers = [_map(c) for c in _list(pod.get("containers"))]
+    for container in containers:
+        if container.get("name") == ENGINE_CONTAINER:
+            yield from _engine_values(container)
+        elif container.get("name") == ROUTING_SIDECAR:
+            yield "sidecar args", None, container.get("args")
+            for port in _list(container.get("ports")):
+                yield "sidecar port", _map(port).get("containerPort"), port
+    yield "engine container", None, sum(c.get("name") == ENGINE_CONTAINER for c in containers)
+
+
+def _engine_values(engine: Obj) -> Iterator[Managed]:
+    yield "command", None, engine.get("command")
+    yield "args", None, engine.get("args")
+    for variable in _list(engine.get("env")):
+        if _map(variable).get("name") not in TUNABLE_ENV:  # the user's to tune
+            yield "env", _map(variable).get("name"), variable
+    for port in _list(engine.get("ports")):
+        yield "port", _map(port).get("containerPort"), port
+    for mount in _list(engine.get("volumeMounts")):
+        yield "mount", _map(mount).get("mountPath"), mount
+    resources = _map(engine.get("resources"))
+    for kind in ("requests", "limits"):
+        for name, amount in _map(resources.get(kind)).items():
+            if "/" in name:  # extended resources: the GPUs and the RDMA NICs (cpu and memory are the user's)
+                yield "resource", f"{kind}.{name}", amount if amount is None else str(amount)  # 1 is "1"
+    for capability in _list(_map(_map(engine.get("securityContext")).get("capabilities")).get("add")):
+        yield "capability", capability, capability
+
+
+def _map(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+#: the routing sidecar's container name (vllm_engine.routing_sidecar)
+ROUTING_SIDECAR = "routing-sidecar"
+#: in a path: the managed value's own key (a variable's name, a port's number, a mount's path, ...)
+_KEY = object()
+#: in a path: a resource's key, ``requests.NAME`` or ``limits.NAME``: two steps
+_RESOURCE = object()
+_ENGINE: tuple[str, str, Any] = ("containers", "name", ENGINE_CONTAINER)
+_SIDECAR: tuple[str, str, Any] = ("containers", "name", ROUTING_SIDECAR)
+#: for each kind of managed value: what it is in words, and the overlay's path to it (map keys, and list items
+#: found by a merge key: (list, merge key, value))
+_PATHS: dict[str, tuple[str, list[Any]]] = {
+    "label": ("the label {key}", ["metadata", "labels", _KEY]),
+    "annotation": ("the annotation {key}", ["metadata", "annotations", _KEY]),
+    "volume": ("the volume {key}", ["spec", ("volumes", "name", _KEY)]),
+    "engine container": ("the engine container", ["spec", "containers"]),
+    "sidecar args": ("the routing sidecar's args", ["spec", _SIDECAR, "args"]),
+    "sidecar port": ("the routing sidecar's port {key}", ["spec", _SIDECAR, ("ports", "containerPort", _KEY)]),
+    "command": ("the engine's command", ["spec", _ENGINE, "command"]),
+    "args": ("the engine's args", ["spec", _ENGINE, "args"]),
+    "env": ("the variable {key}", ["spec", _ENGINE, ("env", "name", _KEY)]),
+    "port": ("the port {key}", ["spec", _ENGINE, ("ports", "containerPort", _KEY)]),
+    "mount": ("the mount at {key}", ["spec", _ENGINE, ("volumeMounts", "mountPath", _KEY)]),
+    "resource": ("the resource {key}", ["spec", _ENGINE, "resources", _RESOURCE]),
+    "capability": ("the capability {key}", ["spec", _ENGINE, "securityContext", "capabilities", "add"]),
+}
+
+
+def _changed(template: Obj, where: str, kind: str, key: Any, value: Any, now: list[Any]) -> Problem:
+    what, steps = _PATHS[kind]
+    after = ", ".join(_shown(v) for v in now) if now else "nothing"
+    message = _CHANGED.format(what=what.format(key=key), before=_shown(value), after=after)
+    return Problem(TEMPLATE_MANAGED_FIELD, _field(template, where, steps, key), message)
+
+
+_CHANGED = (
+    "the template changes {what}, which kvbridge renders from the spec: {before} without the template, {after} "
+    "with it; remove what changes it from the template (the spec field it comes from sets it)"
+)
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, default=str)
+    return text if len(text) <= _SHOWN else text[:_SHOWN] + "..."
+
+
+def _field(template: Obj, where: str, steps: list[Any], key: Any) -> str:
+    """The deepest field along ``steps`` that the overlay sets."""
+    expanded: list[Any] = []
+    for step in steps:
+        expanded += str(key).split(".", 1) if step is _RESOURCE else [step]
+    field, node = where, template
+    for step in expanded:
+        if isinstance(step, tuple):
+            name, merge_key, wanted = step
+            items = node.get(name) if isinstance(node, dict) else None
+            if not isinstance(items, list):
+                return field
+            wanted = key if wanted is _KEY else wanted
+            index = next((i for i, item in enumerate(items) if _map(item).get(merge_key) == wanted), None)
+            if index is None:
+                return f"{field}.{name}"
+            field, node = f"{field}.{name}[{index}]", items[index]
+        else:
+            name = str(key) if step is _KEY else step
+            if not isinstance(node, dict) or name not in node:
+                return field
+            field, node = f"{field}.{name}", node[name]
+    return field

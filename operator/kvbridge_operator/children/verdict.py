@@ -14,6 +14,7 @@ from kvbridge_operator.api.objects import with_fields
 from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind
 from kvbridge_operator.children import multinode, network, placement, templates
 from kvbridge_operator.children import vllm_engine as vllm
+from kvbridge_operator.config import OperatorConfig
 
 
 def spec_problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
@@ -26,10 +27,18 @@ def spec_problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     return found
 
 
-def verdict_for(dd: DisaggregatedDeployment) -> TransferPlan | list[Problem]:
+def verdict_for(dd: DisaggregatedDeployment, config: OperatorConfig | None = None) -> TransferPlan | list[Problem]:
+    """The plan, or every problem that prevents one. Once the rules find none, the operator's settings (``config``;
+    the defaults for ``kvbridge plan``) are looked at: its GPU resource among the RDMA resources is refused, then
+    each role's pod is rendered with and without its template overlay and what the overlay changed of kvbridge's
+    values is refused too: the pods run what was checked."""
     spec = dd.spec
     result = plan_or_problems(spec.model, spec.prefill.settings(), spec.decode.settings(), spec.transfer)
     more = spec_problems(spec)
+    if not more and not isinstance(result, list):
+        config = config or OperatorConfig()
+        more = network.gpu_resource_problems(spec, config.gpu_resource)
+        more = more or templates.rendered_problems(dd, result, config)
     if more or isinstance(result, list):
         return [narrowed(problem, spec) for problem in ([*result, *more] if isinstance(result, list) else more)]
     return result

@@ -17,7 +17,7 @@ from yaml.nodes import MappingNode
 
 from kvbridge_agent.core import SpecError
 from kvbridge_operator.api.names import KIND
-from kvbridge_operator.api.spec import DisaggregatedDeployment, parse_deployment
+from kvbridge_operator.api.spec import MAX_DEPTH, DisaggregatedDeployment, parse_deployment
 
 
 class ManifestError(SpecError):
@@ -28,8 +28,6 @@ class ManifestError(SpecError):
 
 #: the largest manifest read (the Kubernetes API server's own request limit is 3 MiB)
 MAX_MANIFEST_BYTES = 4 << 20
-#: how deeply a manifest may nest (a DisaggregatedDeployment with a pod template overlay needs about 15)
-MAX_DEPTH = 64
 
 
 def source_name(path: str) -> str:

@@ -140,10 +140,34 @@ def summary(plan: TransferPlan) -> PlanSummary:
     return PlanSummary.model_validate(plan.summary())
 
 
+#: the longest message of a condition or event kvbridge writes (a condition's may hold 32,768 characters): a spec
+#: with thousands of problems (a template of thousands of odd items) is summed up, not refused for its message
+MAX_MESSAGE = 8192
+_MORE = "; and {count} more problem(s) (kvbridge plan lists them all)"
+
+
+def _bounded(message: str) -> str:
+    if len(message) <= MAX_MESSAGE:
+        return message
+    cut = f"... ({len(message)} characters)"
+    return message[: MAX_MESSAGE - len(cut)] + cut
+
+
 def _problems_message(problems: Sequence[Problem], fix: str) -> str:
-    """Every problem, then the checked fix for all of them at once (when the search finds one)."""
-    message = "; ".join(f"{p.code} at {p.field}: {p.message}" for p in problems)
-    return f"{message}. A fix that passes every check: {fix}" if fix else message
+    """Every problem as far as :data:`MAX_MESSAGE` goes, then the checked fix for all of them at once (when the
+    search finds one)."""
+    fixed = f". A fix that passes every check: {fix}" if fix else ""
+    parts = [f"{p.code} at {p.field}: {p.message}" for p in problems]
+    room = MAX_MESSAGE - len(fixed) - len(_MORE.format(count=len(parts)))
+    kept: list[str] = []
+    length = -2  # the separators: one fewer than the parts
+    for part in parts:
+        length += len(part) + 2
+        if length > room:
+            break
+        kept.append(part)
+    more = _MORE.format(count=len(parts) - len(kept)) if len(kept) < len(parts) else ""
+    return _bounded("; ".join(kept) + more + fixed)
 
 
 def observe(
@@ -289,12 +313,15 @@ def observe(
     return Report(whole, events, new_annotations)
 
 
-def invalid(previous: Obj, generation: int, exc: SpecError, now: str) -> tuple[Obj, list[Event]]:
-    """A resource the schema should have rejected (or an older CRD): its status and events (reported, never a
-    crash loop); nothing else of the status changes."""
-    message = f"{exc.field}: {exc.message}"
+def invalid(
+    previous: Obj, generation: int, exc: SpecError, now: str, reason: str = "InvalidSpec"
+) -> tuple[Obj, list[Event]]:
+    """A resource the schema should have rejected (or an older CRD), or one kvbridge's checks failed on
+    (``reason`` CheckFailed): its status and events (reported, never a crash loop); nothing else of the status
+    changes."""
+    message = _bounded(f"{exc.field}: {exc.message}")
     conditions = [
-        Condition(type=kind, status="False", reason="InvalidSpec", message=message, observed_generation=generation)
+        Condition(type=kind, status="False", reason=reason, message=message, observed_generation=generation)
         for kind in (ConditionType.COMPATIBLE, ConditionType.READY)
     ]
     merged = merge_conditions(previous.get("conditions") or [], conditions, now)
@@ -303,8 +330,8 @@ def invalid(previous: Obj, generation: int, exc: SpecError, now: str) -> tuple[O
         "conditions": [c.model_dump(by_alias=True, mode="json") for c in merged],
     }
     old = {str(c.get("type")): c for c in previous.get("conditions") or []}.get("Compatible", {})
-    if old.get("reason") != "InvalidSpec" or int(old.get("observedGeneration", -1)) != generation:
-        return status, [Event("Warning", "InvalidSpec", message)]
+    if old.get("reason") != reason or int(old.get("observedGeneration", -1)) != generation:
+        return status, [Event("Warning", reason, message)]
     return status, []
 
 

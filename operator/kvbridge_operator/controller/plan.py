@@ -13,6 +13,7 @@ renders; the rollout's step: rollout.py; the optional children: optional.py), th
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from kvbridge_agent.core import Role, SpecError, TransferPlan
@@ -93,20 +94,47 @@ class Work:
     annotations: dict[str, str] = field(default_factory=dict)
 
 
+#: the reason of the conditions and event of a spec kvbridge's own checks or rendering failed on (a bug)
+CHECK_FAILED = "CheckFailed"
+_CHECK_FAILED_MESSAGE = (
+    "kvbridge could not check this spec ({error}): this is a bug in kvbridge, please report it with the manifest "
+    "(the operator's log has the traceback); nothing that runs was changed"
+)
+
+
 def plan(observed: Observed) -> Plan:
+    """Everything the reconcile does. A spec that is not valid, or one kvbridge's checks or rendering fail on (a
+    bug: no retry would mend a pure function), is reported in the status and an event instead of failing the
+    reconcile, which Kopf would retry forever."""
+    try:
+        return _plan(observed)
+    except SpecError as exc:
+        return _refused(observed, exc, "InvalidSpec")
+    except Exception as exc:
+        logging.getLogger(__name__).exception("checking %s failed", observed.body["metadata"].get("name"))
+        error = SpecError(_CHECK_FAILED_MESSAGE.format(error=f"{type(exc).__name__}: {str(exc)[:500]}"), field="spec")
+        return _refused(observed, error, CHECK_FAILED)
+
+
+def _refused(observed: Observed, exc: SpecError, reason: str) -> Plan:
+    """Only the status and events of a spec that is not applied: ``exc`` says why."""
+    meta = observed.body["metadata"]
+    namespace = meta.get("namespace") or "default"
+    previous: Obj = observed.body.get("status") or {}
+    status, events = invalid(previous, int(meta.get("generation", 0)), exc, observed.now, reason)
+    actions: list[Action] = [WriteStatus(DEPLOYMENTS, namespace, meta["name"], status)]
+    return Plan(actions + [Post(meta, event) for event in events], applied=False)
+
+
+def _plan(observed: Observed) -> Plan:
     body = observed.body
     meta = body["metadata"]
     namespace = meta.get("namespace") or "default"
     generation = int(meta.get("generation", 0))
     previous: Obj = body.get("status") or {}
-    try:
-        dd = parse_deployment({**body, "metadata": {**meta, "namespace": namespace}})
-    except SpecError as exc:
-        status, events = invalid(previous, generation, exc, observed.now)
-        return Plan([WriteStatus(DEPLOYMENTS, namespace, meta["name"], status), *(Post(meta, e) for e in events)],
-                    applied=False)  # fmt: skip
+    dd = parse_deployment({**body, "metadata": {**meta, "namespace": namespace}})
     dd = placement.with_gpus_per_node(dd, observed.config.gpus_per_node)
-    verdict = verdict_for(dd)
+    verdict = verdict_for(dd, observed.config)
     seen = observed.children
     # every child is applied on create, update, resume and resync, and when the spec is not applied yet (a pod event
     # racing the update handler: the status never describes a generation whose children were not written); a
