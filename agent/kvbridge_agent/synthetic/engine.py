@@ -30,8 +30,10 @@ from kvbridge_agent.core.digest import (
     KV_DIGEST_MISMATCH,
     KV_DIGEST_UNAVAILABLE,
     HeadDigests,
+    RequestDigests,
     VerificationPolicy,
     from_bytes,
+    new_key,
     to_bytes,
 )
 from kvbridge_agent.core.handshake import DigestState, HandshakeError, KVTransferParams, RankMetadata
@@ -77,8 +79,8 @@ class _Held:
     blocks: list[int]
     deadline: float
     done_ranks: set[int] = field(default_factory=set)
-    #: what the ranks digested at offer, for decode to verify (empty: not verified)
-    digests: HeadDigests = field(default_factory=dict)
+    #: the key and what the ranks digested at offer, for decode to verify (None: not verified)
+    digests: RequestDigests | None = None
 
 
 @dataclass
@@ -263,8 +265,10 @@ class Engine:
                 )
             self._held[request_id] = _Held(blocks, math.inf)  # the lease starts when the blocks are offered
         verify = self._verification.decide(request_id)
+        key = new_key() if verify else b""
         futures = [h.call_async({"op": "offer", "request_id": request_id, "blocks": blocks,
-                                 "digest_tokens": num_tokens if verify else 0}) for h in self.ranks]  # fmt: skip
+                                 "digest_tokens": num_tokens if verify else 0, "digest_key": key})
+                   for h in self.ranks]  # fmt: skip
         digests: HeadDigests = {}
         for handle, future in zip(self.ranks, futures, strict=True):
             reply = wait_reply(handle.rank, future, 60)
@@ -279,7 +283,7 @@ class Engine:
             held = self._held.get(request_id)
             if held is not None:
                 held.deadline = time.monotonic() + lease
-                held.digests = digests
+                held.digests = RequestDigests(key, digests) if verify else None
         expires_at = time.time() + lease
         self._report_held()
         self.metrics.free_blocks.labels(**self.metrics.labels).set(self.allocator.free_count)
@@ -298,12 +302,12 @@ class Engine:
             verify=verify,
         )
 
-    def _published_digests(self, request_id: str) -> tuple[DigestState, HeadDigests]:
+    def _published_digests(self, request_id: str) -> tuple[DigestState, RequestDigests | None]:
         """The side channel's answer to a decode asking for a request's digests."""
         with self._held_lock:
             held = self._held.get(request_id)
-            if held is None or not held.digests:
-                return DigestState.UNKNOWN, {}
+            if held is None or held.digests is None:
+                return DigestState.UNKNOWN, None
             return DigestState.READY, held.digests
 
     def _drop_held(self, request_id: str) -> None:
@@ -413,8 +417,8 @@ class Engine:
             "totalSeconds": time.perf_counter() - started,
         }
 
-    def _expected_digests(self, params: KVTransferParams) -> tuple[list[int], bytes]:
-        """Prefill's digests of the request (its side channel), as the ranks get them: ``(heads, bytes)``."""
+    def _expected_digests(self, params: KVTransferParams) -> tuple[list[int], bytes, bytes]:
+        """Prefill's digests of the request (its side channel), as the ranks get them: ``(heads, bytes, key)``."""
         until = params.expires_at if params.expires_at is not None else time.time()
         try:
             digests = fetch_digests(params, self.plan.fingerprint, self.keys,
@@ -423,7 +427,7 @@ class Engine:
             status = 410 if exc.code == KV_DIGEST_UNAVAILABLE else 502
             raise EngineError(f"prefill's digests of {params.remote_request_id}: {exc.message}", code=exc.code,
                               status=status) from exc  # fmt: skip
-        return to_bytes(digests)
+        return (*to_bytes(digests.heads), digests.key)
 
     def _check_lease(self, request_id: str, params: KVTransferParams, when: str) -> None:
         """Refuse a read outside prefill's lease: the expiry the params carry, or later renewals by this engine's

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from kvbridge_agent.core.digest import KV_DIGEST_UNAVAILABLE, HeadDigests
+from kvbridge_agent.core.digest import KV_DIGEST_UNAVAILABLE, RequestDigests
 from kvbridge_agent.core.handshake import DigestState, HandshakeError, KVTransferParams, RankMetadata
 from kvbridge_agent.transfer.keys import CurveKeys
 from kvbridge_agent.transfer.side_channel import SideChannelClient
@@ -39,15 +39,15 @@ def fetch_prefill_ranks(
 
 
 def fetch_digests(params: KVTransferParams, fingerprint: str, keys: CurveKeys | None, timeout: float,
-                  until: float) -> HeadDigests:  # fmt: skip
-    """Prefill's digests of a request to verify (docs/protocol.md §8). A prefill that has not digested it yet
-    (vLLM's ranks report one engine step after the offer) is asked again until ``until`` (Unix time: the lease);
+                  until: float) -> RequestDigests:  # fmt: skip
+    """Prefill's key and digests of a request to verify (docs/protocol.md §8). A prefill that has not digested it
+    yet (vLLM's ranks report one engine step after the offer) is asked again until ``until`` (Unix time: the lease);
     none to be had is :data:`KV_DIGEST_UNAVAILABLE`."""
     client = SideChannelClient(params.remote_host, params.remote_port, fingerprint, keys, timeout)
     delay = 0.002
     while True:
         state, digests = client.digests(params.remote_request_id)
-        if state is DigestState.READY:
+        if state is DigestState.READY and digests is not None:
             return digests
         if state is DigestState.UNKNOWN or time.time() + delay > until:
             raise HandshakeError(

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from kvbridge_agent.core.digest import HeadDigests, from_bytes, to_bytes
+from kvbridge_agent.core.digest import RequestDigests, from_bytes, to_bytes
 from kvbridge_agent.core.handshake import (
     HANDSHAKE_TIMEOUT,
     MALFORMED_MESSAGE,
@@ -77,8 +77,8 @@ class SideChannelServer:
     ranks: dict[int, tuple[RankMetadata, bytes]]
     keys: CurveKeys | None = None
     on_heartbeat: Callable[[list[str]], None] | None = None
-    #: a request's digests as prefill published them (docs/protocol.md §8), or why there are none
-    digests: Callable[[str], tuple[DigestState, HeadDigests]] | None = None
+    #: a request's key and digests as prefill published them (docs/protocol.md §8), or why there are none
+    digests: Callable[[str], tuple[DigestState, RequestDigests | None]] | None = None
     stats: ServerStats = field(default_factory=ServerStats)
 
     def __post_init__(self) -> None:
@@ -157,10 +157,13 @@ class SideChannelServer:
             if kind is MessageType.DIGEST:
                 if len(request_ids) != 1:
                     raise HandshakeError("a digest request names one request", code=MALFORMED_MESSAGE)
-                state, found = self.digests(request_ids[0]) if self.digests else (DigestState.UNKNOWN, {})
+                state, found = self.digests(request_ids[0]) if self.digests else (DigestState.UNKNOWN, None)
                 self.stats.digests += 1
-                heads, data = to_bytes(found) if state is DigestState.READY else ([], b"")
-                return envelope + encode_digest_reply(self.fingerprint, state, heads, data)
+                if state is not DigestState.READY or found is None:
+                    state = DigestState.UNKNOWN if state is DigestState.READY else state
+                    return envelope + encode_digest_reply(self.fingerprint, state, [], b"")
+                heads, data = to_bytes(found.heads)
+                return envelope + encode_digest_reply(self.fingerprint, state, heads, data, found.key)
             if rank not in self.ranks:
                 raise HandshakeError(f"this engine has ranks {sorted(self.ranks)}, not {rank}", code=UNKNOWN_RANK)
             metadata, agent = self.ranks[rank]
@@ -228,15 +231,16 @@ class SideChannelClient:
             result[rank] = decode_reply(frames, self.fingerprint)
         return result
 
-    def digests(self, request_id: str) -> tuple[DigestState, HeadDigests]:
-        """The digests prefill published for one of its requests (by prefill's request id)."""
+    def digests(self, request_id: str) -> tuple[DigestState, RequestDigests | None]:
+        """The key and digests prefill published for one of its requests (by prefill's request id); ``None``
+        unless ready."""
         frames = self._exchange(
             encode_request(MessageType.DIGEST, self.fingerprint, request_ids=[request_id]),
             time.monotonic() + self.timeout,
         )
-        state, heads, data = decode_digest_reply(frames, self.fingerprint)
+        state, heads, data, key = decode_digest_reply(frames, self.fingerprint)
         try:
-            return state, from_bytes(heads, data)
+            return state, RequestDigests(key, from_bytes(heads, data)) if state is DigestState.READY else None
         except ValueError as exc:
             raise HandshakeError(f"digest reply: {exc}", code=MALFORMED_MESSAGE) from exc
 
