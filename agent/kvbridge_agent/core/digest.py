@@ -52,7 +52,8 @@ Properties the protocol relies on:
   for a 128-dim bf16 head) combined in 64-bit integers.
 
 This module is the definition and its reference (numpy, exact int64); the agent computes the same values on the
-cache's device (``kvbridge_agent.transfer.digest``), tested equal.
+cache's device (``kvbridge_agent.transfer.digest``), tested equal. It also holds the verification policy: which
+requests prefill digests (a secret random draw, never the client's request id).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -224,37 +226,36 @@ def mismatched(expected: HeadDigests, heads: list[int], got: Words) -> list[int]
     return sorted(bad)
 
 
-def sampled(request_id: str, fraction: float) -> bool:
-    """Whether a request falls in a sample of ``fraction``: decided by its id alone (the same answer on every TP
-    rank and every retry), uniformly over ids."""
-    if fraction >= 1.0:
-        return True
-    point = int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little") / 2**64
-    return point < fraction
+#: a uniform draw in [0, 1) from the operating system's randomness (no seed anyone can know or choose)
+_SYSTEM_RANDOM = secrets.SystemRandom()
+Draw = Callable[[], float]
 
 
-def should_verify(transfer: TransferSettings, request_id: str, serving_seconds: float) -> bool:
+def should_verify(transfer: TransferSettings, serving_seconds: float, draw: float) -> bool:
     """Prefill's decision for one request (it travels in the transfer parameters, so decode follows it):
-    ``serving_seconds`` is how long the prefill engine has been offering requests."""
+    ``serving_seconds`` is how long the prefill engine has been offering requests, ``draw`` a secret uniform draw
+    in [0, 1) made for this request alone. Nothing the client sends (its request id) enters the decision."""
     if transfer.verification is Verification.ALL:
         return True
     if transfer.verification is Verification.OFF:
         return False
-    return serving_seconds < transfer.verification_first_seconds or sampled(request_id, transfer.verification_fraction)
+    return serving_seconds < transfer.verification_first_seconds or draw < transfer.verification_fraction
 
 
 class VerificationPolicy:
-    """A prefill engine's decision per request, the ``Sampled`` warm-up timed from its first offered request."""
+    """A prefill engine's decision per request, the ``Sampled`` warm-up timed from its first offered request.
+    Decided once per request where it is offered (every TP rank gets the decision with the offer)."""
 
-    def __init__(self, transfer: TransferSettings) -> None:
+    def __init__(self, transfer: TransferSettings, draw: Draw = _SYSTEM_RANDOM.random) -> None:
         self.transfer = transfer
+        self._draw = draw
         self._first_offer: float | None = None
 
-    def decide(self, request_id: str) -> bool:
+    def decide(self) -> bool:
         now = time.monotonic()
         if self._first_offer is None:
             self._first_offer = now
-        return should_verify(self.transfer, request_id, now - self._first_offer)
+        return should_verify(self.transfer, now - self._first_offer, self._draw())
 
 
 def to_bytes(digests: HeadDigests) -> tuple[list[int], bytes]:

@@ -192,7 +192,7 @@ class ConnectorScheduler:
         if request.status.name not in _FINISHED_NORMALLY or not blocks or self._server is None:
             return False, None
         expires_at = time.time() + self.settings.transfer.lease_seconds
-        verify = self._verification.decide(request.request_id)
+        verify = self._verification.decide()  # a secret draw: the client's request id does not enter it
         key = new_key() if verify else b""
         with self._lock:
             self._leases[request.request_id] = expires_at

@@ -3,7 +3,7 @@ the field, positions past the request's tokens do not count, blocks and layers c
 structured ones above all (sign bits flipped in pairs, in a row, in a block; rows, heads, K/V or blocks swapped; a
 block replaced by another's; a layer zeroed; any single bit) — changes it. The old construction
 (kvbridge-digest/1, kept here) misses the sign-bit pairs, so these tests can fail. And the verification policy:
-every request of the warm-up, then a sample."""
+a secret draw per request, which a client's choice of request ids cannot steer."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from kvbridge_agent.core.digest import (
     MISS_PROBABILITY,
     PRIME,
     SEGMENT_UNITS,
+    VerificationPolicy,
     block_digests,
     coefficients,
     combine,
@@ -288,23 +289,39 @@ def test_a_missing_head_or_another_shape_mismatches_every_block() -> None:
 
 
 # -- the policy -----------------------------------------------------------------------------------------------------
-def test_the_policy_verifies_all_none_or_a_warm_up_then_a_stable_sample() -> None:
-    from kvbridge_agent.core.digest import sampled
+EVERY = TransferSettings(verification=Verification.ALL)
+NEVER = TransferSettings(verification=Verification.OFF)
+SOME = TransferSettings(verification=Verification.SAMPLED, verification_first_seconds=300, verification_fraction=0.05)
 
-    ids = [f"req-{i}" for i in range(4000)]
-    every = TransferSettings(verification=Verification.ALL)
-    never = TransferSettings(verification=Verification.OFF)
-    some = TransferSettings(
-        verification=Verification.SAMPLED, verification_first_seconds=300, verification_fraction=0.05
-    )
-    assert all(should_verify(every, i, 1e6) for i in ids)
-    assert not any(should_verify(never, i, 0.0) for i in ids)
-    assert all(should_verify(some, i, 299.0) for i in ids)  # the warm-up: every request
-    later = [i for i in ids if should_verify(some, i, 301.0)]
-    assert 0.035 < len(later) / len(ids) < 0.065  # about the fraction, chosen by id
-    assert later == [i for i in ids if should_verify(some, i, 9e9)]  # the same ids every time (every rank agrees)
-    assert sampled("x", 1.0)
-    assert not any(sampled(i, 0.0) for i in ids)
+
+def test_the_policy_verifies_all_none_or_a_warm_up_then_a_drawn_sample() -> None:
+    draws = [i / 1000 for i in range(1000)]
+    assert all(should_verify(EVERY, 1e6, d) for d in draws)
+    assert not any(should_verify(NEVER, 0.0, d) for d in draws)
+    assert all(should_verify(SOME, 299.0, d) for d in draws)  # the warm-up: every request
+    assert sum(should_verify(SOME, 301.0, d) for d in draws) == 50  # then the draws below the fraction
+    assert not should_verify(SOME.model_copy(update={"verification_fraction": 0.0}), 301.0, 0.0)
+    assert should_verify(SOME.model_copy(update={"verification_fraction": 1.0}), 301.0, 0.999)
+    scripted = iter([0.01, 0.5])
+    after = VerificationPolicy(SOME.model_copy(update={"verification_first_seconds": 0}), draw=lambda: next(scripted))
+    assert [after.decide(), after.decide()] == [True, False]
+
+
+def old_sampled(request_id: str, fraction: float) -> bool:
+    """The old decision: a hash of the request id alone (the id comes from the client, X-Request-Id)."""
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little") / 2**64 < fraction
+
+
+def test_request_ids_a_client_chose_to_avoid_sampling_are_sampled_all_the_same() -> None:
+    """A client that picks ids the old hash never sampled (or sends one id again and again) is verified at the
+    sample's rate: the decision is a secret draw per request, and the id does not enter it."""
+    chosen = [f"req-{i}" for i in range(20000) if not old_sampled(f"req-{i}", 0.05)][:4000]
+    assert not any(old_sampled(i, 0.05) for i in chosen)  # under the old decision: never verified
+    policy = VerificationPolicy(SOME.model_copy(update={"verification_first_seconds": 0}))
+    verified = sum(policy.decide() for _ in chosen)  # one decision per request; nothing of the id enters it
+    assert 120 <= verified <= 280, verified  # 5 % of 4000 = 200 (sd 14): the client avoided nothing
+    again = sum(policy.decide() for _ in range(4000))  # one id, offered 4000 times
+    assert 120 <= again <= 280, again
 
 
 def test_digests_round_trip_through_bytes_and_refuse_ragged_data() -> None:
