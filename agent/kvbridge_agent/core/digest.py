@@ -53,7 +53,7 @@ Properties the protocol relies on:
 
 This module is the definition and its reference (numpy, exact int64); the agent computes the same values on the
 cache's device (``kvbridge_agent.transfer.digest``), tested equal. It also holds the verification policy: which
-requests prefill digests (a secret random draw, never the client's request id).
+requests prefill digests (a secret random draw, never the client's request id) and when decode must verify.
 """
 
 from __future__ import annotations
@@ -256,6 +256,13 @@ class VerificationPolicy:
         if self._first_offer is None:
             self._first_offer = now
         return should_verify(self.transfer, now - self._first_offer, self._draw())
+
+
+def decode_verifies(transfer: TransferSettings, prefill_verifies: bool) -> bool:
+    """Whether decode verifies a request: when prefill digested it (the parameters' ``verify``), and always when
+    decode's own ``spec.transfer.verification`` is ``All`` — then a request prefill did not digest fails with
+    :data:`KV_DIGEST_UNAVAILABLE` rather than be used unverified (docs/protocol.md §8)."""
+    return prefill_verifies or transfer.verification is Verification.ALL
 
 
 def to_bytes(digests: HeadDigests) -> tuple[list[int], bytes]:

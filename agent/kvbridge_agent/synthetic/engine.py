@@ -32,6 +32,7 @@ from kvbridge_agent.core.digest import (
     HeadDigests,
     RequestDigests,
     VerificationPolicy,
+    decode_verifies,
     from_bytes,
     new_key,
     to_bytes,
@@ -364,7 +365,9 @@ class Engine:
         try:
             self._ensure_peer(params)  # first: a restarted prefill (STALE_PEER) says more than an expired lease
             self._check_lease(request_id, params, "before reading")
-            expected = self._expected_digests(params) if params.verify else None
+            # prefill's draw (the parameters' verify), or decode's own policy when it is All
+            verify = decode_verifies(self.env.transfer, params.verify)
+            expected = self._expected_digests(params) if verify else None
             futures = [
                 h.call_async({"op": "read", "request_id": request_id, "params": params.model_dump_json(),
                               "blocks": blocks, "hit": prefix_hit_blocks, "expected": expected})

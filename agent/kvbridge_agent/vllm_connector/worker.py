@@ -30,6 +30,7 @@ from kvbridge_agent.core.digest import (
     KV_DIGEST_MISMATCH,
     KV_DIGEST_UNAVAILABLE,
     RequestDigests,
+    decode_verifies,
     to_bytes,
 )
 from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams
@@ -235,7 +236,9 @@ class ConnectorWorker:
             if key not in self._fetching:
                 self._fetching[key] = (self._executor.submit(self._fetch, params), time.perf_counter())
             return None
-        if params.verify:  # prefill's digests are fetched while the READs run
+        # prefill's draw (the parameters' verify), or decode's own policy when it is All; prefill's digests are
+        # fetched while the READs run
+        if decode_verifies(self.settings.transfer, params.verify):
             self._orders[request_id] = order
             self._prefetch[request_id] = self._digest_executor.submit(self._fetch_digests, params, expires_at)
         return decode.start(

@@ -26,6 +26,7 @@ from kvbridge_agent.core.digest import (
     block_digests,
     coefficients,
     combine,
+    decode_verifies,
     mismatched,
     new_key,
     pack,
@@ -322,6 +323,14 @@ def test_request_ids_a_client_chose_to_avoid_sampling_are_sampled_all_the_same()
     assert 120 <= verified <= 280, verified  # 5 % of 4000 = 200 (sd 14): the client avoided nothing
     again = sum(policy.decide() for _ in range(4000))  # one id, offered 4000 times
     assert 120 <= again <= 280, again
+
+
+def test_decode_verifies_what_prefill_digested_and_everything_under_all() -> None:
+    assert decode_verifies(SOME, True)
+    assert decode_verifies(NEVER, True)
+    assert not decode_verifies(SOME, False)
+    assert not decode_verifies(NEVER, False)
+    assert decode_verifies(EVERY, False)  # decode's own policy: All requires it whatever prefill decided
 
 
 def test_digests_round_trip_through_bytes_and_refuse_ragged_data() -> None:
