@@ -1,48 +1,68 @@
-"""A digest of KV content that does not depend on where the content is stored (protocol ``kvbridge-digest/1``).
+"""A keyed digest of KV content that does not depend on where the content is stored (protocol
+``kvbridge-digest/2``).
 
 The content is taken logically, as the model defines it — never as bytes in a block:
 
 - ``l``: layer; ``c``: 0 for keys, 1 for values (MLA: 0 only, the latent);
 - ``h``: global KV head (MLA: 0);
 - ``t``: token position in the request (0 is the prompt's first token);
-- ``j``: word of the row, the row being the ``head_dim * element_bytes`` bytes of head ``h`` at position ``t``,
-  read as little-endian 32-bit words (``row_bytes % 4 == 0``; every dtype and head size in use satisfies it).
+- ``j``: unit of the row, the row being the ``head_dim * element_bytes`` bytes of head ``h`` at position ``t``,
+  read as little-endian signed 16-bit integers ``x[l, c, h, t, j]`` (``row_bytes`` is even for every dtype and
+  head size in use).
 
-With odd coefficients ``A[j]`` (32-bit), ``B[l, c]`` and ``P[t]`` (64-bit) (:func:`coefficients`), a row's value is
-``r[l, c, h, t] = sum over j of word[l, c, h, t, j] * A[j]`` modulo 2**32, taken as a signed 32-bit integer and
-sign-extended to 64 bits (what widening an int32 does on every device), and the digest
-of head ``h`` over the positions of wire block ``i`` (``i * bs .. i * bs + bs - 1``, only those below the request's
-token count ``n``) is, modulo 2**64::
+Arithmetic is in the prime field ``Z_p``, ``p = 2**31 - 1``, in ``LANES = 2`` independent lanes ``k``. A key of
+32 random bytes, drawn by prefill for each verified request (:func:`new_key`), gives each lane coefficients
+``A_k[j]``, ``B_k[l, c]`` and ``P_k[t]`` in ``Z_p`` (:func:`coefficients`: SHAKE-128 of the key, one stream per
+axis, 64-bit values reduced mod ``p``). A row's value and the digest of head ``h`` over the positions of wire
+block ``i`` (``i * bs .. i * bs + bs - 1``, only those below the request's token count ``n``) are, per lane::
 
-    D[h, i] = sum over l, c, t in block i of  r[l, c, h, t] * B[l, c] * P[t]
+    r_k[l, c, h, t] = sum over j of x[l, c, h, t, j] * A_k[j]                              (mod p)
+    D_k[h, i]       = sum over l, c and t in block i, t < n, of r_k[l, c, h, t] * B_k[l, c] * P_k[t]   (mod p)
 
-The row sums are 32-bit because that is what CPUs multiply in vector registers (AVX2 has no 64-bit multiply): one
-multiply-add per 4 bytes at memory speed; the rows, 1/32 of the words or fewer, are combined in 64 bits.
+and the 64-bit value on the wire is ``D_0[h, i] + 2**32 * D_1[h, i]``.
+
+**The bound.** Take any two contents of head ``h`` and block ``i`` that differ anywhere (any bits, any number of
+units, any pattern: sign bits flipped in pairs, a whole row or block changed, rows, heads, K/V or blocks
+swapped, a layer zeroed). Their digest difference in lane ``k`` is the polynomial
+``F(A, B, P) = sum over (l, c, t, j) of d[l, c, t, j] * A_k[j] * B_k[l, c] * P_k[t]`` with
+``d = x' - x``: each ``d`` is an integer with ``|d| < 2**16 < p``, so a unit that differs gives a coefficient
+that is nonzero mod ``p``, and distinct ``(l, c, t, j)`` are distinct monomials — ``F`` is a nonzero polynomial of
+degree 3. By Schwartz-Zippel (in the form for independent variables each taking any one value with probability
+at most ``e``; here ``e <= 1/p + 2**-64``, the 64-bit values reduced mod ``p``), ``F`` vanishes with probability
+at most ``3 e``; the two lanes' coefficients are independent, so both vanish with probability at most
+``(3 e)**2 < 2**-58.8``. The probability is over the key only, so it holds for every corruption that cannot
+depend on the key — memory faults, wrong blocks, broken conversions, stale reuse — whatever their pattern. (The
+coefficients are SHAKE-128 outputs: "uniform" is the usual assumption that an extendable-output hash of a secret
+key cannot be told from random.) A content of any other layout is compared only through these logical
+coordinates, so what is not a change of content is not a difference. ``kvbridge-digest/1`` was a linear form
+modulo ``2**32`` over 32-bit words with public odd coefficients: two words each changed by ``2**31`` (sign bits
+flipped in a pair, in a row or in a whole block) cancelled whatever the coefficients.
 
 Properties the protocol relies on:
 
 - **layout-independent**: only logical coordinates appear, so prefill and decode get the same values whatever
   their TP sizes, block sizes, layouts, block ids and conversions;
-- **combinable**: a sum; each rank digests the heads it holds, a decode rank compares the heads it owns, and a
-  decode block of ``r`` wire blocks is ``r`` digests (positions are the request's, not the block's);
-- **position-sensitive**: a word at another layer, K/V half, position or place in the row meets another
-  coefficient, and a word at another head lands in another head's digest, so a block in the wrong place, a head
-  slice swapped or K and V swapped changes it; any single changed word changes it (odd coefficients are
-  invertible modulo 2**64);
-- **cheap**: one multiply-add per word plus one per row; integer arithmetic is exact, so the order of summation
-  (a GPU reduction, numpy, a Python loop) does not matter.
+- **combinable**: a sum in ``Z_p`` per lane (:func:`combine`); each rank digests the heads it holds, a decode
+  rank compares the heads it owns, and a decode block of ``r`` wire blocks is ``r`` digests (positions are the
+  request's, not the block's); layers digested apart add up;
+- **exact**: every implementation computes the same integers, whatever its order of summation (a GPU reduction,
+  BLAS, numba, numpy): row sums are exact in float64 over segments of at most :data:`SEGMENT_UNITS` units with
+  centred coefficients (``|x| <= 2**15``, ``|c| < 2**30``: ``128 * 2**45 = 2**52 < 2**53``), then reduced mod ``p``;
+- **cheap**: one multiply-add per 16-bit unit and lane in one pass over the blocks; the rows (1/128 of the units
+  for a 128-dim bf16 head) combined in 64-bit integers.
 
-It guards against faults (a wrong block, a stale or overwritten one, a broken conversion), not against an
-adversary who can write KV memory and knows the coefficients: those are public.
-
-This module is the definition and its reference (numpy); the agent computes the same values with torch on the
-cache's device (``kvbridge_agent.transfer.digest``), tested equal.
+This module is the definition and its reference (numpy, exact int64); the agent computes the same values on the
+cache's device (``kvbridge_agent.transfer.digest``), tested equal. It also holds the verification policy: which
+requests prefill digests (a secret random draw, never the client's request id) and when decode must verify.
 """
 
 from __future__ import annotations
 
 import hashlib
+import secrets
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -50,70 +70,123 @@ import numpy.typing as npt
 from .model import TransferSettings, Verification
 
 #: the protocol name (docs/protocol.md §8)
-DIGEST_PROTOCOL = "kvbridge-digest/1"
-WORD_BYTES = 4
-#: bytes of one digest value on the wire (a little-endian uint64)
+DIGEST_PROTOCOL = "kvbridge-digest/2"
+#: the field: ``2**31 - 1`` (a Mersenne prime; > ``2**16``, so a changed 16-bit unit is a nonzero difference)
+PRIME = 2**31 - 1
+#: independent lanes, packed into one 64-bit value on the wire
+LANES = 2
+#: a row is read as 16-bit units
+UNIT_BYTES = 2
+#: bytes of one digest value on the wire (a little-endian uint64: lane 0 low, lane 1 high)
 DIGEST_BYTES = 8
+#: bytes of a request's digest key
+KEY_BYTES = 32
+#: the most units an implementation sums in float64 before reducing mod ``p``: ``|x * c| < 2**45``, so any partial
+#: sum of a segment, in any order, is an integer below ``2**52`` (exact, with a factor 2 to spare)
+SEGMENT_UNITS = 128
+#: the probability that a change of content goes undetected, at most (module docstring: ``(3 (1/p + 2**-64))**2``)
+MISS_PROBABILITY = (3 * (1 / PRIME + 2.0**-64)) ** 2
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
-#: one stream of coefficients per axis
-_SEEDS = {"word": np.uint64(0x6B76627764696731), "layer_kv": np.uint64(0x6B766264696C6B76),
-          "position": np.uint64(0x6B76626469706F73)}  # fmt: skip
+_DOMAIN = DIGEST_PROTOCOL.encode()
+_AXES = ("row", "layer_kv", "position")
+_LOW = np.uint64(0xFFFFFFFF)
 
 Words = npt.NDArray[np.uint64]
+Lanes = npt.NDArray[np.int64]
 
 
-def coefficients(axis: str, count: int, start: int = 0) -> Words:
-    """Odd coefficients ``start .. start + count - 1`` of one axis (``word``, ``layer_kv``, ``position``):
-    splitmix64 of the index in the axis' own stream, lowest bit set; ``word`` coefficients are the low 32 bits."""
-    index = np.arange(start, start + count, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        z = _SEEDS[axis] + (index + np.uint64(1)) * _GOLDEN
-        z = (z ^ (z >> np.uint64(30))) * _MIX1
-        z = (z ^ (z >> np.uint64(27))) * _MIX2
-        z = z ^ (z >> np.uint64(31))
-    if axis == "word":
-        z &= np.uint64(0xFFFFFFFF)
-    return z | np.uint64(1)
+def new_key() -> bytes:
+    """A fresh key for one request's digests (the operating system's randomness)."""
+    return secrets.token_bytes(KEY_BYTES)
 
 
-def row_words(row_bytes: int) -> int:
-    """Words per row; a row that is not whole words has no digest (no model in use has one)."""
-    if row_bytes <= 0 or row_bytes % WORD_BYTES:
-        raise ValueError(f"a KV row of {row_bytes} bytes is not a whole number of {WORD_BYTES}-byte words")
-    return row_bytes // WORD_BYTES
+def check_key(key: bytes) -> bytes:
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"a digest key is {KEY_BYTES} bytes, not {len(key)}")
+    return key
 
 
-def block_digests(words: npt.NDArray[np.uint32], num_tokens: int, block_size: int, kv_count: int = 2,
-                  first_layer: int = 0) -> Words:  # fmt: skip
-    """The reference: ``words`` is ``[layers, kv, positions, heads, row_words]`` of uint32 (positions from 0, a
-    whole number of blocks of ``block_size``); returns ``D[head, block]`` (``heads x positions // block_size``).
-    Layers are numbered from ``first_layer``; ``kv_count`` is the model's (2, or 1 for MLA)."""
-    layers, kv, positions, heads, width = words.shape
+def coefficients(key: bytes, axis: str, count: int) -> Lanes:
+    """Coefficients ``0 .. count - 1`` of one axis (``row``, ``layer_kv``, ``position``), ``[count, LANES]`` in
+    ``[0, p)``: SHAKE-128 of the protocol name, the axis and the key, read as little-endian 64-bit values reduced
+    mod ``p`` (value ``i`` of lane ``k`` is the ``i * LANES + k``-th). A longer count extends a shorter one."""
+    if axis not in _AXES:
+        raise ValueError(f"unknown digest axis {axis!r}")
+    stream = hashlib.shake_128(_DOMAIN + b"\0" + axis.encode() + b"\0" + check_key(key))
+    raw = np.frombuffer(stream.digest(8 * LANES * count), dtype="<u8") if count else np.empty(0, dtype="<u8")
+    return (raw % np.uint64(PRIME)).astype(np.int64).reshape(count, LANES)
+
+
+def row_units(row_bytes: int) -> int:
+    """Units per row; a row that is not whole 16-bit units has no digest (no model in use has one)."""
+    if row_bytes <= 0 or row_bytes % UNIT_BYTES:
+        raise ValueError(f"a KV row of {row_bytes} bytes is not a whole number of {UNIT_BYTES}-byte units")
+    return row_bytes // UNIT_BYTES
+
+
+def segments(width: int) -> tuple[int, int]:
+    """``(count, units)``: a row of ``width`` units as ``count`` equal segments of at most :data:`SEGMENT_UNITS`
+    units, the fewest that divide it (what the float64 implementations sum exactly before reducing)."""
+    count = next(k for k in range(1, width + 1) if width % k == 0 and width // k <= SEGMENT_UNITS)
+    return count, width // count
+
+
+def row_coefficients(key: bytes, width: int, groups: int) -> npt.NDArray[np.float64]:
+    """``A_k[j] * B_k[g] mod p`` for every layer and K/V group ``g = l * kv_count + c`` (``0 .. groups - 1``),
+    centred in ``(-p/2, p/2)``, as float64 ``[groups, LANES, width]``: the one multiply per unit of the
+    implementations (a row sum over a segment is then exact in float64, and its value mod ``p`` is ``r * B``)."""
+    a = coefficients(key, "row", width)  # [width, lanes]
+    b = coefficients(key, "layer_kv", groups)  # [groups, lanes]
+    c = (b[:, :, None] * a.T[None, :, :]) % PRIME  # < 2**62: exact in int64
+    c[c > PRIME // 2] -= PRIME
+    return np.ascontiguousarray(c, dtype=np.float64)
+
+
+def pack(lanes: Lanes) -> Words:
+    """``[..., LANES]`` residues -> the 64-bit wire values ``lane 0 + 2**32 * lane 1``."""
+    words = lanes.astype(np.uint64)
+    return words[..., 0] | (words[..., 1] << np.uint64(32))
+
+
+def unpack(words: Words) -> Lanes:
+    """The inverse of :func:`pack`."""
+    words = np.asarray(words, dtype=np.uint64)
+    return np.stack([(words & _LOW).astype(np.int64), (words >> np.uint64(32)).astype(np.int64)], axis=-1)
+
+
+def finish(totals: Lanes, key: bytes, num_tokens: int, block_size: int) -> Words:
+    """``D[head, block]`` from ``totals[position, head, lane]`` (the sum over layers and K/V of ``r * B``, any
+    integers congruent to it): weighted by ``P_k[t]``, positions from ``num_tokens`` on not counted, summed per
+    block of ``block_size`` positions (``positions`` must be whole blocks)."""
+    positions, heads, _ = totals.shape
     if positions % block_size:
         raise ValueError(f"{positions} positions are not whole blocks of {block_size}")
-    a = coefficients("word", width)
-    b = coefficients("layer_kv", layers * kv_count, first_layer * kv_count).reshape(layers, kv_count)[:, :kv]
-    p = coefficients("position", positions)
+    p = coefficients(key, "position", positions)
     p[num_tokens:] = 0  # positions past the request's tokens do not count (their bytes are stale)
-    with np.errstate(over="ignore"):
-        rows32 = (words.astype(np.uint32) * a.astype(np.uint32)).sum(axis=-1, dtype=np.uint32)
-        rows = rows32.view(np.int32).astype(np.int64).view(np.uint64)  # signed 32-bit, sign-extended
-        weighted = rows * b[:, :, None, None] * p[None, None, :, None]
-        per_position = weighted.sum(axis=(0, 1), dtype=np.uint64)  # [positions, heads]
-        blocks = per_position.reshape(positions // block_size, block_size, heads).sum(axis=1, dtype=np.uint64)
-    return np.ascontiguousarray(blocks.T)
+    weighted = (np.remainder(totals, PRIME) * p[:, None, :]) % PRIME  # < 2**62
+    blocks = weighted.reshape(positions // block_size, block_size, heads, LANES).sum(axis=1) % PRIME
+    return np.ascontiguousarray(pack(blocks).T)
+
+
+def block_digests(
+    units: npt.NDArray[np.int16], num_tokens: int, block_size: int, key: bytes, kv_count: int = 2, first_layer: int = 0
+) -> Words:
+    """The reference: ``units`` is ``[layers, kv, positions, heads, width]`` of int16 (positions from 0, a whole
+    number of blocks of ``block_size``); returns ``D[head, block]`` (``heads x positions // block_size``).
+    Layers are numbered from ``first_layer``; ``kv_count`` is the model's (2, or 1 for MLA)."""
+    layers, kv, _, _, width = units.shape
+    a = coefficients(key, "row", width)  # [width, lanes]
+    b = coefficients(key, "layer_kv", (first_layer + layers) * kv_count)[first_layer * kv_count :]
+    b = b.reshape(layers, kv_count, LANES)[:, :kv]
+    rows = (units.astype(np.int64) @ a) % PRIME  # |x * A| < 2**46: exact; [layers, kv, positions, heads, lanes]
+    weighted = (rows * b[:, :, None, None, :]) % PRIME
+    return finish(weighted.sum(axis=(0, 1)), key, num_tokens, block_size)
 
 
 def combine(parts: list[Words]) -> Words:
-    """Digests of disjoint parts of the same heads and blocks (layers split across calls): their sum."""
-    total = np.zeros_like(parts[0])
-    with np.errstate(over="ignore"):
-        for part in parts:
-            total += part
-    return total
+    """Digests of disjoint parts of the same heads and blocks (layers split across calls, or blocks summed into
+    a larger one): their sum, lane by lane, mod ``p``."""
+    return pack(sum((unpack(part) for part in parts), np.zeros_like(unpack(parts[0]))) % PRIME)
 
 
 def mismatched_blocks(expected: Words, got: Words) -> list[int]:
@@ -126,8 +199,18 @@ def mismatched_blocks(expected: Words, got: Words) -> list[int]:
 #: a request's digest as exchanged: global head -> ``D[head, wire block]`` row (uint64)
 HeadDigests = dict[int, Words]
 
+
+@dataclass(frozen=True)
+class RequestDigests:
+    """What prefill publishes for a verified request: the key its coefficients came from and, per global head,
+    ``D[head, wire block]``. The key travels only on the side channel (CURVE), with the digests."""
+
+    key: bytes
+    heads: HeadDigests
+
+
 KV_DIGEST_MISMATCH = "KV_DIGEST_MISMATCH"
-#: decode was told to verify a request but prefill no longer has (or never had) its digests
+#: decode must verify a request but prefill no longer has (or never had) its digests
 KV_DIGEST_UNAVAILABLE = "KV_DIGEST_UNAVAILABLE"
 
 
@@ -143,37 +226,43 @@ def mismatched(expected: HeadDigests, heads: list[int], got: Words) -> list[int]
     return sorted(bad)
 
 
-def sampled(request_id: str, fraction: float) -> bool:
-    """Whether a request falls in a sample of ``fraction``: decided by its id alone (the same answer on every TP
-    rank and every retry), uniformly over ids."""
-    if fraction >= 1.0:
-        return True
-    point = int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little") / 2**64
-    return point < fraction
+#: a uniform draw in [0, 1) from the operating system's randomness (no seed anyone can know or choose)
+_SYSTEM_RANDOM = secrets.SystemRandom()
+Draw = Callable[[], float]
 
 
-def should_verify(transfer: TransferSettings, request_id: str, serving_seconds: float) -> bool:
+def should_verify(transfer: TransferSettings, serving_seconds: float, draw: float) -> bool:
     """Prefill's decision for one request (it travels in the transfer parameters, so decode follows it):
-    ``serving_seconds`` is how long the prefill engine has been offering requests."""
+    ``serving_seconds`` is how long the prefill engine has been offering requests, ``draw`` a secret uniform draw
+    in [0, 1) made for this request alone. Nothing the client sends (its request id) enters the decision."""
     if transfer.verification is Verification.ALL:
         return True
     if transfer.verification is Verification.OFF:
         return False
-    return serving_seconds < transfer.verification_first_seconds or sampled(request_id, transfer.verification_fraction)
+    return serving_seconds < transfer.verification_first_seconds or draw < transfer.verification_fraction
 
 
 class VerificationPolicy:
-    """A prefill engine's decision per request, the ``Sampled`` warm-up timed from its first offered request."""
+    """A prefill engine's decision per request, the ``Sampled`` warm-up timed from its first offered request.
+    Decided once per request where it is offered (every TP rank gets the decision with the offer)."""
 
-    def __init__(self, transfer: TransferSettings) -> None:
+    def __init__(self, transfer: TransferSettings, draw: Draw = _SYSTEM_RANDOM.random) -> None:
         self.transfer = transfer
+        self._draw = draw
         self._first_offer: float | None = None
 
-    def decide(self, request_id: str) -> bool:
+    def decide(self) -> bool:
         now = time.monotonic()
         if self._first_offer is None:
             self._first_offer = now
-        return should_verify(self.transfer, request_id, now - self._first_offer)
+        return should_verify(self.transfer, now - self._first_offer, self._draw())
+
+
+def decode_verifies(transfer: TransferSettings, prefill_verifies: bool) -> bool:
+    """Whether decode verifies a request: when prefill digested it (the parameters' ``verify``), and always when
+    decode's own ``spec.transfer.verification`` is ``All`` — then a request prefill did not digest fails with
+    :data:`KV_DIGEST_UNAVAILABLE` rather than be used unverified (docs/protocol.md §8)."""
+    return prefill_verifies or transfer.verification is Verification.ALL
 
 
 def to_bytes(digests: HeadDigests) -> tuple[list[int], bytes]:

@@ -5,6 +5,8 @@ Wire format: a ZeroMQ multipart message.
 - request: ``[header]`` with header ``{"version", "fingerprint", "type", "rank" | "requestIds"}``
 - reply:   ``[header, payload, agent_metadata]`` with header ``{"version", "fingerprint"}``,
   or ``[header]`` with header ``{"version", "fingerprint", "error": {"code", "message"}}``
+- digest reply: ``[header, digests]`` with header ``{"version", "fingerprint", "state", "heads", "key"}`` (the
+  request's digest key in hex, docs/protocol.md §8)
 
 The receiver checks the version and the fingerprint in the header *before*
 it decodes the payload, so a schema change or a different model fails with a
@@ -22,6 +24,7 @@ from enum import StrEnum
 
 from pydantic import Field, ValidationError
 
+from .digest import KEY_BYTES
 from .errors import KVBridgeError
 from .model import CacheKind, CamelModel, KVLayout
 
@@ -175,13 +178,17 @@ def encode_reply(fingerprint: str, metadata: RankMetadata, agent_metadata: bytes
     return [_dump(header), metadata.model_dump_json(by_alias=True).encode(), agent_metadata]
 
 
-def encode_digest_reply(fingerprint: str, state: DigestState, heads: list[int], data: bytes) -> list[bytes]:
-    header = {"version": ENVELOPE_VERSION, "fingerprint": fingerprint, "state": state.value, "heads": heads}
+def encode_digest_reply(
+    fingerprint: str, state: DigestState, heads: list[int], data: bytes, key: bytes = b""
+) -> list[bytes]:
+    header: dict[str, object] = {"version": ENVELOPE_VERSION, "fingerprint": fingerprint, "state": state.value}
+    header.update(heads=heads, key=key.hex())
     return [_dump(header), data]
 
 
-def decode_digest_reply(frames: Sequence[bytes], fingerprint: str) -> tuple[DigestState, list[int], bytes]:
-    """``(state, heads, digest bytes)`` of a digest reply; the envelope is checked first."""
+def decode_digest_reply(frames: Sequence[bytes], fingerprint: str) -> tuple[DigestState, list[int], bytes, bytes]:
+    """``(state, heads, digest bytes, key)`` of a digest reply; the envelope is checked first. A ``ready`` reply
+    carries the request's key (``KEY_BYTES``), any other none."""
     if not frames:
         raise HandshakeError("empty reply", code=MALFORMED_MESSAGE)
     header = _header(frames[0])
@@ -196,7 +203,14 @@ def decode_digest_reply(frames: Sequence[bytes], fingerprint: str) -> tuple[Dige
         state = DigestState(str(header.get("state")))
     except ValueError as exc:
         raise HandshakeError(f"unknown digest state {header.get('state')!r}", code=MALFORMED_MESSAGE) from exc
-    return state, [int(h) for h in heads], bytes(frames[1])
+    text = header.get("key", "")
+    try:
+        key = bytes.fromhex(text) if isinstance(text, str) else None
+    except ValueError:
+        key = None
+    if key is None or len(key) != (KEY_BYTES if state is DigestState.READY else 0):
+        raise HandshakeError(f"a {state.value} digest reply with a key of {text!r}", code=MALFORMED_MESSAGE)
+    return state, [int(h) for h in heads], bytes(frames[1]), key
 
 
 def encode_ack(fingerprint: str) -> list[bytes]:

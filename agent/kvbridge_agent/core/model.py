@@ -21,7 +21,9 @@ from pydantic.alias_generators import to_camel
 #: in the envelope it gets PROTOCOL_VERSION_MISMATCH instead of a payload error).
 #: 3: verified transfers (docs/protocol.md §8): transfer parameters carry ``verify``, the side channel answers
 #: ``digest`` requests; engines of version 2 would ignore the flag or refuse the message, so they never pair.
-PROTOCOL_VERSION = 3
+#: 4: ``kvbridge-digest/2`` (a keyed digest over a prime field; the digest reply carries the request's key): an
+#: engine of version 3 would compute other values and fail every verified request as a mismatch.
+PROTOCOL_VERSION = 4
 
 
 class Attention(StrEnum):

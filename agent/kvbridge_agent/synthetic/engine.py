@@ -30,8 +30,11 @@ from kvbridge_agent.core.digest import (
     KV_DIGEST_MISMATCH,
     KV_DIGEST_UNAVAILABLE,
     HeadDigests,
+    RequestDigests,
     VerificationPolicy,
+    decode_verifies,
     from_bytes,
+    new_key,
     to_bytes,
 )
 from kvbridge_agent.core.handshake import (
@@ -85,8 +88,8 @@ class _Held:
     blocks: list[int]
     deadline: float
     done_ranks: set[int] = field(default_factory=set)
-    #: what the ranks digested at offer, for decode to verify (empty: not verified)
-    digests: HeadDigests = field(default_factory=dict)
+    #: the key and what the ranks digested at offer, for decode to verify (None: not verified)
+    digests: RequestDigests | None = None
 
 
 @dataclass
@@ -275,9 +278,11 @@ class Engine:
                     f"request {request_id} is already held", code=DUPLICATE_REQUEST, status=409, field="requestId"
                 )
             self._held[request_id] = _Held(blocks, math.inf)  # the lease starts when the blocks are offered
-        verify = self._verification.decide(request_id)
+        verify = self._verification.decide()  # a secret draw: the client's request id does not enter it
+        key = new_key() if verify else b""
         futures = [h.call_async({"op": "offer", "request_id": request_id, "blocks": blocks,
-                                 "digest_tokens": num_tokens if verify else 0}) for h in self.ranks]  # fmt: skip
+                                 "digest_tokens": num_tokens if verify else 0, "digest_key": key})
+                   for h in self.ranks]  # fmt: skip
         digests: HeadDigests = {}
         for handle, future in zip(self.ranks, futures, strict=True):
             reply = wait_reply(handle.rank, future, 60)
@@ -292,7 +297,7 @@ class Engine:
             held = self._held.get(request_id)
             if held is not None:
                 held.deadline = time.monotonic() + lease
-                held.digests = digests
+                held.digests = RequestDigests(key, digests) if verify else None
         expires_at = time.time() + lease
         self._report_held()
         self.metrics.free_blocks.labels(**self.metrics.labels).set(self.allocator.free_count)
@@ -312,12 +317,12 @@ class Engine:
             lease_token=self.server.token(request_id) if self.server else "",
         )
 
-    def _published_digests(self, request_id: str) -> tuple[DigestState, HeadDigests]:
+    def _published_digests(self, request_id: str) -> tuple[DigestState, RequestDigests | None]:
         """The side channel's answer to a decode asking for a request's digests."""
         with self._held_lock:
             held = self._held.get(request_id)
-            if held is None or not held.digests:
-                return DigestState.UNKNOWN, {}
+            if held is None or held.digests is None:
+                return DigestState.UNKNOWN, None
             return DigestState.READY, held.digests
 
     def _drop_held(self, request_id: str) -> None:
@@ -374,7 +379,9 @@ class Engine:
         try:
             self._ensure_peer(params)  # first: a restarted prefill (STALE_PEER) says more than an expired lease
             self._check_lease(request_id, params, "before reading")
-            expected = self._expected_digests(params) if params.verify else None
+            # prefill's draw (the parameters' verify), or decode's own policy when it is All
+            verify = decode_verifies(self.env.transfer, params.verify)
+            expected = self._expected_digests(params) if verify else None
             futures = [
                 h.call_async({"op": "read", "request_id": request_id, "params": params.model_dump_json(),
                               "blocks": blocks, "hit": prefix_hit_blocks, "expected": expected})
@@ -427,8 +434,8 @@ class Engine:
             "totalSeconds": time.perf_counter() - started,
         }
 
-    def _expected_digests(self, params: KVTransferParams) -> tuple[list[int], bytes]:
-        """Prefill's digests of the request (its side channel), as the ranks get them: ``(heads, bytes)``."""
+    def _expected_digests(self, params: KVTransferParams) -> tuple[list[int], bytes, bytes]:
+        """Prefill's digests of the request (its side channel), as the ranks get them: ``(heads, bytes, key)``."""
         until = params.expires_at if params.expires_at is not None else time.time()
         try:
             digests = fetch_digests(params, self.plan.fingerprint, self.keys,
@@ -437,7 +444,7 @@ class Engine:
             status = 410 if exc.code == KV_DIGEST_UNAVAILABLE else 502
             raise EngineError(f"prefill's digests of {params.remote_request_id}: {exc.message}", code=exc.code,
                               status=status) from exc  # fmt: skip
-        return to_bytes(digests)
+        return (*to_bytes(digests.heads), digests.key)
 
     def _check_lease(self, request_id: str, params: KVTransferParams, when: str) -> None:
         """Refuse a read outside prefill's lease: the expiry the params carry, or later renewals by this engine's

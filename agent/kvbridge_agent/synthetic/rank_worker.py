@@ -18,7 +18,7 @@ from typing import Any
 
 from kvbridge_agent.core import KVBridgeError, build_plan
 from kvbridge_agent.core.contract import EngineEnvironment
-from kvbridge_agent.core.digest import from_bytes, to_bytes
+from kvbridge_agent.core.digest import RequestDigests, from_bytes, to_bytes
 from kvbridge_agent.core.handshake import KVTransferParams, RankMetadata
 from kvbridge_agent.core.model import Role
 from kvbridge_agent.synthetic.content import fill_request, invalid_blocks, scribble
@@ -96,7 +96,9 @@ class RankWorker:
         blocks = list(message["blocks"])
         if self.env.verify:
             fill_request(self.cache, message["request_id"], blocks)  # the synthetic "compute"
-        digests = prefill.offer(message["request_id"], blocks, int(message.get("digest_tokens", 0)))
+        digests = prefill.offer(
+            message["request_id"], blocks, int(message.get("digest_tokens", 0)), bytes(message.get("digest_key", b""))
+        )
         heads, data = to_bytes(digests)
         return {"ok": True, "digestHeads": heads, "digest": data}
 
@@ -128,8 +130,11 @@ class RankWorker:
             scribble(self.cache, blocks[hit:])  # so a missing write cannot pass verification
         request_id = message["request_id"]
         self._reads[request_id] = {"id": message["id"], "params": params, "blocks": blocks}
-        expected = message.get("expected")
-        verify = Verify(from_bytes(*expected), blocks, params.num_tokens) if expected else None
+        expected = message.get("expected")  # (heads, digest bytes, key): prefill's, when this read is verified
+        verify = None
+        if expected:
+            heads, data, key = expected
+            verify = Verify(RequestDigests(bytes(key), from_bytes(heads, data)), blocks, params.num_tokens)
         result = self.decode.start(request_id, params, blocks[hit:], self.env.transfer_timeout_seconds, verify)
         if result is not None:
             self._complete(result)

@@ -31,7 +31,7 @@ from kvbridge_agent.core import (
     region_layout,
 )
 from kvbridge_agent.core.blocks import DescriptorIds
-from kvbridge_agent.core.digest import KV_DIGEST_MISMATCH, HeadDigests, mismatched
+from kvbridge_agent.core.digest import KV_DIGEST_MISMATCH, RequestDigests, mismatched
 from kvbridge_agent.core.handshake import (
     PEER_INCOMPATIBLE,
     WIRE_FORMAT_MISMATCH,
@@ -111,9 +111,9 @@ class _InFlight:
 @dataclass(frozen=True)
 class Verify:
     """What decode checks after a request's reads and conversions, before the KV is used: its digests over every
-    local block of the request (prefix hits included) equal prefill's."""
+    local block of the request (prefix hits included), under prefill's key for the request, equal prefill's."""
 
-    expected: HeadDigests
+    expected: RequestDigests
     all_blocks: list[int]  # the request's local blocks in token order, the ones read last
     num_tokens: int
 
@@ -365,9 +365,10 @@ class DecodeRank:
         started = time.perf_counter()
         digester = self.digester = self.digester or Digester(self.cache)
         wire = peer.plan.wire.block_size
-        got = digester.request(verify.all_blocks, verify.num_tokens, wire)
+        got = digester.request(verify.expected.key, verify.all_blocks, verify.num_tokens, wire)
         per_local = self.cache.block_size // wire
-        bad = sorted({verify.all_blocks[i // per_local] for i in mismatched(verify.expected, digester.heads, got)})
+        wrong = mismatched(verify.expected.heads, digester.heads, got)
+        bad = sorted({verify.all_blocks[i // per_local] for i in wrong})
         self.last_digest_seconds = time.perf_counter() - started
         if not bad:
             return result

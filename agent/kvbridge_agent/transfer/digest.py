@@ -1,121 +1,176 @@
-"""The transfer digest (``core.digest``, protocol ``kvbridge-digest/1``) computed with torch on the cache's own
-device: the values of the numpy reference, for the blocks of one request on one rank.
+"""The transfer digest (``core.digest``, protocol ``kvbridge-digest/2``) computed on the cache's own device: the
+values of the numpy reference, for the blocks of one request on one rank, under the request's key.
 
-The row sums — one multiply-add per 32-bit word, the whole cost — are taken on each region's blocks as they lie
-in memory (a row is contiguous in every layout), so the only copy is the gather of the request's blocks; the
-per-row values (1/64 of the words for a 128-dim bf16 head) are then put in logical order and combined in 64 bits.
+The row sums — two multiply-adds per 16-bit unit, the whole cost — are taken on each region's blocks as they lie
+in memory (a row is contiguous in every layout), with the coefficients ``A_k[j] * B_k[l, c] mod p`` of the
+region's layer and K/V half (``core.digest.row_coefficients``), exactly in float64 over segments of at most
+``SEGMENT_UNITS`` units and reduced mod ``p``; the per-row totals (1/128 of the units for a 128-dim bf16 head) are
+then put in logical order and weighted by position in int64 (``core.digest.finish``).
+
+- CPU caches: one compiled pass (``transfer.digest_kernel``, numba) reads every unit once from the request's
+  blocks where they lie — no gather copy, no widened copy.
+- Other devices (and CPUs without numba): torch — per region a gather of the request's blocks, a widening to
+  float64 and a batched matmul against the coefficients (exact: integers below ``2**53``, any summation order), in
+  chunks of blocks.
+
 An engine whose block interior the cache's geometry does not describe (vLLM's CPU attention stores keys
-dimension-major) passes a logical view instead, which costs a copy into token-major order. int32 and int64
-arithmetic wrap modulo 2**32 and 2**64 exactly as the reference's unsigned types.
+dimension-major) passes a logical view instead, which costs a copy into token-major order per layer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvbridge_agent.core import KVLayout
 from kvbridge_agent.core.arithmetic import ceil_div
-from kvbridge_agent.core.digest import Words, coefficients, row_words
+from kvbridge_agent.core.digest import LANES, PRIME, Lanes, Words, finish, row_coefficients, row_units, segments
+from kvbridge_agent.transfer.digest_kernel import RowKernel, compiled
 from kvbridge_agent.transfer.kv_cache import KVCache
 from kvbridge_agent.transfer.kv_view import global_heads, logical_layer
 
 #: ``(cache, block ids, layer) -> [blocks, kv, tokens, heads, row bytes]`` uint8: how a cache is read logically
 LogicalView = Callable[[KVCache, torch.Tensor, int], torch.Tensor]
+#: the torch path's widened chunk, in units (float64: 8 bytes each)
+CHUNK_UNITS = 1 << 24
+_INVERSE = 1.0 / PRIME
 
 
-def _signed(values: Words, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Unsigned coefficients as the signed integers of the same bits (torch multiplies signed types)."""
-    if dtype is torch.int32:
-        return torch.from_numpy(values.astype(np.uint32).view(np.int32)).to(device)
-    return torch.from_numpy(values.view(np.int64)).to(device)
+#: rows to digest: ``units[blocks, outer, groups, rows, width]`` (int16) whose group ``g`` is the layer and K/V
+#: group ``first group + g``
+_Region = tuple[torch.Tensor, int]
 
 
 class Digester:
-    """Digests of one rank's cache; the coefficients live on the cache's device, computed once (positions grow)."""
+    """Digests of one rank's cache on the cache's device, for any key (one per request)."""
 
-    def __init__(self, cache: KVCache, view: LogicalView | None = None, heads: list[int] | None = None) -> None:
+    def __init__(
+        self, cache: KVCache, view: LogicalView | None = None, heads: list[int] | None = None, compiled_cpu: bool = True
+    ) -> None:
         """``view`` and ``heads`` (the global KV heads of the view's head axis) default to the cache's own
-        geometry; an engine whose block interior the geometry does not describe passes its own."""
+        geometry; an engine whose block interior the geometry does not describe passes its own. ``compiled_cpu``
+        False takes the torch path on a CPU cache too (tests compare both)."""
         self.cache = cache
         self.view = view
         self.device = cache.tensors[0].device
         self.heads = global_heads(cache) if heads is None else heads
-        model = cache.model
-        self._a = _signed(coefficients("word", row_words(cache.row_bytes)), torch.int32, self.device)
-        self._kv = 1 if model.is_mla else 2
-        layer_kv = coefficients("layer_kv", model.num_layers * self._kv)
-        self._b = _signed(layer_kv, torch.int64, self.device).view(model.num_layers, self._kv)
-        self._p = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.width = row_units(cache.row_bytes)
+        self._segments = segments(self.width)
+        self._kv = 1 if cache.model.is_mla else 2
+        self._kernel: RowKernel | None = compiled() if compiled_cpu and self.device.type == "cpu" else None
+        self._logical = view is not None or not cache.per_layer_tensors
+        #: the cache's own tensors as regions, read where they lie (made once: the views cost more than small
+        #: requests' rows)
+        self._regions = [] if self._logical else list(self._physical())
+        self._arrays = [(units.numpy(), group) for units, group in self._regions] if self._kernel else []
 
-    def _positions(self, count: int, num_tokens: int) -> torch.Tensor:
-        if self._p.numel() < count:
-            self._p = _signed(coefficients("position", max(count, 2 * self._p.numel())), torch.int64, self.device)
-        p = self._p[:count].clone()
-        p[num_tokens:] = 0
-        return p
-
-    def request(self, block_ids: list[int], num_tokens: int, wire_block_size: int) -> Words:
-        """``D[local head, wire block]`` of a request whose block ``i`` holds tokens ``i*bs .. i*bs+bs-1``: the
-        first ``ceil(num_tokens / wire_block_size)`` wire blocks (what every side of any plan agrees on)."""
+    def request(self, key: bytes, block_ids: list[int], num_tokens: int, wire_block_size: int) -> Words:
+        """``D[local head, wire block]`` under ``key`` of a request whose block ``i`` holds tokens
+        ``i*bs .. i*bs+bs-1``: the first ``ceil(num_tokens / wire_block_size)`` wire blocks (what every side of
+        any plan agrees on)."""
         cache = self.cache
         wire_blocks = ceil_div(num_tokens, wire_block_size)
-        positions = len(block_ids) * cache.block_size
-        if positions < num_tokens or cache.block_size % wire_block_size:
+        if len(block_ids) * cache.block_size < num_tokens or cache.block_size % wire_block_size:
             raise ValueError(
                 f"{len(block_ids)} blocks of {cache.block_size} tokens cannot hold {num_tokens} tokens in "
                 f"{wire_block_size}-token wire blocks"
             )
-        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        if self.view is not None or cache.cross_layer or not cache.per_layer_tensors:
-            total = self._logical_total(ids)
-        else:
-            total = self._physical_total(ids)  # [positions, heads]
-        total *= self._positions(positions, num_tokens)[:, None]
-        per_block = total.view(-1, wire_block_size, len(self.heads)).sum(dim=1)[:wire_blocks]
-        return np.ascontiguousarray(per_block.T.cpu().numpy().view(np.uint64))
+        if any(not 0 <= b < cache.num_blocks for b in block_ids):
+            raise ValueError(f"block ids {block_ids} are not all blocks of a cache of {cache.num_blocks}")
+        groups = cache.model.num_layers * self._kv
+        count, units = self._segments
+        coef = row_coefficients(key, self.width, groups).reshape(groups, LANES, count, units)
+        totals = self._totals(block_ids, coef)
+        return finish(totals, key, num_tokens, wire_block_size)[:, :wire_blocks]
 
-    def _physical_total(self, ids: torch.Tensor) -> torch.Tensor:
-        """Sum over layers and K/V of ``r * B``, accumulated in the blocks' own order (heads and tokens as they lie)
-        and put in logical order once: per region a gather, a multiply-add per word and one per row."""
+    # -- the rows, in the blocks' own order ----------------------------------------------------------------------
+    def _totals(self, block_ids: list[int], coef: npt.NDArray[np.float64]) -> Lanes:
+        """``[positions, local heads, lanes]``: per position and head, the sum over layers and K/V of ``r * B``
+        (congruent mod ``p``)."""
         cache = self.cache
-        n, hl, bs, row = ids.numel(), len(self.heads), cache.block_size, cache.row_bytes
+        n, hl, bs = len(block_ids), len(self.heads), cache.block_size
         hnd = cache.kv_layout is KVLayout.HND and not cache.model.is_mla
-        shape = (n, hl, bs, row) if hnd else (n, bs, hl, row)
-        split = cache.layout.num_regions == cache.layout.num_tensors
-        total = torch.zeros(shape[:-1], dtype=torch.int64, device=self.device)
-        for layer in range(cache.model.num_layers):
-            if split:  # a tensor per layer and K/V (MLA: per layer)
-                for kv in range(self._kv):
-                    sums = self._row_sums(self._gather(self._kv * layer + kv, ids).view(shape))
-                    total += sums * self._b[layer, kv : kv + 1]  # a 1-d factor: int32 * int64 widens
-            else:  # blocks-first: K and V inside each block
-                sums = self._row_sums(self._gather(layer, ids).view(n, 2, *shape[1:]))
-                total += (sums * self._b[layer, :, None, None]).sum(dim=1)
-        if hnd:
-            total = total.transpose(1, 2)
-        return total.reshape(n * bs, hl)
+        if self._logical:
+            shape, head_major = (n, 1, bs * hl), False
+        elif cache.cross_layer:
+            shape, head_major = (n, hl, bs), True
+        else:
+            shape, head_major = (n, 1, hl * bs), hnd
+        if self._logical:
+            ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+            every = torch.arange(n, dtype=torch.int64, device=self.device)
+            if self._kernel is not None:
+                arrays = ((units.numpy(), group) for units, group in self._logical_regions(ids))
+                total = self._run_kernel(self._kernel, arrays, every.numpy(), shape, coef)
+            else:
+                total = self._run_torch(self._logical_regions(ids), every, shape, coef)
+        elif self._kernel is not None:
+            total = self._run_kernel(self._kernel, iter(self._arrays), np.asarray(block_ids, np.int64), shape, coef)
+        else:
+            ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+            total = self._run_torch(iter(self._regions), ids, shape, coef)
+        if head_major:
+            total = total.reshape(n, hl, bs, LANES).transpose(0, 2, 1, 3)
+        return np.ascontiguousarray(total).reshape(n * bs, hl, LANES)
 
-    def _logical_total(self, ids: torch.Tensor) -> torch.Tensor:
-        """The same through a logical view (a copy into token-major order per layer)."""
+    def _physical(self) -> Iterator[_Region]:
+        """The cache's own tensors as regions of every block."""
         cache = self.cache
+        nb, hl, bs, width = cache.num_blocks, len(self.heads), cache.block_size, self.width
+        layers = cache.model.num_layers
+        if cache.cross_layer:  # one tensor: in a block, heads, then layers and K/V, then tokens
+            yield self._units(0).view(nb, hl, layers * 2, bs, width), 0
+            return
+        rows = hl * bs
+        if cache.layout.num_regions == cache.layout.num_tensors:  # a tensor per layer and K/V (MLA: per layer)
+            for tensor in range(layers * self._kv):
+                yield self._units(tensor).view(nb, 1, 1, rows, width), tensor
+        else:  # blocks-first: K and V inside each block
+            for layer in range(layers):
+                yield self._units(layer).view(nb, 1, 2, rows, width), 2 * layer
+
+    def _logical_regions(self, ids: torch.Tensor) -> Iterator[_Region]:
+        """Per layer, the request's blocks copied into token-major order by the logical view (``ids`` in order)."""
         view = self.view or logical_layer
-        total = torch.zeros(ids.numel() * cache.block_size, len(self.heads), dtype=torch.int64, device=self.device)
-        for layer in range(cache.model.num_layers):
-            sums = self._row_sums(view(cache, ids, layer).contiguous())  # [n, kv, bs, heads]
-            weighted = sums * self._b[layer, : sums.shape[1], None, None]
-            total += weighted.sum(dim=1).reshape(total.shape)
-        return total
+        for layer in range(self.cache.model.num_layers):
+            x = view(self.cache, ids, layer).contiguous()  # [n, kv, bs, heads, row bytes]
+            n, kv = x.shape[0], x.shape[1]
+            yield x.view(torch.int16).view(n, 1, kv, -1, self.width), layer * self._kv
 
-    def _gather(self, tensor: int, ids: torch.Tensor) -> torch.Tensor:
-        """The request's blocks of one tensor, as bytes (``index_select`` on 32-bit words: many times faster than
-        indexing a byte tensor)."""
-        words = self.cache.bytes_view(tensor).view(torch.int32)
-        return torch.index_select(words, 0, ids).view(torch.uint8)
+    def _units(self, tensor: int) -> torch.Tensor:
+        return self.cache.bytes_view(tensor).view(torch.int16)
 
-    def _row_sums(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``'s last axis holds rows of bytes: their 32-bit sums (signed; widened where they are multiplied)."""
-        words = x.view(torch.int32).view(*x.shape[:-1], -1)
-        return (words * self._a).sum(dim=-1, dtype=torch.int32)
+    # -- the two ways of summing rows ----------------------------------------------------------------------------
+    @staticmethod
+    def _run_kernel(
+        kernel: RowKernel,
+        arrays: Iterator[tuple[npt.NDArray[np.int16], int]],
+        ids: npt.NDArray[np.int64],
+        shape: tuple[int, int, int],
+        coef: npt.NDArray[np.float64],
+    ) -> Lanes:
+        total = np.zeros((*shape, LANES), dtype=np.float64)
+        for units, group in arrays:
+            kernel(total, units, ids, coef[group : group + units.shape[2]])
+        return np.remainder(total, PRIME).astype(np.int64)
+
+    def _run_torch(
+        self, regions: Iterator[_Region], ids: torch.Tensor, shape: tuple[int, int, int], coef: npt.NDArray[np.float64]
+    ) -> Lanes:
+        total = torch.zeros((*shape, LANES), dtype=torch.float64, device=self.device)
+        count, units = self._segments
+        c = torch.from_numpy(coef).to(self.device)  # [groups, lanes, segments, units]
+        for region, first_group in regions:
+            groups = region.shape[2]
+            step = max(1, CHUNK_UNITS // (region[0].numel() // groups))  # blocks per widened chunk of one group
+            for start in range(0, ids.numel(), step):
+                x = torch.index_select(region, 0, ids[start : start + step])
+                for g in range(groups):
+                    rows = x[:, :, g].reshape(-1, count, units).to(torch.float64)
+                    sums = torch.einsum("mqs,kqs->mqk", rows, c[first_group + g])  # exact: < 2**52
+                    reduced = (sums - torch.floor(sums * _INVERSE) * PRIME).sum(dim=1)
+                    total[start : start + step] += reduced.view(-1, *shape[1:], LANES)
+        return torch.remainder(total, PRIME).to(torch.int64).cpu().numpy()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from kvbridge_agent.core.digest import KV_DIGEST_UNAVAILABLE, HeadDigests
+from kvbridge_agent.core.digest import KV_DIGEST_UNAVAILABLE, RequestDigests
 from kvbridge_agent.core.handshake import DigestState, HandshakeError, KVTransferParams, RankMetadata
 from kvbridge_agent.transfer.keys import CurveKeys
 from kvbridge_agent.transfer.side_channel import SideChannelClient
@@ -39,16 +39,24 @@ def fetch_prefill_ranks(
 
 
 def fetch_digests(params: KVTransferParams, fingerprint: str, keys: CurveKeys | None, timeout: float,
-                  until: float) -> HeadDigests:  # fmt: skip
-    """Prefill's digests of a request to verify (docs/protocol.md §8). A prefill that has not digested it yet
-    (vLLM's ranks report one engine step after the offer) is asked again until ``until`` (Unix time: the lease);
-    none to be had is :data:`KV_DIGEST_UNAVAILABLE`."""
+                  until: float) -> RequestDigests:  # fmt: skip
+    """Prefill's key and digests of a request to verify (docs/protocol.md §8). A prefill that has not digested it
+    yet (vLLM's ranks report one engine step after the offer) is asked again until ``until`` (Unix time: the lease);
+    none to be had is :data:`KV_DIGEST_UNAVAILABLE` — also when decode's own policy (``All``) asks for a request
+    prefill did not digest (``params.verify`` false): it is not used unverified."""
     client = SideChannelClient(params.remote_host, params.remote_port, fingerprint, keys, timeout)
     delay = 0.002
     while True:
         state, digests = client.digests(params.remote_request_id, params.lease_token)
-        if state is DigestState.READY:
+        if state is DigestState.READY and digests is not None:
             return digests
+        if state is DigestState.UNKNOWN and not params.verify:
+            raise HandshakeError(
+                f"decode verifies every request (spec.transfer.verification: All) and prefill "
+                f"{params.remote_engine_id} did not digest {params.remote_request_id} (its verification is not "
+                "All): not used unverified",
+                code=KV_DIGEST_UNAVAILABLE,
+            )
         if state is DigestState.UNKNOWN or time.time() + delay > until:
             raise HandshakeError(
                 f"prefill {params.remote_engine_id} has no digests of {params.remote_request_id} ({state.value}): "

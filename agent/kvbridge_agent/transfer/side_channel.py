@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from kvbridge_agent.core.digest import HeadDigests, from_bytes, to_bytes
+from kvbridge_agent.core.digest import RequestDigests, from_bytes, to_bytes
 from kvbridge_agent.core.handshake import (
     HANDSHAKE_TIMEOUT,
     MALFORMED_MESSAGE,
@@ -86,8 +86,8 @@ class SideChannelServer:
     ranks: dict[int, tuple[RankMetadata, bytes]]
     keys: CurveKeys | None = None
     on_heartbeat: Callable[[list[str]], None] | None = None
-    #: a request's digests as prefill published them (docs/protocol.md §8), or why there are none
-    digests: Callable[[str], tuple[DigestState, HeadDigests]] | None = None
+    #: a request's key and digests as prefill published them (docs/protocol.md §8), or why there are none
+    digests: Callable[[str], tuple[DigestState, RequestDigests | None]] | None = None
     stats: ServerStats = field(default_factory=ServerStats)
     #: this listener's secret: the lease tokens of the requests its engine offers are derived from it
     secret: bytes = field(default_factory=lambda: os.urandom(32), repr=False)
@@ -170,10 +170,13 @@ class SideChannelServer:
                 if len(named) != 1:
                     raise HandshakeError("a digest request names one request", code=MALFORMED_MESSAGE)
                 asked = request_ids[0] if request_ids else None
-                state, found = self.digests(asked) if self.digests and asked else (DigestState.UNKNOWN, {})
+                state, found = self.digests(asked) if self.digests and asked else (DigestState.UNKNOWN, None)
                 self.stats.digests += 1
-                heads, data = to_bytes(found) if state is DigestState.READY else ([], b"")
-                return envelope + encode_digest_reply(self.fingerprint, state, heads, data)
+                if state is not DigestState.READY or found is None:
+                    state = DigestState.UNKNOWN if state is DigestState.READY else state
+                    return envelope + encode_digest_reply(self.fingerprint, state, [], b"")
+                heads, data = to_bytes(found.heads)
+                return envelope + encode_digest_reply(self.fingerprint, state, heads, data, found.key)
             if rank not in self.ranks:
                 raise HandshakeError(f"this engine has ranks {sorted(self.ranks)}, not {rank}", code=UNKNOWN_RANK)
             metadata, agent = self.ranks[rank]
@@ -254,15 +257,16 @@ class SideChannelClient:
             result[rank] = decode_reply(frames, self.fingerprint)
         return result
 
-    def digests(self, request_id: str, token: str) -> tuple[DigestState, HeadDigests]:
-        """The digests prefill published for one of its requests (by prefill's request id and its lease token)."""
+    def digests(self, request_id: str, token: str) -> tuple[DigestState, RequestDigests | None]:
+        """The key and digests prefill published for one of its requests (by prefill's request id and its lease
+        token); ``None`` unless ready."""
         frames = self._exchange(
             encode_request(MessageType.DIGEST, self.fingerprint, requests=[(request_id, token)]),
             time.monotonic() + self.timeout,
         )
-        state, heads, data = decode_digest_reply(frames, self.fingerprint)
+        state, heads, data, key = decode_digest_reply(frames, self.fingerprint)
         try:
-            return state, from_bytes(heads, data)
+            return state, RequestDigests(key, from_bytes(heads, data)) if state is DigestState.READY else None
         except ValueError as exc:
             raise HandshakeError(f"digest reply: {exc}", code=MALFORMED_MESSAGE) from exc
 

@@ -53,8 +53,10 @@ class OfferOrder:
 
     block_ids: list[int]
     expires_at: float
-    #: digest the request's first ``digest_tokens`` tokens before any reader (0: not verified)
+    #: digest the request's first ``digest_tokens`` tokens before any reader (0: not verified), under this key
+    #: (drawn for the request by the scheduler, which publishes it with the digests)
     digest_tokens: int = 0
+    digest_key: bytes = b""
 
 
 @dataclass

@@ -16,7 +16,7 @@ from collections import deque
 from typing import Any
 
 from kvbridge_agent.core import KVBridgeError, Role, build_plan, wire_block_ids
-from kvbridge_agent.core.digest import HeadDigests, VerificationPolicy, from_bytes
+from kvbridge_agent.core.digest import RequestDigests, VerificationPolicy, from_bytes, new_key
 from kvbridge_agent.core.handshake import (
     INVALID_REQUEST_ID,
     DigestState,
@@ -59,10 +59,11 @@ class ConnectorScheduler:
         self._to_offer: dict[str, OfferOrder] = {}
         self._server: SideChannelServer | None = None
         self._incarnation = ""
-        # prefill, verification: requests offered to be digested, and the digests the ranks reported (by head)
+        # prefill, verification: requests offered to be digested, and their keys and the digests the ranks
+        # reported (by head)
         self._verification = VerificationPolicy(settings.transfer)
         self._verifying: set[str] = set()
-        self._digests: dict[str, HeadDigests] = {}
+        self._digests: dict[str, RequestDigests] = {}
         #: digests of requests whose readers are done, kept a while: a reader asks for them after its READs
         #: completed, which is also when prefill learns it is done
         self._retired: deque[tuple[float, str]] = deque()
@@ -108,13 +109,13 @@ class ConnectorScheduler:
         log.info("kvbridge: side channel of %s on %s:%d (%s)", self.engine_id, environment.side_channel_host,
                  self._server.port, "CURVE" if keys else "no CURVE")  # fmt: skip
 
-    def _published_digests(self, request_id: str) -> tuple[DigestState, HeadDigests]:
+    def _published_digests(self, request_id: str) -> tuple[DigestState, RequestDigests | None]:
         """The side channel's answer to a decode asking for a request's digests (on the listener's thread)."""
         with self._lock:
-            found = self._digests.get(request_id, {})
-            if len(found) == self._heads:
-                return DigestState.READY, found
-            return (DigestState.PENDING if request_id in self._verifying else DigestState.UNKNOWN), {}
+            found = self._digests.get(request_id)
+            if found is not None and len(found.heads) == self._heads:
+                return DigestState.READY, RequestDigests(found.key, dict(found.heads))
+            return (DigestState.PENDING if request_id in self._verifying else DigestState.UNKNOWN), None
 
     def take_digests(self, stats: Any) -> None:
         """The digests the prefill ranks computed this step (they ride in the worker's stats): kept for the side
@@ -124,7 +125,9 @@ class ConnectorScheduler:
             return
         with self._lock:
             for request_id, heads, raw in data.pop(DIGESTS):
-                self._digests.setdefault(request_id, {}).update(from_bytes(heads, raw))
+                found = self._digests.get(request_id)
+                if found is not None:  # else no longer kept (retired)
+                    found.heads.update(from_bytes(heads, raw))
         data[DIGESTS] = []
 
     def _renew(self, request_ids: list[str]) -> None:
@@ -240,7 +243,8 @@ class ConnectorScheduler:
             error = {"code": INVALID_REQUEST_ID, "message": problem}
             return False, {"do_remote_prefill": False, "do_remote_decode": False, ERROR_KEY: error}
         expires_at = time.time() + self.settings.transfer.lease_seconds
-        verify = self._verification.decide(request_id)
+        verify = self._verification.decide()  # a secret draw: the client's request id does not enter it
+        key = new_key() if verify else b""
         environment = self.settings.environment
         num_tokens = request.num_computed_tokens
         try:
@@ -267,7 +271,8 @@ class ConnectorScheduler:
             self._leases[request_id] = expires_at
             if verify:
                 self._verifying.add(request_id)
-        self._to_offer[request_id] = OfferOrder(blocks, expires_at, num_tokens if verify else 0)
+                self._digests[request_id] = RequestDigests(key, {})
+        self._to_offer[request_id] = OfferOrder(blocks, expires_at, num_tokens if verify else 0, key)
         return True, {"do_remote_prefill": True, "do_remote_decode": False,
                       PARAMS_KEY: params.model_dump(mode="json", by_alias=True)}  # fmt: skip
 

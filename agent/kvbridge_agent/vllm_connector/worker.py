@@ -16,8 +16,23 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from kvbridge_agent.core import CacheKind, KVBridgeError, KVLayout, ModelGeometry, Role, SpecError, TransferPlan
-from kvbridge_agent.core.digest import KV_DIGEST_MISMATCH, KV_DIGEST_UNAVAILABLE, HeadDigests, to_bytes
+from kvbridge_agent.core import (
+    CacheKind,
+    KVBridgeError,
+    KVLayout,
+    ModelGeometry,
+    Role,
+    SpecError,
+    TransferPlan,
+    Verification,
+)
+from kvbridge_agent.core.digest import (
+    KV_DIGEST_MISMATCH,
+    KV_DIGEST_UNAVAILABLE,
+    RequestDigests,
+    decode_verifies,
+    to_bytes,
+)
 from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams
 from kvbridge_agent.core.plan import build_plan
 from kvbridge_agent.core.tp import handshake_ranks
@@ -137,8 +152,8 @@ class ConnectorWorker:
         # verification: the orders of reads in flight that must be verified, and the digest fetches of reads done
         self._orders: dict[str, ReadOrder] = {}
         self._digest_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbridge-digest")
-        self._checking: dict[str, tuple[Future[HeadDigests], ReadResult, ReadOrder]] = {}
-        self._prefetch: dict[str, Future[HeadDigests]] = {}
+        self._checking: dict[str, tuple[Future[RequestDigests], ReadResult, ReadOrder]] = {}
+        self._prefetch: dict[str, Future[RequestDigests]] = {}
 
     # -- registration --------------------------------------------------------------
     def register(self, kv_caches: dict[str, Any]) -> None:
@@ -170,6 +185,8 @@ class ConnectorWorker:
         if isinstance(convert, CPUAttentionBlocks):  # the digest reads keys back to token-major, real heads
             owned = list(range(self.tp_rank * convert.heads, (self.tp_rank + 1) * convert.heads))
             rank.digester = Digester(cache, convert.logical, owned)
+        elif settings.transfer.verification is not Verification.OFF:  # now: no verified request waits for numba
+            rank.digester = Digester(cache)
         log.info("kvbridge: %s rank %d registered %d KV tensor(s) of %d blocks", settings.role.value, self.tp_rank,
                  len(cache.tensors), cache.num_blocks)  # fmt: skip
 
@@ -186,7 +203,7 @@ class ConnectorWorker:
     def start(self, meta: StepMetadata) -> None:
         if self.prefill is not None:
             for request_id, order in meta.to_offer.items():
-                digests = self.prefill.offer(request_id, order.block_ids, order.digest_tokens)
+                digests = self.prefill.offer(request_id, order.block_ids, order.digest_tokens, order.digest_key)
                 if digests:
                     self.stats.record_digests(request_id, *to_bytes(digests))
             self._leases.update({r: t for r, t in meta.leases.items() if r in self._leases or r in meta.to_offer})
@@ -219,14 +236,16 @@ class ConnectorWorker:
             if key not in self._fetching:
                 self._fetching[key] = (self._executor.submit(self._fetch, params), time.perf_counter())
             return None
-        if params.verify:  # prefill's digests are fetched while the READs run
+        # prefill's draw (the parameters' verify), or decode's own policy when it is All; prefill's digests are
+        # fetched while the READs run
+        if decode_verifies(self.settings.transfer, params.verify):
             self._orders[request_id] = order
             self._prefetch[request_id] = self._digest_executor.submit(self._fetch_digests, params, expires_at)
         return decode.start(
             request_id, params, order.local_block_ids, self.settings.environment.transfer_timeout_seconds
         )
 
-    def _fetch_digests(self, params: KVTransferParams, until: float | None) -> HeadDigests:
+    def _fetch_digests(self, params: KVTransferParams, until: float | None) -> RequestDigests:
         """On a digest thread: prefill's digests of the request, until its lease ends."""
         until = until if until is not None else time.time() + self.settings.transfer.lease_seconds
         return fetch_digests(params, self.settings.fingerprint, self.keys,

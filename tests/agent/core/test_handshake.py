@@ -6,15 +6,19 @@ import json
 
 import pytest
 
+from kvbridge_agent.core.digest import new_key
 from kvbridge_agent.core.handshake import (
+    DigestState,
     HandshakeError,
     KVTransferParams,
     MessageType,
     RankMetadata,
     decode_ack,
+    decode_digest_reply,
     decode_reply,
     decode_request,
     encode_ack,
+    encode_digest_reply,
     encode_error,
     encode_reply,
     encode_request,
@@ -135,3 +139,20 @@ def test_request_ids_without_one_token_each_are_malformed(header: bytes) -> None
     with pytest.raises(HandshakeError) as caught:
         decode_request([header], "fp")
     assert caught.value.code == "MALFORMED_MESSAGE"
+
+
+def test_a_digest_reply_carries_the_requests_key_and_only_a_ready_one_does() -> None:
+    """docs/protocol.md §8: the key the digests were computed under travels with them, on the side channel."""
+    key = new_key()
+    reply = encode_digest_reply("fp", DigestState.READY, [0, 1], b"x" * 16, key)
+    state, heads, data, got = decode_digest_reply(reply, "fp")
+    assert (state, heads, data, got) == (DigestState.READY, [0, 1], b"x" * 16, key)
+    assert decode_digest_reply(encode_digest_reply("fp", DigestState.PENDING, [], b""), "fp")[3] == b""
+    for state, bad in [(DigestState.READY, b""), (DigestState.READY, key[:8]), (DigestState.UNKNOWN, key)]:
+        with pytest.raises(HandshakeError) as caught:
+            decode_digest_reply(encode_digest_reply("fp", state, [], b"", bad), "fp")
+        assert caught.value.code == "MALFORMED_MESSAGE"
+    frames = encode_digest_reply("fp", DigestState.READY, [], b"", key)
+    frames[0] = frames[0].replace(key.hex().encode(), b"not hex!" * 8)
+    with pytest.raises(HandshakeError, match="key"):
+        decode_digest_reply(frames, "fp")

@@ -20,7 +20,7 @@ import pytest
 
 from kvbridge_agent.core import ModelGeometry, Role, RoleSettings, TransferSettings, Verification
 from kvbridge_agent.core.contract import EngineEnvironment
-from kvbridge_agent.core.digest import KV_DIGEST_MISMATCH
+from kvbridge_agent.core.digest import KV_DIGEST_MISMATCH, KV_DIGEST_UNAVAILABLE
 from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams
 from kvbridge_agent.synthetic.processes import EngineProcess, start_engine
 from kvbridge_agent.transfer.keys import CurveKeys, generate_keys
@@ -435,3 +435,33 @@ def test_kv_overwritten_after_publish_fails_the_request_loudly_and_engines_keep_
     status, body = decode(d, "d-overwritten-2", params)
     assert status == 502, body
     assert body["error"]["code"] == "VERIFY_MISMATCH"  # the wrong bytes were read and would have been used
+
+
+def test_decode_under_all_verifies_what_prefill_did_not_flag_and_refuses_what_it_did_not_digest(
+    cluster: Cluster,
+) -> None:
+    """Decode applies its own policy too (docs/protocol.md §8): with verification All it verifies a request whose
+    parameters say ``verify: false`` (here: a proxy dropped the flag of a request prefill did digest, and its KV was
+    overwritten: KV_DIGEST_MISMATCH, not wrong bytes), and it refuses one prefill did not digest at all
+    (KV_DIGEST_UNAVAILABLE) rather than use it unverified. A decode at Sampled follows the flag (the control)."""
+    p, d = cluster.prefill, cluster.decode  # type: ignore[attr-defined]
+    every = TRANSFER.model_copy(update={"verification": Verification.ALL})
+    strict = cluster.start(env(Role.DECODE, "d-all", cluster.keys_dir).model_copy(update={"transfer": every}))
+    params = prefill(p, "flag-lost", 40)
+    assert params["verify"] is True  # prefill digested it (Sampled's warm-up)
+    overwrite_prefill_kv(KVTransferParams.model_validate(params), cluster.keys)
+    status, body = decode(strict, "d-flag-lost", {**params, "verify": False})
+    assert status == 502, body
+    assert body["error"]["code"] == KV_DIGEST_MISMATCH
+    status, body = decode(strict, "d-intact", {**prefill(p, "intact", 40), "verify": False})
+    assert status == 200, body  # verified all the same: no false alarm
+    unverified = TRANSFER.model_copy(update={"verification": Verification.OFF})
+    off = cluster.start(env(Role.PREFILL, "p-off-2", cluster.keys_dir).model_copy(update={"transfer": unverified}))
+    params = prefill(off, "never-digested", 40)
+    assert params["verify"] is False
+    status, body = decode(strict, "d-never-digested", params)
+    assert status == 410, body
+    assert body["error"]["code"] == KV_DIGEST_UNAVAILABLE
+    assert "did not digest" in body["error"]["message"]
+    status, body = decode(d, "d-never-digested-sampled", prefill(off, "never-digested-2", 40))
+    assert status == 200, body  # decode at Sampled follows prefill's decision

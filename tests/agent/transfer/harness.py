@@ -20,7 +20,7 @@ from kvbridge_agent.core import (
     build_plan,
 )
 from kvbridge_agent.core.blocks import blocks_for_tokens, wire_block_ids
-from kvbridge_agent.core.digest import HeadDigests
+from kvbridge_agent.core.digest import RequestDigests, new_key
 from kvbridge_agent.core.handshake import KVTransferParams
 from kvbridge_agent.core.tp import handshake_ranks
 from kvbridge_agent.synthetic.content import fill_request, invalid_blocks, scribble
@@ -56,8 +56,8 @@ class InProcessPair:
         self.decode: list[DecodeRank] = []
         self.completed: dict[int, list[str]] = {}
         self.unknown = 0
-        #: per offered request: prefill's digests by global head (when offered with ``digest=True``)
-        self.digests: dict[str, HeadDigests] = {}
+        #: per offered request: prefill's key and digests by global head (when offered with ``digest=True``)
+        self.digests: dict[str, RequestDigests] = {}
         for p in range(prefill.tensor_parallel_size):
             cache = KVCache.allocate(
                 model, prefill.block_size, prefill.kv_layout, prefill.tensor_parallel_size, p, num_blocks, device
@@ -85,10 +85,11 @@ class InProcessPair:
 
     def offer(self, request_id: str, num_tokens: int, prefill_blocks: list[int], digest: bool = False
               ) -> KVTransferParams:  # fmt: skip
+        key = new_key()  # one per request, the same on every prefill rank
         for rank in self.prefill:
             fill_request(rank.cache, request_id, prefill_blocks)
-            published = rank.offer(request_id, prefill_blocks, num_tokens if digest else 0)
-            self.digests.setdefault(request_id, {}).update(published)
+            published = rank.offer(request_id, prefill_blocks, num_tokens if digest else 0, key)
+            self.digests.setdefault(request_id, RequestDigests(key, {})).heads.update(published)
         wire = wire_block_ids(prefill_blocks, num_tokens, self.plan.split_ratio, self.plan.wire.block_size)
         return KVTransferParams(
             remote_engine_id=self.engine_id, remote_incarnation=self.incarnation, remote_host="127.0.0.1",

@@ -1,5 +1,5 @@
-"""The digest with torch on real transfers (real NIXL on DRAM, in one process): prefill digests what it computed,
-decode what it holds after its READs and conversions, and they agree for every TP pair, cache kind, layout and
+"""The digest on the cache's device on real transfers (real NIXL on DRAM, in one process): prefill digests what it
+computed, decode what it holds after its READs and conversions, and they agree for every TP pair, cache kind, layout and
 block-size conversion of the transfer matrix; each injected fault is caught (KV_DIGEST_MISMATCH, the bad blocks
 named) and, with verification off, the same fault leaves wrong bytes that decode would have used."""
 
@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge_agent.core import CacheKind, Role, TransferPlan
+from kvbridge_agent.core import CacheKind, ModelGeometry, Role, TransferPlan
 from kvbridge_agent.core.blocks import blocks_for_tokens
-from kvbridge_agent.core.digest import KV_DIGEST_MISMATCH, block_digests
+from kvbridge_agent.core.digest import KV_DIGEST_MISMATCH, LANES, PRIME, SEGMENT_UNITS, block_digests
 from kvbridge_agent.synthetic.content import fill_request
 from kvbridge_agent.transfer.digest import Digester
+from kvbridge_agent.transfer.digest_kernel import compiled
 from kvbridge_agent.transfer.kv_cache import KVCache
 from kvbridge_agent.transfer.kv_view import logical_layer
 from kvbridge_agent.transfer.relayout import convert_for_side
@@ -29,26 +30,72 @@ def blocks(pair: InProcessPair, tokens: int, offset: int) -> tuple[list[int], li
             scattered(pair.num_blocks, offset + 1)[: blocks_for_tokens(tokens, bs_d)])  # fmt: skip
 
 
+KEY = bytes(range(32))
+
+
+@pytest.mark.parametrize("compiled_cpu", [True, False], ids=["numba", "torch"])
 @pytest.mark.parametrize(
     ("kind", "layout", "mla"),
     [(CacheKind.SPLIT, "HND", False), (CacheKind.SPLIT, "NHD", False), (CacheKind.BLOCKS_FIRST, "HND", False),
      (CacheKind.BLOCKS_FIRST, "NHD", False), (CacheKind.CROSS_LAYER, "HND", False), (CacheKind.SPLIT, "HND", True)],
 )  # fmt: skip
-def test_torch_equals_the_reference(kind: CacheKind, layout: str, mla: bool) -> None:
-    """The fast path (row sums on the blocks as they lie) and the reference over the logical content agree."""
+def test_the_device_form_equals_the_reference(kind: CacheKind, layout: str, mla: bool, compiled_cpu: bool) -> None:
+    """Both CPU forms (the compiled pass and torch's) on the blocks as they lie, and through a logical view, equal
+    the reference over the logical content."""
     geometry = model(kind, mla=mla)
     cache = KVCache.allocate(geometry, 16, role(1, 16, layout).kv_layout, 1, 0, 8)
     for tensor in cache.tensors:
         tensor.copy_(torch.randint(0, 256, tensor.shape, dtype=torch.uint8))
     ids = [5, 2, 7]
-    got = Digester(cache).request(ids, 40, 8)
+    got = Digester(cache, compiled_cpu=compiled_cpu).request(KEY, ids, 40, 8)
     kv, heads = (1, 1) if mla else (2, geometry.num_kv_heads)
     logical = torch.stack([logical_layer(cache, torch.tensor(ids), layer) for layer in range(2)])
-    # [layers, n, kv, bs, heads, row] -> [layers, kv, positions, heads, words]
-    words = logical.transpose(1, 2).reshape(2, kv, 3 * 16, heads, -1).contiguous().view(torch.int32).numpy()
-    want = block_digests(words.view(np.uint32), 40, 8, kv_count=kv)[:, :5]
+    # [layers, n, kv, bs, heads, row] -> [layers, kv, positions, heads, units]
+    units = logical.transpose(1, 2).reshape(2, kv, 3 * 16, heads, -1).contiguous().view(torch.int16).numpy()
+    want = block_digests(units, 40, 8, KEY, kv_count=kv)[:, :5]
     assert np.array_equal(got, want)
-    assert np.array_equal(Digester(cache, logical_layer).request(ids, 40, 8), want)  # the generic path too
+    generic = Digester(cache, logical_layer, compiled_cpu=compiled_cpu)  # the logical path too
+    assert np.array_equal(generic.request(KEY, ids, 40, 8), want)
+    assert not np.array_equal(Digester(cache).request(bytes(32), ids, 40, 8), want)  # another key, other values
+
+
+@pytest.mark.parametrize("compiled_cpu", [True, False], ids=["numba", "torch"])
+@pytest.mark.parametrize(("head_dim", "dtype"), [(160, "bfloat16"), (288, "bfloat16"), (96, "float32")])
+@pytest.mark.parametrize("fill", ["extremes", "random"])
+def test_wide_rows_and_extreme_units_equal_the_reference(
+    head_dim: int, dtype: str, fill: str, compiled_cpu: bool
+) -> None:
+    """Rows of several segments (160 and 288 units: 2 x 80, 3 x 96; float32 rows of 192 units: 2 x 96) and units
+    at the ends of their range, where float64 sums come nearest their exact bound."""
+    geometry = ModelGeometry(
+        name="wide", num_layers=3, num_kv_heads=2, head_dim=head_dim, kv_cache_dtype=dtype, cache_kind=CacheKind.SPLIT
+    )
+    cache = KVCache.allocate(geometry, 8, role(1, 8).kv_layout, 1, 0, 6)
+    for tensor in cache.tensors:
+        if fill == "extremes":  # -32768 and 32767 in runs, so that products of one sign line up
+            units = torch.where(torch.rand(tensor.numel() // 2) < 0.5, -(2**15), 2**15 - 1).to(torch.int16)
+            tensor.copy_(units.view(torch.uint8))
+        else:
+            tensor.copy_(torch.randint(0, 256, tensor.shape, dtype=torch.uint8))
+    ids = [4, 1]
+    got = Digester(cache, compiled_cpu=compiled_cpu).request(KEY, ids, 13, 8)
+    logical = torch.stack([logical_layer(cache, torch.tensor(ids), layer) for layer in range(3)])
+    units = logical.transpose(1, 2).reshape(3, 2, 16, 2, -1).contiguous().view(torch.int16).numpy()
+    assert np.array_equal(got, block_digests(units, 13, 8, KEY))
+
+
+def test_the_compiled_pass_is_exact_at_the_bound() -> None:
+    """A segment of SEGMENT_UNITS units of -2**15 against coefficients of -(p - 1) / 2: the largest sum there is
+    (just under 2**52), still exact, and reduced to the right residue."""
+    kernel = compiled()
+    assert kernel is not None, "numba is part of the agent's dependencies"
+    units = np.full((1, 1, 1, 1, SEGMENT_UNITS), -(2**15), dtype=np.int16)
+    coef = np.full((1, LANES, 1, SEGMENT_UNITS), -float((PRIME - 1) // 2))
+    total = np.zeros((1, 1, 1, LANES))
+    kernel(total, units, np.zeros(1, dtype=np.int64), coef)
+    exact = SEGMENT_UNITS * 2**15 * ((PRIME - 1) // 2)
+    assert exact > 2**51
+    assert [int(v) % PRIME for v in total.ravel()] == [exact % PRIME] * LANES
 
 
 @pytest.mark.parametrize("hit", [0, 1])
@@ -57,7 +104,7 @@ def test_prefill_and_decode_digests_agree_across_the_matrix(pair: InProcessPair,
     prefill_blocks, decode_blocks = blocks(pair, TOKENS, 3 + hit)
     params = pair.offer(request, TOKENS, prefill_blocks, digest=True)
     heads = pair.model.num_kv_heads
-    assert sorted(pair.digests[request]) == list(range(heads))  # every global head published by some rank
+    assert sorted(pair.digests[request].heads) == list(range(heads))  # every global head published by some rank
     results = pair.read(params, decode_blocks, min(hit, len(decode_blocks) - 1), verify=True)
     for d, result in results.items():
         assert result.ok, (d, result.code, result.message)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvbridge_agent.core import CacheKind, KVLayout, ModelGeometry, RoleSettings
+from kvbridge_agent.core.digest import new_key
 from kvbridge_agent.core.handshake import MemoryType
 
 from .harness import InProcessPair
@@ -44,7 +45,7 @@ def test_vram_transfers_verify(kind: CacheKind, prefill: RoleSettings, decode: R
 @pytest.mark.parametrize("kind", [CacheKind.SPLIT, CacheKind.BLOCKS_FIRST, CacheKind.CROSS_LAYER])
 def test_the_digest_runs_on_the_device_and_equals_the_cpu_one(kind: CacheKind) -> None:
     """Transfer verification's torch form on VRAM (docs/protocol.md §8): computed where the cache lives, the same
-    values as on the CPU, and a verified transfer between two GPU caches passes."""
+    values as on the CPU (the compiled pass and torch's), and a verified transfer between two GPU caches passes."""
     from kvbridge_agent.transfer.digest import Digester
     from kvbridge_agent.transfer.kv_cache import KVCache
 
@@ -53,8 +54,10 @@ def test_the_digest_runs_on_the_device_and_equals_the_cpu_one(kind: CacheKind) -
     for tensor in gpu.tensors:
         tensor.copy_(torch.randint(0, 256, tensor.shape, dtype=torch.uint8, device="cuda"))
     cpu = KVCache(gpu.model, 16, KVLayout.HND, 1, 0, 16, [t.cpu() for t in gpu.tensors], gpu.layout)
-    ids = [3, 9, 4]
-    assert (Digester(gpu).request(ids, 40, 16) == Digester(cpu).request(ids, 40, 16)).all()
+    ids, key = [3, 9, 4], new_key()
+    on_gpu = Digester(gpu).request(key, ids, 40, 16)
+    assert (on_gpu == Digester(cpu).request(key, ids, 40, 16)).all()
+    assert (on_gpu == Digester(cpu, compiled_cpu=False).request(key, ids, 40, 16)).all()
     pair = InProcessPair(model, role(2), role(1), device="cuda")
     try:
         params = pair.offer("gpu-verified", 45, [1, 5, 7], digest=True)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import zmq
 
+from kvbridge_agent.core.digest import RequestDigests, new_key
 from kvbridge_agent.core.handshake import (
     DigestState,
     HandshakeError,
@@ -169,22 +170,26 @@ def test_nested_headers_are_refused_before_parsing() -> None:
 def test_digests_travel_only_to_a_keyed_client_and_bad_digest_requests_are_refused(
     keys: CurveKeys, tmp_path: Path
 ) -> None:
-    """The digest message (docs/protocol.md §8): ready digests arrive bit for bit, a request still being digested is
-    pending, anything else unknown; a request naming several ids or no id is refused; a client without the key gets
-    nothing."""
+    """The digest message (docs/protocol.md §8): ready digests arrive bit for bit with the request's key, a request
+    still being digested is pending, anything else unknown; a request naming several ids or no id is refused; a
+    client without the key gets nothing."""
     row = np.array([1, 2**64 - 1, 12345], dtype=np.uint64)
-    table = {"ready": (DigestState.READY, {0: row, 3: row[::-1].copy()}), "soon": (DigestState.PENDING, {})}
+    key = new_key()
+    published = RequestDigests(key, {0: row, 3: row[::-1].copy()})
+    table = {"ready": (DigestState.READY, published), "soon": (DigestState.PENDING, None)}
     srv = SideChannelServer("127.0.0.1", 0, "fp", {0: (META, b"agent-0")}, keys=keys,
-                            digests=lambda rid: table.get(rid, (DigestState.UNKNOWN, {}))).start()  # fmt: skip
+                            digests=lambda rid: table.get(rid, (DigestState.UNKNOWN, None))).start()  # fmt: skip
     try:
         state, found = client(srv, keys).digests("ready", srv.token("ready"))
         assert state is DigestState.READY
-        assert sorted(found) == [0, 3]
-        assert found[0].tolist() == row.tolist()
-        assert client(srv, keys).digests("soon", srv.token("soon")) == (DigestState.PENDING, {})
-        assert client(srv, keys).digests("other", srv.token("other")) == (DigestState.UNKNOWN, {})
+        assert found is not None
+        assert found.key == key
+        assert sorted(found.heads) == [0, 3]
+        assert found.heads[0].tolist() == row.tolist()
+        assert client(srv, keys).digests("soon", srv.token("soon")) == (DigestState.PENDING, None)
+        assert client(srv, keys).digests("other", srv.token("other")) == (DigestState.UNKNOWN, None)
         # a keyed peer that was not handed the request's parameters gets nothing
-        assert client(srv, keys).digests("ready", srv.token("soon")) == (DigestState.UNKNOWN, {})
+        assert client(srv, keys).digests("ready", srv.token("soon")) == (DigestState.UNKNOWN, None)
         for ids in ([("a", srv.token("a")), ("b", srv.token("b"))], []):
             frames = encode_request(MessageType.DIGEST, "fp", requests=ids)
             assert b"MALFORMED_MESSAGE" in raw_request(srv, keys, frames)[0]

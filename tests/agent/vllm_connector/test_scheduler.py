@@ -200,7 +200,9 @@ def test_a_prefill_worker_remembers_only_the_requests_it_holds() -> None:
     worker = ConnectorWorker(settings, 0, "inc")
 
     class Rank:  # stands in for PrefillRank: no reader ever notifies
-        def offer(self, request_id: str, block_ids: list[int], digest_tokens: int = 0) -> dict[int, Any]:
+        def offer(
+            self, request_id: str, block_ids: list[int], digest_tokens: int = 0, key: bytes = b""
+        ) -> dict[int, Any]:
             return {}
 
         def poll(self) -> Any:
@@ -401,3 +403,35 @@ def test_a_token_file_decode_cannot_read_stops_the_engine(tmp_path: Path) -> Non
     with pytest.raises(SpecError) as caught:
         ConnectorScheduler(ConnectorSettings.from_vllm(vllm_config("kv_consumer"), variables))
     assert caught.value.code == "TRANSFER_TOKEN_UNREADABLE"
+
+
+def test_a_verified_request_is_offered_with_its_own_key_and_published_with_it() -> None:
+    """The scheduler decides (a secret draw; Sampled's warm-up here: every request), draws the request's digest key,
+    hands it to the ranks with the offer and serves it with their digests on the side channel — never in the
+    transfer parameters, which pass through routers and clients."""
+    from kvbridge_agent.core.digest import KEY_BYTES
+    from kvbridge_agent.core.handshake import DigestState
+    from kvbridge_agent.vllm_connector.stats import DIGESTS
+
+    scheduler = prefill_scheduler()
+    try:
+        params = published(scheduler)
+        assert params["kvbridge"]["verify"] is True
+        order = scheduler.build_metadata().to_offer["p1"]
+        assert order.digest_tokens == 70
+        assert len(order.digest_key) == KEY_BYTES
+        assert order.digest_key.hex() not in str(params)
+        assert scheduler._published_digests("p1") == (DigestState.PENDING, None)
+        rows = b"\1" * 8 * 3  # 70 tokens: 3 wire blocks of 32
+        scheduler.take_digests(SimpleNamespace(data={DIGESTS: [("p1", [0], rows)]}))
+        assert scheduler._published_digests("p1")[0] is DigestState.PENDING  # one head of two
+        scheduler.take_digests(SimpleNamespace(data={DIGESTS: [("p1", [1], rows)]}))
+        state, found = scheduler._published_digests("p1")
+        assert state is DigestState.READY
+        assert found is not None
+        assert found.key == order.digest_key
+        assert sorted(found.heads) == [0, 1]
+        scheduler.request_finished(request("p2", 70, {"do_remote_decode": True}), ([1, 2, 3],))
+        assert scheduler.build_metadata().to_offer["p2"].digest_key != order.digest_key  # one key per request
+    finally:
+        scheduler.close()

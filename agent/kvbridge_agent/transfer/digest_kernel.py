@@ -1,0 +1,90 @@
+"""The transfer digest's one pass over a CPU cache (``core.digest``, ``kvbridge-digest/2``), compiled with numba.
+
+Per row of 16-bit units the digest needs ``sum over j of x[j] * c_k[j]`` in two lanes, exactly, then reduced mod
+``p``. Torch has no fused form of that on a CPU: a widening copy (int16 -> float64 or int64) and a multiply-add are
+separate passes over the whole KV, 3-5 times the old 32-bit digest (measured: benchmarks/digest_cost.py). This
+kernel reads each unit once, straight from the request's blocks where they lie (the gather is the loop over
+block ids, no copy), widens it in a register and does both lanes' multiply-adds there: float64 products are exact
+(``|x * c| < 2**45``) and so is every partial sum of a segment of at most ``SEGMENT_UNITS`` units (below
+``2**52``), so reassociating the sum (what lets LLVM vectorise it) changes nothing. Each segment's sum is reduced
+to ``s - floor(s / p) * p`` (congruent to it mod ``p``, in ``(-p, 2p)``) and added to the row's total.
+
+numba comes with vLLM (and the agent's image); without it the digester falls back to torch's passes (same values,
+slower). One compilation per process (about a second), cached on disk where the installation is writable.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbridge_agent.core.digest import PRIME
+
+log = logging.getLogger(__name__)
+
+_P = float(PRIME)
+_INVERSE = 1.0 / _P
+#: total[n, outer, rows, lanes] (added to), region[blocks, outer, groups, rows, units], ids[n], coef[groups, lanes,
+#: segments, segment units]
+SIGNATURE = "void(float64[:, :, :, ::1], int16[:, :, :, :, ::1], int64[::1], float64[:, :, :, ::1])"
+
+RowKernel = Callable[
+    [npt.NDArray[np.float64], npt.NDArray[np.int16], npt.NDArray[np.int64], npt.NDArray[np.float64]], None
+]
+
+
+def add_rows(
+    total: npt.NDArray[np.float64],
+    region: npt.NDArray[np.int16],
+    ids: npt.NDArray[np.int64],
+    coef: npt.NDArray[np.float64],
+) -> None:
+    """``total[b, o, r, k] += sum over groups g of (the row region[ids[b], o, g, r] . coef[g, k] mod p)``, each
+    row sum taken per segment and reduced. Two lanes (``LANES``). The caller checks that ``ids`` are blocks of
+    ``region`` (the compiled form does not)."""
+    outer, groups, rows = region.shape[1], region.shape[2], region.shape[3]
+    count, units = coef.shape[2], coef.shape[3]
+    for b in range(ids.shape[0]):
+        block = region[ids[b]]
+        for o in range(outer):
+            for g in range(groups):
+                for r in range(rows):
+                    row = block[o, g, r]
+                    t0 = 0.0
+                    t1 = 0.0
+                    for q in range(count):
+                        part = row[q * units : (q + 1) * units]
+                        c0 = coef[g, 0, q]
+                        c1 = coef[g, 1, q]
+                        s0 = 0.0
+                        s1 = 0.0
+                        for j in range(units):
+                            x = np.float64(part[j])
+                            s0 += x * c0[j]
+                            s1 += x * c1[j]
+                        t0 += s0 - np.floor(s0 * _INVERSE) * _P
+                        t1 += s1 - np.floor(s1 * _INVERSE) * _P
+                    total[b, o, r, 0] += t0
+                    total[b, o, r, 1] += t1
+
+
+@functools.cache
+def compiled() -> RowKernel | None:
+    """:func:`add_rows` compiled (vectorised: reassociation and fused multiply-adds only, which exact integer
+    arithmetic allows), or ``None`` without numba."""
+    try:
+        import numba  # optional, and a second of start-up: imported only where a CPU cache is digested
+    except ImportError:
+        log.warning("numba is not installed: the transfer digest runs as torch passes on CPU caches (slower)")
+        return None
+    options: dict[str, Any] = {"boundscheck": False, "fastmath": {"reassoc", "contract"}, "nogil": True}
+    try:
+        kernel: RowKernel = numba.njit(SIGNATURE, cache=True, **options)(add_rows)
+    except RuntimeError:  # nowhere writable to cache it (a read-only installation and home): compile each time
+        kernel = numba.njit(SIGNATURE, **options)(add_rows)
+    return kernel
