@@ -203,7 +203,7 @@ HeadDigests = dict[int, Words]
 @dataclass(frozen=True)
 class RequestDigests:
     """What prefill publishes for a verified request: the key its coefficients came from and, per global head,
-    ``D[head, wire block]``. The key travels only on the side channel (CURVE), with the digests."""
+    ``D[head, wire block]``. The key travels with the digests: in the transfer parameters, or on the side channel."""
 
     key: bytes
     heads: HeadDigests

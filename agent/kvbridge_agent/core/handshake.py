@@ -15,6 +15,7 @@ clear message instead of a parse error.  Only this module knows the layout.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
@@ -24,7 +25,7 @@ from enum import StrEnum
 
 from pydantic import Field, ValidationError
 
-from .digest import KEY_BYTES
+from .digest import KEY_BYTES, RequestDigests, from_bytes, to_bytes
 from .errors import KVBridgeError
 from .model import CacheKind, CamelModel, KVLayout
 
@@ -296,6 +297,26 @@ def token_matches(secret: bytes, request_id: str, token: str) -> bool:
     return hmac.compare_digest(lease_token(secret, request_id), token)
 
 
+class TransferDigests(CamelModel):
+    """A verified request's digests as they travel in its transfer parameters (docs/protocol.md §8): the key the
+    coefficients came from, and ``D[head, wire block]`` for every global head, as :func:`~.digest.to_bytes` lays them
+    out (base64). Decode checks what it read against them in the step its READs complete, with no side-channel
+    exchange; without them (prefill could not digest the request before answering) decode asks the side channel."""
+
+    key: str = Field(pattern=f"^[0-9a-f]{{{2 * KEY_BYTES}}}$")
+    heads: list[int] = Field(min_length=1, max_length=4096)
+    rows: str = Field(min_length=1, max_length=MAX_PAYLOAD_BYTES * 4 // 3 + 4, pattern=r"^[A-Za-z0-9+/]*={0,2}$")
+
+    @classmethod
+    def of(cls, found: RequestDigests) -> TransferDigests:
+        heads, data = to_bytes(found.heads)
+        return cls(key=found.key.hex(), heads=heads, rows=base64.b64encode(data).decode("ascii"))
+
+    def request_digests(self) -> RequestDigests:
+        """As the digest check takes them; raises ValueError when the rows are not whole rows of the heads."""
+        return RequestDigests(bytes.fromhex(self.key), from_bytes(self.heads, base64.b64decode(self.rows)))
+
+
 class KVTransferParams(CamelModel):
     """What prefill returns for a request and the router hands to decode."""
 
@@ -315,6 +336,9 @@ class KVTransferParams(CamelModel):
     verify: bool = False
     #: the request's lease token (:func:`lease_token`): heartbeats and digest requests without it are refused
     lease_token: str = Field(default="", max_length=64)
+    #: a verified request's key and digests, when prefill had them before it answered (vLLM: digested right after
+    #: the forward step that completed the prompt); else decode asks the side channel for them
+    digests: TransferDigests | None = None
 
 
 def notification(prefill_request_id: str, decode_tp_size: int) -> bytes:

@@ -43,6 +43,7 @@ from kvbridge_agent.core.handshake import (
     HandshakeError,
     KVTransferParams,
     RankMetadata,
+    TransferDigests,
     request_id_problem,
 )
 from kvbridge_agent.core.model import Role
@@ -315,6 +316,7 @@ class Engine:
             expires_at=expires_at,
             verify=verify,
             lease_token=self.server.token(request_id) if self.server else "",
+            digests=TransferDigests.of(RequestDigests(key, digests)) if verify else None,
         )
 
     def _published_digests(self, request_id: str) -> tuple[DigestState, RequestDigests | None]:
@@ -435,7 +437,14 @@ class Engine:
         }
 
     def _expected_digests(self, params: KVTransferParams) -> tuple[list[int], bytes, bytes]:
-        """Prefill's digests of the request (its side channel), as the ranks get them: ``(heads, bytes, key)``."""
+        """Prefill's digests of the request, as the ranks get them: ``(heads, bytes, key)``: those its parameters
+        carry, else from its side channel."""
+        if params.digests is not None:
+            try:
+                carried = params.digests.request_digests()
+            except ValueError as exc:
+                raise EngineError(f"the parameters' digests: {exc}", code=KV_DIGEST_UNAVAILABLE, status=400) from exc
+            return (*to_bytes(carried.heads), carried.key)
         until = params.expires_at if params.expires_at is not None else time.time()
         try:
             digests = fetch_digests(params, self.plan.fingerprint, self.keys,

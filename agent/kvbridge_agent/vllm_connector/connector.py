@@ -83,7 +83,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return None  # pull model: decode READs what prefill computed in place
 
     def wait_for_save(self) -> None:
-        return None
+        """After the step's forward: prefill digests the requests whose prompt it completed (their digests then
+        travel in the transfer parameters the requests finish with)."""
+        meta = self._get_connector_metadata()
+        if self._worker is not None and isinstance(meta, StepMetadata) and meta.to_digest:
+            self._worker.digest_computed(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker_half().finished(finished_req_ids)
@@ -102,7 +106,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._scheduler_half().after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return self._scheduler_half().build_metadata()
+        return self._scheduler_half().build_metadata(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:

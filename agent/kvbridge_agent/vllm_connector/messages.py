@@ -60,9 +60,22 @@ class OfferOrder:
 
 
 @dataclass
+class DigestOrder:
+    """Prefill: digest a request's first ``num_tokens`` tokens in these blocks under ``key`` right after this step's
+    forward computed them (the step completes its prompt), so the digests come back with this step's output and
+    travel in the transfer parameters the request finishes with."""
+
+    block_ids: list[int]
+    num_tokens: int
+    key: bytes
+
+
+@dataclass
 class StepMetadata(KVConnectorMetadata):
     to_read: dict[str, ReadOrder] = field(default_factory=dict)
     to_offer: dict[str, OfferOrder] = field(default_factory=dict)
+    #: prefill: requests whose prompt this step completes, to digest after its forward
+    to_digest: dict[str, DigestOrder] = field(default_factory=dict)
     #: every held request's current lease end (heartbeats move it)
     leases: dict[str, float] = field(default_factory=dict)
 

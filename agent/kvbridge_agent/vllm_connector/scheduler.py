@@ -2,7 +2,9 @@
 
 It runs in vLLM's engine-core process and touches no KV memory. Prefill: a finished request with
 ``do_remote_decode`` keeps its blocks (vLLM's delayed free) until the worker reports every reader done or its
-lease ends; the lease starts when the parameters are published and travels in them (``expiresAt``). Decode: a
+lease ends; the lease starts when the parameters are published and travels in them (``expiresAt``). A verified
+request is digested right after the step that completes its prompt, and its digests are added to the parameters
+before vLLM sends the answer (``take_digests``), so decode checks them in the step its READs complete. Decode: a
 request with kvbridge parameters is loaded asynchronously; its whole prompt comes from prefill less what the
 local prefix cache already holds.
 """
@@ -22,6 +24,7 @@ from kvbridge_agent.core.handshake import (
     DigestState,
     KVTransferParams,
     RankMetadata,
+    TransferDigests,
     request_id_problem,
 )
 from kvbridge_agent.core.signing import TransferNotSignedError, check_signature, load_token
@@ -31,6 +34,7 @@ from kvbridge_agent.transfer.side_channel import SideChannelServer, heartbeat_in
 from .messages import (
     ERROR_KEY,
     PARAMS_KEY,
+    DigestOrder,
     InvalidTransferParamsError,
     OfferOrder,
     RankHandshake,
@@ -64,6 +68,15 @@ class ConnectorScheduler:
         self._verification = VerificationPolicy(settings.transfer)
         self._verifying: set[str] = set()
         self._digests: dict[str, RequestDigests] = {}
+        #: prefill: requests to offer once computed (do_remote_decode), their blocks as vLLM allocates them
+        self._producing: dict[str, tuple[Any, list[int]]] = {}
+        #: prefill: verified requests digested right after the step that completed their prompt: their key and
+        #: token count, until they finish
+        self._predigested: dict[str, tuple[bytes, int]] = {}
+        self._to_digest: dict[str, DigestOrder] = {}
+        #: prefill: the transfer parameters (kvbridge's part) of requests that finished in the step being processed,
+        #: waiting for that step's digests (they are added before vLLM sends the answer)
+        self._awaiting_digests: dict[str, dict[str, Any]] = {}
         #: digests of requests whose readers are done, kept a while: a reader asks for them after its READs
         #: completed, which is also when prefill learns it is done
         self._retired: deque[tuple[float, str]] = deque()
@@ -119,16 +132,24 @@ class ConnectorScheduler:
 
     def take_digests(self, stats: Any) -> None:
         """The digests the prefill ranks computed this step (they ride in the worker's stats): kept for the side
-        channel and taken out, so that they never travel on to the metrics."""
+        channel, added to the transfer parameters of requests that finished in this step, and taken out, so that
+        they never travel on to the metrics."""
         data = getattr(stats, "data", None)
-        if not isinstance(data, dict) or not data.get(DIGESTS):
-            return
+        if isinstance(data, dict) and data.get(DIGESTS):
+            with self._lock:
+                for request_id, heads, raw in data.pop(DIGESTS):
+                    found = self._digests.get(request_id)
+                    if found is not None:  # else no longer kept (retired)
+                        found.heads.update(from_bytes(heads, raw))
+            data[DIGESTS] = []
+        # vLLM hands update_connector_output this step's worker output after request_finished built the answers of
+        # the requests that finished in it, and before it sends them: the dict the answer holds is completed here
         with self._lock:
-            for request_id, heads, raw in data.pop(DIGESTS):
+            for request_id, ours in self._awaiting_digests.items():
                 found = self._digests.get(request_id)
-                if found is not None:  # else no longer kept (retired)
-                    found.heads.update(from_bytes(heads, raw))
-        data[DIGESTS] = []
+                if found is not None and len(found.heads) == self._heads:
+                    ours["digests"] = TransferDigests.of(found).model_dump(mode="json", by_alias=True)
+            self._awaiting_digests.clear()
 
     def _renew(self, request_ids: list[str]) -> None:
         until = time.time() + self.settings.transfer.lease_seconds
@@ -163,6 +184,9 @@ class ConnectorScheduler:
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         raw = request.kv_transfer_params
+        if self.settings.role is Role.PREFILL and isinstance(raw, dict) and raw.get("do_remote_decode"):
+            self._producing[request.request_id] = (request, [])  # its blocks come with the steps that compute it
+            return
         if self.settings.role is not Role.DECODE or not isinstance(raw, dict) or not raw.get("do_remote_prefill"):
             return
         raw["do_remote_prefill"] = False  # one transfer per request, also after a preemption
@@ -192,11 +216,45 @@ class ConnectorScheduler:
         self._to_read[request.request_id] = ReadOrder(local, params, refused, expires_at, all_blocks)
 
     # -- both: each step ------------------------------------------------------------
-    def build_metadata(self) -> StepMetadata:
+    def build_metadata(self, scheduler_output: Any = None) -> StepMetadata:
+        if scheduler_output is not None and self._producing:
+            self._order_digests(scheduler_output)
         with self._lock:
-            meta = StepMetadata(self._to_read, self._to_offer, dict(self._leases))
-        self._to_read, self._to_offer = {}, {}
+            meta = StepMetadata(
+                to_read=self._to_read, to_offer=self._to_offer, to_digest=self._to_digest, leases=dict(self._leases)
+            )
+        self._to_read, self._to_offer, self._to_digest = {}, {}, {}
         return meta
+
+    def _order_digests(self, scheduler_output: Any) -> None:
+        """Prefill: follow the blocks of the requests it will offer, and have the ranks digest each verified one
+        right after the step that completes its prompt (the decision to verify is taken here, once)."""
+        for new in scheduler_output.scheduled_new_reqs:
+            producing = self._producing.get(new.req_id)
+            if producing is not None:
+                producing[1][:] = list(new.block_ids[0]) if new.block_ids else []
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set())
+        for request_id, added in zip(cached.req_ids, cached.new_block_ids, strict=False):
+            producing = self._producing.get(request_id)
+            if producing is not None and added:
+                if request_id in resumed:  # preempted and scheduled again: its whole block table anew
+                    producing[1].clear()
+                producing[1].extend(added[0])
+        for request_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            producing = self._producing.get(request_id)
+            if producing is None or request_id in self._predigested:
+                continue
+            request, blocks = producing
+            prompt = int(request.num_prompt_tokens)
+            if request.num_computed_tokens + scheduled < prompt or not self._verification.decide():
+                continue
+            key = new_key()
+            self._predigested[request_id] = (key, prompt)
+            self._to_digest[request_id] = DigestOrder(list(blocks), prompt, key)
+            with self._lock:
+                self._verifying.add(request_id)
+                self._digests[request_id] = RequestDigests(key, {})
 
     def transfers_done(self, finished_sending: set[str] | None, finished_recving: set[str] | None) -> None:
         with self._lock:
@@ -225,6 +283,8 @@ class ConnectorScheduler:
     # -- prefill: publishing a finished request ------------------------------------
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         request_id = request.request_id
+        predigested = self._predigested.pop(request_id, None)
+        self._producing.pop(request_id, None)
         with self._lock:
             self._waiting.pop(request_id, None)
             self._renewed.pop(request_id, None)
@@ -234,6 +294,10 @@ class ConnectorScheduler:
             return False, None
         blocks = list(block_ids[0]) if block_ids and isinstance(block_ids[0], list | tuple) else list(block_ids)
         if request.status.name not in _FINISHED_NORMALLY or not blocks or self._server is None:
+            if predigested is not None:
+                with self._lock:
+                    self._verifying.discard(request_id)
+                    self._digests.pop(request_id, None)
             return False, None
         # everything a request carries is checked before anything is recorded for it: a bad one frees its blocks
         # now and says why in its answer (vLLM treats an exception here as the engine's death)
@@ -243,8 +307,10 @@ class ConnectorScheduler:
             error = {"code": INVALID_REQUEST_ID, "message": problem}
             return False, {"do_remote_prefill": False, "do_remote_decode": False, ERROR_KEY: error}
         expires_at = time.time() + self.settings.transfer.lease_seconds
-        verify = self._verification.decide()  # a secret draw: the client's request id does not enter it
-        key = new_key() if verify else b""
+        # a secret draw (the client's request id does not enter it), taken when the prompt's last step was
+        # scheduled if this engine saw it (then the ranks digested it right after that step's forward)
+        verify = predigested is not None or self._verification.decide()
+        key = predigested[0] if predigested is not None else new_key() if verify else b""
         environment = self.settings.environment
         num_tokens = request.num_computed_tokens
         try:
@@ -267,14 +333,18 @@ class ConnectorScheduler:
             verify=verify,
             lease_token=self._server.token(request_id),
         )
+        ours = params.model_dump(mode="json", by_alias=True, exclude_none=True)
+        digested = predigested is not None and predigested[1] == num_tokens  # else digested again at the offer
         with self._lock:
             self._leases[request_id] = expires_at
             if verify:
                 self._verifying.add(request_id)
-                self._digests[request_id] = RequestDigests(key, {})
-        self._to_offer[request_id] = OfferOrder(blocks, expires_at, num_tokens if verify else 0, key)
-        return True, {"do_remote_prefill": True, "do_remote_decode": False,
-                      PARAMS_KEY: params.model_dump(mode="json", by_alias=True)}  # fmt: skip
+                if not digested:
+                    self._digests[request_id] = RequestDigests(key, {})
+                else:  # this step's digests complete the answer before vLLM sends it (take_digests)
+                    self._awaiting_digests[request_id] = ours
+        self._to_offer[request_id] = OfferOrder(blocks, expires_at, num_tokens if verify and not digested else 0, key)
+        return True, {"do_remote_prefill": True, "do_remote_decode": False, PARAMS_KEY: ours}
 
     def close(self) -> None:
         self._stop.set()

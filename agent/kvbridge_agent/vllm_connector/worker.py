@@ -200,6 +200,19 @@ class ConnectorWorker:
         return self._handshake
 
     # -- each step -----------------------------------------------------------------------
+    def digest_computed(self, meta: StepMetadata) -> None:
+        """Prefill, after the step's forward: digest the requests whose prompt this step completed, in their
+        native format (before any conversion); reported with the step's output."""
+        if self.prefill is None:
+            return
+        for request_id, order in meta.to_digest.items():
+            try:
+                digests = self.prefill.digest(order.key, order.block_ids, order.num_tokens)
+            except ValueError as exc:  # its answer goes without digests; decode then finds none: fails, typed
+                log.error("kvbridge: cannot digest %s: %s", request_id, exc)
+                continue
+            self.stats.record_digests(request_id, *to_bytes(digests))
+
     def start(self, meta: StepMetadata) -> None:
         if self.prefill is not None:
             for request_id, order in meta.to_offer.items():
@@ -240,10 +253,22 @@ class ConnectorWorker:
         # fetched while the READs run
         if decode_verifies(self.settings.transfer, params.verify):
             self._orders[request_id] = order
-            self._prefetch[request_id] = self._digest_executor.submit(self._fetch_digests, params, expires_at)
+            self._prefetch[request_id] = self._expected_digests(params, expires_at)
         return decode.start(
             request_id, params, order.local_block_ids, self.settings.environment.transfer_timeout_seconds
         )
+
+    def _expected_digests(self, params: KVTransferParams, until: float | None) -> Future[RequestDigests]:
+        """Prefill's digests of a request to verify: those its parameters carry (checked in the step the READs
+        complete), else fetched from its side channel while the READs run."""
+        if params.digests is None:
+            return self._digest_executor.submit(self._fetch_digests, params, until)
+        carried: Future[RequestDigests] = Future()
+        try:
+            carried.set_result(params.digests.request_digests())
+        except ValueError as exc:  # rows that are not whole rows of the heads: the check fails the request
+            carried.set_exception(HandshakeError(f"the parameters' digests: {exc}", code=KV_DIGEST_UNAVAILABLE))
+        return carried
 
     def _fetch_digests(self, params: KVTransferParams, until: float | None) -> RequestDigests:
         """On a digest thread: prefill's digests of the request, until its lease ends."""

@@ -7,6 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm")
@@ -406,9 +407,10 @@ def test_a_token_file_decode_cannot_read_stops_the_engine(tmp_path: Path) -> Non
 
 
 def test_a_verified_request_is_offered_with_its_own_key_and_published_with_it() -> None:
-    """The scheduler decides (a secret draw; Sampled's warm-up here: every request), draws the request's digest key,
-    hands it to the ranks with the offer and serves it with their digests on the side channel — never in the
-    transfer parameters, which pass through routers and clients."""
+    """A request whose prompt the scheduler did not see completed (no scheduler output here): it decides at the
+    finish (a secret draw; Sampled's warm-up here: every request), draws the request's digest key, hands it to the
+    ranks with the offer and serves it with their digests on the side channel — the parameters, already sent, carry
+    neither."""
     from kvbridge_agent.core.digest import KEY_BYTES
     from kvbridge_agent.core.handshake import DigestState
     from kvbridge_agent.vllm_connector.stats import DIGESTS
@@ -433,5 +435,73 @@ def test_a_verified_request_is_offered_with_its_own_key_and_published_with_it() 
         assert sorted(found.heads) == [0, 1]
         scheduler.request_finished(request("p2", 70, {"do_remote_decode": True}), ([1, 2, 3],))
         assert scheduler.build_metadata().to_offer["p2"].digest_key != order.digest_key  # one key per request
+    finally:
+        scheduler.close()
+
+
+def scheduler_output(new: list[tuple[str, list[int]]], scheduled: dict[str, int]) -> SimpleNamespace:
+    """vLLM's SchedulerOutput as far as the connector reads it."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,)) for r, b in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set()),
+        num_scheduled_tokens=scheduled,
+    )
+
+
+def test_a_verified_prompt_is_digested_after_its_last_step_and_its_answer_carries_the_digests() -> None:
+    """Issue 34, item 3: the digests travel with the transfer parameters, so decode checks what it read in the
+    step its READs complete, with no side-channel exchange. vLLM calls request_finished for the step's finished
+    requests, then update_connector_output with the same step's worker output, then sends the answers: the
+    answer's dict is completed in between."""
+    from kvbridge_agent.core.handshake import KVTransferParams
+    from kvbridge_agent.vllm_connector.stats import DIGESTS
+
+    scheduler = prefill_scheduler()
+    try:
+        req = request("p5", 70, {"do_remote_decode": True})
+        req.num_prompt_tokens, req.num_computed_tokens = 70, 0
+        scheduler.after_alloc(req, blocks_of([7, 8, 9]), 0)
+        first = scheduler.build_metadata(scheduler_output([("p5", [7, 8])], {"p5": 64}))
+        assert first.to_digest == {}  # the prompt is not complete after this step (chunked prefill)
+        req.num_computed_tokens = 64
+        cached = SimpleNamespace(req_ids=["p5"], new_block_ids=[([9],)], resumed_req_ids=set())
+        last = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={"p5": 6})
+        meta = scheduler.build_metadata(last)
+        order = meta.to_digest["p5"]
+        assert (order.block_ids, order.num_tokens) == ([7, 8, 9], 70)
+        req.num_computed_tokens = 70
+        delay, params = scheduler.request_finished(req, ([7, 8, 9],))
+        assert delay is True
+        assert params is not None
+        assert "digests" not in params["kvbridge"]  # this step's digests are still to come
+        rows = (np.arange(6, dtype="<u8") + 1).tobytes()  # 2 heads x 3 wire blocks of 32
+        scheduler.take_digests(SimpleNamespace(data={DIGESTS: [("p5", [0, 1], rows)]}))
+        carried = KVTransferParams.model_validate(params["kvbridge"])
+        assert carried.verify is True
+        assert carried.digests is not None
+        found = carried.digests.request_digests()
+        assert found.key == order.key
+        assert found.heads[1].tolist() == [4, 5, 6]
+        assert scheduler.build_metadata().to_offer["p5"].digest_tokens == 0  # not digested twice
+    finally:
+        scheduler.close()
+
+
+def test_a_prompt_digested_but_finished_later_is_digested_again_at_the_offer() -> None:
+    """max_tokens > 1 straight to prefill: the request finishes steps after its prompt, with more tokens computed,
+    so the early digests do not describe what is offered; the offer digests it again, the side channel serves it."""
+    scheduler = prefill_scheduler()
+    try:
+        req = request("p6", 40, {"do_remote_decode": True})
+        req.num_prompt_tokens, req.num_computed_tokens = 40, 0
+        scheduler.after_alloc(req, blocks_of([3, 4]), 0)
+        assert "p6" in scheduler.build_metadata(scheduler_output([("p6", [3, 4])], {"p6": 40})).to_digest
+        req.num_computed_tokens = 43  # three tokens generated since
+        _, params = scheduler.request_finished(req, ([3, 4],))
+        assert params is not None
+        scheduler.take_digests(SimpleNamespace(data={}))
+        assert "digests" not in params["kvbridge"]
+        assert params["kvbridge"]["verify"] is True
+        assert scheduler.build_metadata().to_offer["p6"].digest_tokens == 43
     finally:
         scheduler.close()
