@@ -51,6 +51,8 @@ async def test_decode_tokens_equal_a_single_engine(
     assert params["do_remote_prefill"] is True
     assert params["kvbridge"]["numTokens"] == length
     assert params["kvbridge"]["expiresAt"] > time.time()  # the lease travels with the parameters
+    if params["kvbridge"]["verify"]:  # and the digests, added before vLLM sent the answer: no side-channel fetch
+        assert set(params["kvbridge"]["digests"]) == {"key", "heads", "rows"}
     got = await pd_requests.decode(session, decode, model, tokens, params, MAX_TOKENS)
     want = await pd_requests.baseline(session, decode, model, tokens, MAX_TOKENS, salt=f"kvb-baseline-{length}")
     assert got.tokens == want.tokens
