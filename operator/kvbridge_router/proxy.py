@@ -314,13 +314,15 @@ class Router:
             if upstream.status != 200:  # the request's fault: another pod would refuse it too
                 raise RouteError(upstream.status, "PREFILL_REFUSED", f"prefill pod {target.pod}: {text[:1000]}")
         except TimeoutError:
-            raise RouteError(504, "PREFILL_TIMEOUT", f"prefill pod {target.pod}: no answer within {timeout:g} s",
-                             retry=True) from None  # fmt: skip
+            raise RouteError(
+                504, "PREFILL_TIMEOUT", f"prefill pod {target.pod}: no answer within {timeout:g} s", retry=True
+            ) from None
         except AnswerTooLargeError as exc:  # the request's (prompt_logprobs, say): another pod would answer the same
             raise RouteError(502, "PREFILL_ANSWER_TOO_LARGE", f"prefill pod {target.pod}: {exc}") from None
         except UpstreamError as exc:
-            raise RouteError(502, "PREFILL_UNAVAILABLE", f"prefill pod {target.pod}: {_reason(exc)}",
-                             retry=True) from None  # fmt: skip
+            raise RouteError(
+                502, "PREFILL_UNAVAILABLE", f"prefill pod {target.pod}: {_reason(exc)}", retry=True
+            ) from None
         finally:
             self._leave("prefill", target)
         try:

@@ -292,8 +292,13 @@ async def test_hostile_request_ids_fail_their_own_request_and_the_engines_keep_s
     the engine keeps serving; through the router: the ids never reach vLLM, every answer equals a single engine's."""
     prefill, decode, model = urls(kvbridge_engines)
     tokens = prompt(BLOCK + 3, salt=61)
-    body = {"model": model, "prompt": tokens, "max_tokens": 1, "temperature": 0.0,
-            "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": tokens,
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
     held = await metric(session, prefill, "vllm:kvbridge_held_requests")
     for request_id in HOSTILE_IDS:
         async with session.post(f"{prefill}/v1/completions", json=body, headers={"X-Request-Id": request_id}) as r:
@@ -304,10 +309,12 @@ async def test_hostile_request_ids_fail_their_own_request_and_the_engines_keep_s
         assert await pd_requests.healthy(session, prefill)
     assert await metric(session, prefill, "vllm:kvbridge_held_requests") <= held  # nothing offered, nothing held
     async with running_router() as (router, url):
-        router.set_pool(pool(
-            [endpoint(kvbridge_engines, "kvbridge-prefill", DEPLOYMENTS["kvbridge"], Role.PREFILL)],
-            [endpoint(kvbridge_engines, "kvbridge-decode", DEPLOYMENTS["kvbridge"], Role.DECODE)],
-        ))  # fmt: skip
+        router.set_pool(
+            pool(
+                [endpoint(kvbridge_engines, "kvbridge-prefill", DEPLOYMENTS["kvbridge"], Role.PREFILL)],
+                [endpoint(kvbridge_engines, "kvbridge-decode", DEPLOYMENTS["kvbridge"], Role.DECODE)],
+            )
+        )
         want = await pd_requests.baseline(session, decode, model, tokens, MAX_TOKENS, salt="kvb-hostile-ids")
         for request_id in HOSTILE_IDS:
             request = {**body, "max_tokens": MAX_TOKENS, "ignore_eos": True, "return_token_ids": True}
@@ -329,5 +336,13 @@ async def test_forged_transfer_parameters_fail_that_request_and_decode_keeps_ser
         with pytest.raises(pd_requests.PDRequestError):
             await pd_requests.decode(session, decode, model, tokens, bad, MAX_TOKENS)
         assert await pd_requests.healthy(session, decode)
-    await assert_pd_equals_single_engine(session, prefill, decode, model, prompt(BLOCK + 9, salt=72), MAX_TOKENS,
-                                         salt="kvb-after-forged", what="after forged parameters")  # fmt: skip
+    await assert_pd_equals_single_engine(
+        session,
+        prefill,
+        decode,
+        model,
+        prompt(BLOCK + 9, salt=72),
+        MAX_TOKENS,
+        salt="kvb-after-forged",
+        what="after forged parameters",
+    )

@@ -281,9 +281,18 @@ class Engine:
             self._held[request_id] = _Held(blocks, math.inf)  # the lease starts when the blocks are offered
         verify = self._verification.decide()  # a secret draw: the client's request id does not enter it
         key = new_key() if verify else b""
-        futures = [h.call_async({"op": "offer", "request_id": request_id, "blocks": blocks,
-                                 "digest_tokens": num_tokens if verify else 0, "digest_key": key})
-                   for h in self.ranks]  # fmt: skip
+        futures = [
+            h.call_async(
+                {
+                    "op": "offer",
+                    "request_id": request_id,
+                    "blocks": blocks,
+                    "digest_tokens": num_tokens if verify else 0,
+                    "digest_key": key,
+                }
+            )
+            for h in self.ranks
+        ]
         digests: HeadDigests = {}
         for handle, future in zip(self.ranks, futures, strict=True):
             reply = wait_reply(handle.rank, future, 60)

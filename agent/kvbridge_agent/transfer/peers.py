@@ -38,8 +38,9 @@ def fetch_prefill_ranks(
     return incarnations.pop(), fetched
 
 
-def fetch_digests(params: KVTransferParams, fingerprint: str, keys: CurveKeys | None, timeout: float,
-                  until: float) -> RequestDigests:  # fmt: skip
+def fetch_digests(
+    params: KVTransferParams, fingerprint: str, keys: CurveKeys | None, timeout: float, until: float
+) -> RequestDigests:
     """Prefill's key and digests of a request to verify (docs/protocol.md §8). A prefill that has not digested it
     yet (vLLM's ranks report one engine step after the offer) is asked again until ``until`` (Unix time: the lease);
     none to be had is :data:`KV_DIGEST_UNAVAILABLE` — also when decode's own policy (``All``) asks for a request

@@ -176,10 +176,16 @@ def _router(args: argparse.Namespace) -> int:
         print("kvbridge router: error: give --deployment NAME (watched through the Kubernetes API) or --status-file "
               "FILE (a deployment's YAML or JSON, re-read when it changes)", file=sys.stderr)  # fmt: skip
         return EXIT_INVALID
-    limits = {"--prefill-timeout": args.prefill_timeout, "--decode-timeout": args.decode_timeout,
-              "--prefill-attempts": args.prefill_attempts, "--decode-attempts": args.decode_attempts,
-              "--request-timeout": args.request_timeout, "--body-timeout": args.body_timeout,
-              "--header-timeout": args.header_timeout, "--block-size": args.block_size}  # fmt: skip
+    limits = {
+        "--prefill-timeout": args.prefill_timeout,
+        "--decode-timeout": args.decode_timeout,
+        "--prefill-attempts": args.prefill_attempts,
+        "--decode-attempts": args.decode_attempts,
+        "--request-timeout": args.request_timeout,
+        "--body-timeout": args.body_timeout,
+        "--header-timeout": args.header_timeout,
+        "--block-size": args.block_size,
+    }
     problems = [f"{flag} must be positive, got {value}" for flag, value in limits.items() if value <= 0]
     if problems:
         print(f"kvbridge router: error: {'; '.join(problems)}", file=sys.stderr)
@@ -189,12 +195,19 @@ def _router(args: argparse.Namespace) -> int:
     except KVBridgeError as exc:
         print(f"kvbridge router: error: {exc.code}: {exc.message}", file=sys.stderr)
         return EXIT_INVALID
-    config = RouterConfig(prefill_timeout=args.prefill_timeout, decode_timeout=args.decode_timeout,
-                          decode_idle_timeout=min(args.decode_timeout, 60.0),
-                          prefill_attempts=args.prefill_attempts, decode_attempts=args.decode_attempts,
-                          request_timeout=args.request_timeout, body_timeout=args.body_timeout,
-                          header_timeout=args.header_timeout, policy=args.policy, block_tokens=args.block_size,
-                          transfer_token=token)  # fmt: skip
+    config = RouterConfig(
+        prefill_timeout=args.prefill_timeout,
+        decode_timeout=args.decode_timeout,
+        decode_idle_timeout=min(args.decode_timeout, 60.0),
+        prefill_attempts=args.prefill_attempts,
+        decode_attempts=args.decode_attempts,
+        request_timeout=args.request_timeout,
+        body_timeout=args.body_timeout,
+        header_timeout=args.header_timeout,
+        policy=args.policy,
+        block_tokens=args.block_size,
+        transfer_token=token,
+    )
     router = Router(config)
 
     async def main() -> None:

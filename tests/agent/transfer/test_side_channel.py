@@ -177,8 +177,14 @@ def test_digests_travel_only_to_a_keyed_client_and_bad_digest_requests_are_refus
     key = new_key()
     published = RequestDigests(key, {0: row, 3: row[::-1].copy()})
     table = {"ready": (DigestState.READY, published), "soon": (DigestState.PENDING, None)}
-    srv = SideChannelServer("127.0.0.1", 0, "fp", {0: (META, b"agent-0")}, keys=keys,
-                            digests=lambda rid: table.get(rid, (DigestState.UNKNOWN, None))).start()  # fmt: skip
+    srv = SideChannelServer(
+        "127.0.0.1",
+        0,
+        "fp",
+        {0: (META, b"agent-0")},
+        keys=keys,
+        digests=lambda rid: table.get(rid, (DigestState.UNKNOWN, None)),
+    ).start()
     try:
         state, found = client(srv, keys).digests("ready", srv.token("ready"))
         assert state is DigestState.READY
