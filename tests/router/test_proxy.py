@@ -178,23 +178,32 @@ def closed_port_endpoint(name: str) -> Obj:
     return {"pod": name, "ip": "127.0.0.1", "httpPort": port, "pairing": "k"}
 
 
-@pytest.fixture
-async def rig() -> AsyncIterator[Rig]:
-    prefill = [FakeEngine("prefill-0"), FakeEngine("prefill-1")]
-    decode = [FakeEngine("decode-0")]
-    for engine in prefill + decode:
+@contextlib.asynccontextmanager
+async def running_rig(config: RouterConfig, prefill: list[str], decode: list[str]) -> AsyncIterator[Rig]:
+    """A router set as ``config`` in front of fake engines of these names, all started and stopped here."""
+    engines = [FakeEngine(name) for name in (*prefill, *decode)]
+    for engine in engines:
         await engine.start()
-    router = Router(RouterConfig(prefill_timeout=1.0, decode_timeout=5.0, decode_idle_timeout=1.0))
+    router = Router(config)
     server = TestServer(router.app(), host="127.0.0.1")
     await server.start_server()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
-        found = Rig(router, f"http://127.0.0.1:{server.port}", session, prefill, decode)
+        found = Rig(
+            router, f"http://127.0.0.1:{server.port}", session, engines[: len(prefill)], engines[len(prefill) :]
+        )
         found.route()
         yield found
     await server.close()
-    for engine in prefill + decode:
+    for engine in engines:
         assert engine.server is not None
         await engine.server.close()
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    config = RouterConfig(prefill_timeout=1.0, decode_timeout=5.0, decode_idle_timeout=1.0)
+    async with running_rig(config, ["prefill-0", "prefill-1"], ["decode-0"]) as found:
+        yield found
 
 
 def test_prefill_gets_one_token_no_stream_and_the_remote_decode_flag() -> None:

@@ -7,35 +7,22 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
 from kvbridge_agent.core.signing import SIGNATURE_KEY, check_signature, unsigned
 from kvbridge_operator.cli.main import main
-from kvbridge_router.proxy import Router, RouterConfig
+from kvbridge_router.proxy import RouterConfig
 
-from .test_proxy import FakeEngine, Rig
+from .test_proxy import Rig, running_rig
 
 TOKEN = b"0123456789abcdef0123456789abcdef"
 
 
 @pytest.fixture
 async def signing_rig() -> AsyncIterator[Rig]:
-    prefill, decode = [FakeEngine("prefill-0")], [FakeEngine("decode-0"), FakeEngine("decode-1")]
-    for engine in prefill + decode:
-        await engine.start()
-    router = Router(RouterConfig(prefill_timeout=1.0, decode_timeout=5.0, transfer_token=TOKEN))
-    server = TestServer(router.app(), host="127.0.0.1")
-    await server.start_server()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
-        rig = Rig(router, f"http://127.0.0.1:{server.port}", session, prefill, decode)
-        rig.route()
+    config = RouterConfig(prefill_timeout=1.0, decode_timeout=5.0, transfer_token=TOKEN)
+    async with running_rig(config, ["prefill-0"], ["decode-0", "decode-1"]) as rig:
         yield rig
-    await server.close()
-    for engine in prefill + decode:
-        assert engine.server is not None
-        await engine.server.close()
 
 
 async def test_decode_gets_prefills_parameters_with_the_routers_signature(signing_rig: Rig) -> None:
