@@ -38,6 +38,7 @@ import aiohttp
 from kvbridge_agent.core.contract import PREFIX
 from kvbridge_operator.api.names import LABEL_REVISION, MANAGED_BY, router_token_secret_name, secret_name
 from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.children.transfer_token import TOKEN_KEY
 from kvbridge_operator.kube import PODS, SECRETS, STATEFUL_SETS, KubeClient
 from kvbridge_sim import pods
 
@@ -178,10 +179,11 @@ class LocalRunner:
         labels = template["metadata"].get("labels", {})
         deployment = labels.get("kvbridge.io/deployment", "")
         ip = f"127.0.0.{next(self._addresses)}"
-        keys_dir = await self._mount_keys(namespace, deployment)
+        keys_dir = await self._mount_secret(namespace, secret_name(deployment), f"{deployment}-keys")
         overrides = {"KVBRIDGE_KEYS_DIR": str(keys_dir), "KVBRIDGE_HTTP_HOST": ip}
         if any(e.get("name") == TOKEN_ENV for e in pods.engine_container(template).get("env", [])):
-            overrides[TOKEN_ENV] = str(await self._mount_token(namespace, deployment))
+            token_dir = await self._mount_secret(namespace, router_token_secret_name(deployment), f"{deployment}-token")
+            overrides[TOKEN_ENV] = str(token_dir / TOKEN_KEY)
         spec = pods.local_pod(
             template,
             pod_name,
@@ -213,9 +215,11 @@ class LocalRunner:
         self._next_core = (self._next_core + count) % len(self._cores)
         return chosen
 
-    async def _mount_keys(self, namespace: str, deployment: str) -> Path:
-        path = self.workdir / f"{namespace}-{deployment}-keys"
-        secret = await self.client.get(SECRETS, namespace, secret_name(deployment))
+    async def _mount_secret(self, namespace: str, name: str, folder: str) -> Path:
+        """A Secret's keys as files (owner-readable) in a folder of the work directory, as a kubelet mounts a Secret
+        volume: the side channel's keys, the router's token (spec.router.signTransfers)."""
+        path = self.workdir / f"{namespace}-{folder}"
+        secret = await self.client.get(SECRETS, namespace, name)
         if secret is not None and not path.exists():
             path.mkdir(parents=True)
             for key, value in secret.get("data", {}).items():
@@ -223,10 +227,6 @@ class LocalRunner:
                 target.write_bytes(base64.b64decode(value))
                 target.chmod(0o400)
         return path
-
-    async def _mount_token(self, namespace: str, deployment: str) -> Path:
-        """The router's token (spec.router.signTransfers) as the file a decode pod's engine reads."""
-        return await mount_router_token(self.client, namespace, deployment, self.workdir)
 
     def _start(self, pod: LocalPod) -> None:
         pod.process = pods.start(pod.spec, pod.log_path or Path(os.devnull))
@@ -288,13 +288,4 @@ async def router_token(client: KubeClient, namespace: str, deployment: str) -> b
     secret = await client.get(SECRETS, namespace, router_token_secret_name(deployment))
     if secret is None:
         raise RuntimeError(f"the Secret {router_token_secret_name(deployment)} is missing")
-    return base64.b64decode(secret["data"]["token"]).strip()
-
-
-async def mount_router_token(client: KubeClient, namespace: str, deployment: str, workdir: Path) -> Path:
-    """The router token written to a file under ``workdir``, what a kubelet's Secret volume gives a pod."""
-    path = workdir / f"{namespace}-{deployment}-router-token"
-    if not path.exists():
-        path.write_bytes(await router_token(client, namespace, deployment))
-        path.chmod(0o400)
-    return path
+    return base64.b64decode(secret["data"][TOKEN_KEY]).strip()
