@@ -129,7 +129,7 @@ def bench(url: str, model: str, tokenizer: Path, workload: str, args: argparse.N
 def ideal_hit_rate(args: argparse.Namespace, block: int) -> float:
     """Every prefix's first request misses; every later one hits the whole blocks of its prefix."""
     later = (args.num_prompts - args.prefixes) / args.num_prompts
-    return later * (args.prefix_len // block * block) / (args.prefix_len + args.suffix_len)
+    return float(later * (args.prefix_len // block * block) / (args.prefix_len + args.suffix_len))
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,14 +1,22 @@
 """What verified transfers cost under load, measured with vLLM's own client on real vLLM (not a test).
 
     .venv/bin/python benchmarks/verification_under_load.py [--num-prompts 256] [--input-len 400]
-        [--output-len 64] [--concurrency 16] [--rounds 2] [--json]
+        [--output-len 64] [--concurrency 16] [--rounds 6] [--json]
 
 ``kvbridge demo --serve`` runs two deployments of the tiny local model side by side, each one prefill and one
 decode pod of the CPU build with kvbridge's connector, alike but for ``spec.transfer.verification`` (``Off`` and
 ``All``), and a router in front of each. ``vllm bench serve`` sends the same workload (random prompts, a new seed
 per round, ``--max-concurrency`` requests in flight) through one router and then the other, ``--rounds`` times in
 alternation, so that drift on the machine falls on both alike. Reported per run: requests per second, output
-tokens per second, TTFT p50/p99 and failures; then ``All`` against ``Off`` (medians over the rounds).
+tokens per second, TTFT p50/p99, failures, and the CPU seconds the driven deployment's engine processes used
+per completed request (each pod's ``vllm serve`` and its descendants, read from ``/proc``), and the engines' own
+time digesting per request (``vllm:kvbridge_digest_seconds`` from their ``/metrics``).
+
+On a shared machine with few cores, throughput and TTFT drift by tens of percent between identical runs, more
+than the cost being measured. Three figures resist that drift: the *paired* ratios (each ``All`` run against the
+``Off`` run just before it, median over the rounds), the engines' CPU time per request, and — the direct one —
+the time the engines spent digesting, which is all the work verification adds to a request now that the digests
+travel with the transfer parameters (no extra exchange, no extra engine step).
 """
 
 from __future__ import annotations
@@ -22,9 +30,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
+import psutil  # type: ignore[import-untyped]
 import yaml
 
 from kvbridge_sim import tiny_model
@@ -112,6 +122,60 @@ def bench(url: str, model: str, tokenizer: Path, args: argparse.Namespace, seed:
     return dict(json.loads((workdir / name).read_text()))
 
 
+def pod_processes(deployment: str) -> list[psutil.Process]:
+    """Each of ``deployment``'s pods' ``vllm serve`` process (the one that carries the pod's environment)."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get("KVBRIDGE_ENGINE_ID", "").startswith(f"{deployment}-"):
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def flag(command: list[str], name: str, default: str) -> str:
+    return command[command.index(name) + 1] if name in command[:-1] else default
+
+
+def digest_totals(deployment: str) -> tuple[float, int]:
+    """The seconds and count of ``vllm:kvbridge_digest_seconds`` over ``deployment``'s engines, from their
+    ``/metrics`` (every request digested once on prefill and once on decode when verification is on)."""
+    seconds, count = 0.0, 0
+    for process in pod_processes(deployment):
+        command = process.cmdline()
+        if "serve" not in command:
+            continue
+        url = f"http://{flag(command, '--host', '127.0.0.1')}:{flag(command, '--port', '8000')}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            for line in answer.read().decode().splitlines():
+                if line.startswith("vllm:kvbridge_digest_seconds_sum"):
+                    seconds += float(line.rsplit(" ", 1)[1])
+                elif line.startswith("vllm:kvbridge_digest_seconds_count"):
+                    count += int(float(line.rsplit(" ", 1)[1]))
+    return seconds, count
+
+
+def engine_cpu_seconds(deployment: str) -> dict[int, float]:
+    """CPU seconds (user + system) so far of every process of ``deployment``'s pods, by process id: each pod's
+    ``vllm serve`` and its descendants (vLLM's engine core and workers retitle themselves, which hides their
+    environment)."""
+    seconds: dict[int, float] = {}
+    for process in pod_processes(deployment):
+        try:
+            for member in (process, *process.children(recursive=True)):
+                times = member.cpu_times()
+                seconds[member.pid] = times.user + times.system
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return seconds
+
+
+def cpu_used(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds used between two readings (a process started in between counts from zero)."""
+    return sum(total - before.get(pid, 0.0) for pid, total in after.items())
+
+
 def main(args: argparse.Namespace) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvbridge-verification-") as folder:
@@ -142,7 +206,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                         f"round {round_index + 1}: verification {policy}, {args.num_prompts} prompts, "
                         f"concurrency {args.concurrency}, seed {seed} ..."
                     )
+                    deployment = f"verify-{policy.lower()}"
+                    before, digests_before = engine_cpu_seconds(deployment), digest_totals(deployment)
                     result = bench(url, model, tokenizer, args, seed, workdir)
+                    cpu = cpu_used(before, engine_cpu_seconds(deployment))
+                    digests_after = digest_totals(deployment)
+                    digest_seconds = digests_after[0] - digests_before[0]
+                    digest_count = digests_after[1] - digests_before[1]
+                    completed = int(result.get("completed") or 0)
                     runs.append(
                         {
                             "round": round_index + 1,
@@ -154,6 +225,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                             "outputTokensPerSecond": round(float(result["output_throughput"]), 1),
                             "ttftP50Ms": round(float(result["p50_ttft_ms"]), 1),
                             "ttftP99Ms": round(float(result["p99_ttft_ms"]), 1),
+                            "engineCpuMsPerRequest": round(1000 * cpu / completed, 2) if completed else None,
+                            "digestMsPerRequest": round(1000 * digest_seconds / completed, 3) if completed else None,
+                            "digestsPerRequest": round(digest_count / completed, 2) if completed else None,
                         }
                     )
                     progress(f"  {runs[-1]}")
@@ -176,29 +250,40 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def compare(runs: list[dict[str, Any]]) -> dict[str, float]:
-    """``All`` against ``Off``: the ratio of the medians over the rounds."""
+    """``All`` against ``Off``: the ratio of the medians over the rounds, and the median of the per-round ratios."""
 
     def median(policy: str, key: str) -> float:
-        return statistics.median(r[key] for r in runs if r["verification"] == policy)
+        return float(statistics.median(r[key] for r in runs if r["verification"] == policy))
 
-    return {
-        "throughput": round(median("All", "requestsPerSecond") / median("Off", "requestsPerSecond"), 4),
-        "ttftP50": round(median("All", "ttftP50Ms") / median("Off", "ttftP50Ms"), 4),
-    }
+    def paired(key: str) -> float:
+        off = {r["round"]: r[key] for r in runs if r["verification"] == "Off"}
+        return float(statistics.median(r[key] / off[r["round"]] for r in runs if r["verification"] == "All"))
+
+    keys = {"throughput": "requestsPerSecond", "ttftP50": "ttftP50Ms", "engineCpuPerRequest": "engineCpuMsPerRequest"}
+    ratios: dict[str, float] = {}
+    for name, key in keys.items():
+        ratios[name] = round(median("All", key) / median("Off", key), 4)
+        ratios[f"{name}Paired"] = round(paired(key), 4)
+    return ratios
 
 
 def table(result: dict[str, Any]) -> str:
     lines = [
-        "| round | verification | req/s | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | failed |",
-        "|---|---|---|---|---|---|---|",
+        "| round | verification | req/s | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | engine CPU ms/req "
+        "| digest ms/req | digests/req | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in result["runs"]:
         lines.append(
             f"| {run['round']} | {run['verification']} | {run['requestsPerSecond']} | "
-            f"{run['outputTokensPerSecond']} | {run['ttftP50Ms']} | {run['ttftP99Ms']} | {run['failed']} |"
+            f"{run['outputTokensPerSecond']} | {run['ttftP50Ms']} | {run['ttftP99Ms']} | "
+            f"{run['engineCpuMsPerRequest']} | {run['digestMsPerRequest']} | {run['digestsPerRequest']} | "
+            f"{run['failed']} |"
         )
     ratio = result["allVersusOff"]
-    lines.append(f"\n`All` / `Off` (medians): throughput {ratio['throughput']:.3f}, TTFT p50 {ratio['ttftP50']:.3f}")
+    lines.append("\n`All` / `Off` | ratio of medians | median of paired rounds\n|---|---|---|")
+    for name in ("throughput", "ttftP50", "engineCpuPerRequest"):
+        lines.append(f"| {name} | {ratio[name]:.3f} | {ratio[name + 'Paired']:.3f} |")
     return "\n".join(lines)
 
 
@@ -208,7 +293,7 @@ if __name__ == "__main__":
     parser.add_argument("--input-len", type=int, default=400)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--seed", type=int, default=int(time.time()) % 1_000_000 * 10)
     parser.add_argument("--json", action="store_true")
     parsed = parser.parse_args()

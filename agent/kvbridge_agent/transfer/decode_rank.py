@@ -140,7 +140,6 @@ class DecodeRank:
         #: unless the engine sets one that reads its own block interior
         self.digester: Digester | None = None
         #: digest time of the last verified request (seconds), for the cost measurements
-        self.last_digest_seconds = 0.0
         self._id_buffers: tuple[DescriptorIds, DescriptorIds] = (
             np.empty(0, dtype=np.int32),
             np.empty(0, dtype=np.int32),
@@ -362,14 +361,12 @@ class DecodeRank:
     def verified(self, result: ReadResult, verify: Verify, peer: RemotePeer) -> ReadResult:
         """``result`` (a read that completed) if the digests of what this rank now holds equal prefill's; else the
         request fails with ``KV_DIGEST_MISMATCH``, naming the local blocks that differ."""
-        started = time.perf_counter()
         digester = self.digester = self.digester or Digester(self.cache)
         wire = peer.plan.wire.block_size
         got = digester.request(verify.expected.key, verify.all_blocks, verify.num_tokens, wire)
         per_local = self.cache.block_size // wire
         wrong = mismatched(verify.expected.heads, digester.heads, got)
         bad = sorted({verify.all_blocks[i // per_local] for i in wrong})
-        self.last_digest_seconds = time.perf_counter() - started
         if not bad:
             return result
         message = (f"the KV of blocks {bad[:8]}{'...' if len(bad) > 8 else ''} differs from what prefill "

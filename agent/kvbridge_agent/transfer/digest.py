@@ -19,6 +19,8 @@ dimension-major) passes a logical view instead, which costs a copy into token-ma
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -36,6 +38,8 @@ from kvbridge_agent.transfer.kv_view import global_heads, logical_layer
 LogicalView = Callable[[KVCache, torch.Tensor, int], torch.Tensor]
 #: the torch path's widened chunk, in units (float64: 8 bytes each)
 CHUNK_UNITS = 1 << 24
+#: the durations kept until an engine takes them (an engine that never does keeps the latest)
+KEPT_DURATIONS = 4096
 _INVERSE = 1.0 / PRIME
 
 
@@ -66,11 +70,19 @@ class Digester:
         #: requests' rows)
         self._regions = [] if self._logical else list(self._physical())
         self._arrays = [(units.numpy(), group) for units, group in self._regions] if self._kernel else []
+        self._seconds: deque[float] = deque(maxlen=KEPT_DURATIONS)
+
+    def take_seconds(self) -> list[float]:
+        """How long each request's digest took (seconds) since the last call, oldest first."""
+        taken = list(self._seconds)
+        self._seconds.clear()
+        return taken
 
     def request(self, key: bytes, block_ids: list[int], num_tokens: int, wire_block_size: int) -> Words:
         """``D[local head, wire block]`` under ``key`` of a request whose block ``i`` holds tokens
         ``i*bs .. i*bs+bs-1``: the first ``ceil(num_tokens / wire_block_size)`` wire blocks (what every side of
         any plan agrees on)."""
+        started = time.perf_counter()
         cache = self.cache
         wire_blocks = ceil_div(num_tokens, wire_block_size)
         if len(block_ids) * cache.block_size < num_tokens or cache.block_size % wire_block_size:
@@ -84,7 +96,9 @@ class Digester:
         count, units = self._segments
         coef = row_coefficients(key, self.width, groups).reshape(groups, LANES, count, units)
         totals = self._totals(block_ids, coef)
-        return finish(totals, key, num_tokens, wire_block_size)[:, :wire_blocks]
+        digests = finish(totals, key, num_tokens, wire_block_size)[:, :wire_blocks]
+        self._seconds.append(time.perf_counter() - started)
+        return digests
 
     # -- the rows, in the blocks' own order ----------------------------------------------------------------------
     def _totals(self, block_ids: list[int], coef: npt.NDArray[np.float64]) -> Lanes:

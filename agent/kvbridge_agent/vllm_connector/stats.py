@@ -21,10 +21,12 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 DIGESTS = "digests"
 #: each observation list: read durations (s), bytes and descriptors per read, handshake durations (s), the codes
 #: of failed reads, and a 1 per lease that ended unread (prefill) and per stale peer evicted (decode); ``held``:
-#: (TP rank, requests, bytes) a prefill rank holds for readers, each time it changes
+#: (TP rank, requests, bytes) a prefill rank holds for readers, each time it changes; ``digest_seconds``: how long
+#: each verified request's digest took on this rank
 _KEYS = ("read_seconds", "read_bytes", "read_descriptors", "handshake_seconds", "failed_reads", "expired_leases",
-         "stale_peer_evictions", "held", "digest_mismatches", DIGESTS)  # fmt: skip
+         "stale_peer_evictions", "held", "digest_mismatches", "digest_seconds", DIGESTS)  # fmt: skip
 _SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+_DIGEST_SECONDS = (0.00005, 0.0001, 0.0002, *_SECONDS)
 _DESCRIPTORS = (1, 16, 128, 1024, 4096, 16384, 65536, 262144, 1048576)
 _BYTES = tuple(float(2 ** (10 + 2 * i)) for i in range(13))  # 1 KiB .. 16 GiB
 
@@ -54,6 +56,9 @@ class KVBridgeStats(KVConnectorStats):
 
     def record_digests(self, request_id: str, heads: list[int], data: bytes) -> None:
         self.data[DIGESTS].append((request_id, heads, data))
+
+    def record_digest_seconds(self, seconds: list[float]) -> None:
+        self.data["digest_seconds"].extend(seconds)
 
     def record_digest_mismatch(self, peer: str) -> None:
         self.data["digest_mismatches"].append(peer)
@@ -93,6 +98,8 @@ class KVBridgeStats(KVConnectorStats):
                 "Throughput (MB/s)": round(float(megabytes.sum() / max(seconds.sum(), 1e-9)), 1),
                 "Avg descriptors": round(float(np.mean(self.data["read_descriptors"])), 1),
             }
+        if self.data["digest_seconds"]:
+            summary["Avg digest (ms)"] = round(float(np.mean(self.data["digest_seconds"])) * 1e3, 3)
         return summary | {
             "Failed reads": len(self.data["failed_reads"]),
             "Expired leases": len(self.data["expired_leases"]),
@@ -127,6 +134,13 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         self.read_descriptors = per_engine(histogram, "vllm:kvbridge_descriptors_per_request",
                                            "Descriptors one TP rank posted for one request.",
                                            buckets=list(_DESCRIPTORS))  # fmt: skip
+        self.digest_seconds = per_engine(
+            histogram,
+            "vllm:kvbridge_digest_seconds",
+            "One TP rank's digest of one request's KV (prefill: after the step that completed the prompt; decode: "
+            "checking what it read), on the engine's own thread.",
+            buckets=list(_DIGEST_SECONDS),
+        )
         self.handshake_seconds = per_engine(histogram, "vllm:kvbridge_handshake_seconds",
                                             "Side-channel handshake with a prefill engine, until its peer is usable.",
                                             buckets=list(_SECONDS))  # fmt: skip
@@ -155,7 +169,8 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         data = transfer_stats_data
         for metric, key in ((self.read_seconds, "read_seconds"), (self.read_bytes, "read_bytes"),
                             (self.read_descriptors, "read_descriptors"),
-                            (self.handshake_seconds, "handshake_seconds")):  # fmt: skip
+                            (self.handshake_seconds, "handshake_seconds"),
+                            (self.digest_seconds, "digest_seconds")):  # fmt: skip
             for value in data.get(key, ()):
                 metric[engine_idx].observe(value)
         for metric, key in ((self.expired_leases, "expired_leases"), (self.evictions, "stale_peer_evictions")):

@@ -366,6 +366,9 @@ class ConnectorWorker:
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose blocks prefill may free, requests whose KV decode has received)."""
+        rank = self.prefill or self.decode
+        if rank is not None and rank.digester is not None:  # the digests of the last step (decode's: checks)
+            self.stats.record_digest_seconds(rank.digester.take_seconds())
         if self.prefill is not None:
             # only the requests this rank holds: vLLM reports every finished request, most never offered
             self._finished_seen |= finished_req_ids & (self._leases.keys() | self._done_sending)

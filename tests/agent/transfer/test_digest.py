@@ -183,3 +183,14 @@ def test_a_broken_conversion_is_caught(broken: str) -> None:
         assert decode_blocks[0] in result.invalid_blocks
     finally:
         pair.close()
+
+
+def test_each_request_digest_reports_its_duration_once() -> None:
+    cache = KVCache.allocate(model(CacheKind.SPLIT), 16, role(1, 16, "HND").kv_layout, 1, 0, 8)
+    digester = Digester(cache)
+    assert digester.take_seconds() == []
+    for _ in range(3):
+        digester.request(KEY, [1, 2], 20, 16)
+    taken = digester.take_seconds()
+    assert len(taken) == 3 and all(0 < s < 5 for s in taken)
+    assert digester.take_seconds() == []

@@ -106,3 +106,17 @@ def test_held_kv_is_a_gauge_of_the_most_any_rank_holds() -> None:
     stats.record_held(1, 0, 0)
     metrics.observe(stats.to_dict(), 0)
     assert 'vllm:kvbridge_held_requests{engine="0",model_name="tiny"} 0.0' in generate_latest(registry).decode()
+
+
+def test_digest_durations_are_a_histogram_and_in_the_summary() -> None:
+    """What verification costs an engine, per request: the histogram operators compare against the step time."""
+    registry = CollectorRegistry()
+    metrics = prometheus_metrics(registry)
+    stats = KVBridgeStats()
+    stats.record_digest_seconds([0.00004, 0.0003])
+    assert stats.reduce()["Avg digest (ms)"] == pytest.approx(0.17)
+    metrics.observe(pickle.loads(pickle.dumps(stats.take())).to_dict(), 0)
+    text = generate_latest(registry).decode()
+    assert 'vllm:kvbridge_digest_seconds_count{engine="0",model_name="tiny"} 2.0' in text
+    assert 'vllm:kvbridge_digest_seconds_bucket{engine="0",le="5e-05",model_name="tiny"} 1.0' in text
+    assert "Avg digest (ms)" not in KVBridgeStats().reduce()
