@@ -186,6 +186,28 @@ def test_console_script_runs_as_a_process() -> None:
     assert json.loads(result.stdout)[0]["problems"][0]["code"] == "PREFILL_HEADS_REPLICATED"
 
 
+def test_a_reader_that_goes_away_is_not_an_invalid_input(tmp_path: Path) -> None:
+    """``kvbridge plan ... | head -1``: the first line arrives, then the command stops quietly with the status a
+    command SIGPIPE ended has (141), never 2 (invalid input)."""
+    many = tmp_path / "many.yaml"  # far more output than a pipe buffers
+    many.write_text("\n---\n".join(HETERO.read_text().replace("name: llama3-8b", f"name: n{i}") for i in range(300)))
+    plan = subprocess.Popen(
+        [sys.executable, "-m", "kvbridge_operator", "plan", "-f", str(many), "--all-ranks"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert plan.stdout is not None
+    assert plan.stderr is not None
+    first = plan.stdout.readline()
+    plan.stdout.close()  # the reader is gone; the rest does not fit the pipe's buffer
+    status = plan.wait(timeout=60)
+    err = plan.stderr.read().decode()
+    plan.stderr.close()
+    assert first.startswith(b"n0: ")
+    assert status == 141, err
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize(
     ("content", "code", "message"),
     [

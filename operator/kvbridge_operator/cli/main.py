@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_INCOMPATIBLE = 1
 EXIT_INVALID = 2
+#: the reader of stdout went away (``| head``): what a shell reports for a command SIGPIPE ended (128 + 13)
+EXIT_CLOSED_PIPE = 141
 
 
 def _positive(text: str) -> int:
@@ -424,9 +426,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         status: int = args.func(args)
     except BrokenPipeError:
-        # the reader went away (e.g. `| head`): stop quietly, as other CLIs do
+        # the reader went away (e.g. `| head`): stop quietly with the status a command SIGPIPE ends has, never the
+        # status of an invalid input (the input was fine, and what was read of the output is correct)
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps interpreter shutdown from failing again
-        return EXIT_INVALID
+        return EXIT_CLOSED_PIPE
     return status
 
 
