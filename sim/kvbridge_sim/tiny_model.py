@@ -28,7 +28,13 @@ VOCAB = 1024
 MAX_POSITIONS = 1024
 SEED = 1234
 #: bumped whenever what :func:`make` writes changes, so a cached folder is rebuilt
-RECIPE = 1
+RECIPE = 2
+#: a plain role-tagged chat format, so OpenAI clients' ``chat.completions`` work against the demo (transformers
+#: refuses to guess a template for a tokenizer without one)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,7 @@ def make(path: Path, shape: Shape = TINY) -> Path:
     )
     tokenizer.train_from_iterator(_corpus(4000, random.Random(SEED)), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=shape.hidden, intermediate_size=4 * shape.hidden,
         num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,

@@ -33,3 +33,14 @@ def test_only_the_models_a_manifest_names_are_made_besides_the_tiny_one(
     assert sorted(folders) == sorted(made) == sorted([tiny_model.TINY.name, tiny_model.SMALL.name])
     assert models_for([{"spec": {"engine": {"kind": "Agent"}}}], tmp_path) == {}
     assert models_for([{"spec": None}], tmp_path) == {tiny_model.TINY.name: str(tmp_path / "tiny-llama")}
+
+
+def test_the_tokenizer_has_a_chat_template(tmp_path: Path) -> None:
+    """OpenAI clients' ``chat.completions`` against the demo need one (transformers no longer guesses it)."""
+    from transformers import AutoTokenizer
+
+    folder = tiny_model.make(tmp_path / "tiny")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "<|system|>\nbe brief</s>\n<|user|>\nhello</s>\n<|assistant|>\n"

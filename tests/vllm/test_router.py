@@ -72,6 +72,28 @@ async def test_router_answers_as_a_single_engine_streamed_or_not(
         assert await pod_calls(session, url, "decode", "decode") == 6
 
 
+async def test_chat_completions_through_the_router_as_a_single_engine(
+    tp1_engines: Engines, session: aiohttp.ClientSession
+) -> None:
+    """What an OpenAI SDK's ``chat.completions`` sends: the local model's chat template applies on both engines,
+    and P/D answers as the decode engine alone does."""
+    model = str(tp1_engines.model)
+    decode = tp1_engines.engines["decode"]
+    body = {"model": model, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": MAX_TOKENS,
+            "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+    async with session.post(f"{decode.url}/v1/chat/completions", json=body | {"cache_salt": "chat"}) as response:
+        alone = await response.json()
+    assert response.status == 200, alone
+    async with running_router() as (router, url):
+        router.set_pool(_pool_of(tp1_engines, ["prefill-tp1"]))
+        async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+            answer = await response.json()
+        assert response.status == 200, answer
+        assert await pod_calls(session, url, "prefill", "prefill-tp1") == 1
+    assert answer["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
+    assert answer["usage"]["completion_tokens"] == MAX_TOKENS
+
+
 async def test_router_keeps_serving_while_a_prefill_pod_is_killed(
     tp1_engines: Engines, session: aiohttp.ClientSession
 ) -> None:
