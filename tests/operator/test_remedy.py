@@ -187,6 +187,23 @@ def test_every_problem_named_here_gets_the_checked_fix_its_message_offers() -> N
     assert _plan_fix(gpu) == {"spec.engine.connector": "Nixl"}
 
 
+def test_roles_that_do_not_fit_a_node_are_spread_as_their_problems_advise() -> None:
+    """Prefill TP 16 and decode TP 8 on nodes of 4 GPUs: each problem advises more nodes, and so does the checked
+    fix — not a smaller TP size for both roles (as far from the spec by size, but a different model sharding)."""
+    doc = yaml.safe_load((ROOT / "examples" / "vllm" / "deepseek-v3-h200.yaml").read_text())
+    doc["spec"]["prefill"]["tensorParallelSize"] = 16
+    doc["spec"]["placement"]["gpusPerNode"] = 4
+    dd = parse_deployment(doc)
+    problems = verdict_for(dd)
+    assert isinstance(problems, list)
+    advice = {p.field: re.search(r"set (spec\.\w+\.nodes) to (\d+)", p.message) for p in problems}
+    assert {m.group(1): int(m.group(2)) for m in advice.values() if m} == {
+        "spec.prefill.nodes": 4,
+        "spec.decode.nodes": 2,
+    }
+    assert suggested_fix(dd) == {"spec.prefill.nodes": 4, "spec.decode.nodes": 2}
+
+
 def test_no_fix_is_claimed_for_what_the_search_cannot_change() -> None:
     """A template overlay that replaces the engine's args has no fix among the searched fields: none is claimed
     (the message says what to remove)."""

@@ -6,7 +6,9 @@ for 32). :func:`suggested_fix` searches for one set of changes that clears every
 returns it only when the verdict with those changes is compatible, so the advice is never a guess.
 
 The search is a small beam search: each step changes one more field (to values near its current one) and
-keeps the states with the fewest problems left, then the fewest fields changed, then the smallest change.
+keeps the states with the fewest problems left, then the fewest fields changed, then the smallest change (a
+role's node count weighs half: spreading a role keeps its TP size). It looks one step past the first fix found,
+so a fix made of two single changes competes with a move that sets both roles at once.
 Only settings are searched: both roles' TP size, block size and layout, the KV cache dtype and cache kind,
 the conversion policy, and offending ``extraArgs`` (dropped); the model's geometry is a fact about the
 model, not a setting, and is never changed.
@@ -127,6 +129,17 @@ def _distance(old: Any, new: Any) -> float:
     return 0.0 if old == new else 1.0
 
 
+#: a change of where an engine runs (its node count) weighs half a change of what it runs (its TP size, blocks,
+#: layout): a role that does not fit a node keeps the TP size its user chose when spreading it suffices — the
+#: advice its own problem gives
+_PLACEMENT_WEIGHT = 0.5
+
+
+def _cost(path: str, old: Any, new: Any) -> float:
+    weight = _PLACEMENT_WEIGHT if path.endswith(".nodes") else 1.0
+    return weight * _distance(old, new)
+
+
 def _nearest(values: Sequence[Any], near: Any) -> list[Any]:
     """The :data:`VALUES_PER_FIELD` candidate values nearest ``near``, nearest first (stable among equals)."""
     return sorted(values, key=lambda value: _distance(near, value))[:VALUES_PER_FIELD]
@@ -177,15 +190,23 @@ def _search(
     width: int,
 ) -> dict[str, Any] | None:
     """Beam search; a state is (problems left, fields changed, distance, changes, spec, its problems). The fewest
-    fields changed, then the smallest change, among the states without problems after the first step that has
-    any."""
+    fields changed, then the smallest change, among the states without problems found by the first step that has
+    any and the step after it (a move that sets both roles changes two fields in one step: the step after finds
+    the two-field fixes made of single moves, such as spreading each role over more nodes)."""
     beam: list[State] = [(len(problems), 0, 0.0, {}, spec, problems)]
     seen: set[tuple[tuple[str, Any], ...]] = {()}
-    for _ in range(MAX_CHANGES):
-        if any(state[0] == 0 for state in beam):
+    done: list[State] = []
+    first: int | None = None
+    for step in range(MAX_CHANGES + 1):
+        done += [state for state in beam if state[0] == 0]
+        if done and first is None:
+            first = step
+        if step == MAX_CHANGES or (first is not None and step > first):
             break
         expanded: list[State] = []
         for *_, changes, state, found in beam:
+            if not found:  # solved: more changes only make it a worse fix
+                continue
             for move in _moves(_relevant(found), candidates):
                 new = {**changes, **move}
                 key = tuple(sorted((p, v) for p, v in new.items() if v != original[p]))
@@ -195,14 +216,13 @@ def _search(
                 moved = state
                 for path, value in move.items():
                     moved = _FIELDS[path][0](moved, value)
-                cost = sum(_distance(original[p], v) for p, v in key)
+                cost = sum(_cost(p, original[p], v) for p, v in key)
                 left = _problems(moved)
                 expanded.append((len(left), len(key), cost, dict(key), moved, left))
         if not expanded:
-            return None
+            break
         expanded.sort(key=lambda state: state[:3])
         beam = expanded[:width]
-    done = [state for state in beam if state[0] == 0]
     return min(done, key=lambda state: state[1:3])[3] if done else None
 
 
