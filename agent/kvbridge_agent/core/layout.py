@@ -43,6 +43,9 @@ IntArray = npt.NDArray[np.int64]
 AXES = "LBHNC"
 L, B, H, N, C = range(5)
 
+#: the most runs one block may be cut into (layers x heads x tokens): a bound on the plan's work for a peer's layout
+MAX_RUNS_PER_BLOCK = 1 << 22
+
 # Stable error codes of layout descriptions.
 LAYOUT_INCONSISTENT = "LAYOUT_INCONSISTENT"
 LAYOUT_MISMATCH = "LAYOUT_MISMATCH"
@@ -145,6 +148,8 @@ def layout_problem(
     """Why strides cannot be ``order`` over ``shape`` (empty when they can)."""
     if any(size < 1 for size in shape):
         return f"every axis needs at least one element, got shape {shape} over {AXES}"
+    if shape[L] * shape[H] * shape[N] > MAX_RUNS_PER_BLOCK:
+        return f"{shape[L]} layers x {shape[H]} heads x {shape[N]} tokens exceed {MAX_RUNS_PER_BLOCK} per block"
     if strides[C] != 1:
         return f"the content axis must be contiguous (byte stride 1), got {strides[C]}"
     end = shape[C]
@@ -205,10 +210,10 @@ def paired_runs(
     content of run ``i`` of the target (see the module's docstring for the choice)."""
     s_first, s_end = _head_range(source, source_heads, "source")
     t_first, t_end = _head_range(target, target_heads, "target")
-    for axis, name in ((L, "layers"), (N, "block size in tokens"), (C, "content bytes per token and head")):
+    for axis, name in ((L, "layers"), (N, "tokens per (kernel) block"), (C, "content bytes per token and head")):
         if source.shape[axis] != target.shape[axis]:
             raise SpecError(
-                f"the source's {name} ({source.shape[axis]}) differ from the target's ({target.shape[axis]})",
+                f"{name}: the source has {source.shape[axis]}, the target {target.shape[axis]}",
                 field=f"kvCacheLayout.shape.{AXES[axis]}",
                 code=LAYOUT_MISMATCH,
             )
@@ -251,6 +256,15 @@ def paired_runs(
 def block_runs(layout: PhysicalLayout, heads: tuple[int, int] | None = None) -> BlockRuns:
     """The maximal contiguous byte runs of one block (of a head range), in logical order of their first byte."""
     return paired_runs(layout, layout, heads, heads)[0]
+
+
+def kernel_blocks(block_ids: IntArray, ratio: int) -> IntArray:
+    """The kernel blocks of ``block_ids`` when an engine's kernels split each block into ``ratio`` (vLLM's kernel
+    block size below the block size): block ``b`` is kernel blocks ``b*ratio .. b*ratio + ratio - 1``, in token
+    order."""
+    if ratio == 1:
+        return block_ids
+    return (block_ids[:, None] * ratio + np.arange(ratio, dtype=np.int64)[None, :]).ravel()
 
 
 def run_regions(runs: BlockRuns, origin: int = 0) -> RegionLayout:

@@ -173,3 +173,50 @@ def test_mismatched_shapes_and_head_ranges_are_refused() -> None:
 
 def test_cross_layer_orders() -> None:
     assert [o.value for o in ORDERS if o.cross_layer] == ["BLHNC", "BLNHC", "BHLNC"]
+
+
+def test_rank_metadata_carries_a_physical_layout_only_when_there_is_one() -> None:
+    from kvbridge_agent.core.handshake import (
+        MALFORMED_MESSAGE,
+        HandshakeError,
+        RankMetadata,
+        decode_reply,
+        encode_reply,
+    )
+
+    fields = {
+        "engineId": "p",
+        "incarnation": "i",
+        "agentName": "a",
+        "tpRank": 0,
+        "tpSize": 1,
+        "blockSize": 16,
+        "kvLayout": "HND",
+        "cacheKind": "Split",
+        "numBlocks": 8,
+        "tensorBases": [4096],
+        "regionBlockBytes": 512,
+        "wireBlockSize": 16,
+        "wireLayout": "HND",
+        "memoryType": "DRAM",
+        "deviceId": 0,
+    }
+    meta = RankMetadata.model_validate(fields)
+    frames = encode_reply("f", meta, b"agent")
+    assert b"physicalLayout" not in frames[1]  # caches without one encode as before
+    layout = PhysicalLayout.dense(PhysicalOrder.BHLNC, 2, 8, 2, 16, 16)
+    with_layout = meta.model_copy(update={"physical_layout": layout})
+    assert decode_reply(encode_reply("f", with_layout, b"agent"), "f")[0].physical_layout == layout
+    lying = encode_reply("f", with_layout, b"agent")
+    lying[1] = lying[1].replace(b'"order":"BHLNC"', b'"order":"LBHNC"')
+    with pytest.raises(HandshakeError) as caught:
+        decode_reply(lying, "f")
+    assert caught.value.code == MALFORMED_MESSAGE
+
+
+def test_kernel_blocks_of_a_block_follow_in_token_order() -> None:
+    from kvbridge_agent.core.layout import kernel_blocks
+
+    ids = np.asarray([3, 0], dtype=np.int64)
+    assert kernel_blocks(ids, 1) is ids
+    assert kernel_blocks(ids, 4).tolist() == [12, 13, 14, 15, 0, 1, 2, 3]
