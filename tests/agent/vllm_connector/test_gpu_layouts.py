@@ -166,6 +166,7 @@ def transfer(
     block: int = BLOCK,
     kernel: int | None = None,
     decode_kernel: int | None = None,
+    decode_per_layer: bool = False,
 ) -> Outcome:
     ratio = 1 if kernel is None else block // kernel
     count = -(-TOKENS // block)
@@ -186,7 +187,7 @@ def transfer(
     decode = ConnectorWorker(decode_scheduler.settings, 0, "inc-decode")
     opened.append(decode)
     decode_views = allocate(decode_layout, block, decode_kernel or kernel)
-    decode.register(decode_views, decode_layout.name)
+    decode.register(decode_views, None if decode_per_layer else decode_layout.name)
     assert decode.decode is not None
     results: list[ReadResult] = []
     polled = decode.decode.poll
@@ -404,3 +405,13 @@ def test_overlaid_cache_groups_are_one_registration_with_a_layout_each(layout: K
         assert group.physical.shape == shape
         assert group.physical.order.value == layout.name
         assert group.origin == 0
+
+
+def test_a_physical_layout_prefill_and_a_per_layer_decode_fail_the_request_typed(closing: list[Any]) -> None:
+    """Decode attaches its cache the CPU build's way (per layer, no layout) while prefill publishes a physical
+    layout: the handshake says the two block interiors differ (CPU attention's against the layout's), so decode
+    refuses the peer and the request fails, typed, before any READ."""
+    outcome = transfer(KVCacheLayout.LBHNC, KVCacheLayout.LBHNC, closing, decode_per_layer=True)
+    assert outcome.results == []
+    assert outcome.failures == ["BLOCK_INTERIOR_MISMATCH"]
+    assert outcome.load_errors == set(outcome.decode_blocks)
