@@ -2,6 +2,9 @@
 
 Imports nothing but pydantic and numpy, so the operator can use it and the
 plan math is testable in microseconds.
+
+``geometry`` numbers a rank's regions by cache kind; ``layout`` describes vLLM's physical layouts
+(``KVCacheLayout``) as byte strides and pairs two sides' contiguous runs.
 """
 
 from .blocks import MappedBlocks, blocks_for_tokens, descriptor_ids, map_request_blocks, wire_block_ids

@@ -26,7 +26,8 @@ from enum import StrEnum
 from pydantic import Field, ValidationError
 
 from .digest import KEY_BYTES, RequestDigests, from_bytes, to_bytes
-from .errors import KVBridgeError
+from .errors import KVBridgeError, SpecError
+from .layout import PhysicalLayout
 from .model import CacheKind, CamelModel, KVLayout
 
 #: 2: heartbeats and digest requests carry each request's lease token (a request's capability, §5)
@@ -94,6 +95,12 @@ class RankMetadata(CamelModel):
         description="How the engine's kernel arranges a block's bytes where ``kv_layout`` does not say it all "
         "(vLLM's CPU attention kernel); both sides must agree. Empty: as ``kv_layout`` says.",
     )  # fmt: skip
+    physical_layout: PhysicalLayout | None = Field(
+        default=None,
+        description="The cache's physical layout (vLLM's KVCacheLayout as byte strides, docs/protocol.md §1b) when "
+        "the engine handed strided views of one allocation; ``tensor_bases`` then holds the address of logical "
+        "(0, 0, 0, 0, 0). Left out of the message when absent, so caches without one encode as before.",
+    )
 
 
 def _dump(obj: object) -> bytes:
@@ -176,7 +183,7 @@ def decode_request(frames: Sequence[bytes], fingerprint: str) -> tuple[MessageTy
 
 def encode_reply(fingerprint: str, metadata: RankMetadata, agent_metadata: bytes) -> list[bytes]:
     header = {"version": ENVELOPE_VERSION, "fingerprint": fingerprint}
-    return [_dump(header), metadata.model_dump_json(by_alias=True).encode(), agent_metadata]
+    return [_dump(header), metadata.model_dump_json(by_alias=True, exclude_none=True).encode(), agent_metadata]
 
 
 def encode_digest_reply(
@@ -256,6 +263,8 @@ def decode_reply(frames: Sequence[bytes], fingerprint: str) -> tuple[RankMetadat
         raise HandshakeError(
             f"payload does not match the metadata schema: {exc.errors()[0]['msg']}", code=MALFORMED_MESSAGE
         ) from exc
+    except SpecError as exc:  # a physical layout whose strides contradict its order
+        raise HandshakeError(f"payload describes an impossible layout: {exc.message}", code=MALFORMED_MESSAGE) from exc
     if not frames[2]:
         raise HandshakeError("reply carries no NIXL agent metadata", code=MALFORMED_MESSAGE)
     return metadata, frames[2]

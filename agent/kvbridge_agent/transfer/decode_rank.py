@@ -40,9 +40,10 @@ from kvbridge_agent.core.handshake import (
     RankMetadata,
     notification,
 )
+from kvbridge_agent.core.layout import BlockRuns, kernel_blocks, paired_runs, run_regions
 from kvbridge_agent.transfer.descriptors import descriptor_rows
 from kvbridge_agent.transfer.digest import Digester
-from kvbridge_agent.transfer.kv_cache import KVCache
+from kvbridge_agent.transfer.kv_cache import LAYOUT_UNSUPPORTED, KVCache
 from kvbridge_agent.transfer.peers import STALE_PEER
 from kvbridge_agent.transfer.relayout import Converter, convert_for_side
 from kvbridge_agent.transfer.transport import Transport, TransportError
@@ -65,8 +66,14 @@ class RemotePeer:
     rank_plan: DecodeRankPlan
     agents: dict[int, str]
     remote_units: int  # descriptor units per region on the prefill side
+    #: descriptors per block and read (regions of the cache kind, or the paired runs of two physical layouts)
+    regions: int
+    #: kernel blocks per block of both physical layouts (vLLM's kernel block size below the block size)
+    kernel_ratio: int = 1
     #: per read of the rank plan: (remote prepped list, local prepped list)
     lists: list[tuple[Any, Any]] = field(default_factory=list)
+    #: bytes of one descriptor of each list
+    lengths: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -133,7 +140,7 @@ class DecodeRank:
         self.settings = settings
         self.transfer = transfer
         self.peers: dict[str, RemotePeer] = {}
-        self._local_lists: dict[tuple[int, int, int], Any] = {}
+        self._local_lists: dict[tuple[int, int, int] | BlockRuns, Any] = {}
         self._in_flight: dict[str, _InFlight] = {}
         self._zombies: list[Any] = []  # transfer handles NIXL could not cancel yet
         #: the transfer digest of this cache (core.digest): made from the cache's geometry when first needed,
@@ -182,10 +189,15 @@ class DecodeRank:
                 raise HandshakeError(
                     f"prefill rank {p} reports different settings than rank {first.tp_rank}", code=PEER_INCOMPATIBLE
                 )
-        peer = RemotePeer(engine_id, incarnation, plan, rank_plan, {}, first.num_blocks * plan.split_ratio)
+        regions = self.cache.layout.num_regions
+        peer = RemotePeer(engine_id, incarnation, plan, rank_plan, {}, first.num_blocks * plan.split_ratio, regions)
         try:
             for p in rank_plan.handshake_ranks:
                 peer.agents[p] = self.transport.add_peer(ranks[p][1])
+            if self.cache.physical is not None or first.physical_layout is not None:
+                self._add_physical_lists(peer, ranks)
+                self.peers[engine_id] = peer
+                return peer
             for read in rank_plan.reads:
                 meta = ranks[read.prefill_rank][0]
                 remote_layout = region_layout(
@@ -209,11 +221,78 @@ class DecodeRank:
                 )  # fmt: skip
                 remote = self.transport.prep(peer.agents[read.prefill_rank], rows, meta.memory_type.value)
                 peer.lists.append((remote, self._local_list(plan, read.local_offset, read.length)))
+                peer.lengths.append(read.length)
         except BaseException:
             self._drop(peer)
             raise
         self.peers[engine_id] = peer
         return peer
+
+    def _add_physical_lists(self, peer: RemotePeer, ranks: dict[int, tuple[RankMetadata, bytes]]) -> None:
+        """Both caches have physical layouts (docs/protocol.md §1b): one descriptor per paired run of a block, the
+        runs cut where both layouts are contiguous and in the same order (one per block for a cross-layer layout
+        on both sides). Served for equal TP sizes and block sizes; anything else is refused, typed."""
+        plan, rank_plan, local = peer.plan, peer.rank_plan, self.cache.physical
+        meta = ranks[rank_plan.reads[0].prefill_rank][0]
+        remote = meta.physical_layout
+        if local is None or remote is None:
+            raise HandshakeError(
+                f"prefill engine {peer.engine_id} {'has' if remote else 'has no'} physical KV layout and this decode "
+                f"{'has' if local else 'has no'}: run both roles on the same engine build and KV layout kind",
+                code=PEER_INCOMPATIBLE,
+            )
+        if plan.tp_ratio != 1 or plan.wire.conversions or len(rank_plan.reads) != 1:
+            raise HandshakeError(
+                f"prefill engine {peer.engine_id} runs TP {plan.prefill.tensor_parallel_size} with {meta.block_size}-"
+                f"token blocks, this decode TP {plan.decode.tensor_parallel_size} with {plan.decode.block_size}: "
+                "kvbridge moves vLLM's physical layouts only between equal TP sizes and block sizes so far",
+                code=LAYOUT_UNSUPPORTED,
+            )
+        try:
+            remote_runs, local_runs = paired_runs(remote, local)
+        except KVBridgeError as exc:
+            raise HandshakeError(f"prefill engine {peer.engine_id}: {exc.message}", code=PEER_INCOMPATIBLE) from exc
+        if len(meta.tensor_bases) != 1:
+            raise HandshakeError("a physical layout has one base address", code=PEER_INCOMPATIBLE)
+        if remote.num_blocks != meta.num_blocks * self.cache.kernel_ratio:
+            raise HandshakeError(
+                f"prefill engine {peer.engine_id} splits its {meta.num_blocks} blocks into {remote.num_blocks} kernel "
+                f"blocks, this decode into {self.cache.kernel_ratio} per block: run one kernel block size on both",
+                code=PEER_INCOMPATIBLE,
+            )
+        remote_regions = run_regions(remote_runs)
+        rows = descriptor_rows(
+            meta.tensor_bases,
+            remote_regions,
+            remote.num_blocks,
+            units_per_block=1,
+            offset=0,
+            length=remote_runs.length,
+            device_id=meta.device_id,
+        )
+        handle = self.transport.prep(peer.agents[rank_plan.reads[0].prefill_rank], rows, meta.memory_type.value)
+        peer.lists.append((handle, self._local_runs_list(local_runs)))
+        peer.lengths.append(local_runs.length)
+        peer.regions = local_runs.count
+        peer.remote_units = remote.num_blocks
+        peer.kernel_ratio = self.cache.kernel_ratio
+
+    def _local_runs_list(self, runs: BlockRuns) -> Any:
+        handle = self._local_lists.get(runs)
+        if handle is None:
+            cache = self.cache
+            rows = descriptor_rows(
+                cache.bases,
+                run_regions(runs),
+                cache.num_blocks * cache.kernel_ratio,
+                units_per_block=1,
+                offset=0,
+                length=runs.length,
+                device_id=cache.device_id,
+            )
+            handle = self.transport.prep("", rows, cache.memory_type.value)
+            self._local_lists[runs] = handle
+        return handle
 
     def _local_list(self, plan: TransferPlan, offset: int, length: int) -> Any:
         key = (plan.block_size_ratio, offset, length)
@@ -272,12 +351,13 @@ class DecodeRank:
         plan, rank_plan = peer.plan, peer.rank_plan
         try:
             mapped = map_request_blocks(local_blocks, params.remote_block_ids, plan.block_size_ratio)
-            regions = self.cache.layout.num_regions
-            local_units = self.cache.num_blocks * plan.block_size_ratio
-            count = regions * mapped.local.size
+            regions, ratio = peer.regions, peer.kernel_ratio
+            local_units = self.cache.num_blocks * plan.block_size_ratio * ratio
+            local_units_read = kernel_blocks(mapped.local, ratio)
+            count = regions * local_units_read.size
             local_buf, remote_buf = self._buffers(count)
-            local_ids = descriptor_ids(mapped.local, regions, local_units, out=local_buf)
-            remote_ids = descriptor_ids(mapped.remote, regions, peer.remote_units, out=remote_buf)
+            local_ids = descriptor_ids(local_units_read, regions, local_units, out=local_buf)
+            remote_ids = descriptor_ids(kernel_blocks(mapped.remote, ratio), regions, peer.remote_units, out=remote_buf)
         except BlockMappingError as exc:
             return ReadResult(request_id, False, exc.code, exc.message, list(local_blocks))
         ids_us = (time.perf_counter() - started) * 1e6
@@ -297,7 +377,7 @@ class DecodeRank:
                 for handle in handles:
                     self.transport.post(handle)
                 nixl_post_us = (time.perf_counter() - posting) * 1e6
-                total_bytes = sum(read.length for read in rank_plan.reads) * local_ids.size
+                total_bytes = sum(peer.lengths) * local_ids.size
             for p in rank_plan.notify_only_ranks:
                 self.transport.notify(peer.agents[p], note)
         except (TransportError, KVBridgeError) as exc:

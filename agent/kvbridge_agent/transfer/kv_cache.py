@@ -1,8 +1,9 @@
-"""One TP rank's KV cache as torch tensors, in the tensor order the core's geometry expects."""
+"""One TP rank's KV cache as torch tensors, in the tensor order the core's geometry expects — or, for an engine
+that hands strided views of one allocation (vLLM's ``KVCacheLayout``), the allocation and its physical layout."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -10,7 +11,12 @@ import torch
 from kvbridge_agent.core import KVLayout, ModelGeometry, RegionLayout, SpecError, region_layout
 from kvbridge_agent.core.geometry import heads_local
 from kvbridge_agent.core.handshake import MemoryType
+from kvbridge_agent.core.layout import PhysicalLayout, PhysicalOrder, block_runs, run_regions
 from kvbridge_agent.core.model import CacheKind
+from kvbridge_agent.transfer.allocations import describe_views
+
+#: a physical-layout cache the connector cannot serve yet (stable code, docs/troubleshooting.md)
+LAYOUT_UNSUPPORTED = "LAYOUT_UNSUPPORTED"
 
 
 def distinct_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -36,6 +42,14 @@ class KVCache:
     num_blocks: int
     tensors: list[torch.Tensor]
     layout: RegionLayout
+    #: for a cache attached from views (:meth:`attach_views`): its physical layout, whose logical
+    #: ``(0, 0, 0, 0, 0)`` lies ``origin`` bytes into ``tensors[0]`` (the allocation); ``layout`` then numbers
+    #: the layout's own runs of a block as regions
+    physical: PhysicalLayout | None = None
+    origin: int = 0
+    #: kernel blocks per block (vLLM's kernel block size below the block size): the physical layout's blocks are
+    #: kernel blocks, block ``b`` is kernel blocks ``b*ratio + j``
+    kernel_ratio: int = 1
 
     @classmethod
     def attach(
@@ -73,6 +87,65 @@ class KVCache:
         return cls(model, block_size, kv_layout, tp_size, tp_rank, num_blocks, kept, layout)
 
     @classmethod
+    def attach_views(
+        cls,
+        model: ModelGeometry,
+        block_size: int,
+        tp_size: int,
+        tp_rank: int,
+        views: Mapping[str, torch.Tensor],
+        order: PhysicalOrder,
+    ) -> KVCache:
+        """Use an engine's per-layer ``[B, H, N, C]`` views of one allocation, laid out as ``order`` declares
+        (vLLM's resolved ``KVCacheLayout``): the allocation is registered once, the bytes addressed by strides."""
+        viewed = describe_views(views, order)
+        physical = viewed.physical
+        element = model.element_bytes
+        wanted = (
+            ("spec.model.numLayers", physical.num_layers, model.num_layers, "layers"),
+            ("spec.model.numKVHeads", physical.num_heads, heads_local(model, tp_size), "KV heads on this rank"),
+            ("kv_caches.content", physical.content_bytes, 2 * model.head_dim * element, "content bytes per token"),
+        )
+        if model.is_mla:
+            raise SpecError(
+                "an MLA cache attached from views is not supported yet",
+                field="spec.model.attention",
+                code=LAYOUT_UNSUPPORTED,
+            )
+        for field, have, want, what in wanted:
+            if have != want:
+                raise SpecError(
+                    f"vLLM's views hold {have} {what}, the model geometry says {want}: the contract's model "
+                    "(layers, KV heads, head dimension, dtype) must be the one vLLM serves",
+                    field=field,
+                    code="INVALID_KV_TENSOR",
+                )
+        ratio = block_size // physical.block_size
+        if block_size % physical.block_size or physical.num_blocks % ratio:
+            raise SpecError(
+                f"vLLM's views hold {physical.num_blocks} kernel blocks of {physical.block_size} tokens, which do not "
+                f"split {block_size}-token blocks evenly",
+                field="spec.blockSize",
+                code=LAYOUT_UNSUPPORTED,
+            )
+        allocation = viewed.allocations[0]
+        tensors = [allocation.tensor]
+        layout = run_regions(block_runs(physical))
+        return cls(
+            model=model,
+            block_size=block_size,
+            kv_layout=KVLayout.HND,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            num_blocks=physical.num_blocks // ratio,
+            tensors=tensors,
+            layout=layout,
+            physical=physical,
+            origin=viewed.origin,
+            kernel_ratio=ratio,
+        )
+
+    @classmethod
     def allocate(
         cls,
         model: ModelGeometry,
@@ -91,6 +164,9 @@ class KVCache:
 
     @property
     def bases(self) -> list[int]:
+        """Where the regions' offsets count from: each tensor's start (a physical layout's logical origin)."""
+        if self.physical is not None:
+            return [self.tensors[0].data_ptr() + self.origin]
         return [t.data_ptr() for t in self.tensors]
 
     @property

@@ -72,6 +72,7 @@ class PrefillRank:
             wire_layout=self.plan.wire.layout,
             memory_type=cache.memory_type,
             device_id=cache.device_id,
+            physical_layout=cache.physical,
         )
 
     def offer(

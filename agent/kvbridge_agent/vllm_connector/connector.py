@@ -32,6 +32,17 @@ def incarnation(vllm_config: Any) -> str:
     return hashlib.sha256(seed.encode()).hexdigest()[:16]
 
 
+def resolved_layout(vllm_config: Any) -> str | None:
+    """The ``KVCacheLayout`` vLLM resolved for the cache, by name, where kvbridge reads the views by their strides;
+    ``None`` on vLLM's CPU build, whose attention kernel keeps its own block interior (kvbridge's per-layer path,
+    ``cpu_blocks``)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return None
+    return str(vllm_config.cache_config.get_resolved_kv_cache_layout().name)
+
+
 class KVBridgeConnector(KVConnectorBase_V1):
     """kvbridge's KV transfer inside vLLM: CURVE side channel, the plan from the core once per prefill engine,
     NIXL READs, leases carried in ``kv_transfer_params``, stale-peer eviction."""
@@ -66,7 +77,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     # -- worker ------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker_half().register(kv_caches)
+        self._worker_half().register(kv_caches, resolved_layout(self._vllm_config))
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self._worker.handshake_metadata() if self._worker is not None else None

@@ -1,6 +1,8 @@
 """The connector's worker half: one TP rank's vLLM KV cache on kvbridge's rank machinery.
 
-vLLM's KV tensors are attached as they are (no copy): a prefill rank is a
+vLLM's KV tensors are attached as they are (no copy) — off vLLM's CPU build as the strided views of one allocation
+that vLLM's resolved ``KVCacheLayout`` describes (``transfer.allocations``, docs/protocol.md §1b), on it per layer
+as its CPU attention keeps them — and a prefill rank is a
 :class:`~kvbridge_agent.transfer.prefill_rank.PrefillRank`, a decode rank a
 :class:`~kvbridge_agent.transfer.decode_rank.DecodeRank` — the same classes the synthetic worker runs. Decode
 handshakes with a prefill engine the first time it meets it (and again when the engine restarted: a new
@@ -34,13 +36,14 @@ from kvbridge_agent.core.digest import (
     to_bytes,
 )
 from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams
+from kvbridge_agent.core.layout import PhysicalOrder
 from kvbridge_agent.core.plan import build_plan
 from kvbridge_agent.core.tp import handshake_ranks
 from kvbridge_agent.core.wire import ConversionKind
 from kvbridge_agent.transfer.decode_rank import DecodeRank, ReadResult, Verify
 from kvbridge_agent.transfer.digest import Digester
 from kvbridge_agent.transfer.keys import CurveKeys, load_keys
-from kvbridge_agent.transfer.kv_cache import KVCache, distinct_tensors
+from kvbridge_agent.transfer.kv_cache import LAYOUT_UNSUPPORTED, KVCache, distinct_tensors
 from kvbridge_agent.transfer.peers import (
     LEASE_EXPIRED,
     PrefillRanks,
@@ -81,6 +84,31 @@ def transfer_geometry(model: ModelGeometry, tensors: list[Any], tp_size: int) ->
             )  # fmt: skip
         return model.model_copy(update={"num_kv_heads": 2 * model.num_kv_heads})
     return model
+
+
+def physical_order(layout: str) -> PhysicalOrder:
+    """kvbridge's name of vLLM's resolved ``KVCacheLayout`` (its member name, e.g. ``"BLHNC"``)."""
+    try:
+        return PhysicalOrder(layout)
+    except ValueError as exc:
+        raise SpecError(
+            f"vLLM resolved the KV cache layout {layout!r}; kvbridge knows {', '.join(o.value for o in PhysicalOrder)}",
+            field="kv_cache_layout",
+            code=LAYOUT_UNSUPPORTED,
+        ) from exc
+
+
+def refuse_physical_plan(plan: TransferPlan) -> None:
+    """What kvbridge moves on vLLM's physical layouts so far: equal TP sizes and block sizes (no conversion)."""
+    if plan.tp_ratio != 1 or plan.wire.conversions:
+        raise SpecError(
+            f"prefill TP {plan.prefill.tensor_parallel_size} with {plan.prefill.block_size}-token blocks and decode "
+            f"TP {plan.decode.tensor_parallel_size} with {plan.decode.block_size}-token blocks need a TP mapping or a "
+            "block conversion, which kvbridge does not do on vLLM's physical KV layouts yet: run equal TP sizes and "
+            "block sizes",
+            field="spec.decode.blockSize" if plan.wire.conversions else "spec.decode.tensorParallelSize",
+            code=LAYOUT_UNSUPPORTED,
+        )
 
 
 def refuse_conversions(geometry: ModelGeometry, model: ModelGeometry, plan: TransferPlan, kernel: str) -> None:
@@ -156,19 +184,28 @@ class ConnectorWorker:
         self._prefetch: dict[str, Future[RequestDigests]] = {}
 
     # -- registration --------------------------------------------------------------
-    def register(self, kv_caches: dict[str, Any]) -> None:
-        tensors = distinct_tensors(list(kv_caches.values()))  # vLLM gives them in layer order
+    def register(self, kv_caches: dict[str, Any], layout: str | None = None) -> None:
+        """Attach vLLM's KV tensors and register them with NIXL. ``layout`` is the ``KVCacheLayout`` vLLM resolved
+        for the cache (its name): the views are then read by their strides (one registration per allocation);
+        without it (vLLM's CPU build) the tensors are taken per layer, as before."""
         settings, environment = self.settings, self.settings.environment
-        self.geometry = transfer_geometry(settings.model, tensors, settings.tp_size)
         convert: Converter = convert_for_side
-        if self.geometry != settings.model:  # vLLM's CPU attention: its own block interior
-            self.kernel = cpu_kernel(tensors[0], settings.block_size, settings.model.head_dim)
-            heads = settings.model.num_kv_heads // settings.tp_size
-            convert = CPUAttentionBlocks(heads, settings.model.head_dim, tensors[0].element_size(), self.kernel)
-        cache = KVCache.attach(
-            self.geometry, settings.block_size, KVLayout.HND, settings.tp_size, self.tp_rank,
-            int(tensors[0].shape[0]), tensors,
-        )  # fmt: skip
+        if layout is not None:
+            cache = KVCache.attach_views(
+                settings.model, settings.block_size, settings.tp_size, self.tp_rank, kv_caches, physical_order(layout)
+            )
+            refuse_physical_plan(build_plan(settings.model, environment.prefill, environment.decode, settings.transfer))
+        else:
+            tensors = distinct_tensors(list(kv_caches.values()))  # vLLM gives them in layer order
+            self.geometry = transfer_geometry(settings.model, tensors, settings.tp_size)
+            if self.geometry != settings.model:  # vLLM's CPU attention: its own block interior
+                self.kernel = cpu_kernel(tensors[0], settings.block_size, settings.model.head_dim)
+                heads = settings.model.num_kv_heads // settings.tp_size
+                convert = CPUAttentionBlocks(heads, settings.model.head_dim, tensors[0].element_size(), self.kernel)
+            blocks = int(tensors[0].shape[0])
+            cache = KVCache.attach(
+                self.geometry, settings.block_size, KVLayout.HND, settings.tp_size, self.tp_rank, blocks, tensors
+            )
         transport = Transport(
             f"{environment.engine_id}-{self.incarnation}-{self.tp_rank}", environment.transfer.backends
         )
@@ -179,7 +216,7 @@ class ConnectorWorker:
             refuse_conversions(self.geometry, settings.model, plan, self.kernel)
             self.prefill = rank = PrefillRank(cache, transport, plan, environment.engine_id, self.incarnation, convert)
             metadata = self.prefill.metadata().model_copy(update={"block_interior": self.block_interior})
-            self._handshake = RankHandshake(metadata.model_dump_json(), transport.metadata())
+            self._handshake = RankHandshake(metadata.model_dump_json(exclude_none=True), transport.metadata())
         else:
             self.decode = rank = DecodeRank(cache, transport, environment.decode, settings.transfer, convert)
         if isinstance(convert, CPUAttentionBlocks):  # the digest reads keys back to token-major, real heads
@@ -187,8 +224,9 @@ class ConnectorWorker:
             rank.digester = Digester(cache, convert.logical, owned)
         elif settings.transfer.verification is not Verification.OFF:  # now: no verified request waits for numba
             rank.digester = Digester(cache)
-        log.info("kvbridge: %s rank %d registered %d KV tensor(s) of %d blocks", settings.role.value, self.tp_rank,
-                 len(cache.tensors), cache.num_blocks)  # fmt: skip
+        described = f"a {layout} layout" if layout is not None else f"{len(cache.tensors)} KV tensor(s)"
+        role = settings.role.value
+        log.info("kvbridge: %s rank %d registered %s of %d blocks", role, self.tp_rank, described, cache.num_blocks)
 
     @property
     def block_interior(self) -> str:
