@@ -79,8 +79,13 @@ async def test_chat_completions_through_the_router_as_a_single_engine(
     and P/D answers as the decode engine alone does."""
     model = str(tp1_engines.model)
     decode = tp1_engines.engines["decode"]
-    body = {"model": model, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": MAX_TOKENS,
-            "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Say something."}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
     async with session.post(f"{decode.url}/v1/chat/completions", json=body | {"cache_salt": "chat"}) as response:
         alone = await response.json()
     assert response.status == 200, alone

@@ -23,8 +23,19 @@ DIGESTS = "digests"
 #: of failed reads, and a 1 per lease that ended unread (prefill) and per stale peer evicted (decode); ``held``:
 #: (TP rank, requests, bytes) a prefill rank holds for readers, each time it changes; ``digest_seconds``: how long
 #: each verified request's digest took on this rank
-_KEYS = ("read_seconds", "read_bytes", "read_descriptors", "handshake_seconds", "failed_reads", "expired_leases",
-         "stale_peer_evictions", "held", "digest_mismatches", "digest_seconds", DIGESTS)  # fmt: skip
+_KEYS = (
+    "read_seconds",
+    "read_bytes",
+    "read_descriptors",
+    "handshake_seconds",
+    "failed_reads",
+    "expired_leases",
+    "stale_peer_evictions",
+    "held",
+    "digest_mismatches",
+    "digest_seconds",
+    DIGESTS,
+)
 _SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 _DIGEST_SECONDS = (0.00005, 0.0001, 0.0002, *_SECONDS)
 _DESCRIPTORS = (1, 16, 128, 1024, 4096, 16384, 65536, 262144, 1048576)
@@ -167,10 +178,13 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         data = transfer_stats_data
-        for metric, key in ((self.read_seconds, "read_seconds"), (self.read_bytes, "read_bytes"),
-                            (self.read_descriptors, "read_descriptors"),
-                            (self.handshake_seconds, "handshake_seconds"),
-                            (self.digest_seconds, "digest_seconds")):  # fmt: skip
+        for metric, key in (
+            (self.read_seconds, "read_seconds"),
+            (self.read_bytes, "read_bytes"),
+            (self.read_descriptors, "read_descriptors"),
+            (self.handshake_seconds, "handshake_seconds"),
+            (self.digest_seconds, "digest_seconds"),
+        ):
             for value in data.get(key, ()):
                 metric[engine_idx].observe(value)
         for metric, key in ((self.expired_leases, "expired_leases"), (self.evictions, "stale_peer_evictions")):

@@ -201,6 +201,8 @@ def test_a_prefill_worker_remembers_only_the_requests_it_holds() -> None:
     worker = ConnectorWorker(settings, 0, "inc")
 
     class Rank:  # stands in for PrefillRank: no reader ever notifies
+        digester = None
+
         def offer(
             self, request_id: str, block_ids: list[int], digest_tokens: int = 0, key: bytes = b""
         ) -> dict[int, Any]:
