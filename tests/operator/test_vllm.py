@@ -583,3 +583,18 @@ def test_plan_lists_the_unverified_default_with_its_code_field_and_fix(tmp_path:
     [entry] = json.loads(plan_cli(verified, "--json").stdout)
     assert entry["advisories"] == []
     assert "warning" not in plan_cli(verified).stdout
+
+
+def test_the_gpu_suites_deployments_render_on_this_machine() -> None:
+    """tests/gpu runs only on a GPU machine; what it starts is checked here: every case is compatible and renders
+    its connector, kv_buffer_device and verification for both roles."""
+    from tests.gpu.test_vllm_gpu import CASES, gpu_deployment
+
+    for case in CASES:
+        doc = gpu_deployment(case)
+        assert not isinstance(verdict(doc), list), case
+        for role in Role:
+            config = transfer_config(doc, role)
+            assert config["kv_connector"] == f"{case.connector}Connector"
+            assert config["kv_buffer_device"] == case.buffer
+            assert env(engine(doc, role))["KVBRIDGE_VERIFICATION"] == case.verification
