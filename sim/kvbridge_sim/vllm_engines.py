@@ -45,16 +45,23 @@ def deployment(
     extra: tuple[str, ...] = (),
     connector: str = "Nixl",
     blocks: tuple[int, int] = (32, 32),
+    device: str = "CPU",
+    verification: str | None = None,
 ) -> dict[str, Any]:
-    """A vLLM-on-CPU DisaggregatedDeployment of the tiny model: prefill TP ``prefill_tp`` -> decode TP 1."""
+    """A vLLM DisaggregatedDeployment of the tiny model, on CPUs (vLLM's CPU build) unless ``device`` says GPU:
+    prefill TP ``prefill_tp`` -> decode TP 1; ``verification`` sets spec.transfer.verification."""
     transfer: dict[str, Any] = {} if lease is None else {"leaseSeconds": lease}
+    if verification is not None:
+        transfer["verification"] = verification
+    engine: dict[str, Any] = {"kind": "VLLM", "device": device, "connector": connector}
+    if device == "CPU":
+        engine["cpuKVCacheGiB"] = 1
     return {
         "apiVersion": "kvbridge.io/v1alpha1",
         "kind": "DisaggregatedDeployment",
         "metadata": {"name": name},
         "spec": {
-            "engine": {"kind": "VLLM", "device": "CPU", "cpuKVCacheGiB": 1, "connector": connector,
-                       "extraArgs": ["--enforce-eager", "--max-model-len=512", *extra]},
+            "engine": {**engine, "extraArgs": ["--enforce-eager", "--max-model-len=512", *extra]},
             "model": {"name": MODEL_NAME, **tiny_model.GEOMETRY},
             "transfer": transfer,
             "prefill": {"replicas": 1, "tensorParallelSize": prefill_tp, "blockSize": blocks[0]},

@@ -114,6 +114,14 @@ CASES = {
     "vllm-gpu-prefill-conversion": manifest(
         "conv", engine={"kind": "VLLM"}, prefill={"blockSize": 32}, decode={"blockSize": 16}
     ),
+    "vllm-cpu-gpu-buffer": manifest(
+        "buf",
+        engine={"kind": "VLLM", "device": "CPU"},
+        transfer={"network": {"kvBufferDevice": "cuda"}},
+        prefill={"blockSize": 32},
+        decode={"blockSize": 32},
+    ),
+    "vllm-gpu-nixl-verification-all": manifest("ver", engine={"kind": "VLLM"}, transfer={"verification": "All"}),
     "mla-heads": manifest("mla", model={"attention": "MLA", "numKVHeads": 8, "headDim": 576}),
     "mla-vllm-block": manifest(
         "mla", engine={"kind": "VLLM"}, model={"attention": "MLA", "numKVHeads": 1, "headDim": 576}

@@ -302,6 +302,31 @@ async def test_cpu_mode_requests_no_gpus_and_vllm_settings_it_cannot_honour_are_
         assert children(c, name)["statefulsets"] == []
 
 
+async def test_unverified_transfers_are_said_in_the_status_and_one_warning_event() -> None:
+    """vLLM's NixlConnector with the default verification (Sampled) runs without a transfer digest: the deployment
+    is applied (refusing it would refuse the defaults), and status.advisories and a Warning event (Advisory) name
+    the code, the field and the fix, once per generation; verification Off says what runs and clears them."""
+    async with cluster() as c:
+        document = yaml.safe_load((ROOT / "examples" / "vllm" / "tiny-cpu.yaml").read_text())
+        name = document["metadata"]["name"]
+        await c.apply(document)
+        await c.wait(lambda: c.condition(name, "Compatible").get("status") == "True", what="Compatible")
+        await c.wait(lambda: bool(c.deployment(name)["status"].get("advisories")), what="status.advisories")
+        [advisory] = c.deployment(name)["status"]["advisories"]
+        assert (advisory["code"], advisory["field"]) == ("VLLM_NIXL_UNVERIFIED_SAMPLED", "spec.transfer.verification")
+        assert "spec.engine.connector: KVBridge" in advisory["message"]
+        await c.wait(lambda: "Advisory" in c.reasons(name), what="Advisory event")
+        await ready(c, name)  # pod events reconcile again: the same generation is not announced twice
+        [event] = [e for e in c.events(name) if e["reason"] == "Advisory"]
+        assert event["type"] == "Warning"
+        assert event["message"].startswith("VLLM_NIXL_UNVERIFIED_SAMPLED at spec.transfer.verification: ")
+        assert children(c, name)["statefulsets"]  # applied: an advisory refuses nothing
+        await c.patch_spec(name, {"transfer": {"verification": "Off"}})
+        await c.wait(lambda: c.deployment(name)["status"].get("observedGeneration") == 2, what="generation 2")
+        assert c.deployment(name)["status"]["advisories"] == []
+        assert len([e for e in c.events(name) if e["reason"] == "Advisory"]) == 1
+
+
 def printer_columns(obj: Obj) -> list[str]:
     """What `kubectl get dd` prints for an object, from the CRD's printer-column JSONPaths."""
     from kvbridge_operator.api.crd import crd

@@ -179,12 +179,12 @@ def test_every_problem_named_here_gets_the_checked_fix_its_message_offers() -> N
 """
     )
     assert _plan_fix(mla) == {"spec.model.numKVHeads": 1}
-    gpu = (
-        (ROOT / "examples" / "vllm" / "llama3-8b-hetero-tp.yaml")
+    gpu_buffer_on_cpu = (
+        (ROOT / "examples" / "vllm" / "tiny-cpu.yaml")
         .read_text()
-        .replace("kind: VLLM", "kind: VLLM\n    connector: KVBridge")
+        .replace("spec:\n", "spec:\n  transfer:\n    network: {kvBufferDevice: cuda}\n", 1)
     )
-    assert _plan_fix(gpu) == {"spec.engine.connector": "Nixl"}
+    assert _plan_fix(gpu_buffer_on_cpu) == {"spec.transfer.network.kvBufferDevice": "cpu"}
 
 
 def test_roles_that_do_not_fit_a_node_are_spread_as_their_problems_advise() -> None:

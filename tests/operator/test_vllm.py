@@ -20,7 +20,7 @@ import yaml
 from kvbridge_agent.core import Problem, Role
 from kvbridge_operator.api.spec import parse_deployment
 from kvbridge_operator.children.render import children, stateful_set
-from kvbridge_operator.children.verdict import verdict_for
+from kvbridge_operator.children.verdict import advisories_for, verdict_for
 from kvbridge_operator.config import OperatorConfig
 
 ROOT = Path(__file__).parents[2]
@@ -395,11 +395,80 @@ def test_nixl_pods_get_no_keys() -> None:
     assert all(m["name"] != "side-channel-keys" for m in container.get("volumeMounts", []))
 
 
-def test_the_kvbridge_connector_on_gpus_is_refused_until_it_has_run_there() -> None:
+def transfer_config(doc: dict[str, Any], role: Role) -> dict[str, Any]:
+    container = engine(doc, role)
+    config: dict[str, Any] = json.loads(flag(container["command"] + container.get("args", []), "--kv-transfer-config"))
+    return config
+
+
+def test_the_kvbridge_connector_renders_on_gpus_with_the_buffer_device_asked() -> None:
+    """engine.device GPU with connector KVBridge renders (it was refused, VLLM_KVBRIDGE_GPU): kvbridge's connector
+    on vLLM's GPU engine, its GPUs, the side-channel keys, and vLLM's kv_buffer_device from
+    spec.transfer.network.kvBufferDevice (cuda unless asked: GPUDirect RDMA; cpu: the host buffer)."""
     doc = kvbridge_connector(document("llama3-8b-hetero-tp"))
-    problems = verdict(doc)
-    assert isinstance(problems, list)
-    assert [(p.code, p.field) for p in problems] == [("VLLM_KVBRIDGE_GPU", "spec.engine.connector")]
+    assert not isinstance(verdict(doc), list)
+    for role, kv_role in ((Role.PREFILL, "kv_producer"), (Role.DECODE, "kv_consumer")):
+        assert transfer_config(doc, role) == {
+            "kv_connector": "KVBridgeConnector",
+            "kv_connector_module_path": "kvbridge_agent.vllm_connector",
+            "kv_role": kv_role,
+            "kv_buffer_device": "cuda",
+        }
+        container = engine(doc, role)
+        assert container["resources"]["limits"] == {"nvidia.com/gpu": "2" if role is Role.PREFILL else "1"}
+        assert flag(container["args"], "--attention-backend") == "FLASH_ATTN"
+        assert env(container)["KVBRIDGE_KEYS_DIR"] == OperatorConfig().keys_mount_path
+    for obj in children(parse_deployment(doc), UID, verdict(doc), OperatorConfig()):
+        kubernetes_validate.validate(obj, "1.30", strict=True)
+    doc["spec"]["transfer"] = {"network": {"kvBufferDevice": "cpu"}}  # a node without GPUDirect RDMA
+    assert not isinstance(verdict(doc), list)
+    assert {transfer_config(doc, role)["kv_buffer_device"] for role in Role} == {"cpu"}
+    nixl = document("llama3-8b-hetero-tp")  # vLLM's NixlConnector has the same host-buffer mode
+    nixl["spec"]["transfer"] = {"network": {"kvBufferDevice": "cpu"}}
+    assert {transfer_config(nixl, role)["kv_buffer_device"] for role in Role} == {"cpu"}
+
+
+def test_a_gpu_buffer_on_vllms_cpu_build_is_refused_with_the_fix() -> None:
+    for connector in ("Nixl", "KVBridge"):
+        doc = document("tiny-cpu")
+        doc["spec"]["engine"]["connector"] = connector
+        doc["spec"]["transfer"] = {"network": {"kvBufferDevice": "cuda"}}
+        problems = verdict(doc)
+        assert [(p.code, p.field) for p in problems] == [
+            ("VLLM_KV_BUFFER_DEVICE", "spec.transfer.network.kvBufferDevice")
+        ]
+        assert problems[0].message.endswith("set spec.transfer.network.kvBufferDevice: cpu")
+        doc["spec"]["transfer"] = {"network": {"kvBufferDevice": "cpu"}}
+        assert not isinstance(verdict(doc), list)
+        assert {transfer_config(doc, role)["kv_buffer_device"] for role in Role} == {"cpu"}
+
+
+def plan_cli(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "kvbridge_operator", "plan", "-f", str(path), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+
+#: what kvbridge plan says of kvbridge's connector on GPUs (docs/vllm.md)
+PROVEN_ON_GPU = (
+    "vLLM's GPU KV cache layouts proven with vLLM's own allocator on host memory (real NIXL on DRAM); "
+    "not yet run on GPU hardware"
+)
+
+
+def test_plan_says_where_the_kvbridge_connector_was_proven_on_gpus(tmp_path: Path) -> None:
+    """kvbridge plan states plainly what was run where, in the text and the JSON (engine.proven): on GPUs, vLLM's
+    GPU layouts with vLLM's allocator on host memory, not GPU hardware."""
+    path = tmp_path / "gpu-kvbridge.yaml"
+    path.write_text(yaml.safe_dump(kvbridge_connector(document("llama3-8b-hetero-tp"))))
+    done = plan_cli(path, "--json")
+    assert done.returncode == 0, done.stderr
+    [entry] = json.loads(done.stdout)
+    engine_json = {"kind": "VLLM", "device": "GPU", "connector": "KVBridge", "kvBufferDevice": "cuda"}
+    assert entry["engine"] == {**engine_json, "proven": PROVEN_ON_GPU}
+    assert entry["vllm"]["prefill"]["kvTransferConfig"]["kv_buffer_device"] == "cuda"
+    assert f"  KVBridgeConnector on GPU: {PROVEN_ON_GPU}" in plan_cli(path).stdout.splitlines()
+    [nixl] = json.loads(plan_cli(ROOT / "examples" / "vllm" / "tiny-cpu.yaml", "--json").stdout)
+    assert nixl["engine"] == {"kind": "VLLM", "device": "CPU", "connector": "Nixl", "kvBufferDevice": "cpu"}
 
 
 @pytest.mark.parametrize("blocks", [(32, 64), (64, 32), (32, 128)])
@@ -426,13 +495,13 @@ def test_kvbridge_on_cpu_refuses_replicated_heads() -> None:
 
 
 def test_the_advice_for_a_prefill_conversion_does_not_loop() -> None:
-    """On GPUs the prefill-side conversion's advice was 'or connector: KVBridge', which is then refused (KVBridge on
-    GPUs) with advice back to Nixl: every suggestion must lead somewhere that passes."""
+    """The prefill-side conversion's advice offers a block size NixlConnector can run, or kvbridge's connector
+    (which converts on both sides, on GPUs too): every suggestion must lead somewhere that passes."""
     doc = document("llama3-8b-hetero-tp")
     doc["spec"]["prefill"]["blockSize"] = 32
     [problem] = [p for p in verdict(doc) if p.code == "VLLM_PREFILL_CONVERSION"]
-    assert "KVBridge" not in problem.message
-    assert "spec.prefill.blockSize: 16" in problem.message
+    assert "spec.prefill.blockSize: 16, or spec.engine.connector: KVBridge" in problem.message
+    assert not isinstance(verdict(kvbridge_connector(json.loads(json.dumps(doc)))), list)
     doc["spec"]["prefill"]["blockSize"] = 16
     assert not isinstance(verdict(doc), list)  # the advice, applied, passes
     on_cpu = document("tiny-cpu")
@@ -445,25 +514,87 @@ def test_the_advice_for_a_prefill_conversion_does_not_loop() -> None:
 
 def test_messages_speak_of_the_product_not_of_where_it_was_built() -> None:
     doc = document("llama3-8b-hetero-tp")
-    doc["spec"]["engine"]["connector"] = "KVBridge"
-    [problem] = [p for p in verdict(doc) if p.code == "VLLM_KVBRIDGE_GPU"]
-    assert "here" not in problem.message
-    assert "spec.engine.connector: Nixl" in problem.message
+    doc["spec"]["transfer"] = {"verification": "All"}
+    doc["spec"]["router"] = {"enabled": True, "signTransfers": True}
+    for problem in [*verdict(doc), *advisories_for(parse_deployment(document("llama3-8b-hetero-tp")).spec)]:
+        assert "here" not in problem.message
+        assert "so far" not in problem.message
 
 
 def test_verification_all_is_refused_where_the_connector_cannot_verify() -> None:
     """spec.transfer.verification: All is a promise NixlConnector cannot keep (it has no transfer digest): refused
-    with the way out; kvbridge's connector takes it, and renders it for both roles."""
-    for name, kvbridge_fix in (("tiny-cpu", True), ("llama3-8b-hetero-tp", False)):
+    with the way out, on GPUs as on CPUs; kvbridge's connector takes it, and renders it for both roles."""
+    for name in ("tiny-cpu", "llama3-8b-hetero-tp"):
         doc = document(name)
         doc["spec"]["transfer"] = {**doc["spec"].get("transfer", {}), "verification": "All"}
         [problem] = [p for p in verdict(doc) if p.code == "VLLM_NIXL_UNVERIFIED"]
         assert problem.field == "spec.transfer.verification"
-        assert ("spec.engine.connector: KVBridge" in problem.message) is kvbridge_fix
-        assert "spec.transfer.verification: Off" in problem.message
-    doc = kvbridge_connector(document("tiny-cpu"))
-    doc["spec"]["transfer"] = {"verification": "All"}
+        assert problem.message.endswith(
+            "set spec.engine.connector: KVBridge, or spec.transfer.verification: Off to run unverified"
+        )
+        fixed = kvbridge_connector(json.loads(json.dumps(doc)))  # either way out, applied, passes
+        assert not isinstance(verdict(fixed), list)
+        for role in Role:
+            assert env(engine(fixed, role))["KVBRIDGE_VERIFICATION"] == "All"
+        doc["spec"]["transfer"]["verification"] = "Off"
+        assert not isinstance(verdict(doc), list)
+
+
+@pytest.mark.parametrize("name", ["tiny-cpu", "llama3-8b-hetero-tp"])
+def test_sampled_verification_with_nixl_runs_but_is_never_dropped_silently(name: str) -> None:
+    """verification: Sampled is the default, so refusing it with NixlConnector (no transfer digest) would refuse
+    every default spec: it runs, with an advisory naming the code, the field and the fix (plan and status use
+    it); kvbridge's connector verifies, and Off says what runs: neither has one."""
+    doc = document(name)
     assert not isinstance(verdict(doc), list)
-    for role in Role:
-        env = {e["name"]: e.get("value") for e in engine(doc, role)["env"]}
-        assert env["KVBRIDGE_VERIFICATION"] == "All"
+    [advisory] = advisories_for(parse_deployment(doc).spec)
+    assert (advisory.code, advisory.field) == ("VLLM_NIXL_UNVERIFIED_SAMPLED", "spec.transfer.verification")
+    assert "run unverified" in advisory.message
+    assert advisory.message.endswith(
+        "set spec.engine.connector: KVBridge to verify, or spec.transfer.verification: Off to say so"
+    )
+    assert advisories_for(parse_deployment(kvbridge_connector(json.loads(json.dumps(doc)))).spec) == []
+    doc["spec"]["transfer"] = {**doc["spec"].get("transfer", {}), "verification": "Off"}
+    assert advisories_for(parse_deployment(doc).spec) == []
+    agent = document(name)
+    agent["spec"]["engine"] = {"kind": "Agent"}
+    assert advisories_for(parse_deployment(agent).spec) == []
+
+
+def test_plan_lists_the_unverified_default_with_its_code_field_and_fix(tmp_path: Path) -> None:
+    """kvbridge plan with NixlConnector and the default verification (Sampled): compatible (exit 0), the JSON's
+    advisories name the code, the field and the fix (also on stderr, beside the JSON), the text prints them; with
+    kvbridge's connector there is none."""
+    path = ROOT / "examples" / "vllm" / "tiny-cpu.yaml"
+    done = plan_cli(path, "--json")
+    assert done.returncode == 0, done.stderr
+    [entry] = json.loads(done.stdout)
+    [advisory] = entry["advisories"]
+    assert (advisory["code"], advisory["field"]) == ("VLLM_NIXL_UNVERIFIED_SAMPLED", "spec.transfer.verification")
+    assert "spec.engine.connector: KVBridge" in advisory["message"]
+    assert entry["verification"] == {"policy": "Off", "firstSeconds": 300, "fraction": 0.05, "supported": False}
+    assert "kvbridge plan: warning: " in done.stderr
+    assert "VLLM_NIXL_UNVERIFIED_SAMPLED at spec.transfer.verification" in done.stderr
+    text = plan_cli(path)
+    assert text.returncode == 0
+    assert "  warning: VLLM_NIXL_UNVERIFIED_SAMPLED at spec.transfer.verification" in text.stdout.splitlines()
+    verified = tmp_path / "kvbridge.yaml"
+    verified.write_text(yaml.safe_dump(kvbridge_connector(document("tiny-cpu"))))
+    [entry] = json.loads(plan_cli(verified, "--json").stdout)
+    assert entry["advisories"] == []
+    assert "warning" not in plan_cli(verified).stdout
+
+
+def test_the_gpu_suites_deployments_render_on_this_machine() -> None:
+    """tests/gpu runs only on a GPU machine; what it starts is checked here: every case is compatible and renders
+    its connector, kv_buffer_device and verification for both roles."""
+    from tests.gpu.test_vllm_gpu import CASES, gpu_deployment
+
+    for case in CASES:
+        doc = gpu_deployment(case)
+        assert not isinstance(verdict(doc), list), case
+        for role in Role:
+            config = transfer_config(doc, role)
+            assert config["kv_connector"] == f"{case.connector}Connector"
+            assert config["kv_buffer_device"] == case.buffer
+            assert env(engine(doc, role))["KVBRIDGE_VERIFICATION"] == case.verification

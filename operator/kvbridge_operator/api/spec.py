@@ -332,6 +332,13 @@ SecondaryNetwork = Annotated[
 ]
 
 
+class KVBufferDevice(StrEnum):
+    """Where NIXL moves the KV cache from and to (vLLM's ``kv_buffer_device``, in vLLM's words)."""
+
+    CUDA = "cuda"  # the KV cache in GPU memory, read and written in place: nodes with GPUDirect RDMA
+    CPU = "cpu"  # a host buffer: the KV staged through host memory, for nodes without GPUDirect RDMA
+
+
 class NetworkSpec(CamelModel):
     """What the KV data path needs between nodes on GPUs (vLLM's NixlConnector guide: UCX transports and devices;
     RDMA NICs as extended resources; pinned memory): rendered on the engine pods of both connectors."""
@@ -359,6 +366,12 @@ class NetworkSpec(CamelModel):
         description="Required: the engine container checks at start that its locked-memory hard limit is "
         "unlimited, raises the soft limit to it, and exits naming the fix if not (Kubernetes cannot set ulimits: "
         "the container runtime's default applies).",
+    )
+    kv_buffer_device: KVBufferDevice | None = Field(
+        default=None,
+        description="VLLM only: vLLM's kv_buffer_device, where NIXL moves the KV cache from and to. cuda: the KV "
+        "cache in GPU memory, read in place (nodes with GPUDirect RDMA); cpu: a host buffer, the KV staged through "
+        "host memory (GPU nodes without GPUDirect RDMA, and vLLM's CPU build). Unset: cuda on GPUs, cpu on CPUs.",
     )
     secondary_networks: list[SecondaryNetwork] = Field(
         default_factory=list, max_length=16,
@@ -514,6 +527,7 @@ __all__ = [
     "EngineKind",
     "EngineSpec",
     "KVBridgeError",
+    "KVBufferDevice",
     "RoleSpec",
     "parse_deployment",
 ]

@@ -122,6 +122,14 @@ class PlacementStatus(CamelModel):
     message: str = Field(default="", max_length=1024, description="Why it could not be made, when not.")
 
 
+class Advisory(CamelModel):
+    """Something the engines run other than the spec asks, without the spec being refused for it."""
+
+    code: str = Field(max_length=128, description="A stable code (docs/troubleshooting.md).")
+    field: str = Field(max_length=256, description="The spec field the advisory is about.")
+    message: str = Field(max_length=8192, description="What runs instead, and the fix.")
+
+
 class DisaggregatedDeploymentStatus(CamelModel):
     observed_generation: int = Field(default=0, ge=0)
     fingerprint: str = ""
@@ -135,6 +143,12 @@ class DisaggregatedDeploymentStatus(CamelModel):
     router: RouterStatus | None = Field(default=None, description="spec.router's Deployment and Service, when on.")
     inference_pool: InferencePoolStatus | None = Field(default=None, description="spec.inferencePool's objects.")
     placement: PlacementStatus | None = Field(default=None, description="spec.placement's PodGroup, when gang.")
+    advisories: list[Advisory] = Field(
+        default_factory=list,
+        max_length=64,
+        description="What the engines run other than the spec asks, without refusing it (e.g. verification with a "
+        "connector that has no transfer digest): each with its code, field and fix; kvbridge plan lists the same.",
+    )
 
     def role(self, role: Role) -> RoleStatus:
         return self.prefill if role is Role.PREFILL else self.decode

@@ -24,7 +24,12 @@ from kvbridge_agent.core import Problem
 from kvbridge_agent.core.compat import CONVERSION_OFF, MLA_KV_HEADS, check_pair
 from kvbridge_agent.core.model import CacheKind, Conversion, KVCacheDtype, KVLayout
 from kvbridge_operator.api.objects import with_fields
-from kvbridge_operator.api.spec import Connector, DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind
+from kvbridge_operator.api.spec import (
+    DisaggregatedDeployment,
+    DisaggregatedDeploymentSpec,
+    EngineKind,
+    KVBufferDevice,
+)
 from kvbridge_operator.children import network
 from kvbridge_operator.children import vllm_engine as vllm
 from kvbridge_operator.children.verdict import spec_problems, verdict_for
@@ -89,20 +94,21 @@ def _fields() -> dict[str, tuple[Setter, Sequence[Any]]]:
         path, apply = _model_field(name, attribute)
         fields[path] = (apply, values)
     fields["spec.transfer.conversion"] = (_conversion, (Conversion.AUTO,))
-    # only where a problem names them (see _relevant): the one value MLA allows, the connector GPUs support
+    # only where a problem names them (see _relevant): the one value MLA allows, the buffer vLLM's CPU build has
     fields[MLA_HEADS_FIELD] = (_model_field("numKVHeads", "num_kv_heads")[1], (1,))
-    fields[CONNECTOR_FIELD] = (_connector, (Connector.NIXL,))
+    fields[KV_BUFFER_FIELD] = (_kv_buffer_device, (KVBufferDevice.CPU,))
     return fields
 
 
 MLA_HEADS_FIELD = "spec.model.numKVHeads"
-CONNECTOR_FIELD = "spec.engine.connector"
+KV_BUFFER_FIELD = "spec.transfer.network.kvBufferDevice"
 #: fields searched only for these problems (a model's geometry is a fact, not a setting to search, except this)
-_ONLY_FOR = {MLA_HEADS_FIELD: MLA_KV_HEADS, CONNECTOR_FIELD: vllm.VLLM_KVBRIDGE_GPU}
+_ONLY_FOR = {MLA_HEADS_FIELD: MLA_KV_HEADS, KV_BUFFER_FIELD: vllm.VLLM_KV_BUFFER_DEVICE}
 
 
-def _connector(spec: DisaggregatedDeploymentSpec, value: Any) -> DisaggregatedDeploymentSpec:
-    return spec.model_copy(update={"engine": spec.engine.model_copy(update={"connector": value})})
+def _kv_buffer_device(spec: DisaggregatedDeploymentSpec, value: Any) -> DisaggregatedDeploymentSpec:
+    network = spec.transfer.network.model_copy(update={"kv_buffer_device": value})
+    return spec.model_copy(update={"transfer": spec.transfer.model_copy(update={"network": network})})
 
 
 _FIELDS = _fields()
@@ -172,11 +178,14 @@ def _moves(paths: Sequence[str], candidates: dict[str, list[Any]]) -> list[dict[
 
 def _settings_of(spec: DisaggregatedDeploymentSpec) -> dict[str, Any]:
     """The searched fields' current values, by path."""
-    sections = {
-        name: getattr(spec, name).model_dump(by_alias=True)
-        for name in ("prefill", "decode", "model", "transfer", "engine")
-    }
-    return {path: sections[path.split(".")[1]][path.split(".")[2]] for path in _FIELDS}
+    dumped = spec.model_dump(by_alias=True)
+    found: dict[str, Any] = {}
+    for path in _FIELDS:
+        value: Any = dumped
+        for step in path.split(".")[1:]:
+            value = value[step]
+        found[path] = value
+    return found
 
 
 State = tuple[int, int, float, dict[str, Any], DisaggregatedDeploymentSpec, list[Problem]]

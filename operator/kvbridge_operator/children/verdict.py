@@ -27,6 +27,13 @@ def spec_problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     return found
 
 
+def advisories_for(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
+    """What the engines will run other than the spec asks, without refusing it (a refusal would refuse the defaults):
+    ``kvbridge plan`` lists them, the status carries them and a Warning event says so. For vLLM: verification
+    ``Sampled`` with NixlConnector, which has no transfer digest (``All`` is refused)."""
+    return vllm.advisories(spec) if spec.engine.kind is EngineKind.VLLM else []
+
+
 def verdict_for(dd: DisaggregatedDeployment, config: OperatorConfig | None = None) -> TransferPlan | list[Problem]:
     """The plan, or every problem that prevents one. Once the rules find none, the operator's settings (``config``;
     the defaults for ``kvbridge plan``) are looked at: its GPU resource among the RDMA resources is refused, then

@@ -26,6 +26,7 @@ from kvbridge_operator.api.spec import (
     DisaggregatedDeployment,
     DisaggregatedDeploymentSpec,
     EngineDevice,
+    KVBufferDevice,
     RoleSpec,
 )
 from kvbridge_operator.children.model_source import SOURCE_ARGUMENTS, Weights, weights
@@ -43,10 +44,13 @@ VLLM_CPU_CACHE_KIND = "VLLM_CPU_CACHE_KIND"
 VLLM_CPU_KV_CACHE_DTYPE = "VLLM_CPU_KV_CACHE_DTYPE"
 
 VLLM_UNMODELLED_ARGUMENT = "VLLM_UNMODELLED_ARGUMENT"
-VLLM_KVBRIDGE_GPU = "VLLM_KVBRIDGE_GPU"
 VLLM_KVBRIDGE_REPLICATED_HEADS = "VLLM_KVBRIDGE_REPLICATED_HEADS"
-#: verification: All asked of vLLM's NixlConnector, which has no transfer digest
+#: kvBufferDevice cuda on vLLM's CPU build, which has no GPU memory to move the KV cache from
+VLLM_KV_BUFFER_DEVICE = "VLLM_KV_BUFFER_DEVICE"
+#: verification: All asked of vLLM's NixlConnector, which has no transfer digest (refused)
 VLLM_NIXL_UNVERIFIED = "VLLM_NIXL_UNVERIFIED"
+#: verification: Sampled (the default) with vLLM's NixlConnector: runs, unverified (an advisory, not a refusal)
+VLLM_NIXL_UNVERIFIED_SAMPLED = "VLLM_NIXL_UNVERIFIED_SAMPLED"
 #: router.signTransfers asked of vLLM's NixlConnector, which cannot check the router's signature
 VLLM_NIXL_UNSIGNED = "VLLM_NIXL_UNSIGNED"
 VLLM_MLA_BLOCK_SIZE = "VLLM_MLA_BLOCK_SIZE"
@@ -152,6 +156,41 @@ def on_cpu(spec: DisaggregatedDeploymentSpec) -> bool:
     return spec.engine.device is EngineDevice.CPU
 
 
+#: where kvbridge's connector has run, per device, as ``kvbridge plan`` states it (docs/vllm.md, "What was run for
+#: real"): a short stable line, changed only when the evidence changes
+KVBRIDGE_PROVEN = {
+    EngineDevice.GPU: "vLLM's GPU KV cache layouts proven with vLLM's own allocator on host memory (real NIXL on "
+    "DRAM); not yet run on GPU hardware",
+    EngineDevice.CPU: "run in real vLLM (the 0.32 CPU build, real NIXL on DRAM): decode's tokens equal a single "
+    "engine's",
+}
+
+
+def kv_buffer_device(spec: DisaggregatedDeploymentSpec) -> KVBufferDevice:
+    """vLLM's ``kv_buffer_device``: ``spec.transfer.network.kvBufferDevice``, else the engine's own memory."""
+    chosen = spec.transfer.network.kv_buffer_device
+    if chosen is not None:
+        return chosen
+    return KVBufferDevice.CPU if on_cpu(spec) else KVBufferDevice.CUDA
+
+
+def advisories(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
+    """What the engines will run other than the spec asks, where refusing would refuse the defaults: reported by
+    ``kvbridge plan`` and in the status and events, never silently dropped; the spec still runs."""
+    if spec.transfer.verification is Verification.SAMPLED and not uses_kvbridge(spec):
+        return [
+            Problem(
+                VLLM_NIXL_UNVERIFIED_SAMPLED,
+                "spec.transfer.verification",
+                "verification: Sampled (the default) asks decode to check prefill's digest of a sample of the "
+                "transfers, but vLLM's NixlConnector has no transfer digest: these engines run unverified (decode uses "
+                "whatever it read); set spec.engine.connector: KVBridge to verify, or spec.transfer.verification: Off "
+                "to say so",
+            )
+        ]
+    return []
+
+
 def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     """What vLLM (its NixlConnector, its CPU attention) cannot run of a spec, beyond the compatibility rules;
     reported together with them (the conversions are looked at wherever the wire format is defined)."""
@@ -160,20 +199,17 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
         found.append(Problem(
             VLLM_NIXL_UNVERIFIED, "spec.transfer.verification",
             "verification: All asks decode to check every transfer against prefill's digest, but vLLM's "
-            "NixlConnector has none (decode would use whatever it read); set "
-            + ("spec.engine.connector: KVBridge, or " if on_cpu(spec) else "(kvbridge's connector runs vLLM's CPU "
-               "build only, so far) ") + "spec.transfer.verification: Off to run unverified",
+            "NixlConnector has none (decode would use whatever it read); set spec.engine.connector: KVBridge, or "
+            "spec.transfer.verification: Off to run unverified",
         ))  # fmt: skip
     if spec.router.sign_transfers and not uses_kvbridge(spec):
-        # on GPUs kvbridge's connector is refused (VLLM_KVBRIDGE_GPU): the advice offers it on CPUs only
-        instead = "spec.engine.connector: KVBridge, or " if on_cpu(spec) else ""
         found.append(
             Problem(
                 VLLM_NIXL_UNSIGNED,
                 "spec.router.signTransfers",
                 "signTransfers asks decode to accept kv_transfer_params only with the router's signature, but vLLM's "
                 "NixlConnector uses whatever parameters it is handed (it cannot check one; kvbridge's connector "
-                f"does, on vLLM's CPU build so far); set {instead}spec.router.signTransfers: false to go without",
+                "does); set spec.engine.connector: KVBridge, or spec.router.signTransfers: false to go without",
             )
         )
     given = [("spec.engine.extraArgs", arg) for arg in spec.engine.extra_args]
@@ -207,12 +243,6 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
             for role in Role if spec.role(role).block_size != MLA_BLOCK_SIZE]  # fmt: skip
     if on_cpu(spec):
         found += _cpu_problems(spec)
-    elif uses_kvbridge(spec):
-        found.append(Problem(
-            VLLM_KVBRIDGE_GPU, "spec.engine.connector",
-            "this release of kvbridge supports KVBridgeConnector on vLLM's CPU build only (its reads of vLLM's GPU "
-            "cache layouts are not yet verified); set spec.engine.connector: Nixl, or spec.engine.device: CPU",
-        ))  # fmt: skip
     prefill, decode = spec.prefill.settings(), spec.decode.settings()
     if wire_format_defined(spec.model, prefill, decode) and not uses_kvbridge(spec):  # kvbridge converts on both
         for step in wire_format(spec.model, prefill, decode).steps(Role.PREFILL):
@@ -221,8 +251,7 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
                 VLLM_PREFILL_CONVERSION, f"spec.prefill.{where}",
                 f"the plan needs the prefill side to {step.kind.value} ({step.source} -> {step.target}), which "
                 "vLLM's NixlConnector cannot do (only the decode side re-lays blocks there); set "
-                f"spec.prefill.{where}: {step.target}"
-                + (", or spec.engine.connector: KVBridge" if on_cpu(spec) else ""),
+                f"spec.prefill.{where}: {step.target}, or spec.engine.connector: KVBridge",
             ))  # fmt: skip
     return found
 
@@ -289,6 +318,15 @@ def _cpu_problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
             "head's keys and then its values inside a block, so decode computes with scrambled KV and returns "
             f"wrong tokens without an error; set {fix}",
         ))  # fmt: skip
+    if spec.transfer.network.kv_buffer_device is KVBufferDevice.CUDA:
+        found.append(
+            Problem(
+                VLLM_KV_BUFFER_DEVICE,
+                "spec.transfer.network.kvBufferDevice",
+                "vLLM's CPU build keeps the KV cache in host memory and has no GPU memory to move it from (vLLM "
+                "refuses kv_buffer_device cuda there); set spec.transfer.network.kvBufferDevice: cpu",
+            )
+        )
     if spec.model.cache_kind is not CacheKind.SPLIT:
         found.append(Problem(
             VLLM_CPU_CACHE_KIND, "spec.model.cacheKind",
@@ -338,13 +376,13 @@ def kv_transfer_config(spec: DisaggregatedDeploymentSpec, plan: TransferPlan, ro
         return {
             "kv_connector": "KVBridgeConnector", "kv_connector_module_path": KVBRIDGE_CONNECTOR_MODULE,
             "kv_role": "kv_producer" if role is Role.PREFILL else "kv_consumer",
-            "kv_buffer_device": "cpu" if on_cpu(spec) else "cuda",
+            "kv_buffer_device": kv_buffer_device(spec).value,
         }  # fmt: skip
     extra: Obj = {"backends": list(spec.transfer.backends), "kv_lease_duration": spec.transfer.lease_seconds}
     config: Obj = {
         "kv_connector": "NixlConnector",
         "kv_role": "kv_producer" if role is Role.PREFILL else "kv_consumer",
-        "kv_buffer_device": "cpu" if on_cpu(spec) else "cuda",
+        "kv_buffer_device": kv_buffer_device(spec).value,
         "kv_connector_extra_config": extra,
     }
     if role is Role.DECODE and any(s.kind is ConversionKind.PERMUTE for s in plan.wire.steps(Role.DECODE)):

@@ -74,6 +74,13 @@ def _plan(args: argparse.Namespace) -> int:
                                     warnings=item.warnings)  # fmt: skip
             documents.append(planned)
             order.append(planned)
+            if args.json:  # the text report prints them with the plan; JSON readers see them on stderr too
+                for advisory in planned.advisories:
+                    print(
+                        f"kvbridge plan: warning: {item.label}: {advisory.code} at {advisory.field}: "
+                        f"{advisory.message}",
+                        file=sys.stderr,
+                    )
     if not documents and not invalid:
         print(f"kvbridge plan: error: {source_name(args.file)}: no {KIND} documents found", file=sys.stderr)
         return EXIT_INVALID

@@ -24,7 +24,7 @@ from kvbridge_operator.children.model_source import weights
 from kvbridge_operator.children.pairing import pairing
 from kvbridge_operator.children.remedy import Fix, describe, merge_patch, suggested_fix
 from kvbridge_operator.children.render import pod_template
-from kvbridge_operator.children.verdict import verdict_for
+from kvbridge_operator.children.verdict import advisories_for, verdict_for
 from kvbridge_operator.config import OperatorConfig
 
 
@@ -40,6 +40,8 @@ class DocumentPlan:
     fix: Fix | None = None
     #: what the manifest says that the API server would drop (unknown top-level fields)
     warnings: tuple[str, ...] = ()
+    #: what the engines will run other than the spec asks, without refusing it (verdict.advisories_for)
+    advisories: tuple[Problem, ...] = ()
 
     @property
     def compatible(self) -> bool:
@@ -48,10 +50,11 @@ class DocumentPlan:
 
 def plan_document(deployment: DisaggregatedDeployment, warnings: tuple[str, ...] = ()) -> DocumentPlan:
     result = verdict_for(deployment)
+    advised = tuple(advisories_for(deployment.spec))
+    name = deployment.metadata.name
     if isinstance(result, list):
-        return DocumentPlan(deployment.metadata.name, deployment, None, tuple(result), suggested_fix(deployment),
-                            warnings)  # fmt: skip
-    return DocumentPlan(deployment.metadata.name, deployment, result, (), warnings=warnings)
+        return DocumentPlan(name, deployment, None, tuple(result), suggested_fix(deployment), warnings, advised)
+    return DocumentPlan(name, deployment, result, (), warnings=warnings, advisories=advised)
 
 
 def invalid_entry(label: str, name: str, error: KVBridgeError) -> dict[str, object]:
@@ -106,6 +109,7 @@ def entries(document: DocumentPlan, ranks: Iterable[int]) -> list[dict[str, obje
             if engines is not None:
                 entry["vllm"] = engines
             result.append(entry)
+        entry["advisories"] = [advisory.to_dict() for advisory in document.advisories]
         if document.warnings:
             entry["warnings"] = list(document.warnings)
     return result
@@ -174,11 +178,31 @@ def engine_words(spec: DisaggregatedDeploymentSpec) -> str:
 
 
 def engine_of(spec: DisaggregatedDeploymentSpec) -> dict[str, str]:
-    """The ``engine`` object of the JSON entries."""
+    """The ``engine`` object of the JSON entries: for vLLM also the connector, ``kvBufferDevice`` (vLLM's
+    ``kv_buffer_device``) and, for kvbridge's connector, where it has been proven on this device (``proven``)."""
     found = {"kind": spec.engine.kind.value, "device": spec.engine.device.value}
     if spec.engine.kind is EngineKind.VLLM:
         found["connector"] = spec.engine.connector.value
+        found["kvBufferDevice"] = vllm.kv_buffer_device(spec).value
+        if vllm.uses_kvbridge(spec):
+            found["proven"] = vllm.KVBRIDGE_PROVEN[spec.engine.device]
     return found
+
+
+def engine_lines(spec: DisaggregatedDeploymentSpec) -> list[str]:
+    """The text report's lines on kvbridge's connector: where it has been proven on the spec's device."""
+    if spec.engine.kind is not EngineKind.VLLM or not vllm.uses_kvbridge(spec):
+        return []
+    return [f"  KVBridgeConnector on {spec.engine.device.value}: {vllm.KVBRIDGE_PROVEN[spec.engine.device]}"]
+
+
+def advisory_lines(document: DocumentPlan) -> list[str]:
+    """The text report's advisories: what runs other than the spec asks (the spec is not refused for it)."""
+    lines: list[str] = []
+    for advisory in document.advisories:
+        lines.append(f"  warning: {advisory.code} at {advisory.field}")
+        lines.append(f"      {advisory.message}")
+    return lines
 
 
 def verifies(spec: DisaggregatedDeploymentSpec) -> bool:
@@ -246,7 +270,7 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
             where = f" -n {namespace}" if namespace else ""
             lines.append(f"      kubectl patch disaggregateddeployment {document.name}{where} --type merge "
                          f"-p '{patch}'")  # fmt: skip
-        return "\n".join(lines)
+        return "\n".join([*lines, *advisory_lines(document)])
     plan = document.plan
     conversions = (
         ", ".join(f"{s.side.value} {s.kind.value} {s.source}->{s.target}" for s in plan.wire.conversions) or "none"
@@ -260,6 +284,8 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
         f" prefill prefix caching {'allowed' if plan.wire.prefill_prefix_caching_allowed else 'must be off'}",
         f"  bytes per region block: local {plan.local_block_bytes}, remote wire {plan.remote_block_bytes}",
         f"  verification: {verification_words(spec)}",
+        *advisory_lines(document),
+        *engine_lines(spec),
     ]
     if spec.router.enabled:
         lines.append(f"  router: {router_words(document.deployment)}")

@@ -24,6 +24,7 @@ from kvbridge_operator.api.names import (
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import DisaggregatedDeployment
 from kvbridge_operator.api.status import (
+    Advisory,
     Condition,
     ConditionType,
     DecodeStatus,
@@ -38,6 +39,7 @@ from kvbridge_operator.api.status import (
 from kvbridge_operator.children import multinode
 from kvbridge_operator.children.render import template_revision
 from kvbridge_operator.children.scaling import Scale
+from kvbridge_operator.children.verdict import advisories_for
 from kvbridge_operator.controller.actions import Event
 
 
@@ -140,6 +142,8 @@ def summary(plan: TransferPlan) -> PlanSummary:
     return PlanSummary.model_validate(plan.summary())
 
 
+#: the reason of the Warning event that states the spec's advisories (status.advisories)
+ADVISORY = "Advisory"
 #: the longest message of a condition or event kvbridge writes (a condition's may hold 32,768 characters): a spec
 #: with thousands of problems (a template of thousands of odd items) is summed up, not refused for its message
 MAX_MESSAGE = 8192
@@ -251,6 +255,7 @@ def observe(
     ))  # fmt: skip
     old_conditions: list[Obj] = list(previous.get("conditions") or [])
     merged = merge_conditions(old_conditions, conditions, now)
+    advisories = [Advisory(code=a.code, field=a.field, message=_bounded(a.message)) for a in advisories_for(spec)]
 
     status = DisaggregatedDeploymentStatus(
         observed_generation=generation,
@@ -261,6 +266,7 @@ def observe(
         plan=summary(verdict) if isinstance(verdict, TransferPlan) else _previous_plan(previous),
         prefill=prefill,
         decode=decode,
+        advisories=advisories,
     )
 
     # -- events from what changed ----------------------------------------------
@@ -270,6 +276,12 @@ def observe(
         old_compatible.get("status") != "False" or int(old_compatible.get("observedGeneration", -1)) != generation
     ):
         events.append(Event("Warning", "Incompatible", _problems_message(list(verdict), facts.fix)))  # type: ignore[arg-type]
+    if advisories and (
+        previous.get("advisories") != [a.model_dump(by_alias=True, mode="json") for a in advisories]
+        or int(previous.get("observedGeneration", -1)) != generation
+    ):
+        # what runs other than the spec asks: said once per generation (and when it changes), never silently
+        events.append(Event("Warning", ADVISORY, "; ".join(f"{a.code} at {a.field}: {a.message}" for a in advisories)))
     old_endpoints = [Endpoint.model_validate(e) for e in (previous.get("prefill") or {}).get("endpoints") or []]
     if old_endpoints != current_endpoints and (old_endpoints or current_endpoints):
         listed = ", ".join(f"{e.pod}={e.ip}:{e.port}" for e in current_endpoints) or "none"
