@@ -1,20 +1,21 @@
 """What verified transfers cost under load, measured with vLLM's own client on real vLLM (not a test).
 
     .venv/bin/python benchmarks/verification_under_load.py [--num-prompts 256] [--input-len 400]
-        [--output-len 64] [--concurrency 16] [--rounds 6] [--json]
+        [--output-len 64] [--concurrency 16] [--rounds 6] [--warmup 1] [--json]
 
 ``kvbridge demo --serve`` runs two deployments of the tiny local model side by side, each one prefill and one
 decode pod of the CPU build with kvbridge's connector, alike but for ``spec.transfer.verification`` (``Off`` and
 ``All``), and a router in front of each. ``vllm bench serve`` sends the same workload (random prompts, a new seed
-per round, ``--max-concurrency`` requests in flight) through one router and then the other, ``--rounds`` times in
-alternation, so that drift on the machine falls on both alike. Reported per run: requests per second, output
+per round, ``--max-concurrency`` requests in flight) through one router and then the other, ``--rounds`` times,
+the order swapped every round (Off, All, All, Off, ...), so that drift on the machine and whatever favours the
+first or second run of a round fall on both alike. Reported per run: requests per second, output
 tokens per second, TTFT p50/p99, failures, and the CPU seconds the driven deployment's engine processes used
 per completed request (each pod's ``vllm serve`` and its descendants, read from ``/proc``), and the engines' own
 time digesting per request (``vllm:kvbridge_digest_seconds`` from their ``/metrics``).
 
 On a shared machine with few cores, throughput and TTFT drift by tens of percent between identical runs, more
-than the cost being measured. Three figures resist that drift: the *paired* ratios (each ``All`` run against the
-``Off`` run just before it, median over the rounds), the engines' CPU time per request, and — the direct one —
+than the cost being measured. Three figures resist that drift: the *paired* ratios (each round's ``All`` run against its
+``Off`` run, median over the rounds), the engines' CPU time per request, and — the direct one —
 the time the engines spent digesting, which is all the work verification adds to a request now that the digests
 travel with the transfer parameters (no extra exchange, no extra engine step).
 """
@@ -198,8 +199,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 routers[policy] = (found.group(2), found.group(3))
             tokenizer = tiny_model.make(workdir / "tokenizer")
             seed = args.seed
-            for round_index in range(args.rounds):
+            for warmup in range(args.warmup):  # vLLM on CPU speeds up over its first minutes (kernels per shape)
                 for policy in POLICIES:
+                    seed += 1
+                    progress(f"warm-up {warmup + 1}: verification {policy} (not counted) ...")
+                    bench(*routers[policy], tokenizer, args, seed, workdir)
+            for round_index in range(args.rounds):
+                # Off first in odd rounds, All first in even ones: neither always runs second (ABBA)
+                for policy in POLICIES if round_index % 2 == 0 else POLICIES[::-1]:
                     seed += 1
                     url, model = routers[policy]
                     progress(
@@ -244,6 +251,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "inputLen": args.input_len,
         "outputLen": args.output_len,
         "concurrency": args.concurrency,
+        "warmupRounds": args.warmup,
         "runs": runs,
         "allVersusOff": compare(runs),
     }
@@ -294,6 +302,7 @@ if __name__ == "__main__":
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=1, help="rounds run first and not counted")
     parser.add_argument("--seed", type=int, default=int(time.time()) % 1_000_000 * 10)
     parser.add_argument("--json", action="store_true")
     parsed = parser.parse_args()

@@ -60,10 +60,14 @@ CASES = [
     Case("nixl-host-buffer", "Nixl", buffer="cpu"),
     Case("nixl-tp2-to-1", "Nixl", prefill_tp=2),
     Case("kvbridge", "KVBridge"),
-    Case("kvbridge-decode-merges", "KVBridge", blocks=(16, 32)),
-    Case("kvbridge-prefill-splits", "KVBridge", blocks=(32, 16)),
-    Case("kvbridge-host-buffer", "KVBridge", buffer="cpu"),
-    Case("kvbridge-tp2-to-1", "KVBridge", prefill_tp=2),
+    Case("kvbridge-blocks-32", "KVBridge", blocks=(32, 32)),
+]
+#: what kvbridge's connector does not do on vLLM's GPU layouts yet: refused before scheduling (tests/operator)
+REFUSED = [
+    (Case("kvbridge-decode-merges", "KVBridge", blocks=(16, 32)), "VLLM_KVBRIDGE_GPU_CONVERSION"),
+    (Case("kvbridge-prefill-splits", "KVBridge", blocks=(32, 16)), "VLLM_KVBRIDGE_GPU_CONVERSION"),
+    (Case("kvbridge-host-buffer", "KVBridge", buffer="cpu"), "VLLM_KVBRIDGE_HOST_BUFFER"),
+    (Case("kvbridge-tp2-to-1", "KVBridge", prefill_tp=2), "VLLM_KVBRIDGE_GPU_TP"),
 ]
 
 

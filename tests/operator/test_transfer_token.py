@@ -145,6 +145,7 @@ def test_nixl_cannot_check_the_signature_so_signing_is_refused_with_the_fix() ->
         "set spec.engine.connector: KVBridge, or spec.router.signTransfers: false to go without"
     )
     gpu_doc["spec"]["engine"]["connector"] = "KVBridge"
+    gpu_doc["spec"]["decode"]["tensorParallelSize"] = 2  # kvbridge's connector on GPUs: equal TP sizes
     assert not isinstance(verdict_for(parse_deployment(gpu_doc)), list)
     # kvbridge's connector checks it: no problem
     kvbridge = verdict_for(parse_deployment(document("vllm/small-cpu-kv-aware", router=SIGNING)))

@@ -404,8 +404,10 @@ def transfer_config(doc: dict[str, Any], role: Role) -> dict[str, Any]:
 def test_the_kvbridge_connector_renders_on_gpus_with_the_buffer_device_asked() -> None:
     """engine.device GPU with connector KVBridge renders (it was refused, VLLM_KVBRIDGE_GPU): kvbridge's connector
     on vLLM's GPU engine, its GPUs, the side-channel keys, and vLLM's kv_buffer_device from
-    spec.transfer.network.kvBufferDevice (cuda unless asked: GPUDirect RDMA; cpu: the host buffer)."""
+    spec.transfer.network.kvBufferDevice (cuda unless asked: GPUDirect RDMA; the host buffer, cpu, is refused:
+    kvbridge's connector has no host-buffer mode yet)."""
     doc = kvbridge_connector(document("llama3-8b-hetero-tp"))
+    doc["spec"]["decode"]["tensorParallelSize"] = 2  # equal TP sizes: no TP mapping on GPU layouts yet
     assert not isinstance(verdict(doc), list)
     for role, kv_role in ((Role.PREFILL, "kv_producer"), (Role.DECODE, "kv_consumer")):
         assert transfer_config(doc, role) == {
@@ -415,14 +417,15 @@ def test_the_kvbridge_connector_renders_on_gpus_with_the_buffer_device_asked() -
             "kv_buffer_device": "cuda",
         }
         container = engine(doc, role)
-        assert container["resources"]["limits"] == {"nvidia.com/gpu": "2" if role is Role.PREFILL else "1"}
+        assert container["resources"]["limits"] == {"nvidia.com/gpu": "2"}
         assert flag(container["args"], "--attention-backend") == "FLASH_ATTN"
         assert env(container)["KVBRIDGE_KEYS_DIR"] == OperatorConfig().keys_mount_path
     for obj in children(parse_deployment(doc), UID, verdict(doc), OperatorConfig()):
         kubernetes_validate.validate(obj, "1.30", strict=True)
     doc["spec"]["transfer"] = {"network": {"kvBufferDevice": "cpu"}}  # a node without GPUDirect RDMA
-    assert not isinstance(verdict(doc), list)
-    assert {transfer_config(doc, role)["kv_buffer_device"] for role in Role} == {"cpu"}
+    refused = verdict(doc)
+    assert isinstance(refused, list)
+    assert [p.code for p in refused] == ["VLLM_KVBRIDGE_HOST_BUFFER"]
     nixl = document("llama3-8b-hetero-tp")  # vLLM's NixlConnector has the same host-buffer mode
     nixl["spec"]["transfer"] = {"network": {"kvBufferDevice": "cpu"}}
     assert {transfer_config(nixl, role)["kv_buffer_device"] for role in Role} == {"cpu"}
@@ -459,7 +462,9 @@ def test_plan_says_where_the_kvbridge_connector_was_proven_on_gpus(tmp_path: Pat
     """kvbridge plan states plainly what was run where, in the text and the JSON (engine.proven): on GPUs, vLLM's
     GPU layouts with vLLM's allocator on host memory, not GPU hardware."""
     path = tmp_path / "gpu-kvbridge.yaml"
-    path.write_text(yaml.safe_dump(kvbridge_connector(document("llama3-8b-hetero-tp"))))
+    doc = kvbridge_connector(document("llama3-8b-hetero-tp"))
+    doc["spec"]["decode"]["tensorParallelSize"] = 2  # equal TP sizes: no TP mapping on GPU layouts yet
+    path.write_text(yaml.safe_dump(doc))
     done = plan_cli(path, "--json")
     assert done.returncode == 0, done.stderr
     [entry] = json.loads(done.stdout)
@@ -495,13 +500,15 @@ def test_kvbridge_on_cpu_refuses_replicated_heads() -> None:
 
 
 def test_the_advice_for_a_prefill_conversion_does_not_loop() -> None:
-    """The prefill-side conversion's advice offers a block size NixlConnector can run, or kvbridge's connector
-    (which converts on both sides, on GPUs too): every suggestion must lead somewhere that passes."""
+    """The prefill-side conversion's advice offers a block size NixlConnector can run, or kvbridge's connector where
+    it converts (on CPUs; not on GPU layouts in this release): every suggestion must lead somewhere that passes."""
     doc = document("llama3-8b-hetero-tp")
     doc["spec"]["prefill"]["blockSize"] = 32
     [problem] = [p for p in verdict(doc) if p.code == "VLLM_PREFILL_CONVERSION"]
-    assert "spec.prefill.blockSize: 16, or spec.engine.connector: KVBridge" in problem.message
-    assert not isinstance(verdict(kvbridge_connector(json.loads(json.dumps(doc)))), list)
+    assert problem.message.endswith("set spec.prefill.blockSize: 16")
+    on_gpu = verdict(kvbridge_connector(json.loads(json.dumps(doc))))
+    assert isinstance(on_gpu, list)
+    assert "VLLM_KVBRIDGE_GPU_CONVERSION" in {p.code for p in on_gpu}
     doc["spec"]["prefill"]["blockSize"] = 16
     assert not isinstance(verdict(doc), list)  # the advice, applied, passes
     on_cpu = document("tiny-cpu")
@@ -526,6 +533,7 @@ def test_verification_all_is_refused_where_the_connector_cannot_verify() -> None
     with the way out, on GPUs as on CPUs; kvbridge's connector takes it, and renders it for both roles."""
     for name in ("tiny-cpu", "llama3-8b-hetero-tp"):
         doc = document(name)
+        doc["spec"]["decode"]["tensorParallelSize"] = doc["spec"]["prefill"]["tensorParallelSize"]
         doc["spec"]["transfer"] = {**doc["spec"].get("transfer", {}), "verification": "All"}
         [problem] = [p for p in verdict(doc) if p.code == "VLLM_NIXL_UNVERIFIED"]
         assert problem.field == "spec.transfer.verification"
@@ -598,3 +606,15 @@ def test_the_gpu_suites_deployments_render_on_this_machine() -> None:
             assert config["kv_connector"] == f"{case.connector}Connector"
             assert config["kv_buffer_device"] == case.buffer
             assert env(engine(doc, role))["KVBRIDGE_VERIFICATION"] == case.verification
+
+
+def test_what_kvbridges_connector_cannot_do_on_gpus_yet_is_refused_before_scheduling() -> None:
+    """TP mappings, block and layout conversions, MLA and a host buffer on vLLM's GPU layouts: the connector would
+    refuse them at start-up (a crash loop), so the verdict refuses them first, each with its field and a fix."""
+    from tests.gpu.test_vllm_gpu import REFUSED, gpu_deployment
+
+    for case, code in REFUSED:
+        problems = verdict(gpu_deployment(case))
+        assert isinstance(problems, list), case
+        assert code in {p.code for p in problems}, (case, problems)
+        assert all(f"set {p.field}: " in p.message for p in problems if p.code == code)

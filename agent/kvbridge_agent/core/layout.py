@@ -35,7 +35,7 @@ from pydantic import Field, model_validator
 
 from .errors import SpecError
 from .geometry import RegionLayout
-from .model import CamelModel
+from .model import CacheKind, CamelModel, KVLayout
 
 IntArray = npt.NDArray[np.int64]
 
@@ -71,6 +71,14 @@ class PhysicalOrder(StrEnum):
     def cross_layer(self) -> bool:
         """Block outermost: a block holds every layer's bytes, so it can be one run for all layers."""
         return self.axes[0] == B
+
+
+def rendered_order(kv_layout: KVLayout, cache_kind: CacheKind) -> PhysicalOrder:
+    """The layout a vLLM pod of a role runs (kvbridge renders it as ``VLLM_KV_CACHE_LAYOUT``): one block-major
+    tensor for all layers for the cross-layer cache kind, else per layer, heads or tokens outermost in a block."""
+    if cache_kind is CacheKind.CROSS_LAYER:
+        return PhysicalOrder.BHLNC
+    return PhysicalOrder.LBHNC if kv_layout is KVLayout.HND else PhysicalOrder.LBNHC
 
 
 def dense_strides(order: PhysicalOrder, shape: tuple[int, int, int, int, int]) -> tuple[int, int, int, int, int]:

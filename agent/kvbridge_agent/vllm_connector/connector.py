@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvbridge_agent.core import SpecError
+from kvbridge_agent.core.layout import rendered_order
 
 from .messages import RankHandshake, StepMetadata
 from .scheduler import ConnectorScheduler
@@ -43,6 +44,21 @@ def resolved_layout(vllm_config: Any) -> str | None:
     return str(vllm_config.cache_config.get_resolved_kv_cache_layout().name)
 
 
+def require_checked_layout(resolved: str, settings: ConnectorSettings) -> None:
+    """The layout vLLM resolved is the one the plan was checked with: kvbridge renders the role's ``kvLayout`` and
+    the model's cache kind as ``VLLM_KV_CACHE_LAYOUT``, so anything else means the pod was started otherwise."""
+    checked = settings.environment.own.kv_layout
+    want = rendered_order(checked, settings.model.cache_kind).value
+    if resolved != want:
+        raise SpecError(
+            f"vLLM resolved the KV cache layout {resolved}, but the plan was checked for kvLayout {checked.value} "
+            f"and cache kind {settings.model.cache_kind.value} ({want}): start vLLM with the environment kvbridge "
+            f"rendered (VLLM_KV_CACHE_LAYOUT={want})",
+            field="kv_cache_layout",
+            code="CONNECTOR_MISMATCH",
+        )
+
+
 class KVBridgeConnector(KVConnectorBase_V1):
     """kvbridge's KV transfer inside vLLM: CURVE side channel, the plan from the core once per prefill engine,
     NIXL READs, leases carried in ``kv_transfer_params``, stale-peer eviction."""
@@ -55,7 +71,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 f"the model has {len(groups)} KV cache groups (hybrid attention); KVBridgeConnector supports one",
                 field="spec.model", code="CONNECTOR_UNSUPPORTED",
             )  # fmt: skip
-        settings = ConnectorSettings.from_vllm(vllm_config)
+        from vllm.platforms import current_platform
+
+        settings = ConnectorSettings.from_vllm(vllm_config, cpu_build=current_platform.is_cpu())
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -77,7 +95,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     # -- worker ------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker_half().register(kv_caches, resolved_layout(self._vllm_config))
+        worker = self._worker_half()
+        layout = resolved_layout(self._vllm_config)
+        if layout is not None:
+            require_checked_layout(layout, worker.settings)
+        worker.register(kv_caches, layout)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self._worker.handshake_metadata() if self._worker is not None else None

@@ -37,9 +37,14 @@ class ConnectorSettings:
         return self.environment.fingerprint
 
     @classmethod
-    def from_vllm(cls, vllm_config: Any, environ: Mapping[str, str] = os.environ) -> ConnectorSettings:
+    def from_vllm(
+        cls, vllm_config: Any, environ: Mapping[str, str] = os.environ, *, cpu_build: bool = True
+    ) -> ConnectorSettings:
         """The contract from the environment, checked against what vLLM actually runs (block size, TP size,
-        role): a pod whose vLLM flags disagree with the contract fails at start-up, not with wrong tokens."""
+        role): a pod whose vLLM flags disagree with the contract fails at start-up, not with wrong tokens.
+        ``cpu_build``: vLLM's CPU build, whose attention cache is head-major only; elsewhere the connector reads
+        the layout vLLM resolved (``VLLM_KV_CACHE_LAYOUT``, rendered from the role's ``kvLayout``) by its strides,
+        and keeps the cache where it lies (``kv_buffer_device`` must be the engine's own device)."""
         transfer_config = vllm_config.kv_transfer_config
         role = _ROLES.get(str(transfer_config.kv_role))
         if role is None:
@@ -59,7 +64,15 @@ class ConnectorSettings:
                     "with the arguments kvbridge rendered", field=f"spec.{role.value}.{name}",
                     code="CONNECTOR_MISMATCH",
                 )  # fmt: skip
-        if own.kv_layout is not KVLayout.HND:
+        if not cpu_build and str(getattr(transfer_config, "kv_buffer_device", "cuda")) == "cpu":
+            raise SpecError(
+                "kv_buffer_device cpu (a host buffer for nodes without GPUDirect RDMA): kvbridge's connector reads "
+                "vLLM's GPU cache where it lies and has no host-buffer mode yet; set "
+                "spec.transfer.network.kvBufferDevice: cuda, or spec.engine.connector: Nixl",
+                field="spec.transfer.network.kvBufferDevice",
+                code="CONNECTOR_UNSUPPORTED",
+            )
+        if cpu_build and own.kv_layout is not KVLayout.HND:
             raise SpecError(
                 f"{role.value} kvLayout {own.kv_layout.value}: the connector reads vLLM's head-major caches (HND)",
                 field=f"spec.{role.value}.kvLayout", code="CONNECTOR_MISMATCH",

@@ -95,15 +95,19 @@ def _fields() -> dict[str, tuple[Setter, Sequence[Any]]]:
         fields[path] = (apply, values)
     fields["spec.transfer.conversion"] = (_conversion, (Conversion.AUTO,))
     # only where a problem names them (see _relevant): the one value MLA allows, the buffer vLLM's CPU build has
+    # and the one kvbridge's connector reads on GPUs
     fields[MLA_HEADS_FIELD] = (_model_field("numKVHeads", "num_kv_heads")[1], (1,))
-    fields[KV_BUFFER_FIELD] = (_kv_buffer_device, (KVBufferDevice.CPU,))
+    fields[KV_BUFFER_FIELD] = (_kv_buffer_device, (KVBufferDevice.CPU, KVBufferDevice.CUDA))
     return fields
 
 
 MLA_HEADS_FIELD = "spec.model.numKVHeads"
 KV_BUFFER_FIELD = "spec.transfer.network.kvBufferDevice"
 #: fields searched only for these problems (a model's geometry is a fact, not a setting to search, except this)
-_ONLY_FOR = {MLA_HEADS_FIELD: MLA_KV_HEADS, KV_BUFFER_FIELD: vllm.VLLM_KV_BUFFER_DEVICE}
+_ONLY_FOR = {
+    MLA_HEADS_FIELD: frozenset({MLA_KV_HEADS}),
+    KV_BUFFER_FIELD: frozenset({vllm.VLLM_KV_BUFFER_DEVICE, vllm.VLLM_KVBRIDGE_HOST_BUFFER}),
+}
 
 
 def _kv_buffer_device(spec: DisaggregatedDeploymentSpec, value: Any) -> DisaggregatedDeploymentSpec:
@@ -161,7 +165,7 @@ def _relevant(problems: Sequence[Problem]) -> list[str]:
     if any(problem.code == CONVERSION_OFF for problem in problems):
         at_fault.add("spec.transfer.conversion")
     codes = {problem.code for problem in problems}
-    at_fault = {path for path in at_fault if path not in _ONLY_FOR or _ONLY_FOR[path] in codes}
+    at_fault = {path for path in at_fault if path not in _ONLY_FOR or _ONLY_FOR[path] & codes}
     return [*_ROLE_FIELDS, *(path for path in _FIELDS if path in at_fault and path not in _ROLE_FIELDS)]
 
 

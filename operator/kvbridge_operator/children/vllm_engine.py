@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from kvbridge_agent.core import CacheKind, KVCacheDtype, KVLayout, Problem, Role, TransferPlan, Verification
 from kvbridge_agent.core.compat import check_pair
+from kvbridge_agent.core.layout import rendered_order
 from kvbridge_agent.core.wire import ConversionKind, wire_format, wire_format_defined
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import (
@@ -47,6 +48,12 @@ VLLM_UNMODELLED_ARGUMENT = "VLLM_UNMODELLED_ARGUMENT"
 VLLM_KVBRIDGE_REPLICATED_HEADS = "VLLM_KVBRIDGE_REPLICATED_HEADS"
 #: kvBufferDevice cuda on vLLM's CPU build, which has no GPU memory to move the KV cache from
 VLLM_KV_BUFFER_DEVICE = "VLLM_KV_BUFFER_DEVICE"
+#: what kvbridge's connector does not do yet on vLLM's GPU layouts (read by their strides): TP mappings, block or
+#: layout conversions, MLA, a host buffer
+VLLM_KVBRIDGE_GPU_TP = "VLLM_KVBRIDGE_GPU_TP"
+VLLM_KVBRIDGE_GPU_CONVERSION = "VLLM_KVBRIDGE_GPU_CONVERSION"
+VLLM_KVBRIDGE_GPU_MLA = "VLLM_KVBRIDGE_GPU_MLA"
+VLLM_KVBRIDGE_HOST_BUFFER = "VLLM_KVBRIDGE_HOST_BUFFER"
 #: verification: All asked of vLLM's NixlConnector, which has no transfer digest (refused)
 VLLM_NIXL_UNVERIFIED = "VLLM_NIXL_UNVERIFIED"
 #: verification: Sampled (the default) with vLLM's NixlConnector: runs, unverified (an advisory, not a refusal)
@@ -107,9 +114,6 @@ CPU_BLOCK_MULTIPLE = 32
 #: host memory a CPU vLLM pod needs besides its KV cache (API server, engine core, one worker per rank)
 CPU_BASE_MEMORY_GIB = 4
 
-#: vLLM 0.32 names physical KV layouts as stride orders of [L, B, H, N, C] (KVCacheLayout, RFC #42082)
-_LAYOUT_NAMES = {KVLayout.HND: "LBHNC", KVLayout.NHD: "LBNHC"}
-CROSS_LAYER_LAYOUT = "BHLNC"  # one block-major tensor for all layers, heads outermost (docs/protocol.md §1)
 
 #: the ``sitecustomize`` the CPU launcher gives vLLM's processes: vLLM 0.32's NIXL worker on CPU pins its model
 #: thread to the last core of each NUMA node of the *machine* (``CpuPlatform.discover_numa_topology`` reads /sys and
@@ -243,6 +247,8 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
             for role in Role if spec.role(role).block_size != MLA_BLOCK_SIZE]  # fmt: skip
     if on_cpu(spec):
         found += _cpu_problems(spec)
+    elif uses_kvbridge(spec):
+        found += _kvbridge_gpu_problems(spec)
     prefill, decode = spec.prefill.settings(), spec.decode.settings()
     if wire_format_defined(spec.model, prefill, decode) and not uses_kvbridge(spec):  # kvbridge converts on both
         for step in wire_format(spec.model, prefill, decode).steps(Role.PREFILL):
@@ -251,8 +257,60 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
                 VLLM_PREFILL_CONVERSION, f"spec.prefill.{where}",
                 f"the plan needs the prefill side to {step.kind.value} ({step.source} -> {step.target}), which "
                 "vLLM's NixlConnector cannot do (only the decode side re-lays blocks there); set "
-                f"spec.prefill.{where}: {step.target}, or spec.engine.connector: KVBridge",
+                f"spec.prefill.{where}: {step.target}"
+                + (", or spec.engine.connector: KVBridge" if on_cpu(spec) else ""),
             ))  # fmt: skip
+    return found
+
+
+def _kvbridge_gpu_problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
+    """kvbridge's connector on vLLM's GPU layouts moves one role's blocks as they lie to the other's: equal TP sizes,
+    block sizes and layouts, one KV head group per rank, the cache where it lies. What it cannot do yet is refused
+    here, before scheduling, rather than by the connector at start-up."""
+    found: list[Problem] = []
+    prefill, decode = spec.prefill, spec.decode
+    if spec.model.is_mla:
+        found.append(
+            Problem(
+                VLLM_KVBRIDGE_GPU_MLA,
+                "spec.engine.connector",
+                "kvbridge's connector does not move MLA's latent cache on vLLM's GPU layouts in this release; set "
+                "spec.engine.connector: Nixl",
+            )
+        )
+    if prefill.tensor_parallel_size != decode.tensor_parallel_size:
+        found.append(
+            Problem(
+                VLLM_KVBRIDGE_GPU_TP,
+                "spec.prefill.tensorParallelSize",
+                f"prefill TP {prefill.tensor_parallel_size} and decode TP {decode.tensor_parallel_size}: kvbridge's "
+                "connector moves vLLM's GPU cache layouts only between equal TP sizes in this release; set "
+                f"spec.prefill.tensorParallelSize: {decode.tensor_parallel_size}",
+            )
+        )
+    for name, have, want in (
+        ("blockSize", prefill.block_size, decode.block_size),
+        ("kvLayout", prefill.kv_layout.value, decode.kv_layout.value),
+    ):
+        if have != want:
+            found.append(
+                Problem(
+                    VLLM_KVBRIDGE_GPU_CONVERSION,
+                    f"spec.prefill.{name}",
+                    f"prefill {name} {have} and decode {name} {want} need a conversion, which kvbridge's connector "
+                    f"does not do on vLLM's GPU cache layouts in this release; set spec.prefill.{name}: {want}",
+                )
+            )
+    if kv_buffer_device(spec) is KVBufferDevice.CPU:
+        found.append(
+            Problem(
+                VLLM_KVBRIDGE_HOST_BUFFER,
+                "spec.transfer.network.kvBufferDevice",
+                "kvBufferDevice cpu (a host buffer for nodes without GPUDirect RDMA): kvbridge's connector reads "
+                "vLLM's GPU cache where it lies and has no host-buffer mode in this release; set "
+                "spec.transfer.network.kvBufferDevice: cuda",
+            )
+        )
     return found
 
 
@@ -391,10 +449,8 @@ def kv_transfer_config(spec: DisaggregatedDeploymentSpec, plan: TransferPlan, ro
 
 
 def kv_cache_layout(spec: DisaggregatedDeploymentSpec, role_spec: RoleSpec) -> str:
-    """``VLLM_KV_CACHE_LAYOUT`` in vLLM 0.32's words."""
-    if spec.model.cache_kind is CacheKind.CROSS_LAYER:
-        return CROSS_LAYER_LAYOUT
-    return _LAYOUT_NAMES[role_spec.kv_layout]
+    """``VLLM_KV_CACHE_LAYOUT`` in vLLM 0.32's words (its ``KVCacheLayout`` member names)."""
+    return rendered_order(role_spec.kv_layout, spec.model.cache_kind).value
 
 
 def attention_backend(spec: DisaggregatedDeploymentSpec) -> str | None:
