@@ -69,12 +69,9 @@ def settings(role: Role, decode_block: int = BLOCK, block: int = BLOCK) -> Conne
     return ConnectorSettings.from_vllm(config, environ(role, decode_block, block))
 
 
-def allocate(layout: KVCacheLayout, block: int = BLOCK, kernel: int | None = None) -> dict[str, torch.Tensor]:
-    """The views vLLM's GPU worker would hand the connector, built by vLLM's own allocator on host memory (with
-    ``kernel``: each block split into kernel blocks of that many tokens, as attention backends ask for)."""
-    spec = FullAttentionSpec(block_size=block, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16)
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    groups = create_kv_cache_group_specs(dict.fromkeys(names, spec), [names])
+def kv_cache_config(layout: KVCacheLayout, groups: Any, memory_bytes: int) -> Any:
+    """vLLM's ``KVCacheConfig`` for ``groups`` in ``memory_bytes`` of cache, ``NUM_BLOCKS`` blocks, ``layout``
+    resolved (what the engine core decides, from the few settings it reads)."""
     vllm_config = SimpleNamespace(
         attention_config=SimpleNamespace(hisparse_config=None),
         cache_config=SimpleNamespace(
@@ -83,7 +80,16 @@ def allocate(layout: KVCacheLayout, block: int = BLOCK, kernel: int | None = Non
             num_gpu_blocks_override=NUM_BLOCKS,
         ),
     )
-    config = get_kv_cache_config_from_groups(vllm_config, groups, spec.page_size_bytes * LAYERS * NUM_BLOCKS)
+    return get_kv_cache_config_from_groups(vllm_config, groups, memory_bytes)
+
+
+def allocate(layout: KVCacheLayout, block: int = BLOCK, kernel: int | None = None) -> dict[str, torch.Tensor]:
+    """The views vLLM's GPU worker would hand the connector, built by vLLM's own allocator on host memory (with
+    ``kernel``: each block split into kernel blocks of that many tokens, as attention backends ask for)."""
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    groups = create_kv_cache_group_specs(dict.fromkeys(names, spec), [names])
+    config = kv_cache_config(layout, groups, spec.page_size_bytes * LAYERS * NUM_BLOCKS)
     kernels = None if kernel is None else [kernel]
     views: dict[str, torch.Tensor] = allocate_kv_cache(config, torch.device("cpu"), layout, kernels)
     assert list(views) == names
@@ -385,15 +391,7 @@ def test_overlaid_cache_groups_are_one_registration_with_a_layout_each(layout: K
     names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
     specs = {names[0]: full, names[2]: full, names[1]: window, names[3]: window}
     groups = create_kv_cache_group_specs(specs, [[names[0], names[2]], [names[1], names[3]]])
-    vllm_config = SimpleNamespace(
-        attention_config=SimpleNamespace(hisparse_config=None),
-        cache_config=SimpleNamespace(
-            get_resolved_kv_cache_layout=lambda: layout,
-            prefix_cache_retention_interval=None,
-            num_gpu_blocks_override=NUM_BLOCKS,
-        ),
-    )
-    config = get_kv_cache_config_from_groups(vllm_config, groups, full.page_size_bytes * 2 * NUM_BLOCKS)
+    config = kv_cache_config(layout, groups, full.page_size_bytes * 2 * NUM_BLOCKS)
     views = allocate_kv_cache(config, torch.device("cpu"), layout)
     assert views[names[0]].data_ptr() == views[names[1]].data_ptr()  # the groups overlay
     by_group = [{name: views[name] for name in group.layer_names} for group in config.kv_cache_groups]
