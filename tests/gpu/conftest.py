@@ -50,5 +50,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         item.add_marker(pytest.mark.gpu)
         reason = missing()
-        if reason:
-            item.add_marker(pytest.mark.skip(reason=f"gpu suite: {reason}"))
+        item.add_marker(pytest.mark.skipif(bool(reason), reason=f"gpu suite: {reason}"))

@@ -394,7 +394,7 @@ def _cpu_problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     if spec.model.kv_cache_dtype.value.startswith("fp8"):
         found.append(Problem(
             VLLM_CPU_KV_CACHE_DTYPE, "spec.model.kvCacheDtype",
-            "vLLM's CPU build does not transfer fp8 KV caches (NotImplementedError in its CPU KV packing); "
+            "vLLM's CPU build does not transfer fp8 KV caches (its CPU KV packing refuses them); "
             "set spec.model.kvCacheDtype: bfloat16",
         ))  # fmt: skip
     return found
