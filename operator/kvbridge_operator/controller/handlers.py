@@ -127,7 +127,8 @@ def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorR
         configure_settings(settings)
 
     # what the reconcile reads of the children, kept current by the operator's own watches (Kopf indexes are
-    # filled before any handler runs): a pod event costs the resource read and the status write, not five reads
+    # filled before any handler runs): a pod event costs the resource read and the status write, not the reads of
+    # reconcile.read_children
     def by_deployment(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> Any:
         return {(namespace or "default", labels[LABEL_DEPLOYMENT]): copy.deepcopy(dict(body))}
 

@@ -1,14 +1,21 @@
 """One idempotent reconcile for every path (create, update, resume, resync, pod events): read, plan, apply.
 
-The children come from the operator's watches (or, without them, from four reads); :func:`plan.plan` computes,
-purely, every action the reconcile takes — children applied with server-side apply under kvbridge's field manager
-(the Secret created once and never patched), children deleted, the status, annotations and events — and
-:func:`apply.execute` carries them out. An incompatible spec changes nothing that runs. A pod event changes no spec,
-so it applies only the workloads the rollout's step moves and writes the status (``apply_children=False``); the
-periodic resync applies every child.
+Reads: none for the children when the operator's watches serve them (``cached``: handlers.py, whose only read is
+the deployment's, afresh); without them :func:`read_children` makes seven, a get of each role's DisaggregatedRole,
+StatefulSet and LeaderWorkerSet and one list of the deployment's pods. Applying reads once more per
+DisaggregatedRole whose replicas the spec changed, or whose create found it there (apply.py's fresh read before it
+writes its replicas).
+
+:func:`plan.plan` computes, purely, every action the reconcile takes — children applied with server-side apply
+under kvbridge's field manager (the Secret created once and never patched), children deleted, the status,
+annotations and events — and :func:`apply.execute` carries them out. An incompatible spec changes nothing that
+runs. A pod event changes no spec, so it applies only the workloads the rollout's step moves and writes the status
+(``apply_children=False``); the periodic resync applies every child.
 
 Where the API turns out not to serve an optional kind (a CRD not installed: LeaderWorkerSet, InferencePool,
-HTTPRoute, PodGroup), the plan is made again knowing it; what was already done is not done twice.
+HTTPRoute, PodGroup), the plan is made again knowing it; what was already done is not done twice, except a
+Secret's create: the plan made again renders a fresh key, so the create is sent again, answered 409, and the Secret
+created first is kept.
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ class Outcome:
 
 
 async def read_children(client: KubeClient, namespace: str, name: str) -> Children:
-    """From the API: seven calls (the operator's own watches serve them instead: handlers.py)."""
+    """From the API, in the reads the module's docstring counts (the operator's own watches serve them instead:
+    handlers.py)."""
     roles = {role: await client.get(ROLES, namespace, role_name(name, role)) for role in Role}
     stateful_sets = {role: await client.get(STATEFUL_SETS, namespace, role_name(name, role)) for role in Role}
     # without the LeaderWorkerSet CRD the API answers 404, which get reads as none
