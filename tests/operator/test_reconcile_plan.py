@@ -1,6 +1,7 @@
 """The reconcile's pure half as tables: given what a reconcile read (``Observed``: the deployment with its previous
 status, its children as the API returns them, the kinds found missing), the actions :func:`plan` lists, the status
-it writes and the events it posts.
+it writes and the events it posts; then :func:`apply.execute` and :func:`reconcile` against a fake client that
+records every call: the re-plan after the API turns out not to serve a kind, and the reads a reconcile makes.
 
 The children are plain dicts, as the API returns them: a tiny API in this file (:func:`written`) keeps what the
 plan's writes leave and :func:`running` starts the pods each StatefulSet asks for, so a case starts from a world
@@ -18,18 +19,27 @@ from typing import Any
 
 import pytest
 import yaml
+from kubernetes_asyncio.client.rest import ApiException
 
 from kvbridge_agent.core import Role
-from kvbridge_operator.api.names import LABEL_ROLE, LWS_KIND
+from kvbridge_operator.api.names import ANNOTATION_SPEC_REPLICAS, LABEL_ROLE, LWS_KIND
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.controller import actions
+from kvbridge_operator.controller.apply import KindMissingError, execute
 from kvbridge_operator.controller.plan import Children, Observed, Plan, plan
+from kvbridge_operator.controller.reconcile import read_children, reconcile
 from kvbridge_operator.controller.rollout import state_of
 from kvbridge_operator.kube import (
     BY_KIND,
     DEPLOYMENTS,
+    FIELD_MANAGER,
+    HTTP_ROUTES,
     ROLES,
+    SECRETS,
+    ApiError,
+    KubeClient,
+    Resource,
 )
 
 ROOT = Path(__file__).parents[2]
@@ -625,3 +635,396 @@ def test_the_plan_of_what_a_reconcile_read(case: Case) -> None:
     events = [a.event for a in result.actions if isinstance(a, actions.Post)]
     for reason, text in case.says.items():
         assert any(text in event.message for event in events if event.reason == reason), (reason, text)
+
+
+# --- apply.execute and reconcile against a fake client -------------------------------------------------------------
+Call = tuple[str, str, str]  # (verb, resource plural, name); a patch of a subresource is "patch/<subresource>"
+
+
+def not_served(body: bytes = b"404 page not found\n") -> ApiError:
+    """The real client's error for a kind the API does not serve: kube-apiserver answers a path under a group or
+    version it does not know with a plain-text 404 (no Status object), and :class:`KubeClient` turns it into this."""
+    exc = ApiException(status=404, reason="Not Found")
+    exc.body = body
+    return ApiError.from_exception(exc)
+
+
+FORBIDDEN = ApiError(403, "Forbidden", "events is forbidden")
+
+
+class FakeClient(KubeClient):
+    """Records every call and answers from ``objects`` ((plural, name) -> object); ``fails`` maps (verb, plural) to
+    the error that call raises. A create of an object that exists answers 409, as the API does."""
+
+    def __init__(
+        self, objects: dict[tuple[str, str], Obj] | None = None, fails: dict[tuple[str, str], ApiError] | None = None
+    ) -> None:
+        super().__init__(KubeClient.for_url("http://127.0.0.1:9").connection)
+        self.objects = copy.deepcopy(objects or {})
+        self.fails = dict(fails or {})
+        self.log: list[Call] = []
+        self.bodies: list[tuple[Call, Obj]] = []
+
+    def _call(self, verb: str, resource: Resource, name: str, body: Obj | None = None) -> None:
+        self.log.append((verb, resource.plural, name))
+        if body is not None:
+            self.bodies.append(((verb, resource.plural, name), copy.deepcopy(body)))
+        error = self.fails.get((verb.split("/")[0], resource.plural))
+        if error is not None:
+            raise error
+
+    async def get(self, resource: Resource, namespace: str, name: str, subresource: str | None = None) -> Obj | None:
+        self._call("get", resource, name)
+        found = self.objects.get((resource.plural, name))
+        return copy.deepcopy(found) if found is not None else None
+
+    async def list(self, resource: Resource, namespace: str | None, label_selector: str = "") -> list[Obj]:
+        self._call("list", resource, label_selector)
+        return []
+
+    async def create(self, resource: Resource, namespace: str, body: Obj) -> Obj:
+        name = body["metadata"].get("name") or body["metadata"]["generateName"]
+        self._call("create", resource, name, body)
+        if (resource.plural, name) in self.objects:
+            raise ApiError(409, "AlreadyExists", f'{resource.plural} "{name}" already exists')
+        if "name" in body["metadata"]:  # a generateName is made unique by the API
+            self.objects[(resource.plural, name)] = copy.deepcopy(body)
+        return body
+
+    async def patch(
+        self, resource: Resource, namespace: str, name: str, body: Obj, subresource: str | None = None
+    ) -> Obj:
+        self._call(f"patch/{subresource}" if subresource else "patch", resource, name, body)
+        return body
+
+    async def apply(self, resource: Resource, obj: Obj, *, field_manager: str = FIELD_MANAGER) -> Obj:
+        self._call("apply", resource, obj["metadata"]["name"], obj)
+        return obj
+
+    async def delete(self, resource: Resource, namespace: str, name: str) -> None:
+        self._call("delete", resource, name)
+        self.objects.pop((resource.plural, name), None)
+
+
+def role_obj(replicas_written: int) -> Obj:
+    """The decode DisaggregatedRole as the API holds it, its replicas last written from the spec as
+    ``replicas_written``."""
+    return {
+        "apiVersion": "kvbridge.io/v1alpha1",
+        "kind": "DisaggregatedRole",
+        "metadata": {
+            "name": "llama3-8b-decode",
+            "namespace": NAMESPACE,
+            "resourceVersion": "41",
+            "annotations": {ANNOTATION_SPEC_REPLICAS: str(replicas_written)},
+        },
+        "spec": {"deployment": "llama3-8b", "role": "decode", "replicas": replicas_written},
+    }
+
+
+STS: Obj = {
+    "apiVersion": "apps/v1",
+    "kind": "StatefulSet",
+    "metadata": {"name": "llama3-8b-decode", "namespace": NAMESPACE},
+}
+POOL_OBJ: Obj = {
+    "apiVersion": "inference.networking.k8s.io/v1",
+    "kind": "InferencePool",
+    "metadata": {"name": "llama3-8b", "namespace": NAMESPACE},
+}
+KEYS: Obj = {
+    "apiVersion": "v1",
+    "kind": "Secret",
+    "metadata": {"name": "llama3-8b-side-channel", "namespace": NAMESPACE},
+}
+DECODE_ROLE = ("disaggregatedroles", "llama3-8b-decode")
+
+
+@dataclass(frozen=True)
+class Execution:
+    id: str
+    action: actions.Action
+    calls: list[Call]
+    objects: dict[tuple[str, str], Obj] = field(default_factory=dict)
+    fails: dict[tuple[str, str], ApiError] = field(default_factory=dict)
+    raises: type[Exception] | None = None
+    #: the body of the last call, where it matters
+    body: Obj | None = None
+
+
+EXECUTIONS = [
+    Execution("apply", actions.Apply(STS), [("apply", "statefulsets", "llama3-8b-decode")], body=STS),
+    Execution(
+        "apply-optional-kind-not-served",
+        actions.Apply(POOL_OBJ, optional=True),
+        [("apply", "inferencepools", "llama3-8b")],
+        fails={("apply", "inferencepools"): not_served()},
+        raises=KindMissingError,
+    ),
+    Execution(
+        "apply-optional-kind-not-served-status-object",
+        actions.Apply(POOL_OBJ, optional=True),
+        [("apply", "inferencepools", "llama3-8b")],
+        fails={
+            ("apply", "inferencepools"): not_served(
+                b'{"kind":"Status","status":"Failure","reason":"NotFound","code":404,'
+                b'"message":"the server could not find the requested resource"}'
+            )
+        },
+        raises=KindMissingError,
+    ),
+    # a 404 of a kind every cluster serves is no missing CRD: it fails the reconcile (Kopf retries it)
+    Execution(
+        "apply-required-404-fails",
+        actions.Apply(STS),
+        [("apply", "statefulsets", "llama3-8b-decode")],
+        fails={("apply", "statefulsets"): not_served()},
+        raises=ApiError,
+    ),
+    Execution("create-once", actions.CreateOnce(SECRETS, KEYS), [("create", "secrets", "llama3-8b-side-channel")]),
+    Execution(
+        "create-once-exists-is-kept",
+        actions.CreateOnce(SECRETS, KEYS),
+        [("create", "secrets", "llama3-8b-side-channel")],
+        objects={("secrets", "llama3-8b-side-channel"): KEYS},
+    ),
+    Execution(
+        "create-once-forbidden-fails",
+        actions.CreateOnce(SECRETS, KEYS),
+        [("create", "secrets", "llama3-8b-side-channel")],
+        fails={("create", "secrets"): FORBIDDEN},
+        raises=ApiError,
+    ),
+    Execution(
+        "ensure-role-created", actions.EnsureRole(role_obj(1), exists=False, replicas=1), [("create", *DECODE_ROLE)]
+    ),
+    # created in between (the watch had not seen it): its replicas checked from a fresh read, and written
+    Execution(
+        "ensure-role-created-in-between",
+        actions.EnsureRole(role_obj(2), exists=False, replicas=2),
+        [("create", *DECODE_ROLE), ("get", *DECODE_ROLE), ("patch", *DECODE_ROLE)],
+        objects={DECODE_ROLE: role_obj(1)},
+        body={
+            "metadata": {"resourceVersion": "41", "annotations": {ANNOTATION_SPEC_REPLICAS: "2"}},
+            "spec": {"replicas": 2},
+        },
+    ),
+    Execution(
+        "ensure-role-rescaled",
+        actions.EnsureRole(role_obj(1), exists=True, replicas=2),
+        [("get", *DECODE_ROLE), ("patch", *DECODE_ROLE)],
+        objects={DECODE_ROLE: role_obj(1)},
+        body={
+            "metadata": {"resourceVersion": "41", "annotations": {ANNOTATION_SPEC_REPLICAS: "2"}},
+            "spec": {"replicas": 2},
+        },
+    ),
+    # another reconcile wrote them already: the fresh read says so, no write
+    Execution(
+        "ensure-role-already-rescaled",
+        actions.EnsureRole(role_obj(1), exists=True, replicas=2),
+        [("get", *DECODE_ROLE)],
+        objects={DECODE_ROLE: role_obj(2)},
+    ),
+    Execution(
+        "ensure-role-deleted-in-between",
+        actions.EnsureRole(role_obj(1), exists=True, replicas=2),
+        [("get", *DECODE_ROLE)],
+    ),
+    Execution("delete", actions.Delete(HTTP_ROUTES, NAMESPACE, "llama3-8b"), [("delete", "httproutes", "llama3-8b")]),
+    Execution(
+        "write-status",
+        actions.WriteStatus(DEPLOYMENTS, NAMESPACE, "llama3-8b", {"observedGeneration": 3}),
+        [("patch/status", "disaggregateddeployments", "llama3-8b")],
+        body={"status": {"observedGeneration": 3}},
+    ),
+    Execution(
+        "annotate",
+        actions.Annotate(DEPLOYMENTS, NAMESPACE, "llama3-8b", {"kvbridge.io/x": "1"}),
+        [("patch", "disaggregateddeployments", "llama3-8b")],
+        body={"metadata": {"annotations": {"kvbridge.io/x": "1"}}},
+    ),
+    Execution(
+        "post",
+        actions.Post(
+            {"name": "llama3-8b", "namespace": NAMESPACE, "uid": UID}, actions.Event("Warning", "Incompatible", "why")
+        ),
+        [("create", "events", "llama3-8b.")],
+    ),
+    # an event that cannot be posted is logged: it never fails the reconcile
+    Execution(
+        "post-forbidden-is-logged",
+        actions.Post({"name": "llama3-8b", "namespace": NAMESPACE}, actions.Event("Normal", "Reconciled", "ok")),
+        [("create", "events", "llama3-8b.")],
+        fails={("create", "events"): FORBIDDEN},
+    ),
+]
+
+
+@pytest.mark.parametrize("case", EXECUTIONS, ids=[case.id for case in EXECUTIONS])
+async def test_execute_makes_one_call_per_action_and_reads_only_to_rescale(case: Execution) -> None:
+    client = FakeClient(case.objects, case.fails)
+    done: list[actions.Action] = []
+    if case.raises is None:
+        await execute(client, [case.action], done)
+        assert done == [case.action]
+    else:
+        with pytest.raises(case.raises) as caught:
+            await execute(client, [case.action], done)
+        assert done == []
+        if isinstance(caught.value, KindMissingError):
+            assert caught.value.kind == "InferencePool"
+    assert client.log == case.calls
+    if case.body is not None:
+        assert client.bodies[-1][1] == case.body
+
+
+async def test_a_posted_event_names_the_deployment() -> None:
+    client = FakeClient()
+    involved = {"name": "llama3-8b", "namespace": NAMESPACE, "uid": UID}
+    await execute(client, [actions.Post(involved, actions.Event("Warning", "Incompatible", "x" * 1500))], [])
+    [(_, event)] = client.bodies
+    assert event["involvedObject"] == {
+        "apiVersion": "kvbridge.io/v1alpha1",
+        "kind": "DisaggregatedDeployment",
+        "name": "llama3-8b",
+        "namespace": NAMESPACE,
+        "uid": UID,
+    }
+    assert (event["type"], event["reason"], len(event["message"])) == ("Warning", "Incompatible", 1000)
+
+
+async def test_execute_skips_what_was_done_and_records_the_rest() -> None:
+    first = actions.CreateOnce(SECRETS, KEYS)
+    second = actions.Apply(STS)
+    done: list[actions.Action] = [first]
+    client = FakeClient()
+    await execute(client, [first, second], done)
+    assert client.log == [("apply", "statefulsets", "llama3-8b-decode")]
+    assert done == [first, second]
+
+
+def deployment_status(client: FakeClient) -> Obj:
+    status: Obj
+    [status] = [
+        body["status"]
+        for (verb, plural, _), body in client.bodies
+        if (verb, plural) == ("patch/status", "disaggregateddeployments")
+    ]
+    return status
+
+
+def posted(client: FakeClient) -> list[str]:
+    return [body["reason"] for (verb, plural, _), body in client.bodies if (verb, plural) == ("create", "events")]
+
+
+ROLE_CREATES: list[Call] = [("create", "disaggregatedroles", "llama3-8b-prefill"), ("create", *DECODE_ROLE)]
+CHILD_APPLIES: list[Call] = [
+    ("apply", "services", "llama3-8b-prefill"),
+    ("apply", "services", "llama3-8b-decode"),
+    ("apply", "networkpolicies", "llama3-8b-pods"),
+    ("apply", "poddisruptionbudgets", "llama3-8b-prefill"),
+    ("apply", "poddisruptionbudgets", "llama3-8b-decode"),
+]
+STATUS_WRITES: list[Call] = [
+    ("patch/status", "disaggregatedroles", "llama3-8b-prefill"),
+    ("patch/status", *DECODE_ROLE),
+    ("patch/status", "disaggregateddeployments", "llama3-8b"),
+    ("patch", "disaggregateddeployments", "llama3-8b"),
+]
+
+
+async def test_a_kind_the_api_does_not_serve_is_planned_again_without_it() -> None:
+    """The LeaderWorkerSet CRD is not installed: its apply answers 404, the reconcile plans again knowing it, does
+    nothing twice (the Secret, the roles, the children already applied) and says why in the status and an event."""
+    client = FakeClient(fails={("apply", "leaderworkersets"): not_served()})
+    outcome = await reconcile(client, two_node_prefill(), CONFIG, cached=World(document()).children)
+    writes = [call for call in client.log if call[1] != "events"]
+    assert writes == [
+        ("create", "secrets", "llama3-8b-side-channel"),
+        *ROLE_CREATES,
+        *CHILD_APPLIES,
+        ("apply", "leaderworkersets", "llama3-8b-prefill"),  # 404: plan again
+        # the plan made again renders a fresh key pair, so its CreateOnce is not the one done: the create is made
+        # again, answered 409, and the Secret created first is kept
+        ("create", "secrets", "llama3-8b-side-channel"),
+        ("apply", "statefulsets", "llama3-8b-decode"),
+        *STATUS_WRITES,
+    ]
+    assert outcome.applied
+    assert "LeaderWorkerSetUnavailable" in posted(client)
+    conditions = {c["type"]: c["reason"] for c in deployment_status(client)["conditions"]}
+    assert conditions["PrefillReady"] == "NotCreated"
+
+
+async def test_a_missing_route_kind_keeps_the_pool_applied_once() -> None:
+    """The InferencePool is applied before the HTTPRoute's 404: the plan made again applies it no second time."""
+    client = FakeClient(fails={("apply", "httproutes"): not_served()})
+    outcome = await reconcile(client, document(inferencePool=POOL), CONFIG, cached=World(document()).children)
+    writes = [call for call in client.log if call[1] != "events"]
+    assert writes == [
+        ("create", "secrets", "llama3-8b-side-channel"),
+        *ROLE_CREATES,
+        *CHILD_APPLIES,
+        ("apply", "statefulsets", "llama3-8b-prefill"),
+        ("apply", "statefulsets", "llama3-8b-decode"),
+        ("apply", "inferencepools", "llama3-8b"),
+        ("apply", "httproutes", "llama3-8b"),  # 404: plan again
+        # the plan made again renders a fresh key pair, so its CreateOnce is not the one done: the create is made
+        # again, answered 409, and the Secret created first is kept
+        ("create", "secrets", "llama3-8b-side-channel"),
+        *STATUS_WRITES,
+    ]
+    assert outcome.applied
+    assert "ServingUnavailable" in posted(client)
+    assert deployment_status(client)["inferencePool"]["httpRoute"] == ""
+
+
+def reads(client: FakeClient) -> list[Call]:
+    return [call for call in client.log if call[0] in ("get", "list")]
+
+
+async def test_without_the_watches_a_reconcile_reads_its_children_in_seven_calls() -> None:
+    """The count reconcile.py's docstring states: each role's DisaggregatedRole, StatefulSet and LeaderWorkerSet,
+    and one list of the deployment's pods."""
+    client = FakeClient()
+    await reconcile(client, document(), CONFIG)
+    assert reads(client) == [
+        ("get", "disaggregatedroles", "llama3-8b-prefill"),
+        ("get", *DECODE_ROLE),
+        ("get", "statefulsets", "llama3-8b-prefill"),
+        ("get", "statefulsets", "llama3-8b-decode"),
+        ("get", "leaderworkersets", "llama3-8b-prefill"),
+        ("get", "leaderworkersets", "llama3-8b-decode"),
+        ("list", "pods", "kvbridge.io/deployment=llama3-8b"),
+    ]
+    direct = FakeClient()
+    nothing = dict.fromkeys(Role)
+    assert await read_children(direct, NAMESPACE, "llama3-8b") == Children(nothing, nothing, [], nothing)
+    assert len(reads(direct)) == 7
+
+
+async def test_with_the_watches_a_reconcile_reads_only_a_role_it_rescales() -> None:
+    created = FakeClient()
+    await reconcile(created, document(), CONFIG, cached=World(document()).children)
+    assert reads(created) == []
+    world = changed(settled(), document(generation=2, decode={"replicas": 2}))
+    role = world.children.roles[Role.DECODE]
+    assert role is not None
+    scaled = FakeClient({DECODE_ROLE: role})
+    await reconcile(scaled, world.body, CONFIG, cached=world.children)
+    assert reads(scaled) == [("get", *DECODE_ROLE)]
+
+
+async def test_a_resync_of_a_settled_deployment_makes_eight_calls() -> None:
+    """With the handler's fresh read of the deployment, the nine calls handlers.py and docs/operator.md count: the
+    Secret's create answered 409 and seven server-side applies that change nothing; no status write."""
+    world = settled()
+    client = FakeClient({("secrets", "llama3-8b-side-channel"): KEYS})
+    await reconcile(client, copy.deepcopy(world.body), CONFIG, cached=copy.deepcopy(world.children))
+    assert client.log == [
+        ("create", "secrets", "llama3-8b-side-channel"),
+        *CHILD_APPLIES,
+        ("apply", "statefulsets", "llama3-8b-prefill"),
+        ("apply", "statefulsets", "llama3-8b-decode"),
+    ]
