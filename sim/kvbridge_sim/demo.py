@@ -477,7 +477,7 @@ async def run_demo(
                     if condition(obj, "Compatible").get("status") == "True":
                         progress(f"routing {requests} requests through {name} ...")
                         if is_vllm(obj):
-                            model = models.get(obj["spec"]["model"]["name"], obj["spec"]["model"]["name"])
+                            model = obj["spec"]["model"]["name"]  # the served name, as clients of a cluster send
                             transfers = await route_vllm(client, runner, name, requests, model, interrupted)
                         else:
                             transfers = await route(client, runner, name, requests, True, interrupted)

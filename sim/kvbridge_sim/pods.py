@@ -24,6 +24,8 @@ from kvbridge_operator.api.objects import Obj
 
 #: where the project's own executables (kvbridge-agent, vllm) are: the environment this process runs in
 BIN_DIR = str(Path(sys.executable).parent)
+#: vLLM's flag for the names a server answers to (``model`` of requests, ``/v1/models``)
+SERVED_MODEL_NAME = "--served-model-name"
 
 
 class PodStartError(Exception):
@@ -109,14 +111,17 @@ def local_pod(
 def local_argv(argv: Sequence[str], models: Mapping[str, str], ip: str) -> list[str]:
     """A container's command line as a local process runs it: model names mapped to local folders; a vLLM server
     binds the pod's own address (``--host``: on one machine each pod has a loopback address of its own) and serves
-    the model under its name as on a cluster (and under the folder, which tests send)."""
+    the model under its name only, as on a cluster (``/v1/models`` lists that name, never the local folder). A
+    name the command already serves (``--served-model-name``) stays a name."""
     is_vllm = "vllm" in argv and list(argv[argv.index("vllm") + 1 : argv.index("vllm") + 2]) == ["serve"]
-    mapped = [arg for arg in argv if arg in models]
-    local = [models.get(arg, arg) for arg in argv]
+    served = argv.index(SERVED_MODEL_NAME) + 1 if SERVED_MODEL_NAME in argv else -1
+    mapped = [arg for index, arg in enumerate(argv) if arg in models and index != served]
+    local = [arg if index == served else models.get(arg, arg) for index, arg in enumerate(argv)]
     if is_vllm:
         local += ["--host", ip]
-        if mapped and "--served-model-name" not in local:
-            local += ["--served-model-name", mapped[0], models[mapped[0]]]
+        names_given = served >= 0 or any(arg.startswith(f"{SERVED_MODEL_NAME}=") for arg in argv)
+        if mapped and not names_given:
+            local += [SERVED_MODEL_NAME, mapped[0]]
     return local
 
 

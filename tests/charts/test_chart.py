@@ -281,3 +281,34 @@ def test_the_dashboard_is_valid_json_and_plots_only_series_that_exist() -> None:
                                       target["expr"]))  # fmt: skip
     assert len(plotted) >= 15
     assert plotted <= exported, plotted - exported
+
+
+def notes(values: dict[str, Any]) -> str:
+    chart = helm.Chart.load(str(CHART))
+    rendered = chart.render(values, name="kvbridge", namespace="kvbridge-system", is_install=True)
+    return rendered["kvbridge/templates/NOTES.txt"]
+
+
+NOTES_CASES = [
+    ({}, "watches DisaggregatedDeployments in all namespaces"),
+    ({"watch": {"scope": "Namespace"}}, "only in namespace kvbridge-system\n"),
+    ({"watch": {"scope": "Namespace", "namespaces": ["team-a", "team-b"]}}, "only in namespaces team-a, team-b\n"),
+]
+
+
+@pytest.mark.parametrize(("values", "says"), NOTES_CASES)
+def test_the_notes_say_which_namespaces_are_watched_and_how_to_change_it(values: dict[str, Any], says: str) -> None:
+    text = notes(values)
+    assert says in text
+    assert "helm upgrade kvbridge <chart> -n kvbridge-system --reuse-values --set watch.scope=" in text
+    if values:
+        listed = values["watch"].get("namespaces", ["kvbridge-system"])
+        assert f"--set 'watch.namespaces={{{','.join(listed)},another}}'" in text
+
+
+def test_the_notes_commands_render_values_the_chart_accepts() -> None:
+    """What the notes tell to --set (helm's own --set parser) renders, and the notes then say so."""
+    some = helm.parse_set_string("watch.scope=Namespace,watch.namespaces={team-a,team-b}")
+    assert "only in namespaces team-a, team-b\n" in notes(some)
+    every = helm.parse_set_string("watch.scope=Cluster,watch.namespaces=null")
+    assert "in all namespaces" in notes({"watch": {"scope": "Namespace", "namespaces": ["a"]}} | every)

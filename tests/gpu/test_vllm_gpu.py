@@ -28,7 +28,7 @@ from kvbridge_operator.api.spec import parse_deployment
 from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_sim import pd_requests, tiny_model
 from kvbridge_sim.tiny_model import prompt
-from kvbridge_sim.vllm_engines import Engines, deployment, rendered_template
+from kvbridge_sim.vllm_engines import MODEL_NAME, Engines, deployment, rendered_template
 
 from .conftest import gpus
 
@@ -143,7 +143,7 @@ async def test_decode_on_gpus_answers_as_a_single_engine(
     engines = started(case, model_path, keys_dir, tmp_path / "engines")
     try:
         prefill, decode = engines.engines["prefill"].url, engines.engines["decode"].url
-        model = str(model_path)
+        model = MODEL_NAME
         for length in LENGTHS:
             tokens = prompt(length, salt=700 + length)
             params = await pd_requests.prefill(session, prefill, model, tokens)

@@ -8,7 +8,8 @@ from typing import Any
 import yaml
 
 from kvbridge_operator.config import OperatorConfig
-from kvbridge_operator.kube import PODS, USER_AGENT
+from kvbridge_operator.controller.handlers import FINALIZER
+from kvbridge_operator.kube import DEPLOYMENTS, PODS, USER_AGENT
 from kvbridge_sim.cluster import Cluster, cluster
 
 ROOT = Path(__file__).parents[2]
@@ -78,6 +79,24 @@ async def test_create_makes_owned_children_status_and_events() -> None:
         await c.wait(lambda: "EndpointsChanged" in c.reasons("llama3-8b"), what="EndpointsChanged event")
         assert "Reconciled" in c.reasons("llama3-8b")
         assert not any(e["type"] == "Warning" for e in c.events("llama3-8b"))
+
+
+async def test_the_finalizer_is_set_and_released_on_delete() -> None:
+    """Kopf sets the operator's finalizer (its 60 s resync timer needs one) and removes it once the timer stopped:
+    the delete completes without the operator doing anything else (docs/operator.md, "Deleting a deployment")."""
+    assert FINALIZER == "kvbridge.io/finalizer"
+    async with cluster() as c:
+        await c.apply(example("llama3-8b-hetero-tp"))
+
+        def finalized() -> bool:
+            return FINALIZER in c.deployment("llama3-8b")["metadata"].get("finalizers", [])
+
+        def gone() -> bool:
+            return c.api.find("disaggregateddeployments", "default", "llama3-8b") is None
+
+        await c.wait(finalized, what="finalizer set")
+        await c.client.delete(DEPLOYMENTS, "default", "llama3-8b")
+        await c.wait(gone, what="deployment gone")
 
 
 async def test_incompatible_create_schedules_nothing_and_says_why() -> None:

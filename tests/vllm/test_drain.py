@@ -19,7 +19,7 @@ import pytest
 from kvbridge_agent.core import Role
 from kvbridge_router.proxy import RouterConfig
 from kvbridge_sim import pd_requests, pods
-from kvbridge_sim.vllm_engines import Engines
+from kvbridge_sim.vllm_engines import MODEL_NAME, Engines
 
 from .conftest import DEPLOYMENTS
 from .routing import endpoint, pool, running_router
@@ -91,7 +91,7 @@ async def test_sigterm_to_a_decode_then_a_prefill_pod_under_load_loses_no_reques
     kvbridge_pairs: Engines, session: aiohttp.ClientSession
 ) -> None:
     engines = kvbridge_pairs
-    model = str(engines.model)
+    model = MODEL_NAME
     document = DEPLOYMENTS["kvbridge"]
     config = RouterConfig(prefill_timeout=60, decode_timeout=120, connect_timeout=2, request_timeout=120)
     answers: list[Answer] = []

@@ -19,7 +19,7 @@ from kvbridge_agent.transfer.side_channel import SideChannelClient
 from kvbridge_sim import pd_requests
 from kvbridge_sim.kv_faults import overwrite_prefill_kv
 from kvbridge_sim.tiny_model import prompt
-from kvbridge_sim.vllm_engines import Engines, metric
+from kvbridge_sim.vllm_engines import MODEL_NAME, Engines, metric
 
 from .assertions import assert_pd_equals_single_engine
 from .conftest import DEPLOYMENTS
@@ -38,7 +38,7 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 def urls(engines: Engines) -> tuple[str, str, str]:
-    return engines.engines["kvbridge-prefill"].url, engines.engines["kvbridge-decode"].url, str(engines.model)
+    return engines.engines["kvbridge-prefill"].url, engines.engines["kvbridge-decode"].url, MODEL_NAME
 
 
 @pytest.mark.parametrize("length", LENGTHS)
@@ -164,7 +164,7 @@ async def test_block_size_conversions_nixl_gets_wrong_on_cpu_give_equal_tokens(
     (wrong tokens, no error; refused for it). kvbridge's connector converts CPU attention's own block interior
     (``cpu_blocks``), on either side."""
     prefill, decode = kvbridge_engines.engines[prefill_engine].url, kvbridge_engines.engines[decode_engine].url
-    model = str(kvbridge_engines.model)
+    model = MODEL_NAME
     tokens = prompt(length, salt=400 + length + len(prefill_engine))
     await assert_pd_equals_single_engine(session, prefill, decode, model, tokens, MAX_TOKENS,
                                          salt=f"kvb-{decode_engine}-{length}", what=conversion)  # fmt: skip
@@ -209,14 +209,14 @@ async def test_prefill_tp2_to_decode_tp1_gives_equal_tokens(
     """Each decode rank reads both prefill ranks' heads (one plan per prefill engine, two remote agents)."""
     engines = kvbridge_tp2_engines.engines
     prefill, decode = engines["kvbridge-prefill-tp2"].url, engines["kvbridge-decode-tp2"].url
-    await assert_pd_equals_single_engine(session, prefill, decode, str(kvbridge_tp2_engines.model),
+    await assert_pd_equals_single_engine(session, prefill, decode, MODEL_NAME,
                                          prompt(length, salt=600 + length), MAX_TOKENS, salt=f"kvb-tp2-{length}",
                                          what="prefill TP 2 -> decode TP 1")  # fmt: skip
     other = prompt(3 * BLOCK, salt=700)  # negative control: another prompt's KV under this prompt's tokens
-    foreign = await pd_requests.prefill(session, prefill, str(kvbridge_tp2_engines.model), other)
+    foreign = await pd_requests.prefill(session, prefill, MODEL_NAME, other)
     tokens = prompt(3 * BLOCK, salt=701)
-    got = await pd_requests.decode(session, decode, str(kvbridge_tp2_engines.model), tokens, foreign, MAX_TOKENS)
-    want = await pd_requests.baseline(session, decode, str(kvbridge_tp2_engines.model), tokens, MAX_TOKENS,
+    got = await pd_requests.decode(session, decode, MODEL_NAME, tokens, foreign, MAX_TOKENS)
+    want = await pd_requests.baseline(session, decode, MODEL_NAME, tokens, MAX_TOKENS,
                                       salt=f"kvb-tp2-negative-{length}")  # fmt: skip
     assert got.tokens != want.tokens
 

@@ -15,7 +15,7 @@ import pytest
 from kvbridge_agent.core import Role
 from kvbridge_sim import pd_requests
 from kvbridge_sim.tiny_model import prompt
-from kvbridge_sim.vllm_engines import Engines, rendered_template, vllm_parts
+from kvbridge_sim.vllm_engines import MODEL_NAME, Engines, rendered_template, vllm_parts
 
 from .assertions import assert_pd_equals_single_engine
 from .conftest import DEPLOYMENTS, SHORT_LEASE_BLOCKS, SHORT_LEASE_SECONDS
@@ -40,7 +40,7 @@ def test_one_decode_serves_every_prefill_size() -> None:
 
 
 async def equal_tokens(engines: Engines, session: aiohttp.ClientSession, prefill: str, length: str, salt: int) -> None:
-    model = str(engines.model)
+    model = MODEL_NAME
     tokens = prompt(LENGTHS[length], salt=salt)
     source, decode = engines.engines[prefill], engines.engines["decode"]
     await assert_pd_equals_single_engine(session, source.url, decode.url, model, tokens, MAX_TOKENS,
@@ -51,7 +51,7 @@ async def crossed_kv(engines: Engines, session: aiohttp.ClientSession, prefill: 
     """Decode given prompt Y with prompt X's KV cache answers differently from Y alone: the KV really moved
     (a decode that ignored it and recomputed Y would answer like the single engine). Same token count, so vLLM
     accepts the request."""
-    model = str(engines.model)
+    model = MODEL_NAME
     x, y = prompt(3 * BLOCK + 5, salt=salt), prompt(3 * BLOCK + 5, salt=salt + 1)
     source, decode = engines.engines[prefill], engines.engines["decode"]
     params = await pd_requests.prefill(session, source.url, model, x)
@@ -81,7 +81,7 @@ async def test_tp1_an_expired_lease_gives_wrong_tokens_with_nixl_connector(
     prefill's lease ran out and the blocks were reused, decode answers HTTP 200 with wrong tokens. kvbridge
     renders the lease (leaseSeconds -> kv_lease_duration) with a default long enough for these machines."""
     engines = tp1_engines
-    model = str(engines.model)
+    model = MODEL_NAME
     prefill, decode = engines.engines["prefill-short-lease"], engines.engines["decode"]
     x = prompt(3 * BLOCK + 5, salt=700)
     params = await pd_requests.prefill(session, prefill.url, model, x)

@@ -15,7 +15,7 @@ from kvbridge_router.pool import Pool
 from kvbridge_router.proxy import RouterConfig
 from kvbridge_sim import pd_requests
 from kvbridge_sim.tiny_model import prompt
-from kvbridge_sim.vllm_engines import Engines
+from kvbridge_sim.vllm_engines import MODEL_NAME, Engines
 
 from .conftest import DEPLOYMENTS
 from .routing import endpoint, pod_calls, pool, running_router, streamed_tokens
@@ -54,7 +54,7 @@ async def _via_router(session: aiohttp.ClientSession, url: str, model: str, toke
 async def test_router_answers_as_a_single_engine_streamed_or_not(
     tp1_engines: Engines, session: aiohttp.ClientSession
 ) -> None:
-    model = str(tp1_engines.model)
+    model = MODEL_NAME
     decode = tp1_engines.engines["decode"]
     async with running_router() as (router, url):
         router.set_pool(_pool_of(tp1_engines, ["prefill-tp1"]))
@@ -77,7 +77,7 @@ async def test_chat_completions_through_the_router_as_a_single_engine(
 ) -> None:
     """What an OpenAI SDK's ``chat.completions`` sends: the local model's chat template applies on both engines,
     and P/D answers as the decode engine alone does."""
-    model = str(tp1_engines.model)
+    model = MODEL_NAME
     decode = tp1_engines.engines["decode"]
     body = {
         "model": model,
@@ -108,7 +108,7 @@ async def test_router_keeps_serving_while_a_prefill_pod_is_killed(
     hold its blocks long enough for decode to read them on a loaded machine (30 s, not 2). (The pod's restart and
     the requests that reach its new engine through the router are `make demo`'s, checked in tests/demo/test_demo.py;
     this file runs last, so the killed engine is not started again here: that would cost a minute and a half.)"""
-    model = str(tp1_engines.model)
+    model = MODEL_NAME
     decode = tp1_engines.engines["decode"]
     config = RouterConfig(prefill_timeout=30, decode_timeout=120, connect_timeout=2)
     async with running_router(config) as (router, url):

@@ -27,6 +27,9 @@ from kvbridge_operator.controller.reconcile import reconcile
 from kvbridge_operator.kube import DEPLOYMENTS, ApiError, Connection, KubeClient, connect
 
 PREFIX = "kvbridge.io"
+#: the finalizer Kopf puts on every DisaggregatedDeployment: the resync timer below needs one (Kopf stops an object's
+#: timers before it lets the object go); released as soon as the timer stopped, so a delete waits for nothing else
+FINALIZER = f"{PREFIX}/finalizer"
 #: failures of the Kubernetes API that a later try may not meet (after the client's own retries)
 API_ERRORS = (ApiError, aiohttp.ClientError, TimeoutError)
 #: period of the level-triggered resync of every deployment (seconds); each resync is a full reconcile (9 API calls,
@@ -57,7 +60,7 @@ def allow_api_depth() -> None:
 
 
 def configure_settings(settings: kopf.OperatorSettings) -> None:
-    settings.persistence.finalizer = f"{PREFIX}/finalizer"
+    settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=PREFIX, key="last-handled-configuration"
