@@ -139,10 +139,15 @@ class ModelGeometry(CamelModel):
         return self.attention is Attention.MLA
 
     @property
+    def token_bytes_per_head(self) -> int:
+        """One token of one KV head in one layer: its keys then its values (MLA: the single latent)."""
+        return (1 if self.is_mla else 2) * self.head_dim * self.element_bytes
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """The KV cache of one token over all layers and heads (keys and values; MLA: one latent), counted once
         however tensor parallelism splits or replicates it: what a prefill engine holds per token for readers."""
-        return self.num_layers * (1 if self.is_mla else 2) * self.num_kv_heads * self.head_dim * self.element_bytes
+        return self.num_layers * self.num_kv_heads * self.token_bytes_per_head
 
 
 class RoleSettings(CamelModel):

@@ -23,6 +23,7 @@ from kvbridge_agent.core import (
     ModelGeometry,
     Role,
     RoleSettings,
+    SpecError,
     TransferPlan,
     TransferSettings,
     build_plan,
@@ -40,10 +41,19 @@ from kvbridge_agent.core.handshake import (
     RankMetadata,
     notification,
 )
-from kvbridge_agent.core.layout import BlockRuns, kernel_blocks, paired_runs, run_regions
+from kvbridge_agent.core.layout import BlockRuns, run_regions
+from kvbridge_agent.core.physical_reads import (
+    ChunkSide,
+    PhysicalRead,
+    chunk_descriptor_ids,
+    chunk_tokens,
+    map_chunks,
+    physical_read,
+    shared_heads,
+)
 from kvbridge_agent.transfer.descriptors import descriptor_rows
 from kvbridge_agent.transfer.digest import Digester
-from kvbridge_agent.transfer.kv_cache import LAYOUT_UNSUPPORTED, KVCache
+from kvbridge_agent.transfer.kv_cache import KVCache
 from kvbridge_agent.transfer.peers import STALE_PEER
 from kvbridge_agent.transfer.relayout import Converter, convert_for_side
 from kvbridge_agent.transfer.transport import Transport, TransportError
@@ -68,8 +78,11 @@ class RemotePeer:
     remote_units: int  # descriptor units per region on the prefill side
     #: descriptors per block and read (regions of the cache kind, or the paired runs of two physical layouts)
     regions: int
-    #: kernel blocks per block of both physical layouts (vLLM's kernel block size below the block size)
-    kernel_ratio: int = 1
+    #: physical layouts on both sides: per read of the rank plan, the paired runs of one chunk (and then
+    #: ``lists``/``lengths`` follow these reads), decode's and prefill's chunking, prefill's kernel blocks per read
+    physical: tuple[PhysicalRead, ...] = ()
+    sides: tuple[ChunkSide, ChunkSide] | None = None
+    remote_kernel_blocks: list[int] = field(default_factory=list)
     #: per read of the rank plan: (remote prepped list, local prepped list)
     lists: list[tuple[Any, Any]] = field(default_factory=list)
     #: bytes of one descriptor of each list
@@ -229,53 +242,68 @@ class DecodeRank:
         return peer
 
     def _add_physical_lists(self, peer: RemotePeer, ranks: dict[int, tuple[RankMetadata, bytes]]) -> None:
-        """Both caches have physical layouts (docs/protocol.md §1b): one descriptor per paired run of a block, the
-        runs cut where both layouts are contiguous and in the same order (one per block for a cross-layer layout
-        on both sides). Served for equal TP sizes and block sizes; anything else is refused, typed."""
+        """Both caches have physical layouts (docs/protocol.md §1b, §1c): per prefill rank this decode rank reads,
+        the runs of the heads both hold, cut into chunks of the smaller block, paired with its own — every TP
+        mapping and block-size conversion is a choice of descriptors, nothing is re-laid."""
         plan, rank_plan, local = peer.plan, peer.rank_plan, self.cache.physical
-        meta = ranks[rank_plan.reads[0].prefill_rank][0]
-        remote = meta.physical_layout
-        if local is None or remote is None:
-            raise HandshakeError(
-                f"prefill engine {peer.engine_id} {'has' if remote else 'has no'} physical KV layout and this decode "
-                f"{'has' if local else 'has no'}: run both roles on the same engine build and KV layout kind",
-                code=PEER_INCOMPATIBLE,
+        reads: list[PhysicalRead] = []
+        sides: tuple[ChunkSide, ChunkSide] | None = None
+        for read in rank_plan.reads:
+            meta = ranks[read.prefill_rank][0]
+            remote = meta.physical_layout
+            if local is None or remote is None:
+                raise HandshakeError(
+                    f"prefill engine {peer.engine_id} {'has' if remote else 'has no'} physical KV layout and this "
+                    f"decode {'has' if local else 'has no'}: run both roles on the same engine build and KV layout "
+                    "kind",
+                    code=PEER_INCOMPATIBLE,
+                )
+            if len(meta.tensor_bases) != 1:
+                raise HandshakeError("a physical layout has one base address", code=PEER_INCOMPATIBLE)
+            if meta.block_size % remote.block_size or remote.num_blocks != meta.num_blocks * (
+                meta.block_size // remote.block_size
+            ):
+                raise HandshakeError(
+                    f"prefill rank {read.prefill_rank} describes {remote.num_blocks} kernel blocks of "
+                    f"{remote.block_size} tokens for {meta.num_blocks} blocks of {meta.block_size}",
+                    code=PEER_INCOMPATIBLE,
+                )
+            try:
+                heads = shared_heads(
+                    self.model,
+                    plan.prefill.tensor_parallel_size,
+                    plan.decode.tensor_parallel_size,
+                    read.prefill_rank,
+                    self.cache.tp_rank,
+                )
+                physical = physical_read(read.prefill_rank, remote, local, heads)
+            except KVBridgeError as exc:
+                raise HandshakeError(
+                    f"prefill engine {peer.engine_id} rank {read.prefill_rank}: {exc.message}", code=PEER_INCOMPATIBLE
+                ) from exc
+            length = physical.source.runs.length
+            rows = descriptor_rows(
+                meta.tensor_bases,
+                run_regions(physical.source.regions),
+                remote.num_blocks,
+                units_per_block=1,
+                offset=0,
+                length=length,
+                device_id=meta.device_id,
             )
-        if plan.tp_ratio != 1 or plan.wire.conversions or len(rank_plan.reads) != 1:
-            raise HandshakeError(
-                f"prefill engine {peer.engine_id} runs TP {plan.prefill.tensor_parallel_size} with {meta.block_size}-"
-                f"token blocks, this decode TP {plan.decode.tensor_parallel_size} with {plan.decode.block_size}: "
-                "kvbridge moves vLLM's physical layouts only between equal TP sizes and block sizes so far",
-                code=LAYOUT_UNSUPPORTED,
+            handle = self.transport.prep(peer.agents[read.prefill_rank], rows, meta.memory_type.value)
+            peer.lists.append((handle, self._local_runs_list(physical.target.regions)))
+            peer.lengths.append(length)
+            reads.append(physical)
+            peer.remote_kernel_blocks.append(remote.num_blocks)
+            tokens = chunk_tokens(remote, local)
+            sides = sides or (
+                ChunkSide(self.cache.block_size, 1, local.block_size, tokens),
+                ChunkSide(meta.block_size, plan.split_ratio, remote.block_size, tokens),
             )
-        try:
-            remote_runs, local_runs = paired_runs(remote, local)
-        except KVBridgeError as exc:
-            raise HandshakeError(f"prefill engine {peer.engine_id}: {exc.message}", code=PEER_INCOMPATIBLE) from exc
-        if len(meta.tensor_bases) != 1:
-            raise HandshakeError("a physical layout has one base address", code=PEER_INCOMPATIBLE)
-        if remote.num_blocks != meta.num_blocks * self.cache.kernel_ratio:
-            raise HandshakeError(
-                f"prefill engine {peer.engine_id} splits its {meta.num_blocks} blocks into {remote.num_blocks} kernel "
-                f"blocks, this decode into {self.cache.kernel_ratio} per block: run one kernel block size on both",
-                code=PEER_INCOMPATIBLE,
-            )
-        remote_regions = run_regions(remote_runs)
-        rows = descriptor_rows(
-            meta.tensor_bases,
-            remote_regions,
-            remote.num_blocks,
-            units_per_block=1,
-            offset=0,
-            length=remote_runs.length,
-            device_id=meta.device_id,
-        )
-        handle = self.transport.prep(peer.agents[rank_plan.reads[0].prefill_rank], rows, meta.memory_type.value)
-        peer.lists.append((handle, self._local_runs_list(local_runs)))
-        peer.lengths.append(local_runs.length)
-        peer.regions = local_runs.count
-        peer.remote_units = remote.num_blocks
-        peer.kernel_ratio = self.cache.kernel_ratio
+        peer.physical = tuple(reads)
+        peer.regions = reads[0].target.runs.count
+        peer.sides = sides
 
     def _local_runs_list(self, runs: BlockRuns) -> Any:
         handle = self._local_lists.get(runs)
@@ -348,36 +376,29 @@ class DecodeRank:
                 peer_failed=True,
             )
         note = notification(params.remote_request_id, self.settings.tensor_parallel_size)
-        plan, rank_plan = peer.plan, peer.rank_plan
+        rank_plan = peer.rank_plan
         try:
-            mapped = map_request_blocks(local_blocks, params.remote_block_ids, plan.block_size_ratio)
-            regions, ratio = peer.regions, peer.kernel_ratio
-            local_units = self.cache.num_blocks * plan.block_size_ratio * ratio
-            local_units_read = kernel_blocks(mapped.local, ratio)
-            count = regions * local_units_read.size
-            local_buf, remote_buf = self._buffers(count)
-            local_ids = descriptor_ids(local_units_read, regions, local_units, out=local_buf)
-            remote_ids = descriptor_ids(kernel_blocks(mapped.remote, ratio), regions, peer.remote_units, out=remote_buf)
-        except BlockMappingError as exc:
+            ids = self._descriptor_ids(peer, params, local_blocks)
+        except (BlockMappingError, SpecError) as exc:
             return ReadResult(request_id, False, exc.code, exc.message, list(local_blocks))
         ids_us = (time.perf_counter() - started) * 1e6
         handles: list[Any] = []
         total_bytes = 0
         make_us = nixl_post_us = 0.0
         try:
-            if mapped.full_hit:
+            if not ids:  # a full prefix hit: nothing to read
                 for p in {r.prefill_rank for r in rank_plan.reads}:
                     self.transport.notify(peer.agents[p], note)
             else:
                 made = time.perf_counter()
-                for remote, local in peer.lists:
+                for (remote, local), (local_ids, remote_ids) in zip(peer.lists, ids, strict=True):
                     handles.append(self.transport.make_read(local, local_ids, remote, remote_ids, note))
                 posting = time.perf_counter()
                 make_us = (posting - made) * 1e6
                 for handle in handles:
                     self.transport.post(handle)
                 nixl_post_us = (time.perf_counter() - posting) * 1e6
-                total_bytes = sum(peer.lengths) * local_ids.size
+                total_bytes = sum(length * pair[0].size for length, pair in zip(peer.lengths, ids, strict=True))
             for p in rank_plan.notify_only_ranks:
                 self.transport.notify(peer.agents[p], note)
         except (TransportError, KVBridgeError) as exc:
@@ -387,12 +408,41 @@ class DecodeRank:
         own_us = (time.perf_counter() - started) * 1e6 - make_us - nixl_post_us
         flight = _InFlight(
             request_id, params, list(local_blocks), handles, timeout, time.monotonic() + timeout, started,
-            total_bytes, local_ids.size * len(handles), ids_us, make_us, nixl_post_us, own_us, verify,
+            total_bytes, sum(pair[0].size for pair in ids) if handles else 0, ids_us, make_us, nixl_post_us, own_us,
+            verify,
         )  # fmt: skip
         if not handles:
             return self._finish(flight, peer)
         self._in_flight[request_id] = flight
         return None
+
+    def _descriptor_ids(
+        self, peer: RemotePeer, params: KVTransferParams, local_blocks: list[int]
+    ) -> list[tuple[DescriptorIds, DescriptorIds]]:
+        """Per list of the peer, ``(local ids, remote ids)`` of one request's READs; empty for a full prefix hit."""
+        if peer.sides is not None:  # physical layouts: the chunks of each read, through its paired runs
+            local_side, remote_side = peer.sides
+            mapped = map_chunks(local_blocks, params.remote_block_ids, params.num_tokens, local_side, remote_side)
+            if mapped.full_hit:
+                return []
+            local_kernel_blocks = self.cache.num_blocks * self.cache.kernel_ratio
+            return [
+                (
+                    chunk_descriptor_ids(mapped.local_blocks, mapped.local_chunks, read.target, local_kernel_blocks),
+                    chunk_descriptor_ids(mapped.remote_blocks, mapped.remote_chunks, read.source, blocks),
+                )
+                for read, blocks in zip(peer.physical, peer.remote_kernel_blocks, strict=True)
+            ]
+        plan = peer.plan
+        mapped_blocks = map_request_blocks(local_blocks, params.remote_block_ids, plan.block_size_ratio)
+        if mapped_blocks.full_hit:
+            return []
+        regions = peer.regions
+        local_units = self.cache.num_blocks * plan.block_size_ratio
+        local_buf, remote_buf = self._buffers(regions * mapped_blocks.local.size)
+        local_ids = descriptor_ids(mapped_blocks.local, regions, local_units, out=local_buf)
+        remote_ids = descriptor_ids(mapped_blocks.remote, regions, peer.remote_units, out=remote_buf)
+        return [(local_ids, remote_ids)] * len(peer.lists)
 
     def _buffers(self, count: int) -> tuple[DescriptorIds, DescriptorIds]:
         if self._id_buffers[0].size < count:

@@ -100,18 +100,12 @@ class KVCache:
         (vLLM's resolved ``KVCacheLayout``): the allocation is registered once, the bytes addressed by strides."""
         viewed = describe_views(views, order)
         physical = viewed.physical
-        element = model.element_bytes
         wanted = (
             ("spec.model.numLayers", physical.num_layers, model.num_layers, "layers"),
             ("spec.model.numKVHeads", physical.num_heads, heads_local(model, tp_size), "KV heads on this rank"),
-            ("kv_caches.content", physical.content_bytes, 2 * model.head_dim * element, "content bytes per token"),
+            # a token's keys then its values; MLA's single latent
+            ("kv_caches.content", physical.content_bytes, model.token_bytes_per_head, "content bytes per token"),
         )
-        if model.is_mla:
-            raise SpecError(
-                "an MLA cache attached from views is not supported yet",
-                field="spec.model.attention",
-                code=LAYOUT_UNSUPPORTED,
-            )
         for field, have, want, what in wanted:
             if have != want:
                 raise SpecError(

@@ -33,7 +33,7 @@ def check_per_layer(cache: KVCache) -> None:
 
 def physical_layer(cache: KVCache, block_ids: torch.Tensor, layer: int) -> torch.Tensor:
     """The bytes of ``block_ids`` of a cache attached from views (a physical layout) as ``[n, kv, tokens, heads,
-    row]``: the layer's ``[B, H, N, C]`` strided view, its content split into keys then values."""
+    row]``: the layer's ``[B, H, N, C]`` strided view, its content split into keys then values (MLA: ``kv`` is 1)."""
     physical = cache.physical
     if physical is None:
         raise SpecError("the cache was not attached from views", code="INVALID_KV_TENSOR")
@@ -43,8 +43,9 @@ def physical_layer(cache: KVCache, block_ids: torch.Tensor, layer: int) -> torch
     view = torch.as_strided(cache.tensors[0], shape, (stride_b, stride_h, stride_n, 1), offset)
     n, heads, ratio, tokens = block_ids.numel(), physical.num_heads, cache.kernel_ratio, physical.block_size
     kernel = (block_ids.view(-1, 1) * ratio + torch.arange(ratio, device=block_ids.device).view(1, -1)).view(-1)
-    x = view[kernel].view(n, ratio, heads, tokens, 2, cache.row_bytes)  # a block's kernel blocks in token order
-    return x.permute(0, 4, 1, 3, 2, 5).reshape(n, 2, ratio * tokens, heads, cache.row_bytes)
+    kv = 1 if cache.model.is_mla else 2  # keys then values; MLA's single latent
+    x = view[kernel].view(n, ratio, heads, tokens, kv, cache.row_bytes)  # a block's kernel blocks in token order
+    return x.permute(0, 4, 1, 3, 2, 5).reshape(n, kv, ratio * tokens, heads, cache.row_bytes)
 
 
 def logical_layer(cache: KVCache, block_ids: torch.Tensor, layer: int) -> torch.Tensor:

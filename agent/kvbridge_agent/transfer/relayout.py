@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbridge_agent.core import KVLayout, Role, SpecError, TransferPlan
+from kvbridge_agent.core import KVLayout, Role, TransferPlan
 from kvbridge_agent.transfer.kv_cache import KVCache
 
 
@@ -90,15 +90,10 @@ Converter = Callable[[KVCache, TransferPlan, Role, list[int]], bool]
 
 
 def convert_for_side(cache: KVCache, plan: TransferPlan, side: Role, block_ids: list[int]) -> bool:
-    """Apply the conversions the plan names for ``side`` to ``block_ids``."""
-    if not plan.wire.steps(side):
+    """Apply the conversions the plan names for ``side`` to ``block_ids``. A cache with a physical layout (vLLM's
+    ``KVCacheLayout``) is never re-laid: decode's READs pair each run of prefill's native blocks with its own
+    (core.physical_reads), which is every conversion the plan names."""
+    if not plan.wire.steps(side) or cache.physical is not None:
         return False
-    if cache.physical is not None:
-        raise SpecError(
-            f"the plan re-lays {side.value} blocks, which kvbridge does not do on a physical layout (vLLM's "
-            "KVCacheLayout) yet: run equal block sizes on both sides",
-            field=f"spec.{side.value}.blockSize",
-            code="LAYOUT_UNSUPPORTED",
-        )
     src, dst = prefill_arrangements(plan) if side is Role.PREFILL else decode_arrangements(plan)
     return relayout(cache, block_ids, src, dst)

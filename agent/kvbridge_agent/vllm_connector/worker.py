@@ -98,19 +98,6 @@ def physical_order(layout: str) -> PhysicalOrder:
         ) from exc
 
 
-def refuse_physical_plan(plan: TransferPlan) -> None:
-    """What kvbridge moves on vLLM's physical layouts so far: equal TP sizes and block sizes (no conversion)."""
-    if plan.tp_ratio != 1 or plan.wire.conversions:
-        raise SpecError(
-            f"prefill TP {plan.prefill.tensor_parallel_size} with {plan.prefill.block_size}-token blocks and decode "
-            f"TP {plan.decode.tensor_parallel_size} with {plan.decode.block_size}-token blocks need a TP mapping or a "
-            "block conversion, which kvbridge does not do on vLLM's physical KV layouts yet: run equal TP sizes and "
-            "block sizes",
-            field="spec.decode.blockSize" if plan.wire.conversions else "spec.decode.tensorParallelSize",
-            code=LAYOUT_UNSUPPORTED,
-        )
-
-
 def refuse_conversions(geometry: ModelGeometry, model: ModelGeometry, plan: TransferPlan, kernel: str) -> None:
     """On vLLM's CPU attention layout (the pseudo-head geometry) kvbridge converts between block sizes for the
     kernels whose block interior it knows (:mod:`.cpu_blocks`); a layout permute (CPU attention runs HND only) or
@@ -194,7 +181,6 @@ class ConnectorWorker:
             cache = KVCache.attach_views(
                 settings.model, settings.block_size, settings.tp_size, self.tp_rank, kv_caches, physical_order(layout)
             )
-            refuse_physical_plan(build_plan(settings.model, environment.prefill, environment.decode, settings.transfer))
         else:
             tensors = distinct_tensors(list(kv_caches.values()))  # vLLM gives them in layer order
             self.geometry = transfer_geometry(settings.model, tensors, settings.tp_size)

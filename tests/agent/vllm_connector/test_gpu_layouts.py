@@ -22,7 +22,7 @@ pytest.importorskip("vllm")
 
 import torch
 from vllm.v1.core.kv_cache_utils import create_kv_cache_group_specs, get_kv_cache_config_from_groups
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -38,35 +38,61 @@ from kvbridge_agent.vllm_connector.worker import ConnectorWorker
 
 LAYERS, HEADS, HEAD_SIZE, BLOCK, NUM_BLOCKS = 3, 2, 64, 16, 24
 MODEL = ModelGeometry(name="layouts", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_SIZE)
+#: an MLA model: one latent of ``HEAD_SIZE`` per token and layer, which every rank holds whole
+MLA_MODEL = ModelGeometry(name="layouts-mla", num_layers=LAYERS, num_kv_heads=1, head_dim=HEAD_SIZE, attention="MLA")
 TOKENS = 70  # five 16-token blocks, the last one partly filled
 PREFILL_BLOCKS = [3, 7, 1, 12, 5]
 DECODE_BLOCKS = [9, 2, 14, 6, 11]
 TIMEOUT = 30.0
 
 
-def environ(role: Role, decode_block: int = BLOCK, block: int = BLOCK) -> dict[str, str]:
+@dataclass(frozen=True)
+class Side:
+    """One role as vLLM would run it: its ``KVCacheLayout``, block size, kernel block size (``None``: the block's)
+    and TP size (one connector worker per rank)."""
+
+    layout: KVCacheLayout
+    block: int = BLOCK
+    kernel: int | None = None
+    tp: int = 1
+    mla: bool = False
+
+    @property
+    def ratio(self) -> int:
+        return 1 if self.kernel is None else self.block // self.kernel
+
+    @property
+    def model_heads(self) -> int:
+        return 1 if self.mla else HEADS
+
+    @property
+    def heads(self) -> int:
+        """KV heads on one rank."""
+        return max(1, self.model_heads // self.tp)
+
+    def first_head(self, rank: int) -> int:
+        return rank * self.model_heads // self.tp
+
+
+def settings(role: Role, prefill: Side, decode: Side) -> ConnectorSettings:
+    """One role's connector settings, both roles' settings in its environment (what the operator renders)."""
     env = EngineEnvironment(
         role=role,
         engine_id=f"{role.value}-layouts",
-        model=MODEL,
-        prefill=RoleSettings(block_size=block),
-        decode=RoleSettings(block_size=decode_block),
+        model=MLA_MODEL if prefill.mla else MODEL,
+        prefill=RoleSettings(block_size=prefill.block, tensor_parallel_size=prefill.tp),
+        decode=RoleSettings(block_size=decode.block, tensor_parallel_size=decode.tp),
         transfer={"verification": "All"},
         side_channel_host="127.0.0.1",
         side_channel_listen_port=0,
     )
-    return render_environment(env)
-
-
-def settings(role: Role, decode_block: int = BLOCK, block: int = BLOCK) -> ConnectorSettings:
-    """One role's connector settings; ``block`` is this engine's (and by default both roles') block size."""
-    kv_role = "kv_producer" if role is Role.PREFILL else "kv_consumer"
+    mine = prefill if role is Role.PREFILL else decode
     config = SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(kv_role=kv_role),
-        cache_config=SimpleNamespace(block_size=block if role is Role.PREFILL else decode_block),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        kv_transfer_config=SimpleNamespace(kv_role="kv_producer" if role is Role.PREFILL else "kv_consumer"),
+        cache_config=SimpleNamespace(block_size=mine.block),
+        parallel_config=SimpleNamespace(tensor_parallel_size=mine.tp),
     )
-    return ConnectorSettings.from_vllm(config, environ(role, decode_block, block))
+    return ConnectorSettings.from_vllm(config, render_environment(env))
 
 
 def kv_cache_config(layout: KVCacheLayout, groups: Any, memory_bytes: int) -> Any:
@@ -83,10 +109,14 @@ def kv_cache_config(layout: KVCacheLayout, groups: Any, memory_bytes: int) -> An
     return get_kv_cache_config_from_groups(vllm_config, groups, memory_bytes)
 
 
-def allocate(layout: KVCacheLayout, block: int = BLOCK, kernel: int | None = None) -> dict[str, torch.Tensor]:
-    """The views vLLM's GPU worker would hand the connector, built by vLLM's own allocator on host memory (with
-    ``kernel``: each block split into kernel blocks of that many tokens, as attention backends ask for)."""
-    spec = FullAttentionSpec(block_size=block, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16)
+def allocate(
+    layout: KVCacheLayout, block: int = BLOCK, kernel: int | None = None, heads: int = HEADS, mla: bool = False
+) -> dict[str, torch.Tensor]:
+    """The views vLLM's GPU worker would hand the connector of one rank (``heads`` KV heads), built by vLLM's own
+    allocator on host memory (with ``kernel``: each block split into kernel blocks of that many tokens, as attention
+    backends ask for)."""
+    kind = MLAAttentionSpec if mla else FullAttentionSpec
+    spec = kind(block_size=block, num_kv_heads=heads, head_size=HEAD_SIZE, dtype=torch.bfloat16)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     groups = create_kv_cache_group_specs(dict.fromkeys(names, spec), [names])
     config = kv_cache_config(layout, groups, spec.page_size_bytes * LAYERS * NUM_BLOCKS)
@@ -96,22 +126,36 @@ def allocate(layout: KVCacheLayout, block: int = BLOCK, kernel: int | None = Non
     return views
 
 
-def tag(layer: int, kernel_blocks: torch.Tensor, ratio: int = 1, tokens: int = BLOCK) -> torch.Tensor:
-    """Position-tagged content ``[len(kernel_blocks), H, N, C]`` (int16 bit patterns): a function of the logical
-    layer, block, head, token and content index, so any byte in a wrong place shows. Kernel block ``k`` of
-    ``tokens`` tokens is part ``k % ratio`` of block ``k // ratio``."""
+def tag(
+    layer: int, kernel_blocks: torch.Tensor, ratio: int, tokens: int, first_head: int, heads: int, width: int
+) -> torch.Tensor:
+    """Position-tagged content ``[len(kernel_blocks), heads, N, C]`` (int16 bit patterns): a function of the
+    logical layer, block, global head, token and content index, so any byte in a wrong place shows. Kernel block
+    ``k`` of ``tokens`` tokens is part ``k % ratio`` of block ``k // ratio``."""
     k = kernel_blocks.view(-1, 1, 1, 1).to(torch.int64)
     b = k // ratio
-    h = torch.arange(HEADS).view(1, -1, 1, 1)
+    h = first_head + torch.arange(heads).view(1, -1, 1, 1)
     n = (k % ratio) * tokens + torch.arange(tokens).view(1, 1, -1, 1)
-    c = torch.arange(2 * HEAD_SIZE).view(1, 1, 1, -1)
+    c = torch.arange(width).view(1, 1, 1, -1)
     value = (layer * 7919 + b * 104729 + h * 1299709 + n * 15485863 + c * 32452843 + 12345) % 65521
     return (value - 32768).to(torch.int16)
 
 
-def fill(views: dict[str, torch.Tensor], ratio: int = 1) -> None:
+def fill(views: dict[str, torch.Tensor], side: Side, rank: int) -> None:
     for layer, view in enumerate(views.values()):
-        view.view(torch.int16).copy_(tag(layer, torch.arange(view.shape[0]), ratio, view.shape[2]))
+        first, heads = side.first_head(rank), side.heads
+        content = tag(layer, torch.arange(view.shape[0]), side.ratio, view.shape[2], first, heads, view.shape[3])
+        view.view(torch.int16).copy_(content)
+
+
+def tokens_of(views: dict[str, torch.Tensor], blocks: list[int], side: Side) -> torch.Tensor:
+    """What a rank's views hold for ``blocks``, in token order: ``[layers, tokens, heads, content]`` (int16)."""
+    kernels = (torch.tensor(blocks).view(-1, 1) * side.ratio + torch.arange(side.ratio).view(1, -1)).view(-1)
+    layers = []
+    for view in views.values():
+        held = view.view(torch.int16)[kernels]  # [kernel blocks, heads, kernel tokens, content]
+        layers.append(held.permute(0, 2, 1, 3).reshape(len(blocks) * side.block, side.heads, -1))
+    return torch.stack(layers)
 
 
 def request(request_id: str, params: dict[str, Any] | None) -> Any:
@@ -130,14 +174,20 @@ def blocks_of(ids: list[int]) -> Any:
 
 @dataclass
 class Outcome:
-    results: list[ReadResult]
-    load_errors: set[int]
-    decode_views: dict[str, torch.Tensor]
-    runs_per_block: int
+    prefill: Side
+    decode: Side
+    results: list[ReadResult]  # every decode rank's
+    load_errors: set[int]  # any decode rank's
+    prefill_views: list[dict[str, torch.Tensor]]  # per rank
+    decode_views: list[dict[str, torch.Tensor]]  # per rank
+    runs_per_block: int  # paired runs of one chunk, decode rank 0's first read
     prefill_blocks: list[int]
     decode_blocks: list[int]
-    ratio: int  # kernel blocks per block
     failures: list[str]  # codes of the reads that failed, as the connector's metrics count them
+
+    @property
+    def ratio(self) -> int:
+        return self.decode.ratio
 
 
 def wrong_strides(handshake: RankHandshake) -> RankHandshake:
@@ -164,6 +214,106 @@ def closing() -> Iterator[list[Any]]:
         thing.close()
 
 
+def move(prefill: Side, decode: Side, opened: list[Any], lie: bool = False, decode_per_layer: bool = False) -> Outcome:
+    """One prompt of ``TOKENS`` tokens computed by a prefill engine (a scheduler, a worker per rank) and loaded by a
+    decode engine, through vLLM's connector API, real NIXL and kvbridge's side channel, verification ``All``."""
+    prefill_blocks = PREFILL_BLOCKS[: -(-TOKENS // prefill.block)]
+    decode_blocks = DECODE_BLOCKS[: -(-TOKENS // decode.block)]
+    prefill_scheduler = ConnectorScheduler(settings(Role.PREFILL, prefill, decode))
+    opened.append(prefill_scheduler)
+    prefill_workers, prefill_views, handshakes = [], [], {}
+    for rank in range(prefill.tp):
+        worker = ConnectorWorker(prefill_scheduler.settings, rank, "inc-prefill")
+        opened.append(worker)
+        views = allocate(prefill.layout, prefill.block, prefill.kernel, prefill.heads, prefill.mla)
+        fill(views, prefill, rank)
+        worker.register(views, prefill.layout.name)
+        handshake = worker.handshake_metadata()
+        assert handshake is not None
+        handshakes[rank] = wrong_strides(handshake) if lie else handshake
+        prefill_workers.append(worker)
+        prefill_views.append(views)
+    prefill_scheduler.set_handshake(handshakes)
+
+    decode_scheduler = ConnectorScheduler(settings(Role.DECODE, prefill, decode))
+    opened.append(decode_scheduler)
+    decode_workers, decode_views = [], []
+    results: list[ReadResult] = []
+    for rank in range(decode.tp):
+        worker = ConnectorWorker(decode_scheduler.settings, rank, "inc-decode")
+        opened.append(worker)
+        views = allocate(decode.layout, decode.block, decode.kernel, decode.heads, decode.mla)
+        worker.register(views, None if decode_per_layer else decode.layout.name)
+        assert worker.decode is not None
+        polled = worker.decode.poll
+
+        def poll(polled: Any = polled) -> list[ReadResult]:
+            found: list[ReadResult] = polled()
+            results.extend(found)
+            return found
+
+        worker.decode.poll = poll  # type: ignore[method-assign]
+        decode_workers.append(worker)
+        decode_views.append(views)
+
+    # prefill finishes the prompt and offers it (digested on every rank: verification All)
+    delay, params = prefill_scheduler.request_finished(request("p1", {"do_remote_decode": True}), (prefill_blocks,))
+    assert delay is True
+    assert params is not None
+    assert params["kvbridge"]["verify"] is True
+    metadata = prefill_scheduler.build_metadata()
+    stats: Any = None
+    for worker in prefill_workers:
+        worker.start(metadata)
+        taken = worker.stats.take()
+        stats = taken if stats is None else stats.aggregate(taken)
+    prefill_scheduler.take_digests(stats)
+
+    # decode loads it into its own blocks, every rank its heads
+    wanted = request("d1", params)
+    assert decode_scheduler.matched_tokens(wanted, 0) == (TOKENS, True)
+    decode_scheduler.after_alloc(wanted, blocks_of(decode_blocks), TOKENS)
+    metadata = decode_scheduler.build_metadata()
+    for worker in decode_workers:
+        worker.start(metadata)
+    deadline = time.monotonic() + TIMEOUT
+    done = [False] * decode.tp
+    while not all(done):
+        assert time.monotonic() < deadline, "the transfer did not finish"
+        for worker in prefill_workers:
+            worker.finished(set())
+        for rank, worker in enumerate(decode_workers):
+            _sending, received = worker.finished(set())
+            done[rank] = done[rank] or "d1" in (received or set())
+        time.sleep(0.002)
+
+    # every prefill rank is released by its readers' notifications (MLA: a notify-only rank too)
+    def holding() -> bool:
+        return any(worker.prefill is not None and worker.prefill.pending for worker in prefill_workers)
+
+    while results and all(r.ok for r in results) and holding():
+        assert time.monotonic() < deadline, "a prefill rank was never notified"
+        for worker in prefill_workers:
+            worker.finished(set())
+        time.sleep(0.002)
+    failures = [code for worker in decode_workers for code in worker.stats.data.get("failed_reads", [])]
+    assert decode_workers[0].decode is not None
+    peer = decode_workers[0].decode.peers.get("prefill-layouts")
+    errors = set().union(*(worker.load_errors() for worker in decode_workers))
+    return Outcome(
+        prefill,
+        decode,
+        results,
+        errors,
+        prefill_views,
+        decode_views,
+        0 if peer is None else peer.regions,
+        prefill_blocks,
+        decode_blocks,
+        failures,
+    )
+
+
 def transfer(
     prefill_layout: KVCacheLayout,
     decode_layout: KVCacheLayout,
@@ -174,79 +324,36 @@ def transfer(
     decode_kernel: int | None = None,
     decode_per_layer: bool = False,
 ) -> Outcome:
-    ratio = 1 if kernel is None else block // kernel
-    count = -(-TOKENS // block)
-    prefill_blocks, decode_blocks = PREFILL_BLOCKS[:count], DECODE_BLOCKS[:count]
-    prefill_scheduler = ConnectorScheduler(settings(Role.PREFILL, block, block))
-    opened.append(prefill_scheduler)
-    prefill = ConnectorWorker(prefill_scheduler.settings, 0, "inc-prefill")
-    opened.append(prefill)
-    prefill_views = allocate(prefill_layout, block, kernel)
-    fill(prefill_views, ratio)
-    prefill.register(prefill_views, prefill_layout.name)
-    handshake = prefill.handshake_metadata()
-    assert handshake is not None
-    prefill_scheduler.set_handshake({0: wrong_strides(handshake) if lie else handshake})
-
-    decode_scheduler = ConnectorScheduler(settings(Role.DECODE, block, block))
-    opened.append(decode_scheduler)
-    decode = ConnectorWorker(decode_scheduler.settings, 0, "inc-decode")
-    opened.append(decode)
-    decode_views = allocate(decode_layout, block, decode_kernel or kernel)
-    decode.register(decode_views, None if decode_per_layer else decode_layout.name)
-    assert decode.decode is not None
-    results: list[ReadResult] = []
-    polled = decode.decode.poll
-
-    def poll() -> list[ReadResult]:
-        found = polled()
-        results.extend(found)
-        return found
-
-    decode.decode.poll = poll  # type: ignore[method-assign]
-
-    # prefill finishes the prompt and offers it (digested: verification All)
-    delay, params = prefill_scheduler.request_finished(request("p1", {"do_remote_decode": True}), (prefill_blocks,))
-    assert delay is True
-    assert params is not None
-    assert params["kvbridge"]["verify"] is True
-    prefill.start(prefill_scheduler.build_metadata())
-    prefill_scheduler.take_digests(prefill.stats.take())
-
-    # decode loads it into its own blocks
-    wanted = request("d1", params)
-    assert decode_scheduler.matched_tokens(wanted, 0) == (TOKENS, True)
-    decode_scheduler.after_alloc(wanted, blocks_of(decode_blocks), TOKENS)
-    decode.start(decode_scheduler.build_metadata())
-    deadline = time.monotonic() + TIMEOUT
-    done: set[str] = set()
-    while "d1" not in done:
-        assert time.monotonic() < deadline, "the transfer did not finish"
-        prefill.finished(set())
-        _sending, received = decode.finished(set())
-        done |= received or set()
-        time.sleep(0.002)
-    failures = list(decode.stats.data.get("failed_reads", []))
-    peer = decode.decode.peers.get("prefill-layouts")
-    regions = 0 if peer is None else peer.regions
-    return Outcome(results, decode.load_errors(), decode_views, regions, prefill_blocks, decode_blocks, ratio, failures)
+    """:func:`move` between two TP 1 engines of one block size."""
+    prefill = Side(prefill_layout, block, kernel)
+    decode = Side(decode_layout, block, decode_kernel or kernel)
+    return move(prefill, decode, opened, lie, decode_per_layer)
 
 
 def check_bytes(outcome: Outcome) -> None:
-    """Every byte where decode's vLLM reads it — through decode's own views — is prefill's byte of the same
-    logical position; no other decode block was written."""
-    r = outcome.ratio
-
-    def kernel(blocks: list[int]) -> torch.Tensor:
-        return (torch.tensor(blocks).view(-1, 1) * r + torch.arange(r).view(1, -1)).view(-1)
-
-    read = kernel(outcome.decode_blocks)
-    untouched = torch.tensor(sorted(set(range(NUM_BLOCKS * r)) - set(read.tolist())))
-    for layer, view in enumerate(outcome.decode_views.values()):
-        got = view.view(torch.int16)
-        expected = tag(layer, kernel(outcome.prefill_blocks), r, view.shape[2])
-        assert torch.equal(got[read], expected), f"layer {layer} differs"
-        assert not got[untouched].any(), f"layer {layer}: a block outside the request was written"
+    """Every byte where decode's vLLM reads it — through each decode rank's own views — is the byte prefill's rank
+    holding that head has at the same token; the request's blocks past what was read, and every other block, were
+    not written."""
+    prefill, decode = outcome.prefill, outcome.decode
+    tokens = min(len(outcome.prefill_blocks) * prefill.block, len(outcome.decode_blocks) * decode.block)
+    computed = torch.cat(
+        [
+            tokens_of(views, outcome.prefill_blocks, prefill)
+            for views in outcome.prefill_views[:: max(1, prefill.tp // prefill.model_heads)]
+        ],
+        dim=2,
+    )  # every global head once: [layers, tokens, heads, content]
+    for rank, views in enumerate(outcome.decode_views):
+        got = tokens_of(views, outcome.decode_blocks, decode)
+        first = decode.first_head(rank)
+        expected = computed[:, :tokens, first : first + decode.heads]
+        for layer in range(LAYERS):
+            assert torch.equal(got[layer, :tokens], expected[layer]), f"layer {layer} differs (decode rank {rank})"
+        assert not got[:, tokens:].any(), f"decode rank {rank}: tokens past the read were written"
+        read = (torch.tensor(outcome.decode_blocks).view(-1, 1) * decode.ratio + torch.arange(decode.ratio)).view(-1)
+        untouched = torch.tensor(sorted(set(range(NUM_BLOCKS * decode.ratio)) - set(read.tolist())))
+        for view in views.values():
+            assert not view.view(torch.int16)[untouched].any(), f"decode rank {rank}: a block outside was written"
 
 
 #: descriptors per block for the model above (3 layers, 2 heads, 16 tokens), docs/protocol.md §1b
@@ -306,7 +413,7 @@ def test_a_wrong_stride_is_caught_by_the_digest(layout: KVCacheLayout, closing: 
 
 
 def test_a_view_against_the_declared_layout_is_refused_at_registration(closing: list[Any]) -> None:
-    worker = ConnectorWorker(settings(Role.DECODE), 0, "inc")
+    worker = ConnectorWorker(settings(Role.DECODE, Side(KVCacheLayout.LBHNC), Side(KVCacheLayout.LBHNC)), 0, "inc")
     closing.append(worker)
     with pytest.raises(SpecError) as caught:
         worker.register(allocate(KVCacheLayout.LBHNC), "BHLNC")
@@ -314,16 +421,6 @@ def test_a_view_against_the_declared_layout_is_refused_at_registration(closing: 
     with pytest.raises(SpecError) as caught:
         worker.register(allocate(KVCacheLayout.LBHNC), "HND")
     assert (caught.value.code, caught.value.field) == ("LAYOUT_UNSUPPORTED", "kv_cache_layout")
-
-
-def test_a_block_conversion_on_a_physical_layout_is_refused_at_registration(closing: list[Any]) -> None:
-    """Prefill 16-token blocks for a decode of 32: the plan merges blocks on decode, which kvbridge does not do on a
-    physical layout yet — refused before any request, naming the field."""
-    worker = ConnectorWorker(settings(Role.PREFILL, decode_block=32), 0, "inc")
-    closing.append(worker)
-    with pytest.raises(SpecError) as caught:
-        worker.register(allocate(KVCacheLayout.BLHNC), "BLHNC")
-    assert (caught.value.code, caught.value.field) == ("LAYOUT_UNSUPPORTED", "spec.decode.blockSize")
 
 
 KERNEL_CASES = [
@@ -352,13 +449,14 @@ def test_kernel_blocks_smaller_than_the_block(
     assert outcome.results[0].descriptors == outcome.runs_per_block * kernels
 
 
-def test_kernel_block_sizes_that_differ_fail_the_request_typed(closing: list[Any]) -> None:
-    """Prefill splits its 64-token blocks into 16-token kernel blocks, decode into 32: the runs do not pair, so the
-    handshake refuses the peer and the request fails (its blocks reported invalid), before any READ."""
+def test_kernel_block_sizes_that_differ_pair_by_chunks(closing: list[Any]) -> None:
+    """Prefill splits its 64-token blocks into 16-token kernel blocks, decode into 32: the runs pair chunk by chunk
+    of 16 tokens (before chunking, this was refused as runs that do not pair)."""
     outcome = transfer(KVCacheLayout.LBHNC, KVCacheLayout.LBHNC, closing, block=64, kernel=16, decode_kernel=32)
-    assert outcome.results == []
-    assert outcome.failures == ["PEER_INCOMPATIBLE"]
-    assert outcome.load_errors == set(outcome.decode_blocks)
+    assert [(r.ok, r.code) for r in outcome.results] == [(True, "")]
+    assert outcome.load_errors == set()
+    check_bytes(outcome)
+    assert outcome.results[0].descriptors == outcome.runs_per_block * 2 * 64 // 16
 
 
 def test_the_connector_hands_the_worker_the_resolved_layout_off_vllms_cpu_build(
@@ -413,3 +511,61 @@ def test_a_physical_layout_prefill_and_a_per_layer_decode_fail_the_request_typed
     assert outcome.results == []
     assert outcome.failures == ["BLOCK_INTERIOR_MISMATCH"]
     assert outcome.load_errors == set(outcome.decode_blocks)
+
+
+CONVERSIONS = [
+    # block-size conversion both ways, decode merging (16 -> 32, 64) and prefill's blocks split (64 -> 16)
+    (Side(KVCacheLayout.LBHNC, 16), Side(KVCacheLayout.LBHNC, 32)),
+    (Side(KVCacheLayout.LBNHC, 16), Side(KVCacheLayout.LBNHC, 64)),
+    (Side(KVCacheLayout.BLHNC, 64), Side(KVCacheLayout.BLHNC, 16)),
+    (Side(KVCacheLayout.BHLNC, 32), Side(KVCacheLayout.LBHNC, 16)),
+    # with kernel blocks on one or both sides
+    (Side(KVCacheLayout.LBHNC, 16), Side(KVCacheLayout.LBHNC, 64, kernel=16)),
+    (Side(KVCacheLayout.LBNHC, 64, kernel=32), Side(KVCacheLayout.LBHNC, 16)),
+    (Side(KVCacheLayout.LBHNC, 32, kernel=16), Side(KVCacheLayout.LBNHC, 64, kernel=32)),
+    # TP 2 -> 1 (each decode block read from both prefill ranks) and TP 1 -> 2 (each decode rank its head)
+    (Side(KVCacheLayout.LBHNC, tp=2), Side(KVCacheLayout.LBHNC)),
+    (Side(KVCacheLayout.BLHNC, tp=2), Side(KVCacheLayout.BHLNC)),
+    (Side(KVCacheLayout.LBNHC), Side(KVCacheLayout.LBNHC, tp=2)),
+    (Side(KVCacheLayout.BHLNC), Side(KVCacheLayout.LHBNC, tp=2)),
+    # MLA: one latent every rank holds; TP 2 -> 1 reads it from one rank and notifies the other, TP 1 -> 2 reads
+    # it whole on both decode ranks
+    (Side(KVCacheLayout.LBHNC, tp=2, mla=True), Side(KVCacheLayout.LBHNC, mla=True)),
+    (Side(KVCacheLayout.BLHNC, 32, mla=True), Side(KVCacheLayout.LBNHC, 16, tp=2, mla=True)),
+    # both at once
+    (Side(KVCacheLayout.LBHNC, 32, tp=2), Side(KVCacheLayout.BLHNC, 16)),
+    (Side(KVCacheLayout.LBNHC, 64, kernel=16), Side(KVCacheLayout.LBHNC, 16, tp=2)),
+]
+
+
+def describe(side: Side) -> str:
+    kernel = f"k{side.kernel}" if side.kernel else ""
+    return f"{side.layout.name}-{side.block}{kernel}-tp{side.tp}"
+
+
+@pytest.mark.parametrize("pair", CONVERSIONS, ids=lambda pair: f"{describe(pair[0])}-to-{describe(pair[1])}")
+def test_tp_mappings_and_block_conversions_are_descriptors(pair: tuple[Side, Side], closing: list[Any]) -> None:
+    """Different block sizes (kernel blocks included) and TP sizes on vLLM's physical layouts: decode pairs each
+    prefill rank's runs of the heads both hold, chunk by chunk of the smaller block, with its own (nothing is
+    re-laid on either side); verified on every decode rank, byte-exact where decode's vLLM reads it."""
+    prefill, decode = pair
+    outcome = move(prefill, decode, closing)
+    assert outcome.failures == []
+    assert outcome.load_errors == set()
+    assert [(r.ok, r.code) for r in outcome.results] == [(True, "")] * decode.tp
+    check_bytes(outcome)
+    chunk = min(prefill.kernel or prefill.block, decode.kernel or decode.block)
+    tokens = min(len(outcome.prefill_blocks) * prefill.block, len(outcome.decode_blocks) * decode.block)
+    reads = 1 if prefill.mla else max(1, prefill.tp // decode.tp)  # prefill ranks each decode rank reads from
+    assert outcome.results[0].descriptors == outcome.runs_per_block * (tokens // chunk) * reads
+
+
+@pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.BLHNC], ids=lambda layout: layout.name)
+def test_a_wrong_stride_is_caught_across_a_tp_mapping(layout: KVCacheLayout, closing: list[Any]) -> None:
+    """The negative control across TP 1 -> 2 and a block conversion (32 -> 16): prefill lies about its strides;
+    both decode ranks' READs complete, and the digest fails the request on each."""
+    outcome = move(Side(layout, 32), Side(layout, 16, tp=2), closing, lie=True)
+    assert [(r.ok, r.code) for r in outcome.results] == [(True, "")] * 2
+    assert outcome.load_errors == set(outcome.decode_blocks)
+    with pytest.raises(AssertionError, match="differs"):
+        check_bytes(outcome)
