@@ -61,13 +61,13 @@ CASES = [
     Case("nixl-tp2-to-1", "Nixl", prefill_tp=2),
     Case("kvbridge", "KVBridge"),
     Case("kvbridge-blocks-32", "KVBridge", blocks=(32, 32)),
+    Case("kvbridge-decode-merges", "KVBridge", blocks=(16, 32)),
+    Case("kvbridge-prefill-splits", "KVBridge", blocks=(32, 16)),
+    Case("kvbridge-tp2-to-1", "KVBridge", prefill_tp=2),
 ]
-#: what kvbridge's connector does not do on vLLM's GPU layouts yet: refused before scheduling (tests/operator)
+#: what kvbridge's connector does not do on vLLM's GPU layouts: refused before scheduling (tests/operator)
 REFUSED = [
-    (Case("kvbridge-decode-merges", "KVBridge", blocks=(16, 32)), "VLLM_KVBRIDGE_GPU_CONVERSION"),
-    (Case("kvbridge-prefill-splits", "KVBridge", blocks=(32, 16)), "VLLM_KVBRIDGE_GPU_CONVERSION"),
     (Case("kvbridge-host-buffer", "KVBridge", buffer="cpu"), "VLLM_KVBRIDGE_HOST_BUFFER"),
-    (Case("kvbridge-tp2-to-1", "KVBridge", prefill_tp=2), "VLLM_KVBRIDGE_GPU_TP"),
 ]
 
 

@@ -402,14 +402,13 @@ def transfer_config(doc: dict[str, Any], role: Role) -> dict[str, Any]:
 
 
 def test_the_kvbridge_connector_renders_on_gpus_with_the_buffer_device_asked() -> None:
-    """engine.device GPU with connector KVBridge renders (it was refused, VLLM_KVBRIDGE_GPU): kvbridge's connector
+    """engine.device GPU with connector KVBridge renders (it was refused, VLLM_KVBRIDGE_GPU_*): kvbridge's connector
     on vLLM's GPU engine, its GPUs, the side-channel keys, and vLLM's kv_buffer_device from
     spec.transfer.network.kvBufferDevice (cuda unless asked: GPUDirect RDMA; the host buffer, cpu, is refused:
     kvbridge's connector has no host-buffer mode yet)."""
-    doc = kvbridge_connector(document("llama3-8b-hetero-tp"))
-    doc["spec"]["decode"]["tensorParallelSize"] = 2  # equal TP sizes: no TP mapping on GPU layouts yet
+    doc = kvbridge_connector(document("llama3-8b-hetero-tp"))  # prefill TP 2, decode TP 1: a TP mapping
     assert not isinstance(verdict(doc), list)
-    for role, kv_role in ((Role.PREFILL, "kv_producer"), (Role.DECODE, "kv_consumer")):
+    for role, kv_role, gpus in ((Role.PREFILL, "kv_producer", "2"), (Role.DECODE, "kv_consumer", "1")):
         assert transfer_config(doc, role) == {
             "kv_connector": "KVBridgeConnector",
             "kv_connector_module_path": "kvbridge_agent.vllm_connector",
@@ -417,7 +416,7 @@ def test_the_kvbridge_connector_renders_on_gpus_with_the_buffer_device_asked() -
             "kv_buffer_device": "cuda",
         }
         container = engine(doc, role)
-        assert container["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+        assert container["resources"]["limits"] == {"nvidia.com/gpu": gpus}
         assert flag(container["args"], "--attention-backend") == "FLASH_ATTN"
         assert env(container)["KVBRIDGE_KEYS_DIR"] == OperatorConfig().keys_mount_path
     for obj in children(parse_deployment(doc), UID, verdict(doc), OperatorConfig()):
@@ -453,8 +452,8 @@ def plan_cli(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 #: what kvbridge plan says of kvbridge's connector on GPUs (docs/vllm.md)
 PROVEN_ON_GPU = (
-    "vLLM's GPU KV cache layouts proven with vLLM's own allocator on host memory (real NIXL on DRAM); "
-    "not yet run on GPU hardware"
+    "vLLM's GPU KV cache layouts, TP mappings, block conversions and MLA proven with vLLM's own allocator on host "
+    "memory (real NIXL on DRAM); not yet run on GPU hardware"
 )
 
 
@@ -501,14 +500,12 @@ def test_kvbridge_on_cpu_refuses_replicated_heads() -> None:
 
 def test_the_advice_for_a_prefill_conversion_does_not_loop() -> None:
     """The prefill-side conversion's advice offers a block size NixlConnector can run, or kvbridge's connector where
-    it converts (on CPUs; not on GPU layouts in this release): every suggestion must lead somewhere that passes."""
+    it converts (on CPUs, and on GPU layouts by descriptors): every suggestion must lead somewhere that passes."""
     doc = document("llama3-8b-hetero-tp")
     doc["spec"]["prefill"]["blockSize"] = 32
     [problem] = [p for p in verdict(doc) if p.code == "VLLM_PREFILL_CONVERSION"]
-    assert problem.message.endswith("set spec.prefill.blockSize: 16")
-    on_gpu = verdict(kvbridge_connector(json.loads(json.dumps(doc))))
-    assert isinstance(on_gpu, list)
-    assert "VLLM_KVBRIDGE_GPU_CONVERSION" in {p.code for p in on_gpu}
+    assert problem.message.endswith("set spec.prefill.blockSize: 16, or spec.engine.connector: KVBridge")
+    assert not isinstance(verdict(kvbridge_connector(json.loads(json.dumps(doc)))), list)  # it splits by descriptors
     doc["spec"]["prefill"]["blockSize"] = 16
     assert not isinstance(verdict(doc), list)  # the advice, applied, passes
     on_cpu = document("tiny-cpu")

@@ -50,9 +50,6 @@ VLLM_KVBRIDGE_REPLICATED_HEADS = "VLLM_KVBRIDGE_REPLICATED_HEADS"
 VLLM_KV_BUFFER_DEVICE = "VLLM_KV_BUFFER_DEVICE"
 #: what kvbridge's connector does not do yet on vLLM's GPU layouts (read by their strides): TP mappings, block or
 #: layout conversions, MLA, a host buffer
-VLLM_KVBRIDGE_GPU_TP = "VLLM_KVBRIDGE_GPU_TP"
-VLLM_KVBRIDGE_GPU_CONVERSION = "VLLM_KVBRIDGE_GPU_CONVERSION"
-VLLM_KVBRIDGE_GPU_MLA = "VLLM_KVBRIDGE_GPU_MLA"
 VLLM_KVBRIDGE_HOST_BUFFER = "VLLM_KVBRIDGE_HOST_BUFFER"
 #: verification: All asked of vLLM's NixlConnector, which has no transfer digest (refused)
 VLLM_NIXL_UNVERIFIED = "VLLM_NIXL_UNVERIFIED"
@@ -163,11 +160,17 @@ def on_cpu(spec: DisaggregatedDeploymentSpec) -> bool:
 #: where kvbridge's connector has run, per device, as ``kvbridge plan`` states it (docs/vllm.md, "What was run for
 #: real"): a short stable line, changed only when the evidence changes
 KVBRIDGE_PROVEN = {
-    EngineDevice.GPU: "vLLM's GPU KV cache layouts proven with vLLM's own allocator on host memory (real NIXL on "
-    "DRAM); not yet run on GPU hardware",
+    EngineDevice.GPU: "vLLM's GPU KV cache layouts, TP mappings, block conversions and MLA proven with vLLM's own "
+    "allocator on host memory (real NIXL on DRAM); not yet run on GPU hardware",
     EngineDevice.CPU: "run in real vLLM (the 0.32 CPU build, real NIXL on DRAM): decode's tokens equal a single "
     "engine's",
 }
+
+
+def kvbridge_converts(spec: DisaggregatedDeploymentSpec) -> bool:
+    """Whether kvbridge's connector would do a conversion NixlConnector cannot: everywhere it runs (on CPUs, for the
+    CPU attention kernels it knows; on GPU layouts, by descriptors), except with a host buffer on GPUs."""
+    return on_cpu(spec) or kv_buffer_device(spec) is not KVBufferDevice.CPU
 
 
 def kv_buffer_device(spec: DisaggregatedDeploymentSpec) -> KVBufferDevice:
@@ -258,60 +261,27 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
                 f"the plan needs the prefill side to {step.kind.value} ({step.source} -> {step.target}), which "
                 "vLLM's NixlConnector cannot do (only the decode side re-lays blocks there); set "
                 f"spec.prefill.{where}: {step.target}"
-                + (", or spec.engine.connector: KVBridge" if on_cpu(spec) else ""),
+                + (", or spec.engine.connector: KVBridge" if kvbridge_converts(spec) else ""),
             ))  # fmt: skip
     return found
 
 
 def _kvbridge_gpu_problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
-    """kvbridge's connector on vLLM's GPU layouts moves one role's blocks as they lie to the other's: equal TP sizes,
-    block sizes and layouts, one KV head group per rank, the cache where it lies. What it cannot do yet is refused
-    here, before scheduling, rather than by the connector at start-up."""
-    found: list[Problem] = []
-    prefill, decode = spec.prefill, spec.decode
-    if spec.model.is_mla:
-        found.append(
-            Problem(
-                VLLM_KVBRIDGE_GPU_MLA,
-                "spec.engine.connector",
-                "kvbridge's connector does not move MLA's latent cache on vLLM's GPU layouts in this release; set "
-                "spec.engine.connector: Nixl",
-            )
+    """kvbridge's connector on vLLM's GPU layouts reads each role's cache where it lies, by the strides of vLLM's
+    ``KVCacheLayout``: TP mappings, block-size and layout conversions and MLA are choices of descriptors
+    (docs/protocol.md §1c), so what the compatibility rules pass, it moves. What it cannot do is refused here,
+    before scheduling: a host buffer (``kv_buffer_device: cpu``)."""
+    if kv_buffer_device(spec) is not KVBufferDevice.CPU:
+        return []
+    return [
+        Problem(
+            VLLM_KVBRIDGE_HOST_BUFFER,
+            "spec.transfer.network.kvBufferDevice",
+            "kvBufferDevice cpu (a host buffer for nodes without GPUDirect RDMA): kvbridge's connector reads "
+            "vLLM's GPU cache where it lies and has no host-buffer mode in this release; set "
+            "spec.transfer.network.kvBufferDevice: cuda",
         )
-    if prefill.tensor_parallel_size != decode.tensor_parallel_size:
-        found.append(
-            Problem(
-                VLLM_KVBRIDGE_GPU_TP,
-                "spec.prefill.tensorParallelSize",
-                f"prefill TP {prefill.tensor_parallel_size} and decode TP {decode.tensor_parallel_size}: kvbridge's "
-                "connector moves vLLM's GPU cache layouts only between equal TP sizes in this release; set "
-                f"spec.prefill.tensorParallelSize: {decode.tensor_parallel_size}",
-            )
-        )
-    for name, have, want in (
-        ("blockSize", prefill.block_size, decode.block_size),
-        ("kvLayout", prefill.kv_layout.value, decode.kv_layout.value),
-    ):
-        if have != want:
-            found.append(
-                Problem(
-                    VLLM_KVBRIDGE_GPU_CONVERSION,
-                    f"spec.prefill.{name}",
-                    f"prefill {name} {have} and decode {name} {want} need a conversion, which kvbridge's connector "
-                    f"does not do on vLLM's GPU cache layouts in this release; set spec.prefill.{name}: {want}",
-                )
-            )
-    if kv_buffer_device(spec) is KVBufferDevice.CPU:
-        found.append(
-            Problem(
-                VLLM_KVBRIDGE_HOST_BUFFER,
-                "spec.transfer.network.kvBufferDevice",
-                "kvBufferDevice cpu (a host buffer for nodes without GPUDirect RDMA): kvbridge's connector reads "
-                "vLLM's GPU cache where it lies and has no host-buffer mode in this release; set "
-                "spec.transfer.network.kvBufferDevice: cuda",
-            )
-        )
-    return found
+    ]
 
 
 def _other_block_size(spec: DisaggregatedDeploymentSpec, role: Role, value: int, *, follows: bool) -> str:
