@@ -64,10 +64,7 @@ CASES = [
     Case("kvbridge-decode-merges", "KVBridge", blocks=(16, 32)),
     Case("kvbridge-prefill-splits", "KVBridge", blocks=(32, 16)),
     Case("kvbridge-tp2-to-1", "KVBridge", prefill_tp=2),
-]
-#: what kvbridge's connector does not do on vLLM's GPU layouts: refused before scheduling (tests/operator)
-REFUSED = [
-    (Case("kvbridge-host-buffer", "KVBridge", buffer="cpu"), "VLLM_KVBRIDGE_HOST_BUFFER"),
+    Case("kvbridge-host-buffer", "KVBridge", buffer="cpu"),
 ]
 
 

@@ -404,8 +404,8 @@ def transfer_config(doc: dict[str, Any], role: Role) -> dict[str, Any]:
 def test_the_kvbridge_connector_renders_on_gpus_with_the_buffer_device_asked() -> None:
     """engine.device GPU with connector KVBridge renders (it was refused, VLLM_KVBRIDGE_GPU_*): kvbridge's connector
     on vLLM's GPU engine, its GPUs, the side-channel keys, and vLLM's kv_buffer_device from
-    spec.transfer.network.kvBufferDevice (cuda unless asked: GPUDirect RDMA; the host buffer, cpu, is refused:
-    kvbridge's connector has no host-buffer mode yet)."""
+    spec.transfer.network.kvBufferDevice (cuda unless asked: GPUDirect RDMA; cpu: the host buffer, for nodes
+    without it, which both connectors have)."""
     doc = kvbridge_connector(document("llama3-8b-hetero-tp"))  # prefill TP 2, decode TP 1: a TP mapping
     assert not isinstance(verdict(doc), list)
     for role, kv_role, gpus in ((Role.PREFILL, "kv_producer", "2"), (Role.DECODE, "kv_consumer", "1")):
@@ -421,13 +421,10 @@ def test_the_kvbridge_connector_renders_on_gpus_with_the_buffer_device_asked() -
         assert env(container)["KVBRIDGE_KEYS_DIR"] == OperatorConfig().keys_mount_path
     for obj in children(parse_deployment(doc), UID, verdict(doc), OperatorConfig()):
         kubernetes_validate.validate(obj, "1.30", strict=True)
-    doc["spec"]["transfer"] = {"network": {"kvBufferDevice": "cpu"}}  # a node without GPUDirect RDMA
-    refused = verdict(doc)
-    assert isinstance(refused, list)
-    assert [p.code for p in refused] == ["VLLM_KVBRIDGE_HOST_BUFFER"]
-    nixl = document("llama3-8b-hetero-tp")  # vLLM's NixlConnector has the same host-buffer mode
-    nixl["spec"]["transfer"] = {"network": {"kvBufferDevice": "cpu"}}
-    assert {transfer_config(nixl, role)["kv_buffer_device"] for role in Role} == {"cpu"}
+    for connector in (doc, document("llama3-8b-hetero-tp")):  # kvbridge's, and vLLM's NixlConnector
+        connector["spec"]["transfer"] = {"network": {"kvBufferDevice": "cpu"}}  # a node without GPUDirect RDMA
+        assert not isinstance(verdict(connector), list)
+        assert {transfer_config(connector, role)["kv_buffer_device"] for role in Role} == {"cpu"}
 
 
 def test_a_gpu_buffer_on_vllms_cpu_build_is_refused_with_the_fix() -> None:
@@ -452,8 +449,8 @@ def plan_cli(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 #: what kvbridge plan says of kvbridge's connector on GPUs (docs/vllm.md)
 PROVEN_ON_GPU = (
-    "vLLM's GPU KV cache layouts, TP mappings, block conversions and MLA proven with vLLM's own allocator on host "
-    "memory (real NIXL on DRAM); not yet run on GPU hardware"
+    "vLLM's GPU KV cache layouts, TP mappings, block conversions, MLA and the host buffer proven with vLLM's own "
+    "allocator on host memory (real NIXL on DRAM); not yet run on GPU hardware"
 )
 
 
@@ -603,15 +600,3 @@ def test_the_gpu_suites_deployments_render_on_this_machine() -> None:
             assert config["kv_connector"] == f"{case.connector}Connector"
             assert config["kv_buffer_device"] == case.buffer
             assert env(engine(doc, role))["KVBRIDGE_VERIFICATION"] == case.verification
-
-
-def test_what_kvbridges_connector_cannot_do_on_gpus_yet_is_refused_before_scheduling() -> None:
-    """TP mappings, block and layout conversions, MLA and a host buffer on vLLM's GPU layouts: the connector would
-    refuse them at start-up (a crash loop), so the verdict refuses them first, each with its field and a fix."""
-    from tests.gpu.test_vllm_gpu import REFUSED, gpu_deployment
-
-    for case, code in REFUSED:
-        problems = verdict(gpu_deployment(case))
-        assert isinstance(problems, list), case
-        assert code in {p.code for p in problems}, (case, problems)
-        assert all(f"set {p.field}: " in p.message for p in problems if p.code == code)

@@ -23,6 +23,8 @@ class ConnectorSettings:
     environment: EngineEnvironment
     block_size: int
     tp_size: int
+    #: vLLM's ``kv_buffer_device: cpu`` off the CPU build: NIXL moves a host mirror of the cache (transfer.host_buffer)
+    host_buffer: bool = False
 
     @property
     def model(self) -> ModelGeometry:
@@ -44,7 +46,7 @@ class ConnectorSettings:
         role): a pod whose vLLM flags disagree with the contract fails at start-up, not with wrong tokens.
         ``cpu_build``: vLLM's CPU build, whose attention cache is head-major only; elsewhere the connector reads
         the layout vLLM resolved (``VLLM_KV_CACHE_LAYOUT``, rendered from the role's ``kvLayout``) by its strides,
-        and keeps the cache where it lies (``kv_buffer_device`` must be the engine's own device)."""
+        where it lies, or through a host mirror with ``kv_buffer_device: cpu``."""
         transfer_config = vllm_config.kv_transfer_config
         role = _ROLES.get(str(transfer_config.kv_role))
         if role is None:
@@ -64,14 +66,8 @@ class ConnectorSettings:
                     "with the arguments kvbridge rendered", field=f"spec.{role.value}.{name}",
                     code="CONNECTOR_MISMATCH",
                 )  # fmt: skip
-        if not cpu_build and str(getattr(transfer_config, "kv_buffer_device", "cuda")) == "cpu":
-            raise SpecError(
-                "kv_buffer_device cpu (a host buffer for nodes without GPUDirect RDMA): kvbridge's connector reads "
-                "vLLM's GPU cache where it lies and has no host-buffer mode yet; set "
-                "spec.transfer.network.kvBufferDevice: cuda, or spec.engine.connector: Nixl",
-                field="spec.transfer.network.kvBufferDevice",
-                code="CONNECTOR_UNSUPPORTED",
-            )
+        # a host buffer for nodes without GPUDirect RDMA; on the CPU build the cache is in host memory already
+        host_buffer = not cpu_build and str(getattr(transfer_config, "kv_buffer_device", "cuda")) == "cpu"
         if cpu_build and own.kv_layout is not KVLayout.HND:
             raise SpecError(
                 f"{role.value} kvLayout {own.kv_layout.value}: the connector reads vLLM's head-major caches (HND)",
@@ -85,4 +81,4 @@ class ConnectorSettings:
             )  # fmt: skip
         if not environment.fingerprint:
             environment = environment.model_copy(update={"fingerprint": result.fingerprint})
-        return cls(role, environment, block_size, tp_size)
+        return cls(role, environment, block_size, tp_size, host_buffer)

@@ -42,6 +42,7 @@ from kvbridge_agent.core.tp import handshake_ranks
 from kvbridge_agent.core.wire import ConversionKind
 from kvbridge_agent.transfer.decode_rank import DecodeRank, ReadResult, Verify
 from kvbridge_agent.transfer.digest import Digester
+from kvbridge_agent.transfer.host_buffer import HostBuffer
 from kvbridge_agent.transfer.keys import CurveKeys, load_keys
 from kvbridge_agent.transfer.kv_cache import LAYOUT_UNSUPPORTED, KVCache, distinct_tensors
 from kvbridge_agent.transfer.peers import (
@@ -177,10 +178,14 @@ class ConnectorWorker:
         without it (vLLM's CPU build) the tensors are taken per layer, as before."""
         settings, environment = self.settings, self.settings.environment
         convert: Converter = convert_for_side
+        engine: KVCache | None = None  # the engine's own cache, when NIXL moves a host mirror of it
         if layout is not None:
             cache = KVCache.attach_views(
                 settings.model, settings.block_size, settings.tp_size, self.tp_rank, kv_caches, physical_order(layout)
             )
+            if settings.host_buffer:
+                buffer = HostBuffer(cache)
+                engine, cache, convert = cache, buffer.mirror, buffer
         else:
             tensors = distinct_tensors(list(kv_caches.values()))  # vLLM gives them in layer order
             self.geometry = transfer_geometry(settings.model, tensors, settings.tp_size)
@@ -208,9 +213,12 @@ class ConnectorWorker:
         if isinstance(convert, CPUAttentionBlocks):  # the digest reads keys back to token-major, real heads
             owned = list(range(self.tp_rank * convert.heads, (self.tp_rank + 1) * convert.heads))
             rank.digester = Digester(cache, convert.logical, owned)
+        elif engine is not None:  # the digest reads the engine's cache, on either side of the host copies
+            rank.digester = Digester(engine)
         elif settings.transfer.verification is not Verification.OFF:  # now: no verified request waits for numba
             rank.digester = Digester(cache)
         described = f"a {layout} layout" if layout is not None else f"{len(cache.tensors)} KV tensor(s)"
+        described += " through a host buffer" if engine is not None else ""
         role = settings.role.value
         log.info("kvbridge: %s rank %d registered %s of %d blocks", role, self.tp_rank, described, cache.num_blocks)
 

@@ -106,7 +106,7 @@ KV_BUFFER_FIELD = "spec.transfer.network.kvBufferDevice"
 #: fields searched only for these problems (a model's geometry is a fact, not a setting to search, except this)
 _ONLY_FOR = {
     MLA_HEADS_FIELD: frozenset({MLA_KV_HEADS}),
-    KV_BUFFER_FIELD: frozenset({vllm.VLLM_KV_BUFFER_DEVICE, vllm.VLLM_KVBRIDGE_HOST_BUFFER}),
+    KV_BUFFER_FIELD: frozenset({vllm.VLLM_KV_BUFFER_DEVICE}),
 }
 
 

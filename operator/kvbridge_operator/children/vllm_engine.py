@@ -48,9 +48,6 @@ VLLM_UNMODELLED_ARGUMENT = "VLLM_UNMODELLED_ARGUMENT"
 VLLM_KVBRIDGE_REPLICATED_HEADS = "VLLM_KVBRIDGE_REPLICATED_HEADS"
 #: kvBufferDevice cuda on vLLM's CPU build, which has no GPU memory to move the KV cache from
 VLLM_KV_BUFFER_DEVICE = "VLLM_KV_BUFFER_DEVICE"
-#: what kvbridge's connector does not do yet on vLLM's GPU layouts (read by their strides): TP mappings, block or
-#: layout conversions, MLA, a host buffer
-VLLM_KVBRIDGE_HOST_BUFFER = "VLLM_KVBRIDGE_HOST_BUFFER"
 #: verification: All asked of vLLM's NixlConnector, which has no transfer digest (refused)
 VLLM_NIXL_UNVERIFIED = "VLLM_NIXL_UNVERIFIED"
 #: verification: Sampled (the default) with vLLM's NixlConnector: runs, unverified (an advisory, not a refusal)
@@ -160,17 +157,11 @@ def on_cpu(spec: DisaggregatedDeploymentSpec) -> bool:
 #: where kvbridge's connector has run, per device, as ``kvbridge plan`` states it (docs/vllm.md, "What was run for
 #: real"): a short stable line, changed only when the evidence changes
 KVBRIDGE_PROVEN = {
-    EngineDevice.GPU: "vLLM's GPU KV cache layouts, TP mappings, block conversions and MLA proven with vLLM's own "
-    "allocator on host memory (real NIXL on DRAM); not yet run on GPU hardware",
+    EngineDevice.GPU: "vLLM's GPU KV cache layouts, TP mappings, block conversions, MLA and the host buffer proven "
+    "with vLLM's own allocator on host memory (real NIXL on DRAM); not yet run on GPU hardware",
     EngineDevice.CPU: "run in real vLLM (the 0.32 CPU build, real NIXL on DRAM): decode's tokens equal a single "
     "engine's",
 }
-
-
-def kvbridge_converts(spec: DisaggregatedDeploymentSpec) -> bool:
-    """Whether kvbridge's connector would do a conversion NixlConnector cannot: everywhere it runs (on CPUs, for the
-    CPU attention kernels it knows; on GPU layouts, by descriptors), except with a host buffer on GPUs."""
-    return on_cpu(spec) or kv_buffer_device(spec) is not KVBufferDevice.CPU
 
 
 def kv_buffer_device(spec: DisaggregatedDeploymentSpec) -> KVBufferDevice:
@@ -250,8 +241,6 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
             for role in Role if spec.role(role).block_size != MLA_BLOCK_SIZE]  # fmt: skip
     if on_cpu(spec):
         found += _cpu_problems(spec)
-    elif uses_kvbridge(spec):
-        found += _kvbridge_gpu_problems(spec)
     prefill, decode = spec.prefill.settings(), spec.decode.settings()
     if wire_format_defined(spec.model, prefill, decode) and not uses_kvbridge(spec):  # kvbridge converts on both
         for step in wire_format(spec.model, prefill, decode).steps(Role.PREFILL):
@@ -261,27 +250,9 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
                 f"the plan needs the prefill side to {step.kind.value} ({step.source} -> {step.target}), which "
                 "vLLM's NixlConnector cannot do (only the decode side re-lays blocks there); set "
                 f"spec.prefill.{where}: {step.target}"
-                + (", or spec.engine.connector: KVBridge" if kvbridge_converts(spec) else ""),
+                + ", or spec.engine.connector: KVBridge",
             ))  # fmt: skip
     return found
-
-
-def _kvbridge_gpu_problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
-    """kvbridge's connector on vLLM's GPU layouts reads each role's cache where it lies, by the strides of vLLM's
-    ``KVCacheLayout``: TP mappings, block-size and layout conversions and MLA are choices of descriptors
-    (docs/protocol.md §1c), so what the compatibility rules pass, it moves. What it cannot do is refused here,
-    before scheduling: a host buffer (``kv_buffer_device: cpu``)."""
-    if kv_buffer_device(spec) is not KVBufferDevice.CPU:
-        return []
-    return [
-        Problem(
-            VLLM_KVBRIDGE_HOST_BUFFER,
-            "spec.transfer.network.kvBufferDevice",
-            "kvBufferDevice cpu (a host buffer for nodes without GPUDirect RDMA): kvbridge's connector reads "
-            "vLLM's GPU cache where it lies and has no host-buffer mode in this release; set "
-            "spec.transfer.network.kvBufferDevice: cuda",
-        )
-    ]
 
 
 def _other_block_size(spec: DisaggregatedDeploymentSpec, role: Role, value: int, *, follows: bool) -> str:

@@ -31,6 +31,7 @@ from kvbridge_agent.core.contract import EngineEnvironment, render_environment
 from kvbridge_agent.core.handshake import RankMetadata
 from kvbridge_agent.core.layout import PhysicalLayout, PhysicalOrder, dense_strides
 from kvbridge_agent.transfer.decode_rank import ReadResult
+from kvbridge_agent.transfer.host_buffer import HostBuffer
 from kvbridge_agent.vllm_connector.messages import RankHandshake
 from kvbridge_agent.vllm_connector.scheduler import ConnectorScheduler
 from kvbridge_agent.vllm_connector.settings import ConnectorSettings
@@ -56,6 +57,8 @@ class Side:
     kernel: int | None = None
     tp: int = 1
     mla: bool = False
+    #: vLLM's kv_buffer_device cpu: NIXL moves a host mirror, the engine's cache is copied in and out
+    host_buffer: bool = False
 
     @property
     def ratio(self) -> int:
@@ -88,11 +91,15 @@ def settings(role: Role, prefill: Side, decode: Side) -> ConnectorSettings:
     )
     mine = prefill if role is Role.PREFILL else decode
     config = SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(kv_role="kv_producer" if role is Role.PREFILL else "kv_consumer"),
+        kv_transfer_config=SimpleNamespace(
+            kv_role="kv_producer" if role is Role.PREFILL else "kv_consumer",
+            kv_buffer_device="cpu" if mine.host_buffer else "cuda",
+        ),
         cache_config=SimpleNamespace(block_size=mine.block),
         parallel_config=SimpleNamespace(tensor_parallel_size=mine.tp),
     )
-    return ConnectorSettings.from_vllm(config, render_environment(env))
+    # off vLLM's CPU build (a GPU engine's views, here on host memory)
+    return ConnectorSettings.from_vllm(config, render_environment(env), cpu_build=False)
 
 
 def kv_cache_config(layout: KVCacheLayout, groups: Any, memory_bytes: int) -> Any:
@@ -565,6 +572,48 @@ def test_a_wrong_stride_is_caught_across_a_tp_mapping(layout: KVCacheLayout, clo
     """The negative control across TP 1 -> 2 and a block conversion (32 -> 16): prefill lies about its strides;
     both decode ranks' READs complete, and the digest fails the request on each."""
     outcome = move(Side(layout, 32), Side(layout, 16, tp=2), closing, lie=True)
+    assert [(r.ok, r.code) for r in outcome.results] == [(True, "")] * 2
+    assert outcome.load_errors == set(outcome.decode_blocks)
+    with pytest.raises(AssertionError, match="differs"):
+        check_bytes(outcome)
+
+
+HOST_BUFFERS = [
+    (Side(KVCacheLayout.LBHNC, host_buffer=True), Side(KVCacheLayout.LBHNC)),
+    (Side(KVCacheLayout.BLHNC), Side(KVCacheLayout.BLHNC, host_buffer=True)),
+    (Side(KVCacheLayout.LBHNC, 32, tp=2, host_buffer=True), Side(KVCacheLayout.LBNHC, 16, host_buffer=True)),
+    (Side(KVCacheLayout.LBHNC, 16, kernel=8, host_buffer=True), Side(KVCacheLayout.BHLNC, 16, tp=2, host_buffer=True)),
+]
+
+
+@pytest.mark.parametrize("pair", HOST_BUFFERS, ids=lambda pair: f"{describe(pair[0])}-to-{describe(pair[1])}")
+def test_a_host_buffer_on_either_side(pair: tuple[Side, Side], closing: list[Any]) -> None:
+    """vLLM's kv_buffer_device cpu (nodes without GPUDirect RDMA): NIXL registers and moves a host mirror of the
+    engine's cache; prefill copies the request's blocks into it before offering them, decode copies what it read out
+    of it before verifying — the bytes are checked in the engine's own views, and the digest read them there."""
+    prefill, decode = pair
+    outcome = move(prefill, decode, closing)
+    assert outcome.failures == []
+    assert outcome.load_errors == set()
+    assert [(r.ok, r.code) for r in outcome.results] == [(True, "")] * decode.tp
+    check_bytes(outcome)
+    for worker in closing:
+        rank = getattr(worker, "prefill", None) or getattr(worker, "decode", None)
+        if rank is not None:
+            buffered = rank.convert if isinstance(rank.convert, HostBuffer) else None
+            side = prefill if rank is getattr(worker, "prefill", None) else decode
+            assert (buffered is not None) is side.host_buffer
+            if buffered is not None:
+                assert buffered.copies == 1  # the request's blocks, once
+                assert rank.cache is buffered.mirror  # NIXL's descriptors are the mirror's
+
+
+def test_a_wrong_stride_through_host_buffers_is_caught(closing: list[Any]) -> None:
+    """The negative control with host buffers on both sides: the digest reads the engines' caches, after decode's
+    copy out of its mirror, and fails the request."""
+    prefill = Side(KVCacheLayout.LBHNC, 32, host_buffer=True)
+    decode = Side(KVCacheLayout.LBHNC, 16, tp=2, host_buffer=True)
+    outcome = move(prefill, decode, closing, lie=True)
     assert [(r.ok, r.code) for r in outcome.results] == [(True, "")] * 2
     assert outcome.load_errors == set(outcome.decode_blocks)
     with pytest.raises(AssertionError, match="differs"):
