@@ -23,7 +23,7 @@ import re
 from collections.abc import Sequence
 from enum import StrEnum
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from .digest import KEY_BYTES, RequestDigests, from_bytes, to_bytes
 from .errors import KVBridgeError, SpecError
@@ -335,6 +335,9 @@ class KVTransferParams(CamelModel):
     remote_port: int = Field(ge=1, le=65535)
     remote_request_id: str = Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=REQUEST_ID_PATTERN)
     remote_block_ids: list[int] = Field(max_length=1 << 20)
+    #: a hybrid model (several KV cache groups): ``remote_block_ids`` lists each group's blocks one group after the
+    #: other, this many each (core.cache_groups); absent for one group
+    remote_group_sizes: list[int] | None = Field(default=None, min_length=2, max_length=64)
     num_tokens: int = Field(ge=1)
     remote_tp_size: int = Field(ge=1)
     fingerprint: str = Field(min_length=1, max_length=64)
@@ -348,6 +351,13 @@ class KVTransferParams(CamelModel):
     #: a verified request's key and digests, when prefill had them before it answered (vLLM: digested right after
     #: the forward step that completed the prompt); else decode asks the side channel for them
     digests: TransferDigests | None = None
+
+    @model_validator(mode="after")
+    def _groups_add_up(self) -> KVTransferParams:
+        sizes = self.remote_group_sizes
+        if sizes is not None and (min(sizes) < 0 or sum(sizes) != len(self.remote_block_ids)):
+            raise ValueError(f"remoteGroupSizes {sizes} do not add up to the {len(self.remote_block_ids)} block ids")
+        return self
 
 
 def notification(prefill_request_id: str, decode_tp_size: int) -> bytes:

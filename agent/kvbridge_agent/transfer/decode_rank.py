@@ -32,6 +32,7 @@ from kvbridge_agent.core import (
     region_layout,
 )
 from kvbridge_agent.core.blocks import DescriptorIds
+from kvbridge_agent.core.cache_groups import CACHE_GROUPS_MISMATCH, pair_groups
 from kvbridge_agent.core.digest import KV_DIGEST_MISMATCH, RequestDigests, mismatched
 from kvbridge_agent.core.handshake import (
     PEER_INCOMPATIBLE,
@@ -44,6 +45,7 @@ from kvbridge_agent.core.handshake import (
 from kvbridge_agent.core.layout import BlockRuns, run_regions
 from kvbridge_agent.core.physical_reads import (
     ChunkSide,
+    MappedChunks,
     PhysicalRead,
     chunk_descriptor_ids,
     chunk_tokens,
@@ -356,10 +358,11 @@ class DecodeRank:
     # -- requests -----------------------------------------------------------
     def start(
         self, request_id: str, params: KVTransferParams, local_blocks: list[int], timeout: float,
-        verify: Verify | None = None,
+        verify: Verify | None = None, group_sizes: list[int] | None = None,
     ) -> ReadResult | None:  # fmt: skip
         """Post the READs of one request; returns a result at once on failure or a full prefix hit. With
-        ``verify``, the request succeeds only if the digests of what it then holds equal prefill's."""
+        ``verify``, the request succeeds only if the digests of what it then holds equal prefill's. With
+        ``group_sizes`` (a hybrid model), ``local_blocks`` lists each cache group's blocks one after the other."""
         started = time.perf_counter()
         peer = self.peers.get(params.remote_engine_id)
         if peer is None:
@@ -378,7 +381,7 @@ class DecodeRank:
         note = notification(params.remote_request_id, self.settings.tensor_parallel_size)
         rank_plan = peer.rank_plan
         try:
-            ids = self._descriptor_ids(peer, params, local_blocks)
+            ids = self._descriptor_ids(peer, params, local_blocks, group_sizes)
         except (BlockMappingError, SpecError) as exc:
             return ReadResult(request_id, False, exc.code, exc.message, list(local_blocks))
         ids_us = (time.perf_counter() - started) * 1e6
@@ -417,12 +420,22 @@ class DecodeRank:
         return None
 
     def _descriptor_ids(
-        self, peer: RemotePeer, params: KVTransferParams, local_blocks: list[int]
+        self, peer: RemotePeer, params: KVTransferParams, local_blocks: list[int], group_sizes: list[int] | None
     ) -> list[tuple[DescriptorIds, DescriptorIds]]:
         """Per list of the peer, ``(local ids, remote ids)`` of one request's READs; empty for a full prefix hit."""
+        if (group_sizes is None) != (params.remote_group_sizes is None):
+            raise BlockMappingError(
+                f"decode lists {'several' if group_sizes else 'one'} KV cache group(s) and prefill "
+                f"{'several' if params.remote_group_sizes else 'one'}: not the same model",
+                field="request.remote_group_sizes",
+                code=CACHE_GROUPS_MISMATCH,
+            )
         if peer.sides is not None:  # physical layouts: the chunks of each read, through its paired runs
             local_side, remote_side = peer.sides
-            mapped = map_chunks(local_blocks, params.remote_block_ids, params.num_tokens, local_side, remote_side)
+            if group_sizes is not None and params.remote_group_sizes is not None:
+                mapped = self._map_groups(local_blocks, group_sizes, params, local_side, remote_side)
+            else:
+                mapped = map_chunks(local_blocks, params.remote_block_ids, params.num_tokens, local_side, remote_side)
             if mapped.full_hit:
                 return []
             local_kernel_blocks = self.cache.num_blocks * self.cache.kernel_ratio
@@ -433,6 +446,12 @@ class DecodeRank:
                 )
                 for read, blocks in zip(peer.physical, peer.remote_kernel_blocks, strict=True)
             ]
+        if group_sizes is not None:
+            raise BlockMappingError(
+                "several KV cache groups are moved between physical layouts only (vLLM's KVCacheLayout views)",
+                field="request.remote_group_sizes",
+                code=CACHE_GROUPS_MISMATCH,
+            )
         plan = peer.plan
         mapped_blocks = map_request_blocks(local_blocks, params.remote_block_ids, plan.block_size_ratio)
         if mapped_blocks.full_hit:
@@ -443,6 +462,39 @@ class DecodeRank:
         local_ids = descriptor_ids(mapped_blocks.local, regions, local_units, out=local_buf)
         remote_ids = descriptor_ids(mapped_blocks.remote, regions, peer.remote_units, out=remote_buf)
         return [(local_ids, remote_ids)] * len(peer.lists)
+
+    @staticmethod
+    def _map_groups(
+        local_blocks: list[int],
+        group_sizes: list[int],
+        params: KVTransferParams,
+        local_side: ChunkSide,
+        remote_side: ChunkSide,
+    ) -> MappedChunks:
+        """A hybrid model's chunks: per cache group, decode's blocks to fill with the last of prefill's blocks of
+        that group, whole blocks (both sides run one block size), the groups one after the other."""
+        if local_side.block_tokens != remote_side.block_tokens or remote_side.units_per_block != 1:
+            raise BlockMappingError(
+                f"prefill's {remote_side.block_tokens}-token and decode's {local_side.block_tokens}-token blocks: "
+                "several KV cache groups move between equal block sizes only",
+                field="spec.decode.blockSize",
+                code=CACHE_GROUPS_MISMATCH,
+            )
+        remote_sizes = params.remote_group_sizes or []
+        parts = [
+            map_chunks(mine, theirs, len(mine) * local_side.block_tokens, local_side, remote_side)
+            for mine, theirs in pair_groups(local_blocks, group_sizes, params.remote_block_ids, remote_sizes)
+            if mine
+        ]
+        if not parts:
+            empty = np.zeros(0, dtype=np.int64)
+            return MappedChunks(empty, empty, empty, empty)
+        return MappedChunks(
+            np.concatenate([p.local_blocks for p in parts]),
+            np.concatenate([p.local_chunks for p in parts]),
+            np.concatenate([p.remote_blocks for p in parts]),
+            np.concatenate([p.remote_chunks for p in parts]),
+        )
 
     def _buffers(self, count: int) -> tuple[DescriptorIds, DescriptorIds]:
         if self._id_buffers[0].size < count:

@@ -13,10 +13,34 @@ from kvbridge_agent.core.geometry import heads_local
 from kvbridge_agent.core.handshake import MemoryType
 from kvbridge_agent.core.layout import PhysicalLayout, PhysicalOrder, block_runs, run_regions
 from kvbridge_agent.core.model import CacheKind
-from kvbridge_agent.transfer.allocations import describe_views
+from kvbridge_agent.transfer.allocations import ViewedCache, describe_groups, describe_views
 
 #: a physical-layout cache the connector cannot serve yet (stable code, docs/troubleshooting.md)
 LAYOUT_UNSUPPORTED = "LAYOUT_UNSUPPORTED"
+
+
+def overlaid_groups(
+    views: Mapping[str, torch.Tensor], groups: Sequence[Sequence[str]], order: PhysicalOrder
+) -> ViewedCache:
+    """A hybrid model's cache groups as vLLM allocates them: every group the same layout at the same origin of one
+    allocation (a block id then belongs to one group); anything else is refused."""
+    try:
+        described = describe_groups([{name: views[name] for name in group} for group in groups], order)
+    except KeyError as exc:
+        raise SpecError(
+            f"cache group layer {exc} has no KV view", field="kv_cache_config", code="INVALID_KV_TENSOR"
+        ) from exc
+    first = described.groups[0]
+    others = described.groups[1:]
+    if len(described.allocations) != 1 or any((g.physical, g.origin) != (first.physical, first.origin) for g in others):
+        raise SpecError(
+            f"{len(groups)} KV cache groups in {len(described.allocations)} allocation(s), with layouts "
+            f"{sorted({g.physical.order.value for g in described.groups})}: kvbridge moves groups that overlay one "
+            "another (one layout, one origin, one allocation), as vLLM's hybrid allocator lays them out",
+            field="kv_cache_config",
+            code=LAYOUT_UNSUPPORTED,
+        )
+    return first
 
 
 def distinct_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -95,10 +119,26 @@ class KVCache:
         tp_rank: int,
         views: Mapping[str, torch.Tensor],
         order: PhysicalOrder,
+        groups: Sequence[Sequence[str]] | None = None,
     ) -> KVCache:
         """Use an engine's per-layer ``[B, H, N, C]`` views of one allocation, laid out as ``order`` declares
-        (vLLM's resolved ``KVCacheLayout``): the allocation is registered once, the bytes addressed by strides."""
-        viewed = describe_views(views, order)
+        (vLLM's resolved ``KVCacheLayout``): the allocation is registered once, the bytes addressed by strides.
+        With ``groups`` (a hybrid model's cache groups, each its layer names in layer order) the groups must overlay
+        each other — one layout, one origin — and the cache is that layout, one group's layers deep
+        (core.cache_groups)."""
+        if groups is None:
+            viewed = describe_views(views, order)
+        else:
+            viewed = overlaid_groups(views, groups, order)
+            layers = sum(len(group) for group in groups)
+            if layers != model.num_layers:
+                raise SpecError(
+                    f"vLLM's {len(groups)} KV cache groups hold {layers} layers, the model geometry says "
+                    f"{model.num_layers}",
+                    field="spec.model.numLayers",
+                    code="INVALID_KV_TENSOR",
+                )
+            model = model.model_copy(update={"num_layers": viewed.physical.num_layers})
         physical = viewed.physical
         wanted = (
             ("spec.model.numLayers", physical.num_layers, model.num_layers, "layers"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import TYPE_CHECKING, Any
 
@@ -10,9 +11,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from kvbridge_agent.core import SpecError
+from kvbridge_agent.core.cache_groups import CacheGroups
 from kvbridge_agent.core.layout import rendered_order
 
 from .messages import RankHandshake, StepMetadata
@@ -59,21 +62,54 @@ def require_checked_layout(resolved: str, settings: ConnectorSettings) -> None:
         )
 
 
-class KVBridgeConnector(KVConnectorBase_V1):
+def cache_groups(kv_cache_config: Any) -> CacheGroups | None:
+    """A hybrid model's KV cache groups (vLLM's hybrid allocator: full-attention and sliding-window layers overlaid
+    in one allocation); ``None`` for one group. Other kinds of group (state-space layers, chunked local attention)
+    are refused: kvbridge moves attention KV only."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) < 2:
+        return None
+    windows: list[int | None] = []
+    for group in groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            windows.append(int(spec.sliding_window))
+        elif isinstance(spec, FullAttentionSpec):
+            windows.append(None)
+        else:
+            raise SpecError(
+                f"a KV cache group of {type(spec).__name__}: KVBridgeConnector moves full-attention and "
+                "sliding-window groups only",
+                field="spec.model",
+                code="CONNECTOR_UNSUPPORTED",
+            )
+    sizes = {int(group.kv_cache_spec.block_size) for group in groups}
+    if len(sizes) != 1:
+        raise SpecError(
+            f"KV cache groups of {sorted(sizes)}-token blocks: KVBridgeConnector moves groups of one block size",
+            field="spec.model",
+            code="CONNECTOR_UNSUPPORTED",
+        )
+    return CacheGroups.of(windows, sizes.pop())
+
+
+class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     """kvbridge's KV transfer inside vLLM: CURVE side channel, the plan from the core once per prefill engine,
-    NIXL READs, leases carried in ``kv_transfer_params``, stale-peer eviction."""
+    NIXL READs, leases carried in ``kv_transfer_params``, stale-peer eviction; several cache groups (vLLM's hybrid
+    allocator) as one list of blocks (core.cache_groups)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-        if len(groups) > 1:
-            raise SpecError(
-                f"the model has {len(groups)} KV cache groups (hybrid attention); KVBridgeConnector supports one",
-                field="spec.model", code="CONNECTOR_UNSUPPORTED",
-            )  # fmt: skip
         from vllm.platforms import current_platform
 
         settings = ConnectorSettings.from_vllm(vllm_config, cpu_build=current_platform.is_cpu())
+        groups = cache_groups(kv_cache_config)
+        if groups is not None:
+            settings = dataclasses.replace(
+                settings, groups=groups, group_layers=[list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
+            )
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -147,6 +183,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
             self._scheduler.transfers_done(connector_output.finished_sending, connector_output.finished_recving)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_half().request_finished(request, (list(block_ids),))
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_half().request_finished(request, block_ids)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:

@@ -45,6 +45,11 @@ class ReadOrder:
     expires_at: float | None = None
     #: every local block of the request in token order (prefix hits first): what a verification digests
     all_block_ids: list[int] = field(default_factory=list)
+    #: a hybrid model: ``local_block_ids`` lists each cache group's blocks one group after the other, this many each
+    local_group_sizes: list[int] | None = None
+    #: the tokens a verification digests over ``all_block_ids`` (0: the request's); a hybrid model's flat list
+    #: counts every position of every block
+    digest_tokens: int = 0
 
 
 @dataclass

@@ -53,6 +53,13 @@ RETIRED_DIGEST_SECONDS = 60.0
 _FINISHED_NORMALLY = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 
 
+def by_group(block_ids: Any) -> list[list[int]]:
+    """vLLM's block ids of a request as one list per KV cache group (it hands a tuple of lists, or one list)."""
+    if block_ids and isinstance(block_ids[0], list | tuple):
+        return [list(group) for group in block_ids]
+    return [list(block_ids or ())]
+
+
 class ConnectorScheduler:
     def __init__(self, settings: ConnectorSettings) -> None:
         self.settings = settings
@@ -68,8 +75,9 @@ class ConnectorScheduler:
         self._verification = VerificationPolicy(settings.transfer)
         self._verifying: set[str] = set()
         self._digests: dict[str, RequestDigests] = {}
-        #: prefill: requests to offer once computed (do_remote_decode), their blocks as vLLM allocates them
-        self._producing: dict[str, tuple[Any, list[int]]] = {}
+        #: prefill: requests to offer once computed (do_remote_decode), their blocks as vLLM allocates them (per
+        #: cache group)
+        self._producing: dict[str, tuple[Any, list[list[int]]]] = {}
         #: prefill: verified requests digested right after the step that completed their prompt: their key and
         #: token count, until they finish
         self._predigested: dict[str, tuple[bytes, int]] = {}
@@ -190,7 +198,12 @@ class ConnectorScheduler:
         if self.settings.role is not Role.DECODE or not isinstance(raw, dict) or not raw.get("do_remote_prefill"):
             return
         raw["do_remote_prefill"] = False  # one transfer per request, also after a preemption
-        local = list(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else []
+        groups = self.settings.groups
+        if groups is None:
+            local = list(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else []
+        else:  # per group, the unhashed blocks among those the group keeps (a null block is never read into)
+            unhashed = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else []
+            local = [b for group in unhashed for b in group]
         refused = self._refused.pop(request.request_id, "")
         if refused:  # parameters that did not validate: the request's blocks are reported invalid, nothing read
             self._to_read[request.request_id] = ReadOrder(local, None, refused)
@@ -211,9 +224,26 @@ class ConnectorScheduler:
             f"PROMPT_MISMATCH: decode's prompt has {prompt} tokens, the prefill computed {params.num_tokens}: this "
             "is not the request prefill ran"
         )  # fmt: skip
-        every = blocks.get_block_ids()
-        all_blocks = list(every[0]) if every and isinstance(every[0], list | tuple) else list(every)
-        self._to_read[request.request_id] = ReadOrder(local, params, refused, expires_at, all_blocks)
+        every = by_group(blocks.get_block_ids())
+        local_sizes: list[int] | None = None
+        digest_tokens = params.num_tokens
+        if groups is None:
+            all_blocks = every[0]
+        else:
+            try:
+                kept = groups.clip(every, params.num_tokens)
+            except KVBridgeError as exc:
+                kept, refused = [[] for _ in every], refused or f"{exc.code}: {exc.message}"
+            mine = [set(group) for group in kept]
+            unhashed = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else [[] for _ in every]
+            to_fill = [[b for b in group if b in keep] for group, keep in zip(unhashed, mine, strict=False)]
+            local = [b for group in to_fill for b in group]
+            local_sizes = [len(group) for group in to_fill]
+            all_blocks = [b for group in kept for b in group]
+            digest_tokens = groups.digest_tokens(all_blocks)
+        self._to_read[request.request_id] = ReadOrder(
+            local, params, refused, expires_at, all_blocks, local_sizes, digest_tokens
+        )
 
     # -- both: each step ------------------------------------------------------------
     def build_metadata(self, scheduler_output: Any = None) -> StepMetadata:
@@ -232,15 +262,16 @@ class ConnectorScheduler:
         for new in scheduler_output.scheduled_new_reqs:
             producing = self._producing.get(new.req_id)
             if producing is not None:
-                producing[1][:] = list(new.block_ids[0]) if new.block_ids else []
+                producing[1][:] = [list(group) for group in new.block_ids or ()]
         cached = scheduler_output.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", set())
         for request_id, added in zip(cached.req_ids, cached.new_block_ids, strict=False):
             producing = self._producing.get(request_id)
             if producing is not None and added:
-                if request_id in resumed:  # preempted and scheduled again: its whole block table anew
-                    producing[1].clear()
-                producing[1].extend(added[0])
+                if request_id in resumed or len(producing[1]) != len(added):  # its whole block table anew
+                    producing[1][:] = [[] for _ in added]
+                for group, ids in zip(producing[1], added, strict=True):
+                    group.extend(ids)
         for request_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             producing = self._producing.get(request_id)
             if producing is None or request_id in self._predigested:
@@ -249,9 +280,19 @@ class ConnectorScheduler:
             prompt = int(request.num_prompt_tokens)
             if request.num_computed_tokens + scheduled < prompt or not self._verification.decide():
                 continue
-            key = new_key()
+            groups = self.settings.groups
+            if groups is None:
+                order = DigestOrder(list(blocks[0]) if blocks else [], prompt, new_key())
+            else:
+                try:
+                    flat, _sizes = groups.flatten(blocks, prompt)
+                except KVBridgeError as exc:  # digested at the offer instead, or not offered (request_finished)
+                    log.warning("kvbridge: not digesting request %.80s now: %s", request_id, exc.message)
+                    continue
+                order = DigestOrder(flat, groups.digest_tokens(flat), new_key())
+            key = order.key
             self._predigested[request_id] = (key, prompt)
-            self._to_digest[request_id] = DigestOrder(list(blocks), prompt, key)
+            self._to_digest[request_id] = order
             with self._lock:
                 self._verifying.add(request_id)
                 self._digests[request_id] = RequestDigests(key, {})
@@ -292,7 +333,8 @@ class ConnectorScheduler:
         raw = request.kv_transfer_params
         if self.settings.role is not Role.PREFILL or not isinstance(raw, dict) or not raw.get("do_remote_decode"):
             return False, None
-        blocks = list(block_ids[0]) if block_ids and isinstance(block_ids[0], list | tuple) else list(block_ids)
+        per_group = by_group(block_ids)
+        blocks = per_group[0]
         if request.status.name not in _FINISHED_NORMALLY or not blocks or self._server is None:
             if predigested is not None:
                 with self._lock:
@@ -313,8 +355,12 @@ class ConnectorScheduler:
         key = predigested[0] if predigested is not None else new_key() if verify else b""
         environment = self.settings.environment
         num_tokens = request.num_computed_tokens
+        groups, sizes = self.settings.groups, None
         try:
-            wire = wire_block_ids(blocks, num_tokens, self._plan.split_ratio, self._plan.wire.block_size)
+            if groups is None:
+                wire = wire_block_ids(blocks, num_tokens, self._plan.split_ratio, self._plan.wire.block_size).tolist()
+            else:  # a hybrid model: each group's blocks it keeps, one group after the other
+                wire, sizes = groups.flatten(per_group, num_tokens)
         except KVBridgeError as exc:  # blocks that cannot hold the tokens: that request is not offered
             log.error("kvbridge: not offering request %.80s: %s", request_id, exc.message)
             error = {"code": exc.code, "message": exc.message}
@@ -326,7 +372,8 @@ class ConnectorScheduler:
             remote_port=self._server.port,
             remote_request_id=request_id,
             num_tokens=num_tokens,
-            remote_block_ids=wire.tolist(),
+            remote_block_ids=wire,
+            remote_group_sizes=sizes,
             remote_tp_size=self._tp_size,
             fingerprint=self.settings.fingerprint,
             expires_at=expires_at,
@@ -343,7 +390,11 @@ class ConnectorScheduler:
                     self._digests[request_id] = RequestDigests(key, {})
                 else:  # this step's digests complete the answer before vLLM sends it (take_digests)
                     self._awaiting_digests[request_id] = ours
-        self._to_offer[request_id] = OfferOrder(blocks, expires_at, num_tokens if verify and not digested else 0, key)
+        digest_tokens = num_tokens if groups is None else groups.digest_tokens(wire)
+        offered = blocks if groups is None else wire
+        self._to_offer[request_id] = OfferOrder(
+            offered, expires_at, digest_tokens if verify and not digested else 0, key
+        )
         return True, {"do_remote_prefill": True, "do_remote_decode": False, PARAMS_KEY: ours}
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge_agent.core import KVLayout, ModelGeometry, Role, SpecError, TransferSettings
+from kvbridge_agent.core.cache_groups import CacheGroups
 from kvbridge_agent.core.contract import EngineEnvironment, parse_environment
 from kvbridge_agent.core.plan import plan_or_problems
 
@@ -25,6 +26,9 @@ class ConnectorSettings:
     tp_size: int
     #: vLLM's ``kv_buffer_device: cpu`` off the CPU build: NIXL moves a host mirror of the cache (transfer.host_buffer)
     host_buffer: bool = False
+    #: a hybrid model's KV cache groups (vLLM's hybrid allocator), and each group's layer names; ``None``: one group
+    groups: CacheGroups | None = None
+    group_layers: list[list[str]] | None = None
 
     @property
     def model(self) -> ModelGeometry:

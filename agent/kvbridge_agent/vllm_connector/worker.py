@@ -181,11 +181,24 @@ class ConnectorWorker:
         engine: KVCache | None = None  # the engine's own cache, when NIXL moves a host mirror of it
         if layout is not None:
             cache = KVCache.attach_views(
-                settings.model, settings.block_size, settings.tp_size, self.tp_rank, kv_caches, physical_order(layout)
+                settings.model,
+                settings.block_size,
+                settings.tp_size,
+                self.tp_rank,
+                kv_caches,
+                physical_order(layout),
+                settings.group_layers,
             )
             if settings.host_buffer:
                 buffer = HostBuffer(cache)
                 engine, cache, convert = cache, buffer.mirror, buffer
+        elif settings.groups is not None:
+            raise SpecError(
+                f"{settings.groups.count} KV cache groups on vLLM's CPU build: kvbridge moves several groups on "
+                "vLLM's KVCacheLayout views only",
+                field="spec.model",
+                code="CONNECTOR_UNSUPPORTED",
+            )
         else:
             tensors = distinct_tensors(list(kv_caches.values()))  # vLLM gives them in layer order
             self.geometry = transfer_geometry(settings.model, tensors, settings.tp_size)
@@ -287,7 +300,11 @@ class ConnectorWorker:
             self._orders[request_id] = order
             self._prefetch[request_id] = self._expected_digests(params, expires_at)
         return decode.start(
-            request_id, params, order.local_block_ids, self.settings.environment.transfer_timeout_seconds
+            request_id,
+            params,
+            order.local_block_ids,
+            self.settings.environment.transfer_timeout_seconds,
+            group_sizes=order.local_group_sizes,
         )
 
     def _expected_digests(self, params: KVTransferParams, until: float | None) -> Future[RequestDigests]:
@@ -334,7 +351,8 @@ class ConnectorWorker:
                 peer = decode.peers.get(params.remote_engine_id)
                 if peer is None:
                     raise HandshakeError(f"{params.remote_engine_id} was evicted during the check")
-                result = decode.verified(result, Verify(future.result(), blocks, params.num_tokens), peer)
+                tokens = order.digest_tokens or params.num_tokens
+                result = decode.verified(result, Verify(future.result(), blocks, tokens), peer)
             except (KVBridgeError, OSError) as exc:
                 code = getattr(exc, "code", KV_DIGEST_UNAVAILABLE)
                 results.append(ReadResult(request_id, False, code, getattr(exc, "message", str(exc)),

@@ -156,3 +156,25 @@ def test_a_digest_reply_carries_the_requests_key_and_only_a_ready_one_does() -> 
     frames[0] = frames[0].replace(key.hex().encode(), b"not hex!" * 8)
     with pytest.raises(HandshakeError, match="key"):
         decode_digest_reply(frames, "fp")
+
+
+def test_group_sizes_must_add_up_to_the_block_ids() -> None:
+    from pydantic import ValidationError
+
+    from kvbridge_agent.core.handshake import KVTransferParams
+
+    base = {
+        "remoteEngineId": "p",
+        "remoteIncarnation": "i",
+        "remoteHost": "h",
+        "remotePort": 1,
+        "remoteRequestId": "r",
+        "remoteBlockIds": [1, 2, 3],
+        "numTokens": 40,
+        "remoteTpSize": 1,
+        "fingerprint": "f",
+    }
+    assert KVTransferParams.model_validate({**base, "remoteGroupSizes": [2, 1]}).remote_group_sizes == [2, 1]
+    for sizes in ([2, 2], [4, -1], [3]):
+        with pytest.raises(ValidationError):
+            KVTransferParams.model_validate({**base, "remoteGroupSizes": sizes})
