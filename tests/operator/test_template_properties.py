@@ -26,7 +26,7 @@ from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.cli.plan_report import entries, plan_document
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.controller.actions import WriteStatus
-from kvbridge_operator.controller.plan import Children, Observed, plan
+from kvbridge_operator.controller.decide import Children, Observed, decide
 from kvbridge_operator.kube import DEPLOYMENTS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -264,7 +264,7 @@ def keeps(kind: str, value: Any, now: list[Any]) -> bool:
 
 def _reconciled_reason(doc: Obj) -> str:
     meta = {**doc["metadata"], "namespace": "default", "uid": UID, "generation": 1}
-    result = plan(
+    result = decide(
         Observed(
             {**doc, "metadata": meta},
             Children(dict.fromkeys(Role), dict.fromkeys(Role), []),

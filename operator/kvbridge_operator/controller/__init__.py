@@ -2,8 +2,8 @@
 
 Reading order:
 - ``handlers``: the Kopf handlers, thin: one lock per resource, then ``reconcile``.
-- ``reconcile``: read the children, plan, apply.
-- ``plan``: pure: every action a reconcile takes, from what it read.
+- ``reconcile``: read the children, decide, apply.
+- ``decide``: pure: every action a reconcile takes, from what it read.
 - ``actions``: those actions as values.
 - ``apply``: carries them out.
 - ``rollout``: pure: the step of each workload.

@@ -21,8 +21,8 @@ from kvbridge_operator.api.names import GROUP, LABEL_DEPLOYMENT, PLURAL, ROLE_PL
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.backoff import OPERATOR_BACKOFF
 from kvbridge_operator.config import OperatorConfig
+from kvbridge_operator.controller.decide import Children
 from kvbridge_operator.controller.metrics import RECONCILE_SECONDS, RECONCILES, serve
-from kvbridge_operator.controller.plan import Children
 from kvbridge_operator.controller.reconcile import reconcile
 from kvbridge_operator.kube import DEPLOYMENTS, ApiError, Connection, KubeClient, connect
 

@@ -1,11 +1,11 @@
 """The pure half of a reconcile: from what was read, everything it will do.
 
-:func:`plan` takes the deployment as read, its children as the operator's watches (or a read) saw them and the
+:func:`decide` takes the deployment as read, its children as the operator's watches (or a read) saw them and the
 operator's settings, and returns the reconcile's actions in order: the Secret and DisaggregatedRoles, the children to
 apply (each workload with the rollout's step), the children to delete, the roles' and the deployment's status, the
 annotations and the events. Nothing here calls the API; apply.py carries the actions out.
 
-Reading order: :func:`plan` — parse, the verdict, the DisaggregatedRoles (scaling.py's ``plan_roles``), for a
+Reading order: :func:`decide` — parse, the verdict, the DisaggregatedRoles (scaling.py's ``plan_roles``), for a
 compatible spec :func:`_work` (which older specs pods may still pair with: revisions.py; the children the spec
 renders; the rollout's step: rollout.py; the optional children: optional.py), then the status and events
 (observe.py) and the writes (:func:`_writes`).
@@ -63,7 +63,7 @@ class Children:
 
 @dataclass(frozen=True)
 class Observed:
-    """Everything :func:`plan` knows."""
+    """Everything :func:`decide` knows."""
 
     body: Obj  # the DisaggregatedDeployment as read
     children: Children
@@ -76,7 +76,7 @@ class Observed:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Decision:
     actions: list[Action]
     applied: bool  # the spec's children are written (False: invalid or incompatible, nothing that runs changes)
 
@@ -102,12 +102,12 @@ _CHECK_FAILED_MESSAGE = (
 )
 
 
-def plan(observed: Observed) -> Plan:
+def decide(observed: Observed) -> Decision:
     """Everything the reconcile does. A spec that is not valid, or one kvbridge's checks or rendering fail on (a
     bug: no retry would mend a pure function), is reported in the status and an event instead of failing the
     reconcile, which Kopf would retry forever."""
     try:
-        return _plan(observed)
+        return _decide(observed)
     except SpecError as exc:
         return _refused(observed, exc, "InvalidSpec")
     except Exception as exc:
@@ -116,17 +116,17 @@ def plan(observed: Observed) -> Plan:
         return _refused(observed, error, CHECK_FAILED)
 
 
-def _refused(observed: Observed, exc: SpecError, reason: str) -> Plan:
+def _refused(observed: Observed, exc: SpecError, reason: str) -> Decision:
     """Only the status and events of a spec that is not applied: ``exc`` says why."""
     meta = observed.body["metadata"]
     namespace = meta.get("namespace") or "default"
     previous: Obj = observed.body.get("status") or {}
     status, events = invalid(previous, int(meta.get("generation", 0)), exc, observed.now, reason)
     actions: list[Action] = [WriteStatus(DEPLOYMENTS, namespace, meta["name"], status)]
-    return Plan(actions + [Post(meta, event) for event in events], applied=False)
+    return Decision(actions + [Post(meta, event) for event in events], applied=False)
 
 
-def _plan(observed: Observed) -> Plan:
+def _decide(observed: Observed) -> Decision:
     body = observed.body
     meta = body["metadata"]
     namespace = meta.get("namespace") or "default"
@@ -159,7 +159,7 @@ def _plan(observed: Observed) -> Plan:
                                       f"generation {generation}: prefill and decode workloads applied"))  # fmt: skip
     report.events.extend(work.events)
     report.annotations.update(work.annotations)
-    return Plan(work.actions + _writes(body, roles, report.status, report.annotations, report.events), work.applied)
+    return Decision(work.actions + _writes(body, roles, report.status, report.annotations, report.events), work.applied)
 
 
 def _work(observed: Observed, dd: DisaggregatedDeployment, transfer: TransferPlan, key: str, roles: Roles,

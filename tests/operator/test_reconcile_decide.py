@@ -1,11 +1,11 @@
 """The reconcile's pure half as tables: given what a reconcile read (``Observed``: the deployment with its previous
-status, its children as the API returns them, the kinds found missing), the actions :func:`plan` lists, the status
+status, its children as the API returns them, the kinds found missing), the actions :func:`decide` lists, the status
 it writes and the events it posts; then :func:`apply.execute` and :func:`reconcile` against a fake client that
-records every call: the re-plan after the API turns out not to serve a kind, and the reads a reconcile makes.
+records every call: deciding again after the API turns out not to serve a kind, and the reads a reconcile makes.
 
 The children are plain dicts, as the API returns them: a tiny API in this file (:func:`written`) keeps what the
-plan's writes leave and :func:`running` starts the pods each StatefulSet asks for, so a case starts from a world
-the plan itself built (nothing hand-copied that could drift from the renderer).
+decision's writes leave and :func:`running` starts the pods each StatefulSet asks for, so a case starts from a world
+the decision itself built (nothing hand-copied that could drift from the renderer).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.controller import actions
 from kvbridge_operator.controller.apply import KindMissingError, execute
-from kvbridge_operator.controller.plan import Children, Observed, Plan, plan
+from kvbridge_operator.controller.decide import Children, Decision, Observed, decide
 from kvbridge_operator.controller.reconcile import read_children, reconcile
 from kvbridge_operator.controller.rollout import state_of
 from kvbridge_operator.kube import (
@@ -92,8 +92,8 @@ def role_of(obj: Obj) -> Role:
     return Role(obj["metadata"]["labels"][LABEL_ROLE])
 
 
-def written(world: World, done: Plan) -> World:
-    """``world`` once the plan's writes are done (what the tests need of them: roles, workloads, the deployment's
+def written(world: World, done: Decision) -> World:
+    """``world`` once the decision's writes are done (what the tests need of them: roles, workloads, the deployment's
     status and annotations)."""
     world = copy.deepcopy(world)
     body, seen = world.body, world.children
@@ -161,7 +161,7 @@ def settled() -> World:
     reconcile of it has nothing to do (a test checks)."""
     world = World(document())
     for _ in range(4):
-        world = running(written(world, plan(observed(world))))
+        world = running(written(world, decide(observed(world))))
     return world
 
 
@@ -170,7 +170,7 @@ def rolling() -> World:
     """:func:`settled` with a new engine image (one pairing key: in place), after the rollout's first step, and
     the surge pod that step asked for running the new template and ready."""
     world = changed(settled(), document(generation=2, engine={"image": "example/engine:2"}))
-    return running(written(world, plan(observed(world))))
+    return running(written(world, decide(observed(world))))
 
 
 def with_status(world: World, **fields: Obj) -> World:
@@ -179,7 +179,7 @@ def with_status(world: World, **fields: Obj) -> World:
     return world
 
 
-# --- the planner's table ------------------------------------------------------------------------------------------
+# --- the decisions' table ------------------------------------------------------------------------------------------
 Summary = tuple[str, str, str]
 
 
@@ -255,7 +255,7 @@ NEGATIVE_REPLICAS = "spec.decode.replicas: Input should be greater than or equal
 def refused_once() -> World:
     """A spec that is not valid, its status written by a first reconcile."""
     world = World(document(decode={"replicas": -1}))
-    return written(world, plan(observed(world)))
+    return written(world, decide(observed(world)))
 
 
 CASES = [
@@ -615,8 +615,8 @@ def at(obj: Obj, path: str) -> Any:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
-def test_the_plan_of_what_a_reconcile_read(case: Case) -> None:
-    result = plan(case.observed())
+def test_the_decision_on_what_a_reconcile_read(case: Case) -> None:
+    result = decide(case.observed())
     assert [summary(action) for action in result.actions] == case.actions
     assert result.applied is case.applied
     statuses = [a.status for a in result.actions if isinstance(a, actions.WriteStatus) and a.resource == DEPLOYMENTS]
@@ -934,8 +934,8 @@ STATUS_WRITES: list[Call] = [
 ]
 
 
-async def test_a_kind_the_api_does_not_serve_is_planned_again_without_it() -> None:
-    """The LeaderWorkerSet CRD is not installed: its apply answers 404, the reconcile plans again knowing it, does
+async def test_a_kind_the_api_does_not_serve_is_decided_again_without_it() -> None:
+    """The LeaderWorkerSet CRD is not installed: its apply answers 404, the reconcile decides again knowing it, does
     nothing twice (the Secret, the roles, the children already applied) and says why in the status and an event."""
     client = FakeClient(fails={("apply", "leaderworkersets"): not_served()})
     outcome = await reconcile(client, two_node_prefill(), CONFIG, cached=World(document()).children)
@@ -944,8 +944,8 @@ async def test_a_kind_the_api_does_not_serve_is_planned_again_without_it() -> No
         ("create", "secrets", "llama3-8b-side-channel"),
         *ROLE_CREATES,
         *CHILD_APPLIES,
-        ("apply", "leaderworkersets", "llama3-8b-prefill"),  # 404: plan again
-        # the plan made again renders a fresh key pair, so its CreateOnce is not the one done: the create is made
+        ("apply", "leaderworkersets", "llama3-8b-prefill"),  # 404: decide again
+        # the decision made again renders a fresh key pair, so its CreateOnce is not the one done: the create is made
         # again, answered 409, and the Secret created first is kept
         ("create", "secrets", "llama3-8b-side-channel"),
         ("apply", "statefulsets", "llama3-8b-decode"),
@@ -958,7 +958,7 @@ async def test_a_kind_the_api_does_not_serve_is_planned_again_without_it() -> No
 
 
 async def test_a_missing_route_kind_keeps_the_pool_applied_once() -> None:
-    """The InferencePool is applied before the HTTPRoute's 404: the plan made again applies it no second time."""
+    """The InferencePool is applied before the HTTPRoute's 404: the decision made again applies it no second time."""
     client = FakeClient(fails={("apply", "httproutes"): not_served()})
     outcome = await reconcile(client, document(inferencePool=POOL), CONFIG, cached=World(document()).children)
     writes = [call for call in client.log if call[1] != "events"]
@@ -969,8 +969,8 @@ async def test_a_missing_route_kind_keeps_the_pool_applied_once() -> None:
         ("apply", "statefulsets", "llama3-8b-prefill"),
         ("apply", "statefulsets", "llama3-8b-decode"),
         ("apply", "inferencepools", "llama3-8b"),
-        ("apply", "httproutes", "llama3-8b"),  # 404: plan again
-        # the plan made again renders a fresh key pair, so its CreateOnce is not the one done: the create is made
+        ("apply", "httproutes", "llama3-8b"),  # 404: decide again
+        # the decision made again renders a fresh key pair, so its CreateOnce is not the one done: the create is made
         # again, answered 409, and the Secret created first is kept
         ("create", "secrets", "llama3-8b-side-channel"),
         *STATUS_WRITES,
