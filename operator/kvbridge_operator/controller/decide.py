@@ -5,7 +5,7 @@ operator's settings, and returns the reconcile's actions in order: the Secret an
 apply (each workload with the rollout's step), the children to delete, the roles' and the deployment's status, the
 annotations and the events. Nothing here calls the API; apply.py carries the actions out.
 
-Reading order: :func:`decide` — parse, the verdict, the DisaggregatedRoles (scaling.py's ``plan_roles``), for a
+Reading order: :func:`decide` — parse, the verdict, the DisaggregatedRoles (scaling.py's ``decide_roles``), for a
 compatible spec :func:`_work` (which older specs pods may still pair with: revisions.py; the children the spec
 renders; the rollout's step: rollout.py; the optional children: optional.py), then the status and events
 (observe.py) and the writes (:func:`_writes`).
@@ -24,7 +24,7 @@ from kvbridge_operator.children import multinode, placement, transfer_token
 from kvbridge_operator.children.pairing import pairing
 from kvbridge_operator.children.remedy import advice
 from kvbridge_operator.children.render import children, secret
-from kvbridge_operator.children.scaling import Roles, plan_roles
+from kvbridge_operator.children.scaling import Roles, decide_roles
 from kvbridge_operator.children.serving import router_token_secret
 from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.config import OperatorConfig
@@ -143,7 +143,7 @@ def _decide(observed: Observed) -> Decision:
     # that runs: the status says why, with the children as they are.
     full = observed.apply_children or int(previous.get("observedGeneration", -1)) != generation
     compatible = isinstance(verdict, TransferPlan)
-    roles = plan_roles(dd, meta.get("uid", ""), seen.roles, full and compatible, previous)
+    roles = decide_roles(dd, meta.get("uid", ""), seen.roles, full and compatible, previous)
     annotations = _annotations(body)
     if isinstance(verdict, TransferPlan):
         key = pairing(dd.spec)
@@ -181,12 +181,12 @@ def _work(observed: Observed, dd: DisaggregatedDeployment, transfer: TransferPla
                 work.actions.append(EnsureRole(roles.create[role], exists=False, replicas=dd.spec.role(role).replicas))
             elif role in roles.rescale:
                 work.actions.append(EnsureRole(roles.held[role] or {}, exists=True, replicas=roles.rescale[role]))
-    roll = rollout.plan(dd, key, rendered, roles.scale, work.workloads, seen.pods, memory.pairs_with,
-                        previous.get("rollout") or {})  # fmt: skip
+    roll = rollout.advance(dd, key, rendered, roles.scale, work.workloads, seen.pods, memory.pairs_with,
+                           previous.get("rollout") or {})  # fmt: skip
     work.applied = full or bool(roll.moving)
     if work.applied:
         lacking = {role for role in Role if multinode.spans_nodes(dd.spec, role) and LWS_KIND in observed.missing}
-        for child in roll.children:
+        for child in roll.rendered:
             runs = Role(child["metadata"]["labels"][LABEL_ROLE]) if child["kind"] in WORKLOAD_KINDS else None
             if not full and runs not in roll.moving:
                 continue
