@@ -17,7 +17,7 @@ from kvbridge_operator.api.spec import parse_deployment
 from kvbridge_operator.cli.main import main
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.controller.actions import Event, Post, WriteStatus
-from kvbridge_operator.controller.decide import Children, Observed, decide
+from kvbridge_operator.controller.decide import ExistingChildren, Observed, decide
 from kvbridge_operator.kube import DEPLOYMENTS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,7 +55,7 @@ def reconciled(doc: dict[str, Any]) -> tuple[dict[str, Any], list[Event], bool]:
     writes, its events and whether it applies children."""
     meta = {**doc["metadata"], "namespace": "default", "uid": "00000000-0000-0000-0000-0000000000cc", "generation": 1}
     body = {**doc, "metadata": meta}  # not copied deeply: the body may nest deeper than copy.deepcopy recurses
-    children = Children(dict.fromkeys(Role), dict.fromkeys(Role), [])
+    children = ExistingChildren(dict.fromkeys(Role), dict.fromkeys(Role), [])
     result = decide(Observed(body, children, OperatorConfig(), True, NOW))
     [status] = [a.status for a in result.actions if isinstance(a, WriteStatus) and a.resource == DEPLOYMENTS]
     events = [a.event for a in result.actions if isinstance(a, Post)]

@@ -27,7 +27,7 @@ from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.controller import actions
 from kvbridge_operator.controller.apply import KindMissingError, execute
-from kvbridge_operator.controller.decide import Children, Decision, Observed, decide
+from kvbridge_operator.controller.decide import Decision, ExistingChildren, Observed, decide
 from kvbridge_operator.controller.reconcile import read_children, reconcile
 from kvbridge_operator.controller.rollout import state_of
 from kvbridge_operator.kube import (
@@ -70,13 +70,15 @@ def two_node_prefill() -> Obj:
 @dataclass(frozen=True)
 class World:
     body: Obj
-    children: Children = field(default_factory=lambda: Children(dict.fromkeys(Role), dict.fromkeys(Role), []))
+    existing: ExistingChildren = field(
+        default_factory=lambda: ExistingChildren(dict.fromkeys(Role), dict.fromkeys(Role), [])
+    )
 
 
 def observed(world: World, apply_children: bool = True, missing: frozenset[str] = frozenset()) -> Observed:
     """What a reconcile of ``world`` knows (a copy: a case cannot change a world another case shares)."""
     world = copy.deepcopy(world)
-    return Observed(world.body, world.children, CONFIG, apply_children, NOW, missing)
+    return Observed(world.body, world.existing, CONFIG, apply_children, NOW, missing)
 
 
 def stored(value: Any) -> Any:
@@ -96,7 +98,7 @@ def written(world: World, done: Decision) -> World:
     """``world`` once the decision's writes are done (what the tests need of them: roles, workloads, the deployment's
     status and annotations)."""
     world = copy.deepcopy(world)
-    body, seen = world.body, world.children
+    body, seen = world.body, world.existing
     for action in done.actions:
         match action:
             case actions.EnsureRole(obj=obj, exists=False):
@@ -139,11 +141,11 @@ def pod(workload: Obj, ordinal: int) -> Obj:
 def running(world: World) -> World:
     """Every pod the StatefulSets ask for that does not exist yet, started from its current template and ready."""
     world = copy.deepcopy(world)
-    names = {p["metadata"]["name"] for p in world.children.pods}
-    for workload in world.children.stateful_sets.values():
+    names = {p["metadata"]["name"] for p in world.existing.pods}
+    for workload in world.existing.stateful_sets.values():
         for ordinal in range(workload["spec"]["replicas"] if workload else 0):
             if workload and f"{workload['metadata']['name']}-{ordinal}" not in names:
-                world.children.pods.append(pod(workload, ordinal))
+                world.existing.pods.append(pod(workload, ordinal))
     return world
 
 
@@ -938,7 +940,7 @@ async def test_a_kind_the_api_does_not_serve_is_decided_again_without_it() -> No
     """The LeaderWorkerSet CRD is not installed: its apply answers 404, the reconcile decides again knowing it, does
     nothing twice (the Secret, the roles, the children already applied) and says why in the status and an event."""
     client = FakeClient(fails={("apply", "leaderworkersets"): not_served()})
-    outcome = await reconcile(client, two_node_prefill(), CONFIG, cached=World(document()).children)
+    outcome = await reconcile(client, two_node_prefill(), CONFIG, cached=World(document()).existing)
     writes = [call for call in client.log if call[1] != "events"]
     assert writes == [
         ("create", "secrets", "llama3-8b-side-channel"),
@@ -960,7 +962,7 @@ async def test_a_kind_the_api_does_not_serve_is_decided_again_without_it() -> No
 async def test_a_missing_route_kind_keeps_the_pool_applied_once() -> None:
     """The InferencePool is applied before the HTTPRoute's 404: the decision made again applies it no second time."""
     client = FakeClient(fails={("apply", "httproutes"): not_served()})
-    outcome = await reconcile(client, document(inferencePool=POOL), CONFIG, cached=World(document()).children)
+    outcome = await reconcile(client, document(inferencePool=POOL), CONFIG, cached=World(document()).existing)
     writes = [call for call in client.log if call[1] != "events"]
     assert writes == [
         ("create", "secrets", "llama3-8b-side-channel"),
@@ -1000,19 +1002,19 @@ async def test_without_the_watches_a_reconcile_reads_its_children_in_seven_calls
     ]
     direct = FakeClient()
     nothing = dict.fromkeys(Role)
-    assert await read_children(direct, NAMESPACE, "llama3-8b") == Children(nothing, nothing, [], nothing)
+    assert await read_children(direct, NAMESPACE, "llama3-8b") == ExistingChildren(nothing, nothing, [], nothing)
     assert len(reads(direct)) == 7
 
 
 async def test_with_the_watches_a_reconcile_reads_only_a_role_it_rescales() -> None:
     created = FakeClient()
-    await reconcile(created, document(), CONFIG, cached=World(document()).children)
+    await reconcile(created, document(), CONFIG, cached=World(document()).existing)
     assert reads(created) == []
     world = changed(settled(), document(generation=2, decode={"replicas": 2}))
-    role = world.children.roles[Role.DECODE]
+    role = world.existing.roles[Role.DECODE]
     assert role is not None
     scaled = FakeClient({DECODE_ROLE: role})
-    await reconcile(scaled, world.body, CONFIG, cached=world.children)
+    await reconcile(scaled, world.body, CONFIG, cached=world.existing)
     assert reads(scaled) == [("get", *DECODE_ROLE)]
 
 
@@ -1021,7 +1023,7 @@ async def test_a_resync_of_a_settled_deployment_makes_eight_calls() -> None:
     Secret's create answered 409 and seven server-side applies that change nothing; no status write."""
     world = settled()
     client = FakeClient({("secrets", "llama3-8b-side-channel"): KEYS})
-    await reconcile(client, copy.deepcopy(world.body), CONFIG, cached=copy.deepcopy(world.children))
+    await reconcile(client, copy.deepcopy(world.body), CONFIG, cached=copy.deepcopy(world.existing))
     assert client.log == [
         ("create", "secrets", "llama3-8b-side-channel"),
         *CHILD_APPLIES,

@@ -23,7 +23,7 @@ from kvbridge_operator.api.spec import DisaggregatedDeployment, parse_deployment
 from kvbridge_operator.children import multinode, placement, transfer_token
 from kvbridge_operator.children.pairing import pairing
 from kvbridge_operator.children.remedy import advice
-from kvbridge_operator.children.render import children, secret
+from kvbridge_operator.children.render import desired_children, secret
 from kvbridge_operator.children.scaling import Roles, decide_roles
 from kvbridge_operator.children.serving import router_token_secret
 from kvbridge_operator.children.verdict import verdict_for
@@ -45,7 +45,7 @@ from kvbridge_operator.kube import DEPLOYMENTS, ROLES, SECRETS, resource_of
 
 
 @dataclass(frozen=True)
-class Children:
+class ExistingChildren:
     """What a reconcile reads of a deployment's children, per role: its DisaggregatedRole, StatefulSet and (for engines
     spanning nodes) LeaderWorkerSet, and the deployment's pods."""
 
@@ -66,7 +66,7 @@ class Observed:
     """Everything :func:`decide` knows."""
 
     body: Obj  # the DisaggregatedDeployment as read
-    children: Children
+    existing: ExistingChildren
     config: OperatorConfig
     #: every child (create, update, resume, resync); else only the workloads whose replicas or partition must move
     apply_children: bool
@@ -135,7 +135,7 @@ def _decide(observed: Observed) -> Decision:
     dd = parse_deployment({**body, "metadata": {**meta, "namespace": namespace}})
     dd = placement.with_gpus_per_node(dd, observed.config.gpus_per_node)
     verdict = verdict_for(dd, observed.config)
-    seen = observed.children
+    seen = observed.existing
     # every child is applied on create, update, resume and resync, and when the spec is not applied yet (a pod event
     # racing the update handler: the status never describes a generation whose children were not written); a
     # status-only reconcile (a pod event, a DisaggregatedRole scaled) applies just the workloads whose replicas or
@@ -166,11 +166,11 @@ def _work(observed: Observed, dd: DisaggregatedDeployment, transfer: TransferPla
           previous: Obj, annotations: dict[str, str], full: bool) -> Work:  # fmt: skip
     """A compatible spec's children: the Secrets and roles (on a full reconcile), each child rendered and applied
     with the rollout's step, the optional ones, and what the rollout and the revisions annotation say."""
-    seen, config = observed.children, observed.config
+    seen, config = observed.existing, observed.config
     uid = observed.body["metadata"].get("uid", "")
     present = {str((p["metadata"].get("labels") or {}).get(LABEL_PAIRING, "")) for p in seen.pods} | {key}
     memory = revisions.remember(dd, key, annotations.get(revisions.ANNOTATION), present)
-    rendered, keys = children(dd, uid, transfer, config, key), secret(dd, uid)
+    rendered, keys = desired_children(dd, uid, transfer, config, key), secret(dd, uid)
     work = Work(workloads=seen.workloads(dd), serving=_serving_as_before(previous))
     if full:
         work.actions.append(CreateOnce(SECRETS, keys))
@@ -228,7 +228,7 @@ def _lws_unavailable(dd: DisaggregatedDeployment, role: Role) -> Event:
 
 
 def _retire_other_kind(
-    dd: DisaggregatedDeployment, seen: Children, keep: set[Role]
+    dd: DisaggregatedDeployment, seen: ExistingChildren, keep: set[Role]
 ) -> tuple[list[Action], list[Event]]:
     """A role whose ``nodes`` crossed 1 runs under the other workload kind now: the old one (and, through its owner
     references, its pods) goes at once, once the new one is written (not for the roles in ``keep``, whose new

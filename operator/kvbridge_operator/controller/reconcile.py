@@ -29,7 +29,7 @@ from kvbridge_operator.api.status import now_rfc3339
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.controller.actions import Action
 from kvbridge_operator.controller.apply import KindMissingError, execute
-from kvbridge_operator.controller.decide import Children, Observed, decide
+from kvbridge_operator.controller.decide import ExistingChildren, Observed, decide
 from kvbridge_operator.kube import LEADER_WORKER_SETS, PODS, ROLES, STATEFUL_SETS, KubeClient
 
 #: every optional kind at most once, and once more with all of them known
@@ -41,7 +41,7 @@ class Outcome:
     applied: bool  # the spec's children were written (False: invalid or incompatible: nothing that runs changed)
 
 
-async def read_children(client: KubeClient, namespace: str, name: str) -> Children:
+async def read_children(client: KubeClient, namespace: str, name: str) -> ExistingChildren:
     """From the API, in the reads the module's docstring counts (the operator's own watches serve them instead:
     handlers.py)."""
     roles = {role: await client.get(ROLES, namespace, role_name(name, role)) for role in Role}
@@ -49,12 +49,12 @@ async def read_children(client: KubeClient, namespace: str, name: str) -> Childr
     # without the LeaderWorkerSet CRD the API answers 404, which get reads as none
     groups = {role: await client.get(LEADER_WORKER_SETS, namespace, role_name(name, role)) for role in Role}
     pods = await client.list(PODS, namespace, f"{LABEL_DEPLOYMENT}={name}")
-    return Children(roles, stateful_sets, pods, groups)
+    return ExistingChildren(roles, stateful_sets, pods, groups)
 
 
 async def reconcile(
     client: KubeClient, body: Obj, config: OperatorConfig, apply_children: bool = True,
-    cached: Children | None = None,
+    cached: ExistingChildren | None = None,
 ) -> Outcome:  # fmt: skip
     """One reconcile; ``cached`` children (from the operator's watch indexes) spare their reads."""
     meta = body["metadata"]
