@@ -56,7 +56,9 @@ NAME = "chaos"
 
 
 @dataclass
-class Outcome:
+class Tally:
+    """What the requests sent during one phase of the run came to."""
+
     sent: int = 0
     failed: int = 0
     hung: int = 0
@@ -91,7 +93,7 @@ def vllm_chaos_deployment() -> dict[str, Any]:
 
 
 async def run(clients: int, bound: float, engine: str) -> list[dict[str, Any]]:
-    outcomes: dict[str, Outcome] = {}
+    outcomes: dict[str, Tally] = {}
     current = ["warm-up"]
     stop = asyncio.Event()
     vllm = engine == "vllm"
@@ -118,7 +120,7 @@ async def run(clients: int, bound: float, engine: str) -> list[dict[str, Any]]:
                         started = time.monotonic()
                         status, answer = await send(session, router.url, body)
                         elapsed = time.monotonic() - started
-                        outcome = outcomes.setdefault(current[0], Outcome())
+                        outcome = outcomes.setdefault(current[0], Tally())
                         outcome.sent += 1
                         outcome.seconds.append(elapsed)
                         code = str((answer.get("error") or {}).get("code") or "")
@@ -198,7 +200,7 @@ async def run(clients: int, bound: float, engine: str) -> list[dict[str, Any]]:
     return [outcomes[name].row(name) for name, *_ in operations if name in outcomes]
 
 
-async def compare_with_a_single_engine(cluster: LocalCluster, outcomes: dict[str, Outcome], sample: int = 40) -> None:
+async def compare_with_a_single_engine(cluster: LocalCluster, outcomes: dict[str, Tally], sample: int = 40) -> None:
     """vLLM: a sample of each operation's answers against one decode pod alone (no transfer, prefix cache salted)."""
     import random
 

@@ -1,18 +1,18 @@
 """kvbridge operator: the DisaggregatedDeployment controller and the ``kvbridge`` command.
 
-Layers, each importing only those below it (import-linter keeps it so):
+Reading order:
+- ``api``: the resource: its spec (the one source of truth), status, names, CRDs and RBAC.
+- ``children``: pure: the verdict on a spec (compatibility before scheduling) and the children it renders.
+- ``controller``: Kopf handlers and the one reconcile: read, decide every action (pure), apply.
+- ``cli``: ``kvbridge plan|model|crd|operator|router|demo``.
+- ``kube``: the Kubernetes API client.
+- ``backoff``: retry delays after API errors.
+- ``config``: the operator's settings.
+- ``__main__``: ``python -m kvbridge_operator``.
 
-* ``api`` — the resource: ``spec`` (the pydantic models, the one source of truth), ``status``, ``crd`` (the CRDs
-  generated from them), ``rbac``, ``names`` (labels, kinds, child names), ``objects``.
-* ``children`` — pure: the ``verdict`` (compatibility before scheduling), its ``remedy``, and the children a spec
-  renders (``render``, ``vllm_engine``, ``multinode``, ``placement``, ``serving``, ``scaling``, ``model_source``,
-  ``pairing``, ``keys``).
-* ``controller`` — ``handlers`` (Kopf) call ``reconcile``: read, then ``plan`` (pure: every action, the status in
-  ``observe``, the ``rollout`` step), then ``apply``.
-* ``cli`` — ``kvbridge plan|model|crd|operator|router|demo``.
-
-Below every layer: ``kube`` (the API client), ``backoff`` (retry delays), ``config`` (settings). Imports only the
-agent's pure core (``kvbridge_agent.core``).
+Layers, each importing only those below it (import-linter keeps it so): ``cli``, ``controller``, ``children``,
+``api``; ``kube``, ``backoff`` and ``config`` sit below every layer. Imports only the agent's pure core
+(``kvbridge_agent.core``).
 """
 
 __version__ = "0.1.0"

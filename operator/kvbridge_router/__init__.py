@@ -1,8 +1,17 @@
 """``kvbridge router``: an OpenAI-compatible front that sends each request to a prefill pod, then to a decode
 pod paired with it, taking both from a DisaggregatedDeployment's status (docs/router.md).
 
-Reading order: ``proxy`` (the HTTP front: the two calls, retries, timeouts, streaming), ``pool`` (pure: which pods
-pair, balancing), ``source`` (the watched status, or a file), ``metrics``. A separate process with its own,
-read-only RBAC: it imports the operator's ``api``, API client and retry delays, never Kopf, the children or the
-controller.
+Reading order:
+- ``proxy``: the HTTP front: the two calls, retries, timeouts, streaming.
+- ``admission``: what a request must be before any prefill.
+- ``errors``: the router's errors, in OpenAI's error shape.
+- ``pool``: pure: which pods pair, balancing.
+- ``prefixes``: what was sent to each pod by prompt prefix (the ``kv-aware`` policy).
+- ``source``: the watched status, or a file.
+- ``upstream``: the HTTP/1.1 client to the engines.
+- ``answers``: whether a decode pod's answer is an answer or an engine's refusal.
+- ``metrics``: the router's Prometheus metrics.
+
+A separate process with its own, read-only RBAC: it imports the operator's ``api``, API client and retry delays,
+never Kopf, the children or the controller.
 """

@@ -1,12 +1,22 @@
 """The emulated cluster: everything ``kvbridge demo``, the tests and the benchmarks run on instead of Kubernetes.
 
-Reading order: ``apiserver`` (kmock's emulator made realistic: uids, generations, watches, selectors, server-side
-apply with ``field_managers``, subresources; ``emulated_api`` starts it with the CRDs), ``runner`` and ``pods`` (a
-local stand-in for the StatefulSet controller and kubelet that runs each pod's command as a process), ``tiny_model``
-(a random-weight model and tokenizer made locally), ``pd_requests`` (prefill-then-decode calls), ``demo`` and ``cli``
-(``kvbridge demo``), and the helpers tests and benchmarks share: ``cluster`` (the operator in-process on the
-emulator, with a stand-in StatefulSet/LWS controller) and ``vllm_engines`` (real vLLM engines started from rendered
-pod templates).
+Reading order:
+- ``apiserver``: kmock's emulator made realistic: uids, generations, watches, subresources.
+- ``field_managers``: its server-side apply and ``managedFields``.
+- ``selectors``: merge patches, label and field selectors.
+- ``openapi``: OpenAPI v3 and strict field validation, for ``kubectl``.
+- ``tables``: server-side ``Table`` output, for ``kubectl get``.
+- ``runner``: a local stand-in for the StatefulSet controller and kubelet.
+- ``pods``: a pod's engine container as a local process.
+- ``tiny_model``: a random-weight model and tokenizer made locally.
+- ``pd_requests``: prefill-then-decode calls, and the single-engine baseline.
+- ``demo``: ``kvbridge demo``.
+- ``serve``: ``kvbridge demo --serve``: the local cluster stays up.
+- ``cli``: the commands the simulation adds to ``kvbridge``.
+- ``cluster``: for tests and benchmarks: the operator in-process on the emulator.
+- ``kubectl``: for tests: the real ``kubectl`` against the emulated cluster.
+- ``vllm_engines``: for tests and benchmarks: real vLLM engines started from rendered pod templates.
+- ``kv_faults``: for tests: faults written into a running prefill engine's KV cache.
 
 Never imported by a product package (import-linter); no image contains it. Needs the ``demo`` extra (kmock).
 """

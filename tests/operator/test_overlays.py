@@ -17,7 +17,7 @@ from kvbridge_operator.api.spec import parse_deployment
 from kvbridge_operator.cli.main import main
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.controller.actions import Event, Post, WriteStatus
-from kvbridge_operator.controller.plan import Children, Observed, plan
+from kvbridge_operator.controller.decide import ExistingChildren, Observed, decide
 from kvbridge_operator.kube import DEPLOYMENTS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,8 +55,8 @@ def reconciled(doc: dict[str, Any]) -> tuple[dict[str, Any], list[Event], bool]:
     writes, its events and whether it applies children."""
     meta = {**doc["metadata"], "namespace": "default", "uid": "00000000-0000-0000-0000-0000000000cc", "generation": 1}
     body = {**doc, "metadata": meta}  # not copied deeply: the body may nest deeper than copy.deepcopy recurses
-    children = Children(dict.fromkeys(Role), dict.fromkeys(Role), [])
-    result = plan(Observed(body, children, OperatorConfig(), True, NOW))
+    children = ExistingChildren(dict.fromkeys(Role), dict.fromkeys(Role), [])
+    result = decide(Observed(body, children, OperatorConfig(), True, NOW))
     [status] = [a.status for a in result.actions if isinstance(a, WriteStatus) and a.resource == DEPLOYMENTS]
     events = [a.event for a in result.actions if isinstance(a, Post)]
     return status, events, result.applied
@@ -118,7 +118,7 @@ def test_an_unexpected_error_in_the_checks_is_reported_in_the_status(monkeypatch
     def broken(*_: object, **__: object) -> None:
         raise TypeError("'NoneType' object does not support item assignment")
 
-    monkeypatch.setattr("kvbridge_operator.controller.plan.verdict_for", broken)
+    monkeypatch.setattr("kvbridge_operator.controller.decide.verdict_for", broken)
     status, events, applied = reconciled(document())
     assert not applied
     compatible = condition(status)

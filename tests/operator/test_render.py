@@ -15,7 +15,7 @@ from kvbridge_agent.core import Role
 from kvbridge_agent.core.contract import parse_environment
 from kvbridge_operator.api.names import LABEL_FINGERPRINT, LABEL_REVISION
 from kvbridge_operator.api.spec import parse_deployment
-from kvbridge_operator.children.render import children, overlay, secret, stateful_set
+from kvbridge_operator.children.render import desired_children, overlay, secret, stateful_set
 from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.config import OperatorConfig
 
@@ -34,13 +34,13 @@ def deployment(name: str = "llama3-8b-hetero-tp", **spec_changes: Any) -> Any:
 def rendered(config: OperatorConfig | None = None, **spec_changes: Any) -> list[dict[str, Any]]:
     dd = deployment(**spec_changes)
     plan = verdict_for(dd)
-    return [*children(dd, UID, plan, config or OperatorConfig()), secret(dd, UID)]  # type: ignore[arg-type]
+    return [*desired_children(dd, UID, plan, config or OperatorConfig()), secret(dd, UID)]  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("example", ["llama3-8b-hetero-tp", "deepseek-mla", "hetero-block-size"])
 def test_children_validate_strictly(example: str) -> None:
     dd = deployment(example)
-    for obj in [*children(dd, UID, verdict_for(dd), OperatorConfig()), secret(dd, UID)]:  # type: ignore[arg-type]
+    for obj in [*desired_children(dd, UID, verdict_for(dd), OperatorConfig()), secret(dd, UID)]:  # type: ignore[arg-type]
         kubernetes_validate.validate(obj, "1.30", strict=True)
 
 

@@ -14,7 +14,7 @@ from kvbridge_agent.core import Role, SpecError
 from kvbridge_operator.api.names import LABEL_LLM_D_ROLE
 from kvbridge_operator.api.spec import parse_deployment
 from kvbridge_operator.children.pairing import pairing
-from kvbridge_operator.children.render import children, stateful_set
+from kvbridge_operator.children.render import desired_children, stateful_set
 from kvbridge_operator.children.serving import optional_children
 from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.children.vllm_engine import problems
@@ -114,7 +114,7 @@ def test_router_pods_are_not_engine_pods() -> None:
     extra = optional_children(dd, UID, config)
     router_pod = next(o for o in extra if o["kind"] == "Deployment")["spec"]["template"]["metadata"]["labels"]
     pool = next(o for o in extra if o["kind"] == "InferencePool")["spec"]["selector"]
-    policy = next(c for c in children(dd, UID, verdict_for(dd), config)  # type: ignore[arg-type]
+    policy = next(c for c in desired_children(dd, UID, verdict_for(dd), config)  # type: ignore[arg-type]
                   if c["kind"] == "NetworkPolicy")["spec"]  # fmt: skip
     kubernetes_validate.validate({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
                                   "metadata": {"name": "p"}, "spec": policy}, "1.30", strict=True)  # fmt: skip
@@ -128,7 +128,7 @@ def test_router_pods_are_not_engine_pods() -> None:
     # an engine spanning nodes: its leader serves the API and is in the pool; its workers serve none
     big = document("vllm/deepseek-v3-h200-two-node-prefill", inferencePool={"enabled": True, "endpointPicker": "epp"})
     big_dd = parse_deployment(big)
-    [group] = [c for c in children(big_dd, UID, verdict_for(big_dd), config)  # type: ignore[arg-type]
+    [group] = [c for c in desired_children(big_dd, UID, verdict_for(big_dd), config)  # type: ignore[arg-type]
                if c["kind"] == "LeaderWorkerSet"]  # fmt: skip
     templates = group["spec"]["leaderWorkerTemplate"]
     big_pool = next(o for o in optional_children(big_dd, UID, config) if o["kind"] == "InferencePool")["spec"]

@@ -20,13 +20,13 @@ from hypothesis import strategies as st
 from kvbridge_agent.core import Role
 from kvbridge_operator.api.spec import parse_deployment
 from kvbridge_operator.children.network import is_gpu_resource
-from kvbridge_operator.children.render import children
+from kvbridge_operator.children.render import desired_children
 from kvbridge_operator.children.templates import TUNABLE_ENV
 from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.cli.plan_report import entries, plan_document
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.controller.actions import WriteStatus
-from kvbridge_operator.controller.plan import Children, Observed, plan
+from kvbridge_operator.controller.decide import ExistingChildren, Observed, decide
 from kvbridge_operator.kube import DEPLOYMENTS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -214,7 +214,7 @@ def _pod_templates(dd: Any, verdict: Any, role: Role) -> list[Obj]:
     """The pod templates of ``role``'s workload (a LeaderWorkerSet has two)."""
     workload = next(
         child
-        for child in children(dd, UID, verdict, CONFIG)
+        for child in desired_children(dd, UID, verdict, CONFIG)
         if child["kind"] in ("StatefulSet", "LeaderWorkerSet") and child["metadata"]["name"].endswith(role.value)
     )
     group = workload["spec"].get("leaderWorkerTemplate")
@@ -264,10 +264,10 @@ def keeps(kind: str, value: Any, now: list[Any]) -> bool:
 
 def _reconciled_reason(doc: Obj) -> str:
     meta = {**doc["metadata"], "namespace": "default", "uid": UID, "generation": 1}
-    result = plan(
+    result = decide(
         Observed(
             {**doc, "metadata": meta},
-            Children(dict.fromkeys(Role), dict.fromkeys(Role), []),
+            ExistingChildren(dict.fromkeys(Role), dict.fromkeys(Role), []),
             CONFIG,
             True,
             "2025-01-01T00:00:00Z",

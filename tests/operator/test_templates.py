@@ -194,7 +194,7 @@ RENDERED = [(p.stem, "Nixl") for p in sorted((ROOT / "examples" / "vllm").glob("
 def test_every_variable_kvbridge_renders_is_one_an_overlay_may_not_set(example: str, connector: str) -> None:
     """The overlay rule's list of managed names follows the renderer: nothing kvbridge sets on the engine
     container can be overridden by a template (a new variable in the renderer must join the list)."""
-    from kvbridge_operator.children.render import children
+    from kvbridge_operator.children.render import desired_children
     from kvbridge_operator.children.templates import MANAGED_ENV, MANAGED_ENV_PREFIX
 
     doc = document(f"vllm/{example}")
@@ -203,7 +203,7 @@ def test_every_variable_kvbridge_renders_is_one_an_overlay_may_not_set(example: 
     plan = verdict_for(dd)
     assert not isinstance(plan, list), plan
     names = set()
-    for child in children(dd, UID, plan, OperatorConfig()):
+    for child in desired_children(dd, UID, plan, OperatorConfig()):
         spec = child["spec"]
         group = spec.get("leaderWorkerTemplate")
         for template in [group["leaderTemplate"], group["workerTemplate"]] if group else [spec.get("template")]:

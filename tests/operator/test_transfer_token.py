@@ -24,7 +24,7 @@ from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.cli.main import main
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.controller.actions import CreateOnce
-from kvbridge_operator.controller.plan import Children, Observed, plan
+from kvbridge_operator.controller.decide import ExistingChildren, Observed, decide
 from kvbridge_operator.kube import SECRETS
 
 ROOT = Path(__file__).parents[2]
@@ -154,8 +154,8 @@ def test_nixl_cannot_check_the_signature_so_signing_is_refused_with_the_fix() ->
 
 def _actions(doc: dict[str, Any]) -> list[Any]:
     body = {**doc, "metadata": {**doc["metadata"], "uid": UID, "generation": 1}}
-    seen = Children(roles=dict.fromkeys(Role), stateful_sets=dict.fromkeys(Role), pods=[])
-    return plan(Observed(body, seen, OperatorConfig(), apply_children=True, now="2026-01-01T00:00:00Z")).actions
+    seen = ExistingChildren(roles=dict.fromkeys(Role), stateful_sets=dict.fromkeys(Role), pods=[])
+    return decide(Observed(body, seen, OperatorConfig(), apply_children=True, now="2026-01-01T00:00:00Z")).actions
 
 
 def test_the_reconcile_creates_the_token_secret_once_before_the_pods_that_mount_it() -> None:

@@ -19,7 +19,7 @@ import yaml
 
 from kvbridge_agent.core import Problem, Role
 from kvbridge_operator.api.spec import parse_deployment
-from kvbridge_operator.children.render import children, stateful_set
+from kvbridge_operator.children.render import desired_children, stateful_set
 from kvbridge_operator.children.verdict import advisories_for, verdict_for
 from kvbridge_operator.config import OperatorConfig
 
@@ -73,10 +73,10 @@ def test_pod_templates_match_the_golden_files(example: str, role: Role) -> None:
 @pytest.mark.parametrize("example", EXAMPLES)
 def test_children_validate_strictly(example: str) -> None:
     dd = parse_deployment(document(example))
-    for obj in children(dd, UID, verdict_for(dd), OperatorConfig()):  # type: ignore[arg-type]
+    for obj in desired_children(dd, UID, verdict_for(dd), OperatorConfig()):  # type: ignore[arg-type]
         kubernetes_validate.validate(obj, "1.30", strict=True)
     config = OperatorConfig(routing_sidecar_image="ghcr.io/llm-d/llm-d-routing-sidecar:v0.3.0")
-    for obj in children(dd, UID, verdict_for(dd), config):  # type: ignore[arg-type]
+    for obj in desired_children(dd, UID, verdict_for(dd), config):  # type: ignore[arg-type]
         kubernetes_validate.validate(obj, "1.30", strict=True)
 
 
@@ -385,7 +385,7 @@ def test_the_kvbridge_connector_is_loaded_from_the_agent_and_gets_the_keys() -> 
         )
         [keys] = [v for v in pod["spec"]["volumes"] if v["name"] == "side-channel-keys"]
         assert keys["secret"]["secretName"] == "tiny-cpu-side-channel"
-    for obj in children(parse_deployment(doc), UID, verdict(doc), OperatorConfig()):
+    for obj in desired_children(parse_deployment(doc), UID, verdict(doc), OperatorConfig()):
         kubernetes_validate.validate(obj, "1.30", strict=True)
 
 
@@ -419,7 +419,7 @@ def test_the_kvbridge_connector_renders_on_gpus_with_the_buffer_device_asked() -
         assert container["resources"]["limits"] == {"nvidia.com/gpu": gpus}
         assert flag(container["args"], "--attention-backend") == "FLASH_ATTN"
         assert env(container)["KVBRIDGE_KEYS_DIR"] == OperatorConfig().keys_mount_path
-    for obj in children(parse_deployment(doc), UID, verdict(doc), OperatorConfig()):
+    for obj in desired_children(parse_deployment(doc), UID, verdict(doc), OperatorConfig()):
         kubernetes_validate.validate(obj, "1.30", strict=True)
     for connector in (doc, document("llama3-8b-hetero-tp")):  # kvbridge's, and vLLM's NixlConnector
         connector["spec"]["transfer"] = {"network": {"kvBufferDevice": "cpu"}}  # a node without GPUDirect RDMA

@@ -1,3 +1,7 @@
-"""``kvbridge-agent bench`` (``measure``: memcpy and raw-NIXL ceilings, kvbridge's throughput and overhead;
-``plot``) and ``kvbridge-agent loopback`` (``loopback``: one prefill and one decode engine, every byte verified).
+"""The agent's measurements: ``kvbridge-agent bench`` and ``kvbridge-agent loopback``.
+
+Reading order:
+- ``measure``: ``kvbridge-agent bench``: memcpy and raw-NIXL ceilings, kvbridge's throughput and overhead.
+- ``plot``: the bench's figure.
+- ``loopback``: ``kvbridge-agent loopback``: one prefill and one decode engine, every byte verified.
 """

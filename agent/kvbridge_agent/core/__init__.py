@@ -1,10 +1,25 @@
 """The pure core: geometry, compatibility rules, TP mapping, plans and block ids.
 
+Reading order:
+- ``model``: the words of both sides: a model's KV cache geometry and one engine role's settings.
+- ``errors``: typed errors and problems, each with a stable code and the field at fault.
+- ``compat``: can these prefill and decode settings exchange KV caches (every violation at once).
+- ``fingerprint``: the short hash of everything that must match on both sides.
+- ``tp``: which decode rank reads which prefill ranks.
+- ``geometry``: a rank's regions and block strides, numbered by cache kind.
+- ``layout``: vLLM's physical layouts (``KVCacheLayout``) as byte strides; two sides' contiguous runs.
+- ``physical_reads``: what one decode rank reads from each prefill rank when both caches have physical layouts.
+- ``wire``: the wire format and the conversions each side performs.
+- ``plan``: the transfer plan, built once per pair of engines.
+- ``blocks``: per-request block ids to descriptor ids (numpy, the hot path).
+- ``arithmetic``: checked integer division.
+- ``handshake``: the side channel's messages.
+- ``contract``: the environment variables the operator renders and every engine reads.
+- ``digest``: a keyed digest of KV content wherever it is stored (the numpy reference).
+- ``signing``: the router's signature on ``kv_transfer_params``.
+
 Imports nothing but pydantic and numpy, so the operator can use it and the
 plan math is testable in microseconds.
-
-``geometry`` numbers a rank's regions by cache kind; ``layout`` describes vLLM's physical layouts
-(``KVCacheLayout``) as byte strides and pairs two sides' contiguous runs.
 """
 
 from .blocks import MappedBlocks, blocks_for_tokens, descriptor_ids, map_request_blocks, wire_block_ids

@@ -1,7 +1,13 @@
 """The synthetic engine worker (``kvbridge-agent serve``): an engine without a model that moves real KV bytes.
 
-Reading order: ``serve`` (the process), ``engine`` (block allocation, handshakes, leases) with ``ranks`` (its rank
-processes and errors), ``rank_worker`` and ``rank_entry`` (one TP rank), ``content`` (the bytes a rank "computes",
-so decode can verify every byte), ``http_api`` and ``completions`` (its HTTP API, OpenAI-shaped for the router),
-``processes`` (starting local engines).
+Reading order:
+- ``serve``: the process, until SIGTERM.
+- ``engine``: block allocation, handshakes, leases.
+- ``ranks``: the engine's rank processes, free blocks and errors.
+- ``rank_worker``: one TP rank as its own process.
+- ``rank_entry``: the rank processes' spawn target.
+- ``content``: the bytes a rank "computes", so decode can verify every byte.
+- ``http_api``: the engine's HTTP API: health, metrics, prefill, decode.
+- ``completions``: its OpenAI-shaped routes, for the router.
+- ``processes``: starting and stopping local engines.
 """

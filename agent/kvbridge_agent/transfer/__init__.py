@@ -1,9 +1,18 @@
 """What every engine shares to move KV caches: the data path and the side channel.
 
-Reading order: ``allocations`` (the allocations and physical layout behind an engine's strided KV views),
-``kv_cache`` (attach and register a rank's KV tensors, or views by their layout), ``kv_view`` (a cache read
-logically), ``transport`` (NIXL: agents, prepped descriptor lists, READs, notifications), ``descriptors``,
-``prefill_rank`` and ``decode_rank`` (one rank's side of a transfer, with leases), ``relayout`` (block-size and
-layout conversions), ``side_channel`` and ``peers`` (the authenticated handshake and known remote engines), ``keys``
-(CURVE keys), ``metrics``.
+Reading order:
+- ``allocations``: the allocations and physical layout behind an engine's strided KV views.
+- ``kv_cache``: attach and register a rank's KV tensors, or views by their layout.
+- ``kv_view``: a cache read logically.
+- ``transport``: NIXL: agents, prepped descriptor lists, READs, notifications.
+- ``descriptors``: NIXL descriptor rows for a rank's regions.
+- ``prefill_rank``: the prefill side of one rank: offers in the wire format, notifications counted.
+- ``decode_rank``: the decode side of one rank: peers, READs, completion, conversions.
+- ``relayout``: block-size and layout conversions in place.
+- ``side_channel``: the authenticated handshake (ZeroMQ).
+- ``peers``: known remote engines and whether a lease still holds.
+- ``keys``: the side channel's CURVE keys.
+- ``digest``: the transfer digest on the cache's own device.
+- ``digest_kernel``: its one pass over a CPU cache (numba).
+- ``metrics``: one engine's Prometheus metrics.
 """

@@ -1,5 +1,14 @@
 """kvbridge inside vLLM: ``KVBridgeConnector``, a vLLM v1 KV connector built on the agent's core and runtime.
 
+Reading order:
+- ``connector``: the class vLLM instantiates; each hook goes to the half of the same name.
+- ``settings``: what the connector needs, from kvbridge's environment contract and vLLM's configuration.
+- ``messages``: what the two halves tell each other, and the ``kv_transfer_params``.
+- ``scheduler``: the scheduler half: which requests to read or offer, leases, the side-channel listener.
+- ``worker``: the worker half: one TP rank's KV cache on kvbridge's rank machinery.
+- ``cpu_blocks``: block-size conversions for vLLM's CPU attention cache.
+- ``stats``: what the connector reports through vLLM's metrics.
+
 vLLM loads it from the KV transfer configuration::
 
     --kv-transfer-config '{"kv_connector": "KVBridgeConnector",

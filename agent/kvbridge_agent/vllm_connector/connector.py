@@ -1,4 +1,8 @@
-"""``KVBridgeConnector``: the class vLLM instantiates, once in the scheduler and once per worker; it forwards."""
+"""``KVBridgeConnector``: the class vLLM instantiates, once in the scheduler and once per worker; it forwards.
+
+Each of vLLM's hooks (``KVConnectorBase_V1``) goes to the method of the same name on the half that serves it:
+``ConnectorScheduler`` (scheduler.py) in the scheduler, ``ConnectorWorker`` (worker.py) in each worker.
+"""
 
 from __future__ import annotations
 
@@ -135,15 +139,15 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         layout = resolved_layout(self._vllm_config)
         if layout is not None:
             require_checked_layout(layout, worker.settings)
-        worker.register(kv_caches, layout)
+        worker.register_kv_caches(kv_caches, layout)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        return self._worker.handshake_metadata() if self._worker is not None else None
+        return self._worker.get_handshake_metadata() if self._worker is not None else None
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if isinstance(meta, StepMetadata):
-            self._worker_half().start(meta)
+            self._worker_half().start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # the whole request's KV arrives before vLLM schedules it (asynchronous load)
@@ -156,31 +160,30 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         travel in the transfer parameters the requests finish with)."""
         meta = self._get_connector_metadata()
         if self._worker is not None and isinstance(meta, StepMetadata) and meta.to_digest:
-            self._worker.digest_computed(meta)
+            self._worker.wait_for_save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker_half().finished(finished_req_ids)
+        return self._worker_half().get_finished(finished_req_ids)
 
     def get_kv_connector_stats(self) -> KVBridgeStats | None:
         return self._worker.stats.take() if self._worker is not None else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.load_errors() if self._worker is not None else set()
+        return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
 
     # -- scheduler ---------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._scheduler_half().matched_tokens(request, num_computed_tokens)
+        return self._scheduler_half().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self._scheduler_half().after_alloc(request, blocks, num_external_tokens)
+        self._scheduler_half().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return self._scheduler_half().build_metadata(scheduler_output)
+        return self._scheduler_half().build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
-            self._scheduler.take_digests(connector_output.kv_connector_stats)
-            self._scheduler.transfers_done(connector_output.finished_sending, connector_output.finished_recving)
+            self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_half().request_finished(request, (list(block_ids),))
@@ -192,7 +195,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         if self._scheduler is not None:
-            self._scheduler.set_handshake({r: m for r, m in metadata.items() if isinstance(m, RankHandshake)})
+            self._scheduler.set_xfer_handshake_metadata(
+                {r: m for r, m in metadata.items() if isinstance(m, RankHandshake)}
+            )
 
     # -- metrics (classmethods: vLLM calls them in the front end, where no connector exists) ---------------
     @classmethod
@@ -212,4 +217,4 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         for half in (self._scheduler, self._worker):
             if half is not None:
-                half.close()
+                half.shutdown()

@@ -112,7 +112,7 @@ class ConnectorScheduler:
             self._heartbeat_thread.start()
 
     # -- prefill: serving the ranks' metadata ----------------------------------
-    def set_handshake(self, ranks: dict[int, RankHandshake]) -> None:
+    def set_xfer_handshake_metadata(self, ranks: dict[int, RankHandshake]) -> None:
         if self.settings.role is not Role.PREFILL or self._server is not None:
             return
         served = {r: (RankMetadata.model_validate_json(h.rank_metadata_json), h.agent_metadata)
@@ -167,7 +167,7 @@ class ConnectorScheduler:
                     self._leases[request_id] = max(self._leases[request_id], until)
 
     # -- decode: what to load ----------------------------------------------------
-    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         if self.settings.role is not Role.DECODE:
             return 0, False
         raw = request.kv_transfer_params
@@ -190,7 +190,7 @@ class ConnectorScheduler:
             self._waiting[request.request_id] = params  # renew prefill's lease while the request waits here
         return (count, True) if count > 0 else (0, False)
 
-    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         raw = request.kv_transfer_params
         if self.settings.role is Role.PREFILL and isinstance(raw, dict) and raw.get("do_remote_decode"):
             self._producing[request.request_id] = (request, [])  # its blocks come with the steps that compute it
@@ -210,7 +210,7 @@ class ConnectorScheduler:
             return
         try:
             params = transfer_params(raw)
-        except InvalidTransferParamsError:  # refused in matched_tokens already (a full prefix hit loads nothing)
+        except InvalidTransferParamsError:  # refused by get_num_new_matched_tokens (a full prefix hit loads nothing)
             return
         if params is None:
             return
@@ -246,7 +246,7 @@ class ConnectorScheduler:
         )
 
     # -- both: each step ------------------------------------------------------------
-    def build_metadata(self, scheduler_output: Any = None) -> StepMetadata:
+    def build_connector_meta(self, scheduler_output: Any = None) -> StepMetadata:
         if scheduler_output is not None and self._producing:
             self._order_digests(scheduler_output)
         with self._lock:
@@ -296,6 +296,11 @@ class ConnectorScheduler:
             with self._lock:
                 self._verifying.add(request_id)
                 self._digests[request_id] = RequestDigests(key, {})
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' output of the step: the digests they computed, then the transfers they finished."""
+        self.take_digests(connector_output.kv_connector_stats)
+        self.transfers_done(connector_output.finished_sending, connector_output.finished_recving)
 
     def transfers_done(self, finished_sending: set[str] | None, finished_recving: set[str] | None) -> None:
         with self._lock:
@@ -397,7 +402,7 @@ class ConnectorScheduler:
         )
         return True, {"do_remote_prefill": True, "do_remote_decode": False, PARAMS_KEY: ours}
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
         self._stop.set()
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=5)

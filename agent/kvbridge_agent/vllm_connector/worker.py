@@ -172,7 +172,7 @@ class ConnectorWorker:
         self._prefetch: dict[str, Future[RequestDigests]] = {}
 
     # -- registration --------------------------------------------------------------
-    def register(self, kv_caches: dict[str, Any], layout: str | None = None) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, Any], layout: str | None = None) -> None:
         """Attach vLLM's KV tensors and register them with NIXL. ``layout`` is the ``KVCacheLayout`` vLLM resolved
         for the cache (its name): the views are then read by their strides (one registration per allocation);
         without it (vLLM's CPU build) the tensors are taken per layer, as before."""
@@ -241,11 +241,11 @@ class ConnectorWorker:
         (``vec`` and ``amx`` builds of one layout are not interchangeable); empty for other caches."""
         return f"vllm-cpu-attention/{self.kernel}" if self.geometry != self.settings.model else ""
 
-    def handshake_metadata(self) -> RankHandshake | None:
+    def get_handshake_metadata(self) -> RankHandshake | None:
         return self._handshake
 
     # -- each step -----------------------------------------------------------------------
-    def digest_computed(self, meta: StepMetadata) -> None:
+    def wait_for_save(self, meta: StepMetadata) -> None:
         """Prefill, after the step's forward: digest the requests whose prompt this step completed, in their
         native format (before any conversion); reported with the step's output."""
         if self.prefill is None:
@@ -258,7 +258,7 @@ class ConnectorWorker:
                 continue
             self.stats.record_digests(request_id, *to_bytes(digests))
 
-    def start(self, meta: StepMetadata) -> None:
+    def start_load_kv(self, meta: StepMetadata) -> None:
         if self.prefill is not None:
             for request_id, order in meta.to_offer.items():
                 digests = self.prefill.offer(request_id, order.block_ids, order.digest_tokens, order.digest_key)
@@ -414,7 +414,7 @@ class ConnectorWorker:
             self._reported_held = held
             self.stats.record_held(self.tp_rank, *held)
 
-    def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose blocks prefill may free, requests whose KV decode has received)."""
         rank = self.prefill or self.decode
         if rank is not None and rank.digester is not None:  # the digests of the last step (decode's: checks)
@@ -462,11 +462,11 @@ class ConnectorWorker:
             return None, done or None
         return None, None
 
-    def load_errors(self) -> set[int]:
+    def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._digest_executor.shutdown(wait=False, cancel_futures=True)
         for rank in (self.prefill, self.decode):

@@ -1,9 +1,19 @@
 """Pure functions from a spec to a verdict and to the objects the operator writes.
 
-Reading order: ``verdict`` (is the spec compatible: the agent core's rules, vLLM's, placement's, multi-node's),
-``remedy`` (a checked fix when it is not), ``render`` (Services, NetworkPolicy, PDBs, the workloads and their pod
-templates) with ``vllm_engine`` (the ``vllm serve`` containers) and ``multinode`` (LeaderWorkerSets), then
-``placement``, ``serving`` (router, InferencePool), ``scaling`` (DisaggregatedRoles), ``model_source``, ``pairing``
-(which pods may pair), ``keys`` (the side channel's CURVE keys), ``transfer_token`` (the router's token, mounted
-where ``spec.router.signTransfers`` wants it).
+Reading order:
+- ``verdict``: is the spec compatible: the agent core's rules, vLLM's, placement's, multi-node's.
+- ``remedy``: a checked fix when it is not.
+- ``render``: Services, NetworkPolicy, PDBs, the workloads and their pod templates.
+- ``vllm_engine``: the ``vllm serve`` containers.
+- ``multinode``: LeaderWorkerSets, for engines that span nodes.
+- ``templates``: what a role's ``template`` overlay may change.
+- ``placement``: where pods may run: what fits a node, what stays together.
+- ``network``: the KV data path's network (UCX, RDMA), checked and rendered.
+- ``termination``: how an engine pod ends without losing a request.
+- ``serving``: the router and the InferencePool.
+- ``scaling``: DisaggregatedRoles and how many engines each role runs.
+- ``model_source``: where an engine's weights come from.
+- ``pairing``: which pods may pair.
+- ``keys``: the side channel's CURVE keys.
+- ``transfer_token``: the router's token, mounted where ``spec.router.signTransfers`` wants it.
 """

@@ -318,7 +318,7 @@ def pod_disruption_budget(dd: DisaggregatedDeployment, uid: str, role: Role) -> 
     }  # fmt: skip
 
 
-def children(
+def desired_children(
     dd: DisaggregatedDeployment, uid: str, plan: TransferPlan, config: OperatorConfig, key: str | None = None
 ) -> list[Obj]:
     """Every child except the Secret (created once, see :func:`secret`) and the DisaggregatedRoles (scaling.py)."""

@@ -157,8 +157,8 @@ class Roles:
     scaled: list[str]  # a message for each role whose effective count changed since the previous status
 
 
-def plan_roles(dd: DisaggregatedDeployment, uid: str, current: dict[Role, Obj | None], write: bool,
-               previous: Obj) -> Roles:  # fmt: skip
+def decide_roles(dd: DisaggregatedDeployment, uid: str, current: dict[Role, Obj | None], write: bool,
+                 previous: Obj) -> Roles:  # fmt: skip
     """Each role created with the spec's replicas when missing; afterwards its replicas change only when the spec's
     do, so what an autoscaler set stays (``write``: a full reconcile, which creates and rescales roles; else the
     roles are only read). ``previous``: the deployment's status, for the Scaled messages."""

@@ -1,4 +1,10 @@
-"""The ``kvbridge`` command: ``main`` (every subcommand), ``plan_report`` (what ``kvbridge plan`` prints),
-``manifests`` (reading manifests safely), ``hf_config`` (``kvbridge model``). ``kvbridge demo`` is contributed by
-``kvbridge_sim`` through the ``kvbridge.commands`` entry points.
+"""The ``kvbridge`` command.
+
+Reading order:
+- ``main``: every subcommand.
+- ``plan_report``: what ``kvbridge plan`` prints.
+- ``manifests``: reading manifests safely.
+- ``hf_config``: ``kvbridge model``: ``spec.model`` from a Hugging Face ``config.json``.
+
+``kvbridge demo`` is contributed by ``kvbridge_sim`` through the ``kvbridge.commands`` entry points.
 """

@@ -1,8 +1,14 @@
 """The controller: Kopf ``handlers`` call one ``reconcile`` for every event.
 
-Reading order: ``reconcile`` (read the children, plan, apply), ``plan`` (pure: every action a reconcile takes, from
-what it read), ``actions`` (those actions as values), ``apply`` (carries them out), then the pure parts ``plan``
-uses: ``rollout`` (the step of each workload), ``optional`` (router, InferencePool, PodGroup), ``observe`` (the
-whole status and its events), ``revisions`` (the pairing keys of the specs pods still run). ``metrics`` are the
-operator's own.
+Reading order:
+- ``handlers``: the Kopf handlers, thin: one lock per resource, then ``reconcile``.
+- ``reconcile``: read the children, decide, apply.
+- ``decide``: pure: every action a reconcile takes, from what it read.
+- ``actions``: those actions as values.
+- ``apply``: carries them out.
+- ``rollout``: pure: the step of each workload.
+- ``optional``: pure: router, InferencePool, PodGroup.
+- ``observe``: pure: the whole status and its events.
+- ``revisions``: the pairing keys of the specs pods still run.
+- ``metrics``: the operator's own.
 """

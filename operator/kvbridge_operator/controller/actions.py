@@ -1,4 +1,4 @@
-"""What a reconcile does to the API, as values: the pure plan (plan.py) lists them, apply.py carries them out."""
+"""What a reconcile does to the API, as values: the pure decision (decide.py) lists them, apply.py carries them out."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class EnsureRole:
 @dataclass(frozen=True)
 class Apply:
     """Server-side apply under kvbridge's field manager. ``optional``: a kind some clusters do not serve (their CRD
-    not installed); the API's 404 then tells the reconcile, which plans again without it."""
+    not installed); the API's 404 then tells the reconcile, which decides again without it."""
 
     obj: Obj
     optional: bool = False

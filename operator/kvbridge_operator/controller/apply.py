@@ -1,4 +1,4 @@
-"""The thin half of a reconcile: carry out the plan's actions, in order, one API call (or two) each."""
+"""The thin half of a reconcile: carry out the decision's actions, in order, one API call (or two) each."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 
 class KindMissingError(Exception):
-    """The API does not serve an optional kind (its CRD is not installed): the reconcile plans again without it."""
+    """The API does not serve an optional kind (its CRD is not installed): the reconcile decides again without it."""
 
     def __init__(self, kind: str) -> None:
         super().__init__(kind)
@@ -23,7 +23,7 @@ class KindMissingError(Exception):
 
 
 async def execute(client: KubeClient, todo: list[actions.Action], done: list[actions.Action]) -> None:
-    """Carry out ``todo`` in order, skipping those in ``done`` (a plan made again after a :class:`KindMissingError`
+    """Carry out ``todo`` in order, skipping those in ``done`` (a decision made again after a :class:`KindMissingError`
     repeats what was already done) and appending each one carried out to it."""
     for action in todo:
         if action in done:

@@ -21,8 +21,8 @@ from kvbridge_operator.api.names import GROUP, LABEL_DEPLOYMENT, PLURAL, ROLE_PL
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.backoff import OPERATOR_BACKOFF
 from kvbridge_operator.config import OperatorConfig
+from kvbridge_operator.controller.decide import ExistingChildren
 from kvbridge_operator.controller.metrics import RECONCILE_SECONDS, RECONCILES, serve
-from kvbridge_operator.controller.plan import Children
 from kvbridge_operator.controller.reconcile import reconcile
 from kvbridge_operator.kube import DEPLOYMENTS, ApiError, Connection, KubeClient, connect
 
@@ -89,7 +89,7 @@ INDEXES = ("pods_by_deployment", "sets_by_deployment", "roles_by_deployment", "g
 Indexes = dict[str, Any]
 
 
-def children_from(indexes: Indexes, namespace: str, name: str) -> Children:
+def children_from(indexes: Indexes, namespace: str, name: str) -> ExistingChildren:
     """A deployment's children as the operator's watches last saw them."""
 
     def of(index: str) -> list[Obj]:
@@ -101,7 +101,7 @@ def children_from(indexes: Indexes, namespace: str, name: str) -> Children:
         return {role: named.get(role_name(name, role)) for role in Role}
 
     pods, stateful_sets, roles, leader_worker_sets = (of(index) for index in INDEXES)
-    return Children(by_role(roles), by_role(stateful_sets), pods, by_role(leader_worker_sets))
+    return ExistingChildren(by_role(roles), by_role(stateful_sets), pods, by_role(leader_worker_sets))
 
 
 def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorRegistry:

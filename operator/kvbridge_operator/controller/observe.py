@@ -1,7 +1,7 @@
 """Pure: a DisaggregatedDeployment's whole status, its conditions and the events they call for.
 
 The one place the status is built. Input: the parsed resource, the compatibility verdict, each role's workload
-(StatefulSet or LeaderWorkerSet, as it is once the reconcile's writes are done), the pods, and the facts the plan
+(StatefulSet or LeaderWorkerSet, as it is once the reconcile's writes are done), the pods, and the facts the decision
 already worked out (effective and desired replicas, the optional children's fields, the rollout); output: the status
 to write, the events to post and the annotation that remembers prefill pod incarnations (for PrefillRestarted).
 """
@@ -45,7 +45,7 @@ from kvbridge_operator.controller.actions import Event
 
 @dataclass(frozen=True)
 class Facts:
-    """What the plan worked out before the status is built."""
+    """What the decision worked out before the status is built."""
 
     generation: int
     previous: Obj  # the status as read (maybe empty)

@@ -1,4 +1,4 @@
-"""One idempotent reconcile for every path (create, update, resume, resync, pod events): read, plan, apply.
+"""One idempotent reconcile for every path (create, update, resume, resync, pod events): read, decide, apply.
 
 Reads: none for the children when the operator's watches serve them (``cached``: handlers.py, whose only read is
 the deployment's, afresh); without them :func:`read_children` makes seven, a get of each role's DisaggregatedRole,
@@ -6,15 +6,15 @@ StatefulSet and LeaderWorkerSet and one list of the deployment's pods. Applying 
 DisaggregatedRole whose replicas the spec changed, or whose create found it there (apply.py's fresh read before it
 writes its replicas).
 
-:func:`plan.plan` computes, purely, every action the reconcile takes — children applied with server-side apply
+:func:`decide.decide` computes, purely, every action the reconcile takes — children applied with server-side apply
 under kvbridge's field manager (the Secret created once and never patched), children deleted, the status,
 annotations and events — and :func:`apply.execute` carries them out. An incompatible spec changes nothing that
 runs. A pod event changes no spec, so it applies only the workloads the rollout's step moves and writes the status
 (``apply_children=False``); the periodic resync applies every child.
 
 Where the API turns out not to serve an optional kind (a CRD not installed: LeaderWorkerSet, InferencePool,
-HTTPRoute, PodGroup), the plan is made again knowing it; what was already done is not done twice, except a
-Secret's create: the plan made again renders a fresh key, so the create is sent again, answered 409, and the Secret
+HTTPRoute, PodGroup), the decision is made again knowing it; what was already done is not done twice, except a
+Secret's create: the decision made again renders a fresh key, so the create is sent again, answered 409, and the Secret
 created first is kept.
 """
 
@@ -29,11 +29,11 @@ from kvbridge_operator.api.status import now_rfc3339
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.controller.actions import Action
 from kvbridge_operator.controller.apply import KindMissingError, execute
-from kvbridge_operator.controller.plan import Children, Observed, plan
+from kvbridge_operator.controller.decide import ExistingChildren, Observed, decide
 from kvbridge_operator.kube import LEADER_WORKER_SETS, PODS, ROLES, STATEFUL_SETS, KubeClient
 
 #: every optional kind at most once, and once more with all of them known
-MAX_PLANS = 6
+MAX_DECISIONS = 6
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Outcome:
     applied: bool  # the spec's children were written (False: invalid or incompatible: nothing that runs changed)
 
 
-async def read_children(client: KubeClient, namespace: str, name: str) -> Children:
+async def read_children(client: KubeClient, namespace: str, name: str) -> ExistingChildren:
     """From the API, in the reads the module's docstring counts (the operator's own watches serve them instead:
     handlers.py)."""
     roles = {role: await client.get(ROLES, namespace, role_name(name, role)) for role in Role}
@@ -49,20 +49,20 @@ async def read_children(client: KubeClient, namespace: str, name: str) -> Childr
     # without the LeaderWorkerSet CRD the API answers 404, which get reads as none
     groups = {role: await client.get(LEADER_WORKER_SETS, namespace, role_name(name, role)) for role in Role}
     pods = await client.list(PODS, namespace, f"{LABEL_DEPLOYMENT}={name}")
-    return Children(roles, stateful_sets, pods, groups)
+    return ExistingChildren(roles, stateful_sets, pods, groups)
 
 
 async def reconcile(
     client: KubeClient, body: Obj, config: OperatorConfig, apply_children: bool = True,
-    cached: Children | None = None,
+    cached: ExistingChildren | None = None,
 ) -> Outcome:  # fmt: skip
     """One reconcile; ``cached`` children (from the operator's watch indexes) spare their reads."""
     meta = body["metadata"]
     seen = cached or await read_children(client, meta.get("namespace") or "default", meta["name"])
     observed = Observed(body, seen, config, apply_children, now_rfc3339())
     done: list[Action] = []
-    for _ in range(MAX_PLANS):
-        actions = plan(observed)
+    for _ in range(MAX_DECISIONS):
+        actions = decide(observed)
         try:
             await execute(client, actions.actions, done)
         except KindMissingError as exc:
@@ -71,4 +71,4 @@ async def reconcile(
             observed = Observed(body, seen, config, apply_children, observed.now, observed.missing | {exc.kind})
             continue
         return Outcome(actions.applied)
-    raise RuntimeError(f"the reconcile of {meta['name']} planned {MAX_PLANS} times")  # unreachable: kinds are few
+    raise RuntimeError(f"the reconcile of {meta['name']} decided {MAX_DECISIONS} times")  # unreachable: kinds are few

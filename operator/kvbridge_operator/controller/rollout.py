@@ -265,17 +265,17 @@ def events_of(previous: Obj, roll: Step) -> list[Event]:
 
 
 @dataclass(frozen=True)
-class Outcome:
-    """The rollout's part of a reconcile."""
+class Advance:
+    """The rollout's part of a reconcile: one step further."""
 
-    children: list[Obj]  # the rendered children, each workload with the step's replicas and partition
+    rendered: list[Obj]  # the rendered children, each workload with the step's replicas and partition
     moving: set[Role]  # roles whose workload exists and is not yet where the step wants it
     status: Obj  # status.rollout
     events: list[Event]
 
 
-def plan(dd: DisaggregatedDeployment, key: str, rendered: list[Obj], scale: Scale, workloads: dict[Role, Obj | None],
-         pods: list[Obj], pairs_with: Callable[[str, str], str | None], before: Obj) -> Outcome:  # fmt: skip
+def advance(dd: DisaggregatedDeployment, key: str, rendered: list[Obj], scale: Scale, workloads: dict[Role, Obj | None],
+            pods: list[Obj], pairs_with: Callable[[str, str], str | None], before: Obj) -> Advance:  # fmt: skip
     """The step for the pods that exist, the rendered children stepped, and the rollout's status and events
     (``before``: the previous ``status.rollout``)."""
     roll = for_workloads(dd, key, rendered, scale, workloads, pods, pairs_with)
@@ -285,4 +285,4 @@ def plan(dd: DisaggregatedDeployment, key: str, rendered: list[Obj], scale: Scal
         # no old pod is left, so the step alone cannot tell how they went: the strategy stays the rollout's
         roll = dataclasses.replace(roll, strategy=Strategy(before.get("strategy") or roll.strategy),
                                    reason=str(before.get("reason") or ""))  # fmt: skip
-    return Outcome(rendered, moving, status_of(roll, key), events_of(before, roll))
+    return Advance(rendered, moving, status_of(roll, key), events_of(before, roll))

@@ -218,7 +218,7 @@ def closing() -> Iterator[list[Any]]:
     opened: list[Any] = []
     yield opened
     for thing in reversed(opened):
-        thing.close()
+        thing.shutdown()
 
 
 def move(prefill: Side, decode: Side, opened: list[Any], lie: bool = False, decode_per_layer: bool = False) -> Outcome:
@@ -234,13 +234,13 @@ def move(prefill: Side, decode: Side, opened: list[Any], lie: bool = False, deco
         opened.append(worker)
         views = allocate(prefill.layout, prefill.block, prefill.kernel, prefill.heads, prefill.mla)
         fill(views, prefill, rank)
-        worker.register(views, prefill.layout.name)
-        handshake = worker.handshake_metadata()
+        worker.register_kv_caches(views, prefill.layout.name)
+        handshake = worker.get_handshake_metadata()
         assert handshake is not None
         handshakes[rank] = wrong_strides(handshake) if lie else handshake
         prefill_workers.append(worker)
         prefill_views.append(views)
-    prefill_scheduler.set_handshake(handshakes)
+    prefill_scheduler.set_xfer_handshake_metadata(handshakes)
 
     decode_scheduler = ConnectorScheduler(settings(Role.DECODE, prefill, decode))
     opened.append(decode_scheduler)
@@ -250,7 +250,7 @@ def move(prefill: Side, decode: Side, opened: list[Any], lie: bool = False, deco
         worker = ConnectorWorker(decode_scheduler.settings, rank, "inc-decode")
         opened.append(worker)
         views = allocate(decode.layout, decode.block, decode.kernel, decode.heads, decode.mla)
-        worker.register(views, None if decode_per_layer else decode.layout.name)
+        worker.register_kv_caches(views, None if decode_per_layer else decode.layout.name)
         assert worker.decode is not None
         polled = worker.decode.poll
 
@@ -268,29 +268,29 @@ def move(prefill: Side, decode: Side, opened: list[Any], lie: bool = False, deco
     assert delay is True
     assert params is not None
     assert params["kvbridge"]["verify"] is True
-    metadata = prefill_scheduler.build_metadata()
+    metadata = prefill_scheduler.build_connector_meta()
     stats: Any = None
     for worker in prefill_workers:
-        worker.start(metadata)
+        worker.start_load_kv(metadata)
         taken = worker.stats.take()
         stats = taken if stats is None else stats.aggregate(taken)
     prefill_scheduler.take_digests(stats)
 
     # decode loads it into its own blocks, every rank its heads
     wanted = request("d1", params)
-    assert decode_scheduler.matched_tokens(wanted, 0) == (TOKENS, True)
-    decode_scheduler.after_alloc(wanted, blocks_of(decode_blocks), TOKENS)
-    metadata = decode_scheduler.build_metadata()
+    assert decode_scheduler.get_num_new_matched_tokens(wanted, 0) == (TOKENS, True)
+    decode_scheduler.update_state_after_alloc(wanted, blocks_of(decode_blocks), TOKENS)
+    metadata = decode_scheduler.build_connector_meta()
     for worker in decode_workers:
-        worker.start(metadata)
+        worker.start_load_kv(metadata)
     deadline = time.monotonic() + TIMEOUT
     done = [False] * decode.tp
     while not all(done):
         assert time.monotonic() < deadline, "the transfer did not finish"
         for worker in prefill_workers:
-            worker.finished(set())
+            worker.get_finished(set())
         for rank, worker in enumerate(decode_workers):
-            _sending, received = worker.finished(set())
+            _sending, received = worker.get_finished(set())
             done[rank] = done[rank] or "d1" in (received or set())
         time.sleep(0.002)
 
@@ -301,12 +301,12 @@ def move(prefill: Side, decode: Side, opened: list[Any], lie: bool = False, deco
     while results and all(r.ok for r in results) and holding():
         assert time.monotonic() < deadline, "a prefill rank was never notified"
         for worker in prefill_workers:
-            worker.finished(set())
+            worker.get_finished(set())
         time.sleep(0.002)
     failures = [code for worker in decode_workers for code in worker.stats.data.get("failed_reads", [])]
     assert decode_workers[0].decode is not None
     peer = decode_workers[0].decode.peers.get("prefill-layouts")
-    errors = set().union(*(worker.load_errors() for worker in decode_workers))
+    errors = set().union(*(worker.get_block_ids_with_load_errors() for worker in decode_workers))
     return Outcome(
         prefill,
         decode,
@@ -423,10 +423,10 @@ def test_a_view_against_the_declared_layout_is_refused_at_registration(closing: 
     worker = ConnectorWorker(settings(Role.DECODE, Side(KVCacheLayout.LBHNC), Side(KVCacheLayout.LBHNC)), 0, "inc")
     closing.append(worker)
     with pytest.raises(SpecError) as caught:
-        worker.register(allocate(KVCacheLayout.LBHNC), "BHLNC")
+        worker.register_kv_caches(allocate(KVCacheLayout.LBHNC), "BHLNC")
     assert (caught.value.code, caught.value.field) == ("KV_VIEW_LAYOUT_MISMATCH", "kv_cache_layout")
     with pytest.raises(SpecError) as caught:
-        worker.register(allocate(KVCacheLayout.LBHNC), "HND")
+        worker.register_kv_caches(allocate(KVCacheLayout.LBHNC), "HND")
     assert (caught.value.code, caught.value.field) == ("LAYOUT_UNSUPPORTED", "kv_cache_layout")
 
 

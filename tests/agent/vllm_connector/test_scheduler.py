@@ -56,7 +56,7 @@ def prefill_scheduler(keys: Path | None = None, lease: int = 120) -> ConnectorSc
     )  # fmt: skip
     from kvbridge_agent.vllm_connector.messages import RankHandshake
 
-    scheduler.set_handshake({0: RankHandshake(meta.model_dump_json(), b"agent")})
+    scheduler.set_xfer_handshake_metadata({0: RankHandshake(meta.model_dump_json(), b"agent")})
     return scheduler
 
 
@@ -84,14 +84,14 @@ def test_a_finished_prefill_keeps_its_blocks_and_publishes_the_lease() -> None:
         assert ours["numTokens"] == 70
         assert ours["remoteIncarnation"] == "inc1"
         assert before + 119 < ours["expiresAt"] <= time.time() + 120
-        meta = scheduler.build_metadata()
+        meta = scheduler.build_connector_meta()
         assert meta.to_offer["r1"].block_ids == [3, 4, 5]
         assert meta.leases == {"r1": ours["expiresAt"]}
-        assert scheduler.build_metadata().to_offer == {}  # offered once
+        assert scheduler.build_connector_meta().to_offer == {}  # offered once
         scheduler.transfers_done({"r1"}, None)
-        assert scheduler.build_metadata().leases == {}
+        assert scheduler.build_connector_meta().leases == {}
     finally:
-        scheduler.close()
+        scheduler.shutdown()
 
 
 @pytest.mark.parametrize(
@@ -102,9 +102,9 @@ def test_aborted_or_plain_requests_free_their_blocks_at_once(params: dict[str, A
     scheduler = prefill_scheduler()
     try:
         assert scheduler.request_finished(request("r", 40, params, status), ([1, 2],)) == (False, None)
-        assert scheduler.build_metadata().to_offer == {}
+        assert scheduler.build_connector_meta().to_offer == {}
     finally:
-        scheduler.close()
+        scheduler.shutdown()
 
 
 def published(scheduler: ConnectorScheduler, tokens: int = 70) -> dict[str, Any]:
@@ -124,17 +124,17 @@ def test_decode_loads_the_prompt_less_its_prefix_hit_once() -> None:
     try:
         params = published(prefill)
         req = request("d1", 70, params)
-        assert decode.matched_tokens(req, 32) == (38, True)  # one block already in decode's prefix cache
+        assert decode.get_num_new_matched_tokens(req, 32) == (38, True)  # one block already in decode's prefix cache
         blocks = SimpleNamespace(get_unhashed_block_ids=lambda: [11, 12], get_block_ids=lambda: ([5, 11, 12],))
-        decode.after_alloc(req, blocks, 38)
-        order = decode.build_metadata().to_read["d1"]
+        decode.update_state_after_alloc(req, blocks, 38)
+        order = decode.build_connector_meta().to_read["d1"]
         assert (order.local_block_ids, order.refused) == ([11, 12], "")
         assert order.all_block_ids == [5, 11, 12]  # a verification digests the prefix hit too
         assert req.kv_transfer_params["do_remote_prefill"] is False  # a preempted request is not read twice
-        assert decode.matched_tokens(req, 0) == (0, False)
+        assert decode.get_num_new_matched_tokens(req, 0) == (0, False)
     finally:
-        prefill.close()
-        decode.close()
+        prefill.shutdown()
+        decode.shutdown()
 
 
 def test_a_decode_prompt_of_another_length_is_refused_for_that_request() -> None:
@@ -142,12 +142,12 @@ def test_a_decode_prompt_of_another_length_is_refused_for_that_request() -> None
     decode = ConnectorScheduler(ConnectorSettings.from_vllm(vllm_config("kv_consumer"), environ(Role.DECODE)))
     try:
         req = request("d2", 102, published(prefill, tokens=70))
-        decode.matched_tokens(req, 0)
-        decode.after_alloc(req, blocks_of([1, 2, 3, 4]), 102)
-        assert decode.build_metadata().to_read["d2"].refused.startswith("PROMPT_MISMATCH")
+        decode.get_num_new_matched_tokens(req, 0)
+        decode.update_state_after_alloc(req, blocks_of([1, 2, 3, 4]), 102)
+        assert decode.build_connector_meta().to_read["d2"].refused.startswith("PROMPT_MISMATCH")
     finally:
-        prefill.close()
-        decode.close()
+        prefill.shutdown()
+        decode.shutdown()
 
 
 def test_decode_heartbeats_renew_the_prefill_lease_until_the_kv_arrived(tmp_path: Path) -> None:
@@ -160,7 +160,7 @@ def test_decode_heartbeats_renew_the_prefill_lease_until_the_kv_arrived(tmp_path
     params = published(prefill)
     assert prefill._server is not None
     secret = prefill._server.secret  # the stand-in listener checks the lease tokens prefill's listener handed out
-    prefill.close()
+    prefill.shutdown()
     server = SideChannelServer(
         "127.0.0.1", 0, decode.settings.fingerprint, {}, keys, on_heartbeat=seen.append, secret=secret
     )
@@ -169,7 +169,7 @@ def test_decode_heartbeats_renew_the_prefill_lease_until_the_kv_arrived(tmp_path
         params["kvbridge"]["remotePort"] = server.port
         params["kvbridge"]["expiresAt"] = time.time() + 1  # the lease as published, 1 s
         req = request("d3", 70, params)
-        decode.matched_tokens(req, 0)
+        decode.get_num_new_matched_tokens(req, 0)
         deadline = time.monotonic() + 5
         while len(seen) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -177,8 +177,8 @@ def test_decode_heartbeats_renew_the_prefill_lease_until_the_kv_arrived(tmp_path
         assert seen[0] == ["p1"]
         # the request waited longer than the published lease; the renewals that got through count
         time.sleep(0.1)
-        decode.after_alloc(req, blocks_of([1, 2, 3]), 70)
-        order = decode.build_metadata().to_read["d3"]
+        decode.update_state_after_alloc(req, blocks_of([1, 2, 3]), 70)
+        order = decode.build_connector_meta().to_read["d3"]
         assert order.expires_at is not None
         assert order.expires_at > params["kvbridge"]["expiresAt"]
         assert order.expires_at > time.time() + 0.2
@@ -188,7 +188,7 @@ def test_decode_heartbeats_renew_the_prefill_lease_until_the_kv_arrived(tmp_path
         time.sleep(1.2)
         assert len(seen) == count  # the KV arrived: no more heartbeats for it
     finally:
-        decode.close()
+        decode.shutdown()
         server.close()
 
 
@@ -215,12 +215,12 @@ def test_a_prefill_worker_remembers_only_the_requests_it_holds() -> None:
             return True
 
     worker.prefill = Rank()  # type: ignore[assignment]
-    worker.start(StepMetadata(to_offer={"held": OfferOrder([1], time.time() + 0.3)}))
+    worker.start_load_kv(StepMetadata(to_offer={"held": OfferOrder([1], time.time() + 0.3)}))
     for step in range(1000):
-        worker.finished({f"plain-{step}"} | ({"held"} if step == 0 else set()))
+        worker.get_finished({f"plain-{step}"} | ({"held"} if step == 0 else set()))
     assert worker._finished_seen == {"held"}
     time.sleep(0.4)
-    assert worker.finished(set()) == ({"held"}, None)  # the lease ended unread: its blocks are freed
+    assert worker.get_finished(set()) == ({"held"}, None)  # the lease ended unread: its blocks are freed
     assert worker._finished_seen == set()
 
 
@@ -238,12 +238,12 @@ def test_a_request_id_kvbridge_cannot_carry_fails_that_request_and_records_nothi
         assert params is not None
         assert params["kvbridge_error"]["code"] == "INVALID_REQUEST_ID"
         assert params["do_remote_prefill"] is False
-        meta = scheduler.build_metadata()
+        meta = scheduler.build_connector_meta()
         assert (meta.to_offer, meta.leases) == ({}, {})
         # the engine keeps serving: the next request is offered as usual
         assert scheduler.request_finished(request("next", 40, {"do_remote_decode": True}), ([5, 6],))[0] is True
     finally:
-        scheduler.close()
+        scheduler.shutdown()
 
 
 @pytest.mark.parametrize(
@@ -268,31 +268,31 @@ def test_decode_parameters_that_do_not_validate_fail_that_request_without_raisin
         params = published(prefill)
         params["kvbridge"].update(mutation)
         req = request("d9", 70, params)
-        assert decode.matched_tokens(req, 0) == (70, True)
+        assert decode.get_num_new_matched_tokens(req, 0) == (70, True)
         assert decode._waiting == {}
-        decode.after_alloc(req, blocks_of([1, 2, 3]), 70)
-        order = decode.build_metadata().to_read["d9"]
+        decode.update_state_after_alloc(req, blocks_of([1, 2, 3]), 70)
+        order = decode.build_connector_meta().to_read["d9"]
         assert order.params is None
         assert order.refused.startswith("INVALID_TRANSFER_PARAMS: kv_transfer_params.kvbridge")
         worker = ConnectorWorker(decode.settings, 0, "inc")
         result = worker._start_read(None, "d9", order)  # type: ignore[arg-type]
         assert result is not None
         assert (result.ok, result.code, result.invalid_blocks) == (False, "INVALID_TRANSFER_PARAMS", [1, 2, 3])
-        worker.close()
+        worker.shutdown()
     finally:
-        prefill.close()
-        decode.close()
+        prefill.shutdown()
+        decode.shutdown()
 
 
 def test_decode_parameters_that_are_not_an_object_fail_that_request() -> None:
     decode = ConnectorScheduler(ConnectorSettings.from_vllm(vllm_config("kv_consumer"), environ(Role.DECODE)))
     try:
         req = request("d10", 40, {"do_remote_prefill": True, "kvbridge": ["not", "an", "object"]})
-        assert decode.matched_tokens(req, 0) == (40, True)
-        decode.after_alloc(req, blocks_of([4, 5]), 40)
-        assert decode.build_metadata().to_read["d10"].refused.startswith("INVALID_TRANSFER_PARAMS")
+        assert decode.get_num_new_matched_tokens(req, 0) == (40, True)
+        decode.update_state_after_alloc(req, blocks_of([4, 5]), 40)
+        assert decode.build_connector_meta().to_read["d10"].refused.startswith("INVALID_TRANSFER_PARAMS")
     finally:
-        decode.close()
+        decode.shutdown()
 
 
 # -- decode behind a signing router (spec.router.signTransfers) ---------------------------------------------------
@@ -310,9 +310,9 @@ def signing_decode(tmp_path: Path) -> ConnectorScheduler:
 def refusal(decode: ConnectorScheduler, params: dict[str, Any], request_id: str = "d20") -> str:
     """What decode makes of a request with these parameters: its order's refusal (empty: it is read)."""
     req = request(request_id, 70, params)
-    assert decode.matched_tokens(req, 0) == (70, True)  # a refusal too: its blocks are reported invalid
-    decode.after_alloc(req, blocks_of([1, 2, 3]), 70)
-    return decode.build_metadata().to_read[request_id].refused
+    assert decode.get_num_new_matched_tokens(req, 0) == (70, True)  # a refusal too: its blocks are reported invalid
+    decode.update_state_after_alloc(req, blocks_of([1, 2, 3]), 70)
+    return decode.build_connector_meta().to_read[request_id].refused
 
 
 def test_decode_with_the_routers_token_reads_only_what_the_router_signed(tmp_path: Path) -> None:
@@ -322,8 +322,8 @@ def test_decode_with_the_routers_token_reads_only_what_the_router_signed(tmp_pat
         assert refusal(decode, signed(TOKEN, published(prefill)), "ok") == ""
         assert "ok" in decode._waiting  # its prefill lease is renewed while it waits
     finally:
-        prefill.close()
-        decode.close()
+        prefill.shutdown()
+        decode.shutdown()
 
 
 def _unsigned(params: dict[str, Any]) -> dict[str, Any]:
@@ -371,10 +371,10 @@ def test_decode_with_the_routers_token_refuses_unsigned_forged_or_changed_parame
         result = worker._start_read(None, "d20", ReadOrder([1, 2, 3], None, refused))  # type: ignore[arg-type]
         assert result is not None
         assert (result.ok, result.code, result.invalid_blocks) == (False, "TRANSFER_NOT_SIGNED", [1, 2, 3])
-        worker.close()
+        worker.shutdown()
     finally:
-        prefill.close()
-        decode.close()
+        prefill.shutdown()
+        decode.shutdown()
 
 
 def test_a_request_that_asks_decode_to_read_without_kvbridge_parameters_needs_the_signature_too(
@@ -384,9 +384,9 @@ def test_a_request_that_asks_decode_to_read_without_kvbridge_parameters_needs_th
     try:
         assert refusal(decode, {"do_remote_prefill": True}).startswith("TRANSFER_NOT_SIGNED")
         req = request("plain", 40, None)  # a request that reads nothing is none of the token's business
-        assert decode.matched_tokens(req, 0) == (0, False)
+        assert decode.get_num_new_matched_tokens(req, 0) == (0, False)
     finally:
-        decode.close()
+        decode.shutdown()
 
 
 def test_decode_without_the_token_ignores_the_signature() -> None:
@@ -397,8 +397,8 @@ def test_decode_without_the_token_ignores_the_signature() -> None:
         assert refusal(decode, published(prefill), "unsigned") == ""
         assert refusal(decode, signed(b"any token at all", published(prefill)), "signed") == ""
     finally:
-        prefill.close()
-        decode.close()
+        prefill.shutdown()
+        decode.shutdown()
 
 
 def test_a_token_file_decode_cannot_read_stops_the_engine(tmp_path: Path) -> None:
@@ -421,7 +421,7 @@ def test_a_verified_request_is_offered_with_its_own_key_and_published_with_it() 
     try:
         params = published(scheduler)
         assert params["kvbridge"]["verify"] is True
-        order = scheduler.build_metadata().to_offer["p1"]
+        order = scheduler.build_connector_meta().to_offer["p1"]
         assert order.digest_tokens == 70
         assert len(order.digest_key) == KEY_BYTES
         assert order.digest_key.hex() not in str(params)
@@ -436,9 +436,9 @@ def test_a_verified_request_is_offered_with_its_own_key_and_published_with_it() 
         assert found.key == order.digest_key
         assert sorted(found.heads) == [0, 1]
         scheduler.request_finished(request("p2", 70, {"do_remote_decode": True}), ([1, 2, 3],))
-        assert scheduler.build_metadata().to_offer["p2"].digest_key != order.digest_key  # one key per request
+        assert scheduler.build_connector_meta().to_offer["p2"].digest_key != order.digest_key  # one key per request
     finally:
-        scheduler.close()
+        scheduler.shutdown()
 
 
 def scheduler_output(new: list[tuple[str, list[int]]], scheduled: dict[str, int]) -> SimpleNamespace:
@@ -462,13 +462,13 @@ def test_a_verified_prompt_is_digested_after_its_last_step_and_its_answer_carrie
     try:
         req = request("p5", 70, {"do_remote_decode": True})
         req.num_prompt_tokens, req.num_computed_tokens = 70, 0
-        scheduler.after_alloc(req, blocks_of([7, 8, 9]), 0)
-        first = scheduler.build_metadata(scheduler_output([("p5", [7, 8])], {"p5": 64}))
+        scheduler.update_state_after_alloc(req, blocks_of([7, 8, 9]), 0)
+        first = scheduler.build_connector_meta(scheduler_output([("p5", [7, 8])], {"p5": 64}))
         assert first.to_digest == {}  # the prompt is not complete after this step (chunked prefill)
         req.num_computed_tokens = 64
         cached = SimpleNamespace(req_ids=["p5"], new_block_ids=[([9],)], resumed_req_ids=set())
         last = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={"p5": 6})
-        meta = scheduler.build_metadata(last)
+        meta = scheduler.build_connector_meta(last)
         order = meta.to_digest["p5"]
         assert (order.block_ids, order.num_tokens) == ([7, 8, 9], 70)
         req.num_computed_tokens = 70
@@ -484,9 +484,9 @@ def test_a_verified_prompt_is_digested_after_its_last_step_and_its_answer_carrie
         found = carried.digests.request_digests()
         assert found.key == order.key
         assert found.heads[1].tolist() == [4, 5, 6]
-        assert scheduler.build_metadata().to_offer["p5"].digest_tokens == 0  # not digested twice
+        assert scheduler.build_connector_meta().to_offer["p5"].digest_tokens == 0  # not digested twice
     finally:
-        scheduler.close()
+        scheduler.shutdown()
 
 
 def test_a_prompt_digested_but_finished_later_is_digested_again_at_the_offer() -> None:
@@ -496,14 +496,14 @@ def test_a_prompt_digested_but_finished_later_is_digested_again_at_the_offer() -
     try:
         req = request("p6", 40, {"do_remote_decode": True})
         req.num_prompt_tokens, req.num_computed_tokens = 40, 0
-        scheduler.after_alloc(req, blocks_of([3, 4]), 0)
-        assert "p6" in scheduler.build_metadata(scheduler_output([("p6", [3, 4])], {"p6": 40})).to_digest
+        scheduler.update_state_after_alloc(req, blocks_of([3, 4]), 0)
+        assert "p6" in scheduler.build_connector_meta(scheduler_output([("p6", [3, 4])], {"p6": 40})).to_digest
         req.num_computed_tokens = 43  # three tokens generated since
         _, params = scheduler.request_finished(req, ([3, 4],))
         assert params is not None
         scheduler.take_digests(SimpleNamespace(data={}))
         assert "digests" not in params["kvbridge"]
         assert params["kvbridge"]["verify"] is True
-        assert scheduler.build_metadata().to_offer["p6"].digest_tokens == 43
+        assert scheduler.build_connector_meta().to_offer["p6"].digest_tokens == 43
     finally:
-        scheduler.close()
+        scheduler.shutdown()

@@ -1,11 +1,11 @@
 """The reconcile's pure half as tables: given what a reconcile read (``Observed``: the deployment with its previous
-status, its children as the API returns them, the kinds found missing), the actions :func:`plan` lists, the status
+status, its children as the API returns them, the kinds found missing), the actions :func:`decide` lists, the status
 it writes and the events it posts; then :func:`apply.execute` and :func:`reconcile` against a fake client that
-records every call: the re-plan after the API turns out not to serve a kind, and the reads a reconcile makes.
+records every call: deciding again after the API turns out not to serve a kind, and the reads a reconcile makes.
 
 The children are plain dicts, as the API returns them: a tiny API in this file (:func:`written`) keeps what the
-plan's writes leave and :func:`running` starts the pods each StatefulSet asks for, so a case starts from a world
-the plan itself built (nothing hand-copied that could drift from the renderer).
+decision's writes leave and :func:`running` starts the pods each StatefulSet asks for, so a case starts from a world
+the decision itself built (nothing hand-copied that could drift from the renderer).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.controller import actions
 from kvbridge_operator.controller.apply import KindMissingError, execute
-from kvbridge_operator.controller.plan import Children, Observed, Plan, plan
+from kvbridge_operator.controller.decide import Decision, ExistingChildren, Observed, decide
 from kvbridge_operator.controller.reconcile import read_children, reconcile
 from kvbridge_operator.controller.rollout import state_of
 from kvbridge_operator.kube import (
@@ -70,13 +70,15 @@ def two_node_prefill() -> Obj:
 @dataclass(frozen=True)
 class World:
     body: Obj
-    children: Children = field(default_factory=lambda: Children(dict.fromkeys(Role), dict.fromkeys(Role), []))
+    existing: ExistingChildren = field(
+        default_factory=lambda: ExistingChildren(dict.fromkeys(Role), dict.fromkeys(Role), [])
+    )
 
 
 def observed(world: World, apply_children: bool = True, missing: frozenset[str] = frozenset()) -> Observed:
     """What a reconcile of ``world`` knows (a copy: a case cannot change a world another case shares)."""
     world = copy.deepcopy(world)
-    return Observed(world.body, world.children, CONFIG, apply_children, NOW, missing)
+    return Observed(world.body, world.existing, CONFIG, apply_children, NOW, missing)
 
 
 def stored(value: Any) -> Any:
@@ -92,11 +94,11 @@ def role_of(obj: Obj) -> Role:
     return Role(obj["metadata"]["labels"][LABEL_ROLE])
 
 
-def written(world: World, done: Plan) -> World:
-    """``world`` once the plan's writes are done (what the tests need of them: roles, workloads, the deployment's
+def written(world: World, done: Decision) -> World:
+    """``world`` once the decision's writes are done (what the tests need of them: roles, workloads, the deployment's
     status and annotations)."""
     world = copy.deepcopy(world)
-    body, seen = world.body, world.children
+    body, seen = world.body, world.existing
     for action in done.actions:
         match action:
             case actions.EnsureRole(obj=obj, exists=False):
@@ -139,11 +141,11 @@ def pod(workload: Obj, ordinal: int) -> Obj:
 def running(world: World) -> World:
     """Every pod the StatefulSets ask for that does not exist yet, started from its current template and ready."""
     world = copy.deepcopy(world)
-    names = {p["metadata"]["name"] for p in world.children.pods}
-    for workload in world.children.stateful_sets.values():
+    names = {p["metadata"]["name"] for p in world.existing.pods}
+    for workload in world.existing.stateful_sets.values():
         for ordinal in range(workload["spec"]["replicas"] if workload else 0):
             if workload and f"{workload['metadata']['name']}-{ordinal}" not in names:
-                world.children.pods.append(pod(workload, ordinal))
+                world.existing.pods.append(pod(workload, ordinal))
     return world
 
 
@@ -161,7 +163,7 @@ def settled() -> World:
     reconcile of it has nothing to do (a test checks)."""
     world = World(document())
     for _ in range(4):
-        world = running(written(world, plan(observed(world))))
+        world = running(written(world, decide(observed(world))))
     return world
 
 
@@ -170,7 +172,7 @@ def rolling() -> World:
     """:func:`settled` with a new engine image (one pairing key: in place), after the rollout's first step, and
     the surge pod that step asked for running the new template and ready."""
     world = changed(settled(), document(generation=2, engine={"image": "example/engine:2"}))
-    return running(written(world, plan(observed(world))))
+    return running(written(world, decide(observed(world))))
 
 
 def with_status(world: World, **fields: Obj) -> World:
@@ -179,7 +181,7 @@ def with_status(world: World, **fields: Obj) -> World:
     return world
 
 
-# --- the planner's table ------------------------------------------------------------------------------------------
+# --- the decisions' table ------------------------------------------------------------------------------------------
 Summary = tuple[str, str, str]
 
 
@@ -255,7 +257,7 @@ NEGATIVE_REPLICAS = "spec.decode.replicas: Input should be greater than or equal
 def refused_once() -> World:
     """A spec that is not valid, its status written by a first reconcile."""
     world = World(document(decode={"replicas": -1}))
-    return written(world, plan(observed(world)))
+    return written(world, decide(observed(world)))
 
 
 CASES = [
@@ -615,8 +617,8 @@ def at(obj: Obj, path: str) -> Any:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
-def test_the_plan_of_what_a_reconcile_read(case: Case) -> None:
-    result = plan(case.observed())
+def test_the_decision_on_what_a_reconcile_read(case: Case) -> None:
+    result = decide(case.observed())
     assert [summary(action) for action in result.actions] == case.actions
     assert result.applied is case.applied
     statuses = [a.status for a in result.actions if isinstance(a, actions.WriteStatus) and a.resource == DEPLOYMENTS]
@@ -934,18 +936,18 @@ STATUS_WRITES: list[Call] = [
 ]
 
 
-async def test_a_kind_the_api_does_not_serve_is_planned_again_without_it() -> None:
-    """The LeaderWorkerSet CRD is not installed: its apply answers 404, the reconcile plans again knowing it, does
+async def test_a_kind_the_api_does_not_serve_is_decided_again_without_it() -> None:
+    """The LeaderWorkerSet CRD is not installed: its apply answers 404, the reconcile decides again knowing it, does
     nothing twice (the Secret, the roles, the children already applied) and says why in the status and an event."""
     client = FakeClient(fails={("apply", "leaderworkersets"): not_served()})
-    outcome = await reconcile(client, two_node_prefill(), CONFIG, cached=World(document()).children)
+    outcome = await reconcile(client, two_node_prefill(), CONFIG, cached=World(document()).existing)
     writes = [call for call in client.log if call[1] != "events"]
     assert writes == [
         ("create", "secrets", "llama3-8b-side-channel"),
         *ROLE_CREATES,
         *CHILD_APPLIES,
-        ("apply", "leaderworkersets", "llama3-8b-prefill"),  # 404: plan again
-        # the plan made again renders a fresh key pair, so its CreateOnce is not the one done: the create is made
+        ("apply", "leaderworkersets", "llama3-8b-prefill"),  # 404: decide again
+        # the decision made again renders a fresh key pair, so its CreateOnce is not the one done: the create is made
         # again, answered 409, and the Secret created first is kept
         ("create", "secrets", "llama3-8b-side-channel"),
         ("apply", "statefulsets", "llama3-8b-decode"),
@@ -958,9 +960,9 @@ async def test_a_kind_the_api_does_not_serve_is_planned_again_without_it() -> No
 
 
 async def test_a_missing_route_kind_keeps_the_pool_applied_once() -> None:
-    """The InferencePool is applied before the HTTPRoute's 404: the plan made again applies it no second time."""
+    """The InferencePool is applied before the HTTPRoute's 404: the decision made again applies it no second time."""
     client = FakeClient(fails={("apply", "httproutes"): not_served()})
-    outcome = await reconcile(client, document(inferencePool=POOL), CONFIG, cached=World(document()).children)
+    outcome = await reconcile(client, document(inferencePool=POOL), CONFIG, cached=World(document()).existing)
     writes = [call for call in client.log if call[1] != "events"]
     assert writes == [
         ("create", "secrets", "llama3-8b-side-channel"),
@@ -969,8 +971,8 @@ async def test_a_missing_route_kind_keeps_the_pool_applied_once() -> None:
         ("apply", "statefulsets", "llama3-8b-prefill"),
         ("apply", "statefulsets", "llama3-8b-decode"),
         ("apply", "inferencepools", "llama3-8b"),
-        ("apply", "httproutes", "llama3-8b"),  # 404: plan again
-        # the plan made again renders a fresh key pair, so its CreateOnce is not the one done: the create is made
+        ("apply", "httproutes", "llama3-8b"),  # 404: decide again
+        # the decision made again renders a fresh key pair, so its CreateOnce is not the one done: the create is made
         # again, answered 409, and the Secret created first is kept
         ("create", "secrets", "llama3-8b-side-channel"),
         *STATUS_WRITES,
@@ -1000,19 +1002,19 @@ async def test_without_the_watches_a_reconcile_reads_its_children_in_seven_calls
     ]
     direct = FakeClient()
     nothing = dict.fromkeys(Role)
-    assert await read_children(direct, NAMESPACE, "llama3-8b") == Children(nothing, nothing, [], nothing)
+    assert await read_children(direct, NAMESPACE, "llama3-8b") == ExistingChildren(nothing, nothing, [], nothing)
     assert len(reads(direct)) == 7
 
 
 async def test_with_the_watches_a_reconcile_reads_only_a_role_it_rescales() -> None:
     created = FakeClient()
-    await reconcile(created, document(), CONFIG, cached=World(document()).children)
+    await reconcile(created, document(), CONFIG, cached=World(document()).existing)
     assert reads(created) == []
     world = changed(settled(), document(generation=2, decode={"replicas": 2}))
-    role = world.children.roles[Role.DECODE]
+    role = world.existing.roles[Role.DECODE]
     assert role is not None
     scaled = FakeClient({DECODE_ROLE: role})
-    await reconcile(scaled, world.body, CONFIG, cached=world.children)
+    await reconcile(scaled, world.body, CONFIG, cached=world.existing)
     assert reads(scaled) == [("get", *DECODE_ROLE)]
 
 
@@ -1021,7 +1023,7 @@ async def test_a_resync_of_a_settled_deployment_makes_eight_calls() -> None:
     Secret's create answered 409 and seven server-side applies that change nothing; no status write."""
     world = settled()
     client = FakeClient({("secrets", "llama3-8b-side-channel"): KEYS})
-    await reconcile(client, copy.deepcopy(world.body), CONFIG, cached=copy.deepcopy(world.children))
+    await reconcile(client, copy.deepcopy(world.body), CONFIG, cached=copy.deepcopy(world.existing))
     assert client.log == [
         ("create", "secrets", "llama3-8b-side-channel"),
         *CHILD_APPLIES,

@@ -1,11 +1,11 @@
 """The pure half of a reconcile: from what was read, everything it will do.
 
-:func:`plan` takes the deployment as read, its children as the operator's watches (or a read) saw them and the
+:func:`decide` takes the deployment as read, its children as the operator's watches (or a read) saw them and the
 operator's settings, and returns the reconcile's actions in order: the Secret and DisaggregatedRoles, the children to
 apply (each workload with the rollout's step), the children to delete, the roles' and the deployment's status, the
 annotations and the events. Nothing here calls the API; apply.py carries the actions out.
 
-Reading order: :func:`plan` — parse, the verdict, the DisaggregatedRoles (scaling.py's ``plan_roles``), for a
+Reading order: :func:`decide` — parse, the verdict, the DisaggregatedRoles (scaling.py's ``decide_roles``), for a
 compatible spec :func:`_work` (which older specs pods may still pair with: revisions.py; the children the spec
 renders; the rollout's step: rollout.py; the optional children: optional.py), then the status and events
 (observe.py) and the writes (:func:`_writes`).
@@ -23,8 +23,8 @@ from kvbridge_operator.api.spec import DisaggregatedDeployment, parse_deployment
 from kvbridge_operator.children import multinode, placement, transfer_token
 from kvbridge_operator.children.pairing import pairing
 from kvbridge_operator.children.remedy import advice
-from kvbridge_operator.children.render import children, secret
-from kvbridge_operator.children.scaling import Roles, plan_roles
+from kvbridge_operator.children.render import desired_children, secret
+from kvbridge_operator.children.scaling import Roles, decide_roles
 from kvbridge_operator.children.serving import router_token_secret
 from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.config import OperatorConfig
@@ -45,7 +45,7 @@ from kvbridge_operator.kube import DEPLOYMENTS, ROLES, SECRETS, resource_of
 
 
 @dataclass(frozen=True)
-class Children:
+class ExistingChildren:
     """What a reconcile reads of a deployment's children, per role: its DisaggregatedRole, StatefulSet and (for engines
     spanning nodes) LeaderWorkerSet, and the deployment's pods."""
 
@@ -63,10 +63,10 @@ class Children:
 
 @dataclass(frozen=True)
 class Observed:
-    """Everything :func:`plan` knows."""
+    """Everything :func:`decide` knows."""
 
     body: Obj  # the DisaggregatedDeployment as read
-    children: Children
+    existing: ExistingChildren
     config: OperatorConfig
     #: every child (create, update, resume, resync); else only the workloads whose replicas or partition must move
     apply_children: bool
@@ -76,7 +76,7 @@ class Observed:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Decision:
     actions: list[Action]
     applied: bool  # the spec's children are written (False: invalid or incompatible, nothing that runs changes)
 
@@ -102,12 +102,12 @@ _CHECK_FAILED_MESSAGE = (
 )
 
 
-def plan(observed: Observed) -> Plan:
+def decide(observed: Observed) -> Decision:
     """Everything the reconcile does. A spec that is not valid, or one kvbridge's checks or rendering fail on (a
     bug: no retry would mend a pure function), is reported in the status and an event instead of failing the
     reconcile, which Kopf would retry forever."""
     try:
-        return _plan(observed)
+        return _decide(observed)
     except SpecError as exc:
         return _refused(observed, exc, "InvalidSpec")
     except Exception as exc:
@@ -116,17 +116,17 @@ def plan(observed: Observed) -> Plan:
         return _refused(observed, error, CHECK_FAILED)
 
 
-def _refused(observed: Observed, exc: SpecError, reason: str) -> Plan:
+def _refused(observed: Observed, exc: SpecError, reason: str) -> Decision:
     """Only the status and events of a spec that is not applied: ``exc`` says why."""
     meta = observed.body["metadata"]
     namespace = meta.get("namespace") or "default"
     previous: Obj = observed.body.get("status") or {}
     status, events = invalid(previous, int(meta.get("generation", 0)), exc, observed.now, reason)
     actions: list[Action] = [WriteStatus(DEPLOYMENTS, namespace, meta["name"], status)]
-    return Plan(actions + [Post(meta, event) for event in events], applied=False)
+    return Decision(actions + [Post(meta, event) for event in events], applied=False)
 
 
-def _plan(observed: Observed) -> Plan:
+def _decide(observed: Observed) -> Decision:
     body = observed.body
     meta = body["metadata"]
     namespace = meta.get("namespace") or "default"
@@ -135,7 +135,7 @@ def _plan(observed: Observed) -> Plan:
     dd = parse_deployment({**body, "metadata": {**meta, "namespace": namespace}})
     dd = placement.with_gpus_per_node(dd, observed.config.gpus_per_node)
     verdict = verdict_for(dd, observed.config)
-    seen = observed.children
+    seen = observed.existing
     # every child is applied on create, update, resume and resync, and when the spec is not applied yet (a pod event
     # racing the update handler: the status never describes a generation whose children were not written); a
     # status-only reconcile (a pod event, a DisaggregatedRole scaled) applies just the workloads whose replicas or
@@ -143,7 +143,7 @@ def _plan(observed: Observed) -> Plan:
     # that runs: the status says why, with the children as they are.
     full = observed.apply_children or int(previous.get("observedGeneration", -1)) != generation
     compatible = isinstance(verdict, TransferPlan)
-    roles = plan_roles(dd, meta.get("uid", ""), seen.roles, full and compatible, previous)
+    roles = decide_roles(dd, meta.get("uid", ""), seen.roles, full and compatible, previous)
     annotations = _annotations(body)
     if isinstance(verdict, TransferPlan):
         key = pairing(dd.spec)
@@ -159,18 +159,18 @@ def _plan(observed: Observed) -> Plan:
                                       f"generation {generation}: prefill and decode workloads applied"))  # fmt: skip
     report.events.extend(work.events)
     report.annotations.update(work.annotations)
-    return Plan(work.actions + _writes(body, roles, report.status, report.annotations, report.events), work.applied)
+    return Decision(work.actions + _writes(body, roles, report.status, report.annotations, report.events), work.applied)
 
 
 def _work(observed: Observed, dd: DisaggregatedDeployment, transfer: TransferPlan, key: str, roles: Roles,
           previous: Obj, annotations: dict[str, str], full: bool) -> Work:  # fmt: skip
     """A compatible spec's children: the Secrets and roles (on a full reconcile), each child rendered and applied
     with the rollout's step, the optional ones, and what the rollout and the revisions annotation say."""
-    seen, config = observed.children, observed.config
+    seen, config = observed.existing, observed.config
     uid = observed.body["metadata"].get("uid", "")
     present = {str((p["metadata"].get("labels") or {}).get(LABEL_PAIRING, "")) for p in seen.pods} | {key}
     memory = revisions.remember(dd, key, annotations.get(revisions.ANNOTATION), present)
-    rendered, keys = children(dd, uid, transfer, config, key), secret(dd, uid)
+    rendered, keys = desired_children(dd, uid, transfer, config, key), secret(dd, uid)
     work = Work(workloads=seen.workloads(dd), serving=_serving_as_before(previous))
     if full:
         work.actions.append(CreateOnce(SECRETS, keys))
@@ -181,12 +181,12 @@ def _work(observed: Observed, dd: DisaggregatedDeployment, transfer: TransferPla
                 work.actions.append(EnsureRole(roles.create[role], exists=False, replicas=dd.spec.role(role).replicas))
             elif role in roles.rescale:
                 work.actions.append(EnsureRole(roles.held[role] or {}, exists=True, replicas=roles.rescale[role]))
-    roll = rollout.plan(dd, key, rendered, roles.scale, work.workloads, seen.pods, memory.pairs_with,
-                        previous.get("rollout") or {})  # fmt: skip
+    roll = rollout.advance(dd, key, rendered, roles.scale, work.workloads, seen.pods, memory.pairs_with,
+                           previous.get("rollout") or {})  # fmt: skip
     work.applied = full or bool(roll.moving)
     if work.applied:
         lacking = {role for role in Role if multinode.spans_nodes(dd.spec, role) and LWS_KIND in observed.missing}
-        for child in roll.children:
+        for child in roll.rendered:
             runs = Role(child["metadata"]["labels"][LABEL_ROLE]) if child["kind"] in WORKLOAD_KINDS else None
             if not full and runs not in roll.moving:
                 continue
@@ -228,7 +228,7 @@ def _lws_unavailable(dd: DisaggregatedDeployment, role: Role) -> Event:
 
 
 def _retire_other_kind(
-    dd: DisaggregatedDeployment, seen: Children, keep: set[Role]
+    dd: DisaggregatedDeployment, seen: ExistingChildren, keep: set[Role]
 ) -> tuple[list[Action], list[Event]]:
     """A role whose ``nodes`` crossed 1 runs under the other workload kind now: the old one (and, through its owner
     references, its pods) goes at once, once the new one is written (not for the roles in ``keep``, whose new
