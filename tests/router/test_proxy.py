@@ -19,6 +19,7 @@ from aiohttp.test_utils import TestServer
 
 from kvbridge_router.pool import Pool
 from kvbridge_router.proxy import Router, RouterConfig, prefill_request, with_field
+from kvbridge_sim.support import free_port
 
 Obj = dict[str, Any]
 
@@ -170,12 +171,7 @@ class Rig:
 
 def closed_port_endpoint(name: str) -> Obj:
     """An endpoint nothing listens on: a killed pod whose address the status still lists."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return {"pod": name, "ip": "127.0.0.1", "httpPort": port, "pairing": "k"}
+    return {"pod": name, "ip": "127.0.0.1", "httpPort": free_port(), "pairing": "k"}
 
 
 @contextlib.asynccontextmanager

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from aiohttp import web
 
 from kvbridge_router.upstream import BUFFER_BYTES, UnreachableError, Upstream, UpstreamError
+from kvbridge_sim.support import free_port
 
 
 async def serve(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> AsyncIterator[tuple[str, set]]:
@@ -127,11 +127,8 @@ async def test_a_stream_comes_chunk_by_chunk_and_a_silent_one_is_cut_at_its_idle
 
 async def test_no_connection_is_unreachable_and_a_broken_answer_is_an_upstream_error() -> None:
     upstream = Upstream(keepalive=3.0)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        closed_port = probe.getsockname()[1]
     with pytest.raises(UnreachableError):
-        async with upstream.post(f"http://127.0.0.1:{closed_port}", "/x", b"{}", {}, 3):
+        async with upstream.post(f"http://127.0.0.1:{free_port()}", "/x", b"{}", {}, 3):
             pass
     answers = [
         b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nshort",  # closed mid-body

@@ -21,6 +21,7 @@ from kvbridge_agent.core.handshake import (
 )
 from kvbridge_agent.transfer.keys import CurveKeys, KeysError, generate_keys, load_keys
 from kvbridge_agent.transfer.side_channel import SideChannelClient, SideChannelServer
+from kvbridge_sim.support import free_port
 
 META = RankMetadata(
     engine_id="p-0", incarnation="abc", agent_name="p-0.abc.0", tp_rank=0, tp_size=1, block_size=16,
@@ -111,10 +112,10 @@ def test_heartbeats_reach_the_engine(server: SideChannelServer, keys: CurveKeys)
     assert server.beats == [["r1", "r2"]]  # type: ignore[attr-defined]
 
 
-def test_nobody_listening_times_out(keys: CurveKeys, free_port: int) -> None:
+def test_nobody_listening_times_out(keys: CurveKeys) -> None:
     started = time.monotonic()
     with pytest.raises(HandshakeError) as caught:
-        SideChannelClient("127.0.0.1", free_port, "fp", keys, 0.3).fetch([0])
+        SideChannelClient("127.0.0.1", free_port(), "fp", keys, 0.3).fetch([0])
     assert caught.value.code == "HANDSHAKE_TIMEOUT"
     assert time.monotonic() - started < 2
 
