@@ -4,8 +4,11 @@ choice it makes — the pod that was sent the prompt's prefix, unless it is much
 from __future__ import annotations
 
 from kvbridge_operator.api.spec import RouterPolicy
-from kvbridge_router.pool import KV_AWARE, LEAST_LOADED, LOAD_SLACK, POLICIES, Balancer, Pool
-from kvbridge_router.prefixes import BYTES_PER_TOKEN, CHUNK_BYTES, CHUNK_TOKENS, PrefixIndex, prefix_keys
+from kvbridge_router.pool import KV_AWARE, LEAST_LOADED, LOAD_SLACK, Balancer, Pool
+from kvbridge_router.prefixes import BYTES_PER_TOKEN, CHUNK_TOKENS, PrefixIndex, prefix_keys
+
+#: the text of one default chunk
+CHUNK_BYTES = BYTES_PER_TOKEN * CHUNK_TOKENS
 
 
 def pool(prefills: int = 2, decodes: int = 2) -> Pool:
@@ -15,7 +18,7 @@ def pool(prefills: int = 2, decodes: int = 2) -> Pool:
 
 
 def test_the_policies_are_the_specs() -> None:
-    assert set(POLICIES) == {p.value for p in RouterPolicy}
+    assert {KV_AWARE, LEAST_LOADED} == {p.value for p in RouterPolicy}
 
 
 def test_keys_chain_whole_chunks_of_tokens_text_and_chat() -> None:

@@ -16,10 +16,10 @@ from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams
 from kvbridge_agent.transfer.keys import generate_keys, load_keys
 from kvbridge_agent.transfer.side_channel import SideChannelClient
 from kvbridge_sim import pd_requests
-from kvbridge_sim.kv_faults import overwrite_prefill_kv
 from kvbridge_sim.support import until
 from kvbridge_sim.tiny_model import prompt
 from kvbridge_sim.vllm_engines import MODEL_NAME, Engines, metric
+from tests.kv_faults import overwrite_prefill_kv
 
 from .assertions import assert_pd_equals_single_engine
 from .conftest import DEPLOYMENTS

@@ -26,8 +26,8 @@ from kvbridge_agent.synthetic.processes import EngineProcess, start_engine
 from kvbridge_agent.transfer.keys import CurveKeys, generate_keys
 from kvbridge_agent.transfer.side_channel import SideChannelClient
 from kvbridge_agent.transfer.transport import Transport
-from kvbridge_sim.kv_faults import overwrite_prefill_kv
 from kvbridge_sim.support import wait_until
+from tests.kv_faults import overwrite_prefill_kv
 
 MODEL = ModelGeometry(name="tiny", num_layers=2, num_kv_heads=8, head_dim=32)
 TRANSFER = TransferSettings(lease_seconds=3, handshake_timeout_seconds=2)
