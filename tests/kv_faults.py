@@ -5,7 +5,9 @@ For tests of transfer verification (docs/protocol.md §8); nothing in the produc
 
 from __future__ import annotations
 
+import functools
 import uuid
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,6 +20,10 @@ from kvbridge_sim.support import wait_until
 
 #: the byte written
 JUNK = 0x5A
+
+
+def _ended(transport: Transport, handle: Any) -> bool:
+    return transport.state(handle) in ("DONE", "ERR")
 
 
 def overwrite_prefill_kv(params: KVTransferParams, keys: CurveKeys | None, nbytes: int = 64,
@@ -42,7 +48,7 @@ def overwrite_prefill_kv(params: KVTransferParams, keys: CurveKeys | None, nbyte
             handle = agent_api.make_prepped_xfer("WRITE", local, [0], remote, [0])
             transport.post(handle)
             wait_until(
-                lambda handle=handle: transport.state(handle) in ("DONE", "ERR"),
+                functools.partial(_ended, transport, handle),
                 timeout,
                 f"the WRITE into {meta.engine_id} rank {meta.tp_rank} to finish",
                 interval=0.005,

@@ -74,7 +74,7 @@ class Cluster:
     def reasons(self, name: str) -> list[str]:
         return [e["reason"] for e in self.events(name)]
 
-    async def wait(self, predicate: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
+    async def wait(self, predicate: Callable[[], object], timeout: float = 20.0, what: str = "") -> None:
         """:func:`~kvbridge_sim.support.until`, with what a check of this cluster may raise before the objects it
         reads exist (a missing deployment, key or condition) counting as "not yet"."""
         await until(

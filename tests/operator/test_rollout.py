@@ -70,7 +70,10 @@ def run(
     for _ in range(3):
         for sts in sets.values():
             sts.tick()
-    judge = lambda p, d: None if (p, d) in compatible or p == d else "incompatible"  # noqa: E731
+
+    def judge(p: str, d: str) -> str | None:
+        return None if (p, d) in compatible or p == d else "incompatible"
+
     phases: list[Phase] = []
     new_key = "K1"
     for _ in range(ticks):

@@ -134,13 +134,14 @@ DRAIN_ANSWERS = ("aborted", "stream-role-then-abort", "stream-error-event", "str
 async def drain_answer(request: web.Request, mode: str, stream: bool) -> web.StreamResponse:
     if not stream:
         return web.json_response({"choices": [{"index": 0, "text": "", "token_ids": None, "finish_reason": "abort"}]})
-    events = {
+    answers: dict[str, list[dict[str, Any]]] = {
         "aborted": [{"choices": [{"index": 0, "text": "", "finish_reason": "abort"}]}],
         "stream-role-then-abort": [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
                                    {"choices": [{"index": 0, "delta": {}, "finish_reason": "abort"}]}],
         "stream-error-event": [{"error": {"message": "EngineCore encountered an issue.", "code": 500}}],
         "stream-done-without-tokens": [{"choices": [{"index": 0, "text": "", "finish_reason": None}]}],
-    }[mode]  # fmt: skip
+    }  # fmt: skip
+    events = answers[mode]
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     for event in events:

@@ -50,7 +50,7 @@ def client(
 
 def raw_request(server: SideChannelServer, keys: CurveKeys, frames: list[bytes]) -> list[bytes]:
     """Send raw frames over an authenticated REQ socket; the listener's reply frames."""
-    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys.public, keys.public, keys.secret
     sock.connect(f"tcp://127.0.0.1:{server.port}")
@@ -146,7 +146,7 @@ def test_a_frame_over_the_size_limit_is_dropped_and_the_listener_keeps_serving(
     server: SideChannelServer, keys: CurveKeys
 ) -> None:
     """Issue 13 #1: ZMQ_MAXMSGSIZE drops the peer before anything is allocated for a 100 MB frame."""
-    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys.public, keys.public, keys.secret
     sock.connect(f"tcp://127.0.0.1:{server.port}")
@@ -215,7 +215,7 @@ def test_a_reply_frame_over_the_limit_is_refused_before_it_is_allocated(keys: Cu
     import sys
     import threading
 
-    context = zmq.Context.instance()
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.curve_server = True

@@ -342,7 +342,9 @@ def _another_token(params: dict[str, Any]) -> dict[str, Any]:
 def _replayed(params: dict[str, Any]) -> dict[str, Any]:
     """Parameters the router signed, replayed with another request's blocks."""
     sent = signed(TOKEN, params)
-    sent["kvbridge"] = {**sent["kvbridge"], "remoteBlockIds": [1, 2, 3]}
+    kvbridge = sent["kvbridge"]
+    assert isinstance(kvbridge, dict)
+    sent["kvbridge"] = {**kvbridge, "remoteBlockIds": [1, 2, 3]}
     return sent
 
 
