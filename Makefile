@@ -52,7 +52,7 @@ lint: $(LINT_STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: setup
-	$(VENV)/bin/mypy agent operator sim
+	$(VENV)/bin/mypy agent operator sim tests
 
 imports: setup
 	$(VENV)/bin/lint-imports

@@ -47,8 +47,8 @@ from kvbridge_sim.demo import (
     send,
     start_router,
     synthetic_deployment,
-    until,
 )
+from kvbridge_sim.support import until
 from kvbridge_sim.tiny_model import NAME as TINY_MODEL
 from kvbridge_sim.vllm_engines import deployment as vllm_deployment
 

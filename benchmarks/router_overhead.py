@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,14 +31,10 @@ from typing import Any
 
 import aiohttp
 
+from kvbridge_sim.support import free_port, until
+
 ROOT = Path(__file__).parents[1]
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def serve_engine(port: int, role: str, engine_ms: float) -> None:
@@ -81,16 +76,11 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
 
 
 async def wait_up(session: aiohttp.ClientSession, url: str) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            async with session.get(url) as r:
-                if r.status < 500:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.2)
-    raise TimeoutError(f"{url} did not come up")
+    async def up() -> bool:
+        async with session.get(url) as r:
+            return r.status < 500
+
+    await until(up, 60, f"{url} to come up", interval=0.2, tolerate=(aiohttp.ClientError,))
 
 
 async def direct(session: aiohttp.ClientSession, prefill: str, decode: str, body: dict[str, Any]) -> None:

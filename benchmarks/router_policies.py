@@ -25,7 +25,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,15 +33,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvbridge_sim.support import free_port, wait_until
+
 ROOT = Path(__file__).parents[1]
 BIN = Path(sys.executable).parent
 POLICIES = ("least-loaded", "kv-aware")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def progress(line: str) -> None:
@@ -93,16 +88,11 @@ def counters(urls: dict[str, list[str]]) -> dict[str, float]:
 
 
 def wait_healthy(url: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"router {url} not healthy within {timeout:g} s")
+    def healthy() -> bool:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+            return bool(response.status == 200)
+
+    wait_until(healthy, timeout, f"router {url} to be healthy", interval=0.3, tolerate=(OSError,))
 
 
 def bench(url: str, model: str, tokenizer: Path, workload: str, args: argparse.Namespace, seed: int,

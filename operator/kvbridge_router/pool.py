@@ -18,7 +18,6 @@ from kvbridge_router.prefixes import PrefixIndex
 
 KV_AWARE = "kv-aware"
 LEAST_LOADED = "least-loaded"
-POLICIES = (KV_AWARE, LEAST_LOADED)
 #: kv-aware: a pod holding the prompt's prefix is preferred while it has at most this many more requests in flight
 #: than the least loaded pod (a busy pod's queue costs more than recomputing a prefix elsewhere)
 LOAD_SLACK = 2

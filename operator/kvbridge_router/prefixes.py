@@ -24,7 +24,6 @@ from kvbridge_router.admission import one_prompt, token_ids
 CHUNK_TOKENS = 16
 #: text is chunked by bytes, about this many per token (BPE tokenizers on English: 3.5-4.5)
 BYTES_PER_TOKEN = 4
-CHUNK_BYTES = BYTES_PER_TOKEN * CHUNK_TOKENS
 #: at most this many leading chunks are keyed (longer prompts: their first 4096 blocks)
 MAX_CHUNKS = 4096
 #: keys remembered per pod (about a million prompt tokens' worth of 16-token chunks)

@@ -22,7 +22,6 @@ import asyncio
 import collections
 import contextlib
 import copy
-import datetime
 import itertools
 import json
 import secrets
@@ -39,7 +38,7 @@ from kmock._internal import k8s as kmock_k8s
 from kmock._internal import rendering
 
 from kvbridge_operator.api.crd import crds
-from kvbridge_operator.api.objects import Obj, with_fields
+from kvbridge_operator.api.objects import Obj, now_rfc3339, with_fields
 from kvbridge_operator.kube import USER_AGENT, KubeClient, Resource
 from kvbridge_sim import field_managers, openapi, tables
 from kvbridge_sim.selectors import field_match, label_match, merge_patch
@@ -74,10 +73,6 @@ BUILTIN: dict[tuple[str, str, str], dict[str, Any]] = {
 }  # fmt: skip
 APPLY_PATCH = "application/apply-patch+yaml"
 VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 @attrs.define(kw_only=True)
@@ -324,7 +319,7 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
                                             message=f"{gvp[2]} {meta['name']!r} already exists")  # fmt: skip
             if info["namespaced"]:
                 meta["namespace"] = request.namespace
-            meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
+            meta.update(uid=str(uuid.uuid4()), creationTimestamp=now_rfc3339(), generation=1)
             body.setdefault("apiVersion", self._api_version(gvp))
             body.setdefault("kind", info["kind"])
             field_managers.record_update(None, body, self._manager(request), "status" in info["subresources"])
@@ -408,7 +403,7 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
             if current is None:
                 if info["namespaced"]:
                     meta["namespace"] = request.namespace
-                meta.update(name=request.name, uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
+                meta.update(name=request.name, uid=str(uuid.uuid4()), creationTimestamp=now_rfc3339(), generation=1)
                 result.setdefault("apiVersion", self._api_version(gvp))
                 result.setdefault("kind", info["kind"])
                 self.store[key] = result
@@ -431,7 +426,7 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
                 raise self._not_found(key)
             if current["metadata"].get("finalizers"):
                 if not current["metadata"].get("deletionTimestamp"):
-                    current["metadata"]["deletionTimestamp"] = _now()
+                    current["metadata"]["deletionTimestamp"] = now_rfc3339()
                     self._bump(gvp, "MODIFIED", current)
                 return copy.deepcopy(current)
             del self.store[key]

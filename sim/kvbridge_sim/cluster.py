@@ -7,7 +7,6 @@ import contextlib
 import copy
 import itertools
 import re
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -17,6 +16,7 @@ from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.controller.handlers import run_operator
 from kvbridge_operator.kube import DEPLOYMENTS, LEADER_WORKER_SETS, PODS, STATEFUL_SETS, KubeClient
 from kvbridge_sim.apiserver import RealisticKubernetes, emulated_api
+from kvbridge_sim.support import until
 
 
 @dataclass
@@ -74,16 +74,16 @@ class Cluster:
     def reasons(self, name: str) -> list[str]:
         return [e["reason"] for e in self.events(name)]
 
-    async def wait(self, predicate: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if predicate():
-                    return
-            except (AssertionError, KeyError, StopIteration):
-                pass
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what or predicate}")
+    async def wait(self, predicate: Callable[[], object], timeout: float = 20.0, what: str = "") -> None:
+        """:func:`~kvbridge_sim.support.until`, with what a check of this cluster may raise before the objects it
+        reads exist (a missing deployment, key or condition) counting as "not yet"."""
+        await until(
+            predicate,
+            timeout,
+            what or repr(predicate),
+            interval=0.05,
+            tolerate=(AssertionError, KeyError, StopIteration),
+        )
 
     # -- the StatefulSet controller and the kubelet, played by the test -----------
     async def run_pods(self, name: str, role: str, *, ready: bool = True, ip_base: str = "10.0.0.",

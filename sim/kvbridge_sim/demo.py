@@ -16,11 +16,10 @@ import contextlib
 import copy
 import json
 import signal
-import socket
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from kvbridge_operator.cli.manifests import deployments_of, parse_documents, rea
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.kube import DEPLOYMENTS, PODS, KubeClient
 from kvbridge_router.proxy import Router
+from kvbridge_sim.support import free_port, until
 
 #: the demo's own manifests (package data: byte copies of examples/vllm/tiny-cpu.yaml and examples/*.yaml, kept
 #: equal by a test), so the demo runs wherever kvbridge_sim is installed, not only from a checkout
@@ -114,23 +114,28 @@ def condition(obj: Obj, kind: str) -> Obj:
 async def wait_for_verdicts(
     client: KubeClient, names: list[str], timeout: float, interrupted: asyncio.Event | None = None
 ) -> dict[str, Obj]:
-    deadline = time.monotonic() + timeout
     last = ""
-    while True:
+    objects: dict[str, Obj] = {}
+
+    async def settled() -> bool:
+        nonlocal last, objects
         check(interrupted)
         objects = {n: await client.get(DEPLOYMENTS, NAMESPACE, n) or {} for n in names}
-        settled = all(condition(o, "Compatible").get("status") == "False" or condition(o, "Ready").get("status")
-                      == "True" for o in objects.values())  # fmt: skip
         line = "; ".join(f"{n}: {_short(condition(o, 'Ready').get('message') or 'waiting for the operator')}"
                          for n, o in objects.items())  # fmt: skip
         if line != last:
             progress(f"  {line}")
             last = line
-        if settled:
-            return objects
-        if time.monotonic() > deadline:
-            raise DemoError(f"not settled after {timeout:g} s: {line}")
-        await asyncio.sleep(0.5)
+        return all(
+            condition(o, "Compatible").get("status") == "False" or condition(o, "Ready").get("status") == "True"
+            for o in objects.values()
+        )
+
+    try:
+        await until(settled, timeout, "every deployment compatible and Ready, or incompatible", interval=0.5)
+    except TimeoutError as exc:
+        raise DemoError(f"not settled after {timeout:g} s: {last}") from exc
+    return objects
 
 
 def _short(message: str, limit: int = 100) -> str:
@@ -164,18 +169,15 @@ async def start_router(client: KubeClient, name: str, timeout: float = 60) -> Lo
     token = await router_token(client, NAMESPACE, name) if spec.router.enabled and spec.router.sign_transfers else b""
     config = RouterConfig(policy=spec.router.policy.value, block_tokens=spec.prefill.block_size, transfer_token=token)
     router, stop = Router(config), asyncio.Event()
-    with socket.socket() as probe:  # a free port for the router
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     tasks = [asyncio.create_task(watch_status(client, NAMESPACE, name, router.set_pool, stop)),
              asyncio.create_task(serve(router, "127.0.0.1", port, stop))]  # fmt: skip
     local = LocalRouter(router, f"http://127.0.0.1:{port}", stop, tasks)
-    deadline = time.monotonic() + timeout
-    while router.pool.problem():
-        if time.monotonic() > deadline:
-            await local.close()
-            raise DemoError(f"{name}: the router found nothing to route to: {router.pool.problem()}")
-        await asyncio.sleep(0.2)
+    try:
+        await until(lambda: not router.pool.problem(), timeout, f"{name}'s router to find pods", interval=0.2)
+    except TimeoutError as exc:
+        await local.close()
+        raise DemoError(f"{name}: the router found nothing to route to: {router.pool.problem()}") from exc
     return local
 
 
@@ -253,26 +255,33 @@ async def _kill_prefill(client: KubeClient, runner: Any, name: str, local: Local
     progress(f"  a request sent right after the kill: {outcome} in {seconds} s (another prefill pod, or a clear "
              "error; never a hang)")  # fmt: skip
     await wait_restarted(client, name, victim, timeout=600, interrupted=interrupted)
-    deadline = time.monotonic() + 30
-    while victim not in {t.pod for t in local.router.pool.routable()} and time.monotonic() < deadline:
-        await asyncio.sleep(0.2)
+    with contextlib.suppress(TimeoutError):  # at most 30 s, then the demo goes on
+        await until(
+            lambda: victim in {t.pod for t in local.router.pool.routable()},
+            30,
+            f"{victim} routable again",
+            interval=0.2,
+        )
     progress(f"  {victim} is back with a new engine: decode handshakes with it again")
 
 
 async def wait_restarted(
     client: KubeClient, name: str, pod: str, timeout: float = 120, interrupted: asyncio.Event | None = None
 ) -> None:
-    deadline = time.monotonic() + timeout
     seen_down = False
-    while time.monotonic() < deadline:
+
+    async def back() -> bool:
+        nonlocal seen_down
         check(interrupted)
         dd = await client.get(DEPLOYMENTS, NAMESPACE, name) or {}
         pods = [e["pod"] for e in (dd.get("status") or {}).get("prefill", {}).get("endpoints") or []]
         seen_down = seen_down or pod not in pods
-        if seen_down and pod in pods and condition(dd, "Ready").get("status") == "True":
-            return
-        await asyncio.sleep(0.3)
-    raise DemoError(f"{pod} did not come back within {timeout:g} s")
+        return seen_down and pod in pods and condition(dd, "Ready").get("status") == "True"
+
+    try:
+        await until(back, timeout, f"{pod} to come back", interval=0.3)
+    except TimeoutError as exc:
+        raise DemoError(f"{pod} did not come back within {timeout:g} s") from exc
 
 
 async def route_vllm(
@@ -360,15 +369,6 @@ def synthetic_deployment(name: str) -> Obj:
                  "transfer": {"leaseSeconds": 20, "drainSeconds": 5},
                  "prefill": {"replicas": 2, "blockSize": 16}, "decode": {"replicas": 2, "blockSize": 16}},
     }  # fmt: skip
-
-
-async def until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    """Wait until ``predicate()`` holds, polling; ``TimeoutError`` naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out: {what}")
-        await asyncio.sleep(0.1)
 
 
 def models_for(docs: list[Obj], workdir: Path) -> dict[str, str]:

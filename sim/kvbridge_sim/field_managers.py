@@ -20,10 +20,9 @@ leaves as ``FieldsV1`` without the ``.`` entries for their parents.
 from __future__ import annotations
 
 import copy
-import datetime
 from typing import Any
 
-from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.api.objects import Obj, now_rfc3339
 
 Path = tuple[str, ...]
 
@@ -116,7 +115,7 @@ def owners(obj: Obj) -> dict[tuple[str, str], set[Path]]:
 
 
 def _write_owners(obj: Obj, table: dict[tuple[str, str], set[Path]], api_version: str) -> None:
-    now = datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    now = now_rfc3339()
     previous = {(str(e.get("manager")), str(e.get("operation"))): e for e in obj["metadata"].get("managedFields") or []}
     entries = []
     for (manager, operation), paths in table.items():

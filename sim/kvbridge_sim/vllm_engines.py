@@ -30,6 +30,7 @@ from kvbridge_operator.children.render import stateful_set
 from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_sim import pods, tiny_model
+from kvbridge_sim.support import wait_until
 
 MODEL_NAME = tiny_model.NAME  # what spec.model.name says; mapped to the local folder when started
 VLLM = Path(sys.executable).parent / "vllm"
@@ -169,17 +170,17 @@ class Engines:
         for name in names:
             engine = self.engines[name]
             engine.process = pods.start(engine.spec, engine.log)
-        deadline = started + START_TIMEOUT
         waiting = {name: self.engines[name] for name in names}
-        while waiting:
+
+        def healthy() -> bool:
             for name, engine in list(waiting.items()):
                 if engine.process is not None and engine.process.poll() is not None:
                     raise RuntimeError(f"{name} exited with {engine.process.returncode}:\n{engine.log_tail()}")
                 if _healthy(engine.url):
                     del waiting[name]
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"not healthy after {START_TIMEOUT:g} s: {sorted(waiting)}")
-            time.sleep(1.0)
+            return not waiting
+
+        wait_until(healthy, START_TIMEOUT, lambda: f"{sorted(waiting)} to be healthy", interval=1.0)
         self.start_seconds[",".join(names)] = round(time.monotonic() - started, 1)
 
     def stop(self, names: list[str] | None = None) -> None:

@@ -11,8 +11,9 @@ from pathlib import Path
 import aiohttp
 
 from kvbridge_operator.kube import DEPLOYMENTS
-from kvbridge_sim.demo import NAMESPACE, apply_all, local_cluster, send, start_router, synthetic_deployment, until
+from kvbridge_sim.demo import NAMESPACE, apply_all, local_cluster, send, start_router, synthetic_deployment
 from kvbridge_sim.runner import LocalRunner
+from kvbridge_sim.support import until
 
 NAME = "day2"
 CLIENTS = 3

@@ -144,7 +144,7 @@ def test_serve_keeps_the_cluster_up_for_your_own_clients_and_ctrl_c_stops_everyt
             lines.append(line)
             if line.startswith("serving:"):
                 break
-        assert lines, process.stderr.read() if process.poll() is not None else "no output"
+        assert lines, process.stderr.read() if process.stderr and process.poll() is not None else "no output"
         assert lines[-1].startswith("serving:"), lines
         config = re.search(r"^kubeconfig (\S+)", "".join(lines), re.M)
         router = re.search(r"^router llama3-8b (\S+) model meta-llama/Llama-3.1-8B-Instruct ", "".join(lines), re.M)

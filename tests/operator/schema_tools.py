@@ -7,6 +7,7 @@ from typing import Any
 
 import celpy
 import jsonschema
+from celpy.adapter import json_to_cel
 
 
 def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
@@ -35,7 +36,7 @@ def cel_failures(rules: list[dict[str, str]], spec: dict[str, Any]) -> list[dict
     failed = []
     for rule in rules:
         program = environment.program(environment.compile(rule["rule"]))
-        result = program.evaluate({"self": celpy.json_to_cel(spec)})
-        if result is not True and result != celpy.celtypes.BoolType(True):
+        result = program.evaluate({"self": json_to_cel(spec)})
+        if result != celpy.celtypes.BoolType(True):
             failed.append(rule)
     return failed

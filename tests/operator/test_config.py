@@ -16,7 +16,8 @@ def run_parser() -> argparse.ArgumentParser:
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     operator = commands.choices["operator"]
     actions = next(a for a in operator._actions if isinstance(a, argparse._SubParsersAction))
-    return actions.choices["run"]
+    run: argparse.ArgumentParser = actions.choices["run"]
+    return run
 
 
 def test_every_setting_has_a_flag() -> None:

@@ -20,8 +20,12 @@ ROOT = Path(__file__).resolve().parents[2]
 UID = "00000000-0000-0000-0000-0000000000cc"
 #: what the LWS API (kubernetes-sigs/lws api/leaderworkerset/v1/leaderworkerset_types.go) requires: the fields
 #: without ``omitempty``, by path from the object's spec
-LWS_REQUIRED = (("leaderWorkerTemplate",), ("leaderWorkerTemplate", "workerTemplate"), ("startupPolicy",),
-                ("rolloutStrategy", "type"))  # fmt: skip
+LWS_REQUIRED: tuple[tuple[str, ...], ...] = (
+    ("leaderWorkerTemplate",),
+    ("leaderWorkerTemplate", "workerTemplate"),
+    ("startupPolicy",),
+    ("rolloutStrategy", "type"),
+)
 LWS_ENUMS = {("startupPolicy",): {"LeaderReady", "LeaderCreated"},
              ("rolloutStrategy", "type"): {"RollingUpdate"},
              ("leaderWorkerTemplate", "restartPolicy"): {"RecreateGroupOnPodRestart", "RecreateGroupAfterStart",

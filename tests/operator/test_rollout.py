@@ -13,6 +13,7 @@ from kvbridge_operator.api.spec import parse_deployment
 from kvbridge_operator.children.pairing import pairing
 from kvbridge_operator.controller import revisions
 from kvbridge_operator.controller.rollout import Phase, PodState, RoleTarget, Strategy, step
+from kvbridge_sim.support import until
 
 from .test_operator import example
 
@@ -69,7 +70,10 @@ def run(
     for _ in range(3):
         for sts in sets.values():
             sts.tick()
-    judge = lambda p, d: None if (p, d) in compatible or p == d else "incompatible"  # noqa: E731
+
+    def judge(p: str, d: str) -> str | None:
+        return None if (p, d) in compatible or p == d else "incompatible"
+
     phases: list[Phase] = []
     new_key = "K1"
     for _ in range(ticks):
@@ -213,7 +217,6 @@ async def roll(change: dict, mixed_pairs: bool) -> tuple[list[str], list[dict]]:
     complete: while the deployment is Ready, every ready decode pod has a ready prefill pod it pairs with."""
     import asyncio
     import contextlib
-    import time
 
     from kvbridge_sim.cluster import StatefulSetController, cluster
 
@@ -247,15 +250,18 @@ async def roll(change: dict, mixed_pairs: bool) -> tuple[list[str], list[dict]]:
             await c.apply(before)
             await c.wait(lambda: c.condition("llama3-8b", "Ready").get("status") == "True", what="Ready", timeout=30)
             await c.patch_spec("llama3-8b", after["spec"])
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
+
+            def completed() -> bool:
                 check()
                 rollout = (c.deployment("llama3-8b").get("status") or {}).get("rollout") or {}
-                if rollout.get("revision") == new_key and rollout.get("phase") == "Complete":
-                    break
-                await asyncio.sleep(0.005)
-            else:
-                raise AssertionError(f"rollout did not complete: {c.deployment('llama3-8b').get('status')}")
+                return bool(rollout.get("revision") == new_key and rollout.get("phase") == "Complete")
+
+            await until(
+                completed,
+                60,
+                lambda: f"the rollout to complete: {c.deployment('llama3-8b').get('status')}",
+                interval=0.005,
+            )
             for _ in range(20):  # and it stays so
                 check()
                 await asyncio.sleep(0.01)

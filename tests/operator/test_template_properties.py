@@ -75,7 +75,7 @@ def _items(item: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
     return _mostly(listed, st.none() | listed.map(lambda items: items + items[:1]))
 
 
-ODD_VALUE = st.sampled_from([None, 1, "", [], {}])
+ODD_VALUE: st.SearchStrategy[object] = st.sampled_from([None, 1, "", [], {}])
 ENV_ITEM = _mostly(
     st.fixed_dictionaries(
         {"name": st.sampled_from(["NCCL_DEBUG", "HF_HUB_OFFLINE", "KVBRIDGE_NUM_BLOCKS"])},
@@ -222,7 +222,8 @@ def _pod_templates(dd: Any, verdict: Any, role: Role) -> list[Obj]:
 
 
 def _engine(template: Obj) -> Obj:
-    [engine] = [c for c in template["spec"]["containers"] if c.get("name") == "engine"]
+    engines: list[Obj] = [c for c in template["spec"]["containers"] if c.get("name") == "engine"]
+    [engine] = engines
     return engine
 
 

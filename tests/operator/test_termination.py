@@ -19,6 +19,7 @@ from kvbridge_operator.children import termination
 from kvbridge_operator.children.render import pod_template
 from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.config import OperatorConfig
+from kvbridge_sim.support import free_port
 
 
 def manifest(kind: str, connector: str = "Nixl", **transfer: Any) -> dict[str, Any]:
@@ -107,10 +108,5 @@ def test_the_prestop_waits_until_decode_has_read_what_prefill_holds(engine: int)
 def test_the_prestop_wait_is_bounded_by_the_lease_and_ends_when_the_engine_is_gone(engine: int) -> None:
     Metrics.held = 3.0
     assert 1.0 <= drain(engine, lease=1.0) < 4  # held forever: the lease ends it (the blocks are freed then)
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = s.getsockname()[1]
-    assert drain(closed, lease=20) < 3  # nothing listens: the engine is gone, nothing to wait for
+    assert drain(free_port(), lease=20) < 3  # nothing listens: the engine is gone, nothing to wait for
     assert drain(engine, lease=20, gauge="") < 2  # a decode pod, or NixlConnector's prefill: routers only

@@ -47,7 +47,8 @@ def template(doc: dict[str, Any], role: Role, config: OperatorConfig | None = No
 
 def engine(doc: dict[str, Any], role: Role, config: OperatorConfig | None = None) -> dict[str, Any]:
     containers = template(doc, role, config)["spec"]["containers"]
-    [found] = [c for c in containers if c["name"] == "engine"]
+    engines: list[dict[str, Any]] = [c for c in containers if c["name"] == "engine"]
+    [found] = engines
     return found
 
 

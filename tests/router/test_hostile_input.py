@@ -11,7 +11,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+
+from kvbridge_sim.support import free_port, until
 
 from .test_proxy import FakeEngine
 
@@ -52,12 +53,6 @@ class RouterProcess:
         return sum(len(e.received) for e in self.engines)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 async def router(tmp_path: Path) -> AsyncIterator[RouterProcess]:
     engines = [FakeEngine("prefill-0"), FakeEngine("decode-0")]
@@ -66,7 +61,7 @@ async def router(tmp_path: Path) -> AsyncIterator[RouterProcess]:
     status = {"status": {"prefill": {"endpoints": [engines[0].endpoint]},
                          "decode": {"endpoints": [engines[1].endpoint]}}}  # fmt: skip
     (tmp_path / "dd.json").write_text(json.dumps(status))
-    port, log = _free_port(), tmp_path / "router.log"
+    port, log = free_port(), tmp_path / "router.log"
     with log.open("w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "kvbridge_operator", "router", "--status-file", str(tmp_path / "dd.json"),
@@ -78,17 +73,15 @@ async def router(tmp_path: Path) -> AsyncIterator[RouterProcess]:
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
             url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    async with session.get(url + "/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
+
+            async def healthy() -> bool:
                 assert process.poll() is None, log.read_text()
-                assert time.monotonic() < deadline, f"the router did not come up: {log.read_text()}"
-                await asyncio.sleep(0.1)
+                async with session.get(url + "/health") as r:
+                    return r.status == 200
+
+            await until(
+                healthy, 30, lambda: f"the router to come up: {log.read_text()}", tolerate=(aiohttp.ClientError,)
+            )
             yield RouterProcess(url, port, log, engines, session)
             async with session.get(url + "/health") as r:  # still serving after all of it
                 assert r.status == 200, log.read_text()

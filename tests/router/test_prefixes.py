@@ -4,18 +4,23 @@ choice it makes — the pod that was sent the prompt's prefix, unless it is much
 from __future__ import annotations
 
 from kvbridge_operator.api.spec import RouterPolicy
-from kvbridge_router.pool import KV_AWARE, LEAST_LOADED, LOAD_SLACK, POLICIES, Balancer, Pool
-from kvbridge_router.prefixes import BYTES_PER_TOKEN, CHUNK_BYTES, CHUNK_TOKENS, PrefixIndex, prefix_keys
+from kvbridge_router.pool import KV_AWARE, LEAST_LOADED, LOAD_SLACK, Balancer, Pool
+from kvbridge_router.prefixes import BYTES_PER_TOKEN, CHUNK_TOKENS, PrefixIndex, prefix_keys
+
+#: the text of one default chunk
+CHUNK_BYTES = BYTES_PER_TOKEN * CHUNK_TOKENS
 
 
 def pool(prefills: int = 2, decodes: int = 2) -> Pool:
-    endpoint = lambda name, i: {"pod": name, "ip": f"10.0.0.{i}", "httpPort": 8000, "pairing": "k"}  # noqa: E731
+    def endpoint(name: str, i: int) -> dict[str, str | int]:
+        return {"pod": name, "ip": f"10.0.0.{i}", "httpPort": 8000, "pairing": "k"}
+
     return Pool.from_status({"prefill": {"endpoints": [endpoint(f"p{i}", i) for i in range(prefills)]},
                              "decode": {"endpoints": [endpoint(f"d{i}", 10 + i) for i in range(decodes)]}})  # fmt: skip
 
 
 def test_the_policies_are_the_specs() -> None:
-    assert set(POLICIES) == {p.value for p in RouterPolicy}
+    assert {KV_AWARE, LEAST_LOADED} == {p.value for p in RouterPolicy}
 
 
 def test_keys_chain_whole_chunks_of_tokens_text_and_chat() -> None:

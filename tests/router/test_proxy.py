@@ -19,6 +19,7 @@ from aiohttp.test_utils import TestServer
 
 from kvbridge_router.pool import Pool
 from kvbridge_router.proxy import Router, RouterConfig, prefill_request, with_field
+from kvbridge_sim.support import free_port
 
 Obj = dict[str, Any]
 
@@ -133,13 +134,14 @@ DRAIN_ANSWERS = ("aborted", "stream-role-then-abort", "stream-error-event", "str
 async def drain_answer(request: web.Request, mode: str, stream: bool) -> web.StreamResponse:
     if not stream:
         return web.json_response({"choices": [{"index": 0, "text": "", "token_ids": None, "finish_reason": "abort"}]})
-    events = {
+    answers: dict[str, list[dict[str, Any]]] = {
         "aborted": [{"choices": [{"index": 0, "text": "", "finish_reason": "abort"}]}],
         "stream-role-then-abort": [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
                                    {"choices": [{"index": 0, "delta": {}, "finish_reason": "abort"}]}],
         "stream-error-event": [{"error": {"message": "EngineCore encountered an issue.", "code": 500}}],
         "stream-done-without-tokens": [{"choices": [{"index": 0, "text": "", "finish_reason": None}]}],
-    }[mode]  # fmt: skip
+    }  # fmt: skip
+    events = answers[mode]
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     for event in events:
@@ -170,12 +172,7 @@ class Rig:
 
 def closed_port_endpoint(name: str) -> Obj:
     """An endpoint nothing listens on: a killed pod whose address the status still lists."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return {"pod": name, "ip": "127.0.0.1", "httpPort": port, "pairing": "k"}
+    return {"pod": name, "ip": "127.0.0.1", "httpPort": free_port(), "pairing": "k"}
 
 
 @contextlib.asynccontextmanager

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from aiohttp import web
 
 from kvbridge_router.upstream import BUFFER_BYTES, UnreachableError, Upstream, UpstreamError
+from kvbridge_sim.support import free_port
 
 
-async def serve(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> AsyncIterator[tuple[str, set]]:
+async def serve(
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> AsyncIterator[tuple[str, set[tuple[str, int]]]]:
     peers: set[tuple[str, int]] = set()
 
     async def counted(request: web.Request) -> web.StreamResponse:
@@ -127,11 +129,8 @@ async def test_a_stream_comes_chunk_by_chunk_and_a_silent_one_is_cut_at_its_idle
 
 async def test_no_connection_is_unreachable_and_a_broken_answer_is_an_upstream_error() -> None:
     upstream = Upstream(keepalive=3.0)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        closed_port = probe.getsockname()[1]
     with pytest.raises(UnreachableError):
-        async with upstream.post(f"http://127.0.0.1:{closed_port}", "/x", b"{}", {}, 3):
+        async with upstream.post(f"http://127.0.0.1:{free_port()}", "/x", b"{}", {}, 3):
             pass
     answers = [
         b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nshort",  # closed mid-body
@@ -326,17 +325,18 @@ async def test_an_answer_over_the_limit_is_refused_without_reading_the_rest_and_
     from kvbridge_router.upstream import AnswerTooLargeError
 
     closed = asyncio.Event()
+    answer = {"chunked": False}
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
         await reader.readexactly(2)
         chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
         announced = b"HTTP/1.1 200 OK\r\nContent-Length: 1073741824\r\n\r\n"  # a gigabyte announced
-        writer.write(chunked if server.chunked else announced)
+        writer.write(chunked if answer["chunked"] else announced)
         with contextlib.suppress(ConnectionError):
             for _ in range(200):  # up to 12.5 MiB, 64 KiB at a time, unless the router hangs up first
                 piece = b"x" * 65536
-                writer.write(b"%x\r\n%s\r\n" % (len(piece), piece) if server.chunked else piece)
+                writer.write(b"%x\r\n%s\r\n" % (len(piece), piece) if answer["chunked"] else piece)
                 await writer.drain()
                 await asyncio.sleep(0.001)
             await asyncio.wait_for(reader.read(), 10)  # the router closes the connection
@@ -347,7 +347,7 @@ async def test_an_answer_over_the_limit_is_refused_without_reading_the_rest_and_
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     async with server:
-        for server.chunked in (False, True):  # type: ignore[attr-defined]
+        for answer["chunked"] in (False, True):
             closed.clear()
             async with upstream.post(url, "/x", b"{}", {}, 3, head_timeout=3) as got:
                 with pytest.raises(AnswerTooLargeError) as caught:

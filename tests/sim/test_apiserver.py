@@ -99,7 +99,7 @@ async def test_the_scale_subresource_reads_and_writes_the_replicas(api: Any) -> 
     assert scale is not None
     assert (scale["kind"], scale["spec"]["replicas"], scale["status"]["selector"]) == ("Scale", 2, "app=x")
     await theirs.patch(STATEFUL_SETS, "default", "x", {"spec": {"replicas": 4}}, "scale")
-    assert (await theirs.get(STATEFUL_SETS, "default", "x"))["spec"]["replicas"] == 4  # type: ignore[index]
+    assert (await theirs.get(STATEFUL_SETS, "default", "x"))["spec"]["replicas"] == 4
     with pytest.raises(ApiError) as bad:
         await theirs.patch(STATEFUL_SETS, "default", "x", {"spec": {"replicas": -1}}, "scale")
     assert bad.value.status == 422

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 
 from kvbridge_sim.cluster import Cluster, StatefulSetController, cluster
 from kvbridge_sim.kubectl import KUBECTL, kubeconfig, run
+from kvbridge_sim.support import until
 
 pytestmark = pytest.mark.skipif(KUBECTL is None, reason="no kubectl binary on the PATH (CI machines have one)")
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,12 +46,18 @@ async def kubectl(config: Path, arguments: str, *, ok: bool = True) -> str:
 
 
 async def eventually(config: Path, arguments: str, wanted: str, timeout: float = 20.0) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
+    """kubectl's output once it shows ``wanted``, or its last after ``timeout`` seconds (the caller's assertion
+    shows it)."""
+    out = ""
+
+    async def shows() -> bool:
+        nonlocal out
         out = await kubectl(config, arguments)
-        if wanted in out or time.monotonic() > deadline:
-            return out
-        await asyncio.sleep(0.3)
+        return wanted in out
+
+    with contextlib.suppress(TimeoutError):
+        await until(shows, timeout, f"`kubectl {arguments}` to show {wanted!r}", interval=0.3)
+    return out
 
 
 def rows(table: str) -> list[list[str]]:

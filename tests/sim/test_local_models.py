@@ -27,7 +27,12 @@ def test_only_the_models_a_manifest_names_are_made_besides_the_tiny_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     made: list[str] = []
-    monkeypatch.setattr(tiny_model, "make", lambda path, shape=tiny_model.TINY: made.append(shape.name) or path)
+
+    def make(path: Path, shape: tiny_model.Shape = tiny_model.TINY) -> Path:
+        made.append(shape.name)
+        return path
+
+    monkeypatch.setattr(tiny_model, "make", make)
     docs = [yaml.safe_load((EXAMPLES / "small-cpu-kv-aware.yaml").read_text())]
     folders = models_for(docs, tmp_path)
     assert sorted(folders) == sorted(made) == sorted([tiny_model.TINY.name, tiny_model.SMALL.name])

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import pytest
@@ -73,7 +74,7 @@ async def client(session: aiohttp.ClientSession, url: str, model: str, index: in
     rnd = random.Random(index)
     while time.monotonic() < until:
         prompt = [rnd.randint(5, 900) for _ in range(rnd.randint(16, 300))]
-        body = {"model": model, "prompt": prompt, "max_tokens": rnd.randint(4, 16), "temperature": 0.0,
+        body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": rnd.randint(4, 16), "temperature": 0.0,
                 "ignore_eos": True, "return_token_ids": True, "stream": index % 2 == 1}  # fmt: skip
         started = time.monotonic()
         try:

@@ -3,7 +3,6 @@ operator renders: equal greedy tokens, a negative control, CURVE, a lease that e
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,9 +16,10 @@ from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams
 from kvbridge_agent.transfer.keys import generate_keys, load_keys
 from kvbridge_agent.transfer.side_channel import SideChannelClient
 from kvbridge_sim import pd_requests
-from kvbridge_sim.kv_faults import overwrite_prefill_kv
+from kvbridge_sim.support import until
 from kvbridge_sim.tiny_model import prompt
 from kvbridge_sim.vllm_engines import MODEL_NAME, Engines, metric
+from tests.kv_faults import overwrite_prefill_kv
 
 from .assertions import assert_pd_equals_single_engine
 from .conftest import DEPLOYMENTS
@@ -192,14 +192,16 @@ async def test_decode_exports_transfers_and_failures_on_vllms_metrics(
     # 109 tokens: 4 blocks of 32, one descriptor per layer (2 layers) per block, each 2 KV heads x 2 (K, V) x 32
     # tokens x 64 x 2 bytes = 16 KiB
     want = {"reads": 1, "descriptors": 8, "bytes": 8 * 16384, "expired": 1}
-    deadline = time.monotonic() + 10  # vLLM's front end records them with its next stats update
-    while True:
+    got: dict[str, float] = {}
+
+    async def recorded() -> bool:
+        nonlocal got
         after = await figures()
         got = {key: after[key] - before[key] for key in names}
-        if got == want or time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.2)
-    assert got == want
+        return got == want
+
+    # vLLM's front end records them with its next stats update
+    await until(recorded, 10, lambda: f"the decode figures {want} (got {got})", interval=0.2)
 
 
 @pytest.mark.parametrize("length", [7, 3 * BLOCK + 13, 15 * BLOCK + 3])
@@ -230,13 +232,16 @@ async def test_prefill_exports_the_kv_it_holds_for_readers(
     one_block = BLOCK * 2 * 2 * 2 * 64 * 2  # 32 tokens x 2 layers x (K, V) x 2 KV heads x 64 x 2 bytes
 
     async def held_after(condition: Any, what: str) -> float:
-        deadline = time.monotonic() + 10  # vLLM's front end records them with its next stats update
-        while True:
+        value = 0.0
+
+        async def reached() -> bool:
+            nonlocal value
             value = await metric(session, prefill, "vllm:kvbridge_held_bytes")
-            if condition(value) or time.monotonic() > deadline:
-                assert condition(value), f"{what}: vllm:kvbridge_held_bytes is {value}"
-                return value
-            await asyncio.sleep(0.2)
+            return bool(condition(value))
+
+        # vLLM's front end records them with its next stats update
+        await until(reached, 10, lambda: f"{what}: vllm:kvbridge_held_bytes is {value}", interval=0.2)
+        return value
 
     tokens = prompt(BLOCK, salt=61)
     params = await pd_requests.prefill(session, prefill, model, tokens)

@@ -189,13 +189,6 @@ def combine(parts: list[Words]) -> Words:
     return pack(sum((unpack(part) for part in parts), np.zeros_like(unpack(parts[0]))) % PRIME)
 
 
-def mismatched_blocks(expected: Words, got: Words) -> list[int]:
-    """Blocks (columns) where any head differs; both ``[heads, blocks]``."""
-    if expected.shape != got.shape:
-        raise ValueError(f"digests of shape {expected.shape} and {got.shape} do not compare")
-    return [int(i) for i in np.nonzero((expected != got).any(axis=0))[0]]
-
-
 #: a request's digest as exchanged: global head -> ``D[head, wire block]`` row (uint64)
 HeadDigests = dict[int, Words]
 

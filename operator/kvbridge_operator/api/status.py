@@ -6,7 +6,6 @@ only when a condition's status flips.
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Sequence
 from enum import StrEnum
 
@@ -152,10 +151,6 @@ class DisaggregatedDeploymentStatus(CamelModel):
 
     def role(self, role: Role) -> RoleStatus:
         return self.prefill if role is Role.PREFILL else self.decode
-
-
-def now_rfc3339() -> str:
-    return datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 def merge_conditions(previous: Sequence[dict[str, object]], current: Sequence[Condition], now: str) -> list[Condition]:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import datetime
 import logging
 
 from kvbridge_operator.api.names import API_VERSION, KIND
-from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.api.objects import Obj, now_rfc3339
 from kvbridge_operator.children.scaling import spec_replicas_patch
 from kvbridge_operator.controller import actions
 from kvbridge_operator.kube import BY_KIND, EVENTS, ROLES, ApiError, KubeClient
@@ -80,7 +79,7 @@ async def _ensure_role(client: KubeClient, action: actions.EnsureRole) -> None:
 
 
 async def _post(client: KubeClient, involved: Obj, event: actions.Event) -> None:
-    now = datetime.datetime.now(datetime.UTC).isoformat()
+    now = now_rfc3339()
     namespace = involved.get("namespace") or "default"
     payload = {
         "apiVersion": "v1",

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 
 from kvbridge_agent.core import Role
 from kvbridge_operator.api.names import LABEL_DEPLOYMENT, role_name
-from kvbridge_operator.api.objects import Obj
-from kvbridge_operator.api.status import now_rfc3339
+from kvbridge_operator.api.objects import Obj, now_rfc3339
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.controller.actions import Action
 from kvbridge_operator.controller.apply import KindMissingError, execute

@@ -7,6 +7,7 @@ import hashlib
 import hmac
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,8 +62,8 @@ def test_key_order_and_the_signature_key_do_not_change_the_canonical_form() -> N
 
 
 def _changed(path: tuple[str, ...], value: object) -> dict[str, object]:
-    copy = json.loads(json.dumps(signed(TOKEN, PARAMS)))
-    target = copy
+    copy: dict[str, object] = json.loads(json.dumps(signed(TOKEN, PARAMS)))
+    target: Any = copy
     for key in path[:-1]:
         target = target[key]
     target[path[-1]] = value

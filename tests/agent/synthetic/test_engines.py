@@ -26,7 +26,8 @@ from kvbridge_agent.synthetic.processes import EngineProcess, start_engine
 from kvbridge_agent.transfer.keys import CurveKeys, generate_keys
 from kvbridge_agent.transfer.side_channel import SideChannelClient
 from kvbridge_agent.transfer.transport import Transport
-from kvbridge_sim.kv_faults import overwrite_prefill_kv
+from kvbridge_sim.support import wait_until
+from tests.kv_faults import overwrite_prefill_kv
 
 MODEL = ModelGeometry(name="tiny", num_layers=2, num_kv_heads=8, head_dim=32)
 TRANSFER = TransferSettings(lease_seconds=3, handshake_timeout_seconds=2)
@@ -108,15 +109,6 @@ def metric(engine: EngineProcess, name: str, **labels: str) -> float:
     return engine.metric(name, **labels)
 
 
-def wait_for(predicate: Any, timeout: float, step: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step)
-    return bool(predicate())
-
-
 def test_blocks_are_held_until_read_then_freed(cluster: Cluster) -> None:
     p, d = cluster.prefill, cluster.decode  # type: ignore[attr-defined]
     before = metric(p, "kvbridge_held_bytes")
@@ -128,7 +120,7 @@ def test_blocks_are_held_until_read_then_freed(cluster: Cluster) -> None:
     status, body = decode(d, "d-held-1", params)
     assert status == 200, body
     assert body["verified"] is True
-    assert wait_for(lambda: "held-1" not in p.get("/v1/held")["held"], 5)
+    wait_until(lambda: "held-1" not in p.get("/v1/held")["held"], 5, "held-1 freed")
     assert metric(p, "kvbridge_held_bytes") < during
 
 
@@ -138,7 +130,7 @@ def test_lease_expiry_frees_blocks_that_nobody_reads(cluster: Cluster) -> None:
     free = p.get("/v1/held")["freeBlocks"]
     prefill(p, "never-read", 33)
     assert p.get("/v1/held")["freeBlocks"] == free - 3
-    assert wait_for(lambda: "never-read" not in p.get("/v1/held")["held"], 8)
+    wait_until(lambda: "never-read" not in p.get("/v1/held")["held"], 8, "never-read freed")
     assert p.get("/v1/held")["freeBlocks"] == free
     assert metric(p, "kvbridge_expired_leases_total") == before + 1
 
@@ -167,7 +159,7 @@ def test_heartbeats_renew_the_lease(cluster: Cluster) -> None:
         client.heartbeat([("kept-alive", params["leaseToken"])])
         time.sleep(1)
         assert "kept-alive" in p.get("/v1/held")["held"]
-    assert wait_for(lambda: "kept-alive" not in p.get("/v1/held")["held"], 8)
+    wait_until(lambda: "kept-alive" not in p.get("/v1/held")["held"], 8, "kept-alive freed")
 
 
 def test_a_lease_is_renewed_only_for_whoever_was_handed_its_parameters(cluster: Cluster) -> None:
@@ -198,8 +190,8 @@ def test_unknown_and_malformed_notifications_are_ignored_and_counted(cluster: Cl
             stranger.notifications()  # the sender must keep polling until its sends complete
             return metric(p, "kvbridge_failed_notifications_total", reason=reason) >= 1
 
-        assert wait_for(lambda: counted("unknown"), 10)
-        assert wait_for(lambda: counted("malformed"), 10)
+        wait_until(lambda: counted("unknown"), 10, "an unknown notification counted")
+        wait_until(lambda: counted("malformed"), 10, "a malformed notification counted")
     finally:
         stranger.close()
     assert "probe" in p.get("/v1/held")["held"]  # real requests are untouched
@@ -246,7 +238,7 @@ def test_hostile_request_ids_fail_their_own_request_and_hold_nothing(cluster: Cl
         ours = answer["kv_transfer_params"]["remoteRequestId"]
         assert ours != request_id
         assert decode(d, f"d-{ours}", answer["kv_transfer_params"])[0] == 200  # read: nothing left held
-    assert wait_for(lambda: set(p.get("/v1/held")["held"]) == held, 10)
+    wait_until(lambda: set(p.get("/v1/held")["held"]) == held, 10, f"exactly {sorted(held)} held")
 
 
 def test_a_peer_without_the_key_gets_no_metadata(cluster: Cluster) -> None:
@@ -388,7 +380,7 @@ def test_a_side_channel_listener_that_stops_says_why() -> None:
     server._serve = broken  # type: ignore[method-assign]
     server.start()
     try:
-        assert wait_for(lambda: not server.alive, timeout=5)
+        wait_until(lambda: not server.alive, 5, "the listener to stop")
         assert server.failure == "side-channel listener stopped: RuntimeError: boom"
     finally:
         server.close()

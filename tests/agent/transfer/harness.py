@@ -6,7 +6,7 @@ tests run the same classes behind ``kvbridge-agent serve``.
 
 from __future__ import annotations
 
-import time
+import contextlib
 import uuid
 
 from kvbridge_agent.core import (
@@ -28,6 +28,7 @@ from kvbridge_agent.transfer.decode_rank import DecodeRank, ReadResult, Verify
 from kvbridge_agent.transfer.kv_cache import KVCache
 from kvbridge_agent.transfer.prefill_rank import PrefillRank
 from kvbridge_agent.transfer.transport import Transport
+from kvbridge_sim.support import wait_until
 
 
 def scattered(num_blocks: int, seed: int) -> list[int]:
@@ -119,12 +120,16 @@ class InProcessPair:
                                              check)  # fmt: skip
             if immediate is not None:
                 results[d] = immediate
-        deadline = time.monotonic() + timeout + 5
-        while len(results) < len(ranks) and time.monotonic() < deadline:
+
+        def all_done() -> bool:
             for d in ranks:
                 for result in self.decode[d].poll():
                     results[d] = result
             self.poll_prefill()
+            return len(results) == len(ranks)
+
+        with contextlib.suppress(TimeoutError):  # the caller's assertions say which ranks never finished
+            wait_until(all_done, timeout + 5, "every decode rank's read", interval=0)
         return results
 
     def poll_prefill(self) -> dict[int, list[str]]:

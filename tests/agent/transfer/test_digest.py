@@ -80,8 +80,8 @@ def test_wide_rows_and_extreme_units_equal_the_reference(
     ids = [4, 1]
     got = Digester(cache, compiled_cpu=compiled_cpu).request(KEY, ids, 13, 8)
     logical = torch.stack([logical_layer(cache, torch.tensor(ids), layer) for layer in range(3)])
-    units = logical.transpose(1, 2).reshape(3, 2, 16, 2, -1).contiguous().view(torch.int16).numpy()
-    assert np.array_equal(got, block_digests(units, 13, 8, KEY))
+    rows = logical.transpose(1, 2).reshape(3, 2, 16, 2, -1).contiguous().view(torch.int16).numpy()
+    assert np.array_equal(got, block_digests(rows, 13, 8, KEY))
 
 
 def test_the_compiled_pass_is_exact_at_the_bound() -> None:

@@ -21,6 +21,7 @@ from kvbridge_agent.core.handshake import (
 )
 from kvbridge_agent.transfer.keys import CurveKeys, KeysError, generate_keys, load_keys
 from kvbridge_agent.transfer.side_channel import SideChannelClient, SideChannelServer
+from kvbridge_sim.support import free_port
 
 META = RankMetadata(
     engine_id="p-0", incarnation="abc", agent_name="p-0.abc.0", tp_rank=0, tp_size=1, block_size=16,
@@ -49,7 +50,7 @@ def client(
 
 def raw_request(server: SideChannelServer, keys: CurveKeys, frames: list[bytes]) -> list[bytes]:
     """Send raw frames over an authenticated REQ socket; the listener's reply frames."""
-    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys.public, keys.public, keys.secret
     sock.connect(f"tcp://127.0.0.1:{server.port}")
@@ -111,10 +112,10 @@ def test_heartbeats_reach_the_engine(server: SideChannelServer, keys: CurveKeys)
     assert server.beats == [["r1", "r2"]]  # type: ignore[attr-defined]
 
 
-def test_nobody_listening_times_out(keys: CurveKeys, free_port: int) -> None:
+def test_nobody_listening_times_out(keys: CurveKeys) -> None:
     started = time.monotonic()
     with pytest.raises(HandshakeError) as caught:
-        SideChannelClient("127.0.0.1", free_port, "fp", keys, 0.3).fetch([0])
+        SideChannelClient("127.0.0.1", free_port(), "fp", keys, 0.3).fetch([0])
     assert caught.value.code == "HANDSHAKE_TIMEOUT"
     assert time.monotonic() - started < 2
 
@@ -145,7 +146,7 @@ def test_a_frame_over_the_size_limit_is_dropped_and_the_listener_keeps_serving(
     server: SideChannelServer, keys: CurveKeys
 ) -> None:
     """Issue 13 #1: ZMQ_MAXMSGSIZE drops the peer before anything is allocated for a 100 MB frame."""
-    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys.public, keys.public, keys.secret
     sock.connect(f"tcp://127.0.0.1:{server.port}")
@@ -214,7 +215,7 @@ def test_a_reply_frame_over_the_limit_is_refused_before_it_is_allocated(keys: Cu
     import sys
     import threading
 
-    context = zmq.Context.instance()
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.curve_server = True

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import numpy as np
@@ -13,6 +12,7 @@ from kvbridge_agent.core import KVLayout, ModelGeometry, SpecError
 from kvbridge_agent.transfer.descriptors import descriptor_rows
 from kvbridge_agent.transfer.kv_cache import KVCache
 from kvbridge_agent.transfer.transport import Transport
+from kvbridge_sim.support import wait_until
 
 MODEL = ModelGeometry(name="m", num_layers=2, num_kv_heads=2, head_dim=8, kv_cache_dtype="float16")
 
@@ -58,14 +58,14 @@ def test_read_with_notification_and_clean_close() -> None:
     ids = np.arange(4 * 64, dtype=np.int32)  # every block of every region, adjacent: NIXL merges them
     handle = dst.read(local, ids, remote, ids, b"req-1:1")
     notes: list[bytes] = []
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        state = dst.state(handle)
+
+    def finished() -> bool:
         for messages in src.notifications().values():
             notes.extend(messages)
-        if state != "PROC" and notes:
-            break
-    assert state == "DONE"
+        return dst.state(handle) != "PROC" and bool(notes)
+
+    wait_until(finished, 10, "the READ to end and its notification to arrive", interval=0)
+    assert dst.state(handle) == "DONE"
     assert notes == [b"req-1:1"]
     assert all(torch.equal(x, y) for x, y in zip(a.tensors, b.tensors, strict=True))
     assert dst.release(handle)

@@ -120,7 +120,7 @@ def closing() -> Iterator[list[Any]]:
     opened: list[Any] = []
     yield opened
     for thing in reversed(opened):
-        thing.close()
+        thing.shutdown()
 
 
 @dataclass
@@ -142,10 +142,10 @@ def move(
     opened.append(prefill_scheduler)
     prefill = ConnectorWorker(prefill_scheduler.settings, 0, "inc-prefill")
     opened.append(prefill)
-    prefill.register(prefill_views, prefill_layout.name)
-    handshake = prefill.handshake_metadata()
+    prefill.register_kv_caches(prefill_views, prefill_layout.name)
+    handshake = prefill.get_handshake_metadata()
     assert handshake is not None
-    prefill_scheduler.set_handshake({0: wrong_strides(handshake) if lie else handshake})
+    prefill_scheduler.set_xfer_handshake_metadata({0: wrong_strides(handshake) if lie else handshake})
 
     decode_views, decode_config = allocate(decode_layout)
     for block_p, block_d in zip(PREFILL_TABLE[0][:hit], DECODE_TABLE[0][:hit], strict=True):
@@ -155,7 +155,7 @@ def move(
     opened.append(decode_scheduler)
     decode = ConnectorWorker(decode_scheduler.settings, 0, "inc-decode")
     opened.append(decode)
-    decode.register(decode_views, decode_layout.name)
+    decode.register_kv_caches(decode_views, decode_layout.name)
     assert decode.decode is not None
     results: list[ReadResult] = []
     polled = decode.decode.poll
@@ -170,27 +170,29 @@ def move(
     delay, params = prefill_scheduler.request_finished(request("p1", {"do_remote_decode": True}), PREFILL_TABLE)
     assert delay is True
     assert params is not None
-    prefill.start(prefill_scheduler.build_metadata())
+    prefill.start_load_kv(prefill_scheduler.build_connector_meta())
     prefill_scheduler.take_digests(prefill.stats.take())
 
     wanted = request("d1", params)
-    assert decode_scheduler.matched_tokens(wanted, hit * BLOCK) == (TOKENS - hit * BLOCK, True)
-    decode_scheduler.after_alloc(wanted, Blocks(DECODE_TABLE, hit), TOKENS - hit * BLOCK)
-    decode.start(decode_scheduler.build_metadata())
+    assert decode_scheduler.get_num_new_matched_tokens(wanted, hit * BLOCK) == (TOKENS - hit * BLOCK, True)
+    decode_scheduler.update_state_after_alloc(wanted, Blocks(DECODE_TABLE, hit), TOKENS - hit * BLOCK)
+    decode.start_load_kv(decode_scheduler.build_connector_meta())
     deadline = time.monotonic() + TIMEOUT
     done: set[str] = set()
     while "d1" not in done:
         assert time.monotonic() < deadline, "the transfer did not finish"
-        prefill.finished(set())
-        _sending, received = decode.finished(set())
+        prefill.get_finished(set())
+        _sending, received = decode.get_finished(set())
         done |= received or set()
         time.sleep(0.002)
     while results and results[0].ok and prefill.prefill is not None and prefill.prefill.pending:
         assert time.monotonic() < deadline, "prefill was never notified"
-        prefill.finished(set())
+        prefill.get_finished(set())
         time.sleep(0.002)
     descriptors = results[0].descriptors if results else 0
-    return Outcome(results, decode.load_errors(), prefill_views, decode_views, descriptors, params["kvbridge"])
+    return Outcome(
+        results, decode.get_block_ids_with_load_errors(), prefill_views, decode_views, descriptors, params["kvbridge"]
+    )
 
 
 def check_bytes(outcome: Outcome, hit: int = 0) -> None:
@@ -266,5 +268,5 @@ def test_groups_that_do_not_overlay_are_refused_at_registration(closing: list[An
     moved[NAMES[1]] = moved[NAMES[1]].clone()  # the window group in another allocation
     moved[NAMES[3]] = moved[NAMES[3]].clone()
     with pytest.raises(SpecError) as caught:
-        worker.register(moved, "LBHNC")
+        worker.register_kv_caches(moved, "LBHNC")
     assert caught.value.code in {"LAYOUT_UNSUPPORTED", "KV_VIEW_LAYOUT_MISMATCH"}

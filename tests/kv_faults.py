@@ -5,8 +5,9 @@ For tests of transfer verification (docs/protocol.md §8); nothing in the produc
 
 from __future__ import annotations
 
-import time
+import functools
 import uuid
+from typing import Any
 
 import numpy as np
 import torch
@@ -15,9 +16,14 @@ from kvbridge_agent.core.handshake import KVTransferParams
 from kvbridge_agent.transfer.keys import CurveKeys
 from kvbridge_agent.transfer.side_channel import SideChannelClient
 from kvbridge_agent.transfer.transport import Transport
+from kvbridge_sim.support import wait_until
 
 #: the byte written
 JUNK = 0x5A
+
+
+def _ended(transport: Transport, handle: Any) -> bool:
+    return transport.state(handle) in ("DONE", "ERR")
 
 
 def overwrite_prefill_kv(params: KVTransferParams, keys: CurveKeys | None, nbytes: int = 64,
@@ -41,11 +47,12 @@ def overwrite_prefill_kv(params: KVTransferParams, keys: CurveKeys | None, nbyte
             agent_api = transport._agent  # the product only READs; this fault WRITEs
             handle = agent_api.make_prepped_xfer("WRITE", local, [0], remote, [0])
             transport.post(handle)
-            deadline = time.monotonic() + timeout
-            while transport.state(handle) not in ("DONE", "ERR"):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the WRITE into {meta.engine_id} rank {meta.tp_rank} did not finish")
-                time.sleep(0.005)
+            wait_until(
+                functools.partial(_ended, transport, handle),
+                timeout,
+                f"the WRITE into {meta.engine_id} rank {meta.tp_rank} to finish",
+                interval=0.005,
+            )
             if transport.state(handle) == "ERR":
                 raise RuntimeError(f"the WRITE into {meta.engine_id} rank {meta.tp_rank} failed")
             transport.release(handle)

@@ -1,0 +1,91 @@
+"""What the simulation, the tests and the benchmarks share for running things locally: a free port on this
+machine, and waiting for a condition with a deadline (asynchronous :func:`until`, blocking :func:`wait_until`).
+
+The standard library only, so that any test may import it without the ``demo`` extra."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import socket
+import time
+from collections.abc import Callable
+
+#: the pause between two checks of a condition, unless a caller asks for another
+INTERVAL = 0.1
+
+#: what a wait is for, in its timeout's message: the text, or a function that says it then (with the state then)
+What = str | Callable[[], str]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port of ``host`` that nothing listens on now: bound to port 0, then released (another process may
+    take it before the caller binds it; for local tests and the demo, not for production)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+class _Deadline:
+    """One wait: the deadline, the message on timeout, and the last exception of a kind the caller tolerates."""
+
+    def __init__(self, timeout: float, what: What, tolerate: tuple[type[Exception], ...]) -> None:
+        self.timeout, self.what, self.tolerate = timeout, what, tolerate
+        self.end = time.monotonic() + timeout
+        self.last: Exception | None = None
+
+    def expired(self) -> bool:
+        return time.monotonic() > self.end
+
+    def error(self) -> TimeoutError:
+        last = f" (the last check raised {type(self.last).__name__}: {self.last})" if self.last is not None else ""
+        what = self.what if isinstance(self.what, str) else self.what()
+        return TimeoutError(f"timed out after {self.timeout:g} s waiting for {what}{last}")
+
+
+async def until(
+    predicate: Callable[[], object],
+    timeout: float,
+    what: What,
+    *,
+    interval: float = INTERVAL,
+    tolerate: tuple[type[Exception], ...] = (),
+) -> None:
+    """Return once ``predicate()`` is true (a coroutine's result is awaited), checking every ``interval`` seconds;
+    ``TimeoutError`` naming ``what`` after ``timeout`` seconds (a function is called then, so that the message can
+    show the state at the end). An exception of a ``tolerate`` kind counts as
+    "not yet" (the last one is in the error)."""
+    deadline = _Deadline(timeout, what, tolerate)
+    while True:
+        try:
+            result = predicate()
+            if inspect.isawaitable(result):
+                result = await result
+            if result:
+                return
+        except tolerate as exc:
+            deadline.last = exc
+        if deadline.expired():
+            raise deadline.error()
+        await asyncio.sleep(interval)
+
+
+def wait_until(
+    predicate: Callable[[], object],
+    timeout: float,
+    what: What,
+    *,
+    interval: float = INTERVAL,
+    tolerate: tuple[type[Exception], ...] = (),
+) -> None:
+    """:func:`until` for callers without an event loop: blocks the thread between checks."""
+    deadline = _Deadline(timeout, what, tolerate)
+    while True:
+        try:
+            if predicate():
+                return
+        except tolerate as exc:
+            deadline.last = exc
+        if deadline.expired():
+            raise deadline.error()
+        time.sleep(interval)

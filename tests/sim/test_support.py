@@ -1,0 +1,54 @@
+"""The shared local helpers: a free port, and waiting with a deadline."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from kvbridge_sim.support import free_port, until, wait_until
+
+
+def test_a_free_port_can_be_listened_on() -> None:
+    port = free_port()
+    assert 0 < port < 65536
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", port))
+        server.listen()
+
+
+def test_wait_until_returns_once_the_condition_holds() -> None:
+    calls = iter(range(100))
+    wait_until(lambda: next(calls) >= 3, 5, "the fourth check", interval=0.001)
+    assert next(calls) == 4
+
+
+def test_wait_until_times_out_naming_what_it_waited_for() -> None:
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"timed out after 0.2 s waiting for the moon"):
+        wait_until(lambda: False, 0.2, "the moon", interval=0.01)
+    assert 0.2 <= time.monotonic() - started < 2
+
+
+def test_tolerated_exceptions_count_as_not_yet_and_the_last_is_reported() -> None:
+    def missing() -> bool:
+        raise KeyError("spec")
+
+    with pytest.raises(TimeoutError, match=r"the spec \(the last check raised KeyError: 'spec'\)"):
+        wait_until(missing, 0.05, "the spec", interval=0.01, tolerate=(KeyError,))
+    with pytest.raises(KeyError):  # not tolerated: raised at once
+        wait_until(missing, 5, "the spec")
+
+
+async def test_until_awaits_coroutine_conditions_and_says_the_state_at_the_end() -> None:
+    seen: list[int] = []
+
+    async def grows() -> bool:
+        seen.append(len(seen))
+        return len(seen) >= 3
+
+    await until(grows, 5, "three checks", interval=0.001)
+    assert seen == [0, 1, 2]
+    with pytest.raises(TimeoutError, match=r"waiting for 3 < 4"):
+        await until(lambda: len(seen) >= 4, 0.05, lambda: f"{len(seen)} < 4", interval=0.01)
