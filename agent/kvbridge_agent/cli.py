@@ -127,7 +127,14 @@ def _bench_layouts(args: argparse.Namespace) -> int:
     from kvbridge_agent.bench.layouts import bench_layouts, print_report
     from kvbridge_agent.vllm_connector.host_cache import allocate_host_views
 
-    result = bench_layouts(allocate_host_views, requests=args.requests or 3, quick=args.quick, tokens=args.tokens)
+    names = [name for name in (args.cases or "").split(",") if name]
+    try:
+        result = bench_layouts(
+            allocate_host_views, requests=args.requests or 3, quick=args.quick, tokens=args.tokens, names=names
+        )
+    except ValueError as exc:
+        print(f"kvbridge-agent bench: error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
     if args.json:
         print(json.dumps(result))
     else:
@@ -197,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="per vLLM KVCacheLayout: descriptors per request, GB/s and fractions of raw NIXL and memcpy, targets",
     )
     bench.add_argument("--tokens", type=int, help="with --layouts: tokens per request (default 2048)")
+    bench.add_argument(
+        "--cases", metavar="NAMES", help="with --layouts: only these cases, comma-separated (e.g. BLHNC,LBHNC-tp2to1)"
+    )
     bench.set_defaults(func=_bench)
 
     keys = commands.add_parser("keys", help="side-channel CURVE keys")

@@ -79,20 +79,28 @@ class Case:
     allocations: tuple[str, ...] = ("contiguous", "scattered")
 
 
-def cases(quick: bool = False) -> list[Case]:
+def cases(quick: bool = False, names: Sequence[str] = ()) -> list[Case]:
     """The layout pairs of a run: every layout to itself, then the heterogeneous pairs (``quick``: one per-layer
-    and one cross-layer layout, and TP 2 -> 1)."""
+    and one cross-layer layout, and TP 2 -> 1; ``names``: those cases only)."""
     same = [Case(layout, "same", Side(layout), Side(layout)) for layout in LAYOUTS]
     mixed = [
         Case("LBHNC-tp2to1", "tp", Side("LBHNC", tp=2), Side("LBHNC")),
+        # heads outermost in the block: each prefill rank's heads are one run of decode's block
+        Case("BHLNC-tp2to1", "tp", Side("BHLNC", tp=2), Side("BHLNC")),
         Case("LBHNC-block16to32", "block", Side("LBHNC", 16), Side("LBHNC", 32)),
         Case("LBHNC-to-BLHNC", "order", Side("LBHNC"), Side("BLHNC")),
         # 512-byte descriptors, a million per request: contiguous ids only (they cannot merge either way)
         Case("LBHNC-to-LBNHC", "order", Side("LBHNC"), Side("LBNHC"), ("contiguous",)),
     ]
+    every = [*same, *mixed]
+    if names:
+        unknown = sorted(set(names) - {c.name for c in every})
+        if unknown:
+            raise ValueError(f"no layout case {', '.join(unknown)}; the cases: {', '.join(c.name for c in every)}")
+        return [c for c in every if c.name in names]
     if quick:
         return [same[0], same[3], mixed[0]]
-    return [*same, *mixed]
+    return every
 
 
 def cache_blocks(tokens: int, block: int) -> int:
@@ -499,7 +507,8 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     cross = [r for r in rows if r["kind"] == "same" and r["case"] in CROSS_LAYER]
     add("cross-layer (BLHNC, BLNHC, BHLNC) >= 0.9 x raw NIXL", cross, 0.9)
-    hetero = [r for r in rows if r["kind"] == "tp" and r["blockIds"] == "contiguous"]
+    per_layer = [r for r in rows if r["kind"] == "tp" and r["case"].split("-")[0] not in CROSS_LAYER]
+    hetero = [r for r in per_layer if r["blockIds"] == "contiguous"]
     add("per-layer heterogeneous TP (LBHNC 2 -> 1), contiguous ids >= 0.8 x raw NIXL", hetero, 0.8)
     return out
 
@@ -517,14 +526,18 @@ def _prefill_processes(count: int) -> Iterator[list[ProcessPrefill]]:
 
 
 def bench_layouts(
-    allocate: Allocate, requests: int = 3, quick: bool = False, tokens: int | None = None
+    allocate: Allocate,
+    requests: int = 3,
+    quick: bool = False,
+    tokens: int | None = None,
+    names: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """The whole run: ceilings, then every case on both geometries (``quick``: Llama-3-8B, three cases, 512
-    tokens), each side's cache from ``allocate``."""
+    """The whole run: ceilings, then every case (``names``: those) on both geometries (``quick``: Llama-3-8B,
+    three cases, 512 tokens), each side's cache from ``allocate``."""
     began = time.monotonic()
     tokens = tokens or (512 if quick else 2048)
     models = (LLAMA_8B,) if quick else (LLAMA_8B, LLAMA_70B)
-    chosen = cases(quick)
+    chosen = cases(quick, names)
     peak_cache = max(cache_bytes(m, c, tokens) for m in models for c in chosen)
     progress(f"layouts: starting 2 prefill processes (largest case: {peak_cache / 2**30:.2f} GiB of KV caches) ...")
     rows: list[dict[str, Any]] = []

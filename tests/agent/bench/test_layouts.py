@@ -27,7 +27,8 @@ TINY = ModelGeometry(name="tiny-geometry", num_layers=LAYERS, num_kv_heads=HEADS
 #: descriptors per 16-token chunk of the tiny model, from the layouts themselves (docs/protocol.md §1b): a per-layer
 #: layout with heads outside tokens is one run per layer, LHBNC one per layer and head, a cross-layer layout one per
 #: block; TP 2 -> 1 reads each layer from both prefill ranks; decode's 32-token LBHNC block splits each 16-token
-#: chunk per head; LBHNC into LBNHC pairs single tokens of single heads
+#: chunk per head; LBHNC into LBNHC pairs single tokens of single heads; BHLNC at TP 2 -> 1 is one run per prefill
+#: rank (its heads are outermost in decode's block)
 RUNS_PER_CHUNK = {
     "LBHNC": LAYERS,
     "LBNHC": LAYERS,
@@ -36,6 +37,7 @@ RUNS_PER_CHUNK = {
     "BLNHC": 1,
     "BHLNC": 1,
     "LBHNC-tp2to1": 2 * LAYERS,
+    "BHLNC-tp2to1": 2,
     "LBHNC-block16to32": LAYERS * HEADS,
     "LBHNC-to-BLHNC": LAYERS,
     "LBHNC-to-LBNHC": LAYERS * HEADS * 16,
@@ -48,9 +50,12 @@ def test_the_cases_cover_every_layout_and_the_heterogeneous_pairs() -> None:
     assert [c.prefill.layout for c in chosen if c.kind == "same"] == list(LAYOUTS)
     assert all(c.prefill == c.decode for c in chosen if c.kind == "same")
     assert {c.kind for c in chosen} == {"same", "tp", "block", "order"}
-    tp = next(c for c in chosen if c.kind == "tp")
-    assert (tp.prefill.tp, tp.decode.tp, tp.prefill.layout) == (2, 1, "LBHNC")
+    tp = [c for c in chosen if c.kind == "tp"]
+    assert [(c.prefill.tp, c.decode.tp, c.prefill.layout) for c in tp] == [(2, 1, "LBHNC"), (2, 1, "BHLNC")]
     assert [c.name for c in cases(quick=True)] == ["LBHNC", "BLHNC", "LBHNC-tp2to1"]
+    assert [c.name for c in cases(names=["LBHNC-tp2to1", "BLNHC"])] == ["BLNHC", "LBHNC-tp2to1"]
+    with pytest.raises(ValueError, match="no layout case HND"):
+        cases(names=["HND"])
 
 
 def test_the_largest_case_stays_under_6_gib() -> None:
@@ -74,6 +79,7 @@ def test_targets_take_the_worst_row_they_cover() -> None:
         _row("LBHNC", "same", 1.0),  # per-layer, same TP: no target
         _row("LBHNC-tp2to1", "tp", 5.0),
         _row("LBHNC-tp2to1", "tp", 1.0, "scattered"),  # the hetero-TP target is the contiguous one
+        _row("BHLNC-tp2to1", "tp", 0.5),  # and the per-layer one
     ]
     sweep = [{"descriptorBytes": 4096, "gbps": 1.0}, {"descriptorBytes": 1 << 20, "gbps": 4.0}]
     add_ratios(rows, memcpy=10.0, raw=6.0, sweep=sweep)
