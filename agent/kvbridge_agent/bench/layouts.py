@@ -407,10 +407,16 @@ def run_case(
             local = block_ids(ceil_div(tokens, case.decode.block), decode_blocks, allocation, rng)
             wires = [prefills[p].offer(request_id, remote, tokens) for p in range(case.prefill.tp)]
             params = KVTransferParams(
-                remote_engine_id="layouts-prefill", remote_incarnation=incarnation, remote_host="127.0.0.1",
-                remote_port=1, remote_request_id=request_id, remote_block_ids=wires[0], num_tokens=tokens,
-                remote_tp_size=case.prefill.tp, fingerprint="layouts",
-            )  # fmt: skip
+                remote_engine_id="layouts-prefill",
+                remote_incarnation=incarnation,
+                remote_host="127.0.0.1",
+                remote_port=1,
+                remote_request_id=request_id,
+                remote_block_ids=wires[0],
+                num_tokens=tokens,
+                remote_tp_size=case.prefill.tp,
+                fingerprint="layouts",
+            )
             result = reader.start(request_id, params, local, TIMEOUT)
             while result is None:
                 progress_prefills()
@@ -499,11 +505,18 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not covered:
             return
         worst = min(covered, key=lambda r: r["ratioToRawHere"])
-        out.append({
-            "target": target, "worst": worst["name"], "measured": worst["ratioToRawHere"], "goal": goal,
-            "met": bool(worst["ratioToRawHere"] >= goal), "ratioToRaw": worst["ratioToRaw"],
-            "atDescriptorSize": worst["ratioToRawAtDescriptorSize"], "bytesPerDescriptor": worst["bytesPerDescriptor"],
-        })  # fmt: skip
+        out.append(
+            {
+                "target": target,
+                "worst": worst["name"],
+                "measured": worst["ratioToRawHere"],
+                "goal": goal,
+                "met": bool(worst["ratioToRawHere"] >= goal),
+                "ratioToRaw": worst["ratioToRaw"],
+                "atDescriptorSize": worst["ratioToRawAtDescriptorSize"],
+                "bytesPerDescriptor": worst["bytesPerDescriptor"],
+            }
+        )
 
     cross = [r for r in rows if r["kind"] == "same" and r["case"] in CROSS_LAYER]
     add("cross-layer (BLHNC, BLNHC, BHLNC) >= 0.9 x raw NIXL", cross, 0.9)
@@ -566,23 +579,35 @@ def bench_layouts(
 
 
 def print_report(result: dict[str, Any]) -> None:
-    print(f"memcpy {result['memcpyGBps']} GB/s, raw NIXL {result['nixlRawGBps']} GB/s (one descriptor), "
-          f"{result['tokensPerRequest']} tokens per request, {result['seconds']} s")  # fmt: skip
-    print("raw NIXL by descriptor size: " + ", ".join(
-        f"{row['descriptorBytes'] / 1024:g} KiB {row['gbps']}" for row in result["descriptorSweep"]))  # fmt: skip
-    print("x here: against raw NIXL moving the same bytes beside it; x raw: the run's one-descriptor ceiling; "
-          "x size: raw NIXL at the row's descriptor size")  # fmt: skip
-    print(f"{'configuration':<36} {'descs':>8} {'B/desc':>8} {'MiB':>5} {'GB/s':>6} {'here':>6} {'x here':>6} "
-          f"{'x raw':>6} {'x size':>6} {'x mcpy':>6} {'own us':>7} {'ids us':>7} {'make us':>8} "
-          f"{'post us':>9}")  # fmt: skip
+    print(
+        f"memcpy {result['memcpyGBps']} GB/s, raw NIXL {result['nixlRawGBps']} GB/s (one descriptor), "
+        f"{result['tokensPerRequest']} tokens per request, {result['seconds']} s"
+    )
+    print(
+        "raw NIXL by descriptor size: "
+        + ", ".join(f"{row['descriptorBytes'] / 1024:g} KiB {row['gbps']}" for row in result["descriptorSweep"])
+    )
+    print(
+        "x here: against raw NIXL moving the same bytes beside it; x raw: the run's one-descriptor ceiling; "
+        "x size: raw NIXL at the row's descriptor size"
+    )
+    print(
+        f"{'configuration':<36} {'descs':>8} {'B/desc':>8} {'MiB':>5} {'GB/s':>6} {'here':>6} {'x here':>6} "
+        f"{'x raw':>6} {'x size':>6} {'x mcpy':>6} {'own us':>7} {'ids us':>7} {'make us':>8} "
+        f"{'post us':>9}"
+    )
     for row in result["results"]:
-        print(f"{row['name']:<36} {row['descriptorsPerRequest']:>8} {row['bytesPerDescriptor']:>8} "
-              f"{row['bytesPerRequest'] / 2**20:>5.0f} {row['gbps']:>6.2f} {row['rawHereGBps']:>6.2f} "
-              f"{row['ratioToRawHere']:>6.2f} {row['ratioToRaw']:>6.2f} {row['ratioToRawAtDescriptorSize']:>6.2f} "
-              f"{row['ratioToMemcpy']:>6.2f} {row['ownUsPerRequest']:>7.0f} {row['idsUsPerRequest']:>7.0f} "
-              f"{row['nixlMakeUsPerRequest']:>8.0f} {row['nixlPostUsPerRequest']:>9.0f}")  # fmt: skip
+        print(
+            f"{row['name']:<36} {row['descriptorsPerRequest']:>8} {row['bytesPerDescriptor']:>8} "
+            f"{row['bytesPerRequest'] / 2**20:>5.0f} {row['gbps']:>6.2f} {row['rawHereGBps']:>6.2f} "
+            f"{row['ratioToRawHere']:>6.2f} {row['ratioToRaw']:>6.2f} {row['ratioToRawAtDescriptorSize']:>6.2f} "
+            f"{row['ratioToMemcpy']:>6.2f} {row['ownUsPerRequest']:>7.0f} {row['idsUsPerRequest']:>7.0f} "
+            f"{row['nixlMakeUsPerRequest']:>8.0f} {row['nixlPostUsPerRequest']:>9.0f}"
+        )
     for target in result["targets"]:
-        print(f"{'met' if target['met'] else 'NOT met'}: {target['target']} (worst {target['worst']}: "
-              f"{target['measured']} x raw NIXL beside it, {target['ratioToRaw']} x the run's ceiling, "
-              f"{target['atDescriptorSize']} x raw NIXL at its {target['bytesPerDescriptor']}-byte "
-              "descriptors)")  # fmt: skip
+        print(
+            f"{'met' if target['met'] else 'NOT met'}: {target['target']} (worst {target['worst']}: "
+            f"{target['measured']} x raw NIXL beside it, {target['ratioToRaw']} x the run's ceiling, "
+            f"{target['atDescriptorSize']} x raw NIXL at its {target['bytesPerDescriptor']}-byte "
+            "descriptors)"
+        )

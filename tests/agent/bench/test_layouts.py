@@ -67,9 +67,14 @@ def test_the_largest_case_stays_under_6_gib() -> None:
 
 def _row(case: str, kind: str, gbps: float, blocks: str = "contiguous") -> dict[str, Any]:
     return {
-        "name": case, "case": case, "kind": kind, "blockIds": blocks, "gbps": gbps, "bytesPerDescriptor": 32768,
+        "name": case,
+        "case": case,
+        "kind": kind,
+        "blockIds": blocks,
+        "gbps": gbps,
+        "bytesPerDescriptor": 32768,
         "ratioToRawHere": round(gbps / 6.0, 3),
-    }  # fmt: skip
+    }
 
 
 def test_targets_take_the_worst_row_they_cover() -> None:
