@@ -94,9 +94,11 @@ def _loopback(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.layouts:
+        return _bench_layouts(args)
     from kvbridge_agent.bench.measure import bench
 
-    result = bench(requests=args.requests, quick=args.quick)
+    result = bench(requests=args.requests or 4, quick=args.quick)
     if args.plot:
         from kvbridge_agent.bench.plot import plot
 
@@ -118,6 +120,25 @@ def _bench(args: argparse.Namespace) -> int:
     for target in result["targets"]:
         print(f"{'met' if target['met'] else 'NOT met'}: {target['target']} (worst {target['worst']}: "
               f"{target['measured']})")  # fmt: skip
+    return EXIT_OK
+
+
+def _bench_layouts(args: argparse.Namespace) -> int:
+    from kvbridge_agent.bench.layouts import bench_layouts, print_report
+    from kvbridge_agent.vllm_connector.host_cache import allocate_host_views
+
+    names = [name for name in (args.cases or "").split(",") if name]
+    try:
+        result = bench_layouts(
+            allocate_host_views, requests=args.requests or 3, quick=args.quick, tokens=args.tokens, names=names
+        )
+    except ValueError as exc:
+        print(f"kvbridge-agent bench: error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_report(result)
     return EXIT_OK
 
 
@@ -158,11 +179,34 @@ def build_parser() -> argparse.ArgumentParser:
     loop.add_argument("--log-level", default=argparse.SUPPRESS, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     loop.set_defaults(func=_loopback)
 
-    bench = commands.add_parser("bench", help="throughput against memcpy and raw NIXL, measured in one run")
-    bench.add_argument("--requests", type=int, default=4, help="requests per configuration (default 4)")
+    bench = commands.add_parser(
+        "bench",
+        help="throughput against memcpy and raw NIXL, measured in one run",
+        description="Throughput against memcpy and raw NIXL, measured in one run: by default every cache kind and TP "
+        "pair through real engine processes; with --layouts every vLLM KVCacheLayout (LBHNC, LBNHC, LHBNC, BLHNC, "
+        "BLNHC, BHLNC) on both sides plus heterogeneous pairs (TP 2->1, block 16->32, cross-order), on vLLM's own "
+        "allocator in host memory, for Llama-3-8B and a 70B-class geometry (needs vllm).",
+    )
+    bench.add_argument(
+        "--requests", type=int, help="requests per configuration (default 4; with --layouts 3 per block allocation)"
+    )
     bench.add_argument("--json", action="store_true", help="print one JSON document on stdout")
-    bench.add_argument("--quick", action="store_true", help="Split and CrossLayer at TP 1->1 only, short requests")
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="Split and CrossLayer at TP 1->1 only, short requests (with --layouts: Llama-3-8B, LBHNC, BLHNC and TP "
+        "2->1, 512 tokens)",
+    )
     bench.add_argument("--plot", metavar="PNG", help="also write the throughput figure (needs matplotlib)")
+    bench.add_argument(
+        "--layouts",
+        action="store_true",
+        help="per vLLM KVCacheLayout: descriptors per request, GB/s and fractions of raw NIXL and memcpy, targets",
+    )
+    bench.add_argument("--tokens", type=int, help="with --layouts: tokens per request (default 2048)")
+    bench.add_argument(
+        "--cases", metavar="NAMES", help="with --layouts: only these cases, comma-separated (e.g. BLHNC,LBHNC-tp2to1)"
+    )
     bench.set_defaults(func=_bench)
 
     keys = commands.add_parser("keys", help="side-channel CURVE keys")

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -127,8 +127,8 @@ def _chunk_rows(base: int, size: int) -> Any:
     return rows
 
 
-def nixl_ceilings(trials: int = 5) -> tuple[float, list[dict[str, float]]]:
-    """Raw NIXL READ throughput between two processes: one descriptor, and the descriptor-size sweep."""
+def nixl_ceilings(trials: int = 5, sizes: Sequence[int] = SWEEP) -> tuple[float, list[dict[str, float]]]:
+    """Raw NIXL READ throughput between two processes: one descriptor, and the sweep over descriptor ``sizes``."""
     import torch
 
     from kvbridge_agent.transfer.transport import Transport
@@ -167,8 +167,8 @@ def nixl_ceilings(trials: int = 5) -> tuple[float, list[dict[str, float]]]:
 
         raw = measure(SIZE, False)
         sweep = []
-        for size in SWEEP:
-            progress(f"  raw NIXL, {size >> 10} KiB descriptors in shuffled order ...")
+        for size in sizes:
+            progress(f"  raw NIXL, {size / 1024:g} KiB descriptors in shuffled order ...")
             sweep.append({"descriptorBytes": size, "gbps": round(measure(size, True), 3)})
         return raw, sweep
     finally:

@@ -1,0 +1,121 @@
+"""``kvbridge-agent bench --layouts``: its cases, its target logic, and one tiny run of every case (prefill and
+decode in this process, real NIXL on DRAM, vLLM's allocator) whose rows have the paired-run descriptor counts and
+the model's bytes. Figures are not asserted: a benchmark."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvbridge_agent.bench.layouts import (
+    CROSS_LAYER,
+    LAYOUTS,
+    LLAMA_8B,
+    LLAMA_70B,
+    Case,
+    add_ratios,
+    cache_bytes,
+    cases,
+    targets,
+)
+from kvbridge_agent.core import ModelGeometry
+
+LAYERS, HEADS, TOKENS = 3, 2, 64
+TINY = ModelGeometry(name="tiny-geometry", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=64)
+
+#: descriptors per 16-token chunk of the tiny model, from the layouts themselves (docs/protocol.md §1b): a per-layer
+#: layout with heads outside tokens is one run per layer, LHBNC one per layer and head, a cross-layer layout one per
+#: block; TP 2 -> 1 reads each layer from both prefill ranks; decode's 32-token LBHNC block splits each 16-token
+#: chunk per head; LBHNC into LBNHC pairs single tokens of single heads; BHLNC at TP 2 -> 1 is one run per prefill
+#: rank (its heads are outermost in decode's block)
+RUNS_PER_CHUNK = {
+    "LBHNC": LAYERS,
+    "LBNHC": LAYERS,
+    "LHBNC": LAYERS * HEADS,
+    "BLHNC": 1,
+    "BLNHC": 1,
+    "BHLNC": 1,
+    "LBHNC-tp2to1": 2 * LAYERS,
+    "BHLNC-tp2to1": 2,
+    "LBHNC-block16to32": LAYERS * HEADS,
+    "LBHNC-to-BLHNC": LAYERS,
+    "LBHNC-to-LBNHC": LAYERS * HEADS * 16,
+}
+
+
+def test_the_cases_cover_every_layout_and_the_heterogeneous_pairs() -> None:
+    chosen = cases()
+    assert [c.name for c in chosen] == list(RUNS_PER_CHUNK)
+    assert [c.prefill.layout for c in chosen if c.kind == "same"] == list(LAYOUTS)
+    assert all(c.prefill == c.decode for c in chosen if c.kind == "same")
+    assert {c.kind for c in chosen} == {"same", "tp", "block", "order"}
+    tp = [c for c in chosen if c.kind == "tp"]
+    assert [(c.prefill.tp, c.decode.tp, c.prefill.layout) for c in tp] == [(2, 1, "LBHNC"), (2, 1, "BHLNC")]
+    assert [c.name for c in cases(quick=True)] == ["LBHNC", "BLHNC", "LBHNC-tp2to1"]
+    assert [c.name for c in cases(names=["LBHNC-tp2to1", "BLNHC"])] == ["BLNHC", "LBHNC-tp2to1"]
+    with pytest.raises(ValueError, match="no layout case HND"):
+        cases(names=["HND"])
+
+
+def test_the_largest_case_stays_under_6_gib() -> None:
+    largest = max(cache_bytes(model, case, 2048) for model in (LLAMA_8B, LLAMA_70B) for case in cases())
+    # 70B, 16 -> 32-token blocks: 258 blocks of 16 tokens on prefill, 130 of 32 on decode (room for two requests)
+    assert largest == (258 * 16 + 130 * 32) * LLAMA_70B.kv_bytes_per_token
+    assert largest < 6 << 30
+
+
+def _row(case: str, kind: str, gbps: float, blocks: str = "contiguous") -> dict[str, Any]:
+    return {
+        "name": case,
+        "case": case,
+        "kind": kind,
+        "blockIds": blocks,
+        "gbps": gbps,
+        "bytesPerDescriptor": 32768,
+        "ratioToRawHere": round(gbps / 6.0, 3),
+    }
+
+
+def test_targets_take_the_worst_row_they_cover() -> None:
+    rows = [
+        _row("BLHNC", "same", 6.0),
+        _row("BHLNC", "same", 5.0, "scattered"),
+        _row("LBHNC", "same", 1.0),  # per-layer, same TP: no target
+        _row("LBHNC-tp2to1", "tp", 5.0),
+        _row("LBHNC-tp2to1", "tp", 1.0, "scattered"),  # the hetero-TP target is the contiguous one
+        _row("BHLNC-tp2to1", "tp", 0.5),  # and the per-layer one
+    ]
+    sweep = [{"descriptorBytes": 4096, "gbps": 1.0}, {"descriptorBytes": 1 << 20, "gbps": 4.0}]
+    add_ratios(rows, memcpy=10.0, raw=6.0, sweep=sweep)
+    assert rows[0]["ratioToRaw"] == 1.0
+    assert rows[0]["ratioToMemcpy"] == 0.6
+    assert 1.0 < rows[0]["ratioToRawAtDescriptorSize"] < 6.0  # 32 KiB lies between the sweep's points
+    cross, hetero = targets(rows)
+    assert (cross["worst"], cross["met"]) == ("BHLNC", False)
+    assert cross["measured"] == pytest.approx(5 / 6, abs=1e-3)
+    assert (hetero["worst"], hetero["met"]) == ("LBHNC-tp2to1", True)
+    assert hetero["measured"] == pytest.approx(5 / 6, abs=1e-3)
+    assert set(CROSS_LAYER) == {"BLHNC", "BLNHC", "BHLNC"}
+
+
+def test_a_tiny_run_of_every_case_gives_the_paired_runs_and_the_models_bytes() -> None:
+    pytest.importorskip("vllm")
+    pytest.importorskip("nixl")
+    from kvbridge_agent.bench.layouts import LocalPrefill, run_case
+    from kvbridge_agent.vllm_connector.host_cache import allocate_host_views
+
+    prefills = [LocalPrefill(), LocalPrefill()]
+    chosen: list[Case] = cases()
+    for case in chosen:
+        rows = run_case(allocate_host_views, TINY, case, prefills, TOKENS, requests=1)
+        assert [row["blockIds"] for row in rows] == list(case.allocations)
+        for row in rows:
+            assert row["name"] == f"{case.name}-tiny-{row['blockIds']}"
+            assert row["descriptorsPerRequest"] == RUNS_PER_CHUNK[case.name] * TOKENS // 16, case.name
+            assert row["bytesPerRequest"] == TINY.kv_bytes_per_token * TOKENS // case.decode.tp
+            assert row["bytesPerDescriptor"] * row["descriptorsPerRequest"] == row["bytesPerRequest"]
+            assert row["gbps"] > 0
+            assert row["ownUsPerRequest"] >= row["idsUsPerRequest"] > 0
+            assert row["rawHereGBps"] > 0
+            assert row["ratioToRawHere"] == pytest.approx(row["gbps"] / row["rawHereGBps"], abs=2e-3)
