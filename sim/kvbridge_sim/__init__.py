@@ -16,7 +16,7 @@ Reading order:
 - ``cluster``: for tests and benchmarks: the operator in-process on the emulator.
 - ``kubectl``: for tests: the real ``kubectl`` against the emulated cluster.
 - ``vllm_engines``: for tests and benchmarks: real vLLM engines started from rendered pod templates.
-- ``kv_faults``: for tests: faults written into a running prefill engine's KV cache.
+- ``support``: free ports and waiting for a condition with a deadline, for the demo, tests and benchmarks.
 
 Never imported by a product package (import-linter); no image contains it. Needs the ``demo`` extra (kmock).
 """

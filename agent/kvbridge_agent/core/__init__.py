@@ -9,6 +9,7 @@ Reading order:
 - ``geometry``: a rank's regions and block strides, numbered by cache kind.
 - ``layout``: vLLM's physical layouts (``KVCacheLayout``) as byte strides; two sides' contiguous runs.
 - ``physical_reads``: what one decode rank reads from each prefill rank when both caches have physical layouts.
+- ``cache_groups``: a hybrid model's KV cache groups as one list of blocks.
 - ``wire``: the wire format and the conversions each side performs.
 - ``plan``: the transfer plan, built once per pair of engines.
 - ``blocks``: per-request block ids to descriptor ids (numpy, the hot path).

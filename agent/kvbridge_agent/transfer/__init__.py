@@ -9,6 +9,7 @@ Reading order:
 - ``prefill_rank``: the prefill side of one rank: offers in the wire format, notifications counted.
 - ``decode_rank``: the decode side of one rank: peers, READs, completion, conversions.
 - ``relayout``: block-size and layout conversions in place.
+- ``host_buffer``: a host mirror of the cache, for nodes without GPUDirect RDMA (``kv_buffer_device: cpu``).
 - ``side_channel``: the authenticated handshake (ZeroMQ).
 - ``peers``: known remote engines and whether a lease still holds.
 - ``keys``: the side channel's CURVE keys.
