@@ -71,16 +71,26 @@ class Tally:
 
     def row(self, name: str) -> dict[str, Any]:
         p99 = float(np.percentile(self.seconds, 99)) if self.seconds else 0.0
-        return {"operation": name, "sent": self.sent, "failed": self.failed, "hung": self.hung, "wrong": self.wrong,
-                "checked": self.checked or self.sent - self.failed - self.hung, "p99Seconds": round(p99, 3),
-                "codes": self.codes}  # fmt: skip
+        return {
+            "operation": name,
+            "sent": self.sent,
+            "failed": self.failed,
+            "hung": self.hung,
+            "wrong": self.wrong,
+            "checked": self.checked or self.sent - self.failed - self.hung,
+            "p99Seconds": round(p99, 3),
+            "codes": self.codes,
+        }
 
 
 def settled(cluster: LocalCluster, prefill: int, decode: int) -> bool:
     pods = [p for p in cluster.runner.pods.values() if not p.terminating]
     roles = [p.name.rsplit("-", 2)[-2] for p in pods]
-    return (roles.count("prefill"), roles.count("decode")) == (prefill, decode) and all(p.ready for p in pods) and (
-        len(pods) == len(cluster.runner.pods))  # fmt: skip
+    return (
+        (roles.count("prefill"), roles.count("decode")) == (prefill, decode)
+        and all(p.ready for p in pods)
+        and (len(pods) == len(cluster.runner.pods))
+    )
 
 
 def vllm_chaos_deployment() -> dict[str, Any]:
@@ -115,8 +125,14 @@ async def run(clients: int, bound: float, engine: str) -> list[dict[str, Any]]:
                         body = {"model": "demo", "prompt": [index + 1] * (17 + 13 * (n % 5)), "max_tokens": 1}
                         if vllm:  # distinct prompts of 16 to 300 tokens, greedy, a few tokens each
                             prompt = [(index * 7919 + n * 104729 + i * 31) % 900 + 5 for i in range(16 + 37 * n % 285)]
-                            body = {"model": TINY_MODEL, "prompt": prompt, "max_tokens": 4 + n % 9, "temperature": 0.0,
-                                    "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+                            body = {
+                                "model": TINY_MODEL,
+                                "prompt": prompt,
+                                "max_tokens": 4 + n % 9,
+                                "temperature": 0.0,
+                                "ignore_eos": True,
+                                "return_token_ids": True,
+                            }
                         started = time.monotonic()
                         status, answer = await send(session, router.url, body)
                         elapsed = time.monotonic() - started
@@ -160,17 +176,26 @@ async def run(clients: int, bound: float, engine: str) -> list[dict[str, Any]]:
                 return None
 
             everything: list[tuple[str, Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]] = [
-                ("scale prefill 2 -> 1", lambda: patch({"prefill": {"replicas": 1}}),
-                 lambda: patch({"prefill": {"replicas": 2}})),
-                ("scale decode 2 -> 1", lambda: patch({"decode": {"replicas": 1}}),
-                 lambda: patch({"decode": {"replicas": 2}})),
+                (
+                    "scale prefill 2 -> 1",
+                    lambda: patch({"prefill": {"replicas": 1}}),
+                    lambda: patch({"prefill": {"replicas": 2}}),
+                ),
+                (
+                    "scale decode 2 -> 1",
+                    lambda: patch({"decode": {"replicas": 1}}),
+                    lambda: patch({"decode": {"replicas": 2}}),
+                ),
                 ("in-place rollout", lambda: patch({"transfer": {"drainSeconds": 6}}), nothing),
-                ("blue/green rollout", lambda: patch({"prefill": {"blockSize": 32}, "decode": {"blockSize": 32}}),
-                 nothing),
+                (
+                    "blue/green rollout",
+                    lambda: patch({"prefill": {"blockSize": 32}, "decode": {"blockSize": 32}}),
+                    nothing,
+                ),
                 ("node drain (a prefill and a decode pod evicted)", evict, nothing),
                 ("prefill pod SIGKILLed", lambda: kill("prefill"), nothing),
                 ("decode pod SIGKILLed", lambda: kill("decode"), nothing),
-            ]  # fmt: skip
+            ]
             operations = [o for o in everything if not (vllm and o[0].startswith("blue/green"))]
             tasks = [asyncio.create_task(load(i)) for i in range(clients)]
             try:
@@ -181,12 +206,20 @@ async def run(clients: int, bound: float, engine: str) -> list[dict[str, Any]]:
                     current[0] = name
                     await operation()
                     await asyncio.sleep(1)
-                    shape = (1, 2) if name.startswith("scale prefill") else (2, 1) if name.startswith(
-                        "scale decode") else (2, 2)  # fmt: skip
+                    shape = (
+                        (1, 2)
+                        if name.startswith("scale prefill")
+                        else (2, 1)
+                        if name.startswith("scale decode")
+                        else (2, 2)
+                    )
                     await until(lambda shape=shape: settled(cluster, *shape), wait, name)  # type: ignore[misc]
                     if "rollout" in name:
-                        await until(lambda b=before: not revisions() & b and settled(cluster, 2, 2),  # type: ignore[misc]
-                                    wait, name)  # fmt: skip
+                        await until(
+                            lambda b=before: not revisions() & b and settled(cluster, 2, 2),  # type: ignore[misc]
+                            wait,
+                            name,
+                        )
                     current[0] = "between operations"
                     await restore()
                     await until(lambda: settled(cluster, 2, 2), wait, f"back to 2 + 2 after {name}")
@@ -208,11 +241,19 @@ async def compare_with_a_single_engine(cluster: LocalCluster, outcomes: dict[str
     url = f"http://{decode.ip}:{decode.spec.http_port}"
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         for name, outcome in outcomes.items():
-            for index, (prompt, max_tokens, tokens) in enumerate(random.Random(0).sample(
-                    outcome.answers, min(sample, len(outcome.answers)))):  # fmt: skip
+            for index, (prompt, max_tokens, tokens) in enumerate(
+                random.Random(0).sample(outcome.answers, min(sample, len(outcome.answers)))
+            ):
                 salt = f"chaos-{name}-{index}"
-                body = {"model": TINY_MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                        "ignore_eos": True, "return_token_ids": True, "cache_salt": salt}  # fmt: skip
+                body = {
+                    "model": TINY_MODEL,
+                    "prompt": prompt,
+                    "max_tokens": max_tokens,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                    "cache_salt": salt,
+                }
                 async with session.post(f"{url}/v1/completions", json=body) as response:
                     want = (await response.json())["choices"][0]["token_ids"]
                 outcome.checked += 1
@@ -233,8 +274,10 @@ def main() -> int:
     print("| operation | sent | failed | hung | wrong (of checked) | p99 (s) | codes |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['operation']} | {r['sent']} | {r['failed']} | {r['hung']} | {r['wrong']} ({r['checked']}) | "
-              f"{r['p99Seconds']} | {r['codes'] or ''} |")  # fmt: skip
+        print(
+            f"| {r['operation']} | {r['sent']} | {r['failed']} | {r['hung']} | {r['wrong']} ({r['checked']}) | "
+            f"{r['p99Seconds']} | {r['codes'] or ''} |"
+        )
     return 0
 
 

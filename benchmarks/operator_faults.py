@@ -72,9 +72,14 @@ async def scenario(kind: str, count: int, outage: float = 25.0, timeout: float =
         while len(ready_names(api)) < count and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         done = time.monotonic()
-        return {"scenario": kind, "deployments": count, "ready": len(ready_names(api)),
-                "secondsAfterHeal" if kind == "outage" else "secondsToReady":
-                    round(done - (healed if kind == "outage" else begin), 1)}  # fmt: skip
+        return {
+            "scenario": kind,
+            "deployments": count,
+            "ready": len(ready_names(api)),
+            "secondsAfterHeal" if kind == "outage" else "secondsToReady": round(
+                done - (healed if kind == "outage" else begin), 1
+            ),
+        }
 
 
 def main() -> int:

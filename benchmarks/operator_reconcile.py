@@ -91,12 +91,26 @@ async def kubelet(api: RealisticKubernetes, client: KubeClient, stop: asyncio.Ev
             started.add(name)
             template = copy.deepcopy(sts["spec"]["template"])
             for index in range(int(sts["spec"]["replicas"])):
-                pod = {"apiVersion": "v1", "kind": "Pod", "spec": copy.deepcopy(template["spec"]),
-                       "metadata": {**copy.deepcopy(template["metadata"]), "name": f"{name}-{index}"}}  # fmt: skip
+                pod = {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "spec": copy.deepcopy(template["spec"]),
+                    "metadata": {**copy.deepcopy(template["metadata"]), "name": f"{name}-{index}"},
+                }
                 await client.create(PODS, "default", pod)
-                await client.patch(PODS, "default", f"{name}-{index}", {"status": {
-                    "phase": "Running", "podIP": f"10.1.{len(started) % 250}.{index + 1}",
-                    "conditions": [{"type": "Ready", "status": "True"}]}}, "status")  # fmt: skip
+                await client.patch(
+                    PODS,
+                    "default",
+                    f"{name}-{index}",
+                    {
+                        "status": {
+                            "phase": "Running",
+                            "podIP": f"10.1.{len(started) % 250}.{index + 1}",
+                            "conditions": [{"type": "Ready", "status": "True"}],
+                        }
+                    },
+                    "status",
+                )
         await asyncio.sleep(0.02)
 
 
@@ -107,10 +121,18 @@ async def operator_on_emulator(
     """The emulated API with the CRD, ``kvbridge operator run`` as a process against it, and the kubelet stand-in;
     yields once the operator's watches are up; stops all of it."""
     async with emulated_api(token=token, user_agent=BENCHMARK_AGENT) as (api, url, client):
-        env = {**os.environ, "KVBRIDGE_OPERATOR_API_SERVER": url, "KVBRIDGE_OPERATOR_CPU_MODE": "1",
-               "KVBRIDGE_OPERATOR_LIVENESS_PORT": "0"}  # fmt: skip
-        operator = subprocess.Popen([sys.executable, "-m", "kvbridge_operator", "operator", "run"], env=env,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        env = {
+            **os.environ,
+            "KVBRIDGE_OPERATOR_API_SERVER": url,
+            "KVBRIDGE_OPERATOR_CPU_MODE": "1",
+            "KVBRIDGE_OPERATOR_LIVENESS_PORT": "0",
+        }
+        operator = subprocess.Popen(
+            [sys.executable, "-m", "kvbridge_operator", "operator", "run"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         stop = asyncio.Event()
         pods = asyncio.create_task(kubelet(api, client, stop))
         try:

@@ -120,8 +120,10 @@ async def steady(rate: float, seconds: float, call: Any) -> list[float]:
 
 def quantiles(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
-    return {"p50Ms": round(1000 * statistics.median(ordered), 3),
-            "p99Ms": round(1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 3)}  # fmt: skip
+    return {
+        "p50Ms": round(1000 * statistics.median(ordered), 3),
+        "p99Ms": round(1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 3),
+    }
 
 
 def router_code(workdir: str, ref: str | None) -> dict[str, str]:
@@ -131,8 +133,9 @@ def router_code(workdir: str, ref: str | None) -> dict[str, str]:
         return {}
     tree = Path(workdir, "before")
     tree.mkdir()
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "agent", "operator"], check=True,
-                             capture_output=True).stdout  # fmt: skip
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", ref, "agent", "operator"], check=True, capture_output=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
     return {"PYTHONPATH": os.pathsep.join((str(tree / "operator"), str(tree / "agent")))}
 
@@ -144,23 +147,50 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     latencies: dict[str, list[float]] = {name: [] for name in ("direct", *names)}
     cpu = {name: [0.0, 0.0] for name in names}
     with tempfile.TemporaryDirectory() as workdir:
-        status = {"prefill": {"endpoints": [{"pod": "prefill-0", "ip": "127.0.0.1", "httpPort": ports["prefill"],
-                                             "pairing": "k"}]},
-                  "decode": {"endpoints": [{"pod": "decode-0", "ip": "127.0.0.1", "httpPort": ports["decode"],
-                                            "pairing": "k"}]}}  # fmt: skip
+        status = {
+            "prefill": {
+                "endpoints": [{"pod": "prefill-0", "ip": "127.0.0.1", "httpPort": ports["prefill"], "pairing": "k"}]
+            },
+            "decode": {
+                "endpoints": [{"pod": "decode-0", "ip": "127.0.0.1", "httpPort": ports["decode"], "pairing": "k"}]
+            },
+        }
         status_file = Path(workdir, "status.json")
         status_file.write_text(json.dumps(status))
         try:
             for role in ("prefill", "decode"):
-                procs[role] = subprocess.Popen([sys.executable, __file__, "--serve-engine", role, "--port",
-                                                str(ports[role]), "--engine-ms", str(args.engine_ms)])  # fmt: skip
+                procs[role] = subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--serve-engine",
+                        role,
+                        "--port",
+                        str(ports[role]),
+                        "--engine-ms",
+                        str(args.engine_ms),
+                    ]
+                )
             for name in names:
                 env = {**os.environ, **router_code(workdir, args.before if name == "before" else None)}
                 profile = ["-m", "cProfile", "-o", args.profile] if args.profile and name != "before" else []
                 procs[name] = subprocess.Popen(
-                    [sys.executable, *profile, "-m", "kvbridge_operator", "router", "--status-file", str(status_file),
-                     "--host", "127.0.0.1", "--port", str(ports[name])], stderr=subprocess.DEVNULL, env=env,
-                )  # fmt: skip
+                    [
+                        sys.executable,
+                        *profile,
+                        "-m",
+                        "kvbridge_operator",
+                        "router",
+                        "--status-file",
+                        str(status_file),
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(ports[name]),
+                    ],
+                    stderr=subprocess.DEVNULL,
+                    env=env,
+                )
             urls = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
             async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
@@ -169,8 +199,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 for name in names:
                     await wait_up(session, urls[name] + "/health")
                 body = {"model": "m", "prompt": list(range(512)), "max_tokens": 3, "stream": args.stream}
-                calls = {"direct": lambda: direct(session, urls["prefill"], urls["decode"], body),
-                         **{name: (lambda url=urls[name]: routed(session, url, body)) for name in names}}  # fmt: skip
+                calls = {
+                    "direct": lambda: direct(session, urls["prefill"], urls["decode"], body),
+                    **{name: (lambda url=urls[name]: routed(session, url, body)) for name in names},
+                }
                 warm = max(1, int(args.rate))  # warm-up: connections and code paths
                 for call in calls.values():
                     await steady(args.rate, warm / args.rate, call)
@@ -190,20 +222,27 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 proc.wait(timeout=10)
     direct_q = quantiles(latencies["direct"])
     result: dict[str, Any] = {
-        "rate": args.rate, "seconds": args.seconds, "rounds": args.rounds, "stream": args.stream,
-        "engineMsPerCall": args.engine_ms, "promptTokens": 512, "direct": direct_q,
-    }  # fmt: skip
+        "rate": args.rate,
+        "seconds": args.seconds,
+        "rounds": args.rounds,
+        "stream": args.stream,
+        "engineMsPerCall": args.engine_ms,
+        "promptTokens": 512,
+        "direct": direct_q,
+    }
     for name in names:
         routed_q, count = quantiles(latencies[name]), len(latencies[name])
         user, system = cpu[name]
         result[name] = {
-            **({"revision": args.before} if name == "before" else {}), "requests": count, "viaRouter": routed_q,
+            **({"revision": args.before} if name == "before" else {}),
+            "requests": count,
+            "viaRouter": routed_q,
             "addedP50Ms": round(routed_q["p50Ms"] - direct_q["p50Ms"], 3),
             "addedP99Ms": round(routed_q["p99Ms"] - direct_q["p99Ms"], 3),
             "routerCpuMsPerRequest": round(1000 * (user + system) / count, 3),
             "routerUserMsPerRequest": round(1000 * user / count, 3),
             "routerSystemMsPerRequest": round(1000 * system / count, 3),
-        }  # fmt: skip
+        }
     return result
 
 
@@ -213,13 +252,22 @@ if __name__ == "__main__":
     parser.add_argument("--seconds", type=float, default=20.0, help="seconds per path (default 20)")
     parser.add_argument("--engine-ms", type=float, default=5.0, help="simulated work per engine call (default 5)")
     parser.add_argument("--stream", action="store_true", help="streamed decode answers")
-    parser.add_argument("--before", metavar="REV", help="also run the router of this git revision (say, the commit "
-                        "before a change), taking turns with this checkout's, and report both")  # fmt: skip
-    parser.add_argument("--rounds", type=int, default=4, help="turns each path takes, --seconds split among them "
-                        "(default 4)")  # fmt: skip
+    parser.add_argument(
+        "--before",
+        metavar="REV",
+        help="also run the router of this git revision (say, the commit "
+        "before a change), taking turns with this checkout's, and report both",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=4, help="turns each path takes, --seconds split among them (default 4)"
+    )
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--profile", metavar="FILE", help="run the router under cProfile, its stats written to FILE "
-                        "(read with python -m pstats FILE; CPU per request is then inflated)")  # fmt: skip
+    parser.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="run the router under cProfile, its stats written to FILE "
+        "(read with python -m pstats FILE; CPU per request is then inflated)",
+    )
     parser.add_argument("--serve-engine", choices=("prefill", "decode"), help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parsed = parser.parse_args()

@@ -95,21 +95,68 @@ def wait_healthy(url: str, timeout: float = 60) -> None:
     wait_until(healthy, timeout, f"router {url} to be healthy", interval=0.3, tolerate=(OSError,))
 
 
-def bench(url: str, model: str, tokenizer: Path, workload: str, args: argparse.Namespace, seed: int,
-          workdir: Path) -> dict[str, Any]:  # fmt: skip
+def bench(
+    url: str, model: str, tokenizer: Path, workload: str, args: argparse.Namespace, seed: int, workdir: Path
+) -> dict[str, Any]:
     """One ``vllm bench serve`` run through the router at ``url``; its saved result."""
     name = f"{workload}-{seed}.json"
-    data = (["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(args.prefix_len),
-             "--prefix-repetition-suffix-len", str(args.suffix_len), "--prefix-repetition-num-prefixes",
-             str(args.prefixes), "--prefix-repetition-output-len", str(args.output_len)]
-            if workload == "prefix_repetition" else
-            ["--dataset-name", "random", "--random-input-len", str(args.prefix_len + args.suffix_len),
-             "--random-output-len", str(args.output_len), "--random-range-ratio", "0"])  # fmt: skip
-    command = [str(BIN / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", url, "--endpoint",
-               "/v1/completions", "--model", model, "--tokenizer", str(tokenizer), *data, "--num-prompts",
-               str(args.num_prompts), "--request-rate", str(args.rate), "--seed", str(seed), "--ignore-eos",
-               "--percentile-metrics", "ttft", "--metric-percentiles", "50,99", "--save-result", "--result-dir",
-               str(workdir), "--result-filename", name]  # fmt: skip
+    data = (
+        [
+            "--dataset-name",
+            "prefix_repetition",
+            "--prefix-repetition-prefix-len",
+            str(args.prefix_len),
+            "--prefix-repetition-suffix-len",
+            str(args.suffix_len),
+            "--prefix-repetition-num-prefixes",
+            str(args.prefixes),
+            "--prefix-repetition-output-len",
+            str(args.output_len),
+        ]
+        if workload == "prefix_repetition"
+        else [
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            str(args.prefix_len + args.suffix_len),
+            "--random-output-len",
+            str(args.output_len),
+            "--random-range-ratio",
+            "0",
+        ]
+    )
+    command = [
+        str(BIN / "vllm"),
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--base-url",
+        url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        model,
+        "--tokenizer",
+        str(tokenizer),
+        *data,
+        "--num-prompts",
+        str(args.num_prompts),
+        "--request-rate",
+        str(args.rate),
+        "--seed",
+        str(seed),
+        "--ignore-eos",
+        "--percentile-metrics",
+        "ttft",
+        "--metric-percentiles",
+        "50,99",
+        "--save-result",
+        "--result-dir",
+        str(workdir),
+        "--result-filename",
+        name,
+    ]
     run = subprocess.run(command, capture_output=True, text=True, timeout=args.num_prompts / args.rate + 900)
     if run.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed ({run.returncode}): {run.stderr[-2000:]}")
@@ -129,34 +176,63 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         try:
             if args.attach:  # a `kvbridge demo --serve` already running: its kubeconfig
                 kubeconfig = str(args.attach)
-                listed = json.loads(subprocess.run(["kubectl", "--kubeconfig", kubeconfig, "get", "dd", "-o", "json"],
-                                                   check=True, capture_output=True, text=True).stdout)  # fmt: skip
+                listed = json.loads(
+                    subprocess.run(
+                        ["kubectl", "--kubeconfig", kubeconfig, "get", "dd", "-o", "json"],
+                        check=True,
+                        capture_output=True,
+                        text=True,
+                    ).stdout
+                )
                 dd = listed["items"][0]
             else:
-                progress(f"starting kvbridge demo --serve -f {args.manifest} (models made, engines started: "
-                         "minutes)")  # fmt: skip
-                demo = subprocess.Popen([str(BIN / "kvbridge"), "demo", "--serve", "-f", str(args.manifest)],
-                                        stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+                progress(f"starting kvbridge demo --serve -f {args.manifest} (models made, engines started: minutes)")
+                demo = subprocess.Popen(
+                    [str(BIN / "kvbridge"), "demo", "--serve", "-f", str(args.manifest)],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    start_new_session=True,
+                )
                 procs.append(demo)
                 kubeconfig = read_line(demo, r"^kubeconfig (\S+)", 1800).group(1)
                 name = read_line(demo, r"^router (\S+) (\S+) model (\S+)", 300).group(1)
-                got = subprocess.run(["kubectl", "--kubeconfig", kubeconfig, "get", "dd", name, "-o", "json"],
-                                     check=True, capture_output=True, text=True)  # fmt: skip
+                got = subprocess.run(
+                    ["kubectl", "--kubeconfig", kubeconfig, "get", "dd", name, "-o", "json"],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
                 dd = json.loads(got.stdout)
             model = str(dd["spec"]["model"]["name"])
             status_file = workdir / "dd.json"
             status_file.write_text(json.dumps(dd))
             block = int(dd["spec"]["prefill"].get("blockSize", 16))
-            urls = {role: [f"http://{e['ip']}:{e['httpPort']}" for e in dd["status"][role]["endpoints"]]
-                    for role in ("prefill", "decode")}  # fmt: skip
+            urls = {
+                role: [f"http://{e['ip']}:{e['httpPort']}" for e in dd["status"][role]["endpoints"]]
+                for role in ("prefill", "decode")
+            }
             routers: dict[str, str] = {}
             for policy in POLICIES:
                 port = free_port()
-                procs.append(subprocess.Popen(
-                    [str(BIN / "kvbridge"), "router", "--status-file", str(status_file), "--host", "127.0.0.1",
-                     "--port", str(port), "--policy", policy, "--block-size", str(block)],
-                    stderr=subprocess.DEVNULL,
-                ))  # fmt: skip
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            str(BIN / "kvbridge"),
+                            "router",
+                            "--status-file",
+                            str(status_file),
+                            "--host",
+                            "127.0.0.1",
+                            "--port",
+                            str(port),
+                            "--policy",
+                            policy,
+                            "--block-size",
+                            str(block),
+                        ],
+                        stderr=subprocess.DEVNULL,
+                    )
+                )
                 routers[policy] = f"http://127.0.0.1:{port}"
                 wait_healthy(routers[policy])
             from kvbridge_sim import tiny_model
@@ -167,22 +243,31 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             for workload in args.workloads:
                 for policy in POLICIES:
                     seed += 1
-                    progress(f"{workload} through the {policy} router ({args.num_prompts} prompts at "
-                             f"{args.rate:g}/s, seed {seed}) ...")  # fmt: skip
+                    progress(
+                        f"{workload} through the {policy} router ({args.num_prompts} prompts at "
+                        f"{args.rate:g}/s, seed {seed}) ..."
+                    )
                     before = counters(urls)
                     result = bench(routers[policy], model, tokenizer, workload, args, seed, workdir)
                     after = counters(urls)
                     delta = {k: after[k] - before[k] for k in after}
-                    runs.append({
-                        "workload": workload, "policy": policy, "seed": seed,
-                        "completed": result.get("completed"), "failed": result.get("failed", 0),
-                        "ttftP50Ms": round(float(result["p50_ttft_ms"]), 1),
-                        "ttftP99Ms": round(float(result["p99_ttft_ms"]), 1),
-                        "hitRate": round(delta["hits"] / delta["queries"], 4) if delta["queries"] else None,
-                        "idealHitRate": round(ideal_hit_rate(args, block), 4)
-                        if workload == "prefix_repetition" else 0.0,
-                        "decodeReadMiB": round(delta["readBytes"] / 2**20, 1), "decodeReads": int(delta["reads"]),
-                    })  # fmt: skip
+                    runs.append(
+                        {
+                            "workload": workload,
+                            "policy": policy,
+                            "seed": seed,
+                            "completed": result.get("completed"),
+                            "failed": result.get("failed", 0),
+                            "ttftP50Ms": round(float(result["p50_ttft_ms"]), 1),
+                            "ttftP99Ms": round(float(result["p99_ttft_ms"]), 1),
+                            "hitRate": round(delta["hits"] / delta["queries"], 4) if delta["queries"] else None,
+                            "idealHitRate": round(ideal_hit_rate(args, block), 4)
+                            if workload == "prefix_repetition"
+                            else 0.0,
+                            "decodeReadMiB": round(delta["readBytes"] / 2**20, 1),
+                            "decodeReads": int(delta["reads"]),
+                        }
+                    )
                     progress(f"  {runs[-1]}")
         finally:
             for proc in reversed(procs):
@@ -195,20 +280,32 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                     proc.wait(timeout=120)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-    return {"manifest": str(args.manifest), "rate": args.rate, "numPrompts": args.num_prompts,
-            "prefixes": args.prefixes, "prefixLen": args.prefix_len, "suffixLen": args.suffix_len,
-            "outputLen": args.output_len, "runs": runs}  # fmt: skip
+    return {
+        "manifest": str(args.manifest),
+        "rate": args.rate,
+        "numPrompts": args.num_prompts,
+        "prefixes": args.prefixes,
+        "prefixLen": args.prefix_len,
+        "suffixLen": args.suffix_len,
+        "outputLen": args.output_len,
+        "runs": runs,
+    }
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = ["| workload | policy | TTFT p50 (ms) | TTFT p99 (ms) | prefill hit rate (ideal) | decode KV read (MiB) "
-             "| failed |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| workload | policy | TTFT p50 (ms) | TTFT p99 (ms) | prefill hit rate (ideal) | decode KV read (MiB) "
+        "| failed |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for run in result["runs"]:
         rate = "—" if run["hitRate"] is None else f"{100 * run['hitRate']:.1f} %"
         if run["idealHitRate"]:
             rate += f" ({100 * run['idealHitRate']:.1f} %)"
-        lines.append(f"| {run['workload']} | {run['policy']} | {run['ttftP50Ms']} | {run['ttftP99Ms']} | {rate} | "
-                     f"{run['decodeReadMiB']} | {run['failed']} |")  # fmt: skip
+        lines.append(
+            f"| {run['workload']} | {run['policy']} | {run['ttftP50Ms']} | {run['ttftP99Ms']} | {rate} | "
+            f"{run['decodeReadMiB']} | {run['failed']} |"
+        )
     return "\n".join(lines)
 
 
@@ -221,13 +318,22 @@ if __name__ == "__main__":
     parser.add_argument("--prefix-len", type=int, default=384, help="tokens per shared prefix (default 384)")
     parser.add_argument("--suffix-len", type=int, default=32, help="tokens after it (default 32)")
     parser.add_argument("--output-len", type=int, default=4, help="tokens generated per request (default 4)")
-    parser.add_argument("--seed", type=int, default=int(time.time()) % 1_000_000 * 10,
-                        help="the first run's seed, each run adds one (default: from the clock, so that a second "
-                        "invocation against the same pods finds none of its prefixes cached)")  # fmt: skip
-    parser.add_argument("--workloads", nargs="+", default=["prefix_repetition", "random"],
-                        choices=["prefix_repetition", "random"])  # fmt: skip
-    parser.add_argument("--attach", type=Path, metavar="KUBECONFIG", help="use the `kvbridge demo --serve` "
-                        "already running with this kubeconfig instead of starting one")  # fmt: skip
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=int(time.time()) % 1_000_000 * 10,
+        help="the first run's seed, each run adds one (default: from the clock, so that a second "
+        "invocation against the same pods finds none of its prefixes cached)",
+    )
+    parser.add_argument(
+        "--workloads", nargs="+", default=["prefix_repetition", "random"], choices=["prefix_repetition", "random"]
+    )
+    parser.add_argument(
+        "--attach",
+        type=Path,
+        metavar="KUBECONFIG",
+        help="use the `kvbridge demo --serve` already running with this kubeconfig instead of starting one",
+    )
     parser.add_argument("--json", action="store_true")
     parsed = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed: still stop what it started (finally)

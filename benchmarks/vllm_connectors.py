@@ -61,8 +61,11 @@ def cpu_seconds(pgid: int) -> float:
 async def transfer_figures(session: aiohttp.ClientSession, url: str, connector: str) -> tuple[float, float, float]:
     """(requests, seconds, descriptors) the connector has reported so far on decode's /metrics."""
     seconds, descriptors = TRANSFER_METRICS[connector]
-    return (await metric(session, url, f"{seconds}_count"), await metric(session, url, f"{seconds}_sum"),
-            await metric(session, url, f"{descriptors}_sum"))  # fmt: skip
+    return (
+        await metric(session, url, f"{seconds}_count"),
+        await metric(session, url, f"{seconds}_sum"),
+        await metric(session, url, f"{descriptors}_sum"),
+    )
 
 
 async def reported_since(
@@ -118,8 +121,10 @@ async def run(repeats: int, workdir: Path, verification: list[str]) -> dict[str,
     generate_keys(keys)
     results: dict[str, Any] = {}
     # KVBridgeConnector once per verification policy (spec.transfer.verification); the first is the table's
-    variants = [("Nixl", "Nixl", ""), *((("KVBridge" if i == 0 else f"KVBridge-{v}"), "KVBridge", v)
-                                        for i, v in enumerate(verification))]  # fmt: skip
+    variants = [
+        ("Nixl", "Nixl", ""),
+        *((("KVBridge" if i == 0 else f"KVBridge-{v}"), "KVBridge", v) for i, v in enumerate(verification)),
+    ]
     for name, connector, policy in variants:
         engines = Engines(workdir / name, model)
         document = deployment(f"bench-{name.lower()}", 1, connector=connector)
@@ -140,10 +145,12 @@ async def run(repeats: int, workdir: Path, verification: list[str]) -> dict[str,
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = ["| prompt tokens | transfer, Nixl (ms) | transfer, KVBridge (ms) | descriptors, Nixl | KVBridge "
-             "| decode TTFT, Nixl (ms) | decode TTFT, KVBridge (ms) | KVBridge / Nixl | recompute on "
-             "decode (ms) | decode CPU s/request, Nixl | KVBridge |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| prompt tokens | transfer, Nixl (ms) | transfer, KVBridge (ms) | descriptors, Nixl | KVBridge "
+        "| decode TTFT, Nixl (ms) | decode TTFT, KVBridge (ms) | KVBridge / Nixl | recompute on "
+        "decode (ms) | decode CPU s/request, Nixl | KVBridge |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for length in LENGTHS:
         nixl, ours = results["Nixl"]["byPromptTokens"][str(length)], results["KVBridge"]["byPromptTokens"][str(length)]
         lines.append(
@@ -153,8 +160,10 @@ def table(results: dict[str, Any]) -> str:
             f"{nixl['decodeCPUSecondsPerRequest']} | {ours['decodeCPUSecondsPerRequest']} |"
         )
     lines.append("")
-    lines.append(f"peak RSS of the pair: Nixl {results['Nixl']['peakRssGiB']} GiB, "
-                 f"KVBridge {results['KVBridge']['peakRssGiB']} GiB")  # fmt: skip
+    lines.append(
+        f"peak RSS of the pair: Nixl {results['Nixl']['peakRssGiB']} GiB, "
+        f"KVBridge {results['KVBridge']['peakRssGiB']} GiB"
+    )
     return "\n".join(lines)
 
 

@@ -26,8 +26,9 @@ def _ended(transport: Transport, handle: Any) -> bool:
     return transport.state(handle) in ("DONE", "ERR")
 
 
-def overwrite_prefill_kv(params: KVTransferParams, keys: CurveKeys | None, nbytes: int = 64,
-                         timeout: float = 10.0) -> int:  # fmt: skip
+def overwrite_prefill_kv(
+    params: KVTransferParams, keys: CurveKeys | None, nbytes: int = 64, timeout: float = 10.0
+) -> int:
     """Overwrite ``nbytes`` at the start of the request's first block (layer 0, keys) on every prefill rank;
     returns how many ranks were written."""
     ranks = SideChannelClient(params.remote_host, params.remote_port, params.fingerprint, keys, timeout).fetch(
@@ -42,8 +43,9 @@ def overwrite_prefill_kv(params: KVTransferParams, keys: CurveKeys | None, nbyte
             peer = transport.add_peer(agent)
             block = params.remote_block_ids[0] // (meta.block_size // meta.wire_block_size)
             address = meta.tensor_bases[0] + block * meta.region_block_bytes
-            remote = transport.prep(peer, np.array([[address, nbytes, meta.device_id]], dtype=np.int64),
-                                    meta.memory_type.value)  # fmt: skip
+            remote = transport.prep(
+                peer, np.array([[address, nbytes, meta.device_id]], dtype=np.int64), meta.memory_type.value
+            )
             agent_api = transport._agent  # the product only READs; this fault WRITEs
             handle = agent_api.make_prepped_xfer("WRITE", local, [0], remote, [0])
             transport.post(handle)

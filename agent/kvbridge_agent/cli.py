@@ -106,20 +106,30 @@ def _bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return EXIT_OK
-    print(f"memcpy {result['memcpyGBps']} GB/s, raw NIXL {result['nixlRawGBps']} GB/s (one descriptor), "
-          f"handshake {result['handshakeMs']} ms, {result['seconds']} s")  # fmt: skip
-    print("raw NIXL by descriptor size: " + ", ".join(
-        f"{row['descriptorBytes'] >> 10} KiB {row['gbps']}" for row in result["descriptorSweep"]))  # fmt: skip
-    print(f"{'configuration':<34} {'GB/s':>6} {'x raw':>6} {'x size':>6} {'descs':>7} {'B/desc':>8} "
-          f"{'own us':>7} {'make us':>8} {'post us':>9}")  # fmt: skip
+    print(
+        f"memcpy {result['memcpyGBps']} GB/s, raw NIXL {result['nixlRawGBps']} GB/s (one descriptor), "
+        f"handshake {result['handshakeMs']} ms, {result['seconds']} s"
+    )
+    print(
+        "raw NIXL by descriptor size: "
+        + ", ".join(f"{row['descriptorBytes'] >> 10} KiB {row['gbps']}" for row in result["descriptorSweep"])
+    )
+    print(
+        f"{'configuration':<34} {'GB/s':>6} {'x raw':>6} {'x size':>6} {'descs':>7} {'B/desc':>8} "
+        f"{'own us':>7} {'make us':>8} {'post us':>9}"
+    )
     for row in result["results"]:
-        print(f"{row['name']:<34} {row['gbps']:>6.2f} {row['ratioToRaw']:>6.2f} "
-              f"{row['ratioToRawAtDescriptorSize']:>6.2f} {row['descriptorsPerRequest']:>7} "
-              f"{row['bytesPerDescriptor']:>8} {row['overheadUsPerRequest']:>7.0f} {row['nixlMakeUsPerRequest']:>8.0f} "
-              f"{row['nixlPostUsPerRequest']:>9.0f}")  # fmt: skip
+        print(
+            f"{row['name']:<34} {row['gbps']:>6.2f} {row['ratioToRaw']:>6.2f} "
+            f"{row['ratioToRawAtDescriptorSize']:>6.2f} {row['descriptorsPerRequest']:>7} "
+            f"{row['bytesPerDescriptor']:>8} {row['overheadUsPerRequest']:>7.0f} {row['nixlMakeUsPerRequest']:>8.0f} "
+            f"{row['nixlPostUsPerRequest']:>9.0f}"
+        )
     for target in result["targets"]:
-        print(f"{'met' if target['met'] else 'NOT met'}: {target['target']} (worst {target['worst']}: "
-              f"{target['measured']})")  # fmt: skip
+        print(
+            f"{'met' if target['met'] else 'NOT met'}: {target['target']} (worst {target['worst']}: "
+            f"{target['measured']})"
+        )
     return EXIT_OK
 
 

@@ -188,8 +188,9 @@ async def connect(
         )
     configuration = k8s.Configuration()
     try:
-        await k8s_config.load_kube_config(config_file=path, context=context or None,
-                                          client_configuration=configuration, persist_config=False)  # fmt: skip
+        await k8s_config.load_kube_config(
+            config_file=path, context=context or None, client_configuration=configuration, persist_config=False
+        )
     except (k8s_config.ConfigException, OSError, ValueError) as exc:
         raise KVBridgeError(f"kubeconfig {path}: {exc}", code="BAD_KUBECONFIG") from exc
     return Connection(configuration, f"kubeconfig {path}" + (f" (context {context})" if context else ""))
@@ -212,8 +213,9 @@ class KubeClient:
     async def __aenter__(self) -> KubeClient:
         return self
 
-    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:  # fmt: skip
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.close()
 
     async def close(self) -> None:
@@ -222,9 +224,16 @@ class KubeClient:
             self._api = None
 
     async def _request(
-        self, verb: str, method: str, resource: Resource, path: str, *, body: Any = None,
-        content_type: str | None = None, params: dict[str, str] | None = None,
-    ) -> Any:  # fmt: skip
+        self,
+        verb: str,
+        method: str,
+        resource: Resource,
+        path: str,
+        *,
+        body: Any = None,
+        content_type: str | None = None,
+        params: dict[str, str] | None = None,
+    ) -> Any:
         self.calls.add((verb, resource.plural if not path.endswith("/status") else f"{resource.plural}/status"))
         attempt = 0
         while True:
@@ -259,10 +268,16 @@ class KubeClient:
             headers["Content-Type"] = content_type or "application/json"
         try:
             return await api.call_api(
-                path, method, query_params=list((params or {}).items()), header_params=headers, body=body,
-                response_types_map=_RESULT, auth_settings=["BearerToken"], _return_http_data_only=True,
+                path,
+                method,
+                query_params=list((params or {}).items()),
+                header_params=headers,
+                body=body,
+                response_types_map=_RESULT,
+                auth_settings=["BearerToken"],
+                _return_http_data_only=True,
                 _request_timeout=self._timeout,
-            )  # fmt: skip
+            )
         except ApiException as exc:
             raise ApiError.from_exception(exc) from None
 
@@ -286,8 +301,9 @@ class KubeClient:
         result: Obj = await self._request("create", "POST", resource, resource.path(namespace), body=body)
         return result
 
-    async def patch(self, resource: Resource, namespace: str, name: str, body: Obj,
-                    subresource: str | None = None) -> Obj:  # fmt: skip
+    async def patch(
+        self, resource: Resource, namespace: str, name: str, body: Obj, subresource: str | None = None
+    ) -> Obj:
         path = resource.path(namespace, name, subresource)
         result: Obj = await self._request("patch", "PATCH", resource, path, body=body, content_type=MERGE_PATCH)
         return result
@@ -299,8 +315,9 @@ class KubeClient:
         meta = obj["metadata"]
         path = resource.path(meta.get("namespace"), meta["name"])
         params = {"fieldManager": field_manager, "force": "true"}
-        result: Obj = await self._request("patch", "PATCH", resource, path, body=obj, content_type=APPLY_PATCH,
-                                          params=params)  # fmt: skip
+        result: Obj = await self._request(
+            "patch", "PATCH", resource, path, body=obj, content_type=APPLY_PATCH, params=params
+        )
         return result
 
     async def watch(
@@ -308,15 +325,25 @@ class KubeClient:
     ) -> AsyncIterator[Obj]:
         """One watch request: its events (``{"type", "object"}``) until the server ends it after
         ``timeout_seconds``; raises :class:`ApiError` for an error status (410: the version is gone, list again)."""
-        params = {"watch": "true", "fieldSelector": field_selector, "resourceVersion": resource_version,
-                  "timeoutSeconds": str(timeout_seconds), "allowWatchBookmarks": "true"}  # fmt: skip
+        params = {
+            "watch": "true",
+            "fieldSelector": field_selector,
+            "resourceVersion": resource_version,
+            "timeoutSeconds": str(timeout_seconds),
+            "allowWatchBookmarks": "true",
+        }
         self.calls.add(("watch", resource.plural))
         try:
             response = await self._client().call_api(
-                resource.path(namespace), "GET", query_params=list(params.items()),
-                header_params={"Accept": "application/json"}, auth_settings=["BearerToken"],
-                _return_http_data_only=True, _preload_content=False, _request_timeout=timeout_seconds + 30,
-            )  # fmt: skip
+                resource.path(namespace),
+                "GET",
+                query_params=list(params.items()),
+                header_params={"Accept": "application/json"},
+                auth_settings=["BearerToken"],
+                _return_http_data_only=True,
+                _preload_content=False,
+                _request_timeout=timeout_seconds + 30,
+            )
         except ApiException as exc:
             raise ApiError.from_exception(exc) from None
         async with response:
@@ -325,8 +352,9 @@ class KubeClient:
                     event: Obj = json.loads(line)
                     if event.get("type") == "ERROR":
                         status = event.get("object") or {}
-                        raise ApiError(int(status.get("code", 500)), str(status.get("reason", "")),
-                                       str(status.get("message", "")))  # fmt: skip
+                        raise ApiError(
+                            int(status.get("code", 500)), str(status.get("reason", "")), str(status.get("message", ""))
+                        )
                     yield event
 
     async def delete(self, resource: Resource, namespace: str, name: str) -> None:

@@ -52,11 +52,13 @@ async def admit(request: web.Request, route: str, limits: Limits) -> tuple[Obj, 
     try:
         raw = await asyncio.wait_for(request.read(), timeout=limits.body_timeout)
     except TimeoutError:
-        raise RouteError(408, "BODY_TIMEOUT", f"the request body did not arrive within {limits.body_timeout:g} s "
-                           f"({announced})") from None  # fmt: skip
+        raise RouteError(
+            408, "BODY_TIMEOUT", f"the request body did not arrive within {limits.body_timeout:g} s ({announced})"
+        ) from None
     except (ConnectionResetError, aiohttp.ClientPayloadError):  # the client left (or broke off) mid-body
-        raise RouteError(400, "BODY_INCOMPLETE", f"the client closed the connection before the body arrived "
-                           f"({announced})") from None  # fmt: skip
+        raise RouteError(
+            400, "BODY_INCOMPLETE", f"the client closed the connection before the body arrived ({announced})"
+        ) from None
     except web.HTTPRequestEntityTooLarge:
         raise RouteError(413, "TOO_LARGE", f"the request body exceeds {limits.max_body_bytes} bytes") from None
     body = _parse(raw)
@@ -67,8 +69,9 @@ async def admit(request: web.Request, route: str, limits: Limits) -> tuple[Obj, 
 def _media_type(request: web.Request) -> None:
     kind = request.content_type  # aiohttp: application/octet-stream when the header is absent
     if request.headers.get("Content-Type") and kind not in JSON_TYPES and not kind.endswith("+json"):
-        raise RouteError(415, "UNSUPPORTED_MEDIA_TYPE",
-                           f"the request body must be JSON (Content-Type: application/json), not {kind}")  # fmt: skip
+        raise RouteError(
+            415, "UNSUPPORTED_MEDIA_TYPE", f"the request body must be JSON (Content-Type: application/json), not {kind}"
+        )
     charset = (request.charset or "utf-8").lower()
     if charset not in CHARSETS:
         raise RouteError(415, "UNSUPPORTED_MEDIA_TYPE", f"the request body must be UTF-8 JSON, not charset {charset!r}")
@@ -106,8 +109,12 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
 def check_fields(body: Obj, route: str) -> None:
     """The OpenAI fields the router relies on have the types OpenAI's API gives them."""
     if "kv_transfer_params" in body:
-        raise RouteError(400, "INVALID_REQUEST", "kv_transfer_params is the router's to set, not the client's",
-                      param="kv_transfer_params")  # fmt: skip
+        raise RouteError(
+            400,
+            "INVALID_REQUEST",
+            "kv_transfer_params is the router's to set, not the client's",
+            param="kv_transfer_params",
+        )
     if route == "chat":
         _messages(body.get("messages"))
     else:
@@ -115,18 +122,19 @@ def check_fields(body: Obj, route: str) -> None:
     if "model" in body and not isinstance(body["model"], str):
         raise RouteError(400, "INVALID_REQUEST", "model must be a string", param="model")
     if "stream" in body and body["stream"] is not None and not isinstance(body["stream"], bool):
-        raise RouteError(400, "INVALID_REQUEST", f"stream must be true or false, not {json.dumps(body['stream'])}",
-                      param="stream")  # fmt: skip
+        raise RouteError(
+            400, "INVALID_REQUEST", f"stream must be true or false, not {json.dumps(body['stream'])}", param="stream"
+        )
     for name in ("max_tokens", "max_completion_tokens"):
         if body.get(name) is not None and not _positive_int(body[name]):
-            raise RouteError(400, "INVALID_REQUEST", f"{name} must be a positive integer, not {_shown(body[name])}",
-                          param=name)  # fmt: skip
+            raise RouteError(
+                400, "INVALID_REQUEST", f"{name} must be a positive integer, not {_shown(body[name])}", param=name
+            )
     if body.get("n") is not None and body["n"] != 1:
         raise RouteError(
             400, "INVALID_REQUEST", "n must be 1: each request is prefilled once and decoded once", param="n"
         )
-    if "stream_options" in body and body["stream_options"] is not None and not isinstance(body["stream_options"],
-                                                                                        dict):  # fmt: skip
+    if "stream_options" in body and body["stream_options"] is not None and not isinstance(body["stream_options"], dict):
         raise RouteError(400, "INVALID_REQUEST", "stream_options must be an object", param="stream_options")
 
 
@@ -156,8 +164,12 @@ def _prompt(prompt: Any) -> None:
         return
     if prompt is None:
         raise RouteError(400, "INVALID_REQUEST", "prompt is required: a string or a list of token ids", param="prompt")
-    raise RouteError(400, "INVALID_REQUEST", "prompt must be a non-empty string or a non-empty list of token ids "
-                  "(one prompt per request)", param="prompt")  # fmt: skip
+    raise RouteError(
+        400,
+        "INVALID_REQUEST",
+        "prompt must be a non-empty string or a non-empty list of token ids (one prompt per request)",
+        param="prompt",
+    )
 
 
 def _messages(messages: Any) -> None:
@@ -165,12 +177,20 @@ def _messages(messages: Any) -> None:
         raise RouteError(400, "INVALID_REQUEST", "messages must be a non-empty list", param="messages")
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise RouteError(400, "INVALID_REQUEST", f"messages[{index}] must be an object with a string role",
-                          param=f"messages[{index}]")  # fmt: skip
+            raise RouteError(
+                400,
+                "INVALID_REQUEST",
+                f"messages[{index}] must be an object with a string role",
+                param=f"messages[{index}]",
+            )
         content = message.get("content")
         if content is not None and not isinstance(content, str | list):
-            raise RouteError(400, "INVALID_REQUEST", f"messages[{index}].content must be a string or a list of parts",
-                          param=f"messages[{index}].content")  # fmt: skip
+            raise RouteError(
+                400,
+                "INVALID_REQUEST",
+                f"messages[{index}].content must be a string or a list of parts",
+                param=f"messages[{index}].content",
+            )
 
 
 def token_ids(values: list[Any]) -> bool:

@@ -108,8 +108,13 @@ class StreamStart:
             return Start.FAILED
         given = choice.get("delta")
         delta: dict[str, object] = given if isinstance(given, dict) else {}
-        content = (choice.get("text"), choice.get("token_ids"), delta.get("content"), delta.get("reasoning_content"),
-                   delta.get("tool_calls"))  # fmt: skip
+        content = (
+            choice.get("text"),
+            choice.get("token_ids"),
+            delta.get("content"),
+            delta.get("reasoning_content"),
+            delta.get("tool_calls"),
+        )
         if finish is not None or any(content):
             return Start.STARTED
         return Start.PENDING

@@ -9,8 +9,15 @@ from aiohttp import web
 class RouteError(Exception):
     """An error the client gets, with an HTTP status and a stable code."""
 
-    def __init__(self, status: int, code: str, message: str, retry: bool = False, param: str | None = None,
-                 reprefill: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        retry: bool = False,
+        param: str | None = None,
+        reprefill: bool = False,
+    ) -> None:
         """``retry``: another pod may succeed (nothing reached the client); ``reprefill``: the failed decode pod
         had the request (it may have read the KV and prefill freed it), so a retry prefills again."""
         super().__init__(message)

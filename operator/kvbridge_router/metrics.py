@@ -18,24 +18,31 @@ class RouterMetrics:
     def __post_init__(self) -> None:
         r = self.registry
         self.requests = Counter(
-            "kvbridge_router_requests", "Requests by API route and outcome: ok, or the error code returned.",
-            ["route", "outcome"], registry=r,
-        )  # fmt: skip
+            "kvbridge_router_requests",
+            "Requests by API route and outcome: ok, or the error code returned.",
+            ["route", "outcome"],
+            registry=r,
+        )
         self.retries = Counter(
-            "kvbridge_router_prefill_retries", "Prefill calls that failed, by pod (the request went to another pod "
-            "while attempts were left).", ["pod"],
+            "kvbridge_router_prefill_retries",
+            "Prefill calls that failed, by pod (the request went to another pod while attempts were left).",
+            ["pod"],
             registry=r,
-        )  # fmt: skip
+        )
         self.prefix_chunks = Counter(
-            "kvbridge_router_prefix_chunks", "Leading prompt chunks of routed requests (kv-aware policy), by whether "
+            "kvbridge_router_prefix_chunks",
+            "Leading prompt chunks of routed requests (kv-aware policy), by whether "
             "the chosen prefill pod had been sent them before (hit) or not (miss): the router's view of the "
-            "prefix-cache hit rate.", ["result"], registry=r,
-        )  # fmt: skip
-        self.decode_retries = Counter(
-            "kvbridge_router_decode_retries", "Decode calls that failed before anything reached the client, by pod "
-            "(the request went to another pair).", ["pod"],
+            "prefix-cache hit rate.",
+            ["result"],
             registry=r,
-        )  # fmt: skip
+        )
+        self.decode_retries = Counter(
+            "kvbridge_router_decode_retries",
+            "Decode calls that failed before anything reached the client, by pod (the request went to another pair).",
+            ["pod"],
+            registry=r,
+        )
         self.engines_lost = Counter(
             "kvbridge_router_engines_lost",
             "Engines still in the pool that answered a request 500 and were unhealthy right after, by role and pod "
@@ -47,24 +54,30 @@ class RouterMetrics:
             "kvbridge_router_ttft_seconds",
             "Time to first token as the client sees it: request received to decode's first streamed byte "
             "(streaming requests), or to decode's whole answer (non-streaming).",
-            registry=r, buckets=BUCKETS,
-        )  # fmt: skip
+            registry=r,
+            buckets=BUCKETS,
+        )
         self.prefill_seconds = Histogram(
-            "kvbridge_router_prefill_seconds", "The prefill call (prompt computed, transfer parameters returned).",
-            registry=r, buckets=BUCKETS,
-        )  # fmt: skip
+            "kvbridge_router_prefill_seconds",
+            "The prefill call (prompt computed, transfer parameters returned).",
+            registry=r,
+            buckets=BUCKETS,
+        )
         self.request_seconds = Histogram(
             "kvbridge_router_request_seconds", "Request received to the last byte sent.", registry=r, buckets=BUCKETS
         )
         self.overhead_seconds = Histogram(
             "kvbridge_router_overhead_seconds",
             "The router's own time per request: the whole request less the prefill and decode calls.",
-            registry=r, buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
-        )  # fmt: skip
+            registry=r,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
+        )
         self.pod_requests = Counter(
-            "kvbridge_router_pod_requests", "Calls sent to each pod (prefill or decode), failed ones included.",
-            ["role", "pod"], registry=r,
-        )  # fmt: skip
+            "kvbridge_router_pod_requests",
+            "Calls sent to each pod (prefill or decode), failed ones included.",
+            ["role", "pod"],
+            registry=r,
+        )
         self.outstanding = Gauge(
             "kvbridge_router_outstanding_requests", "Requests in flight per pod.", ["role", "pod"], registry=r
         )
@@ -74,8 +87,11 @@ class RouterMetrics:
 
     def summary(self) -> dict[str, Any]:
         """Requests by outcome, prefill retries, and the router's mean own time per request (for reports)."""
-        samples = {(m.name, tuple(sorted(s.labels.items())), s.name): s.value
-                   for m in self.registry.collect() for s in m.samples}  # fmt: skip
+        samples = {
+            (m.name, tuple(sorted(s.labels.items())), s.name): s.value
+            for m in self.registry.collect()
+            for s in m.samples
+        }
         outcomes: dict[str, int] = {}
         retries = 0.0
         for (metric, labels, sample), value in samples.items():
@@ -86,8 +102,11 @@ class RouterMetrics:
                 retries += value
         count = samples.get(("kvbridge_router_overhead_seconds", (), "kvbridge_router_overhead_seconds_count"), 0.0)
         total = samples.get(("kvbridge_router_overhead_seconds", (), "kvbridge_router_overhead_seconds_sum"), 0.0)
-        return {"requests": outcomes, "prefillRetries": int(retries),
-                "meanOverheadMilliseconds": round(1000 * total / count, 3) if count else 0.0}  # fmt: skip
+        return {
+            "requests": outcomes,
+            "prefillRetries": int(retries),
+            "meanOverheadMilliseconds": round(1000 * total / count, 3) if count else 0.0,
+        }
 
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))

@@ -95,8 +95,9 @@ def _targets(status: Obj, role: str, skipped: list[str]) -> tuple[Target, ...]:
     for endpoint in (status.get(role) or {}).get("endpoints") or []:
         pod, ip, port, key = endpoint.get("pod"), endpoint.get("ip"), endpoint.get("httpPort"), endpoint.get("pairing")
         if not (pod and ip and port and key):
-            skipped.append(f"{role} {pod or '?'}: no " + ("HTTP port" if not port else "pairing key" if not key else
-                                                           "address"))  # fmt: skip
+            skipped.append(
+                f"{role} {pod or '?'}: no " + ("HTTP port" if not port else "pairing key" if not key else "address")
+            )
             continue
         host = f"[{ip}]" if ":" in str(ip) else str(ip)
         found.append(Target(str(pod), f"http://{host}:{int(port)}", str(key), str(endpoint.get("revision", ""))))
@@ -118,8 +119,9 @@ class Balancer:
     #: kv-aware: how many leading chunks of the last chosen prefill pod's prompt it had been sent before
     last_matched: int = 0
 
-    def pick(self, candidates: Iterable[Target], exclude: Iterable[str] = (), keys: list[int] | None = None
-             ) -> Target | None:  # fmt: skip
+    def pick(
+        self, candidates: Iterable[Target], exclude: Iterable[str] = (), keys: list[int] | None = None
+    ) -> Target | None:
         left = set(exclude)
         options = sorted((t for t in candidates if t.pod not in left), key=lambda t: t.pod)
         if not options:
@@ -140,8 +142,13 @@ class Balancer:
             self._turns = {key: turn}
         return tied[turn % len(tied)]
 
-    def choose(self, pool: Pool, exclude: Iterable[str] = (), exclude_decodes: Iterable[str] = (),
-               keys: list[int] | None = None) -> tuple[Target, Target] | None:  # fmt: skip
+    def choose(
+        self,
+        pool: Pool,
+        exclude: Iterable[str] = (),
+        exclude_decodes: Iterable[str] = (),
+        keys: list[int] | None = None,
+    ) -> tuple[Target, Target] | None:
         """A (prefill, decode) pair for the next request, or None when none is left; ``exclude`` names prefill
         pods, ``exclude_decodes`` decode pods (ones that failed this request); ``keys``: the prompt's prefix keys
         (``prefixes.prefix_keys``), for the kv-aware policy. Decode affinity: the decode partner that was sent the

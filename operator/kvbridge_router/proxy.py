@@ -130,8 +130,12 @@ class Router:
     def set_pool(self, pool: Pool) -> None:
         if (pool.prefill, pool.decode, pool.pairings) != (self.pool.prefill, self.pool.decode, self.pool.pairings):
             skipped = f" (skipped: {'; '.join(pool.skipped)})" if pool.skipped else ""
-            log.info("routing to prefill %s, decode %s%s", [t.pod for t in pool.prefill], [t.pod for t in pool.decode],
-                     skipped)  # fmt: skip
+            log.info(
+                "routing to prefill %s, decode %s%s",
+                [t.pod for t in pool.prefill],
+                [t.pod for t in pool.decode],
+                skipped,
+            )
         self.pool = pool
         self.balancer.prefixes.keep_only(t.pod for t in (*pool.prefill, *pool.decode))
         self.metrics.endpoints.labels("prefill").set(len(pool.routable()))
@@ -168,8 +172,13 @@ class Router:
 
     async def _health(self, _: web.Request) -> web.Response:
         problem = self.pool.problem()
-        body = {"ok": not problem, "problem": problem, "prefill": [t.pod for t in self.pool.routable()],
-                "decode": [t.pod for t in self.pool.decode], "skipped": list(self.pool.skipped)}  # fmt: skip
+        body = {
+            "ok": not problem,
+            "problem": problem,
+            "prefill": [t.pod for t in self.pool.routable()],
+            "decode": [t.pod for t in self.pool.decode],
+            "skipped": list(self.pool.skipped),
+        }
         return web.json_response(body, status=503 if problem else 200)
 
     async def _metrics(self, _: web.Request) -> web.Response:
@@ -183,8 +192,9 @@ class Router:
         try:
             forwarded = {k: request.headers[k] for k in FORWARDED_HEADERS if k in request.headers}
             async with self.session.get(f"{decode.url}/v1/models", timeout=timeout, headers=forwarded) as upstream:
-                return web.Response(body=await upstream.read(), status=upstream.status,
-                                    content_type=upstream.content_type)  # fmt: skip
+                return web.Response(
+                    body=await upstream.read(), status=upstream.status, content_type=upstream.content_type
+                )
         except (aiohttp.ClientError, TimeoutError) as exc:
             return RouteError(502, "DECODE_UNAVAILABLE", f"decode pod {decode.pod}: {_reason(exc)}").response()
 
@@ -197,8 +207,10 @@ class Router:
         try:
             body, raw = await admit(request, route, self.config.limits)
             request_id = engine_request_id(request.headers.get("X-Request-Id"))
-            headers = {"X-Request-Id": request_id, **{k: request.headers[k] for k in FORWARDED_HEADERS
-                                                      if k in request.headers}}  # fmt: skip
+            headers = {
+                "X-Request-Id": request_id,
+                **{k: request.headers[k] for k in FORWARDED_HEADERS if k in request.headers},
+            }
             prefill, decode, params = await self._prefill_somewhere(request.path, body, headers, ledger, started)
             tried: list[str] = []
             while True:
@@ -216,8 +228,9 @@ class Router:
                     self.metrics.decode_retries.labels(decode.pod).inc()
                     other = None if exc.reprefill else self.balancer.pick(self.pool.decodes_for(prefill), tried)
                     if other is None:  # decode had the request (or no partner is left): prefill again
-                        log.warning("decode pod %s failed (%s); prefilling again for another pair", decode.pod,
-                                    exc.message)  # fmt: skip
+                        log.warning(
+                            "decode pod %s failed (%s); prefilling again for another pair", decode.pod, exc.message
+                        )
                         # a new request id: the first prefill pod may still hold the first one's KV (until its
                         # lease ends) and would refuse the id as a duplicate
                         headers = {**headers, "X-Request-Id": f"{request_id}-retry{len(tried)}"}
@@ -274,8 +287,12 @@ class Router:
                 if not exc.retry:
                     raise
                 more = len(tried) + 1 < self.config.prefill_attempts
-                log.warning("prefill pod %s failed (%s); %s", prefill.pod, exc.message,
-                            "trying another" if more else "giving up")  # fmt: skip
+                log.warning(
+                    "prefill pod %s failed (%s); %s",
+                    prefill.pod,
+                    exc.message,
+                    "trying another" if more else "giving up",
+                )
                 self.metrics.retries.labels(prefill.pod).inc()
                 tried.append(prefill.pod)
                 last = exc
@@ -303,8 +320,9 @@ class Router:
         self._enter("prefill", target)
         try:
             async with asyncio.timeout(timeout):
-                async with self.upstream.post(target.url, path, request, headers,
-                                              self.config.connect_timeout) as upstream:  # fmt: skip
+                async with self.upstream.post(
+                    target.url, path, request, headers, self.config.connect_timeout
+                ) as upstream:
                     data = await upstream.read(self.config.max_answer_bytes)
             text = data.decode(errors="replace") if upstream.status != 200 else ""
             if upstream.status >= 500:
@@ -336,14 +354,26 @@ class Router:
             code, message = str(refused.get("code", "")), str(refused.get("message", ""))[:300]
             raise RouteError(502, "PREFILL_REFUSED", f"prefill pod {target.pod} offered no KV: {code}: {message}")
         if not isinstance(params, dict) or not params:
-            raise RouteError(502, "PREFILL_NO_TRANSFER_PARAMS", f"prefill pod {target.pod} answered without "
-                             "kv_transfer_params (is it a kv_producer with a KV connector?)", retry=True)  # fmt: skip
+            raise RouteError(
+                502,
+                "PREFILL_NO_TRANSFER_PARAMS",
+                f"prefill pod {target.pod} answered without "
+                "kv_transfer_params (is it a kv_producer with a KV connector?)",
+                retry=True,
+            )
         return params
 
     async def _decode(
-        self, request: web.Request, target: Target, body: Obj, raw: bytes, params: Obj, headers: dict[str, str],
-        started: float, ledger: Ledger,
-    ) -> web.StreamResponse:  # fmt: skip
+        self,
+        request: web.Request,
+        target: Target,
+        body: Obj,
+        raw: bytes,
+        params: Obj,
+        headers: dict[str, str],
+        started: float,
+        ledger: Ledger,
+    ) -> web.StreamResponse:
         params = signed(self.config.transfer_token, params) if self.config.transfer_token else params
         decode_body = with_field(raw, "kv_transfer_params", params)
         if decode_body is None:  # not UTF-8 shaped {...}: encoded again
@@ -356,8 +386,9 @@ class Router:
         response: web.StreamResponse | None = None
         try:
             async with asyncio.timeout(max(min(self.config.decode_timeout, left), 0.001)):
-                async with self.upstream.post(target.url, request.path, decode_body, headers,
-                                              self.config.connect_timeout, idle) as upstream:  # fmt: skip
+                async with self.upstream.post(
+                    target.url, request.path, decode_body, headers, self.config.connect_timeout, idle
+                ) as upstream:
                     if upstream.status >= 500:  # nothing has reached the client: another pair may serve it
                         text = (await upstream.read(self.config.max_answer_bytes)).decode(errors="replace")
                         retry, why = await self._judge_5xx(target, upstream.status, ledger, "decode")
@@ -366,12 +397,22 @@ class Router:
                     if not stream or upstream.status != 200:
                         data = await upstream.read(self.config.max_answer_bytes)
                         if upstream.status == 200 and aborted(data):
-                            raise RouteError(502, "DECODE_ABORTED", f"decode pod {target.pod}: the engine aborted "
-                                             "the request (shutting down?)", retry=True, reprefill=True)  # fmt: skip
+                            raise RouteError(
+                                502,
+                                "DECODE_ABORTED",
+                                f"decode pod {target.pod}: the engine aborted the request (shutting down?)",
+                                retry=True,
+                                reprefill=True,
+                            )
                         self.metrics.ttft.observe(time.perf_counter() - started)
                         return web.Response(body=data, status=upstream.status, content_type=upstream.content_type)
-                    response = web.StreamResponse(status=200, headers={"Content-Type": upstream.headers.get(
-                        "content-type", "text/event-stream"), "Cache-Control": "no-cache"})  # fmt: skip
+                    response = web.StreamResponse(
+                        status=200,
+                        headers={
+                            "Content-Type": upstream.headers.get("content-type", "text/event-stream"),
+                            "Cache-Control": "no-cache",
+                        },
+                    )
                     start = StreamStart()  # held back until an event with content (answers.py)
                     chunks = upstream.chunks(idle)
                     async for chunk in chunks:
@@ -381,8 +422,13 @@ class Router:
                     else:
                         state = start.end()
                     if state is Start.FAILED:
-                        raise RouteError(502, "DECODE_ABORTED", f"decode pod {target.pod}: {start.reason}",
-                                         retry=True, reprefill=True)  # fmt: skip
+                        raise RouteError(
+                            502,
+                            "DECODE_ABORTED",
+                            f"decode pod {target.pod}: {start.reason}",
+                            retry=True,
+                            reprefill=True,
+                        )
                     self.metrics.ttft.observe(time.perf_counter() - started)
                     await response.prepare(request)
                     await response.write(start.held)

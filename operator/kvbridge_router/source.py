@@ -29,9 +29,13 @@ RETRY = Backoff(base=0.5, cap=10.0)
 
 
 async def watch_status(
-    client: KubeClient, namespace: str, name: str, publish: Callable[[Pool], None], stop: asyncio.Event,
+    client: KubeClient,
+    namespace: str,
+    name: str,
+    publish: Callable[[Pool], None],
+    stop: asyncio.Event,
     seen: asyncio.Event | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """Publish the pool of ``namespace/name`` on every change of its status until ``stop`` is set; ``seen`` is
     set once the deployment was first read."""
     failures = 0
@@ -57,8 +61,12 @@ async def watch_status(
                 elif event.get("type") in ("ADDED", "MODIFIED"):
                     publish(Pool.from_status(obj.get("status") or {}, str(obj["metadata"].get("resourceVersion"))))
         except (ApiError, aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:
-            log.warning("reading DisaggregatedDeployment %s/%s: %s; routing to the last pool seen meanwhile",
-                        namespace, name, exc)  # fmt: skip
+            log.warning(
+                "reading DisaggregatedDeployment %s/%s: %s; routing to the last pool seen meanwhile",
+                namespace,
+                name,
+                exc,
+            )
             await _sleep(stop, RETRY.delay(failures))
             failures += 1
 
@@ -92,8 +100,11 @@ async def _sleep(stop: asyncio.Event, seconds: float) -> None:
 def read_status_file(path: Path) -> Pool:
     """A pool from a file holding a DisaggregatedDeployment (``kubectl get dd NAME -o yaml``) or its status."""
     try:
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8")) if path.suffix in (".yaml", ".yml") else json.loads(
-            path.read_text(encoding="utf-8"))  # fmt: skip
+        loaded = (
+            yaml.safe_load(path.read_text(encoding="utf-8"))
+            if path.suffix in (".yaml", ".yml")
+            else json.loads(path.read_text(encoding="utf-8"))
+        )
     except (OSError, ValueError, yaml.YAMLError) as exc:
         raise ValueError(f"{path}: {exc}") from exc
     if not isinstance(loaded, dict):

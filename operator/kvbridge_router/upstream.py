@@ -242,8 +242,14 @@ class _Connection(asyncio.Protocol):
 
     @property
     def reusable(self) -> bool:
-        return (self._complete and not self._body and self._error is None and self.transport is not None
-                and not self.transport.is_closing() and self._keep_alive)  # fmt: skip
+        return (
+            self._complete
+            and not self._body
+            and self._error is None
+            and self.transport is not None
+            and not self.transport.is_closing()
+            and self._keep_alive
+        )
 
     def close(self) -> None:
         if self.transport is not None:
@@ -295,15 +301,26 @@ class Upstream:
         connection.idle_since = time.monotonic()
         self._idle.setdefault(connection.key, []).append(connection)
 
-    def post(self, base: str, path: str, body: bytes | Sequence[Buffer], headers: Mapping[str, str],
-             connect_timeout: float, head_timeout: float | None = None) -> _Call:  # fmt: skip
+    def post(
+        self,
+        base: str,
+        path: str,
+        body: bytes | Sequence[Buffer],
+        headers: Mapping[str, str],
+        connect_timeout: float,
+        head_timeout: float | None = None,
+    ) -> _Call:
         """A POST of a JSON body to ``base`` (``http://host:port``) + ``path``; use it as an async context manager,
         which gives the :class:`Answer` once its status and headers arrived (within ``head_timeout`` seconds when
         given) and on leaving puts the connection back in the pool, or closes it."""
         host, port, authority = _address(base)
         parts = [body] if isinstance(body, bytes) else list(body)  # the body's pieces, sent as they are
-        lines = [f"POST {path} HTTP/1.1", f"Host: {authority}", f"Content-Length: {sum(map(len, parts))}",
-                 "Content-Type: application/json"]  # fmt: skip
+        lines = [
+            f"POST {path} HTTP/1.1",
+            f"Host: {authority}",
+            f"Content-Length: {sum(map(len, parts))}",
+            "Content-Type: application/json",
+        ]
         for name, value in headers.items():
             if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
                 raise ValueError(f"header {name!r} holds a line break")
@@ -320,8 +337,15 @@ class Upstream:
 
 
 class _Call:
-    def __init__(self, upstream: Upstream, host: str, port: int, request: list[Buffer], connect_timeout: float,
-                 head_timeout: float | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        upstream: Upstream,
+        host: str,
+        port: int,
+        request: list[Buffer],
+        connect_timeout: float,
+        head_timeout: float | None,
+    ) -> None:
         self.upstream, self.host, self.port, self.request = upstream, host, port, request
         self.connect_timeout, self.head_timeout = connect_timeout, head_timeout
         self.connection: _Connection | None = None

@@ -48,29 +48,51 @@ Key = tuple[str, str, str, str | None, str]  # group, version, plural, namespace
 _SCALE = {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas"}
 BUILTIN: dict[tuple[str, str, str], dict[str, Any]] = {
     ("", "v1", "pods"): {"kind": "Pod", "namespaced": True, "subresources": {"status"}, "shortnames": {"po"}},
-    ("", "v1", "services"): {"kind": "Service", "namespaced": True, "subresources": {"status"},
-                             "shortnames": {"svc"}},
+    ("", "v1", "services"): {"kind": "Service", "namespaced": True, "subresources": {"status"}, "shortnames": {"svc"}},
     ("", "v1", "secrets"): {"kind": "Secret", "namespaced": True},
     ("", "v1", "events"): {"kind": "Event", "namespaced": True, "shortnames": {"ev"}},
-    ("", "v1", "namespaces"): {"kind": "Namespace", "namespaced": False, "subresources": {"status"},
-                               "shortnames": {"ns"}},
-    ("apps", "v1", "statefulsets"): {"kind": "StatefulSet", "namespaced": True, "subresources": {"status", "scale"},
-                                     "scale": _SCALE, "shortnames": {"sts"}},
-    ("networking.k8s.io", "v1", "networkpolicies"): {"kind": "NetworkPolicy", "namespaced": True,
-                                                     "shortnames": {"netpol"}},
-    ("apps", "v1", "deployments"): {"kind": "Deployment", "namespaced": True, "subresources": {"status", "scale"},
-                                    "scale": _SCALE, "shortnames": {"deploy"}},
+    ("", "v1", "namespaces"): {
+        "kind": "Namespace",
+        "namespaced": False,
+        "subresources": {"status"},
+        "shortnames": {"ns"},
+    },
+    ("apps", "v1", "statefulsets"): {
+        "kind": "StatefulSet",
+        "namespaced": True,
+        "subresources": {"status", "scale"},
+        "scale": _SCALE,
+        "shortnames": {"sts"},
+    },
+    ("networking.k8s.io", "v1", "networkpolicies"): {
+        "kind": "NetworkPolicy",
+        "namespaced": True,
+        "shortnames": {"netpol"},
+    },
+    ("apps", "v1", "deployments"): {
+        "kind": "Deployment",
+        "namespaced": True,
+        "subresources": {"status", "scale"},
+        "scale": _SCALE,
+        "shortnames": {"deploy"},
+    },
     ("", "v1", "serviceaccounts"): {"kind": "ServiceAccount", "namespaced": True, "shortnames": {"sa"}},
     ("rbac.authorization.k8s.io", "v1", "roles"): {"kind": "Role", "namespaced": True},
     ("rbac.authorization.k8s.io", "v1", "rolebindings"): {"kind": "RoleBinding", "namespaced": True},
-    ("policy", "v1", "poddisruptionbudgets"): {"kind": "PodDisruptionBudget", "namespaced": True,
-                                               "subresources": {"status"}, "shortnames": {"pdb"}},
+    ("policy", "v1", "poddisruptionbudgets"): {
+        "kind": "PodDisruptionBudget",
+        "namespaced": True,
+        "subresources": {"status"},
+        "shortnames": {"pdb"},
+    },
     ("events.k8s.io", "v1", "events"): {"kind": "Event", "namespaced": True, "shortnames": {"ev"}},
     ("apiextensions.k8s.io", "v1", "customresourcedefinitions"): {
-        "kind": "CustomResourceDefinition", "namespaced": False, "subresources": {"status"},
+        "kind": "CustomResourceDefinition",
+        "namespaced": False,
+        "subresources": {"status"},
         "shortnames": {"crd", "crds"},
     },
-}  # fmt: skip
+}
 APPLY_PATCH = "application/apply-patch+yaml"
 VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
 
@@ -101,31 +123,57 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
             self.declare(group, version, plural, **info)
 
     # -- resources ------------------------------------------------------------
-    def declare(self, group: str, version: str, plural: str, *, kind: str, namespaced: bool,
-                subresources: set[str] | None = None, shortnames: set[str] | None = None,
-                singular: str | None = None, scale: dict[str, str] | None = None, schema: Obj | None = None,
-                columns: list[Obj] | None = None) -> None:  # fmt: skip
-        self.kinds[(group, version, plural)] = {"kind": kind, "namespaced": namespaced,
-                                                "subresources": set(subresources or ()), "scale": scale,
-                                                "schema": schema, "columns": columns,
-                                                "singular": singular or kind.lower(),
-                                                "shortnames": sorted(shortnames or ())}  # fmt: skip
+    def declare(
+        self,
+        group: str,
+        version: str,
+        plural: str,
+        *,
+        kind: str,
+        namespaced: bool,
+        subresources: set[str] | None = None,
+        shortnames: set[str] | None = None,
+        singular: str | None = None,
+        scale: dict[str, str] | None = None,
+        schema: Obj | None = None,
+        columns: list[Obj] | None = None,
+    ) -> None:
+        self.kinds[(group, version, plural)] = {
+            "kind": kind,
+            "namespaced": namespaced,
+            "subresources": set(subresources or ()),
+            "scale": scale,
+            "schema": schema,
+            "columns": columns,
+            "singular": singular or kind.lower(),
+            "shortnames": sorted(shortnames or ()),
+        }
         self.resources[kmock.resource(group, version, plural)] = kmock.ResourceInfo(
-            kind=kind, namespaced=namespaced, verbs=VERBS, subresources=subresources or set(),
-            shortnames=shortnames or set(), singular=singular or kind.lower(),
-        )  # fmt: skip
+            kind=kind,
+            namespaced=namespaced,
+            verbs=VERBS,
+            subresources=subresources or set(),
+            shortnames=shortnames or set(),
+            singular=singular or kind.lower(),
+        )
 
     def _install_crd(self, crd: Obj) -> None:
         spec = crd.get("spec", {})
         names = spec.get("names", {})
         for version in spec.get("versions", []):
-            self.declare(spec["group"], version["name"], names["plural"], kind=names["kind"],
-                         namespaced=spec.get("scope") == "Namespaced",
-                         subresources=set(version.get("subresources") or {}),
-                         scale=(version.get("subresources") or {}).get("scale"),
-                         shortnames=set(names.get("shortNames") or ()), singular=names.get("singular"),
-                         schema=(version.get("schema") or {}).get("openAPIV3Schema"),
-                         columns=version.get("additionalPrinterColumns"))  # fmt: skip
+            self.declare(
+                spec["group"],
+                version["name"],
+                names["plural"],
+                kind=names["kind"],
+                namespaced=spec.get("scope") == "Namespaced",
+                subresources=set(version.get("subresources") or {}),
+                scale=(version.get("subresources") or {}).get("scale"),
+                shortnames=set(names.get("shortNames") or ()),
+                singular=names.get("singular"),
+                schema=(version.get("schema") or {}).get("openAPIV3Schema"),
+                columns=version.get("additionalPrinterColumns"),
+            )
 
     @staticmethod
     def _gvp(request: rendering.Request) -> tuple[str, str, str]:
@@ -180,10 +228,12 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         if resource is None or not resource.plural or request.action is None:
             return await kmock_k8s.KubernetesScaffold._handle(self, request)
         handlers = {
-            kmock.action.LIST: self._serve_list, kmock.action.FETCH: self._serve_fetch,
-            kmock.action.CREATE: self._serve_create, kmock.action.UPDATE: self._serve_update,
+            kmock.action.LIST: self._serve_list,
+            kmock.action.FETCH: self._serve_fetch,
+            kmock.action.CREATE: self._serve_create,
+            kmock.action.UPDATE: self._serve_update,
             kmock.action.DELETE: self._serve_delete,
-        }  # fmt: skip
+        }
         raw_request = request._raw_request
         headers: Mapping[str, str] = raw_request.headers if raw_request is not None else {}
         self.calls[(headers.get("User-Agent", "").split("/", 1)[0], str(request.action), resource.plural)] += 1
@@ -207,8 +257,9 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
                 and request.subresource is None
                 and (tables.wants_table(headers.get("Accept", "")))
             ):
-                result = self._table(request, result.get("items", [result]), result["metadata"].get(
-                    "resourceVersion", ""))  # fmt: skip
+                result = self._table(
+                    request, result.get("items", [result]), result["metadata"].get("resourceVersion", "")
+                )
             response = aiohttp.web.json_response(result)
             for warning in warnings:
                 response.headers.add("Warning", f'299 - "{warning}"')
@@ -251,8 +302,9 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
     def _table(self, request: rendering.Request, objects: list[Obj], resource_version: str) -> Obj:
         info = self._info(request)
         whole = str(request.params.get("includeObject", "Metadata")) == "Object"
-        return tables.table(objects, tables.columns_for(info["kind"], info.get("columns")), resource_version,
-                            whole=whole)  # fmt: skip
+        return tables.table(
+            objects, tables.columns_for(info["kind"], info.get("columns")), resource_version, whole=whole
+        )
 
     async def _stream(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         raw = request._raw_request
@@ -293,11 +345,16 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         if selector is None and "matchLabels" in (obj.get("spec", {}).get("selector") or {}):
             selector = ",".join(f"{k}={v}" for k, v in obj["spec"]["selector"]["matchLabels"].items())
         meta = obj["metadata"]
-        return {"apiVersion": "autoscaling/v1", "kind": "Scale",
-                "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion") if k in meta},
-                "spec": {"replicas": at(paths["specReplicasPath"]) or 0},
-                "status": {"replicas": at(paths.get("statusReplicasPath")) or 0,
-                           **({"selector": selector} if selector else {})}}  # fmt: skip
+        return {
+            "apiVersion": "autoscaling/v1",
+            "kind": "Scale",
+            "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion") if k in meta},
+            "spec": {"replicas": at(paths["specReplicasPath"]) or 0},
+            "status": {
+                "replicas": at(paths.get("statusReplicasPath")) or 0,
+                **({"selector": selector} if selector else {}),
+            },
+        }
 
     @staticmethod
     def _scaled(current: Obj, data: Any, paths: dict[str, str]) -> Obj:
@@ -315,8 +372,9 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         key = self._key(request, meta.get("name"))
         async with self._lock:
             if key in self.store:
-                raise kmock.KubernetesError(status=409, reason="AlreadyExists",
-                                            message=f"{gvp[2]} {meta['name']!r} already exists")  # fmt: skip
+                raise kmock.KubernetesError(
+                    status=409, reason="AlreadyExists", message=f"{gvp[2]} {meta['name']!r} already exists"
+                )
             if info["namespaced"]:
                 meta["namespace"] = request.namespace
             meta.update(uid=str(uuid.uuid4()), creationTimestamp=now_rfc3339(), generation=1)
@@ -351,8 +409,11 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
                 raise kmock.KubernetesError(status=422, reason="Invalid", message=f"test failed: {exc}") from exc
             except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
                 raise kmock.KubernetesError(status=422, reason="Invalid", message=str(exc)) from exc
-            wanted_rv = (request.data or {}).get("metadata", {}).get("resourceVersion") if isinstance(
-                request.data, dict) else None  # fmt: skip
+            wanted_rv = (
+                (request.data or {}).get("metadata", {}).get("resourceVersion")
+                if isinstance(request.data, dict)
+                else None
+            )
             if wanted_rv and wanted_rv != current["metadata"].get("resourceVersion"):
                 raise kmock.KubernetesError(status=409, reason="Conflict", message="the object has been modified")
             updated = copy.deepcopy(current)
@@ -366,8 +427,11 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
                         updated[k] = v
                 for k in [k for k in current if k not in patched and k != "status"]:
                     del updated[k]
-                kept = {f: current["metadata"][f] for f in ("uid", "creationTimestamp", "generation", "namespace",
-                                                            "name") if f in current["metadata"]}  # fmt: skip
+                kept = {
+                    f: current["metadata"][f]
+                    for f in ("uid", "creationTimestamp", "generation", "namespace", "name")
+                    if f in current["metadata"]
+                }
                 updated["metadata"] = {**patched.get("metadata", {}), **kept}
             if self._essence(updated) != self._essence(current):
                 updated["metadata"]["generation"] = int(current["metadata"].get("generation", 1)) + 1
@@ -382,8 +446,9 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
                 return self._scale_of(updated, info["scale"])
             return copy.deepcopy(updated)
 
-    async def _serve_apply(self, request: rendering.Request, info: dict[str, Any], gvp: tuple[str, str, str],
-                           key: Key) -> Obj:  # fmt: skip
+    async def _serve_apply(
+        self, request: rendering.Request, info: dict[str, Any], gvp: tuple[str, str, str], key: Key
+    ) -> Obj:
         """Server-side apply (``application/apply-patch+yaml``): create or update, owning fields (field_managers)."""
         config = request.data if isinstance(request.data, dict) else yaml.safe_load(request.text or "null")
         if not isinstance(config, dict) or config.get("metadata", {}).get("name") not in (None, request.name):
@@ -391,8 +456,9 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         force = str(request.params.get("force", "false")).lower() == "true"
         manager = request.params.get("fieldManager")
         if not manager:
-            raise kmock.KubernetesError(status=422, reason="Invalid",
-                                        message="fieldManager is required for apply patch")  # fmt: skip
+            raise kmock.KubernetesError(
+                status=422, reason="Invalid", message="fieldManager is required for apply patch"
+            )
         async with self._lock:
             current = self.store.get(key)
             try:
@@ -463,8 +529,12 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         async with self._lock:
             items = self._matching(request)
             revision = self.revision
-        return {"apiVersion": self._api_version(gvp), "kind": f"{info['kind']}List",
-                "metadata": {"resourceVersion": str(revision)}, "items": items}  # fmt: skip
+        return {
+            "apiVersion": self._api_version(gvp),
+            "kind": f"{info['kind']}List",
+            "metadata": {"resourceVersion": str(revision)},
+            "items": items,
+        }
 
     async def _serve_watch(self, request: rendering.Request) -> AsyncGenerator[Any, None]:
         self._info(request)
@@ -520,24 +590,44 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         for (g, v, plural), info in sorted(self.kinds.items()):
             if (g, v) != (group, version):
                 continue
-            entries.append({"name": plural, "singularName": info["singular"], "namespaced": info["namespaced"],
-                            "kind": info["kind"], "verbs": sorted(VERBS | {"deletecollection"}),
-                            **({"shortNames": info["shortnames"]} if info["shortnames"] else {})})  # fmt: skip
+            entries.append(
+                {
+                    "name": plural,
+                    "singularName": info["singular"],
+                    "namespaced": info["namespaced"],
+                    "kind": info["kind"],
+                    "verbs": sorted(VERBS | {"deletecollection"}),
+                    **({"shortNames": info["shortnames"]} if info["shortnames"] else {}),
+                }
+            )
             for sub in sorted(info["subresources"]):
                 scale = {"group": "autoscaling", "version": "v1", "kind": "Scale"} if sub == "scale" else {}
-                entries.append({"name": f"{plural}/{sub}", "singularName": "", "namespaced": info["namespaced"],
-                                "kind": info["kind"], "verbs": ["get", "patch", "update"], **scale})  # fmt: skip
+                entries.append(
+                    {
+                        "name": f"{plural}/{sub}",
+                        "singularName": "",
+                        "namespaced": info["namespaced"],
+                        "kind": info["kind"],
+                        "verbs": ["get", "patch", "update"],
+                        **scale,
+                    }
+                )
         if not entries and group:
             raise kmock_k8s.KubernetesResourceNotFoundError()
-        return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": f"{group}/{version}" if group
-                else version, "resources": entries}  # fmt: skip
+        return {
+            "kind": "APIResourceList",
+            "apiVersion": "v1",
+            "groupVersion": f"{group}/{version}" if group else version,
+            "resources": entries,
+        }
 
     async def _serve_openapi(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         """``/openapi/v3`` and its per-group-version documents (openapi)."""
         group_versions = {(g, v) for g, v, _p in self.kinds}
         schemas = {gvp: info["schema"] for gvp, info in self.kinds.items() if info.get("schema")}
-        documents = {openapi.group_version_path(g, v): openapi.document(g, v, self.kinds, schemas)
-                     for g, v in group_versions}  # fmt: skip
+        documents = {
+            openapi.group_version_path(g, v): openapi.document(g, v, self.kinds, schemas) for g, v in group_versions
+        }
         wanted = request.url.path.removeprefix("/openapi/v3").strip("/")
         if not wanted:
             return aiohttp.web.json_response(openapi.root(group_versions, documents))
@@ -547,8 +637,11 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
 
     # -- helpers for tests ------------------------------------------------------
     def objects_of(self, plural: str, namespace: str | None = None) -> list[Obj]:
-        return [copy.deepcopy(o) for (_g, _v, p, ns, _n), o in self.store.items()
-                if p == plural and (namespace is None or ns == namespace)]  # fmt: skip
+        return [
+            copy.deepcopy(o)
+            for (_g, _v, p, ns, _n), o in self.store.items()
+            if p == plural and (namespace is None or ns == namespace)
+        ]
 
     def peek(self, plural: str) -> list[Obj]:
         """The stored objects themselves (no copies): read-only, for cheap polling in benchmarks."""

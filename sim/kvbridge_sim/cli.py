@@ -19,9 +19,12 @@ def demo(args: argparse.Namespace) -> int:
     needed = ("kmock", "torch", "nixl", "zmq") + (("vllm", "transformers") if args.engine == "vllm" else ())
     missing = [m for m in needed if importlib.util.find_spec(m) is None]
     if missing:
-        print(f"kvbridge demo: error: missing {', '.join(missing)}; install with "
-              "pip install 'kvbridge[agent,operator,demo]' and vLLM's CPU build (or run make demo; "
-              "--engine agent runs without vLLM)", file=sys.stderr)  # fmt: skip
+        print(
+            f"kvbridge demo: error: missing {', '.join(missing)}; install with "
+            "pip install 'kvbridge[agent,operator,demo]' and vLLM's CPU build (or run make demo; "
+            "--engine agent runs without vLLM)",
+            file=sys.stderr,
+        )
         return EXIT_INVALID
     import signal
 

@@ -86,15 +86,19 @@ class Cluster:
         )
 
     # -- the StatefulSet controller and the kubelet, played by the test -----------
-    async def run_pods(self, name: str, role: str, *, ready: bool = True, ip_base: str = "10.0.0.",
-                       namespace: str = "default") -> list[Obj]:  # fmt: skip
+    async def run_pods(
+        self, name: str, role: str, *, ready: bool = True, ip_base: str = "10.0.0.", namespace: str = "default"
+    ) -> list[Obj]:
         """Create (or replace) the pods of a role's StatefulSet as it is now, and report their status."""
         sts = await self._stateful_set(name, role, namespace)
-        return [await self.replace_pod(name, role, index, ready=ready, ip=f"{ip_base}{index + 1}", namespace=namespace)
-                for index in range(int(sts["spec"]["replicas"]))]  # fmt: skip
+        return [
+            await self.replace_pod(name, role, index, ready=ready, ip=f"{ip_base}{index + 1}", namespace=namespace)
+            for index in range(int(sts["spec"]["replicas"]))
+        ]
 
-    async def replace_pod(self, name: str, role: str, index: int, *, ready: bool = True, ip: str,
-                          namespace: str = "default") -> Obj:  # fmt: skip
+    async def replace_pod(
+        self, name: str, role: str, index: int, *, ready: bool = True, ip: str, namespace: str = "default"
+    ) -> Obj:
         """What the StatefulSet controller does for one pod: delete it if it exists, create it from the
         StatefulSet's current template, and report its status."""
         sts = await self._stateful_set(name, role, namespace)
@@ -105,17 +109,28 @@ class Cluster:
         pod = {
             "apiVersion": "v1",
             "kind": "Pod",
-            "metadata": {**template["metadata"], "name": pod_name, "namespace": namespace,
-                         "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet",
-                                              "name": sts["metadata"]["name"], "uid": sts["metadata"]["uid"],
-                                              "controller": True}]},
+            "metadata": {
+                **template["metadata"],
+                "name": pod_name,
+                "namespace": namespace,
+                "ownerReferences": [
+                    {
+                        "apiVersion": "apps/v1",
+                        "kind": "StatefulSet",
+                        "name": sts["metadata"]["name"],
+                        "uid": sts["metadata"]["uid"],
+                        "controller": True,
+                    }
+                ],
+            },
             "spec": template["spec"],
-        }  # fmt: skip
+        }
         await self.client.create(PODS, namespace, pod)
         return await self.set_pod(pod_name, ready=ready, ip=ip, namespace=namespace)
 
-    async def run_groups(self, name: str, role: str, *, ip_base: str = "10.0.2.", namespace: str = "default"
-                         ) -> list[Obj]:  # fmt: skip
+    async def run_groups(
+        self, name: str, role: str, *, ip_base: str = "10.0.2.", namespace: str = "default"
+    ) -> list[Obj]:
         """What the LeaderWorkerSet controller (and the kubelet) do for a multi-node role: per group ``i``, a
         leader pod ``<lws>-<i>`` and worker pods ``<lws>-<i>-<j>`` from the two templates, with LWS's labels,
         all Running and ready."""
@@ -123,24 +138,44 @@ class Cluster:
         if lws is None:
             raise AssertionError(f"no LeaderWorkerSet {name}-{role}")
         group = lws["spec"]["leaderWorkerTemplate"]
-        owner = {"apiVersion": lws["apiVersion"], "kind": "LeaderWorkerSet", "name": lws["metadata"]["name"],
-                 "uid": lws["metadata"]["uid"], "controller": True}  # fmt: skip
+        owner = {
+            "apiVersion": lws["apiVersion"],
+            "kind": "LeaderWorkerSet",
+            "name": lws["metadata"]["name"],
+            "uid": lws["metadata"]["uid"],
+            "controller": True,
+        }
         made = []
         for index in range(int(lws["spec"]["replicas"])):
             for worker in range(int(group["size"])):
                 template = copy.deepcopy(group["leaderTemplate"] if worker == 0 else group["workerTemplate"])
                 pod_name = f"{lws['metadata']['name']}-{index}" + (f"-{worker}" if worker else "")
-                labels = {**template["metadata"].get("labels", {}), "leaderworkerset.sigs.k8s.io/name":
-                          lws["metadata"]["name"], "leaderworkerset.sigs.k8s.io/group-index": str(index),
-                          "leaderworkerset.sigs.k8s.io/worker-index": str(worker)}  # fmt: skip
-                pod = {"apiVersion": "v1", "kind": "Pod", "spec": template["spec"],
-                       "metadata": {**template["metadata"], "labels": labels, "name": pod_name, "namespace": namespace,
-                                    "ownerReferences": [owner]}}  # fmt: skip
+                labels = {
+                    **template["metadata"].get("labels", {}),
+                    "leaderworkerset.sigs.k8s.io/name": lws["metadata"]["name"],
+                    "leaderworkerset.sigs.k8s.io/group-index": str(index),
+                    "leaderworkerset.sigs.k8s.io/worker-index": str(worker),
+                }
+                pod = {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "spec": template["spec"],
+                    "metadata": {
+                        **template["metadata"],
+                        "labels": labels,
+                        "name": pod_name,
+                        "namespace": namespace,
+                        "ownerReferences": [owner],
+                    },
+                }
                 if await self.client.get(PODS, namespace, pod_name) is not None:
                     await self.client.delete(PODS, namespace, pod_name)
                 await self.client.create(PODS, namespace, pod)
-                made.append(await self.set_pod(pod_name, ready=True, ip=f"{ip_base}{index * 16 + worker + 1}",
-                                               namespace=namespace))  # fmt: skip
+                made.append(
+                    await self.set_pod(
+                        pod_name, ready=True, ip=f"{ip_base}{index * 16 + worker + 1}", namespace=namespace
+                    )
+                )
         return made
 
     async def _stateful_set(self, name: str, role: str, namespace: str) -> Obj:
@@ -149,15 +184,24 @@ class Cluster:
             raise AssertionError(f"no StatefulSet {name}-{role}")
         return sts
 
-    async def set_pod(self, pod_name: str, *, ready: bool, ip: str | None, restarts: int = 0,
-                      namespace: str = "default") -> Obj:  # fmt: skip
+    async def set_pod(
+        self, pod_name: str, *, ready: bool, ip: str | None, restarts: int = 0, namespace: str = "default"
+    ) -> Obj:
         status = {
             "phase": "Running",
             "podIP": ip,
             "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
-            "containerStatuses": [{"name": "engine", "ready": ready, "restartCount": restarts,
-                                   "image": "x", "imageID": "", "started": True}],
-        }  # fmt: skip
+            "containerStatuses": [
+                {
+                    "name": "engine",
+                    "ready": ready,
+                    "restartCount": restarts,
+                    "image": "x",
+                    "imageID": "",
+                    "started": True,
+                }
+            ],
+        }
         return await self.client.patch(PODS, namespace, pod_name, {"status": status}, "status")
 
 
@@ -206,21 +250,30 @@ class StatefulSetController:
                 pods[int(found.group(1))] = pod
         for ordinal, pod in pods.items():  # the kubelet: a pod created last tick is ready now
             if not _ready(pod) and ordinal < replicas:
-                await self.c.set_pod(pod["metadata"]["name"], ready=True, ip=pod["status"].get("podIP"),
-                                     namespace=namespace)  # fmt: skip
+                await self.c.set_pod(
+                    pod["metadata"]["name"], ready=True, ip=pod["status"].get("podIP"), namespace=namespace
+                )
         for ordinal in [o for o in pods if o >= replicas]:
             await self.c.client.delete(PODS, namespace, pods.pop(ordinal)["metadata"]["name"])
         missing = [o for o in range(replicas) if o not in pods]
         for ordinal in missing:  # Parallel: every missing pod at once
-            await self.c.replace_pod(deployment, role, ordinal, ready=False, ip=f"10.1.0.{next(self.ips)}",
-                                     namespace=namespace)  # fmt: skip
+            await self.c.replace_pod(
+                deployment, role, ordinal, ready=False, ip=f"10.1.0.{next(self.ips)}", namespace=namespace
+            )
         if missing:
             return
-        stale = sorted((o for o, p in pods.items() if o >= partition
-                        and p["metadata"]["labels"].get("kvbridge.io/revision") != revision), reverse=True)  # fmt: skip
+        stale = sorted(
+            (
+                o
+                for o, p in pods.items()
+                if o >= partition and p["metadata"]["labels"].get("kvbridge.io/revision") != revision
+            ),
+            reverse=True,
+        )
         if stale and all(_ready(p) for o, p in pods.items() if o != stale[0]):
-            await self.c.replace_pod(deployment, role, stale[0], ready=False, ip=f"10.1.0.{next(self.ips)}",
-                                     namespace=namespace)  # fmt: skip
+            await self.c.replace_pod(
+                deployment, role, stale[0], ready=False, ip=f"10.1.0.{next(self.ips)}", namespace=namespace
+            )
 
 
 def _ready(pod: Obj) -> bool:

@@ -69,10 +69,14 @@ class Transfers:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "requests": self.requests, "verified": self.verified, "check": self.check,
-            "verifiedAfterPrefillRestart": self.after_restart, "failures": self.failures,
-            "duringOutage": self.during_outage, "router": self.router,
-        }  # fmt: skip
+            "requests": self.requests,
+            "verified": self.verified,
+            "check": self.check,
+            "verifiedAfterPrefillRestart": self.after_restart,
+            "failures": self.failures,
+            "duringOutage": self.during_outage,
+            "router": self.router,
+        }
         if self.check == "bytes":
             out["gbps"] = round(self.bytes / self.seconds / 1e9, 3) if self.seconds else 0.0
         else:
@@ -121,8 +125,10 @@ async def wait_for_verdicts(
         nonlocal last, objects
         check(interrupted)
         objects = {n: await client.get(DEPLOYMENTS, NAMESPACE, n) or {} for n in names}
-        line = "; ".join(f"{n}: {_short(condition(o, 'Ready').get('message') or 'waiting for the operator')}"
-                         for n, o in objects.items())  # fmt: skip
+        line = "; ".join(
+            f"{n}: {_short(condition(o, 'Ready').get('message') or 'waiting for the operator')}"
+            for n, o in objects.items()
+        )
         if line != last:
             progress(f"  {line}")
             last = line
@@ -170,8 +176,10 @@ async def start_router(client: KubeClient, name: str, timeout: float = 60) -> Lo
     config = RouterConfig(policy=spec.router.policy.value, block_tokens=spec.prefill.block_size, transfer_token=token)
     router, stop = Router(config), asyncio.Event()
     port = free_port()
-    tasks = [asyncio.create_task(watch_status(client, NAMESPACE, name, router.set_pool, stop)),
-             asyncio.create_task(serve(router, "127.0.0.1", port, stop))]  # fmt: skip
+    tasks = [
+        asyncio.create_task(watch_status(client, NAMESPACE, name, router.set_pool, stop)),
+        asyncio.create_task(serve(router, "127.0.0.1", port, stop)),
+    ]
     local = LocalRouter(router, f"http://127.0.0.1:{port}", stop, tasks)
     try:
         await until(lambda: not router.pool.problem(), timeout, f"{name}'s router to find pods", interval=0.2)
@@ -197,8 +205,11 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -
 
 def _failure(request: str, status: int, answer: dict[str, Any]) -> dict[str, str]:
     error = answer.get("error") or {}
-    return {"request": request, "code": str(error.get("code") or f"HTTP_{status}"),
-            "message": str(error.get("message") or answer)[:500]}  # fmt: skip
+    return {
+        "request": request,
+        "code": str(error.get("code") or f"HTTP_{status}"),
+        "message": str(error.get("message") or answer)[:500],
+    }
 
 
 async def route(
@@ -208,8 +219,9 @@ async def route(
     the request sent at once goes to the other prefill pod (or fails with a clear 5xx), the rest after it is back."""
     result = Transfers()
     dd = await client.get(DEPLOYMENTS, NAMESPACE, name) or {}
-    block = max(int(dd["spec"].get("prefill", {}).get("blockSize", 16)), int(dd["spec"].get("decode", {}).get(
-        "blockSize", 16)))  # fmt: skip
+    block = max(
+        int(dd["spec"].get("prefill", {}).get("blockSize", 16)), int(dd["spec"].get("decode", {}).get("blockSize", 16))
+    )
     local = await start_router(client, name)
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
@@ -219,8 +231,9 @@ async def route(
                     await _kill_prefill(client, runner, name, local, session, result, interrupted, {"prompt": [1] * 8})
                 tokens = [3 * block + 5, 1, 7 * block, 2 * block + 1][index % 4]
                 result.requests += 1
-                status, answer = await send(session, local.url, {"model": "demo", "prompt": [7] * tokens,
-                                                                 "max_tokens": 1})  # fmt: skip
+                status, answer = await send(
+                    session, local.url, {"model": "demo", "prompt": [7] * tokens, "max_tokens": 1}
+                )
                 moved = answer.get("kvbridge") or {}
                 ok = status == 200 and moved.get("verified") is True
                 if ok:
@@ -230,17 +243,26 @@ async def route(
                     result.after_restart += int(restart and index >= requests // 2)
                 else:
                     result.failures.append(_failure(f"{name}-{index}", status, answer))
-                progress(f"  {name} request {index + 1}/{requests} via the router: "
-                         f"{'verified' if ok else result.failures[-1]['code']}")  # fmt: skip
+                progress(
+                    f"  {name} request {index + 1}/{requests} via the router: "
+                    f"{'verified' if ok else result.failures[-1]['code']}"
+                )
     finally:
         await local.close()
     result.router = local.router.metrics.summary()
     return result
 
 
-async def _kill_prefill(client: KubeClient, runner: Any, name: str, local: LocalRouter,
-                        session: aiohttp.ClientSession, result: Transfers, interrupted: asyncio.Event | None,
-                        probe: dict[str, Any]) -> None:  # fmt: skip
+async def _kill_prefill(
+    client: KubeClient,
+    runner: Any,
+    name: str,
+    local: LocalRouter,
+    session: aiohttp.ClientSession,
+    result: Transfers,
+    interrupted: asyncio.Event | None,
+    probe: dict[str, Any],
+) -> None:
     """Kill a prefill pod's engine, send one request at once (the status may still list the dead pod), wait until
     the pod is back, and let the router see it."""
     victim = sorted(t.pod for t in local.router.pool.prefill)[0]
@@ -250,10 +272,15 @@ async def _kill_prefill(client: KubeClient, runner: Any, name: str, local: Local
     status, answer = await send(session, local.url, probe)
     seconds = round(time.monotonic() - started, 2)
     outcome = "answered" if status == 200 else f"{status} {(answer.get('error') or {}).get('code', '')}"
-    result.during_outage = {"status": status, "seconds": seconds,
-                            "code": "" if status == 200 else _failure("outage", status, answer)["code"]}  # fmt: skip
-    progress(f"  a request sent right after the kill: {outcome} in {seconds} s (another prefill pod, or a clear "
-             "error; never a hang)")  # fmt: skip
+    result.during_outage = {
+        "status": status,
+        "seconds": seconds,
+        "code": "" if status == 200 else _failure("outage", status, answer)["code"],
+    }
+    progress(
+        f"  a request sent right after the kill: {outcome} in {seconds} s (another prefill pod, or a clear "
+        "error; never a hang)"
+    )
     await wait_restarted(client, name, victim, timeout=600, interrupted=interrupted)
     with contextlib.suppress(TimeoutError):  # at most 30 s, then the demo goes on
         await until(
@@ -307,8 +334,14 @@ async def route_vllm(
                     await _kill_prefill(client, runner, name, local, session, result, interrupted, probe)
                 tokens = [3 * block + 5, 7, 2 * block, block + 1][index % 4]
                 prompt = tiny_model_prompt(tokens, salt=index)
-                body = {"model": model, "prompt": prompt, "max_tokens": VLLM_MAX_TOKENS, "temperature": 0.0,
-                        "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+                body = {
+                    "model": model,
+                    "prompt": prompt,
+                    "max_tokens": VLLM_MAX_TOKENS,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                }
                 result.requests += 1
                 started = time.perf_counter()
                 status, answer = await send(session, local.url, body)
@@ -320,11 +353,13 @@ async def route_vllm(
                     continue
                 got = list(answer["choices"][0]["token_ids"])
                 try:
-                    want = await pd_requests.baseline(session, decode_url, model, prompt, VLLM_MAX_TOKENS,
-                                                      salt=f"demo-baseline-{index}")  # fmt: skip
+                    want = await pd_requests.baseline(
+                        session, decode_url, model, prompt, VLLM_MAX_TOKENS, salt=f"demo-baseline-{index}"
+                    )
                 except (pd_requests.PDRequestError, aiohttp.ClientError, TimeoutError) as exc:
-                    result.failures.append({"request": f"{name}-{index}", "code": "BASELINE_FAILED",
-                                            "message": str(exc)})  # fmt: skip
+                    result.failures.append(
+                        {"request": f"{name}-{index}", "code": "BASELINE_FAILED", "message": str(exc)}
+                    )
                     continue
                 if got == want.tokens:
                     result.verified += 1
@@ -332,8 +367,13 @@ async def route_vllm(
                     result.after_restart += int(restart and index >= requests // 2)
                     outcome = f"{tokens} prompt tokens, decode's {len(got)} tokens equal a single engine's"
                 else:
-                    result.failures.append({"request": f"{name}-{index}", "code": "TOKENS_DIFFER",
-                                            "message": f"P/D {got} != single engine {want.tokens}"})  # fmt: skip
+                    result.failures.append(
+                        {
+                            "request": f"{name}-{index}",
+                            "code": "TOKENS_DIFFER",
+                            "message": f"P/D {got} != single engine {want.tokens}",
+                        }
+                    )
                     outcome = "TOKENS_DIFFER"
                 progress(f"  {name} request {index + 1}/{requests} via the router: {outcome}")
     finally:
@@ -349,9 +389,16 @@ def tiny_model_prompt(length: int, salt: int) -> list[int]:
 
 
 def events_of(api: Any, name: str) -> list[Obj]:
-    return [{"object": f"DisaggregatedDeployment/{e['involvedObject']['name']}", "type": e["type"],
-             "reason": e["reason"], "message": e["message"]}
-            for e in api.objects_of("events") if e.get("involvedObject", {}).get("name") == name]  # fmt: skip
+    return [
+        {
+            "object": f"DisaggregatedDeployment/{e['involvedObject']['name']}",
+            "type": e["type"],
+            "reason": e["reason"],
+            "message": e["message"],
+        }
+        for e in api.objects_of("events")
+        if e.get("involvedObject", {}).get("name") == name
+    ]
 
 
 def check(interrupted: asyncio.Event | None) -> None:
@@ -363,12 +410,17 @@ def synthetic_deployment(name: str) -> Obj:
     """2 prefill + 2 decode synthetic-engine pods on CPU (a small model, a 20 s lease, a 5 s drain): the
     deployment the day-2 test and benchmarks/chaos_under_load.py run operations on under load."""
     return {
-        "apiVersion": "kvbridge.io/v1alpha1", "kind": "DisaggregatedDeployment", "metadata": {"name": name},
-        "spec": {"engine": {"kind": "Agent", "device": "CPU"},
-                 "model": {"name": "m", "numLayers": 2, "numKVHeads": 4, "headDim": 64},
-                 "transfer": {"leaseSeconds": 20, "drainSeconds": 5},
-                 "prefill": {"replicas": 2, "blockSize": 16}, "decode": {"replicas": 2, "blockSize": 16}},
-    }  # fmt: skip
+        "apiVersion": "kvbridge.io/v1alpha1",
+        "kind": "DisaggregatedDeployment",
+        "metadata": {"name": name},
+        "spec": {
+            "engine": {"kind": "Agent", "device": "CPU"},
+            "model": {"name": "m", "numLayers": 2, "numKVHeads": 4, "headDim": 64},
+            "transfer": {"leaseSeconds": 20, "drainSeconds": 5},
+            "prefill": {"replicas": 2, "blockSize": 16},
+            "decode": {"replicas": 2, "blockSize": 16},
+        },
+    }
 
 
 def models_for(docs: list[Obj], workdir: Path) -> dict[str, str]:
@@ -397,8 +449,9 @@ class LocalCluster:
 
 
 @contextlib.asynccontextmanager
-async def local_cluster(workdir: Path, models: dict[str, str], interrupted: asyncio.Event | None
-                        ) -> AsyncIterator[LocalCluster]:  # fmt: skip
+async def local_cluster(
+    workdir: Path, models: dict[str, str], interrupted: asyncio.Event | None
+) -> AsyncIterator[LocalCluster]:
     """The emulated API, the operator (in this process) and the local kubelet, started in that order; on exit the
     pods end first (engines drain on SIGTERM), then the operator (Kopf's exit cancels what still runs).
     ``interrupted`` is set on SIGINT/SIGTERM (after the operator started: Kopf installs its own handlers)."""
@@ -487,9 +540,11 @@ async def run_demo(
                         entry["conditions"] = {c["type"]: c["status"] for c in final["status"]["conditions"]}
                         entry["endpoints"] = final["status"]["prefill"].get("endpoints") or []
                         entry["ready"] = _ready_columns(final)
-                        report["ok"] &= (transfers.verified == transfers.requests
-                                         and (transfers.after_restart > 0 or not transfers.restarted)
-                                         and entry["conditions"].get("Ready") == "True")  # fmt: skip
+                        report["ok"] &= (
+                            transfers.verified == transfers.requests
+                            and (transfers.after_restart > 0 or not transfers.restarted)
+                            and entry["conditions"].get("Ready") == "True"
+                        )
                     else:
                         pods = await client.list(PODS, NAMESPACE, f"{LABEL_DEPLOYMENT}={name}")
                         entry["pods"] = len(pods)
@@ -497,8 +552,9 @@ async def run_demo(
                     report["deployments"].append(entry)
                     report["events"] += events_of(api, name)
                 restarted = any(e["reason"] == "PrefillRestarted" for e in report["events"])
-                report["ok"] &= restarted or not any(d.get("transfers", {}).get("verifiedAfterPrefillRestart")
-                                                     for d in report["deployments"])  # fmt: skip
+                report["ok"] &= restarted or not any(
+                    d.get("transfers", {}).get("verifiedAfterPrefillRestart") for d in report["deployments"]
+                )
                 if not report["ok"]:
                     progress(runner.log_tails())
                 return report
@@ -510,8 +566,12 @@ async def run_demo(
 def _ready_columns(obj: Obj) -> dict[str, str]:
     """What `kubectl get dd` shows (the CRD's printer columns)."""
     status = obj.get("status") or {}
-    return {"ready": condition(obj, "Ready").get("status", ""), "prefill": status.get("prefill", {}).get("ready", ""),
-            "decode": status.get("decode", {}).get("ready", ""), "tp": status.get("tp", "")}  # fmt: skip
+    return {
+        "ready": condition(obj, "Ready").get("status", ""),
+        "prefill": status.get("prefill", {}).get("ready", ""),
+        "decode": status.get("decode", {}).get("ready", ""),
+        "tp": status.get("tp", ""),
+    }
 
 
 def render_text(report: dict[str, Any]) -> str:
@@ -533,8 +593,10 @@ def render_text(report: dict[str, Any]) -> str:
             t = d["transfers"]
             speed = f"{t['gbps']} GB/s" if "gbps" in t else f"{t['meanRequestSeconds']} s per P/D request"
             what = "every byte checked" if t["check"] == "bytes" else "decode's tokens equal a single engine's"
-            lines.append(f"  transfers: {t['verified']}/{t['requests']} verified, {what} "
-                         f"({t['verifiedAfterPrefillRestart']} after the prefill restart), {speed}")  # fmt: skip
+            lines.append(
+                f"  transfers: {t['verified']}/{t['requests']} verified, {what} "
+                f"({t['verifiedAfterPrefillRestart']} after the prefill restart), {speed}"
+            )
             for f in t["failures"]:
                 lines.append(f"    FAILED {f['request']}: {f['code']}: {f['message']}")
             if t.get("duringOutage"):
@@ -543,8 +605,10 @@ def render_text(report: dict[str, Any]) -> str:
                 lines.append(f"  a request right after the prefill kill: {said} in {o['seconds']} s")
             if t.get("router"):
                 r = t["router"]
-                lines.append(f"  router: requests {json.dumps(r['requests'])}, prefill retries {r['prefillRetries']}, "
-                             f"own time {r['meanOverheadMilliseconds']} ms per request")  # fmt: skip
+                lines.append(
+                    f"  router: requests {json.dumps(r['requests'])}, prefill retries {r['prefillRetries']}, "
+                    f"own time {r['meanOverheadMilliseconds']} ms per request"
+                )
         if "pods" in d:
             lines.append(f"  pods created: {d['pods']}")
     lines.append("")

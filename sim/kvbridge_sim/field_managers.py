@@ -123,10 +123,16 @@ def _write_owners(obj: Obj, table: dict[tuple[str, str], set[Path]], api_version
             continue
         entry = previous.get((manager, operation), {})
         fields = _to_fields(paths)
-        entries.append({
-            "manager": manager, "operation": operation, "apiVersion": api_version, "fieldsType": "FieldsV1",
-            "fieldsV1": fields, "time": now if entry.get("fieldsV1") != fields else entry.get("time", now),
-        })  # fmt: skip
+        entries.append(
+            {
+                "manager": manager,
+                "operation": operation,
+                "apiVersion": api_version,
+                "fieldsType": "FieldsV1",
+                "fieldsV1": fields,
+                "time": now if entry.get("fieldsV1") != fields else entry.get("time", now),
+            }
+        )
     obj["metadata"]["managedFields"] = entries
 
 
@@ -152,9 +158,11 @@ def apply(current: Obj | None, config: Obj, manager: str, force: bool, status_is
     base = current or {}
     conflicts = [
         (other, path)
-        for (other, _operation), paths in table.items() if other != manager
-        for path in paths & set(applied) if lookup(base, path) != applied[path]
-    ]  # fmt: skip
+        for (other, _operation), paths in table.items()
+        if other != manager
+        for path in paths & set(applied)
+        if lookup(base, path) != applied[path]
+    ]
     if conflicts and not force:
         raise ConflictError(conflicts)
     result = copy.deepcopy(base)

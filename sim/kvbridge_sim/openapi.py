@@ -17,8 +17,12 @@ from typing import Any
 from kvbridge_operator.api.objects import Obj
 
 GroupVersionPlural = tuple[str, str, str]
-_FIELD_VALIDATION = {"name": "fieldValidation", "in": "query", "schema": {"type": "string", "uniqueItems": True},
-                     "description": "Ignore, Warn or Strict: what to do with unknown fields"}  # fmt: skip
+_FIELD_VALIDATION = {
+    "name": "fieldValidation",
+    "in": "query",
+    "schema": {"type": "string", "uniqueItems": True},
+    "description": "Ignore, Warn or Strict: what to do with unknown fields",
+}
 
 
 def group_version_path(group: str, version: str) -> str:
@@ -31,8 +35,9 @@ def _schema_name(group: str, version: str, kind: str) -> str:
     return f"{reversed_group}.{version}.{kind}"
 
 
-def document(group: str, version: str, kinds: Mapping[GroupVersionPlural, Obj],
-             schemas: Mapping[GroupVersionPlural, Obj]) -> Obj:  # fmt: skip
+def document(
+    group: str, version: str, kinds: Mapping[GroupVersionPlural, Obj], schemas: Mapping[GroupVersionPlural, Obj]
+) -> Obj:
     """The OpenAPI v3 document of one group-version: ``kinds`` by (group, version, plural) as the emulator declares
     them, ``schemas`` the CRDs' ``openAPIV3Schema`` by the same key."""
     paths: dict[str, Obj] = {}
@@ -49,21 +54,36 @@ def document(group: str, version: str, kinds: Mapping[GroupVersionPlural, Obj],
         for suffix in ("", "/status", "/scale") if info.get("subresources") else ("",):
             if suffix and suffix[1:] not in info["subresources"]:
                 continue
-            operation = {"x-kubernetes-group-version-kind": gvk, "x-kubernetes-action": "patch",
-                         "parameters": [_FIELD_VALIDATION], "responses": {"200": reference}}  # fmt: skip
+            operation = {
+                "x-kubernetes-group-version-kind": gvk,
+                "x-kubernetes-action": "patch",
+                "parameters": [_FIELD_VALIDATION],
+                "responses": {"200": reference},
+            }
             paths[f"{prefix}/{plural}/{{name}}{suffix}"] = {
-                "get": {"x-kubernetes-group-version-kind": gvk, "x-kubernetes-action": "get",
-                        "responses": {"200": reference}},
+                "get": {
+                    "x-kubernetes-group-version-kind": gvk,
+                    "x-kubernetes-action": "get",
+                    "responses": {"200": reference},
+                },
                 "patch": operation,
                 "parameters": [_FIELD_VALIDATION],
-            }  # fmt: skip
+            }
         paths[f"{prefix}/{plural}"] = {
-            "post": {"x-kubernetes-group-version-kind": gvk, "x-kubernetes-action": "post",
-                     "parameters": [_FIELD_VALIDATION], "responses": {"201": reference}},
+            "post": {
+                "x-kubernetes-group-version-kind": gvk,
+                "x-kubernetes-action": "post",
+                "parameters": [_FIELD_VALIDATION],
+                "responses": {"201": reference},
+            },
             "parameters": [_FIELD_VALIDATION],
-        }  # fmt: skip
-    return {"openapi": "3.0.0", "info": {"title": "Kubernetes (kvbridge's emulated API)", "version": "v1.32"},
-            "paths": paths, "components": {"schemas": components}}  # fmt: skip
+        }
+    return {
+        "openapi": "3.0.0",
+        "info": {"title": "Kubernetes (kvbridge's emulated API)", "version": "v1.32"},
+        "paths": paths,
+        "components": {"schemas": components},
+    }
 
 
 def root(group_versions: Iterable[tuple[str, str]], documents: Mapping[str, Obj]) -> Obj:

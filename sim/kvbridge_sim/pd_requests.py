@@ -48,8 +48,15 @@ async def complete(
     session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int, **extra: Any
 ) -> Completion:
     """One greedy completion; raises :class:`PDRequestError` for a non-200 answer."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "return_token_ids": True, **extra}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
     started = time.perf_counter()
     async with session.post(f"{url}/v1/completions", json=body) as response:
         if response.status != 200:

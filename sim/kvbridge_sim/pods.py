@@ -155,9 +155,15 @@ def start(spec: LocalPodSpec, log_path: Path) -> subprocess.Popen[bytes]:
     log = open(log_path, "ab")  # noqa: SIM115 - owned by the child from here on
     try:
         return subprocess.Popen(
-            spec.argv, env=environ, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=prepare, cwd=workdir,
-        )  # fmt: skip
+            spec.argv,
+            env=environ,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=prepare,
+            cwd=workdir,
+        )
     finally:
         log.close()
 

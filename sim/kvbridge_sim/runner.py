@@ -118,8 +118,11 @@ class LocalRunner:
                 if key not in self.pods:
                     await self._create(sts, key[1])
             self._roll(sts, replicas)
-        deleted = {(p["metadata"]["namespace"], p["metadata"]["name"]) for p in await self.client.list(
-            PODS, None, selector) if p["metadata"].get("deletionTimestamp")}  # fmt: skip
+        deleted = {
+            (p["metadata"]["namespace"], p["metadata"]["name"])
+            for p in await self.client.list(PODS, None, selector)
+            if p["metadata"].get("deletionTimestamp")
+        }
         for key, pod in list(self.pods.items()):
             # scaled down, its StatefulSet gone, or deleted by someone else (an eviction, a node drain)
             if (key not in wanted or key in deleted) and not pod.terminating:
@@ -193,14 +196,35 @@ class LocalRunner:
             cpus=self._cpuset(template),
             env_overrides=overrides,
         )
-        owner = {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": sts["metadata"]["name"],
-                 "uid": sts["metadata"]["uid"], "controller": True}  # fmt: skip
-        pod_obj = {"apiVersion": "v1", "kind": "Pod", "spec": template["spec"],
-                   "metadata": {**template["metadata"], "name": pod_name, "ownerReferences": [owner],
-                                "finalizers": [KUBELET_FINALIZER]}}  # fmt: skip
+        owner = {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "name": sts["metadata"]["name"],
+            "uid": sts["metadata"]["uid"],
+            "controller": True,
+        }
+        pod_obj = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "spec": template["spec"],
+            "metadata": {
+                **template["metadata"],
+                "name": pod_name,
+                "ownerReferences": [owner],
+                "finalizers": [KUBELET_FINALIZER],
+            },
+        }
         await self.client.create(PODS, namespace, pod_obj)
-        pod = LocalPod(namespace, pod_name, deployment, ip, spec, template, log_path=self.workdir / f"{pod_name}.log",
-                       revision=labels.get(LABEL_REVISION, ""))  # fmt: skip
+        pod = LocalPod(
+            namespace,
+            pod_name,
+            deployment,
+            ip,
+            spec,
+            template,
+            log_path=self.workdir / f"{pod_name}.log",
+            revision=labels.get(LABEL_REVISION, ""),
+        )
         self.pods[(namespace, pod_name)] = pod
         self._start(pod)
         await self._report(pod)
@@ -256,9 +280,17 @@ class LocalRunner:
             "phase": "Running",
             "podIP": pod.ip,
             "conditions": [{"type": "Ready", "status": "True" if pod.ready else "False"}],
-            "containerStatuses": [{"name": "engine", "ready": pod.ready, "restartCount": pod.restarts,
-                                   "image": "local", "imageID": "", "started": True}],
-        }  # fmt: skip
+            "containerStatuses": [
+                {
+                    "name": "engine",
+                    "ready": pod.ready,
+                    "restartCount": pod.restarts,
+                    "image": "local",
+                    "imageID": "",
+                    "started": True,
+                }
+            ],
+        }
         await self.client.patch(PODS, pod.namespace, pod.name, {"status": status}, "status")
 
     def log_tails(self, lines: int = 40) -> str:

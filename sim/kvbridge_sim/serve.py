@@ -48,8 +48,10 @@ async def serve(files: list[str] | None, num_layers: int, engine: str, stop: asy
                     if condition(objects[name], "Ready").get("status") == "True":
                         routers.append(await start_router(cluster.client, name))
                         model = objects[name]["spec"]["model"]["name"]
-                        say(f"router {name} {routers[-1].url} model {model}  (POST /v1/completions, "
-                            "/v1/chat/completions)")  # fmt: skip
+                        say(
+                            f"router {name} {routers[-1].url} model {model}  (POST /v1/completions, "
+                            "/v1/chat/completions)"
+                        )
                     else:
                         say(f"not served {name}: {condition(objects[name], 'Compatible').get('message', '')[:200]}")
                 say("serving: Ctrl-C stops everything")

@@ -16,8 +16,13 @@ from typing import Any
 from kvbridge_operator.api.objects import Obj
 
 TABLE_ACCEPT = "as=Table"
-_NAME: Obj = {"name": "Name", "type": "string", "format": "name", "priority": 0,
-         "description": "Name must be unique within a namespace."}  # fmt: skip
+_NAME: Obj = {
+    "name": "Name",
+    "type": "string",
+    "format": "name",
+    "priority": 0,
+    "description": "Name must be unique within a namespace.",
+}
 _AGE: Obj = {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}
 #: the columns the real API server prints for core/v1 Events (kubectl get events)
 EVENT_COLUMNS: list[Obj] = [
@@ -161,14 +166,28 @@ def table(objects: Sequence[Obj], columns: Sequence[Obj], resource_version: str,
     now = datetime.datetime.now(datetime.UTC)
     named = any(c.get("format") == "name" for c in columns)  # Events name their rows last, in -o wide only
     definitions = ([] if named else [_NAME]) + [
-        {"name": c["name"], "type": c["type"], "format": c.get("format", ""), "priority": c.get("priority", 0),
-         "description": c.get("description", "")} for c in columns
-    ]  # fmt: skip
+        {
+            "name": c["name"],
+            "type": c["type"],
+            "format": c.get("format", ""),
+            "priority": c.get("priority", 0),
+            "description": c.get("description", ""),
+        }
+        for c in columns
+    ]
     rows = []
     for obj in objects:
         cells = ([] if named else [obj["metadata"]["name"]]) + [_cell(c, obj, now) for c in columns]
-        partial = obj if whole else {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
-                                     "metadata": obj["metadata"]}  # fmt: skip
+        partial = (
+            obj
+            if whole
+            else {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1", "metadata": obj["metadata"]}
+        )
         rows.append({"cells": cells, "object": partial})
-    return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {"resourceVersion": resource_version},
-            "columnDefinitions": definitions, "rows": rows}  # fmt: skip
+    return {
+        "kind": "Table",
+        "apiVersion": "meta.k8s.io/v1",
+        "metadata": {"resourceVersion": resource_version},
+        "columnDefinitions": definitions,
+        "rows": rows,
+    }

@@ -55,8 +55,12 @@ class Shape:
     @property
     def geometry(self) -> dict[str, Any]:
         """The ``spec.model`` block of a DisaggregatedDeployment serving it (besides its name)."""
-        return {"numLayers": self.num_layers, "numKVHeads": self.num_kv_heads, "headDim": self.head_dim,
-                "kvCacheDtype": "bfloat16"}  # fmt: skip
+        return {
+            "numLayers": self.num_layers,
+            "numKVHeads": self.num_kv_heads,
+            "headDim": self.head_dim,
+            "kvCacheDtype": "bfloat16",
+        }
 
 
 TINY = Shape(NAME, NUM_LAYERS, HIDDEN, NUM_HEADS, NUM_KV_HEADS, MAX_POSITIONS)
@@ -105,11 +109,20 @@ def make(path: Path, shape: Shape = TINY) -> Path:
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     fast.chat_template = CHAT_TEMPLATE
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=shape.hidden, intermediate_size=4 * shape.hidden,
-        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads, head_dim=shape.head_dim, max_position_embeddings=shape.max_positions,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, initializer_range=0.1, dtype="bfloat16",
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=shape.hidden,
+        intermediate_size=4 * shape.hidden,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_positions,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+        dtype="bfloat16",
+    )
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     with tempfile.TemporaryDirectory(dir=path.parent) as staging:  # write then rename: no half-made model

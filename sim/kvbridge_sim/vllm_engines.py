@@ -68,7 +68,7 @@ def deployment(
             "prefill": {"replicas": 1, "tensorParallelSize": prefill_tp, "blockSize": blocks[0]},
             "decode": {"replicas": 1, "tensorParallelSize": 1, "blockSize": blocks[1]},
         },
-    }  # fmt: skip
+    }
 
 
 def plan_json(document: dict[str, Any], workdir: Path) -> dict[str, Any]:
@@ -76,8 +76,13 @@ def plan_json(document: dict[str, Any], workdir: Path) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     manifest = workdir / f"{document['metadata']['name']}.yaml"
     manifest.write_text(yaml.safe_dump(document))
-    done = subprocess.run([str(Path(sys.executable).parent / "kvbridge"), "plan", "-f", str(manifest), "--json"],
-                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "kvbridge"), "plan", "-f", str(manifest), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     if done.returncode != 0:
         raise AssertionError(f"kvbridge plan --json failed ({done.returncode}): {done.stderr}")
     entries = json.loads(done.stdout)
@@ -85,9 +90,17 @@ def plan_json(document: dict[str, Any], workdir: Path) -> dict[str, Any]:
     return entry
 
 
-def plan_json_pod(entry: dict[str, Any], role: Role, pod_name: str, ip: str, workdir: Path, *,
-                  models: dict[str, str], cpus: tuple[int, ...] = (),
-                  env_overrides: dict[str, str] | None = None) -> pods.LocalPodSpec:  # fmt: skip
+def plan_json_pod(
+    entry: dict[str, Any],
+    role: Role,
+    pod_name: str,
+    ip: str,
+    workdir: Path,
+    *,
+    models: dict[str, str],
+    cpus: tuple[int, ...] = (),
+    env_overrides: dict[str, str] | None = None,
+) -> pods.LocalPodSpec:
     """A role's engine process from ``kvbridge plan --json`` alone: its ``command`` and ``environment``, with only
     what a pod gets from elsewhere filled in — the downward API's ``<metadata.name>`` and ``<status.podIP>``, the
     model folder for the model name, ``--host`` (each pod its own address), the keys folder (the Secret's
@@ -104,8 +117,9 @@ def plan_json_pod(entry: dict[str, Any], role: Role, pod_name: str, ip: str, wor
     env.update(env_overrides or {})
     argv = pods.local_argv(engine["command"], models, ip)
     port = int(argv[argv.index("--port") + 1]) if "--port" in argv else 8000
-    return pods.LocalPodSpec(argv=argv, env=env, workdir=workdir, cpus=tuple(cpus), http_port=port,
-                             health_path="/health")  # fmt: skip
+    return pods.LocalPodSpec(
+        argv=argv, env=env, workdir=workdir, cpus=tuple(cpus), http_port=port, health_path="/health"
+    )
 
 
 def rendered_template(document: dict[str, Any], role: Role) -> dict[str, Any]:
@@ -149,8 +163,9 @@ class Engines:
     def add(
         self, name: str, template: dict[str, Any], ip: str, cpus: tuple[int, ...], env: dict[str, str] | None = None
     ) -> Engine:
-        spec = pods.local_pod(template, name, ip, self.workdir / name, models={MODEL_NAME: str(self.model)},
-                              cpus=cpus, env_overrides=env)  # fmt: skip
+        spec = pods.local_pod(
+            template, name, ip, self.workdir / name, models={MODEL_NAME: str(self.model)}, cpus=cpus, env_overrides=env
+        )
         engine = Engine(name, ip, spec, self.workdir / f"{name}.log")
         self.engines[name] = engine
         return engine
@@ -194,8 +209,9 @@ class Engines:
 
     def log_tails(self, names: list[str], chars: int = 2500) -> str:
         """What these engines printed last, for a failing assertion's message (the logs go with pytest's tmp)."""
-        return "\n".join(f"--- {name}'s log, last {chars} characters ---\n{self.engines[name].log_tail(chars)}"
-                         for name in names)  # fmt: skip
+        return "\n".join(
+            f"--- {name}'s log, last {chars} characters ---\n{self.engines[name].log_tail(chars)}" for name in names
+        )
 
     def running(self, name: str) -> bool:
         process = self.engines[name].process
@@ -214,8 +230,9 @@ async def metric(session: Any, url: str, name: str, labels: str = "") -> float:
     """The sum of every sample of ``name`` on an engine's /metrics whose labels contain ``labels`` (0: none)."""
     async with session.get(f"{url}/metrics") as response:
         text = await response.text()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") and labels in line)  # fmt: skip
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{") and labels in line
+    )
 
 
 def _healthy(url: str) -> bool:

@@ -18,21 +18,32 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "namespace-scope": {"watch": {"scope": "Namespace"}},
     "service-monitor": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}},
-    "cpu-mode-custom-images": {"gpu": {"cpuMode": True, "resourceName": "amd.com/gpu", "perNode": 8},
-                               "image": {"repository": "registry.local/kvbridge-operator", "tag": "dev"},
-                               "agent": {"image": "registry.local/kvbridge-agent:dev", "numBlocks": 1024}},
+    "cpu-mode-custom-images": {
+        "gpu": {"cpuMode": True, "resourceName": "amd.com/gpu", "perNode": 8},
+        "image": {"repository": "registry.local/kvbridge-operator", "tag": "dev"},
+        "agent": {"image": "registry.local/kvbridge-agent:dev", "numBlocks": 1024},
+    },
     "three-namespaces": {"watch": {"scope": "Namespace", "namespaces": ["team-a", "team-b", "team-c"]}},
     "no-metrics-existing-sa": {"metrics": {"enabled": False}, "serviceAccount": {"create": False, "name": "ops"}},
-    "monitoring": {"monitoring": {"podMonitor": {"enabled": True, "labels": {"release": "prom"}},
-                                  "dashboard": {"enabled": True, "namespace": "grafana"}}},
-}  # fmt: skip
+    "monitoring": {
+        "monitoring": {
+            "podMonitor": {"enabled": True, "labels": {"release": "prom"}},
+            "dashboard": {"enabled": True, "namespace": "grafana"},
+        }
+    },
+}
 
 
 def render(values: dict[str, Any]) -> list[dict[str, Any]]:
     chart = helm.Chart.load(str(CHART))
     manifests = chart.render(values, name="kvbridge", namespace="kvbridge-system", is_install=True)
-    return [doc for name, text in sorted(manifests.items()) if name.endswith(".yaml")
-            for doc in yaml.safe_load_all(text) if doc]  # fmt: skip
+    return [
+        doc
+        for name, text in sorted(manifests.items())
+        if name.endswith(".yaml")
+        for doc in yaml.safe_load_all(text)
+        if doc
+    ]
 
 
 @pytest.mark.parametrize("values", VALUE_SETS.values(), ids=list(VALUE_SETS))
@@ -66,8 +77,13 @@ def test_rbac_grants_exactly_what_the_operator_calls_and_no_wildcards() -> None:
         roles = kinds.get("ClusterRole", []) + kinds.get("Role", [])
         assert roles
         for role in roles:
-            granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
-                       for v in rule["verbs"]}  # fmt: skip
+            granted = {
+                (g, r, v)
+                for rule in role["rules"]
+                for g in rule["apiGroups"]
+                for r in rule["resources"]
+                for v in rule["verbs"]
+            }
             assert granted == wanted
             assert not any("*" in item for item in granted for item in item)
 
@@ -106,11 +122,13 @@ def test_several_watched_namespaces_get_a_role_each_and_reach_the_operator() -> 
 @pytest.mark.parametrize(
     ("values", "reason"),
     [
-        ({"metrics": {"enabled": False, "serviceMonitor": {"enabled": True}}},
-         "metrics.serviceMonitor.enabled=true needs metrics.enabled=true"),
+        (
+            {"metrics": {"enabled": False, "serviceMonitor": {"enabled": True}}},
+            "metrics.serviceMonitor.enabled=true needs metrics.enabled=true",
+        ),
         ({"watch": {"namespaces": ["team-a"]}}, "watch.namespaces is set but watch.scope is Cluster"),
     ],
-)  # fmt: skip
+)
 def test_values_that_contradict_each_other_are_refused_with_a_reason(values: dict[str, Any], reason: str) -> None:
     chart = helm.Chart.load(str(CHART))
     with pytest.raises(helm.HelmError, match=reason.replace(".", r"\.")):
@@ -126,8 +144,11 @@ def test_operator_deployment_is_one_restricted_replica() -> None:
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     [container] = pod["containers"]
-    assert container["securityContext"] == {"readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
-                                            "capabilities": {"drop": ["ALL"]}}  # fmt: skip
+    assert container["securityContext"] == {
+        "readOnlyRootFilesystem": True,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert container["image"] == "ghcr.io/kvbridge/kvbridge-operator:0.1.0"
     assert container["resources"]["limits"]["memory"] == "512Mi"
@@ -147,15 +168,22 @@ def test_values_reach_the_operator() -> None:
     assert env["KVBRIDGE_OPERATOR_AGENT_NUM_BLOCKS"] == "1024"
     assert env["KVBRIDGE_OPERATOR_GPU_RESOURCE"] == "amd.com/gpu"
     assert env["KVBRIDGE_OPERATOR_GPUS_PER_NODE"] == "8"
-    default = {e["name"]: e["value"] for e in by_kind(render({}))["Deployment"][0]["spec"]["template"]["spec"][
-        "containers"][0]["env"]}  # fmt: skip
+    default = {
+        e["name"]: e["value"]
+        for e in by_kind(render({}))["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
     assert default["KVBRIDGE_OPERATOR_VLLM_IMAGE"] == "vllm/vllm-openai:v0.32.0"
     assert default["KVBRIDGE_OPERATOR_VLLM_CPU_IMAGE"] == "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0"
     assert default["KVBRIDGE_OPERATOR_ROUTING_SIDECAR_IMAGE"] == ""  # no sidecar unless asked for
     assert default["KVBRIDGE_OPERATOR_GPUS_PER_NODE"] == "0"  # fit not checked unless the cluster is described
-    sidecar = {"vllm": {"routingSidecar": {"image": "ghcr.io/llm-d/llm-d-routing-sidecar:v0.3.0",
-                                           "args": ["--connector=nixlv2", "--secure-proxy=true",
-                                                    "--allowlist=a,b"]}}}  # fmt: skip
+    sidecar = {
+        "vllm": {
+            "routingSidecar": {
+                "image": "ghcr.io/llm-d/llm-d-routing-sidecar:v0.3.0",
+                "args": ["--connector=nixlv2", "--secure-proxy=true", "--allowlist=a,b"],
+            }
+        }
+    }
     [operator] = by_kind(render(sidecar))["Deployment"]
     env = {e["name"]: e["value"] for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["KVBRIDGE_OPERATOR_ROUTING_SIDECAR_IMAGE"] == "ghcr.io/llm-d/llm-d-routing-sidecar:v0.3.0"
@@ -252,8 +280,10 @@ def _exported_metric_names() -> set[str]:
     vllm = importlib.util.find_spec("vllm")
     if vllm is not None and vllm.origin is not None:
         package = Path(vllm.origin).parent
-        sources += [package / "v1" / "metrics" / "loggers.py",
-                    *(package / "distributed" / "kv_transfer").rglob("nixl/*.py")]  # fmt: skip
+        sources += [
+            package / "v1" / "metrics" / "loggers.py",
+            *(package / "distributed" / "kv_transfer").rglob("nixl/*.py"),
+        ]
     for source in sources:
         for name in re.findall(r'"(vllm:[a-z_]+)"', source.read_text()):
             names |= {name, f"{name}_total", f"{name}_bucket"}
@@ -277,8 +307,9 @@ def test_the_dashboard_is_valid_json_and_plots_only_series_that_exist() -> None:
     plotted = set()
     for panel in dashboard["panels"]:
         for target in panel["targets"]:
-            plotted |= set(re.findall(r"((?:vllm:)?[a-z_]+_(?:seconds_bucket|total|requests|waiting|running))\b",
-                                      target["expr"]))  # fmt: skip
+            plotted |= set(
+                re.findall(r"((?:vllm:)?[a-z_]+_(?:seconds_bucket|total|requests|waiting|running))\b", target["expr"])
+            )
     assert len(plotted) >= 15
     assert plotted <= exported, plotted - exported
 

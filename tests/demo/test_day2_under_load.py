@@ -30,8 +30,15 @@ async def test_a_rollout_and_scale_downs_under_load_lose_no_request(tmp_path: Pa
         client, runner = cluster.client, cluster.runner
         load_stop = asyncio.Event()
         await apply_all(client, [synthetic_deployment(NAME)])
-        await until(lambda: len(pods_of(runner, "prefill")) == 2 and all(p.ready for p in runner.pods.values())
-                    and len(runner.pods) == 4, 120, "four ready pods")  # fmt: skip
+        await until(
+            lambda: (
+                len(pods_of(runner, "prefill")) == 2
+                and all(p.ready for p in runner.pods.values())
+                and len(runner.pods) == 4
+            ),
+            120,
+            "four ready pods",
+        )
         router = await start_router(client, NAME)
 
         async def client_loop(index: int) -> None:
@@ -69,8 +76,9 @@ async def test_a_rollout_and_scale_downs_under_load_lose_no_request(tmp_path: Pa
             load_stop.set()
             await asyncio.gather(*load)
             await router.close()
-    by_phase = {p: sum(1 for q, _s, _c in results if q == p) for p in ("steady", "rollout", "prefill 2->1",
-                                                                      "decode 2->1")}  # fmt: skip
+    by_phase = {
+        p: sum(1 for q, _s, _c in results if q == p) for p in ("steady", "rollout", "prefill 2->1", "decode 2->1")
+    }
     failed = [r for r in results if r[2]]
     assert all(count > 0 for count in by_phase.values()), by_phase  # load ran through every operation
     print(f"requests by phase: {by_phase}, in all {len(results)}, failed {len(failed)}")

@@ -34,9 +34,12 @@ def test_agent_demo_json_contract() -> None:
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "kvbridge_operator", "demo", "--engine", "agent", "--json", "--requests", "4"],
-        capture_output=True, text=True, timeout=240, check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
         env={**os.environ, "KVBRIDGE_DEMO_MARKER": marker},
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     assert time.monotonic() - started < 180
     report = json.loads(result.stdout)
@@ -44,8 +47,12 @@ def test_agent_demo_json_contract() -> None:
     by_name = {d["name"]: d for d in report["deployments"]}
 
     hetero = by_name["llama3-8b"]
-    assert hetero["conditions"] == {"Compatible": "True", "PrefillReady": "True", "DecodeReady": "True",
-                                    "Ready": "True"}  # fmt: skip
+    assert hetero["conditions"] == {
+        "Compatible": "True",
+        "PrefillReady": "True",
+        "DecodeReady": "True",
+        "Ready": "True",
+    }
     assert hetero["plan"]["tpRatio"] == -2
     assert sorted(e["pod"] for e in hetero["endpoints"]) == ["llama3-8b-prefill-0", "llama3-8b-prefill-1"]
     assert all(e["ip"].startswith("127.0.0.") and e["port"] == 5600 and e["ranks"] == 2 for e in hetero["endpoints"])
@@ -79,9 +86,12 @@ def test_vllm_demo_runs_real_engines_and_checks_tokens() -> None:
     marker = uuid.uuid4().hex
     result = subprocess.run(
         [sys.executable, "-m", "kvbridge_operator", "demo", "--json", "--requests", "4"],
-        capture_output=True, text=True, timeout=900, check=False,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
         env={**os.environ, "KVBRIDGE_DEMO_MARKER": marker},
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout)
     assert report["ok"] is True
@@ -130,9 +140,11 @@ def test_serve_keeps_the_cluster_up_for_your_own_clients_and_ctrl_c_stops_everyt
     marker = uuid.uuid4().hex
     process = subprocess.Popen(
         [sys.executable, "-m", "kvbridge_operator", "demo", "--serve", "--engine", "agent"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "KVBRIDGE_DEMO_MARKER": marker},
-    )  # fmt: skip
+    )
     try:
         assert process.stdout is not None
         lines: list[str] = []
@@ -151,15 +163,24 @@ def test_serve_keeps_the_cluster_up_for_your_own_clients_and_ctrl_c_stops_everyt
         assert config, lines
         assert router, lines
         assert any(line.startswith("not served replicated-heads") for line in lines)
-        request = urllib.request.Request(router.group(1) + "/v1/completions", method="POST",
-                                         headers={"Content-Type": "application/json"},
-                                         data=json.dumps({"model": "demo", "prompt": [5] * 40}).encode())  # fmt: skip
+        request = urllib.request.Request(
+            router.group(1) + "/v1/completions",
+            method="POST",
+            headers={"Content-Type": "application/json"},
+            data=json.dumps({"model": "demo", "prompt": [5] * 40}).encode(),
+        )
         with urllib.request.urlopen(request, timeout=60) as response:
             answer = json.loads(response.read())
         assert answer["kvbridge"]["verified"] is True
         if shutil.which("kubectl"):
-            got = subprocess.run(["kubectl", "get", "dd", "llama3-8b"], capture_output=True, text=True, timeout=30,
-                                 env={**os.environ, "KUBECONFIG": config.group(1)}, check=False)  # fmt: skip
+            got = subprocess.run(
+                ["kubectl", "get", "dd", "llama3-8b"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                env={**os.environ, "KUBECONFIG": config.group(1)},
+                check=False,
+            )
             assert got.returncode == 0, got.stderr
             assert got.stdout.split("\n")[1].split()[:4] == ["llama3-8b", "True", "2/2", "1/1"]
         process.send_signal(signal.SIGINT)

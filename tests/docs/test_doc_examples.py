@@ -100,8 +100,9 @@ def test_every_example_is_run_or_says_why_not() -> None:
 )
 def test_the_example_prints_what_the_page_shows(where: str, command: str, shown: list[str]) -> None:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    done = subprocess.run(["bash", "-c", _command(command)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120, check=False)  # fmt: skip
+    done = subprocess.run(
+        ["bash", "-c", _command(command)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
     got = done.stdout.splitlines()
     assert _matches(shown, got), f"{where}: `{command}` prints\n" + "\n".join(got) + f"\n(stderr: {done.stderr})"
 

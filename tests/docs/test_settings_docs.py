@@ -15,8 +15,16 @@ OPERATOR_MD = (ROOT / "docs" / "operator.md").read_text()
 INSTALL_MD = (ROOT / "docs" / "install.md").read_text()
 CHART = ROOT / "charts" / "kvbridge"
 #: values whose whole mapping is passed through (pod fields); their keys are the user's
-OPAQUE = {"resources", "nodeSelector", "tolerations", "affinity", "podAnnotations", "serviceAccount.annotations",
-          "metrics.serviceMonitor.labels", "imagePullSecrets"}  # fmt: skip
+OPAQUE = {
+    "resources",
+    "nodeSelector",
+    "tolerations",
+    "affinity",
+    "podAnnotations",
+    "serviceAccount.annotations",
+    "metrics.serviceMonitor.labels",
+    "imagePullSecrets",
+}
 
 
 def table_row(text: str, needle: str) -> str:

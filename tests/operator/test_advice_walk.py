@@ -44,8 +44,9 @@ def alternatives(problem: Problem) -> list[dict[str, Any]]:
     advice = problem.message.split(" set ", 1)[1]
     found = []
     for alternative in re.split(r",\s*or\s+|\s+or\s+|,\s+(?=spec\.)", advice):
-        changes = {path: int(raw) if raw.isdigit() else raw.rstrip(".")
-                   for path, raw in _SUGGESTION.findall(alternative)}  # fmt: skip
+        changes = {
+            path: int(raw) if raw.isdigit() else raw.rstrip(".") for path, raw in _SUGGESTION.findall(alternative)
+        }
         if changes:
             found.append(changes)
     return found
@@ -83,8 +84,11 @@ def walk(document: dict[str, Any]) -> list[str]:
                 found.append(f"{problem.code}: {changes} is a value the schema refuses")
                 continue
             for following in after:
-                back = [(p, before[p]) for p in changes if before[p] != changes[p] and (p, before[p]) in
-                        suggestions(following)]  # fmt: skip
+                back = [
+                    (p, before[p])
+                    for p in changes
+                    if before[p] != changes[p] and (p, before[p]) in suggestions(following)
+                ]
                 if back:
                     found.append(f"{problem.code} advises {changes}, then {following.code} advises {back} back")
     if problems and suggested_fix(DisaggregatedDeployment.model_validate(document)) is None:
@@ -145,24 +149,43 @@ def test_no_advice_loops_and_every_problem_says_what_to_do(name: str) -> None:
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    kind=st.sampled_from(["Agent", "VLLM"]), device=st.sampled_from(["GPU", "CPU"]),
-    connector=st.sampled_from(["Nixl", "KVBridge"]), mla=st.booleans(), heads=st.sampled_from([1, 2, 4, 8]),
-    tp_p=st.sampled_from([1, 2, 4, 8]), tp_d=st.sampled_from([1, 2, 4, 8]),
-    bs_p=st.sampled_from([16, 32, 64]), bs_d=st.sampled_from([16, 32, 64]),
-    layout_p=st.sampled_from(["HND", "NHD"]), layout_d=st.sampled_from(["HND", "NHD"]),
+    kind=st.sampled_from(["Agent", "VLLM"]),
+    device=st.sampled_from(["GPU", "CPU"]),
+    connector=st.sampled_from(["Nixl", "KVBridge"]),
+    mla=st.booleans(),
+    heads=st.sampled_from([1, 2, 4, 8]),
+    tp_p=st.sampled_from([1, 2, 4, 8]),
+    tp_d=st.sampled_from([1, 2, 4, 8]),
+    bs_p=st.sampled_from([16, 32, 64]),
+    bs_d=st.sampled_from([16, 32, 64]),
+    layout_p=st.sampled_from(["HND", "NHD"]),
+    layout_d=st.sampled_from(["HND", "NHD"]),
     conversion=st.sampled_from(["Auto", "Off"]),
     transports=st.sampled_from([[], ["rc"], ["sm"], ["cuda_ipc", "bogus"]]),
-)  # fmt: skip
+)
 def test_generated_specs_get_advice_that_does_not_loop(
-    kind: str, device: str, connector: str, mla: bool, heads: int, tp_p: int, tp_d: int, bs_p: int, bs_d: int,
-    layout_p: str, layout_d: str, conversion: str, transports: list[str],
-) -> None:  # fmt: skip
+    kind: str,
+    device: str,
+    connector: str,
+    mla: bool,
+    heads: int,
+    tp_p: int,
+    tp_d: int,
+    bs_p: int,
+    bs_d: int,
+    layout_p: str,
+    layout_d: str,
+    conversion: str,
+    transports: list[str],
+) -> None:
     engine: dict[str, Any] = {"kind": kind, "device": device} | ({"connector": connector} if kind == "VLLM" else {})
     model: dict[str, Any] = {"numKVHeads": heads} | ({"attention": "MLA", "headDim": 576} if mla else {})
     document = manifest(
-        "gen", engine=engine, model=model,
+        "gen",
+        engine=engine,
+        model=model,
         transfer={"conversion": conversion, "network": {"ucxTransports": transports}},
         prefill={"tensorParallelSize": tp_p, "blockSize": bs_p, "kvLayout": layout_p},
         decode={"tensorParallelSize": tp_d, "blockSize": bs_d, "kvLayout": layout_d},
-    )  # fmt: skip
+    )
     assert walk(document) == []

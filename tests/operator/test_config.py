@@ -33,11 +33,25 @@ def config_from(argv: list[str], environ: dict[str, str]) -> OperatorConfig:
 def test_flags_reach_every_setting_and_win_over_variables() -> None:
     environ = {"KVBRIDGE_OPERATOR_VLLM_IMAGE": "env/vllm:1", "KVBRIDGE_OPERATOR_METRICS_PORT": "9000"}
     config = config_from(
-        ["--vllm-image", "flag/vllm:2", "--vllm-cpu-image", "flag/cpu:2", "--routing-sidecar-image", "sidecar:1",
-         "--routing-sidecar-arg=--connector=nixlv2", "--routing-sidecar-arg=--allow=a,b", "--namespace", "a",
-         "--namespace", "b", "--agent-num-blocks", "64", "--cpu-mode"],
+        [
+            "--vllm-image",
+            "flag/vllm:2",
+            "--vllm-cpu-image",
+            "flag/cpu:2",
+            "--routing-sidecar-image",
+            "sidecar:1",
+            "--routing-sidecar-arg=--connector=nixlv2",
+            "--routing-sidecar-arg=--allow=a,b",
+            "--namespace",
+            "a",
+            "--namespace",
+            "b",
+            "--agent-num-blocks",
+            "64",
+            "--cpu-mode",
+        ],
         environ,
-    )  # fmt: skip
+    )
     assert config.vllm_image == "flag/vllm:2"
     assert config.vllm_cpu_image == "flag/cpu:2"
     assert config.routing_sidecar_image == "sidecar:1"
@@ -57,9 +71,13 @@ def test_a_json_array_keeps_commas_inside_sidecar_arguments() -> None:
 
 @pytest.mark.parametrize(
     ("name", "raw"),
-    [("ROUTING_SIDECAR_ARGS", '["--a"'), ("ROUTING_SIDECAR_ARGS", "[1, 2]"), ("METRICS_PORT", "http"),
-     ("CPU_MODE", "maybe")],
-)  # fmt: skip
+    [
+        ("ROUTING_SIDECAR_ARGS", '["--a"'),
+        ("ROUTING_SIDECAR_ARGS", "[1, 2]"),
+        ("METRICS_PORT", "http"),
+        ("CPU_MODE", "maybe"),
+    ],
+)
 def test_bad_variables_are_named(name: str, raw: str) -> None:
     with pytest.raises(SpecError) as caught:
         OperatorConfig.from_env({f"KVBRIDGE_OPERATOR_{name}": raw})

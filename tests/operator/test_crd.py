@@ -145,8 +145,12 @@ def unknown_fields(schema: dict[str, Any], value: Any, path: str = "") -> list[s
     if not isinstance(value, dict) or schema.get("x-kubernetes-preserve-unknown-fields") or "properties" not in schema:
         return []
     found = [f"{path}.{k}" for k in value if k not in schema["properties"]]
-    return found + [f for k, v in value.items() if k in schema["properties"]
-                    for f in unknown_fields(schema["properties"][k], v, f"{path}.{k}")]  # fmt: skip
+    return found + [
+        f
+        for k, v in value.items()
+        if k in schema["properties"]
+        for f in unknown_fields(schema["properties"][k], v, f"{path}.{k}")
+    ]
 
 
 def api_server_accepts(document: dict[str, Any]) -> bool:
@@ -236,14 +240,35 @@ def test_plan_and_the_api_server_give_the_same_verdict(label: str, change: Any) 
 
 @pytest.mark.parametrize(
     ("label", "accepted"),
-    [("valid", True), ("dtype-fp8-alias", True), ("dtype-fp9", False), ("name-44", True), ("name-45", False),
-     ("name-digit-first", False), ("name-dots", False), ("name-upper", False), ("pool-without-picker", False),
-     ("pool-with-picker", True), ("token-without-source", False), ("token-with-pvc-source", False),
-     ("token-with-hf-source", True), ("source-s3", False), ("colocation-without-key", False),
-     ("colocation-with-key", True), ("gpus-per-node-zero", False), ("sign-without-router", False),
-     ("sign-with-router", True), ("transports-joined", False), ("transport-nul", False), ("networks-joined", False),
-     ("network-huge", False), ("network-named", True), ("backends-joined", False), ("backends-two", True)],
-)  # fmt: skip
+    [
+        ("valid", True),
+        ("dtype-fp8-alias", True),
+        ("dtype-fp9", False),
+        ("name-44", True),
+        ("name-45", False),
+        ("name-digit-first", False),
+        ("name-dots", False),
+        ("name-upper", False),
+        ("pool-without-picker", False),
+        ("pool-with-picker", True),
+        ("token-without-source", False),
+        ("token-with-pvc-source", False),
+        ("token-with-hf-source", True),
+        ("source-s3", False),
+        ("colocation-without-key", False),
+        ("colocation-with-key", True),
+        ("gpus-per-node-zero", False),
+        ("sign-without-router", False),
+        ("sign-with-router", True),
+        ("transports-joined", False),
+        ("transport-nul", False),
+        ("networks-joined", False),
+        ("network-huge", False),
+        ("network-named", True),
+        ("backends-joined", False),
+        ("backends-two", True),
+    ],
+)
 def test_the_verdicts_themselves(label: str, accepted: bool) -> None:
     document = base()
     dict(CORPUS)[label](document)

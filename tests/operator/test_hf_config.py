@@ -14,42 +14,118 @@ from kvbridge_operator.cli.main import main
 
 CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "llama-gqa": (
-        {"model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-         "hidden_size": 4096, "torch_dtype": "bfloat16", "_name_or_path": "meta-llama/Llama-3.1-8B-Instruct"},
-        {"name": "meta-llama/Llama-3.1-8B-Instruct", "numLayers": 32, "numKVHeads": 8, "headDim": 128,
-         "kvCacheDtype": "bfloat16", "attention": "Dense"},
+        {
+            "model_type": "llama",
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "hidden_size": 4096,
+            "torch_dtype": "bfloat16",
+            "_name_or_path": "meta-llama/Llama-3.1-8B-Instruct",
+        },
+        {
+            "name": "meta-llama/Llama-3.1-8B-Instruct",
+            "numLayers": 32,
+            "numKVHeads": 8,
+            "headDim": 128,
+            "kvCacheDtype": "bfloat16",
+            "attention": "Dense",
+        },
     ),
     "qwen2-gqa": (
-        {"model_type": "qwen2", "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
-         "hidden_size": 896, "torch_dtype": "bfloat16"},
-        {"name": "qwen2-gqa", "numLayers": 24, "numKVHeads": 2, "headDim": 64, "kvCacheDtype": "bfloat16",
-         "attention": "Dense"},
+        {
+            "model_type": "qwen2",
+            "num_hidden_layers": 24,
+            "num_attention_heads": 14,
+            "num_key_value_heads": 2,
+            "hidden_size": 896,
+            "torch_dtype": "bfloat16",
+        },
+        {
+            "name": "qwen2-gqa",
+            "numLayers": 24,
+            "numKVHeads": 2,
+            "headDim": 64,
+            "kvCacheDtype": "bfloat16",
+            "attention": "Dense",
+        },
     ),
     "mistral-head-dim": (
-        {"model_type": "mistral", "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
-         "hidden_size": 5120, "head_dim": 128, "torch_dtype": "bfloat16"},
-        {"name": "mistral-head-dim", "numLayers": 40, "numKVHeads": 8, "headDim": 128, "kvCacheDtype": "bfloat16",
-         "attention": "Dense"},
+        {
+            "model_type": "mistral",
+            "num_hidden_layers": 40,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "hidden_size": 5120,
+            "head_dim": 128,
+            "torch_dtype": "bfloat16",
+        },
+        {
+            "name": "mistral-head-dim",
+            "numLayers": 40,
+            "numKVHeads": 8,
+            "headDim": 128,
+            "kvCacheDtype": "bfloat16",
+            "attention": "Dense",
+        },
     ),
     "mha-fp16": (
-        {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256,
-         "torch_dtype": "float16"},
-        {"name": "mha-fp16", "numLayers": 2, "numKVHeads": 4, "headDim": 64, "kvCacheDtype": "float16",
-         "attention": "Dense"},
+        {
+            "model_type": "llama",
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "hidden_size": 256,
+            "torch_dtype": "float16",
+        },
+        {
+            "name": "mha-fp16",
+            "numLayers": 2,
+            "numKVHeads": 4,
+            "headDim": 64,
+            "kvCacheDtype": "float16",
+            "attention": "Dense",
+        },
     ),
     "deepseek-v2-mla": (
-        {"model_type": "deepseek_v2", "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
-         "hidden_size": 2048, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "torch_dtype": "bfloat16"},
-        {"name": "deepseek-v2-mla", "numLayers": 27, "numKVHeads": 1, "headDim": 576, "kvCacheDtype": "bfloat16",
-         "attention": "MLA"},
+        {
+            "model_type": "deepseek_v2",
+            "num_hidden_layers": 27,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "hidden_size": 2048,
+            "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64,
+            "torch_dtype": "bfloat16",
+        },
+        {
+            "name": "deepseek-v2-mla",
+            "numLayers": 27,
+            "numKVHeads": 1,
+            "headDim": 576,
+            "kvCacheDtype": "bfloat16",
+            "attention": "MLA",
+        },
     ),
     "deepseek-v3-mla": (
-        {"model_type": "deepseek_v3", "num_hidden_layers": 61, "num_attention_heads": 128, "hidden_size": 7168,
-         "kv_lora_rank": 512, "qk_rope_head_dim": 64, "torch_dtype": "bfloat16"},
-        {"name": "deepseek-v3-mla", "numLayers": 61, "numKVHeads": 1, "headDim": 576, "kvCacheDtype": "bfloat16",
-         "attention": "MLA"},
+        {
+            "model_type": "deepseek_v3",
+            "num_hidden_layers": 61,
+            "num_attention_heads": 128,
+            "hidden_size": 7168,
+            "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64,
+            "torch_dtype": "bfloat16",
+        },
+        {
+            "name": "deepseek-v3-mla",
+            "numLayers": 61,
+            "numKVHeads": 1,
+            "headDim": 576,
+            "kvCacheDtype": "bfloat16",
+            "attention": "MLA",
+        },
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -61,8 +137,12 @@ def test_model_block_from_a_model_folder(tmp_path: Path, capsys: pytest.CaptureF
     assert main(["model", str(folder)]) == 0
     block = yaml.safe_load(capsys.readouterr().out)
     assert block == {"model": expected}
-    manifest = {"apiVersion": "kvbridge.io/v1alpha1", "kind": "DisaggregatedDeployment",
-                "metadata": {"name": "m"}, "spec": block}  # fmt: skip
+    manifest = {
+        "apiVersion": "kvbridge.io/v1alpha1",
+        "kind": "DisaggregatedDeployment",
+        "metadata": {"name": "m"},
+        "spec": block,
+    }
     parse_deployment(manifest)  # what it prints is a valid spec.model
 
 

@@ -21,12 +21,16 @@ from .test_operator import example
 def kubeconfig(path: Path, server: str, current: str = "staging") -> Path:
     """Two contexts on one server, told apart by their users' tokens."""
     document = {
-        "apiVersion": "v1", "kind": "Config", "current-context": current,
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": current,
         "clusters": [{"name": "emulated", "cluster": {"server": server}}],
         "users": [{"name": "ops", "user": {"token": "ops-token"}}, {"name": "dev", "user": {"token": "dev-token"}}],
-        "contexts": [{"name": "production", "context": {"cluster": "emulated", "user": "ops"}},
-                     {"name": "staging", "context": {"cluster": "emulated", "user": "dev"}}],
-    }  # fmt: skip
+        "contexts": [
+            {"name": "production", "context": {"cluster": "emulated", "user": "ops"}},
+            {"name": "staging", "context": {"cluster": "emulated", "user": "dev"}},
+        ],
+    }
     path.write_text(yaml.safe_dump(document))
     return path
 
@@ -96,8 +100,13 @@ def test_operator_run_without_any_api_says_what_to_give_and_exits_2(tmp_path: Pa
 
     env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")}
     env["HOME"] = str(tmp_path)
-    done = subprocess.run([sys.executable, "-m", "kvbridge_operator", "operator", "run", "--liveness-port", "0"],
-                          env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "kvbridge_operator", "operator", "run", "--liveness-port", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert "NO_API_SERVER" in done.stderr
     assert "--kubeconfig" in done.stderr

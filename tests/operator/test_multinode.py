@@ -26,10 +26,16 @@ LWS_REQUIRED: tuple[tuple[str, ...], ...] = (
     ("startupPolicy",),
     ("rolloutStrategy", "type"),
 )
-LWS_ENUMS = {("startupPolicy",): {"LeaderReady", "LeaderCreated"},
-             ("rolloutStrategy", "type"): {"RollingUpdate"},
-             ("leaderWorkerTemplate", "restartPolicy"): {"RecreateGroupOnPodRestart", "RecreateGroupAfterStart",
-                                                         "None", "Default"}}  # fmt: skip
+LWS_ENUMS = {
+    ("startupPolicy",): {"LeaderReady", "LeaderCreated"},
+    ("rolloutStrategy", "type"): {"RollingUpdate"},
+    ("leaderWorkerTemplate", "restartPolicy"): {
+        "RecreateGroupOnPodRestart",
+        "RecreateGroupAfterStart",
+        "None",
+        "Default",
+    },
+}
 
 
 def deepseek(**roles: dict[str, Any]) -> dict[str, Any]:
@@ -99,18 +105,39 @@ def test_the_leader_worker_set_has_what_the_lws_api_requires_and_valid_pod_templ
     assert (spec["replicas"], spec["leaderWorkerTemplate"]["size"]) == (3, 2)
     group = spec["leaderWorkerTemplate"]
     for template in (group["leaderTemplate"], group["workerTemplate"]):  # each a valid PodTemplateSpec
-        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", **template["metadata"]},
-               "spec": template["spec"]}  # fmt: skip
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "p", **template["metadata"]},
+            "spec": template["spec"],
+        }
         kubernetes_validate.validate(pod, "1.30", strict=True)
         assert template["metadata"]["labels"]["kvbridge.io/role"] == "prefill"
         [engine] = [c for c in template["spec"]["containers"] if c["name"] == "engine"]
         assert engine["resources"]["limits"]["nvidia.com/gpu"] == "8"  # 16 ranks over 2 nodes
     leader = next(c for c in group["leaderTemplate"]["spec"]["containers"] if c["name"] == "engine")
     worker = next(c for c in group["workerTemplate"]["spec"]["containers"] if c["name"] == "engine")
-    assert leader["args"][-8:] == ["--nnodes", "2", "--node-rank", "0", "--master-addr", "$(LWS_LEADER_ADDRESS)",
-                                   "--master-port", "29500"]  # fmt: skip
-    assert worker["args"][-9:] == ["--nnodes", "2", "--node-rank", "$(LWS_WORKER_INDEX)", "--master-addr",
-                                   "$(LWS_LEADER_ADDRESS)", "--master-port", "29500", "--headless"]  # fmt: skip
+    assert leader["args"][-8:] == [
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--master-addr",
+        "$(LWS_LEADER_ADDRESS)",
+        "--master-port",
+        "29500",
+    ]
+    assert worker["args"][-9:] == [
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "$(LWS_WORKER_INDEX)",
+        "--master-addr",
+        "$(LWS_LEADER_ADDRESS)",
+        "--master-port",
+        "29500",
+        "--headless",
+    ]
     assert "--tensor-parallel-size" in worker["args"]
     assert {p["name"] for p in leader["ports"]} >= {"http", "side-channel", "rendezvous"}
     assert worker["ports"] == []  # headless: no API, no side channel

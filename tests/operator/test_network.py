@@ -27,12 +27,17 @@ H200 = ROOT / "examples" / "vllm" / "deepseek-v3-h200.yaml"
 
 def manifest(kind: str = "VLLM", connector: str = "Nixl", **network_fields: Any) -> dict[str, Any]:
     return {
-        "apiVersion": "kvbridge.io/v1alpha1", "kind": "DisaggregatedDeployment", "metadata": {"name": "net"},
-        "spec": {"engine": {"kind": kind, **({"connector": connector} if kind == "VLLM" else {})},
-                 "model": {"name": "m", "numLayers": 4, "numKVHeads": 8, "headDim": 128},
-                 "transfer": {"network": network_fields}, "prefill": {"tensorParallelSize": 2},
-                 "decode": {"tensorParallelSize": 1}},
-    }  # fmt: skip
+        "apiVersion": "kvbridge.io/v1alpha1",
+        "kind": "DisaggregatedDeployment",
+        "metadata": {"name": "net"},
+        "spec": {
+            "engine": {"kind": kind, **({"connector": connector} if kind == "VLLM" else {})},
+            "model": {"name": "m", "numLayers": 4, "numKVHeads": 8, "headDim": 128},
+            "transfer": {"network": network_fields},
+            "prefill": {"tensorParallelSize": 2},
+            "decode": {"tensorParallelSize": 1},
+        },
+    }
 
 
 def codes(document: dict[str, Any]) -> list[tuple[str, str]]:
@@ -79,9 +84,16 @@ def container_and_template(document: dict[str, Any], role: Role = Role.DECODE) -
 
 @pytest.mark.parametrize(("kind", "connector"), [("VLLM", "Nixl"), ("VLLM", "KVBridge"), ("Agent", "")])
 def test_rendered_on_the_engine_container_of_every_engine(kind: str, connector: str) -> None:
-    document = manifest(kind, connector or "Nixl", ucxTransports=["rc", "cuda_copy"], ucxDevices=["mlx5_0:1"],
-                        rdmaResources={"rdma/ib": 2}, ipcLock=True, memlock="Required",
-                        secondaryNetworks=["rdma/ib-net", "storage"])  # fmt: skip
+    document = manifest(
+        kind,
+        connector or "Nixl",
+        ucxTransports=["rc", "cuda_copy"],
+        ucxDevices=["mlx5_0:1"],
+        rdmaResources={"rdma/ib": 2},
+        ipcLock=True,
+        memlock="Required",
+        secondaryNetworks=["rdma/ib-net", "storage"],
+    )
     if kind == "VLLM" and connector == "KVBridge":
         document["spec"]["engine"]["device"] = "CPU"  # the KVBridge connector runs vLLM's CPU build (GPU: refused)
         document["spec"]["prefill"]["tensorParallelSize"] = 1
@@ -96,8 +108,11 @@ def test_rendered_on_the_engine_container_of_every_engine(kind: str, connector: 
     assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]
     assert container["command"][:2] == ["/bin/sh", "-c"]
     assert template["metadata"]["annotations"][network.NETWORKS_ANNOTATION] == "rdma/ib-net,storage"
-    plain, _ = container_and_template(manifest(kind, connector or "Nixl") if connector != "KVBridge" else {
-        **document, "spec": {**document["spec"], "transfer": {}}})  # fmt: skip
+    plain, _ = container_and_template(
+        manifest(kind, connector or "Nixl")
+        if connector != "KVBridge"
+        else {**document, "spec": {**document["spec"], "transfer": {}}}
+    )
     assert "UCX_TLS" not in {e["name"] for e in plain["env"]}
     assert plain["command"][:2] != ["/bin/sh", "-c"]
 
@@ -105,14 +120,24 @@ def test_rendered_on_the_engine_container_of_every_engine(kind: str, connector: 
 def test_the_memlock_check_refuses_a_limited_container_and_runs_an_unlimited_one(tmp_path: Path) -> None:
     container, _ = container_and_template(manifest(memlock="Required"))
     wrapper = container["command"][: container["command"].index("vllm")]
-    limited = subprocess.run(["prlimit", "--memlock=65536:65536", *wrapper, "echo", "started"], capture_output=True,
-                             text=True, timeout=30, check=False)  # fmt: skip
+    limited = subprocess.run(
+        ["prlimit", "--memlock=65536:65536", *wrapper, "echo", "started"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert limited.returncode == 78
     assert "locked-memory hard limit is 64 KiB" in limited.stderr
     assert "memlock: Unchecked" in limited.stderr
     assert "started" not in limited.stdout
-    unlimited = subprocess.run(["prlimit", "--memlock=unlimited:unlimited", *wrapper, "sh", "-c", "ulimit -l; echo $0",
-                                "started"], capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
+    unlimited = subprocess.run(
+        ["prlimit", "--memlock=unlimited:unlimited", *wrapper, "sh", "-c", "ulimit -l; echo $0", "started"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     if unlimited.returncode != 0 and "Operation not permitted" in unlimited.stderr:
         pytest.skip("this machine may not raise the locked-memory hard limit")
     assert unlimited.stdout.split() == ["unlimited", "started"], unlimited
@@ -120,8 +145,9 @@ def test_the_memlock_check_refuses_a_limited_container_and_runs_an_unlimited_one
 
 def test_a_template_cannot_set_ucx_variables_behind_the_check() -> None:
     document = manifest(ucxTransports=["rc"])
-    document["spec"]["decode"]["template"] = {"spec": {"containers": [
-        {"name": "engine", "env": [{"name": "UCX_TLS", "value": "sm"}]}]}}  # fmt: skip
+    document["spec"]["decode"]["template"] = {
+        "spec": {"containers": [{"name": "engine", "env": [{"name": "UCX_TLS", "value": "sm"}]}]}
+    }
     assert (TEMPLATE_MANAGED_FIELD, "spec.decode.template.spec.containers[0].env[0]") in codes(document)
 
 

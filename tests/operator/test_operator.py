@@ -27,8 +27,9 @@ CHILD_PLURALS = ("statefulsets", "services", "secrets", "networkpolicies")
 def children(c: Cluster, name: str) -> dict[str, list[Obj]]:
     kinds: dict[str, list[Obj]] = {}
     for plural in CHILD_PLURALS:
-        kinds[plural] = [o for o in c.api.objects_of(plural)
-                         if o["metadata"].get("labels", {}).get("kvbridge.io/deployment") == name]  # fmt: skip
+        kinds[plural] = [
+            o for o in c.api.objects_of(plural) if o["metadata"].get("labels", {}).get("kvbridge.io/deployment") == name
+        ]
     return kinds
 
 
@@ -68,14 +69,33 @@ async def test_create_makes_owned_children_status_and_events() -> None:
         status = c.deployment("llama3-8b")["status"]
         assert status["prefill"]["ready"] == "2/2"
         assert status["decode"]["ready"] == "1/1"
-        revision = next(s["spec"]["template"]["metadata"]["labels"]["kvbridge.io/revision"]
-                        for s in kids["statefulsets"] if s["metadata"]["name"].endswith("prefill"))  # fmt: skip
+        revision = next(
+            s["spec"]["template"]["metadata"]["labels"]["kvbridge.io/revision"]
+            for s in kids["statefulsets"]
+            if s["metadata"]["name"].endswith("prefill")
+        )
         assert status["prefill"]["endpoints"] == [
-            {"pod": "llama3-8b-prefill-0", "ip": "10.0.0.1", "port": 5600, "ranks": 2, "revision": revision,
-             "fingerprint": status["fingerprint"], "pairing": status["pairing"], "httpPort": 8000},
-            {"pod": "llama3-8b-prefill-1", "ip": "10.0.0.2", "port": 5600, "ranks": 2, "revision": revision,
-             "fingerprint": status["fingerprint"], "pairing": status["pairing"], "httpPort": 8000},
-        ]  # fmt: skip
+            {
+                "pod": "llama3-8b-prefill-0",
+                "ip": "10.0.0.1",
+                "port": 5600,
+                "ranks": 2,
+                "revision": revision,
+                "fingerprint": status["fingerprint"],
+                "pairing": status["pairing"],
+                "httpPort": 8000,
+            },
+            {
+                "pod": "llama3-8b-prefill-1",
+                "ip": "10.0.0.2",
+                "port": 5600,
+                "ranks": 2,
+                "revision": revision,
+                "fingerprint": status["fingerprint"],
+                "pairing": status["pairing"],
+                "httpPort": 8000,
+            },
+        ]
         await c.wait(lambda: "EndpointsChanged" in c.reasons("llama3-8b"), what="EndpointsChanged event")
         assert "Reconciled" in c.reasons("llama3-8b")
         assert not any(e["type"] == "Warning" for e in c.events("llama3-8b"))
@@ -107,8 +127,12 @@ async def test_incompatible_create_schedules_nothing_and_says_why() -> None:
         assert condition["reason"] == "Incompatible"
         assert "PREFILL_HEADS_REPLICATED at spec.prefill.tensorParallelSize" in condition["message"]
         assert c.condition("replicated-heads", "Ready")["status"] == "False"
-        assert children(c, "replicated-heads") == {"statefulsets": [], "services": [], "secrets": [],
-                                                   "networkpolicies": []}  # fmt: skip
+        assert children(c, "replicated-heads") == {
+            "statefulsets": [],
+            "services": [],
+            "secrets": [],
+            "networkpolicies": [],
+        }
         await c.wait(lambda: "Incompatible" in c.reasons("replicated-heads"), what="Incompatible event")
         [warning] = [e for e in c.events("replicated-heads") if e["reason"] == "Incompatible"]
         assert warning["type"] == "Warning"
@@ -179,9 +203,15 @@ async def test_a_pod_event_writes_the_status_and_nothing_else() -> None:
         await ready(c, "llama3-8b")
 
         def child_writes() -> int:
-            return sum(n for (agent, verb, plural), n in c.api.calls.items()
-                       if agent == USER_AGENT and plural in CHILD_PLURALS and "fetch" not in verb.lower()
-                       and "list" not in verb.lower() and "watch" not in verb.lower())  # fmt: skip
+            return sum(
+                n
+                for (agent, verb, plural), n in c.api.calls.items()
+                if agent == USER_AGENT
+                and plural in CHILD_PLURALS
+                and "fetch" not in verb.lower()
+                and "list" not in verb.lower()
+                and "watch" not in verb.lower()
+            )
 
         before = child_writes()
         await c.set_pod("llama3-8b-prefill-1", ready=True, ip="10.0.0.77")
@@ -221,13 +251,21 @@ async def test_spec_change_rolls_out_with_fingerprints() -> None:
             endpoints = c.deployment("llama3-8b")["status"]["prefill"]["endpoints"]
             return {e["pod"]: e["fingerprint"] for e in endpoints}
 
-        await c.wait(lambda: fingerprints() == {"llama3-8b-prefill-0": old, "llama3-8b-prefill-1": new},
-                     what="old and new endpoints side by side")  # fmt: skip
+        await c.wait(
+            lambda: fingerprints() == {"llama3-8b-prefill-0": old, "llama3-8b-prefill-1": new},
+            what="old and new endpoints side by side",
+        )
         status = c.deployment("llama3-8b")["status"]
         assert (status["prefill"]["updatedReplicas"], status["prefill"]["readyReplicas"]) == (1, 2)
         assert status["observedGeneration"] == 2
-        await c.wait(lambda: any("1/2 pods on the current revision" in e["message"] for e in c.events("llama3-8b")
-                                 if e["reason"] == "RolloutProgress"), what="RolloutProgress 1/2")  # fmt: skip
+        await c.wait(
+            lambda: any(
+                "1/2 pods on the current revision" in e["message"]
+                for e in c.events("llama3-8b")
+                if e["reason"] == "RolloutProgress"
+            ),
+            what="RolloutProgress 1/2",
+        )
 
 
 async def test_tp_change_keeps_the_fingerprint_but_not_the_pairing_key_of_the_endpoints() -> None:
@@ -252,10 +290,16 @@ async def test_tp_change_keeps_the_fingerprint_but_not_the_pairing_key_of_the_en
             endpoints = c.deployment("llama3-8b")["status"]["prefill"]["endpoints"]
             return {e["pod"]: (e["fingerprint"], e["pairing"], e["ranks"]) for e in endpoints}
 
-        await c.wait(lambda: keys() == {
-            "llama3-8b-prefill-0": (before["fingerprint"], before["pairing"], 2),
-            "llama3-8b-prefill-1": (before["fingerprint"], after["pairing"], 4),
-        }, what="old and new endpoints with their own pairing keys")  # fmt: skip
+        await c.wait(
+            lambda: (
+                keys()
+                == {
+                    "llama3-8b-prefill-0": (before["fingerprint"], before["pairing"], 2),
+                    "llama3-8b-prefill-1": (before["fingerprint"], after["pairing"], 4),
+                }
+            ),
+            what="old and new endpoints with their own pairing keys",
+        )
 
 
 async def test_secret_is_created_once_and_kept_across_updates() -> None:
@@ -372,8 +416,10 @@ async def test_the_operators_gpus_per_node_refuses_an_engine_no_node_can_hold() 
         big["spec"]["prefill"]["tensorParallelSize"] = 16
         await c.apply(big)
         await c.wait(lambda: c.condition("deepseek-mla", "Compatible").get("status") == "False")
-        assert "ROLE_DOES_NOT_FIT at spec.prefill.tensorParallelSize" in c.condition("deepseek-mla", "Compatible")[
-            "message"]  # fmt: skip
+        assert (
+            "ROLE_DOES_NOT_FIT at spec.prefill.tensorParallelSize"
+            in c.condition("deepseek-mla", "Compatible")["message"]
+        )
         assert children(c, "deepseek-mla")["statefulsets"] == []
 
 
@@ -409,13 +455,21 @@ async def test_spec_router_runs_a_router_with_read_only_rbac_and_shows_its_url()
         assert deployment["spec"]["replicas"] == 2
         role = c.api.find("roles", "default", "llama3-8b-router")
         assert role is not None
-        assert role["rules"] == [{"apiGroups": ["kvbridge.io"], "resources": ["disaggregateddeployments"],
-                                  "resourceNames": ["llama3-8b"], "verbs": ["get", "list", "watch"]}]  # fmt: skip
+        assert role["rules"] == [
+            {
+                "apiGroups": ["kvbridge.io"],
+                "resources": ["disaggregateddeployments"],
+                "resourceNames": ["llama3-8b"],
+                "verbs": ["get", "list", "watch"],
+            }
+        ]
         decode = c.deployment("llama3-8b")["status"]["decode"]["endpoints"]
         assert [(e["pod"], e["httpPort"]) for e in decode] == [("llama3-8b-decode-0", 8000)]
         await c.patch_spec("llama3-8b", {"router": {"enabled": False}})
-        await c.wait(lambda: all(c.api.find(p, "default", "llama3-8b-router") is None for p in names),
-                     what="router children deleted")  # fmt: skip
+        await c.wait(
+            lambda: all(c.api.find(p, "default", "llama3-8b-router") is None for p in names),
+            what="router children deleted",
+        )
         await c.wait(lambda: "router" not in c.deployment("llama3-8b")["status"], what="status.router removed")
         await c.wait(lambda: "RouterRemoved" in c.reasons("llama3-8b"), what="the event")  # posted after the status
 
@@ -423,14 +477,23 @@ async def test_spec_router_runs_a_router_with_read_only_rbac_and_shows_its_url()
 def _crd_of(group: str, kind: str, plural: str, version: str = "v1") -> Obj:
     """A minimal CustomResourceDefinition, as the Gateway API (Inference Extension) installs it."""
     return {
-        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
         "metadata": {"name": f"{plural}.{group}"},
-        "spec": {"group": group, "scope": "Namespaced",
-                 "names": {"kind": kind, "plural": plural, "singular": kind.lower(), "listKind": f"{kind}List"},
-                 "versions": [{"name": version, "served": True, "storage": True,
-                               "schema": {"openAPIV3Schema": {"type": "object",
-                                                              "x-kubernetes-preserve-unknown-fields": True}}}]},
-    }  # fmt: skip
+        "spec": {
+            "group": group,
+            "scope": "Namespaced",
+            "names": {"kind": kind, "plural": plural, "singular": kind.lower(), "listKind": f"{kind}List"},
+            "versions": [
+                {
+                    "name": version,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+                }
+            ],
+        },
+    }
 
 
 async def test_an_inference_pool_without_its_crd_is_a_warning_and_with_it_is_made() -> None:
@@ -445,12 +508,16 @@ async def test_an_inference_pool_without_its_crd_is_a_warning_and_with_it_is_mad
         status = c.deployment("llama3-8b")["status"]
         assert "InferencePool" in status["inferencePool"]["message"]
         assert c.condition("llama3-8b", "Compatible")["status"] == "True"  # the rest was applied
-        for group, kind, plural in (("inference.networking.k8s.io", "InferencePool", "inferencepools"),
-                                    ("gateway.networking.k8s.io", "HTTPRoute", "httproutes")):  # fmt: skip
+        for group, kind, plural in (
+            ("inference.networking.k8s.io", "InferencePool", "inferencepools"),
+            ("gateway.networking.k8s.io", "HTTPRoute", "httproutes"),
+        ):
             await c.client.create(crds, "", _crd_of(group, kind, plural))
         await c.patch_spec("llama3-8b", {"inferencePool": {"endpointPickerPort": 9003}})
-        await c.wait(lambda: c.deployment("llama3-8b")["status"]["inferencePool"]["httpRoute"] == "llama3-8b",
-                     what="pool and route made")  # fmt: skip
+        await c.wait(
+            lambda: c.deployment("llama3-8b")["status"]["inferencePool"]["httpRoute"] == "llama3-8b",
+            what="pool and route made",
+        )
         pool = c.api.find("inferencepools", "default", "llama3-8b")
         assert pool is not None
         assert pool["spec"]["endpointPickerRef"]["port"] == {"number": 9003}
@@ -471,8 +538,9 @@ async def test_gang_scheduling_makes_a_pod_group_where_its_crd_exists() -> None:
         assert "PodGroup" in c.deployment("llama3-8b")["status"]["placement"]["message"]
         await c.client.create(crds, "", _crd_of("scheduling.x-k8s.io", "PodGroup", "podgroups", "v1alpha1"))
         await c.patch_spec("llama3-8b", {"placement": {"gang": {"minMember": 2}}})
-        await c.wait(lambda: c.deployment("llama3-8b")["status"]["placement"]["podGroup"] == "llama3-8b",
-                     what="pod group made")  # fmt: skip
+        await c.wait(
+            lambda: c.deployment("llama3-8b")["status"]["placement"]["podGroup"] == "llama3-8b", what="pod group made"
+        )
         group = c.api.find("podgroups", "default", "llama3-8b")
         assert group is not None
         assert group["spec"]["minMember"] == 2
@@ -491,9 +559,13 @@ async def test_a_prefill_spanning_two_nodes_runs_as_leader_worker_groups_with_on
         document = yaml.safe_load((ROOT / "examples" / "vllm" / "deepseek-v3-h200.yaml").read_text())
         document["spec"]["prefill"].update(tensorParallelSize=16, nodes=2)
         await c.apply(document)
-        await c.wait(lambda: c.api.find("leaderworkersets", "default", "deepseek-v3-prefill") is not None
-                     and c.api.find("statefulsets", "default", "deepseek-v3-decode") is not None,
-                     what="the prefill LeaderWorkerSet and the decode StatefulSet")  # fmt: skip
+        await c.wait(
+            lambda: (
+                c.api.find("leaderworkersets", "default", "deepseek-v3-prefill") is not None
+                and c.api.find("statefulsets", "default", "deepseek-v3-decode") is not None
+            ),
+            what="the prefill LeaderWorkerSet and the decode StatefulSet",
+        )
         assert c.api.find("statefulsets", "default", "deepseek-v3-prefill") is None
         lws = c.api.find("leaderworkersets", "default", "deepseek-v3-prefill")
         assert lws is not None
@@ -505,8 +577,10 @@ async def test_a_prefill_spanning_two_nodes_runs_as_leader_worker_groups_with_on
         await c.wait(lambda: c.condition("deepseek-v3", "Ready").get("status") == "True", what="Ready")
         status = c.deployment("deepseek-v3")["status"]
         endpoints = status["prefill"]["endpoints"]
-        assert [(e["pod"], e["ranks"]) for e in endpoints] == [("deepseek-v3-prefill-0", 16),
-                                                               ("deepseek-v3-prefill-1", 16)]  # fmt: skip
+        assert [(e["pod"], e["ranks"]) for e in endpoints] == [
+            ("deepseek-v3-prefill-0", 16),
+            ("deepseek-v3-prefill-1", 16),
+        ]
         assert status["prefill"]["ready"] == "2/2"  # engines, not pods
 
 
@@ -540,16 +614,24 @@ async def test_nodes_crossing_one_replaces_the_roles_workload_and_says_so() -> N
         await c.apply(document)
         await c.wait(lambda: c.api.find("statefulsets", "default", "deepseek-v3-prefill") is not None, what="sts")
         await c.patch_spec("deepseek-v3", {"prefill": {"tensorParallelSize": 16, "nodes": 2}})
-        await c.wait(lambda: c.api.find("leaderworkersets", "default", "deepseek-v3-prefill") is not None
-                     and c.api.find("statefulsets", "default", "deepseek-v3-prefill") is None,
-                     what="the StatefulSet replaced by a LeaderWorkerSet")  # fmt: skip
+        await c.wait(
+            lambda: (
+                c.api.find("leaderworkersets", "default", "deepseek-v3-prefill") is not None
+                and c.api.find("statefulsets", "default", "deepseek-v3-prefill") is None
+            ),
+            what="the StatefulSet replaced by a LeaderWorkerSet",
+        )
         await c.wait(lambda: "WorkloadReplaced" in c.reasons("deepseek-v3"), what="the event")
         [event] = [e for e in c.events("deepseek-v3") if e["reason"] == "WorkloadReplaced"][:1]
         assert "StatefulSet deepseek-v3-prefill" in event["message"]
         await c.patch_spec("deepseek-v3", {"prefill": {"tensorParallelSize": 8, "nodes": 1}})
-        await c.wait(lambda: c.api.find("statefulsets", "default", "deepseek-v3-prefill") is not None
-                     and c.api.find("leaderworkersets", "default", "deepseek-v3-prefill") is None,
-                     what="and back")  # fmt: skip
+        await c.wait(
+            lambda: (
+                c.api.find("statefulsets", "default", "deepseek-v3-prefill") is not None
+                and c.api.find("leaderworkersets", "default", "deepseek-v3-prefill") is None
+            ),
+            what="and back",
+        )
 
 
 async def test_an_in_place_change_of_a_multi_node_role_steps_its_leader_worker_set() -> None:
@@ -560,8 +642,9 @@ async def test_an_in_place_change_of_a_multi_node_role_steps_its_leader_worker_s
     crds = Resource("apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False)
     async with cluster() as c:
         await c.client.create(crds, "", _crd_of("leaderworkerset.x-k8s.io", "LeaderWorkerSet", "leaderworkersets"))
-        await c.apply(yaml.safe_load((ROOT / "examples" / "vllm" / "deepseek-v3-h200-two-node-prefill.yaml")
-                                     .read_text()))  # fmt: skip
+        await c.apply(
+            yaml.safe_load((ROOT / "examples" / "vllm" / "deepseek-v3-h200-two-node-prefill.yaml").read_text())
+        )
         name = "deepseek-v3-2n"
         await c.wait(lambda: c.api.find("statefulsets", "default", f"{name}-decode") is not None, what="applied")
         await c.run_groups(name, "prefill")
@@ -575,9 +658,17 @@ async def test_an_in_place_change_of_a_multi_node_role_steps_its_leader_worker_s
             return int(spec["replicas"]), int(partition)
 
         assert rolling() == (1, 0)
-        await c.patch_spec(name, {"prefill": {"template": {"spec": {"containers": [
-            {"name": "engine", "image": "vllm/vllm-openai:v0.32.1"}]}}}})  # fmt: skip
-        await c.wait(lambda: (c.deployment(name)["status"].get("rollout") or {}).get("phase") == "RollingPrefill",
-                     what="the prefill rolls")  # fmt: skip
+        await c.patch_spec(
+            name,
+            {
+                "prefill": {
+                    "template": {"spec": {"containers": [{"name": "engine", "image": "vllm/vllm-openai:v0.32.1"}]}}
+                }
+            },
+        )
+        await c.wait(
+            lambda: (c.deployment(name)["status"].get("rollout") or {}).get("phase") == "RollingPrefill",
+            what="the prefill rolls",
+        )
         assert c.deployment(name)["status"]["rollout"]["strategy"] == "InPlace"
         assert rolling() == (2, 1)  # one surge group on the new template; group 0 keeps the old until it is ready

@@ -55,19 +55,28 @@ def test_every_role_setting_changes_the_key(role: str, field: str, value: object
 
 def test_the_test_above_covers_every_role_setting() -> None:
     assert {f.alias or name for name, f in RoleSettings.model_fields.items()} == {
-        "tensorParallelSize", "blockSize", "kvLayout"
-    }  # fmt: skip
+        "tensorParallelSize",
+        "blockSize",
+        "kvLayout",
+    }
 
 
 @pytest.mark.parametrize(
     ("path", "value"),
     [
-        ("model__name", "other"), ("model__numLayers", 16), ("model__numKVHeads", 4), ("model__headDim", 64),
-        ("model__kvCacheDtype", "fp8_e4m3"), ("model__attention", "MLA"), ("model__cacheKind", "BlocksFirst"),
-        ("transfer__conversion", "Off"), ("transfer__backends", ["UCX", "LIBFABRIC"]), ("engine__kind", "Agent"),
+        ("model__name", "other"),
+        ("model__numLayers", 16),
+        ("model__numKVHeads", 4),
+        ("model__headDim", 64),
+        ("model__kvCacheDtype", "fp8_e4m3"),
+        ("model__attention", "MLA"),
+        ("model__cacheKind", "BlocksFirst"),
+        ("transfer__conversion", "Off"),
+        ("transfer__backends", ["UCX", "LIBFABRIC"]),
+        ("engine__kind", "Agent"),
         ("engine__device", "CPU"),
     ],
-)  # fmt: skip
+)
 def test_model_transfer_and_engine_fields_change_the_key(path: str, value: object) -> None:
     assert key(with_(**{path: value})) != key(with_())
 
@@ -80,10 +89,14 @@ def test_every_model_field_is_in_the_key() -> None:
 @pytest.mark.parametrize(
     ("path", "value"),
     [
-        ("prefill__replicas", 5), ("decode__replicas", 0), ("engine__image", "example.com/engine:2"),
-        ("transfer__leaseSeconds", 30), ("transfer__sideChannelPort", 7000), ("transfer__handshakeTimeoutSeconds", 9),
+        ("prefill__replicas", 5),
+        ("decode__replicas", 0),
+        ("engine__image", "example.com/engine:2"),
+        ("transfer__leaseSeconds", 30),
+        ("transfer__sideChannelPort", 7000),
+        ("transfer__handshakeTimeoutSeconds", 9),
         ("prefill__template", {"spec": {"nodeSelector": {"pool": "a"}}}),
     ],
-)  # fmt: skip
+)
 def test_what_does_not_change_the_plan_keeps_the_key(path: str, value: object) -> None:
     assert key(with_(**{path: value})) == key(with_())

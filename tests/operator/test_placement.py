@@ -89,16 +89,20 @@ def test_colocation_keeps_both_roles_in_one_domain(colocation: str) -> None:
             [weighted] = affinity["preferredDuringSchedulingIgnoredDuringExecution"]
             term = weighted["podAffinityTerm"]
         # the same term for both roles: each pod is drawn to the deployment's pods of either role
-        assert term == {"labelSelector": {"matchLabels": {"kvbridge.io/deployment": "llama3-8b"}},
-                        "topologyKey": "example.com/nvlink-domain"}  # fmt: skip
+        assert term == {
+            "labelSelector": {"matchLabels": {"kvbridge.io/deployment": "llama3-8b"}},
+            "topologyKey": "example.com/nvlink-domain",
+        }
 
 
 def test_spread_keeps_a_roles_pods_on_different_nodes() -> None:
     doc = document(placement={"spreadReplicas": True})
     [constraint] = pod_spec(doc, Role.PREFILL)["topologySpreadConstraints"]
     assert constraint["topologyKey"] == "kubernetes.io/hostname"
-    assert constraint["labelSelector"]["matchLabels"] == {"kvbridge.io/deployment": "llama3-8b",
-                                                          "kvbridge.io/role": "prefill"}  # fmt: skip
+    assert constraint["labelSelector"]["matchLabels"] == {
+        "kvbridge.io/deployment": "llama3-8b",
+        "kvbridge.io/role": "prefill",
+    }
     plain = pod_spec(document(), Role.PREFILL)
     assert "affinity" not in plain
     assert "topologySpreadConstraints" not in plain

@@ -17,10 +17,23 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 HETERO = EXAMPLES / "llama3-8b-hetero-tp.yaml"
 INCOMPATIBLE = EXAMPLES / "incompatible-replicated-heads.yaml"
 CONTRACT_KEYS = {
-    "name", "decodeRank", "compatible", "problems", "tpRatio", "blockSizeRatio", "handshakeRanks", "reads",
-    "notifyOnlyRanks", "notificationsPerPrefillRank", "localBlockBytes", "remoteBlockBytes", "wireBlockSize",
-    "wireLayout", "conversions", "fingerprint",
-}  # fmt: skip
+    "name",
+    "decodeRank",
+    "compatible",
+    "problems",
+    "tpRatio",
+    "blockSizeRatio",
+    "handshakeRanks",
+    "reads",
+    "notifyOnlyRanks",
+    "notificationsPerPrefillRank",
+    "localBlockBytes",
+    "remoteBlockBytes",
+    "wireBlockSize",
+    "wireLayout",
+    "conversions",
+    "fingerprint",
+}
 
 
 def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -144,8 +157,9 @@ def test_one_bad_document_does_not_hide_the_others_verdicts(tmp_path: Path, caps
     assert found == [("llama3-8b", True, False), ("bad", False, True), ("replicated-heads", False, False)]
     bad = json.loads(out)[1]
     assert bad["document"].endswith("document 2 (bad)")
-    assert bad["problems"] == [{"code": "INVALID_SPEC", "field": "spec.model.numLayers",
-                                "message": bad["problems"][0]["message"]}]  # fmt: skip
+    assert bad["problems"] == [
+        {"code": "INVALID_SPEC", "field": "spec.model.numLayers", "message": bad["problems"][0]["message"]}
+    ]
     assert "spec.model.numLayers: Input should be a valid integer" in bad["problems"][0]["message"]
     assert "document 2 (bad): spec.model.numLayers: Input should be a valid integer" in err
     assert "document 3 (settings): skipped, a v1 ConfigMap" in err
@@ -214,12 +228,15 @@ def test_a_reader_that_goes_away_is_not_an_invalid_input(tmp_path: Path) -> None
         ("[" * 10_000, "BAD_YAML", "nests more than 64 levels"),
         ("a:\n" + "".join(" " * i + f"k{i}:\n" for i in range(1, 1500)), "BAD_YAML", "nests more than 64 levels"),
         ("a: &x [1, 2]\nb: *x\n", "BAD_YAML", "aliases (*name) are not allowed"),
-        (HETERO.read_text().replace("  numLayers: 32", "  numLayers: 32\n    numLayers: 16"), "BAD_YAML",
-         "duplicate key 'numLayers'"),
+        (
+            HETERO.read_text().replace("  numLayers: 32", "  numLayers: 32\n    numLayers: 16"),
+            "BAD_YAML",
+            "duplicate key 'numLayers'",
+        ),
         (HETERO.read_text() + "\n" + "#" * (5 << 20), "TOO_LARGE", "larger than 4 MiB"),
     ],
     ids=["deep-lists", "deep-mappings", "alias", "duplicate-key", "too-large"],
-)  # fmt: skip
+)
 def test_hostile_yaml_exits_2_with_a_message(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, code: str, message: str
 ) -> None:
@@ -280,8 +297,9 @@ def test_gpus_per_node_refuses_an_engine_no_node_can_hold(tmp_path: Path, capsys
     code, out, _ = run(capsys, "plan", "-f", str(path), "--json", "--gpus-per-node", "8")
     assert code == 1
     [entry] = json.loads(out)
-    assert [(p["code"], p["field"]) for p in entry["problems"]] == [("ROLE_DOES_NOT_FIT",
-                                                                    "spec.prefill.tensorParallelSize")]  # fmt: skip
+    assert [(p["code"], p["field"]) for p in entry["problems"]] == [
+        ("ROLE_DOES_NOT_FIT", "spec.prefill.tensorParallelSize")
+    ]
     assert "at most 8" in entry["problems"][0]["message"]
     code, out, _ = run(capsys, "plan", "-f", str(path), "--gpus-per-node", "16")
     assert code == 0

@@ -16,8 +16,28 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = sorted((ROOT / "examples").glob("*.yaml")) + sorted((ROOT / "examples" / "vllm").glob("*.yaml"))
-JUNK: list[Any] = [None, "", "x" * 300, -1, 0, 2**70, 1e308, float("nan"), True, [], {}, [[[]]], {"a": {"b": []}},
-                   "9" * 5000, "\u0000", "&anchor", "*alias", "0x1F", "1e400", "yes"]  # fmt: skip
+JUNK: list[Any] = [
+    None,
+    "",
+    "x" * 300,
+    -1,
+    0,
+    2**70,
+    1e308,
+    float("nan"),
+    True,
+    [],
+    {},
+    [[[]]],
+    {"a": {"b": []}},
+    "9" * 5000,
+    "\u0000",
+    "&anchor",
+    "*alias",
+    "0x1F",
+    "1e400",
+    "yes",
+]
 
 
 def _paths(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -94,8 +114,9 @@ print(json.dumps({{"outcomes": outcomes}}))
 
 def test_a_fuzz_of_malformed_manifests_never_crashes_kvbridge_plan() -> None:
     script = FUZZ.format(here=str(Path(__file__).parent))
-    done = subprocess.run([sys.executable, "-c", script, "2026", "400"], capture_output=True, text=True,
-                          timeout=240, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script, "2026", "400"], capture_output=True, text=True, timeout=240, check=False
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     outcomes = json.loads(done.stdout.strip().splitlines()[-1])["outcomes"]
     assert len(outcomes) == 400

@@ -22,41 +22,54 @@ def manifest(name: str, **spec: Any) -> dict[str, Any]:
     base: dict[str, Any] = {"model": {"name": "m", "numLayers": 2, "numKVHeads": 8, "headDim": 64}}
     for key, value in spec.items():
         base[key] = {**base.get(key, {}), **value}
-    return {"apiVersion": "kvbridge.io/v1alpha1", "kind": "DisaggregatedDeployment", "metadata": {"name": name},
-            "spec": base}  # fmt: skip
+    return {
+        "apiVersion": "kvbridge.io/v1alpha1",
+        "kind": "DisaggregatedDeployment",
+        "metadata": {"name": name},
+        "spec": base,
+    }
 
 
 CORPUS = {
     # compatibility problems, vLLM extraArgs, CPU rules and an fp8 cache, all in one manifest
     "many": manifest(
-        "many", engine={"kind": "VLLM", "device": "CPU", "extraArgs": ["--pipeline-parallel-size=2", "--block_size=8"]},
-        model={"numKVHeads": 6, "kvCacheDtype": "fp8_e4m3"}, transfer={"conversion": "Off"},
+        "many",
+        engine={"kind": "VLLM", "device": "CPU", "extraArgs": ["--pipeline-parallel-size=2", "--block_size=8"]},
+        model={"numKVHeads": 6, "kvCacheDtype": "fp8_e4m3"},
+        transfer={"conversion": "Off"},
         prefill={"tensorParallelSize": 4, "blockSize": 16, "kvLayout": "NHD"},
         decode={"tensorParallelSize": 3, "blockSize": 48},
     ),
     # a compatibility rule (merge with TP fan-in) and a vLLM rule (prefill must not permute) together
     "merge-and-permute": manifest(
-        "merge-and-permute", engine={"kind": "VLLM"},
+        "merge-and-permute",
+        engine={"kind": "VLLM"},
         prefill={"tensorParallelSize": 2, "blockSize": 16, "kvLayout": "NHD"},
         decode={"tensorParallelSize": 1, "blockSize": 32, "kvLayout": "HND"},
     ),
     "conversion-off": manifest(
-        "conversion-off", transfer={"conversion": "Off"}, prefill={"tensorParallelSize": 4, "kvLayout": "NHD"},
+        "conversion-off",
+        transfer={"conversion": "Off"},
+        prefill={"tensorParallelSize": 4, "kvLayout": "NHD"},
         decode={"tensorParallelSize": 3, "blockSize": 48},
     ),
     "replicated-heads": manifest(
-        "replicated-heads", model={"numKVHeads": 2}, prefill={"tensorParallelSize": 4},
+        "replicated-heads",
+        model={"numKVHeads": 2},
+        prefill={"tensorParallelSize": 4},
         decode={"tensorParallelSize": 1},
     ),
     "cross-layer": manifest(
-        "cross-layer", model={"cacheKind": "CrossLayer"}, prefill={"kvLayout": "NHD", "blockSize": 32},
+        "cross-layer",
+        model={"cacheKind": "CrossLayer"},
+        prefill={"kvLayout": "NHD", "blockSize": 32},
         decode={"blockSize": 16},
     ),
     "blocks-not-dividing": manifest("blocks", prefill={"blockSize": 24}, decode={"blockSize": 16}),
     "cpu-ratio": manifest(
         "cpu-ratio", engine={"kind": "VLLM", "device": "CPU"}, prefill={"blockSize": 16}, decode={"blockSize": 96}
     ),
-}  # fmt: skip
+}
 
 
 def codes(doc: dict[str, Any]) -> set[str]:
@@ -67,10 +80,16 @@ def codes(doc: dict[str, Any]) -> set[str]:
 
 def test_compatibility_and_engine_problems_come_in_one_round() -> None:
     assert codes(CORPUS["many"]) == {
-        "HEADS_NOT_DIVISIBLE", "TP_NOT_DIVISIBLE", "MERGE_WITH_TP_FAN_IN", "VLLM_UNMODELLED_ARGUMENT",
-        "VLLM_MANAGED_ARGUMENT", "VLLM_CPU_BLOCK_SIZE", "VLLM_CPU_KV_LAYOUT", "VLLM_CPU_BLOCK_SIZE_RATIO",
+        "HEADS_NOT_DIVISIBLE",
+        "TP_NOT_DIVISIBLE",
+        "MERGE_WITH_TP_FAN_IN",
+        "VLLM_UNMODELLED_ARGUMENT",
+        "VLLM_MANAGED_ARGUMENT",
+        "VLLM_CPU_BLOCK_SIZE",
+        "VLLM_CPU_KV_LAYOUT",
+        "VLLM_CPU_BLOCK_SIZE_RATIO",
         "VLLM_CPU_KV_CACHE_DTYPE",
-    }  # fmt: skip
+    }
     # before: the prefill-side permute vLLM cannot do was looked at only once the plan existed
     assert codes(CORPUS["merge-and-permute"]) == {"MERGE_WITH_TP_FAN_IN", "VLLM_PREFILL_CONVERSION"}
 
@@ -88,8 +107,9 @@ def test_the_suggested_fix_makes_the_manifest_compatible(name: str) -> None:
     dd = DisaggregatedDeployment.model_validate(CORPUS[name])
     fix = suggested_fix(dd)
     assert fix, name
-    assert not any(path.startswith("spec.model.") and path.split(".")[2] not in ("kvCacheDtype", "cacheKind")
-                   for path in fix)  # fmt: skip
+    assert not any(
+        path.startswith("spec.model.") and path.split(".")[2] not in ("kvCacheDtype", "cacheKind") for path in fix
+    )
     fixed = DisaggregatedDeployment.model_validate(apply_fix(CORPUS[name], fix))
     assert not isinstance(verdict_for(fixed), list)
 
@@ -100,10 +120,14 @@ def test_a_compatible_manifest_gets_no_fix() -> None:
 
 def test_the_fix_for_two_rules_on_one_field_satisfies_both() -> None:
     # a compatibility rule asks decode for 16-token blocks, vLLM's CPU attention for multiples of 32
-    dd = DisaggregatedDeployment.model_validate(manifest(
-        "two-rules", engine={"kind": "VLLM", "device": "CPU"}, prefill={"tensorParallelSize": 2, "blockSize": 16},
-        decode={"tensorParallelSize": 1, "blockSize": 32},
-    ))  # fmt: skip
+    dd = DisaggregatedDeployment.model_validate(
+        manifest(
+            "two-rules",
+            engine={"kind": "VLLM", "device": "CPU"},
+            prefill={"tensorParallelSize": 2, "blockSize": 16},
+            decode={"tensorParallelSize": 1, "blockSize": 32},
+        )
+    )
     fix = suggested_fix(dd)
     assert fix is not None
     fixed = apply_fix(dd.model_dump(by_alias=True, mode="json"), fix)["spec"]
@@ -113,12 +137,17 @@ def test_the_fix_for_two_rules_on_one_field_satisfies_both() -> None:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    tp_p=st.sampled_from([1, 2, 3, 4, 6, 8, 16]), tp_d=st.sampled_from([1, 2, 3, 4, 6, 8, 16]),
-    bs_p=st.sampled_from([8, 16, 24, 32, 64]), bs_d=st.sampled_from([8, 16, 24, 32, 64]),
-    layout_p=st.sampled_from(["HND", "NHD"]), layout_d=st.sampled_from(["HND", "NHD"]),
-    heads=st.sampled_from([1, 2, 4, 6, 8]), kind=st.sampled_from(["Agent", "VLLM"]),
-    device=st.sampled_from(["GPU", "CPU"]), conversion=st.sampled_from(["Auto", "Off"]),
-)  # fmt: skip
+    tp_p=st.sampled_from([1, 2, 3, 4, 6, 8, 16]),
+    tp_d=st.sampled_from([1, 2, 3, 4, 6, 8, 16]),
+    bs_p=st.sampled_from([8, 16, 24, 32, 64]),
+    bs_d=st.sampled_from([8, 16, 24, 32, 64]),
+    layout_p=st.sampled_from(["HND", "NHD"]),
+    layout_d=st.sampled_from(["HND", "NHD"]),
+    heads=st.sampled_from([1, 2, 4, 6, 8]),
+    kind=st.sampled_from(["Agent", "VLLM"]),
+    device=st.sampled_from(["GPU", "CPU"]),
+    conversion=st.sampled_from(["Auto", "Off"]),
+)
 def test_a_suggested_fix_is_always_compatible(
     tp_p: int,
     tp_d: int,
@@ -132,10 +161,13 @@ def test_a_suggested_fix_is_always_compatible(
     conversion: str,
 ) -> None:
     doc = manifest(
-        "p", engine={"kind": kind, "device": device}, model={"numKVHeads": heads}, transfer={"conversion": conversion},
+        "p",
+        engine={"kind": kind, "device": device},
+        model={"numKVHeads": heads},
+        transfer={"conversion": conversion},
         prefill={"tensorParallelSize": tp_p, "blockSize": bs_p, "kvLayout": layout_p},
         decode={"tensorParallelSize": tp_d, "blockSize": bs_d, "kvLayout": layout_d},
-    )  # fmt: skip
+    )
     dd = DisaggregatedDeployment.model_validate(doc)
     fix = suggested_fix(dd)
     if isinstance(verdict_for(dd), list):

@@ -122,10 +122,22 @@ def test_network_policy_admits_the_data_plane_within_the_deployment_and_limits_t
 
 def test_template_overlay_merges_by_name_and_changes_the_revision() -> None:
     plain = stateful_set(deployment(), UID, Role.PREFILL, verdict_for(deployment()), OperatorConfig())  # type: ignore[arg-type]
-    overlaid_dd = deployment(prefill={"template": {
-        "spec": {"nodeSelector": {"pool": "h100"},
-                 "containers": [{"name": "engine", "image": "registry.local/agent:dev",
-                                 "env": [{"name": "KVBRIDGE_NUM_BLOCKS", "value": "4096"}]}]}}})  # fmt: skip
+    overlaid_dd = deployment(
+        prefill={
+            "template": {
+                "spec": {
+                    "nodeSelector": {"pool": "h100"},
+                    "containers": [
+                        {
+                            "name": "engine",
+                            "image": "registry.local/agent:dev",
+                            "env": [{"name": "KVBRIDGE_NUM_BLOCKS", "value": "4096"}],
+                        }
+                    ],
+                }
+            }
+        }
+    )
     overlaid = stateful_set(overlaid_dd, UID, Role.PREFILL, verdict_for(overlaid_dd), OperatorConfig())  # type: ignore[arg-type]
     spec = overlaid["spec"]["template"]["spec"]
     assert spec["nodeSelector"] == {"pool": "h100"}
@@ -146,11 +158,25 @@ def test_overlay_rules() -> None:
 
 def test_overlay_merges_lists_by_their_strategic_merge_keys() -> None:
     """Issue 13 #11: a container port added by the overlay used to replace the http and side-channel ports."""
-    dd = deployment(prefill={"template": {"spec": {"containers": [{
-        "name": "engine",
-        "ports": [{"containerPort": 9090, "name": "debug"}, {"containerPort": 5600, "hostPort": 5600}],
-        "volumeMounts": [{"mountPath": "/models", "name": "models"}],
-    }], "volumes": [{"name": "models", "emptyDir": {}}]}}})  # fmt: skip
+    dd = deployment(
+        prefill={
+            "template": {
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "engine",
+                            "ports": [
+                                {"containerPort": 9090, "name": "debug"},
+                                {"containerPort": 5600, "hostPort": 5600},
+                            ],
+                            "volumeMounts": [{"mountPath": "/models", "name": "models"}],
+                        }
+                    ],
+                    "volumes": [{"name": "models", "emptyDir": {}}],
+                }
+            }
+        }
+    )
     spec = stateful_set(dd, UID, Role.PREFILL, verdict_for(dd), OperatorConfig())["spec"]["template"]["spec"]  # type: ignore[arg-type]
     [container] = spec["containers"]
     ports = {p["containerPort"]: p for p in container["ports"]}

@@ -51,16 +51,20 @@ class StatefulSet:
         for ordinal in range(self.replicas):
             if ordinal not in self.pods:
                 self.pods[ordinal] = Pod(ordinal, self.key, self.revision)
-        stale = sorted((o for o, p in self.pods.items() if o >= self.partition and p.revision != self.revision),
-                       reverse=True)  # fmt: skip
+        stale = sorted(
+            (o for o, p in self.pods.items() if o >= self.partition and p.revision != self.revision), reverse=True
+        )
         if stale and all(p.ready for o, p in self.pods.items() if o != stale[0]):
             self.pods[stale[0]] = Pod(stale[0], self.key, self.revision)
 
 
 def run(
-    counts: dict[Role, int], compatible: set[tuple[str, str]], surge: int = 1, unavailable: int = 0,
+    counts: dict[Role, int],
+    compatible: set[tuple[str, str]],
+    surge: int = 1,
+    unavailable: int = 0,
     ticks: int = 400,
-) -> list[Phase]:  # fmt: skip
+) -> list[Phase]:
     """Start with every pod on the old spec (pairing key K0), roll to the new one (K1), which changes both roles'
     templates; ``compatible`` holds the mixed pairs (prefill key, decode key) that pair. Check the invariant at
     every tick; return the phases seen."""
@@ -77,11 +81,19 @@ def run(
     phases: list[Phase] = []
     new_key = "K1"
     for _ in range(ticks):
-        states = {role: [PodState(p.ordinal, p.revision == new[role], p.ready, _pair(p.key, role))
-                         for p in sets[role].pods.values()] for role in Role}  # fmt: skip
-        targets = {role: RoleTarget(counts[role], surge, unavailable,
-                                    sets[role].partition if sets[role].revision == new[role] else None)
-                   for role in Role}  # fmt: skip
+        states = {
+            role: [
+                PodState(p.ordinal, p.revision == new[role], p.ready, _pair(p.key, role))
+                for p in sets[role].pods.values()
+            ]
+            for role in Role
+        }
+        targets = {
+            role: RoleTarget(
+                counts[role], surge, unavailable, sets[role].partition if sets[role].revision == new[role] else None
+            )
+            for role in Role
+        }
         result = step(targets, states, new_key, lambda p, d: judge(p, d))
         if not phases or phases[-1] is not result.phase:
             phases.append(result.phase)
@@ -103,8 +115,9 @@ def _pair(key: str, role: Role) -> str:
     return key  # a pod's pairing key is its role's key in this simulation
 
 
-def _check(sets: dict[Role, StatefulSet], counts: dict[Role, int], compatible: set[tuple[str, str]],
-           floor: int | None) -> None:  # fmt: skip
+def _check(
+    sets: dict[Role, StatefulSet], counts: dict[Role, int], compatible: set[tuple[str, str]], floor: int | None
+) -> None:
     ready = {role: [p for p in sets[role].pods.values() if p.ready] for role in Role}
     deployment_ready = all(len(ready[role]) >= counts[role] for role in Role)
     if deployment_ready:
@@ -127,8 +140,14 @@ def test_a_compatible_change_rolls_in_place_prefill_then_decode() -> None:
 
 def test_an_incompatible_change_goes_blue_green_and_never_strands_a_decode_pod() -> None:
     phases = run({Role.PREFILL: 2, Role.DECODE: 2}, set())
-    assert phases == [Phase.SURGING_PREFILL, Phase.SURGING_DECODE, Phase.RETIRING_DECODE, Phase.RETIRING_PREFILL,
-                      Phase.SCALING_IN, Phase.COMPLETE]  # fmt: skip
+    assert phases == [
+        Phase.SURGING_PREFILL,
+        Phase.SURGING_DECODE,
+        Phase.RETIRING_DECODE,
+        Phase.RETIRING_PREFILL,
+        Phase.SCALING_IN,
+        Phase.COMPLETE,
+    ]
 
 
 @settings(max_examples=60, deadline=None)
@@ -238,8 +257,10 @@ async def roll(change: dict, mixed_pairs: bool) -> tuple[list[str], list[dict]]:
             if conditions.get("Ready") != "True":
                 return
             pods = [p for p in c.api.objects_of("pods") if _ready(p)]
-            keyed = [(p["metadata"]["labels"]["kvbridge.io/role"], p["metadata"]["labels"]["kvbridge.io/pairing"])
-                     for p in pods]  # fmt: skip
+            keyed = [
+                (p["metadata"]["labels"]["kvbridge.io/role"], p["metadata"]["labels"]["kvbridge.io/pairing"])
+                for p in pods
+            ]
             prefill = {k for role, k in keyed if role == "prefill"}
             for role, key in keyed:
                 if role == "decode":
@@ -271,8 +292,11 @@ async def roll(change: dict, mixed_pairs: bool) -> tuple[list[str], list[dict]]:
                 await asyncio.wait_for(controller, 5)
         assert ready_and_mixed > 0, "never saw old and new pods serve side by side while Ready"
         pods = c.api.objects_of("pods")
-        assert sorted(p["metadata"]["name"] for p in pods) == ["llama3-8b-decode-0", "llama3-8b-prefill-0",
-                                                               "llama3-8b-prefill-1"]  # fmt: skip
+        assert sorted(p["metadata"]["name"] for p in pods) == [
+            "llama3-8b-decode-0",
+            "llama3-8b-prefill-0",
+            "llama3-8b-prefill-1",
+        ]
         assert {p["metadata"]["labels"]["kvbridge.io/pairing"] for p in pods} == {new_key}
         status = c.deployment("llama3-8b")["status"]
         return [e["reason"] + ": " + e["message"] for e in c.events("llama3-8b")], [status]
@@ -296,6 +320,11 @@ async def test_an_incompatible_change_goes_blue_green_on_the_emulator() -> None:
     assert started[0].startswith("RolloutStarted: BlueGreen: prefill ")
     assert "spec.model differs" in started[0]
     phases = [e.split(":")[1].strip() for e in events if e.startswith("RolloutPhase")]
-    assert phases == ["BlueGreen SurgingPrefill", "BlueGreen SurgingDecode", "BlueGreen RetiringDecode",
-                      "BlueGreen RetiringPrefill", "BlueGreen ScalingIn"]  # fmt: skip
+    assert phases == [
+        "BlueGreen SurgingPrefill",
+        "BlueGreen SurgingDecode",
+        "BlueGreen RetiringDecode",
+        "BlueGreen RetiringPrefill",
+        "BlueGreen ScalingIn",
+    ]
     assert status["rollout"]["phase"] == "Complete"

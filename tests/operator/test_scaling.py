@@ -74,8 +74,11 @@ def test_effective_counts_stay_in_bounds_never_undercut_the_ask_and_keep_the_rat
     p_min, p_span, d_min, d_span = bounds
     limits = {Role.PREFILL: (p_min, p_min + p_span), Role.DECODE: (d_min, d_min + d_span)}
     bound = None if ratio is None else {k: v for k, v in zip(("min", "max"), ratio, strict=True) if v is not None}
-    dd = deployment({"replicas": p_min, "minReplicas": p_min, "maxReplicas": p_min + p_span},
-                    {"replicas": d_min, "minReplicas": d_min, "maxReplicas": d_min + d_span}, bound)  # fmt: skip
+    dd = deployment(
+        {"replicas": p_min, "minReplicas": p_min, "maxReplicas": p_min + p_span},
+        {"replicas": d_min, "minReplicas": d_min, "maxReplicas": d_min + d_span},
+        bound,
+    )
     asked = {Role.PREFILL: desired[0], Role.DECODE: desired[1]}
     scale = effective_replicas(dd, asked)
     for role in Role:
@@ -119,8 +122,14 @@ async def test_an_autoscaler_scales_a_role_and_the_operator_never_reverts_it() -
         role = c.api.find("disaggregatedroles", "default", "llama3-8b-decode")
         assert role is not None
         assert role["spec"] == {"deployment": "llama3-8b", "role": "decode", "replicas": 1}
-        await c.wait(lambda: (c.api.find("disaggregatedroles", "default", "llama3-8b-decode") or {}).get("status", {})
-                     .get("selector") == "kvbridge.io/deployment=llama3-8b,kvbridge.io/role=decode")  # fmt: skip
+        await c.wait(
+            lambda: (
+                (c.api.find("disaggregatedroles", "default", "llama3-8b-decode") or {})
+                .get("status", {})
+                .get("selector")
+                == "kvbridge.io/deployment=llama3-8b,kvbridge.io/role=decode"
+            )
+        )
         await scale_role(c, "llama3-8b-decode", 5)
         await c.wait(lambda: replicas(c, "llama3-8b-decode") == 5, what="the StatefulSet follows the autoscaler")
         scaled = c.api.find("disaggregatedroles", "default", "llama3-8b-decode")
@@ -159,8 +168,14 @@ async def test_bounds_and_the_ratio_hold_when_one_role_scales() -> None:
         await scale_role(c, "llama3-8b-prefill", 6)  # above maxReplicas 3
         await c.wait(lambda: replicas(c, "llama3-8b-prefill") == 3, what="prefill held at maxReplicas")
         await c.wait(lambda: replicas(c, "llama3-8b-decode") == 6, what="decode raised to keep 2 per prefill")
-        await c.wait(lambda: (c.api.find("disaggregatedroles", "default", "llama3-8b-prefill") or {})
-                     .get("status", {}).get("effectiveReplicas") == 3)  # fmt: skip
+        await c.wait(
+            lambda: (
+                (c.api.find("disaggregatedroles", "default", "llama3-8b-prefill") or {})
+                .get("status", {})
+                .get("effectiveReplicas")
+                == 3
+            )
+        )
         role = c.api.find("disaggregatedroles", "default", "llama3-8b-prefill")
         assert role is not None
         assert role["spec"]["replicas"] == 6  # the autoscaler's ask is kept, not rewritten
@@ -180,8 +195,10 @@ async def test_each_role_gets_a_disruption_budget() -> None:
         await c.wait(lambda: len(c.api.objects_of("poddisruptionbudgets")) == 2)
         for budget in c.api.objects_of("poddisruptionbudgets"):
             role = budget["metadata"]["labels"]["kvbridge.io/role"]
-            assert budget["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": {
-                "kvbridge.io/deployment": "llama3-8b", "kvbridge.io/role": role}}}  # fmt: skip
+            assert budget["spec"] == {
+                "maxUnavailable": 1,
+                "selector": {"matchLabels": {"kvbridge.io/deployment": "llama3-8b", "kvbridge.io/role": role}},
+            }
         assert STATEFUL_SETS.plural == "statefulsets"
 
 
@@ -211,9 +228,11 @@ def test_the_autoscaling_examples_scale_a_vllm_deployment() -> None:
 
 def test_the_role_resource_is_a_scale_target() -> None:
     version = role_crd()["spec"]["versions"][0]
-    assert version["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
-                                                "statusReplicasPath": ".status.replicas",
-                                                "labelSelectorPath": ".status.selector"}  # fmt: skip
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
     kubernetes_validate.validate(role_crd(), "1.30", strict=True)
 
 

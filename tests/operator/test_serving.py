@@ -51,8 +51,14 @@ def test_the_router_objects_are_valid_and_the_role_reads_only_this_deployment() 
         assert obj["metadata"]["name"] == "llama3-8b-vllm-router"
         assert obj["metadata"]["ownerReferences"][0]["uid"] == UID
     role = objects[1]
-    assert role["rules"] == [{"apiGroups": ["kvbridge.io"], "resources": ["disaggregateddeployments"],
-                              "resourceNames": ["llama3-8b-vllm"], "verbs": ["get", "list", "watch"]}]  # fmt: skip
+    assert role["rules"] == [
+        {
+            "apiGroups": ["kvbridge.io"],
+            "resources": ["disaggregateddeployments"],
+            "resourceNames": ["llama3-8b-vllm"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
     pod = objects[3]["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "llama3-8b-vllm-router"
     assert pod["containers"][0]["image"] == OperatorConfig().router_image
@@ -109,15 +115,22 @@ def test_router_pods_are_not_engine_pods() -> None:
     """The engines' NetworkPolicy does not fence the router, and the InferencePool does not count router pods (nor
     the headless workers of multi-node engines) as model servers."""
     config = OperatorConfig()
-    dd = parse_deployment(document(router={"enabled": True},
-                                   inferencePool={"enabled": True, "endpointPicker": "llm-d-epp"}))  # fmt: skip
+    dd = parse_deployment(
+        document(router={"enabled": True}, inferencePool={"enabled": True, "endpointPicker": "llm-d-epp"})
+    )
     extra = optional_children(dd, UID, config)
     router_pod = next(o for o in extra if o["kind"] == "Deployment")["spec"]["template"]["metadata"]["labels"]
     pool = next(o for o in extra if o["kind"] == "InferencePool")["spec"]["selector"]
-    policy = next(c for c in desired_children(dd, UID, verdict_for(dd), config)  # type: ignore[arg-type]
-                  if c["kind"] == "NetworkPolicy")["spec"]  # fmt: skip
-    kubernetes_validate.validate({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-                                  "metadata": {"name": "p"}, "spec": policy}, "1.30", strict=True)  # fmt: skip
+    policy = next(
+        c
+        for c in desired_children(dd, UID, verdict_for(dd), config)  # type: ignore[arg-type]
+        if c["kind"] == "NetworkPolicy"
+    )["spec"]
+    kubernetes_validate.validate(
+        {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "p"}, "spec": policy},
+        "1.30",
+        strict=True,
+    )
     for role in Role:
         engine = _pod_labels(dd, role)
         assert _selects(policy["podSelector"], engine), role
@@ -128,8 +141,11 @@ def test_router_pods_are_not_engine_pods() -> None:
     # an engine spanning nodes: its leader serves the API and is in the pool; its workers serve none
     big = document("vllm/deepseek-v3-h200-two-node-prefill", inferencePool={"enabled": True, "endpointPicker": "epp"})
     big_dd = parse_deployment(big)
-    [group] = [c for c in desired_children(big_dd, UID, verdict_for(big_dd), config)  # type: ignore[arg-type]
-               if c["kind"] == "LeaderWorkerSet"]  # fmt: skip
+    [group] = [
+        c
+        for c in desired_children(big_dd, UID, verdict_for(big_dd), config)  # type: ignore[arg-type]
+        if c["kind"] == "LeaderWorkerSet"
+    ]
     templates = group["spec"]["leaderWorkerTemplate"]
     big_pool = next(o for o in optional_children(big_dd, UID, config) if o["kind"] == "InferencePool")["spec"]
     assert _selects(big_pool["selector"], templates["leaderTemplate"]["metadata"]["labels"])
@@ -140,8 +156,13 @@ def test_router_pods_are_not_engine_pods() -> None:
 
 
 def test_a_hugging_face_source_pins_the_revision_and_serves_under_the_models_name() -> None:
-    doc = document(model={"source": "hf://meta-llama/Llama-3.1-8B-Instruct@0e9e39f",
-                          "tokenSecret": {"name": "hf-token"}, "cache": {"claimName": "model-cache"}})  # fmt: skip
+    doc = document(
+        model={
+            "source": "hf://meta-llama/Llama-3.1-8B-Instruct@0e9e39f",
+            "tokenSecret": {"name": "hf-token"},
+            "cache": {"claimName": "model-cache"},
+        }
+    )
     engine = engine_container(doc)
     args = engine["args"]
     assert args[0] == "meta-llama/Llama-3.1-8B-Instruct"
@@ -162,11 +183,13 @@ def test_a_pvc_source_is_mounted_read_only() -> None:
     assert engine["args"][0] == "/models/weights/llama/8b"
     assert {"name": "model-weights", "mountPath": "/models/weights", "readOnly": True} in engine["volumeMounts"]
     assert {"name": "model-weights", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in sts[
-        "spec"]["template"]["spec"]["volumes"]  # fmt: skip
+        "spec"
+    ]["template"]["spec"]["volumes"]
 
 
-@pytest.mark.parametrize("source", ["s3://bucket/x", "hf://no-name", "hf://a/b@", "pvc://Upper/x", "hf://a/b@x y",
-                                    "pvc://claim/../etc"])  # fmt: skip
+@pytest.mark.parametrize(
+    "source", ["s3://bucket/x", "hf://no-name", "hf://a/b@", "pvc://Upper/x", "hf://a/b@x y", "pvc://claim/../etc"]
+)
 def test_bad_sources_are_refused(source: str) -> None:
     with pytest.raises(SpecError, match="source"):
         parse_deployment(document(model={"source": source}))

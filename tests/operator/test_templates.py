@@ -37,41 +37,104 @@ def engine(containers: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
-    ("args replaced (the issue's example)",
-     engine([{"name": "engine", "args": ["Qwen/Qwen2.5-7B-Instruct", "--max-num-batched-tokens=8192"]}]),
-     "TEMPLATE_MANAGED_FIELD", "spec.decode.template.spec.containers[0].args"),
-    ("command replaced", engine([{"name": "engine", "command": ["python", "-m", "vllm.entrypoints.openai"]}]),
-     "TEMPLATE_MANAGED_FIELD", "spec.decode.template.spec.containers[0].command"),
-    ("the side-channel port", engine([{"name": "engine", "env": [{"name": "VLLM_NIXL_SIDE_CHANNEL_PORT",
-                                                                  "value": "7000"}]}]),
-     "TEMPLATE_MANAGED_FIELD", "spec.decode.template.spec.containers[0].env[0]"),
-    ("the cache layout", engine([{"name": "engine", "env": [{"name": "FOO", "value": "1"},
-                                                             {"name": "VLLM_KV_CACHE_LAYOUT", "value": "LBNHC"}]}]),
-     "TEMPLATE_MANAGED_FIELD", "spec.decode.template.spec.containers[0].env[1]"),
-    ("the agent's contract", engine([{"name": "engine", "env": [{"name": "KVBRIDGE_ROLE", "value": "Prefill"}]}]),
-     "TEMPLATE_MANAGED_FIELD", "spec.decode.template.spec.containers[0].env[0]"),
-    ("the side channel's host from elsewhere",
-     engine([{"name": "engine", "env": [{"name": "VLLM_NIXL_SIDE_CHANNEL_HOST",
-                                         "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}}]}]),
-     "TEMPLATE_MANAGED_FIELD", "spec.decode.template.spec.containers[0].env[0]"),
-    ("the HTTP port", engine([{"name": "engine", "ports": [{"name": "http", "containerPort": 9000}]}]),
-     "TEMPLATE_MANAGED_FIELD", "spec.decode.template.spec.containers[0].ports[0]"),
-    ("GPUs other than the ranks", engine([{"name": "engine", "resources": {"limits": {"nvidia.com/gpu": 4}}}]),
-     "TEMPLATE_GPUS", "spec.decode.template.spec.containers[0].resources.limits.nvidia.com/gpu"),
-    ("the pairing label", {"metadata": {"labels": {"kvbridge.io/pairing": "mine"}}},
-     "TEMPLATE_MANAGED_FIELD", "spec.decode.template.metadata.labels.kvbridge.io/pairing"),
-    ("llm-d's role label", {"metadata": {"labels": {"llm-d.ai/role": "prefill"}}},
-     "TEMPLATE_MANAGED_FIELD", "spec.decode.template.metadata.labels.llm-d.ai/role"),
-    ("containers not a list", {"spec": {"containers": {"engine": {"image": "x"}}}},
-     "TEMPLATE_INVALID", "spec.decode.template.spec.containers"),
-    ("a container without a name", engine([{"image": "x"}]), "TEMPLATE_INVALID",
-     "spec.decode.template.spec.containers"),
-]  # fmt: skip
+    (
+        "args replaced (the issue's example)",
+        engine([{"name": "engine", "args": ["Qwen/Qwen2.5-7B-Instruct", "--max-num-batched-tokens=8192"]}]),
+        "TEMPLATE_MANAGED_FIELD",
+        "spec.decode.template.spec.containers[0].args",
+    ),
+    (
+        "command replaced",
+        engine([{"name": "engine", "command": ["python", "-m", "vllm.entrypoints.openai"]}]),
+        "TEMPLATE_MANAGED_FIELD",
+        "spec.decode.template.spec.containers[0].command",
+    ),
+    (
+        "the side-channel port",
+        engine([{"name": "engine", "env": [{"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": "7000"}]}]),
+        "TEMPLATE_MANAGED_FIELD",
+        "spec.decode.template.spec.containers[0].env[0]",
+    ),
+    (
+        "the cache layout",
+        engine(
+            [
+                {
+                    "name": "engine",
+                    "env": [{"name": "FOO", "value": "1"}, {"name": "VLLM_KV_CACHE_LAYOUT", "value": "LBNHC"}],
+                }
+            ]
+        ),
+        "TEMPLATE_MANAGED_FIELD",
+        "spec.decode.template.spec.containers[0].env[1]",
+    ),
+    (
+        "the agent's contract",
+        engine([{"name": "engine", "env": [{"name": "KVBRIDGE_ROLE", "value": "Prefill"}]}]),
+        "TEMPLATE_MANAGED_FIELD",
+        "spec.decode.template.spec.containers[0].env[0]",
+    ),
+    (
+        "the side channel's host from elsewhere",
+        engine(
+            [
+                {
+                    "name": "engine",
+                    "env": [
+                        {
+                            "name": "VLLM_NIXL_SIDE_CHANNEL_HOST",
+                            "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}},
+                        }
+                    ],
+                }
+            ]
+        ),
+        "TEMPLATE_MANAGED_FIELD",
+        "spec.decode.template.spec.containers[0].env[0]",
+    ),
+    (
+        "the HTTP port",
+        engine([{"name": "engine", "ports": [{"name": "http", "containerPort": 9000}]}]),
+        "TEMPLATE_MANAGED_FIELD",
+        "spec.decode.template.spec.containers[0].ports[0]",
+    ),
+    (
+        "GPUs other than the ranks",
+        engine([{"name": "engine", "resources": {"limits": {"nvidia.com/gpu": 4}}}]),
+        "TEMPLATE_GPUS",
+        "spec.decode.template.spec.containers[0].resources.limits.nvidia.com/gpu",
+    ),
+    (
+        "the pairing label",
+        {"metadata": {"labels": {"kvbridge.io/pairing": "mine"}}},
+        "TEMPLATE_MANAGED_FIELD",
+        "spec.decode.template.metadata.labels.kvbridge.io/pairing",
+    ),
+    (
+        "llm-d's role label",
+        {"metadata": {"labels": {"llm-d.ai/role": "prefill"}}},
+        "TEMPLATE_MANAGED_FIELD",
+        "spec.decode.template.metadata.labels.llm-d.ai/role",
+    ),
+    (
+        "containers not a list",
+        {"spec": {"containers": {"engine": {"image": "x"}}}},
+        "TEMPLATE_INVALID",
+        "spec.decode.template.spec.containers",
+    ),
+    (
+        "a container without a name",
+        engine([{"image": "x"}]),
+        "TEMPLATE_INVALID",
+        "spec.decode.template.spec.containers",
+    ),
+]
 
 
 @pytest.mark.parametrize(("what", "template", "code", "field"), REFUSED, ids=[r[0] for r in REFUSED])
-def test_an_overlay_that_changes_what_was_checked_is_refused(what: str, template: dict[str, Any], code: str,
-                                                              field: str) -> None:  # fmt: skip
+def test_an_overlay_that_changes_what_was_checked_is_refused(
+    what: str, template: dict[str, Any], code: str, field: str
+) -> None:
     verdict = verdict_for(with_template(template))
     assert isinstance(verdict, list), what
     found = [(p.code, p.field) for p in verdict]
@@ -90,13 +153,19 @@ ALLOWED = {
     "image": engine([{"name": "engine", "image": "registry.example/vllm:0.32.0-patched"}]),
     "cpu and memory": engine([{"name": "engine", "resources": {"requests": {"cpu": "16", "memory": "200Gi"}}}]),
     "the right GPUs": engine([{"name": "engine", "resources": {"limits": {"nvidia.com/gpu": 1}}}]),
-    "an env of one's own": engine([{"name": "engine", "env": [{"name": "NCCL_DEBUG", "value": "INFO"},
-                                                              {"name": "HF_HUB_OFFLINE", "value": "1"}]}]),
+    "an env of one's own": engine(
+        [{"name": "engine", "env": [{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": "HF_HUB_OFFLINE", "value": "1"}]}]
+    ),
     "a sidecar": engine([{"name": "log-shipper", "image": "fluent-bit:3", "args": ["-c", "/etc/fb.conf"]}]),
-    "scheduling": {"spec": {"nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "gpu", "operator": "Exists"}],
-                            "priorityClassName": "inference"}},
+    "scheduling": {
+        "spec": {
+            "nodeSelector": {"gpu": "h100"},
+            "tolerations": [{"key": "gpu", "operator": "Exists"}],
+            "priorityClassName": "inference",
+        }
+    },
     "labels and annotations of one's own": {"metadata": {"labels": {"team": "a"}, "annotations": {"x": "y"}}},
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("what", sorted(ALLOWED))
@@ -145,9 +214,17 @@ def test_role_extra_args_reach_that_roles_pods_and_are_checked() -> None:
 def test_kvbridge_plan_prints_the_command_and_environment_the_pod_runs() -> None:
     doc = document()
     doc["spec"]["decode"]["extraArgs"] = ["--max-num-batched-tokens=8192"]
-    doc["spec"]["decode"]["template"] = engine([{"name": "engine", "env": [
-        {"name": "NCCL_DEBUG", "value": "INFO"},
-        {"name": "HF_HUB_TOKEN_FILE", "valueFrom": {"secretKeyRef": {"name": "t", "key": "k"}}}]}])  # fmt: skip
+    doc["spec"]["decode"]["template"] = engine(
+        [
+            {
+                "name": "engine",
+                "env": [
+                    {"name": "NCCL_DEBUG", "value": "INFO"},
+                    {"name": "HF_HUB_TOKEN_FILE", "valueFrom": {"secretKeyRef": {"name": "t", "key": "k"}}},
+                ],
+            }
+        ]
+    )
     dd = parse_deployment(doc)
     printed = vllm_engines(plan_document(dd))
     plan = verdict_for(dd)

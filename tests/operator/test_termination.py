@@ -24,10 +24,18 @@ from kvbridge_sim.support import free_port
 
 def manifest(kind: str, connector: str = "Nixl", **transfer: Any) -> dict[str, Any]:
     engine = {"kind": kind} | ({"connector": connector, "device": "CPU"} if kind == "VLLM" else {})
-    return {"apiVersion": "kvbridge.io/v1alpha1", "kind": "DisaggregatedDeployment", "metadata": {"name": "t"},
-            "spec": {"engine": engine, "model": {"name": "m", "numLayers": 2, "numKVHeads": 2, "headDim": 64},
-                     "transfer": {"leaseSeconds": 60, **transfer},
-                     "prefill": {"blockSize": 32}, "decode": {"blockSize": 32}}}  # fmt: skip
+    return {
+        "apiVersion": "kvbridge.io/v1alpha1",
+        "kind": "DisaggregatedDeployment",
+        "metadata": {"name": "t"},
+        "spec": {
+            "engine": engine,
+            "model": {"name": "m", "numLayers": 2, "numKVHeads": 2, "headDim": 64},
+            "transfer": {"leaseSeconds": 60, **transfer},
+            "prefill": {"blockSize": 32},
+            "decode": {"blockSize": 32},
+        },
+    }
 
 
 def rendered(document: dict[str, Any], role: Role) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -47,9 +55,10 @@ def rendered(document: dict[str, Any], role: Role) -> tuple[dict[str, Any], dict
         ("VLLM", "Nixl", Role.PREFILL, "", 5 + 20 + 10),  # NixlConnector exports nothing to wait on
         ("VLLM", "KVBridge", Role.DECODE, "", 5 + 20 + 10),
     ],
-)  # fmt: skip
-def test_every_engine_pod_drains_within_its_grace_period(kind: str, connector: str, role: Role, gauge: str,
-                                                         grace: int) -> None:  # fmt: skip
+)
+def test_every_engine_pod_drains_within_its_grace_period(
+    kind: str, connector: str, role: Role, gauge: str, grace: int
+) -> None:
     template, container = rendered(manifest(kind, connector, drainSeconds=20), role)
     assert template["spec"]["terminationGracePeriodSeconds"] == grace
     command = container["lifecycle"]["preStop"]["exec"]["command"]
@@ -94,8 +103,9 @@ def engine() -> Iterator[int]:
 
 def drain(port: int, lease: float, gauge: str = "vllm:kvbridge_held_requests") -> float:
     started = time.monotonic()
-    subprocess.run([sys.executable, "-c", termination.DRAIN_SCRIPT, str(port), "0.2", str(lease), gauge],
-                   check=True, timeout=30)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-c", termination.DRAIN_SCRIPT, str(port), "0.2", str(lease), gauge], check=True, timeout=30
+    )
     return time.monotonic() - started
 
 

@@ -130,8 +130,10 @@ def test_mla_renders_flashmla_and_its_block_size_is_checked() -> None:
     doc = document("deepseek-v2-lite-mla")
     doc["spec"]["prefill"]["blockSize"] = doc["spec"]["decode"]["blockSize"] = 16  # the default
     problems = verdict(doc)
-    assert codes(problems) == [("VLLM_MLA_BLOCK_SIZE", "spec.prefill.blockSize"),
-                               ("VLLM_MLA_BLOCK_SIZE", "spec.decode.blockSize")]  # fmt: skip
+    assert codes(problems) == [
+        ("VLLM_MLA_BLOCK_SIZE", "spec.prefill.blockSize"),
+        ("VLLM_MLA_BLOCK_SIZE", "spec.decode.blockSize"),
+    ]
     assert "spec.decode.blockSize: 64" in problems[1].message
     from kvbridge_operator.children.remedy import suggested_fix
 
@@ -235,8 +237,11 @@ def test_plan_prints_the_vllm_command_and_environment_of_each_role() -> None:
     path = ROOT / "examples" / "vllm" / "qwen-block-size-ratio.yaml"
     result = subprocess.run(
         [sys.executable, "-m", "kvbridge_operator", "plan", "-f", str(path), "--json"],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     [entry] = json.loads(result.stdout)
     rendered = engine(document("qwen-block-size-ratio"), Role.DECODE)
@@ -246,8 +251,11 @@ def test_plan_prints_the_vllm_command_and_environment_of_each_role() -> None:
     assert entry["vllm"]["prefill"]["kvTransferConfig"]["kv_connector"] == "NixlConnector"
     text = subprocess.run(
         [sys.executable, "-m", "kvbridge_operator", "plan", "-f", str(path)],
-        capture_output=True, text=True, timeout=60, check=False,
-    ).stdout  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    ).stdout
     assert "vLLM decode: vllm serve Qwen/Qwen2.5-7B-Instruct" in text
     assert "VLLM_KV_CACHE_LAYOUT=LBNHC" in text
 
@@ -285,10 +293,21 @@ def test_the_cpu_launcher_splits_the_allowed_cores_between_ranks(cpus: list[int]
     probe = fake + f"exec(compile({CPU_BIND_LAUNCHER!r}, 'l', 'exec'))"
     environ = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
     result = subprocess.run(
-        [sys.executable, "-c", probe, str(tp), sys.executable, "-c",
-         "import os; print(os.environ['VLLM_CPU_OMP_THREADS_BIND'])"],
-        capture_output=True, text=True, timeout=30, check=False, env=environ,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            probe,
+            str(tp),
+            sys.executable,
+            "-c",
+            "import os; print(os.environ['VLLM_CPU_OMP_THREADS_BIND'])",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        env=environ,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == bound
 
@@ -303,14 +322,21 @@ def test_the_cpu_launcher_keeps_vllm_affinity_changes_on_the_containers_cores() 
     mine, other = cores[0], cores[-1]
     show = "print(sorted(os.sched_getaffinity(0)))"
     spawned = f"import os; os.sched_setaffinity(0, {{{other}}}); {show}"
-    child = (f"import os, subprocess, sys; os.sched_setaffinity(0, {{{other}}}); {show}; "
-             f"os.sched_setaffinity(0, {{{mine}, {other}}}); {show}; "
-             f"subprocess.run([sys.executable, '-c', {spawned!r}], check=True)")  # fmt: skip
+    child = (
+        f"import os, subprocess, sys; os.sched_setaffinity(0, {{{other}}}); {show}; "
+        f"os.sched_setaffinity(0, {{{mine}, {other}}}); {show}; "
+        f"subprocess.run([sys.executable, '-c', {spawned!r}], check=True)"
+    )
     environ = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
     result = subprocess.run(
-        [sys.executable, "-c", CPU_BIND_LAUNCHER, "1", sys.executable, "-c", child], capture_output=True, text=True,
-        timeout=30, check=False, env=environ, preexec_fn=lambda: os.sched_setaffinity(0, {mine}),
-    )  # fmt: skip
+        [sys.executable, "-c", CPU_BIND_LAUNCHER, "1", sys.executable, "-c", child],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        env=environ,
+        preexec_fn=lambda: os.sched_setaffinity(0, {mine}),
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[:3] == [f"[{mine}]"] * 3
 
@@ -320,8 +346,9 @@ def test_the_cpu_launcher_refuses_fewer_cores_than_ranks() -> None:
 
     probe = f"import os; os.sched_getaffinity = lambda pid: {{0}}; exec(compile({CPU_BIND_LAUNCHER!r}, 'l', 'exec'))"
     environ = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
-    result = subprocess.run([sys.executable, "-c", probe, "2", "true"], capture_output=True, text=True, timeout=30,
-                            check=False, env=environ)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", probe, "2", "true"], capture_output=True, text=True, timeout=30, check=False, env=environ
+    )
     assert result.returncode != 0
     assert "1 CPU(s) available for tensor-parallel size 2" in result.stderr
 
@@ -377,8 +404,12 @@ def test_the_kvbridge_connector_is_loaded_from_the_agent_and_gets_the_keys() -> 
         pod = template(doc, role)
         container = engine(doc, role)
         config = json.loads(flag(container["command"] + container.get("args", []), "--kv-transfer-config"))
-        assert config == {"kv_connector": "KVBridgeConnector", "kv_role": kv_role, "kv_buffer_device": "cpu",
-                          "kv_connector_module_path": "kvbridge_agent.vllm_connector"}  # fmt: skip
+        assert config == {
+            "kv_connector": "KVBridgeConnector",
+            "kv_role": kv_role,
+            "kv_buffer_device": "cpu",
+            "kv_connector_module_path": "kvbridge_agent.vllm_connector",
+        }
         variables = env(container)
         assert variables["KVBRIDGE_KEYS_DIR"] == OperatorConfig().keys_mount_path
         assert {"name": "side-channel-keys", "mountPath": OperatorConfig().keys_mount_path, "readOnly": True} in (

@@ -12,14 +12,17 @@ import pytest
 from kvbridge_operator.cli.main import main
 
 
-@pytest.mark.parametrize(("args", "said"), [
-    ([], "give --deployment NAME"),
-    (["--deployment", "x", "--status-file", "f"], "give --deployment NAME"),
-    (["--status-file", "f", "--prefill-timeout", "0"], "--prefill-timeout must be positive"),
-    (["--status-file", "f", "--prefill-attempts", "-1"], "--prefill-attempts must be positive"),
-    (["--status-file", "f", "--block-size", "0"], "--block-size"),
-    (["--status-file", "f", "--header-timeout", "0"], "--header-timeout must be positive"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        ([], "give --deployment NAME"),
+        (["--deployment", "x", "--status-file", "f"], "give --deployment NAME"),
+        (["--status-file", "f", "--prefill-timeout", "0"], "--prefill-timeout must be positive"),
+        (["--status-file", "f", "--prefill-attempts", "-1"], "--prefill-attempts must be positive"),
+        (["--status-file", "f", "--block-size", "0"], "--block-size"),
+        (["--status-file", "f", "--header-timeout", "0"], "--header-timeout must be positive"),
+    ],
+)
 def test_bad_flags_exit_2(args: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["router", *args]) == 2
     assert said in capsys.readouterr().err
@@ -28,8 +31,12 @@ def test_bad_flags_exit_2(args: list[str], said: str, capsys: pytest.CaptureFixt
 def test_no_api_to_watch_exits_2_with_the_code(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "kvbridge_operator", "router", "--deployment", "x", "--port", "0"],
-        capture_output=True, text=True, timeout=60, check=False, env={"HOME": str(tmp_path), "PATH": "/usr/bin"},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={"HOME": str(tmp_path), "PATH": "/usr/bin"},
+    )
     assert result.returncode == 2
     assert "NO_API_SERVER" in result.stderr
     assert "Traceback" not in result.stderr
@@ -42,10 +49,23 @@ def test_a_taken_port_exits_2(tmp_path: Path) -> None:
         taken.listen()
         port = taken.getsockname()[1]
         result = subprocess.run(
-            [sys.executable, "-m", "kvbridge_operator", "router", "--status-file", str(tmp_path / "dd.json"),
-             "--host", "127.0.0.1", "--port", str(port)],
-            capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "kvbridge_operator",
+                "router",
+                "--status-file",
+                str(tmp_path / "dd.json"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
     assert result.returncode == 2
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "Traceback" not in result.stderr

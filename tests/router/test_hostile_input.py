@@ -39,10 +39,12 @@ class RouterProcess:
     engines: list[FakeEngine]
     session: aiohttp.ClientSession
 
-    async def post(self, data: bytes, headers: dict[str, str] | None = None,
-                   path: str = "/v1/completions") -> tuple[int, Any]:  # fmt: skip
-        async with self.session.post(self.url + path, data=data,
-                                     headers={"Content-Type": "application/json", **(headers or {})}) as r:  # fmt: skip
+    async def post(
+        self, data: bytes, headers: dict[str, str] | None = None, path: str = "/v1/completions"
+    ) -> tuple[int, Any]:
+        async with self.session.post(
+            self.url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+        ) as r:
             text = await r.text()
         try:
             return r.status, json.loads(text)
@@ -58,18 +60,37 @@ async def router(tmp_path: Path) -> AsyncIterator[RouterProcess]:
     engines = [FakeEngine("prefill-0"), FakeEngine("decode-0")]
     for engine in engines:
         await engine.start()
-    status = {"status": {"prefill": {"endpoints": [engines[0].endpoint]},
-                         "decode": {"endpoints": [engines[1].endpoint]}}}  # fmt: skip
+    status = {
+        "status": {"prefill": {"endpoints": [engines[0].endpoint]}, "decode": {"endpoints": [engines[1].endpoint]}}
+    }
     (tmp_path / "dd.json").write_text(json.dumps(status))
     port, log = free_port(), tmp_path / "router.log"
     with log.open("w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "kvbridge_operator", "router", "--status-file", str(tmp_path / "dd.json"),
-             "--host", "127.0.0.1", "--port", str(port), "--body-timeout", str(BODY_TIMEOUT),
-             "--header-timeout", str(HEADER_TIMEOUT),
-             "--prefill-timeout", "5", "--decode-timeout", "5"],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "kvbridge_operator",
+                "router",
+                "--status-file",
+                str(tmp_path / "dd.json"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--body-timeout",
+                str(BODY_TIMEOUT),
+                "--header-timeout",
+                str(HEADER_TIMEOUT),
+                "--prefill-timeout",
+                "5",
+                "--decode-timeout",
+                "5",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
             url = f"http://127.0.0.1:{port}"
@@ -110,10 +131,20 @@ HOSTILE: list[tuple[str, bytes, dict[str, str], int, str]] = [
     ("nested 65 deep", _nested(64), {}, 400, "INVALID_JSON"),
     ("a 5000-digit integer", b'{"prompt": [1], "max_tokens": ' + b"9" * 5000 + b"}", {}, 400, "INVALID_JSON"),
     ("invalid UTF-8", b'{"prompt": "\xff\xfe"}', {}, 400, "INVALID_JSON"),
-    ("an unknown charset", json.dumps(VALID).encode(), {"Content-Type": "application/json; charset=klingon"}, 415,
-     "UNSUPPORTED_MEDIA_TYPE"),
-    ("latin-1", json.dumps(VALID).encode(), {"Content-Type": "application/json; charset=latin-1"}, 415,
-     "UNSUPPORTED_MEDIA_TYPE"),
+    (
+        "an unknown charset",
+        json.dumps(VALID).encode(),
+        {"Content-Type": "application/json; charset=klingon"},
+        415,
+        "UNSUPPORTED_MEDIA_TYPE",
+    ),
+    (
+        "latin-1",
+        json.dumps(VALID).encode(),
+        {"Content-Type": "application/json; charset=latin-1"},
+        415,
+        "UNSUPPORTED_MEDIA_TYPE",
+    ),
     ("a form", b"prompt=hello", {"Content-Type": "application/x-www-form-urlencoded"}, 415, "UNSUPPORTED_MEDIA_TYPE"),
     ("max_tokens lots", json.dumps({**VALID, "max_tokens": "lots"}).encode(), {}, 400, "INVALID_REQUEST"),
     ("max_tokens 0", json.dumps({**VALID, "max_tokens": 0}).encode(), {}, 400, "INVALID_REQUEST"),
@@ -125,10 +156,15 @@ HOSTILE: list[tuple[str, bytes, dict[str, str], int, str]] = [
     ("negative token ids", json.dumps({**VALID, "prompt": [1, -2]}).encode(), {}, 400, "INVALID_REQUEST"),
     ("a number as model", json.dumps({**VALID, "model": 7}).encode(), {}, 400, "INVALID_REQUEST"),
     ("n 3", json.dumps({**VALID, "n": 3}).encode(), {}, 400, "INVALID_REQUEST"),
-    ("the client's kv_transfer_params", json.dumps({**VALID, "kv_transfer_params": {"remote_host": "evil"}}).encode(),
-     {}, 400, "INVALID_REQUEST"),
+    (
+        "the client's kv_transfer_params",
+        json.dumps({**VALID, "kv_transfer_params": {"remote_host": "evil"}}).encode(),
+        {},
+        400,
+        "INVALID_REQUEST",
+    ),
     ("17 MiB", b'{"prompt": "' + b"a" * (17 << 20) + b'"}', {}, 413, "TOO_LARGE"),
-]  # fmt: skip
+]
 CHAT_HOSTILE = [
     ("no messages", {"model": "tiny"}),
     ("messages a string", {"messages": "hi"}),
@@ -167,8 +203,11 @@ async def _raw(port: int, head: bytes, body: bytes = b"", wait: float = 0.0, clo
 
 
 def _head(length: int, extra: bytes = b"") -> bytes:
-    return (b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
-            + extra + f"Content-Length: {length}\r\n\r\n".encode())  # fmt: skip
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+        + extra
+        + f"Content-Length: {length}\r\n\r\n".encode()
+    )
 
 
 async def test_bodies_that_lie_stall_or_break_off_are_answered_at_once_or_within_the_bound(
@@ -204,8 +243,9 @@ def _mutations(rng: random.Random) -> bytes:
     junk = [None, "", "x" * rng.randint(1, 50), -1, 0, 2**63, 1.5, True, [], {}, [None], {"a": [1]}, "\u0000"]
     kind = rng.randrange(5)
     if kind == 0:
-        body[rng.choice(["prompt", "max_tokens", "stream", "model", "n", "max_completion_tokens",
-                         "stream_options"])] = rng.choice(junk)  # fmt: skip
+        body[
+            rng.choice(["prompt", "max_tokens", "stream", "model", "n", "max_completion_tokens", "stream_options"])
+        ] = rng.choice(junk)
     elif kind == 1:
         data = bytearray(json.dumps(body).encode())
         for _ in range(rng.randint(1, 5)):

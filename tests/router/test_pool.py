@@ -25,11 +25,13 @@ def status(prefill: list[dict[str, Any]], decode: list[dict[str, Any]], pairings
 
 
 def test_only_equal_or_listed_keys_pair() -> None:
-    pool = Pool.from_status(status(
-        [endpoint("p-old", "aaa"), endpoint("p-new", "bbb"), endpoint("p-other", "ccc")],
-        [endpoint("d-old", "aaa"), endpoint("d-new", "bbb")],
-        pairings=[("bbb", "aaa")],  # the operator checked new prefill -> old decode, not old prefill -> new decode
-    ))  # fmt: skip
+    pool = Pool.from_status(
+        status(
+            [endpoint("p-old", "aaa"), endpoint("p-new", "bbb"), endpoint("p-other", "ccc")],
+            [endpoint("d-old", "aaa"), endpoint("d-new", "bbb")],
+            pairings=[("bbb", "aaa")],  # the operator checked new prefill -> old decode, not old prefill -> new decode
+        )
+    )
     by_name = {t.pod: t for t in pool.prefill}
     assert [d.pod for d in pool.decodes_for(by_name["p-old"])] == ["d-old"]
     assert [d.pod for d in pool.decodes_for(by_name["p-new"])] == ["d-old", "d-new"]
@@ -85,13 +87,21 @@ def test_excluded_pods_are_not_chosen() -> None:
     assert balancer.choose(pool, exclude=["p0", "p1"]) is None
 
 
-@given(st.lists(st.tuples(st.sampled_from("abc"), st.sampled_from("abc")), max_size=6),
-       st.lists(st.sampled_from("abc"), min_size=1, max_size=5), st.lists(st.sampled_from("abc"), min_size=1,
-                                                                          max_size=5))  # fmt: skip
-def test_every_chosen_pair_is_equal_or_listed(pairings: list[tuple[str, str]], prefill: list[str],
-                                              decode: list[str]) -> None:  # fmt: skip
-    pool = Pool.from_status(status([endpoint(f"p{i}", k) for i, k in enumerate(prefill)],
-                                   [endpoint(f"d{i}", k) for i, k in enumerate(decode)], pairings))  # fmt: skip
+@given(
+    st.lists(st.tuples(st.sampled_from("abc"), st.sampled_from("abc")), max_size=6),
+    st.lists(st.sampled_from("abc"), min_size=1, max_size=5),
+    st.lists(st.sampled_from("abc"), min_size=1, max_size=5),
+)
+def test_every_chosen_pair_is_equal_or_listed(
+    pairings: list[tuple[str, str]], prefill: list[str], decode: list[str]
+) -> None:
+    pool = Pool.from_status(
+        status(
+            [endpoint(f"p{i}", k) for i, k in enumerate(prefill)],
+            [endpoint(f"d{i}", k) for i, k in enumerate(decode)],
+            pairings,
+        )
+    )
     balancer = Balancer()
     allowed = set(pairings)
     for _ in range(10):

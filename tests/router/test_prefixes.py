@@ -15,8 +15,12 @@ def pool(prefills: int = 2, decodes: int = 2) -> Pool:
     def endpoint(name: str, i: int) -> dict[str, str | int]:
         return {"pod": name, "ip": f"10.0.0.{i}", "httpPort": 8000, "pairing": "k"}
 
-    return Pool.from_status({"prefill": {"endpoints": [endpoint(f"p{i}", i) for i in range(prefills)]},
-                             "decode": {"endpoints": [endpoint(f"d{i}", 10 + i) for i in range(decodes)]}})  # fmt: skip
+    return Pool.from_status(
+        {
+            "prefill": {"endpoints": [endpoint(f"p{i}", i) for i in range(prefills)]},
+            "decode": {"endpoints": [endpoint(f"d{i}", 10 + i) for i in range(decodes)]},
+        }
+    )
 
 
 def test_the_policies_are_the_specs() -> None:

@@ -69,8 +69,9 @@ class FakeEngine:
             if self.mode in DRAIN_ANSWERS:
                 return await drain_answer(request, self.mode, bool(body.get("stream")))
             if not body.get("stream"):
-                return web.json_response({"choices": [{"token_ids": tokens}], "decode": self.name,
-                                          "kv_from": params.get("remote_engine_id")})  # fmt: skip
+                return web.json_response(
+                    {"choices": [{"token_ids": tokens}], "decode": self.name, "kv_from": params.get("remote_engine_id")}
+                )
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
             for token in tokens:
@@ -136,11 +137,13 @@ async def drain_answer(request: web.Request, mode: str, stream: bool) -> web.Str
         return web.json_response({"choices": [{"index": 0, "text": "", "token_ids": None, "finish_reason": "abort"}]})
     answers: dict[str, list[dict[str, Any]]] = {
         "aborted": [{"choices": [{"index": 0, "text": "", "finish_reason": "abort"}]}],
-        "stream-role-then-abort": [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
-                                   {"choices": [{"index": 0, "delta": {}, "finish_reason": "abort"}]}],
+        "stream-role-then-abort": [
+            {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+            {"choices": [{"index": 0, "delta": {}, "finish_reason": "abort"}]},
+        ],
         "stream-error-event": [{"error": {"message": "EngineCore encountered an issue.", "code": 500}}],
         "stream-done-without-tokens": [{"choices": [{"index": 0, "text": "", "finish_reason": None}]}],
-    }  # fmt: skip
+    }
     events = answers[mode]
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
@@ -159,10 +162,14 @@ class Rig:
     decode: list[FakeEngine]
 
     def route(self, prefill: list[Obj] | None = None, decode: list[Obj] | None = None) -> None:
-        self.router.set_pool(Pool.from_status({
-            "prefill": {"endpoints": prefill if prefill is not None else [e.endpoint for e in self.prefill]},
-            "decode": {"endpoints": decode if decode is not None else [e.endpoint for e in self.decode]},
-        }))  # fmt: skip
+        self.router.set_pool(
+            Pool.from_status(
+                {
+                    "prefill": {"endpoints": prefill if prefill is not None else [e.endpoint for e in self.prefill]},
+                    "decode": {"endpoints": decode if decode is not None else [e.endpoint for e in self.decode]},
+                }
+            )
+        )
 
     async def post(self, body: Obj, path: str = "/v1/completions") -> tuple[int, Obj]:
         async with self.session.post(self.url + path, json=body) as r:
@@ -204,8 +211,15 @@ async def rig() -> AsyncIterator[Rig]:
 
 
 def test_prefill_gets_one_token_no_stream_and_the_remote_decode_flag() -> None:
-    body = {"model": "m", "prompt": [1, 2], "max_tokens": 50, "stream": True, "stream_options": {"a": 1},
-            "max_completion_tokens": 50, "temperature": 0}  # fmt: skip
+    body = {
+        "model": "m",
+        "prompt": [1, 2],
+        "max_tokens": 50,
+        "stream": True,
+        "stream_options": {"a": 1},
+        "max_completion_tokens": 50,
+        "temperature": 0,
+    }
     sent = prefill_request(body)
     assert sent == {
         "model": "m",
@@ -226,16 +240,20 @@ async def test_decode_gets_the_clients_request_and_prefills_parameters(rig: Rig)
     assert sent["max_tokens"] == 3
     assert sent["prompt"] == [1, 2, 3]
     assert sent["kv_transfer_params"] == {"remote_engine_id": answer["kv_from"], "remote_block_ids": [7]}
-    status, _ = await rig.post({"model": "m", "messages": [{"role": "user", "content": "hi"}]},
-                               "/v1/chat/completions")  # fmt: skip
+    status, _ = await rig.post({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "/v1/chat/completions")
     assert status == 200
     assert rig.decode[0].received[-1]["messages"][0]["content"] == "hi"
 
 
-@pytest.mark.parametrize("raw", [
-    b'{"prompt":[1,2],"max_tokens":3}', b' \r\n{ "prompt" : "hi",\n "max_tokens": 3 }\n\t', b'{"a":"}"}',
-    '{"prompt":"caf\u00e9 \\ud800"}'.encode(),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt":[1,2],"max_tokens":3}',
+        b' \r\n{ "prompt" : "hi",\n "max_tokens": 3 }\n\t',
+        b'{"a":"}"}',
+        '{"prompt":"caf\u00e9 \\ud800"}'.encode(),
+    ],
+)
 def test_decode_gets_the_clients_bytes_with_the_transfer_parameters_appended(raw: bytes) -> None:
     params = {"remote_engine_id": "e", "remote_block_ids": [1, 2]}
     pieces = with_field(raw, "kv_transfer_params", params)
@@ -409,14 +427,19 @@ async def test_no_pair_is_503_with_the_reason(rig: Rig) -> None:
         assert "decode" in (await r.json())["problem"]
 
 
-@pytest.mark.parametrize(("data", "code"), [
-    (b"{not json", "INVALID_JSON"), (b"[1, 2]", "INVALID_REQUEST"),
-    (json.dumps({"prompt": [1], "kv_transfer_params": {"remote_host": "evil"}}).encode(), "INVALID_REQUEST"),
-    (b"{" + b" " * (17 << 20) + b"}", "TOO_LARGE"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("data", "code"),
+    [
+        (b"{not json", "INVALID_JSON"),
+        (b"[1, 2]", "INVALID_REQUEST"),
+        (json.dumps({"prompt": [1], "kv_transfer_params": {"remote_host": "evil"}}).encode(), "INVALID_REQUEST"),
+        (b"{" + b" " * (17 << 20) + b"}", "TOO_LARGE"),
+    ],
+)
 async def test_bad_requests_are_refused_before_any_engine_sees_them(rig: Rig, data: bytes, code: str) -> None:
-    async with rig.session.post(rig.url + "/v1/completions", data=data,
-                                headers={"Content-Type": "application/json"}) as r:  # fmt: skip
+    async with rig.session.post(
+        rig.url + "/v1/completions", data=data, headers={"Content-Type": "application/json"}
+    ) as r:
         answer = await r.json()
     assert answer["error"]["code"] == code
     assert r.status == (413 if code == "TOO_LARGE" else 400)
@@ -432,10 +455,13 @@ async def test_health_models_and_metrics(rig: Rig) -> None:
     await rig.post({"prompt": [1], "stream": True})
     await rig.post({"prompt": [1]})
     metrics = await (await rig.session.get(rig.url + "/metrics")).text()
-    for line in ('kvbridge_router_requests_total{outcome="ok",route="completions"} 2.0',
-                 "kvbridge_router_ttft_seconds_count 2.0", 'kvbridge_router_endpoints{role="prefill"} 2.0',
-                 'kvbridge_router_outstanding_requests{pod="decode-0",role="decode"} 0.0',
-                 "kvbridge_router_overhead_seconds_count 2.0"):  # fmt: skip
+    for line in (
+        'kvbridge_router_requests_total{outcome="ok",route="completions"} 2.0',
+        "kvbridge_router_ttft_seconds_count 2.0",
+        'kvbridge_router_endpoints{role="prefill"} 2.0',
+        'kvbridge_router_outstanding_requests{pod="decode-0",role="decode"} 0.0',
+        "kvbridge_router_overhead_seconds_count 2.0",
+    ):
         assert line in metrics
 
 
@@ -544,8 +570,9 @@ async def test_a_decode_that_hangs_before_the_first_byte_is_cut_at_its_bound_and
 
 
 async def test_the_whole_request_is_bounded_across_retries(rig: Rig) -> None:
-    rig.router.config = RouterConfig(prefill_timeout=1.0, decode_timeout=5.0, decode_idle_timeout=3.0,
-                                     request_timeout=1.5)  # fmt: skip
+    rig.router.config = RouterConfig(
+        prefill_timeout=1.0, decode_timeout=5.0, decode_idle_timeout=3.0, request_timeout=1.5
+    )
     await two_decodes(rig)
     for engine in rig.decode:
         engine.mode = "slow"

@@ -21,8 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def status(*prefill: str) -> dict[str, Any]:
-    return {"prefill": {"endpoints": [{"pod": p, "ip": "10.0.0.1", "httpPort": 8000, "pairing": "k"} for p in prefill]},
-            "decode": {"endpoints": [{"pod": "d-0", "ip": "10.0.0.9", "httpPort": 8000, "pairing": "k"}]}}  # fmt: skip
+    return {
+        "prefill": {"endpoints": [{"pod": p, "ip": "10.0.0.1", "httpPort": 8000, "pairing": "k"} for p in prefill]},
+        "decode": {"endpoints": [{"pod": "d-0", "ip": "10.0.0.9", "httpPort": 8000, "pairing": "k"}]},
+    }
 
 
 @pytest.fixture

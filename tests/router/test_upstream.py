@@ -62,8 +62,9 @@ async def drain(upstream: Upstream, url: str, idle: float) -> int:
 async def echo(request: web.Request) -> web.Response:
     body = await request.read()
     close = {"Connection": "close"} if request.query.get("close") else {}
-    return web.Response(body=body, content_type="application/json",
-                        headers={"X-Seen": request.headers.get("X-Request-Id", ""), **close})  # fmt: skip
+    return web.Response(
+        body=body, content_type="application/json", headers={"X-Seen": request.headers.get("X-Request-Id", ""), **close}
+    )
 
 
 async def test_a_connection_is_reused_only_after_an_answer_read_whole() -> None:

@@ -18,8 +18,10 @@ Obj = dict[str, Any]
 async def api() -> AsyncIterator[tuple[RealisticKubernetes, KubeClient, KubeClient]]:
     async with RealisticKubernetes() as emulator, kmock.Server(emulator) as server:
         url = str(server.url)
-        async with KubeClient.for_url(url, user_agent="kvbridge-operator") as ours, \
-                KubeClient.for_url(url, user_agent="horizontal-pod-autoscaler/v1.34") as theirs:  # fmt: skip
+        async with (
+            KubeClient.for_url(url, user_agent="kvbridge-operator") as ours,
+            KubeClient.for_url(url, user_agent="horizontal-pod-autoscaler/v1.34") as theirs,
+        ):
             yield emulator, ours, theirs
 
 
@@ -73,9 +75,15 @@ async def test_an_apply_that_contradicts_another_manager_conflicts_unless_forced
     await theirs.patch(STATEFUL_SETS, "default", "x", {"spec": {"replicas": 5}}, "scale")
     conflicting = stateful_set(replicas=3)
     with pytest.raises(ApiError) as refused:  # the operator always forces; a raw request shows the conflict
-        await ours._request("patch", "PATCH", STATEFUL_SETS, STATEFUL_SETS.path("default", "x"), body=conflicting,
-                            content_type="application/apply-patch+yaml",
-                            params={"fieldManager": "kvbridge-operator"})  # fmt: skip
+        await ours._request(
+            "patch",
+            "PATCH",
+            STATEFUL_SETS,
+            STATEFUL_SETS.path("default", "x"),
+            body=conflicting,
+            content_type="application/apply-patch+yaml",
+            params={"fieldManager": "kvbridge-operator"},
+        )
     assert refused.value.status == 409
     assert 'conflict with "horizontal-pod-autoscaler": .spec.replicas' in str(refused.value)
     forced = await ours.apply(STATEFUL_SETS, conflicting)

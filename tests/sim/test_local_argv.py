@@ -32,8 +32,9 @@ def test_a_rendered_vllm_pod_loads_the_folder_and_serves_the_name_only(
     tmp_path: Path, connector: str, role: Role
 ) -> None:
     document = deployment(f"argv-{connector.lower()}", 1, connector=connector)
-    spec = pods.local_pod(rendered_template(document, role), "pod-0", "127.0.3.1", tmp_path,
-                          models={MODEL_NAME: FOLDER})  # fmt: skip
+    spec = pods.local_pod(
+        rendered_template(document, role), "pod-0", "127.0.3.1", tmp_path, models={MODEL_NAME: FOLDER}
+    )
     argv = spec.argv
     assert argv[argv.index("serve") + 1] == FOLDER
     assert served_names(argv) == [MODEL_NAME]

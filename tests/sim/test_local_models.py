@@ -13,9 +13,13 @@ from kvbridge_sim.demo import models_for
 EXAMPLES = Path(__file__).parents[2] / "examples" / "vllm"
 
 
-@pytest.mark.parametrize(("manifest", "shape"), [
-    ("tiny-cpu.yaml", tiny_model.TINY), ("small-cpu-kv-aware.yaml", tiny_model.SMALL),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("manifest", "shape"),
+    [
+        ("tiny-cpu.yaml", tiny_model.TINY),
+        ("small-cpu-kv-aware.yaml", tiny_model.SMALL),
+    ],
+)
 def test_the_example_manifests_say_the_models_geometry(manifest: str, shape: tiny_model.Shape) -> None:
     model = yaml.safe_load((EXAMPLES / manifest).read_text())["spec"]["model"]
     assert model["name"] == shape.name

@@ -19,10 +19,12 @@ from kvbridge_sim.vllm_engines import MODEL_NAME, deployment, plan_json, plan_js
 def test_the_json_alone_starts_the_process_the_pod_runs(tmp_path: Path, connector: str, role: Role) -> None:
     document = deployment(f"json-{connector.lower()}", 1, connector=connector)
     models = {MODEL_NAME: "/models/tiny"}
-    from_json = plan_json_pod(plan_json(document, tmp_path), role, "pod-0", "127.0.3.1", tmp_path, models=models,
-                              cpus=(0,))  # fmt: skip
-    from_pod = pods.local_pod(rendered_template(document, role), "pod-0", "127.0.3.1", tmp_path, models=models,
-                              cpus=(0,))  # fmt: skip
+    from_json = plan_json_pod(
+        plan_json(document, tmp_path), role, "pod-0", "127.0.3.1", tmp_path, models=models, cpus=(0,)
+    )
+    from_pod = pods.local_pod(
+        rendered_template(document, role), "pod-0", "127.0.3.1", tmp_path, models=models, cpus=(0,)
+    )
     assert from_json.argv == from_pod.argv
     assert from_json.env == from_pod.env
     assert (from_json.http_port, from_json.health_path) == (from_pod.http_port, from_pod.health_path)

@@ -29,9 +29,10 @@ DEPLOYMENTS = {
     "kvbridge-merge": deployment("tiny-kvbridge-merge", 1, connector="KVBridge", blocks=(32, 64)),
     "kvbridge-split": deployment("tiny-kvbridge-split", 1, connector="KVBridge", blocks=(64, 32)),
     "kvbridge-tp2": deployment("tiny-kvbridge-tp2", 2, connector="KVBridge"),
-    "short-lease": deployment("tiny-short-lease", 1, lease=SHORT_LEASE_SECONDS,
-                              extra=(f"--num-gpu-blocks-override={SHORT_LEASE_BLOCKS}",)),
-}  # fmt: skip
+    "short-lease": deployment(
+        "tiny-short-lease", 1, lease=SHORT_LEASE_SECONDS, extra=(f"--num-gpu-blocks-override={SHORT_LEASE_BLOCKS}",)
+    ),
+}
 
 
 @pytest.fixture(scope="session")
@@ -50,8 +51,16 @@ def all_engines(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
     def from_plan_json(name: str, deployment_name: str, role: Role, ip: str, core: int, **env: str) -> None:
         """An engine started from ``kvbridge plan --json`` alone (docs/cli.md): the TP-1 engines of both connectors
         run so, and test_pd/test_kvbridge_connector compare their tokens with a single engine's."""
-        spec = plan_json_pod(plan_json(DEPLOYMENTS[deployment_name], plans), role, name, ip, found.workdir / name,
-                             models=models, cpus=(core,), env_overrides=env)  # fmt: skip
+        spec = plan_json_pod(
+            plan_json(DEPLOYMENTS[deployment_name], plans),
+            role,
+            name,
+            ip,
+            found.workdir / name,
+            models=models,
+            cpus=(core,),
+            env_overrides=env,
+        )
         found.add_spec(name, ip, spec)
 
     from_plan_json("decode", "tp1", Role.DECODE, "127.0.1.5", 1)
@@ -65,21 +74,39 @@ def all_engines(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
     from_plan_json("kvbridge-prefill", "kvbridge", Role.PREFILL, "127.0.1.6", 0, KVBRIDGE_KEYS_DIR=str(keys))
     from_plan_json("kvbridge-decode", "kvbridge", Role.DECODE, "127.0.1.7", 1, KVBRIDGE_KEYS_DIR=str(keys))
     # a second pod of each role of the same deployment: one of each is sent SIGTERM under load (test_drain)
-    for name, role, ip, core in (("kvbridge-prefill-b", Role.PREFILL, "127.0.1.12", 0),
-                                 ("kvbridge-decode-b", Role.DECODE, "127.0.1.13", 1)):  # fmt: skip
-        found.add(name, rendered_template(DEPLOYMENTS["kvbridge"], role), ip, (core,),
-                  env={"KVBRIDGE_KEYS_DIR": str(keys)})  # fmt: skip
+    for name, role, ip, core in (
+        ("kvbridge-prefill-b", Role.PREFILL, "127.0.1.12", 0),
+        ("kvbridge-decode-b", Role.DECODE, "127.0.1.13", 1),
+    ):
+        found.add(
+            name, rendered_template(DEPLOYMENTS["kvbridge"], role), ip, (core,), env={"KVBRIDGE_KEYS_DIR": str(keys)}
+        )
     for name, deployment_name, role, ip, core in (
         ("kvbridge-decode-64", "kvbridge-merge", Role.DECODE, "127.0.1.8", 1),  # reads the 32-token prefill
         ("kvbridge-prefill-64", "kvbridge-split", Role.PREFILL, "127.0.1.9", 0),  # read by the 32-token decode
     ):
-        found.add(name, rendered_template(DEPLOYMENTS[deployment_name], role), ip, (core,),
-                  env={"KVBRIDGE_KEYS_DIR": str(keys)})  # fmt: skip
+        found.add(
+            name,
+            rendered_template(DEPLOYMENTS[deployment_name], role),
+            ip,
+            (core,),
+            env={"KVBRIDGE_KEYS_DIR": str(keys)},
+        )
     # TP 2 -> 1 with kvbridge's connector: the prefill ranks on cores of their own (where there are 4)
-    found.add("kvbridge-prefill-tp2", rendered_template(DEPLOYMENTS["kvbridge-tp2"], Role.PREFILL), "127.0.1.10",
-              (2, 3), env={"KVBRIDGE_KEYS_DIR": str(keys)})  # fmt: skip
-    found.add("kvbridge-decode-tp2", rendered_template(DEPLOYMENTS["kvbridge-tp2"], Role.DECODE), "127.0.1.11",
-              (1,), env={"KVBRIDGE_KEYS_DIR": str(keys)})  # fmt: skip
+    found.add(
+        "kvbridge-prefill-tp2",
+        rendered_template(DEPLOYMENTS["kvbridge-tp2"], Role.PREFILL),
+        "127.0.1.10",
+        (2, 3),
+        env={"KVBRIDGE_KEYS_DIR": str(keys)},
+    )
+    found.add(
+        "kvbridge-decode-tp2",
+        rendered_template(DEPLOYMENTS["kvbridge-tp2"], Role.DECODE),
+        "127.0.1.11",
+        (1,),
+        env={"KVBRIDGE_KEYS_DIR": str(keys)},
+    )
     try:
         yield found
     finally:

@@ -29,21 +29,29 @@ def make_scheduler(model_path: Path, role: Role, monkeypatch: pytest.MonkeyPatch
     from vllm.v1.structured_output import StructuredOutputManager
 
     env = EngineEnvironment(
-        role=role, engine_id=f"{role.value}-0", model=MODEL,
-        prefill=RoleSettings(block_size=BLOCK), decode=RoleSettings(block_size=BLOCK), side_channel_host="127.0.0.1",
+        role=role,
+        engine_id=f"{role.value}-0",
+        model=MODEL,
+        prefill=RoleSettings(block_size=BLOCK),
+        decode=RoleSettings(block_size=BLOCK),
+        side_channel_host="127.0.0.1",
         side_channel_listen_port=0,
-    )  # fmt: skip
+    )
     for name, value in render_environment(env).items():
         monkeypatch.setenv(name, value)
     config = VllmConfig(
         model_config=ModelConfig(model=str(model_path), dtype="bfloat16", max_model_len=512, seed=0),
         cache_config=CacheConfig(block_size=BLOCK),
-        scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=512,
-                                         is_encoder_decoder=False),
-        kv_transfer_config=KVTransferConfig(kv_connector="KVBridgeConnector", kv_role=role_name(role),
-                                            kv_connector_module_path="kvbridge_agent.vllm_connector"),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=16, max_num_batched_tokens=512, max_model_len=512, is_encoder_decoder=False
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVBridgeConnector",
+            kv_role=role_name(role),
+            kv_connector_module_path="kvbridge_agent.vllm_connector",
+        ),
         device_config=DeviceConfig("cpu"),
-    )  # fmt: skip
+    )
     config.cache_config.num_gpu_blocks = BLOCKS
     layers = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
@@ -71,10 +79,22 @@ def prefill(tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     from kvbridge_agent.vllm_connector.messages import RankHandshake
 
     meta = RankMetadata(
-        engine_id="prefill-0", incarnation="inc", agent_name="a", tp_rank=0, tp_size=1, block_size=BLOCK,
-        kv_layout="HND", cache_kind="Split", num_blocks=BLOCKS, tensor_bases=[4096], region_block_bytes=16384,
-        wire_block_size=BLOCK, wire_layout="HND", memory_type="DRAM", device_id=0,
-    )  # fmt: skip
+        engine_id="prefill-0",
+        incarnation="inc",
+        agent_name="a",
+        tp_rank=0,
+        tp_size=1,
+        block_size=BLOCK,
+        kv_layout="HND",
+        cache_kind="Split",
+        num_blocks=BLOCKS,
+        tensor_bases=[4096],
+        region_block_bytes=16384,
+        wire_block_size=BLOCK,
+        wire_layout="HND",
+        memory_type="DRAM",
+        device_id=0,
+    )
     scheduler.connector.set_xfer_handshake_metadata({0: RankHandshake(meta.model_dump_json(), b"agent")})
     yield scheduler
     scheduler.connector.shutdown()
@@ -89,8 +109,9 @@ def request(request_id: str, tokens: int, params: dict[str, Any], max_tokens: in
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)  # as vLLM's engine core does: prefix caching hashes every full block
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args={"kv_transfer_params": params})
-    return Request(request_id, list(range(1, tokens + 1)), sampling, None,
-                   block_hasher=get_request_block_hasher(BLOCK, hash_fn))  # fmt: skip
+    return Request(
+        request_id, list(range(1, tokens + 1)), sampling, None, block_hasher=get_request_block_hasher(BLOCK, hash_fn)
+    )
 
 
 def step(scheduler: Any, sampled: int | None = 7, **connector: set[str]) -> Any:
@@ -100,10 +121,11 @@ def step(scheduler: Any, sampled: int | None = 7, **connector: set[str]) -> Any:
     output = scheduler.schedule()
     ids = list(output.num_scheduled_tokens)
     runner = ModelRunnerOutput(
-        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
         sampled_token_ids=[[sampled] if sampled is not None else [] for _ in ids],
         kv_connector_output=KVConnectorOutput(**connector) if connector else None,
-    )  # fmt: skip
+    )
     scheduler.update_from_output(output, runner)
     return output
 
@@ -115,10 +137,17 @@ def free_blocks(scheduler: Any) -> int:
 def remote_params(tokens: int) -> dict[str, Any]:
     blocks = list(range(10, 10 + -(-tokens // BLOCK)))
     params = KVTransferParams(
-        remote_engine_id="prefill-0", remote_incarnation="inc", remote_host="127.0.0.1", remote_port=5600,
-        remote_request_id="p-1", remote_block_ids=blocks, num_tokens=tokens, remote_tp_size=1, fingerprint="fp",
+        remote_engine_id="prefill-0",
+        remote_incarnation="inc",
+        remote_host="127.0.0.1",
+        remote_port=5600,
+        remote_request_id="p-1",
+        remote_block_ids=blocks,
+        num_tokens=tokens,
+        remote_tp_size=1,
+        fingerprint="fp",
         expires_at=time.time() + 120,
-    )  # fmt: skip
+    )
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,

@@ -69,13 +69,21 @@ def parse(text: str, stream: bool) -> tuple[list[int], str | None, str]:
     return tokens, finish, ""
 
 
-async def client(session: aiohttp.ClientSession, url: str, model: str, index: int, until: float,
-                 answers: list[Answer]) -> None:  # fmt: skip
+async def client(
+    session: aiohttp.ClientSession, url: str, model: str, index: int, until: float, answers: list[Answer]
+) -> None:
     rnd = random.Random(index)
     while time.monotonic() < until:
         prompt = [rnd.randint(5, 900) for _ in range(rnd.randint(16, 300))]
-        body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": rnd.randint(4, 16), "temperature": 0.0,
-                "ignore_eos": True, "return_token_ids": True, "stream": index % 2 == 1}  # fmt: skip
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": rnd.randint(4, 16),
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": index % 2 == 1,
+        }
         started = time.monotonic()
         try:
             async with session.post(f"{url}/v1/completions", json=body) as response:
@@ -84,8 +92,11 @@ async def client(session: aiohttp.ClientSession, url: str, model: str, index: in
         except (aiohttp.ClientError, TimeoutError) as exc:
             text, status = repr(exc), -1
         tokens, finish, error = parse(text, body["stream"]) if status == 200 else ([], None, text[:300])
-        answers.append(Answer(prompt, body["max_tokens"], body["stream"], status, tokens, finish,
-                              time.monotonic() - started, error))  # fmt: skip
+        answers.append(
+            Answer(
+                prompt, body["max_tokens"], body["stream"], status, tokens, finish, time.monotonic() - started, error
+            )
+        )
 
 
 async def test_sigterm_to_a_decode_then_a_prefill_pod_under_load_loses_no_request(
@@ -97,10 +108,15 @@ async def test_sigterm_to_a_decode_then_a_prefill_pod_under_load_loses_no_reques
     config = RouterConfig(prefill_timeout=60, decode_timeout=120, connect_timeout=2, request_timeout=120)
     answers: list[Answer] = []
     async with running_router(config) as (router, url):
-        router.set_pool(pool(
-            [endpoint(engines, name, document, Role.PREFILL) for name in ("kvbridge-prefill", "kvbridge-prefill-b")],
-            [endpoint(engines, name, document, Role.DECODE) for name in ("kvbridge-decode", "kvbridge-decode-b")],
-        ))  # fmt: skip
+        router.set_pool(
+            pool(
+                [
+                    endpoint(engines, name, document, Role.PREFILL)
+                    for name in ("kvbridge-prefill", "kvbridge-prefill-b")
+                ],
+                [endpoint(engines, name, document, Role.DECODE) for name in ("kvbridge-decode", "kvbridge-decode-b")],
+            )
+        )
         loop = asyncio.get_running_loop()
         until = time.monotonic() + 40
         load = [asyncio.create_task(client(session, url, model, i, until, answers)) for i in range(CLIENTS)]
@@ -134,6 +150,7 @@ async def test_sigterm_to_a_decode_then_a_prefill_pod_under_load_loses_no_reques
     # the answers are the model's: a sample compared with a single engine (a survivor, its cache salted)
     decode = engines.engines["kvbridge-decode"].url
     for index, answer in enumerate(random.Random(0).sample(answers, 24)):
-        want = await pd_requests.baseline(session, decode, model, answer.prompt, answer.max_tokens,
-                                          salt=f"drain-{index}")  # fmt: skip
+        want = await pd_requests.baseline(
+            session, decode, model, answer.prompt, answer.max_tokens, salt=f"drain-{index}"
+        )
         assert answer.tokens == want.tokens, f"request {index} ({'streamed' if answer.stream else 'whole'})"

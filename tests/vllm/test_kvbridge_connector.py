@@ -66,16 +66,26 @@ async def test_the_router_pairs_only_compatible_kvbridge_pods_and_answers_as_a_s
     single engine would, streamed or not."""
     _, decode, model = urls(kvbridge_engines)
     async with running_router() as (router, url):
-        router.set_pool(pool(
-            [endpoint(kvbridge_engines, "kvbridge-prefill", DEPLOYMENTS["kvbridge"], Role.PREFILL)],
-            [endpoint(kvbridge_engines, "kvbridge-decode", DEPLOYMENTS["kvbridge"], Role.DECODE),
-             endpoint(kvbridge_engines, "kvbridge-decode-64", DEPLOYMENTS["kvbridge-merge"], Role.DECODE)],
-        ))  # fmt: skip
+        router.set_pool(
+            pool(
+                [endpoint(kvbridge_engines, "kvbridge-prefill", DEPLOYMENTS["kvbridge"], Role.PREFILL)],
+                [
+                    endpoint(kvbridge_engines, "kvbridge-decode", DEPLOYMENTS["kvbridge"], Role.DECODE),
+                    endpoint(kvbridge_engines, "kvbridge-decode-64", DEPLOYMENTS["kvbridge-merge"], Role.DECODE),
+                ],
+            )
+        )
         for index, length in enumerate((9, 2 * BLOCK + 1)):
             tokens = prompt(length, salt=300 + index)
             want = await pd_requests.baseline(session, decode, model, tokens, MAX_TOKENS, salt=f"kvb-router-{index}")
-            body = {"model": model, "prompt": tokens, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-                    "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+            body = {
+                "model": model,
+                "prompt": tokens,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            }
             async with session.post(f"{url}/v1/completions", json=body) as response:
                 answer = await response.json()
             assert answer["choices"][0]["token_ids"] == want.tokens
@@ -115,8 +125,16 @@ async def test_a_read_after_the_lease_fails_the_request_and_decode_keeps_serving
     params["kvbridge"]["expiresAt"] = time.time() - 5  # as if decode came back after prefill's lease ended
     with pytest.raises(pd_requests.PDRequestError):
         await pd_requests.decode(session, decode, model, tokens, params, MAX_TOKENS)  # fails, never stale KV
-    await assert_pd_equals_single_engine(session, prefill, decode, model, prompt(2 * BLOCK + 5, salt=12), MAX_TOKENS,
-                                         salt="kvb-after-lease", what="after an expired lease")  # fmt: skip
+    await assert_pd_equals_single_engine(
+        session,
+        prefill,
+        decode,
+        model,
+        prompt(2 * BLOCK + 5, salt=12),
+        MAX_TOKENS,
+        salt="kvb-after-lease",
+        what="after an expired lease",
+    )
 
 
 async def test_a_restarted_prefill_is_met_again_without_restarting_decode(
@@ -128,8 +146,16 @@ async def test_a_restarted_prefill_is_met_again_without_restarting_decode(
     kvbridge_engines.stop(["kvbridge-prefill"])
     kvbridge_engines.start(["kvbridge-prefill"])  # a new process: a new incarnation, new NIXL agent
     assert kvbridge_engines.running("kvbridge-decode")
-    await assert_pd_equals_single_engine(session, prefill, decode, model, prompt(3 * BLOCK + 1, salt=22), MAX_TOKENS,
-                                         salt="kvb-after-restart", what="after the prefill restart")  # fmt: skip
+    await assert_pd_equals_single_engine(
+        session,
+        prefill,
+        decode,
+        model,
+        prompt(3 * BLOCK + 1, salt=22),
+        MAX_TOKENS,
+        salt="kvb-after-restart",
+        what="after the prefill restart",
+    )
 
 
 async def test_a_decode_prompt_longer_than_prefills_fails_alone(
@@ -142,15 +168,25 @@ async def test_a_decode_prompt_longer_than_prefills_fails_alone(
     longer = tokens + prompt(BLOCK, salt=32)
     with pytest.raises(pd_requests.PDRequestError):
         await pd_requests.decode(session, decode, model, longer, params, MAX_TOKENS)
-    await assert_pd_equals_single_engine(session, prefill, decode, model, prompt(BLOCK + 3, salt=33), MAX_TOKENS,
-                                         salt="kvb-after-mismatch", what="after a mismatched prompt")  # fmt: skip
+    await assert_pd_equals_single_engine(
+        session,
+        prefill,
+        decode,
+        model,
+        prompt(BLOCK + 3, salt=33),
+        MAX_TOKENS,
+        salt="kvb-after-mismatch",
+        what="after a mismatched prompt",
+    )
 
 
 @pytest.mark.parametrize(
     ("prefill_engine", "decode_engine", "conversion"),
-    [("kvbridge-prefill", "kvbridge-decode-64", "decode merges two 32-token blocks into each 64-token block"),
-     ("kvbridge-prefill-64", "kvbridge-decode", "prefill splits each 64-token block into two 32-token blocks")],
-)  # fmt: skip
+    [
+        ("kvbridge-prefill", "kvbridge-decode-64", "decode merges two 32-token blocks into each 64-token block"),
+        ("kvbridge-prefill-64", "kvbridge-decode", "prefill splits each 64-token block into two 32-token blocks"),
+    ],
+)
 @pytest.mark.parametrize("length", [7, 3 * BLOCK + 13, 10 * BLOCK + 5])
 async def test_block_size_conversions_nixl_gets_wrong_on_cpu_give_equal_tokens(
     kvbridge_engines: Engines,
@@ -166,8 +202,9 @@ async def test_block_size_conversions_nixl_gets_wrong_on_cpu_give_equal_tokens(
     prefill, decode = kvbridge_engines.engines[prefill_engine].url, kvbridge_engines.engines[decode_engine].url
     model = MODEL_NAME
     tokens = prompt(length, salt=400 + length + len(prefill_engine))
-    await assert_pd_equals_single_engine(session, prefill, decode, model, tokens, MAX_TOKENS,
-                                         salt=f"kvb-{decode_engine}-{length}", what=conversion)  # fmt: skip
+    await assert_pd_equals_single_engine(
+        session, prefill, decode, model, tokens, MAX_TOKENS, salt=f"kvb-{decode_engine}-{length}", what=conversion
+    )
 
 
 async def test_decode_exports_transfers_and_failures_on_vllms_metrics(
@@ -175,10 +212,12 @@ async def test_decode_exports_transfers_and_failures_on_vllms_metrics(
 ) -> None:
     """vLLM's /metrics carries the connector's figures: each read's time, bytes and descriptors, failures by code."""
     prefill, decode, model = urls(kvbridge_engines)
-    names = {"reads": ("vllm:kvbridge_transfer_seconds_count",),
-             "descriptors": ("vllm:kvbridge_descriptors_per_request_sum",),
-             "bytes": ("vllm:kvbridge_transfer_bytes_sum",),
-             "expired": ("vllm:kvbridge_failed_transfers_total", 'code="LEASE_EXPIRED"')}  # fmt: skip
+    names = {
+        "reads": ("vllm:kvbridge_transfer_seconds_count",),
+        "descriptors": ("vllm:kvbridge_descriptors_per_request_sum",),
+        "bytes": ("vllm:kvbridge_transfer_bytes_sum",),
+        "expired": ("vllm:kvbridge_failed_transfers_total", 'code="LEASE_EXPIRED"'),
+    }
 
     async def figures() -> dict[str, float]:
         return {key: await metric(session, decode, *name) for key, name in names.items()}
@@ -211,15 +250,23 @@ async def test_prefill_tp2_to_decode_tp1_gives_equal_tokens(
     """Each decode rank reads both prefill ranks' heads (one plan per prefill engine, two remote agents)."""
     engines = kvbridge_tp2_engines.engines
     prefill, decode = engines["kvbridge-prefill-tp2"].url, engines["kvbridge-decode-tp2"].url
-    await assert_pd_equals_single_engine(session, prefill, decode, MODEL_NAME,
-                                         prompt(length, salt=600 + length), MAX_TOKENS, salt=f"kvb-tp2-{length}",
-                                         what="prefill TP 2 -> decode TP 1")  # fmt: skip
+    await assert_pd_equals_single_engine(
+        session,
+        prefill,
+        decode,
+        MODEL_NAME,
+        prompt(length, salt=600 + length),
+        MAX_TOKENS,
+        salt=f"kvb-tp2-{length}",
+        what="prefill TP 2 -> decode TP 1",
+    )
     other = prompt(3 * BLOCK, salt=700)  # negative control: another prompt's KV under this prompt's tokens
     foreign = await pd_requests.prefill(session, prefill, MODEL_NAME, other)
     tokens = prompt(3 * BLOCK, salt=701)
     got = await pd_requests.decode(session, decode, MODEL_NAME, tokens, foreign, MAX_TOKENS)
-    want = await pd_requests.baseline(session, decode, MODEL_NAME, tokens, MAX_TOKENS,
-                                      salt=f"kvb-tp2-negative-{length}")  # fmt: skip
+    want = await pd_requests.baseline(
+        session, decode, MODEL_NAME, tokens, MAX_TOKENS, salt=f"kvb-tp2-negative-{length}"
+    )
     assert got.tokens != want.tokens
 
 
@@ -281,8 +328,16 @@ async def test_kv_overwritten_after_publish_never_gives_other_tokens(
         else:
             assert got is not None
             assert got != want.tokens, "the overwritten KV did not change the answer: the fault proves nothing"
-    await assert_pd_equals_single_engine(session, prefill, decode, model, prompt(2 * BLOCK + 5, salt=44), MAX_TOKENS,
-                                         salt="kvb-after-overwrite", what="after a digest mismatch")  # fmt: skip
+    await assert_pd_equals_single_engine(
+        session,
+        prefill,
+        decode,
+        model,
+        prompt(2 * BLOCK + 5, salt=44),
+        MAX_TOKENS,
+        salt="kvb-after-overwrite",
+        what="after a digest mismatch",
+    )
 
 
 #: client request ids vLLM turns into its own (``cmpl-<id>-...``) that kvbridge cannot carry: a ':' (its

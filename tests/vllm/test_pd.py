@@ -43,8 +43,9 @@ async def equal_tokens(engines: Engines, session: aiohttp.ClientSession, prefill
     model = MODEL_NAME
     tokens = prompt(LENGTHS[length], salt=salt)
     source, decode = engines.engines[prefill], engines.engines["decode"]
-    await assert_pd_equals_single_engine(session, source.url, decode.url, model, tokens, MAX_TOKENS,
-                                         salt=f"baseline-{salt}", what=f"{prefill} {length}")  # fmt: skip
+    await assert_pd_equals_single_engine(
+        session, source.url, decode.url, model, tokens, MAX_TOKENS, salt=f"baseline-{salt}", what=f"{prefill} {length}"
+    )
 
 
 async def crossed_kv(engines: Engines, session: aiohttp.ClientSession, prefill: str, salt: int) -> None:

@@ -32,16 +32,30 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
 
 def _pool_of(engines: Engines, prefill: list[str]) -> Pool:
     return pool(
-        [endpoint(engines, name, DEPLOYMENTS["short-lease" if "short" in name else "tp1"], Role.PREFILL)
-         for name in prefill],
+        [
+            endpoint(engines, name, DEPLOYMENTS["short-lease" if "short" in name else "tp1"], Role.PREFILL)
+            for name in prefill
+        ],
         [endpoint(engines, "decode", DEPLOYMENTS["tp1"], Role.DECODE)],
-    )  # fmt: skip
+    )
 
 
-async def _via_router(session: aiohttp.ClientSession, url: str, model: str, tokens: list[int], stream: bool,
-                      ) -> tuple[int, list[int], str]:  # fmt: skip
-    body = {"model": model, "prompt": tokens, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
-            "return_token_ids": True, "stream": stream}  # fmt: skip
+async def _via_router(
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    tokens: list[int],
+    stream: bool,
+) -> tuple[int, list[int], str]:
+    body = {
+        "model": model,
+        "prompt": tokens,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": stream,
+    }
     async with session.post(f"{url}/v1/completions", json=body) as response:
         text = await response.text()
     if response.status != 200:
@@ -118,8 +132,9 @@ async def test_router_keeps_serving_while_a_prefill_pod_is_killed(
             tokens = prompt(2 * BLOCK + 3, salt=950 + index)
             status, got, text = await _via_router(session, url, model, tokens, stream=index % 2 == 1)
             assert status == 200, f"{text}\n{tp1_engines.log_tails(['prefill-tp1', 'decode'])}"
-            want = await pd_requests.baseline(session, decode.url, model, tokens, MAX_TOKENS,
-                                              salt=f"router-kill-{index}")  # fmt: skip
+            want = await pd_requests.baseline(
+                session, decode.url, model, tokens, MAX_TOKENS, salt=f"router-kill-{index}"
+            )
             assert got == want.tokens
         metrics = await (await session.get(f"{url}/metrics")).text()
         assert 'kvbridge_router_prefill_retries_total{pod="prefill-short-lease"}' in metrics  # tried and skipped

@@ -83,10 +83,17 @@ class LoopbackReport:
 
 def environments(name: str, pair: PairSpec, num_blocks: int, keys_dir: str) -> tuple[EngineEnvironment, ...]:
     common: dict[str, Any] = {
-        "deployment": name, "model": pair.model, "prefill": pair.prefill, "decode": pair.decode,
-        "transfer": pair.transfer, "side_channel_host": "127.0.0.1", "side_channel_listen_port": 0,
-        "keys_dir": keys_dir, "num_blocks": num_blocks, "http_port": 0,
-    }  # fmt: skip
+        "deployment": name,
+        "model": pair.model,
+        "prefill": pair.prefill,
+        "decode": pair.decode,
+        "transfer": pair.transfer,
+        "side_channel_host": "127.0.0.1",
+        "side_channel_listen_port": 0,
+        "keys_dir": keys_dir,
+        "num_blocks": num_blocks,
+        "http_port": 0,
+    }
     return tuple(
         EngineEnvironment(role=role, engine_id=f"{name}-{role.value}-0", **common)
         for role in (Role.PREFILL, Role.DECODE)

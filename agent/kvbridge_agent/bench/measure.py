@@ -197,9 +197,15 @@ def _engines(
     in the background (stopping is mostly waiting, so the next suite's engines start meanwhile)."""
     blocks = -(-suite.tokens // 16)
     common: dict[str, Any] = {
-        "model": suite.model, "prefill": RoleSettings(), "decode": RoleSettings(), "keys_dir": keys_dir,
-        "num_blocks": 2 * blocks + 16, "http_port": 0, "side_channel_listen_port": 0, "verify": False,
-    }  # fmt: skip
+        "model": suite.model,
+        "prefill": RoleSettings(),
+        "decode": RoleSettings(),
+        "keys_dir": keys_dir,
+        "num_blocks": 2 * blocks + 16,
+        "http_port": 0,
+        "side_channel_listen_port": 0,
+        "verify": False,
+    }
     wanted = sorted({(Role.PREFILL, p) for p, _ in suite.pairs} | {(Role.DECODE, d) for _, d in suite.pairs})
 
     def start(key: tuple[Role, int]) -> EngineProcess:

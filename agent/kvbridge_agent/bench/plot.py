@@ -17,9 +17,12 @@ def plot(result: dict[str, Any], path: str) -> None:
     figure, axes = plt.subplots(figsize=(9, 5.5), dpi=110)
     sweep = result["descriptorSweep"]
     axes.plot(
-        [row["descriptorBytes"] for row in sweep], [row["gbps"] for row in sweep], color="tab:gray", marker=".",
+        [row["descriptorBytes"] for row in sweep],
+        [row["gbps"] for row in sweep],
+        color="tab:gray",
+        marker=".",
         label="raw NIXL, descriptors of one size in shuffled order",
-    )  # fmt: skip
+    )
     axes.axhline(result["memcpyGBps"], color="black", linestyle="--", label=f"memcpy {result['memcpyGBps']:.1f} GB/s")
     axes.axhline(
         result["nixlRawGBps"],
@@ -30,15 +33,21 @@ def plot(result: dict[str, Any], path: str) -> None:
     for kind, marker in MARKERS.items():
         for ids, fill in (("contiguous", True), ("scattered", False)):
             rows = [
-                r for r in result["results"]
+                r
+                for r in result["results"]
                 if (("MLA" if r["attention"] == "MLA" else r["cacheKind"]) == kind) and r["blockIds"] == ids
-            ]  # fmt: skip
+            ]
             if rows:
                 axes.scatter(
-                    [r["bytesPerDescriptor"] for r in rows], [r["gbps"] for r in rows], marker=marker, s=46,
-                    facecolors=None if fill else "none", edgecolors=f"C{list(MARKERS).index(kind)}",
-                    color=f"C{list(MARKERS).index(kind)}", label=f"kvbridge {kind}, {ids} block ids",
-                )  # fmt: skip
+                    [r["bytesPerDescriptor"] for r in rows],
+                    [r["gbps"] for r in rows],
+                    marker=marker,
+                    s=46,
+                    facecolors=None if fill else "none",
+                    edgecolors=f"C{list(MARKERS).index(kind)}",
+                    color=f"C{list(MARKERS).index(kind)}",
+                    label=f"kvbridge {kind}, {ids} block ids",
+                )
     axes.set_xscale("log", base=2)
     axes.set_xlabel("bytes per descriptor (kvbridge: bytes / descriptors of a request)")
     axes.set_ylabel("GB/s")

@@ -93,9 +93,11 @@ class EngineEnvironment(CamelModel):
         default=True, description="Agent worker: write and verify synthetic content (off for benchmarks)."
     )
     drain_seconds: float = Field(
-        default=30.0, ge=0, le=3600,
+        default=30.0,
+        ge=0,
+        le=3600,
         description="Agent worker: on SIGTERM, how long the requests in flight may finish (new ones get 503).",
-    )  # fmt: skip
+    )
     transfer_token_file: str | None = Field(
         default=None,
         description="Decode: a file holding the router's token (spec.router.signTransfers); set, the engine accepts "

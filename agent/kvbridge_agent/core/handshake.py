@@ -91,10 +91,11 @@ class RankMetadata(CamelModel):
     memory_type: MemoryType
     device_id: int = Field(ge=0)
     block_interior: str = Field(
-        default="", max_length=64,
+        default="",
+        max_length=64,
         description="How the engine's kernel arranges a block's bytes where ``kv_layout`` does not say it all "
         "(vLLM's CPU attention kernel); both sides must agree. Empty: as ``kv_layout`` says.",
-    )  # fmt: skip
+    )
     physical_layout: PhysicalLayout | None = Field(
         default=None,
         description="The cache's physical layout (vLLM's KVCacheLayout as byte strides, docs/protocol.md §1b) when "

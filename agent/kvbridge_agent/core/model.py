@@ -222,13 +222,17 @@ class TransferSettings(CamelModel):
         description="Which transfers decode verifies against the digest prefill computed (a mismatch fails the "
         "request with KV_DIGEST_MISMATCH, never wrong tokens). All: every one; Sampled: every request of a prefill "
         "engine's first verificationFirstSeconds, then verificationFraction of them; Off: none.",
-    )  # fmt: skip
+    )
     verification_first_seconds: int = Field(
-        default=300, ge=0, le=86400,
+        default=300,
+        ge=0,
+        le=86400,
         description="Sampled: for this long after a prefill engine offers its first request, every request is "
         "verified.",
-    )  # fmt: skip
+    )
     verification_fraction: float = Field(
-        default=0.05, ge=0.0, le=1.0,
+        default=0.05,
+        ge=0.0,
+        le=1.0,
         description="Sampled: the fraction of requests verified after the first verificationFirstSeconds.",
-    )  # fmt: skip
+    )

@@ -69,9 +69,10 @@ def wire_format_defined(model: ModelGeometry, prefill: RoleSettings, decode: Rol
         and divides_either_way(tp_p, tp_d)
         and heads_divide(model, tp_p)
         and heads_divide(model, tp_d)
-        and not (model.cache_kind is CacheKind.CROSS_LAYER and not model.is_mla
-                 and prefill.block_size != decode.block_size)
-    )  # fmt: skip
+        and not (
+            model.cache_kind is CacheKind.CROSS_LAYER and not model.is_mla and prefill.block_size != decode.block_size
+        )
+    )
 
 
 def wire_format(model: ModelGeometry, prefill: RoleSettings, decode: RoleSettings) -> WireFormat:

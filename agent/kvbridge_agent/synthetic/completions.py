@@ -49,10 +49,12 @@ def complete(engine: Engine, body: Obj, chat: bool, request_id: str) -> tuple[Ob
     params = body.get("kv_transfer_params")
     tokens = prompt_tokens(body, chat)
     answer: Obj = {
-        "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", "object": "chat.completion" if chat else
-        "text_completion", "created": int(time.time()), "model": str(body.get("model") or MODEL),
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": str(body.get("model") or MODEL),
         "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens},
-    }  # fmt: skip
+    }
     choice: Obj = {"index": 0, "finish_reason": "length"}
     choice.update({"message": {"role": "assistant", "content": ""}} if chat else {"text": ""})
     answer["choices"] = [choice]
@@ -61,9 +63,12 @@ def complete(engine: Engine, body: Obj, chat: bool, request_id: str) -> tuple[Ob
         answer["kv_transfer_params"] = offered.model_dump(by_alias=True, mode="json")
         return answer, False
     if not isinstance(params, dict) or not params:
-        raise EngineError("the synthetic engine serves disaggregated requests only: send kv_transfer_params "
-                          "(do_remote_decode to prefill, or what prefill returned to decode)", code=INVALID_REQUEST,
-                          field="kv_transfer_params")  # fmt: skip
+        raise EngineError(
+            "the synthetic engine serves disaggregated requests only: send kv_transfer_params "
+            "(do_remote_decode to prefill, or what prefill returned to decode)",
+            code=INVALID_REQUEST,
+            field="kv_transfer_params",
+        )
     params = signed_by_router(engine, params, "kv_transfer_params")
     try:
         remote = KVTransferParams.model_validate(params)
@@ -73,8 +78,7 @@ def complete(engine: Engine, body: Obj, chat: bool, request_id: str) -> tuple[Ob
         raise EngineError(f"{where}: {first['msg']}", code=INVALID_REQUEST, field=where) from exc
     result = engine.decode(f"decode-{request_id}", remote)
     if not result.get("verified") and engine.env.verify:
-        raise EngineError("the KV bytes decode read differ from what prefill computed", code="NOT_VERIFIED",
-                          status=500)  # fmt: skip
+        raise EngineError("the KV bytes decode read differ from what prefill computed", code="NOT_VERIFIED", status=500)
     answer["kvbridge"] = {k: result[k] for k in ("verified", "bytes", "descriptors", "transferSeconds")}
     return answer, bool(body.get("stream"))
 

@@ -142,9 +142,11 @@ class Engine:
         for rank in range(self.tp_size):
             parent, child = context.Pipe()
             process = context.Process(
-                target=rank_main, args=(env_json, rank, self.incarnation, child, self.log_level),
-                name=f"{self.env.engine_id}-rank{rank}", daemon=True,
-            )  # fmt: skip
+                target=rank_main,
+                args=(env_json, rank, self.incarnation, child, self.log_level),
+                name=f"{self.env.engine_id}-rank{rank}",
+                daemon=True,
+            )
             process.start()
             child.close()
             self.ranks.append(RankHandle(rank, process, parent, self._on_event, self._on_rank_gone))
@@ -167,9 +169,14 @@ class Engine:
                     raise EngineError(f"rank {handle.rank}: {reply.get('message')}", code=STARTUP_FAILED)
                 ranks[handle.rank] = (RankMetadata.model_validate_json(reply["metadata"]), reply["agent"])
             self.server = SideChannelServer(
-                self.env.side_channel_host, self.env.side_channel_port, self.plan.fingerprint, ranks,
-                keys=self.keys, on_heartbeat=self.heartbeat, digests=self._published_digests,
-            ).start()  # fmt: skip
+                self.env.side_channel_host,
+                self.env.side_channel_port,
+                self.plan.fingerprint,
+                ranks,
+                keys=self.keys,
+                on_heartbeat=self.heartbeat,
+                digests=self._published_digests,
+            ).start()
             self._spawn(self._expire_leases, "leases")
         else:
             self._spawn(self._send_heartbeats, "heartbeats")
@@ -394,10 +401,18 @@ class Engine:
             verify = decode_verifies(self.env.transfer, params.verify)
             expected = self._expected_digests(params) if verify else None
             futures = [
-                h.call_async({"op": "read", "request_id": request_id, "params": params.model_dump_json(),
-                              "blocks": blocks, "hit": prefix_hit_blocks, "expected": expected})
+                h.call_async(
+                    {
+                        "op": "read",
+                        "request_id": request_id,
+                        "params": params.model_dump_json(),
+                        "blocks": blocks,
+                        "hit": prefix_hit_blocks,
+                        "expected": expected,
+                    }
+                )
                 for h in self.ranks
-            ]  # fmt: skip
+            ]
             limit = self.env.transfer_timeout_seconds + 30
             replies = [wait_reply(h.rank, f, limit) for h, f in zip(self.ranks, futures, strict=True)]
             if all(r.get("ok") for r in replies):  # prefill may have reused blocks a late read copied
@@ -421,8 +436,12 @@ class Engine:
             invalid = sorted({b for r in failed for b in r.get("invalidBlocks", [])})
             self.metrics.failed_transfers.labels(**labels, code=first.get("code", RANK_FAILED)).inc()
             self.metrics.requests.labels(**labels, outcome="failed").inc()
-            raise EngineError(first.get("message", "read failed"), code=first.get("code", RANK_FAILED),
-                              status=502, invalid_blocks=invalid)  # fmt: skip
+            raise EngineError(
+                first.get("message", "read failed"),
+                code=first.get("code", RANK_FAILED),
+                status=502,
+                invalid_blocks=invalid,
+            )
         seconds = max(r["seconds"] for r in replies)
         moved = sum(int(r["bytes"]) for r in replies)
         descriptors = sum(int(r["descriptors"]) for r in replies)
@@ -456,12 +475,14 @@ class Engine:
             return (*to_bytes(carried.heads), carried.key)
         until = params.expires_at if params.expires_at is not None else time.time()
         try:
-            digests = fetch_digests(params, self.plan.fingerprint, self.keys,
-                                    self.env.transfer.handshake_timeout_seconds, until)  # fmt: skip
+            digests = fetch_digests(
+                params, self.plan.fingerprint, self.keys, self.env.transfer.handshake_timeout_seconds, until
+            )
         except HandshakeError as exc:
             status = 410 if exc.code == KV_DIGEST_UNAVAILABLE else 502
-            raise EngineError(f"prefill's digests of {params.remote_request_id}: {exc.message}", code=exc.code,
-                              status=status) from exc  # fmt: skip
+            raise EngineError(
+                f"prefill's digests of {params.remote_request_id}: {exc.message}", code=exc.code, status=status
+            ) from exc
         return (*to_bytes(digests.heads), digests.key)
 
     def _check_lease(self, request_id: str, params: KVTransferParams, when: str) -> None:
@@ -475,22 +496,26 @@ class Engine:
             raise EngineError(
                 f"prefill's lease on request {params.remote_request_id} ended {-left:.1f} s {when} (expiry "
                 f"{params.expires_at:.1f} less a {LEASE_CLOCK_MARGIN_SECONDS:g} s clock margin): prefill may have "
-                "freed and reused its blocks; prefill it again", code=LEASE_EXPIRED, status=410,
-            )  # fmt: skip
+                "freed and reused its blocks; prefill it again",
+                code=LEASE_EXPIRED,
+                status=410,
+            )
 
     def _ensure_peer(self, params: KVTransferParams) -> None:
         """Handshake with a prefill engine unless its current incarnation is known; one in flight per engine."""
         if params.remote_incarnation in self._retired.get(params.remote_engine_id, ()):
             raise EngineError(
                 f"{params.remote_engine_id} restarted since incarnation {params.remote_incarnation} computed this "
-                "request: its blocks are gone", code=STALE_PEER, status=409,
-            )  # fmt: skip
+                "request: its blocks are gone",
+                code=STALE_PEER,
+                status=409,
+            )
         with self._peers_lock:
             known = self._peers.get(params.remote_engine_id)
             fresh = known is None or (
-                known.future.done() and (known.future.exception() is not None
-                                         or known.incarnation != params.remote_incarnation)
-            )  # fmt: skip
+                known.future.done()
+                and (known.future.exception() is not None or known.incarnation != params.remote_incarnation)
+            )
             if known is None or fresh:
                 known = _PeerState(params.remote_incarnation, Future())
                 self._peers[params.remote_engine_id] = known
@@ -519,8 +544,9 @@ class Engine:
         started = time.perf_counter()
         tp_d = self.tp_size
         needed = sorted({p for d in range(tp_d) for p in handshake_ranks(params.remote_tp_size, tp_d, d)})
-        incarnation, ranks = fetch_prefill_ranks(params, needed, self.plan.fingerprint, self.keys,
-                                                 self.env.transfer.handshake_timeout_seconds)  # fmt: skip
+        incarnation, ranks = fetch_prefill_ranks(
+            params, needed, self.plan.fingerprint, self.keys, self.env.transfer.handshake_timeout_seconds
+        )
         gone = {self._current.get(params.remote_engine_id), params.remote_incarnation} - {None, incarnation}
         for old in gone:
             if old is not None:

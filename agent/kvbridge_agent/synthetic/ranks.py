@@ -68,8 +68,9 @@ class BlockAllocator:
             if count > self._count:
                 raise EngineError(
                     f"{count} blocks needed, {self._count} of {self.num_blocks} free",
-                    code=NO_FREE_BLOCKS, status=503,
-                )  # fmt: skip
+                    code=NO_FREE_BLOCKS,
+                    status=503,
+                )
             free = np.flatnonzero(self._free)
             if (allocation or self.default) is BlockAllocation.SCATTERED:
                 chosen = self._rng.choice(free, size=count, replace=False)

@@ -230,10 +230,14 @@ class DecodeRank:
                         code=PEER_INCOMPATIBLE,
                     )
                 rows = descriptor_rows(
-                    meta.tensor_bases, remote_layout, meta.num_blocks,
-                    units_per_block=plan.split_ratio, offset=read.remote_offset, length=read.length,
+                    meta.tensor_bases,
+                    remote_layout,
+                    meta.num_blocks,
+                    units_per_block=plan.split_ratio,
+                    offset=read.remote_offset,
+                    length=read.length,
                     device_id=meta.device_id,
-                )  # fmt: skip
+                )
                 remote = self.transport.prep(peer.agents[read.prefill_rank], rows, meta.memory_type.value)
                 peer.lists.append((remote, self._local_list(plan, read.local_offset, read.length)))
                 peer.lengths.append(read.length)
@@ -330,9 +334,14 @@ class DecodeRank:
         if handle is None:
             cache = self.cache
             rows = descriptor_rows(
-                cache.bases, cache.layout, cache.num_blocks,
-                units_per_block=plan.block_size_ratio, offset=offset, length=length, device_id=cache.device_id,
-            )  # fmt: skip
+                cache.bases,
+                cache.layout,
+                cache.num_blocks,
+                units_per_block=plan.block_size_ratio,
+                offset=offset,
+                length=length,
+                device_id=cache.device_id,
+            )
             handle = self.transport.prep("", rows, cache.memory_type.value)
             self._local_lists[key] = handle
         return handle
@@ -357,9 +366,14 @@ class DecodeRank:
 
     # -- requests -----------------------------------------------------------
     def start(
-        self, request_id: str, params: KVTransferParams, local_blocks: list[int], timeout: float,
-        verify: Verify | None = None, group_sizes: list[int] | None = None,
-    ) -> ReadResult | None:  # fmt: skip
+        self,
+        request_id: str,
+        params: KVTransferParams,
+        local_blocks: list[int],
+        timeout: float,
+        verify: Verify | None = None,
+        group_sizes: list[int] | None = None,
+    ) -> ReadResult | None:
         """Post the READs of one request; returns a result at once on failure or a full prefix hit. With
         ``verify``, the request succeeds only if the digests of what it then holds equal prefill's. With
         ``group_sizes`` (a hybrid model), ``local_blocks`` lists each cache group's blocks one after the other."""
@@ -410,10 +424,21 @@ class DecodeRank:
             return ReadResult(request_id, False, TRANSFER_FAILED, exc.message, list(local_blocks), peer_failed=True)
         own_us = (time.perf_counter() - started) * 1e6 - make_us - nixl_post_us
         flight = _InFlight(
-            request_id, params, list(local_blocks), handles, timeout, time.monotonic() + timeout, started,
-            total_bytes, sum(pair[0].size for pair in ids) if handles else 0, ids_us, make_us, nixl_post_us, own_us,
+            request_id,
+            params,
+            list(local_blocks),
+            handles,
+            timeout,
+            time.monotonic() + timeout,
+            started,
+            total_bytes,
+            sum(pair[0].size for pair in ids) if handles else 0,
+            ids_us,
+            make_us,
+            nixl_post_us,
+            own_us,
             verify,
-        )  # fmt: skip
+        )
         if not handles:
             return self._finish(flight, peer)
         self._in_flight[request_id] = flight
@@ -533,11 +558,16 @@ class DecodeRank:
     def _finish(self, flight: _InFlight, peer: RemotePeer) -> ReadResult:
         self.convert(self.cache, peer.plan, Role.DECODE, flight.blocks)
         result = ReadResult(
-            flight.request_id, True, bytes=flight.bytes, descriptors=flight.descriptors,
-            seconds=time.perf_counter() - flight.started, ids_microseconds=flight.ids_microseconds,
-            make_microseconds=flight.make_microseconds, post_microseconds=flight.post_microseconds,
+            flight.request_id,
+            True,
+            bytes=flight.bytes,
+            descriptors=flight.descriptors,
+            seconds=time.perf_counter() - flight.started,
+            ids_microseconds=flight.ids_microseconds,
+            make_microseconds=flight.make_microseconds,
+            post_microseconds=flight.post_microseconds,
             own_microseconds=flight.own_microseconds,
-        )  # fmt: skip
+        )
         return result if flight.verify is None else self.verified(result, flight.verify, peer)
 
     def verified(self, result: ReadResult, verify: Verify, peer: RemotePeer) -> ReadResult:
@@ -551,8 +581,10 @@ class DecodeRank:
         bad = sorted({verify.all_blocks[i // per_local] for i in wrong})
         if not bad:
             return result
-        message = (f"the KV of blocks {bad[:8]}{'...' if len(bad) > 8 else ''} differs from what prefill "
-                   f"{peer.engine_id} computed (digest mismatch): not used")  # fmt: skip
+        message = (
+            f"the KV of blocks {bad[:8]}{'...' if len(bad) > 8 else ''} differs from what prefill "
+            f"{peer.engine_id} computed (digest mismatch): not used"
+        )
         return ReadResult(result.request_id, False, KV_DIGEST_MISMATCH, message, bad)
 
     def _fail(self, flight: _InFlight, code: str, message: str) -> ReadResult:

@@ -18,17 +18,26 @@ class AgentMetrics:
             return Counter(name, doc, [*labels, *extra], registry=self.registry)
 
         self.transfer_seconds = Histogram(
-            "kvbridge_transfer_seconds", "Time from posting a request's READs to their completion.",
-            list(labels), buckets=_SECONDS, registry=self.registry,
-        )  # fmt: skip
+            "kvbridge_transfer_seconds",
+            "Time from posting a request's READs to their completion.",
+            list(labels),
+            buckets=_SECONDS,
+            registry=self.registry,
+        )
         self.handshake_seconds = Histogram(
-            "kvbridge_handshake_seconds", "Side-channel handshake with a prefill engine, until its peer is usable.",
-            list(labels), buckets=_SECONDS, registry=self.registry,
-        )  # fmt: skip
+            "kvbridge_handshake_seconds",
+            "Side-channel handshake with a prefill engine, until its peer is usable.",
+            list(labels),
+            buckets=_SECONDS,
+            registry=self.registry,
+        )
         self.descriptors = Histogram(
-            "kvbridge_descriptors_per_request", "Descriptors posted for one request (all ranks).",
-            list(labels), buckets=_DESCRIPTORS, registry=self.registry,
-        )  # fmt: skip
+            "kvbridge_descriptors_per_request",
+            "Descriptors posted for one request (all ranks).",
+            list(labels),
+            buckets=_DESCRIPTORS,
+            registry=self.registry,
+        )
         self.bytes = counter("kvbridge_transfer_bytes", "Bytes READ from prefill engines.")
         self.requests = counter("kvbridge_requests", "Requests handled, by outcome.", ("outcome",))
         self.failed_transfers = counter("kvbridge_failed_transfers", "Decode requests that failed, by code.", ("code",))
@@ -45,13 +54,18 @@ class AgentMetrics:
             "kvbridge_stale_peer_evictions", "Remote engines evicted because they restarted or failed."
         )
         self.held_requests = Gauge(
-            "kvbridge_held_requests", "Prefill requests whose blocks await readers.", list(labels),
+            "kvbridge_held_requests",
+            "Prefill requests whose blocks await readers.",
+            list(labels),
             registry=self.registry,
-        )  # fmt: skip
+        )
         self.held_bytes = Gauge(
-            "kvbridge_held_bytes", "KV cache bytes prefill holds for readers (the blocks of held requests): a "
-            "prefill pod with none is the one to scale down.", list(labels), registry=self.registry,
-        )  # fmt: skip
+            "kvbridge_held_bytes",
+            "KV cache bytes prefill holds for readers (the blocks of held requests): a "
+            "prefill pod with none is the one to scale down.",
+            list(labels),
+            registry=self.registry,
+        )
         self.free_blocks = Gauge("kvbridge_free_blocks", "Free KV blocks.", list(labels), registry=self.registry)
 
     def render(self) -> bytes:

@@ -61,8 +61,9 @@ def fetch_digests(
         if state is DigestState.UNKNOWN or time.time() + delay > until:
             raise HandshakeError(
                 f"prefill {params.remote_engine_id} has no digests of {params.remote_request_id} ({state.value}): "
-                "its lease ended or it restarted; prefill the request again", code=KV_DIGEST_UNAVAILABLE,
-            )  # fmt: skip
+                "its lease ended or it restarted; prefill the request again",
+                code=KV_DIGEST_UNAVAILABLE,
+            )
         time.sleep(delay)
         delay = min(delay * 2, 0.01)
 
@@ -72,8 +73,9 @@ def require_incarnation(params: KVTransferParams, incarnation: str) -> None:
     if incarnation != params.remote_incarnation:
         raise HandshakeError(
             f"{params.remote_engine_id} now runs incarnation {incarnation}, not {params.remote_incarnation}: the "
-            "request's blocks are gone; prefill it again", code=STALE_PEER,
-        )  # fmt: skip
+            "request's blocks are gone; prefill it again",
+            code=STALE_PEER,
+        )
 
 
 def lease_left(expires_at: float | None, now: float | None = None) -> float:

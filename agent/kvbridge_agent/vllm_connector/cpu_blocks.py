@@ -37,8 +37,10 @@ class CPUAttentionBlocks:
             raise SpecError(
                 f"{side.value} would {', '.join(s.kind.value for s in steps)} on vLLM's CPU attention cache "
                 f"(kernel {self.kernel}), whose block interior kvbridge knows only for {', '.join(KNOWN_KERNELS)} "
-                "and only between block sizes", field="spec.decode.blockSize", code="CONNECTOR_UNSUPPORTED",
-            )  # fmt: skip
+                "and only between block sizes",
+                field="spec.decode.blockSize",
+                code="CONNECTOR_UNSUPPORTED",
+            )
         ids = torch.tensor(block_ids, dtype=torch.int64)
         wire = plan.wire.block_size
         for index in range(len(cache.tensors)):

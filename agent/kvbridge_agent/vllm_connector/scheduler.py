@@ -115,8 +115,9 @@ class ConnectorScheduler:
     def set_xfer_handshake_metadata(self, ranks: dict[int, RankHandshake]) -> None:
         if self.settings.role is not Role.PREFILL or self._server is not None:
             return
-        served = {r: (RankMetadata.model_validate_json(h.rank_metadata_json), h.agent_metadata)
-                  for r, h in ranks.items()}  # fmt: skip
+        served = {
+            r: (RankMetadata.model_validate_json(h.rank_metadata_json), h.agent_metadata) for r, h in ranks.items()
+        }
         incarnations = {meta.incarnation for meta, _ in served.values()}
         if len(incarnations) != 1:
             raise RuntimeError(f"kvbridge: TP ranks report different incarnations {sorted(incarnations)}")
@@ -124,11 +125,21 @@ class ConnectorScheduler:
         environment = self.settings.environment
         keys = self._keys
         self._server = SideChannelServer(
-            environment.side_channel_host, environment.side_channel_port, self.settings.fingerprint, served, keys,
-            on_heartbeat=self._renew, digests=self._published_digests,
-        ).start()  # fmt: skip
-        log.info("kvbridge: side channel of %s on %s:%d (%s)", self.engine_id, environment.side_channel_host,
-                 self._server.port, "CURVE" if keys else "no CURVE")  # fmt: skip
+            environment.side_channel_host,
+            environment.side_channel_port,
+            self.settings.fingerprint,
+            served,
+            keys,
+            on_heartbeat=self._renew,
+            digests=self._published_digests,
+        ).start()
+        log.info(
+            "kvbridge: side channel of %s on %s:%d (%s)",
+            self.engine_id,
+            environment.side_channel_host,
+            self._server.port,
+            "CURVE" if keys else "no CURVE",
+        )
 
     def _published_digests(self, request_id: str) -> tuple[DigestState, RequestDigests | None]:
         """The side channel's answer to a decode asking for a request's digests (on the listener's thread)."""
@@ -220,10 +231,14 @@ class ConnectorScheduler:
         if expires_at is not None and renewed is not None:  # prefill renews from when the heartbeat arrives
             expires_at = max(expires_at, renewed + self.settings.transfer.lease_seconds)
         prompt = len(request.prompt_token_ids or ())
-        refused = "" if prompt == params.num_tokens else (
-            f"PROMPT_MISMATCH: decode's prompt has {prompt} tokens, the prefill computed {params.num_tokens}: this "
-            "is not the request prefill ran"
-        )  # fmt: skip
+        refused = (
+            ""
+            if prompt == params.num_tokens
+            else (
+                f"PROMPT_MISMATCH: decode's prompt has {prompt} tokens, the prefill computed {params.num_tokens}: this "
+                "is not the request prefill ran"
+            )
+        )
         every = by_group(blocks.get_block_ids())
         local_sizes: list[int] | None = None
         digest_tokens = params.num_tokens

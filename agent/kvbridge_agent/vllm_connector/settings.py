@@ -56,33 +56,40 @@ class ConnectorSettings:
         if role is None:
             raise SpecError(
                 f"kv_role {transfer_config.kv_role!r}: KVBridgeConnector runs kv_producer (prefill) or kv_consumer "
-                "(decode) engines", field="kv_transfer_config.kv_role", code="CONNECTOR_ROLE",
-            )  # fmt: skip
+                "(decode) engines",
+                field="kv_transfer_config.kv_role",
+                code="CONNECTOR_ROLE",
+            )
         environment = parse_environment(environ, role=role.value)
         block_size = int(vllm_config.cache_config.block_size)
         tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         own = environment.own
-        for name, have, want in (("blockSize", block_size, own.block_size),
-                                 ("tensorParallelSize", tp_size, own.tensor_parallel_size)):  # fmt: skip
+        for name, have, want in (
+            ("blockSize", block_size, own.block_size),
+            ("tensorParallelSize", tp_size, own.tensor_parallel_size),
+        ):
             if have != want:
                 raise SpecError(
                     f"vLLM runs {name} {have} but the environment contract says {want} for {role.value}: start vLLM "
-                    "with the arguments kvbridge rendered", field=f"spec.{role.value}.{name}",
+                    "with the arguments kvbridge rendered",
+                    field=f"spec.{role.value}.{name}",
                     code="CONNECTOR_MISMATCH",
-                )  # fmt: skip
+                )
         # a host buffer for nodes without GPUDirect RDMA; on the CPU build the cache is in host memory already
         host_buffer = not cpu_build and str(getattr(transfer_config, "kv_buffer_device", "cuda")) == "cpu"
         if cpu_build and own.kv_layout is not KVLayout.HND:
             raise SpecError(
                 f"{role.value} kvLayout {own.kv_layout.value}: the connector reads vLLM's head-major caches (HND)",
-                field=f"spec.{role.value}.kvLayout", code="CONNECTOR_MISMATCH",
-            )  # fmt: skip
+                field=f"spec.{role.value}.kvLayout",
+                code="CONNECTOR_MISMATCH",
+            )
         result = plan_or_problems(environment.model, environment.prefill, environment.decode, environment.transfer)
         if isinstance(result, list):
             raise SpecError(
-                "; ".join(f"{p.code} at {p.field}: {p.message}" for p in result), field=result[0].field,
+                "; ".join(f"{p.code} at {p.field}: {p.message}" for p in result),
+                field=result[0].field,
                 code="INCOMPATIBLE",
-            )  # fmt: skip
+            )
         if not environment.fingerprint:
             environment = environment.model_copy(update={"fingerprint": result.fingerprint})
         return cls(role, environment, block_size, tp_size, host_buffer)

@@ -137,14 +137,21 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             return children
 
         histogram, counter = self._histogram_cls, self._counter_cls
-        self.read_seconds = per_engine(histogram, "vllm:kvbridge_transfer_seconds",
-                                       "One TP rank's READs of one request, from posting to completion.",
-                                       buckets=list(_SECONDS))  # fmt: skip
-        self.read_bytes = per_engine(histogram, "vllm:kvbridge_transfer_bytes",
-                                     "Bytes one TP rank READ for one request.", buckets=list(_BYTES))  # fmt: skip
-        self.read_descriptors = per_engine(histogram, "vllm:kvbridge_descriptors_per_request",
-                                           "Descriptors one TP rank posted for one request.",
-                                           buckets=list(_DESCRIPTORS))  # fmt: skip
+        self.read_seconds = per_engine(
+            histogram,
+            "vllm:kvbridge_transfer_seconds",
+            "One TP rank's READs of one request, from posting to completion.",
+            buckets=list(_SECONDS),
+        )
+        self.read_bytes = per_engine(
+            histogram, "vllm:kvbridge_transfer_bytes", "Bytes one TP rank READ for one request.", buckets=list(_BYTES)
+        )
+        self.read_descriptors = per_engine(
+            histogram,
+            "vllm:kvbridge_descriptors_per_request",
+            "Descriptors one TP rank posted for one request.",
+            buckets=list(_DESCRIPTORS),
+        )
         self.digest_seconds = per_engine(
             histogram,
             "vllm:kvbridge_digest_seconds",
@@ -152,27 +159,43 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             "checking what it read), on the engine's own thread.",
             buckets=list(_DIGEST_SECONDS),
         )
-        self.handshake_seconds = per_engine(histogram, "vllm:kvbridge_handshake_seconds",
-                                            "Side-channel handshake with a prefill engine, until its peer is usable.",
-                                            buckets=list(_SECONDS))  # fmt: skip
-        self.expired_leases = per_engine(counter, "vllm:kvbridge_expired_leases",
-                                         "Prefill requests freed because their lease ended unread.")  # fmt: skip
-        self.evictions = per_engine(counter, "vllm:kvbridge_stale_peer_evictions",
-                                    "Prefill engines evicted because they restarted.")  # fmt: skip
+        self.handshake_seconds = per_engine(
+            histogram,
+            "vllm:kvbridge_handshake_seconds",
+            "Side-channel handshake with a prefill engine, until its peer is usable.",
+            buckets=list(_SECONDS),
+        )
+        self.expired_leases = per_engine(
+            counter, "vllm:kvbridge_expired_leases", "Prefill requests freed because their lease ended unread."
+        )
+        self.evictions = per_engine(
+            counter, "vllm:kvbridge_stale_peer_evictions", "Prefill engines evicted because they restarted."
+        )
         # one child per (engine, code), made when a code first occurs
-        self._failed = counter(name="vllm:kvbridge_failed_transfers", documentation="Failed reads, by code.",
-                               labelnames=[*labelnames, "code"])  # fmt: skip
-        self._mismatches = counter(name="vllm:kvbridge_digest_mismatches",
-                                   documentation="Requests whose KV differed from prefill's digest, by prefill engine.",
-                                   labelnames=[*labelnames, "peer"])  # fmt: skip
+        self._failed = counter(
+            name="vllm:kvbridge_failed_transfers",
+            documentation="Failed reads, by code.",
+            labelnames=[*labelnames, "code"],
+        )
+        self._mismatches = counter(
+            name="vllm:kvbridge_digest_mismatches",
+            documentation="Requests whose KV differed from prefill's digest, by prefill engine.",
+            labelnames=[*labelnames, "peer"],
+        )
         gauge = self._gauge_cls
-        self.held_requests = per_engine(gauge, "vllm:kvbridge_held_requests",
-                                        "Prefill requests whose KV this engine holds for readers.",
-                                        multiprocess_mode="mostrecent")  # fmt: skip
-        self.held_bytes = per_engine(gauge, "vllm:kvbridge_held_bytes",
-                                     "KV cache bytes this prefill engine holds for readers (the model's KV per token "
-                                     "over the held blocks): a pod with none is the one to scale down.",
-                                     multiprocess_mode="mostrecent")  # fmt: skip
+        self.held_requests = per_engine(
+            gauge,
+            "vllm:kvbridge_held_requests",
+            "Prefill requests whose KV this engine holds for readers.",
+            multiprocess_mode="mostrecent",
+        )
+        self.held_bytes = per_engine(
+            gauge,
+            "vllm:kvbridge_held_bytes",
+            "KV cache bytes this prefill engine holds for readers (the model's KV per token "
+            "over the held blocks): a pod with none is the one to scale down.",
+            multiprocess_mode="mostrecent",
+        )
         #: each engine's TP ranks' last (requests, bytes): the engine holds the most requests any rank holds
         self._held: dict[int, dict[int, tuple[int, int]]] = {}
 

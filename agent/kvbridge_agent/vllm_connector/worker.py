@@ -80,9 +80,10 @@ def transfer_geometry(model: ModelGeometry, tensors: list[Any], tp_size: int) ->
         if tp_size > model.num_kv_heads:
             raise SpecError(
                 f"TP {tp_size} replicates the model's {model.num_kv_heads} KV heads; KVBridgeConnector moves vLLM's "
-                "CPU attention cache by whole heads only", field="spec.prefill.tensorParallelSize",
+                "CPU attention cache by whole heads only",
+                field="spec.prefill.tensorParallelSize",
                 code="CONNECTOR_UNSUPPORTED",
-            )  # fmt: skip
+            )
         return model.model_copy(update={"num_kv_heads": 2 * model.num_kv_heads})
     return model
 
@@ -111,8 +112,9 @@ def refuse_conversions(geometry: ModelGeometry, model: ModelGeometry, plan: Tran
         raise SpecError(
             f"the plan needs {steps} on vLLM's CPU attention cache (kernel {kernel}); kvbridge converts it only "
             f"between block sizes and for the {', '.join(KNOWN_KERNELS)} kernels: use kvLayout HND on both sides",
-            field="spec.decode.blockSize", code="CONNECTOR_UNSUPPORTED",
-        )  # fmt: skip
+            field="spec.decode.blockSize",
+            code="CONNECTOR_UNSUPPORTED",
+        )
 
 
 def cpu_kernel(tensor: Any, block_size: int, head_dim: int) -> str:
@@ -133,8 +135,9 @@ def check_block_interior(mine: str, engine_id: str, ranks: PrefillRanks) -> None
         raise HandshakeError(
             f"{engine_id} stores KV blocks as {' and '.join(sorted(t or 'its layout says' for t in theirs))}, this "
             f"decode as {mine or 'its layout says'}: run both roles on nodes whose CPUs give vLLM the same attention "
-            "kernel (a node selector on the CPU feature), or the same engine build", code=BLOCK_INTERIOR_MISMATCH,
-        )  # fmt: skip
+            "kernel (a node selector on the CPU feature), or the same engine build",
+            code=BLOCK_INTERIOR_MISMATCH,
+        )
 
 
 class ConnectorWorker:
@@ -283,8 +286,9 @@ class ConnectorWorker:
             return ReadResult(request_id, False, code, message, list(order.local_block_ids))
         expires_at = order.expires_at if order.expires_at is not None else params.expires_at
         if lease_left(expires_at) <= 0:
-            return ReadResult(request_id, False, LEASE_EXPIRED, "prefill's lease on the blocks has ended",
-                              list(order.local_block_ids))  # fmt: skip
+            return ReadResult(
+                request_id, False, LEASE_EXPIRED, "prefill's lease on the blocks has ended", list(order.local_block_ids)
+            )
         if expires_at is not None:
             self._expiry[request_id] = (expires_at, list(order.local_block_ids))
         peer = decode.peers.get(params.remote_engine_id)
@@ -322,8 +326,9 @@ class ConnectorWorker:
     def _fetch_digests(self, params: KVTransferParams, until: float | None) -> RequestDigests:
         """On a digest thread: prefill's digests of the request, until its lease ends."""
         until = until if until is not None else time.time() + self.settings.transfer.lease_seconds
-        return fetch_digests(params, self.settings.fingerprint, self.keys,
-                             self.settings.transfer.handshake_timeout_seconds, until)  # fmt: skip
+        return fetch_digests(
+            params, self.settings.fingerprint, self.keys, self.settings.transfer.handshake_timeout_seconds, until
+        )
 
     def _check(self, decode: DecodeRank, result: ReadResult) -> ReadResult | None:
         """A read that must be verified: start fetching prefill's digests (``None``: the result comes later)."""
@@ -355,8 +360,9 @@ class ConnectorWorker:
                 result = decode.verified(result, Verify(future.result(), blocks, tokens), peer)
             except (KVBridgeError, OSError) as exc:
                 code = getattr(exc, "code", KV_DIGEST_UNAVAILABLE)
-                results.append(ReadResult(request_id, False, code, getattr(exc, "message", str(exc)),
-                                          list(order.local_block_ids)))  # fmt: skip
+                results.append(
+                    ReadResult(request_id, False, code, getattr(exc, "message", str(exc)), list(order.local_block_ids))
+                )
                 continue
             if result.code == KV_DIGEST_MISMATCH and params is not None:
                 self.stats.record_digest_mismatch(params.remote_engine_id)
@@ -366,8 +372,9 @@ class ConnectorWorker:
     def _fetch(self, params: KVTransferParams) -> PrefillRanks:
         """On the handshake thread: the prefill ranks' metadata this rank reads from (network only)."""
         needed = handshake_ranks(params.remote_tp_size, self.settings.tp_size, self.tp_rank)
-        incarnation, ranks = fetch_prefill_ranks(params, needed, self.settings.fingerprint, self.keys,
-                                                 self.settings.transfer.handshake_timeout_seconds)  # fmt: skip
+        incarnation, ranks = fetch_prefill_ranks(
+            params, needed, self.settings.fingerprint, self.keys, self.settings.transfer.handshake_timeout_seconds
+        )
         require_incarnation(params, incarnation)
         return ranks
 

@@ -25,8 +25,20 @@ CRD_NAME = f"{PLURAL}.{GROUP}"
 FILE_NAME = f"{CRD_NAME}.yaml"
 ROLE_CRD_NAME = f"{ROLE_PLURAL}.{GROUP}"
 ROLE_FILE_NAME = f"{ROLE_CRD_NAME}.yaml"
-_KEPT = ("type", "enum", "minimum", "maximum", "minLength", "maxLength", "minItems", "maxItems", "pattern",
-         "description", "default", "format")  # fmt: skip
+_KEPT = (
+    "type",
+    "enum",
+    "minimum",
+    "maximum",
+    "minLength",
+    "maxLength",
+    "minItems",
+    "maxItems",
+    "pattern",
+    "description",
+    "default",
+    "format",
+)
 
 #: Cross-field shape rules on spec, in core CEL (cel-python checks them in the tests).
 SPEC_RULES: list[dict[str, str]] = [
@@ -274,51 +286,98 @@ def role_crd() -> dict[str, Any]:
         "metadata": {"name": ROLE_CRD_NAME, "labels": {"app.kubernetes.io/name": "kvbridge"}},
         "spec": {
             "group": GROUP,
-            "names": {"kind": ROLE_KIND, "listKind": f"{ROLE_KIND}List", "plural": ROLE_PLURAL,
-                      "singular": ROLE_KIND.lower(), "shortNames": ["ddrole"], "categories": ["kvbridge"]},
+            "names": {
+                "kind": ROLE_KIND,
+                "listKind": f"{ROLE_KIND}List",
+                "plural": ROLE_PLURAL,
+                "singular": ROLE_KIND.lower(),
+                "shortNames": ["ddrole"],
+                "categories": ["kvbridge"],
+            },
             "scope": "Namespaced",
-            "versions": [{
-                "name": VERSION, "served": True, "storage": True,
-                "subresources": {"status": {}, "scale": {"specReplicasPath": ".spec.replicas",
-                                                         "statusReplicasPath": ".status.replicas",
-                                                         "labelSelectorPath": ".status.selector"}},
-                "additionalPrinterColumns": [
-                    {"name": "Deployment", "type": "string", "jsonPath": ".spec.deployment"},
-                    {"name": "Role", "type": "string", "jsonPath": ".spec.role"},
-                    {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas"},
-                    {"name": "Effective", "type": "integer", "jsonPath": ".status.effectiveReplicas"},
-                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-                ],
-                "schema": {"openAPIV3Schema": {
-                    "type": "object",
-                    "description": "One role of a DisaggregatedDeployment, for autoscalers: spec.replicas (its /scale) "
-                    "is the desired engine count; the operator runs it within the deployment's bounds.",
-                    "properties": {
-                        "apiVersion": {"type": "string"}, "kind": {"type": "string"}, "metadata": {"type": "object"},
-                        "spec": {"type": "object", "required": ["deployment", "role"], "properties": {
-                            "deployment": {"type": "string", "maxLength": 253,
-                                           "description": "The DisaggregatedDeployment this role belongs to."},
-                            "role": {"type": "string", "enum": ["prefill", "decode"]},
-                            "replicas": {**count, "description": "Desired engines (autoscalers write it)."},
-                        }, "x-kubernetes-validations": [
-                            {"rule": "self.deployment == oldSelf.deployment && self.role == oldSelf.role",
-                             "message": "deployment and role are immutable"}]},
-                        "status": {"type": "object", "properties": {
-                            "replicas": {**count, "description": "Engines the operator runs (the scale "
-                                         "subresource's current count; the same as effectiveReplicas)."},
-                            "desiredReplicas": {**count, "description": "spec.replicas as the operator last saw it."},
-                            "effectiveReplicas": {**count, "description": "Engines the operator runs: the desired "
-                                                  "count within minReplicas, maxReplicas and decodePerPrefill."},
-                            "selector": {"type": "string", "description": "The role's pods (for HPA)."},
-                            "message": {"type": "string", "maxLength": 1024,
-                                        "description": "Why effective differs from desired, if it does."},
-                        }},
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.replicas",
+                            "statusReplicasPath": ".status.replicas",
+                            "labelSelectorPath": ".status.selector",
+                        },
                     },
-                    "required": ["spec"],
-                }},
-            }],
+                    "additionalPrinterColumns": [
+                        {"name": "Deployment", "type": "string", "jsonPath": ".spec.deployment"},
+                        {"name": "Role", "type": "string", "jsonPath": ".spec.role"},
+                        {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas"},
+                        {"name": "Effective", "type": "integer", "jsonPath": ".status.effectiveReplicas"},
+                        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                    ],
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "description": "One role of a DisaggregatedDeployment, for autoscalers: spec.replicas "
+                            "(its /scale) is the desired engine count; the operator runs it within the deployment's "
+                            "bounds.",
+                            "properties": {
+                                "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"},
+                                "metadata": {"type": "object"},
+                                "spec": {
+                                    "type": "object",
+                                    "required": ["deployment", "role"],
+                                    "properties": {
+                                        "deployment": {
+                                            "type": "string",
+                                            "maxLength": 253,
+                                            "description": "The DisaggregatedDeployment this role belongs to.",
+                                        },
+                                        "role": {"type": "string", "enum": ["prefill", "decode"]},
+                                        "replicas": {**count, "description": "Desired engines (autoscalers write it)."},
+                                    },
+                                    "x-kubernetes-validations": [
+                                        {
+                                            "rule": "self.deployment == oldSelf.deployment && self.role == "
+                                            "oldSelf.role",
+                                            "message": "deployment and role are immutable",
+                                        }
+                                    ],
+                                },
+                                "status": {
+                                    "type": "object",
+                                    "properties": {
+                                        "replicas": {
+                                            **count,
+                                            "description": "Engines the operator runs (the scale "
+                                            "subresource's current count; the same as effectiveReplicas).",
+                                        },
+                                        "desiredReplicas": {
+                                            **count,
+                                            "description": "spec.replicas as the operator last saw it.",
+                                        },
+                                        "effectiveReplicas": {
+                                            **count,
+                                            "description": "Engines the operator runs: the desired "
+                                            "count within minReplicas, maxReplicas and decodePerPrefill.",
+                                        },
+                                        "selector": {"type": "string", "description": "The role's pods (for HPA)."},
+                                        "message": {
+                                            "type": "string",
+                                            "maxLength": 1024,
+                                            "description": "Why effective differs from desired, if it does.",
+                                        },
+                                    },
+                                },
+                            },
+                            "required": ["spec"],
+                        }
+                    },
+                }
+            ],
         },
-    }  # fmt: skip
+    }
 
 
 def crds() -> list[dict[str, Any]]:

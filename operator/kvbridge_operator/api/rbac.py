@@ -32,11 +32,20 @@ REQUIRED: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 
 #: what Kopf itself calls on top of the operator's client (list+watch of handled resources, annotations)
 KOPF: frozenset[tuple[str, str]] = frozenset(
-    {("list", "disaggregateddeployments"), ("watch", "disaggregateddeployments"),
-     ("patch", "disaggregateddeployments"), ("list", "pods"), ("watch", "pods"), ("list", "disaggregatedroles"),
-     ("watch", "disaggregatedroles"), ("list", "statefulsets"), ("watch", "statefulsets"),
-     ("list", "leaderworkersets"), ("watch", "leaderworkersets")}
-)  # fmt: skip
+    {
+        ("list", "disaggregateddeployments"),
+        ("watch", "disaggregateddeployments"),
+        ("patch", "disaggregateddeployments"),
+        ("list", "pods"),
+        ("watch", "pods"),
+        ("list", "disaggregatedroles"),
+        ("watch", "disaggregatedroles"),
+        ("list", "statefulsets"),
+        ("watch", "statefulsets"),
+        ("list", "leaderworkersets"),
+        ("watch", "leaderworkersets"),
+    }
+)
 
 
 def allowed_calls() -> set[tuple[str, str]]:

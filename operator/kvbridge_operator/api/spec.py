@@ -55,9 +55,12 @@ class EngineSpec(CamelModel):
         default_factory=list, max_length=64, description="VLLM only: arguments appended to `vllm serve`."
     )
     cpu_kv_cache_gib: int = Field(
-        default=4, alias="cpuKVCacheGiB", ge=1, le=4096,
+        default=4,
+        alias="cpuKVCacheGiB",
+        ge=1,
+        le=4096,
         description="VLLM on CPU: host memory for the KV cache in GiB (VLLM_CPU_KVCACHE_SPACE).",
-    )  # fmt: skip
+    )
 
 
 class RolloutSpec(CamelModel):
@@ -83,10 +86,12 @@ class RoleSpec(RoleSettings):
     """One role (prefill or decode): how many engines and each engine's settings."""
 
     replicas: int = Field(
-        default=1, ge=0, le=1024,
+        default=1,
+        ge=0,
+        le=1024,
         description="Engine instances of this role: the initial count of the role's DisaggregatedRole (its /scale, "
         "which autoscalers and `kubectl scale` change); changing it here sets that count again.",
-    )  # fmt: skip
+    )
     min_replicas: int = Field(
         default=0, ge=0, le=1024, description="Fewest engines the operator runs, whatever is asked."
     )
@@ -94,26 +99,29 @@ class RoleSpec(RoleSettings):
         default=1024, ge=0, le=1024, description="Most engines the operator runs, whatever is asked."
     )
     nodes: int = Field(
-        default=1, ge=1, le=MAX_NODES,
+        default=1,
+        ge=1,
+        le=MAX_NODES,
         description="Nodes one engine of this role spans (VLLM on GPUs): 1, a pod per engine (StatefulSet); more, "
         "a LeaderWorkerSet group of this many pods per engine, each holding tensorParallelSize / nodes GPUs "
         "(vLLM's multi-node launch: --nnodes, --node-rank, workers --headless).",
-    )  # fmt: skip
+    )
     rollout: RolloutSpec = Field(
         default_factory=RolloutSpec,
         description="How the role rolls in place when old and new pods of both roles are compatible (else blue/green).",
     )
     extra_args: list[str] = Field(
-        default_factory=list, max_length=64,
+        default_factory=list,
+        max_length=64,
         description="VLLM only: arguments appended to `vllm serve` for this role's engines, after "
         "spec.engine.extraArgs; checked like them.",
-    )  # fmt: skip
+    )
     template: dict[str, Any] = Field(
         default_factory=dict,
         description="Optional PodTemplateSpec overlay (image, resources, nodeSelector, tolerations, sidecars, ...); "
         "what kvbridge renders from the checked plan (the engine's command, args, managed env and ports, kvbridge "
         "labels, GPUs) may not be overridden.",
-    )  # fmt: skip
+    )
 
     def settings(self) -> RoleSettings:
         """The settings that the compatibility rules look at."""
@@ -155,21 +163,25 @@ class SecretKeyRef(CamelModel):
 
 class ModelCache(CamelModel):
     claim_name: str = Field(
-        min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        min_length=1,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
         description="A PersistentVolumeClaim (ReadWriteMany, so every pod of both roles mounts it) where "
         "downloaded weights are kept (HF_HOME): each pod downloads only what the cache lacks.",
-    )  # fmt: skip
+    )
 
 
 class ModelSpec(ModelGeometry):
     """The model's geometry (what the compatibility rules look at) and where its weights come from."""
 
     source: str = Field(
-        default="", max_length=512, pattern=SOURCE_PATTERN,
+        default="",
+        max_length=512,
+        pattern=SOURCE_PATTERN,
         description="Where the weights come from: hf://ORG/NAME@REVISION (Hugging Face, pinned to a branch, tag or "
         "commit) or pvc://CLAIM/PATH (a PersistentVolumeClaim, mounted read-only). Empty: name is what the engine "
         "loads. Part of the pairing key: pods of two revisions are never paired (their weights differ).",
-    )  # fmt: skip
+    )
     token_secret: SecretKeyRef | None = Field(
         default=None, description="A Secret key holding a Hugging Face token (HF_TOKEN) for gated or private models."
     )
@@ -204,7 +216,7 @@ class RouterSpec(CamelModel):
         description="kv-aware: send a request to the prefill and decode pods that were sent the longest leading part "
         "of its prompt (their prefix caches), unless they are busier than the least loaded by more than 2 requests; "
         "least-loaded: the pod with the fewest requests in flight.",
-    )  # fmt: skip
+    )
     sign_transfers: bool = Field(
         default=False,
         description="Decode engines accept kv_transfer_params only with this router's signature (HMAC-SHA256 under "
@@ -226,18 +238,23 @@ class RouterSpec(CamelModel):
 
 class InferencePoolSpec(CamelModel):
     enabled: bool = Field(
-        default=False, description="Render a Gateway API Inference Extension InferencePool over both roles' pods "
+        default=False,
+        description="Render a Gateway API Inference Extension InferencePool over both roles' pods "
         "(labelled llm-d.ai/role prefill or decode, for llm-d's P/D scheduler).",
-    )  # fmt: skip
+    )
     endpoint_picker: str = Field(
-        default="", max_length=253, pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$",
+        default="",
+        max_length=253,
+        pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$",
         description="The Endpoint Picker's Service (e.g. llm-d's inference scheduler), installed separately.",
-    )  # fmt: skip
+    )
     endpoint_picker_port: int = Field(default=9002, ge=1, le=65535, description="The Endpoint Picker's gRPC port.")
     gateway: str = Field(
-        default="", max_length=253, pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$",
+        default="",
+        max_length=253,
+        pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$",
         description="A Gateway of the namespace: an HTTPRoute from it to the pool is rendered too. Empty: none.",
-    )  # fmt: skip
+    )
 
     @model_validator(mode="after")
     def _picker(self) -> InferencePoolSpec:
@@ -257,31 +274,39 @@ class GangSpec(CamelModel):
     Scheduling): a PodGroup per deployment, both roles' pods labelled into it."""
 
     scheduler_name: str = Field(
-        default="scheduler-plugins-scheduler", min_length=1, max_length=253,
+        default="scheduler-plugins-scheduler",
+        min_length=1,
+        max_length=253,
         pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
         description="The scheduler that runs the coscheduling plugin (scheduler-plugins' chart names its second "
         "scheduler so).",
-    )  # fmt: skip
+    )
     min_member: int | None = Field(
-        default=None, ge=2, le=2048,
+        default=None,
+        ge=2,
+        le=2048,
         description="Pods that must be schedulable together before any is bound. Unset: every pod of the spec's "
         "engines, replicas x nodes of both roles (prefill GPUs are not taken while decode cannot be placed).",
-    )  # fmt: skip
+    )
     schedule_timeout_seconds: int = Field(default=300, ge=1, le=86400, description="How long a gang may wait.")
 
 
 class PlacementSpec(CamelModel):
     gpus_per_node: int | None = Field(
-        default=None, ge=1, le=64,
+        default=None,
+        ge=1,
+        le=64,
         description="GPUs one node offers. A role's engine takes tensorParallelSize GPUs in one pod, so a larger "
         "TP can never be scheduled: the verdict refuses it (ROLE_DOES_NOT_FIT). Unset: the operator's gpusPerNode "
         "(the chart's gpu.perNode), else not checked.",
-    )  # fmt: skip
+    )
     topology_key: str = Field(
-        default="", max_length=316, pattern=r"^([-A-Za-z0-9_./]*)$",
+        default="",
+        max_length=316,
+        pattern=r"^([-A-Za-z0-9_./]*)$",
         description="A node label naming the domain prefill and decode should share (a rack, an NVLink domain, a "
         "zone: e.g. topology.kubernetes.io/zone). Needed by colocation.",
-    )  # fmt: skip
+    )
     colocation: Colocation = Field(
         default=Colocation.NONE,
         description="Keep the deployment's prefill and decode pods in one topologyKey domain: Preferred "
@@ -344,20 +369,23 @@ class NetworkSpec(CamelModel):
     RDMA NICs as extended resources; pinned memory): rendered on the engine pods of both connectors."""
 
     ucx_transports: list[UCXTransport] = Field(
-        default_factory=list, max_length=32,
+        default_factory=list,
+        max_length=32,
         description="UCX_TLS: the UCX transports, in UCX's names (rc, ud, dc, tcp, sm, cuda_copy, cuda_ipc, "
         "gdr_copy, ... ; ^name excludes one). Empty: UCX chooses (all). A list that cannot reach another node "
         "is refused unless placement keeps both roles on one node.",
-    )  # fmt: skip
+    )
     ucx_devices: list[UCXDevice] = Field(
-        default_factory=list, max_length=64,
+        default_factory=list,
+        max_length=64,
         description="UCX_NET_DEVICES: the devices UCX may use (e.g. mlx5_0:1). Empty: all.",
-    )  # fmt: skip
+    )
     rdma_resources: dict[str, int] = Field(
-        default_factory=dict, max_length=16,
+        default_factory=dict,
+        max_length=16,
         description="Extended resources each engine pod requests (and limits), e.g. rdma/ib: 1 or "
         "nvidia.com/hostdev: 8: what the RDMA device plugin advertises.",
-    )  # fmt: skip
+    )
     ipc_lock: bool = Field(
         default=False, description="Add the IPC_LOCK capability to the engine container (RDMA memory registration)."
     )
@@ -374,10 +402,11 @@ class NetworkSpec(CamelModel):
         "host memory (GPU nodes without GPUDirect RDMA, and vLLM's CPU build). Unset: cuda on GPUs, cpu on CPUs.",
     )
     secondary_networks: list[SecondaryNetwork] = Field(
-        default_factory=list, max_length=16,
+        default_factory=list,
+        max_length=16,
         description="Multus networks to attach the engine pods to (k8s.v1.cni.cncf.io/networks), e.g. an RDMA "
         "network: [namespace/]name.",
-    )  # fmt: skip
+    )
 
     @property
     def configured(self) -> bool:
@@ -390,11 +419,13 @@ class TransferSpec(TransferSettings):
 
     network: NetworkSpec = Field(default_factory=NetworkSpec, description=NetworkSpec.__doc__ or "")
     drain_seconds: int = Field(
-        default=30, ge=0, le=3600,
+        default=30,
+        ge=0,
+        le=3600,
         description="How long a terminating engine may finish the requests it has (vLLM: --shutdown-timeout). "
         "The pod's grace period adds the wait for routers to stop sending to it and, on a prefill pod that "
         "exports what it holds, for decode to read its KV (at most leaseSeconds).",
-    )  # fmt: skip
+    )
 
 
 class DisaggregatedDeploymentSpec(CamelModel):

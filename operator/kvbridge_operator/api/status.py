@@ -40,9 +40,10 @@ class ServingEndpoint(CamelModel):
         default=None, ge=1, le=65535, description="The pod's HTTP port (engine API, or the routing sidecar in front)."
     )
     pairing: str = Field(
-        default="", description="The pod's pairing key: a router pairs it only with pods of the other role whose key "
-        "is equal or listed with it in status.rollout.pairings."
-    )  # fmt: skip
+        default="",
+        description="The pod's pairing key: a router pairs it only with pods of the other role whose key "
+        "is equal or listed with it in status.rollout.pairings.",
+    )
     revision: str = Field(
         default="", description="The pod's template revision (kvbridge.io/revision): old or new during a rollout."
     )
@@ -103,8 +104,11 @@ class Pairing(CamelModel):
 
 class RolloutStatus(CamelModel):
     strategy: str = Field(default="", description="InPlace (old and new pods of both roles compatible) or BlueGreen.")
-    phase: str = Field(default="", description="Complete, RollingPrefill, RollingDecode, SurgingPrefill, "
-                       "SurgingDecode, RetiringDecode, RetiringPrefill or ScalingIn.")  # fmt: skip
+    phase: str = Field(
+        default="",
+        description="Complete, RollingPrefill, RollingDecode, SurgingPrefill, "
+        "SurgingDecode, RetiringDecode, RetiringPrefill or ScalingIn.",
+    )
     revision: str = Field(default="", description="The pairing key being rolled out (the spec's).")
     reason: str = Field(default="", max_length=4096, description="Why not in place, when blue/green.")
     prefill: str = Field(default="", max_length=64, description="Prefill progress.")

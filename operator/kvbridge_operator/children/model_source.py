@@ -18,8 +18,14 @@ from kvbridge_operator.api.spec import ModelSpec
 PVC_ROOT = "/models"
 CACHE_PATH = "/model-cache"
 #: vLLM arguments a source decides; extraArgs may not set them when spec.model.source is set
-SOURCE_ARGUMENTS = ("--revision", "--tokenizer-revision", "--code-revision", "--served-model-name", "--download-dir",
-                    "--tokenizer")  # fmt: skip
+SOURCE_ARGUMENTS = (
+    "--revision",
+    "--tokenizer-revision",
+    "--code-revision",
+    "--served-model-name",
+    "--download-dir",
+    "--tokenizer",
+)
 
 
 @dataclass(frozen=True)
@@ -50,18 +56,23 @@ def weights(model: ModelSpec) -> Weights:
         claim, path = pvc_parts(model.source)
         volume = f"model-{claim}"[:63].rstrip("-")
         return Weights(
-            f"{PVC_ROOT}/{claim}/{path}".rstrip("/"), served,
+            f"{PVC_ROOT}/{claim}/{path}".rstrip("/"),
+            served,
             volumes=[{"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}],
             mounts=[{"name": volume, "mountPath": f"{PVC_ROOT}/{claim}", "readOnly": True}],
-        )  # fmt: skip
+        )
     repo, revision = hf_parts(model.source)
     args = [*served, *(["--revision", revision, "--tokenizer-revision", revision] if revision else [])]
     env: list[Obj] = []
     volumes: list[Obj] = []
     mounts: list[Obj] = []
     if model.token_secret is not None:
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": model.token_secret.name,
-                                                                       "key": model.token_secret.key}}})  # fmt: skip
+        env.append(
+            {
+                "name": "HF_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": model.token_secret.name, "key": model.token_secret.key}},
+            }
+        )
     if model.cache is not None:
         env.append({"name": "HF_HOME", "value": CACHE_PATH})
         volumes.append({"name": "model-cache", "persistentVolumeClaim": {"claimName": model.cache.claim_name}})

@@ -51,20 +51,26 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
             continue
         field = f"spec.{role.value}.nodes"
         if spec.engine.kind is not EngineKind.VLLM or spec.engine.device is not EngineDevice.GPU:
-            found.append(Problem(
-                NODES_NEED_VLLM_ON_GPU, field,
-                f"{role.value} spans {role_spec.nodes} nodes, which only engine kind VLLM on device GPU does "
-                f"(vLLM's multi-node launch); set spec.{role.value}.nodes to 1",
-            ))  # fmt: skip
+            found.append(
+                Problem(
+                    NODES_NEED_VLLM_ON_GPU,
+                    field,
+                    f"{role.value} spans {role_spec.nodes} nodes, which only engine kind VLLM on device GPU does "
+                    f"(vLLM's multi-node launch); set spec.{role.value}.nodes to 1",
+                )
+            )
         elif role_spec.tensor_parallel_size % role_spec.nodes:
             tp = role_spec.tensor_parallel_size
             even = [n for n in range(2, min(tp, MAX_NODES) + 1) if tp % n == 0]
-            found.append(Problem(
-                NODES_DO_NOT_DIVIDE_TP, field,
-                f"{role.value} TP {tp} over {role_spec.nodes} nodes leaves nodes with different numbers of ranks "
-                f"(vLLM requires --nnodes to divide the world size); set spec.{role.value}.nodes to one of "
-                f"{', '.join(map(str, even)) or '1'}",
-            ))  # fmt: skip
+            found.append(
+                Problem(
+                    NODES_DO_NOT_DIVIDE_TP,
+                    field,
+                    f"{role.value} TP {tp} over {role_spec.nodes} nodes leaves nodes with different numbers of ranks "
+                    f"(vLLM requires --nnodes to divide the world size); set spec.{role.value}.nodes to one of "
+                    f"{', '.join(map(str, even)) or '1'}",
+                )
+            )
     return found
 
 
@@ -72,8 +78,16 @@ def launch_args(nodes: int, leader: bool) -> list[str]:
     """vLLM's multi-node arguments of one pod of a group (Kubernetes expands ``$(VAR)`` from the pod's env, which
     LWS fills in)."""
     rank = "0" if leader else "$(LWS_WORKER_INDEX)"
-    args = ["--nnodes", str(nodes), "--node-rank", rank, "--master-addr", "$(LWS_LEADER_ADDRESS)",
-            "--master-port", str(MASTER_PORT)]  # fmt: skip
+    args = [
+        "--nnodes",
+        str(nodes),
+        "--node-rank",
+        rank,
+        "--master-addr",
+        "$(LWS_LEADER_ADDRESS)",
+        "--master-port",
+        str(MASTER_PORT),
+    ]
     return args if leader else [*args, "--headless"]
 
 
@@ -87,8 +101,10 @@ def group_templates(template: Obj, nodes: int) -> tuple[Obj, Obj]:
         engine = next(c for c in pod["spec"]["containers"] if c["name"] == "engine")
         engine["args"] = [*engine.get("args", []), *launch_args(nodes, is_leader)]
         if is_leader:
-            engine["ports"] = [*engine.get("ports", []),
-                               {"name": MASTER_PORT_NAME, "containerPort": MASTER_PORT, "protocol": "TCP"}]  # fmt: skip
+            engine["ports"] = [
+                *engine.get("ports", []),
+                {"name": MASTER_PORT_NAME, "containerPort": MASTER_PORT, "protocol": "TCP"},
+            ]
         else:
             engine["ports"] = []
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -98,8 +114,9 @@ def group_templates(template: Obj, nodes: int) -> tuple[Obj, Obj]:
     return leader, worker
 
 
-def leader_worker_set(metadata: Obj, replicas: int, nodes: int, template: Obj, max_surge: int,
-                      max_unavailable: int, partition: int = 0) -> Obj:  # fmt: skip
+def leader_worker_set(
+    metadata: Obj, replicas: int, nodes: int, template: Obj, max_surge: int, max_unavailable: int, partition: int = 0
+) -> Obj:
     """A role's LeaderWorkerSet: ``replicas`` engines of ``nodes`` pods each. A pod's restart recreates its whole
     group (one engine's ranks live or die together: vLLM cannot take a rank back), the workers start once the
     leader exists (they need its address), and rolling updates move whole groups, from the highest index down to
@@ -112,8 +129,14 @@ def leader_worker_set(metadata: Obj, replicas: int, nodes: int, template: Obj, m
         "spec": {
             "replicas": replicas,
             "startupPolicy": "LeaderCreated",
-            "rolloutStrategy": {"type": "RollingUpdate", "rollingUpdateConfiguration": {
-                "partition": partition, "maxSurge": max_surge, "maxUnavailable": max_unavailable}},
+            "rolloutStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdateConfiguration": {
+                    "partition": partition,
+                    "maxSurge": max_surge,
+                    "maxUnavailable": max_unavailable,
+                },
+            },
             "leaderWorkerTemplate": {
                 "size": nodes,
                 "restartPolicy": "RecreateGroupOnPodRestart",
@@ -121,4 +144,4 @@ def leader_worker_set(metadata: Obj, replicas: int, nodes: int, template: Obj, m
                 "workerTemplate": worker,
             },
         },
-    }  # fmt: skip
+    }

@@ -36,15 +36,56 @@ TRANSPORTS_FIELD = f"{FIELD}.ucxTransports"
 NETWORKS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
 
 #: UCX transports (and aliases) that stay inside one node: shared memory, kernel copies, GPU copies and IPC
-NODE_LOCAL = frozenset({
-    "self", "sm", "shm", "mm", "posix", "sysv", "xpmem", "cma", "knem", "cuda", "cuda_copy", "cuda_ipc", "gdr_copy",
-    "rocm", "rocm_copy", "rocm_ipc", "rocm_gdr", "ze_copy", "ze_ipc", "ze_gpu",
-})  # fmt: skip
+NODE_LOCAL = frozenset(
+    {
+        "self",
+        "sm",
+        "shm",
+        "mm",
+        "posix",
+        "sysv",
+        "xpmem",
+        "cma",
+        "knem",
+        "cuda",
+        "cuda_copy",
+        "cuda_ipc",
+        "gdr_copy",
+        "rocm",
+        "rocm_copy",
+        "rocm_ipc",
+        "rocm_gdr",
+        "ze_copy",
+        "ze_ipc",
+        "ze_gpu",
+    }
+)
 #: UCX transports (and aliases) that reach other nodes
-NETWORK = frozenset({
-    "all", "tcp", "ib", "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "ud", "ud_v", "ud_x", "ud_verbs", "ud_mlx5",
-    "dc", "dc_x", "dc_mlx5", "srd", "ugni", "ugni_rdma", "ugni_udt", "ugni_smsg",
-})  # fmt: skip
+NETWORK = frozenset(
+    {
+        "all",
+        "tcp",
+        "ib",
+        "rc",
+        "rc_v",
+        "rc_x",
+        "rc_verbs",
+        "rc_mlx5",
+        "ud",
+        "ud_v",
+        "ud_x",
+        "ud_verbs",
+        "ud_mlx5",
+        "dc",
+        "dc_x",
+        "dc_mlx5",
+        "srd",
+        "ugni",
+        "ugni_rdma",
+        "ugni_udt",
+        "ugni_smsg",
+    }
+)
 _RESOURCE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 _MEMLOCK_CHECK = (
     'limit="$(ulimit -H -l)"; if [ "$limit" != unlimited ]; then echo "kvbridge: spec.transfer.network.memlock is '
@@ -87,29 +128,47 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     found = []
     for position, transport in enumerate(network.ucx_transports):
         if _name(transport) not in NODE_LOCAL | NETWORK:
-            found.append(Problem(UCX_TRANSPORT_UNKNOWN, f"{TRANSPORTS_FIELD}[{position}]", (
-                f"UCX has no transport {transport!r}: UCX would refuse to start the engine. Use UCX's names: "
-                f"{', '.join(sorted(NETWORK))} (between nodes) or {', '.join(sorted(NODE_LOCAL))} (inside one node); "
-                "^name excludes one"
-            )))  # fmt: skip
+            found.append(
+                Problem(
+                    UCX_TRANSPORT_UNKNOWN,
+                    f"{TRANSPORTS_FIELD}[{position}]",
+                    (
+                        f"UCX has no transport {transport!r}: UCX would refuse to start the engine. Use UCX's names: "
+                        f"{', '.join(sorted(NETWORK))} (between nodes) or {', '.join(sorted(NODE_LOCAL))} "
+                        "(inside one node); ^name excludes one"
+                    ),
+                )
+            )
     chosen = {_name(t) for t in network.ucx_transports if not t.strip().startswith("^")}
     known = chosen & (NODE_LOCAL | NETWORK)
     if known and not known & NETWORK and not one_node(spec):
-        found.append(Problem(UCX_TRANSPORTS_NODE_LOCAL, TRANSPORTS_FIELD, (
-            f"UCX transports {sorted(known)} stay inside one node, but nothing keeps prefill and decode pods on one "
-            "node: decode could not read KV from a prefill pod elsewhere. Add a transport between nodes (rc on "
-            "InfiniBand/RoCE, tcp anywhere), or keep the roles on one node (spec.placement.colocation: Required, "
-            "topologyKey: kubernetes.io/hostname)"
-        )))  # fmt: skip
+        found.append(
+            Problem(
+                UCX_TRANSPORTS_NODE_LOCAL,
+                TRANSPORTS_FIELD,
+                (
+                    f"UCX transports {sorted(known)} stay inside one node, but nothing keeps prefill and decode pods "
+                    "on one node: decode could not read KV from a prefill pod elsewhere. Add a transport between "
+                    "nodes (rc on InfiniBand/RoCE, tcp anywhere), or keep the roles on one node "
+                    "(spec.placement.colocation: Required, topologyKey: kubernetes.io/hostname)"
+                ),
+            )
+        )
     for name, count in network.rdma_resources.items():
         if is_gpu_resource(name):
             message = _GPU_IN_RDMA_RESOURCES.format(name=name)
             found.append(Problem(RDMA_RESOURCE_GPU, f"{FIELD}.rdmaResources.{name}", message))
         elif not _RESOURCE.match(name) or name.startswith(("kubernetes.io/", "requests.")) or count < 1:
-            found.append(Problem(RDMA_RESOURCE_INVALID, f"{FIELD}.rdmaResources.{name}", (
-                f"{name}: {count} is not an extended resource request: a name prefix/name as the RDMA device "
-                "plugin advertises it (e.g. rdma/ib, nvidia.com/hostdev) and a count of at least 1"
-            )))  # fmt: skip
+            found.append(
+                Problem(
+                    RDMA_RESOURCE_INVALID,
+                    f"{FIELD}.rdmaResources.{name}",
+                    (
+                        f"{name}: {count} is not an extended resource request: a name prefix/name as the RDMA device "
+                        "plugin advertises it (e.g. rdma/ib, nvidia.com/hostdev) and a count of at least 1"
+                    ),
+                )
+            )
     return found
 
 

@@ -58,15 +58,20 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
             spans = -(-tp // per_node)  # the fewest nodes that hold TP ranks
             while tp % spans:
                 spans += 1
-            fix = (f"set spec.{role.value}.nodes to {spans} ({tp // spans} GPUs per pod)"
-                   if spec.engine.kind is EngineKind.VLLM and spans <= MAX_NODES
-                   else f"set spec.{role.value}.tensorParallelSize to at most {per_node * nodes}")  # fmt: skip
-            found.append(Problem(
-                ROLE_DOES_NOT_FIT, f"spec.{role.value}.tensorParallelSize",
-                f"{role.value} TP {tp} over {nodes} node(s) needs {gpus} GPUs in one pod, and a node has "
-                f"{per_node} (spec.placement.gpusPerNode, else the operator's gpusPerNode): no node can take it; "
-                f"{fix}",
-            ))  # fmt: skip
+            fix = (
+                f"set spec.{role.value}.nodes to {spans} ({tp // spans} GPUs per pod)"
+                if spec.engine.kind is EngineKind.VLLM and spans <= MAX_NODES
+                else f"set spec.{role.value}.tensorParallelSize to at most {per_node * nodes}"
+            )
+            found.append(
+                Problem(
+                    ROLE_DOES_NOT_FIT,
+                    f"spec.{role.value}.tensorParallelSize",
+                    f"{role.value} TP {tp} over {nodes} node(s) needs {gpus} GPUs in one pod, and a node has "
+                    f"{per_node} (spec.placement.gpusPerNode, else the operator's gpusPerNode): no node can take it; "
+                    f"{fix}",
+                )
+            )
     return found
 
 
@@ -80,14 +85,22 @@ def pod_fields(spec: DisaggregatedDeploymentSpec, deployment: str, role_selector
         if placement.colocation is Colocation.REQUIRED:
             fields["affinity"] = {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}
         else:
-            fields["affinity"] = {"podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
-                {"weight": 100, "podAffinityTerm": term}]}}  # fmt: skip
+            fields["affinity"] = {
+                "podAffinity": {
+                    "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": term}]
+                }
+            }
     if placement.gang is not None:
         fields["schedulerName"] = placement.gang.scheduler_name
     if placement.spread_replicas:
-        fields["topologySpreadConstraints"] = [{"maxSkew": 1, "topologyKey": HOSTNAME,
-                                                "whenUnsatisfiable": "ScheduleAnyway",
-                                                "labelSelector": {"matchLabels": dict(role_selector)}}]  # fmt: skip
+        fields["topologySpreadConstraints"] = [
+            {
+                "maxSkew": 1,
+                "topologyKey": HOSTNAME,
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": dict(role_selector)},
+            }
+        ]
     return fields
 
 

@@ -52,8 +52,12 @@ Fix = dict[str, Any]
 
 
 def _role_field(role: str, name: str) -> tuple[str, Setter]:
-    attribute = {"tensorParallelSize": "tensor_parallel_size", "blockSize": "block_size", "kvLayout": "kv_layout",
-                 "nodes": "nodes"}  # fmt: skip
+    attribute = {
+        "tensorParallelSize": "tensor_parallel_size",
+        "blockSize": "block_size",
+        "kvLayout": "kv_layout",
+        "nodes": "nodes",
+    }
 
     def apply(spec: DisaggregatedDeploymentSpec, value: Any) -> DisaggregatedDeploymentSpec:
         current = getattr(spec, role)
@@ -80,16 +84,19 @@ def _fields() -> dict[str, tuple[Setter, Sequence[Any]]]:
     """Every searched field: its path, how to set it on a spec, its candidate values."""
     fields: dict[str, tuple[Setter, Sequence[Any]]] = {}
     role_values: tuple[tuple[str, Sequence[Any]], ...] = (
-        ("tensorParallelSize", _TP_VALUES), ("blockSize", _BLOCK_VALUES), ("kvLayout", tuple(KVLayout)),
+        ("tensorParallelSize", _TP_VALUES),
+        ("blockSize", _BLOCK_VALUES),
+        ("kvLayout", tuple(KVLayout)),
         ("nodes", _NODE_VALUES),
-    )  # fmt: skip
+    )
     for role in ("prefill", "decode"):
         for name, values in role_values:
             path, apply = _role_field(role, name)
             fields[path] = (apply, values)
     model_values: tuple[tuple[str, str, Sequence[Any]], ...] = (
-        ("kvCacheDtype", "kv_cache_dtype", _DTYPES), ("cacheKind", "cache_kind", tuple(CacheKind)),
-    )  # fmt: skip
+        ("kvCacheDtype", "kv_cache_dtype", _DTYPES),
+        ("cacheKind", "cache_kind", tuple(CacheKind)),
+    )
     for name, attribute, values in model_values:
         path, apply = _model_field(name, attribute)
         fields[path] = (apply, values)

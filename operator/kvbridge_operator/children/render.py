@@ -51,8 +51,14 @@ def selector(deployment: str, role: Role) -> dict[str, str]:
 
 
 def owner_reference(dd: DisaggregatedDeployment, uid: str) -> Obj:
-    return {"apiVersion": API_VERSION, "kind": KIND, "name": dd.metadata.name, "uid": uid, "controller": True,
-            "blockOwnerDeletion": True}  # fmt: skip
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": dd.metadata.name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
 
 
 def child_metadata(name: str, namespace: str, labels: dict[str, str], owner: Obj) -> Obj:
@@ -61,11 +67,20 @@ def child_metadata(name: str, namespace: str, labels: dict[str, str], owner: Obj
 
 #: Kubernetes' strategic-merge keys of the lists in a pod template (what `kubectl patch` merges by)
 MERGE_KEYS = {
-    "containers": "name", "initContainers": "name", "ephemeralContainers": "name", "env": "name",
-    "volumes": "name", "imagePullSecrets": "name", "resourceClaims": "name", "ports": "containerPort",
-    "volumeMounts": "mountPath", "volumeDevices": "devicePath", "hostAliases": "ip",
-    "topologySpreadConstraints": "topologyKey", "readinessGates": "conditionType",
-}  # fmt: skip
+    "containers": "name",
+    "initContainers": "name",
+    "ephemeralContainers": "name",
+    "env": "name",
+    "volumes": "name",
+    "imagePullSecrets": "name",
+    "resourceClaims": "name",
+    "ports": "containerPort",
+    "volumeMounts": "mountPath",
+    "volumeDevices": "devicePath",
+    "hostAliases": "ip",
+    "topologySpreadConstraints": "topologyKey",
+    "readinessGates": "conditionType",
+}
 
 
 def overlay(base: Any, patch: Any, key: str = "") -> Any:
@@ -111,14 +126,22 @@ def engine_env(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, conf
     spec = dd.spec
     agent = spec.engine.kind is EngineKind.AGENT
     environment = EngineEnvironment(
-        role=role, deployment=dd.metadata.name, engine_id="from-downward-api", model=spec.model,
-        prefill=spec.prefill.settings(), decode=spec.decode.settings(), transfer=spec.transfer,
-        side_channel_host="from-downward-api", fingerprint=plan.fingerprint,
+        role=role,
+        deployment=dd.metadata.name,
+        engine_id="from-downward-api",
+        model=spec.model,
+        prefill=spec.prefill.settings(),
+        decode=spec.decode.settings(),
+        transfer=spec.transfer,
+        side_channel_host="from-downward-api",
+        fingerprint=plan.fingerprint,
         keys_dir=config.keys_mount_path if agent or vllm.uses_kvbridge(spec) else "",
-        num_blocks=config.agent_num_blocks, http_port=config.agent_http_port,
-        device="cpu" if on_cpu(dd, config) else "cuda", drain_seconds=spec.transfer.drain_seconds,
+        num_blocks=config.agent_num_blocks,
+        http_port=config.agent_http_port,
+        device="cpu" if on_cpu(dd, config) else "cuda",
+        drain_seconds=spec.transfer.drain_seconds,
         transfer_token_file=transfer_token.token_file(spec, role),
-    )  # fmt: skip
+    )
     downward = {"KVBRIDGE_ENGINE_ID": "metadata.name", "KVBRIDGE_SIDE_CHANNEL_HOST": "status.podIP"}
     env: list[Obj] = []
     for name, value in render_environment(environment).items():
@@ -150,12 +173,18 @@ def rendered_template(
     side_channel = {"name": SIDE_CHANNEL_PORT_NAME, "containerPort": spec.transfer.side_channel_port, "protocol": "TCP"}
     group_labels = placement.pod_group_labels(spec, dd.metadata.name)
     placed = placement.pod_fields(spec, dd.metadata.name, selector(dd.metadata.name, role), LABEL_DEPLOYMENT)
-    labels = {**MANAGED_BY, **selector(dd.metadata.name, role), LABEL_FINGERPRINT: plan.fingerprint,
-              LABEL_PAIRING: key or pairing(spec), LABEL_TP: str(role_spec.tensor_parallel_size),
-              **group_labels}  # fmt: skip
+    labels = {
+        **MANAGED_BY,
+        **selector(dd.metadata.name, role),
+        LABEL_FINGERPRINT: plan.fingerprint,
+        LABEL_PAIRING: key or pairing(spec),
+        LABEL_TP: str(role_spec.tensor_parallel_size),
+        **group_labels,
+    }
     if spec.engine.kind is EngineKind.VLLM:
-        containers, volumes = vllm.pod_containers(dd, role, plan, config, engine_env(dd, role, plan, config),
-                                                  side_channel, _keys_volume(dd))  # fmt: skip
+        containers, volumes = vllm.pod_containers(
+            dd, role, plan, config, engine_env(dd, role, plan, config), side_channel, _keys_volume(dd)
+        )
         if config.routing_sidecar_image or spec.inference_pool.enabled:
             labels[LABEL_LLM_D_ROLE] = role.value.lower()  # what llm-d's scheduler selects prefill/decode pods by
         if spec.inference_pool.enabled:
@@ -168,7 +197,7 @@ def rendered_template(
     template: Obj = {
         "metadata": {"labels": labels},
         "spec": {"containers": containers, "volumes": volumes, **placed},
-    }  # fmt: skip
+    }
     network.apply(template, spec)
     termination.apply(template, spec, role, config.agent_http_port)
     transfer_token.apply(template, spec, dd.metadata.name, role)
@@ -194,8 +223,10 @@ def _agent_container(
     resources: Obj = {"requests": {"cpu": "1", "memory": "2Gi"}}
     if not on_cpu(dd, config):
         gpus = str(dd.spec.role(role).tensor_parallel_size)
-        resources = {"requests": {**resources["requests"], config.gpu_resource: gpus},
-                     "limits": {config.gpu_resource: gpus}}  # fmt: skip
+        resources = {
+            "requests": {**resources["requests"], config.gpu_resource: gpus},
+            "limits": {config.gpu_resource: gpus},
+        }
     ports = [{"name": HTTP_PORT_NAME, "containerPort": config.agent_http_port, "protocol": "TCP"}]
     if role is Role.PREFILL:
         ports.append(side)
@@ -214,8 +245,14 @@ def _agent_container(
     }
 
 
-def stateful_set(dd: DisaggregatedDeployment, uid: str, role: Role, plan: TransferPlan, config: OperatorConfig,
-                 key: str | None = None) -> Obj:  # fmt: skip
+def stateful_set(
+    dd: DisaggregatedDeployment,
+    uid: str,
+    role: Role,
+    plan: TransferPlan,
+    config: OperatorConfig,
+    key: str | None = None,
+) -> Obj:
     """The role's StatefulSet with the spec's replicas and partition 0; the reconcile sets both to the rollout's
     step (the effective count of scaling.py plus a surge; the ordinal from which pods run this template)."""
     name = role_name(dd.metadata.name, role)
@@ -236,17 +273,29 @@ def stateful_set(dd: DisaggregatedDeployment, uid: str, role: Role, plan: Transf
     }
 
 
-def leader_worker_set(dd: DisaggregatedDeployment, uid: str, role: Role, plan: TransferPlan, config: OperatorConfig,
-                      key: str | None = None) -> Obj:  # fmt: skip
+def leader_worker_set(
+    dd: DisaggregatedDeployment,
+    uid: str,
+    role: Role,
+    plan: TransferPlan,
+    config: OperatorConfig,
+    key: str | None = None,
+) -> Obj:
     """A multi-node role's LeaderWorkerSet (``spec.<role>.nodes`` above 1): the spec's replicas as groups of
     ``nodes`` pods, the role's rollout as the LWS's rolling update."""
     name = role_name(dd.metadata.name, role)
     role_spec = dd.spec.role(role)
-    metadata = child_metadata(name, dd.metadata.namespace or "default", selector(dd.metadata.name, role),
-                              owner_reference(dd, uid))  # fmt: skip
-    return multinode.leader_worker_set(metadata, role_spec.replicas, role_spec.nodes,
-                                       pod_template(dd, role, plan, config, key), role_spec.rollout.max_surge,
-                                       role_spec.rollout.max_unavailable)  # fmt: skip
+    metadata = child_metadata(
+        name, dd.metadata.namespace or "default", selector(dd.metadata.name, role), owner_reference(dd, uid)
+    )
+    return multinode.leader_worker_set(
+        metadata,
+        role_spec.replicas,
+        role_spec.nodes,
+        pod_template(dd, role, plan, config, key),
+        role_spec.rollout.max_surge,
+        role_spec.rollout.max_unavailable,
+    )
 
 
 def service(dd: DisaggregatedDeployment, uid: str, role: Role, config: OperatorConfig) -> Obj:
@@ -254,16 +303,22 @@ def service(dd: DisaggregatedDeployment, uid: str, role: Role, config: OperatorC
     ports = [{"name": HTTP_PORT_NAME, "port": config.agent_http_port, "targetPort": HTTP_PORT_NAME, "protocol": "TCP"}]
     if role is Role.PREFILL:
         port = dd.spec.transfer.side_channel_port
-        ports.append({"name": SIDE_CHANNEL_PORT_NAME, "port": port, "targetPort": SIDE_CHANNEL_PORT_NAME,
-                      "protocol": "TCP"})  # fmt: skip
+        ports.append(
+            {"name": SIDE_CHANNEL_PORT_NAME, "port": port, "targetPort": SIDE_CHANNEL_PORT_NAME, "protocol": "TCP"}
+        )
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": child_metadata(name, dd.metadata.namespace or "default", selector(dd.metadata.name, role),
-                              owner_reference(dd, uid)),
-        "spec": {"clusterIP": "None", "selector": selector(dd.metadata.name, role), "ports": ports,
-                 "publishNotReadyAddresses": False},
-    }  # fmt: skip
+        "metadata": child_metadata(
+            name, dd.metadata.namespace or "default", selector(dd.metadata.name, role), owner_reference(dd, uid)
+        ),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector(dd.metadata.name, role),
+            "ports": ports,
+            "publishNotReadyAddresses": False,
+        },
+    }
 
 
 def secret(dd: DisaggregatedDeployment, uid: str) -> Obj:
@@ -273,10 +328,14 @@ def secret(dd: DisaggregatedDeployment, uid: str) -> Obj:
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": child_metadata(secret_name(dd.metadata.name), dd.metadata.namespace or "default",
-                              {LABEL_DEPLOYMENT: dd.metadata.name}, owner_reference(dd, uid)),
+        "metadata": child_metadata(
+            secret_name(dd.metadata.name),
+            dd.metadata.namespace or "default",
+            {LABEL_DEPLOYMENT: dd.metadata.name},
+            owner_reference(dd, uid),
+        ),
         "data": {"curve-public": base64.b64encode(public).decode(), "curve-secret": base64.b64encode(private).decode()},
-    }  # fmt: skip
+    }
 
 
 def network_policy(dd: DisaggregatedDeployment, uid: str, config: OperatorConfig) -> Obj:
@@ -288,21 +347,31 @@ def network_policy(dd: DisaggregatedDeployment, uid: str, config: OperatorConfig
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": child_metadata(network_policy_name(name), dd.metadata.namespace or "default",
-                              {LABEL_DEPLOYMENT: name}, owner_reference(dd, uid)),
+        "metadata": child_metadata(
+            network_policy_name(name),
+            dd.metadata.namespace or "default",
+            {LABEL_DEPLOYMENT: name},
+            owner_reference(dd, uid),
+        ),
         "spec": {
             # the engines' pods (they carry a role; the router's pods do not, and are not fenced by this policy)
-            "podSelector": {"matchLabels": {LABEL_DEPLOYMENT: name},
-                            "matchExpressions": [{"key": LABEL_ROLE, "operator": "Exists"}]},
+            "podSelector": {
+                "matchLabels": {LABEL_DEPLOYMENT: name},
+                "matchExpressions": [{"key": LABEL_ROLE, "operator": "Exists"}],
+            },
             "policyTypes": ["Ingress"],
             "ingress": [
                 {"from": [{"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: name}}}]},
-                {"from": [{"podSelector": {}},
-                          {"namespaceSelector": {"matchLabels": {LABEL_API_ACCESS: "allowed"}}}],
-                 "ports": [{"protocol": "TCP", "port": config.agent_http_port}]},
+                {
+                    "from": [
+                        {"podSelector": {}},
+                        {"namespaceSelector": {"matchLabels": {LABEL_API_ACCESS: "allowed"}}},
+                    ],
+                    "ports": [{"protocol": "TCP", "port": config.agent_http_port}],
+                },
             ],
         },
-    }  # fmt: skip
+    }
 
 
 def pod_disruption_budget(dd: DisaggregatedDeployment, uid: str, role: Role) -> Obj:
@@ -312,10 +381,11 @@ def pod_disruption_budget(dd: DisaggregatedDeployment, uid: str, role: Role) -> 
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": child_metadata(name, dd.metadata.namespace or "default", selector(dd.metadata.name, role),
-                              owner_reference(dd, uid)),
+        "metadata": child_metadata(
+            name, dd.metadata.namespace or "default", selector(dd.metadata.name, role), owner_reference(dd, uid)
+        ),
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(dd.metadata.name, role)}},
-    }  # fmt: skip
+    }
 
 
 def desired_children(

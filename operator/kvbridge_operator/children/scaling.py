@@ -96,13 +96,14 @@ def role_resource(dd: DisaggregatedDeployment, uid: str, role: Role) -> Obj:
         "apiVersion": API_VERSION,
         "kind": ROLE_KIND,
         "metadata": {
-            "name": role_name(name, role), "namespace": dd.metadata.namespace or "default",
+            "name": role_name(name, role),
+            "namespace": dd.metadata.namespace or "default",
             "labels": {**MANAGED_BY, **selector(name, role)},
             "annotations": {ANNOTATION_SPEC_REPLICAS: str(replicas)},
             "ownerReferences": [owner_reference(dd, uid)],
         },
         "spec": {"deployment": name, "role": role.value, "replicas": replicas},
-    }  # fmt: skip
+    }
 
 
 def spec_replicas_patch(wanted: int, current: Obj) -> Obj | None:
@@ -113,8 +114,10 @@ def spec_replicas_patch(wanted: int, current: Obj) -> Obj | None:
     if (meta.get("annotations") or {}).get(ANNOTATION_SPEC_REPLICAS) == str(wanted):
         return None
     annotations = {ANNOTATION_SPEC_REPLICAS: str(wanted)}
-    return {"metadata": {"resourceVersion": meta.get("resourceVersion"), "annotations": annotations},
-            "spec": {"replicas": wanted}}  # fmt: skip
+    return {
+        "metadata": {"resourceVersion": meta.get("resourceVersion"), "annotations": annotations},
+        "spec": {"replicas": wanted},
+    }
 
 
 def desired_of(current: Obj | None, dd: DisaggregatedDeployment, role: Role) -> int:
@@ -141,8 +144,13 @@ def role_status(dd: DisaggregatedDeployment, role: Role, scale: Scale) -> Obj:
 
 def _merged(obj: Obj, patch: Obj) -> Obj:
     """``obj`` with a merge patch of maps applied (RFC 7386, without deletions: the patches here set values)."""
-    return {**obj, **{key: _merged(obj.get(key) or {}, value) if isinstance(value, dict) else value
-                      for key, value in patch.items()}}  # fmt: skip
+    return {
+        **obj,
+        **{
+            key: _merged(obj.get(key) or {}, value) if isinstance(value, dict) else value
+            for key, value in patch.items()
+        },
+    }
 
 
 @dataclass(frozen=True)
@@ -157,8 +165,9 @@ class Roles:
     scaled: list[str]  # a message for each role whose effective count changed since the previous status
 
 
-def decide_roles(dd: DisaggregatedDeployment, uid: str, current: dict[Role, Obj | None], write: bool,
-                 previous: Obj) -> Roles:  # fmt: skip
+def decide_roles(
+    dd: DisaggregatedDeployment, uid: str, current: dict[Role, Obj | None], write: bool, previous: Obj
+) -> Roles:
     """Each role created with the spec's replicas when missing; afterwards its replicas change only when the spec's
     do, so what an autoscaler set stays (``write``: a full reconcile, which creates and rescales roles; else the
     roles are only read). ``previous``: the deployment's status, for the Scaled messages."""
@@ -180,8 +189,15 @@ def decide_roles(dd: DisaggregatedDeployment, uid: str, current: dict[Role, Obj 
         was = (previous.get(role.value) or {}).get("replicas")
         if isinstance(was, int) and was != scale.effective[role]:
             why = "".join(f"; {note}" for note in scale.notes_for(role))
-            scaled.append(f"{role.value}: {was} -> {scale.effective[role]} engines ({dd.metadata.name}-{role.value} "
-                          f"asks {scale.desired[role]}{why})")  # fmt: skip
-    return Roles(create, rescale, held, scale,
-                 {role: wanted for role, wanted in status.items() if (held[role] or {}).get("status") != wanted},
-                 scaled)  # fmt: skip
+            scaled.append(
+                f"{role.value}: {was} -> {scale.effective[role]} engines ({dd.metadata.name}-{role.value} "
+                f"asks {scale.desired[role]}{why})"
+            )
+    return Roles(
+        create,
+        rescale,
+        held,
+        scale,
+        {role: wanted for role, wanted in status.items() if (held[role] or {}).get("status") != wanted},
+        scaled,
+    )

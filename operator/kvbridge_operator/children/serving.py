@@ -48,11 +48,16 @@ def router_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfi
     labels = router_selector(dd.metadata.name)
     spec = dd.spec.router
     args = [
-        "router", f"--deployment={dd.metadata.name}", f"--namespace={namespace}", f"--port={ROUTER_PORT}",
-        f"--prefill-timeout={spec.prefill_timeout_seconds}", f"--decode-timeout={spec.decode_timeout_seconds}",
-        f"--prefill-attempts={spec.prefill_attempts}", f"--policy={spec.policy.value}",
+        "router",
+        f"--deployment={dd.metadata.name}",
+        f"--namespace={namespace}",
+        f"--port={ROUTER_PORT}",
+        f"--prefill-timeout={spec.prefill_timeout_seconds}",
+        f"--decode-timeout={spec.decode_timeout_seconds}",
+        f"--prefill-attempts={spec.prefill_attempts}",
+        f"--policy={spec.policy.value}",
         f"--block-size={dd.spec.prefill.block_size}",
-    ]  # fmt: skip
+    ]
     signs = transfer_token.signs(dd.spec)
     args += [f"--transfer-token-file={transfer_token.TOKEN_FILE}"] if signs else []
     probe = {"httpGet": {"path": "/metrics", "port": HTTP_PORT_NAME}, "periodSeconds": 10}
@@ -66,47 +71,69 @@ def router_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfi
         "readinessProbe": {"httpGet": {"path": "/health", "port": HTTP_PORT_NAME}, "periodSeconds": 5},
         "livenessProbe": {**probe, "failureThreshold": 6},
         "resources": spec.resources or {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
-        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
-                            "capabilities": {"drop": ["ALL"]}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
         **({"volumeMounts": [transfer_token.mount()]} if signs else {}),
-    }  # fmt: skip
+    }
     # the token's file is root's: readable by the router's non-root user
     volumes = {"volumes": [transfer_token.volume(dd.metadata.name, 0o444)]} if signs else {}
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": child_metadata(name, namespace, labels, owner)},
         {
-            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
             "metadata": child_metadata(name, namespace, labels, owner),
-            "rules": [{"apiGroups": ["kvbridge.io"], "resources": ["disaggregateddeployments"],
-                       "resourceNames": [dd.metadata.name], "verbs": ["get", "list", "watch"]}],
+            "rules": [
+                {
+                    "apiGroups": ["kvbridge.io"],
+                    "resources": ["disaggregateddeployments"],
+                    "resourceNames": [dd.metadata.name],
+                    "verbs": ["get", "list", "watch"],
+                }
+            ],
         },
         {
-            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
             "metadata": child_metadata(name, namespace, labels, owner),
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
         },
         {
-            "apiVersion": "apps/v1", "kind": "Deployment",
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
             "metadata": child_metadata(name, namespace, labels, owner),
             "spec": {
                 "replicas": spec.replicas,
                 "selector": {"matchLabels": labels},
                 "template": {
                     "metadata": {"labels": {**MANAGED_BY, **labels}},
-                    "spec": {"serviceAccountName": name, "containers": [container],
-                             "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}}, **volumes},
+                    "spec": {
+                        "serviceAccountName": name,
+                        "containers": [container],
+                        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+                        **volumes,
+                    },
                 },
             },
         },
         {
-            "apiVersion": "v1", "kind": "Service",
+            "apiVersion": "v1",
+            "kind": "Service",
             "metadata": child_metadata(name, namespace, labels, owner),
-            "spec": {"type": "ClusterIP", "selector": labels,
-                     "ports": [{"name": HTTP_PORT_NAME, "port": ROUTER_PORT, "targetPort": HTTP_PORT_NAME,
-                                "protocol": "TCP"}]},
+            "spec": {
+                "type": "ClusterIP",
+                "selector": labels,
+                "ports": [
+                    {"name": HTTP_PORT_NAME, "port": ROUTER_PORT, "targetPort": HTTP_PORT_NAME, "protocol": "TCP"}
+                ],
+            },
         },
-    ]  # fmt: skip
+    ]
 
 
 def router_token_secret(dd: DisaggregatedDeployment, uid: str) -> Obj:
@@ -131,36 +158,50 @@ def inference_pool_children(dd: DisaggregatedDeployment, uid: str, config: Opera
     pool = dd.spec.inference_pool
     found: list[Obj] = [
         {
-            "apiVersion": INFERENCE_POOL_API, "kind": "InferencePool",
+            "apiVersion": INFERENCE_POOL_API,
+            "kind": "InferencePool",
             "metadata": child_metadata(name, namespace, labels, owner),
             "spec": {
                 # both roles' serving pods (not the router's, not multi-node workers); llm-d's P/D scheduler tells
                 # them apart by llm-d.ai/role
                 "selector": {"matchLabels": {LABEL_INFERENCE_POOL: name}},
                 "targetPorts": [{"number": config.agent_http_port}],
-                "endpointPickerRef": {"name": pool.endpoint_picker, "kind": "Service",
-                                      "port": {"number": pool.endpoint_picker_port}, "failureMode": "FailClose"},
+                "endpointPickerRef": {
+                    "name": pool.endpoint_picker,
+                    "kind": "Service",
+                    "port": {"number": pool.endpoint_picker_port},
+                    "failureMode": "FailClose",
+                },
             },
         },
-    ]  # fmt: skip
+    ]
     if pool.gateway:
-        found.append({
-            "apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
-            "metadata": child_metadata(name, namespace, labels, owner),
-            "spec": {
-                "parentRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": pool.gateway}],
-                "rules": [{"matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
-                           "backendRefs": [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
-                                            "name": name}]}],
-            },
-        })  # fmt: skip
+        found.append(
+            {
+                "apiVersion": "gateway.networking.k8s.io/v1",
+                "kind": "HTTPRoute",
+                "metadata": child_metadata(name, namespace, labels, owner),
+                "spec": {
+                    "parentRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": pool.gateway}],
+                    "rules": [
+                        {
+                            "matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+                            "backendRefs": [
+                                {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": name}
+                            ],
+                        }
+                    ],
+                },
+            }
+        )
     return found
 
 
 def pod_group_children(dd: DisaggregatedDeployment, uid: str) -> list[Obj]:
     name, namespace = dd.metadata.name, dd.metadata.namespace or "default"
-    group = placement.pod_group(dd.spec, child_metadata(name, namespace, {LABEL_DEPLOYMENT: name},
-                                                        owner_reference(dd, uid)))  # fmt: skip
+    group = placement.pod_group(
+        dd.spec, child_metadata(name, namespace, {LABEL_DEPLOYMENT: name}, owner_reference(dd, uid))
+    )
     return [group] if group is not None else []
 
 

@@ -59,17 +59,33 @@ TEMPLATE_NULL = "TEMPLATE_NULL"
 EXTRA_ARGS_NEED_VLLM = "EXTRA_ARGS_NEED_VLLM"
 
 #: environment variables kvbridge renders on the engine container (besides every KVBRIDGE_* of the agent's contract)
-MANAGED_ENV = frozenset({
-    "VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_KV_CACHE_LAYOUT", "VLLM_CPU_KVCACHE_SPACE",
-    "VLLM_CPU_OMP_THREADS_BIND", "HF_TOKEN", "HF_HOME", "UCX_TLS", "UCX_NET_DEVICES",
-})  # fmt: skip
+MANAGED_ENV = frozenset(
+    {
+        "VLLM_NIXL_SIDE_CHANNEL_PORT",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST",
+        "VLLM_KV_CACHE_LAYOUT",
+        "VLLM_CPU_KVCACHE_SPACE",
+        "VLLM_CPU_OMP_THREADS_BIND",
+        "HF_TOKEN",
+        "HF_HOME",
+        "UCX_TLS",
+        "UCX_NET_DEVICES",
+    }
+)
 MANAGED_ENV_PREFIX = "KVBRIDGE_"
 #: the KVBRIDGE_* variables that tune one engine without deciding anything the plan checked (capacity, checks,
 #: allocation order, NIXL and UCX modes, a deadline, the bind address): a template may set them
-TUNABLE_ENV = frozenset({
-    "KVBRIDGE_NUM_BLOCKS", "KVBRIDGE_VERIFY", "KVBRIDGE_BLOCK_ALLOCATION", "KVBRIDGE_NIXL_PROGRESS_THREAD",
-    "KVBRIDGE_UCX_ERROR_HANDLING", "KVBRIDGE_TRANSFER_TIMEOUT_SECONDS", "KVBRIDGE_HTTP_HOST",
-})  # fmt: skip
+TUNABLE_ENV = frozenset(
+    {
+        "KVBRIDGE_NUM_BLOCKS",
+        "KVBRIDGE_VERIFY",
+        "KVBRIDGE_BLOCK_ALLOCATION",
+        "KVBRIDGE_NIXL_PROGRESS_THREAD",
+        "KVBRIDGE_UCX_ERROR_HANDLING",
+        "KVBRIDGE_TRANSFER_TIMEOUT_SECONDS",
+        "KVBRIDGE_HTTP_HOST",
+    }
+)
 #: container port names kvbridge renders (``vllm``: vLLM behind llm-d's routing sidecar)
 MANAGED_PORTS = frozenset({HTTP_PORT_NAME, SIDE_CHANNEL_PORT_NAME, "rendezvous", "vllm"})
 #: pod labels kvbridge or the schedulers it renders for read

@@ -69,8 +69,15 @@ def apply(template: Obj, spec: DisaggregatedDeploymentSpec, role: Role, port: in
     """``template`` (changed in place and returned) with the engine container's preStop drain and the pod's grace
     period; ``port`` is the engine's HTTP port (its /metrics)."""
     template["spec"]["terminationGracePeriodSeconds"] = grace_seconds(spec, role)
-    command = ["python3", "-c", DRAIN_SCRIPT, str(port), str(ROUTE_GRACE_SECONDS), str(held_wait_seconds(spec, role)),
-               held_gauge(spec, role)]  # fmt: skip
+    command = [
+        "python3",
+        "-c",
+        DRAIN_SCRIPT,
+        str(port),
+        str(ROUTE_GRACE_SECONDS),
+        str(held_wait_seconds(spec, role)),
+        held_gauge(spec, role),
+    ]
     for container in template["spec"]["containers"]:
         if container.get("name") == ENGINE_CONTAINER:
             container["lifecycle"] = {"preStop": {"exec": {"command": command}}}

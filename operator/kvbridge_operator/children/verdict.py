@@ -100,8 +100,9 @@ def _refused(spec: DisaggregatedDeploymentSpec, changes: dict[str, Any]) -> bool
     changed = _with(spec, changes)
     if changed is None:
         return True
-    after = check_pair(changed.model, changed.prefill.settings(), changed.decode.settings(), changed.transfer,
-                       suggestions=False) + spec_problems(changed)  # fmt: skip
+    after = check_pair(
+        changed.model, changed.prefill.settings(), changed.decode.settings(), changed.transfer, suggestions=False
+    ) + spec_problems(changed)
     return any(problem.field in changes for problem in after)
 
 

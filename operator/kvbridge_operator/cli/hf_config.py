@@ -49,8 +49,11 @@ def geometry(config: dict[str, Any], name: str) -> ModelGeometry:
     dtype_name = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
     if dtype_name not in _DTYPES:
         raise ModelConfigError(f"unsupported dtype {dtype_name!r} in config.json", field="torch_dtype")
-    common: dict[str, Any] = {"name": name, "num_layers": _int(config, "num_hidden_layers"),
-                              "kv_cache_dtype": _DTYPES[dtype_name]}  # fmt: skip
+    common: dict[str, Any] = {
+        "name": name,
+        "num_layers": _int(config, "num_hidden_layers"),
+        "kv_cache_dtype": _DTYPES[dtype_name],
+    }
     if config.get("model_type") in _MLA_TYPES or "kv_lora_rank" in config:
         # MLA caches one latent per token: the compressed KV plus the decoupled RoPE key
         latent = _int(config, "kv_lora_rank") + _int(config, "qk_rope_head_dim")

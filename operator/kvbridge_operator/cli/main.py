@@ -70,8 +70,9 @@ def _plan(args: argparse.Namespace) -> int:
             print(f"kvbridge plan: error: {item.error.message}{field}", file=sys.stderr)
             order.append(invalid_entry(item.label, item.name, item.error))
         elif item.deployment is not None:
-            planned = plan_document(placement.with_gpus_per_node(item.deployment, args.gpus_per_node),
-                                    warnings=item.warnings)  # fmt: skip
+            planned = plan_document(
+                placement.with_gpus_per_node(item.deployment, args.gpus_per_node), warnings=item.warnings
+            )
             documents.append(planned)
             order.append(planned)
             if args.json:  # the text report prints them with the plan; JSON readers see them on stderr too
@@ -182,8 +183,11 @@ def _router(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if bool(args.deployment) == bool(args.status_file):
-        print("kvbridge router: error: give --deployment NAME (watched through the Kubernetes API) or --status-file "
-              "FILE (a deployment's YAML or JSON, re-read when it changes)", file=sys.stderr)  # fmt: skip
+        print(
+            "kvbridge router: error: give --deployment NAME (watched through the Kubernetes API) or --status-file "
+            "FILE (a deployment's YAML or JSON, re-read when it changes)",
+            file=sys.stderr,
+        )
         return EXIT_INVALID
     limits = {
         "--prefill-timeout": args.prefill_timeout,
@@ -241,8 +245,9 @@ def _router(args: argparse.Namespace) -> int:
         print(f"kvbridge router: error: {exc.code}: {exc.message}", file=sys.stderr)
         return EXIT_INVALID
     except OSError as exc:  # the port is taken, or the address is not ours
-        print(f"kvbridge router: error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"kvbridge router: error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr
+        )
         return EXIT_INVALID
     return EXIT_OK
 
@@ -285,8 +290,11 @@ def _contributed(name: str) -> Callable[[argparse.Namespace], int] | None:
 def _demo(args: argparse.Namespace) -> int:
     command = _contributed("demo")
     if command is None:
-        print("kvbridge demo: error: this installation has no kvbridge_sim (the emulated cluster the demo runs on); "
-              "run the demo from a checkout: make demo", file=sys.stderr)  # fmt: skip
+        print(
+            "kvbridge demo: error: this installation has no kvbridge_sim (the emulated cluster the demo runs on); "
+            "run the demo from a checkout: make demo",
+            file=sys.stderr,
+        )
         return EXIT_INVALID
     return command(args)
 
@@ -302,15 +310,21 @@ def build_parser() -> argparse.ArgumentParser:
         description="Check DisaggregatedDeployment documents without a cluster. Exit status: 0 all compatible, "
         "1 any incompatible, 2 unreadable or invalid input.",
     )
-    plan.add_argument("-f", "--file", required=True,
-                      help="manifest file (multi-document YAML), a folder of them, or - for stdin")  # fmt: skip
+    plan.add_argument(
+        "-f", "--file", required=True, help="manifest file (multi-document YAML), a folder of them, or - for stdin"
+    )
     ranks = plan.add_mutually_exclusive_group()
     ranks.add_argument("--decode-rank", type=int, metavar="R", help="plan decode rank R (default 0)")
     ranks.add_argument("--all-ranks", action="store_true", help="plan every decode rank of every document")
     plan.add_argument("--json", action="store_true", help="print one JSON document (a list) on stdout")
-    plan.add_argument("--gpus-per-node", type=_positive, default=0, metavar="N",
-                      help="GPUs one node of the cluster offers (the operator's --gpus-per-node), for documents "
-                      "without spec.placement.gpusPerNode: a role whose engine cannot fit one is refused")  # fmt: skip
+    plan.add_argument(
+        "--gpus-per-node",
+        type=_positive,
+        default=0,
+        metavar="N",
+        help="GPUs one node of the cluster offers (the operator's --gpus-per-node), for documents "
+        "without spec.placement.gpusPerNode: a role whose engine cannot fit one is refused",
+    )
     plan.set_defaults(func=_plan)
 
     model = commands.add_parser(
@@ -327,9 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
     operator = commands.add_parser("operator", help="the Kopf operator for DisaggregatedDeployments")
     operator_commands = operator.add_subparsers(dest="operator_command", required=True, metavar="ACTION")
     run = operator_commands.add_parser(
-        "run", help="run the operator (settings from flags or KVBRIDGE_OPERATOR_* variables)",
+        "run",
+        help="run the operator (settings from flags or KVBRIDGE_OPERATOR_* variables)",
         description="Watches DisaggregatedDeployments and their pods; one replica.",
-    )  # fmt: skip
+    )
     from kvbridge_operator.config import default_of, flag_of, settings, variable_of
 
     for item in settings():  # one flag per setting, generated: the flags and the variables never drift apart
@@ -347,30 +362,48 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_operator_run)
 
     router = commands.add_parser(
-        "router", help="OpenAI-compatible front: each request to a prefill pod, then a decode pod paired with it",
+        "router",
+        help="OpenAI-compatible front: each request to a prefill pod, then a decode pod paired with it",
         description="Routes /v1/completions and /v1/chat/completions (streaming passed through) to the pods a "
         "DisaggregatedDeployment's status lists, pairing only compatible ones; /v1/models, /health, /metrics.",
-    )  # fmt: skip
+    )
     router.add_argument("--deployment", metavar="NAME", help="the DisaggregatedDeployment to route to (watched)")
     router.add_argument("--namespace", default="", help="its namespace (default: the pod's own, else default)")
     router.add_argument("--status-file", metavar="FILE", help="route from a file instead (kubectl get dd -o yaml)")
     router.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     router.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     router.add_argument("--prefill-timeout", type=float, default=60.0, help="seconds per prefill call (default 60)")
-    router.add_argument("--decode-timeout", type=float, default=600.0,
-                        help="seconds for a whole decode answer (default 600; streams: also 60 s at most between "
-                        "chunks)")  # fmt: skip
-    router.add_argument("--policy", choices=[p.value for p in RouterPolicy], default=RouterPolicy.KV_AWARE.value,
-                        help="kv-aware (default): the pods that were sent the longest leading part of the prompt, "
-                        "unless much busier; least-loaded: the fewest requests in flight (docs/router.md)")  # fmt: skip
-    router.add_argument("--block-size", type=int, default=16, metavar="TOKENS",
-                        help="kv-aware: the prefill pods' KV block size, the unit their prefix caches hit in "
-                        "(default 16; the operator passes spec.prefill.blockSize)")  # fmt: skip
-    router.add_argument("--prefill-attempts", type=int, default=3,
-                        help="prefill pods tried per request when one fails (default 3)")  # fmt: skip
-    router.add_argument("--decode-attempts", type=int, default=3,
-                        help="decode calls per request: one failing before anything reached the client is retried "
-                        "on another pair (default 3)")  # fmt: skip
+    router.add_argument(
+        "--decode-timeout",
+        type=float,
+        default=600.0,
+        help="seconds for a whole decode answer (default 600; streams: also 60 s at most between chunks)",
+    )
+    router.add_argument(
+        "--policy",
+        choices=[p.value for p in RouterPolicy],
+        default=RouterPolicy.KV_AWARE.value,
+        help="kv-aware (default): the pods that were sent the longest leading part of the prompt, "
+        "unless much busier; least-loaded: the fewest requests in flight (docs/router.md)",
+    )
+    router.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        metavar="TOKENS",
+        help="kv-aware: the prefill pods' KV block size, the unit their prefix caches hit in "
+        "(default 16; the operator passes spec.prefill.blockSize)",
+    )
+    router.add_argument(
+        "--prefill-attempts", type=int, default=3, help="prefill pods tried per request when one fails (default 3)"
+    )
+    router.add_argument(
+        "--decode-attempts",
+        type=int,
+        default=3,
+        help="decode calls per request: one failing before anything reached the client is retried "
+        "on another pair (default 3)",
+    )
     router.add_argument(
         "--request-timeout",
         type=float,
@@ -403,10 +436,11 @@ def build_parser() -> argparse.ArgumentParser:
     router.set_defaults(func=_router)
 
     demo = commands.add_parser(
-        "demo", help="the whole system on one machine: emulated API, operator, local pods, real KV transfers",
+        "demo",
+        help="the whole system on one machine: emulated API, operator, local pods, real KV transfers",
         description="Exit status 0 only if every compatible deployment became Ready and every transfer verified "
         "(also after a prefill restart), and every incompatible one was reported as such.",
-    )  # fmt: skip
+    )
     demo.add_argument("-f", "--file", action="append", help="manifest(s) to apply (default: two examples)")
     demo.add_argument(
         "--engine",
@@ -420,10 +454,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-layers", type=int, default=4, help="agent engines: scale models down to this many layers (default 4)"
     )
     demo.add_argument("--json", action="store_true", help="print one JSON document on stdout")
-    demo.add_argument("--serve", action="store_true",
-                      help="keep the cluster up instead: print a kubeconfig for the emulated API and each router's "
-                      "URL for your own clients (curl, the OpenAI SDK, vllm bench serve, kubectl); Ctrl-C stops "
-                      "everything")  # fmt: skip
+    demo.add_argument(
+        "--serve",
+        action="store_true",
+        help="keep the cluster up instead: print a kubeconfig for the emulated API and each router's "
+        "URL for your own clients (curl, the OpenAI SDK, vllm bench serve, kubectl); Ctrl-C stops "
+        "everything",
+    )
     demo.set_defaults(func=_demo)
     return parser
 

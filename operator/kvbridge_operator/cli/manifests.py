@@ -49,8 +49,10 @@ def read_text(path: str) -> str:
     if len(data) > MAX_MANIFEST_BYTES:
         raise ManifestError(
             f"{source} is larger than {MAX_MANIFEST_BYTES >> 20} MiB: not a manifest kvbridge reads (the API server "
-            "refuses objects this large too)", field=source, code="TOO_LARGE",
-        )  # fmt: skip
+            "refuses objects this large too)",
+            field=source,
+            code="TOO_LARGE",
+        )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -142,8 +144,7 @@ def manifest_files(path: str) -> list[str]:
         return [path]
     found = sorted(str(p) for p in Path(path).iterdir() if p.is_file() and p.suffix in MANIFEST_SUFFIXES)
     if not found:
-        raise ManifestError(f"{path}: no {', '.join(MANIFEST_SUFFIXES)} files in this folder", field=path,
-                            code="EMPTY")  # fmt: skip
+        raise ManifestError(f"{path}: no {', '.join(MANIFEST_SUFFIXES)} files in this folder", field=path, code="EMPTY")
     return found
 
 
@@ -168,8 +169,11 @@ def unknown_fields(document: Any) -> tuple[str, ...]:
     """What a document says at its top level that the API server would drop without a word."""
     if not isinstance(document, dict):
         return ()
-    return tuple(f"unknown top-level field {key!r} is ignored (a DisaggregatedDeployment has "
-                 f"{', '.join(TOP_LEVEL_FIELDS)})" for key in document if key not in TOP_LEVEL_FIELDS)  # fmt: skip
+    return tuple(
+        f"unknown top-level field {key!r} is ignored (a DisaggregatedDeployment has {', '.join(TOP_LEVEL_FIELDS)})"
+        for key in document
+        if key not in TOP_LEVEL_FIELDS
+    )
 
 
 def _name(document: Any) -> str:
@@ -199,11 +203,19 @@ def read_documents(path: str) -> list[Document]:
                     continue
                 name = _name(document)
                 try:
-                    found.append(Document(label, deployment=parse_deployment(document), name=name,
-                                          warnings=unknown_fields(document)))  # fmt: skip
+                    found.append(
+                        Document(
+                            label, deployment=parse_deployment(document), name=name, warnings=unknown_fields(document)
+                        )
+                    )
                 except SpecError as exc:
-                    found.append(Document(label, error=ManifestError(f"{label}: {exc.message}", field=exc.field,
-                                                                     code=exc.code), name=name))  # fmt: skip
+                    found.append(
+                        Document(
+                            label,
+                            error=ManifestError(f"{label}: {exc.message}", field=exc.field, code=exc.code),
+                            name=name,
+                        )
+                    )
         except ManifestError as exc:
             if index:  # the documents before the error were read; say where reading stopped
                 where = f"{source}: documents from {index + 1} on"

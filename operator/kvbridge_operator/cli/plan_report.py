@@ -60,8 +60,13 @@ def plan_document(deployment: DisaggregatedDeployment, warnings: tuple[str, ...]
 def invalid_entry(label: str, name: str, error: KVBridgeError) -> dict[str, object]:
     """The JSON object of a document that is not a valid DisaggregatedDeployment: like an incompatible plan's, with
     ``invalid: true`` and the document's place (``name`` is null where the document has none)."""
-    return {"name": name or None, "document": label, "compatible": False, "invalid": True,
-            "problems": [{"code": error.code, "field": error.field, "message": error.message}]}  # fmt: skip
+    return {
+        "name": name or None,
+        "document": label,
+        "compatible": False,
+        "invalid": True,
+        "problems": [{"code": error.code, "field": error.field, "message": error.message}],
+    }
 
 
 def selected_ranks(document: DocumentPlan, decode_rank: int | None, all_ranks: bool) -> list[int]:
@@ -214,9 +219,12 @@ def verifies(spec: DisaggregatedDeploymentSpec) -> bool:
 def verification_of(spec: DisaggregatedDeploymentSpec) -> dict[str, object]:
     """``spec.transfer.verification`` as the engines apply it (``--json``)."""
     transfer = spec.transfer
-    return {"policy": transfer.verification.value if verifies(spec) else Verification.OFF.value,
-            "firstSeconds": transfer.verification_first_seconds, "fraction": transfer.verification_fraction,
-            "supported": verifies(spec)}  # fmt: skip
+    return {
+        "policy": transfer.verification.value if verifies(spec) else Verification.OFF.value,
+        "firstSeconds": transfer.verification_first_seconds,
+        "fraction": transfer.verification_fraction,
+        "supported": verifies(spec),
+    }
 
 
 def verification_words(spec: DisaggregatedDeploymentSpec) -> str:
@@ -224,8 +232,10 @@ def verification_words(spec: DisaggregatedDeploymentSpec) -> str:
     if not verifies(spec):
         return "none (vLLM's NixlConnector has no transfer digest; connector: KVBridge verifies)"
     if transfer.verification is Verification.SAMPLED:
-        return (f"Sampled (decode checks prefill's digest of every request for {transfer.verification_first_seconds}"
-                f" s after a prefill engine's first, then of {transfer.verification_fraction:.0%})")  # fmt: skip
+        return (
+            f"Sampled (decode checks prefill's digest of every request for {transfer.verification_first_seconds}"
+            f" s after a prefill engine's first, then of {transfer.verification_fraction:.0%})"
+        )
     if transfer.verification is Verification.ALL:
         return "All (decode checks prefill's digest of every request)"
     return "Off"
@@ -268,8 +278,9 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
             lines.append(f"  a fix for all of them at once, checked: {describe(document.fix)}")
             namespace = document.deployment.metadata.namespace
             where = f" -n {namespace}" if namespace else ""
-            lines.append(f"      kubectl patch disaggregateddeployment {document.name}{where} --type merge "
-                         f"-p '{patch}'")  # fmt: skip
+            lines.append(
+                f"      kubectl patch disaggregateddeployment {document.name}{where} --type merge -p '{patch}'"
+            )
         return "\n".join([*lines, *advisory_lines(document)])
     plan = document.plan
     conversions = (
@@ -305,18 +316,24 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
             launcher = engine["launcher"]
             lines.append(f"  vLLM {role}: {shlex.join(engine['command'][len(launcher) :])}")
             if vllm.on_cpu(spec):
-                lines.append("      (run through kvbridge's CPU launcher: one core set per TP rank, "
-                             "VLLM_CPU_OMP_THREADS_BIND; `--json` shows it)")  # fmt: skip
+                lines.append(
+                    "      (run through kvbridge's CPU launcher: one core set per TP rank, "
+                    "VLLM_CPU_OMP_THREADS_BIND; `--json` shows it)"
+                )
             if spec.transfer.network.memlock is Memlock.REQUIRED:
-                lines.append("      (run through the memlock check: starts only under an unlimited locked-memory "
-                             "limit; `--json` shows it)")  # fmt: skip
+                lines.append(
+                    "      (run through the memlock check: starts only under an unlimited locked-memory "
+                    "limit; `--json` shows it)"
+                )
             lines.extend(f"      {name}={value}" for name, value in engine["env"].items())
             nodes = spec.role(Role(role)).nodes
             if nodes > 1:
-                lines.append(f"      over {nodes} nodes: a LeaderWorkerSet group per engine, "
-                             f"{multinode.gpus_per_pod(spec, Role(role))} GPUs per pod; the leader adds "
-                             f"{shlex.join(multinode.launch_args(nodes, True))}, each worker "
-                             f"{shlex.join(multinode.launch_args(nodes, False))}")  # fmt: skip
+                lines.append(
+                    f"      over {nodes} nodes: a LeaderWorkerSet group per engine, "
+                    f"{multinode.gpus_per_pod(spec, Role(role))} GPUs per pod; the leader adds "
+                    f"{shlex.join(multinode.launch_args(nodes, True))}, each worker "
+                    f"{shlex.join(multinode.launch_args(nodes, False))}"
+                )
     return "\n".join(lines)
 
 

@@ -85,8 +85,13 @@ async def _post(client: KubeClient, involved: Obj, event: actions.Event) -> None
         "apiVersion": "v1",
         "kind": "Event",
         "metadata": {"generateName": f"{involved['name']}.", "namespace": namespace},
-        "involvedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": involved["name"], "namespace": namespace,
-                           "uid": involved.get("uid", "")},
+        "involvedObject": {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": involved["name"],
+            "namespace": namespace,
+            "uid": involved.get("uid", ""),
+        },
         "type": event.type,
         "reason": event.reason,
         "message": event.message[:1000],
@@ -95,7 +100,7 @@ async def _post(client: KubeClient, involved: Obj, event: actions.Event) -> None
         "firstTimestamp": now,
         "lastTimestamp": now,
         "count": 1,
-    }  # fmt: skip
+    }
     try:
         await client.create(EVENTS, namespace, payload)
     except ApiError as exc:  # events help, they must not fail the reconcile

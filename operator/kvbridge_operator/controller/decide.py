@@ -57,8 +57,12 @@ class ExistingChildren:
     def workloads(self, dd: DisaggregatedDeployment) -> dict[Role, Obj | None]:
         """Each role's workload of the kind its spec runs: a LeaderWorkerSet for engines spanning nodes, else a
         StatefulSet."""
-        return {role: (self.leader_worker_sets.get(role) if multinode.spans_nodes(dd.spec, role)
-                       else self.stateful_sets[role]) for role in Role}  # fmt: skip
+        return {
+            role: (
+                self.leader_worker_sets.get(role) if multinode.spans_nodes(dd.spec, role) else self.stateful_sets[role]
+            )
+            for role in Role
+        }
 
 
 @dataclass(frozen=True)
@@ -155,15 +159,24 @@ def _decide(observed: Observed) -> Decision:
     facts = Facts(generation, previous, annotations, observed.now, roles.scale, work.serving, work.rollout, fix)
     report = observe(dd, verdict, key, work.workloads, seen.pods, facts)
     if work.applied and int(previous.get("observedGeneration", -1)) != generation:
-        report.events.insert(0, Event("Normal", "Reconciled",
-                                      f"generation {generation}: prefill and decode workloads applied"))  # fmt: skip
+        report.events.insert(
+            0, Event("Normal", "Reconciled", f"generation {generation}: prefill and decode workloads applied")
+        )
     report.events.extend(work.events)
     report.annotations.update(work.annotations)
     return Decision(work.actions + _writes(body, roles, report.status, report.annotations, report.events), work.applied)
 
 
-def _work(observed: Observed, dd: DisaggregatedDeployment, transfer: TransferPlan, key: str, roles: Roles,
-          previous: Obj, annotations: dict[str, str], full: bool) -> Work:  # fmt: skip
+def _work(
+    observed: Observed,
+    dd: DisaggregatedDeployment,
+    transfer: TransferPlan,
+    key: str,
+    roles: Roles,
+    previous: Obj,
+    annotations: dict[str, str],
+    full: bool,
+) -> Work:
     """A compatible spec's children: the Secrets and roles (on a full reconcile), each child rendered and applied
     with the rollout's step, the optional ones, and what the rollout and the revisions annotation say."""
     seen, config = observed.existing, observed.config
@@ -181,8 +194,9 @@ def _work(observed: Observed, dd: DisaggregatedDeployment, transfer: TransferPla
                 work.actions.append(EnsureRole(roles.create[role], exists=False, replicas=dd.spec.role(role).replicas))
             elif role in roles.rescale:
                 work.actions.append(EnsureRole(roles.held[role] or {}, exists=True, replicas=roles.rescale[role]))
-    roll = rollout.advance(dd, key, rendered, roles.scale, work.workloads, seen.pods, memory.pairs_with,
-                           previous.get("rollout") or {})  # fmt: skip
+    roll = rollout.advance(
+        dd, key, rendered, roles.scale, work.workloads, seen.pods, memory.pairs_with, previous.get("rollout") or {}
+    )
     work.applied = full or bool(roll.moving)
     if work.applied:
         lacking = {role for role in Role if multinode.spans_nodes(dd.spec, role) and LWS_KIND in observed.missing}
@@ -200,8 +214,9 @@ def _work(observed: Observed, dd: DisaggregatedDeployment, transfer: TransferPla
             retired, retire_events = _retire_other_kind(dd, seen, keep=lacking)
             extra = optional.decide(dd, uid, config, previous, observed.missing)
             work.actions += retired + [Apply(c, optional=c["kind"] in optional.OPTIONAL_KINDS) for c in extra.apply]
-            work.actions += [Delete(resource_of(kind), dd.metadata.namespace or "default", name)
-                             for kind, name in extra.delete]  # fmt: skip
+            work.actions += [
+                Delete(resource_of(kind), dd.metadata.namespace or "default", name) for kind, name in extra.delete
+            ]
             work.events += retire_events + extra.events
             work.serving = extra.status
     work.events += [Event("Normal", "Scaled", message) for message in roles.scaled] + roll.events
@@ -221,10 +236,15 @@ def _annotations(body: Obj) -> dict[str, str]:
 
 
 def _lws_unavailable(dd: DisaggregatedDeployment, role: Role) -> Event:
-    return Event("Warning", "LeaderWorkerSetUnavailable", (
-        f"{role.value} spans {dd.spec.role(role).nodes} nodes, which runs as a LeaderWorkerSet, and the API has no "
-        f"LeaderWorkerSet resource: install LeaderWorkerSet (kubernetes-sigs/lws) or set spec.{role.value}.nodes "
-        "to 1"))  # fmt: skip
+    return Event(
+        "Warning",
+        "LeaderWorkerSetUnavailable",
+        (
+            f"{role.value} spans {dd.spec.role(role).nodes} nodes, which runs as a LeaderWorkerSet, and the API has no "
+            f"LeaderWorkerSet resource: install LeaderWorkerSet (kubernetes-sigs/lws) or set spec.{role.value}.nodes "
+            "to 1"
+        ),
+    )
 
 
 def _retire_other_kind(
@@ -245,10 +265,17 @@ def _retire_other_kind(
             Delete(resource_of(stale["kind"]), dd.metadata.namespace or "default", stale["metadata"]["name"])
         )
         now = "a LeaderWorkerSet (engines spanning nodes)" if spans else "a StatefulSet (one pod per engine)"
-        events.append(Event("Warning", "WorkloadReplaced", (
-            f"{role.value}: spec.{role.value}.nodes is now {dd.spec.role(role).nodes}, so its engines run as {now}; "
-            f"the {stale['kind']} {stale['metadata']['name']} and its pods were deleted (the role serves again "
-            "once the new engines are ready)")))  # fmt: skip
+        events.append(
+            Event(
+                "Warning",
+                "WorkloadReplaced",
+                (
+                    f"{role.value}: spec.{role.value}.nodes is now {dd.spec.role(role).nodes}, so its engines run as "
+                    f"{now}; the {stale['kind']} {stale['metadata']['name']} and its pods were deleted (the role "
+                    "serves again once the new engines are ready)"
+                ),
+            )
+        )
     return actions, events
 
 
@@ -258,8 +285,10 @@ def _writes(body: Obj, roles: Roles, status: Obj, annotations: dict[str, str], e
     the events."""
     meta = body["metadata"]
     namespace, name = meta.get("namespace") or "default", meta["name"]
-    writes: list[Action] = [WriteStatus(ROLES, namespace, (roles.held[role] or {})["metadata"]["name"], wanted)
-                            for role, wanted in roles.status.items()]  # fmt: skip
+    writes: list[Action] = [
+        WriteStatus(ROLES, namespace, (roles.held[role] or {})["metadata"]["name"], wanted)
+        for role, wanted in roles.status.items()
+    ]
     if _stored(status) != (body.get("status") or {}):
         writes.append(WriteStatus(DEPLOYMENTS, namespace, name, status))
     if annotations:

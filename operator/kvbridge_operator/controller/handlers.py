@@ -78,9 +78,13 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
 def connection_info(connection: Connection) -> kopf.ConnectionInfo:
     configuration = connection.configuration
     return kopf.ConnectionInfo(
-        server=str(configuration.host), ca_path=configuration.ssl_ca_cert, insecure=not configuration.verify_ssl,
-        token=connection.token, certificate_path=configuration.cert_file, private_key_path=configuration.key_file,
-    )  # fmt: skip
+        server=str(configuration.host),
+        ca_path=configuration.ssl_ca_cert,
+        insecure=not configuration.verify_ssl,
+        token=connection.token,
+        certificate_path=configuration.cert_file,
+        private_key_path=configuration.key_file,
+    )
 
 
 #: the indexes handlers receive (as keyword arguments named by the ids): a deployment's pods, StatefulSets,
@@ -140,8 +144,9 @@ def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorR
     kopf.index("apps", "v1", "statefulsets", labels=owned, registry=registry, id=INDEXES[1])(by_deployment)
     kopf.index(GROUP, VERSION, ROLE_PLURAL, labels=owned, registry=registry, id=INDEXES[2])(by_deployment)
     # engines spanning nodes: served only where the LeaderWorkerSet CRD is installed (Kopf skips it elsewhere)
-    kopf.index("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", labels=owned, registry=registry,
-               id=INDEXES[3])(by_deployment)  # fmt: skip
+    kopf.index("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", labels=owned, registry=registry, id=INDEXES[3])(
+        by_deployment
+    )
 
     @kopf.on.login(registry=registry)
     async def login(**_: Any) -> kopf.ConnectionInfo:
@@ -193,8 +198,9 @@ def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorR
         spec, status = body.get("spec") or {}, body.get("status") or {}
         if body.get("metadata", {}).get("deletionTimestamp") or spec.get("replicas") == status.get("desiredReplicas"):
             return
-        await observe_deployment(namespace or "default", str(spec.get("deployment", "")), "role scaled",
-                                 _indexes(kwargs))  # fmt: skip
+        await observe_deployment(
+            namespace or "default", str(spec.get("deployment", "")), "role scaled", _indexes(kwargs)
+        )
 
     return registry
 

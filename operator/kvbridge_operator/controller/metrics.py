@@ -8,13 +8,16 @@ REGISTRY = CollectorRegistry(auto_describe=True)
 RECONCILES = Counter(
     "kvbridge_operator_reconciles",
     "Reconciles of DisaggregatedDeployments, by result: applied, refused (incompatible or invalid), observed "
-    "(status only, after a pod event).", ["result"],
+    "(status only, after a pod event).",
+    ["result"],
     registry=REGISTRY,
-)  # fmt: skip
+)
 RECONCILE_SECONDS = Histogram(
-    "kvbridge_operator_reconcile_seconds", "Duration of one reconcile.", registry=REGISTRY,
+    "kvbridge_operator_reconcile_seconds",
+    "Duration of one reconcile.",
+    registry=REGISTRY,
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
-)  # fmt: skip
+)
 
 
 def serve(port: int) -> None:

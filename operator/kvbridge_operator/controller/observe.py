@@ -187,10 +187,13 @@ def observe(
     events: list[Event] = []
     spec = dd.spec
     by_role = {  # an engine is a pod, or a LeaderWorkerSet group's leader (its workers are part of it)
-        role: [p for p in pods if p["metadata"].get("labels", {}).get(LABEL_ROLE) == role.value
-               and not multinode.is_worker(p)]
+        role: [
+            p
+            for p in pods
+            if p["metadata"].get("labels", {}).get(LABEL_ROLE) == role.value and not multinode.is_worker(p)
+        ]
         for role in Role
-    }  # fmt: skip
+    }
     roles: dict[Role, RoleStatus] = {}
     for role in Role:
         workload = workloads.get(role)
@@ -241,18 +244,25 @@ def observe(
                 )
             )
         else:
-            conditions.append(Condition(
-                type=kind, status="True" if ok else "False", reason="AllReplicasReady" if ok else "ReplicasNotReady",
-                message=f"{counts.ready_replicas}/{counts.replicas} {role.value} pods ready",
-                observed_generation=generation,
-            ))  # fmt: skip
+            conditions.append(
+                Condition(
+                    type=kind,
+                    status="True" if ok else "False",
+                    reason="AllReplicasReady" if ok else "ReplicasNotReady",
+                    message=f"{counts.ready_replicas}/{counts.replicas} {role.value} pods ready",
+                    observed_generation=generation,
+                )
+            )
     failing = [c for c in conditions if c.status != "True"]
-    conditions.append(Condition(
-        type=ConditionType.READY, status="False" if failing else "True",
-        reason=(failing[0].reason if failing else "Ready"),
-        message=(f"{failing[0].type.value}: {failing[0].message}" if failing else "prefill and decode are serving"),
-        observed_generation=generation,
-    ))  # fmt: skip
+    conditions.append(
+        Condition(
+            type=ConditionType.READY,
+            status="False" if failing else "True",
+            reason=(failing[0].reason if failing else "Ready"),
+            message=(f"{failing[0].type.value}: {failing[0].message}" if failing else "prefill and decode are serving"),
+            observed_generation=generation,
+        )
+    )
     old_conditions: list[Obj] = list(previous.get("conditions") or [])
     merged = merge_conditions(old_conditions, conditions, now)
     advisories = [Advisory(code=a.code, field=a.field, message=_bounded(a.message)) for a in advisories_for(spec)]

@@ -32,8 +32,9 @@ class Optional:
     events: list[Event] = field(default_factory=list)
 
 
-def decide(dd: DisaggregatedDeployment, uid: str, config: OperatorConfig, previous: Obj,
-           missing: frozenset[str]) -> Optional:  # fmt: skip
+def decide(
+    dd: DisaggregatedDeployment, uid: str, config: OperatorConfig, previous: Obj, missing: frozenset[str]
+) -> Optional:
     result = Optional(status=dict.fromkeys(STATUS_FIELDS))
     wanted = optional_children(dd, uid, config)
     result.apply = [child for child in wanted if child["kind"] not in missing]
@@ -56,8 +57,10 @@ def decide(dd: DisaggregatedDeployment, uid: str, config: OperatorConfig, previo
     elif group_before.get("podGroup"):
         result.delete.append(("PodGroup", str(group_before["podGroup"])))
     if lacking:
-        message = (f"the API has no {' or '.join(lacking)} resource: install the Gateway API (Inference Extension) "
-                   "CRDs, or set spec.inferencePool.enabled: false")  # fmt: skip
+        message = (
+            f"the API has no {' or '.join(lacking)} resource: install the Gateway API (Inference Extension) "
+            "CRDs, or set spec.inferencePool.enabled: false"
+        )
         fields["inferencePool"] = {"name": "", "httpRoute": "", "message": message}
         if pool_before.get("message") != message:
             result.events.append(Event("Warning", "ServingUnavailable", message))

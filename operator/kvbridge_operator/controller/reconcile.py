@@ -52,9 +52,12 @@ async def read_children(client: KubeClient, namespace: str, name: str) -> Existi
 
 
 async def reconcile(
-    client: KubeClient, body: Obj, config: OperatorConfig, apply_children: bool = True,
+    client: KubeClient,
+    body: Obj,
+    config: OperatorConfig,
+    apply_children: bool = True,
     cached: ExistingChildren | None = None,
-) -> Outcome:  # fmt: skip
+) -> Outcome:
     """One reconcile; ``cached`` children (from the operator's watch indexes) spare their reads."""
     meta = body["metadata"]
     seen = cached or await read_children(client, meta.get("namespace") or "default", meta["name"])

@@ -81,8 +81,9 @@ def _judge(records: dict[str, Obj], name: str, prefill_key: str, decode_key: str
     mixed = {**decode, "prefill": prefill["prefill"]}
     try:
         verdict = verdict_for(_deployment(name, mixed))
-        own = {key: verdict_for(_deployment(name, spec)) for key, spec in ((prefill_key, prefill),
-                                                                           (decode_key, decode))}  # fmt: skip
+        own = {
+            key: verdict_for(_deployment(name, spec)) for key, spec in ((prefill_key, prefill), (decode_key, decode))
+        }
     except KVBridgeError as exc:
         return exc.message
     if not isinstance(verdict, TransferPlan):
@@ -92,8 +93,10 @@ def _judge(records: dict[str, Obj], name: str, prefill_key: str, decode_key: str
     for key, plan in own.items():
         if not isinstance(plan, TransferPlan) or plan.wire != verdict.wire:
             offered = plan.wire.block_size if isinstance(plan, TransferPlan) else "?"
-            return (f"the pods of {key} were planned with {offered}-token wire blocks, a mixed pair needs "
-                    f"{verdict.wire.block_size}: they would refuse each other (WIRE_FORMAT_MISMATCH)")  # fmt: skip
+            return (
+                f"the pods of {key} were planned with {offered}-token wire blocks, a mixed pair needs "
+                f"{verdict.wire.block_size}: they would refuse each other (WIRE_FORMAT_MISMATCH)"
+            )
     return None
 
 

@@ -204,9 +204,15 @@ def workload_of(rendered: list[Obj], role: Role) -> Obj:
     )
 
 
-def for_workloads(dd: DisaggregatedDeployment, key: str, rendered: list[Obj], scale: Scale,
-                  workloads: dict[Role, Obj | None], pods: list[Obj], pairs_with: Callable[[str, str], str | None],
-                  ) -> Step:  # fmt: skip
+def for_workloads(
+    dd: DisaggregatedDeployment,
+    key: str,
+    rendered: list[Obj],
+    scale: Scale,
+    workloads: dict[Role, Obj | None],
+    pods: list[Obj],
+    pairs_with: Callable[[str, str], str | None],
+) -> Step:
     """The step for the pods that exist: each workload's replicas and partition (``rendered``: the children the spec
     renders; ``workloads``: each role's workload as it is now; ``key``: the spec's pairing key)."""
     name = dd.metadata.name
@@ -221,12 +227,17 @@ def for_workloads(dd: DisaggregatedDeployment, key: str, rendered: list[Obj], sc
         targets[role] = RoleTarget(scale.effective[role], spec.max_surge, spec.max_unavailable, partition)
         prefix = role_name(name, role) + "-"
         states[role] = [
-            PodState(int(pod["metadata"]["name"][len(prefix):]), labels.get(LABEL_REVISION) == new, pod_ready(pod),
-                     str(labels.get(LABEL_PAIRING, "")))
+            PodState(
+                int(pod["metadata"]["name"][len(prefix) :]),
+                labels.get(LABEL_REVISION) == new,
+                pod_ready(pod),
+                str(labels.get(LABEL_PAIRING, "")),
+            )
             for pod in pods
             if (labels := pod["metadata"].get("labels") or {}).get(LABEL_ROLE) == role.value
-            and pod["metadata"]["name"].startswith(prefix) and pod["metadata"]["name"][len(prefix):].isdigit()
-        ]  # fmt: skip
+            and pod["metadata"]["name"].startswith(prefix)
+            and pod["metadata"]["name"][len(prefix) :].isdigit()
+        ]
     return step(targets, states, key, pairs_with)
 
 
@@ -242,10 +253,14 @@ def stepped(rendered: list[Obj], roll: Step) -> list[Obj]:
 def status_of(roll: Step, key: str) -> Obj:
     """``status.rollout``."""
     return RolloutStatus(
-        strategy=roll.strategy.value, phase=roll.phase.value, revision=key, reason=roll.reason[:4096],
-        prefill=roll.progress.get(Role.PREFILL, ""), decode=roll.progress.get(Role.DECODE, ""),
+        strategy=roll.strategy.value,
+        phase=roll.phase.value,
+        revision=key,
+        reason=roll.reason[:4096],
+        prefill=roll.progress.get(Role.PREFILL, ""),
+        decode=roll.progress.get(Role.DECODE, ""),
         pairings=[Pairing(prefill=p, decode=d) for p, d in roll.pairings],
-    ).model_dump(by_alias=True, mode="json")  # fmt: skip
+    ).model_dump(by_alias=True, mode="json")
 
 
 def events_of(previous: Obj, roll: Step) -> list[Event]:
@@ -274,8 +289,16 @@ class Advance:
     events: list[Event]
 
 
-def advance(dd: DisaggregatedDeployment, key: str, rendered: list[Obj], scale: Scale, workloads: dict[Role, Obj | None],
-            pods: list[Obj], pairs_with: Callable[[str, str], str | None], before: Obj) -> Advance:  # fmt: skip
+def advance(
+    dd: DisaggregatedDeployment,
+    key: str,
+    rendered: list[Obj],
+    scale: Scale,
+    workloads: dict[Role, Obj | None],
+    pods: list[Obj],
+    pairs_with: Callable[[str, str], str | None],
+    before: Obj,
+) -> Advance:
     """The step for the pods that exist, the rendered children stepped, and the rollout's status and events
     (``before``: the previous ``status.rollout``)."""
     roll = for_workloads(dd, key, rendered, scale, workloads, pods, pairs_with)
@@ -283,6 +306,7 @@ def advance(dd: DisaggregatedDeployment, key: str, rendered: list[Obj], scale: S
     stepped(rendered, roll)
     if roll.phase in (Phase.SCALING_IN, Phase.COMPLETE) and before.get("revision") == key:
         # no old pod is left, so the step alone cannot tell how they went: the strategy stays the rollout's
-        roll = dataclasses.replace(roll, strategy=Strategy(before.get("strategy") or roll.strategy),
-                                   reason=str(before.get("reason") or ""))  # fmt: skip
+        roll = dataclasses.replace(
+            roll, strategy=Strategy(before.get("strategy") or roll.strategy), reason=str(before.get("reason") or "")
+        )
     return Advance(rendered, moving, status_of(roll, key), events_of(before, roll))

@@ -13,10 +13,23 @@ import pytest
 def test_bench_prints_the_contract_json_and_the_plot(tmp_path: Path) -> None:
     figure = tmp_path / "bench.png"
     result = subprocess.run(
-        [sys.executable, "-m", "kvbridge_agent", "bench", "--json", "--quick", "--requests", "1",
-         "--plot", str(figure)],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvbridge_agent",
+            "bench",
+            "--json",
+            "--quick",
+            "--requests",
+            "1",
+            "--plot",
+            str(figure),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     document = json.loads(result.stdout)
     assert {"memcpyGBps", "nixlRawGBps", "results", "handshakeMs", "descriptorSweep", "peakRssMiB", "targets"} <= set(
@@ -28,9 +41,11 @@ def test_bench_prints_the_contract_json_and_the_plot(tmp_path: Path) -> None:
     assert [row["descriptorBytes"] for row in document["descriptorSweep"]] == [4 << 10 << (2 * i) for i in range(6)]
     names = [row["name"] for row in document["results"]]
     assert names == [
-        "split-tp1to1-contiguous", "split-tp1to1-scattered", "crosslayer-tp1to1-contiguous",
+        "split-tp1to1-contiguous",
+        "split-tp1to1-scattered",
+        "crosslayer-tp1to1-contiguous",
         "crosslayer-tp1to1-scattered",
-    ]  # fmt: skip
+    ]
     for row in document["results"]:
         assert row["gbps"] > 0
         assert row["descriptorsPerRequest"] > 0

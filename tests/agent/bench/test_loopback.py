@@ -20,9 +20,13 @@ EXAMPLES = ROOT / "examples"
 
 def pair(tp_p: int, tp_d: int, *, kind: str = "Split", mla: bool = False, decode_layout: str = "HND") -> PairSpec:
     model = ModelGeometry(
-        name="tiny", num_layers=2, num_kv_heads=1 if mla else 8, head_dim=64 if mla else 32,
-        attention=Attention.MLA if mla else Attention.DENSE, cache_kind=CacheKind(kind),
-    )  # fmt: skip
+        name="tiny",
+        num_layers=2,
+        num_kv_heads=1 if mla else 8,
+        head_dim=64 if mla else 32,
+        attention=Attention.MLA if mla else Attention.DENSE,
+        cache_kind=CacheKind(kind),
+    )
     return PairSpec(
         model=model,
         prefill=RoleSettings(tensor_parallel_size=tp_p),
@@ -61,16 +65,40 @@ def test_tp_pairs_verify_across_processes(spec: PairSpec, label: str) -> None:
 @pytest.mark.parametrize("example", ["llama3-8b-hetero-tp", "deepseek-mla", "hetero-block-size"])
 def test_cli_json_for_each_example(example: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "kvbridge_agent", "loopback", "-f", str(EXAMPLES / f"{example}.yaml"),
-         "--num-layers", "2", "--num-blocks", "48", "--requests", "8", "--json"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvbridge_agent",
+            "loopback",
+            "-f",
+            str(EXAMPLES / f"{example}.yaml"),
+            "--num-layers",
+            "2",
+            "--num-blocks",
+            "48",
+            "--requests",
+            "8",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     document = json.loads(result.stdout)
     assert set(document) == {
-        "ok", "requests", "verifiedRequests", "failures", "bytesTransferred", "seconds", "gbps", "prefillRanks",
-        "decodeRanks", "descriptorsPerRequest",
-    }  # fmt: skip
+        "ok",
+        "requests",
+        "verifiedRequests",
+        "failures",
+        "bytesTransferred",
+        "seconds",
+        "gbps",
+        "prefillRanks",
+        "decodeRanks",
+        "descriptorsPerRequest",
+    }
     assert document["ok"] is True
     assert document["verifiedRequests"] == document["requests"] == 8
     assert document["gbps"] > 0
@@ -78,10 +106,20 @@ def test_cli_json_for_each_example(example: str) -> None:
 
 def test_incompatible_example_is_refused_before_anything_starts() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "kvbridge_agent", "loopback", "-f", str(EXAMPLES / "incompatible-replicated-heads.yaml"),
-         "--json"],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvbridge_agent",
+            "loopback",
+            "-f",
+            str(EXAMPLES / "incompatible-replicated-heads.yaml"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 1
     assert "PREFILL_HEADS_REPLICATED" in result.stderr
     assert result.stdout == ""

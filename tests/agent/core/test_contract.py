@@ -12,9 +12,15 @@ from .conftest import dense, role
 
 def environment() -> EngineEnvironment:
     return EngineEnvironment(
-        role="decode", engine_id="llama-decode-0", model=dense(8), prefill=role(2, 32, "NHD"), decode=role(1),
-        side_channel_host="10.0.0.7", keys_dir="/var/run/kvbridge/keys", dp_index=1,
-    )  # fmt: skip
+        role="decode",
+        engine_id="llama-decode-0",
+        model=dense(8),
+        prefill=role(2, 32, "NHD"),
+        decode=role(1),
+        side_channel_host="10.0.0.7",
+        keys_dir="/var/run/kvbridge/keys",
+        dp_index=1,
+    )
 
 
 def test_render_then_parse_round_trips() -> None:

@@ -27,10 +27,22 @@ from kvbridge_agent.core.handshake import (
 )
 
 META = RankMetadata(
-    engine_id="p-0", incarnation="abc", agent_name="p-0.abc.0", tp_rank=0, tp_size=2, block_size=16,
-    kv_layout="HND", cache_kind="Split", num_blocks=8, tensor_bases=[4096, 8192], region_block_bytes=1024,
-    wire_block_size=16, wire_layout="HND", memory_type="DRAM", device_id=0,
-)  # fmt: skip
+    engine_id="p-0",
+    incarnation="abc",
+    agent_name="p-0.abc.0",
+    tp_rank=0,
+    tp_size=2,
+    block_size=16,
+    kv_layout="HND",
+    cache_kind="Split",
+    num_blocks=8,
+    tensor_bases=[4096, 8192],
+    region_block_bytes=1024,
+    wire_block_size=16,
+    wire_layout="HND",
+    memory_type="DRAM",
+    device_id=0,
+)
 
 
 def test_request_and_reply_round_trip() -> None:

@@ -22,15 +22,26 @@ class SlowEngine:
 
     def prefill(self, request_id: str, num_tokens: int, allocation: Any) -> KVTransferParams:
         time.sleep(self.seconds)
-        return KVTransferParams(remote_engine_id="p", remote_incarnation="i", remote_host="127.0.0.1",
-                                remote_port=1, remote_request_id=request_id, remote_block_ids=[0],
-                                num_tokens=num_tokens, remote_tp_size=1, fingerprint="f",
-                                expires_at=time.time() + 60)  # fmt: skip
+        return KVTransferParams(
+            remote_engine_id="p",
+            remote_incarnation="i",
+            remote_host="127.0.0.1",
+            remote_port=1,
+            remote_request_id=request_id,
+            remote_block_ids=[0],
+            num_tokens=num_tokens,
+            remote_tp_size=1,
+            fingerprint="f",
+            expires_at=time.time() + 60,
+        )
 
 
 def post(port: int) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/prefill", method="POST",
-                                     data=json.dumps({"requestId": "r", "numTokens": 4}).encode())  # fmt: skip
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/prefill",
+        method="POST",
+        data=json.dumps({"requestId": "r", "numTokens": 4}).encode(),
+    )
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
             return response.status, json.loads(response.read())

@@ -37,10 +37,18 @@ def env(
     role: Role, engine_id: str, keys_dir: Path, *, tp_p: int = 2, model: ModelGeometry = MODEL
 ) -> EngineEnvironment:
     return EngineEnvironment(
-        role=role, engine_id=engine_id, model=model, prefill=RoleSettings(tensor_parallel_size=tp_p),
-        decode=RoleSettings(tensor_parallel_size=1), transfer=TRANSFER, keys_dir=str(keys_dir), num_blocks=64,
-        http_port=0, side_channel_listen_port=0, transfer_timeout_seconds=5,
-    )  # fmt: skip
+        role=role,
+        engine_id=engine_id,
+        model=model,
+        prefill=RoleSettings(tensor_parallel_size=tp_p),
+        decode=RoleSettings(tensor_parallel_size=1),
+        transfer=TRANSFER,
+        keys_dir=str(keys_dir),
+        num_blocks=64,
+        http_port=0,
+        side_channel_listen_port=0,
+        transfer_timeout_seconds=5,
+    )
 
 
 class Cluster:

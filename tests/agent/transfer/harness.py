@@ -84,8 +84,9 @@ class InProcessPair:
         for d, rank in enumerate(self.decode):
             rank.add_peer(self.engine_id, self.incarnation, {p: metas[p] for p in handshake_ranks(tp_p, tp_d, d)})
 
-    def offer(self, request_id: str, num_tokens: int, prefill_blocks: list[int], digest: bool = False
-              ) -> KVTransferParams:  # fmt: skip
+    def offer(
+        self, request_id: str, num_tokens: int, prefill_blocks: list[int], digest: bool = False
+    ) -> KVTransferParams:
         key = new_key()  # one per request, the same on every prefill rank
         for rank in self.prefill:
             fill_request(rank.cache, request_id, prefill_blocks)
@@ -93,10 +94,16 @@ class InProcessPair:
             self.digests.setdefault(request_id, RequestDigests(key, {})).heads.update(published)
         wire = wire_block_ids(prefill_blocks, num_tokens, self.plan.split_ratio, self.plan.wire.block_size)
         return KVTransferParams(
-            remote_engine_id=self.engine_id, remote_incarnation=self.incarnation, remote_host="127.0.0.1",
-            remote_port=1, remote_request_id=request_id, remote_block_ids=wire.tolist(), num_tokens=num_tokens,
-            remote_tp_size=len(self.prefill), fingerprint=self.plan.fingerprint,
-        )  # fmt: skip
+            remote_engine_id=self.engine_id,
+            remote_incarnation=self.incarnation,
+            remote_host="127.0.0.1",
+            remote_port=1,
+            remote_request_id=request_id,
+            remote_block_ids=wire.tolist(),
+            num_tokens=num_tokens,
+            remote_tp_size=len(self.prefill),
+            fingerprint=self.plan.fingerprint,
+        )
 
     def read(
         self,
@@ -114,10 +121,10 @@ class InProcessPair:
             cache = self.decode[d].cache
             fill_request(cache, params.remote_request_id, decode_blocks[:hit])
             scribble(cache, decode_blocks[hit:])
-            check = (Verify(self.digests[params.remote_request_id], decode_blocks, params.num_tokens)
-                     if verify else None)  # fmt: skip
-            immediate = self.decode[d].start(f"d-{params.remote_request_id}", params, decode_blocks[hit:], timeout,
-                                             check)  # fmt: skip
+            check = Verify(self.digests[params.remote_request_id], decode_blocks, params.num_tokens) if verify else None
+            immediate = self.decode[d].start(
+                f"d-{params.remote_request_id}", params, decode_blocks[hit:], timeout, check
+            )
             if immediate is not None:
                 results[d] = immediate
 
@@ -167,9 +174,14 @@ class InProcessPair:
 
 def model(kind: CacheKind = CacheKind.SPLIT, heads: int = 8, mla: bool = False) -> ModelGeometry:
     return ModelGeometry(
-        name="tiny", num_layers=2, num_kv_heads=1 if mla else heads, head_dim=32 if mla else 16,
-        kv_cache_dtype="bfloat16", attention=Attention.MLA if mla else Attention.DENSE, cache_kind=kind,
-    )  # fmt: skip
+        name="tiny",
+        num_layers=2,
+        num_kv_heads=1 if mla else heads,
+        head_dim=32 if mla else 16,
+        kv_cache_dtype="bfloat16",
+        attention=Attention.MLA if mla else Attention.DENSE,
+        cache_kind=kind,
+    )
 
 
 def role(tp: int, bs: int = 16, layout: str = "HND") -> RoleSettings:

@@ -26,8 +26,10 @@ TOKENS = 45  # two full 16-token blocks and a partial one
 
 def blocks(pair: InProcessPair, tokens: int, offset: int) -> tuple[list[int], list[int]]:
     bs_p, bs_d = pair.prefill_settings.block_size, pair.decode_settings.block_size
-    return (scattered(pair.num_blocks, offset)[: blocks_for_tokens(tokens, bs_p)],
-            scattered(pair.num_blocks, offset + 1)[: blocks_for_tokens(tokens, bs_d)])  # fmt: skip
+    return (
+        scattered(pair.num_blocks, offset)[: blocks_for_tokens(tokens, bs_p)],
+        scattered(pair.num_blocks, offset + 1)[: blocks_for_tokens(tokens, bs_d)],
+    )
 
 
 KEY = bytes(range(32))
@@ -36,9 +38,15 @@ KEY = bytes(range(32))
 @pytest.mark.parametrize("compiled_cpu", [True, False], ids=["numba", "torch"])
 @pytest.mark.parametrize(
     ("kind", "layout", "mla"),
-    [(CacheKind.SPLIT, "HND", False), (CacheKind.SPLIT, "NHD", False), (CacheKind.BLOCKS_FIRST, "HND", False),
-     (CacheKind.BLOCKS_FIRST, "NHD", False), (CacheKind.CROSS_LAYER, "HND", False), (CacheKind.SPLIT, "HND", True)],
-)  # fmt: skip
+    [
+        (CacheKind.SPLIT, "HND", False),
+        (CacheKind.SPLIT, "NHD", False),
+        (CacheKind.BLOCKS_FIRST, "HND", False),
+        (CacheKind.BLOCKS_FIRST, "NHD", False),
+        (CacheKind.CROSS_LAYER, "HND", False),
+        (CacheKind.SPLIT, "HND", True),
+    ],
+)
 def test_the_device_form_equals_the_reference(kind: CacheKind, layout: str, mla: bool, compiled_cpu: bool) -> None:
     """Both CPU forms (the compiled pass and torch's) on the blocks as they lie, and through a logical view, equal
     the reference over the logical content."""
@@ -116,8 +124,17 @@ FAULTS = ("bytes flipped after publish", "a wrong block id", "blocks freed and r
 
 
 @pytest.mark.parametrize("fault", FAULTS)
-@pytest.mark.parametrize("case", ["dense-2to1", "dense-1to2", "bsr2-decode-merges", "mla-2to1",
-                                  "prefill-splits-32nhd-tp2-to-16hnd-tp1", "cross-layer-1to4"])  # fmt: skip
+@pytest.mark.parametrize(
+    "case",
+    [
+        "dense-2to1",
+        "dense-1to2",
+        "bsr2-decode-merges",
+        "mla-2to1",
+        "prefill-splits-32nhd-tp2-to-16hnd-tp1",
+        "cross-layer-1to4",
+    ],
+)
 def test_each_fault_is_caught_and_without_verification_decode_holds_wrong_bytes(case: str, fault: str) -> None:
     pair = InProcessPair(*CASES[case])
     try:

@@ -22,19 +22,38 @@ FINGERPRINT = "f00d"
 
 def rank(tp_rank: int, incarnation: str) -> tuple[RankMetadata, bytes]:
     meta = RankMetadata(
-        engine_id="prefill-0", incarnation=incarnation, agent_name=f"a{tp_rank}", tp_rank=tp_rank, tp_size=2,
-        block_size=16, kv_layout=KVLayout.HND, cache_kind=CacheKind.SPLIT, num_blocks=8, tensor_bases=[4096],
-        region_block_bytes=64, wire_block_size=16, wire_layout=KVLayout.HND, memory_type=MemoryType.DRAM, device_id=0,
-    )  # fmt: skip
+        engine_id="prefill-0",
+        incarnation=incarnation,
+        agent_name=f"a{tp_rank}",
+        tp_rank=tp_rank,
+        tp_size=2,
+        block_size=16,
+        kv_layout=KVLayout.HND,
+        cache_kind=CacheKind.SPLIT,
+        num_blocks=8,
+        tensor_bases=[4096],
+        region_block_bytes=64,
+        wire_block_size=16,
+        wire_layout=KVLayout.HND,
+        memory_type=MemoryType.DRAM,
+        device_id=0,
+    )
     return meta, b"agent"
 
 
 def params(port: int, incarnation: str = "i1", expires_at: float | None = None) -> KVTransferParams:
     return KVTransferParams(
-        remote_engine_id="prefill-0", remote_incarnation=incarnation, remote_host="127.0.0.1", remote_port=port,
-        remote_request_id="r1", remote_block_ids=[0], num_tokens=4, remote_tp_size=2, fingerprint=FINGERPRINT,
+        remote_engine_id="prefill-0",
+        remote_incarnation=incarnation,
+        remote_host="127.0.0.1",
+        remote_port=port,
+        remote_request_id="r1",
+        remote_block_ids=[0],
+        num_tokens=4,
+        remote_tp_size=2,
+        fingerprint=FINGERPRINT,
         expires_at=expires_at,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize(("served", "fails"), [({0: "i1", 1: "i1"}, False), ({0: "i1", 1: "i2"}, True)])

@@ -24,10 +24,22 @@ from kvbridge_agent.transfer.side_channel import SideChannelClient, SideChannelS
 from kvbridge_sim.support import free_port
 
 META = RankMetadata(
-    engine_id="p-0", incarnation="abc", agent_name="p-0.abc.0", tp_rank=0, tp_size=1, block_size=16,
-    kv_layout="HND", cache_kind="Split", num_blocks=8, tensor_bases=[4096, 8192], region_block_bytes=1024,
-    wire_block_size=16, wire_layout="HND", memory_type="DRAM", device_id=0,
-)  # fmt: skip
+    engine_id="p-0",
+    incarnation="abc",
+    agent_name="p-0.abc.0",
+    tp_rank=0,
+    tp_size=1,
+    block_size=16,
+    kv_layout="HND",
+    cache_kind="Split",
+    num_blocks=8,
+    tensor_bases=[4096, 8192],
+    region_block_bytes=1024,
+    wire_block_size=16,
+    wire_layout="HND",
+    memory_type="DRAM",
+    device_id=0,
+)
 
 
 @pytest.fixture
@@ -93,10 +105,17 @@ def test_wrong_fingerprint_and_unknown_rank_are_refused_and_the_listener_keeps_s
 
 @pytest.mark.parametrize(
     "frames",
-    [[b"\x00\xff garbage"], [b'{"version": 1'], [b"{}", b"two", b"three"], [b""], [b"x" * 10_000],
-     [b"[" * 3000], [b'{"a":' * 800 + b"1" + b"}" * 800]],
+    [
+        [b"\x00\xff garbage"],
+        [b'{"version": 1'],
+        [b"{}", b"two", b"three"],
+        [b""],
+        [b"x" * 10_000],
+        [b"[" * 3000],
+        [b'{"a":' * 800 + b"1" + b"}" * 800],
+    ],
     ids=["garbage", "truncated", "extra-frames", "empty", "long", "nested-lists", "nested-objects"],
-)  # fmt: skip
+)
 def test_garbage_frames_get_an_error_reply(server: SideChannelServer, keys: CurveKeys, frames: list[bytes]) -> None:
     with pytest.raises(HandshakeError) as caught:
         decode_reply(raw_request(server, keys, frames), "fp")

@@ -13,11 +13,23 @@ from kvbridge_agent.vllm_connector.worker import BLOCK_INTERIOR_MISMATCH, check_
 
 def rank(tp_rank: int, interior: str) -> tuple[RankMetadata, bytes]:
     meta = RankMetadata(
-        engine_id="prefill-0", incarnation="i1", agent_name="a", tp_rank=tp_rank, tp_size=2, block_size=32,
-        kv_layout=KVLayout.HND, cache_kind=CacheKind.SPLIT, num_blocks=8, tensor_bases=[4096], region_block_bytes=64,
-        wire_block_size=32, wire_layout=KVLayout.HND, memory_type=MemoryType.DRAM, device_id=0,
+        engine_id="prefill-0",
+        incarnation="i1",
+        agent_name="a",
+        tp_rank=tp_rank,
+        tp_size=2,
+        block_size=32,
+        kv_layout=KVLayout.HND,
+        cache_kind=CacheKind.SPLIT,
+        num_blocks=8,
+        tensor_bases=[4096],
+        region_block_bytes=64,
+        wire_block_size=32,
+        wire_layout=KVLayout.HND,
+        memory_type=MemoryType.DRAM,
+        device_id=0,
         block_interior=interior,
-    )  # fmt: skip
+    )
     return meta, b""
 
 
@@ -28,11 +40,13 @@ def test_the_same_kernel_on_both_sides_passes() -> None:
 
 @pytest.mark.parametrize(
     ("mine", "theirs"),
-    [("vllm-cpu-attention/vec", ["vllm-cpu-attention/amx"]),
-     ("vllm-cpu-attention/vec", ["vllm-cpu-attention/vec", "vllm-cpu-attention/amx"]),  # one rank differs
-     ("vllm-cpu-attention/vec", [""]),  # an older prefill that does not say
-     ("", ["vllm-cpu-attention/neon"])],
-)  # fmt: skip
+    [
+        ("vllm-cpu-attention/vec", ["vllm-cpu-attention/amx"]),
+        ("vllm-cpu-attention/vec", ["vllm-cpu-attention/vec", "vllm-cpu-attention/amx"]),  # one rank differs
+        ("vllm-cpu-attention/vec", [""]),  # an older prefill that does not say
+        ("", ["vllm-cpu-attention/neon"]),
+    ],
+)
 def test_a_different_block_interior_is_refused_with_a_reason(mine: str, theirs: list[str]) -> None:
     with pytest.raises(HandshakeError) as caught:
         check_block_interior(mine, "prefill-0", {r: rank(r, t) for r, t in enumerate(theirs)})

@@ -28,10 +28,16 @@ MODEL = ModelGeometry(name="m", num_layers=2, num_kv_heads=2, head_dim=64)
 
 def environ(role: Role, lease: int = 120, keys: Path | None = None) -> dict[str, str]:
     env = EngineEnvironment(
-        role=role, engine_id=f"{role.value}-0", model=MODEL, prefill=RoleSettings(block_size=32),
-        decode=RoleSettings(block_size=32), transfer={"lease_seconds": lease}, side_channel_host="127.0.0.1",
-        side_channel_listen_port=0, keys_dir=str(keys or ""),
-    )  # fmt: skip
+        role=role,
+        engine_id=f"{role.value}-0",
+        model=MODEL,
+        prefill=RoleSettings(block_size=32),
+        decode=RoleSettings(block_size=32),
+        transfer={"lease_seconds": lease},
+        side_channel_host="127.0.0.1",
+        side_channel_listen_port=0,
+        keys_dir=str(keys or ""),
+    )
     return render_environment(env)
 
 
@@ -44,18 +50,35 @@ def vllm_config(kv_role: str, block_size: int = 32, tp: int = 1) -> Any:
 
 
 def request(request_id: str, tokens: int, params: dict[str, Any] | None, status: str = "FINISHED_LENGTH_CAPPED") -> Any:
-    return SimpleNamespace(request_id=request_id, prompt_token_ids=list(range(tokens)), kv_transfer_params=params,
-                           status=SimpleNamespace(name=status), num_computed_tokens=tokens)  # fmt: skip
+    return SimpleNamespace(
+        request_id=request_id,
+        prompt_token_ids=list(range(tokens)),
+        kv_transfer_params=params,
+        status=SimpleNamespace(name=status),
+        num_computed_tokens=tokens,
+    )
 
 
 def prefill_scheduler(keys: Path | None = None, lease: int = 120) -> ConnectorScheduler:
     settings = ConnectorSettings.from_vllm(vllm_config("kv_producer"), environ(Role.PREFILL, lease, keys))
     scheduler = ConnectorScheduler(settings)
     meta = RankMetadata(
-        engine_id="prefill-0", incarnation="inc1", agent_name="a", tp_rank=0, tp_size=1, block_size=32,
-        kv_layout="HND", cache_kind="Split", num_blocks=64, tensor_bases=[4096], region_block_bytes=16384,
-        wire_block_size=32, wire_layout="HND", memory_type="DRAM", device_id=0,
-    )  # fmt: skip
+        engine_id="prefill-0",
+        incarnation="inc1",
+        agent_name="a",
+        tp_rank=0,
+        tp_size=1,
+        block_size=32,
+        kv_layout="HND",
+        cache_kind="Split",
+        num_blocks=64,
+        tensor_bases=[4096],
+        region_block_bytes=16384,
+        wire_block_size=32,
+        wire_layout="HND",
+        memory_type="DRAM",
+        device_id=0,
+    )
     from kvbridge_agent.vllm_connector.messages import RankHandshake
 
     scheduler.set_xfer_handshake_metadata({0: RankHandshake(meta.model_dump_json(), b"agent")})
@@ -64,9 +87,12 @@ def prefill_scheduler(keys: Path | None = None, lease: int = 120) -> ConnectorSc
 
 @pytest.mark.parametrize(
     ("config", "code"),
-    [(vllm_config("kv_both"), "CONNECTOR_ROLE"), (vllm_config("kv_producer", block_size=16), "CONNECTOR_MISMATCH"),
-     (vllm_config("kv_producer", tp=2), "CONNECTOR_MISMATCH")],
-)  # fmt: skip
+    [
+        (vllm_config("kv_both"), "CONNECTOR_ROLE"),
+        (vllm_config("kv_producer", block_size=16), "CONNECTOR_MISMATCH"),
+        (vllm_config("kv_producer", tp=2), "CONNECTOR_MISMATCH"),
+    ],
+)
 def test_vllm_flags_that_disagree_with_the_contract_stop_the_engine(config: Any, code: str) -> None:
     with pytest.raises(SpecError) as caught:
         ConnectorSettings.from_vllm(config, environ(Role.PREFILL))
@@ -157,7 +183,7 @@ def test_decode_heartbeats_renew_the_prefill_lease_until_the_kv_arrived(tmp_path
     seen: list[list[str]] = []
     decode = ConnectorScheduler(
         ConnectorSettings.from_vllm(vllm_config("kv_consumer"), environ(Role.DECODE, lease=1, keys=tmp_path / "keys"))
-    )  # fmt: skip
+    )
     prefill = prefill_scheduler()
     params = published(prefill)
     assert prefill._server is not None

@@ -53,15 +53,24 @@ def test_only_failures_still_reduce() -> None:
     stats = KVBridgeStats()
     stats.record_expired_lease()
     assert not stats.is_empty()
-    assert stats.reduce() == {"Reads": 0, "Failed reads": 0, "Expired leases": 1, "Handshakes": 0,
-                              "Stale peers evicted": 0}  # fmt: skip
+    assert stats.reduce() == {
+        "Reads": 0,
+        "Failed reads": 0,
+        "Expired leases": 1,
+        "Handshakes": 0,
+        "Stale peers evicted": 0,
+    }
 
 
 def prometheus_metrics(registry: CollectorRegistry) -> KVBridgePromMetrics:
     """The connector's metrics as vLLM's front end builds them (one engine, labels model_name and engine)."""
     kinds = {kind: partial(kind, registry=registry) for kind in (Gauge, Counter, Histogram)}
-    metrics = KVBridgeConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None), kinds,  # type: ignore[arg-type]
-                                                   ["model_name", "engine"], {0: ["tiny", "0"]})  # fmt: skip
+    metrics = KVBridgeConnector.build_prom_metrics(
+        SimpleNamespace(kv_transfer_config=None),
+        kinds,  # type: ignore[arg-type]
+        ["model_name", "engine"],
+        {0: ["tiny", "0"]},
+    )
     assert isinstance(metrics, KVBridgePromMetrics)
     return metrics
 
