@@ -5,6 +5,7 @@ Reading order:
 - ``remedy``: a checked fix when it is not.
 - ``render``: Services, NetworkPolicy, PDBs, the workloads and their pod templates.
 - ``vllm_engine``: the ``vllm serve`` containers.
+- ``vllm_messages``: the words of ``vllm_engine``'s problems, one template each.
 - ``multinode``: LeaderWorkerSets, for engines that span nodes.
 - ``templates``: what a role's ``template`` overlay may change.
 - ``placement``: where pods may run: what fits a node, what stays together.

@@ -30,6 +30,7 @@ from kvbridge_operator.api.spec import (
     KVBufferDevice,
     RoleSpec,
 )
+from kvbridge_operator.children import vllm_messages as words
 from kvbridge_operator.children.model_source import SOURCE_ARGUMENTS, Weights, weights
 from kvbridge_operator.config import OperatorConfig
 
@@ -62,20 +63,40 @@ MLA_BLOCK_SIZE = 64
 
 #: arguments kvbridge sets from the spec; ``extraArgs`` naming one of them is refused
 MANAGED_ARGUMENTS = (
-    "--port", "--tensor-parallel-size", "-tp", "--block-size", "--kv-transfer-config", "--kv-cache-dtype",
-    "--dtype", "--model", "--attention-backend", "--nnodes", "-n", "--node-rank", "-r", "--master-addr",
-    "--master-port", "--headless", "--shutdown-timeout",
-)  # fmt: skip
+    "--port",
+    "--tensor-parallel-size",
+    "-tp",
+    "--block-size",
+    "--kv-transfer-config",
+    "--kv-cache-dtype",
+    "--dtype",
+    "--model",
+    "--attention-backend",
+    "--nnodes",
+    "-n",
+    "--node-rank",
+    "-r",
+    "--master-addr",
+    "--master-port",
+    "--headless",
+    "--shutdown-timeout",
+)
 #: the spec field each managed argument comes from (what to change instead)
 MANAGED_BY_FIELD = {
-    "--port": "the operator's HTTP port setting", "--tensor-parallel-size": "spec.<role>.tensorParallelSize",
-    "-tp": "spec.<role>.tensorParallelSize", "--block-size": "spec.<role>.blockSize",
-    "--kv-transfer-config": "spec.transfer", "--kv-cache-dtype": "spec.model.kvCacheDtype",
-    "--dtype": "spec.model.kvCacheDtype", "--model": "spec.model.name", "--attention-backend": "spec.model.attention",
+    "--port": "the operator's HTTP port setting",
+    "--tensor-parallel-size": "spec.<role>.tensorParallelSize",
+    "-tp": "spec.<role>.tensorParallelSize",
+    "--block-size": "spec.<role>.blockSize",
+    "--kv-transfer-config": "spec.transfer",
+    "--kv-cache-dtype": "spec.model.kvCacheDtype",
+    "--dtype": "spec.model.kvCacheDtype",
+    "--model": "spec.model.name",
+    "--attention-backend": "spec.model.attention",
     "--shutdown-timeout": "spec.transfer.drainSeconds",
-    **dict.fromkeys(("--nnodes", "-n", "--node-rank", "-r", "--master-addr", "--master-port", "--headless"),
-                    "spec.<role>.nodes"),
-}  # fmt: skip
+    **dict.fromkeys(
+        ("--nnodes", "-n", "--node-rank", "-r", "--master-addr", "--master-port", "--headless"), "spec.<role>.nodes"
+    ),
+}
 #: arguments that change what the plan and the pod's resources assume, and that kvbridge does not model yet
 UNMODELLED_ARGUMENTS = {
     "--pipeline-parallel-size": "splits the model over pipeline stages",
@@ -180,10 +201,7 @@ def advisories(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
             Problem(
                 VLLM_NIXL_UNVERIFIED_SAMPLED,
                 "spec.transfer.verification",
-                "verification: Sampled (the default) asks decode to check prefill's digest of a sample of the "
-                "transfers, but vLLM's NixlConnector has no transfer digest: these engines run unverified (decode uses "
-                "whatever it read); set spec.engine.connector: KVBridge to verify, or spec.transfer.verification: Off "
-                "to say so",
+                words.NIXL_UNVERIFIED_SAMPLED,
             )
         ]
     return []
@@ -194,20 +212,19 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     reported together with them (the conversions are looked at wherever the wire format is defined)."""
     found: list[Problem] = []
     if spec.transfer.verification is Verification.ALL and not uses_kvbridge(spec):
-        found.append(Problem(
-            VLLM_NIXL_UNVERIFIED, "spec.transfer.verification",
-            "verification: All asks decode to check every transfer against prefill's digest, but vLLM's "
-            "NixlConnector has none (decode would use whatever it read); set spec.engine.connector: KVBridge, or "
-            "spec.transfer.verification: Off to run unverified",
-        ))  # fmt: skip
+        found.append(
+            Problem(
+                VLLM_NIXL_UNVERIFIED,
+                "spec.transfer.verification",
+                words.NIXL_UNVERIFIED,
+            )
+        )
     if spec.router.sign_transfers and not uses_kvbridge(spec):
         found.append(
             Problem(
                 VLLM_NIXL_UNSIGNED,
                 "spec.router.signTransfers",
-                "signTransfers asks decode to accept kv_transfer_params only with the router's signature, but vLLM's "
-                "NixlConnector uses whatever parameters it is handed (it cannot check one; kvbridge's connector "
-                "does); set spec.engine.connector: KVBridge, or spec.router.signTransfers: false to go without",
+                words.NIXL_UNSIGNED,
             )
         )
     given = [("spec.engine.extraArgs", arg) for arg in spec.engine.extra_args]
@@ -215,43 +232,60 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     for where, arg in given:
         name = argument_name(arg)
         if spec.model.source and name in SOURCE_ARGUMENTS:
-            found.append(Problem(
-                VLLM_MANAGED_ARGUMENT, where,
-                f"{arg.split('=', 1)[0]} is set by kvbridge from spec.model.source and spec.model.name; remove it "
-                "from extraArgs (pin a revision with source: hf://ORG/NAME@REVISION)",
-            ))  # fmt: skip
+            found.append(
+                Problem(
+                    VLLM_MANAGED_ARGUMENT,
+                    where,
+                    words.MANAGED_BY_SOURCE.format(flag=arg.split("=", 1)[0]),
+                )
+            )
         elif name in MANAGED_ARGUMENTS:
-            found.append(Problem(
-                VLLM_MANAGED_ARGUMENT, where,
-                f"{arg.split('=', 1)[0]} is set by kvbridge from the spec (it must agree with the compatibility "
-                f"plan); remove it from extraArgs and set {MANAGED_BY_FIELD[name]} instead",
-            ))  # fmt: skip
+            found.append(
+                Problem(
+                    VLLM_MANAGED_ARGUMENT,
+                    where,
+                    words.MANAGED.format(flag=arg.split("=", 1)[0], field=MANAGED_BY_FIELD[name]),
+                )
+            )
         elif name in UNMODELLED_ARGUMENTS:
-            found.append(Problem(
-                VLLM_UNMODELLED_ARGUMENT, where,
-                f"{arg.split('=', 1)[0]} {UNMODELLED_ARGUMENTS[name]}, which kvbridge's plan, GPU requests and "
-                "compatibility rules do not model; remove it from extraArgs",
-            ))  # fmt: skip
+            found.append(
+                Problem(
+                    VLLM_UNMODELLED_ARGUMENT,
+                    where,
+                    words.UNMODELLED.format(flag=arg.split("=", 1)[0], why=UNMODELLED_ARGUMENTS[name]),
+                )
+            )
     if not on_cpu(spec) and spec.model.is_mla:
-        found += [Problem(VLLM_MLA_BLOCK_SIZE, f"spec.{role.value}.blockSize", (
-            f"vLLM serves MLA on GPUs with its {MLA_BACKEND} backend (kvbridge renders --attention-backend "
-            f"{MLA_BACKEND}), which runs only {MLA_BLOCK_SIZE}-token blocks, and {role.value} has "
-            f"{spec.role(role).block_size}; set spec.{role.value}.blockSize: {MLA_BLOCK_SIZE}"
-            + _other_block_size(spec, role, MLA_BLOCK_SIZE, follows=True)))
-            for role in Role if spec.role(role).block_size != MLA_BLOCK_SIZE]  # fmt: skip
+        found += [
+            Problem(
+                VLLM_MLA_BLOCK_SIZE,
+                f"spec.{role.value}.blockSize",
+                words.MLA_BLOCK_SIZE.format(
+                    backend=MLA_BACKEND,
+                    size=MLA_BLOCK_SIZE,
+                    role=role.value,
+                    have=spec.role(role).block_size,
+                    other=_other_block_size(spec, role, MLA_BLOCK_SIZE, follows=True),
+                ),
+            )
+            for role in Role
+            if spec.role(role).block_size != MLA_BLOCK_SIZE
+        ]
     if on_cpu(spec):
         found += _cpu_problems(spec)
     prefill, decode = spec.prefill.settings(), spec.decode.settings()
     if wire_format_defined(spec.model, prefill, decode) and not uses_kvbridge(spec):  # kvbridge converts on both
         for step in wire_format(spec.model, prefill, decode).steps(Role.PREFILL):
             where = "blockSize" if step.kind is ConversionKind.SPLIT_BLOCKS else "kvLayout"
-            found.append(Problem(
-                VLLM_PREFILL_CONVERSION, f"spec.prefill.{where}",
-                f"the plan needs the prefill side to {step.kind.value} ({step.source} -> {step.target}), which "
-                "vLLM's NixlConnector cannot do (only the decode side re-lays blocks there); set "
-                f"spec.prefill.{where}: {step.target}"
-                + ", or spec.engine.connector: KVBridge",
-            ))  # fmt: skip
+            found.append(
+                Problem(
+                    VLLM_PREFILL_CONVERSION,
+                    f"spec.prefill.{where}",
+                    words.PREFILL_CONVERSION.format(
+                        kind=step.kind.value, source=step.source, target=step.target, where=where
+                    ),
+                )
+            )
     return found
 
 
@@ -264,8 +298,11 @@ def _other_block_size(spec: DisaggregatedDeploymentSpec, role: Role, value: int,
         return ""
     alone = spec.model_copy(update={role.value: spec.role(role).model_copy(update={"block_size": value})})
     if not follows:
-        follows = bool(check_pair(alone.model, alone.prefill.settings(), alone.decode.settings(), alone.transfer,
-                                  suggestions=False))  # fmt: skip
+        follows = bool(
+            check_pair(
+                alone.model, alone.prefill.settings(), alone.decode.settings(), alone.transfer, suggestions=False
+            )
+        )
     return f" and spec.{other.value}.blockSize: {value}" if follows else ""
 
 
@@ -283,26 +320,35 @@ def _cpu_problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
         if fits != role_spec.block_size:
             # NixlConnector on CPU needs equal block sizes (VLLM_CPU_BLOCK_SIZE_RATIO)
             both = _other_block_size(spec, role, fits, follows=not uses_kvbridge(spec))
-            found.append(Problem(
-                VLLM_CPU_BLOCK_SIZE, f"spec.{role.value}.blockSize",
-                f"vLLM's CPU attention runs blocks of a multiple of {CPU_BLOCK_MULTIPLE} tokens, not "
-                f"{role_spec.block_size} (vLLM fails at start-up); set spec.{role.value}.blockSize: {fits}{both}",
-            ))  # fmt: skip
+            found.append(
+                Problem(
+                    VLLM_CPU_BLOCK_SIZE,
+                    f"spec.{role.value}.blockSize",
+                    words.CPU_BLOCK_SIZE.format(
+                        multiple=CPU_BLOCK_MULTIPLE, have=role_spec.block_size, role=role.value, fits=fits, both=both
+                    ),
+                )
+            )
         if role_spec.kv_layout is not KVLayout.HND:
-            found.append(Problem(
-                VLLM_CPU_KV_LAYOUT, f"spec.{role.value}.kvLayout",
-                f"vLLM's CPU attention supports only the head-major layout (LBHNC); {role_spec.kv_layout.value} is "
-                f"refused at start-up; set spec.{role.value}.kvLayout: HND",
-            ))  # fmt: skip
+            found.append(
+                Problem(
+                    VLLM_CPU_KV_LAYOUT,
+                    f"spec.{role.value}.kvLayout",
+                    words.CPU_KV_LAYOUT.format(have=role_spec.kv_layout.value, role=role.value),
+                )
+            )
     if uses_kvbridge(spec):
         for role, role_spec in ((Role.PREFILL, spec.prefill), (Role.DECODE, spec.decode)):
             if role_spec.tensor_parallel_size > spec.model.num_kv_heads and not spec.model.is_mla:
-                found.append(Problem(
-                    VLLM_KVBRIDGE_REPLICATED_HEADS, f"spec.{role.value}.tensorParallelSize",
-                    f"TP {role_spec.tensor_parallel_size} replicates the model's {spec.model.num_kv_heads} KV heads; "
-                    "KVBridgeConnector moves CPU attention's cache by whole heads; set "
-                    f"spec.{role.value}.tensorParallelSize: {spec.model.num_kv_heads}",
-                ))  # fmt: skip
+                found.append(
+                    Problem(
+                        VLLM_KVBRIDGE_REPLICATED_HEADS,
+                        f"spec.{role.value}.tensorParallelSize",
+                        words.KVBRIDGE_REPLICATED_HEADS.format(
+                            tp=role_spec.tensor_parallel_size, heads=spec.model.num_kv_heads, role=role.value
+                        ),
+                    )
+                )
     elif spec.prefill.block_size != spec.decode.block_size:
         # NixlConnector's re-layout does not know CPU attention's block interior (kvbridge's connector does).
         # the one block size both sides can run: prefill's, or the multiple of 32 its own problem suggests
@@ -310,34 +356,39 @@ def _cpu_problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
         fix = f"spec.decode.blockSize: {common}" + (
             "" if common == spec.prefill.block_size else f" and spec.prefill.blockSize: {common}"
         )
-        found.append(Problem(
-            VLLM_CPU_BLOCK_SIZE_RATIO, "spec.decode.blockSize",
-            f"prefill blocks of {spec.prefill.block_size} and decode blocks of {spec.decode.block_size} tokens: "
-            "vLLM's NixlConnector re-lays received blocks as [heads, tokens, dim], but CPU attention keeps each "
-            "head's keys and then its values inside a block, so decode computes with scrambled KV and returns "
-            f"wrong tokens without an error; set {fix}",
-        ))  # fmt: skip
+        found.append(
+            Problem(
+                VLLM_CPU_BLOCK_SIZE_RATIO,
+                "spec.decode.blockSize",
+                words.CPU_BLOCK_SIZE_RATIO.format(
+                    prefill=spec.prefill.block_size, decode=spec.decode.block_size, fix=fix
+                ),
+            )
+        )
     if spec.transfer.network.kv_buffer_device is KVBufferDevice.CUDA:
         found.append(
             Problem(
                 VLLM_KV_BUFFER_DEVICE,
                 "spec.transfer.network.kvBufferDevice",
-                "vLLM's CPU build keeps the KV cache in host memory and has no GPU memory to move it from (vLLM "
-                "refuses kv_buffer_device cuda there); set spec.transfer.network.kvBufferDevice: cpu",
+                words.KV_BUFFER_DEVICE,
             )
         )
     if spec.model.cache_kind is not CacheKind.SPLIT:
-        found.append(Problem(
-            VLLM_CPU_CACHE_KIND, "spec.model.cacheKind",
-            f"vLLM's CPU attention has one per-layer cache layout; {spec.model.cache_kind.value} is a GPU "
-            "attention backend's layout; set spec.model.cacheKind: Split",
-        ))  # fmt: skip
+        found.append(
+            Problem(
+                VLLM_CPU_CACHE_KIND,
+                "spec.model.cacheKind",
+                words.CPU_CACHE_KIND.format(kind=spec.model.cache_kind.value),
+            )
+        )
     if spec.model.kv_cache_dtype.value.startswith("fp8"):
-        found.append(Problem(
-            VLLM_CPU_KV_CACHE_DTYPE, "spec.model.kvCacheDtype",
-            "vLLM's CPU build does not transfer fp8 KV caches (its CPU KV packing refuses them); "
-            "set spec.model.kvCacheDtype: bfloat16",
-        ))  # fmt: skip
+        found.append(
+            Problem(
+                VLLM_CPU_KV_CACHE_DTYPE,
+                "spec.model.kvCacheDtype",
+                words.CPU_KV_CACHE_DTYPE,
+            )
+        )
     return found
 
 
@@ -373,10 +424,11 @@ def kv_transfer_config(spec: DisaggregatedDeploymentSpec, plan: TransferPlan, ro
     everything else from kvbridge's environment contract."""
     if uses_kvbridge(spec):
         return {
-            "kv_connector": "KVBridgeConnector", "kv_connector_module_path": KVBRIDGE_CONNECTOR_MODULE,
+            "kv_connector": "KVBridgeConnector",
+            "kv_connector_module_path": KVBRIDGE_CONNECTOR_MODULE,
             "kv_role": "kv_producer" if role is Role.PREFILL else "kv_consumer",
             "kv_buffer_device": kv_buffer_device(spec).value,
-        }  # fmt: skip
+        }
     extra: Obj = {"backends": list(spec.transfer.backends), "kv_lease_duration": spec.transfer.lease_seconds}
     config: Obj = {
         "kv_connector": "NixlConnector",
@@ -408,8 +460,9 @@ def behind_sidecar(role: Role, config: OperatorConfig) -> bool:
     return role is Role.DECODE and bool(config.routing_sidecar_image)
 
 
-def engine(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig,
-           loaded: Weights) -> VLLMEngine:  # fmt: skip
+def engine(
+    dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig, loaded: Weights
+) -> VLLMEngine:
     """What ``vllm serve`` runs with (``loaded``: the model's weights, ``model_source.weights``)."""
     spec = dd.spec
     role_spec: RoleSpec = spec.role(role)
@@ -419,19 +472,24 @@ def engine(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: 
     args = [
         loaded.model,
         *loaded.args,
-        "--port", str(port),
-        "--tensor-parallel-size", str(role_spec.tensor_parallel_size),
-        "--block-size", str(role_spec.block_size),
+        "--port",
+        str(port),
+        "--tensor-parallel-size",
+        str(role_spec.tensor_parallel_size),
+        "--block-size",
+        str(role_spec.block_size),
         *_dtype_args(spec.model.kv_cache_dtype),
         *(["--attention-backend", backend] if backend else []),
-        "--kv-transfer-config", json.dumps(transfer_config, separators=(",", ":"), sort_keys=True),
+        "--kv-transfer-config",
+        json.dumps(transfer_config, separators=(",", ":"), sort_keys=True),
         # a block that prefill re-lays for the wire no longer matches its prefix-cache hash
         *(["--no-enable-prefix-caching"] if role is Role.PREFILL and plan.wire.steps(Role.PREFILL) else []),
         # SIGTERM drains the requests the engine has (children/termination.py: the pod's whole sequence)
-        "--shutdown-timeout", str(spec.transfer.drain_seconds),
+        "--shutdown-timeout",
+        str(spec.transfer.drain_seconds),
         *spec.engine.extra_args,
         *role_spec.extra_args,
-    ]  # fmt: skip
+    ]
     env = {
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.transfer.side_channel_port),
         "VLLM_KV_CACHE_LAYOUT": kv_cache_layout(spec, role_spec),
@@ -463,8 +521,10 @@ def resources(spec: DisaggregatedDeploymentSpec, role_spec: RoleSpec, config: Op
         amount = {"cpu": str(tp), "memory": f"{spec.engine.cpu_kv_cache_gib + CPU_BASE_MEMORY_GIB * tp}Gi"}
         return {"requests": amount, "limits": dict(amount)}
     gpus = str(tp // role_spec.nodes)  # an engine spanning nodes: each node's pod holds its share of the ranks
-    return {"requests": {"cpu": "4", "memory": "32Gi", config.gpu_resource: gpus},
-            "limits": {config.gpu_resource: gpus}}  # fmt: skip
+    return {
+        "requests": {"cpu": "4", "memory": "32Gi", config.gpu_resource: gpus},
+        "limits": {config.gpu_resource: gpus},
+    }
 
 
 def _dtype_args(dtype: KVCacheDtype) -> list[str]:
@@ -474,9 +534,15 @@ def _dtype_args(dtype: KVCacheDtype) -> list[str]:
     return ["--dtype", dtype.value, "--kv-cache-dtype", "auto"]
 
 
-def pod_containers(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig,
-                   base_env: list[Obj], side_channel: Obj, keys_volume: Obj,
-                   ) -> tuple[list[Obj], list[Obj]]:  # fmt: skip
+def pod_containers(
+    dd: DisaggregatedDeployment,
+    role: Role,
+    plan: TransferPlan,
+    config: OperatorConfig,
+    base_env: list[Obj],
+    side_channel: Obj,
+    keys_volume: Obj,
+) -> tuple[list[Obj], list[Obj]]:
     """A vLLM pod's containers — ``vllm serve`` (and, on decode with the routing sidecar, the sidecar in front of it)
     — and its volumes. With NixlConnector no key Secret: its side channel has no CURVE, the NetworkPolicy is what
     limits who reaches it; kvbridge's connector gets the Secret (``keys_volume``), as the agent worker does."""
@@ -487,13 +553,20 @@ def pod_containers(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, 
     volumes: list[Obj] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}, *loaded.volumes]
     if uses_kvbridge(dd.spec):
         volumes.append(keys_volume)
-        served["volumeMounts"].append({"name": keys_volume["name"], "mountPath": config.keys_mount_path,
-                                       "readOnly": True})  # fmt: skip
+        served["volumeMounts"].append(
+            {"name": keys_volume["name"], "mountPath": config.keys_mount_path, "readOnly": True}
+        )
     return ([routing_sidecar(config), served] if behind_sidecar(role, config) else [served]), volumes
 
 
-def container(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig,
-              base_env: list[Obj], loaded: Weights) -> Obj:  # fmt: skip
+def container(
+    dd: DisaggregatedDeployment,
+    role: Role,
+    plan: TransferPlan,
+    config: OperatorConfig,
+    base_env: list[Obj],
+    loaded: Weights,
+) -> Obj:
     """The ``engine`` container running ``vllm serve`` with its HTTP port (named ``http``, or ``vllm`` behind the
     routing sidecar), its GPUs or CPUs; further ports are the caller's."""
     vllm = engine(dd, role, plan, config, loaded)
