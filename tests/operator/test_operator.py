@@ -576,7 +576,7 @@ async def test_an_in_place_change_of_a_multi_node_role_steps_its_leader_worker_s
 
         assert rolling() == (1, 0)
         await c.patch_spec(name, {"prefill": {"template": {"spec": {"containers": [
-            {"name": "engine", "image": "vllm/vllm-openai:v0.32.1"}]}}}})  # fmt: skip
+            {"name": "engine", "image": "registry.example/vllm:patched"}]}}}})  # fmt: skip
         await c.wait(lambda: (c.deployment(name)["status"].get("rollout") or {}).get("phase") == "RollingPrefill",
                      what="the prefill rolls")  # fmt: skip
         assert c.deployment(name)["status"]["rollout"]["strategy"] == "InPlace"
