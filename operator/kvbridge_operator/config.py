@@ -13,6 +13,12 @@ from kvbridge_agent.core import SpecError
 from . import __version__
 
 ENV_PREFIX = "KVBRIDGE_OPERATOR_"
+#: the vLLM release kvbridge renders for and tests against, written only here: the default images below, the
+#: renderer's ``VLLM_RELEASE`` and the Makefile's CPU build (which reads this line) come from it; the chart, the
+#: manifests and the docs repeat it, and tests/test_vllm_version.py keeps every mention equal to it
+VLLM_VERSION = "0.32.0"
+#: what the renderer targets: the flags, variables and layout names of this minor release
+VLLM_RELEASE = VLLM_VERSION.rpartition(".")[0]
 
 
 def _setting(default: object, help: str, flag: str = "") -> Any:
@@ -31,11 +37,11 @@ class OperatorConfig:
         f"ghcr.io/kvbridge/kvbridge-agent:{__version__}", "image of the kvbridge agent worker (engine kind Agent)"
     )
     vllm_image: str = _setting(
-        "vllm/vllm-openai:v0.32.0",
-        "image of vLLM engines on GPUs (engine kind VLLM; vLLM 0.32, what the renderer targets)",
+        f"vllm/vllm-openai:v{VLLM_VERSION}",
+        f"image of vLLM engines on GPUs (engine kind VLLM; vLLM {VLLM_RELEASE}, what the renderer targets)",
     )
     vllm_cpu_image: str = _setting(
-        "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0",
+        f"public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v{VLLM_VERSION}",
         "image of vLLM engines on CPUs (engine.device CPU; vLLM's CPU build)",
     )
     router_image: str = _setting(

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -67,3 +70,88 @@ def test_no_image_contains_the_simulation() -> None:
         copies = [rest for word, rest in instructions(ROOT / dockerfile) if word in ("COPY", "ADD")]
         assert copies, dockerfile
         assert not any(rest.split()[0].rstrip("/") in (".", "sim") for rest in copies), (dockerfile, copies)
+
+
+def build_context(dockerfile: str, into: Path) -> list[str]:
+    """The files the build stage of ``dockerfile`` copies from the repository, laid out under ``into`` as under its
+    WORKDIR; returns the copied sources."""
+    sources = []
+    for word, rest in instructions(ROOT / dockerfile):
+        if word != "COPY" or rest.startswith("--from"):
+            continue
+        *copied, dest = rest.split()
+        for source in copied:
+            sources.append(source)
+            origin, target = ROOT / source, into / dest
+            if origin.is_dir():
+                shutil.copytree(origin, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                target = target / origin.name if dest.endswith("/") else target
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(origin, target)
+    return sources
+
+
+#: run in a fresh interpreter with only an image's source roots in front: imports every module of the given
+#: packages (minus the excluded ones and ``__main__``, which would run a command) and prints where each kvbridge
+#: module came from
+IMPORT_ALL = """
+import importlib, json, pkgutil, sys
+roots, packages, excluded = json.loads(sys.argv[1])
+sys.path[:0] = roots
+# the checkout's editable install would find what the image lacks: only the image's files may answer
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", type(f).__module__)]
+for name in packages:
+    package = importlib.import_module(name)
+    for info in pkgutil.walk_packages(package.__path__, name + "."):
+        skipped = [x for x in excluded if info.name == x or info.name.startswith(x + ".")]
+        if not skipped and not info.name.endswith(".__main__"):
+            importlib.import_module(info.name)
+print(json.dumps({n: getattr(m, "__file__", None) for n, m in sys.modules.items() if n.startswith("kvbridge")}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("dockerfile", "packages", "excluded", "absent"),
+    [
+        # the operator and the router: every module, from the operator's files and the agent's core alone
+        ("operator/Dockerfile", ["kvbridge_operator", "kvbridge_router"], [], ["kvbridge_agent.transfer"]),
+        # the agent: every module but the vLLM connector, which runs inside vLLM's images (docs/vllm.md)
+        ("agent/Dockerfile", ["kvbridge_agent"], ["kvbridge_agent.vllm_connector"], ["kvbridge_operator"]),
+    ],
+)
+def test_each_image_carries_its_own_packages_and_they_import(
+    dockerfile: str, packages: list[str], excluded: list[str], absent: list[str], tmp_path: Path
+) -> None:
+    sources = build_context(dockerfile, tmp_path)
+    assert not any(s.rstrip("/") in (".", "sim", "tests") for s in sources), sources
+    for name in absent:
+        assert not (tmp_path / "agent" / name.replace(".", "/")).exists()
+        assert not (tmp_path / "operator" / name.replace(".", "/")).exists()
+    roots = [str(tmp_path / root) for root in ("agent", "operator") if (tmp_path / root).is_dir()]
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORT_ALL, json.dumps([roots, packages, excluded])],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = json.loads(result.stdout.splitlines()[-1])
+    outside = {name: file for name, file in loaded.items() if file and not file.startswith(str(tmp_path))}
+    assert not outside, f"{dockerfile}: imported from outside the image's files: {outside}"
+    assert not [name for name in loaded if any(name == a or name.startswith(a + ".") for a in absent)]
+    assert len(loaded) > 20, sorted(loaded)
+
+
+@pytest.mark.parametrize(
+    ("dockerfile", "entrypoint"), [("operator/Dockerfile", "kvbridge"), ("agent/Dockerfile", "kvbridge-agent")]
+)
+def test_an_image_drops_the_scripts_whose_code_it_does_not_copy(dockerfile: str, entrypoint: str) -> None:
+    """One distribution declares both console scripts; each image copies one product, so the other's script would
+    only fail with ModuleNotFoundError."""
+    runs = " ".join(rest for word, rest in instructions(ROOT / dockerfile) if word == "RUN")
+    for script in SCRIPTS:
+        removed = re.search(rf"\brm /opt/kvbridge/bin/{re.escape(script)}(\s|$)", runs) is not None
+        assert removed == (script != entrypoint), (dockerfile, script)

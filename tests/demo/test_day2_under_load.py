@@ -9,6 +9,7 @@ import asyncio
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from kvbridge_operator.kube import DEPLOYMENTS
 from kvbridge_sim.demo import NAMESPACE, apply_all, local_cluster, send, start_router, synthetic_deployment
@@ -23,6 +24,7 @@ def pods_of(runner: LocalRunner, role: str) -> list[str]:
     return sorted(name for (_ns, name), pod in runner.pods.items() if f"-{role}-" in name and not pod.terminating)
 
 
+@pytest.mark.slow  # a rollout and two scale-downs of real engine processes under load (`make test` runs it)
 async def test_a_rollout_and_scale_downs_under_load_lose_no_request(tmp_path: Path) -> None:
     results: list[tuple[str, int, str]] = []  # (phase, HTTP status, error code)
     phase = ["steady"]

@@ -29,6 +29,7 @@ def marked_processes(marker: str) -> list[int]:
     return found
 
 
+@pytest.mark.slow  # the whole demo with synthetic engines, up to 3 minutes (`make test` runs it)
 def test_agent_demo_json_contract() -> None:
     marker = uuid.uuid4().hex
     started = time.monotonic()
@@ -78,6 +79,7 @@ def test_agent_demo_json_contract() -> None:
     assert marked_processes(marker) == [], "the demo left processes behind"
 
 
+@pytest.mark.vllm
 def test_vllm_demo_runs_real_engines_and_checks_tokens() -> None:
     """The default demo: real vLLM (CPU build) pods from the rendered templates, a prefill restart halfway."""
     from tests.vllm.assertions import require_vllm

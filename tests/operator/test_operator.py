@@ -662,7 +662,7 @@ async def test_an_in_place_change_of_a_multi_node_role_steps_its_leader_worker_s
             name,
             {
                 "prefill": {
-                    "template": {"spec": {"containers": [{"name": "engine", "image": "vllm/vllm-openai:v0.32.1"}]}}
+                    "template": {"spec": {"containers": [{"name": "engine", "image": "registry.example/vllm:patched"}]}}
                 }
             },
         )

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,6 +113,7 @@ print(json.dumps({{"outcomes": outcomes}}))
 """
 
 
+@pytest.mark.slow  # about 20 s on 2 cores (`make test` runs it)
 def test_a_fuzz_of_malformed_manifests_never_crashes_kvbridge_plan() -> None:
     script = FUZZ.format(here=str(Path(__file__).parent))
     done = subprocess.run(

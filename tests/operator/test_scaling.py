@@ -236,6 +236,7 @@ def test_the_role_resource_is_a_scale_target() -> None:
     kubernetes_validate.validate(role_crd(), "1.30", strict=True)
 
 
+@pytest.mark.vllm  # the metric names are read from vLLM's sources
 def test_the_hpa_example_is_valid_and_targets_each_role_on_vllms_metrics() -> None:
     metrics = vllm_metric_names()
     hpas = documents("hpa.yaml")
@@ -249,6 +250,7 @@ def test_the_hpa_example_is_valid_and_targets_each_role_on_vllms_metrics() -> No
             assert exposed.replace("vllm_", "vllm:", 1) in metrics, exposed
 
 
+@pytest.mark.vllm  # the metric names are read from vLLM's sources
 def test_the_keda_example_has_what_kedas_schema_requires_and_queries_one_role_each() -> None:
     metrics = vllm_metric_names()
     objects = documents("keda-scaledobject.yaml")

@@ -44,6 +44,7 @@ def test_only_the_models_a_manifest_names_are_made_besides_the_tiny_one(
     assert models_for([{"spec": None}], tmp_path) == {tiny_model.TINY.name: str(tmp_path / "tiny-llama")}
 
 
+@pytest.mark.vllm  # transformers and tokenizers come with vLLM's CPU build
 def test_the_tokenizer_has_a_chat_template(tmp_path: Path) -> None:
     """OpenAI clients' ``chat.completions`` against the demo need one (transformers no longer guesses it)."""
     from transformers import AutoTokenizer

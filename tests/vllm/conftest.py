@@ -16,6 +16,7 @@ from kvbridge_sim.vllm_engines import Engines, deployment, plan_json, plan_json_
 
 from .assertions import require_vllm
 
+HERE = Path(__file__).parent
 SUMMARY: dict[str, object] = {}
 #: prefill's blocks on the short-lease engine: few, so that later requests reuse a request's freed blocks
 SHORT_LEASE_BLOCKS = 48
@@ -177,6 +178,13 @@ def kvbridge_tp2_engines(all_engines: Engines) -> Engines:
     on two cores starve the prefill engine's side-channel listener and the decode front end (docs/vllm.md)."""
     _require_tp2_cores()
     return _phase(all_engines, ["kvbridge-prefill-tp2", "kvbridge-decode-tp2"])
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test here runs real engines: each gets the ``vllm`` marker (skipped without vLLM, tests/conftest.py)."""
+    for item in items:
+        if HERE in item.path.parents:
+            item.add_marker(pytest.mark.vllm)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

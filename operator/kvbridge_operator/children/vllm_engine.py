@@ -32,10 +32,11 @@ from kvbridge_operator.api.spec import (
 )
 from kvbridge_operator.children import vllm_messages as words
 from kvbridge_operator.children.model_source import SOURCE_ARGUMENTS, Weights, weights
-from kvbridge_operator.config import OperatorConfig
 
-#: the vLLM release this renderer targets: the flags, variables and layout names below are that release's
-VLLM_RELEASE = "0.32"
+# the vLLM release this renderer targets (config.VLLM_VERSION's minor release): the flags, variables and layout names
+# below are that release's
+from kvbridge_operator.config import VLLM_RELEASE as VLLM_RELEASE
+from kvbridge_operator.config import OperatorConfig
 
 VLLM_PREFILL_CONVERSION = "VLLM_PREFILL_CONVERSION"
 VLLM_MANAGED_ARGUMENT = "VLLM_MANAGED_ARGUMENT"

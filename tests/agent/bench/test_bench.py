@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 
+@pytest.mark.slow  # a whole bench run and its figure: about 45 s on 2 cores (`make test` runs it)
 def test_bench_prints_the_contract_json_and_the_plot(tmp_path: Path) -> None:
     figure = tmp_path / "bench.png"
     result = subprocess.run(

@@ -42,6 +42,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@pytest.mark.slow  # processes per rank for each pairing: about 95 s on 2 cores (`make test` runs it)
 @pytest.mark.parametrize(
     ("spec", "label"),
     [
@@ -62,6 +63,7 @@ def test_tp_pairs_verify_across_processes(spec: PairSpec, label: str) -> None:
     assert report.prefill_ranks == spec.prefill.tensor_parallel_size
 
 
+@pytest.mark.slow  # the CLI for each example: about 55 s on 2 cores (`make test` runs it)
 @pytest.mark.parametrize("example", ["llama3-8b-hetero-tp", "deepseek-mla", "hetero-block-size"])
 def test_cli_json_for_each_example(example: str) -> None:
     result = subprocess.run(

@@ -87,7 +87,27 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             if port:
                 with socket.socket() as probe:
                     probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                    probe.bind(("127.0.0.1", port))
+                    try:
+                        probe.bind(("127.0.0.1", port))
+                    except OSError:
+                        # another process's connection may have been given the freed port as its own ephemeral
+                        # port (other tests, pytest-xdist workers); only a listener left on it would be the engines'
+                        assert port not in _listening_ports(), f"port {port} still listened on"
+
+
+def _listening_ports() -> set[int]:
+    """The local ports of every listening TCP socket on this machine (/proc/net/tcp and tcp6, state 0A)."""
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A":
+                ports.add(int(local.rsplit(":", 1)[1], 16))
+    return ports
 
 
 def _alive(pid: int) -> bool:
