@@ -632,3 +632,19 @@ def test_the_gpu_suites_deployments_render_on_this_machine() -> None:
             assert config["kv_connector"] == f"{case.connector}Connector"
             assert config["kv_buffer_device"] == case.buffer
             assert env(engine(doc, role))["KVBRIDGE_VERIFICATION"] == case.verification
+
+
+def test_the_hybrid_allocator_stays_off_for_kvbridges_connector_on_cpus() -> None:
+    """kvbridge's connector declares SupportsHMA (it moves several KV cache groups on vLLM's GPU layouts), so vLLM
+    would keep its hybrid allocator on; on the CPU build, where the connector reads per-layer tensors without
+    groups, kvbridge renders --disable-hybrid-kv-cache-manager (NixlConnector's engines need nothing: vLLM turns
+    the allocator off for a connector without HMA support itself)."""
+    flag = "--disable-hybrid-kv-cache-manager"
+    for connector, wanted in (("KVBridge", True), ("Nixl", False)):
+        doc = document("tiny-cpu")
+        doc["spec"]["engine"]["connector"] = connector
+        assert not isinstance(verdict(doc), list)
+        for role in Role:
+            assert (flag in engine(doc, role)["args"]) is wanted, (connector, role)
+    on_gpu = kvbridge_connector(document("llama3-8b-hetero-tp"))
+    assert all(flag not in engine(on_gpu, role)["args"] for role in Role)

@@ -198,7 +198,8 @@ class ConnectorWorker:
         elif settings.groups is not None:
             raise SpecError(
                 f"{settings.groups.count} KV cache groups on vLLM's CPU build: kvbridge moves several groups on "
-                "vLLM's KVCacheLayout views only",
+                "vLLM's KVCacheLayout views only; start vLLM with --disable-hybrid-kv-cache-manager (kvbridge renders "
+                "it on CPUs)",
                 field="spec.model",
                 code="CONNECTOR_UNSUPPORTED",
             )

@@ -485,6 +485,9 @@ def engine(
         json.dumps(transfer_config, separators=(",", ":"), sort_keys=True),
         # a block that prefill re-lays for the wire no longer matches its prefix-cache hash
         *(["--no-enable-prefix-caching"] if role is Role.PREFILL and plan.wire.steps(Role.PREFILL) else []),
+        # kvbridge's connector moves several KV cache groups (vLLM's hybrid allocator) on GPU layouts only; on the CPU
+        # build the allocator stays off, as vLLM keeps it for connectors that cannot move groups
+        *(["--disable-hybrid-kv-cache-manager"] if on_cpu(spec) and uses_kvbridge(spec) else []),
         # SIGTERM drains the requests the engine has (children/termination.py: the pod's whole sequence)
         "--shutdown-timeout",
         str(spec.transfer.drain_seconds),

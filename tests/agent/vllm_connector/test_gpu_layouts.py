@@ -180,7 +180,7 @@ def blocks_of(ids: list[int]) -> Any:
 
 
 @dataclass
-class Outcome:
+class Moved:
     prefill: Side
     decode: Side
     results: list[ReadResult]  # every decode rank's
@@ -221,7 +221,7 @@ def closing() -> Iterator[list[Any]]:
         thing.shutdown()
 
 
-def move(prefill: Side, decode: Side, opened: list[Any], lie: bool = False, decode_per_layer: bool = False) -> Outcome:
+def move(prefill: Side, decode: Side, opened: list[Any], lie: bool = False, decode_per_layer: bool = False) -> Moved:
     """One prompt of ``TOKENS`` tokens computed by a prefill engine (a scheduler, a worker per rank) and loaded by a
     decode engine, through vLLM's connector API, real NIXL and kvbridge's side channel, verification ``All``."""
     prefill_blocks = PREFILL_BLOCKS[: -(-TOKENS // prefill.block)]
@@ -307,7 +307,7 @@ def move(prefill: Side, decode: Side, opened: list[Any], lie: bool = False, deco
     assert decode_workers[0].decode is not None
     peer = decode_workers[0].decode.peers.get("prefill-layouts")
     errors = set().union(*(worker.get_block_ids_with_load_errors() for worker in decode_workers))
-    return Outcome(
+    return Moved(
         prefill,
         decode,
         results,
@@ -330,14 +330,14 @@ def transfer(
     kernel: int | None = None,
     decode_kernel: int | None = None,
     decode_per_layer: bool = False,
-) -> Outcome:
+) -> Moved:
     """:func:`move` between two TP 1 engines of one block size."""
     prefill = Side(prefill_layout, block, kernel)
     decode = Side(decode_layout, block, decode_kernel or kernel)
     return move(prefill, decode, opened, lie, decode_per_layer)
 
 
-def check_bytes(outcome: Outcome) -> None:
+def check_bytes(outcome: Moved) -> None:
     """Every byte where decode's vLLM reads it — through each decode rank's own views — is the byte prefill's rank
     holding that head has at the same token; the request's blocks past what was read, and every other block, were
     not written."""

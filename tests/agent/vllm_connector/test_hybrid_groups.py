@@ -124,7 +124,7 @@ def closing() -> Iterator[list[Any]]:
 
 
 @dataclass
-class Outcome:
+class Moved:
     results: list[ReadResult]
     load_errors: set[int]
     prefill_views: dict[str, torch.Tensor]
@@ -135,7 +135,7 @@ class Outcome:
 
 def move(
     prefill_layout: KVCacheLayout, decode_layout: KVCacheLayout, opened: list[Any], lie: bool = False, hit: int = 0
-) -> Outcome:
+) -> Moved:
     prefill_views, prefill_config = allocate(prefill_layout)
     fill(prefill_views, PREFILL_TABLE)
     prefill_scheduler = ConnectorScheduler(settings(Role.PREFILL, prefill_config))
@@ -190,12 +190,12 @@ def move(
         prefill.get_finished(set())
         time.sleep(0.002)
     descriptors = results[0].descriptors if results else 0
-    return Outcome(
+    return Moved(
         results, decode.get_block_ids_with_load_errors(), prefill_views, decode_views, descriptors, params["kvbridge"]
     )
 
 
-def check_bytes(outcome: Outcome, hit: int = 0) -> None:
+def check_bytes(outcome: Moved, hit: int = 0) -> None:
     """Each group's kept blocks hold, in each of its layers, prefill's bytes of the same position; nothing else
     was written (the null block, the window's dropped blocks, every block outside the request)."""
     full = list(zip(PREFILL_TABLE[0], DECODE_TABLE[0], strict=True))
