@@ -26,13 +26,12 @@ from .arithmetic import ceil_div
 from .blocks import (
     BLOCK_ID_OUT_OF_RANGE,
     LOCAL_LONGER_THAN_REMOTE,
-    MAX_DESCRIPTORS,
     TOKENS_EXCEED_BLOCKS,
-    TOO_MANY_DESCRIPTORS,
     BlockIds,
     DescriptorIds,
     IntArray,
     as_block_ids,
+    descriptor_ids,
 )
 from .errors import BlockMappingError, SpecError
 from .geometry import heads_local
@@ -88,12 +87,14 @@ def chunked(layout: PhysicalLayout, tokens: int) -> PhysicalLayout:
 
 @dataclass(frozen=True, slots=True)
 class ChunkRuns:
-    """One side's runs of one chunk, and the chunks of a block: descriptor region ``r * chunks + c`` starts at
-    ``offsets[r] + c * chunk_stride`` from the cache's origin; block ``b`` adds ``b * runs.block_stride``."""
+    """One side's runs of one chunk, and the chunks of its ``blocks`` (kernel) blocks: descriptor region
+    ``r * chunks + c`` starts at ``offsets[r] + c * chunk_stride`` from the cache's origin; block ``b`` adds
+    ``b * runs.block_stride``."""
 
     runs: BlockRuns
     chunks: int
     chunk_stride: int
+    blocks: int
 
     @property
     def regions(self) -> BlockRuns:
@@ -112,15 +113,8 @@ class PhysicalRead:
     prefill_rank: int
     source: ChunkRuns
     target: ChunkRuns
-
-    @property
-    def descriptors_per_chunk(self) -> int:
-        return self.source.runs.count
-
-    @property
-    def chunk_bytes(self) -> int:
-        """Bytes one chunk of one block brings (every run)."""
-        return self.source.runs.bytes_per_block
+    #: tokens of one chunk (:func:`chunk_tokens`)
+    tokens: int
 
 
 def physical_read(
@@ -135,8 +129,9 @@ def physical_read(
     source_runs, target_runs = paired_runs(chunked(source, tokens), chunked(target, tokens), *heads)
     return PhysicalRead(
         prefill_rank,
-        ChunkRuns(source_runs, source.block_size // tokens, tokens * source.strides[N]),
-        ChunkRuns(target_runs, target.block_size // tokens, tokens * target.strides[N]),
+        ChunkRuns(source_runs, source.block_size // tokens, tokens * source.strides[N], source.num_blocks),
+        ChunkRuns(target_runs, target.block_size // tokens, tokens * target.strides[N], target.num_blocks),
+        tokens,
     )
 
 
@@ -244,26 +239,15 @@ def map_chunks(
 
 
 def chunk_descriptor_ids(
-    blocks: IntArray, chunks: IntArray, runs: ChunkRuns, num_blocks: int, *, out: DescriptorIds | None = None
+    blocks: IntArray, chunks: IntArray, runs: ChunkRuns, *, out: DescriptorIds | None = None
 ) -> DescriptorIds:
     """Descriptor ids of chunks ``(blocks[i], chunks[i])`` for every run, run-major: ``(r * runs.chunks +
-    chunk) * num_blocks + block`` — the numbering of a list prepped from :attr:`ChunkRuns.regions`."""
-    regions = runs.runs.count * runs.chunks
-    if regions * num_blocks > MAX_DESCRIPTORS:
+    chunk) * runs.blocks + block`` — the numbering of a list prepped from :attr:`ChunkRuns.regions`, which is
+    :func:`~.blocks.descriptor_ids` over the units ``chunk * blocks + block``."""
+    if blocks.size and int(blocks.max()) >= runs.blocks:
         raise BlockMappingError(
-            f"{regions} runs x {num_blocks} blocks exceed NIXL's int32 descriptor index",
-            field="numBlocks",
-            code=TOO_MANY_DESCRIPTORS,
-        )
-    if blocks.size and int(blocks.max()) >= num_blocks:
-        raise BlockMappingError(
-            f"block {int(blocks.max())} is outside the {num_blocks} registered (kernel) blocks",
+            f"block {int(blocks.max())} is outside the {runs.blocks} registered (kernel) blocks",
             field="request.block_ids",
             code=BLOCK_ID_OUT_OF_RANGE,
         )
-    unit = (chunks * num_blocks + blocks).astype(np.int32)
-    starts = np.arange(runs.runs.count, dtype=np.int32) * np.int32(runs.chunks * num_blocks)
-    count = starts.size * unit.size
-    result = np.empty(count, dtype=np.int32) if out is None or out.size < count else out[:count]
-    np.add(starts[:, None], unit[None, :], out=result.reshape(starts.size, unit.size))
-    return result
+    return descriptor_ids(chunks * runs.blocks + blocks, runs.runs.count, runs.chunks * runs.blocks, out=out)

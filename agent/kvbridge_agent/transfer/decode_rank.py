@@ -48,7 +48,6 @@ from kvbridge_agent.core.physical_reads import (
     MappedChunks,
     PhysicalRead,
     chunk_descriptor_ids,
-    chunk_tokens,
     map_chunks,
     physical_read,
     shared_heads,
@@ -81,10 +80,9 @@ class RemotePeer:
     #: descriptors per block and read (regions of the cache kind, or the paired runs of two physical layouts)
     regions: int
     #: physical layouts on both sides: per read of the rank plan, the paired runs of one chunk (and then
-    #: ``lists``/``lengths`` follow these reads), decode's and prefill's chunking, prefill's kernel blocks per read
+    #: ``lists``/``lengths`` follow these reads), and decode's and prefill's chunking
     physical: tuple[PhysicalRead, ...] = ()
     sides: tuple[ChunkSide, ChunkSide] | None = None
-    remote_kernel_blocks: list[int] = field(default_factory=list)
     #: per read of the rank plan: (remote prepped list, local prepped list)
     lists: list[tuple[Any, Any]] = field(default_factory=list)
     #: bytes of one descriptor of each list
@@ -253,7 +251,6 @@ class DecodeRank:
         mapping and block-size conversion is a choice of descriptors, nothing is re-laid."""
         plan, rank_plan, local = peer.plan, peer.rank_plan, self.cache.physical
         reads: list[PhysicalRead] = []
-        sides: tuple[ChunkSide, ChunkSide] | None = None
         for read in rank_plan.reads:
             meta = ranks[read.prefill_rank][0]
             remote = meta.physical_layout
@@ -300,16 +297,19 @@ class DecodeRank:
             handle = self.transport.prep(peer.agents[read.prefill_rank], rows, meta.memory_type.value)
             peer.lists.append((handle, self._local_runs_list(physical.target.regions)))
             peer.lengths.append(length)
+            if reads and (physical.tokens, physical.source.chunks) != (reads[0].tokens, reads[0].source.chunks):
+                raise HandshakeError(  # one chunking maps every request's blocks for all reads
+                    f"prefill rank {read.prefill_rank} runs other kernel blocks than rank {reads[0].prefill_rank}",
+                    code=PEER_INCOMPATIBLE,
+                )
             reads.append(physical)
-            peer.remote_kernel_blocks.append(remote.num_blocks)
-            tokens = chunk_tokens(remote, local)
-            sides = sides or (
-                ChunkSide(self.cache.block_size, 1, local.block_size, tokens),
-                ChunkSide(meta.block_size, plan.split_ratio, remote.block_size, tokens),
-            )
+        first, meta = reads[0], ranks[reads[0].prefill_rank][0]
         peer.physical = tuple(reads)
-        peer.regions = reads[0].target.runs.count
-        peer.sides = sides
+        peer.regions = first.target.runs.count
+        peer.sides = (
+            ChunkSide(self.cache.block_size, 1, first.target.chunks * first.tokens, first.tokens),
+            ChunkSide(meta.block_size, plan.split_ratio, first.source.chunks * first.tokens, first.tokens),
+        )
 
     def _local_runs_list(self, runs: BlockRuns) -> Any:
         handle = self._local_lists.get(runs)
@@ -432,7 +432,7 @@ class DecodeRank:
             time.monotonic() + timeout,
             started,
             total_bytes,
-            sum(pair[0].size for pair in ids) if handles else 0,
+            sum(pair[0].size for pair in ids),
             ids_us,
             make_us,
             nixl_post_us,
@@ -463,13 +463,12 @@ class DecodeRank:
                 mapped = map_chunks(local_blocks, params.remote_block_ids, params.num_tokens, local_side, remote_side)
             if mapped.full_hit:
                 return []
-            local_kernel_blocks = self.cache.num_blocks * self.cache.kernel_ratio
             return [
                 (
-                    chunk_descriptor_ids(mapped.local_blocks, mapped.local_chunks, read.target, local_kernel_blocks),
-                    chunk_descriptor_ids(mapped.remote_blocks, mapped.remote_chunks, read.source, blocks),
+                    chunk_descriptor_ids(mapped.local_blocks, mapped.local_chunks, read.target),
+                    chunk_descriptor_ids(mapped.remote_blocks, mapped.remote_chunks, read.source),
                 )
-                for read, blocks in zip(peer.physical, peer.remote_kernel_blocks, strict=True)
+                for read in peer.physical
             ]
         if group_sizes is not None:
             raise BlockMappingError(

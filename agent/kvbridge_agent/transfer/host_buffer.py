@@ -20,20 +20,7 @@ import torch
 from kvbridge_agent.core import Role, SpecError, TransferPlan
 from kvbridge_agent.core.layout import kernel_blocks
 from kvbridge_agent.transfer.kv_cache import KVCache
-
-
-def layer_views(cache: KVCache) -> list[torch.Tensor]:
-    """Each layer of a cache attached from views as ``[kernel blocks, heads, tokens, content bytes]``."""
-    physical = cache.physical
-    if physical is None:
-        raise SpecError("a host buffer mirrors a cache attached from views", field="kv_caches", code="KV_VIEW_INVALID")
-    base = cache.tensors[0].view(torch.uint8).reshape(-1)
-    s_l, s_b, s_h, s_n, _ = physical.strides
-    shape = (physical.num_blocks, physical.num_heads, physical.block_size, physical.content_bytes)
-    return [
-        torch.as_strided(base, shape, (s_b, s_h, s_n, 1), cache.origin + layer * s_l)
-        for layer in range(physical.num_layers)
-    ]
+from kvbridge_agent.transfer.kv_view import physical_view
 
 
 class HostBuffer:
@@ -50,8 +37,8 @@ class HostBuffer:
         host = torch.zeros(physical.extent, dtype=torch.uint8, pin_memory=pinned)
         self.engine = engine
         self.mirror = dataclasses.replace(engine, tensors=[host], origin=0)
-        self._engine_layers = layer_views(engine)
-        self._mirror_layers = layer_views(self.mirror)
+        self._engine_layers = [physical_view(engine, layer) for layer in range(physical.num_layers)]
+        self._mirror_layers = [physical_view(self.mirror, layer) for layer in range(physical.num_layers)]
         self.copies = 0  # requests copied, both ways
 
     def __call__(self, cache: KVCache, plan: TransferPlan, side: Role, block_ids: list[int]) -> bool:

@@ -31,17 +31,25 @@ def check_per_layer(cache: KVCache) -> None:
         raise SpecError("synthetic content needs one tensor per layer (no shared tensors)", code="INVALID_KV_TENSOR")
 
 
-def physical_layer(cache: KVCache, block_ids: torch.Tensor, layer: int) -> torch.Tensor:
-    """The bytes of ``block_ids`` of a cache attached from views (a physical layout) as ``[n, kv, tokens, heads,
-    row]``: the layer's ``[B, H, N, C]`` strided view, its content split into keys then values (MLA: ``kv`` is 1)."""
+def physical_view(cache: KVCache, layer: int) -> torch.Tensor:
+    """One layer of a cache attached from views (a physical layout) as its ``[kernel blocks, heads, tokens,
+    content bytes]`` strided view of the allocation."""
     physical = cache.physical
     if physical is None:
         raise SpecError("the cache was not attached from views", code="INVALID_KV_TENSOR")
     _, stride_b, stride_h, stride_n, _ = physical.strides
     offset = cache.origin + layer * physical.strides[0]
     shape = (physical.num_blocks, physical.num_heads, physical.block_size, physical.content_bytes)
-    view = torch.as_strided(cache.tensors[0], shape, (stride_b, stride_h, stride_n, 1), offset)
-    n, heads, ratio, tokens = block_ids.numel(), physical.num_heads, cache.kernel_ratio, physical.block_size
+    return torch.as_strided(cache.tensors[0], shape, (stride_b, stride_h, stride_n, 1), offset)
+
+
+def physical_layer(cache: KVCache, block_ids: torch.Tensor, layer: int) -> torch.Tensor:
+    """The bytes of ``block_ids`` of a cache attached from views (a physical layout) as ``[n, kv, tokens, heads,
+    row]``: the layer's strided view (:func:`physical_view`), its content split into keys then values (MLA: ``kv``
+    is 1)."""
+    view = physical_view(cache, layer)
+    _, heads, tokens, _ = view.shape
+    n, ratio = block_ids.numel(), cache.kernel_ratio
     kernel = (block_ids.view(-1, 1) * ratio + torch.arange(ratio, device=block_ids.device).view(1, -1)).view(-1)
     kv = 1 if cache.model.is_mla else 2  # keys then values; MLA's single latent
     x = view[kernel].view(n, ratio, heads, tokens, kv, cache.row_bytes)  # a block's kernel blocks in token order

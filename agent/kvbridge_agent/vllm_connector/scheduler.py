@@ -210,11 +210,15 @@ class ConnectorScheduler:
             return
         raw["do_remote_prefill"] = False  # one transfer per request, also after a preemption
         groups = self.settings.groups
-        if groups is None:
-            local = list(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else []
-        else:  # per group, the unhashed blocks among those the group keeps (a null block is never read into)
-            unhashed = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else []
-            local = [b for group in unhashed for b in group]
+        every = by_group(blocks.get_block_ids())
+        unhashed: list[list[int]] = [[] for _ in every]  # per group; vLLM leaves out null blocks
+        if num_external_tokens > 0:
+            unhashed = (
+                [list(blocks.get_unhashed_block_ids())]
+                if groups is None
+                else [list(g) for g in blocks.get_unhashed_block_ids_all_groups()]
+            )
+        local = [b for group in unhashed for b in group]
         refused = self._refused.pop(request.request_id, "")
         if refused:  # parameters that did not validate: the request's blocks are reported invalid, nothing read
             self._to_read[request.request_id] = ReadOrder(local, None, refused)
@@ -239,7 +243,6 @@ class ConnectorScheduler:
                 "is not the request prefill ran"
             )
         )
-        every = by_group(blocks.get_block_ids())
         local_sizes: list[int] | None = None
         digest_tokens = params.num_tokens
         if groups is None:
@@ -249,8 +252,7 @@ class ConnectorScheduler:
                 kept = groups.clip(every, params.num_tokens)
             except KVBridgeError as exc:
                 kept, refused = [[] for _ in every], refused or f"{exc.code}: {exc.message}"
-            mine = [set(group) for group in kept]
-            unhashed = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else [[] for _ in every]
+            mine = [set(group) for group in kept]  # per group, the unhashed blocks among those the group keeps
             to_fill = [[b for b in group if b in keep] for group, keep in zip(unhashed, mine, strict=False)]
             local = [b for group in to_fill for b in group]
             local_sizes = [len(group) for group in to_fill]

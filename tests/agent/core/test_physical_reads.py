@@ -129,10 +129,8 @@ def test_reads_put_every_byte_where_decode_reads_it(case: tuple[ModelGeometry, E
             remote = ChunkSide(prefill.block, split, prefill.kernel, tokens_per_chunk)
             mapped = map_chunks(d_ids, offered, tokens, local, remote)
             chunks_read = mapped.local_blocks.size
-            local_ids = chunk_descriptor_ids(mapped.local_blocks, mapped.local_chunks, read.target, d_layout.num_blocks)
-            remote_ids = chunk_descriptor_ids(
-                mapped.remote_blocks, mapped.remote_chunks, read.source, p_layout.num_blocks
-            )
+            local_ids = chunk_descriptor_ids(mapped.local_blocks, mapped.local_chunks, read.target)
+            remote_ids = chunk_descriptor_ids(mapped.remote_blocks, mapped.remote_chunks, read.source)
             assert local_ids.size == remote_ids.size == read.source.runs.count * chunks_read
             length = read.source.runs.length
             assert length == read.target.runs.length
