@@ -43,6 +43,12 @@ def as_block_ids(ids: BlockIds, *, field: str) -> IntArray:
     result = array.astype(np.int64, copy=False)
     if int(result.min()) < 0:
         raise BlockMappingError("block ids must not be negative", field=field, code=INVALID_BLOCK_IDS)
+    if int(result.max()) > MAX_DESCRIPTORS:  # no cache has as many blocks; larger ids would overflow the id math
+        raise BlockMappingError(
+            f"block id {int(result.max())} is beyond any registered cache ({MAX_DESCRIPTORS} at most)",
+            field=field,
+            code=BLOCK_ID_OUT_OF_RANGE,
+        )
     return result
 
 

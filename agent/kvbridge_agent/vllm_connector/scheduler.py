@@ -17,6 +17,8 @@ import time
 from collections import deque
 from typing import Any
 
+from pydantic import ValidationError
+
 from kvbridge_agent.core import KVBridgeError, Role, build_plan, wire_block_ids
 from kvbridge_agent.core.digest import RequestDigests, VerificationPolicy, from_bytes, new_key
 from kvbridge_agent.core.handshake import (
@@ -254,8 +256,9 @@ class ConnectorScheduler:
                 kept, refused = [[] for _ in every], refused or f"{exc.code}: {exc.message}"
             mine = [set(group) for group in kept]  # per group, the unhashed blocks among those the group keeps
             to_fill = [[b for b in group if b in keep] for group, keep in zip(unhashed, mine, strict=False)]
-            local = [b for group in to_fill for b in group]
-            local_sizes = [len(group) for group in to_fill]
+            # a refused order fails every block vLLM counts as loading (it recomputes them), not only the kept ones
+            local = [b for group in (unhashed if refused else to_fill) for b in group]
+            local_sizes = None if refused else [len(group) for group in to_fill]
             all_blocks = [b for group in kept for b in group]
             digest_tokens = groups.digest_tokens(all_blocks)
         self._to_read[request.request_id] = ReadOrder(
@@ -383,25 +386,30 @@ class ConnectorScheduler:
                 wire = wire_block_ids(blocks, num_tokens, self._plan.split_ratio, self._plan.wire.block_size).tolist()
             else:  # a hybrid model: each group's blocks it keeps, one group after the other
                 wire, sizes = groups.flatten(per_group, num_tokens)
-        except KVBridgeError as exc:  # blocks that cannot hold the tokens: that request is not offered
-            log.error("kvbridge: not offering request %.80s: %s", request_id, exc.message)
-            error = {"code": exc.code, "message": exc.message}
+            params = KVTransferParams(
+                remote_engine_id=self.engine_id,
+                remote_incarnation=self._incarnation,
+                remote_host=environment.side_channel_host,
+                remote_port=self._server.port,
+                remote_request_id=request_id,
+                num_tokens=num_tokens,
+                remote_block_ids=wire,
+                remote_group_sizes=sizes,
+                remote_tp_size=self._tp_size,
+                fingerprint=self.settings.fingerprint,
+                expires_at=expires_at,
+                verify=verify,
+                lease_token=self._server.token(request_id),
+            )
+        except (KVBridgeError, ValidationError) as exc:  # blocks that cannot hold the tokens: not offered
+            code, message = (
+                (exc.code, exc.message)
+                if isinstance(exc, KVBridgeError)
+                else ("INVALID_TRANSFER_PARAMS", str(exc.errors()[0]["msg"]))
+            )
+            log.error("kvbridge: not offering request %.80s: %s", request_id, message)
+            error = {"code": code, "message": message}
             return False, {"do_remote_prefill": False, "do_remote_decode": False, ERROR_KEY: error}
-        params = KVTransferParams(
-            remote_engine_id=self.engine_id,
-            remote_incarnation=self._incarnation,
-            remote_host=environment.side_channel_host,
-            remote_port=self._server.port,
-            remote_request_id=request_id,
-            num_tokens=num_tokens,
-            remote_block_ids=wire,
-            remote_group_sizes=sizes,
-            remote_tp_size=self._tp_size,
-            fingerprint=self.settings.fingerprint,
-            expires_at=expires_at,
-            verify=verify,
-            lease_token=self._server.token(request_id),
-        )
         ours = params.model_dump(mode="json", by_alias=True, exclude_none=True)
         digested = predigested is not None and predigested[1] == num_tokens  # else digested again at the offer
         with self._lock:

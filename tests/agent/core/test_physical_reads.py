@@ -181,3 +181,13 @@ def test_chunks_refuse_what_cannot_be_cut_typed() -> None:
         map_chunks([1, 2], [4], 20, local, local)  # prefill offered 16 of 20 tokens
     assert mapping.value.code == "TOKENS_EXCEED_BLOCKS"
     assert map_chunks([], [4, 5], 20, local, local).full_hit
+
+
+def test_a_block_id_past_any_cache_is_refused_before_the_kernel_math() -> None:
+    """A forged remote id near 2**62 times the kernel blocks per block would wrap int64 into negative descriptor
+    ids; ids beyond any cache (int32 descriptor indices) are refused first."""
+    side = ChunkSide(block_tokens=64, units_per_block=1, kernel_tokens=16, tokens=16)
+    for forged in (2**62 - 1, 2**62 + 1, 2**31):
+        with pytest.raises(BlockMappingError) as caught:
+            map_chunks([5], [forged], 64, side, side)
+        assert caught.value.code == "BLOCK_ID_OUT_OF_RANGE"

@@ -270,3 +270,33 @@ def test_groups_that_do_not_overlay_are_refused_at_registration(closing: list[An
     with pytest.raises(SpecError) as caught:
         worker.register_kv_caches(moved, "LBHNC")
     assert caught.value.code in {"LAYOUT_UNSUPPORTED", "KV_VIEW_LAYOUT_MISMATCH"}
+
+
+def test_a_refused_hybrid_order_fails_every_block_vllm_loads(closing: list[Any]) -> None:
+    """Parameters whose token count is not decode's prompt (PROMPT_MISMATCH; clipped by them, the window would even
+    hold the null block): the order is refused and every unhashed block of every group is reported, so vLLM
+    recomputes them instead of using blocks nothing was read into."""
+    from kvbridge_agent.core.handshake import KVTransferParams
+
+    _views, config = allocate(KVCacheLayout.LBHNC)
+    scheduler = ConnectorScheduler(settings(Role.DECODE, config))
+    closing.append(scheduler)
+    params = KVTransferParams(
+        remote_engine_id="prefill-hybrid",
+        remote_incarnation="i",
+        remote_host="127.0.0.1",
+        remote_port=1,
+        remote_request_id="p1",
+        remote_block_ids=[3, 7, 20],
+        remote_group_sizes=[2, 1],
+        num_tokens=40,
+        remote_tp_size=1,
+        fingerprint=scheduler.settings.fingerprint,
+    )
+    raw = {"do_remote_prefill": True, "kvbridge": params.model_dump(mode="json", by_alias=True, exclude_none=True)}
+    wanted = request("d1", raw)
+    assert scheduler.get_num_new_matched_tokens(wanted, 0) == (TOKENS, True)
+    scheduler.update_state_after_alloc(wanted, Blocks(DECODE_TABLE), TOKENS)
+    order = scheduler.build_connector_meta().to_read["d1"]
+    assert order.refused.startswith("PROMPT_MISMATCH")
+    assert order.local_block_ids == [9, 2, 14, 6, 11, 15, 16, 17]
