@@ -4,6 +4,7 @@ pod paired with it, taking both from a DisaggregatedDeployment's status (docs/ro
 Reading order:
 - ``proxy``: the HTTP front: the two calls, retries, timeouts, streaming.
 - ``admission``: what a request must be before any prefill.
+- ``prompts``: pure: a request's prompt, as admission checks it and kv-aware scores it.
 - ``errors``: the router's errors, in OpenAI's error shape.
 - ``pool``: pure: which pods pair, balancing.
 - ``prefixes``: what was sent to each pod by prompt prefix (the ``kv-aware`` policy).

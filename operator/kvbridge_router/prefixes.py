@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from kvbridge_operator.api.objects import Obj
-from kvbridge_router.admission import one_prompt, token_ids
+from kvbridge_router.prompts import one_prompt, token_ids
 
 #: the chunk of token-id prompts when the block size is not given (vLLM's default block size on GPUs)
 CHUNK_TOKENS = 16
