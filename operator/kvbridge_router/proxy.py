@@ -48,7 +48,8 @@ from kvbridge_router.answers import Start, StreamStart, aborted
 from kvbridge_router.errors import RouteError
 from kvbridge_router.metrics import RouterMetrics
 from kvbridge_router.pool import KV_AWARE, Balancer, Pool, Target
-from kvbridge_router.prefixes import CHUNK_TOKENS, prefix_keys
+from kvbridge_router.prefixes import prefix_keys
+from kvbridge_router.settings import DEFAULTS, RouterSettings
 from kvbridge_router.upstream import AnswerTooLargeError, UnreachableError, Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ HEALTH_PROBE_SECONDS = 1.0
 #: where a KV connector's prefill says why it offers nothing for a request (kvbridge's connector; vLLM frees the
 #: blocks): the request is answered, not sent to another pod
 ENGINE_REFUSAL = "kvbridge_error"
+#: streaming decode: the longest wait for the next chunk (no longer than the decode timeout)
+DECODE_IDLE_SECONDS = 60.0
 #: idle upstream connections are dropped before vLLM's own keep-alive timeout (5 s) closes them under us
 KEEPALIVE_SECONDS = 3.0
 #: clients' idle keep-alive connections are closed after this; longer than load balancers' idle timeouts (AWS ALB's
@@ -87,30 +90,50 @@ class Ledger:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    prefill_timeout: float = 60.0
-    decode_timeout: float = 600.0
+    """What a :class:`Router` runs with: the settings (settings.py, their defaults written there) as the proxy uses
+    them, and the bounds that are not flags."""
+
+    prefill_timeout: float = DEFAULTS.prefill_timeout
+    decode_timeout: float = DEFAULTS.decode_timeout
     #: streaming decode: the longest wait for the next chunk
-    decode_idle_timeout: float = 60.0
+    decode_idle_timeout: float = DECODE_IDLE_SECONDS
     connect_timeout: float = 3.0
-    prefill_attempts: int = 3
+    prefill_attempts: int = DEFAULTS.prefill_attempts
     #: decode calls per request (the first and its retries on other pairs)
-    decode_attempts: int = 3
+    decode_attempts: int = DEFAULTS.decode_attempts
     #: how pods are chosen: kv-aware (by the prompt prefix each pod was sent, then load) or least-loaded
-    policy: str = KV_AWARE
+    policy: str = DEFAULTS.policy.value
     #: kv-aware: tokens per prompt chunk scored, the prefill pods' KV block size (vLLM caches whole blocks)
-    block_tokens: int = CHUNK_TOKENS
+    block_tokens: int = DEFAULTS.block_size
     #: the whole request, every prefill and decode call and retry included
-    request_timeout: float = 900.0
+    request_timeout: float = DEFAULTS.request_timeout
     max_body_bytes: int = 16 << 20
     #: seconds a request's body may take to arrive (a client that stalls gets 408)
-    body_timeout: float = 10.0
+    body_timeout: float = DEFAULTS.body_timeout
     #: seconds a request's head may take to arrive, from the connection's opening or the head's first byte (a client
     #: that sends nothing or half a head is disconnected)
-    header_timeout: float = 10.0
+    header_timeout: float = DEFAULTS.header_timeout
     #: the largest prefill answer, and decode answer when not streamed, read whole (streams are passed on as they come)
     max_answer_bytes: int = 16 << 20
     #: the router's token (--transfer-token-file): set, decode's kv_transfer_params carry its signature
     transfer_token: bytes = field(default=b"", repr=False)
+
+    @classmethod
+    def of(cls, settings: RouterSettings, transfer_token: bytes = b"") -> RouterConfig:
+        """The configuration ``settings`` give, with the token read from their ``transfer_token_file``."""
+        return cls(
+            prefill_timeout=settings.prefill_timeout,
+            decode_timeout=settings.decode_timeout,
+            decode_idle_timeout=min(settings.decode_timeout, DECODE_IDLE_SECONDS),
+            prefill_attempts=settings.prefill_attempts,
+            decode_attempts=settings.decode_attempts,
+            request_timeout=settings.request_timeout,
+            body_timeout=settings.body_timeout,
+            header_timeout=settings.header_timeout,
+            policy=settings.policy.value,
+            block_tokens=settings.block_size,
+            transfer_token=transfer_token,
+        )
 
     @property
     def limits(self) -> Limits:

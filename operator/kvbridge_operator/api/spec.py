@@ -16,6 +16,8 @@ from pydantic import BeforeValidator, Field, ValidationError, ValidationInfo, fi
 from kvbridge_agent.core import KVBridgeError, ModelGeometry, Role, RoleSettings, SpecError, TransferSettings
 from kvbridge_agent.core.model import CamelModel, joined_item_check
 from kvbridge_operator.api.names import API_VERSION, KIND
+from kvbridge_router.settings import DEFAULTS as ROUTER
+from kvbridge_router.settings import RouterPolicy
 
 
 class EngineKind(StrEnum):
@@ -194,13 +196,6 @@ class ModelSpec(ModelGeometry):
         return self
 
 
-class RouterPolicy(StrEnum):
-    """How kvbridge's router chooses pods (docs/router.md, "Policies")."""
-
-    KV_AWARE = "kv-aware"  # the pod most of the prompt's prefix was sent to, unless it is much busier
-    LEAST_LOADED = "least-loaded"  # the pod with the fewest requests in flight
-
-
 class RouterSpec(CamelModel):
     enabled: bool = Field(default=False, description="Run kvbridge's router (a Deployment and a Service).")
     replicas: int = Field(default=1, ge=1, le=64)
@@ -208,11 +203,17 @@ class RouterSpec(CamelModel):
     resources: dict[str, Any] = Field(
         default_factory=dict, description="The router container's resources (default: 500m CPU, 256Mi memory)."
     )
-    prefill_timeout_seconds: int = Field(default=60, ge=1, le=3600, description="Per prefill call.")
-    decode_timeout_seconds: int = Field(default=600, ge=1, le=86400, description="Per decode answer.")
-    prefill_attempts: int = Field(default=3, ge=1, le=16, description="Prefill pods tried per request.")
+    prefill_timeout_seconds: int = Field(
+        default=int(ROUTER.prefill_timeout), ge=1, le=3600, description="Per prefill call."
+    )
+    decode_timeout_seconds: int = Field(
+        default=int(ROUTER.decode_timeout), ge=1, le=86400, description="Per decode answer."
+    )
+    prefill_attempts: int = Field(
+        default=ROUTER.prefill_attempts, ge=1, le=16, description="Prefill pods tried per request."
+    )
     policy: RouterPolicy = Field(
-        default=RouterPolicy.KV_AWARE,
+        default=ROUTER.policy,
         description="kv-aware: send a request to the prefill and decode pods that were sent the longest leading part "
         "of its prompt (their prefix caches), unless they are busier than the least loaded by more than 2 requests; "
         "least-loaded: the pod with the fewest requests in flight.",

@@ -1,6 +1,6 @@
 """The serving path in front of a deployment's pods, rendered from ``spec.router`` and ``spec.inferencePool``.
 
-- ``spec.router.enabled``: kvbridge's router (``kvbridge router``) as a Deployment and a ClusterIP Service
+- ``spec.router.enabled``: kvbridge's router (``kvbridge-router``) as a Deployment and a ClusterIP Service
   ``<name>-router``, with a ServiceAccount whose Role may only get and watch this one DisaggregatedDeployment
   (the router reads the endpoints and pairings from its status; it never lists pods). With
   ``spec.router.signTransfers`` it signs decode's ``kv_transfer_params`` with the token of the Secret
@@ -28,8 +28,23 @@ from kvbridge_operator.api.spec import DisaggregatedDeployment
 from kvbridge_operator.children import placement, transfer_token
 from kvbridge_operator.children.render import child_metadata, owner_reference
 from kvbridge_operator.config import OperatorConfig
+from kvbridge_router.settings import DEFAULTS, RouterSettings, arguments
 
-ROUTER_PORT = 8000
+ROUTER_PORT = DEFAULTS.port
+#: the router's own program (the operator image has it; ``kvbridge router`` is the same command)
+ROUTER_COMMAND = "kvbridge-router"
+#: the router's settings written into its Deployment even at their defaults (what ``kubectl describe`` should show);
+#: any other is written when the spec sets it apart from its default
+RENDERED_ALWAYS = (
+    "deployment",
+    "namespace",
+    "port",
+    "prefill_timeout",
+    "decode_timeout",
+    "prefill_attempts",
+    "policy",
+    "block_size",
+)
 
 
 def router_selector(deployment: str) -> dict[str, str]:
@@ -47,24 +62,24 @@ def router_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfi
     owner = owner_reference(dd, uid)
     labels = router_selector(dd.metadata.name)
     spec = dd.spec.router
-    args = [
-        "router",
-        f"--deployment={dd.metadata.name}",
-        f"--namespace={namespace}",
-        f"--port={ROUTER_PORT}",
-        f"--prefill-timeout={spec.prefill_timeout_seconds}",
-        f"--decode-timeout={spec.decode_timeout_seconds}",
-        f"--prefill-attempts={spec.prefill_attempts}",
-        f"--policy={spec.policy.value}",
-        f"--block-size={dd.spec.prefill.block_size}",
-    ]
     signs = transfer_token.signs(dd.spec)
-    args += [f"--transfer-token-file={transfer_token.TOKEN_FILE}"] if signs else []
+    chosen = RouterSettings(
+        deployment=dd.metadata.name,
+        namespace=namespace,
+        port=ROUTER_PORT,
+        prefill_timeout=spec.prefill_timeout_seconds,
+        decode_timeout=spec.decode_timeout_seconds,
+        prefill_attempts=spec.prefill_attempts,
+        policy=spec.policy,
+        block_size=dd.spec.prefill.block_size,
+        transfer_token_file=transfer_token.TOKEN_FILE if signs else "",
+    )
+    args = arguments(chosen, always=RENDERED_ALWAYS)
     probe = {"httpGet": {"path": "/metrics", "port": HTTP_PORT_NAME}, "periodSeconds": 10}
     container: Obj = {
         "name": "router",
         "image": spec.image or config.router_image,
-        "command": ["kvbridge"],
+        "command": [ROUTER_COMMAND],
         "args": args,
         "ports": [{"name": HTTP_PORT_NAME, "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         # ready once some prefill/decode pair is routable (503 before); alive while it answers at all
