@@ -1,7 +1,7 @@
 """The ``kvbridge-router`` command (``kvbridge router`` is the same command): flags generated from the settings.
 
-Bad settings exit 2 with what to give, as do an unreadable token file, no API to watch and a taken port; SIGTERM
-and SIGINT stop it with 0.
+Bad settings exit 2 with what to give, as do an unreadable token or API key file, no API to watch and a taken port;
+SIGTERM and SIGINT stop it with 0.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvbridge_router.settings import RouterSettings, flag_of, settings, shown
+from kvbridge_router.settings import API_KEYS_VARIABLE, RouterSettings, flag_of, settings, shown
 
 if TYPE_CHECKING:
     import asyncio
@@ -62,6 +62,7 @@ def run(args: argparse.Namespace, prog: str = PROG) -> int:
     from kvbridge_agent.core import KVBridgeError
     from kvbridge_agent.core.signing import load_token
     from kvbridge_operator.kube import KubeClient, connect
+    from kvbridge_router.auth import ApiKeys
     from kvbridge_router.proxy import Router, RouterConfig, serve
     from kvbridge_router.source import follow_file, watch_status
 
@@ -76,7 +77,14 @@ def run(args: argparse.Namespace, prog: str = PROG) -> int:
     except KVBridgeError as exc:
         print(f"{prog}: error: {exc.code}: {exc.message}", file=sys.stderr)
         return EXIT_INVALID
-    router = Router(RouterConfig.of(given, transfer_token=token))
+    try:
+        api_keys = ApiKeys.configured(given.api_key_file, os.environ, API_KEYS_VARIABLE)
+    except KVBridgeError as exc:
+        print(f"{prog}: error: {exc.code}: {exc.message}", file=sys.stderr)
+        return EXIT_INVALID
+    if api_keys is not None:
+        logging.getLogger(__name__).info("clients must send one of %d API keys (Authorization: Bearer)", len(api_keys))
+    router = Router(RouterConfig.of(given, transfer_token=token, api_keys=api_keys))
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -4,7 +4,8 @@
 ``kv_transfer_params: {do_remote_decode: true}``, one token and no streaming; the ``kv_transfer_params`` it returns
 go with the client's own request to a decode pod paired with it, whose answer (streamed or not) is passed through
 unchanged. ``GET /v1/models`` is a decode pod's. ``GET /health`` is 200 while some pair is routable, else 503
-with the reason; ``GET /metrics`` is Prometheus text.
+with the reason; ``GET /metrics`` is Prometheus text. With API keys (auth.py), a ``/v1/`` request without one is
+answered 401 before its body is read; ``/health`` and ``/metrics`` stay open.
 
 Failures: a prefill that cannot be reached, times out, answers 5xx or returns no transfer parameters is tried
 on another prefill pod (``prefill_attempts`` in all); a 4xx from prefill is the client's and is passed back.
@@ -45,6 +46,7 @@ from kvbridge_agent.core.signing import signed
 from kvbridge_operator.api.objects import Obj
 from kvbridge_router.admission import Limits, admit, engine_request_id
 from kvbridge_router.answers import Start, StreamStart, aborted
+from kvbridge_router.auth import INVALID_API_KEY, ApiKeys
 from kvbridge_router.errors import RouteError
 from kvbridge_router.metrics import RouterMetrics
 from kvbridge_router.pool import KV_AWARE, Balancer, Pool, Target
@@ -117,10 +119,13 @@ class RouterConfig:
     max_answer_bytes: int = 16 << 20
     #: the router's token (--transfer-token-file): set, decode's kv_transfer_params carry its signature
     transfer_token: bytes = field(default=b"", repr=False)
+    #: the clients' API keys (--api-key-file, auth.py): set, /v1/ requests without one are answered 401
+    api_keys: ApiKeys | None = field(default=None, repr=False)
 
     @classmethod
-    def of(cls, settings: RouterSettings, transfer_token: bytes = b"") -> RouterConfig:
-        """The configuration ``settings`` give, with the token read from their ``transfer_token_file``."""
+    def of(cls, settings: RouterSettings, transfer_token: bytes = b"", api_keys: ApiKeys | None = None) -> RouterConfig:
+        """The configuration ``settings`` give, with the token read from their ``transfer_token_file`` and the keys
+        of their ``api_key_file``."""
         return cls(
             prefill_timeout=settings.prefill_timeout,
             decode_timeout=settings.decode_timeout,
@@ -133,6 +138,7 @@ class RouterConfig:
             policy=settings.policy.value,
             block_tokens=settings.block_size,
             transfer_token=transfer_token,
+            api_keys=api_keys,
         )
 
     @property
@@ -207,7 +213,22 @@ class Router:
     async def _metrics(self, _: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
+    def _unauthorized(self, request: web.Request) -> web.Response | None:
+        """401 for a /v1/ request without one of the configured API keys (none configured: every request passes);
+        before its body is read, so no engine is ever called for it."""
+        keys = self.config.api_keys
+        why = None if keys is None else keys.refused(request.headers.get("Authorization"))
+        if why is None:
+            return None
+        log.warning("%s: %s %s", request.path, INVALID_API_KEY, why)
+        response = RouteError(401, INVALID_API_KEY, why).response()
+        response.headers["WWW-Authenticate"] = 'Bearer realm="kvbridge-router"'
+        return response
+
     async def _models(self, request: web.Request) -> web.Response:
+        refused = self._unauthorized(request)
+        if refused is not None:
+            return refused
         decode = self.balancer.pick(self.pool.decode)
         if decode is None:
             return RouteError(503, "NO_DECODE", self.pool.problem() or "no decode pod").response()
@@ -226,6 +247,10 @@ class Router:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
         route = ROUTES[request.path]
+        refused = self._unauthorized(request)
+        if refused is not None:
+            self.metrics.requests.labels(route, INVALID_API_KEY).inc()
+            return refused
         ledger = Ledger()
         try:
             body, raw = await admit(request, route, self.config.limits)

@@ -21,6 +21,10 @@ class RouterPolicy(StrEnum):
     LEAST_LOADED = "least-loaded"  # the pod with the fewest requests in flight
 
 
+#: the variable holding API keys (comma- or newline-separated), besides ``--api-key-file``
+API_KEYS_VARIABLE = "KVBRIDGE_ROUTER_API_KEYS"
+
+
 def _setting(default: object, help: str, metavar: str = "", positive: bool = False) -> Any:
     """A setting: its default, its help (flag help and docs), the flag's metavar, whether it must be above 0."""
     return dataclasses.field(default=default, metadata={"help": help, "metavar": metavar, "positive": positive})
@@ -73,6 +77,12 @@ class RouterSettings:
         "",
         "a file holding the token decode engines check (spec.router.signTransfers): the kv_transfer_params "
         "sent to decode carry its HMAC signature (docs/router.md)",
+        metavar="PATH",
+    )
+    api_key_file: str = _setting(
+        "",
+        "a file of API keys, one a line (spec.router.apiKeySecret): /v1/ requests must carry one as "
+        f"'Authorization: Bearer KEY', else 401; {API_KEYS_VARIABLE} may hold more, comma-separated",
         metavar="PATH",
     )
     api_server: str = _setting("", "Kubernetes API URL of a local emulator")
