@@ -51,26 +51,37 @@ class RouterSettings:
         metavar="TOKENS",
         positive=True,
     )
-    prefill_timeout: float = _setting(60.0, "seconds per prefill call", positive=True)
+    prefill_timeout: float = _setting(60.0, "seconds per prefill call", metavar="SECONDS", positive=True)
     decode_timeout: float = _setting(
-        600.0, "seconds for a whole decode answer (streams: also 60 s at most between chunks)", positive=True
+        600.0,
+        "seconds for a whole decode answer (streams: also 60 s at most between chunks)",
+        metavar="SECONDS",
+        positive=True,
     )
-    prefill_attempts: int = _setting(3, "prefill pods tried per request when one fails", positive=True)
+    prefill_attempts: int = _setting(3, "prefill pods tried per request when one fails", metavar="N", positive=True)
     decode_attempts: int = _setting(
         3,
         "decode calls per request: one failing before anything reached the client is retried on another pair",
+        metavar="N",
         positive=True,
     )
     request_timeout: float = _setting(
-        900.0, "seconds for a whole request, retries included: no client waits longer", positive=True
+        900.0,
+        "seconds for a whole request, retries included: no client waits longer",
+        metavar="SECONDS",
+        positive=True,
     )
     body_timeout: float = _setting(
-        10.0, "seconds a request's body may take to arrive; a client that stalls gets 408", positive=True
+        10.0,
+        "seconds a request's body may take to arrive; a client that stalls gets 408",
+        metavar="SECONDS",
+        positive=True,
     )
     header_timeout: float = _setting(
         10.0,
         "seconds a request's head may take to arrive, from the connection's opening or the head's first byte; "
         "a client that sends nothing or half a head is disconnected",
+        metavar="SECONDS",
         positive=True,
     )
     transfer_token_file: str = _setting(
