@@ -47,6 +47,15 @@ class Shape:
     num_heads: int
     num_kv_heads: int
     max_positions: int
+    #: a hybrid model: every even layer attends to a sliding window of this many tokens, every odd one to all
+    #: (``layer_types`` as transformers and vLLM's Llama read it); ``None``: full attention everywhere
+    sliding_window: int | None = None
+
+    @property
+    def layer_types(self) -> list[str] | None:
+        if self.sliding_window is None:
+            return None
+        return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.num_layers)]
 
     @property
     def head_dim(self) -> int:
@@ -70,8 +79,11 @@ GEOMETRY = TINY.geometry
 #: 60 M parameters: a 416-token prefill takes ~0.3 s on one core, its decode step ~30 ms), for measuring what a
 #: prefix-cache hit saves (benchmarks/router_policies.py)
 SMALL = Shape("kvbridge/small-llama", num_layers=4, hidden=1024, num_heads=16, num_kv_heads=4, max_positions=2048)
+#: the tiny model with a sliding window of 32 tokens on its first layer and full attention on its second: two
+#: KV cache groups in vLLM's hybrid allocator (one where kvbridge's connector runs on vLLM's CPU build)
+HYBRID = Shape("kvbridge/tiny-hybrid-llama", NUM_LAYERS, HIDDEN, NUM_HEADS, NUM_KV_HEADS, MAX_POSITIONS, 32)
 #: the local models by ``spec.model.name``
-SHAPES = {shape.name: shape for shape in (TINY, SMALL)}
+SHAPES = {shape.name: shape for shape in (TINY, SMALL, HYBRID)}
 _MARKER = "kvbridge-tiny-model.json"
 
 _TEXT = (
@@ -122,6 +134,8 @@ def make(path: Path, shape: Shape = TINY) -> Path:
         tie_word_embeddings=False,
         initializer_range=0.1,
         dtype="bfloat16",
+        **({} if shape.sliding_window is None else {"sliding_window": shape.sliding_window}),
+        **({} if shape.layer_types is None else {"layer_types": shape.layer_types}),
     )
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config).to(torch.bfloat16)

@@ -48,9 +48,11 @@ def deployment(
     blocks: tuple[int, int] = (32, 32),
     device: str = "CPU",
     verification: str | None = None,
+    shape: tiny_model.Shape = tiny_model.TINY,
 ) -> dict[str, Any]:
-    """A vLLM DisaggregatedDeployment of the tiny model, on CPUs (vLLM's CPU build) unless ``device`` says GPU:
-    prefill TP ``prefill_tp`` -> decode TP 1; ``verification`` sets spec.transfer.verification."""
+    """A vLLM DisaggregatedDeployment of the tiny model (or another local ``shape``), on CPUs (vLLM's CPU build)
+    unless ``device`` says GPU: prefill TP ``prefill_tp`` -> decode TP 1; ``verification`` sets
+    spec.transfer.verification."""
     transfer: dict[str, Any] = {} if lease is None else {"leaseSeconds": lease}
     if verification is not None:
         transfer["verification"] = verification
@@ -63,7 +65,7 @@ def deployment(
         "metadata": {"name": name},
         "spec": {
             "engine": {**engine, "extraArgs": ["--enforce-eager", "--max-model-len=512", *extra]},
-            "model": {"name": MODEL_NAME, **tiny_model.GEOMETRY},
+            "model": {"name": shape.name, **shape.geometry},
             "transfer": transfer,
             "prefill": {"replicas": 1, "tensorParallelSize": prefill_tp, "blockSize": blocks[0]},
             "decode": {"replicas": 1, "tensorParallelSize": 1, "blockSize": blocks[1]},
@@ -154,6 +156,8 @@ class Engines:
     workdir: Path
     model: Path
     engines: dict[str, Engine] = field(default_factory=dict)
+    #: other local models by ``spec.model.name`` (the tiny model's folder is ``model``)
+    more_models: dict[str, Path] = field(default_factory=dict)
     keys_dir: Path | None = None
     peak_rss: int = 0
     start_seconds: dict[str, float] = field(default_factory=dict)
@@ -163,12 +167,15 @@ class Engines:
     def add(
         self, name: str, template: dict[str, Any], ip: str, cpus: tuple[int, ...], env: dict[str, str] | None = None
     ) -> Engine:
-        spec = pods.local_pod(
-            template, name, ip, self.workdir / name, models={MODEL_NAME: str(self.model)}, cpus=cpus, env_overrides=env
-        )
+        spec = pods.local_pod(template, name, ip, self.workdir / name, models=self.models, cpus=cpus, env_overrides=env)
         engine = Engine(name, ip, spec, self.workdir / f"{name}.log")
         self.engines[name] = engine
         return engine
+
+    @property
+    def models(self) -> dict[str, str]:
+        """Every local model's folder by ``spec.model.name``, as the pods' runner maps them."""
+        return {MODEL_NAME: str(self.model), **{name: str(path) for name, path in self.more_models.items()}}
 
     def add_spec(self, name: str, ip: str, spec: pods.LocalPodSpec) -> Engine:
         """An engine whose process is already described (e.g. from ``kvbridge plan --json``: plan_json_pod)."""

@@ -30,6 +30,11 @@ DEPLOYMENTS = {
     "kvbridge-merge": deployment("tiny-kvbridge-merge", 1, connector="KVBridge", blocks=(32, 64)),
     "kvbridge-split": deployment("tiny-kvbridge-split", 1, connector="KVBridge", blocks=(64, 32)),
     "kvbridge-tp2": deployment("tiny-kvbridge-tp2", 2, connector="KVBridge"),
+    # full attention and a 32-token sliding window: vLLM's hybrid allocator would make two KV cache groups; on the
+    # CPU build the operator renders --disable-hybrid-kv-cache-manager for kvbridge's connector (one group)
+    "kvbridge-hybrid": deployment(
+        "tiny-kvbridge-hybrid", 1, connector="KVBridge", verification="All", shape=tiny_model.HYBRID
+    ),
     "short-lease": deployment(
         "tiny-short-lease", 1, lease=SHORT_LEASE_SECONDS, extra=(f"--num-gpu-blocks-override={SHORT_LEASE_BLOCKS}",)
     ),
@@ -46,7 +51,9 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def all_engines(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
     """Every engine the tests use, rendered once; each phase starts the ones it needs."""
     found = Engines(tmp_path_factory.mktemp("engines"), tiny_model_path)
-    models = {tiny_model.NAME: str(tiny_model_path)}
+    hybrid = tiny_model.make(tmp_path_factory.mktemp("model") / "tiny-hybrid-llama", tiny_model.HYBRID)
+    found.more_models[tiny_model.HYBRID.name] = hybrid
+    models = found.models
     plans = tmp_path_factory.mktemp("plans")
 
     def from_plan_json(name: str, deployment_name: str, role: Role, ip: str, core: int, **env: str) -> None:
@@ -93,6 +100,12 @@ def all_engines(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
             (core,),
             env={"KVBRIDGE_KEYS_DIR": str(keys)},
         )
+    for name, role, ip, core in (
+        ("kvbridge-hybrid-prefill", Role.PREFILL, "127.0.1.14", 0),
+        ("kvbridge-hybrid-decode", Role.DECODE, "127.0.1.15", 1),
+    ):
+        template = rendered_template(DEPLOYMENTS["kvbridge-hybrid"], role)
+        found.add(name, template, ip, (core,), env={"KVBRIDGE_KEYS_DIR": str(keys)})
     # TP 2 -> 1 with kvbridge's connector: the prefill ranks on cores of their own (where there are 4)
     found.add(
         "kvbridge-prefill-tp2",
@@ -137,6 +150,13 @@ def kvbridge_engines(all_engines: Engines) -> Engines:
     """prefill TP 1 and decode TP 1 with kvbridge's KVBridgeConnector, blocks of 32 tokens on both, plus a
     64-token decode and a 64-token prefill (no NIXL progress threads: four engines fit on two cores)."""
     return _phase(all_engines, ["kvbridge-prefill", "kvbridge-decode", "kvbridge-decode-64", "kvbridge-prefill-64"])
+
+
+@pytest.fixture
+def kvbridge_hybrid_engines(all_engines: Engines) -> Engines:
+    """prefill TP 1 and decode TP 1 of the hybrid tiny model (full attention + a 32-token sliding window) with
+    kvbridge's connector, verification All."""
+    return _phase(all_engines, ["kvbridge-hybrid-prefill", "kvbridge-hybrid-decode"])
 
 
 @pytest.fixture

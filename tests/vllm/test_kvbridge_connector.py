@@ -15,7 +15,7 @@ from kvbridge_agent.core import Role
 from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams
 from kvbridge_agent.transfer.keys import generate_keys, load_keys
 from kvbridge_agent.transfer.side_channel import SideChannelClient
-from kvbridge_sim import pd_requests
+from kvbridge_sim import pd_requests, tiny_model
 from kvbridge_sim.support import until
 from kvbridge_sim.tiny_model import prompt
 from kvbridge_sim.vllm_engines import MODEL_NAME, Engines, metric
@@ -205,6 +205,26 @@ async def test_block_size_conversions_nixl_gets_wrong_on_cpu_give_equal_tokens(
     await assert_pd_equals_single_engine(
         session, prefill, decode, model, tokens, MAX_TOKENS, salt=f"kvb-{decode_engine}-{length}", what=conversion
     )
+
+
+@pytest.mark.parametrize("length", [7, 40, 3 * BLOCK + 13, 10 * BLOCK + 5])
+async def test_a_hybrid_model_gives_equal_tokens_with_every_transfer_verified(
+    kvbridge_hybrid_engines: Engines, session: aiohttp.ClientSession, length: int
+) -> None:
+    """A model with a 32-token sliding window on one layer and full attention on the other, prompts of up to ten
+    windows: vLLM's CPU build serves it with its hybrid allocator (two KV cache groups), and with kvbridge's
+    connector the operator renders ``--disable-hybrid-kv-cache-manager`` (one group; the window is still applied by
+    attention). Every transfer verified (``verification: All``); tokens equal a single engine's."""
+    engines = kvbridge_hybrid_engines.engines
+    prefill, decode = engines["kvbridge-hybrid-prefill"].url, engines["kvbridge-hybrid-decode"].url
+    assert "--disable-hybrid-kv-cache-manager" in engines["kvbridge-hybrid-decode"].spec.argv
+    model = tiny_model.HYBRID.name
+    tokens = prompt(length, salt=700 + length)
+    params = await pd_requests.prefill(session, prefill, model, tokens)
+    assert params["kvbridge"]["verify"] is True
+    got = await pd_requests.decode(session, decode, model, tokens, params, MAX_TOKENS)
+    want = await pd_requests.baseline(session, decode, model, tokens, MAX_TOKENS, salt=f"kvb-hybrid-{length}")
+    assert got.tokens == want.tokens
 
 
 async def test_decode_exports_transfers_and_failures_on_vllms_metrics(
