@@ -5,7 +5,6 @@ the model's bytes. Figures are not asserted: a benchmark."""
 from __future__ import annotations
 
 import functools
-
 from typing import Any
 
 import pytest

@@ -33,8 +33,9 @@ from kvbridge_agent.vllm_connector.connector import cache_groups
 from kvbridge_agent.vllm_connector.scheduler import ConnectorScheduler
 from kvbridge_agent.vllm_connector.settings import ConnectorSettings
 from kvbridge_agent.vllm_connector.worker import ConnectorWorker
+from tests.physical_kv import NUM_BLOCKS
 
-from .test_gpu_layouts import NUM_BLOCKS, kv_cache_config, request, wrong_strides
+from .test_gpu_layouts import kv_cache_config, request, wrong_strides
 
 HEADS, HEAD_SIZE, BLOCK, WINDOW, TOKENS = 2, 64, 16, 32, 70
 MODEL = ModelGeometry(name="hybrid", num_layers=4, num_kv_heads=HEADS, head_dim=HEAD_SIZE)
