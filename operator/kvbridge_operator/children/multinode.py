@@ -37,9 +37,9 @@ def is_worker(pod: Obj) -> bool:
 
 
 def gpus_per_pod(spec: DisaggregatedDeploymentSpec, role: Role) -> int:
-    """GPUs each pod of one engine holds (the whole TP when the engine is one pod)."""
+    """GPUs each pod of one engine holds (every DP rank's TP ranks when the engine is one pod)."""
     role_spec = spec.role(role)
-    return role_spec.tensor_parallel_size // role_spec.nodes
+    return role_spec.world_size // role_spec.nodes
 
 
 def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
