@@ -15,6 +15,7 @@ from kvbridge_agent.core import Problem, Role, TransferPlan
 from kvbridge_agent.core.fingerprint import fingerprint
 from kvbridge_agent.core.model import ModelGeometry
 from kvbridge_operator.api.names import LABEL_DP, LABEL_TP
+from kvbridge_operator.api.objects import with_fields
 from kvbridge_operator.api.spec import parse_deployment
 from kvbridge_operator.children.remedy import suggested_fix
 from kvbridge_operator.children.render import service, stateful_set
@@ -56,14 +57,7 @@ def fixed(doc: dict[str, Any]) -> dict[str, Any]:
     """``doc`` with its suggested fix applied (the fix must exist)."""
     fix = suggested_fix(parse_deployment(doc))
     assert fix is not None
-    changed = copy.deepcopy(doc)
-    for path, value in fix.items():
-        node = changed
-        *parents, leaf = path.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return changed
+    return with_fields(doc, fix)
 
 
 def test_the_wide_ep_example_is_planned_with_every_dp_rank_a_kv_peer(capsys: pytest.CaptureFixture[str]) -> None:
