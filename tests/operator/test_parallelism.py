@@ -14,11 +14,11 @@ import yaml
 from kvbridge_agent.core import Problem, Role, TransferPlan
 from kvbridge_agent.core.fingerprint import fingerprint
 from kvbridge_agent.core.model import ModelGeometry
-from kvbridge_operator.api.names import LABEL_DP, LABEL_TP
+from kvbridge_operator.api.names import LABEL_DP, LABEL_DP_LOCAL, LABEL_TP
 from kvbridge_operator.api.objects import with_fields
 from kvbridge_operator.api.spec import parse_deployment
 from kvbridge_operator.children.remedy import suggested_fix
-from kvbridge_operator.children.render import service, stateful_set
+from kvbridge_operator.children.render import leader_worker_set, service, stateful_set
 from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.cli.main import main
 from kvbridge_operator.config import OperatorConfig
@@ -73,7 +73,7 @@ def test_the_wide_ep_example_is_planned_with_every_dp_rank_a_kv_peer(capsys: pyt
         "kvCaches": 4,
         "sideChannelPorts": [5600, 5601, 5602, 5603],
     }
-    assert parallelism["decode"]["sideChannelPorts"] == list(range(5600, 5608))
+    assert parallelism["decode"]["sideChannelPorts"] == list(range(5600, 5616))
     assert parallelism["prefillPeersPerEngine"] == 4
     assert parallelism["numExperts"] == 256
     assert any("MLA with DP attention" in words for words in parallelism["kv"])
@@ -88,8 +88,9 @@ def test_the_wide_ep_example_is_planned_with_every_dp_rank_a_kv_peer(capsys: pyt
     assert "--enable-expert-parallel" in prefill
     assert main(["plan", "-f", str(WIDE_EP)]) == 0
     text = capsys.readouterr().out
-    assert "prefill DP 4 x TP 2, EP / block 64 HND -> decode DP 8 x TP 1, EP" in text
-    assert "side channels on 5600-5607" in text
+    assert "prefill DP 4 x TP 2, EP / block 64 HND -> decode DP 16 x TP 1, EP" in text
+    assert "side channels on 5600-5615" in text
+    assert "each worker adds --headless --data-parallel-start-rank <worker index x 8>" in text
 
 
 def test_a_pod_asks_dp_x_tp_gpus_and_opens_a_side_channel_per_dp_rank() -> None:
@@ -101,10 +102,8 @@ def test_a_pod_asks_dp_x_tp_gpus_and_opens_a_side_channel_per_dp_rank() -> None:
     assert prefill["labels"][LABEL_DP] == "4"
     env = {e["name"]: e.get("value") for e in prefill["env"]}
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"  # vLLM adds the DP index itself
-    assert (env["KVBRIDGE_PREFILL_DP_SIZE"], env["KVBRIDGE_DECODE_DP_SIZE"]) == ("4", "8")
+    assert (env["KVBRIDGE_PREFILL_DP_SIZE"], env["KVBRIDGE_DECODE_DP_SIZE"]) == ("4", "16")
     assert env["KVBRIDGE_NUM_EXPERTS"] == "256"
-    decode = engine(wide_ep(), Role.DECODE)
-    assert decode["resources"]["limits"]["nvidia.com/gpu"] == "8"
     dd = parse_deployment(wide_ep())
     ports = [p["port"] for p in service(dd, UID, Role.PREFILL, OperatorConfig())["spec"]["ports"]]
     assert ports == [8000, 5600, 5601, 5602, 5603]
@@ -113,7 +112,7 @@ def test_a_pod_asks_dp_x_tp_gpus_and_opens_a_side_channel_per_dp_rank() -> None:
 def test_one_dp_rank_renders_what_it_rendered_before() -> None:
     doc = wide_ep()
     for role in ("prefill", "decode"):
-        doc["spec"][role].update(dataParallelSize=1, expertParallel=False)
+        doc["spec"][role].update(dataParallelSize=1, expertParallel=False, nodes=1)
     container = engine(doc, Role.PREFILL)
     assert not any(arg.startswith(("--data-parallel", "--enable-expert")) for arg in container["args"])
     assert LABEL_DP not in container["labels"]
@@ -149,20 +148,52 @@ def test_fewer_experts_than_ranks_is_refused() -> None:
     assert isinstance(verdict_for(parse_deployment(fixed(doc))), TransferPlan)
 
 
-def test_dp_x_tp_beyond_a_node_is_refused_at_the_dp_size() -> None:
+def test_dp_ranks_over_nodes_are_a_leader_worker_set_group_each_worker_from_its_first_rank() -> None:
+    dd = parse_deployment(wide_ep())
+    plan = verdict_for(dd)
+    assert isinstance(plan, TransferPlan)
+    lws = leader_worker_set(dd, UID, Role.DECODE, plan, OperatorConfig())
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert group["size"] == 2
+    [leader] = [c for c in group["leaderTemplate"]["spec"]["containers"] if c["name"] == "engine"]
+    [worker] = [c for c in group["workerTemplate"]["spec"]["containers"] if c["name"] == "engine"]
+    for pod in (leader, worker):
+        assert pod["resources"]["limits"]["nvidia.com/gpu"] == "8"  # 8 DP ranks x TP 1 per node
+        assert pod["args"][pod["args"].index("--data-parallel-size") + 1] == "16"
+        assert pod["args"][pod["args"].index("--data-parallel-size-local") + 1] == "8"
+        assert pod["args"][pod["args"].index("--data-parallel-address") + 1] == "$(LWS_LEADER_ADDRESS)"
+        assert "--nnodes" not in pod["args"]  # no TP group across the nodes: each holds whole DP ranks
+    assert "--headless" not in leader["args"]
+    assert [p["containerPort"] for p in leader["ports"] if p["name"].startswith("side")] == list(range(5600, 5608))
+    assert worker["args"][-1] == "--headless"
+    assert worker["command"][:3] == [
+        "/bin/sh",
+        "-c",
+        'exec "$0" "$@" --data-parallel-start-rank "$((LWS_WORKER_INDEX * 8))"',
+    ]
+    assert worker["ports"] == []
+    labels = group["leaderTemplate"]["metadata"]["labels"]
+    assert (labels[LABEL_DP], labels[LABEL_DP_LOCAL]) == ("16", "8")
+
+
+def test_dp_ranks_that_do_not_share_out_over_the_nodes_are_refused() -> None:
     doc = wide_ep()
-    doc["spec"]["decode"]["dataParallelSize"] = 16
-    [problem] = problems(doc)
-    assert (problem.code, problem.field) == ("ROLE_DOES_NOT_FIT", "spec.decode.dataParallelSize")
-    assert "needs 16 GPUs in one pod" in problem.message
-    assert "set spec.decode.dataParallelSize: 8" in problem.message
+    doc["spec"]["decode"]["nodes"] = 3
+    assert ("DATA_PARALLEL_NODES_DO_NOT_DIVIDE", "spec.decode.nodes") in codes(doc)
     assert isinstance(verdict_for(parse_deployment(fixed(doc))), TransferPlan)
 
 
-def test_dp_over_nodes_on_cpu_and_on_the_synthetic_engine_is_refused() -> None:
+def test_dp_x_tp_beyond_a_node_is_refused_at_the_dp_size() -> None:
     doc = wide_ep()
-    doc["spec"]["prefill"]["nodes"] = 2
-    assert ("DATA_PARALLEL_OVER_NODES", "spec.prefill.dataParallelSize") in codes(doc)
+    doc["spec"]["decode"]["dataParallelSize"] = 32
+    [problem] = problems(doc)
+    assert (problem.code, problem.field) == ("ROLE_DOES_NOT_FIT", "spec.decode.dataParallelSize")
+    assert "needs 16 GPUs in one pod" in problem.message
+    assert "set spec.decode.dataParallelSize: 16" in problem.message
+    assert isinstance(verdict_for(parse_deployment(fixed(doc))), TransferPlan)
+
+
+def test_dp_on_cpu_and_on_the_synthetic_engine_is_refused() -> None:
     agent: dict[str, Any] = {
         "apiVersion": "kvbridge.io/v1alpha1",
         "kind": "DisaggregatedDeployment",
@@ -190,7 +221,7 @@ def test_side_channel_ports_past_65535_are_refused() -> None:
     doc["spec"]["transfer"]["sideChannelPort"] = 65530
     found = problems(doc)
     assert [(p.code, p.field) for p in found] == [("SIDE_CHANNEL_PORTS_OUT_OF_RANGE", "spec.transfer.sideChannelPort")]
-    assert "set spec.transfer.sideChannelPort: 65528" in found[0].message
+    assert "set spec.transfer.sideChannelPort: 65520" in found[0].message  # the widest role's 16 ranks
 
 
 def test_the_status_publishes_every_dp_rank_of_a_prefill_pod() -> None:
@@ -203,9 +234,21 @@ def test_the_status_publishes_every_dp_rank_of_a_prefill_pod() -> None:
 
     [wide] = endpoints([pod("p-0", {LABEL_TP: "2", LABEL_DP: "2"})], 5600)
     assert wide.model_dump(by_alias=True, mode="json")["dataParallelRanks"] == [
-        {"rank": 0, "port": 5600, "engineId": "p-0_dp0"},
-        {"rank": 1, "port": 5601, "engineId": "p-0_dp1"},
+        {"rank": 0, "port": 5600, "engineId": "p-0_dp0", "pod": "", "ip": ""},
+        {"rank": 1, "port": 5601, "engineId": "p-0_dp1", "pod": "", "ip": ""},
     ]
+    spread = {LABEL_TP: "1", LABEL_DP: "4", LABEL_DP_LOCAL: "2"}
+    worker = pod("p-0-1", {LABEL_TP: "1"})
+    worker["status"]["podIP"] = "10.0.0.2"
+    [group] = endpoints([pod("p-0", spread)], 5600, workers=[worker])
+    assert [(r.rank, r.port, r.engine_id, r.pod, r.ip) for r in group.data_parallel_ranks or []] == [
+        (0, 5600, "p-0_dp0", "", ""),
+        (1, 5601, "p-0_dp1", "", ""),
+        (2, 5602, "p-0-1_dp2", "p-0-1", "10.0.0.2"),
+        (3, 5603, "p-0-1_dp3", "p-0-1", "10.0.0.2"),
+    ]
+    [alone] = endpoints([pod("p-0", spread)], 5600)  # the worker not ready: its ranks are left out
+    assert [r.rank for r in alone.data_parallel_ranks or []] == [0, 1]
     [nixl] = endpoints([pod("p-0", {LABEL_TP: "2", LABEL_DP: "2"})], 5600, named=False)
     assert [r.engine_id for r in nixl.data_parallel_ranks or []] == ["", ""]
     [narrow] = endpoints([pod("p-0", {LABEL_TP: "2"})], 5600)

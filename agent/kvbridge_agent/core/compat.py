@@ -104,9 +104,23 @@ def check_model(model: ModelGeometry) -> list[Problem]:
     return problems
 
 
-def check_parallelism(
-    model: ModelGeometry, role: Role, settings: RoleSettings, transfer: TransferSettings
-) -> list[Problem]:
+def check_side_channel_ports(prefill: RoleSettings, decode: RoleSettings, transfer: TransferSettings) -> list[Problem]:
+    """Every data-parallel rank listens on base port + rank: the widest role's last rank must get a TCP port."""
+    dp = max(prefill.data_parallel_size, decode.data_parallel_size)
+    last = transfer.side_channel_port + dp - 1
+    if last <= _MAX_PORT:
+        return []
+    return [
+        Problem(
+            SIDE_CHANNEL_PORTS_OUT_OF_RANGE,
+            "spec.transfer.sideChannelPort",
+            f"{dp} data-parallel ranks listen on side-channel ports {transfer.side_channel_port} to {last} (base + "
+            f"rank), past {_MAX_PORT}: set spec.transfer.sideChannelPort: {_MAX_PORT + 1 - dp}",
+        )
+    ]
+
+
+def check_parallelism(model: ModelGeometry, role: Role, settings: RoleSettings) -> list[Problem]:
     """Rules about one role's data and expert parallelism. Neither changes the KV geometry of a rank: a
     data-parallel rank is an engine of its own to the other side (its own KV cache, engine id and side-channel
     port, TP inside it under the pair rules), and experts hold no KV. What can be wrong is the role alone."""
@@ -137,16 +151,6 @@ def check_parallelism(
                 f"= {world} ranks, so some ranks would hold no expert at all: {fix}",
             )
         )
-    last = transfer.side_channel_port + dp - 1
-    if last > _MAX_PORT:
-        problems.append(
-            Problem(
-                SIDE_CHANNEL_PORTS_OUT_OF_RANGE,
-                "spec.transfer.sideChannelPort",
-                f"{role.value}'s {dp} data-parallel ranks listen on side-channel ports {transfer.side_channel_port} to "
-                f"{last} (base + rank), past {_MAX_PORT}: set spec.transfer.sideChannelPort: {_MAX_PORT + 1 - dp}",
-            )
-        )
     return problems
 
 
@@ -163,7 +167,8 @@ def check_pair(
     conversion = transfer.conversion
     problems = check_model(model)
     for role, settings in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
-        problems += check_parallelism(model, role, settings, transfer)
+        problems += check_parallelism(model, role, settings)
+    problems += check_side_channel_ports(prefill, decode, transfer)
     tp_p, tp_d = prefill.tensor_parallel_size, decode.tensor_parallel_size
     bs_p, bs_d = prefill.block_size, decode.block_size
     k = model.num_kv_heads

@@ -35,6 +35,8 @@ LABEL_PAIRING = "kvbridge.io/pairing"
 LABEL_TP = "kvbridge.io/tensor-parallel-size"
 #: an engine pod's data-parallel ranks, on pods of a role with more than one (absent: one)
 LABEL_DP = "kvbridge.io/data-parallel-size"
+#: the data-parallel ranks each pod of an engine spanning nodes runs (absent: all of them)
+LABEL_DP_LOCAL = "kvbridge.io/data-parallel-size-local"
 #: namespaces labelled so may reach the engines' HTTP APIs (a router or gateway outside the deployment's namespace)
 LABEL_API_ACCESS = "kvbridge.io/api-access"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kvbridge", "app.kubernetes.io/part-of": "kvbridge"}

@@ -60,6 +60,8 @@ class DataParallelRank(CamelModel):
         description="Its engine id, <pod>_dp<rank> (kvbridge's connector, the agent); empty with vLLM's "
         "NixlConnector, which draws a new one on every start (the transfer parameters carry it).",
     )
+    pod: str = Field(default="", description="The worker pod it runs in, when not the endpoint's own (DP over nodes).")
+    ip: str = Field(default="", description="That worker pod's address; empty: the endpoint's own ip.")
 
 
 class Endpoint(ServingEndpoint):

@@ -2,9 +2,9 @@
 
 The KV side of it is the agent core's (``kvbridge_agent.core.parallel``: each DP rank a KV peer with its own engine
 id and side-channel port; the compatibility rules refuse expert parallelism without experts). What is checked here
-is where they run: vLLM on GPUs, every DP rank of an engine in its one pod (vLLM's internal load balancing; an
-engine that spans nodes with several DP ranks, ``--data-parallel-start-rank`` on a LeaderWorkerSet's workers, is not
-rendered yet), and ``dataParallelSize x tensorParallelSize`` GPUs per pod (placement.py's fit check counts them).
+is where they run: vLLM on GPUs, the DP ranks of an engine in its one pod or spread evenly over the pods of a
+LeaderWorkerSet group (multinode.py: ``--data-parallel-start-rank`` on the workers), and ``dataParallelSize x
+tensorParallelSize / nodes`` GPUs per pod (placement.py's fit check counts them).
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from kvbridge_operator.api.spec import DisaggregatedDeploymentSpec, EngineDevice
 PARALLELISM_NEEDS_VLLM = "PARALLELISM_NEEDS_VLLM"
 #: data parallelism on vLLM's CPU build, which kvbridge has not run it on
 DATA_PARALLEL_ON_CPU = "DATA_PARALLEL_ON_CPU"
-#: data parallelism in an engine that spans nodes
-DATA_PARALLEL_OVER_NODES = "DATA_PARALLEL_OVER_NODES"
 
 
 def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
@@ -53,16 +51,6 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
                     dp_field,
                     f"{role.value} asks for {dp} data-parallel ranks on vLLM's CPU build, where kvbridge has not run "
                     f"data parallelism (its core binding gives TP ranks their cores, not DP ranks): set {dp_field}: 1",
-                )
-            )
-        if dp > 1 and role_spec.nodes > 1:
-            found.append(
-                Problem(
-                    DATA_PARALLEL_OVER_NODES,
-                    dp_field,
-                    f"{role.value} spans {role_spec.nodes} nodes with {dp} data-parallel ranks, and kvbridge renders "
-                    "the DP ranks of an engine in one pod only (a LeaderWorkerSet with --data-parallel-start-rank is "
-                    f"not rendered yet): set {dp_field}: 1, or spec.{role.value}.nodes: 1 and run more replicas",
                 )
             )
     return found

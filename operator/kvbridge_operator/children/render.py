@@ -26,6 +26,7 @@ from kvbridge_operator.api.names import (
     LABEL_API_ACCESS,
     LABEL_DEPLOYMENT,
     LABEL_DP,
+    LABEL_DP_LOCAL,
     LABEL_FINGERPRINT,
     LABEL_INFERENCE_POOL,
     LABEL_LLM_D_ROLE,
@@ -179,7 +180,7 @@ def rendered_template(
             "containerPort": side_channel_port_of_rank(spec.transfer.side_channel_port, rank),
             "protocol": "TCP",
         }
-        for rank in range(role_spec.data_parallel_size)
+        for rank in range(multinode.data_parallel_per_pod(role_spec))  # the leader's, with DP over nodes
     ]
     group_labels = placement.pod_group_labels(spec, dd.metadata.name)
     placed = placement.pod_fields(spec, dd.metadata.name, selector(dd.metadata.name, role), LABEL_DEPLOYMENT)
@@ -190,6 +191,11 @@ def rendered_template(
         LABEL_PAIRING: key or pairing(spec),
         LABEL_TP: str(role_spec.tensor_parallel_size),
         **({LABEL_DP: str(role_spec.data_parallel_size)} if role_spec.data_parallel_size > 1 else {}),
+        **(
+            {LABEL_DP_LOCAL: str(multinode.data_parallel_per_pod(role_spec))}
+            if role_spec.data_parallel_size > 1 and role_spec.nodes > 1
+            else {}
+        ),
         **group_labels,
     }
     if spec.engine.kind is EngineKind.VLLM:
@@ -306,14 +312,15 @@ def leader_worker_set(
         pod_template(dd, role, plan, config, key),
         role_spec.rollout.max_surge,
         role_spec.rollout.max_unavailable,
+        data_parallel=role_spec.data_parallel_size,
     )
 
 
 def service(dd: DisaggregatedDeployment, uid: str, role: Role, config: OperatorConfig) -> Obj:
     name = role_name(dd.metadata.name, role)
     ports = [{"name": HTTP_PORT_NAME, "port": config.agent_http_port, "targetPort": HTTP_PORT_NAME, "protocol": "TCP"}]
-    if role is Role.PREFILL:  # every data-parallel rank's side channel
-        for rank in range(dd.spec.prefill.data_parallel_size):
+    if role is Role.PREFILL:  # every data-parallel rank's side channel that a pod declares (the leader's)
+        for rank in range(multinode.data_parallel_per_pod(dd.spec.prefill)):
             port_name = side_channel_port_name(rank)
             port = side_channel_port_of_rank(dd.spec.transfer.side_channel_port, rank)
             ports.append({"name": port_name, "port": port, "targetPort": port_name, "protocol": "TCP"})

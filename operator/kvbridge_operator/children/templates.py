@@ -407,7 +407,8 @@ def _pods(dd: DisaggregatedDeployment, role: Role, template: Obj) -> tuple[Obj, 
     ]
     if not multinode.spans_nodes(dd.spec, role) or len(engines) != 1:
         return (template,)  # one pod; or no single engine, which _values reports
-    return multinode.group_templates(template, dd.spec.role(role).nodes)
+    role_spec = dd.spec.role(role)
+    return multinode.group_templates(template, role_spec.nodes, role_spec.data_parallel_size)
 
 
 def _keeps(kind: str, value: Any, now: Any) -> bool:

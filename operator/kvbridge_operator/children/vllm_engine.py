@@ -544,19 +544,22 @@ def engine(
 
 
 def parallel_args(role_spec: RoleSpec) -> list[str]:
-    """vLLM's data- and expert-parallel arguments of one role's engine (none for DP 1 without EP). Every DP rank of
-    an engine runs in its one pod (vLLM's internal load balancing: the pod's one API server spreads requests over
-    its DP ranks, which coordinate on localhost); each rank's NIXL side channel is on base port + rank."""
+    """vLLM's data- and expert-parallel arguments of one role's engine (none for DP 1 without EP). The engine's one
+    API server spreads requests over its DP ranks (vLLM's internal load balancing); the DP ranks run in its one pod
+    and coordinate on localhost, or over ``nodes`` pods of a LeaderWorkerSet group, each running its share
+    (``--data-parallel-size-local``) and coordinating at the leader's address (multinode.py adds a worker's
+    ``--headless`` and start rank). Each rank's NIXL side channel is on base port + its rank."""
     args: list[str] = []
     dp = role_spec.data_parallel_size
     if dp > 1:
+        address = "$(LWS_LEADER_ADDRESS)" if role_spec.nodes > 1 else "127.0.0.1"
         args += [
             "--data-parallel-size",
             str(dp),
             "--data-parallel-size-local",
-            str(dp),
+            str(dp // role_spec.nodes),
             "--data-parallel-address",
-            "127.0.0.1",
+            address,
             "--data-parallel-rpc-port",
             str(DATA_PARALLEL_RPC_PORT),
         ]

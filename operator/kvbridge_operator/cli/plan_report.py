@@ -348,7 +348,15 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
                 )
             lines.extend(f"      {name}={value}" for name, value in engine["env"].items())
             nodes = spec.role(Role(role)).nodes
-            if nodes > 1:
+            per_pod = multinode.data_parallel_per_pod(spec.role(Role(role)))
+            if nodes > 1 and spec.role(Role(role)).data_parallel_size > 1:
+                lines.append(
+                    f"      over {nodes} nodes: a LeaderWorkerSet group per engine, "
+                    f"{multinode.gpus_per_pod(spec, Role(role))} GPUs and {per_pod} DP ranks per pod; the leader "
+                    f"serves the API and DP ranks 0-{per_pod - 1}, each worker adds --headless "
+                    f"--data-parallel-start-rank <worker index x {per_pod}>"
+                )
+            elif nodes > 1:
                 lines.append(
                     f"      over {nodes} nodes: a LeaderWorkerSet group per engine, "
                     f"{multinode.gpus_per_pod(spec, Role(role))} GPUs per pod; the leader adds "
