@@ -86,6 +86,8 @@ def test_the_wide_ep_example_is_planned_with_every_dp_rank_a_kv_peer(capsys: pyt
     assert prefill[prefill.index("--data-parallel-address") + 1] == "127.0.0.1"
     assert prefill[prefill.index("--data-parallel-rpc-port") + 1] == "29550"
     assert "--enable-expert-parallel" in prefill
+    assert prefill[-1] == "--all2all-backend=deepep_high_throughput"  # a role's argument: it moves no KV
+    assert entry["vllm"]["decode"]["command"][-1] == "--all2all-backend=deepep_low_latency"
     assert main(["plan", "-f", str(WIDE_EP)]) == 0
     text = capsys.readouterr().out
     assert "prefill DP 4 x TP 2, EP / block 64 HND -> decode DP 16 x TP 1, EP" in text
