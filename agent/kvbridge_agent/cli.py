@@ -134,13 +134,36 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _bench_layouts(args: argparse.Namespace) -> int:
-    from kvbridge_agent.bench.layouts import bench_layouts, print_report
-    from kvbridge_agent.vllm_connector.host_cache import allocate_host_views
+    import functools
+    import importlib.util
 
+    from kvbridge_agent.bench.layouts import Allocate, bench_layouts, own_views, print_report
+
+    device = args.device or "cpu"
+    allocate: Allocate
+    if importlib.util.find_spec("vllm") is not None:
+        from kvbridge_agent.vllm_connector.host_cache import allocate_host_views
+
+        allocate, allocator = functools.partial(allocate_host_views, device=device), "vLLM's allocate_kv_cache"
+    elif device == "cpu":
+        print(
+            "kvbridge-agent bench --layouts: error: vLLM is not installed (its allocator builds the caches on "
+            "host memory; --device cuda builds them with kvbridge's own views where vLLM is missing)",
+            file=sys.stderr,
+        )
+        return EXIT_INVALID
+    else:
+        allocate, allocator = functools.partial(own_views, device), "kvbridge's layout_views (equal to vLLM's, tested)"
     names = [name for name in (args.cases or "").split(",") if name]
     try:
         result = bench_layouts(
-            allocate_host_views, requests=args.requests or 3, quick=args.quick, tokens=args.tokens, names=names
+            allocate,
+            requests=args.requests or 3,
+            quick=args.quick,
+            tokens=args.tokens,
+            names=names,
+            device=device,
+            allocator=allocator,
         )
     except ValueError as exc:
         print(f"kvbridge-agent bench: error: {exc}", file=sys.stderr)
@@ -214,6 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="per vLLM KVCacheLayout: descriptors per request, GB/s and fractions of raw NIXL and memcpy, targets",
     )
     bench.add_argument("--tokens", type=int, help="with --layouts: tokens per request (default 2048)")
+    bench.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        help="with --layouts: where the caches live (default cpu; cuda: GPU memory, NIXL on VRAM)",
+    )
     bench.add_argument(
         "--cases", metavar="NAMES", help="with --layouts: only these cases, comma-separated (e.g. BLHNC,LBHNC-tp2to1)"
     )

@@ -46,7 +46,7 @@ class OperatorConfig:
     )
     router_image: str = _setting(
         f"ghcr.io/kvbridge/kvbridge-operator:{__version__}",
-        "image of the router (spec.router; the operator image, which has `kvbridge router`)",
+        "image of the router (spec.router; the operator image, which has `kvbridge-router`)",
     )
     routing_sidecar_image: str = _setting(
         "", "llm-d routing sidecar image put in front of vLLM decode pods; empty: no sidecar"

@@ -23,6 +23,7 @@ from aiohttp import web
 
 from kvbridge_operator.api.objects import Obj
 from kvbridge_router.errors import RouteError
+from kvbridge_router.prompts import one_prompt, token_ids
 
 #: deeper JSON than this is refused (an OpenAI request nests a few levels: messages, content parts, tool schemas)
 MAX_DEPTH = 64
@@ -148,13 +149,6 @@ def engine_request_id(client_id: str | None) -> str:
     return f"kvb-{secrets.token_hex(10)}{suffix}"
 
 
-def one_prompt(prompt: Any) -> Any:
-    """``prompt`` itself, or the one prompt of a list holding one (a string or a list of token ids)."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        return prompt[0]
-    return prompt
-
-
 def _prompt(prompt: Any) -> None:
     """A non-empty string, a non-empty list of token ids, or one prompt in a list (P/D prefills one prompt)."""
     prompt = one_prompt(prompt)
@@ -191,11 +185,6 @@ def _messages(messages: Any) -> None:
                 f"messages[{index}].content must be a string or a list of parts",
                 param=f"messages[{index}].content",
             )
-
-
-def token_ids(values: list[Any]) -> bool:
-    """A non-empty list of token ids: ints (not bools, not floats) none negative; checked at C speed."""
-    return bool(values) and set(map(type, values)) == {int} and min(values) >= 0
 
 
 def _positive_int(value: Any) -> bool:

@@ -15,9 +15,10 @@ from functools import cached_property
 
 from kvbridge_operator.api.objects import Obj
 from kvbridge_router.prefixes import PrefixIndex
+from kvbridge_router.settings import RouterPolicy
 
-KV_AWARE = "kv-aware"
-LEAST_LOADED = "least-loaded"
+KV_AWARE = RouterPolicy.KV_AWARE.value
+LEAST_LOADED = RouterPolicy.LEAST_LOADED.value
 #: kv-aware: a pod holding the prompt's prefix is preferred while it has at most this many more requests in flight
 #: than the least loaded pod (a busy pod's queue costs more than recomputing a prefix elsewhere)
 LOAD_SLACK = 2

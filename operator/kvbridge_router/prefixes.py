@@ -18,10 +18,11 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from kvbridge_operator.api.objects import Obj
-from kvbridge_router.admission import one_prompt, token_ids
+from kvbridge_router.prompts import one_prompt, token_ids
+from kvbridge_router.settings import DEFAULTS
 
 #: the chunk of token-id prompts when the block size is not given (vLLM's default block size on GPUs)
-CHUNK_TOKENS = 16
+CHUNK_TOKENS = DEFAULTS.block_size
 #: text is chunked by bytes, about this many per token (BPE tokenizers on English: 3.5-4.5)
 BYTES_PER_TOKEN = 4
 #: at most this many leading chunks are keyed (longer prompts: their first 4096 blocks)

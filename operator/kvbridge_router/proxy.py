@@ -4,7 +4,8 @@
 ``kv_transfer_params: {do_remote_decode: true}``, one token and no streaming; the ``kv_transfer_params`` it returns
 go with the client's own request to a decode pod paired with it, whose answer (streamed or not) is passed through
 unchanged. ``GET /v1/models`` is a decode pod's. ``GET /health`` is 200 while some pair is routable, else 503
-with the reason; ``GET /metrics`` is Prometheus text.
+with the reason; ``GET /metrics`` is Prometheus text. With API keys (auth.py), a ``/v1/`` request without one is
+answered 401 before its body is read; ``/health`` and ``/metrics`` stay open.
 
 Failures: a prefill that cannot be reached, times out, answers 5xx or returns no transfer parameters is tried
 on another prefill pod (``prefill_attempts`` in all); a 4xx from prefill is the client's and is passed back.
@@ -45,10 +46,12 @@ from kvbridge_agent.core.signing import signed
 from kvbridge_operator.api.objects import Obj
 from kvbridge_router.admission import Limits, admit, engine_request_id
 from kvbridge_router.answers import Start, StreamStart, aborted
+from kvbridge_router.auth import INVALID_API_KEY, ApiKeys
 from kvbridge_router.errors import RouteError
 from kvbridge_router.metrics import RouterMetrics
 from kvbridge_router.pool import KV_AWARE, Balancer, Pool, Target
-from kvbridge_router.prefixes import CHUNK_TOKENS, prefix_keys
+from kvbridge_router.prefixes import prefix_keys
+from kvbridge_router.settings import DEFAULTS, RouterSettings
 from kvbridge_router.upstream import AnswerTooLargeError, UnreachableError, Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -65,6 +68,8 @@ HEALTH_PROBE_SECONDS = 1.0
 #: where a KV connector's prefill says why it offers nothing for a request (kvbridge's connector; vLLM frees the
 #: blocks): the request is answered, not sent to another pod
 ENGINE_REFUSAL = "kvbridge_error"
+#: streaming decode: the longest wait for the next chunk (no longer than the decode timeout)
+DECODE_IDLE_SECONDS = 60.0
 #: idle upstream connections are dropped before vLLM's own keep-alive timeout (5 s) closes them under us
 KEEPALIVE_SECONDS = 3.0
 #: clients' idle keep-alive connections are closed after this; longer than load balancers' idle timeouts (AWS ALB's
@@ -87,30 +92,54 @@ class Ledger:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    prefill_timeout: float = 60.0
-    decode_timeout: float = 600.0
+    """What a :class:`Router` runs with: the settings (settings.py, their defaults written there) as the proxy uses
+    them, and the bounds that are not flags."""
+
+    prefill_timeout: float = DEFAULTS.prefill_timeout
+    decode_timeout: float = DEFAULTS.decode_timeout
     #: streaming decode: the longest wait for the next chunk
-    decode_idle_timeout: float = 60.0
+    decode_idle_timeout: float = DECODE_IDLE_SECONDS
     connect_timeout: float = 3.0
-    prefill_attempts: int = 3
+    prefill_attempts: int = DEFAULTS.prefill_attempts
     #: decode calls per request (the first and its retries on other pairs)
-    decode_attempts: int = 3
+    decode_attempts: int = DEFAULTS.decode_attempts
     #: how pods are chosen: kv-aware (by the prompt prefix each pod was sent, then load) or least-loaded
-    policy: str = KV_AWARE
+    policy: str = DEFAULTS.policy.value
     #: kv-aware: tokens per prompt chunk scored, the prefill pods' KV block size (vLLM caches whole blocks)
-    block_tokens: int = CHUNK_TOKENS
+    block_tokens: int = DEFAULTS.block_size
     #: the whole request, every prefill and decode call and retry included
-    request_timeout: float = 900.0
+    request_timeout: float = DEFAULTS.request_timeout
     max_body_bytes: int = 16 << 20
     #: seconds a request's body may take to arrive (a client that stalls gets 408)
-    body_timeout: float = 10.0
+    body_timeout: float = DEFAULTS.body_timeout
     #: seconds a request's head may take to arrive, from the connection's opening or the head's first byte (a client
     #: that sends nothing or half a head is disconnected)
-    header_timeout: float = 10.0
+    header_timeout: float = DEFAULTS.header_timeout
     #: the largest prefill answer, and decode answer when not streamed, read whole (streams are passed on as they come)
     max_answer_bytes: int = 16 << 20
     #: the router's token (--transfer-token-file): set, decode's kv_transfer_params carry its signature
     transfer_token: bytes = field(default=b"", repr=False)
+    #: the clients' API keys (--api-key-file, auth.py): set, /v1/ requests without one are answered 401
+    api_keys: ApiKeys | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, settings: RouterSettings, transfer_token: bytes = b"", api_keys: ApiKeys | None = None) -> RouterConfig:
+        """The configuration ``settings`` give, with the token read from their ``transfer_token_file`` and the keys
+        of their ``api_key_file``."""
+        return cls(
+            prefill_timeout=settings.prefill_timeout,
+            decode_timeout=settings.decode_timeout,
+            decode_idle_timeout=min(settings.decode_timeout, DECODE_IDLE_SECONDS),
+            prefill_attempts=settings.prefill_attempts,
+            decode_attempts=settings.decode_attempts,
+            request_timeout=settings.request_timeout,
+            body_timeout=settings.body_timeout,
+            header_timeout=settings.header_timeout,
+            policy=settings.policy.value,
+            block_tokens=settings.block_size,
+            transfer_token=transfer_token,
+            api_keys=api_keys,
+        )
 
     @property
     def limits(self) -> Limits:
@@ -184,7 +213,22 @@ class Router:
     async def _metrics(self, _: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
+    def _unauthorized(self, request: web.Request) -> web.Response | None:
+        """401 for a /v1/ request without one of the configured API keys (none configured: every request passes);
+        before its body is read, so no engine is ever called for it."""
+        keys = self.config.api_keys
+        why = None if keys is None else keys.refused(request.headers.get("Authorization"))
+        if why is None:
+            return None
+        log.warning("%s: %s %s", request.path, INVALID_API_KEY, why)
+        response = RouteError(401, INVALID_API_KEY, why).response()
+        response.headers["WWW-Authenticate"] = 'Bearer realm="kvbridge-router"'
+        return response
+
     async def _models(self, request: web.Request) -> web.Response:
+        refused = self._unauthorized(request)
+        if refused is not None:
+            return refused
         decode = self.balancer.pick(self.pool.decode)
         if decode is None:
             return RouteError(503, "NO_DECODE", self.pool.problem() or "no decode pod").response()
@@ -203,6 +247,10 @@ class Router:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
         route = ROUTES[request.path]
+        refused = self._unauthorized(request)
+        if refused is not None:
+            self.metrics.requests.labels(route, INVALID_API_KEY).inc()
+            return refused
         ledger = Ledger()
         try:
             body, raw = await admit(request, route, self.config.limits)

@@ -1,7 +1,8 @@
-"""The ``gpu`` suite: real vLLM (its GPU build) on CUDA devices, through both connectors.
+"""The ``gpu`` suite: kvbridge's transfer path on CUDA devices, and real vLLM (its GPU build) through both connectors.
 
-Every test here is marked ``gpu`` and runs wherever a CUDA device and vLLM's GPU build are present
-(``pytest -m gpu`` runs only them); elsewhere each is collected and skipped, the reason naming what is missing.
+Every test here is marked ``gpu`` and runs wherever what its module needs is present (``pytest -m gpu`` runs only
+them): a CUDA device and NIXL, and vLLM's GPU build unless the module says ``NEEDS_VLLM = False``; elsewhere each is
+collected and skipped, the reason naming what is missing.
 The check is quick (torch's CUDA query and the installed distribution's version), so the default run pays
 nothing for the suite.
 """
@@ -10,23 +11,29 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import importlib.util
 from pathlib import Path
 
 import pytest
 
-from kvbridge_operator.children.vllm_engine import VLLM_RELEASE
 
 HERE = Path(__file__).parent
 
 
 @functools.cache
-def missing() -> str:
-    """Why the suite cannot run on this machine, or "" when it can."""
+def missing(needs_vllm: bool = True) -> str:
+    """Why the suite (``needs_vllm``: its real-vLLM tests) cannot run on this machine, or "" when it can."""
     import torch
 
     if not torch.cuda.is_available():
         build = "a CPU build of torch" if torch.version.cuda is None else f"torch built for CUDA {torch.version.cuda}"
         return f"no CUDA device (torch.cuda.is_available() is False; {build})"
+    if importlib.util.find_spec("nixl") is None:
+        return "NIXL is not installed (the `nixl` distribution)"
+    if not needs_vllm:
+        return ""
+    from kvbridge_operator.children.vllm_engine import VLLM_RELEASE  # here: the operator's needs only with vLLM
+
     try:
         version = importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
@@ -49,5 +56,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if HERE not in item.path.parents:
             continue
         item.add_marker(pytest.mark.gpu)
-        reason = missing()
+        reason = missing(getattr(getattr(item, "module", None), "NEEDS_VLLM", True))
         item.add_marker(pytest.mark.skipif(bool(reason), reason=f"gpu suite: {reason}"))

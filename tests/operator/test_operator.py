@@ -450,7 +450,8 @@ async def test_spec_router_runs_a_router_with_read_only_rbac_and_shows_its_url()
         deployment = c.api.find("deployments", "default", "llama3-8b-router")
         assert deployment is not None
         container = deployment["spec"]["template"]["spec"]["containers"][0]
-        assert container["args"][:3] == ["router", "--deployment=llama3-8b", "--namespace=default"]
+        assert container["command"] == ["kvbridge-router"]
+        assert container["args"][:2] == ["--deployment=llama3-8b", "--namespace=default"]
         assert "--prefill-timeout=30" in container["args"]
         assert deployment["spec"]["replicas"] == 2
         role = c.api.find("roles", "default", "llama3-8b-router")

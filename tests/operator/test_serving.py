@@ -3,6 +3,7 @@ loads, and the revision in the pairing key."""
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.children.vllm_engine import problems
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.controller.rollout import Strategy
+from kvbridge_router import cli as router_cli
 
 from .test_rollout import strategy_for
 
@@ -63,6 +65,13 @@ def test_the_router_objects_are_valid_and_the_role_reads_only_this_deployment() 
     assert pod["serviceAccountName"] == "llama3-8b-vllm-router"
     assert pod["containers"][0]["image"] == OperatorConfig().router_image
     assert "--decode-timeout=90" in pod["containers"][0]["args"]
+    # the router's own program, with flags it parses back to the spec's settings
+    assert pod["containers"][0]["command"] == ["kvbridge-router"]
+    scripts = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["scripts"]
+    assert "kvbridge-router" in scripts
+    settings = router_cli.chosen(router_cli.build_parser().parse_args(pod["containers"][0]["args"]))
+    assert (settings.deployment, settings.namespace) == (dd.metadata.name, dd.metadata.namespace or "default")
+    assert (settings.decode_timeout, settings.block_size) == (90, dd.spec.prefill.block_size)
     # kv-aware by default, scoring prompts in the prefill pods' blocks (vLLM hits whole blocks only)
     assert {"--policy=kv-aware", f"--block-size={dd.spec.prefill.block_size}"} <= set(pod["containers"][0]["args"])
     assert pod["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/health"

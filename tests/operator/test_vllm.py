@@ -487,13 +487,14 @@ def plan_cli(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 #: what kvbridge plan says of kvbridge's connector on GPUs (docs/vllm.md)
 PROVEN_ON_GPU = (
     "vLLM's GPU KV cache layouts, TP mappings, block conversions, MLA and the host buffer proven with vLLM's own "
-    "allocator on host memory (real NIXL on DRAM); not yet run on GPU hardware"
+    "allocator on host memory (real NIXL on DRAM) and on an NVIDIA H200 (NIXL on VRAM, the digest on the GPU); real "
+    "vLLM on GPUs not yet run"
 )
 
 
 def test_plan_says_where_the_kvbridge_connector_was_proven_on_gpus(tmp_path: Path) -> None:
     """kvbridge plan states plainly what was run where, in the text and the JSON (engine.proven): on GPUs, vLLM's
-    GPU layouts with vLLM's allocator on host memory, not GPU hardware."""
+    GPU layouts with vLLM's allocator on host memory and kvbridge's transfer path on an H200, not real vLLM on GPUs."""
     path = tmp_path / "gpu-kvbridge.yaml"
     doc = kvbridge_connector(document("llama3-8b-hetero-tp"))
     doc["spec"]["decode"]["tensorParallelSize"] = 2  # equal TP sizes: no TP mapping on GPU layouts yet

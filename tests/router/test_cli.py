@@ -1,15 +1,35 @@
-"""`kvbridge router`'s command line: bad input says what to give and exits 2, no traceback."""
+"""`kvbridge-router`'s command line (and its alias `kvbridge router`): flags generated from the settings, bad input
+says what to give and exits 2, no traceback."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
+import tomllib
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 
-from kvbridge_operator.cli.main import main
+from kvbridge_operator.cli.main import main as kvbridge
+from kvbridge_router import cli
+from kvbridge_router.settings import DEFAULTS, RouterPolicy, RouterSettings, arguments
+
+ROOT = Path(__file__).parents[2]
+
+
+def router(argv: Sequence[str]) -> int:
+    return cli.main(argv)
+
+
+def alias(argv: Sequence[str]) -> int:
+    return kvbridge(["router", *argv])
+
+
+#: the checkout's source roots, for commands run with a bare environment
+ENVIRONMENT = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
 
 
 @pytest.mark.parametrize(
@@ -23,19 +43,55 @@ from kvbridge_operator.cli.main import main
         (["--status-file", "f", "--header-timeout", "0"], "--header-timeout must be positive"),
     ],
 )
-def test_bad_flags_exit_2(args: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["router", *args]) == 2
-    assert said in capsys.readouterr().err
+@pytest.mark.parametrize(("command", "prog"), [(router, "kvbridge-router"), (alias, "kvbridge router")])
+def test_bad_flags_exit_2(
+    args: list[str], said: str, command: Callable[[Sequence[str]], int], prog: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert command(args) == 2
+    err = capsys.readouterr().err
+    assert said in err
+    assert err.startswith(f"{prog}: error: ")
+
+
+def test_the_console_script_is_the_routers_own_command_line() -> None:
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["kvbridge-router"] == "kvbridge_router.cli:main"
+
+
+def test_both_commands_take_the_same_flags_with_the_settings_defaults() -> None:
+    """One parser: every setting is a flag with its default, under either name."""
+    given = ["--status-file", "dd.yaml"]
+    own = cli.chosen(cli.build_parser().parse_args(given))
+    assert own == RouterSettings(status_file="dd.yaml")
+    assert own.prefill_timeout == DEFAULTS.prefill_timeout
+    assert own.policy is RouterPolicy.KV_AWARE
+
+
+def test_the_rendered_arguments_parse_back_to_the_settings() -> None:
+    """What the operator writes into the router Deployment is what the router reads."""
+    settings = RouterSettings(
+        deployment="dd",
+        namespace="team-a",
+        policy=RouterPolicy.LEAST_LOADED,
+        block_size=32,
+        prefill_timeout=30,
+        decode_timeout=90.5,
+        transfer_token_file="/t",
+    )
+    args = arguments(settings, always=("port",))
+    assert "--port=8000" in args  # asked for at its default
+    assert "--host=0.0.0.0" not in args  # at its default, not asked for
+    assert cli.chosen(cli.build_parser().parse_args(args)) == settings
 
 
 def test_no_api_to_watch_exits_2_with_the_code(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "kvbridge_operator", "router", "--deployment", "x", "--port", "0"],
+        [sys.executable, "-m", "kvbridge_router", "--deployment", "x", "--port", "0"],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
-        env={"HOME": str(tmp_path), "PATH": "/usr/bin"},
+        env={"HOME": str(tmp_path), "PATH": "/usr/bin", **ENVIRONMENT},
     )
     assert result.returncode == 2
     assert "NO_API_SERVER" in result.stderr
@@ -52,8 +108,7 @@ def test_a_taken_port_exits_2(tmp_path: Path) -> None:
             [
                 sys.executable,
                 "-m",
-                "kvbridge_operator",
-                "router",
+                "kvbridge_router",
                 "--status-file",
                 str(tmp_path / "dd.json"),
                 "--host",

@@ -3,9 +3,9 @@ choice it makes — the pod that was sent the prompt's prefix, unless it is much
 
 from __future__ import annotations
 
-from kvbridge_operator.api.spec import RouterPolicy
 from kvbridge_router.pool import KV_AWARE, LEAST_LOADED, LOAD_SLACK, Balancer, Pool
 from kvbridge_router.prefixes import BYTES_PER_TOKEN, CHUNK_TOKENS, PrefixIndex, prefix_keys
+from kvbridge_router.settings import RouterPolicy
 
 #: the text of one default chunk
 CHUNK_BYTES = BYTES_PER_TOKEN * CHUNK_TOKENS

@@ -126,10 +126,27 @@ def block_ids(count: int, num_blocks: int, allocation: str, rng: np.random.Gener
 
 
 # -- one side's cache, as vLLM builds it --------------------------------------------------------------------------
-#: ``(model, layout, block size, KV heads, blocks) -> per-layer views``: vLLM's allocator on host memory
+#: ``(model, layout, block size, KV heads, blocks) -> per-layer views``: vLLM's allocator
 #: (``kvbridge_agent.vllm_connector.host_cache.allocate_host_views``, which the command line hands in: only the
-#: vLLM connector imports vllm). A module-level function, so that it reaches the prefill processes by name.
+#: vLLM connector imports vllm), or :func:`own_views` where vLLM is not installed. A module-level function (or a
+#: ``functools.partial`` of one, binding the device), so that it reaches the prefill processes by name.
 Allocate = Callable[[ModelGeometry, str, int, int, int], dict[str, Any]]
+
+
+def own_views(
+    device: str, model: ModelGeometry, layout: str, block_size: int, heads: int, num_blocks: int
+) -> dict[str, Any]:
+    """kvbridge's ``layout_views``: the views vLLM's allocator builds (tests check them equal), for a machine without
+    vLLM — a GPU machine lent for a benchmark, say."""
+    import torch
+
+    from kvbridge_agent.core.layout import PhysicalLayout, PhysicalOrder
+    from kvbridge_agent.transfer.allocations import layout_views
+
+    content = model.token_bytes_per_head
+    physical = PhysicalLayout.dense(PhysicalOrder(layout), model.num_layers, num_blocks, heads, block_size, content)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(model.num_layers)]
+    return layout_views(physical, names, torch.bfloat16, device)
 
 
 def _attach(allocate: Allocate, model: ModelGeometry, side: Side, rank: int, num_blocks: int) -> Any:
@@ -327,12 +344,13 @@ class RawReference:
         share = size // len(allocations)
         self.bytes = share * len(allocations)
         base = local.data_ptr()
+        memory, device_id = ("VRAM", local.device.index or 0) if local.is_cuda else ("DRAM", 0)
         if self.bytes > local.numel() * local.element_size() or any(share > have for _, have in allocations):
             raise ValueError(f"a {size}-byte reference does not fit the caches")
         self.lists = [
             (
-                transport.prep("", np.array([[base + rank * share, share, 0]], dtype=np.int64), "DRAM"),
-                transport.prep(agents[rank], np.array([[address, share, 0]], dtype=np.int64), "DRAM"),
+                transport.prep("", np.array([[base + rank * share, share, device_id]], dtype=np.int64), memory),
+                transport.prep(agents[rank], np.array([[address, share, device_id]], dtype=np.int64), memory),
             )
             for rank, (address, _) in enumerate(allocations)
         ]
@@ -544,9 +562,13 @@ def bench_layouts(
     quick: bool = False,
     tokens: int | None = None,
     names: Sequence[str] = (),
+    device: str = "cpu",
+    allocator: str = "vLLM's allocate_kv_cache",
 ) -> dict[str, Any]:
     """The whole run: ceilings, then every case (``names``: those) on both geometries (``quick``: Llama-3-8B,
-    three cases, 512 tokens), each side's cache from ``allocate``."""
+    three cases, 512 tokens), each side's cache from ``allocate`` (named ``allocator`` in the result) on
+    ``device``: the ceilings are measured there too (memcpy within its memory, raw NIXL between two of its
+    buffers)."""
     began = time.monotonic()
     tokens = tokens or (512 if quick else 2048)
     models = (LLAMA_8B,) if quick else (LLAMA_8B, LLAMA_70B)
@@ -556,15 +578,23 @@ def bench_layouts(
     rows: list[dict[str, Any]] = []
     with _prefill_processes(max(c.prefill.tp for c in chosen)) as prefills:
         progress("measuring memcpy ...")
-        memcpy = memcpy_gbps()
-        progress("measuring raw NIXL (256 MiB, two processes) ...")
-        raw, sweep = nixl_ceilings(sizes=SWEEP)
+        memcpy = memcpy_gbps(device=device)
+        progress(f"measuring raw NIXL (256 MiB, two processes, on {device}) ...")
+        raw, sweep = nixl_ceilings(sizes=SWEEP, device=device)
         for model in models:
             for case in chosen:
                 progress(f"  {case.name}, {model.name}: {requests} requests of {tokens} tokens per allocation")
-                rows.extend(run_case(allocate, model, case, prefills, tokens, requests))
+                done = run_case(allocate, model, case, prefills, tokens, requests)
+                for row in done:  # as it comes: a run cut short keeps what it measured
+                    progress(
+                        f"    {row['name']}: {row['gbps']} GB/s, {row['ratioToRawHere']} x raw NIXL beside it, "
+                        f"{row['descriptorsPerRequest']} descriptors"
+                    )
+                rows.extend(done)
     add_ratios(rows, memcpy, raw, sweep)
     return {
+        "device": device,
+        "allocator": allocator,
         "memcpyGBps": round(memcpy, 3),
         "nixlRawGBps": round(raw, 3),
         "descriptorSweep": sweep,
@@ -579,6 +609,7 @@ def bench_layouts(
 
 
 def print_report(result: dict[str, Any]) -> None:
+    print(f"caches on {result['device']}, built by {result['allocator']}")
     print(
         f"memcpy {result['memcpyGBps']} GB/s, raw NIXL {result['nixlRawGBps']} GB/s (one descriptor), "
         f"{result['tokensPerRequest']} tokens per request, {result['seconds']} s"

@@ -91,7 +91,11 @@ def progress(message: str) -> None:
 
 
 # -- ceilings ------------------------------------------------------------------------------------------------------
-def memcpy_gbps(trials: int = 5) -> float:
+def memcpy_gbps(trials: int = 5, device: str = "cpu") -> float:
+    """One copy of ``SIZE`` bytes within ``device``'s memory (single-threaded on the host; on a GPU the copy
+    engine's device-to-device copy, waited for)."""
+    if device != "cpu":
+        return _device_copy_gbps(trials, device)
     source = np.ones(SIZE, dtype=np.uint8)
     target = np.empty_like(source)
     np.copyto(target, source)  # touch the pages first
@@ -103,7 +107,23 @@ def memcpy_gbps(trials: int = 5) -> float:
     return SIZE / statistics.median(times) / 1e9
 
 
-def _holder(conn: Connection, name: str) -> None:
+def _device_copy_gbps(trials: int, device: str) -> float:
+    import torch
+
+    source = torch.ones(SIZE, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        target.copy_(source)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return SIZE / statistics.median(times) / 1e9
+
+
+def _holder(conn: Connection, name: str, device: str = "cpu") -> None:
     import os
 
     import torch
@@ -111,7 +131,7 @@ def _holder(conn: Connection, name: str) -> None:
     os.dup2(2, 1)  # the parent's stdout carries only its result
     from kvbridge_agent.transfer.transport import Transport
 
-    tensor = torch.ones(SIZE, dtype=torch.uint8)
+    tensor = torch.ones(SIZE, dtype=torch.uint8, device=device)
     transport = Transport(name)
     transport.register([tensor])
     conn.send((transport.metadata(), tensor.data_ptr()))
@@ -120,15 +140,18 @@ def _holder(conn: Connection, name: str) -> None:
     transport.close()
 
 
-def _chunk_rows(base: int, size: int) -> Any:
+def _chunk_rows(base: int, size: int, device_id: int = 0) -> Any:
     starts = base + np.arange(0, SIZE, size, dtype=np.int64)
     rows = np.empty((starts.size, 3), dtype=np.int64)
-    rows[:, 0], rows[:, 1], rows[:, 2] = starts, size, 0
+    rows[:, 0], rows[:, 1], rows[:, 2] = starts, size, device_id
     return rows
 
 
-def nixl_ceilings(trials: int = 5, sizes: Sequence[int] = SWEEP) -> tuple[float, list[dict[str, float]]]:
-    """Raw NIXL READ throughput between two processes: one descriptor, and the sweep over descriptor ``sizes``."""
+def nixl_ceilings(
+    trials: int = 5, sizes: Sequence[int] = SWEEP, device: str = "cpu"
+) -> tuple[float, list[dict[str, float]]]:
+    """Raw NIXL READ throughput between two processes: one descriptor, and the sweep over descriptor ``sizes``
+    (both buffers on ``device``: host memory, DRAM to NIXL, or a GPU's, VRAM)."""
     import torch
 
     from kvbridge_agent.transfer.transport import Transport
@@ -136,20 +159,22 @@ def nixl_ceilings(trials: int = 5, sizes: Sequence[int] = SWEEP) -> tuple[float,
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
     tag = uuid.uuid4().hex[:8]
-    holder = context.Process(target=_holder, args=(child, f"bench-src-{tag}"), daemon=True)
+    holder = context.Process(target=_holder, args=(child, f"bench-src-{tag}", device), daemon=True)
     holder.start()
     transport = Transport(f"bench-dst-{tag}")
     try:
-        target = torch.zeros(SIZE, dtype=torch.uint8)
+        target = torch.zeros(SIZE, dtype=torch.uint8, device=device)
         transport.register([target])
+        memory = "DRAM" if device == "cpu" else "VRAM"
         if not parent.poll(120):
             raise RuntimeError("the NIXL source process did not start")
         metadata, base = parent.recv()
         peer = transport.add_peer(metadata)
+        device_id = target.device.index or 0
 
         def measure(size: int, shuffled: bool) -> float:
-            remote = transport.prep(peer, _chunk_rows(base, size), "DRAM")
-            local = transport.prep("", _chunk_rows(target.data_ptr(), size), "DRAM")
+            remote = transport.prep(peer, _chunk_rows(base, size, device_id), memory)
+            local = transport.prep("", _chunk_rows(target.data_ptr(), size, device_id), memory)
             count = SIZE // size
             order = np.random.default_rng(size).permutation(count) if shuffled else np.arange(count)
             ids = order.astype(np.int32)

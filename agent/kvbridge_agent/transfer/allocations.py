@@ -16,6 +16,10 @@ registers with NIXL and how it addresses the bytes:
 
 A view that contradicts the declared layout, or a set of views kvbridge cannot address as one layout, is a
 :class:`~kvbridge_agent.core.SpecError` with a stable code, the view at fault and what to change.
+
+:func:`layout_views` goes the other way: a new allocation viewed per layer as a layout lays it out — the views vLLM's
+``allocate_kv_cache`` builds for one cache group (the tests check them equal, stride for stride), for a machine
+without vLLM (a GPU benchmark or test host) and for benchmarks.
 """
 
 from __future__ import annotations
@@ -167,3 +171,24 @@ def describe_groups(groups: Sequence[Mapping[str, torch.Tensor]], order: Physica
     keys = [(allocation.base, allocation.nbytes) for allocation in allocations]
     homes = tuple(keys.index((group.allocations[0].base, group.allocations[0].nbytes)) for group in described)
     return ViewedGroups(allocations, tuple(described), homes)
+
+
+def layout_views(
+    layout: PhysicalLayout, names: Sequence[str], dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """One zeroed allocation of ``layout``'s extent on ``device``, viewed per layer (``names``, one per layer of
+    ``layout``) as ``[B, H, N, C]`` in ``dtype``: layer ``l`` starts at ``l * layer_stride``."""
+    element = torch.empty(0, dtype=dtype).element_size()
+    layers, blocks, heads, tokens, content = layout.shape
+    if len(names) != layers or content % element:
+        raise SpecError(
+            f"{len(names)} layer names for {layers} layers, or {content}-byte content that is not whole {dtype}",
+            field="layout",
+            code=KV_VIEW_INVALID,
+        )
+    raw = torch.zeros(layout.extent, dtype=torch.int8, device=device)
+    shape, strides = (blocks, heads, tokens, content), layout.strides[1:]
+    return {
+        name: torch.as_strided(raw, shape, strides, layer * layout.strides[0]).view(dtype)
+        for layer, name in enumerate(names)
+    }

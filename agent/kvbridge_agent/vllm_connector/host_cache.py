@@ -1,4 +1,4 @@
-"""The KV cache a vLLM GPU worker hands its KV connector, built by vLLM's own allocator on host memory.
+"""The KV cache a vLLM GPU worker hands its KV connector, built by vLLM's own allocator (on host memory by default).
 
 ``allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes)`` lays one allocation out as the resolved
 ``KVCacheLayout`` says and returns a strided view per layer: off a GPU (``device=cpu``) it gives the same views and
@@ -15,10 +15,11 @@ from kvbridge_agent.core import ModelGeometry
 
 
 def allocate_host_views(
-    model: ModelGeometry, layout: str, block_size: int, heads: int, num_blocks: int
+    model: ModelGeometry, layout: str, block_size: int, heads: int, num_blocks: int, device: str = "cpu"
 ) -> dict[str, Any]:
     """Per-layer views (``model.layers.<i>.self_attn.attn``) of ``num_blocks`` blocks of ``block_size`` tokens and
-    ``heads`` KV heads of ``model.head_dim`` in bf16, laid out as the ``KVCacheLayout`` named ``layout``."""
+    ``heads`` KV heads of ``model.head_dim`` in bf16 on ``device``, laid out as the ``KVCacheLayout`` named
+    ``layout``."""
     import torch
     from vllm.v1.core.kv_cache_utils import create_kv_cache_group_specs, get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -38,5 +39,5 @@ def allocate_host_views(
         ),
     )
     config = get_kv_cache_config_from_groups(vllm_config, groups, spec.page_size_bytes * len(names) * num_blocks)
-    views: dict[str, Any] = allocate_kv_cache(config, torch.device("cpu"), resolved, None)
+    views: dict[str, Any] = allocate_kv_cache(config, torch.device(device), resolved, None)
     return views

@@ -124,6 +124,20 @@ SPEC_RULES: list[dict[str, str]] = [
         "reason": "FieldValueInvalid",
     },
     {
+        "rule": "!has(self.router) || !has(self.router.apiKeySecret) || (has(self.router.enabled) && "
+        "self.router.enabled)",
+        "message": "apiKeySecret authenticates clients of kvbridge's router: set router.enabled: true",
+        "fieldPath": ".router.apiKeySecret",
+        "reason": "FieldValueInvalid",
+    },
+    {
+        "rule": "!has(self.router) || !has(self.router.tolerations) || self.router.tolerations.all(t, "
+        "(!has(t.operator) || t.operator == 'Equal') ? (has(t.key) && t.key != '') : (!has(t.value) || t.value == ''))",
+        "message": "a toleration with operator Equal needs a key, one with operator Exists takes no value",
+        "fieldPath": ".router.tolerations",
+        "reason": "FieldValueInvalid",
+    },
+    {
         "rule": "(!has(self.model.tokenSecret) && !has(self.model.cache)) || "
         "(has(self.model.source) && self.model.source.startsWith('hf://'))",
         "message": "tokenSecret and cache are for downloads: set source to hf://ORG/NAME@REVISION",

@@ -16,6 +16,8 @@ from pydantic import BeforeValidator, Field, ValidationError, ValidationInfo, fi
 from kvbridge_agent.core import KVBridgeError, ModelGeometry, Role, RoleSettings, SpecError, TransferSettings
 from kvbridge_agent.core.model import CamelModel, joined_item_check
 from kvbridge_operator.api.names import API_VERSION, KIND
+from kvbridge_router.settings import DEFAULTS as ROUTER
+from kvbridge_router.settings import RouterPolicy
 
 
 class EngineKind(StrEnum):
@@ -194,11 +196,57 @@ class ModelSpec(ModelGeometry):
         return self
 
 
-class RouterPolicy(StrEnum):
-    """How kvbridge's router chooses pods (docs/router.md, "Policies")."""
+#: a DNS subdomain (RFC 1123): Secret and PriorityClass names
+SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 
-    KV_AWARE = "kv-aware"  # the pod most of the prompt's prefix was sent to, unless it is much busier
-    LEAST_LOADED = "least-loaded"  # the pod with the fewest requests in flight
+
+class LocalObjectReference(CamelModel):
+    name: str = Field(min_length=1, max_length=253, pattern=SUBDOMAIN_PATTERN)
+
+
+class TolerationOperator(StrEnum):
+    EQUAL = "Equal"
+    EXISTS = "Exists"
+
+
+class TaintEffect(StrEnum):
+    ANY = ""  # every effect
+    NO_SCHEDULE = "NoSchedule"
+    PREFER_NO_SCHEDULE = "PreferNoSchedule"
+    NO_EXECUTE = "NoExecute"
+
+
+class Toleration(CamelModel):
+    """A pod toleration, as Kubernetes writes it."""
+
+    key: str = Field(default="", max_length=316, description="The taint's key; empty with Exists: every taint.")
+    operator: TolerationOperator = Field(default=TolerationOperator.EQUAL, description="Equal or Exists.")
+    value: str = Field(default="", max_length=63, description="Equal: the taint's value; Exists: none.")
+    effect: TaintEffect = Field(default=TaintEffect.ANY, description="The taint's effect; empty: every effect.")
+    toleration_seconds: int | None = Field(
+        default=None, ge=0, description="NoExecute: how long the pod stays bound after the taint appears."
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Toleration:
+        if self.operator is TolerationOperator.EXISTS and self.value:
+            raise ValueError("a toleration with operator Exists takes no value: drop value, or use operator Equal")
+        if self.operator is TolerationOperator.EQUAL and not self.key:
+            raise ValueError("a toleration with operator Equal needs a key: set key, or use operator Exists")
+        return self
+
+
+class ApiKeySecret(CamelModel):
+    name: str = Field(
+        min_length=1, max_length=253, pattern=SUBDOMAIN_PATTERN, description="A Secret of the deployment's namespace."
+    )
+    key: str = Field(
+        default="api-keys",
+        min_length=1,
+        max_length=253,
+        pattern=r"^[-._a-zA-Z0-9]+$",
+        description="The Secret's key holding the API keys, one a line.",
+    )
 
 
 class RouterSpec(CamelModel):
@@ -208,11 +256,17 @@ class RouterSpec(CamelModel):
     resources: dict[str, Any] = Field(
         default_factory=dict, description="The router container's resources (default: 500m CPU, 256Mi memory)."
     )
-    prefill_timeout_seconds: int = Field(default=60, ge=1, le=3600, description="Per prefill call.")
-    decode_timeout_seconds: int = Field(default=600, ge=1, le=86400, description="Per decode answer.")
-    prefill_attempts: int = Field(default=3, ge=1, le=16, description="Prefill pods tried per request.")
+    prefill_timeout_seconds: int = Field(
+        default=int(ROUTER.prefill_timeout), ge=1, le=3600, description="Per prefill call."
+    )
+    decode_timeout_seconds: int = Field(
+        default=int(ROUTER.decode_timeout), ge=1, le=86400, description="Per decode answer."
+    )
+    prefill_attempts: int = Field(
+        default=ROUTER.prefill_attempts, ge=1, le=16, description="Prefill pods tried per request."
+    )
     policy: RouterPolicy = Field(
-        default=RouterPolicy.KV_AWARE,
+        default=ROUTER.policy,
         description="kv-aware: send a request to the prefill and decode pods that were sent the longest leading part "
         "of its prompt (their prefix caches), unless they are busier than the least loaded by more than 2 requests; "
         "least-loaded: the pod with the fewest requests in flight.",
@@ -224,6 +278,29 @@ class RouterSpec(CamelModel):
         "a pod that reaches a decode engine's port cannot hand it forged or altered parameters. Needs enabled, and "
         "engines that check it: kind Agent, or VLLM with connector KVBridge.",
     )
+    api_key_secret: ApiKeySecret | None = Field(
+        default=None,
+        description="Clients must authenticate: /v1/ requests carry one of the API keys this Secret's key holds (one "
+        "a line) as 'Authorization: Bearer KEY', else 401 before any engine is called; /health and /metrics stay "
+        "open. The Secret is mounted into the router's pods and read again when it changes. Needs enabled. Unset: "
+        "no authentication.",
+    )
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default_factory=list, max_length=16, description="The router pods' imagePullSecrets."
+    )
+    node_selector: dict[str, str] = Field(default_factory=dict, description="The router pods' nodeSelector.")
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=64, description="The router pods' tolerations."
+    )
+    affinity: dict[str, Any] = Field(
+        default_factory=dict, description="The router pods' affinity (nodeAffinity, podAffinity, podAntiAffinity)."
+    )
+    priority_class_name: str = Field(
+        default="",
+        max_length=253,
+        pattern=r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$",
+        description="The router pods' PriorityClass; empty: the cluster's default.",
+    )
 
     @field_validator("sign_transfers")
     @classmethod
@@ -234,6 +311,16 @@ class RouterSpec(CamelModel):
                 "or signTransfers: false"
             )
         return sign
+
+    @field_validator("api_key_secret")
+    @classmethod
+    def _keys_for_the_router(cls, secret: ApiKeySecret | None, info: ValidationInfo) -> ApiKeySecret | None:
+        if secret is not None and not info.data.get("enabled", False):
+            raise ValueError(
+                "apiKeySecret authenticates clients of kvbridge's router: set router.enabled: true, or drop "
+                "apiKeySecret"
+            )
+        return secret
 
 
 class InferencePoolSpec(CamelModel):

@@ -1,10 +1,12 @@
 """The serving path in front of a deployment's pods, rendered from ``spec.router`` and ``spec.inferencePool``.
 
-- ``spec.router.enabled``: kvbridge's router (``kvbridge router``) as a Deployment and a ClusterIP Service
+- ``spec.router.enabled``: kvbridge's router (``kvbridge-router``) as a Deployment and a ClusterIP Service
   ``<name>-router``, with a ServiceAccount whose Role may only get and watch this one DisaggregatedDeployment
   (the router reads the endpoints and pairings from its status; it never lists pods). With
   ``spec.router.signTransfers`` it signs decode's ``kv_transfer_params`` with the token of the Secret
-  ``<name>-router-token`` (:func:`router_token_secret`; transfer_token.py).
+  ``<name>-router-token`` (:func:`router_token_secret`; transfer_token.py). With ``spec.router.apiKeySecret``
+  its pods mount that Secret's key and clients must send one of its API keys; ``imagePullSecrets``,
+  ``nodeSelector``, ``tolerations``, ``affinity`` and ``priorityClassName`` go into its pod spec as given.
 - ``spec.inferencePool.enabled``: a Gateway API Inference Extension ``InferencePool`` (``inference.networking.
   k8s.io/v1``) selecting both roles' pods, which carry ``llm-d.ai/role: prefill|decode`` for llm-d's P/D
   scheduler (the Endpoint Picker, installed separately and named in the spec), and an ``HTTPRoute`` from a
@@ -24,12 +26,30 @@ from kvbridge_operator.api.names import (
     router_token_secret_name,
 )
 from kvbridge_operator.api.objects import Obj
-from kvbridge_operator.api.spec import DisaggregatedDeployment
+from kvbridge_operator.api.spec import DisaggregatedDeployment, RouterSpec
 from kvbridge_operator.children import placement, transfer_token
 from kvbridge_operator.children.render import child_metadata, owner_reference
 from kvbridge_operator.config import OperatorConfig
+from kvbridge_router.settings import DEFAULTS, RouterSettings, arguments
 
-ROUTER_PORT = 8000
+ROUTER_PORT = DEFAULTS.port
+#: the router's own program (the operator image has it; ``kvbridge router`` is the same command)
+ROUTER_COMMAND = "kvbridge-router"
+#: where the router's pods mount spec.router.apiKeySecret's key (``--api-key-file``)
+API_KEYS_VOLUME = "router-api-keys"
+API_KEYS_FILE = "/var/run/kvbridge/router-api-keys/api-keys"
+#: the router's settings written into its Deployment even at their defaults (what ``kubectl describe`` should show);
+#: any other is written when the spec sets it apart from its default
+RENDERED_ALWAYS = (
+    "deployment",
+    "namespace",
+    "port",
+    "prefill_timeout",
+    "decode_timeout",
+    "prefill_attempts",
+    "policy",
+    "block_size",
+)
 
 
 def router_selector(deployment: str) -> dict[str, str]:
@@ -47,24 +67,25 @@ def router_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfi
     owner = owner_reference(dd, uid)
     labels = router_selector(dd.metadata.name)
     spec = dd.spec.router
-    args = [
-        "router",
-        f"--deployment={dd.metadata.name}",
-        f"--namespace={namespace}",
-        f"--port={ROUTER_PORT}",
-        f"--prefill-timeout={spec.prefill_timeout_seconds}",
-        f"--decode-timeout={spec.decode_timeout_seconds}",
-        f"--prefill-attempts={spec.prefill_attempts}",
-        f"--policy={spec.policy.value}",
-        f"--block-size={dd.spec.prefill.block_size}",
-    ]
     signs = transfer_token.signs(dd.spec)
-    args += [f"--transfer-token-file={transfer_token.TOKEN_FILE}"] if signs else []
+    chosen = RouterSettings(
+        deployment=dd.metadata.name,
+        namespace=namespace,
+        port=ROUTER_PORT,
+        prefill_timeout=spec.prefill_timeout_seconds,
+        decode_timeout=spec.decode_timeout_seconds,
+        prefill_attempts=spec.prefill_attempts,
+        policy=spec.policy,
+        block_size=dd.spec.prefill.block_size,
+        transfer_token_file=transfer_token.TOKEN_FILE if signs else "",
+        api_key_file=API_KEYS_FILE if spec.api_key_secret else "",
+    )
+    args = arguments(chosen, always=RENDERED_ALWAYS)
     probe = {"httpGet": {"path": "/metrics", "port": HTTP_PORT_NAME}, "periodSeconds": 10}
     container: Obj = {
         "name": "router",
         "image": spec.image or config.router_image,
-        "command": ["kvbridge"],
+        "command": [ROUTER_COMMAND],
         "args": args,
         "ports": [{"name": HTTP_PORT_NAME, "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         # ready once some prefill/decode pair is routable (503 before); alive while it answers at all
@@ -77,10 +98,18 @@ def router_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfi
             "runAsNonRoot": True,
             "capabilities": {"drop": ["ALL"]},
         },
-        **({"volumeMounts": [transfer_token.mount()]} if signs else {}),
     }
-    # the token's file is root's: readable by the router's non-root user
-    volumes = {"volumes": [transfer_token.volume(dd.metadata.name, 0o444)]} if signs else {}
+    # the token's and the keys' files are root's: readable by the router's non-root user
+    volumes = [transfer_token.volume(dd.metadata.name, 0o444)] if signs else []
+    mounts = [transfer_token.mount()] if signs else []
+    if spec.api_key_secret is not None:
+        items = [{"key": spec.api_key_secret.key, "path": API_KEYS_FILE.rpartition("/")[2]}]
+        secret = {"secretName": spec.api_key_secret.name, "items": items, "defaultMode": 0o444}
+        volumes.append({"name": API_KEYS_VOLUME, "secret": secret})
+        # not a subPath mount: the kubelet updates the file when the Secret changes, and the router reads it again
+        mounts.append({"name": API_KEYS_VOLUME, "mountPath": API_KEYS_FILE.rpartition("/")[0], "readOnly": True})
+    if mounts:
+        container["volumeMounts"] = mounts
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": child_metadata(name, namespace, labels, owner)},
         {
@@ -116,7 +145,8 @@ def router_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfi
                         "serviceAccountName": name,
                         "containers": [container],
                         "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
-                        **volumes,
+                        **({"volumes": volumes} if volumes else {}),
+                        **router_placement(spec),
                     },
                 },
             },
@@ -134,6 +164,19 @@ def router_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfi
             },
         },
     ]
+
+
+def router_placement(spec: RouterSpec) -> Obj:
+    """The router pods' scheduling fields from ``spec.router``, each only when set (Kubernetes' own defaults
+    otherwise)."""
+    fields: Obj = {
+        "imagePullSecrets": [{"name": ref.name} for ref in spec.image_pull_secrets],
+        "nodeSelector": dict(spec.node_selector),
+        "tolerations": [t.model_dump(mode="json", by_alias=True, exclude_defaults=True) for t in spec.tolerations],
+        "affinity": dict(spec.affinity),
+        "priorityClassName": spec.priority_class_name,
+    }
+    return {key: value for key, value in fields.items() if value}
 
 
 def router_token_secret(dd: DisaggregatedDeployment, uid: str) -> Obj:

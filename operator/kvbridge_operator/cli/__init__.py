@@ -6,5 +6,6 @@ Reading order:
 - ``manifests``: reading manifests safely.
 - ``hf_config``: ``kvbridge model``: ``spec.model`` from a Hugging Face ``config.json``.
 
-``kvbridge demo`` is contributed by ``kvbridge_sim`` through the ``kvbridge.commands`` entry points.
+``kvbridge demo`` is contributed by ``kvbridge_sim`` through the ``kvbridge.commands`` entry points; ``kvbridge
+router`` is the router's own command line (``kvbridge_router.cli``, also ``kvbridge-router``).
 """

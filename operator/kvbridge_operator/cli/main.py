@@ -8,14 +8,11 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvbridge_agent.core import KVBridgeError
-from kvbridge_agent.core.signing import load_token
 from kvbridge_operator import __version__
 from kvbridge_operator.api.names import KIND
 from kvbridge_operator.api.objects import Obj
-from kvbridge_operator.api.spec import RouterPolicy
 from kvbridge_operator.children import placement
 from kvbridge_operator.cli.manifests import read_documents, source_name
 from kvbridge_operator.cli.plan_report import (
@@ -28,9 +25,7 @@ from kvbridge_operator.cli.plan_report import (
     render_text,
     selected_ranks,
 )
-
-if TYPE_CHECKING:
-    import asyncio
+from kvbridge_router import cli as router_cli
 
 EXIT_OK = 0
 EXIT_INCOMPATIBLE = 1
@@ -174,104 +169,6 @@ def _operator_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _router(args: argparse.Namespace) -> int:
-    import asyncio
-    import logging
-    import signal
-
-    from kvbridge_operator.kube import KubeClient, connect
-    from kvbridge_router.proxy import Router, RouterConfig, serve
-    from kvbridge_router.source import follow_file, watch_status
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if bool(args.deployment) == bool(args.status_file):
-        print(
-            "kvbridge router: error: give --deployment NAME (watched through the Kubernetes API) or --status-file "
-            "FILE (a deployment's YAML or JSON, re-read when it changes)",
-            file=sys.stderr,
-        )
-        return EXIT_INVALID
-    limits = {
-        "--prefill-timeout": args.prefill_timeout,
-        "--decode-timeout": args.decode_timeout,
-        "--prefill-attempts": args.prefill_attempts,
-        "--decode-attempts": args.decode_attempts,
-        "--request-timeout": args.request_timeout,
-        "--body-timeout": args.body_timeout,
-        "--header-timeout": args.header_timeout,
-        "--block-size": args.block_size,
-    }
-    problems = [f"{flag} must be positive, got {value}" for flag, value in limits.items() if value <= 0]
-    if problems:
-        print(f"kvbridge router: error: {'; '.join(problems)}", file=sys.stderr)
-        return EXIT_INVALID
-    try:
-        token = load_token(args.transfer_token_file) if args.transfer_token_file else b""
-    except KVBridgeError as exc:
-        print(f"kvbridge router: error: {exc.code}: {exc.message}", file=sys.stderr)
-        return EXIT_INVALID
-    config = RouterConfig(
-        prefill_timeout=args.prefill_timeout,
-        decode_timeout=args.decode_timeout,
-        decode_idle_timeout=min(args.decode_timeout, 60.0),
-        prefill_attempts=args.prefill_attempts,
-        decode_attempts=args.decode_attempts,
-        request_timeout=args.request_timeout,
-        body_timeout=args.body_timeout,
-        header_timeout=args.header_timeout,
-        policy=args.policy,
-        block_tokens=args.block_size,
-        transfer_token=token,
-    )
-    router = Router(config)
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-        if args.status_file:
-            source = follow_file(Path(args.status_file), router.set_pool, stop)
-            await asyncio.gather(source, serve(router, args.host, args.port, stop))
-            return
-        connection = await connect(args.api_server, args.kubeconfig, args.context)
-        namespace = args.namespace or _pod_namespace()
-        async with KubeClient(connection, user_agent="kvbridge-router") as client:
-            source = watch_status(client, namespace, args.deployment, router.set_pool, stop)
-            await asyncio.gather(source, serve(router, args.host, args.port, stop))
-
-    try:
-        with asyncio.Runner(loop_factory=_fast_loop_factory()) as runner:
-            runner.run(main())
-    except KVBridgeError as exc:
-        print(f"kvbridge router: error: {exc.code}: {exc.message}", file=sys.stderr)
-        return EXIT_INVALID
-    except OSError as exc:  # the port is taken, or the address is not ours
-        print(
-            f"kvbridge router: error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr
-        )
-        return EXIT_INVALID
-    return EXIT_OK
-
-
-def _fast_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's event loop where it is installed (less CPU per routed request), else asyncio's own."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
-
-
-def _pod_namespace() -> str:
-    """The namespace the router runs in (its service account's), else default."""
-    path = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-    try:
-        return path.read_text(encoding="utf-8").strip() or "default"
-    except OSError:
-        return os.environ.get("POD_NAMESPACE", "default")
-
-
 #: commands other packages of the distribution contribute (``kvbridge demo``: kvbridge_sim, a checkout's sim/), found
 #: through entry points so that the operator never imports them and an image without them still runs
 COMMANDS_GROUP = "kvbridge.commands"
@@ -363,79 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
             run.add_argument(flag_of(item), dest=item.name, type=kind, metavar=metavar, help=text)
     run.set_defaults(func=_operator_run)
 
-    router = commands.add_parser(
-        "router",
-        help="OpenAI-compatible front: each request to a prefill pod, then a decode pod paired with it",
-        description="Routes /v1/completions and /v1/chat/completions (streaming passed through) to the pods a "
-        "DisaggregatedDeployment's status lists, pairing only compatible ones; /v1/models, /health, /metrics.",
-    )
-    router.add_argument("--deployment", metavar="NAME", help="the DisaggregatedDeployment to route to (watched)")
-    router.add_argument("--namespace", default="", help="its namespace (default: the pod's own, else default)")
-    router.add_argument("--status-file", metavar="FILE", help="route from a file instead (kubectl get dd -o yaml)")
-    router.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
-    router.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    router.add_argument("--prefill-timeout", type=float, default=60.0, help="seconds per prefill call (default 60)")
-    router.add_argument(
-        "--decode-timeout",
-        type=float,
-        default=600.0,
-        help="seconds for a whole decode answer (default 600; streams: also 60 s at most between chunks)",
-    )
-    router.add_argument(
-        "--policy",
-        choices=[p.value for p in RouterPolicy],
-        default=RouterPolicy.KV_AWARE.value,
-        help="kv-aware (default): the pods that were sent the longest leading part of the prompt, "
-        "unless much busier; least-loaded: the fewest requests in flight (docs/router.md)",
-    )
-    router.add_argument(
-        "--block-size",
-        type=int,
-        default=16,
-        metavar="TOKENS",
-        help="kv-aware: the prefill pods' KV block size, the unit their prefix caches hit in "
-        "(default 16; the operator passes spec.prefill.blockSize)",
-    )
-    router.add_argument(
-        "--prefill-attempts", type=int, default=3, help="prefill pods tried per request when one fails (default 3)"
-    )
-    router.add_argument(
-        "--decode-attempts",
-        type=int,
-        default=3,
-        help="decode calls per request: one failing before anything reached the client is retried "
-        "on another pair (default 3)",
-    )
-    router.add_argument(
-        "--request-timeout",
-        type=float,
-        default=900.0,
-        help="seconds for a whole request, retries included: no client waits longer (default 900)",
-    )
-    router.add_argument(
-        "--body-timeout",
-        type=float,
-        default=10.0,
-        help="seconds a request's body may take to arrive; a client that stalls gets 408 (default 10)",
-    )
-    router.add_argument(
-        "--header-timeout",
-        type=float,
-        default=10.0,
-        help="seconds a request's head may take to arrive, from the connection's opening or the head's first byte; "
-        "a client that sends nothing or half a head is disconnected (default 10)",
-    )
-    router.add_argument(
-        "--transfer-token-file",
-        metavar="PATH",
-        default="",
-        help="a file holding the token decode engines check (spec.router.signTransfers): the kv_transfer_params "
-        "sent to decode carry its HMAC signature (docs/router.md)",
-    )
-    router.add_argument("--api-server", default="", help="Kubernetes API URL of a local emulator")
-    router.add_argument("--kubeconfig", default="", help="kubeconfig (default: KUBECONFIG, in-cluster, ~/.kube/config)")
-    router.add_argument("--context", default="", help="kubeconfig context")
-    router.set_defaults(func=_router)
+    # the router's own program (``kvbridge-router``, kvbridge_router.cli), under the name it always had
+    router = commands.add_parser("router", help=router_cli.HELP, description=router_cli.DESCRIPTION)
+    router_cli.add_arguments(router)
+    router.set_defaults(func=lambda args: router_cli.run(args, prog="kvbridge router"))
 
     demo = commands.add_parser(
         "demo",

@@ -19,7 +19,7 @@ from kvbridge_operator.api.spec import (
     EngineKind,
     Memlock,
 )
-from kvbridge_operator.children import multinode, network, transfer_token
+from kvbridge_operator.children import multinode, network, serving, transfer_token
 from kvbridge_operator.children import vllm_engine as vllm
 from kvbridge_operator.children.model_source import weights
 from kvbridge_operator.children.pairing import pairing
@@ -243,12 +243,48 @@ def verification_words(spec: DisaggregatedDeploymentSpec) -> str:
 
 
 def router_of(deployment: DisaggregatedDeployment) -> dict[str, object]:
-    """``spec.router`` as it will run (``--json``): whether kvbridge's router runs, its policy, and whether it signs
-    decode's transfer parameters with the token of ``tokenSecret`` (empty when it does not)."""
+    """``spec.router`` as it will run (``--json``): whether kvbridge's router runs, its policy, whether it signs
+    decode's transfer parameters with the token of ``tokenSecret`` (empty when it does not), how many replicas,
+    which clients it admits (``auth``) and where its pods run (``placement``: the pod fields rendered)."""
     router = deployment.spec.router
     signs = transfer_token.signs(deployment.spec)
     secret = router_token_secret_name(deployment.metadata.name) if signs else ""
-    return {"enabled": router.enabled, "policy": router.policy.value, "signTransfers": signs, "tokenSecret": secret}
+    keys = router.api_key_secret
+    auth: dict[str, object] = (
+        {"apiKeys": True, "secret": keys.name, "key": keys.key} if keys is not None else {"apiKeys": False}
+    )
+    return {
+        "enabled": router.enabled,
+        "policy": router.policy.value,
+        "signTransfers": signs,
+        "tokenSecret": secret,
+        "replicas": router.replicas,
+        "auth": auth,
+        "placement": serving.router_placement(router),
+    }
+
+
+def router_auth_words(deployment: DisaggregatedDeployment) -> str:
+    """Which clients the router admits, in the text report's words."""
+    keys = deployment.spec.router.api_key_secret
+    if keys is None:
+        return "any client that reaches its Service (no apiKeySecret)"
+    return f"only with an API key of Secret {keys.name}, key {keys.key} (Authorization: Bearer; else 401)"
+
+
+def router_placement_words(deployment: DisaggregatedDeployment) -> str:
+    """Where the router's pods run, in the text report's words: each pod field set, else the cluster's defaults."""
+    placement = serving.router_placement(deployment.spec.router)
+    if not placement:
+        return "the cluster's defaults"
+    words = {
+        "imagePullSecrets": lambda v: "imagePullSecrets " + ", ".join(ref["name"] for ref in v),
+        "nodeSelector": lambda v: "nodeSelector " + ", ".join(f"{k}={val}" for k, val in sorted(v.items())),
+        "tolerations": lambda v: f"{len(v)} toleration{'s' if len(v) != 1 else ''}",
+        "affinity": lambda v: "affinity " + ", ".join(sorted(v)),
+        "priorityClassName": lambda v: f"priorityClassName {v}",
+    }
+    return "; ".join(words[key](value) for key, value in placement.items())
 
 
 def router_words(deployment: DisaggregatedDeployment) -> str:
@@ -321,6 +357,9 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
     ]
     if spec.router.enabled:
         lines.append(f"  router: {router_words(document.deployment)}")
+        lines.append(f"  router clients: {router_auth_words(document.deployment)}")
+        replicas = f"{spec.router.replicas} replica{'s' if spec.router.replicas != 1 else ''}"
+        lines.append(f"  router pods: {replicas}; placement: {router_placement_words(document.deployment)}")
     for rank in ranks:
         rank_plan = plan.for_decode_rank(rank)
         notify = ", ".join(map(str, rank_plan.notify_only_ranks)) or "-"

@@ -4,6 +4,8 @@ the model's bytes. Figures are not asserted: a benchmark."""
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any
 
 import pytest
@@ -99,16 +101,19 @@ def test_targets_take_the_worst_row_they_cover() -> None:
     assert set(CROSS_LAYER) == {"BLHNC", "BLNHC", "BHLNC"}
 
 
-def test_a_tiny_run_of_every_case_gives_the_paired_runs_and_the_models_bytes() -> None:
+@pytest.mark.parametrize("allocator", ["vllm", "kvbridge"])
+def test_a_tiny_run_of_every_case_gives_the_paired_runs_and_the_models_bytes(allocator: str) -> None:
+    """Through vLLM's allocator, and through kvbridge's own views (what a GPU machine without vLLM runs)."""
     pytest.importorskip("vllm")
     pytest.importorskip("nixl")
-    from kvbridge_agent.bench.layouts import LocalPrefill, run_case
+    from kvbridge_agent.bench.layouts import Allocate, LocalPrefill, own_views, run_case
     from kvbridge_agent.vllm_connector.host_cache import allocate_host_views
 
+    allocate: Allocate = allocate_host_views if allocator == "vllm" else functools.partial(own_views, "cpu")
     prefills = [LocalPrefill(), LocalPrefill()]
     chosen: list[Case] = cases()
     for case in chosen:
-        rows = run_case(allocate_host_views, TINY, case, prefills, TOKENS, requests=1)
+        rows = run_case(allocate, TINY, case, prefills, TOKENS, requests=1)
         assert [row["blockIds"] for row in rows] == list(case.allocations)
         for row in rows:
             assert row["name"] == f"{case.name}-tiny-{row['blockIds']}"

@@ -29,15 +29,16 @@ from vllm.v1.worker.utils import allocate_kv_cache
 from kvbridge_agent.core import ModelGeometry, Role, RoleSettings, SpecError
 from kvbridge_agent.core.contract import EngineEnvironment, render_environment
 from kvbridge_agent.core.handshake import RankMetadata
-from kvbridge_agent.core.layout import PhysicalLayout, PhysicalOrder, dense_strides
+from kvbridge_agent.core.layout import PhysicalOrder
 from kvbridge_agent.transfer.decode_rank import ReadResult
 from kvbridge_agent.transfer.host_buffer import HostBuffer
 from kvbridge_agent.vllm_connector.messages import RankHandshake
 from kvbridge_agent.vllm_connector.scheduler import ConnectorScheduler
 from kvbridge_agent.vllm_connector.settings import ConnectorSettings
 from kvbridge_agent.vllm_connector.worker import ConnectorWorker
+from tests.physical_kv import BLOCK, HEAD_SIZE, HEADS, LAYERS, NAMES, NUM_BLOCKS, fill, lying, own_views
+from tests.physical_kv import check_bytes as check_moved
 
-LAYERS, HEADS, HEAD_SIZE, BLOCK, NUM_BLOCKS = 3, 2, 64, 16, 24
 MODEL = ModelGeometry(name="layouts", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_SIZE)
 #: an MLA model: one latent of ``HEAD_SIZE`` per token and layer, which every rank holds whole
 MLA_MODEL = ModelGeometry(name="layouts-mla", num_layers=LAYERS, num_kv_heads=1, head_dim=HEAD_SIZE, attention="MLA")
@@ -124,45 +125,37 @@ def allocate(
     backends ask for)."""
     kind = MLAAttentionSpec if mla else FullAttentionSpec
     spec = kind(block_size=block, num_kv_heads=heads, head_size=HEAD_SIZE, dtype=torch.bfloat16)
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    groups = create_kv_cache_group_specs(dict.fromkeys(names, spec), [names])
+    groups = create_kv_cache_group_specs(dict.fromkeys(NAMES, spec), [NAMES])
     config = kv_cache_config(layout, groups, spec.page_size_bytes * LAYERS * NUM_BLOCKS)
     kernels = None if kernel is None else [kernel]
     views: dict[str, torch.Tensor] = allocate_kv_cache(config, torch.device("cpu"), layout, kernels)
-    assert list(views) == names
+    assert list(views) == NAMES
     return views
 
 
-def tag(
-    layer: int, kernel_blocks: torch.Tensor, ratio: int, tokens: int, first_head: int, heads: int, width: int
-) -> torch.Tensor:
-    """Position-tagged content ``[len(kernel_blocks), heads, N, C]`` (int16 bit patterns): a function of the
-    logical layer, block, global head, token and content index, so any byte in a wrong place shows. Kernel block
-    ``k`` of ``tokens`` tokens is part ``k % ratio`` of block ``k // ratio``."""
-    k = kernel_blocks.view(-1, 1, 1, 1).to(torch.int64)
-    b = k // ratio
-    h = first_head + torch.arange(heads).view(1, -1, 1, 1)
-    n = (k % ratio) * tokens + torch.arange(tokens).view(1, 1, -1, 1)
-    c = torch.arange(width).view(1, 1, 1, -1)
-    value = (layer * 7919 + b * 104729 + h * 1299709 + n * 15485863 + c * 32452843 + 12345) % 65521
-    return (value - 32768).to(torch.int16)
+#: every layout with whole blocks, as an MLA latent too, and kernel blocks where vLLM allows them (blocks stored as
+#: dense pages: LBHNC, LBNHC; it refuses the others with a ValueError naming the fix)
+OWN_VIEWS = [
+    *[(layout, 16, None, 2, False) for layout in KVCacheLayout],
+    *[(layout, 16, None, 1, True) for layout in KVCacheLayout],
+    *[(KVCacheLayout[name], block, 16, 2, False) for name in ("LBHNC", "LBNHC") for block in (32, 64)],
+]
 
 
-def fill(views: dict[str, torch.Tensor], side: Side, rank: int) -> None:
-    for layer, view in enumerate(views.values()):
-        first, heads = side.first_head(rank), side.heads
-        content = tag(layer, torch.arange(view.shape[0]), side.ratio, view.shape[2], first, heads, view.shape[3])
-        view.view(torch.int16).copy_(content)
-
-
-def tokens_of(views: dict[str, torch.Tensor], blocks: list[int], side: Side) -> torch.Tensor:
-    """What a rank's views hold for ``blocks``, in token order: ``[layers, tokens, heads, content]`` (int16)."""
-    kernels = (torch.tensor(blocks).view(-1, 1) * side.ratio + torch.arange(side.ratio).view(1, -1)).view(-1)
-    layers = []
-    for view in views.values():
-        held = view.view(torch.int16)[kernels]  # [kernel blocks, heads, kernel tokens, content]
-        layers.append(held.permute(0, 2, 1, 3).reshape(len(blocks) * side.block, side.heads, -1))
-    return torch.stack(layers)
+@pytest.mark.parametrize(("layout", "block", "kernel", "heads", "mla"), OWN_VIEWS)
+def test_kvbridges_own_views_are_vllms(
+    layout: KVCacheLayout, block: int, kernel: int | None, heads: int, mla: bool
+) -> None:
+    """``layout_views`` (what the CUDA suite builds, on a GPU machine without vLLM) gives exactly the views vLLM's
+    ``allocate_kv_cache`` gives: shape, strides, offset into the allocation, dtype and the allocation's size."""
+    theirs = allocate(layout, block, kernel, heads, mla)
+    ours = own_views(layout.name, block, kernel, heads, mla, "cpu")
+    assert list(ours) == list(theirs)
+    for name, view in theirs.items():
+        mine = ours[name]
+        assert (mine.shape, mine.stride(), mine.dtype) == (view.shape, view.stride(), view.dtype), name
+        assert mine.storage_offset() == view.storage_offset(), name
+        assert mine.untyped_storage().nbytes() == view.untyped_storage().nbytes(), name
 
 
 def request(request_id: str, params: dict[str, Any] | None) -> Any:
@@ -198,16 +191,8 @@ class Moved:
 
 
 def wrong_strides(handshake: RankHandshake) -> RankHandshake:
-    """Prefill's metadata with its heads' and tokens' strides exchanged: decode then reads each byte as if it lay
-    elsewhere (the negative control: only the digest can tell)."""
-    meta = RankMetadata.model_validate_json(handshake.rank_metadata_json)
-    layout = meta.physical_layout
-    assert layout is not None
-    order = {"LBHNC": "LBNHC", "LBNHC": "LBHNC", "BLHNC": "BLNHC", "BLNHC": "BLHNC"}[layout.order.value]
-    strides = list(layout.strides)
-    strides[2], strides[3] = dense_strides(PhysicalOrder(order), layout.shape)[2:4]
-    lying = PhysicalLayout(order=PhysicalOrder(order), shape=layout.shape, strides=tuple(strides))
-    meta = meta.model_copy(update={"physical_layout": lying})
+    """Prefill's metadata with its heads' and tokens' strides exchanged (tests.physical_kv.lying)."""
+    meta = lying(RankMetadata.model_validate_json(handshake.rank_metadata_json))
     return RankHandshake(meta.model_dump_json(exclude_none=True), handshake.agent_metadata)
 
 
@@ -338,29 +323,9 @@ def transfer(
 
 
 def check_bytes(outcome: Moved) -> None:
-    """Every byte where decode's vLLM reads it — through each decode rank's own views — is the byte prefill's rank
-    holding that head has at the same token; the request's blocks past what was read, and every other block, were
-    not written."""
-    prefill, decode = outcome.prefill, outcome.decode
-    tokens = min(len(outcome.prefill_blocks) * prefill.block, len(outcome.decode_blocks) * decode.block)
-    computed = torch.cat(
-        [
-            tokens_of(views, outcome.prefill_blocks, prefill)
-            for views in outcome.prefill_views[:: max(1, prefill.tp // prefill.model_heads)]
-        ],
-        dim=2,
-    )  # every global head once: [layers, tokens, heads, content]
-    for rank, views in enumerate(outcome.decode_views):
-        got = tokens_of(views, outcome.decode_blocks, decode)
-        first = decode.first_head(rank)
-        expected = computed[:, :tokens, first : first + decode.heads]
-        for layer in range(LAYERS):
-            assert torch.equal(got[layer, :tokens], expected[layer]), f"layer {layer} differs (decode rank {rank})"
-        assert not got[:, tokens:].any(), f"decode rank {rank}: tokens past the read were written"
-        read = (torch.tensor(outcome.decode_blocks).view(-1, 1) * decode.ratio + torch.arange(decode.ratio)).view(-1)
-        untouched = torch.tensor(sorted(set(range(NUM_BLOCKS * decode.ratio)) - set(read.tolist())))
-        for view in views.values():
-            assert not view.view(torch.int16)[untouched].any(), f"decode rank {rank}: a block outside was written"
+    """Every byte where decode's vLLM reads it is prefill's (tests.physical_kv.check_bytes)."""
+    o = outcome
+    check_moved(o.prefill, o.decode, o.prefill_views, o.decode_views, o.prefill_blocks, o.decode_blocks)
 
 
 #: descriptors per block for the model above (3 layers, 2 heads, 16 tokens), docs/protocol.md §1b

@@ -1,0 +1,163 @@
+"""spec.router for a platform team: the router pods' placement (imagePullSecrets, nodeSelector, tolerations, affinity,
+priorityClassName) and client API keys from a Secret, as rendered, checked (pydantic and CEL) and planned."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvbridge_agent.core import SpecError
+from kvbridge_operator.api.crd import SPEC_RULES, crd
+from kvbridge_operator.api.spec import parse_deployment
+from kvbridge_operator.children.serving import API_KEYS_FILE, optional_children
+from kvbridge_operator.cli.main import main
+from kvbridge_operator.config import OperatorConfig
+from kvbridge_router import cli as router_cli
+
+from .schema_tools import apply_defaults, cel_failures
+from .test_serving import UID, document
+
+AFFINITY = {
+    "podAntiAffinity": {
+        "preferredDuringSchedulingIgnoredDuringExecution": [
+            {
+                "weight": 100,
+                "podAffinityTerm": {
+                    "topologyKey": "kubernetes.io/hostname",
+                    "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "router"}},
+                },
+            }
+        ]
+    }
+}
+PLATFORM = {
+    "enabled": True,
+    "replicas": 2,
+    "imagePullSecrets": [{"name": "regcred"}],
+    "nodeSelector": {"pool": "cpu", "kubernetes.io/os": "linux"},
+    "tolerations": [
+        {"key": "dedicated", "operator": "Equal", "value": "serving", "effect": "NoSchedule"},
+        {"operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 30},
+    ],
+    "affinity": AFFINITY,
+    "priorityClassName": "serving-critical",
+    "apiKeySecret": {"name": "router-clients", "key": "keys.txt"},
+}
+
+
+def router_pod(router: dict[str, Any]) -> dict[str, Any]:
+    objects = optional_children(parse_deployment(document(router=router)), UID, OperatorConfig())
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
+    kubernetes_validate.validate(deployment, "1.30", strict=True)
+    pod: dict[str, Any] = deployment["spec"]["template"]["spec"]
+    return pod
+
+
+def test_the_placement_goes_into_the_router_pods_as_given() -> None:
+    pod = router_pod(PLATFORM)
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["nodeSelector"] == {"pool": "cpu", "kubernetes.io/os": "linux"}
+    assert pod["tolerations"] == [
+        {"key": "dedicated", "value": "serving", "effect": "NoSchedule"},  # Equal: Kubernetes' default too
+        {"operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 30},
+    ]
+    assert pod["affinity"] == AFFINITY
+    assert pod["priorityClassName"] == "serving-critical"
+
+
+def test_without_placement_the_router_pods_take_the_clusters_defaults() -> None:
+    pod = router_pod({"enabled": True})
+    for name in ("imagePullSecrets", "nodeSelector", "tolerations", "affinity", "priorityClassName", "volumes"):
+        assert name not in pod, name
+    assert "--api-key-file" not in " ".join(pod["containers"][0]["args"])
+
+
+def test_the_api_key_secret_is_mounted_and_passed_to_the_router() -> None:
+    pod = router_pod({**PLATFORM, "signTransfers": True})
+    [container] = pod["containers"]
+    secret = {"secretName": "router-clients", "items": [{"key": "keys.txt", "path": "api-keys"}], "defaultMode": 0o444}
+    assert {"name": "router-api-keys", "secret": secret} in pod["volumes"]
+    # a directory mount, not a subPath: the kubelet updates the file when the Secret changes
+    mount = {"name": "router-api-keys", "mountPath": "/var/run/kvbridge/router-api-keys", "readOnly": True}
+    assert mount in container["volumeMounts"]
+    assert all("subPath" not in m for m in container["volumeMounts"])
+    assert len(container["volumeMounts"]) == 2  # and the transfer token's
+    settings = router_cli.chosen(router_cli.build_parser().parse_args(container["args"]))
+    assert settings.api_key_file == API_KEYS_FILE
+
+
+@pytest.mark.parametrize(
+    ("router", "said"),
+    [
+        ({"apiKeySecret": {"name": "k"}}, "apiKeySecret authenticates clients of kvbridge's router"),
+        ({"enabled": True, "tolerations": [{"operator": "Exists", "value": "x"}]}, "takes no value"),
+        ({"enabled": True, "tolerations": [{"value": "x"}]}, "needs a key"),
+        ({"enabled": True, "tolerations": [{"key": "k", "effect": "Sometimes"}]}, "effect"),
+        ({"enabled": True, "priorityClassName": "Not_A_Name"}, "priorityClassName"),
+        ({"enabled": True, "imagePullSecrets": ["regcred"]}, "imagePullSecrets"),
+        ({"enabled": True, "apiKeySecret": {"name": "k", "key": "a/b"}}, "apiKeySecret.key"),
+    ],
+)
+def test_a_bad_router_spec_names_its_field(router: dict[str, Any], said: str) -> None:
+    with pytest.raises(SpecError, match=said) as caught:
+        parse_deployment(document(router=router))
+    assert caught.value.code == "INVALID_SPEC"
+    assert caught.value.field.startswith("spec.router")
+
+
+SPEC_SCHEMA = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+
+@pytest.mark.parametrize(
+    ("router", "field_path"),
+    [
+        ({"apiKeySecret": {"name": "k"}}, ".router.apiKeySecret"),
+        ({"enabled": True, "tolerations": [{"operator": "Exists", "value": "x"}]}, ".router.tolerations"),
+        ({"enabled": True, "tolerations": [{"value": "x"}]}, ".router.tolerations"),
+    ],
+)
+def test_the_api_server_refuses_what_the_operator_refuses(router: dict[str, Any], field_path: str) -> None:
+    spec = apply_defaults(SPEC_SCHEMA, document(router=router)["spec"])
+    assert [rule["fieldPath"] for rule in cel_failures(SPEC_RULES, spec)] == [field_path]
+
+
+def test_the_api_server_takes_a_platform_teams_router() -> None:
+    spec = apply_defaults(SPEC_SCHEMA, document(router=PLATFORM)["spec"])
+    assert cel_failures(SPEC_RULES, spec) == []
+
+
+def test_plan_shows_the_routers_clients_and_placement(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for label, router in (("platform", PLATFORM), ("plain", {"enabled": True})):
+        (tmp_path / f"{label}.yaml").write_text(yaml.safe_dump(document(router=router)))
+    assert main(["plan", "-f", str(tmp_path / "platform.yaml")]) == 0
+    out = capsys.readouterr().out
+    clients = "router clients: only with an API key of Secret router-clients, key keys.txt (Authorization: Bearer;"
+    assert clients in out
+    placement = (
+        "router pods: 2 replicas; placement: imagePullSecrets regcred; nodeSelector kubernetes.io/os=linux, pool=cpu; "
+        "2 tolerations; affinity podAntiAffinity; priorityClassName serving-critical"
+    )
+    assert placement in out
+    assert main(["plan", "-f", str(tmp_path / "plain.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "router clients: any client that reaches its Service (no apiKeySecret)" in out
+    assert "router pods: 1 replica; placement: the cluster's defaults" in out
+    assert main(["plan", "-f", str(tmp_path / "platform.yaml"), "--json"]) == 0
+    [entry] = json.loads(capsys.readouterr().out)
+    router = entry["router"]
+    assert router["auth"] == {"apiKeys": True, "secret": "router-clients", "key": "keys.txt"}
+    assert router["replicas"] == 2
+    assert router["placement"]["priorityClassName"] == "serving-critical"
+    assert router["placement"]["tolerations"][1] == {
+        "operator": "Exists",
+        "effect": "NoExecute",
+        "tolerationSeconds": 30,
+    }
+    assert main(["plan", "-f", str(tmp_path / "plain.yaml"), "--json"]) == 0
+    [entry] = json.loads(capsys.readouterr().out)
+    assert (entry["router"]["auth"], entry["router"]["placement"]) == ({"apiKeys": False}, {})
