@@ -114,6 +114,7 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
             "hidden_size": 7168,
             "kv_lora_rank": 512,
             "qk_rope_head_dim": 64,
+            "n_routed_experts": 256,
             "torch_dtype": "bfloat16",
         },
         {
@@ -123,6 +124,27 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
             "headDim": 576,
             "kvCacheDtype": "bfloat16",
             "attention": "MLA",
+            "numExperts": 256,
+        },
+    ),
+    "qwen2-moe": (
+        {
+            "model_type": "qwen2_moe",
+            "num_hidden_layers": 24,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "hidden_size": 2048,
+            "num_experts": 60,
+            "torch_dtype": "bfloat16",
+        },
+        {
+            "name": "qwen2-moe",
+            "numLayers": 24,
+            "numKVHeads": 16,
+            "headDim": 128,
+            "kvCacheDtype": "bfloat16",
+            "attention": "Dense",
+            "numExperts": 60,
         },
     ),
 }

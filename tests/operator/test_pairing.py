@@ -48,9 +48,29 @@ def test_prefill_tp_1_2_4_8_share_a_fingerprint_but_not_a_pairing_key() -> None:
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-@pytest.mark.parametrize(("field", "value"), [("tensorParallelSize", 2), ("blockSize", 32), ("kvLayout", "NHD")])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("tensorParallelSize", 2),
+        ("blockSize", 32),
+        ("kvLayout", "NHD"),
+        ("dataParallelSize", 2),
+        ("expertParallel", True),
+    ],
+)
 def test_every_role_setting_changes_the_key(role: str, field: str, value: object) -> None:
-    assert key(with_(**{f"{role}__{field}": value})) != key(with_())
+    changed = {f"{role}__{field}": value}
+    if field == "expertParallel":
+        changed["model__numExperts"] = 8
+        assert key(with_(**changed)) != key(with_(model__numExperts=8))
+    else:
+        assert key(with_(**changed)) != key(with_())
+
+
+def test_data_and_expert_parallelism_left_unset_keep_the_key_they_had() -> None:
+    """Keys of deployments without them are what they were before the fields existed (no rollout on upgrade)."""
+    assert key(with_(prefill__dataParallelSize=1, decode__expertParallel=False)) == key(with_())
+    assert key(with_()) == "141971a902"  # the key before dataParallelSize and expertParallel existed
 
 
 def test_the_test_above_covers_every_role_setting() -> None:
@@ -58,6 +78,8 @@ def test_the_test_above_covers_every_role_setting() -> None:
         "tensorParallelSize",
         "blockSize",
         "kvLayout",
+        "dataParallelSize",
+        "expertParallel",
     }
 
 
@@ -71,6 +93,7 @@ def test_the_test_above_covers_every_role_setting() -> None:
         ("model__kvCacheDtype", "fp8_e4m3"),
         ("model__attention", "MLA"),
         ("model__cacheKind", "BlocksFirst"),
+        ("model__numExperts", 64),
         ("transfer__conversion", "Off"),
         ("transfer__backends", ["UCX", "LIBFABRIC"]),
         ("engine__kind", "Agent"),
@@ -82,7 +105,7 @@ def test_model_transfer_and_engine_fields_change_the_key(path: str, value: objec
 
 
 def test_every_model_field_is_in_the_key() -> None:
-    covered = {"name", "numLayers", "numKVHeads", "headDim", "kvCacheDtype", "attention", "cacheKind"}
+    covered = {"name", "numLayers", "numKVHeads", "headDim", "kvCacheDtype", "attention", "cacheKind", "numExperts"}
     assert {f.alias or name for name, f in ModelGeometry.model_fields.items()} == covered
 
 

@@ -192,14 +192,19 @@ def test_extra_args_may_not_override_what_the_plan_checked() -> None:
         ("--attention_backend=TRITON_ATTN", "VLLM_MANAGED_ARGUMENT"),
         ("--pipeline-parallel-size=2", "VLLM_UNMODELLED_ARGUMENT"),
         ("-pp", "VLLM_UNMODELLED_ARGUMENT"),
-        ("--data_parallel_size=2", "VLLM_UNMODELLED_ARGUMENT"),
-        ("--enable-expert-parallel", "VLLM_UNMODELLED_ARGUMENT"),
+        ("--data_parallel_size=2", "VLLM_MANAGED_ARGUMENT"),
+        ("-dpl", "VLLM_MANAGED_ARGUMENT"),
+        ("--data-parallel-start-rank=1", "VLLM_MANAGED_ARGUMENT"),
+        ("--enable-expert-parallel", "VLLM_MANAGED_ARGUMENT"),
+        ("-ep", "VLLM_MANAGED_ARGUMENT"),
+        ("--decode-context-parallel-size=2", "VLLM_UNMODELLED_ARGUMENT"),
         ("--config=/etc/vllm.yaml", "VLLM_UNMODELLED_ARGUMENT"),
     ],
 )
 def test_extra_args_are_read_the_way_vllm_reads_them(arg: str, code: str) -> None:
     """Issue 13 #9: underscore spellings passed (vLLM accepts them, the later flag wins), and so did parallelism
-    kvbridge does not model, while plan said compatible and the GPU request stayed TP."""
+    kvbridge does not model, while plan said compatible and the GPU request stayed TP. Data and expert parallelism
+    are modelled since (issue 37): their flags come from the spec."""
     doc = document("llama3-8b-hetero-tp")
     doc["spec"]["engine"]["extraArgs"] = [arg]
     assert codes(verdict(doc)) == [(code, "spec.engine.extraArgs")]

@@ -5,6 +5,7 @@ Reading order:
 - ``errors``: typed errors and problems, each with a stable code and the field at fault.
 - ``compat``: can these prefill and decode settings exchange KV caches (every violation at once).
 - ``fingerprint``: the short hash of everything that must match on both sides.
+- ``parallel``: data and expert parallelism: each DP rank a KV peer of its own (engine id, side-channel port).
 - ``tp``: which decode rank reads which prefill ranks.
 - ``geometry``: a rank's regions and block strides, numbered by cache kind.
 - ``layout``: vLLM's physical layouts (``KVCacheLayout``) as byte strides; two sides' contiguous runs.

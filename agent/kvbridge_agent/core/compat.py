@@ -30,6 +30,9 @@ CROSS_LAYER_NEEDS_HND = "CROSS_LAYER_NEEDS_HND"
 CROSS_LAYER_BLOCK_SIZE = "CROSS_LAYER_BLOCK_SIZE"
 CONVERSION_OFF = "CONVERSION_OFF"
 MODEL_MISMATCH = "MODEL_MISMATCH"
+EXPERT_PARALLEL_NEEDS_MOE = "EXPERT_PARALLEL_NEEDS_MOE"
+EXPERTS_FEWER_THAN_RANKS = "EXPERTS_FEWER_THAN_RANKS"
+SIDE_CHANNEL_PORTS_OUT_OF_RANGE = "SIDE_CHANNEL_PORTS_OUT_OF_RANGE"
 
 PROBLEM_CODES = (
     MLA_KV_HEADS,
@@ -43,7 +46,13 @@ PROBLEM_CODES = (
     CROSS_LAYER_BLOCK_SIZE,
     CONVERSION_OFF,
     MODEL_MISMATCH,
+    EXPERT_PARALLEL_NEEDS_MOE,
+    EXPERTS_FEWER_THAN_RANKS,
+    SIDE_CHANNEL_PORTS_OUT_OF_RANGE,
 )
+
+#: the highest TCP port
+_MAX_PORT = 65535
 
 
 def field_path(role: Role, name: str) -> str:
@@ -95,6 +104,56 @@ def check_model(model: ModelGeometry) -> list[Problem]:
     return problems
 
 
+def check_side_channel_ports(prefill: RoleSettings, decode: RoleSettings, transfer: TransferSettings) -> list[Problem]:
+    """Every data-parallel rank listens on base port + rank: the widest role's last rank must get a TCP port."""
+    dp = max(prefill.data_parallel_size, decode.data_parallel_size)
+    last = transfer.side_channel_port + dp - 1
+    if last <= _MAX_PORT:
+        return []
+    return [
+        Problem(
+            SIDE_CHANNEL_PORTS_OUT_OF_RANGE,
+            "spec.transfer.sideChannelPort",
+            f"{dp} data-parallel ranks listen on side-channel ports {transfer.side_channel_port} to {last} (base + "
+            f"rank), past {_MAX_PORT}: set spec.transfer.sideChannelPort: {_MAX_PORT + 1 - dp}",
+        )
+    ]
+
+
+def check_parallelism(model: ModelGeometry, role: Role, settings: RoleSettings) -> list[Problem]:
+    """Rules about one role's data and expert parallelism. Neither changes the KV geometry of a rank: a
+    data-parallel rank is an engine of its own to the other side (its own KV cache, engine id and side-channel
+    port, TP inside it under the pair rules), and experts hold no KV. What can be wrong is the role alone."""
+    problems: list[Problem] = []
+    dp, world = settings.data_parallel_size, settings.world_size
+    if settings.expert_parallel and not model.is_moe:
+        problems.append(
+            Problem(
+                EXPERT_PARALLEL_NEEDS_MOE,
+                field_path(role, "expertParallel"),
+                f"{role.value} asks for expert parallelism, but spec.model.numExperts is 0 (a dense model has no "
+                f"experts to shard): set {field_path(role, 'expertParallel')}: false, or give spec.model.numExperts "
+                "the model's routed experts (config.json's n_routed_experts or num_experts)",
+            )
+        )
+    elif settings.expert_parallel and model.num_experts < world:
+        fits = model.num_experts // settings.tensor_parallel_size
+        fix = (
+            f"set {field_path(role, 'dataParallelSize')}: {fits}"
+            if fits >= 1
+            else f"set {field_path(role, 'expertParallel')}: false"
+        )
+        problems.append(
+            Problem(
+                EXPERTS_FEWER_THAN_RANKS,
+                field_path(role, "dataParallelSize"),
+                f"{role.value} shards {model.num_experts} experts over DP {dp} x TP {settings.tensor_parallel_size} "
+                f"= {world} ranks, so some ranks would hold no expert at all: {fix}",
+            )
+        )
+    return problems
+
+
 def check_pair(
     model: ModelGeometry,
     prefill: RoleSettings,
@@ -104,8 +163,12 @@ def check_pair(
     suggestions: bool = True,
 ) -> list[Problem]:
     """Every problem that keeps this prefill/decode pair from exchanging KV caches."""
-    conversion = (transfer or TransferSettings()).conversion
+    transfer = transfer or TransferSettings()
+    conversion = transfer.conversion
     problems = check_model(model)
+    for role, settings in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
+        problems += check_parallelism(model, role, settings)
+    problems += check_side_channel_ports(prefill, decode, transfer)
     tp_p, tp_d = prefill.tensor_parallel_size, decode.tensor_parallel_size
     bs_p, bs_d = prefill.block_size, decode.block_size
     k = model.num_kv_heads

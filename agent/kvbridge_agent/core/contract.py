@@ -27,8 +27,18 @@ _MODEL_VARS = {
     "KV_CACHE_DTYPE": "kv_cache_dtype",
     "ATTENTION": "attention",
     "CACHE_KIND": "cache_kind",
+    "NUM_EXPERTS": "num_experts",
 }
-_ROLE_VARS = {"TP_SIZE": "tensor_parallel_size", "BLOCK_SIZE": "block_size", "KV_LAYOUT": "kv_layout"}
+_ROLE_VARS = {
+    "TP_SIZE": "tensor_parallel_size",
+    "BLOCK_SIZE": "block_size",
+    "KV_LAYOUT": "kv_layout",
+    "DP_SIZE": "data_parallel_size",
+    "EXPERT_PARALLEL": "expert_parallel",
+}
+#: fields added after the first pods ran: rendered only where they differ from their default, so the pods of a
+#: deployment that does not use them keep their environment (and their template revision) through an upgrade
+_RENDERED_WHEN_SET = frozenset({"num_experts", "data_parallel_size", "expert_parallel"})
 _TRANSFER_VARS = {
     "SIDE_CHANNEL_PORT": "side_channel_port",
     "LEASE_SECONDS": "lease_seconds",
@@ -128,10 +138,12 @@ def render_environment(env: EngineEnvironment) -> dict[str, str]:
         if value is not None:
             out[PREFIX + var] = str(_plain(value))
     for var, name in _MODEL_VARS.items():
-        out[PREFIX + var] = str(_plain(getattr(env.model, name)))
+        if _rendered(env.model, name):
+            out[PREFIX + var] = str(_plain(getattr(env.model, name)))
     for role, settings in ((Role.PREFILL, env.prefill), (Role.DECODE, env.decode)):
         for var, name in _ROLE_VARS.items():
-            out[f"{PREFIX}{role.value.upper()}_{var}"] = str(_plain(getattr(settings, name)))
+            if _rendered(settings, name):
+                out[f"{PREFIX}{role.value.upper()}_{var}"] = str(_plain(getattr(settings, name)))
     for var, name in _TRANSFER_VARS.items():
         value = getattr(env.transfer, name)
         out[PREFIX + var] = ",".join(value) if isinstance(value, list) else str(_plain(value))
@@ -140,6 +152,10 @@ def render_environment(env: EngineEnvironment) -> dict[str, str]:
 
 def _plain(value: object) -> object:
     return getattr(value, "value", value)
+
+
+def _rendered(section: CamelModel, name: str) -> bool:
+    return name not in _RENDERED_WHEN_SET or getattr(section, name) != type(section).model_fields[name].default
 
 
 def parse_environment(environ: Mapping[str, str], **overrides: object) -> EngineEnvironment:

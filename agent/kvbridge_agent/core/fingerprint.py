@@ -9,8 +9,9 @@ from .model import PROTOCOL_VERSION, ModelGeometry
 
 
 def fingerprint_fields(model: ModelGeometry, protocol_version: int = PROTOCOL_VERSION) -> dict[str, object]:
-    """The must-match fields (docs/protocol.md §2), in CRD words."""
-    return {
+    """The must-match fields (docs/protocol.md §2), in CRD words; ``numExperts`` only for a mixture-of-experts
+    model, so the fingerprints of dense models stay as they were."""
+    fields: dict[str, object] = {
         "protocolVersion": protocol_version,
         "name": model.name,
         "numLayers": model.num_layers,
@@ -20,6 +21,9 @@ def fingerprint_fields(model: ModelGeometry, protocol_version: int = PROTOCOL_VE
         "attention": model.attention.value,
         "cacheKind": model.cache_kind.value,
     }
+    if model.is_moe:
+        fields["numExperts"] = model.num_experts
+    return fields
 
 
 def fingerprint(model: ModelGeometry, protocol_version: int = PROTOCOL_VERSION) -> str:

@@ -124,6 +124,13 @@ class ModelGeometry(CamelModel):
         default=CacheKind.SPLIT,
         description="Split | BlocksFirst | CrossLayer; MLA uses one latent region per layer (Split).",
     )
+    num_experts: int = Field(
+        default=0,
+        ge=0,
+        le=65536,
+        description="Routed experts per mixture-of-experts layer (config.json's n_routed_experts or num_experts); "
+        "0: a dense model. Changes no KV geometry; expertParallel needs it.",
+    )
 
     @field_validator("kv_cache_dtype", mode="before")
     @classmethod
@@ -133,6 +140,10 @@ class ModelGeometry(CamelModel):
     @property
     def element_bytes(self) -> int:
         return self.kv_cache_dtype.element_bytes
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def is_mla(self) -> bool:
@@ -156,6 +167,25 @@ class RoleSettings(CamelModel):
     tensor_parallel_size: int = Field(default=1, ge=1, le=1024, description="Tensor-parallel size.")
     block_size: int = Field(default=16, ge=1, le=4096, description="KV cache block size in tokens.")
     kv_layout: KVLayout = Field(default=KVLayout.HND, description="Order inside one block: HND or NHD.")
+    data_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="Data-parallel ranks per engine (vLLM's --data-parallel-size): each rank is an attention "
+        "replica of tensorParallelSize GPUs with its own KV cache, engine id and side-channel port (base + rank), "
+        "a KV peer of its own; an engine takes dataParallelSize x tensorParallelSize GPUs.",
+    )
+    expert_parallel: bool = Field(
+        default=False,
+        description="Shard the experts of a mixture-of-experts model over the engine's dataParallelSize x "
+        "tensorParallelSize ranks (vLLM's --enable-expert-parallel); needs spec.model.numExperts. Changes no KV "
+        "geometry.",
+    )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks (GPUs) of one engine: every data-parallel rank's tensor-parallel ranks."""
+        return self.data_parallel_size * self.tensor_parallel_size
 
 
 #: how much of a refused value its message shows

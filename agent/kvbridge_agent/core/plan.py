@@ -16,6 +16,7 @@ from .errors import IncompatibleError, Problem, SpecError
 from .fingerprint import fingerprint
 from .geometry import RegionLayout, region_layout
 from .model import ModelGeometry, RoleSettings, TransferSettings
+from .parallel import parallelism
 from .tp import (
     handshake_ranks,
     head_offset_factor,
@@ -82,6 +83,7 @@ class DecodeRankPlan:
             "fingerprint": pair.fingerprint,
             "descriptorsPerBlock": self.descriptors_per_block,
             "prefillPrefixCachingAllowed": pair.wire.prefill_prefix_caching_allowed,
+            "parallelism": pair.parallelism,
         }
 
 
@@ -119,6 +121,11 @@ class TransferPlan:
     def local_unit_bytes(self) -> int:
         """Bytes of one decode descriptor unit: a block, or a sub-block when merging."""
         return exact_div(self.decode_layout.unit_bytes, self.block_size_ratio, what="decode block bytes per sub-block")
+
+    @cached_property
+    def parallelism(self) -> dict[str, object]:
+        """Both roles' data and expert parallelism and what they change for KV (core/parallel.py)."""
+        return parallelism(self.model, self.prefill, self.decode, self.transfer)
 
     def for_decode_rank(self, decode_rank: int) -> DecodeRankPlan:
         cached = self._ranks.get(decode_rank)

@@ -10,6 +10,7 @@ from typing import Any
 from kvbridge_agent.core import KVLayout, ModelGeometry, Role, SpecError, TransferSettings
 from kvbridge_agent.core.cache_groups import CacheGroups
 from kvbridge_agent.core.contract import EngineEnvironment, parse_environment
+from kvbridge_agent.core.parallel import engine_id_of_rank
 from kvbridge_agent.core.plan import plan_or_problems
 
 #: vLLM's KV roles and kvbridge's
@@ -75,6 +76,7 @@ class ConnectorSettings:
                     field=f"spec.{role.value}.{name}",
                     code="CONNECTOR_MISMATCH",
                 )
+        environment = data_parallel_rank(environment, vllm_config)
         # a host buffer for nodes without GPUDirect RDMA; on the CPU build the cache is in host memory already
         host_buffer = not cpu_build and str(getattr(transfer_config, "kv_buffer_device", "cuda")) == "cpu"
         if cpu_build and own.kv_layout is not KVLayout.HND:
@@ -93,3 +95,22 @@ class ConnectorSettings:
         if not environment.fingerprint:
             environment = environment.model_copy(update={"fingerprint": result.fingerprint})
         return cls(role, environment, block_size, tp_size, host_buffer)
+
+
+def data_parallel_rank(environment: EngineEnvironment, vllm_config: Any) -> EngineEnvironment:
+    """The environment of the data-parallel rank this engine core is, as vLLM names it: its index
+    (``parallel_config.data_parallel_index``, kept for dense models too, whose DP ranks vLLM runs as independent
+    engines of DP size 1), the engine id ``<pod>_dp<index>`` and the side channel on base port + index, as vLLM's
+    NixlConnector offsets ``VLLM_NIXL_SIDE_CHANNEL_PORT``. An index outside the role's ``dataParallelSize`` means
+    vLLM was started with other arguments than kvbridge rendered."""
+    index = int(getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0)
+    size = environment.own.data_parallel_size
+    if not 0 <= index < size:
+        raise SpecError(
+            f"vLLM runs data-parallel rank {index} but the environment contract says {size} rank(s) for "
+            f"{environment.role.value}: start vLLM with the arguments kvbridge rendered",
+            field=f"spec.{environment.role.value}.dataParallelSize",
+            code="CONNECTOR_MISMATCH",
+        )
+    engine_id = engine_id_of_rank(environment.engine_id, index, size)
+    return environment.model_copy(update={"dp_index": index, "engine_id": engine_id})

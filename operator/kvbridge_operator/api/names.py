@@ -33,6 +33,10 @@ LABEL_FINGERPRINT = "kvbridge.io/fingerprint"
 LABEL_REVISION = "kvbridge.io/revision"
 LABEL_PAIRING = "kvbridge.io/pairing"
 LABEL_TP = "kvbridge.io/tensor-parallel-size"
+#: an engine pod's data-parallel ranks, on pods of a role with more than one (absent: one)
+LABEL_DP = "kvbridge.io/data-parallel-size"
+#: the data-parallel ranks each pod of an engine spanning nodes runs (absent: all of them)
+LABEL_DP_LOCAL = "kvbridge.io/data-parallel-size-local"
 #: namespaces labelled so may reach the engines' HTTP APIs (a router or gateway outside the deployment's namespace)
 LABEL_API_ACCESS = "kvbridge.io/api-access"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kvbridge", "app.kubernetes.io/part-of": "kvbridge"}
@@ -54,6 +58,24 @@ PODS_ANNOTATION = "kvbridge.io/prefill-pods"
 # -- containers, ports, volumes -------------------------------------------------------------------------------------
 ENGINE_CONTAINER = "engine"
 SIDE_CHANNEL_PORT_NAME = "side-channel"
+#: the container port of a further data-parallel rank's side channel (rank 0's is SIDE_CHANNEL_PORT_NAME); a port's
+#: name has at most 15 characters, so not side-channel-<rank>
+DP_SIDE_CHANNEL_PORT_PREFIX = "side-dp"
+
+
+def side_channel_port_name(dp_rank: int) -> str:
+    """The container port name of one data-parallel rank's side channel."""
+    return SIDE_CHANNEL_PORT_NAME if dp_rank == 0 else f"{DP_SIDE_CHANNEL_PORT_PREFIX}{dp_rank}"
+
+
+def is_side_channel_port_name(name: object) -> bool:
+    """Whether ``name`` is one of the side-channel ports kvbridge renders (any data-parallel rank's)."""
+    if not isinstance(name, str):
+        return False
+    rank = name.removeprefix(DP_SIDE_CHANNEL_PORT_PREFIX)
+    return name == SIDE_CHANNEL_PORT_NAME or (rank != name and rank.isdigit())
+
+
 HTTP_PORT_NAME = "http"
 KEYS_VOLUME = "side-channel-keys"
 #: the router's token (spec.router.signTransfers), on the router's pods and the decode engines'

@@ -127,8 +127,8 @@ class RoleSpec(RoleSettings):
 
     def settings(self) -> RoleSettings:
         """The settings that the compatibility rules look at."""
-        return RoleSettings(
-            tensor_parallel_size=self.tensor_parallel_size, block_size=self.block_size, kv_layout=self.kv_layout
+        return RoleSettings.model_validate(
+            {name: getattr(self, name) for name in RoleSettings.model_fields}, by_name=True
         )
 
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import StrEnum
+from typing import Any
 
-from pydantic import Field
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
 
 from kvbridge_agent.core import Role
 from kvbridge_agent.core.model import CamelModel
@@ -49,12 +50,40 @@ class ServingEndpoint(CamelModel):
     )
 
 
+class DataParallelRank(CamelModel):
+    """One data-parallel rank of a prefill engine: a KV peer of its own."""
+
+    rank: int = Field(ge=0, description="The DP rank (vLLM's data_parallel_index).")
+    port: int = Field(ge=1, le=65535, description="Its side channel's port: base port + rank.")
+    engine_id: str = Field(
+        default="",
+        description="Its engine id, <pod>_dp<rank> (kvbridge's connector, the agent); empty with vLLM's "
+        "NixlConnector, which draws a new one on every start (the transfer parameters carry it).",
+    )
+    pod: str = Field(default="", description="The worker pod it runs in, when not the endpoint's own (DP over nodes).")
+    ip: str = Field(default="", description="That worker pod's address; empty: the endpoint's own ip.")
+
+
 class Endpoint(ServingEndpoint):
     """A prefill engine's side-channel endpoint, as decode agents and routers use it."""
 
-    port: int = Field(ge=1, le=65535, description="The side channel's port.")
-    ranks: int = Field(ge=1, description="TP ranks served by this endpoint.")
+    port: int = Field(ge=1, le=65535, description="The side channel's port (data-parallel rank 0's).")
+    ranks: int = Field(ge=1, description="TP ranks served by this endpoint (by each DP rank's side channel).")
     fingerprint: str
+    data_parallel_ranks: list[DataParallelRank] | None = Field(
+        default=None,
+        description="With spec.prefill.dataParallelSize above 1: every DP rank's side channel (each a KV peer with "
+        "its own KV cache); absent with one.",
+    )
+
+    @model_serializer(mode="wrap")
+    def _absent_with_one_rank(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Left out, not null, for a pod of one data-parallel rank: its status is what it was before DP existed."""
+        dumped: dict[str, Any] = handler(self)
+        if self.data_parallel_ranks is None:
+            dumped.pop("dataParallelRanks", None)
+            dumped.pop("data_parallel_ranks", None)
+        return dumped
 
 
 class RoleStatus(CamelModel):

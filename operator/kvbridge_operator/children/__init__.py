@@ -7,6 +7,7 @@ Reading order:
 - ``vllm_engine``: the ``vllm serve`` containers.
 - ``vllm_messages``: the words of ``vllm_engine``'s problems, one template each.
 - ``multinode``: LeaderWorkerSets, for engines that span nodes.
+- ``parallelism``: where a role's data and expert parallelism run (vLLM on GPUs, a pod's DP ranks).
 - ``templates``: what a role's ``template`` overlay may change.
 - ``placement``: where pods may run: what fits a node, what stays together.
 - ``network``: the KV data path's network (UCX, RDMA), checked and rendered.

@@ -7,6 +7,13 @@ ranks. vLLM's multi-node launch (multiprocessing backend): ``--nnodes``, ``--nod
 ``--master-addr`` (the leader's address, which LWS gives every pod as ``LWS_LEADER_ADDRESS``) and
 ``--master-port``. Each pod holds ``tensorParallelSize / nodes`` GPUs.
 
+An engine of several data-parallel ranks spans nodes the other way (vLLM's multi-node data parallelism): each pod
+holds ``dataParallelSize / nodes`` whole DP ranks (their TP stays inside the node), the leader runs the API server
+and its DP ranks (``--data-parallel-size-local``, ``--data-parallel-address`` the leader's), each worker runs its
+DP ranks ``--headless`` from ``--data-parallel-start-rank`` = worker index x ranks per pod (a shell computes it from
+``LWS_WORKER_INDEX``). Every DP rank keeps its own side channel on base port + its global rank, on the pod it runs
+in: the workers' ranks are KV peers at the workers' addresses.
+
 Pure: renders objects, checks specs; the reconcile decides when to apply them.
 """
 
@@ -17,7 +24,7 @@ import copy
 from kvbridge_agent.core import Problem, Role
 from kvbridge_operator.api.names import LABEL_INFERENCE_POOL, LABEL_WORKER_INDEX, LWS_API, LWS_KIND
 from kvbridge_operator.api.objects import Obj
-from kvbridge_operator.api.spec import MAX_NODES, DisaggregatedDeploymentSpec, EngineDevice, EngineKind
+from kvbridge_operator.api.spec import MAX_NODES, DisaggregatedDeploymentSpec, EngineDevice, EngineKind, RoleSpec
 
 #: torch.distributed's rendezvous on the leader (vLLM's --master-port)
 MASTER_PORT = 29500
@@ -36,10 +43,21 @@ def is_worker(pod: Obj) -> bool:
     return labels.get(LABEL_WORKER_INDEX, "0") != "0"
 
 
+#: the shell that starts a data-parallel worker at its first DP rank (``$0 "$@"`` is the command and its arguments;
+#: ``{per_pod}`` is filled in)
+START_RANK = 'exec "$0" "$@" --data-parallel-start-rank "$((LWS_WORKER_INDEX * {per_pod}))"'
+DATA_PARALLEL_NODES_DO_NOT_DIVIDE = "DATA_PARALLEL_NODES_DO_NOT_DIVIDE"
+
+
+def data_parallel_per_pod(role_spec: RoleSpec) -> int:
+    """The DP ranks each pod of one engine runs: all of them, or an even share over ``nodes``."""
+    return max(role_spec.data_parallel_size // role_spec.nodes, 1)
+
+
 def gpus_per_pod(spec: DisaggregatedDeploymentSpec, role: Role) -> int:
-    """GPUs each pod of one engine holds (the whole TP when the engine is one pod)."""
+    """GPUs each pod of one engine holds (every DP rank's TP ranks when the engine is one pod)."""
     role_spec = spec.role(role)
-    return role_spec.tensor_parallel_size // role_spec.nodes
+    return role_spec.world_size // role_spec.nodes
 
 
 def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
@@ -59,6 +77,19 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
                     f"(vLLM's multi-node launch); set spec.{role.value}.nodes to 1",
                 )
             )
+        elif role_spec.data_parallel_size > 1:
+            dp = role_spec.data_parallel_size
+            if dp % role_spec.nodes:
+                even = [n for n in range(2, min(dp, MAX_NODES) + 1) if dp % n == 0]
+                found.append(
+                    Problem(
+                        DATA_PARALLEL_NODES_DO_NOT_DIVIDE,
+                        field,
+                        f"{role.value} runs {dp} data-parallel ranks over {role_spec.nodes} nodes, which leaves nodes "
+                        f"with different numbers of ranks (each pod runs dataParallelSize / nodes whole DP ranks); "
+                        f"set spec.{role.value}.nodes to one of {', '.join(map(str, even)) or '1'}",
+                    )
+                )
         elif role_spec.tensor_parallel_size % role_spec.nodes:
             tp = role_spec.tensor_parallel_size
             even = [n for n in range(2, min(tp, MAX_NODES) + 1) if tp % n == 0]
@@ -91,15 +122,25 @@ def launch_args(nodes: int, leader: bool) -> list[str]:
     return args if leader else [*args, "--headless"]
 
 
-def group_templates(template: Obj, nodes: int) -> tuple[Obj, Obj]:
+def group_templates(template: Obj, nodes: int, data_parallel: int = 1) -> tuple[Obj, Obj]:
     """The leader's and the workers' pod templates from a role's single-pod template: the leader keeps the
     API, its probes and the side channel and opens the rendezvous port; a worker has no API (``--headless``), so
-    no HTTP port, no probes and no side channel of its own."""
+    no HTTP port, no probes and no side channel of its own. With several data-parallel ranks (``data_parallel``)
+    the pods share no TP group: no rendezvous, and each worker starts at its first DP rank (:data:`START_RANK`);
+    its DP ranks' side channels listen on its own address (their ports differ per worker, so none is declared)."""
     leader = copy.deepcopy(template)
     worker = copy.deepcopy(template)
     for pod, is_leader in ((leader, True), (worker, False)):
         engine = next(c for c in pod["spec"]["containers"] if c["name"] == "engine")
-        engine["args"] = [*engine.get("args", []), *launch_args(nodes, is_leader)]
+        if data_parallel > 1:
+            if not is_leader:
+                script = START_RANK.format(per_pod=data_parallel // nodes)
+                engine["command"] = ["/bin/sh", "-c", script, *engine.get("command", [])]
+                engine["args"] = [*engine.get("args", []), "--headless"]
+        else:
+            engine["args"] = [*engine.get("args", []), *launch_args(nodes, is_leader)]
+        if is_leader and data_parallel > 1:
+            continue
         if is_leader:
             engine["ports"] = [
                 *engine.get("ports", []),
@@ -115,13 +156,20 @@ def group_templates(template: Obj, nodes: int) -> tuple[Obj, Obj]:
 
 
 def leader_worker_set(
-    metadata: Obj, replicas: int, nodes: int, template: Obj, max_surge: int, max_unavailable: int, partition: int = 0
+    metadata: Obj,
+    replicas: int,
+    nodes: int,
+    template: Obj,
+    max_surge: int,
+    max_unavailable: int,
+    partition: int = 0,
+    data_parallel: int = 1,
 ) -> Obj:
     """A role's LeaderWorkerSet: ``replicas`` engines of ``nodes`` pods each. A pod's restart recreates its whole
     group (one engine's ranks live or die together: vLLM cannot take a rank back), the workers start once the
     leader exists (they need its address), and rolling updates move whole groups, from the highest index down to
     ``partition``."""
-    leader, worker = group_templates(template, nodes)
+    leader, worker = group_templates(template, nodes, data_parallel)
     return {
         "apiVersion": LWS_API,
         "kind": LWS_KIND,

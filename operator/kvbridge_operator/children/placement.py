@@ -1,10 +1,10 @@
 """Where a deployment's pods may run (``spec.placement``): what fits a node, and what stays together.
 
-- **Fit.** A role's engine is one pod holding ``tensorParallelSize`` GPUs. With ``gpusPerNode`` known (the
-  spec's, else the operator's ``--gpus-per-node``, the chart's ``gpu.perNode``), a larger TP is a pod no node can
-  take: the verdict refuses it before anything is scheduled (``ROLE_DOES_NOT_FIT``). With ``nodes`` above 1 an
-  engine's pod holds ``tensorParallelSize / nodes`` GPUs (multinode.py); the fix offered for vLLM is the fewest
-  nodes that hold the TP evenly.
+- **Fit.** A role's engine is one pod holding ``dataParallelSize x tensorParallelSize`` GPUs. With
+  ``gpusPerNode`` known (the spec's, else the operator's ``--gpus-per-node``, the chart's ``gpu.perNode``), more is
+  a pod no node can take: the verdict refuses it before anything is scheduled (``ROLE_DOES_NOT_FIT``). With
+  ``nodes`` above 1 an engine's pod holds ``tensorParallelSize / nodes`` GPUs (multinode.py); the fix offered for
+  vLLM is the fewest nodes that hold the TP evenly, or, with several DP ranks, the most DP ranks a node holds.
 - **Colocation.** Pod affinity on ``topologyKey`` to the deployment's own pods (both roles): Preferred weighs
   the scheduler's choice, Required admits a pod only into the domain where the deployment's pods already run
   (the first pod matches itself, as Kubernetes allows). KV moves between the roles; across racks or NVLink
@@ -52,9 +52,25 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
         return []
     found = []
     for role in Role:
-        tp, nodes = spec.role(role).tensor_parallel_size, spec.role(role).nodes
+        tp, nodes, dp = spec.role(role).tensor_parallel_size, spec.role(role).nodes, spec.role(role).data_parallel_size
         gpus = multinode.gpus_per_pod(spec, role)
-        if gpus > per_node:
+        if gpus > per_node and dp > 1:
+            fits = per_node * nodes // tp
+            fix = (
+                f"set spec.{role.value}.dataParallelSize: {fits} and run more replicas"
+                if fits >= 1
+                else f"set spec.{role.value}.dataParallelSize: 1"
+            )
+            found.append(
+                Problem(
+                    ROLE_DOES_NOT_FIT,
+                    f"spec.{role.value}.dataParallelSize",
+                    f"{role.value} DP {dp} x TP {tp} over {nodes} node(s) needs {gpus} GPUs in one pod, and a node "
+                    f"has {per_node} (spec.placement.gpusPerNode, else the operator's gpusPerNode): no node can take "
+                    f"it; {fix}",
+                )
+            )
+        elif gpus > per_node:
             spans = -(-tp // per_node)  # the fewest nodes that hold TP ranks
             while tp % spans:
                 spans += 1

@@ -38,6 +38,8 @@ from kvbridge_operator.children.verdict import spec_problems, verdict_for
 MAX_CHANGES = 6
 _TP_VALUES = tuple(range(1, 129))
 _NODE_VALUES = tuple(range(1, 65))
+#: DP sizes tried: every size a node of up to 8 GPUs holds, then the usual wide ones
+_DP_VALUES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 64)
 _BLOCK_VALUES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 256, 512, 1024)
 
 #: bfloat16 first: the dtype to fall back to when the one asked for cannot run
@@ -57,6 +59,8 @@ def _role_field(role: str, name: str) -> tuple[str, Setter]:
         "blockSize": "block_size",
         "kvLayout": "kv_layout",
         "nodes": "nodes",
+        "dataParallelSize": "data_parallel_size",
+        "expertParallel": "expert_parallel",
     }
 
     def apply(spec: DisaggregatedDeploymentSpec, value: Any) -> DisaggregatedDeploymentSpec:
@@ -105,6 +109,11 @@ def _fields() -> dict[str, tuple[Setter, Sequence[Any]]]:
     # and the one kvbridge's connector reads on GPUs
     fields[MLA_HEADS_FIELD] = (_model_field("numKVHeads", "num_kv_heads")[1], (1,))
     fields[KV_BUFFER_FIELD] = (_kv_buffer_device, (KVBufferDevice.CPU, KVBufferDevice.CUDA))
+    # data and expert parallelism: only where a problem names them (they are a choice of scale, not of geometry)
+    for role in ("prefill", "decode"):
+        for name, values in (("dataParallelSize", _DP_VALUES), ("expertParallel", (False, True))):
+            path, apply = _role_field(role, name)
+            fields[path] = (apply, values)
     return fields
 
 
@@ -162,7 +171,13 @@ def _nearest(values: Sequence[Any], near: Any) -> list[Any]:
     return sorted(values, key=lambda value: _distance(near, value))[:VALUES_PER_FIELD]
 
 
-_ROLE_FIELDS = tuple(path for path in _FIELDS if path.split(".")[1] in ("prefill", "decode"))
+#: role fields searched only where a problem is at them (see _fields)
+_PARALLEL_NAMES = ("dataParallelSize", "expertParallel")
+_ROLE_FIELDS = tuple(
+    path
+    for path in _FIELDS
+    if path.split(".")[1] in ("prefill", "decode") and path.split(".")[2] not in _PARALLEL_NAMES
+)
 
 
 def _relevant(problems: Sequence[Problem]) -> list[str]:

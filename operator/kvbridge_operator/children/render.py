@@ -16,6 +16,7 @@ from typing import Any
 
 from kvbridge_agent.core import Role, TransferPlan
 from kvbridge_agent.core.contract import EngineEnvironment, render_environment
+from kvbridge_agent.core.parallel import side_channel_port_of_rank
 from kvbridge_operator.api.names import (
     API_VERSION,
     ENGINE_CONTAINER,
@@ -24,6 +25,8 @@ from kvbridge_operator.api.names import (
     KIND,
     LABEL_API_ACCESS,
     LABEL_DEPLOYMENT,
+    LABEL_DP,
+    LABEL_DP_LOCAL,
     LABEL_FINGERPRINT,
     LABEL_INFERENCE_POOL,
     LABEL_LLM_D_ROLE,
@@ -32,10 +35,10 @@ from kvbridge_operator.api.names import (
     LABEL_ROLE,
     LABEL_TP,
     MANAGED_BY,
-    SIDE_CHANNEL_PORT_NAME,
     network_policy_name,
     role_name,
     secret_name,
+    side_channel_port_name,
 )
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import DisaggregatedDeployment, EngineDevice, EngineKind, RoleSpec
@@ -170,7 +173,15 @@ def rendered_template(
     """The role's pod template as kvbridge renders it from the spec and the plan, before the role's overlay."""
     spec = dd.spec
     role_spec: RoleSpec = spec.role(role)
-    side_channel = {"name": SIDE_CHANNEL_PORT_NAME, "containerPort": spec.transfer.side_channel_port, "protocol": "TCP"}
+    # one side channel per data-parallel rank, on base port + rank (vLLM's NixlConnector and kvbridge's connector)
+    side_channels: list[Obj] = [
+        {
+            "name": side_channel_port_name(rank),
+            "containerPort": side_channel_port_of_rank(spec.transfer.side_channel_port, rank),
+            "protocol": "TCP",
+        }
+        for rank in range(multinode.data_parallel_per_pod(role_spec))  # the leader's, with DP over nodes
+    ]
     group_labels = placement.pod_group_labels(spec, dd.metadata.name)
     placed = placement.pod_fields(spec, dd.metadata.name, selector(dd.metadata.name, role), LABEL_DEPLOYMENT)
     labels = {
@@ -179,11 +190,17 @@ def rendered_template(
         LABEL_FINGERPRINT: plan.fingerprint,
         LABEL_PAIRING: key or pairing(spec),
         LABEL_TP: str(role_spec.tensor_parallel_size),
+        **({LABEL_DP: str(role_spec.data_parallel_size)} if role_spec.data_parallel_size > 1 else {}),
+        **(
+            {LABEL_DP_LOCAL: str(multinode.data_parallel_per_pod(role_spec))}
+            if role_spec.data_parallel_size > 1 and role_spec.nodes > 1
+            else {}
+        ),
         **group_labels,
     }
     if spec.engine.kind is EngineKind.VLLM:
         containers, volumes = vllm.pod_containers(
-            dd, role, plan, config, engine_env(dd, role, plan, config), side_channel, _keys_volume(dd)
+            dd, role, plan, config, engine_env(dd, role, plan, config), side_channels, _keys_volume(dd)
         )
         if config.routing_sidecar_image or spec.inference_pool.enabled:
             labels[LABEL_LLM_D_ROLE] = role.value.lower()  # what llm-d's scheduler selects prefill/decode pods by
@@ -191,7 +208,7 @@ def rendered_template(
             labels[LABEL_INFERENCE_POOL] = dd.metadata.name  # what the InferencePool selects: engines only
     else:
         containers, volumes = (
-            [_agent_container(dd, role, plan, config, side_channel)],
+            [_agent_container(dd, role, plan, config, side_channels[0])],
             [_keys_volume(dd)],
         )
     template: Obj = {
@@ -295,17 +312,18 @@ def leader_worker_set(
         pod_template(dd, role, plan, config, key),
         role_spec.rollout.max_surge,
         role_spec.rollout.max_unavailable,
+        data_parallel=role_spec.data_parallel_size,
     )
 
 
 def service(dd: DisaggregatedDeployment, uid: str, role: Role, config: OperatorConfig) -> Obj:
     name = role_name(dd.metadata.name, role)
     ports = [{"name": HTTP_PORT_NAME, "port": config.agent_http_port, "targetPort": HTTP_PORT_NAME, "protocol": "TCP"}]
-    if role is Role.PREFILL:
-        port = dd.spec.transfer.side_channel_port
-        ports.append(
-            {"name": SIDE_CHANNEL_PORT_NAME, "port": port, "targetPort": SIDE_CHANNEL_PORT_NAME, "protocol": "TCP"}
-        )
+    if role is Role.PREFILL:  # every data-parallel rank's side channel that a pod declares (the leader's)
+        for rank in range(multinode.data_parallel_per_pod(dd.spec.prefill)):
+            port_name = side_channel_port_name(rank)
+            port = side_channel_port_of_rank(dd.spec.transfer.side_channel_port, rank)
+            ports.append({"name": port_name, "port": port, "targetPort": port_name, "protocol": "TCP"})
     return {
         "apiVersion": "v1",
         "kind": "Service",

@@ -44,6 +44,7 @@ from kvbridge_operator.api.names import (
     LABEL_REVISION,
     LABEL_WORKER_INDEX,
     SIDE_CHANNEL_PORT_NAME,
+    is_side_channel_port_name,
 )
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind
@@ -105,7 +106,7 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
             message = _EXTRA_ARGS.format(where=where, kind=spec.engine.kind.value)
             found.append(Problem(EXTRA_ARGS_NEED_VLLM, f"{where}.extraArgs", message))
         if role_spec.template:
-            gpus = role_spec.tensor_parallel_size // max(role_spec.nodes, 1)
+            gpus = role_spec.world_size // max(role_spec.nodes, 1)
             found += _template(role_spec.template, f"{where}.template", gpus, spec)
     return found
 
@@ -154,8 +155,9 @@ _MANAGED_PORT = (
     "from the template (spec.transfer.sideChannelPort sets the side channel's)"
 )
 _GPUS = (
-    "each pod of this role runs {gpus} TP rank(s), one per GPU, and the template asks {amount}: remove the GPU "
-    "{kind} from the template (kvbridge sets {gpus}), or change tensorParallelSize"
+    "each pod of this role runs {gpus} rank(s) (DP x TP / nodes), one per GPU, and the template asks {amount}: "
+    "remove the GPU {kind} from the template (kvbridge sets {gpus}), or change tensorParallelSize or "
+    "dataParallelSize"
 )
 _MANAGED_RDMA = (
     "{resource} is rendered from spec.transfer.network.rdmaResources ({count}), and the template asks {amount}: "
@@ -335,7 +337,7 @@ def _ports(ports: Any, where: str) -> list[Problem]:
             continue
         if number in seen:
             found.append(_invalid(field, _TWICE.format(what=f"the port {number}", field=field)))
-        elif port.get("name") in MANAGED_PORTS:
+        elif port.get("name") in MANAGED_PORTS or is_side_channel_port_name(port.get("name")):
             found.append(_managed(field, _MANAGED_PORT.format(name=port["name"])))
         seen.add(number)
     return found
@@ -405,7 +407,8 @@ def _pods(dd: DisaggregatedDeployment, role: Role, template: Obj) -> tuple[Obj, 
     ]
     if not multinode.spans_nodes(dd.spec, role) or len(engines) != 1:
         return (template,)  # one pod; or no single engine, which _values reports
-    return multinode.group_templates(template, dd.spec.role(role).nodes)
+    role_spec = dd.spec.role(role)
+    return multinode.group_templates(template, role_spec.nodes, role_spec.data_parallel_size)
 
 
 def _keeps(kind: str, value: Any, now: Any) -> bool:

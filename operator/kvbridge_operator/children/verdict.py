@@ -12,16 +12,22 @@ from kvbridge_agent.core import KVBridgeError, Problem, TransferPlan, plan_or_pr
 from kvbridge_agent.core.compat import check_pair
 from kvbridge_operator.api.objects import with_fields
 from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind
-from kvbridge_operator.children import multinode, network, placement, templates
+from kvbridge_operator.children import multinode, network, parallelism, placement, templates
 from kvbridge_operator.children import vllm_engine as vllm
 from kvbridge_operator.config import OperatorConfig
 
 
 def spec_problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
-    """Every check beyond the compatibility rules: what the multi-node layout, the placement, the data path's
-    network, the template overlays
+    """Every check beyond the compatibility rules: what the multi-node layout, the data and expert parallelism, the
+    placement, the data path's network, the template overlays
     and (for vLLM) the engine cannot run. The fix search (remedy.py) checks its candidates with the same list."""
-    found = [*multinode.problems(spec), *placement.problems(spec), *network.problems(spec), *templates.problems(spec)]
+    found = [
+        *multinode.problems(spec),
+        *parallelism.problems(spec),
+        *placement.problems(spec),
+        *network.problems(spec),
+        *templates.problems(spec),
+    ]
     if spec.engine.kind is EngineKind.VLLM:
         found += vllm.problems(spec)
     return found

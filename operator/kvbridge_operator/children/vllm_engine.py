@@ -62,6 +62,31 @@ VLLM_MLA_BLOCK_SIZE = "VLLM_MLA_BLOCK_SIZE"
 MLA_BACKEND = "FLASHMLA"
 MLA_BLOCK_SIZE = 64
 
+#: vLLM's data-parallel arguments (long and short names): kvbridge sets them from ``spec.<role>.dataParallelSize``
+DATA_PARALLEL_ARGUMENTS = (
+    "--data-parallel-size",
+    "-dp",
+    "--data-parallel-size-local",
+    "-dpl",
+    "--data-parallel-rank",
+    "-dpn",
+    "--data-parallel-start-rank",
+    "-dpr",
+    "--data-parallel-address",
+    "-dpa",
+    "--data-parallel-rpc-port",
+    "-dpp",
+    "--data-parallel-backend",
+    "-dpb",
+    "--data-parallel-hybrid-lb",
+    "-dph",
+    "--data-parallel-external-lb",
+    "-dpe",
+    "--data-parallel-multi-port-external-lb",
+    "-dpm",
+)
+#: the port of vLLM's data-parallel coordination (its default, rendered so the pod says it)
+DATA_PARALLEL_RPC_PORT = 29550
 #: arguments kvbridge sets from the spec; ``extraArgs`` naming one of them is refused
 MANAGED_ARGUMENTS = (
     "--port",
@@ -81,6 +106,9 @@ MANAGED_ARGUMENTS = (
     "--master-port",
     "--headless",
     "--shutdown-timeout",
+    *DATA_PARALLEL_ARGUMENTS,
+    "--enable-expert-parallel",
+    "-ep",
 )
 #: the spec field each managed argument comes from (what to change instead)
 MANAGED_BY_FIELD = {
@@ -97,16 +125,18 @@ MANAGED_BY_FIELD = {
     **dict.fromkeys(
         ("--nnodes", "-n", "--node-rank", "-r", "--master-addr", "--master-port", "--headless"), "spec.<role>.nodes"
     ),
+    **dict.fromkeys(DATA_PARALLEL_ARGUMENTS, "spec.<role>.dataParallelSize"),
+    **dict.fromkeys(("--enable-expert-parallel", "-ep"), "spec.<role>.expertParallel"),
 }
+#: why pipeline parallelism is refused rather than modelled
+PIPELINE_STAGES = (
+    "splits the layers over pipeline stages, each stage a KV cache of its own layers that prefill and decode would "
+    "have to pair stage by stage (use spec.<role>.tensorParallelSize and spec.<role>.dataParallelSize instead)"
+)
 #: arguments that change what the plan and the pod's resources assume, and that kvbridge does not model yet
 UNMODELLED_ARGUMENTS = {
-    "--pipeline-parallel-size": "splits the model over pipeline stages",
-    "-pp": "splits the model over pipeline stages",
-    "--data-parallel-size": "runs data-parallel engine replicas in one pod",
-    "-dp": "runs data-parallel engine replicas in one pod",
-    "--data-parallel-size-local": "runs data-parallel engine replicas in one pod",
-    "--enable-expert-parallel": "shards experts across ranks",
-    "-ep": "shards experts across ranks",
+    "--pipeline-parallel-size": PIPELINE_STAGES,
+    "-pp": PIPELINE_STAGES,
     "--decode-context-parallel-size": "shards the KV cache over context-parallel ranks",
     "-dcp": "shards the KV cache over context-parallel ranks",
     "--config": "reads further arguments from a file kvbridge cannot check",
@@ -492,6 +522,7 @@ def engine(
         # SIGTERM drains the requests the engine has (children/termination.py: the pod's whole sequence)
         "--shutdown-timeout",
         str(spec.transfer.drain_seconds),
+        *parallel_args(role_spec),
         *spec.engine.extra_args,
         *role_spec.extra_args,
     ]
@@ -513,19 +544,45 @@ def engine(
     )
 
 
+def parallel_args(role_spec: RoleSpec) -> list[str]:
+    """vLLM's data- and expert-parallel arguments of one role's engine (none for DP 1 without EP). The engine's one
+    API server spreads requests over its DP ranks (vLLM's internal load balancing); the DP ranks run in its one pod
+    and coordinate on localhost, or over ``nodes`` pods of a LeaderWorkerSet group, each running its share
+    (``--data-parallel-size-local``) and coordinating at the leader's address (multinode.py adds a worker's
+    ``--headless`` and start rank). Each rank's NIXL side channel is on base port + its rank."""
+    args: list[str] = []
+    dp = role_spec.data_parallel_size
+    if dp > 1:
+        address = "$(LWS_LEADER_ADDRESS)" if role_spec.nodes > 1 else "127.0.0.1"
+        args += [
+            "--data-parallel-size",
+            str(dp),
+            "--data-parallel-size-local",
+            str(dp // role_spec.nodes),
+            "--data-parallel-address",
+            address,
+            "--data-parallel-rpc-port",
+            str(DATA_PARALLEL_RPC_PORT),
+        ]
+    if role_spec.expert_parallel:
+        args.append("--enable-expert-parallel")
+    return args
+
+
 def image(spec: DisaggregatedDeploymentSpec, config: OperatorConfig) -> str:
     return spec.engine.image or (config.vllm_cpu_image if on_cpu(spec) else config.vllm_image)
 
 
 def resources(spec: DisaggregatedDeploymentSpec, role_spec: RoleSpec, config: OperatorConfig) -> Obj:
-    """GPU pods: TP GPUs (TP / nodes for an engine spanning nodes) and room to load weights; CPU pods: one core per
+    """GPU pods: DP x TP GPUs (/ nodes for an engine spanning nodes) and room to load weights; CPU pods: one core per
     TP rank (requests = limits, so a static CPU manager can give the pod whole cores) and the KV cache space on top of
     the process memory."""
     tp = role_spec.tensor_parallel_size
     if on_cpu(spec):
         amount = {"cpu": str(tp), "memory": f"{spec.engine.cpu_kv_cache_gib + CPU_BASE_MEMORY_GIB * tp}Gi"}
         return {"requests": amount, "limits": dict(amount)}
-    gpus = str(tp // role_spec.nodes)  # an engine spanning nodes: each node's pod holds its share of the ranks
+    # every DP rank's TP ranks; an engine spanning nodes: each node's pod holds its share of the ranks
+    gpus = str(role_spec.world_size // role_spec.nodes)
     return {
         "requests": {"cpu": "4", "memory": "32Gi", config.gpu_resource: gpus},
         "limits": {config.gpu_resource: gpus},
@@ -545,7 +602,7 @@ def pod_containers(
     plan: TransferPlan,
     config: OperatorConfig,
     base_env: list[Obj],
-    side_channel: Obj,
+    side_channels: list[Obj],
     keys_volume: Obj,
 ) -> tuple[list[Obj], list[Obj]]:
     """A vLLM pod's containers — ``vllm serve`` (and, on decode with the routing sidecar, the sidecar in front of it)
@@ -553,7 +610,7 @@ def pod_containers(
     limits who reaches it; kvbridge's connector gets the Secret (``keys_volume``), as the agent worker does."""
     loaded = weights(dd.spec.model)
     served = container(dd, role, plan, config, base_env, loaded)
-    served["ports"].append(side_channel)
+    served["ports"].extend(side_channels)
     served["securityContext"] = {"allowPrivilegeEscalation": False}
     volumes: list[Obj] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}, *loaded.volumes]
     if uses_kvbridge(dd.spec):

@@ -1,6 +1,7 @@
 """``spec.model`` from a Hugging Face ``config.json``: the KV-cache geometry without typing it by hand.
 
-Dense models (Llama, Qwen2, Mistral and the like; MHA or GQA) and MLA models (DeepSeek-V2/V3) are read; what
+Dense models (Llama, Qwen2, Mistral and the like; MHA or GQA) and MLA models (DeepSeek-V2/V3) are read, with the
+routed experts of a mixture-of-experts model (``numExperts``: what ``expertParallel`` needs); what
 cannot be derived exactly is an error that names the config key, never a guess.
 """
 
@@ -44,6 +45,18 @@ def _int(config: dict[str, Any], key: str) -> int:
     return value
 
 
+#: where a mixture-of-experts config counts its routed experts (DeepSeek, Qwen-MoE and OLMoE, Mixtral and Llama 4)
+_EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
+
+
+def experts(config: dict[str, Any]) -> int:
+    """The routed experts per MoE layer, from the first key of :data:`_EXPERT_KEYS` the config sets; 0: dense."""
+    for key in _EXPERT_KEYS:
+        if config.get(key) is not None:
+            return _int(config, key)
+    return 0
+
+
 def geometry(config: dict[str, Any], name: str) -> ModelGeometry:
     """The ``spec.model`` of a model with this config."""
     dtype_name = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
@@ -53,6 +66,7 @@ def geometry(config: dict[str, Any], name: str) -> ModelGeometry:
         "name": name,
         "num_layers": _int(config, "num_hidden_layers"),
         "kv_cache_dtype": _DTYPES[dtype_name],
+        "num_experts": experts(config),
     }
     if config.get("model_type") in _MLA_TYPES or "kv_lora_rank" in config:
         # MLA caches one latent per token: the compressed KV plus the decoupled RoPE key

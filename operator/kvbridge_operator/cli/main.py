@@ -115,6 +115,8 @@ def _model(args: argparse.Namespace) -> int:
     block = found.model_dump(by_alias=True, mode="json", exclude_defaults=False)
     if found.cache_kind.value == "Split":
         block.pop("cacheKind")
+    if not found.is_moe:
+        block.pop("numExperts")
     sys.stdout.write(yaml.safe_dump({"model": block}, sort_keys=False))
     return EXIT_OK
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge_agent.core import KVBridgeError, Problem, Role, SpecError, TransferPlan, Verification
+from kvbridge_agent.core.parallel import kv_words, ranks_words, role_parallelism
 from kvbridge_operator.api.names import ENGINE_CONTAINER, router_token_secret_name
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import (
@@ -295,13 +296,32 @@ def router_words(deployment: DisaggregatedDeployment) -> str:
     return f"{policy}; decode accepts kv_transfer_params only as the router signs them (signTransfers, Secret {secret})"
 
 
+def parallelism_lines(spec: DisaggregatedDeploymentSpec) -> list[str]:
+    """The text report's lines on data and expert parallelism (none without either): each role's ranks, GPUs and
+    side channels, then what they change for KV (``kvbridge_agent.core.parallel``)."""
+    if not any(r.data_parallel_size > 1 or r.expert_parallel for r in (spec.prefill, spec.decode)):
+        return []
+    lines: list[str] = []
+    for role in Role:
+        ranks = role_parallelism(spec.role(role), spec.transfer)
+        ports = ranks.side_channel_ports
+        listened = str(ports[0]) if len(ports) == 1 else f"{ports[0]}-{ports[-1]}"
+        experts = f", {ranks.world_size}-way expert parallel" if ranks.expert_parallel else ""
+        lines.append(
+            f"  {role.value}: {ranks.data_parallel_size} DP rank(s) x TP {ranks.tensor_parallel_size} = "
+            f"{ranks.world_size} ranks per engine{experts}; side channels on {listened}"
+        )
+    lines.extend(f"  KV: {words}" for words in kv_words(spec.model, spec.prefill, spec.decode))
+    return lines
+
+
 def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
     """The human-readable report for one document."""
     spec = document.deployment.spec
-    tp_p, tp_d = spec.prefill.tensor_parallel_size, spec.decode.tensor_parallel_size
     head = (
-        f"{document.name}: prefill TP {tp_p} / block {spec.prefill.block_size} {spec.prefill.kv_layout.value}"
-        f" -> decode TP {tp_d} / block {spec.decode.block_size} {spec.decode.kv_layout.value}"
+        f"{document.name}: prefill {ranks_words(spec.prefill)} / block {spec.prefill.block_size}"
+        f" {spec.prefill.kv_layout.value} -> decode {ranks_words(spec.decode)} / block {spec.decode.block_size}"
+        f" {spec.decode.kv_layout.value}"
         f" ({spec.model.name}, {spec.model.attention.value}, {spec.model.cache_kind.value}; {engine_words(spec)})"
     )
     if document.plan is None:
@@ -331,6 +351,7 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
         f" prefill prefix caching {'allowed' if plan.wire.prefill_prefix_caching_allowed else 'must be off'}",
         f"  bytes per region block: local {plan.local_block_bytes}, remote wire {plan.remote_block_bytes}",
         f"  verification: {verification_words(spec)}",
+        *parallelism_lines(spec),
         *advisory_lines(document),
         *engine_lines(spec),
     ]
@@ -366,7 +387,15 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
                 )
             lines.extend(f"      {name}={value}" for name, value in engine["env"].items())
             nodes = spec.role(Role(role)).nodes
-            if nodes > 1:
+            per_pod = multinode.data_parallel_per_pod(spec.role(Role(role)))
+            if nodes > 1 and spec.role(Role(role)).data_parallel_size > 1:
+                lines.append(
+                    f"      over {nodes} nodes: a LeaderWorkerSet group per engine, "
+                    f"{multinode.gpus_per_pod(spec, Role(role))} GPUs and {per_pod} DP ranks per pod; the leader "
+                    f"serves the API and DP ranks 0-{per_pod - 1}, each worker adds --headless "
+                    f"--data-parallel-start-rank <worker index x {per_pod}>"
+                )
+            elif nodes > 1:
                 lines.append(
                     f"      over {nodes} nodes: a LeaderWorkerSet group per engine, "
                     f"{multinode.gpus_per_pod(spec, Role(role))} GPUs per pod; the leader adds "

@@ -13,7 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvbridge_agent.core import Problem, Role, SpecError, TransferPlan
+from kvbridge_agent.core.parallel import engine_id_of_rank, ranks_words, side_channel_port_of_rank
 from kvbridge_operator.api.names import (
+    LABEL_DP,
+    LABEL_DP_LOCAL,
     LABEL_FINGERPRINT,
     LABEL_PAIRING,
     LABEL_REVISION,
@@ -22,11 +25,12 @@ from kvbridge_operator.api.names import (
     PODS_ANNOTATION,
 )
 from kvbridge_operator.api.objects import Obj
-from kvbridge_operator.api.spec import DisaggregatedDeployment
+from kvbridge_operator.api.spec import Connector, DisaggregatedDeployment, EngineKind
 from kvbridge_operator.api.status import (
     Advisory,
     Condition,
     ConditionType,
+    DataParallelRank,
     DecodeStatus,
     DisaggregatedDeploymentStatus,
     Endpoint,
@@ -107,13 +111,47 @@ def _ready_addresses(pods: Sequence[Obj]) -> list[tuple[Obj, str, dict[str, str]
     )
 
 
-def endpoints(pods: Sequence[Obj], port: int) -> list[Endpoint]:
-    """Ready prefill pods: side channel (decode agents) and HTTP (routers)."""
+def data_parallel_ranks(
+    pod: str, labels: dict[str, str], port: int, named: bool, workers: dict[str, str]
+) -> list[DataParallelRank] | None:
+    """A prefill engine's data-parallel ranks (its leader's ``kvbridge.io/data-parallel-size`` label), each on base
+    port + rank and, where kvbridge names engines (``named``), with its engine id; None for one rank. With the ranks
+    spread over a LeaderWorkerSet group (``kvbridge.io/data-parallel-size-local`` per pod), a worker's ranks are at
+    its address (``workers``: ready worker pods' IPs by name, ``<leader>-<index>``); a worker not ready leaves its
+    ranks out."""
+    size = int(labels.get(LABEL_DP, "1"))
+    if size <= 1:
+        return None
+    per_pod = int(labels.get(LABEL_DP_LOCAL, str(size)))
+    found = []
+    for rank in range(size):
+        index = rank // per_pod
+        host = pod if index == 0 else f"{pod}-{index}"
+        if index and host not in workers:
+            continue
+        found.append(
+            DataParallelRank(
+                rank=rank,
+                port=side_channel_port_of_rank(port, rank),
+                engine_id=engine_id_of_rank(host, rank, size) if named else "",
+                pod=host if index else "",
+                ip=workers.get(host, "") if index else "",
+            )
+        )
+    return found
+
+
+def endpoints(pods: Sequence[Obj], port: int, *, named: bool = True, workers: Sequence[Obj] = ()) -> list[Endpoint]:
+    """Ready prefill pods: side channel (decode agents) and HTTP (routers), every data-parallel rank's side channel
+    where an engine has several (``named``: kvbridge names their engine ids, as its connector and the agent do;
+    ``workers``: the non-leader pods of engines that span nodes, where some of the ranks run)."""
+    addresses = {str(worker["metadata"]["name"]): ip for worker, ip, _ in _ready_addresses(workers)}
     return [
         Endpoint(
             pod=pod["metadata"]["name"],
             ip=ip,
             port=port,
+            data_parallel_ranks=data_parallel_ranks(pod["metadata"]["name"], labels, port, named, addresses),
             ranks=int(labels.get(LABEL_TP, "1")),
             fingerprint=labels.get(LABEL_FINGERPRINT, ""),
             pairing=labels.get(LABEL_PAIRING, ""),
@@ -199,7 +237,13 @@ def observe(
         workload = workloads.get(role)
         revision = template_revision(workload) if workload else None
         roles[role] = _role_status(by_role[role], facts.scale.effective[role], revision)
-    current_endpoints = endpoints(by_role[Role.PREFILL], spec.transfer.side_channel_port)
+    named = spec.engine.kind is EngineKind.AGENT or spec.engine.connector is Connector.KVBRIDGE
+    workers = [
+        p
+        for p in pods
+        if p["metadata"].get("labels", {}).get(LABEL_ROLE) == Role.PREFILL.value and multinode.is_worker(p)
+    ]
+    current_endpoints = endpoints(by_role[Role.PREFILL], spec.transfer.side_channel_port, named=named, workers=workers)
     prefill = PrefillStatus(**dict(roles[Role.PREFILL]), endpoints=current_endpoints)
     decode = DecodeStatus(**dict(roles[Role.DECODE]), endpoints=serving_endpoints(by_role[Role.DECODE]))
 
@@ -207,7 +251,7 @@ def observe(
     conditions: list[Condition] = []
     if isinstance(verdict, TransferPlan):
         plan_text = (
-            f"prefill TP {spec.prefill.tensor_parallel_size} -> decode TP {spec.decode.tensor_parallel_size}, "
+            f"prefill {ranks_words(spec.prefill)} -> decode {ranks_words(spec.decode)}, "
             f"{verdict.wire.block_size}-token {verdict.wire.layout.value} wire blocks, "
             f"{len(verdict.for_decode_rank(0).reads)} read(s) per decode rank"
         )

@@ -8,6 +8,8 @@ from kvbridge_agent.core import (
     CacheKind,
     Conversion,
     IncompatibleError,
+    Problem,
+    RoleSettings,
     TransferSettings,
     check_pair,
     check_same_model,
@@ -153,3 +155,22 @@ def test_model_mismatch_between_engines_names_each_field() -> None:
     problems = check_same_model(dense(8), dense(4, head_dim=64))
     assert codes(problems) == [("MODEL_MISMATCH", "spec.model.numKVHeads"), ("MODEL_MISMATCH", "spec.model.headDim")]
     assert check_same_model(dense(8), dense(8)) == []
+
+
+def test_data_parallelism_changes_no_kv_geometry_and_expert_parallelism_needs_experts() -> None:
+    model = dense(heads=8)
+    wide = RoleSettings(tensor_parallel_size=2, data_parallel_size=4)
+    assert check_pair(model, wide, RoleSettings(data_parallel_size=8)) == []
+    assert check_pair(model, wide.model_copy(update={"expert_parallel": True}), RoleSettings()) == [
+        Problem(
+            "EXPERT_PARALLEL_NEEDS_MOE",
+            "spec.prefill.expertParallel",
+            "prefill asks for expert parallelism, but spec.model.numExperts is 0 (a dense model has no experts to "
+            "shard): set spec.prefill.expertParallel: false, or give spec.model.numExperts the model's routed "
+            "experts (config.json's n_routed_experts or num_experts)",
+        )
+    ]
+    moe = model.model_copy(update={"num_experts": 4})
+    [few] = check_pair(moe, wide.model_copy(update={"expert_parallel": True}), RoleSettings())
+    assert (few.code, few.field) == ("EXPERTS_FEWER_THAN_RANKS", "spec.prefill.dataParallelSize")
+    assert few.message.endswith("set spec.prefill.dataParallelSize: 2")

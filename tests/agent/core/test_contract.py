@@ -73,3 +73,19 @@ def test_pair_from_spec_ignores_pod_fields() -> None:
     with pytest.raises(SpecError) as caught:
         pair_from_spec({"model": {"name": "m"}})
     assert caught.value.field.startswith("spec.model.")
+
+
+def test_data_and_expert_parallelism_round_trip_and_are_absent_when_unset() -> None:
+    env = environment()
+    assert not any(name.endswith(("_DP_SIZE", "_EXPERT_PARALLEL", "NUM_EXPERTS")) for name in render_environment(env))
+    wide = env.model_copy(
+        update={
+            "model": env.model.model_copy(update={"num_experts": 64}),
+            "prefill": env.prefill.model_copy(update={"data_parallel_size": 4, "expert_parallel": True}),
+        }
+    )
+    rendered = render_environment(wide)
+    assert (rendered["KVBRIDGE_PREFILL_DP_SIZE"], rendered["KVBRIDGE_PREFILL_EXPERT_PARALLEL"]) == ("4", "True")
+    assert rendered["KVBRIDGE_NUM_EXPERTS"] == "64"
+    assert "KVBRIDGE_DECODE_DP_SIZE" not in rendered
+    assert parse_environment(rendered) == wide

@@ -17,7 +17,16 @@ def test_camel_case_aliases_match_the_crd() -> None:
     assert model.num_kv_heads == 8
     assert model.element_bytes == 1
     dumped = model.model_dump(by_alias=True, mode="json")
-    assert set(dumped) == {"name", "numLayers", "numKVHeads", "headDim", "kvCacheDtype", "attention", "cacheKind"}
+    assert set(dumped) == {
+        "name",
+        "numLayers",
+        "numKVHeads",
+        "headDim",
+        "kvCacheDtype",
+        "attention",
+        "cacheKind",
+        "numExperts",
+    }
 
 
 def test_role_defaults() -> None:

@@ -99,6 +99,29 @@ def test_vllm_flags_that_disagree_with_the_contract_stop_the_engine(config: Any,
     assert caught.value.code == code
 
 
+def test_each_data_parallel_rank_is_an_engine_of_its_own_as_vllm_names_it() -> None:
+    """vLLM runs one engine core per DP rank, ``data_parallel_index`` set (dense models too, as DP 1 engines):
+    kvbridge's connector names it ``<pod>_dp<index>`` and listens on base port + index, as NixlConnector does."""
+    env = EngineEnvironment(
+        role=Role.PREFILL,
+        engine_id="p-0",
+        model=MODEL.model_copy(update={"num_experts": 8}),
+        prefill=RoleSettings(block_size=32, data_parallel_size=4, expert_parallel=True),
+        decode=RoleSettings(block_size=32),
+    )
+    config = vllm_config("kv_producer")
+    config.parallel_config.data_parallel_index = 2
+    settings = ConnectorSettings.from_vllm(config, render_environment(env))
+    assert settings.environment.engine_id == "p-0_dp2"
+    assert settings.environment.side_channel_port == 5602
+    config.parallel_config.data_parallel_index = 4
+    with pytest.raises(SpecError) as caught:
+        ConnectorSettings.from_vllm(config, render_environment(env))
+    assert (caught.value.code, caught.value.field) == ("CONNECTOR_MISMATCH", "spec.prefill.dataParallelSize")
+    single = ConnectorSettings.from_vllm(vllm_config("kv_producer"), environ(Role.PREFILL))
+    assert single.environment.engine_id == "prefill-0"  # one DP rank: the pod's name, as before
+
+
 def test_a_finished_prefill_keeps_its_blocks_and_publishes_the_lease() -> None:
     scheduler = prefill_scheduler()
     try:
