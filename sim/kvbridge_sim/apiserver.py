@@ -50,6 +50,7 @@ BUILTIN: dict[tuple[str, str, str], dict[str, Any]] = {
     ("", "v1", "pods"): {"kind": "Pod", "namespaced": True, "subresources": {"status"}, "shortnames": {"po"}},
     ("", "v1", "services"): {"kind": "Service", "namespaced": True, "subresources": {"status"}, "shortnames": {"svc"}},
     ("", "v1", "secrets"): {"kind": "Secret", "namespaced": True},
+    ("", "v1", "configmaps"): {"kind": "ConfigMap", "namespaced": True, "shortnames": {"cm"}},
     ("", "v1", "events"): {"kind": "Event", "namespaced": True, "shortnames": {"ev"}},
     ("", "v1", "namespaces"): {
         "kind": "Namespace",

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-
 HERE = Path(__file__).parent
 
 

@@ -62,6 +62,8 @@ def test_printer_columns_short_names_and_status_subresource() -> None:
         "Decode",
         "TP",
         "Router",
+        "Planner",
+        "Planned",
         "Age",
     ]
     assert crd()["spec"]["names"]["shortNames"] == ["dd", "disagg"]

@@ -428,8 +428,8 @@ async def test_kubectl_get_columns_show_ready_replicas_and_tp() -> None:
         await c.apply(example("llama3-8b-hetero-tp"))
         await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True")
         await ready(c, "llama3-8b")
-        ready_col, prefill, decode, tp, router, age = printer_columns(c.deployment("llama3-8b"))
-        assert (ready_col, prefill, decode, tp, router) == ("True", "2/2", "1/1", "2→1", "")
+        ready_col, prefill, decode, tp, router, planner, planned, age = printer_columns(c.deployment("llama3-8b"))
+        assert (ready_col, prefill, decode, tp, router, planner, planned) == ("True", "2/2", "1/1", "2→1", "", "", "")
         assert age.endswith("Z")
 
 

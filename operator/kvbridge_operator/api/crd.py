@@ -266,6 +266,8 @@ def crd() -> dict[str, Any]:
                         {"name": "Decode", "type": "string", "jsonPath": ".status.decode.ready"},
                         {"name": "TP", "type": "string", "jsonPath": ".status.tp"},
                         {"name": "Router", "type": "string", "jsonPath": ".status.router.url"},
+                        {"name": "Planner", "type": "string", "jsonPath": ".status.autoscaling.state"},
+                        {"name": "Planned", "type": "string", "jsonPath": ".status.autoscaling.planned"},
                         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                     ],
                     "schema": {

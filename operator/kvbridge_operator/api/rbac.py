@@ -18,6 +18,7 @@ REQUIRED: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("networking.k8s.io", "networkpolicies", ("create", "patch")),
     ("policy", "poddisruptionbudgets", ("create", "patch")),
     ("", "secrets", ("create",)),
+    ("", "configmaps", ("get",)),  # spec.autoscaling.profile: the planner reads the engines' profile
     ("", "pods", ("list", "watch")),
     ("", "events", ("create",)),
     # the serving path: spec.router (its Role may only read its own deployment) and spec.inferencePool

@@ -151,6 +151,76 @@ class ScalingSpec(CamelModel):
     )
 
 
+class LatencyTarget(CamelModel):
+    """A latency objective: this percentile of requests at or under ``milliseconds``."""
+
+    milliseconds: float = Field(gt=0, le=600_000, description="The target, in milliseconds.")
+    percentile: float = Field(
+        default=95, ge=50, le=99.9, description="The percentile held to the target (50 to 99.9; default 95)."
+    )
+
+
+class ConfigMapKeyRef(CamelModel):
+    name: str = Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    key: str = Field(default="profile.json", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
+
+
+class AutoscalingSpec(CamelModel):
+    """kvbridge's planner (docs/autoscaling.md): both roles sized to TTFT and ITL targets, through their /scale."""
+
+    # it writes the roles' /scale as an autoscaler does, so minReplicas, maxReplicas and spec.scaling.decodePerPrefill
+    # still bound what runs
+
+    enabled: bool = Field(default=False, description="Run the planner for this deployment (off by default).")
+    prometheus_url: str = Field(
+        default="",
+        max_length=2048,
+        pattern=r"^(https?://[^\s/?#]+(/[^\s?#]*)?)?$",
+        description="The Prometheus server whose HTTP API the planner queries (e.g. http://prometheus.monitoring:9090).",
+    )
+    ttft: LatencyTarget | None = Field(default=None, description="Time to first token, as the router's clients see it.")
+    itl: LatencyTarget | None = Field(default=None, description="Inter-token latency on decode.")
+    profile: ConfigMapKeyRef | None = Field(
+        default=None,
+        description="The ConfigMap key holding the engines' performance profile (JSON; docs/autoscaling.md).",
+    )
+    interval_seconds: int = Field(default=30, ge=5, le=3600, description="How often the planner decides.")
+    window_seconds: int = Field(
+        default=60,
+        ge=5,
+        le=3600,
+        description="The window the planner reads rates and latency percentiles over: at least four of "
+        "Prometheus' scrape intervals.",
+    )
+    stabilization_window_seconds: int = Field(
+        default=300,
+        ge=0,
+        le=86_400,
+        description="A role is scaled down only to the largest size recommended over this window (scale-ups act "
+        "at once), as HPA's scale-down stabilization.",
+    )
+
+    @model_validator(mode="after")
+    def _complete(self) -> AutoscalingSpec:
+        if self.enabled:
+            missing = [
+                name
+                for name, value in (
+                    ("prometheusUrl", self.prometheus_url),
+                    ("ttft", self.ttft),
+                    ("itl", self.itl),
+                    ("profile", self.profile),
+                )
+                if not value
+            ]
+            if missing:
+                raise ValueError(
+                    f"enabled needs {', '.join(missing)}: the planner reads Prometheus, sizes to both targets and "
+                    "needs the engines' performance profile (docs/autoscaling.md)"
+                )
+        return self
+
+
 #: hf://ORG/NAME[@REVISION] (a branch, tag or commit) or pvc://CLAIM/PATH, or empty
 SOURCE_PATTERN = (
     r"^(hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*(@[-A-Za-z0-9_./]{1,128})?"
@@ -522,6 +592,7 @@ class DisaggregatedDeploymentSpec(CamelModel):
     prefill: RoleSpec = Field(default_factory=RoleSpec)
     decode: RoleSpec = Field(default_factory=RoleSpec)
     scaling: ScalingSpec = Field(default_factory=ScalingSpec)
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
     router: RouterSpec = Field(default_factory=RouterSpec)
     inference_pool: InferencePoolSpec = Field(default_factory=InferencePoolSpec)
     placement: PlacementSpec = Field(default_factory=PlacementSpec)

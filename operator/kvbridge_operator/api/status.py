@@ -162,6 +162,42 @@ class Advisory(CamelModel):
     message: str = Field(max_length=8192, description="What runs instead, and the fix.")
 
 
+class PlannedSize(CamelModel):
+    at: float = Field(description="When it was recommended (Unix seconds).")
+    prefill: int = Field(ge=0)
+    decode: int = Field(ge=0)
+
+
+class AutoscalingStatus(CamelModel):
+    """What kvbridge's planner (spec.autoscaling) saw and decided on its last pass (written by the planner alone)."""
+
+    state: str = Field(
+        default="",
+        max_length=64,
+        description="Sized, TargetUnreachable, or why it holds the sizes: MetricsMissing, MetricsStale, "
+        "MetricsImplausible, ProfileInvalid (docs/autoscaling.md).",
+    )
+    message: str = Field(default="", max_length=4096)
+    held: bool = Field(default=False, description="The sizes were left as they were (see state).")
+    targets: str = Field(default="", max_length=128, description="The targets, for reading.")
+    planned: str = Field(default="", max_length=32, description="prefill/decode engines asked for, for the column.")
+    prefill: int = Field(default=0, ge=0, description="Prefill engines asked for (the role's /scale).")
+    decode: int = Field(default=0, ge=0, description="Decode engines asked for (the role's /scale).")
+    request_rate: float | None = Field(default=None, description="Requests per second over the window.")
+    predicted_rate: float | None = Field(default=None, description="Requests per second predicted for next interval.")
+    prompt_tokens: float | None = Field(default=None, description="Mean prompt tokens per request.")
+    output_tokens: float | None = Field(default=None, description="Mean output tokens per request.")
+    prefix_hit_rate: float | None = Field(default=None, description="Share of prompt tokens found cached by prefill.")
+    ttft_ms: float | None = Field(default=None, description="Time to first token at the target's percentile.")
+    itl_ms: float | None = Field(default=None, description="Inter-token latency at the target's percentile.")
+    prefill_correction: float = Field(default=1.0, description="Observed over profiled prefill latency (damped).")
+    decode_correction: float = Field(default=1.0, description="Observed over profiled decode latency (damped).")
+    history: list[PlannedSize] = Field(
+        default_factory=list, max_length=1024, description="Sizes recommended within the stabilization window."
+    )
+    last_pass_at: float = Field(default=0.0, description="The last pass (Unix seconds).")
+
+
 class DisaggregatedDeploymentStatus(CamelModel):
     observed_generation: int = Field(default=0, ge=0)
     fingerprint: str = ""
@@ -175,6 +211,9 @@ class DisaggregatedDeploymentStatus(CamelModel):
     router: RouterStatus | None = Field(default=None, description="spec.router's Deployment and Service, when on.")
     inference_pool: InferencePoolStatus | None = Field(default=None, description="spec.inferencePool's objects.")
     placement: PlacementStatus | None = Field(default=None, description="spec.placement's PodGroup, when gang.")
+    autoscaling: AutoscalingStatus | None = Field(
+        default=None, description="kvbridge's planner (spec.autoscaling): written by the planner, not the reconcile."
+    )
     advisories: list[Advisory] = Field(
         default_factory=list,
         max_length=64,

@@ -111,6 +111,7 @@ def entries(document: DocumentPlan, ranks: Iterable[int]) -> list[dict[str, obje
                 "engine": engine_of(document.deployment.spec),
                 "verification": verification_of(document.deployment.spec),
                 "router": router_of(document.deployment),
+                "autoscaling": autoscaling_of(document.deployment.spec),
             }
             if engines is not None:
                 entry["vllm"] = engines
@@ -264,6 +265,37 @@ def router_of(deployment: DisaggregatedDeployment) -> dict[str, object]:
     }
 
 
+def autoscaling_of(spec: DisaggregatedDeploymentSpec) -> dict[str, object]:
+    """``spec.autoscaling`` as the planner will run it (``--json``): off, or its targets, source and rhythm."""
+    auto = spec.autoscaling
+    if not auto.enabled or auto.ttft is None or auto.itl is None or auto.profile is None:
+        return {"enabled": False}
+    return {
+        "enabled": True,
+        "ttft": {"milliseconds": auto.ttft.milliseconds, "percentile": auto.ttft.percentile},
+        "itl": {"milliseconds": auto.itl.milliseconds, "percentile": auto.itl.percentile},
+        "prometheusUrl": auto.prometheus_url,
+        "profile": {"configMap": auto.profile.name, "key": auto.profile.key},
+        "intervalSeconds": auto.interval_seconds,
+        "windowSeconds": auto.window_seconds,
+        "stabilizationWindowSeconds": auto.stabilization_window_seconds,
+        "bounds": {role.value: [spec.role(role).min_replicas, spec.role(role).max_replicas] for role in Role},
+    }
+
+
+def autoscaling_words(spec: DisaggregatedDeploymentSpec) -> str:
+    """The planner's line of the text report."""
+    auto = spec.autoscaling
+    if not auto.enabled or auto.ttft is None or auto.itl is None or auto.profile is None:
+        return "off (the roles' /scale is for HPA, KEDA or kubectl scale)"
+    bounds = ", ".join(f"{r.value} {spec.role(r).min_replicas}-{spec.role(r).max_replicas}" for r in Role)
+    return (
+        f"planner to TTFT p{auto.ttft.percentile:g} {auto.ttft.milliseconds:g} ms and ITL p{auto.itl.percentile:g} "
+        f"{auto.itl.milliseconds:g} ms, every {auto.interval_seconds} s from {auto.prometheus_url} (profile "
+        f"ConfigMap {auto.profile.name}/{auto.profile.key}); {bounds}"
+    )
+
+
 def router_auth_words(deployment: DisaggregatedDeployment) -> str:
     """Which clients the router admits, in the text report's words."""
     keys = deployment.spec.router.api_key_secret
@@ -352,6 +384,7 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
         f"  bytes per region block: local {plan.local_block_bytes}, remote wire {plan.remote_block_bytes}",
         f"  verification: {verification_words(spec)}",
         *parallelism_lines(spec),
+        *([f"  autoscaling: {autoscaling_words(spec)}"] if spec.autoscaling.enabled else []),
         *advisory_lines(document),
         *engine_lines(spec),
     ]

@@ -10,5 +10,6 @@ Reading order:
 - ``optional``: pure: router, InferencePool, PodGroup.
 - ``observe``: pure: the whole status and its events.
 - ``revisions``: the pairing keys of the specs pods still run.
+- ``autoscaling``: kvbridge's planner (spec.autoscaling): a pass that sizes both roles from Prometheus.
 - ``metrics``: the operator's own.
 """

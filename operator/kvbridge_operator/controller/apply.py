@@ -55,7 +55,7 @@ async def _carry_out(client: KubeClient, action: actions.Action) -> None:
         case actions.Annotate(resource=resource, namespace=namespace, name=name, annotations=annotations):
             await client.patch(resource, namespace, name, {"metadata": {"annotations": annotations}})
         case actions.Post(involved=involved, event=event):
-            await _post(client, involved, event)
+            await post_event(client, involved, event)
 
 
 async def _ensure_role(client: KubeClient, action: actions.EnsureRole) -> None:
@@ -78,7 +78,8 @@ async def _ensure_role(client: KubeClient, action: actions.EnsureRole) -> None:
         await client.patch(ROLES, namespace, name, patch)
 
 
-async def _post(client: KubeClient, involved: Obj, event: actions.Event) -> None:
+async def post_event(client: KubeClient, involved: Obj, event: actions.Event) -> None:
+    """Post an event about ``involved`` (its metadata: name, namespace, uid); a failure is logged, never raised."""
     now = now_rfc3339()
     namespace = involved.get("namespace") or "default"
     payload = {

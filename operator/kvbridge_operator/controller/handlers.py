@@ -21,6 +21,7 @@ from kvbridge_operator.api.names import GROUP, LABEL_DEPLOYMENT, PLURAL, ROLE_PL
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.backoff import OPERATOR_BACKOFF
 from kvbridge_operator.config import OperatorConfig
+from kvbridge_operator.controller.autoscaling import plan_pass
 from kvbridge_operator.controller.decide import ExistingChildren
 from kvbridge_operator.controller.metrics import RECONCILE_SECONDS, RECONCILES, serve
 from kvbridge_operator.controller.reconcile import reconcile
@@ -35,6 +36,8 @@ API_ERRORS = (ApiError, aiohttp.ClientError, TimeoutError)
 #: period of the level-triggered resync of every deployment (seconds); each resync is a full reconcile (9 API calls,
 #: server-side applies that change nothing when nothing changed: see docs/operator.md)
 RESYNC_SECONDS = 60.0
+#: how often the planner's timer looks whether a deployment's pass is due (spec.autoscaling.intervalSeconds >= 5)
+PLANNER_TICK_SECONDS = 5.0
 #: tries for the reconcile a pod event triggers (about 6 minutes at the backoff's cap)
 POD_EVENT_ATTEMPTS = 100
 
@@ -171,6 +174,31 @@ def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorR
             await run(namespace or "default", name, _indexes(kwargs))
         except API_ERRORS as exc:
             logging.getLogger(__name__).info("resync of %s/%s: Kubernetes API: %s", namespace, name, exc)
+
+    planner_session: list[aiohttp.ClientSession] = []  # one HTTP session for every planner pass, made on first use
+
+    @kopf.on.cleanup(registry=registry)
+    async def close_planner(**_: Any) -> None:
+        while planner_session:
+            await planner_session.pop().close()
+
+    def planning(spec: kopf.Spec, **_: Any) -> bool:
+        return bool((spec.get("autoscaling") or {}).get("enabled"))
+
+    @kopf.timer(GROUP, VERSION, PLURAL, interval=PLANNER_TICK_SECONDS, when=planning, registry=registry)
+    async def plan(name: str, namespace: str | None, **_: Any) -> None:
+        """kvbridge's planner (spec.autoscaling): a pass when one is due (controller.autoscaling). A pass that
+        fails is logged and tried again at the next tick; it changes nothing that runs."""
+        if not planner_session:
+            planner_session.append(aiohttp.ClientSession())
+        try:
+            body = await client.get(DEPLOYMENTS, namespace or "default", name)
+            if body is not None:
+                await plan_pass(client, planner_session[0], body)
+        except API_ERRORS as exc:
+            logging.getLogger(__name__).info("planner, %s/%s: Kubernetes API: %s", namespace, name, exc)
+        except Exception:  # a planner bug must not stop the reconciles, nor this timer: logged, tried next tick
+            logging.getLogger(__name__).exception("planner, %s/%s: the pass failed", namespace, name)
 
     async def observe_deployment(namespace: str, name: str, what: str, indexes: Indexes) -> None:
         """A status-only reconcile (it applies only where the running counts are not the effective ones). Event

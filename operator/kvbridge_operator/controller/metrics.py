@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 RECONCILES = Counter(
@@ -17,6 +17,13 @@ RECONCILE_SECONDS = Histogram(
     "Duration of one reconcile.",
     registry=REGISTRY,
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
+PLANNED_REPLICAS = Gauge(
+    "kvbridge_operator_planned_replicas",
+    "Engines kvbridge's planner (spec.autoscaling) asks for, by deployment and role: what it writes to the role's "
+    "/scale, exported for HPA or KEDA users who act on it themselves.",
+    ["namespace", "deployment", "role"],
+    registry=REGISTRY,
 )
 
 

@@ -372,6 +372,7 @@ def observe(
     if annotations.get(PODS_ANNOTATION) != encoded:
         new_annotations[PODS_ANNOTATION] = encoded
     whole = status.model_dump(by_alias=True, mode="json")
+    del whole["autoscaling"]  # the planner's alone (a merge patch of null would delete it)
     whole.update(facts.serving)
     for role in Role:
         whole[role.value]["desiredReplicas"] = facts.scale.desired[role]

@@ -1,0 +1,204 @@
+"""kvbridge's planner at work: one pass over a deployment with ``spec.autoscaling.enabled``.
+
+Every ``intervalSeconds`` it reads the engines' profile (a ConfigMap), asks Prometheus what the last window's
+traffic was (planner.prometheus), decides both roles' sizes (planner.sizing) and writes them to the roles' /scale
+— ``spec.replicas`` of each DisaggregatedRole, as HPA or KEDA would — so the operator's bounds and P:D ratio still
+apply and a scale-down drains as any other. It writes ``status.autoscaling`` (what it saw, decided and why), a
+``Planned`` event when a size changes, a ``PlannerHeld`` Warning when it starts holding (metrics missing, stale
+or implausible, or the profile unreadable), and exports what it asked for as
+``kvbridge_operator_planned_replicas``, for HPA or KEDA users who would rather act on it themselves.
+
+A pass that fails changes nothing that runs; a planner that restarts picks its memory up from the status.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from typing import Any
+
+import aiohttp
+from pydantic import ValidationError
+
+from kvbridge_agent.core import Role, SpecError
+from kvbridge_operator.api.names import role_name
+from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.api.spec import AutoscalingSpec, DisaggregatedDeployment, parse_deployment
+from kvbridge_operator.api.status import AutoscalingStatus, PlannedSize
+from kvbridge_operator.controller.actions import Event
+from kvbridge_operator.controller.apply import post_event
+from kvbridge_operator.controller.metrics import PLANNED_REPLICAS
+from kvbridge_operator.kube import CONFIG_MAPS, DEPLOYMENTS, ROLES, ApiError, KubeClient
+from kvbridge_operator.planner.profile import PerformanceProfile
+from kvbridge_operator.planner.prometheus import PrometheusError, observe
+from kvbridge_operator.planner.sizing import (
+    Bounds,
+    Decision,
+    Memory,
+    Observation,
+    Recommendation,
+    Targets,
+    decide,
+)
+
+log = logging.getLogger(__name__)
+
+#: the planner holds when the profile cannot be read or parsed (docs/autoscaling.md)
+PROFILE_INVALID = "ProfileInvalid"
+
+
+def due(status: Obj, spec: AutoscalingSpec, now: float) -> bool:
+    return now - float(status.get("lastPassAt") or 0.0) >= spec.interval_seconds - 0.5
+
+
+def memory_of(status: Obj) -> Memory:
+    """What the last pass kept in the status (an empty memory for a status that does not parse)."""
+    try:
+        last = AutoscalingStatus.model_validate(status)
+    except ValidationError:
+        return Memory()
+    history = tuple(Recommendation(h.at, h.prefill, h.decode) for h in last.history)
+    return Memory(history, last.request_rate, last.prefill_correction, last.decode_correction)
+
+
+async def read_profile(client: KubeClient, namespace: str, spec: AutoscalingSpec) -> PerformanceProfile:
+    """The profile in the ConfigMap key ``spec.profile`` names; raises SpecError (PROFILE_INVALID) with the fix."""
+    if spec.profile is None:
+        raise SpecError("no profile named", field="spec.autoscaling.profile", code=PROFILE_INVALID)
+    where = f"ConfigMap {namespace}/{spec.profile.name} key {spec.profile.key}"
+    config_map = await client.get(CONFIG_MAPS, namespace, spec.profile.name)
+    text = ((config_map or {}).get("data") or {}).get(spec.profile.key)
+    if text is None:
+        raise SpecError(f"{where} is missing", field="spec.autoscaling.profile", code=PROFILE_INVALID)
+    try:
+        return PerformanceProfile.model_validate(json.loads(text))
+    except (ValueError, ValidationError) as exc:
+        raise SpecError(f"{where}: {exc}"[:2000], field="spec.autoscaling.profile", code=PROFILE_INVALID) from exc
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def status_of(spec: AutoscalingSpec, decision: Decision, observation: Observation | None, now: float) -> Obj:
+    ttft, itl = spec.ttft, spec.itl
+    targets = (
+        ""
+        if ttft is None or itl is None
+        else (f"TTFT p{ttft.percentile:g} {ttft.milliseconds:g} ms, ITL p{itl.percentile:g} {itl.milliseconds:g} ms")
+    )
+    seen = observation
+    status = AutoscalingStatus(
+        state=decision.reason,
+        message=decision.message[:4096],
+        held=decision.held,
+        targets=targets,
+        planned=f"{decision.prefill}/{decision.decode}",
+        prefill=decision.prefill,
+        decode=decision.decode,
+        request_rate=None if seen is None else _finite(seen.request_rate),
+        predicted_rate=None if decision.held else _finite(decision.predicted_rate),
+        prompt_tokens=None if seen is None else _finite(seen.prompt_tokens),
+        output_tokens=None if seen is None else _finite(seen.output_tokens),
+        prefix_hit_rate=None if seen is None else _finite(seen.prefix_hit_rate),
+        ttft_ms=None if seen is None else _finite(seen.ttft_ms),
+        itl_ms=None if seen is None else _finite(seen.itl_ms),
+        prefill_correction=decision.memory.prefill_correction,
+        decode_correction=decision.memory.decode_correction,
+        history=[PlannedSize(at=r.at, prefill=r.prefill, decode=r.decode) for r in decision.memory.history],
+        last_pass_at=now,
+    )
+    return status.model_dump(by_alias=True, mode="json")
+
+
+async def plan_pass(
+    client: KubeClient, session: aiohttp.ClientSession, body: Obj, now: float | None = None
+) -> Decision | None:
+    """One pass over the deployment ``body`` (None: not due, planner off, or a spec that does not parse)."""
+    now = time.time() if now is None else now
+    try:
+        dd = parse_deployment(body)
+    except SpecError:
+        return None  # the reconcile reports it
+    spec = dd.spec.autoscaling
+    previous: Obj = (body.get("status") or {}).get("autoscaling") or {}
+    if not spec.enabled or spec.ttft is None or spec.itl is None or not due(previous, spec, now):
+        return None
+    namespace = dd.metadata.namespace or "default"
+    status = body.get("status") or {}
+    running = Recommendation(
+        now, int((status.get("prefill") or {}).get("replicas", 0)), int((status.get("decode") or {}).get("replicas", 0))
+    )
+    memory = memory_of(previous)
+    observation: Observation | None = None
+    try:
+        profile = await read_profile(client, namespace, spec)
+    except SpecError as exc:
+        decision = Decision(running.prefill, running.decode, PROFILE_INVALID, exc.message, True, memory=memory)
+    else:
+        unavailable = ""
+        window = f"{spec.window_seconds}s"
+        try:
+            observation = await observe(
+                session,
+                spec.prometheus_url,
+                namespace,
+                dd.metadata.name,
+                window,
+                spec.ttft.percentile,
+                spec.itl.percentile,
+            )
+        except PrometheusError as exc:
+            unavailable = f"Prometheus at {spec.prometheus_url}: {exc}"
+        bounds = tuple(Bounds(dd.spec.role(r).min_replicas, dd.spec.role(r).max_replicas) for r in Role)
+        decision = decide(
+            observation,
+            unavailable,
+            Targets(spec.ttft.milliseconds, spec.itl.milliseconds),
+            profile,
+            running,
+            (bounds[0], bounds[1]),
+            memory,
+            now,
+            spec.interval_seconds,
+            spec.stabilization_window_seconds,
+        )
+    if not decision.held:
+        await _scale(client, dd, decision)
+    await client.patch(
+        DEPLOYMENTS,
+        namespace,
+        dd.metadata.name,
+        {"status": {"autoscaling": status_of(spec, decision, observation, now)}},
+        "status",
+    )
+    await _events(client, body, previous, decision)
+    return decision
+
+
+async def _scale(client: KubeClient, dd: DisaggregatedDeployment, decision: Decision) -> None:
+    """Ask each role for its size through its /scale (spec.replicas), where it differs."""
+    namespace, name = dd.metadata.namespace or "default", dd.metadata.name
+    for role, wanted in ((Role.PREFILL, decision.prefill), (Role.DECODE, decision.decode)):
+        PLANNED_REPLICAS.labels(namespace=namespace, deployment=name, role=role.value).set(wanted)
+        current = await client.get(ROLES, namespace, role_name(name, role))
+        if current is None or (current.get("spec") or {}).get("replicas") == wanted:
+            continue
+        meta = current.get("metadata") or {}
+        try:
+            patch: Any = {"metadata": {"resourceVersion": meta.get("resourceVersion")}, "spec": {"replicas": wanted}}
+            await client.patch(ROLES, namespace, role_name(name, role), patch)
+        except ApiError as exc:  # changed in between (a person's kubectl scale): the next pass sees it
+            log.info("planner: scaling %s/%s: %s", namespace, role_name(name, role), exc)
+
+
+async def _events(client: KubeClient, body: Obj, previous: Obj, decision: Decision) -> None:
+    involved = body.get("metadata") or {}
+    if decision.held and previous.get("state") != decision.reason:
+        await post_event(client, involved, Event("Warning", "PlannerHeld", f"{decision.reason}: {decision.message}"))
+    elif not decision.held and (previous.get("prefill"), previous.get("decode")) != (decision.prefill, decision.decode):
+        await post_event(
+            client, involved, Event("Normal", "Planned", f"{decision.prefill} prefill, {decision.decode} decode")
+        )

@@ -1,0 +1,237 @@
+"""The planner's decision: how many prefill and decode engines meet the TTFT and ITL targets next interval.
+
+Given what Prometheus says of the last window (:class:`Observation`), the engines' profile and what the planner
+remembers (:class:`Memory`, kept in ``status.autoscaling``):
+
+- **demand**: the request rate, extrapolated one interval along its last change when it grows (never predicted
+  below what was seen), prompt and output lengths as observed;
+- **prefill**: a request's uncached prompt (``prompt x (1 - prefix hit rate)``) takes ``s = uncached / capacity``
+  on an idle engine; queueing at utilisation ``rho`` stretches it to ``s / (1 - rho)`` (one queue per engine), so
+  the TTFT target allows ``rho <= 1 - s / target`` and prefill needs ``ceil(rate x uncached / (capacity x rho))``
+  engines;
+- **decode**: the profile's ITL curve gives the most requests one engine decodes at once within the ITL target,
+  ``n``, and so its token rate ``n / itl(n)``; decode needs ``ceil(rate x output / (n / itl(n)))`` engines;
+- **online refinement**: each role's capacity is divided by a correction, the observed latency over the model's
+  prediction at the engines running now, damped (square root per pass) and kept within [0.5, 4];
+- **safety**: missing, NaN, negative, implausible or stale figures hold the current sizes (the reason says
+  which); a role is scaled down only to the largest size recommended over the stabilization window (scale-ups
+  act at once); results lie within the roles' minReplicas and maxReplicas (the operator then keeps the P:D ratio).
+
+Pure: no I/O; every function returns a value.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from .profile import PerformanceProfile
+
+#: what the planner refuses to believe of one deployment's traffic
+MAX_RATE = 1e6  # requests per second
+MAX_TOKENS = 1e7  # mean prompt or output tokens per request
+#: the corrections' bounds: the profile is trusted within a factor of 2 faster and 4 slower
+CORRECTION_RANGE = (0.5, 4.0)
+#: utilisation above which a prefill observation does not refine the profile (the queue model is unreliable there)
+REFINE_BELOW = 0.9
+
+# Stable reasons (docs/autoscaling.md): the first three hold the sizes.
+METRICS_MISSING = "MetricsMissing"
+METRICS_STALE = "MetricsStale"
+METRICS_IMPLAUSIBLE = "MetricsImplausible"
+SIZED = "Sized"
+TARGET_UNREACHABLE = "TargetUnreachable"
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """The deployment's traffic over the last window, as Prometheus reports it."""
+
+    request_rate: float  # requests finished per second (decode)
+    prompt_tokens: float  # mean per request (NaN without requests)
+    output_tokens: float  # mean per request (NaN without requests)
+    prefix_hit_rate: float  # share of prompt tokens prefill found cached (0 without queries)
+    decode_running: float  # requests decoding now, on all decode engines
+    ttft_ms: float | None  # at the TTFT target's percentile (None without requests)
+    itl_ms: float | None  # at the ITL target's percentile
+    staleness_seconds: float  # since the engines' metrics were last scraped
+
+
+@dataclass(frozen=True, slots=True)
+class Targets:
+    ttft_ms: float
+    itl_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """A role's minReplicas and maxReplicas."""
+
+    low: int
+    high: int
+
+    def clamp(self, value: int) -> int:
+        return min(self.high, max(self.low, value))
+
+
+@dataclass(frozen=True, slots=True)
+class Recommendation:
+    at: float  # Unix seconds
+    prefill: int
+    decode: int
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """What the planner keeps from one pass to the next (``status.autoscaling``)."""
+
+    history: tuple[Recommendation, ...] = ()
+    last_rate: float | None = None
+    prefill_correction: float = 1.0
+    decode_correction: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    prefill: int
+    decode: int
+    reason: str
+    message: str
+    held: bool
+    predicted_rate: float = 0.0
+    memory: Memory = field(default_factory=Memory)
+
+
+def problem(observation: Observation, interval_seconds: float) -> tuple[str, str] | None:
+    """Why ``observation`` cannot be acted on (a reason and a message), or None."""
+    figures = {
+        "request rate": observation.request_rate,
+        "prefix hit rate": observation.prefix_hit_rate,
+        "requests decoding": observation.decode_running,
+        "staleness": observation.staleness_seconds,
+    }
+    if observation.request_rate > 0:
+        figures |= {"mean prompt tokens": observation.prompt_tokens, "mean output tokens": observation.output_tokens}
+    for name, value in figures.items():
+        if not math.isfinite(value):
+            return METRICS_MISSING, f"the {name} is {value} (no samples in the window?)"
+        if value < 0:
+            return METRICS_IMPLAUSIBLE, f"the {name} is negative ({value})"
+    if observation.staleness_seconds > 3 * interval_seconds:
+        return METRICS_STALE, (
+            f"the engines' metrics were last scraped {observation.staleness_seconds:.0f} s ago (over 3 intervals)"
+        )
+    if observation.request_rate > MAX_RATE or observation.prefix_hit_rate > 1:
+        return METRICS_IMPLAUSIBLE, (
+            f"a request rate of {observation.request_rate:g}/s or a prefix hit rate of "
+            f"{observation.prefix_hit_rate:g} cannot be one deployment's"
+        )
+    if observation.request_rate > 0 and max(observation.prompt_tokens, observation.output_tokens) > MAX_TOKENS:
+        return METRICS_IMPLAUSIBLE, "a mean prompt or output over 10 million tokens per request"
+    return None
+
+
+def _damped(correction: float, observed: float, predicted: float) -> float:
+    if not (math.isfinite(observed) and math.isfinite(predicted)) or observed <= 0 or predicted <= 0:
+        return correction
+    low, high = CORRECTION_RANGE
+    return min(high, max(low, correction * math.sqrt(observed / predicted)))
+
+
+def refine(observation: Observation, profile: PerformanceProfile, running: Recommendation, memory: Memory) -> Memory:
+    """The corrections after comparing what was observed with what the profile predicts for the engines running."""
+    prefill_c, decode_c = memory.prefill_correction, memory.decode_correction
+    uncached = observation.prompt_tokens * (1 - observation.prefix_hit_rate)
+    if observation.ttft_ms is not None and observation.request_rate > 0 and running.prefill > 0 and uncached > 0:
+        capacity = profile.prefill.tokens_per_second / prefill_c
+        rho = observation.request_rate * uncached / (running.prefill * capacity)
+        if rho < REFINE_BELOW:
+            predicted = 1000 * uncached / capacity / (1 - rho)
+            prefill_c = _damped(prefill_c, observation.ttft_ms, predicted)
+    if observation.itl_ms is not None and running.decode > 0 and observation.decode_running > 0:
+        predicted = profile.decode.itl_ms(observation.decode_running / running.decode) * decode_c
+        decode_c = _damped(decode_c, observation.itl_ms, predicted)
+    return replace(memory, prefill_correction=prefill_c, decode_correction=decode_c)
+
+
+def predicted_rate(rate: float, last: float | None) -> float:
+    """Next interval's request rate: this one's, plus its last increase (never below what was seen)."""
+    return rate if last is None else rate + max(0.0, rate - last)
+
+
+def prefill_engines(
+    rate: float, observation: Observation, profile: PerformanceProfile, ttft_ms: float, correction: float
+) -> int | None:
+    """Prefill engines for ``rate`` within the TTFT target (None: not even an idle engine meets it)."""
+    uncached = observation.prompt_tokens * (1 - observation.prefix_hit_rate) if rate > 0 else 0.0
+    if uncached <= 0:
+        return 0
+    capacity = profile.prefill.tokens_per_second / correction
+    service_ms = 1000 * uncached / capacity
+    if service_ms >= ttft_ms:
+        return None
+    utilisation = 1 - service_ms / ttft_ms
+    return math.ceil(rate * uncached / (capacity * utilisation) - 1e-9)
+
+
+def decode_engines(
+    rate: float, observation: Observation, profile: PerformanceProfile, itl_ms: float, correction: float
+) -> int | None:
+    """Decode engines for ``rate`` within the ITL target (None: not even one request per engine meets it)."""
+    if rate <= 0 or observation.output_tokens <= 0:
+        return 0
+    concurrency = profile.decode.concurrency_within(itl_ms / correction)
+    if concurrency < 1:
+        return None
+    tokens_per_second = concurrency / (profile.decode.itl_ms(concurrency) * correction / 1000)
+    return math.ceil(rate * observation.output_tokens / tokens_per_second - 1e-9)
+
+
+def decide(
+    observation: Observation | None,
+    unavailable: str,
+    targets: Targets,
+    profile: PerformanceProfile,
+    running: Recommendation,
+    bounds: tuple[Bounds, Bounds],
+    memory: Memory,
+    now: float,
+    interval_seconds: float,
+    window_seconds: float,
+) -> Decision:
+    """One pass: the sizes to ask for (``running``: the engines running now, with ``at`` unused; ``unavailable``:
+    why there is no observation, when ``observation`` is None)."""
+    prefill_bounds, decode_bounds = bounds
+    if observation is None:
+        return Decision(running.prefill, running.decode, METRICS_MISSING, unavailable, True, memory=memory)
+    wrong = problem(observation, interval_seconds)
+    if wrong is not None:
+        return Decision(running.prefill, running.decode, wrong[0], wrong[1], True, memory=memory)
+    memory = refine(observation, profile, running, memory)
+    rate = predicted_rate(observation.request_rate, memory.last_rate)
+    prefill = prefill_engines(rate, observation, profile, targets.ttft_ms, memory.prefill_correction)
+    decode = decode_engines(rate, observation, profile, targets.itl_ms, memory.decode_correction)
+    unreachable = [role for role, wanted in (("prefill", prefill), ("decode", decode)) if wanted is None]
+    wanted = Recommendation(
+        now,
+        prefill_bounds.clamp(prefill_bounds.high if prefill is None else max(prefill, 1 if rate > 0 else 0)),
+        decode_bounds.clamp(decode_bounds.high if decode is None else max(decode, 1 if rate > 0 else 0)),
+    )
+    kept = (*(r for r in memory.history if now - r.at < window_seconds), wanted)
+    chosen = (max(r.prefill for r in kept), max(r.decode for r in kept))
+    memory = replace(memory, history=kept, last_rate=observation.request_rate)
+    if unreachable:
+        reason = TARGET_UNREACHABLE
+        message = (
+            f"{' and '.join(unreachable)}: even an idle engine misses the target (the profile and the corrections "
+            f"{memory.prefill_correction:.2f}/{memory.decode_correction:.2f}); sized to maxReplicas"
+        )
+    else:
+        reason = SIZED
+        message = (
+            f"{rate:.3g} req/s predicted ({observation.request_rate:.3g} seen), prompt {observation.prompt_tokens:.0f} "
+            f"tokens at {observation.prefix_hit_rate:.0%} prefix hits, output {observation.output_tokens:.0f}: "
+            f"{wanted.prefill} prefill and {wanted.decode} decode engines; {chosen[0]} and {chosen[1]} over the "
+            "stabilization window"
+        )
+    return Decision(chosen[0], chosen[1], reason, message, False, rate, memory)
