@@ -89,6 +89,8 @@ ROUTER_PREFILL = "kvbridge.router.prefill"
 ROUTER_DECODE = "kvbridge.router.decode"
 #: prefill's connector: the request's blocks offered to decode (held under a lease until read or expiry)
 PREFILL_OFFER = "kvbridge.prefill.offer"
+#: prefill's connector: the digest of a request's KV (right after the step that computed it, or at the offer)
+PREFILL_DIGEST = "kvbridge.prefill.digest"
 #: decode's connector: the side channel's handshake with a prefill engine (when none was cached)
 DECODE_HANDSHAKE = "kvbridge.decode.handshake"
 #: decode's connector: one request's READs from one prefill engine, posted to completion
@@ -121,3 +123,5 @@ BYTES = "kvbridge.bytes"
 DESCRIPTORS = "kvbridge.descriptors"
 LEASE_SECONDS = "kvbridge.lease_seconds"
 VERIFIED = "kvbridge.verified"
+TP_RANK = "kvbridge.tp_rank"
+TOKENS = "kvbridge.tokens"
