@@ -49,29 +49,18 @@ class Spans:
         if not trace or not self.enabled:
             return
         try:
-            self._record(name, trace, start_ns, end_ns, attributes, error)
+            from opentelemetry.trace import Status, StatusCode
+            from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+            tracer = self._tracer or self._start()
+            parent = TraceContextTextMapPropagator().extract(dict(trace))
+            span = tracer.start_span(name, context=parent, start_time=start_ns, attributes=dict(attributes))
+            if error:
+                span.set_attribute(words.ERROR_CODE, error)
+                span.set_status(Status(StatusCode.ERROR, error))
+            span.end(end_time=max(end_ns, start_ns))
         except Exception as exc:  # an exporter or SDK problem never fails a request
             log.warning("kvbridge: span %s not recorded: %s", name, exc)
-
-    def _record(
-        self,
-        name: str,
-        trace: Mapping[str, str],
-        start_ns: int,
-        end_ns: int,
-        attributes: Mapping[str, Value],
-        error: str,
-    ) -> None:
-        from opentelemetry.trace import Status, StatusCode
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-        tracer = self._tracer or self._start()
-        parent = TraceContextTextMapPropagator().extract(dict(trace))
-        span = tracer.start_span(name, context=parent, start_time=start_ns, attributes=dict(attributes))
-        if error:
-            span.set_attribute(words.ERROR_CODE, error)
-            span.set_status(Status(StatusCode.ERROR, error))
-        span.end(end_time=max(end_ns, start_ns))
 
     def _start(self) -> Tracer:
         """This process's tracer provider, as the environment says (endpoint, protocol, sampler, service name)."""

@@ -27,7 +27,7 @@ from kvbridge_agent.vllm_connector.settings import ConnectorSettings
 from kvbridge_agent.vllm_connector.tracing import Spans
 from kvbridge_agent.vllm_connector.worker import ConnectorWorker
 
-from .test_scheduler import environ, prefill_scheduler, published, request, vllm_config
+from .test_scheduler import UnreadRank, environ, prefill_scheduler, published, request, vllm_config
 
 PARENT = "00f067aa0ba902b7"
 TRACE = {"traceparent": f"00-4bf92f3577b34da6a3ce929d0e0e4736-{PARENT}-01"}
@@ -91,21 +91,7 @@ def prefill_worker(spans: Spans) -> Iterator[ConnectorWorker]:
     worker = ConnectorWorker(settings, 0, "inc")
     worker.spans = spans
 
-    class Rank:  # stands in for PrefillRank: no reader ever notifies
-        digester = None
-
-        def offer(
-            self, request_id: str, block_ids: list[int], digest_tokens: int = 0, key: bytes = b""
-        ) -> dict[int, Any]:
-            return {}
-
-        def poll(self) -> Any:
-            return SimpleNamespace(completed=[])
-
-        def forget(self, request_id: str) -> bool:
-            return True
-
-    worker.prefill = Rank()  # type: ignore[assignment]
+    worker.prefill = UnreadRank()  # type: ignore[assignment]
     yield worker
     worker.prefill = None  # the stand-in has no transport to close
     worker.shutdown()
