@@ -1,6 +1,7 @@
 """What `kvbridge router` adds to a P/D request (not a test).
 
-    .venv/bin/python benchmarks/router_overhead.py [--rate 50] [--seconds 20] [--stream] [--before REV] [--json]
+    .venv/bin/python benchmarks/router_overhead.py [--rate 50] [--seconds 20] [--stream] [--before REV] [--tracing]
+        [--json]
 
 Two engine stand-ins (a prefill and a decode, each a separate process answering as vLLM's KV connectors do,
 after ``--engine-ms`` of simulated work) and ``kvbridge router --status-file`` as a third process in front of
@@ -12,7 +13,10 @@ counted nor competing; real vLLM behind the router is in tests/vllm/test_router.
 
 ``--before REV`` runs a second router, the one of git revision REV, beside this checkout's: the paths take turns
 (``--rounds``), so that a change is measured before and after in one run, under the same noise. ``--profile FILE``
-runs this checkout's router under cProfile.
+runs this checkout's router under cProfile. ``--tracing`` runs a second router beside the first with tracing on
+(spec.tracing's environment: OTLP/HTTP to a sink process that accepts every export, sampling ratio 1.0), taking
+turns the same way: the difference in CPU per request is what tracing costs, export included (the SDK's batch
+exporter is a thread of the router's process).
 """
 
 from __future__ import annotations
@@ -67,6 +71,30 @@ def serve_engine(port: int, role: str, engine_ms: float) -> None:
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+def serve_sink(port: int) -> None:
+    """An OTLP/HTTP receiver that accepts every export (an empty ExportTraceServiceResponse) and reads nothing."""
+    from aiohttp import web
+
+    async def traces(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    app = web.Application(client_max_size=64 << 20)
+    app.router.add_post("/v1/traces", traces)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+def tracing_env(port: int) -> dict[str, str]:
+    """What spec.tracing renders into the router's pod, the endpoint being the sink on ``port``."""
+    return {
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{port}/v1/traces",
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": "1",
+        "OTEL_SERVICE_NAME": "bench-router",
+    }
 
 
 def cpu_seconds(pid: int) -> tuple[float, float]:
@@ -141,8 +169,13 @@ def router_code(workdir: str, ref: str | None) -> dict[str, str]:
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
-    names = ["before", "after"] if args.before else ["router"]
-    ports = {"prefill": free_port(), "decode": free_port(), **{name: free_port() for name in names}}
+    names = ["before", "after"] if args.before else ["router", "traced"] if args.tracing else ["router"]
+    ports = {
+        "prefill": free_port(),
+        "decode": free_port(),
+        "sink": free_port(),
+        **{name: free_port() for name in names},
+    }
     procs: dict[str, subprocess.Popen[bytes]] = {}
     latencies: dict[str, list[float]] = {name: [] for name in ("direct", *names)}
     cpu = {name: [0.0, 0.0] for name in names}
@@ -171,8 +204,12 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                         str(args.engine_ms),
                     ]
                 )
+            if args.tracing:
+                sink = [sys.executable, __file__, "--serve-sink", "--port", str(ports["sink"])]
+                procs["sink"] = subprocess.Popen(sink)
             for name in names:
                 env = {**os.environ, **router_code(workdir, args.before if name == "before" else None)}
+                env.update(tracing_env(ports["sink"]) if name == "traced" else {})
                 profile = ["-m", "cProfile", "-o", args.profile] if args.profile and name != "before" else []
                 procs[name] = subprocess.Popen(
                     [
@@ -226,6 +263,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": args.seconds,
         "rounds": args.rounds,
         "stream": args.stream,
+        "tracing": args.tracing,
         "engineMsPerCall": args.engine_ms,
         "promptTokens": 512,
         "direct": direct_q,
@@ -261,6 +299,9 @@ if __name__ == "__main__":
     parser.add_argument(
         "--rounds", type=int, default=4, help="turns each path takes, --seconds split among them (default 4)"
     )
+    parser.add_argument(
+        "--tracing", action="store_true", help="also run a router with tracing on (ratio 1.0), taking turns"
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
         "--profile",
@@ -269,8 +310,12 @@ if __name__ == "__main__":
         "(read with python -m pstats FILE; CPU per request is then inflated)",
     )
     parser.add_argument("--serve-engine", choices=("prefill", "decode"), help=argparse.SUPPRESS)
+    parser.add_argument("--serve-sink", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parsed = parser.parse_args()
+    if parsed.serve_sink:
+        serve_sink(parsed.port)
+        sys.exit(0)
     if parsed.serve_engine:
         serve_engine(parsed.port, parsed.serve_engine, parsed.engine_ms)
         sys.exit(0)

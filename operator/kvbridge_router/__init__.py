@@ -15,6 +15,7 @@ Reading order:
 - ``upstream``: the HTTP/1.1 client to the engines.
 - ``answers``: whether a decode pod's answer is an answer or an engine's refusal.
 - ``metrics``: the router's Prometheus metrics.
+- ``tracing``: the router's OpenTelemetry spans, and the trace context each engine call carries.
 - ``__main__``: ``python -m kvbridge_router``.
 
 A separate process with its own, read-only RBAC: it imports the operator's ``api``, API client and retry delays,

@@ -65,6 +65,7 @@ def run(args: argparse.Namespace, prog: str = PROG) -> int:
     from kvbridge_router.auth import ApiKeys
     from kvbridge_router.proxy import Router, RouterConfig, serve
     from kvbridge_router.source import follow_file, watch_status
+    from kvbridge_router.tracing import Tracing
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     given = chosen(args)
@@ -84,7 +85,8 @@ def run(args: argparse.Namespace, prog: str = PROG) -> int:
         return EXIT_INVALID
     if api_keys is not None:
         logging.getLogger(__name__).info("clients must send one of %d API keys (Authorization: Bearer)", len(api_keys))
-    router = Router(RouterConfig.of(given, transfer_token=token, api_keys=api_keys))
+    tracing = Tracing.from_environment(os.environ)
+    router = Router(RouterConfig.of(given, transfer_token=token, api_keys=api_keys), tracing=tracing)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -110,6 +112,8 @@ def run(args: argparse.Namespace, prog: str = PROG) -> int:
     except OSError as exc:  # the port is taken, or the address is not ours
         print(f"{prog}: error: cannot listen on {given.host}:{given.port}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_INVALID
+    finally:
+        tracing.shutdown()  # the spans still batched go out
     return EXIT_OK
 
 

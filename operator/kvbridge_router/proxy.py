@@ -42,6 +42,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from kvbridge_agent.core import tracing as span
 from kvbridge_agent.core.signing import signed
 from kvbridge_operator.api.objects import Obj
 from kvbridge_router.admission import Limits, admit, engine_request_id
@@ -52,6 +53,7 @@ from kvbridge_router.metrics import RouterMetrics
 from kvbridge_router.pool import KV_AWARE, Balancer, Pool, Target
 from kvbridge_router.prefixes import prefix_keys
 from kvbridge_router.settings import DEFAULTS, RouterSettings
+from kvbridge_router.tracing import OFF, Trace, Tracing
 from kvbridge_router.upstream import AnswerTooLargeError, UnreachableError, Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -88,6 +90,8 @@ class Ledger:
     spent: float = 0.0
     #: engines that answered it 500 and were unhealthy right after (:meth:`Router._judge_5xx`)
     engines_lost: int = 0
+    #: its spans (tracing.py; OFF when tracing is off)
+    trace: Trace = OFF
 
 
 @dataclass(frozen=True)
@@ -147,9 +151,12 @@ class RouterConfig:
 
 
 class Router:
-    def __init__(self, config: RouterConfig | None = None, metrics: RouterMetrics | None = None) -> None:
+    def __init__(
+        self, config: RouterConfig | None = None, metrics: RouterMetrics | None = None, tracing: Tracing | None = None
+    ) -> None:
         self.config = config or RouterConfig()
         self.metrics = metrics or RouterMetrics()
+        self.tracing = tracing or Tracing()
         self.pool = Pool()
         self.balancer = Balancer(policy=self.config.policy)
         self._session: aiohttp.ClientSession | None = None
@@ -251,10 +258,13 @@ class Router:
         if refused is not None:
             self.metrics.requests.labels(route, INVALID_API_KEY).inc()
             return refused
-        ledger = Ledger()
+        ledger = Ledger(trace=self.tracing.request(request.headers, request.path, route))
         try:
-            body, raw = await admit(request, route, self.config.limits)
+            with ledger.trace.step(span.ROUTER_ADMISSION) as admission:
+                body, raw = await admit(request, route, self.config.limits)
+                admission.set(span.BODY_BYTES, len(raw))
             request_id = engine_request_id(request.headers.get("X-Request-Id"))
+            ledger.trace.set(span.REQUEST_ID, request_id)
             headers = {
                 "X-Request-Id": request_id,
                 **{k: request.headers[k] for k in FORWARDED_HEADERS if k in request.headers},
@@ -263,7 +273,12 @@ class Router:
             tried: list[str] = []
             while True:
                 try:
-                    response = await self._decode(request, decode, body, raw, params, headers, started, ledger)
+                    with ledger.trace.step(span.ROUTER_DECODE, {span.POD: decode.pod}, call=True) as call:
+                        call.set(span.STREAM, bool(body.get("stream")))
+                        response = await self._decode(
+                            request, decode, body, raw, params, call.inject(headers), started, ledger
+                        )
+                        call.set(span.HTTP_STATUS, response.status)
                     break
                 except RouteError as exc:  # retried only while nothing has reached the client
                     tried.append(decode.pod)
@@ -291,7 +306,12 @@ class Router:
         except RouteError as exc:
             self.metrics.requests.labels(route, exc.code).inc()
             log.warning("%s: %s %s", request.path, exc.code, exc.message)
+            ledger.trace.finish(exc.status, exc.code)
             return exc.response()
+        except BaseException as exc:  # the client went away (cancelled), or a bug: the span still ends
+            ledger.trace.finish(500, type(exc).__name__)
+            raise
+        ledger.trace.finish(response.status)
         self.metrics.requests.labels(route, "ok" if response.status < 400 else f"HTTP_{response.status}").inc()
         total = time.perf_counter() - started
         self.metrics.request_seconds.observe(total)
@@ -317,18 +337,26 @@ class Router:
             left = self.config.request_timeout - (time.perf_counter() - started)
             if left <= 0:
                 raise self._request_timeout(tried)
-            pair = self.balancer.choose(self.pool, exclude=tried, exclude_decodes=exclude_decodes or (), keys=keys)
-            if pair is None:
-                break
-            prefill, decode = pair
-            if keys:
-                hit = self.balancer.last_matched
-                self.metrics.prefix_chunks.labels("hit").inc(hit)
-                self.metrics.prefix_chunks.labels("miss").inc(len(keys) - hit)
+            with ledger.trace.step(span.ROUTER_CHOOSE, {span.POLICY: self.balancer.policy}) as choice:
+                pair = self.balancer.choose(self.pool, exclude=tried, exclude_decodes=exclude_decodes or (), keys=keys)
+                if pair is None:
+                    choice.failed("NO_ROUTE")
+                    break
+                prefill, decode = pair
+                choice.set(span.PREFILL_POD, prefill.pod)
+                choice.set(span.DECODE_POD, decode.pod)
+                if self.balancer.policy == KV_AWARE:
+                    choice.set(span.PREFIX_CHUNKS, len(keys))
+                    choice.set(span.PREFIX_HIT_CHUNKS, self.balancer.last_matched if keys else 0)
+                if keys:
+                    hit = self.balancer.last_matched
+                    self.metrics.prefix_chunks.labels("hit").inc(hit)
+                    self.metrics.prefix_chunks.labels("miss").inc(len(keys) - hit)
             called = time.perf_counter()
             timeout = min(self.config.prefill_timeout, left)
             try:
-                params = await self._call_prefill(path, prefill, body, headers, timeout, ledger)
+                with ledger.trace.step(span.ROUTER_PREFILL, {span.POD: prefill.pod}, call=True) as call:
+                    params = await self._call_prefill(path, prefill, body, call.inject(headers), timeout, ledger)
             except RouteError as exc:
                 if exc.code == "PREFILL_TIMEOUT" and timeout < self.config.prefill_timeout:
                     raise self._request_timeout([*tried, prefill.pod]) from None  # cut at the time left: no more

@@ -80,7 +80,7 @@ def test_the_flag_gives_the_router_the_files_token(tmp_path: Path, monkeypatch: 
     (tmp_path / "token").write_bytes(TOKEN + b"\n")
     seen: list[RouterConfig] = []
 
-    def started(config: RouterConfig, *rest: Any) -> None:
+    def started(config: RouterConfig, *rest: Any, **named: Any) -> None:
         seen.append(config)
         raise _StartedError
 

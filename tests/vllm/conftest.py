@@ -12,6 +12,7 @@ import pytest
 from kvbridge_agent.core import Role
 from kvbridge_agent.transfer.keys import generate_keys
 from kvbridge_sim import tiny_model
+from kvbridge_sim.support import free_port
 from kvbridge_sim.vllm_engines import Engines, deployment, plan_json, plan_json_pod, rendered_template
 
 from .assertions import require_vllm
@@ -22,6 +23,9 @@ SUMMARY: dict[str, object] = {}
 SHORT_LEASE_BLOCKS = 48
 SHORT_LEASE_SECONDS = 2
 
+TRACES_PORT = free_port()
+TRACES_URL = f"http://127.0.0.1:{TRACES_PORT}/v1/traces"
+traced = deployment("tiny-traced", 1, connector="KVBridge")
 DEPLOYMENTS = {
     "tp1": deployment("tiny-tp1", 1),
     "tp2": deployment("tiny-tp2", 2),
@@ -35,6 +39,8 @@ DEPLOYMENTS = {
     "kvbridge-hybrid": deployment(
         "tiny-kvbridge-hybrid", 1, connector="KVBridge", verification="All", shape=tiny_model.HYBRID
     ),
+    # spec.tracing: OTLP/HTTP to the receiver test_tracing runs on this port (chosen once per session)
+    "traced": {**traced, "spec": {**traced["spec"], "tracing": {"endpoint": TRACES_URL, "protocol": "http/protobuf"}}},
     "short-lease": deployment(
         "tiny-short-lease", 1, lease=SHORT_LEASE_SECONDS, extra=(f"--num-gpu-blocks-override={SHORT_LEASE_BLOCKS}",)
     ),
@@ -89,6 +95,13 @@ def all_engines(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
         found.add(
             name, rendered_template(DEPLOYMENTS["kvbridge"], role), ip, (core,), env={"KVBRIDGE_KEYS_DIR": str(keys)}
         )
+    # spec.tracing: their spans go to test_tracing's receiver, exported at once (not every 5 s)
+    for name, role, ip, core in (
+        ("traced-prefill", Role.PREFILL, "127.0.1.14", 0),
+        ("traced-decode", Role.DECODE, "127.0.1.15", 1),
+    ):
+        env = {"KVBRIDGE_KEYS_DIR": str(keys), "OTEL_BSP_SCHEDULE_DELAY": "100"}
+        found.add(name, rendered_template(DEPLOYMENTS["traced"], role), ip, (core,), env=env)
     for name, deployment_name, role, ip, core in (
         ("kvbridge-decode-64", "kvbridge-merge", Role.DECODE, "127.0.1.8", 1),  # reads the 32-token prefill
         ("kvbridge-prefill-64", "kvbridge-split", Role.PREFILL, "127.0.1.9", 0),  # read by the 32-token decode
@@ -157,6 +170,12 @@ def kvbridge_hybrid_engines(all_engines: Engines) -> Engines:
     """prefill TP 1 and decode TP 1 of the hybrid tiny model (full attention + a 32-token sliding window) with
     kvbridge's connector, verification All."""
     return _phase(all_engines, ["kvbridge-hybrid-prefill", "kvbridge-hybrid-decode"])
+
+
+@pytest.fixture
+def traced_engines(all_engines: Engines) -> Engines:
+    """prefill TP 1 and decode TP 1 with kvbridge's connector and spec.tracing (OTLP/HTTP to ``TRACES_URL``)."""
+    return _phase(all_engines, ["traced-prefill", "traced-decode"])
 
 
 @pytest.fixture

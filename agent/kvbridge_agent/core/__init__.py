@@ -19,6 +19,7 @@ Reading order:
 - ``contract``: the environment variables the operator renders and every engine reads.
 - ``digest``: a keyed digest of KV content wherever it is stored (the numpy reference).
 - ``signing``: the router's signature on ``kv_transfer_params``.
+- ``tracing``: the names of kvbridge's spans and attributes, and the checks on W3C trace context.
 
 Imports nothing but pydantic and numpy, so the operator can use it and the
 plan math is testable in microseconds.

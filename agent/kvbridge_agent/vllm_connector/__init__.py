@@ -8,6 +8,7 @@ Reading order:
 - ``worker``: the worker half: one TP rank's KV cache on kvbridge's rank machinery.
 - ``cpu_blocks``: block-size conversions for vLLM's CPU attention cache.
 - ``stats``: what the connector reports through vLLM's metrics.
+- ``tracing``: the connector's spans, parented to the request's trace (``spec.tracing``).
 - ``host_cache``: for the benchmark: vLLM's own allocator building a physical-layout cache on host memory.
 
 vLLM loads it from the KV transfer configuration::

@@ -50,6 +50,8 @@ class ReadOrder:
     #: the tokens a verification digests over ``all_block_ids`` (0: the request's); a hybrid model's flat list
     #: counts every position of every block
     digest_tokens: int = 0
+    #: the request's W3C trace context, checked (tracing.py; empty: not traced)
+    trace: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -62,6 +64,8 @@ class OfferOrder:
     #: (drawn for the request by the scheduler, which publishes it with the digests)
     digest_tokens: int = 0
     digest_key: bytes = b""
+    #: the request's W3C trace context, checked (tracing.py; empty: not traced)
+    trace: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -73,6 +77,8 @@ class DigestOrder:
     block_ids: list[int]
     num_tokens: int
     key: bytes
+    #: the request's W3C trace context, checked (tracing.py; empty: not traced)
+    trace: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -30,6 +30,7 @@ from kvbridge_agent.core.handshake import (
     request_id_problem,
 )
 from kvbridge_agent.core.signing import TransferNotSignedError, check_signature, load_token
+from kvbridge_agent.core.tracing import context_of
 from kvbridge_agent.transfer.keys import load_keys
 from kvbridge_agent.transfer.side_channel import SideChannelServer, heartbeat_interval, send_heartbeats
 
@@ -262,7 +263,14 @@ class ConnectorScheduler:
             all_blocks = [b for group in kept for b in group]
             digest_tokens = groups.digest_tokens(all_blocks)
         self._to_read[request.request_id] = ReadOrder(
-            local, params, refused, expires_at, all_blocks, local_sizes, digest_tokens
+            local,
+            params,
+            refused,
+            expires_at,
+            all_blocks,
+            local_sizes,
+            digest_tokens,
+            context_of(getattr(request, "trace_headers", None)),
         )
 
     # -- both: each step ------------------------------------------------------------
@@ -310,6 +318,7 @@ class ConnectorScheduler:
                     log.warning("kvbridge: not digesting request %.80s now: %s", request_id, exc.message)
                     continue
                 order = DigestOrder(flat, groups.digest_tokens(flat), new_key())
+            order.trace = context_of(getattr(request, "trace_headers", None))
             key = order.key
             self._predigested[request_id] = (key, prompt)
             self._to_digest[request_id] = order
@@ -423,7 +432,11 @@ class ConnectorScheduler:
         digest_tokens = num_tokens if groups is None else groups.digest_tokens(wire)
         offered = blocks if groups is None else wire
         self._to_offer[request_id] = OfferOrder(
-            offered, expires_at, digest_tokens if verify and not digested else 0, key
+            offered,
+            expires_at,
+            digest_tokens if verify and not digested else 0,
+            key,
+            context_of(getattr(request, "trace_headers", None)),
         )
         return True, {"do_remote_prefill": True, "do_remote_decode": False, PARAMS_KEY: ours}
 

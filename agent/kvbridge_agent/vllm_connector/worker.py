@@ -28,6 +28,7 @@ from kvbridge_agent.core import (
     TransferPlan,
     Verification,
 )
+from kvbridge_agent.core import tracing as words
 from kvbridge_agent.core.digest import (
     KV_DIGEST_MISMATCH,
     KV_DIGEST_UNAVAILABLE,
@@ -61,6 +62,7 @@ from .cpu_blocks import KNOWN_KERNELS, CPUAttentionBlocks
 from .messages import RankHandshake, ReadOrder, StepMetadata
 from .settings import ConnectorSettings
 from .stats import KVBridgeStats
+from .tracing import Spans, Value
 
 log = logging.getLogger(f"vllm.kvbridge.{__name__.rsplit('.', 1)[-1]}")  # shown by vLLM's log handler
 
@@ -173,6 +175,12 @@ class ConnectorWorker:
         self._digest_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbridge-digest")
         self._checking: dict[str, tuple[Future[RequestDigests], ReadResult, ReadOrder]] = {}
         self._prefetch: dict[str, Future[RequestDigests]] = {}
+        # traces (tracing.py): each traced request's context, when its offer or read began, and its attributes
+        self.spans = Spans()
+        self._traced: dict[str, tuple[dict[str, str], int, dict[str, Value]]] = {}
+        self._fetch_started_ns: dict[tuple[str, str], int] = {}
+        self._check_started_ns: dict[str, int] = {}
+        self._expired: set[str] = set()
 
     # -- registration --------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any], layout: str | None = None) -> None:
@@ -255,17 +263,29 @@ class ConnectorWorker:
         if self.prefill is None:
             return
         for request_id, order in meta.to_digest.items():
+            began = time.time_ns()
             try:
                 digests = self.prefill.digest(order.key, order.block_ids, order.num_tokens)
             except ValueError as exc:  # its answer goes without digests; decode then finds none: fails, typed
                 log.error("kvbridge: cannot digest %s: %s", request_id, exc)
+                self._span(words.PREFILL_DIGEST, order.trace, began, {words.TOKENS: order.num_tokens}, "DIGEST_FAILED")
                 continue
+            self._span(words.PREFILL_DIGEST, order.trace, began, {words.TOKENS: order.num_tokens})
             self.stats.record_digests(request_id, *to_bytes(digests))
 
     def start_load_kv(self, meta: StepMetadata) -> None:
         if self.prefill is not None:
             for request_id, order in meta.to_offer.items():
+                began = time.time_ns()
                 digests = self.prefill.offer(request_id, order.block_ids, order.digest_tokens, order.digest_key)
+                if order.trace:
+                    held: dict[str, Value] = {
+                        words.BLOCKS: len(order.block_ids),
+                        words.LEASE_SECONDS: round(order.expires_at - time.time()),
+                    }
+                    self._traced[request_id] = (order.trace, began, held)
+                    if order.digest_tokens:
+                        self._span(words.PREFILL_DIGEST, order.trace, began, {words.TOKENS: order.digest_tokens})
                 if digests:
                     self.stats.record_digests(request_id, *to_bytes(digests))
             self._leases.update({r: t for r, t in meta.leases.items() if r in self._leases or r in meta.to_offer})
@@ -282,6 +302,13 @@ class ConnectorWorker:
         """Post the request's READs; or park it until its prefill engine's handshake is done (that runs on a
         thread: a handshake never holds up vLLM's forward step); or fail it at once."""
         params = order.params
+        if order.trace:  # from when it is posted (again after a handshake it waited for)
+            engine = {words.REMOTE_ENGINE: params.remote_engine_id} if params is not None else {}
+            self._traced[request_id] = (
+                order.trace,
+                time.time_ns(),
+                {words.BLOCKS: len(order.local_block_ids), **engine},
+            )
         if order.refused or params is None:
             code, _, message = (order.refused or "INVALID_TRANSFER_PARAMS: no parameters").partition(": ")
             return ReadResult(request_id, False, code, message, list(order.local_block_ids))
@@ -298,6 +325,7 @@ class ConnectorWorker:
             self._parked.setdefault(key, []).append((request_id, order))
             if key not in self._fetching:
                 self._fetching[key] = (self._executor.submit(self._fetch, params), time.perf_counter())
+                self._fetch_started_ns[key] = time.time_ns()
             return None
         # prefill's draw (the parameters' verify), or decode's own policy when it is All; prefill's digests are
         # fetched while the READs run
@@ -340,6 +368,7 @@ class ConnectorWorker:
                 future.cancel()
             return result
         self._checking[result.request_id] = (future, result, order)
+        self._check_started_ns[result.request_id] = time.time_ns()
         return None
 
     def _verified(self, decode: DecodeRank) -> list[ReadResult]:
@@ -387,6 +416,7 @@ class ConnectorWorker:
             del self._fetching[key]
             engine_id, incarnation = key
             waiting = self._parked.pop(key, [])
+            began = self._fetch_started_ns.pop(key, time.time_ns())
             try:
                 ranks = future.result()
                 check_block_interior(self.block_interior, engine_id, ranks)
@@ -404,8 +434,12 @@ class ConnectorWorker:
                 code = getattr(exc, "code", "HANDSHAKE_FAILED")
                 message = getattr(exc, "message", str(exc))
                 self._results += [ReadResult(r, False, code, message, list(o.local_block_ids)) for r, o in waiting]
+                for _, order in waiting:
+                    self._span(words.DECODE_HANDSHAKE, order.trace, began, {words.REMOTE_ENGINE: engine_id}, code)
                 continue
             self.stats.record_handshake(time.perf_counter() - started)
+            for _, order in waiting:
+                self._span(words.DECODE_HANDSHAKE, order.trace, began, {words.REMOTE_ENGINE: engine_id})
             for request_id, order in waiting:
                 result = self._start_read(decode, request_id, order)
                 if result is not None:
@@ -439,12 +473,14 @@ class ConnectorWorker:
                     log.warning("kvbridge: lease of %s ended unread; its blocks are freed", request_id)
                     self.stats.record_expired_lease()
                     self._done_sending.add(request_id)
+                    self._expired.add(request_id)
             ready = self._done_sending & self._finished_seen  # vLLM wants ids it reported finished
             self._done_sending -= ready
             self._finished_seen -= ready
             for request_id in ready:
                 self._leases.pop(request_id, None)
                 self._held_blocks.pop(request_id, None)
+                self._offer_span(request_id)
             self._report_held()
             return ready or None, None
         if self.decode is not None:
@@ -461,6 +497,7 @@ class ConnectorWorker:
                     # prefill may have freed and reused the blocks while they were read: never use them
                     message = "the read ended after prefill's lease"
                     result = ReadResult(result.request_id, False, LEASE_EXPIRED, message, lease[1])
+                self._read_spans(result)
                 if result.ok:
                     self.stats.record_read(result.seconds, result.bytes, result.descriptors)
                 else:
@@ -470,11 +507,52 @@ class ConnectorWorker:
             return None, done or None
         return None, None
 
+    # -- traces ------------------------------------------------------------------------------
+    def _span(
+        self, name: str, trace: dict[str, str], began: int, attributes: dict[str, Value], error: str = ""
+    ) -> None:
+        """A span of this rank's, from ``began`` until now (nothing without a trace context)."""
+        if trace:
+            self.spans.record(name, trace, began, time.time_ns(), {words.TP_RANK: self.tp_rank, **attributes}, error)
+
+    def _offer_span(self, request_id: str) -> None:
+        """Prefill: a traced request's offer, from the step that offered it until decode read it or its lease
+        ended (``LEASE_EXPIRED``)."""
+        traced = self._traced.pop(request_id, None)
+        expired = request_id in self._expired
+        self._expired.discard(request_id)
+        if traced is not None:
+            trace, began, attributes = traced
+            self._span(words.PREFILL_OFFER, trace, began, attributes, LEASE_EXPIRED if expired else "")
+
+    def _read_spans(self, result: ReadResult) -> None:
+        """Decode: a traced request's READs (posted until complete: bytes, descriptors, the failure's code) and, when
+        verified, the digest check after them."""
+        traced = self._traced.pop(result.request_id, None)
+        checked = self._check_started_ns.pop(result.request_id, None)
+        if traced is None:
+            return
+        trace, began, attributes = traced
+        if result.seconds:  # the READs' own time (the result comes later when a check or a handshake follows)
+            read_end = began + int(result.seconds * 1e9)
+        else:
+            read_end = checked if checked is not None else time.time_ns()
+        read = {**attributes, words.BYTES: result.bytes, words.DESCRIPTORS: result.descriptors}
+        digest_failed = result.code in (KV_DIGEST_MISMATCH, KV_DIGEST_UNAVAILABLE)
+        read_error = "" if result.ok or (checked is not None and digest_failed) else result.code
+        rank = {words.TP_RANK: self.tp_rank}
+        self.spans.record(words.DECODE_READ, trace, began, read_end, {**rank, **read}, read_error)
+        if checked is not None:
+            check = {**rank, words.VERIFIED: result.ok, **attributes}
+            error = result.code if not result.ok and read_error == "" else ""
+            self.spans.record(words.DECODE_DIGEST_CHECK, trace, checked, time.time_ns(), check, error)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
+        self.spans.shutdown()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._digest_executor.shutdown(wait=False, cancel_futures=True)
         for rank in (self.prefill, self.decode):

@@ -12,6 +12,7 @@ from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from kvbridge_agent.core import KVBridgeError, ModelGeometry, Role, RoleSettings, SpecError, TransferSettings
 from kvbridge_agent.core.model import CamelModel, joined_item_check
@@ -393,6 +394,76 @@ class RouterSpec(CamelModel):
         return secret
 
 
+class TracingProtocol(StrEnum):
+    """How spans are exported (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, in OpenTelemetry's words)."""
+
+    GRPC = "grpc"  # OTLP over gRPC (a collector's port 4317)
+    HTTP_PROTOBUF = "http/protobuf"  # OTLP over HTTP, protobuf bodies (a collector's port 4318, path /v1/traces)
+
+
+TRACING_ENDPOINT_INVALID = "TRACING_ENDPOINT_INVALID"
+TRACING_ENDPOINT_PATH = "TRACING_ENDPOINT_PATH"
+#: an OTLP endpoint: http(s)://HOST[:PORT][/PATH], no user, query or fragment (what every OTLP exporter reads)
+TRACING_ENDPOINT_PATTERN = r"^https?://[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?(:[0-9]{1,5})?(/[-A-Za-z0-9_.~/]*)?$"
+#: the path an OTLP/HTTP collector takes traces on (the signal's endpoint is used as written, path included)
+OTLP_HTTP_TRACES_PATH = "/v1/traces"
+
+
+class TracingSpec(CamelModel):
+    """OpenTelemetry traces of every request (docs/tracing.md): rendered as the standard OTEL_* environment on the
+    engine pods and the router, and as vLLM's own --otlp-traces-endpoint on vLLM engines."""
+
+    protocol: TracingProtocol = Field(
+        default=TracingProtocol.GRPC,
+        description="grpc (the default) or http/protobuf (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL).",
+    )
+    endpoint: str = Field(
+        min_length=1,
+        max_length=512,
+        pattern=TRACING_ENDPOINT_PATTERN,
+        description="The OTLP collector's traces endpoint (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT): grpc "
+        "http://HOST:4317, http/protobuf http://HOST:4318/v1/traces (the path included, as OpenTelemetry reads it).",
+    )
+    sampling_ratio: float = Field(
+        default=1.0,
+        ge=0,
+        le=1,
+        description="The share of new traces recorded, 0 to 1 (OTEL_TRACES_SAMPLER parentbased_traceidratio, "
+        "OTEL_TRACES_SAMPLER_ARG): a request that arrives with a trace context follows its caller's decision.",
+    )
+
+    @field_validator("endpoint", mode="before")
+    @classmethod
+    def _endpoint(cls, endpoint: object, info: ValidationInfo) -> object:
+        """Refused with a code of its own (before the pattern's generic message); the path must suit the protocol,
+        which is checked first (declared first)."""
+        if not isinstance(endpoint, str):
+            return endpoint
+        if not re.fullmatch(TRACING_ENDPOINT_PATTERN, endpoint):
+            raise PydanticCustomError(
+                TRACING_ENDPOINT_INVALID,
+                "{endpoint} is not an OTLP endpoint: write http://HOST:PORT (grpc) or http://HOST:PORT/v1/traces "
+                "(http/protobuf), https:// for TLS; no user, query or fragment",
+                {"endpoint": repr(endpoint[:80])},
+            )
+        path = re.sub(r"^https?://[^/]*", "", endpoint)
+        protocol = info.data.get("protocol")
+        if protocol is TracingProtocol.HTTP_PROTOBUF and not path.endswith(OTLP_HTTP_TRACES_PATH):
+            raise PydanticCustomError(
+                TRACING_ENDPOINT_PATH,
+                "protocol http/protobuf posts to the endpoint as written, path included: end it with "
+                "{path} (e.g. http://collector:4318{path}), or use protocol grpc",
+                {"path": OTLP_HTTP_TRACES_PATH},
+            )
+        if protocol is TracingProtocol.GRPC and path not in ("", "/"):
+            raise PydanticCustomError(
+                TRACING_ENDPOINT_PATH,
+                "protocol grpc takes no path: write the endpoint as http://HOST:PORT (e.g. http://collector:4317), "
+                "or use protocol http/protobuf",
+            )
+        return endpoint
+
+
 class InferencePoolSpec(CamelModel):
     enabled: bool = Field(
         default=False,
@@ -596,6 +667,9 @@ class DisaggregatedDeploymentSpec(CamelModel):
     router: RouterSpec = Field(default_factory=RouterSpec)
     inference_pool: InferencePoolSpec = Field(default_factory=InferencePoolSpec)
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
+    tracing: TracingSpec | None = Field(
+        default=None, description="OpenTelemetry traces of every request; unset: off (no spans, no exporter)."
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> DisaggregatedDeploymentSpec:
@@ -653,6 +727,8 @@ def _location(loc: tuple[int | str, ...]) -> str:
 #: needs about 15); ``kvbridge plan`` reads YAML with the same bound
 MAX_DEPTH = 64
 NESTING_TOO_DEEP = "NESTING_TOO_DEEP"
+#: the codes of the model's own checks (raised as PydanticCustomError of that type); any other is INVALID_SPEC
+OWN_CODES = frozenset({TRACING_ENDPOINT_INVALID, TRACING_ENDPOINT_PATH})
 #: the leading steps of a path that nests too deeply that its refusal names (the path goes on below them)
 _NAMED_STEPS = 12
 
@@ -706,7 +782,9 @@ def parse_deployment(document: object) -> DisaggregatedDeployment:
     except ValidationError as exc:
         errors = exc.errors()
         message = "; ".join(f"{_location(e['loc'])}: {e['msg']}" for e in errors)
-        raise SpecError(message, field=_location(errors[0]["loc"]), code="INVALID_SPEC") from exc
+        # a check with a code of its own (TRACING_ENDPOINT_PATH, ...) raises it as the error's type
+        code = errors[0]["type"] if errors[0]["type"] in OWN_CODES else "INVALID_SPEC"
+        raise SpecError(message, field=_location(errors[0]["loc"]), code=code) from exc
 
 
 __all__ = [
@@ -718,5 +796,7 @@ __all__ = [
     "KVBridgeError",
     "KVBufferDevice",
     "RoleSpec",
+    "TracingProtocol",
+    "TracingSpec",
     "parse_deployment",
 ]

@@ -18,4 +18,5 @@ Reading order:
 - ``pairing``: which pods may pair.
 - ``keys``: the side channel's CURVE keys.
 - ``transfer_token``: the router's token, mounted where ``spec.router.signTransfers`` wants it.
+- ``tracing``: ``spec.tracing`` as OpenTelemetry's environment and vLLM's flag.
 """

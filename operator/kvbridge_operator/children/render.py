@@ -42,7 +42,7 @@ from kvbridge_operator.api.names import (
 )
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import DisaggregatedDeployment, EngineDevice, EngineKind, RoleSpec
-from kvbridge_operator.children import multinode, network, placement, termination, transfer_token
+from kvbridge_operator.children import multinode, network, placement, termination, tracing, transfer_token
 from kvbridge_operator.children import vllm_engine as vllm
 from kvbridge_operator.children.keys import curve_keypair
 from kvbridge_operator.children.pairing import pairing
@@ -152,7 +152,7 @@ def engine_env(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, conf
             env.append({"name": name, "valueFrom": {"fieldRef": {"fieldPath": downward[name]}}})
         else:
             env.append({"name": name, "value": value})
-    return env
+    return env + tracing.env_list(spec, tracing.service_name(dd.metadata.name, role.value))
 
 
 def pod_template(

@@ -27,7 +27,7 @@ from kvbridge_operator.api.names import (
 )
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import DisaggregatedDeployment, RouterSpec
-from kvbridge_operator.children import placement, transfer_token
+from kvbridge_operator.children import placement, tracing, transfer_token
 from kvbridge_operator.children.render import child_metadata, owner_reference
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_router.settings import DEFAULTS, RouterSettings, arguments
@@ -88,6 +88,9 @@ def router_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfi
         "command": [ROUTER_COMMAND],
         "args": args,
         "ports": [{"name": HTTP_PORT_NAME, "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        **(
+            {"env": env} if (env := tracing.env_list(dd.spec, tracing.service_name(dd.metadata.name, "router"))) else {}
+        ),
         # ready once some prefill/decode pair is routable (503 before); alive while it answers at all
         "readinessProbe": {"httpGet": {"path": "/health", "port": HTTP_PORT_NAME}, "periodSeconds": 5},
         "livenessProbe": {**probe, "failureThreshold": 6},
@@ -110,6 +113,9 @@ def router_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfi
         mounts.append({"name": API_KEYS_VOLUME, "mountPath": API_KEYS_FILE.rpartition("/")[0], "readOnly": True})
     if mounts:
         container["volumeMounts"] = mounts
+    env = tracing.env_list(dd.spec, tracing.service_name(dd.metadata.name, "router"))
+    if env:
+        container["env"] = env
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": child_metadata(name, namespace, labels, owner)},
         {

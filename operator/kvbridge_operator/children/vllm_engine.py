@@ -30,6 +30,7 @@ from kvbridge_operator.api.spec import (
     KVBufferDevice,
     RoleSpec,
 )
+from kvbridge_operator.children import tracing
 from kvbridge_operator.children import vllm_messages as words
 from kvbridge_operator.children.model_source import SOURCE_ARGUMENTS, Weights, weights
 
@@ -269,6 +270,14 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
                     VLLM_MANAGED_ARGUMENT,
                     where,
                     words.MANAGED_BY_SOURCE.format(flag=arg.split("=", 1)[0]),
+                )
+            )
+        elif name == tracing.VLLM_FLAG and spec.tracing is not None:
+            found.append(
+                Problem(
+                    VLLM_MANAGED_ARGUMENT,
+                    where,
+                    words.MANAGED.format(flag=arg.split("=", 1)[0], field="spec.tracing.endpoint"),
                 )
             )
         elif name in MANAGED_ARGUMENTS:
@@ -523,6 +532,7 @@ def engine(
         "--shutdown-timeout",
         str(spec.transfer.drain_seconds),
         *parallel_args(role_spec),
+        *tracing.vllm_args(spec),
         *spec.engine.extra_args,
         *role_spec.extra_args,
     ]

@@ -10,6 +10,7 @@ from typing import Any
 
 from kvbridge_agent.core import KVBridgeError, Problem, Role, SpecError, TransferPlan, Verification
 from kvbridge_agent.core.parallel import kv_words, ranks_words, role_parallelism
+from kvbridge_agent.core.tracing import SAMPLER
 from kvbridge_operator.api.names import ENGINE_CONTAINER, router_token_secret_name
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import (
@@ -19,7 +20,7 @@ from kvbridge_operator.api.spec import (
     EngineKind,
     Memlock,
 )
-from kvbridge_operator.children import multinode, network, serving, transfer_token
+from kvbridge_operator.children import multinode, network, serving, tracing, transfer_token
 from kvbridge_operator.children import vllm_engine as vllm
 from kvbridge_operator.children.model_source import weights
 from kvbridge_operator.children.pairing import pairing
@@ -112,6 +113,7 @@ def entries(document: DocumentPlan, ranks: Iterable[int]) -> list[dict[str, obje
                 "verification": verification_of(document.deployment.spec),
                 "router": router_of(document.deployment),
                 "autoscaling": autoscaling_of(document.deployment.spec),
+                "tracing": tracing_of(document.deployment),
             }
             if engines is not None:
                 entry["vllm"] = engines
@@ -347,6 +349,38 @@ def parallelism_lines(spec: DisaggregatedDeploymentSpec) -> list[str]:
     return lines
 
 
+def tracing_of(deployment: DisaggregatedDeployment) -> dict[str, object]:
+    """``spec.tracing`` as the pods get it (``--json``): off, or the OTLP endpoint, protocol and sampling, each
+    process's service name, and whether vLLM's own flag is rendered."""
+    spec, name = deployment.spec, deployment.metadata.name
+    if spec.tracing is None:
+        return {"enabled": False}
+    processes = [role.value for role in Role] + (["router"] if spec.router.enabled else [])
+    return {
+        "enabled": True,
+        "endpoint": spec.tracing.endpoint,
+        "protocol": spec.tracing.protocol.value,
+        "samplingRatio": spec.tracing.sampling_ratio,
+        "sampler": SAMPLER,
+        "services": {process: tracing.service_name(name, process) for process in processes},
+        "vllmFlag": spec.engine.kind is EngineKind.VLLM,
+    }
+
+
+def tracing_words(deployment: DisaggregatedDeployment) -> str:
+    """The text report's tracing line: where spans go, how many new traces are kept, which processes send them."""
+    spec, name = deployment.spec, deployment.metadata.name
+    if spec.tracing is None:
+        return "off"
+    processes = [role.value for role in Role] + (["router"] if spec.router.enabled else [])
+    services = ", ".join(tracing.service_name(name, process) for process in processes)
+    vllm_flag = f"; vLLM {tracing.VLLM_FLAG}" if spec.engine.kind is EngineKind.VLLM else ""
+    return (
+        f"OTLP {spec.tracing.protocol.value} to {spec.tracing.endpoint}, {spec.tracing.sampling_ratio:.0%} of new "
+        f"traces (a caller's decision kept); services {services}{vllm_flag}"
+    )
+
+
 def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
     """The human-readable report for one document."""
     spec = document.deployment.spec
@@ -393,6 +427,8 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
         lines.append(f"  router clients: {router_auth_words(document.deployment)}")
         replicas = f"{spec.router.replicas} replica{'s' if spec.router.replicas != 1 else ''}"
         lines.append(f"  router pods: {replicas}; placement: {router_placement_words(document.deployment)}")
+    if spec.tracing is not None:
+        lines.append(f"  tracing: {tracing_words(document.deployment)}")
     for rank in ranks:
         rank_plan = plan.for_decode_rank(rank)
         notify = ", ".join(map(str, rank_plan.notify_only_ranks)) or "-"

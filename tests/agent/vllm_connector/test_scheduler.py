@@ -242,6 +242,21 @@ def test_decode_heartbeats_renew_the_prefill_lease_until_the_kv_arrived(tmp_path
         server.close()
 
 
+class UnreadRank:
+    """Stands in for a PrefillRank whose offers no reader ever notifies."""
+
+    digester = None
+
+    def offer(self, request_id: str, block_ids: list[int], digest_tokens: int = 0, key: bytes = b"") -> dict[int, Any]:
+        return {}
+
+    def poll(self) -> Any:
+        return SimpleNamespace(completed=[])
+
+    def forget(self, request_id: str) -> bool:
+        return True
+
+
 def test_a_prefill_worker_remembers_only_the_requests_it_holds() -> None:
     """vLLM reports every finished request to every worker; a long-running prefill must not keep them all."""
     from kvbridge_agent.vllm_connector.messages import OfferOrder, StepMetadata
@@ -249,22 +264,7 @@ def test_a_prefill_worker_remembers_only_the_requests_it_holds() -> None:
 
     settings = ConnectorSettings.from_vllm(vllm_config("kv_producer"), environ(Role.PREFILL, lease=1))
     worker = ConnectorWorker(settings, 0, "inc")
-
-    class Rank:  # stands in for PrefillRank: no reader ever notifies
-        digester = None
-
-        def offer(
-            self, request_id: str, block_ids: list[int], digest_tokens: int = 0, key: bytes = b""
-        ) -> dict[int, Any]:
-            return {}
-
-        def poll(self) -> Any:
-            return SimpleNamespace(completed=[])
-
-        def forget(self, request_id: str) -> bool:
-            return True
-
-    worker.prefill = Rank()  # type: ignore[assignment]
+    worker.prefill = UnreadRank()  # type: ignore[assignment]
     worker.start_load_kv(StepMetadata(to_offer={"held": OfferOrder([1], time.time() + 0.3)}))
     for step in range(1000):
         worker.get_finished({f"plain-{step}"} | ({"held"} if step == 0 else set()))

@@ -1,0 +1,182 @@
+"""spec.tracing with real vLLM (CPU build, kvbridge's connector) behind the router and an OTLP/HTTP receiver here,
+decoding the real OTLP protobuf the router, both vLLM engines and the connector export: one trace id across them,
+each engine's spans under the router's call to it, and each child inside its parent's time."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from aiohttp.test_utils import TestServer
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+from kvbridge_agent.core import Role
+from kvbridge_agent.core import tracing as words
+from kvbridge_router.proxy import Router, RouterConfig
+from kvbridge_router.tracing import Tracing
+from kvbridge_sim import pd_requests
+from kvbridge_sim.tiny_model import prompt
+from kvbridge_sim.vllm_engines import MODEL_NAME, Engines
+
+from .conftest import DEPLOYMENTS, TRACES_PORT, TRACES_URL
+from .routing import endpoint, pool
+
+#: clocks of one machine; the router's call begins before the engine sees the request and ends after its answer
+SLACK_NS = 5_000_000
+
+
+@dataclass(frozen=True)
+class Received:
+    name: str
+    service: str
+    trace_id: str
+    span_id: str
+    parent_id: str
+    start: int
+    end: int
+    attributes: dict[str, object] = field(default_factory=dict)
+    error: bool = False
+
+
+class Receiver:
+    """An OTLP/HTTP collector on a thread of its own (never blocked by the test's event loop): every span of every
+    ExportTraceServiceRequest, decoded."""
+
+    def __init__(self) -> None:
+        self.spans: list[Received] = []
+        self._lock = threading.Lock()
+
+    def take(self, data: bytes) -> None:
+        export = ExportTraceServiceRequest.FromString(data)
+        found = []
+        for resource_spans in export.resource_spans:
+            resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+            for scope in resource_spans.scope_spans:
+                for span in scope.spans:
+                    attributes: dict[str, object] = {}
+                    for a in span.attributes:
+                        kind = a.value.WhichOneof("value")
+                        attributes[a.key] = getattr(a.value, kind) if kind else None
+                    found.append(
+                        Received(
+                            span.name,
+                            resource.get("service.name", ""),
+                            span.trace_id.hex(),
+                            span.span_id.hex(),
+                            span.parent_span_id.hex(),
+                            span.start_time_unix_nano,
+                            span.end_time_unix_nano,
+                            attributes,
+                            span.status.code == 2,  # STATUS_CODE_ERROR
+                        )
+                    )
+        with self._lock:
+            self.spans += found
+
+    def of(self, trace_id: str, name: str) -> list[Received]:
+        with self._lock:
+            return [s for s in self.spans if s.trace_id == trace_id and s.name == name]
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    found = Receiver()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            found.take(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
+            body = ExportTraceServiceResponse().SerializeToString()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            return None
+
+    server = ThreadingHTTPServer(("127.0.0.1", TRACES_PORT), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield found
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def inside(child: Received, parent: Received) -> bool:
+    return parent.start - SLACK_NS <= child.start and child.end <= parent.end + SLACK_NS
+
+
+async def test_one_trace_across_the_router_both_engines_and_the_kv_transfer(
+    receiver: Receiver, traced_engines: Engines
+) -> None:
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=TRACES_URL)))  # real OTLP protobuf
+    router = Router(RouterConfig(prefill_timeout=60, decode_timeout=120), tracing=Tracing(provider))
+    server = TestServer(router.app(), host="127.0.0.1")
+    await server.start_server()
+    document = DEPLOYMENTS["traced"]
+    router.set_pool(
+        pool(
+            [endpoint(traced_engines, "traced-prefill", document, Role.PREFILL)],
+            [endpoint(traced_engines, "traced-decode", document, Role.DECODE)],
+        )
+    )
+    body = {"model": MODEL_NAME, "prompt": prompt(70, salt=4040), "max_tokens": 4, "temperature": 0.0}
+    try:
+        url = f"http://127.0.0.1:{server.port}/v1/completions"
+        async with pd_requests.client_session(180) as session, session.post(url, json=body) as answer:
+            assert answer.status == 200, await answer.text()
+    finally:
+        await server.close()
+        provider.shutdown()
+    [root] = [s for s in receiver.spans if s.name == words.ROUTER_REQUEST]  # the router's, flushed at shutdown
+    trace = root.trace_id
+    wanted = ("llm_request", words.PREFILL_OFFER, words.DECODE_READ)
+    deadline = time.monotonic() + 60  # the engines' batch exporters, and the offer's span ends once decode read it
+    while time.monotonic() < deadline and (
+        len(receiver.of(trace, "llm_request")) < 2 or not all(receiver.of(trace, name) for name in wanted)
+    ):
+        await asyncio.sleep(0.5)
+    names = sorted({s.name for s in receiver.spans if s.trace_id == trace})
+    [prefill_call] = receiver.of(trace, words.ROUTER_PREFILL)
+    [decode_call] = receiver.of(trace, words.ROUTER_DECODE)
+    llm = {s.parent_id: s for s in receiver.of(trace, "llm_request")}
+    assert set(llm) == {prefill_call.span_id, decode_call.span_id}, names  # vLLM's own span, under each call
+    assert llm[prefill_call.span_id].service == "tiny-traced-prefill"
+    assert llm[decode_call.span_id].service == "tiny-traced-decode"
+    [offer] = receiver.of(trace, words.PREFILL_OFFER)
+    [read] = receiver.of(trace, words.DECODE_READ)
+    assert offer.parent_id == prefill_call.span_id, names
+    assert read.parent_id == decode_call.span_id, names
+    bytes_read, descriptors = read.attributes[words.BYTES], read.attributes[words.DESCRIPTORS]
+    assert isinstance(bytes_read, int)
+    assert isinstance(descriptors, int)
+    assert bytes_read > 0
+    assert descriptors > 0
+    assert not read.error
+    assert not offer.error
+    for call in (prefill_call, decode_call):
+        assert call.parent_id == root.span_id
+        assert inside(call, root)
+        assert inside(llm[call.span_id], call)
+    assert inside(read, decode_call)
+    assert offer.start >= prefill_call.start - SLACK_NS
+    assert offer.end >= read.start  # held until decode read it
+    checks = receiver.of(trace, words.DECODE_DIGEST_CHECK)
+    for check in checks:  # the first minutes of an engine are verified (spec.transfer.verification: Sampled)
+        assert check.attributes[words.VERIFIED] is True
+        assert read.end <= check.start + SLACK_NS
