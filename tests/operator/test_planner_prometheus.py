@@ -200,13 +200,13 @@ async def test_prometheus_down_or_not_prometheus_is_an_error_not_a_hang(tmp_path
 
 
 #: what one engine of each role does, for the planner on the emulated cluster. With the traffic above (10-20
-#: requests/s of 1,000 prompt tokens, 40 % cached, 100 output tokens): 600 uncached tokens take 300 ms of a 500 ms
-#: TTFT, so an engine may be 40 % busy (800 tokens/s) and prefill needs 8-15 engines before the planner's
-#: refinement (the observed TTFT, ~0.2 s, is below the model's, so later passes ask for fewer); decode runs 11
-#: requests per engine within a 30 ms ITL (367 tokens/s) and needs 3-6
+#: requests/s of 1,000 prompt tokens, 40 % cached, 100 output tokens): 600 uncached tokens take 75 ms, whose p95 in
+#: a queue is 3x that, 225 ms of a 500 ms TTFT, so an engine may be 55 % busy (4,400 tokens/s) and prefill needs 2-3
+#: engines before the planner's refinement; decode runs 11 requests per engine within a 30 ms ITL (367 tokens/s)
+#: and needs 3-6
 PROFILE = {
     "engine": "test exporters",
-    "prefill": {"tokensPerSecond": 2000},
+    "prefill": {"tokensPerSecond": 8000},
     "decode": {"contextTokens": 1100, "points": [{"concurrency": 1, "itlMs": 10}, {"concurrency": 16, "itlMs": 40}]},
 }
 
@@ -247,7 +247,7 @@ async def test_the_operators_planner_sizes_both_roles_and_holds_when_prometheus_
 
         await c.wait(lambda: planned().get("state") == "Sized", timeout=60, what="a planner pass")
         status = planned()
-        assert 3 <= status["prefill"] <= 16, status
+        assert 2 <= status["prefill"] <= 16, status
         assert 3 <= status["decode"] <= 6, status
         assert status["planned"] == f"{status['prefill']}/{status['decode']}"
         assert status["prefixHitRate"] == pytest.approx(CACHED / PROMPT, rel=0.05)

@@ -84,17 +84,26 @@ def test_decode_latency_is_interpolated_and_the_concurrency_within_a_target_foun
 
 
 def test_the_formulas_on_a_worked_example() -> None:
-    """Prefill: 500 uncached tokens take 50 ms on an idle engine; a 200 ms TTFT allows 75 % utilisation, so
-    15,000 tokens/s need 15,000 / 7,500 = 2 engines. Decode: 16 requests per engine within 30 ms ITL, 533 tokens/s
-    each; 3,000 tokens/s need 6."""
-    assert prefill_engines(30, TRAFFIC, PROFILE, 200, 1.0) == 2
-    assert prefill_engines(31, TRAFFIC, PROFILE, 200, 1.0) == 3
+    """Prefill: 500 uncached tokens take 50 ms on an idle engine; at the queue's mean (tail 1) a 200 ms TTFT allows
+    75 % utilisation, so 15,000 tokens/s need 15,000 / 7,500 = 2 engines; its 95th percentile lies ln(20) = 3.0 mean
+    times out, so 150 ms of the 200 go to the tail and 25 % utilisation is left: 6 engines. Decode: 16 requests per
+    engine within 30 ms ITL, 533 tokens/s each; 3,000 tokens/s need 6."""
+    assert prefill_engines(30, TRAFFIC, PROFILE, 200, 1.0, tail=1.0) == 2
+    assert prefill_engines(31, TRAFFIC, PROFILE, 200, 1.0, tail=1.0) == 3
+    assert prefill_engines(30, TRAFFIC, PROFILE, 200, 1.0, tail=Targets(200, 30, 95).tail) == 6
     assert decode_engines(30, TRAFFIC, PROFILE, 30, 1.0) == 6
     # the prefix hit rate discounts prefill alone (without hits: 100 ms a prompt, 50 % utilisation, 6 engines)
-    assert prefill_engines(30, replace(TRAFFIC, prefix_hit_rate=0.0), PROFILE, 200, 1.0) == 6
+    assert prefill_engines(30, replace(TRAFFIC, prefix_hit_rate=0.0), PROFILE, 200, 1.0, tail=1.0) == 6
     assert decode_engines(30, replace(TRAFFIC, prefix_hit_rate=0.0), PROFILE, 30, 1.0) == 6
     # an idle engine cannot meet a TTFT shorter than one prompt's compute
-    assert prefill_engines(1, TRAFFIC, PROFILE, 40, 1.0) is None
+    assert prefill_engines(1, TRAFFIC, PROFILE, 40, 1.0, tail=1.0) is None
+    # headroom: a quarter more demand than predicted
+    assert (
+        run(TRAFFIC).prefill
+        < decide(
+            TRAFFIC, "", replace(TARGETS, headroom=1.0), PROFILE, Recommendation(0, 2, 4), BOUNDS, Memory(), 0.0, 30, 0
+        ).prefill
+    )
 
 
 def test_a_pass_sizes_both_roles_and_remembers_what_it_saw() -> None:
@@ -169,13 +178,17 @@ def test_sizes_stay_within_min_and_max_and_an_unreachable_target_asks_for_the_mo
 
 
 def test_observed_latency_above_the_profiles_refines_it() -> None:
-    """2 prefill engines at 30 req/s run at 100 % of 7,500 ... the model predicts 50 / (1 - 0.75) = 200 ms with 2
-    engines; observing 400 ms doubles the work the planner assumes per token (damped: x sqrt(2) per pass)."""
-    slow = run(replace(TRAFFIC, ttft_ms=400.0, itl_ms=60.0, request_rate=15), running=(2, 6))
-    assert slow.memory.prefill_correction == pytest.approx(math.sqrt(400 / (50 / (1 - 15 * 500 / 20_000))), rel=1e-6)
+    """2 prefill engines at 15 req/s run at 37.5 % of 10,000 tokens/s: the model predicts a median TTFT of
+    ln(2) x 50 / 0.625 = 55 ms; observing 150 ms multiplies the work assumed per token by sqrt(150 / 55) (damped);
+    an observation over 4x off (a queue a burst blew up) refines nothing."""
+    predicted = math.log(2) * 50 / (1 - 15 * 500 / 20_000)
+    slow = run(replace(TRAFFIC, ttft_ms=150.0, itl_ms=60.0, request_rate=15), running=(2, 6))
+    assert slow.memory.prefill_correction == pytest.approx(math.sqrt(150 / predicted), rel=1e-6)
     assert slow.memory.decode_correction > 1
     fresh = run(replace(TRAFFIC, request_rate=15), running=(2, 6))
     assert (slow.prefill, slow.decode) > (fresh.prefill, fresh.decode)
+    blown = run(replace(TRAFFIC, ttft_ms=60_000.0, request_rate=15), running=(2, 6))
+    assert blown.memory.prefill_correction == 1.0
 
 
 def test_autoscaling_needs_everything_it_uses_when_enabled() -> None:
@@ -262,8 +275,8 @@ def test_plan_shows_the_planner_when_it_is_on(tmp_path: Path) -> None:
     text = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True).stdout
     assert (
         "  autoscaling: planner to TTFT p95 500 ms and ITL p90 30 ms, every 30 s from "
-        "http://prometheus.monitoring:9090 (profile ConfigMap llama-profile/profile.json); prefill 0-1024, "
-        "decode 0-1024"
+        "http://prometheus.monitoring:9090 (profile ConfigMap llama-profile/profile.json, 0% headroom); "
+        "prefill 0-1024, decode 0-1024"
     ) in text.splitlines()
     answer = json.loads(
         subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=60, check=True).stdout
@@ -276,6 +289,7 @@ def test_plan_shows_the_planner_when_it_is_on(tmp_path: Path) -> None:
         "profile": {"configMap": "llama-profile", "key": "profile.json"},
         "intervalSeconds": 30,
         "windowSeconds": 60,
+        "headroomPercent": 0,
         "stabilizationWindowSeconds": 300,
         "bounds": {"prefill": [0, 1024], "decode": [0, 1024]},
     }

@@ -186,6 +186,13 @@ class AutoscalingSpec(CamelModel):
         description="The ConfigMap key holding the engines' performance profile (JSON; docs/autoscaling.md).",
     )
     interval_seconds: int = Field(default=30, ge=5, le=3600, description="How often the planner decides.")
+    headroom_percent: int = Field(
+        default=0,
+        ge=0,
+        le=400,
+        description="Capacity over the predicted demand, in percent: bursts arrive faster than new engines start "
+        "(docs/autoscaling.md measures what it buys).",
+    )
     window_seconds: int = Field(
         default=60,
         ge=5,

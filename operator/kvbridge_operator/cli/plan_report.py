@@ -280,6 +280,7 @@ def autoscaling_of(spec: DisaggregatedDeploymentSpec) -> dict[str, object]:
         "profile": {"configMap": auto.profile.name, "key": auto.profile.key},
         "intervalSeconds": auto.interval_seconds,
         "windowSeconds": auto.window_seconds,
+        "headroomPercent": auto.headroom_percent,
         "stabilizationWindowSeconds": auto.stabilization_window_seconds,
         "bounds": {role.value: [spec.role(role).min_replicas, spec.role(role).max_replicas] for role in Role},
     }
@@ -294,7 +295,7 @@ def autoscaling_words(spec: DisaggregatedDeploymentSpec) -> str:
     return (
         f"planner to TTFT p{auto.ttft.percentile:g} {auto.ttft.milliseconds:g} ms and ITL p{auto.itl.percentile:g} "
         f"{auto.itl.milliseconds:g} ms, every {auto.interval_seconds} s from {auto.prometheus_url} (profile "
-        f"ConfigMap {auto.profile.name}/{auto.profile.key}); {bounds}"
+        f"ConfigMap {auto.profile.name}/{auto.profile.key}, {auto.headroom_percent}% headroom); {bounds}"
     )
 
 

@@ -156,7 +156,7 @@ async def plan_pass(
         decision = decide(
             observation,
             unavailable,
-            Targets(spec.ttft.milliseconds, spec.itl.milliseconds),
+            Targets(spec.ttft.milliseconds, spec.itl.milliseconds, spec.ttft.percentile, spec.headroom_percent / 100),
             profile,
             running,
             (bounds[0], bounds[1]),

@@ -4,15 +4,18 @@ Given what Prometheus says of the last window (:class:`Observation`), the engine
 remembers (:class:`Memory`, kept in ``status.autoscaling``):
 
 - **demand**: the request rate, extrapolated one interval along its last change when it grows (never predicted
-  below what was seen), prompt and output lengths as observed;
+  below what was seen), plus the headroom asked for (bursts arrive faster than new engines start), prompt and
+  output lengths as observed;
 - **prefill**: a request's uncached prompt (``prompt x (1 - prefix hit rate)``) takes ``s = uncached / capacity``
-  on an idle engine; queueing at utilisation ``rho`` stretches it to ``s / (1 - rho)`` (one queue per engine), so
-  the TTFT target allows ``rho <= 1 - s / target`` and prefill needs ``ceil(rate x uncached / (capacity x rho))``
+  on an idle engine; with one queue per engine at utilisation ``rho`` the time to first token is exponential with
+  mean ``s / (1 - rho)`` (M/M/1), so its percentile ``q`` is ``ln(1 / (1 - q)) x s / (1 - rho)``; the TTFT target
+  allows ``rho <= 1 - ln(1 / (1 - q)) x s / target`` and prefill needs ``ceil(rate x uncached / (capacity x rho))``
   engines;
 - **decode**: the profile's ITL curve gives the most requests one engine decodes at once within the ITL target,
   ``n``, and so its token rate ``n / itl(n)``; decode needs ``ceil(rate x output / (n / itl(n)))`` engines;
 - **online refinement**: each role's capacity is divided by a correction, the observed latency over the model's
-  prediction at the engines running now, damped (square root per pass) and kept within [0.5, 4];
+  prediction at the engines running now, damped (square root per pass) and kept within [0.5, 4]; an observation
+  more than 4x off the prediction (a queue a burst blew up) or at over 90 % utilisation refines nothing;
 - **safety**: missing, NaN, negative, implausible or stale figures hold the current sizes (the reason says
   which); a role is scaled down only to the largest size recommended over the stabilization window (scale-ups
   act at once); results lie within the roles' minReplicas and maxReplicas (the operator then keeps the P:D ratio).
@@ -34,6 +37,9 @@ MAX_TOKENS = 1e7  # mean prompt or output tokens per request
 CORRECTION_RANGE = (0.5, 4.0)
 #: utilisation above which a prefill observation does not refine the profile (the queue model is unreliable there)
 REFINE_BELOW = 0.9
+#: an observed latency further than this factor from the model's prediction does not refine it: a queue that a burst
+#: blew up, or engines still starting, say nothing of the profile
+REFINE_WITHIN = 4.0
 
 # Stable reasons (docs/autoscaling.md): the first three hold the sizes.
 METRICS_MISSING = "MetricsMissing"
@@ -61,6 +67,15 @@ class Observation:
 class Targets:
     ttft_ms: float
     itl_ms: float
+    #: the TTFT target's percentile (50-99.9): the queue's tail the target holds
+    ttft_percentile: float = 50.0
+    #: extra capacity over the predicted demand, a fraction (0.25: a quarter more)
+    headroom: float = 0.0
+
+    @property
+    def tail(self) -> float:
+        """How many mean response times the TTFT percentile lies at in one exponential queue: ``ln(1/(1-q))``."""
+        return math.log(1 / (1 - self.ttft_percentile / 100))
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,11 +149,15 @@ def problem(observation: Observation, interval_seconds: float) -> tuple[str, str
 def _damped(correction: float, observed: float, predicted: float) -> float:
     if not (math.isfinite(observed) and math.isfinite(predicted)) or observed <= 0 or predicted <= 0:
         return correction
+    if not 1 / REFINE_WITHIN <= observed / predicted <= REFINE_WITHIN:  # a queue blown by a burst, not the profile
+        return correction
     low, high = CORRECTION_RANGE
     return min(high, max(low, correction * math.sqrt(observed / predicted)))
 
 
-def refine(observation: Observation, profile: PerformanceProfile, running: Recommendation, memory: Memory) -> Memory:
+def refine(
+    observation: Observation, profile: PerformanceProfile, running: Recommendation, memory: Memory, tail: float
+) -> Memory:
     """The corrections after comparing what was observed with what the profile predicts for the engines running."""
     prefill_c, decode_c = memory.prefill_correction, memory.decode_correction
     uncached = observation.prompt_tokens * (1 - observation.prefix_hit_rate)
@@ -146,7 +165,7 @@ def refine(observation: Observation, profile: PerformanceProfile, running: Recom
         capacity = profile.prefill.tokens_per_second / prefill_c
         rho = observation.request_rate * uncached / (running.prefill * capacity)
         if rho < REFINE_BELOW:
-            predicted = 1000 * uncached / capacity / (1 - rho)
+            predicted = tail * 1000 * uncached / capacity / (1 - rho)
             prefill_c = _damped(prefill_c, observation.ttft_ms, predicted)
     if observation.itl_ms is not None and running.decode > 0 and observation.decode_running > 0:
         predicted = profile.decode.itl_ms(observation.decode_running / running.decode) * decode_c
@@ -160,14 +179,20 @@ def predicted_rate(rate: float, last: float | None) -> float:
 
 
 def prefill_engines(
-    rate: float, observation: Observation, profile: PerformanceProfile, ttft_ms: float, correction: float
+    rate: float,
+    observation: Observation,
+    profile: PerformanceProfile,
+    ttft_ms: float,
+    correction: float,
+    tail: float = math.log(2),
 ) -> int | None:
-    """Prefill engines for ``rate`` within the TTFT target (None: not even an idle engine meets it)."""
+    """Prefill engines for ``rate`` within the TTFT target at the percentile whose ``tail`` is given (the median's
+    by default); None: not even an idle engine meets it."""
     uncached = observation.prompt_tokens * (1 - observation.prefix_hit_rate) if rate > 0 else 0.0
     if uncached <= 0:
         return 0
     capacity = profile.prefill.tokens_per_second / correction
-    service_ms = 1000 * uncached / capacity
+    service_ms = tail * 1000 * uncached / capacity
     if service_ms >= ttft_ms:
         return None
     utilisation = 1 - service_ms / ttft_ms
@@ -207,9 +232,9 @@ def decide(
     wrong = problem(observation, interval_seconds)
     if wrong is not None:
         return Decision(running.prefill, running.decode, wrong[0], wrong[1], True, memory=memory)
-    memory = refine(observation, profile, running, memory)
-    rate = predicted_rate(observation.request_rate, memory.last_rate)
-    prefill = prefill_engines(rate, observation, profile, targets.ttft_ms, memory.prefill_correction)
+    memory = refine(observation, profile, running, memory, targets.tail)
+    rate = predicted_rate(observation.request_rate, memory.last_rate) * (1 + targets.headroom)
+    prefill = prefill_engines(rate, observation, profile, targets.ttft_ms, memory.prefill_correction, targets.tail)
     decode = decode_engines(rate, observation, profile, targets.itl_ms, memory.decode_correction)
     unreachable = [role for role, wanted in (("prefill", prefill), ("decode", decode)) if wanted is None]
     wanted = Recommendation(
