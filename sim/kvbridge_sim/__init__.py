@@ -17,6 +17,7 @@ Reading order:
 - ``kubectl``: for tests: the real ``kubectl`` against the emulated cluster.
 - ``vllm_engines``: for tests and benchmarks: real vLLM engines started from rendered pod templates.
 - ``support``: free ports and waiting for a condition with a deadline, for the demo, tests and benchmarks.
+- ``trace_timeline``: for docs: one request's trace (spans an OTLP receiver decoded) drawn as a timeline.
 
 Never imported by a product package (import-linter); no image contains it. Needs the ``demo`` extra (kmock).
 """

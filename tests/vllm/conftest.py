@@ -114,8 +114,8 @@ def all_engines(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
             env={"KVBRIDGE_KEYS_DIR": str(keys)},
         )
     for name, role, ip, core in (
-        ("kvbridge-hybrid-prefill", Role.PREFILL, "127.0.1.14", 0),
-        ("kvbridge-hybrid-decode", Role.DECODE, "127.0.1.15", 1),
+        ("kvbridge-hybrid-prefill", Role.PREFILL, "127.0.1.16", 0),
+        ("kvbridge-hybrid-decode", Role.DECODE, "127.0.1.17", 1),
     ):
         template = rendered_template(DEPLOYMENTS["kvbridge-hybrid"], role)
         found.add(name, template, ip, (core,), env={"KVBRIDGE_KEYS_DIR": str(keys)})

@@ -1,16 +1,23 @@
 """spec.tracing with real vLLM (CPU build, kvbridge's connector) behind the router and an OTLP/HTTP receiver here,
 decoding the real OTLP protobuf the router, both vLLM engines and the connector export: one trace id across them,
-each engine's spans under the router's call to it, and each child inside its parent's time."""
+each engine's spans under the router's call to it, and each child inside its parent's time; and a digest mismatch
+recorded as the error of decode's check, in the caller's own trace."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import os
+import secrets
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -18,16 +25,20 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from kvbridge_agent.core import Role
 from kvbridge_agent.core import tracing as words
+from kvbridge_agent.core.handshake import KVTransferParams
+from kvbridge_agent.transfer.keys import load_keys
 from kvbridge_router.proxy import Router, RouterConfig
 from kvbridge_router.tracing import Tracing
 from kvbridge_sim import pd_requests
 from kvbridge_sim.tiny_model import prompt
 from kvbridge_sim.vllm_engines import MODEL_NAME, Engines
+from tests.kv_faults import overwrite_prefill_kv
 
 from .conftest import DEPLOYMENTS, TRACES_PORT, TRACES_URL
 from .routing import endpoint, pool
@@ -123,7 +134,7 @@ def inside(child: Received, parent: Received) -> bool:
 async def test_one_trace_across_the_router_both_engines_and_the_kv_transfer(
     receiver: Receiver, traced_engines: Engines
 ) -> None:
-    provider = TracerProvider()
+    provider = TracerProvider(resource=Resource.create({"service.name": "tiny-traced-router"}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=TRACES_URL)))  # real OTLP protobuf
     router = Router(RouterConfig(prefill_timeout=60, decode_timeout=120), tracing=Tracing(provider))
     server = TestServer(router.app(), host="127.0.0.1")
@@ -180,3 +191,36 @@ async def test_one_trace_across_the_router_both_engines_and_the_kv_transfer(
     for check in checks:  # the first minutes of an engine are verified (spec.transfer.verification: Sampled)
         assert check.attributes[words.VERIFIED] is True
         assert read.end <= check.start + SLACK_NS
+    dump = os.environ.get("KVBRIDGE_TRACE_DUMP")  # for docs/images (python -m kvbridge_sim.trace_timeline)
+    if dump:
+        Path(dump).write_text(json.dumps([asdict(s) for s in receiver.spans if s.trace_id == trace], indent=1))
+
+
+async def test_a_digest_mismatch_is_an_error_on_decodes_check_in_the_callers_trace(
+    receiver: Receiver, traced_engines: Engines
+) -> None:
+    """A caller's trace (its traceparent) through prefill and decode; prefill's KV overwritten after publish
+    (tests/kv_faults.py): decode's digest check is a span of that trace with the error KV_DIGEST_MISMATCH, and the
+    request fails loudly or is recomputed, never answered from the wrong KV."""
+    assert traced_engines.keys_dir is not None
+    keys = load_keys(str(traced_engines.keys_dir))
+    trace = secrets.token_hex(16)
+    headers = {words.TRACEPARENT: f"00-{trace}-{secrets.token_hex(8)}-01"}
+    prefill, decode = traced_engines.engines["traced-prefill"].url, traced_engines.engines["traced-decode"].url
+    tokens = prompt(73, salt=4141)
+    async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=180)) as session:
+        params = await pd_requests.prefill(session, prefill, MODEL_NAME, tokens)
+        assert params["kvbridge"]["verify"] is True  # an engine's first minutes are verified (Sampled)
+        assert overwrite_prefill_kv(KVTransferParams.model_validate(params["kvbridge"]), keys) == 1
+        with contextlib.suppress(pd_requests.PDRequestError):  # failed loudly, or recomputed
+            await pd_requests.decode(session, decode, MODEL_NAME, tokens, params, 4)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not receiver.of(trace, words.DECODE_DIGEST_CHECK):
+        await asyncio.sleep(0.5)
+    [check] = receiver.of(trace, words.DECODE_DIGEST_CHECK)
+    assert check.error
+    assert check.attributes[words.ERROR_CODE] == "KV_DIGEST_MISMATCH"
+    assert check.attributes[words.VERIFIED] is False
+    [read] = receiver.of(trace, words.DECODE_READ)
+    assert not read.error  # the READs themselves completed: only the digest can tell
+    assert {s.service for s in receiver.spans if s.trace_id == trace} >= {"tiny-traced-prefill", "tiny-traced-decode"}
