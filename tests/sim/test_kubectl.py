@@ -80,8 +80,8 @@ async def test_apply_then_get_shows_the_documented_columns_and_scale_changes_the
         assert "disaggregateddeployment.kvbridge.io/llama3-8b created" in await kubectl(config, f"apply -f {EXAMPLE}")
         out = await eventually(config, "get dd", "True")
         header, row = rows(out)
-        assert header == ["NAME", "READY", "PREFILL", "DECODE", "TP", "ROUTER", "AGE"]
-        assert row[:5] == ["llama3-8b", "True", "2/2", "1/1", "2→1"]  # no router: the ROUTER cell is empty
+        assert header == ["NAME", "READY", "PREFILL", "DECODE", "TP", "ROUTER", "PLANNER", "PLANNED", "AGE"]
+        assert row[:5] == ["llama3-8b", "True", "2/2", "1/1", "2→1"]  # no router, no planner: those cells are empty
         assert len(row) == 6
         assert "unchanged" in await kubectl(config, f"apply -f {EXAMPLE}")
 

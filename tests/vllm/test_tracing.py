@@ -1,7 +1,7 @@
 """spec.tracing with real vLLM (CPU build, kvbridge's connector) behind the router and an OTLP/HTTP receiver here,
 decoding the real OTLP protobuf the router, both vLLM engines and the connector export: one trace id across them,
 each engine's spans under the router's call to it, and each child inside its parent's time; and a digest mismatch
-recorded as the error of decode's check, in the caller's own trace."""
+recorded as the error of decode's check, in the caller's own trace; a retried decode as a sibling span."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -224,3 +225,61 @@ async def test_a_digest_mismatch_is_an_error_on_decodes_check_in_the_callers_tra
     [read] = receiver.of(trace, words.DECODE_READ)
     assert not read.error  # the READs themselves completed: only the digest can tell
     assert {s.service for s in receiver.spans if s.trace_id == trace} >= {"tiny-traced-prefill", "tiny-traced-decode"}
+
+
+async def test_a_retried_decode_is_a_sibling_span_in_the_same_trace(
+    receiver: Receiver, traced_engines: Engines
+) -> None:
+    """A decode pod that answers 500 beside the real one (least-loaded policy, a few requests): a request that met it
+    is retried on the real pair in the same trace — two sibling decode calls under the router's request, the first
+    an error DECODE_FAILED, the second attempt 2 with retry_of — and the real engines' spans join that trace."""
+    broken = web.Application()
+
+    async def fail(_: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "a broken decode pod"}}, status=500)
+
+    broken.router.add_post("/v1/completions", fail)
+    broken_server = TestServer(broken, host="127.0.0.1")
+    await broken_server.start_server()
+    provider = TracerProvider(resource=Resource.create({"service.name": "tiny-traced-router"}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=TRACES_URL)))
+    config = RouterConfig(prefill_timeout=60, decode_timeout=120, policy="least-loaded")
+    router = Router(config, tracing=Tracing(provider))
+    server = TestServer(router.app(), host="127.0.0.1")
+    await server.start_server()
+    document = DEPLOYMENTS["traced"]
+    real = endpoint(traced_engines, "traced-decode", document, Role.DECODE)
+    failing = {**real, "pod": "broken-decode", "ip": "127.0.0.1", "httpPort": broken_server.port}
+    router.set_pool(pool([endpoint(traced_engines, "traced-prefill", document, Role.PREFILL)], [failing, real]))
+    try:
+        url = f"http://127.0.0.1:{server.port}/v1/completions"
+        async with pd_requests.client_session(180) as session:
+            for salt in range(3):  # some request meets the failing pod first
+                body = {"model": MODEL_NAME, "prompt": prompt(40, salt=5050 + salt), "max_tokens": 4, "temperature": 0}
+                async with session.post(url, json=body) as answer:
+                    assert answer.status == 200, await answer.text()
+    finally:
+        await server.close()
+        await broken_server.close()
+        provider.shutdown()
+    calls = [s for s in receiver.spans if s.name == words.ROUTER_DECODE]
+    retried = sorted({s.trace_id for s in calls if s.error})
+    assert retried, "no request met the failing decode pod"
+    trace = retried[0]
+    deadline = time.monotonic() + 60  # the engines' spans of the retried request
+    while time.monotonic() < deadline and not receiver.of(trace, words.DECODE_READ):
+        await asyncio.sleep(0.5)
+    [root] = receiver.of(trace, words.ROUTER_REQUEST)
+    first, second = sorted(receiver.of(trace, words.ROUTER_DECODE), key=lambda s: s.start)
+    assert first.parent_id == second.parent_id == root.span_id  # siblings, not a new trace
+    assert (first.error, first.attributes[words.ERROR_CODE], first.attributes[words.POD]) == (
+        True,
+        "DECODE_FAILED",
+        "broken-decode",
+    )
+    assert (second.attributes[words.ATTEMPT], second.attributes[words.RETRY_OF]) == (2, "DECODE_FAILED")
+    assert not second.error
+    llm = {s.parent_id for s in receiver.of(trace, "llm_request")}
+    assert second.span_id in llm  # the real decode engine's own span, under the retried call
+    [read] = receiver.of(trace, words.DECODE_READ)
+    assert read.parent_id == second.span_id
