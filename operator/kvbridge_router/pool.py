@@ -148,8 +148,9 @@ class Balancer:
         if keys and self.policy == KV_AWARE:
             # among the pods at most LOAD_SLACK busier than the least loaded: the longest match, then the least load
             best, best_load, matched = 0, 0, self.prefixes.matched
+            holders = self.prefixes.holders(keys[0])  # the pods that can match at all
             for target, load in zip(options, loads, strict=True):
-                if load > fewest + LOAD_SLACK:
+                if load > fewest + LOAD_SLACK or target.pod not in holders:
                     continue
                 score = matched(target.pod, keys)
                 if score == 0 or score < best or (score == best and load > best_load):

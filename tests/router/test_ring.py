@@ -144,3 +144,35 @@ def test_the_index_keeps_max_keys_over_all_pods() -> None:
     assert index.limit() == 10
     assert index.matched("p9", list(range(9040, 9050))) == 10  # the newest keys are kept
     assert index.footprint() > 0
+
+
+prompts = st.lists(st.integers(min_value=0, max_value=5), min_size=1, max_size=6)
+
+
+@settings(max_examples=200)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("record"), st.sampled_from(PODS[:4]), prompts),
+            st.tuples(st.just("keep_only"), st.sampled_from(PODS[:4]), st.just([])),
+        ),
+        max_size=40,
+    )
+)
+def test_only_the_holders_of_a_first_key_can_match(operations: list[tuple[str, str, list[int]]]) -> None:
+    """A request scores only the pods holding its first key: no other pod may match any of it, after any records,
+    evictions (a small bound) and pods leaving."""
+    index = PrefixIndex(keys_per_pod=6, max_keys=12)
+    seen: list[list[int]] = []
+    for operation, pod, prompt in operations:
+        keys = [hash((0, tuple(prompt[: i + 1]))) for i in range(len(prompt))]  # chained, as prefix_keys'
+        if operation == "record":
+            index.record(pod, keys)
+            seen.append(keys)
+        else:
+            index.keep_only(p for p in PODS[:4] if p != pod)
+        for keys in seen:
+            for holder in PODS[:4]:
+                if index.matched(holder, keys) > 0:
+                    assert holder in index.holders(keys[0])
+    assert index.size() <= 12
