@@ -77,16 +77,12 @@ def _text(prompt: object, messages: object) -> str:
 
 
 class PrefixIndex:
-    """Per pod, the prefix keys it was sent (an LRU set each); ``max_keys`` in all, shared evenly by the pods. And per
-    first key (a prompt's first chunk), the pods that hold it, so that a request scores only those pods rather than
-    all of them (hundreds: the score is per request)."""
+    """Per pod, the prefix keys it was sent (an LRU set each); ``max_keys`` in all, shared evenly by the pods."""
 
     def __init__(self, keys_per_pod: int = KEYS_PER_POD, max_keys: int = MAX_KEYS) -> None:
         self.keys_per_pod = keys_per_pod
         self.max_keys = max_keys
         self._pods: dict[str, OrderedDict[int, None]] = {}
-        #: a prompt's first key -> the pods that hold it
-        self._first: dict[int, set[str]] = {}
 
     def limit(self) -> int:
         """The most keys one pod keeps now: ``keys_per_pod``, or the pods' even share of ``max_keys``."""
@@ -98,12 +94,12 @@ class PrefixIndex:
 
     def footprint(self) -> int:
         """Bytes the index holds, at most (its tables and its keys; a key shared by pods is counted per pod)."""
-        tables = sum(sys.getsizeof(known) + sum(map(sys.getsizeof, known)) for known in self._pods.values())
-        return tables + sys.getsizeof(self._first) + sum(map(sys.getsizeof, self._first.values()))
+        return sum(sys.getsizeof(known) + sum(map(sys.getsizeof, known)) for known in self._pods.values())
 
     def holders(self, first: int) -> set[str]:
-        """The pods that hold a prompt's first key: the only ones whose :meth:`matched` can be above 0."""
-        return self._first.get(first) or set()
+        """The pods that hold a prompt's first key: the only ones whose :meth:`matched` can be above 0 (one lookup
+        a pod, so that a request scores only these among hundreds)."""
+        return {pod for pod, known in self._pods.items() if first in known}
 
     def matched(self, pod: str, keys: list[int]) -> int:
         """How many leading keys of a prompt the pod was sent (its cached prefix, in chunks, as far as known)."""
@@ -128,32 +124,20 @@ class PrefixIndex:
         for key in keys:
             known[key] = None
             known.move_to_end(key)
-        self._first.setdefault(keys[0], set()).add(pod)
-        self._trim(pod, known, self.limit())
+        self._trim(known, self.limit())
 
     def keep_only(self, pods: Iterable[str]) -> None:
         """Forget pods that left the pool (scaled down, replaced by a rollout)."""
         kept = set(pods)
-        left = [p for p in self._pods if p not in kept]
-        for pod in left:
+        for pod in [p for p in self._pods if p not in kept]:
             del self._pods[pod]
-        if left:
-            for first in list(self._first):
-                holders = self._first[first]
-                holders.difference_update(left)
-                if not holders:
-                    del self._first[first]
 
     def _trim_all(self) -> None:
         limit = self.limit()
-        for pod, known in self._pods.items():
-            self._trim(pod, known, limit)
+        for known in self._pods.values():
+            self._trim(known, limit)
 
-    def _trim(self, pod: str, known: OrderedDict[int, None], limit: int) -> None:
+    @staticmethod
+    def _trim(known: OrderedDict[int, None], limit: int) -> None:
         while len(known) > limit:
-            key, _ = known.popitem(last=False)
-            holders = self._first.get(key)
-            if holders is not None:
-                holders.discard(pod)
-                if not holders:
-                    del self._first[key]
+            known.popitem(last=False)
