@@ -120,7 +120,7 @@ class Balancer:
     policy: str = KV_AWARE
     outstanding: dict[str, int] = field(default_factory=dict)
     #: the round-robin position per set of candidates (prefill pods, each prefill pod's decode partners, ...)
-    _turns: dict[tuple[str, ...], int] = field(default_factory=dict)
+    _turns: dict[tuple[int, str, str], int] = field(default_factory=dict)
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)
     #: kv-aware: how many leading chunks of the last chosen prefill pod's prompt it had been sent before
     last_matched: int = 0
@@ -165,7 +165,9 @@ class Balancer:
                     return placed
         if not tied:
             tied = [t for t, load in zip(options, loads, strict=True) if load == fewest]
-        key = tuple(t.pod for t in options)
+        # the set of candidates, told apart by its size and ends (a tuple of hundreds of names per request costs more
+        # than the choice; two sets that look alike share a turn counter, which only shifts whose turn it is)
+        key = (len(options), options[0].pod, options[-1].pod)
         turn = self._turns[key] = self._turns.get(key, -1) + 1
         if len(self._turns) > 1024:  # pods come and go: forget old sets rather than grow without bound
             self._turns = {key: turn}
