@@ -95,7 +95,7 @@ The operator's permissions: exactly what kvbridge_operator.rbac.REQUIRED lists
   verbs: ["create", "patch"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["create", "patch", "delete"]
+  verbs: ["create", "patch"]
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["create"]
