@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+
+TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 #: latency buckets in seconds, from a cached-prefix decode on a GPU to a long prompt on a CPU
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -108,5 +112,14 @@ class RouterMetrics:
             "meanOverheadMilliseconds": round(1000 * total / count, 3) if count else 0.0,
         }
 
-    def render(self) -> bytes:
-        return bytes(generate_latest(self.registry))
+    def observe_ttft(self, seconds: float, trace_id: str = "") -> None:
+        """One client's time to first token; with the request's trace id (tracing on, sampled) as the bucket's
+        exemplar, which Grafana links to the trace (docs/tracing.md)."""
+        self.ttft.observe(seconds, exemplar={"trace_id": trace_id} if trace_id else None)
+
+    def render(self, accept: str = "") -> tuple[bytes, str]:
+        """The metrics and their content type: OpenMetrics (with exemplars) when the scraper accepts it, as a
+        Prometheus with exemplar storage does; else Prometheus' text format."""
+        if "application/openmetrics-text" in accept:
+            return bytes(generate_openmetrics(self.registry)), OPENMETRICS  # type: ignore[no-untyped-call]
+        return bytes(generate_latest(self.registry)), TEXT

@@ -4,8 +4,9 @@
 ``kv_transfer_params: {do_remote_decode: true}``, one token and no streaming; the ``kv_transfer_params`` it returns
 go with the client's own request to a decode pod paired with it, whose answer (streamed or not) is passed through
 unchanged. ``GET /v1/models`` is a decode pod's. ``GET /health`` is 200 while some pair is routable, else 503
-with the reason; ``GET /metrics`` is Prometheus text. With API keys (auth.py), a ``/v1/`` request without one is
-answered 401 before its body is read; ``/health`` and ``/metrics`` stay open.
+with the reason; ``GET /metrics`` is Prometheus text (OpenMetrics, with exemplars, when asked). With API keys
+(auth.py), a ``/v1/`` request without one is answered 401 before its body is read; ``/health`` and ``/metrics``
+stay open.
 
 Failures: a prefill that cannot be reached, times out, answers 5xx or returns no transfer parameters is tried
 on another prefill pod (``prefill_attempts`` in all); a 4xx from prefill is the client's and is passed back.
@@ -217,8 +218,9 @@ class Router:
         }
         return web.json_response(body, status=503 if problem else 200)
 
-    async def _metrics(self, _: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body, content_type = self.metrics.render(request.headers.get("Accept", ""))
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     def _unauthorized(self, request: web.Request) -> web.Response | None:
         """401 for a /v1/ request without one of the configured API keys (none configured: every request passes);
@@ -480,7 +482,7 @@ class Router:
                                 retry=True,
                                 reprefill=True,
                             )
-                        self.metrics.ttft.observe(time.perf_counter() - started)
+                        self.metrics.observe_ttft(time.perf_counter() - started, ledger.trace.trace_id)
                         return web.Response(body=data, status=upstream.status, content_type=upstream.content_type)
                     response = web.StreamResponse(
                         status=200,
@@ -505,7 +507,7 @@ class Router:
                             retry=True,
                             reprefill=True,
                         )
-                    self.metrics.ttft.observe(time.perf_counter() - started)
+                    self.metrics.observe_ttft(time.perf_counter() - started, ledger.trace.trace_id)
                     await response.prepare(request)
                     await response.write(start.held)
                     async for chunk in chunks:  # the rest, as it comes

@@ -99,6 +99,12 @@ class RequestTrace:
     def set(self, name: str, value: Value) -> None:
         self._root.set_attribute(name, value)
 
+    @property
+    def trace_id(self) -> str:
+        """The request's trace id (32 hex digits) when its spans are recorded, else "" (an exemplar's label)."""
+        context = self._root.get_span_context()
+        return format(context.trace_id, "032x") if context.is_valid and context.trace_flags.sampled else ""
+
     def finish(self, status: int, code: str = "") -> None:
         """Ends the request's span with the status the client got, and the error's code when it failed."""
         self._root.set_attribute(words.HTTP_STATUS, status)
@@ -144,6 +150,10 @@ class _Off(Step):
 
     def inject(self, headers: dict[str, str]) -> dict[str, str]:
         return headers
+
+    @property
+    def trace_id(self) -> str:
+        return ""
 
     def finish(self, status: int, code: str = "") -> None:
         return None

@@ -216,3 +216,40 @@ def test_the_environment_turns_tracing_on() -> None:
         tracing = Tracing.from_environment({words.ENV_ENDPOINT: "http://127.0.0.1:9", words.ENV_PROTOCOL: protocol})
         assert tracing.enabled
         tracing.shutdown()  # nothing batched: returns at once
+
+
+async def scrape(rig: Rig, accept: str) -> tuple[str, str]:
+    async with rig.session.get(rig.url + "/metrics", headers={"Accept": accept}) as r:
+        assert r.status == 200
+        return r.headers["Content-Type"], await r.text()
+
+
+OPENMETRICS_ACCEPT = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+
+
+async def test_the_ttft_histogram_carries_the_traces_id_as_an_exemplar(
+    traced: Rig, exported: InMemorySpanExporter
+) -> None:
+    """A scraper that accepts OpenMetrics (Prometheus with exemplar storage) gets each TTFT bucket's last request's
+    trace id as its exemplar, which Grafana links to the trace; a plain scraper gets the text format, unchanged."""
+    assert await post(traced, [("traceparent", CLIENT)]) == 200
+    kind, text = await scrape(traced, OPENMETRICS_ACCEPT)
+    assert kind.startswith("application/openmetrics-text")
+    exemplars = [
+        line for line in text.splitlines() if line.startswith("kvbridge_router_ttft_seconds_bucket") and "#" in line
+    ]
+    assert exemplars, text
+    assert all(f'trace_id="{TRACE_ID}"' in line for line in exemplars)
+    kind, text = await scrape(traced, "text/plain")
+    assert kind.startswith("text/plain; version=0.0.4")
+    assert "trace_id" not in text
+    assert "kvbridge_router_ttft_seconds_bucket" in text
+
+
+async def test_off_the_histogram_has_no_exemplar() -> None:
+    config = RouterConfig(prefill_timeout=1.0, decode_timeout=5.0, decode_idle_timeout=1.0)
+    async with running_rig(config, ["prefill-0"], ["decode-0"]) as rig:
+        assert await post(rig, [("traceparent", CLIENT)]) == 200
+        _, text = await scrape(rig, OPENMETRICS_ACCEPT)
+        assert "trace_id" not in text
+        assert "kvbridge_router_ttft_seconds_count 1" in text

@@ -283,3 +283,71 @@ async def test_a_retried_decode_is_a_sibling_span_in_the_same_trace(
     assert second.span_id in llm  # the real decode engine's own span, under the retried call
     [read] = receiver.of(trace, words.DECODE_READ)
     assert read.parent_id == second.span_id
+
+
+async def test_a_digest_mismatch_behind_the_router_is_the_error_under_its_decode_call(
+    receiver: Receiver, traced_engines: Engines
+) -> None:
+    """Behind the router: the prefill pod is reached through a proxy that overwrites its KV after it answered (as
+    a fault of the machine would), so decode's digest differs. The router's request fails (decode answers 500, no
+    other pair), and its trace holds decode's digest check under the router's decode call, an error
+    KV_DIGEST_MISMATCH; never an answer from the wrong KV."""
+    assert traced_engines.keys_dir is not None
+    keys = load_keys(str(traced_engines.keys_dir))
+    real = traced_engines.engines["traced-prefill"].url
+    overwritten: list[str] = []
+
+    async def corrupting(request: web.Request) -> web.Response:
+        forwarded = {
+            k: v for k, v in request.headers.items() if k.lower() in ("traceparent", "tracestate", "content-type")
+        }
+        data = await request.read()
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session,
+            session.post(f"{real}/v1/completions", data=data, headers=forwarded) as answer,
+        ):
+            body = await answer.json()
+        params = (body.get("kv_transfer_params") or {}).get("kvbridge")
+        if params:
+            assert overwrite_prefill_kv(KVTransferParams.model_validate(params), keys) == 1
+            overwritten.append(params["remoteRequestId"])
+        return web.json_response(body, status=answer.status)
+
+    proxy = web.Application()
+    proxy.router.add_post("/v1/completions", corrupting)
+    proxy_server = TestServer(proxy, host="127.0.0.1")
+    await proxy_server.start_server()
+    provider = TracerProvider(resource=Resource.create({"service.name": "tiny-traced-router"}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=TRACES_URL)))
+    router = Router(RouterConfig(prefill_timeout=60, decode_timeout=120), tracing=Tracing(provider))
+    server = TestServer(router.app(), host="127.0.0.1")
+    await server.start_server()
+    document = DEPLOYMENTS["traced"]
+    prefill = endpoint(traced_engines, "traced-prefill", document, Role.PREFILL)
+    prefill = {**prefill, "ip": "127.0.0.1", "httpPort": proxy_server.port}
+    router.set_pool(pool([prefill], [endpoint(traced_engines, "traced-decode", document, Role.DECODE)]))
+    body = {"model": MODEL_NAME, "prompt": prompt(75, salt=6060), "max_tokens": 4, "temperature": 0.0}
+    try:
+        url = f"http://127.0.0.1:{server.port}/v1/completions"
+        async with pd_requests.client_session(180) as session, session.post(url, json=body) as answer:
+            status = answer.status
+    finally:
+        await server.close()
+        await proxy_server.close()
+        provider.shutdown()
+    assert overwritten, "the proxy saw no transfer parameters"
+    assert status >= 500  # failed loudly: the only pair's KV was wrong
+    [root] = [s for s in receiver.spans if s.name == words.ROUTER_REQUEST]
+    trace = root.trace_id
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not receiver.of(trace, words.DECODE_DIGEST_CHECK):
+        await asyncio.sleep(0.5)
+    assert root.error
+    calls = {s.span_id: s for s in receiver.of(trace, words.ROUTER_DECODE)}
+    checks = receiver.of(trace, words.DECODE_DIGEST_CHECK)
+    assert checks
+    for check in checks:  # one per decode call (the router may try the pair again, prefilling again)
+        assert check.parent_id in calls  # under the router's decode call
+        assert check.error
+        assert check.attributes[words.ERROR_CODE] == "KV_DIGEST_MISMATCH"
+        assert calls[check.parent_id].error
