@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -94,15 +93,6 @@ class Rank:
         if role is Role.PREFILL:
             assert handshake is not None
             self.scheduler.set_xfer_handshake_metadata({0: handshake})
-
-
-@pytest.fixture
-def closing() -> Iterator[list[Any]]:
-    """Every scheduler and worker a test starts, shut down however it ends."""
-    opened: list[Any] = []
-    yield opened
-    for thing in reversed(opened):
-        thing.shutdown()
 
 
 def test_every_prefill_dp_rank_is_read_by_every_decode_dp_rank(closing: list[Any]) -> None:

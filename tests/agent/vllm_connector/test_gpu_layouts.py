@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -194,16 +193,6 @@ def wrong_strides(handshake: RankHandshake) -> RankHandshake:
     """Prefill's metadata with its heads' and tokens' strides exchanged (tests.physical_kv.lying)."""
     meta = lying(RankMetadata.model_validate_json(handshake.rank_metadata_json))
     return RankHandshake(meta.model_dump_json(exclude_none=True), handshake.agent_metadata)
-
-
-@pytest.fixture
-def closing() -> Iterator[list[Any]]:
-    """Everything a test starts (schedulers with side channels and heartbeat threads, workers with NIXL agents),
-    closed however the test ends."""
-    opened: list[Any] = []
-    yield opened
-    for thing in reversed(opened):
-        thing.shutdown()
 
 
 def move(prefill: Side, decode: Side, opened: list[Any], lie: bool = False, decode_per_layer: bool = False) -> Moved:

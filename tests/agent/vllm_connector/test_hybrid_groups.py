@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -114,14 +113,6 @@ class Blocks:
     def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
         full, window = self.table
         return [full[self.hashed :], [b for b in window if b]]
-
-
-@pytest.fixture
-def closing() -> Iterator[list[Any]]:
-    opened: list[Any] = []
-    yield opened
-    for thing in reversed(opened):
-        thing.shutdown()
 
 
 @dataclass
