@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from kvbridge_operator.api.spec import AutoscalingSpec
+from kvbridge_operator.controller.autoscaling import may_be_due
 from kvbridge_operator.planner.profile import DecodePoint, DecodeProfile, PerformanceProfile, PrefillProfile
 from kvbridge_operator.planner.sizing import (
     METRICS_IMPLAUSIBLE,
@@ -299,3 +300,11 @@ def test_plan_shows_the_planner_when_it_is_on(tmp_path: Path) -> None:
     assert refused.returncode != 0
     assert "spec.autoscaling" in refused.stdout + refused.stderr
     assert "enabled needs itl" in refused.stdout + refused.stderr
+
+
+def test_a_pass_is_due_an_interval_after_the_last_and_odd_values_leave_it_to_the_fresh_read() -> None:
+    body = {"spec": {"autoscaling": {"intervalSeconds": 30}}, "status": {"autoscaling": {"lastPassAt": 1000.0}}}
+    assert not may_be_due(body, 1020.0)
+    assert may_be_due(body, 1029.6)
+    assert may_be_due({"spec": {}}, 1e9)  # never passed: due at once (Unix time is far past 0)
+    assert may_be_due({"spec": {"autoscaling": {"intervalSeconds": "soon"}}}, 0.0)

@@ -49,8 +49,21 @@ log = logging.getLogger(__name__)
 PROFILE_INVALID = "ProfileInvalid"
 
 
-def due(status: Obj, spec: AutoscalingSpec, now: float) -> bool:
-    return now - float(status.get("lastPassAt") or 0.0) >= spec.interval_seconds - 0.5
+def due(last_pass_at: object, interval_seconds: object, now: float) -> bool:
+    """Whether a pass is due ``interval_seconds`` after the last (a value that is no number: due, so that the pass
+    reads the deployment afresh and its checks decide)."""
+    try:
+        return now - float(last_pass_at or 0.0) >= float(interval_seconds) - 0.5  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return True
+
+
+def may_be_due(body: Obj, now: float) -> bool:
+    """Whether a pass may be due, from the deployment the timer was handed (no API read): the planner's timer ticks
+    every few seconds, and only a pass that may be due reads the deployment afresh."""
+    spec = (body.get("spec") or {}).get("autoscaling") or {}
+    last = ((body.get("status") or {}).get("autoscaling") or {}).get("lastPassAt")
+    return due(last, spec.get("intervalSeconds", AutoscalingSpec().interval_seconds), now)
 
 
 def memory_of(status: Obj) -> Memory:
@@ -124,7 +137,9 @@ async def plan_pass(
         return None  # the reconcile reports it
     spec = dd.spec.autoscaling
     previous: Obj = (body.get("status") or {}).get("autoscaling") or {}
-    if not spec.enabled or spec.ttft is None or spec.itl is None or not due(previous, spec, now):
+    if not spec.enabled or spec.ttft is None or spec.itl is None:
+        return None
+    if not due(previous.get("lastPassAt"), spec.interval_seconds, now):
         return None
     namespace = dd.metadata.namespace or "default"
     status = body.get("status") or {}

@@ -10,6 +10,7 @@ import asyncio
 import copy
 import logging
 import sys
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -21,7 +22,7 @@ from kvbridge_operator.api.names import GROUP, LABEL_DEPLOYMENT, PLURAL, ROLE_PL
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.backoff import OPERATOR_BACKOFF
 from kvbridge_operator.config import OperatorConfig
-from kvbridge_operator.controller.autoscaling import plan_pass
+from kvbridge_operator.controller.autoscaling import may_be_due, plan_pass
 from kvbridge_operator.controller.decide import ExistingChildren
 from kvbridge_operator.controller.metrics import RECONCILE_SECONDS, RECONCILES, serve
 from kvbridge_operator.controller.reconcile import reconcile
@@ -186,15 +187,17 @@ def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorR
         return bool((spec.get("autoscaling") or {}).get("enabled"))
 
     @kopf.timer(GROUP, VERSION, PLURAL, interval=PLANNER_TICK_SECONDS, when=planning, registry=registry)
-    async def plan(name: str, namespace: str | None, **_: Any) -> None:
+    async def plan(name: str, namespace: str | None, body: kopf.Body, **_: Any) -> None:
         """kvbridge's planner (spec.autoscaling): a pass when one is due (controller.autoscaling). A pass that
         fails is logged and tried again at the next tick; it changes nothing that runs."""
+        if not may_be_due(dict(body), time.time()):
+            return
         if not planner_session:
             planner_session.append(aiohttp.ClientSession())
         try:
-            body = await client.get(DEPLOYMENTS, namespace or "default", name)
-            if body is not None:
-                await plan_pass(client, planner_session[0], body)
+            fresh = await client.get(DEPLOYMENTS, namespace or "default", name)
+            if fresh is not None:
+                await plan_pass(client, planner_session[0], fresh)
         except API_ERRORS as exc:
             logging.getLogger(__name__).info("planner, %s/%s: Kubernetes API: %s", namespace, name, exc)
         except Exception:  # a planner bug must not stop the reconciles, nor this timer: logged, tried next tick
