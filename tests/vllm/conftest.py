@@ -25,7 +25,8 @@ SHORT_LEASE_SECONDS = 2
 
 TRACES_PORT = free_port()
 TRACES_URL = f"http://127.0.0.1:{TRACES_PORT}/v1/traces"
-traced = deployment("tiny-traced", 1, connector="KVBridge")
+#: decode merges two of prefill's blocks into one of its own: every traced read has a conversion span
+traced = deployment("tiny-traced", 1, connector="KVBridge", blocks=(32, 64))
 DEPLOYMENTS = {
     "tp1": deployment("tiny-tp1", 1),
     "tp2": deployment("tiny-tp2", 2),

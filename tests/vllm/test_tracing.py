@@ -188,10 +188,15 @@ async def test_one_trace_across_the_router_both_engines_and_the_kv_transfer(
     assert inside(read, decode_call)
     assert offer.start >= prefill_call.start - SLACK_NS
     assert offer.end >= read.start  # held until decode read it
+    [convert] = receiver.of(trace, words.DECODE_CONVERT)  # prefill's 32-token blocks merged into decode's 64
+    assert convert.parent_id == decode_call.span_id, names
+    assert convert.attributes[words.CONVERSION] == "MergeBlocks"
+    assert read.end <= convert.start + SLACK_NS
+    assert inside(convert, decode_call)
     checks = receiver.of(trace, words.DECODE_DIGEST_CHECK)
     for check in checks:  # the first minutes of an engine are verified (spec.transfer.verification: Sampled)
         assert check.attributes[words.VERIFIED] is True
-        assert read.end <= check.start + SLACK_NS
+        assert convert.end <= check.start + SLACK_NS
     dump = os.environ.get("KVBRIDGE_TRACE_DUMP")  # for docs/images (python -m kvbridge_sim.trace_timeline)
     if dump:
         Path(dump).write_text(json.dumps([asdict(s) for s in receiver.spans if s.trace_id == trace], indent=1))
@@ -344,6 +349,7 @@ async def test_a_digest_mismatch_behind_the_router_is_the_error_under_its_decode
         await asyncio.sleep(0.5)
     assert root.error
     calls = {s.span_id: s for s in receiver.of(trace, words.ROUTER_DECODE)}
+    assert all(convert.parent_id in calls for convert in receiver.of(trace, words.DECODE_CONVERT))
     checks = receiver.of(trace, words.DECODE_DIGEST_CHECK)
     assert checks
     for check in checks:  # one per decode call (the router may try the pair again, prefilling again)

@@ -95,6 +95,9 @@ PREFILL_DIGEST = "kvbridge.prefill.digest"
 DECODE_HANDSHAKE = "kvbridge.decode.handshake"
 #: decode's connector: one request's READs from one prefill engine, posted to completion
 DECODE_READ = "kvbridge.decode.read"
+#: decode's connector: what was read made into decode's own blocks (a block-size or layout conversion, or the copy
+#: out of a host buffer), after the READs and before the digest check
+DECODE_CONVERT = "kvbridge.decode.convert"
 #: decode's connector: the digest of what was read compared with prefill's
 DECODE_DIGEST_CHECK = "kvbridge.decode.digest_check"
 
@@ -125,3 +128,5 @@ LEASE_SECONDS = "kvbridge.lease_seconds"
 VERIFIED = "kvbridge.verified"
 TP_RANK = "kvbridge.tp_rank"
 TOKENS = "kvbridge.tokens"
+#: what a conversion span did: the plan's steps on its side (``merge``, ``permute``...) or ``host_copy``
+CONVERSION = "kvbridge.conversion"

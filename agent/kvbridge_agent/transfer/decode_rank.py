@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -108,6 +108,10 @@ class ReadResult:
     #: kvbridge's own CPU work from the request to every READ posted, NIXL's calls excluded
     own_microseconds: float = 0.0
     peer_failed: bool = False
+    #: the part of ``seconds`` spent converting what was read into decode's blocks (0 when nothing was converted)
+    convert_seconds: float = 0.0
+    #: what that conversion was: the plan's steps on decode, or ``host_copy`` (a host buffer's copy out)
+    conversion: str = ""
 
 
 @dataclass
@@ -555,13 +559,18 @@ class DecodeRank:
         return results
 
     def _finish(self, flight: _InFlight, peer: RemotePeer) -> ReadResult:
-        self.convert(self.cache, peer.plan, Role.DECODE, flight.blocks)
+        read = time.perf_counter()
+        converted = self.convert(self.cache, peer.plan, Role.DECODE, flight.blocks)
+        done = time.perf_counter()
+        steps = ",".join(step.kind.value for step in peer.plan.wire.steps(Role.DECODE))
         result = ReadResult(
             flight.request_id,
             True,
             bytes=flight.bytes,
             descriptors=flight.descriptors,
-            seconds=time.perf_counter() - flight.started,
+            seconds=done - flight.started,
+            convert_seconds=done - read if converted else 0.0,
+            conversion=(steps or "host_copy") if converted else "",
             ids_microseconds=flight.ids_microseconds,
             make_microseconds=flight.make_microseconds,
             post_microseconds=flight.post_microseconds,
@@ -584,7 +593,7 @@ class DecodeRank:
             f"the KV of blocks {bad[:8]}{'...' if len(bad) > 8 else ''} differs from what prefill "
             f"{peer.engine_id} computed (digest mismatch): not used"
         )
-        return ReadResult(result.request_id, False, KV_DIGEST_MISMATCH, message, bad)
+        return replace(result, ok=False, code=KV_DIGEST_MISMATCH, message=message, invalid_blocks=bad)
 
     def _fail(self, flight: _InFlight, code: str, message: str) -> ReadResult:
         """Stop tracking a request, cancel its READs; its local blocks are invalid, its peer suspect."""

@@ -13,6 +13,7 @@ vLLM handles by its ``kv_load_failure_policy`` (recompute, or fail the request) 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -390,8 +391,9 @@ class ConnectorWorker:
                 result = decode.verified(result, Verify(future.result(), blocks, tokens), peer)
             except (KVBridgeError, OSError) as exc:
                 code = getattr(exc, "code", KV_DIGEST_UNAVAILABLE)
+                message, invalid = getattr(exc, "message", str(exc)), list(order.local_block_ids)
                 results.append(
-                    ReadResult(request_id, False, code, getattr(exc, "message", str(exc)), list(order.local_block_ids))
+                    dataclasses.replace(result, ok=False, code=code, message=message, invalid_blocks=invalid)
                 )
                 continue
             if result.code == KV_DIGEST_MISMATCH and params is not None:
@@ -533,8 +535,10 @@ class ConnectorWorker:
         if traced is None:
             return
         trace, began, attributes = traced
+        converted = 0
         if result.seconds:  # the READs' own time (the result comes later when a check or a handshake follows)
-            read_end = began + int(result.seconds * 1e9)
+            read_end = began + int((result.seconds - result.convert_seconds) * 1e9)
+            converted = read_end + int(result.convert_seconds * 1e9) if result.convert_seconds else 0
         else:
             read_end = checked if checked is not None else time.time_ns()
         read = {**attributes, words.BYTES: result.bytes, words.DESCRIPTORS: result.descriptors}
@@ -542,6 +546,9 @@ class ConnectorWorker:
         read_error = "" if result.ok or (checked is not None and digest_failed) else result.code
         rank = {words.TP_RANK: self.tp_rank}
         self.spans.record(words.DECODE_READ, trace, began, read_end, {**rank, **read}, read_error)
+        if converted:
+            conversion = {**rank, words.CONVERSION: result.conversion, words.BLOCKS: attributes.get(words.BLOCKS, 0)}
+            self.spans.record(words.DECODE_CONVERT, trace, read_end, converted, conversion)
         if checked is not None:
             check = {**rank, words.VERIFIED: result.ok, **attributes}
             error = result.code if not result.ok and read_error == "" else ""

@@ -8,6 +8,8 @@ derivation.
 
 from __future__ import annotations
 
+from kvbridge_agent.core import Role
+
 from .harness import InProcessPair
 
 
@@ -15,6 +17,13 @@ def test_partial_last_block(pair: InProcessPair) -> None:
     bs = max(pair.prefill_settings.block_size, pair.decode_settings.block_size)
     results = pair.roundtrip("partial", 2 * bs + 3, 0)
     assert all(r.bytes > 0 and r.descriptors > 0 for r in results.values())
+    # the conversion's own time and what it was (decode's trace shows it as a span of its own)
+    steps = ",".join(step.kind.value for step in pair.plan.wire.steps(Role.DECODE))
+    for result in results.values():  # none when the step moves no byte (NHD blocks merged)
+        assert result.conversion in ("", steps)
+        assert (0 < result.convert_seconds < result.seconds) == bool(result.conversion)
+    moved = [result.conversion for result in results.values() if result.conversion]
+    assert moved or not steps or pair.decode_settings.kv_layout.value == "NHD"
 
 
 def test_one_token_prompt(pair: InProcessPair) -> None:

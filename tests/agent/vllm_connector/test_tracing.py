@@ -163,6 +163,25 @@ def test_a_read_is_a_span_with_bytes_and_descriptors_then_its_check(
     assert read.end_time <= check.start_time
 
 
+def test_a_conversion_is_a_span_between_the_reads_and_the_check(spans: Spans, exported: InMemorySpanExporter) -> None:
+    result = ReadResult("r", True, bytes=4096, descriptors=8, seconds=0.005, convert_seconds=0.002, conversion="merge")
+    worker = decode_worker(spans)
+    try:
+        began = time.time_ns()
+        worker._traced["r"] = (TRACE, began, {words.BLOCKS: 3, words.REMOTE_ENGINE: "prefill-0"})
+        worker._check_started_ns["r"] = began + 6_000_000
+        worker._read_spans(result)
+    finally:
+        worker.shutdown()
+    read, convert, check = (
+        one(exported, name) for name in (words.DECODE_READ, words.DECODE_CONVERT, words.DECODE_DIGEST_CHECK)
+    )
+    assert convert.attributes == {words.TP_RANK: 0, words.CONVERSION: "merge", words.BLOCKS: 3}
+    assert (read.start_time, read.end_time) == (began, began + 3_000_000)
+    assert (convert.start_time, convert.end_time) == (began + 3_000_000, began + 5_000_000)
+    assert check.start_time == began + 6_000_000  # after the conversion
+
+
 def test_off_nothing_is_recorded(exported: InMemorySpanExporter) -> None:
     spans = Spans(environ={})
     assert not spans.enabled
