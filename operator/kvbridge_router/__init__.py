@@ -11,6 +11,7 @@ Reading order:
 - ``errors``: the router's errors, in OpenAI's error shape.
 - ``pool``: pure: which pods pair, balancing.
 - ``prefixes``: pure: what was sent to each pod by prompt prefix (the ``kv-aware`` policy).
+- ``ring``: pure: consistent hashing with bounded loads, where replicas send a prefix none of them sent yet.
 - ``source``: the watched status, or a file.
 - ``upstream``: the HTTP/1.1 client to the engines.
 - ``answers``: whether a decode pod's answer is an answer or an engine's refusal.
@@ -19,7 +20,7 @@ Reading order:
 - ``__main__``: ``python -m kvbridge_router``.
 
 A separate process with its own, read-only RBAC: it imports the operator's ``api``, API client and retry delays,
-never Kopf, the children or the controller. ``settings``, ``prompts``, ``pool``, ``prefixes``, ``answers`` and ``auth``
-import no HTTP library, event loop or metrics client (import-linter keeps it so); ``settings`` imports nothing of the
-operator, whose ``api`` and ``children`` read it.
+never Kopf, the children or the controller. ``settings``, ``prompts``, ``pool``, ``prefixes``, ``ring``,
+``answers`` and ``auth`` import no HTTP library, event loop or metrics client (import-linter keeps it so);
+``settings`` imports nothing of the operator, whose ``api`` and ``children`` read it.
 """

@@ -9,12 +9,14 @@ the least loaded decode pod paired with it; ties go round-robin so that an idle 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
 from kvbridge_operator.api.objects import Obj
 from kvbridge_router.prefixes import PrefixIndex
+from kvbridge_router.ring import Ring, anchor, cap
 from kvbridge_router.settings import RouterPolicy
 
 KV_AWARE = RouterPolicy.KV_AWARE.value
@@ -60,17 +62,18 @@ class Pool:
     def _partners(self) -> dict[str, tuple[Target, ...]]:
         """Each prefill pod's decode partners, computed once per pool (a pool changes only with the status; a
         request reads this)."""
-        return {p.pod: tuple(d for d in self.decode if self.compatible(p, d)) for p in self.prefill}
+        decode = sorted(self.decode, key=lambda t: t.pod)
+        return {p.pod: tuple(d for d in decode if self.compatible(p, d)) for p in self.prefill}
 
     def decodes_for(self, prefill: Target) -> tuple[Target, ...]:
         return self._partners.get(prefill.pod, ())
 
     @cached_property
     def _routable(self) -> tuple[Target, ...]:
-        return tuple(p for p in self.prefill if self._partners[p.pod])
+        return tuple(sorted((p for p in self.prefill if self._partners[p.pod]), key=lambda t: t.pod))
 
     def routable(self) -> tuple[Target, ...]:
-        """Prefill pods with at least one decode pod to pair with."""
+        """Prefill pods with at least one decode pod to pair with, sorted by name (as ``decodes_for``'s)."""
         return self._routable
 
     @cached_property
@@ -110,38 +113,83 @@ class Balancer:
     """Requests in flight per pod, and the choice of a pod: the least loaded one (``least-loaded``), or
     (``kv-aware``) among the pods at most :data:`LOAD_SLACK` requests busier than the least loaded, the one that
     was sent the longest leading part of the prompt (``prefixes``: its prefix cache most likely holds it), ties
-    to the least loaded; then round-robin."""
+    to the least loaded; then round-robin. A prompt none of them was sent goes (``ring``) where consistent hashing
+    with bounded loads puts its first chunks (ring.py), so that router replicas, each knowing only what it sent,
+    send a new prefix to the same pod; without ``ring``, to the least loaded pod."""
 
     policy: str = KV_AWARE
     outstanding: dict[str, int] = field(default_factory=dict)
     #: the round-robin position per set of candidates (prefill pods, each prefill pod's decode partners, ...)
-    _turns: dict[tuple[str, ...], int] = field(default_factory=dict)
+    _turns: dict[tuple[int, str, str], int] = field(default_factory=dict)
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)
     #: kv-aware: how many leading chunks of the last chosen prefill pod's prompt it had been sent before
     last_matched: int = 0
+    #: kv-aware: place prompts no pod was sent on the hash ring (bounded loads) rather than on the least loaded pod
+    ring: bool = True
+    #: the router replicas in front of the pool: each sends about 1/replicas of every pod's requests, so its counts
+    #: times this estimate the pods' loads, and the slack and the cap are in requests of all replicas
+    replicas: int = 1
+    _rings: dict[tuple[str, ...], Ring] = field(default_factory=dict)
 
     def pick(
         self, candidates: Iterable[Target], exclude: Iterable[str] = (), keys: list[int] | None = None
     ) -> Target | None:
+        """One of ``candidates`` (taken in the order given: the pool's are sorted by pod), ``exclude`` left out."""
+        every = tuple(candidates)
         left = set(exclude)
-        options = sorted((t for t in candidates if t.pod not in left), key=lambda t: t.pod)
+        options = [t for t in every if t.pod not in left] if left else every
         if not options:
             return None
-        fewest = min(self.outstanding.get(t.pod, 0) for t in options)
-        tied = [t for t in options if self.outstanding.get(t.pod, 0) == fewest]
+        outstanding = self.outstanding
+        scale = self.replicas
+        loads = [outstanding.get(t.pod, 0) * scale for t in options]
+        fewest = min(loads)
+        tied: list[Target] = []
         if keys and self.policy == KV_AWARE:
-            near = [t for t in options if self.outstanding.get(t.pod, 0) <= fewest + LOAD_SLACK]
-            scored = {t.pod: self.prefixes.matched(t.pod, keys) for t in near}
-            best = max(scored.values())
-            if best > 0:
-                tied = [t for t in near if scored[t.pod] == best]
-                fewest_of_best = min(self.outstanding.get(t.pod, 0) for t in tied)
-                tied = [t for t in tied if self.outstanding.get(t.pod, 0) == fewest_of_best]
-        key = tuple(t.pod for t in options)
+            # among the pods at most LOAD_SLACK busier than the least loaded: the longest match, then the least load
+            best, best_load, matched = 0, 0, self.prefixes.matched
+            holders = self.prefixes.holders(keys[0])  # the pods that can match at all
+            for target, load in zip(options, loads, strict=True):
+                if load > fewest + LOAD_SLACK or target.pod not in holders:
+                    continue
+                score = matched(target.pod, keys)
+                if score == 0 or score < best or (score == best and load > best_load):
+                    continue
+                if score > best or load < best_load:
+                    best, best_load, tied = score, load, [target]
+                else:
+                    tied.append(target)
+            if not tied and self.ring:
+                placed = self._place(every, left, keys, sum(loads), len(options))
+                if placed is not None:
+                    return placed
+        if not tied:
+            tied = [t for t, load in zip(options, loads, strict=True) if load == fewest]
+        # the set of candidates, told apart by its size and ends (a tuple of hundreds of names per request costs more
+        # than the choice; two sets that look alike share a turn counter, which only shifts whose turn it is)
+        key = (len(options), options[0].pod, options[-1].pod)
         turn = self._turns[key] = self._turns.get(key, -1) + 1
         if len(self._turns) > 1024:  # pods come and go: forget old sets rather than grow without bound
             self._turns = {key: turn}
         return tied[turn % len(tied)]
+
+    def _place(
+        self, every: tuple[Target, ...], left: set[str], keys: list[int], total: int, count: int
+    ) -> Target | None:
+        """The pod the hash ring of ``every`` candidate gives the prompt, ``left`` excluded, its load within the
+        cap (``total`` requests in flight at the ``count`` pods not excluded)."""
+        position = anchor(keys)
+        if position is None:
+            return None
+        names = tuple(t.pod for t in every)
+        ring = self._rings.get(names)
+        if ring is None:
+            if len(self._rings) >= 64:  # pods come and go: forget old sets rather than grow without bound
+                self._rings.clear()
+            ring = self._rings[names] = Ring(names)
+        limit = cap(total, count, slack=LOAD_SLACK)
+        pod = ring.place(position, self.outstanding, left, math.ceil(limit / self.replicas))
+        return next((t for t in every if t.pod == pod), None)
 
     def choose(
         self,
@@ -155,7 +203,9 @@ class Balancer:
         (``prefixes.prefix_keys``), for the kv-aware policy. Decode affinity: the decode partner that was sent the
         prompt's prefix already holds those blocks, and reads only the rest."""
         avoided = set(exclude_decodes)
-        candidates = [p for p in pool.routable() if any(d.pod not in avoided for d in pool.decodes_for(p))]
+        candidates = pool.routable()
+        if avoided:
+            candidates = tuple(p for p in candidates if any(d.pod not in avoided for d in pool.decodes_for(p)))
         prefill = self.pick(candidates, exclude, keys)
         if prefill is None:
             return None

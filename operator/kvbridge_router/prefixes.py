@@ -7,13 +7,16 @@ cache hit is); text prompts and chat messages, without a tokenizer, every ``BYTE
 of their UTF-8 text (roles and contents joined with separators that text cannot contain): a shared system prompt
 or an earlier turn gives equal leading keys either way, which is all the score needs. Only whole chunks count.
 
-Per pod, a bounded LRU set of the keys it was sent. The router learns only from what it sends: a pod that
-restarted, evicted blocks or was replaced keeps its entries until they age out or the pod leaves the pool, so
-stale knowledge costs a cache miss on that pod — never a pairing, which the pool alone decides.
+Per pod, a bounded LRU set of the keys it was sent, and a bound over all pods (:data:`MAX_KEYS`), so that a pool
+of hundreds of pods costs the router no more memory than a few. Keys are equal in every process (router replicas
+must agree on them, ring.py). The router learns only from what it sends: a pod that restarted, evicted blocks or
+was replaced keeps its entries until they age out or the pod leaves the pool, so stale knowledge costs a cache miss
+on that pod — never a pairing, which the pool alone decides.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -29,6 +32,9 @@ BYTES_PER_TOKEN = 4
 MAX_CHUNKS = 4096
 #: keys remembered per pod (about a million prompt tokens' worth of 16-token chunks)
 KEYS_PER_POD = 1 << 16
+#: keys remembered in all, over every pod (about 124 bytes each in CPython: 130 MiB at most); with more than
+#: ``MAX_KEYS / KEYS_PER_POD`` (16) pods each pod keeps ``MAX_KEYS // pods`` (4096 at 256 pods)
+MAX_KEYS = 1 << 20
 
 
 def prefix_keys(body: Obj, block_tokens: int = CHUNK_TOKENS) -> list[int]:
@@ -46,7 +52,9 @@ def prefix_keys(body: Obj, block_tokens: int = CHUNK_TOKENS) -> list[int]:
         data = text.encode("utf-8", "surrogatepass")
         size = BYTES_PER_TOKEN * block_tokens
         whole = min(len(data) // size, MAX_CHUNKS)
-        chunks = (data[i * size : (i + 1) * size] for i in range(whole))
+        # as integers: Python hashes bytes differently in every process, ints and tuples of them alike in all, and
+        # router replicas must agree on a prompt's keys (ring.py)
+        chunks = (int.from_bytes(data[i * size : (i + 1) * size], "little") for i in range(whole))
     keys: list[int] = []
     key = 0
     for chunk in chunks:
@@ -71,11 +79,29 @@ def _text(prompt: object, messages: object) -> str:
 
 
 class PrefixIndex:
-    """Per pod, the prefix keys it was sent (an LRU set each)."""
+    """Per pod, the prefix keys it was sent (an LRU set each); ``max_keys`` in all, shared evenly by the pods."""
 
-    def __init__(self, keys_per_pod: int = KEYS_PER_POD) -> None:
+    def __init__(self, keys_per_pod: int = KEYS_PER_POD, max_keys: int = MAX_KEYS) -> None:
         self.keys_per_pod = keys_per_pod
+        self.max_keys = max_keys
         self._pods: dict[str, OrderedDict[int, None]] = {}
+
+    def limit(self) -> int:
+        """The most keys one pod keeps now: ``keys_per_pod``, or the pods' even share of ``max_keys``."""
+        return max(1, min(self.keys_per_pod, self.max_keys // max(1, len(self._pods))))
+
+    def size(self) -> int:
+        """The keys remembered, over every pod (at most ``max_keys``, or one per pod when there are more pods)."""
+        return sum(len(known) for known in self._pods.values())
+
+    def footprint(self) -> int:
+        """Bytes the index holds, at most (its tables and its keys; a key shared by pods is counted per pod)."""
+        return sum(sys.getsizeof(known) + sum(map(sys.getsizeof, known)) for known in self._pods.values())
+
+    def holders(self, first: int) -> set[str]:
+        """The pods that hold a prompt's first key: the only ones whose :meth:`matched` can be above 0 (one lookup
+        a pod, so that a request scores only these among hundreds)."""
+        return {pod for pod, known in self._pods.items() if first in known}
 
     def matched(self, pod: str, keys: list[int]) -> int:
         """How many leading keys of a prompt the pod was sent (its cached prefix, in chunks, as far as known)."""
@@ -93,15 +119,27 @@ class PrefixIndex:
         """The pod is computing (prefill) or holding (decode) this prompt: remember its keys, newest last."""
         if not keys:
             return
-        known = self._pods.setdefault(pod, OrderedDict())
+        known = self._pods.get(pod)
+        if known is None:
+            known = self._pods[pod] = OrderedDict()
+            self._trim_all()  # one more pod: every pod's share shrinks
         for key in keys:
             known[key] = None
             known.move_to_end(key)
-        while len(known) > self.keys_per_pod:
-            known.popitem(last=False)
+        self._trim(known, self.limit())
 
     def keep_only(self, pods: Iterable[str]) -> None:
         """Forget pods that left the pool (scaled down, replaced by a rollout)."""
         kept = set(pods)
         for pod in [p for p in self._pods if p not in kept]:
             del self._pods[pod]
+
+    def _trim_all(self) -> None:
+        limit = self.limit()
+        for known in self._pods.values():
+            self._trim(known, limit)
+
+    @staticmethod
+    def _trim(known: OrderedDict[int, None], limit: int) -> None:
+        while len(known) > limit:
+            known.popitem(last=False)

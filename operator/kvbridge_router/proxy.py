@@ -112,6 +112,8 @@ class RouterConfig:
     policy: str = DEFAULTS.policy.value
     #: kv-aware: tokens per prompt chunk scored, the prefill pods' KV block size (vLLM caches whole blocks)
     block_tokens: int = DEFAULTS.block_size
+    #: kv-aware: the router replicas in front of the pool (each scales its counts of requests in flight by it)
+    replicas: int = DEFAULTS.replicas
     #: the whole request, every prefill and decode call and retry included
     request_timeout: float = DEFAULTS.request_timeout
     max_body_bytes: int = 16 << 20
@@ -142,6 +144,7 @@ class RouterConfig:
             header_timeout=settings.header_timeout,
             policy=settings.policy.value,
             block_tokens=settings.block_size,
+            replicas=settings.replicas,
             transfer_token=transfer_token,
             api_keys=api_keys,
         )
@@ -159,7 +162,7 @@ class Router:
         self.metrics = metrics or RouterMetrics()
         self.tracing = tracing or Tracing()
         self.pool = Pool()
-        self.balancer = Balancer(policy=self.config.policy)
+        self.balancer = Balancer(policy=self.config.policy, replicas=self.config.replicas)
         self._session: aiohttp.ClientSession | None = None
         #: the prefill and decode calls (every request's two); the session serves the rest
         self.upstream = Upstream(KEEPALIVE_SECONDS)

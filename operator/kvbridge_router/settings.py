@@ -51,6 +51,13 @@ class RouterSettings:
         metavar="TOKENS",
         positive=True,
     )
+    replicas: int = _setting(
+        1,
+        "kv-aware: the router replicas sharing the pool, requests spread over them at random (the operator passes "
+        "spec.router.replicas): each counts its own requests in flight times this as a pod's load",
+        metavar="N",
+        positive=True,
+    )
     prefill_timeout: float = _setting(60.0, "seconds per prefill call", metavar="SECONDS", positive=True)
     decode_timeout: float = _setting(
         600.0,

@@ -434,9 +434,9 @@ async def test_kubectl_get_columns_show_ready_replicas_and_tp() -> None:
 
 
 async def test_spec_router_runs_a_router_with_read_only_rbac_and_shows_its_url() -> None:
-    """spec.router.enabled: a Deployment, Service, ServiceAccount, Role and RoleBinding, status.router.url (a
-    printer column), and decode endpoints in the status for it; disabling it deletes them."""
-    names = ("deployments", "services", "serviceaccounts", "roles", "rolebindings")
+    """spec.router.enabled: a Deployment, PodDisruptionBudget, Service, ServiceAccount, Role and RoleBinding,
+    status.router.url (a printer column), and decode endpoints in the status for it; disabling it deletes them."""
+    names = ("deployments", "poddisruptionbudgets", "services", "serviceaccounts", "roles", "rolebindings")
     async with cluster() as c:
         document = example("llama3-8b-hetero-tp")
         document["spec"]["router"] = {"enabled": True, "replicas": 2, "prefillTimeoutSeconds": 30}
@@ -454,6 +454,11 @@ async def test_spec_router_runs_a_router_with_read_only_rbac_and_shows_its_url()
         assert container["args"][:2] == ["--deployment=llama3-8b", "--namespace=default"]
         assert "--prefill-timeout=30" in container["args"]
         assert deployment["spec"]["replicas"] == 2
+        assert "--replicas=2" in container["args"]  # each replica scales its own counts of requests in flight
+        spread = deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]
+        assert [(s["topologyKey"], s["whenUnsatisfiable"]) for s in spread] == [
+            ("kubernetes.io/hostname", "ScheduleAnyway")
+        ]
         role = c.api.find("roles", "default", "llama3-8b-router")
         assert role is not None
         assert role["rules"] == [

@@ -139,7 +139,8 @@ def test_plan_shows_the_routers_clients_and_placement(tmp_path: Path, capsys: py
     clients = "router clients: only with an API key of Secret router-clients, key keys.txt (Authorization: Bearer;"
     assert clients in out
     placement = (
-        "router pods: 2 replicas; placement: imagePullSecrets regcred; nodeSelector kubernetes.io/os=linux, pool=cpu; "
+        "router pods: 2 replicas spread over nodes where possible; placement: imagePullSecrets regcred; "
+        "nodeSelector kubernetes.io/os=linux, pool=cpu; "
         "2 tolerations; affinity podAntiAffinity; priorityClassName serving-critical"
     )
     assert placement in out

@@ -47,7 +47,8 @@ def engine_container(doc: dict[str, Any], role: Role = Role.DECODE) -> dict[str,
 def test_the_router_objects_are_valid_and_the_role_reads_only_this_deployment() -> None:
     dd = parse_deployment(document(router={"enabled": True, "decodeTimeoutSeconds": 90}))
     objects = optional_children(dd, UID, OperatorConfig())
-    assert [o["kind"] for o in objects] == ["ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"]
+    kinds = ["ServiceAccount", "Role", "RoleBinding", "Deployment", "PodDisruptionBudget", "Service"]
+    assert [o["kind"] for o in objects] == kinds
     for obj in objects:
         kubernetes_validate.validate(obj, "1.30", strict=True)
         assert obj["metadata"]["name"] == "llama3-8b-vllm-router"

@@ -34,9 +34,9 @@ def test_only_equal_or_listed_keys_pair() -> None:
     )
     by_name = {t.pod: t for t in pool.prefill}
     assert [d.pod for d in pool.decodes_for(by_name["p-old"])] == ["d-old"]
-    assert [d.pod for d in pool.decodes_for(by_name["p-new"])] == ["d-old", "d-new"]
+    assert [d.pod for d in pool.decodes_for(by_name["p-new"])] == ["d-new", "d-old"]  # sorted by name
     assert pool.decodes_for(by_name["p-other"]) == ()
-    assert [t.pod for t in pool.routable()] == ["p-old", "p-new"]
+    assert [t.pod for t in pool.routable()] == ["p-new", "p-old"]
 
 
 def test_endpoints_without_a_port_or_key_are_skipped_and_said() -> None:

@@ -95,7 +95,7 @@ The operator's permissions: exactly what kvbridge_operator.rbac.REQUIRED lists
   verbs: ["create", "patch"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["create", "patch"]
+  verbs: ["create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["create"]

@@ -16,7 +16,7 @@ REQUIRED: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("leaderworkerset.x-k8s.io", "leaderworkersets", ("get", "list", "watch", "create", "patch", "delete")),
     ("", "services", ("create", "patch", "delete")),
     ("networking.k8s.io", "networkpolicies", ("create", "patch")),
-    ("policy", "poddisruptionbudgets", ("create", "patch")),
+    ("policy", "poddisruptionbudgets", ("create", "patch", "delete")),
     ("", "secrets", ("create",)),
     ("", "configmaps", ("get",)),  # spec.autoscaling.profile: the planner reads the engines' profile
     ("", "pods", ("list", "watch")),

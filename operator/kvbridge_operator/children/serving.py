@@ -1,12 +1,13 @@
 """The serving path in front of a deployment's pods, rendered from ``spec.router`` and ``spec.inferencePool``.
 
-- ``spec.router.enabled``: kvbridge's router (``kvbridge-router``) as a Deployment and a ClusterIP Service
-  ``<name>-router``, with a ServiceAccount whose Role may only get and watch this one DisaggregatedDeployment
-  (the router reads the endpoints and pairings from its status; it never lists pods). With
-  ``spec.router.signTransfers`` it signs decode's ``kv_transfer_params`` with the token of the Secret
-  ``<name>-router-token`` (:func:`router_token_secret`; transfer_token.py). With ``spec.router.apiKeySecret``
-  its pods mount that Secret's key and clients must send one of its API keys; ``imagePullSecrets``,
-  ``nodeSelector``, ``tolerations``, ``affinity`` and ``priorityClassName`` go into its pod spec as given.
+- ``spec.router.enabled``: kvbridge's router (``kvbridge-router``) as a Deployment, a PodDisruptionBudget and a
+  ClusterIP Service ``<name>-router`` (``replicas`` of 2 or more spread over nodes, each told how many there are),
+  with a ServiceAccount whose Role may only get and watch this one DisaggregatedDeployment (the router reads the
+  endpoints and pairings from its status; it never lists pods). With ``spec.router.signTransfers`` it signs decode's
+  ``kv_transfer_params`` with the token of the Secret ``<name>-router-token`` (:func:`router_token_secret`;
+  transfer_token.py). With ``spec.router.apiKeySecret`` its pods mount that Secret's key and clients must send one
+  of its API keys; ``imagePullSecrets``, ``nodeSelector``, ``tolerations``, ``affinity`` and ``priorityClassName``
+  go into its pod spec as given.
 - ``spec.inferencePool.enabled``: a Gateway API Inference Extension ``InferencePool`` (``inference.networking.
   k8s.io/v1``) selecting both roles' pods, which carry ``llm-d.ai/role: prefill|decode`` for llm-d's P/D
   scheduler (the Endpoint Picker, installed separately and named in the spec), and an ``HTTPRoute`` from a
@@ -77,6 +78,7 @@ def router_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfi
         prefill_attempts=spec.prefill_attempts,
         policy=spec.policy,
         block_size=dd.spec.prefill.block_size,
+        replicas=spec.replicas,
         transfer_token_file=transfer_token.TOKEN_FILE if signs else "",
         api_key_file=API_KEYS_FILE if spec.api_key_secret else "",
     )
@@ -152,10 +154,19 @@ def router_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfi
                         "containers": [container],
                         "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
                         **({"volumes": volumes} if volumes else {}),
+                        **router_spread(spec, labels),
                         **router_placement(spec),
                     },
                 },
             },
+        },
+        {
+            # node drains take one router at a time; with one replica the budget allows the drain (a budget that
+            # forbade it would block the drain forever), so it is rendered at any count, as the engines' are
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": child_metadata(name, namespace, labels, owner),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels}},
         },
         {
             "apiVersion": "v1",
@@ -170,6 +181,20 @@ def router_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfi
             },
         },
     ]
+
+
+def router_spread(spec: RouterSpec, labels: dict[str, str]) -> Obj:
+    """Two or more routers: spread over nodes where the scheduler can (``ScheduleAnyway``: a one-node cluster still
+    runs them all; ``affinity`` with a ``podAntiAffinity`` makes it a requirement)."""
+    if spec.replicas < 2:
+        return {}
+    spread = {
+        "maxSkew": 1,
+        "topologyKey": "kubernetes.io/hostname",
+        "whenUnsatisfiable": "ScheduleAnyway",
+        "labelSelector": {"matchLabels": labels},
+    }
+    return {"topologySpreadConstraints": [spread]}
 
 
 def router_placement(spec: RouterSpec) -> Obj:

@@ -427,6 +427,8 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
         lines.append(f"  router: {router_words(document.deployment)}")
         lines.append(f"  router clients: {router_auth_words(document.deployment)}")
         replicas = f"{spec.router.replicas} replica{'s' if spec.router.replicas != 1 else ''}"
+        if serving.router_spread(spec.router, {}):
+            replicas += " spread over nodes where possible"
         lines.append(f"  router pods: {replicas}; placement: {router_placement_words(document.deployment)}")
     if spec.tracing is not None:
         lines.append(f"  tracing: {tracing_words(document.deployment)}")

@@ -21,7 +21,7 @@ from kvbridge_operator.controller.actions import Event
 OPTIONAL_KINDS = ("InferencePool", "HTTPRoute", "PodGroup")
 #: the status fields these children fill
 STATUS_FIELDS = ("router", "inferencePool", "placement")
-ROUTER_KINDS = ("Deployment", "Service", "RoleBinding", "Role", "ServiceAccount")
+ROUTER_KINDS = ("Deployment", "PodDisruptionBudget", "Service", "RoleBinding", "Role", "ServiceAccount")
 
 
 @dataclass
