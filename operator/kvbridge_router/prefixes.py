@@ -7,9 +7,11 @@ cache hit is); text prompts and chat messages, without a tokenizer, every ``BYTE
 of their UTF-8 text (roles and contents joined with separators that text cannot contain): a shared system prompt
 or an earlier turn gives equal leading keys either way, which is all the score needs. Only whole chunks count.
 
-Per pod, a bounded LRU set of the keys it was sent. The router learns only from what it sends: a pod that
-restarted, evicted blocks or was replaced keeps its entries until they age out or the pod leaves the pool, so
-stale knowledge costs a cache miss on that pod — never a pairing, which the pool alone decides.
+Per pod, a bounded LRU set of the keys it was sent, and a bound over all pods (:data:`MAX_KEYS`), so that a pool
+of hundreds of pods costs the router no more memory than a few. Keys are equal in every process (router replicas
+must agree on them, ring.py). The router learns only from what it sends: a pod that restarted, evicted blocks or
+was replaced keeps its entries until they age out or the pod leaves the pool, so stale knowledge costs a cache miss
+on that pod — never a pairing, which the pool alone decides.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ name and the point's number, so every router replica that reads the same pool bu
 (Python's own ``hash`` of text differs per process). A prompt's *anchor* — the chained key of its first
 :data:`ANCHOR_CHUNKS` chunks (``prefixes.prefix_keys``, stable across processes too) — is a position on the ring;
 its pods, in order, are the distinct pods met walking clockwise from it. A prompt goes to the first of them whose
-load is under the cap, ``ceil(LOAD_FACTOR * (in flight + 1) / pods)`` (Mirrokni, Thorup, Zadimoghaddam: "Consistent
-Hashing with Bounded Loads", 2018): a hot prefix overflows onto its next pods on the ring, the same ones for every
-replica, instead of queueing behind itself. A pod that leaves moves only its own prefixes, to their next pods.
+load stays within the cap, ``ceil(LOAD_FACTOR * (in flight + 1) / pods)`` and at least a few requests (:func:`cap`;
+Mirrokni, Thorup, Zadimoghaddam: "Consistent Hashing with Bounded Loads", 2018): a hot prefix overflows onto its
+next pods on the ring, the same ones for every replica, instead of queueing behind itself. A pod that leaves moves
+only its own prefixes, to their next pods.
 
 Replicas agree without talking as far as their loads agree: each knows only the requests it sent, so the cap is
 crossed at slightly different moments by different replicas (requests spread at random give each replica about
