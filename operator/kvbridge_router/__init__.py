@@ -7,6 +7,7 @@ Reading order:
 - ``proxy``: the HTTP front: the two calls, retries, timeouts, streaming.
 - ``admission``: what a request must be before any prefill.
 - ``prompts``: pure: a request's prompt, as admission checks it and kv-aware scores it.
+- ``samples``: pure: OpenAI's ``n``: the samples' requests, and one answer joined from theirs.
 - ``auth``: pure: clients' API keys (``Authorization: Bearer``), compared in constant time.
 - ``errors``: the router's errors, in OpenAI's error shape.
 - ``pool``: pure: which pods pair, balancing.
@@ -20,7 +21,7 @@ Reading order:
 - ``__main__``: ``python -m kvbridge_router``.
 
 A separate process with its own, read-only RBAC: it imports the operator's ``api``, API client and retry delays,
-never Kopf, the children or the controller. ``settings``, ``prompts``, ``pool``, ``prefixes``, ``ring``,
-``answers`` and ``auth`` import no HTTP library, event loop or metrics client (import-linter keeps it so);
+never Kopf, the children or the controller. ``settings``, ``prompts``, ``samples``, ``pool``, ``prefixes``,
+``ring``, ``answers`` and ``auth`` import no HTTP library, event loop or metrics client (import-linter keeps it so);
 ``settings`` imports nothing of the operator, whose ``api`` and ``children`` read it.
 """

@@ -24,6 +24,7 @@ from aiohttp import web
 from kvbridge_operator.api.objects import Obj
 from kvbridge_router.errors import RouteError
 from kvbridge_router.prompts import one_prompt, token_ids
+from kvbridge_router.samples import MAX_SAMPLES
 
 #: deeper JSON than this is refused (an OpenAI request nests a few levels: messages, content parts, tool schemas)
 MAX_DEPTH = 64
@@ -131,10 +132,7 @@ def check_fields(body: Obj, route: str) -> None:
             raise RouteError(
                 400, "INVALID_REQUEST", f"{name} must be a positive integer, not {_shown(body[name])}", param=name
             )
-    if body.get("n") is not None and body["n"] != 1:
-        raise RouteError(
-            400, "INVALID_REQUEST", "n must be 1: each request is prefilled once and decoded once", param="n"
-        )
+    sample_count(body)
     if "stream_options" in body and body["stream_options"] is not None and not isinstance(body["stream_options"], dict):
         raise RouteError(400, "INVALID_REQUEST", "stream_options must be an object", param="stream_options")
 
@@ -194,3 +192,26 @@ def _positive_int(value: Any) -> bool:
 def _shown(value: Any) -> str:
     text = json.dumps(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def sample_count(body: Obj) -> int:
+    """``n``, checked: a positive integer up to :data:`MAX_SAMPLES` (absent or null: 1); several only unstreamed."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SAMPLES:
+        raise RouteError(
+            400,
+            "INVALID_REQUEST",
+            f"n must be an integer from 1 to {MAX_SAMPLES}, not {json.dumps(n)[:40]}",
+            param="n",
+        )
+    if n > 1 and body.get("stream"):
+        raise RouteError(
+            400,
+            "INVALID_REQUEST",
+            "n > 1 is served without streaming only: send stream: false, or n requests of one completion each "
+            "(the prefill pod's prefix cache serves the later ones' prompts)",
+            param="n",
+        )
+    return n

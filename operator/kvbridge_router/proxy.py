@@ -46,13 +46,14 @@ from aiohttp.http_exceptions import HttpProcessingError
 from kvbridge_agent.core import tracing as span
 from kvbridge_agent.core.signing import signed
 from kvbridge_operator.api.objects import Obj
-from kvbridge_router.admission import Limits, admit, engine_request_id
+from kvbridge_router.admission import Limits, admit, engine_request_id, sample_count
 from kvbridge_router.answers import Start, StreamStart, aborted
 from kvbridge_router.auth import INVALID_API_KEY, ApiKeys
 from kvbridge_router.errors import RouteError
 from kvbridge_router.metrics import RouterMetrics
 from kvbridge_router.pool import KV_AWARE, Balancer, Pool, Target
 from kvbridge_router.prefixes import prefix_keys
+from kvbridge_router.samples import JoinError, joined, sample_bodies
 from kvbridge_router.settings import DEFAULTS, RouterSettings
 from kvbridge_router.tracing import OFF, Trace, Tracing
 from kvbridge_router.upstream import AnswerTooLargeError, UnreachableError, Upstream, UpstreamError
@@ -93,6 +94,8 @@ class Ledger:
     engines_lost: int = 0
     #: its spans (tracing.py; OFF when tracing is off)
     trace: Trace = OFF
+    #: whether its first answer is observed as a time to first token (one of a request's ``n`` samples only)
+    ttft: bool = True
 
 
 @dataclass(frozen=True)
@@ -274,40 +277,11 @@ class Router:
                 "X-Request-Id": request_id,
                 **{k: request.headers[k] for k in FORWARDED_HEADERS if k in request.headers},
             }
-            prefill, decode, params = await self._prefill_somewhere(request.path, body, headers, ledger, started)
-            tried: list[str] = []
-            while True:
-                try:
-                    with ledger.trace.step(span.ROUTER_DECODE, {span.POD: decode.pod}, call=True) as call:
-                        call.set(span.STREAM, bool(body.get("stream")))
-                        response = await self._decode(
-                            request, decode, body, raw, params, call.inject(headers), started, ledger
-                        )
-                        call.set(span.HTTP_STATUS, response.status)
-                    break
-                except RouteError as exc:  # retried only while nothing has reached the client
-                    tried.append(decode.pod)
-                    left = self.config.request_timeout - (time.perf_counter() - started)
-                    no_pair = not any(
-                        d.pod not in tried for p in self.pool.routable() for d in self.pool.decodes_for(p)
-                    )
-                    if not exc.retry or len(tried) >= self.config.decode_attempts or left <= 0 or no_pair:
-                        raise
-                    self.metrics.decode_retries.labels(decode.pod).inc()
-                    other = None if exc.reprefill else self.balancer.pick(self.pool.decodes_for(prefill), tried)
-                    if other is None:  # decode had the request (or no partner is left): prefill again
-                        log.warning(
-                            "decode pod %s failed (%s); prefilling again for another pair", decode.pod, exc.message
-                        )
-                        # a new request id: the first prefill pod may still hold the first one's KV (until its
-                        # lease ends) and would refuse the id as a duplicate
-                        headers = {**headers, "X-Request-Id": f"{request_id}-retry{len(tried)}"}
-                        prefill, decode, params = await self._prefill_somewhere(
-                            request.path, body, headers, ledger, started, exclude_decodes=tried
-                        )
-                    else:
-                        log.warning("decode pod %s unreachable (%s); trying %s", decode.pod, exc.message, other.pod)
-                        decode = other
+            n = sample_count(body)
+            if n == 1:
+                response = await self._served(request, body, raw, headers, ledger, started)
+            else:
+                response = await self._sampled(request, body, n, headers, ledger, started)
         except RouteError as exc:
             self.metrics.requests.labels(route, exc.code).inc()
             log.warning("%s: %s %s", request.path, exc.code, exc.message)
@@ -322,6 +296,89 @@ class Router:
         self.metrics.request_seconds.observe(total)
         self.metrics.overhead_seconds.observe(max(total - ledger.spent, 0.0))
         return response
+
+    async def _served(
+        self,
+        request: web.Request,
+        body: Obj,
+        raw: bytes,
+        headers: dict[str, str],
+        ledger: Ledger,
+        started: float,
+        after: asyncio.Event | None = None,
+        prefilled: asyncio.Event | None = None,
+    ) -> web.StreamResponse:
+        """One completion: prefilled on a pair's prefill pod, decoded on its decode pod, each retried elsewhere while
+        nothing has reached the client. A sample of several (``_sampled``) prefills only ``after`` the event is set,
+        and sets ``prefilled`` once it has."""
+        if after is not None:
+            await after.wait()
+        request_id = headers["X-Request-Id"]
+        prefill, decode, params = await self._prefill_somewhere(request.path, body, headers, ledger, started)
+        if prefilled is not None:
+            prefilled.set()
+        tried: list[str] = []
+        while True:
+            try:
+                with ledger.trace.step(span.ROUTER_DECODE, {span.POD: decode.pod}, call=True) as call:
+                    call.set(span.STREAM, bool(body.get("stream")))
+                    response = await self._decode(
+                        request, decode, body, raw, params, call.inject(headers), started, ledger
+                    )
+                    call.set(span.HTTP_STATUS, response.status)
+                return response
+            except RouteError as exc:  # retried only while nothing has reached the client
+                tried.append(decode.pod)
+                left = self.config.request_timeout - (time.perf_counter() - started)
+                no_pair = not any(d.pod not in tried for p in self.pool.routable() for d in self.pool.decodes_for(p))
+                if not exc.retry or len(tried) >= self.config.decode_attempts or left <= 0 or no_pair:
+                    raise
+                self.metrics.decode_retries.labels(decode.pod).inc()
+                other = None if exc.reprefill else self.balancer.pick(self.pool.decodes_for(prefill), tried)
+                if other is None:  # decode had the request (or no partner is left): prefill again
+                    log.warning("decode pod %s failed (%s); prefilling again for another pair", decode.pod, exc.message)
+                    # a new request id: the first prefill pod may still hold the first one's KV (until its
+                    # lease ends) and would refuse the id as a duplicate
+                    headers = {**headers, "X-Request-Id": f"{request_id}-retry{len(tried)}"}
+                    prefill, decode, params = await self._prefill_somewhere(
+                        request.path, body, headers, ledger, started, exclude_decodes=tried
+                    )
+                else:
+                    log.warning("decode pod %s unreachable (%s); trying %s", decode.pod, exc.message, other.pod)
+                    decode = other
+
+    async def _sampled(
+        self, request: web.Request, body: Obj, n: int, headers: dict[str, str], ledger: Ledger, started: float
+    ) -> web.StreamResponse:
+        """``n`` completions of one prompt (samples.py): the first sample prefilled alone, the others after it (the
+        prefill pod's prefix cache then holds the prompt), every decode at once; one answer joining them, or the
+        first failure (the other samples cancelled)."""
+        first_prefilled = asyncio.Event()
+        calls, ledgers = [], []
+        for index, sample in enumerate(sample_bodies(body, n)):
+            sample_headers = {**headers, "X-Request-Id": f"{headers['X-Request-Id']}-{index}"}
+            wait, done = (None, first_prefilled) if index == 0 else (first_prefilled, None)
+            ledgers.append(Ledger(trace=ledger.trace.sample(index), ttft=index == 0))
+            served = self._served(request, sample, _encoded(sample), sample_headers, ledgers[-1], started, wait, done)
+            calls.append(asyncio.ensure_future(served))
+        try:
+            answers = await asyncio.gather(*calls)
+        except BaseException:
+            for call in calls:
+                call.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
+            raise
+        finally:  # the samples ran side by side: the longest one's engine time is the request's
+            ledger.spent += max(sample.spent for sample in ledgers)
+        data = []
+        for answer in answers:
+            if answer.status != 200 or not isinstance(answer, web.Response) or not isinstance(answer.body, bytes):
+                return answer  # an engine's refusal of the request, as it gave it
+            data.append(answer.body)
+        try:
+            return web.Response(body=joined(data), status=200, content_type="application/json")
+        except JoinError as exc:
+            raise RouteError(502, "DECODE_ANSWER_INVALID", str(exc)) from None
 
     async def _prefill_somewhere(
         self,
@@ -485,7 +542,8 @@ class Router:
                                 retry=True,
                                 reprefill=True,
                             )
-                        self.metrics.observe_ttft(time.perf_counter() - started, ledger.trace.trace_id)
+                        if ledger.ttft:
+                            self.metrics.observe_ttft(time.perf_counter() - started, ledger.trace.trace_id)
                         return web.Response(body=data, status=upstream.status, content_type=upstream.content_type)
                     response = web.StreamResponse(
                         status=200,
@@ -510,7 +568,8 @@ class Router:
                             retry=True,
                             reprefill=True,
                         )
-                    self.metrics.observe_ttft(time.perf_counter() - started, ledger.trace.trace_id)
+                    if ledger.ttft:
+                        self.metrics.observe_ttft(time.perf_counter() - started, ledger.trace.trace_id)
                     await response.prepare(request)
                     await response.write(start.held)
                     async for chunk in chunks:  # the rest, as it comes

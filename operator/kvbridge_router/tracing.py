@@ -70,7 +70,7 @@ class Step:
 class RequestTrace:
     """The spans of one client request, under its root span."""
 
-    __slots__ = ("_attempts", "_context", "_failed", "_root", "_tracer")
+    __slots__ = ("_attempts", "_context", "_extra", "_failed", "_root", "_tracer")
 
     def __init__(self, tracer: Tracer, parent: Context, path: str, route: str) -> None:
         self._tracer = tracer
@@ -82,6 +82,16 @@ class RequestTrace:
         #: spans started so far of each name, and the code of the last one that failed
         self._attempts: dict[str, int] = {}
         self._failed: dict[str, str] = {}
+        #: attributes every step carries (a sample's index)
+        self._extra: dict[str, Value] = {}
+
+    def sample(self, index: int) -> RequestTrace:
+        """The steps of one of the request's ``n`` samples (samples.py): under the same request span, each with
+        ``kvbridge.sample``, their attempts and retries counted within the sample."""
+        other = object.__new__(RequestTrace)
+        other._tracer, other._root, other._context = self._tracer, self._root, self._context
+        other._attempts, other._failed, other._extra = {}, {}, {words.SAMPLE: index}
+        return other
 
     def step(self, name: str, attributes: dict[str, Value] | None = None, *, call: bool = False) -> Step:
         """A child span of the request (an engine ``call`` is a client span). Each carries its ``kvbridge.attempt``
@@ -89,7 +99,7 @@ class RequestTrace:
         (``kvbridge.retry_of``): retries are siblings under the request."""
         attempt = self._attempts.get(name, 0) + 1
         self._attempts[name] = attempt
-        attributes = {**(attributes or {}), words.ATTEMPT: attempt}
+        attributes = {**(attributes or {}), **self._extra, words.ATTEMPT: attempt}
         retry_of = self._failed.get(name)
         if retry_of is not None:
             attributes[words.RETRY_OF] = retry_of
@@ -140,6 +150,9 @@ class _Off(Step):
         return None
 
     def step(self, name: str, attributes: dict[str, Value] | None = None, *, call: bool = False) -> _Off:
+        return self
+
+    def sample(self, index: int) -> _Off:
         return self
 
     def set(self, name: str, value: Value) -> None:

@@ -155,7 +155,11 @@ HOSTILE: list[tuple[str, bytes, dict[str, str], int, str]] = [
     ("two prompts", json.dumps({**VALID, "prompt": ["a", "b"]}).encode(), {}, 400, "INVALID_REQUEST"),
     ("negative token ids", json.dumps({**VALID, "prompt": [1, -2]}).encode(), {}, 400, "INVALID_REQUEST"),
     ("a number as model", json.dumps({**VALID, "model": 7}).encode(), {}, 400, "INVALID_REQUEST"),
-    ("n 3", json.dumps({**VALID, "n": 3}).encode(), {}, 400, "INVALID_REQUEST"),
+    ("n 3 streamed", json.dumps({**VALID, "n": 3, "stream": True}).encode(), {}, 400, "INVALID_REQUEST"),
+    ("n 17", json.dumps({**VALID, "n": 17}).encode(), {}, 400, "INVALID_REQUEST"),
+    ("n 0", json.dumps({**VALID, "n": 0}).encode(), {}, 400, "INVALID_REQUEST"),
+    ("n true", json.dumps({**VALID, "n": True}).encode(), {}, 400, "INVALID_REQUEST"),
+    ("n 2.0", json.dumps({**VALID, "n": 2.0}).encode(), {}, 400, "INVALID_REQUEST"),
     (
         "the client's kv_transfer_params",
         json.dumps({**VALID, "kv_transfer_params": {"remote_host": "evil"}}).encode(),

@@ -36,6 +36,8 @@ class FakeEngine:
     mode: str = "ok"
     delay: float = 0.0
     received: list[Obj] = field(default_factory=list)
+    #: when each request arrived (time.monotonic)
+    arrived: list[float] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     in_flight: int = 0
     peak: int = 0
@@ -44,6 +46,7 @@ class FakeEngine:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.received.append(body)
+        self.arrived.append(time.monotonic())
         self.headers.append({k.lower(): v for k, v in request.headers.items()})
         self.in_flight += 1
         self.peak = max(self.peak, self.in_flight)
@@ -700,3 +703,37 @@ async def test_the_whole_request_bounds_prefill_and_its_retries(rig: Rig) -> Non
     assert sum(len(e.received) for e in rig.prefill) == 2
     assert rig.decode[0].received == []
     assert rig.router.balancer.outstanding == {}
+
+
+async def test_n_completions_are_n_pd_requests_joined_with_the_first_prefilled_alone(rig: Rig) -> None:
+    """OpenAI's ``n``: n prefill calls (the first alone, so that the prefill pod's prefix cache holds the prompt
+    for the others) and n decode calls of one completion each, seeded as vLLM seeds its own samples; one answer."""
+    for engine in rig.prefill:
+        engine.delay = 0.2
+    status, answer = await rig.post({"model": "m", "prompt": [1, 2, 3], "max_tokens": 3, "n": 3, "seed": 7})
+    assert status == 200, answer
+    assert [choice["index"] for choice in answer["choices"]] == [0, 1, 2]
+    prefills = sorted((t, body) for e in rig.prefill for t, body in zip(e.arrived, e.received, strict=True))
+    assert len(prefills) == 3
+    assert all(t >= prefills[0][0] + 0.2 for t, _ in prefills[1:])  # after the first one's answer
+    assert all("n" not in body for _, body in prefills)
+    decoded = rig.decode[0].received
+    assert sorted(body["seed"] for body in decoded) == [7, 8, 9]
+    assert all("n" not in body and body["kv_transfer_params"]["remote_block_ids"] == [7] for body in decoded)
+    ids = {headers["x-request-id"] for headers in rig.decode[0].headers}
+    assert len(ids) == 3  # each sample its own request on the engines
+    async with rig.session.get(rig.url + "/metrics") as r:
+        assert "kvbridge_router_ttft_seconds_count 1.0" in await r.text()  # one client request, one first token
+
+
+async def test_a_sample_that_fails_fails_the_request_and_no_call_is_left_behind(rig: Rig) -> None:
+    rig.decode[0].mode = "400"
+    status, answer = await rig.post({"model": "m", "prompt": [1, 2, 3], "max_tokens": 3, "n": 2})
+    assert status == 400, answer
+    for engine in rig.prefill:  # the other samples were cancelled or done: nothing counted in flight
+        engine.mode = "slow"
+    status, answer = await rig.post({"model": "m", "prompt": [4, 5, 6], "max_tokens": 3, "n": 2})
+    assert status == 504, answer
+    assert answer["error"]["code"] == "PREFILL_TIMEOUT"
+    await asyncio.sleep(0.1)
+    assert all(count == 0 for count in rig.router.balancer.outstanding.values())

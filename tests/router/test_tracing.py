@@ -185,6 +185,20 @@ async def test_a_retried_decode_is_a_sibling_span_with_the_failures_code(
     assert len(mine[words.ROUTER_PREFILL]) == 2  # prefilled again for the other pair, in the same trace
 
 
+async def test_the_samples_of_n_are_siblings_under_one_request_each_numbered(
+    traced: Rig, exported: InMemorySpanExporter
+) -> None:
+    assert await post(traced, body={"prompt": [1, 2, 3], "n": 3}) == 200
+    spans = by_name(exported.get_finished_spans())
+    [root] = spans[words.ROUTER_REQUEST]
+    for name in (words.ROUTER_CHOOSE, words.ROUTER_PREFILL, words.ROUTER_DECODE):
+        assert all(s.parent == root.context for s in spans[name])
+        numbered = sorted(int(str((s.attributes or {}).get(words.SAMPLE, -1))) for s in spans[name])
+        assert numbered == [0, 1, 2], name
+        assert all((s.attributes or {})[words.ATTEMPT] == 1 for s in spans[name])  # none is a retry
+    assert words.SAMPLE not in (root.attributes or {})
+
+
 async def test_a_refused_request_ends_its_span_with_the_code(traced: Rig, exported: InMemorySpanExporter) -> None:
     headers = {"Content-Type": "application/json"}
     async with traced.session.post(traced.url + "/v1/completions", data=b"{", headers=headers) as r:

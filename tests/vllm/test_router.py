@@ -145,3 +145,51 @@ async def test_router_keeps_serving_while_a_prefill_pod_is_killed(
         assert "PREFILL_UNAVAILABLE" in text
         assert "prefill-short-lease" in text
         assert time.monotonic() - started < 10
+
+
+async def _prefix_hits(session: aiohttp.ClientSession, url: str) -> float:
+    """The engine's prefix-cache hits so far, in tokens (vLLM's own counter)."""
+    async with session.get(f"{url}/metrics") as response:
+        text = await response.text()
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total")
+    )
+
+
+async def test_n_sampled_completions_as_a_single_engine_samples_them(
+    tp1_engines: Engines, session: aiohttp.ClientSession
+) -> None:
+    """OpenAI's ``n`` with a seed and a temperature: the router's n P/D requests sample what one engine's n samples
+    do (vLLM seeds its samples seed, seed + 1, ...), and the prefill engine computes the prompt once (the later
+    samples' prefills hit its prefix cache)."""
+    model, n = MODEL_NAME, 3
+    decode, prefill = tp1_engines.engines["decode"], tp1_engines.engines["prefill-tp1"]
+    tokens = prompt(3 * BLOCK + 13, salt=1313)
+    body = {
+        "model": model,
+        "prompt": tokens,
+        "max_tokens": MAX_TOKENS,
+        "n": n,
+        "seed": 11,
+        "temperature": 0.8,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    async with session.post(f"{decode.url}/v1/completions", json=body | {"cache_salt": "samples"}) as response:
+        alone = await response.json()
+    assert response.status == 200, alone
+    want = [choice["token_ids"] for choice in sorted(alone["choices"], key=lambda c: c["index"])]
+    assert len({tuple(t) for t in want}) > 1  # sampled: the seeds tell the samples apart
+    hits = await _prefix_hits(session, prefill.url)
+    async with running_router() as (router, url):
+        router.set_pool(_pool_of(tp1_engines, ["prefill-tp1"]))
+        async with session.post(f"{url}/v1/completions", json=body) as response:
+            answer = await response.json()
+        assert response.status == 200, answer
+        assert await pod_calls(session, url, "prefill", "prefill-tp1") == n
+        assert await pod_calls(session, url, "decode", "decode") == n
+    assert [choice["index"] for choice in answer["choices"]] == list(range(n))
+    assert [choice["token_ids"] for choice in answer["choices"]] == want
+    assert answer["usage"]["prompt_tokens"] == len(tokens)
+    assert answer["usage"]["completion_tokens"] == n * MAX_TOKENS
+    assert await _prefix_hits(session, prefill.url) - hits >= (n - 1) * 3 * BLOCK  # the prompt's 3 blocks, reused

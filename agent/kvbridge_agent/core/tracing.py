@@ -107,6 +107,8 @@ REQUEST_ID = "kvbridge.request_id"
 ROUTE = "kvbridge.route"
 POLICY = "kvbridge.policy"
 ATTEMPT = "kvbridge.attempt"
+#: which of a request's ``n`` completions a step serves (0 to n - 1; absent when n is 1)
+SAMPLE = "kvbridge.sample"
 POD = "kvbridge.pod"
 PREFILL_POD = "kvbridge.prefill.pod"
 DECODE_POD = "kvbridge.decode.pod"
