@@ -34,6 +34,8 @@ class Target:
     url: str
     pairing: str
     revision: str = ""
+    #: the pod's uid and container restarts (``uid:restarts``): another one is another engine, its caches empty
+    incarnation: str = ""
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,16 @@ class Pool:
         listed = ((status.get("rollout") or {}).get("pairings")) or []
         pairings = frozenset((str(p.get("prefill", "")), str(p.get("decode", ""))) for p in listed)
         return cls(roles["prefill"], roles["decode"], pairings, tuple(skipped), version)
+
+    def reborn(self, previous: Pool) -> set[str]:
+        """Pods of this pool that ``previous`` listed as another incarnation (restarted, or replaced under the same
+        name): what was sent to them before is gone from their caches."""
+        before = {t.pod: t.incarnation for t in (*previous.prefill, *previous.decode) if t.incarnation}
+        return {
+            t.pod
+            for t in (*self.prefill, *self.decode)
+            if t.incarnation and before.get(t.pod, t.incarnation) != t.incarnation
+        }
 
     def compatible(self, prefill: Target, decode: Target) -> bool:
         return prefill.pairing == decode.pairing or (prefill.pairing, decode.pairing) in self.pairings
@@ -104,7 +116,8 @@ def _targets(status: Obj, role: str, skipped: list[str]) -> tuple[Target, ...]:
             )
             continue
         host = f"[{ip}]" if ":" in str(ip) else str(ip)
-        found.append(Target(str(pod), f"http://{host}:{int(port)}", str(key), str(endpoint.get("revision", ""))))
+        revision, incarnation = str(endpoint.get("revision", "")), str(endpoint.get("incarnation", ""))
+        found.append(Target(str(pod), f"http://{host}:{int(port)}", str(key), revision, incarnation))
     return tuple(found)
 
 

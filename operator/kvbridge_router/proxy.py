@@ -179,8 +179,11 @@ class Router:
                 [t.pod for t in pool.decode],
                 skipped,
             )
+        reborn = pool.reborn(self.pool)
+        if reborn:
+            log.info("forgetting what was sent to %s: restarted or replaced (a new incarnation)", sorted(reborn))
         self.pool = pool
-        self.balancer.prefixes.keep_only(t.pod for t in (*pool.prefill, *pool.decode))
+        self.balancer.prefixes.keep_only(t.pod for t in (*pool.prefill, *pool.decode) if t.pod not in reborn)
         self.metrics.endpoints.labels("prefill").set(len(pool.routable()))
         self.metrics.endpoints.labels("decode").set(len(pool.decode))
 

@@ -74,6 +74,9 @@ async def test_create_makes_owned_children_status_and_events() -> None:
             for s in kids["statefulsets"]
             if s["metadata"]["name"].endswith("prefill")
         )
+        pods = {o["metadata"]["name"]: o for o in c.api.objects_of("pods")}
+        for found in status["prefill"]["endpoints"]:  # uid:restarts, so that routers forget a restarted pod
+            assert found.pop("incarnation") == f"{pods[found['pod']]['metadata']['uid']}:0"
         assert status["prefill"]["endpoints"] == [
             {
                 "pod": "llama3-8b-prefill-0",

@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvbridge_router.pool import Balancer, Pool
+from kvbridge_router.proxy import Router
 
 
 def endpoint(pod: str, key: str, ip: str = "10.0.0.1", port: int | None = 8000) -> dict[str, Any]:
@@ -111,3 +112,21 @@ def test_every_chosen_pair_is_equal_or_listed(
             break
         assert pair[0].pairing == pair[1].pairing or (pair[0].pairing, pair[1].pairing) in allowed
         balancer.started(pair[0].pod)
+
+
+def test_a_pod_restarted_or_replaced_under_its_name_is_forgotten_by_the_router() -> None:
+    """The status' incarnation (uid:restarts) of a pod changes when it restarts or is replaced: the router forgets
+    what it sent that pod, whose cache is empty, and keeps what it sent the others."""
+    def pool(first: str, second: str) -> Pool:
+        prefill = [endpoint("p0", "k") | {"incarnation": first}, endpoint("p1", "k") | {"incarnation": second}]
+        return Pool.from_status(status(prefill, [endpoint("d0", "k") | {"incarnation": "d:0"}]))
+
+    router = Router()
+    router.set_pool(pool("uid-a:0", "uid-b:0"))
+    for pod in ("p0", "p1", "d0"):
+        router.balancer.prefixes.record(pod, [1, 2, 3])
+    router.set_pool(pool("uid-a:0", "uid-b:0"))  # the same pods: nothing forgotten
+    assert [router.balancer.prefixes.matched(pod, [1, 2, 3]) for pod in ("p0", "p1", "d0")] == [3, 3, 3]
+    router.set_pool(pool("uid-a:1", "uid-c:0"))  # p0's container restarted; p1 replaced under its name
+    assert [router.balancer.prefixes.matched(pod, [1, 2, 3]) for pod in ("p0", "p1", "d0")] == [0, 0, 3]
+    assert pool("", "uid-b:0").reborn(pool("uid-a:0", "uid-b:0")) == set()  # unknown is not another

@@ -18,6 +18,7 @@ EXAMPLES = Path(__file__).parents[2] / "examples" / "vllm"
     [
         ("tiny-cpu.yaml", tiny_model.TINY),
         ("small-cpu-kv-aware.yaml", tiny_model.SMALL),
+        ("small-cpu-kv-pressure.yaml", tiny_model.SMALL),
     ],
 )
 def test_the_example_manifests_say_the_models_geometry(manifest: str, shape: tiny_model.Shape) -> None:

@@ -48,6 +48,12 @@ class ServingEndpoint(CamelModel):
     revision: str = Field(
         default="", description="The pod's template revision (kvbridge.io/revision): old or new during a rollout."
     )
+    incarnation: str = Field(
+        default="",
+        max_length=128,
+        description="The pod's uid and its containers' restarts (uid:restarts): another value under the same name "
+        "is another engine, its caches empty (routers forget what they sent it).",
+    )
 
 
 class DataParallelRank(CamelModel):

@@ -157,6 +157,7 @@ def endpoints(pods: Sequence[Obj], port: int, *, named: bool = True, workers: Se
             pairing=labels.get(LABEL_PAIRING, ""),
             http_port=_http_port(pod),
             revision=labels.get(LABEL_REVISION, ""),
+            incarnation=_incarnation(pod),
         )
         for pod, ip, labels in _ready_addresses(pods)
     ]
@@ -171,6 +172,7 @@ def serving_endpoints(pods: Sequence[Obj]) -> list[ServingEndpoint]:
             http_port=_http_port(pod),
             pairing=labels.get(LABEL_PAIRING, ""),
             revision=labels.get(LABEL_REVISION, ""),
+            incarnation=_incarnation(pod),
         )
         for pod, ip, labels in _ready_addresses(pods)
     ]
