@@ -1,7 +1,7 @@
 """What `kvbridge router` adds to a P/D request (not a test).
 
     .venv/bin/python benchmarks/router_overhead.py [--rate 50] [--seconds 20] [--stream] [--before REV] [--tracing]
-        [--json]
+        [--pods 256] [--prefixes 100000] [--prompt-tokens 1700] [--json]
 
 Two engine stand-ins (a prefill and a decode, each a separate process answering as vLLM's KV connectors do,
 after ``--engine-ms`` of simulated work) and ``kvbridge router --status-file`` as a third process in front of
@@ -10,6 +10,11 @@ would, and (b) through the router. Reports each path's latency p50/p99, the diff
 per request: one more hop, JSON parsing and re-encoding, the pairing and balancing), and the router process's
 CPU seconds per request (from /proc, user and system). The engines are stand-ins so that their CPU is neither
 counted nor competing; real vLLM behind the router is in tests/vllm/test_router.py.
+
+``--pods N`` lists N prefill and N decode pods in the status (each a name of its own, all served by the two
+stand-ins), so that the router's choice runs over a pool of that size; ``--prefixes M`` sends prompts of
+``--prompt-tokens`` token ids drawn from M distinct prefixes by a Zipf law (exponent 1.0: a few hot, most rare),
+so that the kv-aware index fills as in production; without it every request is the same 512-token prompt.
 
 ``--before REV`` runs a second router, the one of git revision REV, beside this checkout's: the paths take turns
 (``--rounds``), so that a change is measured before and after in one run, under the same noise. ``--profile FILE``
@@ -23,13 +28,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
+import itertools
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +155,24 @@ async def steady(rate: float, seconds: float, call: Any) -> list[float]:
     return latencies
 
 
+class Prompts:
+    """Request bodies: the same 512-token prompt, or (``prefixes``) prompts of ``tokens`` token ids drawn from that
+    many distinct prefixes by a Zipf law of exponent 1.0, each prefix's ids fixed by its number."""
+
+    def __init__(self, prefixes: int, tokens: int, stream: bool, seed: int = 0) -> None:
+        self.prefixes, self.tokens, self.stream = prefixes, tokens, stream
+        self._random = random.Random(seed)
+        self._cumulative = list(itertools.accumulate(1.0 / rank for rank in range(1, prefixes + 1)))
+
+    def body(self) -> dict[str, Any]:
+        if not self.prefixes:
+            return {"model": "m", "prompt": list(range(512)), "max_tokens": 3, "stream": self.stream}
+        drawn = self._random.random() * self._cumulative[-1]
+        prefix = bisect.bisect_left(self._cumulative, drawn)
+        ids = random.Random(prefix).choices(range(5, 30000), k=self.tokens)
+        return {"model": "m", "prompt": ids, "max_tokens": 3, "stream": self.stream}
+
+
 def quantiles(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
     return {
@@ -181,12 +208,13 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     cpu = {name: [0.0, 0.0] for name in names}
     with tempfile.TemporaryDirectory() as workdir:
         status = {
-            "prefill": {
-                "endpoints": [{"pod": "prefill-0", "ip": "127.0.0.1", "httpPort": ports["prefill"], "pairing": "k"}]
-            },
-            "decode": {
-                "endpoints": [{"pod": "decode-0", "ip": "127.0.0.1", "httpPort": ports["decode"], "pairing": "k"}]
-            },
+            role: {
+                "endpoints": [
+                    {"pod": f"{role}-{i}", "ip": "127.0.0.1", "httpPort": ports[role], "pairing": "k"}
+                    for i in range(args.pods)
+                ]
+            }
+            for role in ("prefill", "decode")
         }
         status_file = Path(workdir, "status.json")
         status_file.write_text(json.dumps(status))
@@ -235,10 +263,14 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                     await wait_up(session, urls[role] + "/v1/models")
                 for name in names:
                     await wait_up(session, urls[name] + "/health")
-                body = {"model": "m", "prompt": list(range(512)), "max_tokens": 3, "stream": args.stream}
-                calls = {
-                    "direct": lambda: direct(session, urls["prefill"], urls["decode"], body),
-                    **{name: (lambda url=urls[name]: routed(session, url, body)) for name in names},
+                prompts = Prompts(args.prefixes, args.prompt_tokens, args.stream)
+
+                def via(url: str) -> Callable[[], Awaitable[None]]:
+                    return lambda: routed(session, url, prompts.body())
+
+                calls: dict[str, Callable[[], Awaitable[None]]] = {
+                    "direct": lambda: direct(session, urls["prefill"], urls["decode"], prompts.body()),
+                    **{name: via(urls[name]) for name in names},
                 }
                 warm = max(1, int(args.rate))  # warm-up: connections and code paths
                 for call in calls.values():
@@ -265,7 +297,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "stream": args.stream,
         "tracing": args.tracing,
         "engineMsPerCall": args.engine_ms,
-        "promptTokens": 512,
+        "promptTokens": args.prompt_tokens if args.prefixes else 512,
+        "pods": args.pods,
+        "prefixes": args.prefixes,
         "direct": direct_q,
     }
     for name in names:
@@ -302,6 +336,9 @@ if __name__ == "__main__":
     parser.add_argument(
         "--tracing", action="store_true", help="also run a router with tracing on (ratio 1.0), taking turns"
     )
+    parser.add_argument("--pods", type=int, default=1, help="prefill and decode pods in the status (default 1)")
+    parser.add_argument("--prefixes", type=int, default=0, help="distinct prompt prefixes, Zipf-drawn (default 0)")
+    parser.add_argument("--prompt-tokens", type=int, default=1700, help="tokens per drawn prompt (default 1700)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
         "--profile",

@@ -1,7 +1,8 @@
 """The router's policies measured with vLLM's own client on real vLLM (not a test).
 
     .venv/bin/python benchmarks/router_policies.py [--manifest examples/vllm/small-cpu-kv-aware.yaml]
-        [--rate 1.5] [--num-prompts 160] [--prefixes 40] [--prefix-len 384] [--suffix-len 32] [--json]
+        [--rate 1.5] [--num-prompts 160] [--prefixes 40] [--prefix-len 384] [--suffix-len 32]
+        [--routers least-loaded kv-aware kv-aware:4] [--json]
 
 ``kvbridge demo --serve -f MANIFEST`` runs the deployment's pods (real ``vllm serve`` processes of the CPU build,
 kvbridge's connector), and two ``kvbridge router --status-file`` processes are put over the same pods, one per
@@ -12,6 +13,11 @@ other, a new seed per run (no prefix carried over from one run to the next):
   prefixes`` short suffixes, in random order (an agent's system prompt, a chat's earlier turns);
 - ``random``: prompts of the same length that share nothing (kv-aware must be no worse).
 
+``--routers`` names what each workload is sent through: a policy, and with ``:N`` that many router replicas over
+the same pods (``kvbridge router --replicas N`` each, as the operator renders them), the requests spread over them
+at random, one by one, by a small HTTP front here (a Service, or a Gateway that balances per request). Every
+configuration goes through that front, one replica included, so that they pay the same hop.
+
 Reported per run: TTFT p50/p99 (vllm bench serve's), the prefill pods' prefix-cache hit rate over the run
 (``vllm:prefix_cache_hits_total / queries_total``, vLLM's own counters), the workload's ideal hit rate (every
 prefix's first request misses, every later one hits its whole blocks), and the KV bytes the decode pods read
@@ -21,13 +27,16 @@ prefix's first request misses, every later one hits its whole blocks), and the K
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import random
 import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -38,6 +47,79 @@ from kvbridge_sim.support import free_port, wait_until
 ROOT = Path(__file__).parents[1]
 BIN = Path(sys.executable).parent
 POLICIES = ("least-loaded", "kv-aware")
+
+
+class Spreader(threading.Thread):
+    """An HTTP front sending each request to one of ``backends`` drawn at random (seeded), its answer streamed back:
+    what spreads requests over router replicas here."""
+
+    def __init__(self, backends: list[str], seed: int) -> None:
+        super().__init__(daemon=True)
+        self.backends, self.port = backends, free_port()
+        self._random = random.Random(seed)
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Event | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def run(self) -> None:
+        asyncio.run(self._serve())
+
+    async def _serve(self) -> None:
+        from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
+
+        self._loop, self._stopping = asyncio.get_running_loop(), asyncio.Event()
+        session = ClientSession(connector=TCPConnector(limit=0), timeout=ClientTimeout(total=900))
+
+        async def forward(request: web.Request) -> web.StreamResponse:
+            target = self._random.choice(self.backends)
+            headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "authorization")}
+            async with session.request(
+                request.method, target + request.path_qs, data=await request.read(), headers=headers
+            ) as upstream:
+                answer = web.StreamResponse(
+                    status=upstream.status,
+                    headers={"Content-Type": upstream.headers.get("Content-Type", "application/json")},
+                )
+                await answer.prepare(request)
+                async for chunk in upstream.content.iter_any():
+                    await answer.write(chunk)
+                await answer.write_eof()
+                return answer
+
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_route("*", "/{tail:.*}", forward)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", self.port).start()
+        self._ready.set()
+        try:
+            await self._stopping.wait()
+        finally:
+            await runner.cleanup()
+            await session.close()
+
+    def start_serving(self) -> Spreader:
+        self.start()
+        if not self._ready.wait(30):
+            raise TimeoutError("the spreading front did not start within 30 s")
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stopping is not None:
+            self._loop.call_soon_threadsafe(self._stopping.set)
+            self.join(timeout=30)
+
+
+def configuration(text: str) -> tuple[str, int]:
+    """``POLICY`` or ``POLICY:N`` (N router replicas)."""
+    policy, _, count = text.partition(":")
+    if policy not in POLICIES or (count and (not count.isdigit() or int(count) < 1)):
+        raise argparse.ArgumentTypeError(f"{text!r}: give POLICY or POLICY:N, POLICY one of {', '.join(POLICIES)}")
+    return policy, int(count or 1)
 
 
 def progress(line: str) -> None:
@@ -171,6 +253,7 @@ def ideal_hit_rate(args: argparse.Namespace, block: int) -> float:
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     procs: list[subprocess.Popen[Any]] = []
+    spreaders: list[Spreader] = []
     with tempfile.TemporaryDirectory(prefix="kvbridge-policies-") as folder:
         workdir = Path(folder)
         try:
@@ -211,50 +294,57 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 role: [f"http://{e['ip']}:{e['httpPort']}" for e in dd["status"][role]["endpoints"]]
                 for role in ("prefill", "decode")
             }
-            routers: dict[str, str] = {}
-            for policy in POLICIES:
-                port = free_port()
-                procs.append(
-                    subprocess.Popen(
-                        [
-                            str(BIN / "kvbridge"),
-                            "router",
-                            "--status-file",
-                            str(status_file),
-                            "--host",
-                            "127.0.0.1",
-                            "--port",
-                            str(port),
-                            "--policy",
-                            policy,
-                            "--block-size",
-                            str(block),
-                        ],
-                        stderr=subprocess.DEVNULL,
+            routers: dict[tuple[str, int], Spreader] = {}
+            for policy, count in args.routers:
+                replicas = []
+                for _ in range(count):
+                    port = free_port()
+                    procs.append(
+                        subprocess.Popen(
+                            [
+                                str(BIN / "kvbridge"),
+                                "router",
+                                "--status-file",
+                                str(status_file),
+                                "--host",
+                                "127.0.0.1",
+                                "--port",
+                                str(port),
+                                "--policy",
+                                policy,
+                                "--block-size",
+                                str(block),
+                                "--replicas",
+                                str(count),
+                            ],
+                            stderr=subprocess.DEVNULL,
+                        )
                     )
-                )
-                routers[policy] = f"http://127.0.0.1:{port}"
-                wait_healthy(routers[policy])
+                    replicas.append(f"http://127.0.0.1:{port}")
+                    wait_healthy(replicas[-1])
+                spreaders.append(Spreader(replicas, args.seed).start_serving())
+                routers[policy, count] = spreaders[-1]
             from kvbridge_sim import tiny_model
 
             tokenizer = tiny_model.make(workdir / "tokenizer")  # every local model has the same tokenizer
             runs = []
             seed = args.seed
             for workload in args.workloads:
-                for policy in POLICIES:
+                for policy, count in args.routers:
                     seed += 1
                     progress(
-                        f"{workload} through the {policy} router ({args.num_prompts} prompts at "
+                        f"{workload} through {count} {policy} router(s) ({args.num_prompts} prompts at "
                         f"{args.rate:g}/s, seed {seed}) ..."
                     )
                     before = counters(urls)
-                    result = bench(routers[policy], model, tokenizer, workload, args, seed, workdir)
+                    result = bench(routers[policy, count].url, model, tokenizer, workload, args, seed, workdir)
                     after = counters(urls)
                     delta = {k: after[k] - before[k] for k in after}
                     runs.append(
                         {
                             "workload": workload,
                             "policy": policy,
+                            "replicas": count,
                             "seed": seed,
                             "completed": result.get("completed"),
                             "failed": result.get("failed", 0),
@@ -280,6 +370,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                     proc.wait(timeout=120)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+            for spreader in spreaders:  # after the processes: a failure here leaves none running
+                spreader.stop()
     return {
         "manifest": str(args.manifest),
         "rate": args.rate,
@@ -288,23 +380,24 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "prefixLen": args.prefix_len,
         "suffixLen": args.suffix_len,
         "outputLen": args.output_len,
+        "routers": [f"{policy}:{count}" for policy, count in args.routers],
         "runs": runs,
     }
 
 
 def table(result: dict[str, Any]) -> str:
     lines = [
-        "| workload | policy | TTFT p50 (ms) | TTFT p99 (ms) | prefill hit rate (ideal) | decode KV read (MiB) "
-        "| failed |",
-        "|---|---|---|---|---|---|---|",
+        "| workload | policy | routers | TTFT p50 (ms) | TTFT p99 (ms) | prefill hit rate (ideal) "
+        "| decode KV read (MiB) | failed |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for run in result["runs"]:
         rate = "—" if run["hitRate"] is None else f"{100 * run['hitRate']:.1f} %"
         if run["idealHitRate"]:
             rate += f" ({100 * run['idealHitRate']:.1f} %)"
         lines.append(
-            f"| {run['workload']} | {run['policy']} | {run['ttftP50Ms']} | {run['ttftP99Ms']} | {rate} | "
-            f"{run['decodeReadMiB']} | {run['failed']} |"
+            f"| {run['workload']} | {run['policy']} | {run['replicas']} | {run['ttftP50Ms']} | {run['ttftP99Ms']} "
+            f"| {rate} | {run['decodeReadMiB']} | {run['failed']} |"
         )
     return "\n".join(lines)
 
@@ -333,6 +426,15 @@ if __name__ == "__main__":
         type=Path,
         metavar="KUBECONFIG",
         help="use the `kvbridge demo --serve` already running with this kubeconfig instead of starting one",
+    )
+    parser.add_argument(
+        "--routers",
+        nargs="+",
+        type=configuration,
+        default=[("least-loaded", 1), ("kv-aware", 1)],
+        metavar="POLICY[:N]",
+        help="what each workload goes through, in order: a policy, with :N that many replicas (default: "
+        "least-loaded kv-aware)",
     )
     parser.add_argument("--json", action="store_true")
     parsed = parser.parse_args()

@@ -117,6 +117,7 @@ def test_every_chosen_pair_is_equal_or_listed(
 def test_a_pod_restarted_or_replaced_under_its_name_is_forgotten_by_the_router() -> None:
     """The status' incarnation (uid:restarts) of a pod changes when it restarts or is replaced: the router forgets
     what it sent that pod, whose cache is empty, and keeps what it sent the others."""
+
     def pool(first: str, second: str) -> Pool:
         prefill = [endpoint("p0", "k") | {"incarnation": first}, endpoint("p1", "k") | {"incarnation": second}]
         return Pool.from_status(status(prefill, [endpoint("d0", "k") | {"incarnation": "d:0"}]))
