@@ -207,26 +207,6 @@ async def test_block_size_conversions_nixl_gets_wrong_on_cpu_give_equal_tokens(
     )
 
 
-@pytest.mark.parametrize("length", [7, 40, 3 * BLOCK + 13, 10 * BLOCK + 5])
-async def test_a_hybrid_model_gives_equal_tokens_with_every_transfer_verified(
-    kvbridge_hybrid_engines: Engines, session: aiohttp.ClientSession, length: int
-) -> None:
-    """A model with a 32-token sliding window on one layer and full attention on the other, prompts of up to ten
-    windows: vLLM's CPU build serves it with its hybrid allocator (two KV cache groups), and with kvbridge's
-    connector the operator renders ``--disable-hybrid-kv-cache-manager`` (one group; the window is still applied by
-    attention). Every transfer verified (``verification: All``); tokens equal a single engine's."""
-    engines = kvbridge_hybrid_engines.engines
-    prefill, decode = engines["kvbridge-hybrid-prefill"].url, engines["kvbridge-hybrid-decode"].url
-    assert "--disable-hybrid-kv-cache-manager" in engines["kvbridge-hybrid-decode"].spec.argv
-    model = tiny_model.HYBRID.name
-    tokens = prompt(length, salt=700 + length)
-    params = await pd_requests.prefill(session, prefill, model, tokens)
-    assert params["kvbridge"]["verify"] is True
-    got = await pd_requests.decode(session, decode, model, tokens, params, MAX_TOKENS)
-    want = await pd_requests.baseline(session, decode, model, tokens, MAX_TOKENS, salt=f"kvb-hybrid-{length}")
-    assert got.tokens == want.tokens
-
-
 async def test_decode_exports_transfers_and_failures_on_vllms_metrics(
     kvbridge_engines: Engines, session: aiohttp.ClientSession
 ) -> None:
@@ -261,33 +241,6 @@ async def test_decode_exports_transfers_and_failures_on_vllms_metrics(
 
     # vLLM's front end records them with its next stats update
     await until(recorded, 10, lambda: f"the decode figures {want} (got {got})", interval=0.2)
-
-
-@pytest.mark.parametrize("length", [7, 3 * BLOCK + 13, 15 * BLOCK + 3])
-async def test_prefill_tp2_to_decode_tp1_gives_equal_tokens(
-    kvbridge_tp2_engines: Engines, session: aiohttp.ClientSession, length: int
-) -> None:
-    """Each decode rank reads both prefill ranks' heads (one plan per prefill engine, two remote agents)."""
-    engines = kvbridge_tp2_engines.engines
-    prefill, decode = engines["kvbridge-prefill-tp2"].url, engines["kvbridge-decode-tp2"].url
-    await assert_pd_equals_single_engine(
-        session,
-        prefill,
-        decode,
-        MODEL_NAME,
-        prompt(length, salt=600 + length),
-        MAX_TOKENS,
-        salt=f"kvb-tp2-{length}",
-        what="prefill TP 2 -> decode TP 1",
-    )
-    other = prompt(3 * BLOCK, salt=700)  # negative control: another prompt's KV under this prompt's tokens
-    foreign = await pd_requests.prefill(session, prefill, MODEL_NAME, other)
-    tokens = prompt(3 * BLOCK, salt=701)
-    got = await pd_requests.decode(session, decode, MODEL_NAME, tokens, foreign, MAX_TOKENS)
-    want = await pd_requests.baseline(
-        session, decode, MODEL_NAME, tokens, MAX_TOKENS, salt=f"kvb-tp2-negative-{length}"
-    )
-    assert got.tokens != want.tokens
 
 
 async def test_prefill_exports_the_kv_it_holds_for_readers(
@@ -426,3 +379,53 @@ async def test_forged_transfer_parameters_fail_that_request_and_decode_keeps_ser
         salt="kvb-after-forged",
         what="after forged parameters",
     )
+
+
+# -- engines of their own, last: each phase of engines starts once (tests/vllm/conftest.py) --
+
+
+@pytest.mark.parametrize("length", [7, 40, 3 * BLOCK + 13, 10 * BLOCK + 5])
+async def test_a_hybrid_model_gives_equal_tokens_with_every_transfer_verified(
+    kvbridge_hybrid_engines: Engines, session: aiohttp.ClientSession, length: int
+) -> None:
+    """A model with a 32-token sliding window on one layer and full attention on the other, prompts of up to ten
+    windows: vLLM's CPU build serves it with its hybrid allocator (two KV cache groups), and with kvbridge's
+    connector the operator renders ``--disable-hybrid-kv-cache-manager`` (one group; the window is still applied by
+    attention). Every transfer verified (``verification: All``); tokens equal a single engine's."""
+    engines = kvbridge_hybrid_engines.engines
+    prefill, decode = engines["kvbridge-hybrid-prefill"].url, engines["kvbridge-hybrid-decode"].url
+    assert "--disable-hybrid-kv-cache-manager" in engines["kvbridge-hybrid-decode"].spec.argv
+    model = tiny_model.HYBRID.name
+    tokens = prompt(length, salt=700 + length)
+    params = await pd_requests.prefill(session, prefill, model, tokens)
+    assert params["kvbridge"]["verify"] is True
+    got = await pd_requests.decode(session, decode, model, tokens, params, MAX_TOKENS)
+    want = await pd_requests.baseline(session, decode, model, tokens, MAX_TOKENS, salt=f"kvb-hybrid-{length}")
+    assert got.tokens == want.tokens
+
+
+@pytest.mark.parametrize("length", [7, 3 * BLOCK + 13, 15 * BLOCK + 3])
+async def test_prefill_tp2_to_decode_tp1_gives_equal_tokens(
+    kvbridge_tp2_engines: Engines, session: aiohttp.ClientSession, length: int
+) -> None:
+    """Each decode rank reads both prefill ranks' heads (one plan per prefill engine, two remote agents)."""
+    engines = kvbridge_tp2_engines.engines
+    prefill, decode = engines["kvbridge-prefill-tp2"].url, engines["kvbridge-decode-tp2"].url
+    await assert_pd_equals_single_engine(
+        session,
+        prefill,
+        decode,
+        MODEL_NAME,
+        prompt(length, salt=600 + length),
+        MAX_TOKENS,
+        salt=f"kvb-tp2-{length}",
+        what="prefill TP 2 -> decode TP 1",
+    )
+    other = prompt(3 * BLOCK, salt=700)  # negative control: another prompt's KV under this prompt's tokens
+    foreign = await pd_requests.prefill(session, prefill, MODEL_NAME, other)
+    tokens = prompt(3 * BLOCK, salt=701)
+    got = await pd_requests.decode(session, decode, MODEL_NAME, tokens, foreign, MAX_TOKENS)
+    want = await pd_requests.baseline(
+        session, decode, MODEL_NAME, tokens, MAX_TOKENS, salt=f"kvb-tp2-negative-{length}"
+    )
+    assert got.tokens != want.tokens

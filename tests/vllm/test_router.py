@@ -113,40 +113,6 @@ async def test_chat_completions_through_the_router_as_a_single_engine(
     assert answer["usage"]["completion_tokens"] == MAX_TOKENS
 
 
-async def test_router_keeps_serving_while_a_prefill_pod_is_killed(
-    tp1_engines: Engines, session: aiohttp.ClientSession
-) -> None:
-    """Two prefill pods of one pairing key; one is killed while the status still lists it (the operator has not
-    seen it yet): every request is retried on the other and answers as a single engine. With only the dead pod
-    listed, requests fail at once with 502, never hang. The pod killed is the short-lease one: the survivor must
-    hold its blocks long enough for decode to read them on a loaded machine (30 s, not 2). (The pod's restart and
-    the requests that reach its new engine through the router are `make demo`'s, checked in tests/demo/test_demo.py;
-    this file runs last, so the killed engine is not started again here: that would cost a minute and a half.)"""
-    model = MODEL_NAME
-    decode = tp1_engines.engines["decode"]
-    config = RouterConfig(prefill_timeout=30, decode_timeout=120, connect_timeout=2)
-    async with running_router(config) as (router, url):
-        router.set_pool(_pool_of(tp1_engines, ["prefill-tp1", "prefill-short-lease"]))
-        tp1_engines.stop(["prefill-short-lease"])  # the process is gone; its address stays in the pool
-        for index in range(4):
-            tokens = prompt(2 * BLOCK + 3, salt=950 + index)
-            status, got, text = await _via_router(session, url, model, tokens, stream=index % 2 == 1)
-            assert status == 200, f"{text}\n{tp1_engines.log_tails(['prefill-tp1', 'decode'])}"
-            want = await pd_requests.baseline(
-                session, decode.url, model, tokens, MAX_TOKENS, salt=f"router-kill-{index}"
-            )
-            assert got == want.tokens
-        metrics = await (await session.get(f"{url}/metrics")).text()
-        assert 'kvbridge_router_prefill_retries_total{pod="prefill-short-lease"}' in metrics  # tried and skipped
-        router.set_pool(_pool_of(tp1_engines, ["prefill-short-lease"]))
-        started = time.monotonic()
-        status, _, text = await _via_router(session, url, model, prompt(40, salt=960), stream=False)
-        assert status == 502
-        assert "PREFILL_UNAVAILABLE" in text
-        assert "prefill-short-lease" in text
-        assert time.monotonic() - started < 10
-
-
 async def _prefix_hits(session: aiohttp.ClientSession, url: str) -> float:
     """The engine's prefix-cache hits so far, in tokens (vLLM's own counter)."""
     async with session.get(f"{url}/metrics") as response:
@@ -193,3 +159,37 @@ async def test_n_sampled_completions_as_a_single_engine_samples_them(
     assert answer["usage"]["prompt_tokens"] == len(tokens)
     assert answer["usage"]["completion_tokens"] == n * MAX_TOKENS
     assert await _prefix_hits(session, prefill.url) - hits >= (n - 1) * 3 * BLOCK  # the prompt's 3 blocks, reused
+
+
+async def test_router_keeps_serving_while_a_prefill_pod_is_killed(
+    tp1_engines: Engines, session: aiohttp.ClientSession
+) -> None:
+    """Two prefill pods of one pairing key; one is killed while the status still lists it (the operator has not
+    seen it yet): every request is retried on the other and answers as a single engine. With only the dead pod
+    listed, requests fail at once with 502, never hang. The pod killed is the short-lease one: the survivor must
+    hold its blocks long enough for decode to read them on a loaded machine (30 s, not 2). (The pod's restart and
+    the requests that reach its new engine through the router are `make demo`'s, checked in tests/demo/test_demo.py;
+    this file runs last, so the killed engine is not started again here: that would cost a minute and a half.)"""
+    model = MODEL_NAME
+    decode = tp1_engines.engines["decode"]
+    config = RouterConfig(prefill_timeout=30, decode_timeout=120, connect_timeout=2)
+    async with running_router(config) as (router, url):
+        router.set_pool(_pool_of(tp1_engines, ["prefill-tp1", "prefill-short-lease"]))
+        tp1_engines.stop(["prefill-short-lease"])  # the process is gone; its address stays in the pool
+        for index in range(4):
+            tokens = prompt(2 * BLOCK + 3, salt=950 + index)
+            status, got, text = await _via_router(session, url, model, tokens, stream=index % 2 == 1)
+            assert status == 200, f"{text}\n{tp1_engines.log_tails(['prefill-tp1', 'decode'])}"
+            want = await pd_requests.baseline(
+                session, decode.url, model, tokens, MAX_TOKENS, salt=f"router-kill-{index}"
+            )
+            assert got == want.tokens
+        metrics = await (await session.get(f"{url}/metrics")).text()
+        assert 'kvbridge_router_prefill_retries_total{pod="prefill-short-lease"}' in metrics  # tried and skipped
+        router.set_pool(_pool_of(tp1_engines, ["prefill-short-lease"]))
+        started = time.monotonic()
+        status, _, text = await _via_router(session, url, model, prompt(40, salt=960), stream=False)
+        assert status == 502
+        assert "PREFILL_UNAVAILABLE" in text
+        assert "prefill-short-lease" in text
+        assert time.monotonic() - started < 10
