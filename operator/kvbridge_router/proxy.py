@@ -90,8 +90,9 @@ class Ledger:
 
     #: seconds spent inside prefill and decode calls (the rest is the router's own time)
     spent: float = 0.0
-    #: engines that answered it 500 and were unhealthy right after (:meth:`Router._judge_5xx`)
-    engines_lost: int = 0
+    #: engines (pods) that answered it 500 and were unhealthy right after (:meth:`Router._judge_5xx`); the samples
+    #: of one request share this list, so that one request, however many samples it has, loses at most two engines
+    lost_engines: list[str] = field(default_factory=list)
     #: its spans (tracing.py; OFF when tracing is off)
     trace: Trace = OFF
     #: whether its first answer is observed as a time to first token (one of a request's ``n`` samples only)
@@ -361,7 +362,7 @@ class Router:
         for index, sample in enumerate(sample_bodies(body, n)):
             sample_headers = {**headers, "X-Request-Id": f"{headers['X-Request-Id']}-{index}"}
             wait, done = (None, first_prefilled) if index == 0 else (first_prefilled, None)
-            ledgers.append(Ledger(trace=ledger.trace.sample(index), ttft=index == 0))
+            ledgers.append(Ledger(lost_engines=ledger.lost_engines, trace=ledger.trace.sample(index), ttft=index == 0))
             served = self._served(request, sample, _encoded(sample), sample_headers, ledgers[-1], started, wait, done)
             calls.append(asyncio.ensure_future(served))
         try:
@@ -618,10 +619,10 @@ class Router:
             if role == "prefill":
                 return False, " (the engine is healthy: this request failed on it, and would on another pod)"
             return True, ""
-        ledger.engines_lost += 1
+        ledger.lost_engines.append(target.pod)
         self.metrics.engines_lost.labels(role, target.pod).inc()
-        if ledger.engines_lost > 1:
-            lost = ledger.engines_lost
+        if len(ledger.lost_engines) > 1:
+            lost = len(ledger.lost_engines)
             return False, f" (unhealthy since: {lost} engines failed after this request; not sent to another)"
         return True, ""
 

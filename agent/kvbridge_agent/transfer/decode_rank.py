@@ -562,7 +562,9 @@ class DecodeRank:
         read = time.perf_counter()
         converted = self.convert(self.cache, peer.plan, Role.DECODE, flight.blocks)
         done = time.perf_counter()
-        steps = ",".join(step.kind.value for step in peer.plan.wire.steps(Role.DECODE))
+        conversion = ""
+        if converted:  # the plan's steps on decode, or a host buffer's copy when the plan names none
+            conversion = ",".join(step.kind.value for step in peer.plan.wire.steps(Role.DECODE)) or "host_copy"
         result = ReadResult(
             flight.request_id,
             True,
@@ -570,7 +572,7 @@ class DecodeRank:
             descriptors=flight.descriptors,
             seconds=done - flight.started,
             convert_seconds=done - read if converted else 0.0,
-            conversion=(steps or "host_copy") if converted else "",
+            conversion=conversion,
             ids_microseconds=flight.ids_microseconds,
             make_microseconds=flight.make_microseconds,
             post_microseconds=flight.post_microseconds,
