@@ -257,7 +257,7 @@ async def test_the_operators_planner_sizes_both_roles_and_holds_when_prometheus_
                 timeout=30,
                 what=f"the {role} StatefulSet follows the planner",
             )
-        assert any(e["reason"] == "Planned" for e in c.events("llama3-8b"))
+        await c.wait(lambda: "Planned" in c.reasons("llama3-8b"), what="the Planned event")
 
         sizes = (planned()["prefill"], planned()["decode"])
         await c.patch_spec("llama3-8b", {"autoscaling": {"prometheusUrl": f"http://127.0.0.1:{free_port()}"}})
@@ -265,4 +265,11 @@ async def test_the_operators_planner_sizes_both_roles_and_holds_when_prometheus_
         assert planned()["held"] is True
         assert (planned()["prefill"], planned()["decode"]) == sizes
         assert (replicas(c, "llama3-8b-prefill"), replicas(c, "llama3-8b-decode")) == sizes
-        assert any(e["reason"] == "PlannerHeld" and "MetricsMissing" in e["message"] for e in c.events("llama3-8b"))
+        # kopf posts events from its own queue, so the event may land just after the status patch
+        await c.wait(
+            lambda: any(
+                e["reason"] == "PlannerHeld" and "MetricsMissing" in e["message"] for e in c.events("llama3-8b")
+            ),
+            timeout=10,
+            what="the PlannerHeld event",
+        )

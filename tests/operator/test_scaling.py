@@ -141,7 +141,10 @@ async def test_an_autoscaler_scales_a_role_and_the_operator_never_reverts_it() -
         await c.wait(lambda: c.deployment("llama3-8b")["status"]["decode"]["ready"] == "5/5")
         status = c.deployment("llama3-8b")["status"]["decode"]
         assert (status["desiredReplicas"], status["replicas"], status["readyReplicas"]) == (5, 5, 5)
-        assert any(e["reason"] == "Scaled" and "decode: 1 -> 5" in e["message"] for e in c.events("llama3-8b"))
+        await c.wait(
+            lambda: any(e["reason"] == "Scaled" and "decode: 1 -> 5" in e["message"] for e in c.events("llama3-8b")),
+            what="the Scaled event",
+        )
         # a spec change re-applies every child (a full reconcile, as the resync does): the autoscaler's 5 stays
         await c.patch_spec("llama3-8b", {"decode": {"template": {"metadata": {"annotations": {"team": "a"}}}}})
         await c.wait(lambda: c.deployment("llama3-8b")["status"]["observedGeneration"] == 2)

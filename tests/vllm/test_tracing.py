@@ -271,8 +271,12 @@ async def test_a_retried_decode_is_a_sibling_span_in_the_same_trace(
     retried = sorted({s.trace_id for s in calls if s.error})
     assert retried, "no request met the failing decode pod"
     trace = retried[0]
-    deadline = time.monotonic() + 60  # the engines' spans of the retried request
-    while time.monotonic() < deadline and not receiver.of(trace, words.DECODE_READ):
+    # the engines' spans of the retried request: vLLM's llm_request and the connector's read come from separate
+    # exporters, each batching on its own schedule, so wait for both
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (
+        receiver.of(trace, words.DECODE_READ) and len(receiver.of(trace, "llm_request")) >= 2
+    ):
         await asyncio.sleep(0.5)
     [root] = receiver.of(trace, words.ROUTER_REQUEST)
     first, second = sorted(receiver.of(trace, words.ROUTER_DECODE), key=lambda s: s.start)
