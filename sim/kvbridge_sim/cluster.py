@@ -15,7 +15,7 @@ from kvbridge_operator.api.rbac import allowed_calls
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.controller.handlers import run_operator
 from kvbridge_operator.kube import DEPLOYMENTS, LEADER_WORKER_SETS, PODS, STATEFUL_SETS, KubeClient
-from kvbridge_sim.apiserver import RealisticKubernetes, emulated_api
+from kvbridge_sim.apiserver import RealisticKubernetes, emulated_api, stop_operator_beside
 from kvbridge_sim.support import until
 
 
@@ -37,9 +37,8 @@ class Cluster:
     async def stop_operator(self) -> None:
         if self.operator is None:
             return
-        self.stop.set()
         try:
-            await asyncio.wait_for(self.operator, timeout=30)
+            await stop_operator_beside(self.url, self.operator, self.stop, timeout=30)
         except TimeoutError:  # pragma: no cover - a hang is a failure, but never leave the task behind
             self.operator.cancel()
             with contextlib.suppress(BaseException):

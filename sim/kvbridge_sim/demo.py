@@ -456,7 +456,7 @@ async def local_cluster(
     pods end first (engines drain on SIGTERM), then the operator (Kopf's exit cancels what still runs).
     ``interrupted`` is set on SIGINT/SIGTERM (after the operator started: Kopf installs its own handlers)."""
     from kvbridge_operator.controller.handlers import run_operator
-    from kvbridge_sim.apiserver import emulated_api
+    from kvbridge_sim.apiserver import emulated_api, stop_operator_beside
     from kvbridge_sim.runner import LocalRunner
 
     async with emulated_api() as (api, url, client):
@@ -477,8 +477,7 @@ async def local_cluster(
             runner_stop.set()
             await running
             await runner.close()
-            stop.set()
-            await asyncio.wait_for(operator, timeout=30)
+            await stop_operator_beside(url, operator, stop, timeout=30)
 
 
 async def apply_all(client: KubeClient, docs: list[Obj]) -> list[str]:

@@ -13,6 +13,7 @@ from kvbridge_agent.core import KVBridgeError
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.controller.handlers import run_operator
 from kvbridge_operator.kube import DEPLOYMENTS, KubeClient, connect
+from kvbridge_sim.apiserver import stop_operator_beside
 from kvbridge_sim.cluster import cluster
 
 from .test_operator import example
@@ -85,8 +86,7 @@ async def test_the_operator_runs_from_a_kubeconfig_with_its_context_token_on_eve
             await c.apply(example("llama3-8b-hetero-tp"))
             await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True", what="Compatible")
         finally:
-            stop.set()
-            await asyncio.wait_for(task, timeout=30)
+            await stop_operator_beside(c.url, task, stop, timeout=30)
         assert seen
         assert set(seen) == {"Bearer ops-token"}
         async with KubeClient.for_url(c.url) as client:
