@@ -12,9 +12,14 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from .test_cuda_transfer import Opened
 
 HERE = Path(__file__).parent
 
@@ -57,3 +62,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.gpu)
         reason = missing(getattr(getattr(item, "module", None), "NEEDS_VLLM", True))
         item.add_marker(pytest.mark.skipif(bool(reason), reason=f"gpu suite: {reason}"))
+
+
+@pytest.fixture
+def opened() -> Iterator[Opened]:
+    """Every NIXL agent and decode rank a CUDA test starts, closed however it ends (imported here, when a test asks:
+    the suite's collection imports no CUDA code)."""
+    from .test_cuda_transfer import Opened
+
+    things = Opened()
+    yield things
+    for decode in things.decodes:
+        decode.close()
+    for transport in things.transports:
+        transport.close()

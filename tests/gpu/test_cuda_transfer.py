@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -100,17 +99,6 @@ class Rank:
 class Opened:
     transports: list[Transport] = field(default_factory=list)
     decodes: list[DecodeRank] = field(default_factory=list)
-
-
-@pytest.fixture
-def opened() -> Iterator[Opened]:
-    """Every NIXL agent and decode rank a test starts, closed however it ends."""
-    things = Opened()
-    yield things
-    for decode in things.decodes:
-        decode.close()
-    for transport in things.transports:
-        transport.close()
 
 
 def attach(side: Side, rank: int, name: str, opened: Opened, fill_it: bool) -> Rank:

@@ -487,8 +487,8 @@ def plan_cli(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 #: what kvbridge plan says of kvbridge's connector on GPUs (docs/vllm.md)
 PROVEN_ON_GPU = (
     "vLLM's GPU KV cache layouts, TP mappings, block conversions, MLA and the host buffer proven with vLLM's own "
-    "allocator on host memory (real NIXL on DRAM) and on an NVIDIA H200 (NIXL on VRAM, the digest on the GPU); real "
-    "vLLM on GPUs not yet run"
+    "allocator on host memory (real NIXL on DRAM) and on NVIDIA H200 and H100 GPUs (NIXL on VRAM, the digest on the "
+    "GPU); real vLLM on GPUs not yet run"
 )
 
 

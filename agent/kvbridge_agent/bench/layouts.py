@@ -581,6 +581,9 @@ def bench_layouts(
         memcpy = memcpy_gbps(device=device)
         progress(f"measuring raw NIXL (256 MiB, two processes, on {device}) ...")
         raw, sweep = nixl_ceilings(sizes=SWEEP, device=device)
+        note = transport_note(device, memcpy, raw)
+        if note:
+            progress(note)
         for model in models:
             for case in chosen:
                 progress(f"  {case.name}, {model.name}: {requests} requests of {tokens} tokens per allocation")
@@ -602,10 +605,33 @@ def bench_layouts(
         "largestCaseCacheBytes": peak_cache,
         "results": rows,
         "targets": targets(rows),
+        "transportNote": note,
         "peakRssMiB": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine()},
         "seconds": round(time.monotonic() - began, 1),
     }
+
+
+#: raw NIXL below this share of the device's own copy, on a GPU: UCX moved the bytes without a GPU copy path
+SLOW_GPU_TRANSPORT = 0.05
+
+
+def transport_note(device: str, memcpy: float, raw: float) -> str:
+    """What to try when raw NIXL between two processes on one GPU is far below the GPU's own copy: UCX turns off
+    CUDA IPC for READs (``get_zcopy``) where it finds no NVLink, and emulates them over TCP. Measured on an H100
+    without NVLink peers: 0.52 GB/s by default, 1,365 GB/s with the variable set (docs/benchmarks.md)."""
+    if device != "cuda" or raw >= SLOW_GPU_TRANSPORT * memcpy:
+        return ""
+    setting = os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "")
+    return (
+        f"note: raw NIXL {raw:.2f} GB/s is under {SLOW_GPU_TRANSPORT:.0%} of the GPU's own copy ({memcpy:.0f} GB/s): "
+        "UCX took no GPU copy path for READs between these processes"
+        + (
+            "; UCX_CUDA_IPC_ENABLE_GET_ZCOPY is set, so look at UCX_TLS and the processes' GPU visibility"
+            if setting
+            else " (without NVLink it turns CUDA IPC off for READs); try UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y"
+        )
+    )
 
 
 def print_report(result: dict[str, Any]) -> None:
@@ -642,3 +668,5 @@ def print_report(result: dict[str, Any]) -> None:
             f"{target['atDescriptorSize']} x raw NIXL at its {target['bytesPerDescriptor']}-byte "
             "descriptors)"
         )
+    if result.get("transportNote"):
+        print(result["transportNote"])

@@ -211,8 +211,8 @@ def on_cpu(spec: DisaggregatedDeploymentSpec) -> bool:
 #: real"): a short stable line, changed only when the evidence changes
 KVBRIDGE_PROVEN = {
     EngineDevice.GPU: "vLLM's GPU KV cache layouts, TP mappings, block conversions, MLA and the host buffer proven "
-    "with vLLM's own allocator on host memory (real NIXL on DRAM) and on an NVIDIA H200 (NIXL on VRAM, the digest on "
-    "the GPU); real vLLM on GPUs not yet run",
+    "with vLLM's own allocator on host memory (real NIXL on DRAM) and on NVIDIA H200 and H100 GPUs (NIXL on VRAM, the "
+    "digest on the GPU); real vLLM on GPUs not yet run",
     EngineDevice.CPU: "run in real vLLM (the 0.32 CPU build, real NIXL on DRAM): decode's tokens equal a single "
     "engine's",
 }

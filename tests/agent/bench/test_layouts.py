@@ -19,6 +19,7 @@ from kvbridge_agent.bench.layouts import (
     cache_bytes,
     cases,
     targets,
+    transport_note,
 )
 from kvbridge_agent.core import ModelGeometry
 
@@ -123,3 +124,18 @@ def test_a_tiny_run_of_every_case_gives_the_paired_runs_and_the_models_bytes(all
             assert row["ownUsPerRequest"] >= row["idsUsPerRequest"] > 0
             assert row["rawHereGBps"] > 0
             assert row["ratioToRawHere"] == pytest.approx(row["gbps"] / row["rawHereGBps"], abs=2e-3)
+
+
+def test_a_gpu_transport_far_below_the_gpus_own_copy_is_named_with_what_to_try(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On an H100 without NVLink peers UCX emulated READs between two processes over TCP (0.52 GB/s against the
+    GPU's 1,334): the bench says so and names UCX's variable; on host memory or at GPU speed it says nothing."""
+    monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
+    note = transport_note("cuda", 1333.6, 0.52)
+    assert "0.52 GB/s" in note
+    assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y" in note
+    assert transport_note("cuda", 1385.8, 1365.3) == ""
+    assert transport_note("cpu", 11.6, 0.1) == ""
+    monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+    assert "is set, so look at UCX_TLS" in transport_note("cuda", 1333.6, 0.52)
