@@ -14,6 +14,7 @@ from kvbridge_operator import __version__
 from kvbridge_operator.api.names import KIND
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.children import placement
+from kvbridge_operator.cli import profile as profile_cli
 from kvbridge_operator.cli.manifests import read_documents, source_name
 from kvbridge_operator.cli.plan_report import (
     DocumentPlan as PlannedDocument,
@@ -236,6 +237,15 @@ def build_parser() -> argparse.ArgumentParser:
     crd = commands.add_parser("crd", help="print or write the CustomResourceDefinition generated from the models")
     crd.add_argument("-o", "--output", action="append", metavar="DIR", help="write into DIR (repeatable)")
     crd.set_defaults(func=_crd)
+
+    profile = commands.add_parser(
+        "profile",
+        help=profile_cli.HELP,
+        description="Exit status: 0 the profile was written, 1 a bench run failed or timed out, 2 invalid "
+        "arguments or no vllm to run.",
+    )
+    profile_cli.add_arguments(profile)
+    profile.set_defaults(func=profile_cli.run)
 
     operator = commands.add_parser("operator", help="the Kopf operator for DisaggregatedDeployments")
     operator_commands = operator.add_subparsers(dest="operator_command", required=True, metavar="ACTION")

@@ -5,15 +5,21 @@ and device, stored in a ConfigMap the planner reads (``spec.autoscaling.profile`
 - decode: inter-token latency at several concurrencies (requests decoding at once on one engine) at a stated
   context length; the planner interpolates between the points.
 
+``profile_from_bench`` makes one from ``vllm bench serve`` runs (``kvbridge profile``, cli/profile.py runs them).
+
 Pure: pydantic only.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
+from collections.abc import Mapping
+from typing import Any
 
 from pydantic import Field, model_validator
 
+from kvbridge_agent.core import KVBridgeError
 from kvbridge_agent.core.model import CamelModel
 
 
@@ -79,3 +85,59 @@ class PerformanceProfile(CamelModel):
     engine: str = Field(min_length=1, max_length=512, description="What was measured: model, engine, device.")
     prefill: PrefillProfile
     decode: DecodeProfile
+
+
+#: what a run of ``vllm bench serve`` (its ``--save-result`` JSON) must hold for a profile
+BenchResult = Mapping[str, Any]
+
+
+def _checked(result: BenchResult, what: str, field: str) -> BenchResult:
+    """A bench run's result, refused when any request failed or nothing was measured (a profile from errors would
+    size the deployment from nothing)."""
+    completed, failed = int(result.get("completed") or 0), int(result.get("failed") or 0)
+    if failed or completed < 1:
+        errors = [e for e in result.get("errors") or [] if e]
+        first = f"; the first error: {str(errors[0])[:300]}" if errors else ""
+        raise KVBridgeError(
+            f"{what}: {completed} requests completed, {failed} failed{first}: a profile needs every request "
+            "answered; check the URL, the model name and that the pod is ready",
+            field=field,
+            code="PROFILE_REQUESTS_FAILED",
+        )
+    duration = float(result.get("duration") or 0)
+    if not math.isfinite(duration) or duration <= 0:
+        raise KVBridgeError(f"{what}: the run has no duration", field=field, code="PROFILE_REQUESTS_FAILED")
+    return result
+
+
+def profile_from_bench(
+    engine: str,
+    prefill: BenchResult,
+    decode: Mapping[int, BenchResult],
+    percentile: float,
+    context_tokens: int,
+) -> PerformanceProfile:
+    """A profile from ``vllm bench serve`` runs: ``prefill`` at saturation with one output token (its prompt tokens
+    over its duration: the random dataset's prompts share no prefix, so every token was computed), ``decode`` one
+    run per concurrency (the inter-token latency at ``percentile``), measured at ``context_tokens`` of context."""
+    computed = _checked(prefill, "prefill", "--prefill-url")
+    tokens = float(computed.get("total_input_tokens") or 0)
+    if tokens <= 0:
+        raise KVBridgeError("prefill: no prompt tokens counted", field="--prefill-url", code="PROFILE_REQUESTS_FAILED")
+    points = []
+    key = f"p{int(percentile) if int(percentile) == percentile else percentile}_itl_ms"
+    for concurrency, result in sorted(decode.items()):
+        itl = float(_checked(result, f"decode at concurrency {concurrency}", "--decode-url").get(key) or 0)
+        if not math.isfinite(itl) or itl <= 0:
+            raise KVBridgeError(
+                f"decode at concurrency {concurrency}: no inter-token latency at p{percentile:g} ({key}); "
+                "the output needs at least two tokens per request",
+                field="--output-tokens",
+                code="PROFILE_REQUESTS_FAILED",
+            )
+        points.append(DecodePoint(concurrency=concurrency, itl_ms=round(itl, 3)))
+    return PerformanceProfile(
+        engine=engine,
+        prefill=PrefillProfile(tokens_per_second=round(tokens / float(computed["duration"]), 1)),
+        decode=DecodeProfile(context_tokens=context_tokens, points=points),
+    )

@@ -1,0 +1,254 @@
+"""``kvbridge profile``: measure one engine of each role with ``vllm bench serve`` and write the performance profile
+the planner reads (``spec.autoscaling.profile``, docs/autoscaling.md).
+
+Prefill: one run at saturation (``--prefill-concurrency`` requests at once, one output token, random prompts that
+share no prefix, so every prompt token is computed): the prompt tokens per second. Decode: one run per
+``--concurrencies`` value (that many requests at once, ``--output-tokens`` each, prompts of ``--context-tokens``):
+the inter-token latency at ``--itl-percentile``. Each run is vLLM's own client, as its own process; what it prints
+goes to stderr, the profile to stdout or ``--output``, as JSON or (``--configmap NAME``) a ConfigMap to apply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvbridge_agent.core import KVBridgeError
+from kvbridge_operator.planner.profile import BenchResult, PerformanceProfile, profile_from_bench
+
+HELP = "measure one prefill and one decode engine with vllm bench serve: the planner's performance profile"
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_INVALID = 2
+#: the ConfigMap key the planner reads (spec.autoscaling.profile)
+PROFILE_KEY = "profile.json"
+
+
+def _concurrencies(text: str) -> list[int]:
+    try:
+        values = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
+    if not values or values[0] < 1 or len(values) > 32:
+        raise argparse.ArgumentTypeError(f"{text!r}: give 1 to 32 concurrencies, each at least 1")
+    return values
+
+
+def _at_least(minimum: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is not at least {minimum}")
+        return value
+
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill-url", required=True, help="a prefill pod's OpenAI-compatible URL (http://IP:8000)")
+    parser.add_argument("--decode-url", required=True, help="a decode pod's OpenAI-compatible URL")
+    parser.add_argument("--model", required=True, help="the model name the engines serve")
+    parser.add_argument("--tokenizer", help="the tokenizer (name or folder) for the prompts (default: --model)")
+    parser.add_argument(
+        "--engine", required=True, help='what is measured, stored in the profile: "Llama-3.1-8B, vLLM 0.32, H100"'
+    )
+    parser.add_argument("--prompt-tokens", type=_at_least(1), default=1024, help="prefill prompts (default 1024)")
+    parser.add_argument(
+        "--prefill-concurrency", type=_at_least(1), default=16, help="prefill requests at once (default 16)"
+    )
+    parser.add_argument("--prefill-prompts", type=_at_least(1), default=64, help="prefill requests (default 64)")
+    parser.add_argument(
+        "--context-tokens", type=_at_least(1), default=1024, help="decode prompts: the context (default 1024)"
+    )
+    parser.add_argument("--output-tokens", type=_at_least(2), default=64, help="decode tokens per request (default 64)")
+    parser.add_argument(
+        "--concurrencies",
+        type=_concurrencies,
+        default=[1, 4, 16],
+        help="decode concurrencies, comma-separated (default 1,4,16)",
+    )
+    parser.add_argument(
+        "--itl-percentile", type=float, default=90, help="the ITL percentile the points hold (default 90)"
+    )
+    parser.add_argument("--vllm", default="vllm", help="the vllm executable (default: vllm on PATH)")
+    parser.add_argument(
+        "--timeout", type=_at_least(10), default=1800, help="seconds each bench run may take (default 1800)"
+    )
+    parser.add_argument("-o", "--output", help="write the profile here (default: stdout)")
+    parser.add_argument("--configmap", metavar="NAME", help="write a ConfigMap named NAME holding the profile")
+
+
+def bench_command(
+    vllm: str,
+    url: str,
+    args: argparse.Namespace,
+    *,
+    input_tokens: int,
+    output_tokens: int,
+    prompts: int,
+    concurrency: int,
+    result: Path,
+) -> list[str]:
+    """One ``vllm bench serve`` run: random prompts of exactly ``input_tokens``, ``output_tokens`` each (EOS ignored),
+    ``concurrency`` at once, its result saved as JSON at ``result``."""
+    return [
+        vllm,
+        "bench",
+        "serve",
+        "--backend",
+        "vllm",
+        "--base-url",
+        url.rstrip("/"),
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        args.model,
+        *(["--tokenizer", args.tokenizer] if args.tokenizer else []),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(input_tokens),
+        "--random-output-len",
+        str(output_tokens),
+        "--random-range-ratio",
+        "0",
+        "--num-prompts",
+        str(prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--request-rate",
+        "inf",
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--percentile-metrics",
+        "ttft,itl",
+        "--metric-percentiles",
+        f"50,{args.itl_percentile:g}",
+        "--ready-check-timeout-sec",
+        "60",
+        "--seed",
+        "0",
+        "--disable-tqdm",
+        "--save-result",
+        "--result-dir",
+        str(result.parent),
+        "--result-filename",
+        result.name,
+    ]
+
+
+def run_bench(command: list[str], result: Path, what: str, field: str, timeout: float) -> BenchResult:
+    """Run one bench, its output on stderr; its result, or a typed error saying why there is none."""
+    began = time.monotonic()
+    print(f"kvbridge profile: {what} ...", file=sys.stderr, flush=True)
+    try:
+        finished = subprocess.run(command, stdout=sys.stderr, stderr=sys.stderr, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise KVBridgeError(
+            f"{what}: vllm bench serve ran past {timeout:g} s; give --timeout more, or fewer prompts",
+            field="--timeout",
+            code="PROFILE_TIMEOUT",
+        ) from None
+    if finished.returncode != 0 or not result.is_file():
+        raise KVBridgeError(
+            f"{what}: vllm bench serve exited with status {finished.returncode} and no result (its output is "
+            "above); check the URL, the model name and that the pod is ready",
+            field=field,
+            code="PROFILE_REQUESTS_FAILED",
+        )
+    loaded: BenchResult = json.loads(result.read_text())
+    print(f"kvbridge profile: {what}: done in {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
+    return loaded
+
+
+def measure(args: argparse.Namespace) -> PerformanceProfile:
+    vllm = shutil.which(args.vllm)
+    if vllm is None:
+        raise KVBridgeError(
+            f"{args.vllm!r} is not an executable on PATH: kvbridge profile runs vLLM's own client, `vllm bench "
+            "serve`; install vLLM where you run it (any build: the client needs no GPU), or give --vllm",
+            field="--vllm",
+            code="PROFILE_NEEDS_VLLM",
+        )
+    with tempfile.TemporaryDirectory(prefix="kvbridge-profile-") as folder:
+        where = Path(folder)
+        prefill_at = where / "prefill.json"
+        command = bench_command(
+            vllm,
+            args.prefill_url,
+            args,
+            input_tokens=args.prompt_tokens,
+            output_tokens=1,
+            prompts=args.prefill_prompts,
+            concurrency=args.prefill_concurrency,
+            result=prefill_at,
+        )
+        what = (
+            f"prefill: {args.prefill_prompts} prompts of {args.prompt_tokens} tokens, "
+            f"{args.prefill_concurrency} at once"
+        )
+        prefill = run_bench(command, prefill_at, what, "--prefill-url", args.timeout)
+        decode: dict[int, BenchResult] = {}
+        for concurrency in args.concurrencies:
+            decode_at = where / f"decode-{concurrency}.json"
+            prompts = max(2 * concurrency, 4)
+            command = bench_command(
+                vllm,
+                args.decode_url,
+                args,
+                input_tokens=args.context_tokens,
+                output_tokens=args.output_tokens,
+                prompts=prompts,
+                concurrency=concurrency,
+                result=decode_at,
+            )
+            what = f"decode: {prompts} requests of {args.output_tokens} tokens, {concurrency} at once"
+            decode[concurrency] = run_bench(command, decode_at, what, "--decode-url", args.timeout)
+    # the points' context: the prompt plus, on average, half the output
+    context = args.context_tokens + args.output_tokens // 2
+    return profile_from_bench(args.engine, prefill, decode, args.itl_percentile, context)
+
+
+def rendered(profile: PerformanceProfile, configmap: str | None) -> str:
+    document = json.dumps(profile.model_dump(by_alias=True, mode="json"), indent=2) + "\n"
+    if configmap is None:
+        return document
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": configmap, "labels": {"app.kubernetes.io/managed-by": "kvbridge-profile"}},
+        "data": {PROFILE_KEY: document},
+    }
+    return yaml.safe_dump(config_map, sort_keys=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0 < args.itl_percentile < 100:
+        print(f"kvbridge profile: error: --itl-percentile {args.itl_percentile:g} is not in (0, 100)", file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        profile = measure(args)
+    except KVBridgeError as exc:
+        print(f"kvbridge profile: error: {exc}", file=sys.stderr)
+        return EXIT_INVALID if exc.code == "PROFILE_NEEDS_VLLM" else EXIT_FAILED
+    text = rendered(profile, args.configmap)
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"kvbridge profile: wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return EXIT_OK
