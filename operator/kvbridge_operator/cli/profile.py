@@ -171,7 +171,8 @@ def run_bench(command: list[str], result: Path, what: str, field: str, timeout: 
             code="PROFILE_REQUESTS_FAILED",
         )
     loaded: BenchResult = json.loads(result.read_text())
-    print(f"kvbridge profile: {what}: done in {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
+    # on a line of its own: vLLM's client may end its output without a newline
+    print(f"\nkvbridge profile: {what}: done in {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
     return loaded
 
 
