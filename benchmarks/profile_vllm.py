@@ -1,6 +1,7 @@
 """``kvbridge profile`` against real vLLM engines (the CPU build, the tiny local model), not a test.
 
-    .venv/bin/python benchmarks/profile_vllm.py [--concurrencies 1,4,8] [--prompt-tokens 256] [--json]
+    .venv/bin/python benchmarks/profile_vllm.py [--concurrencies 1,4,8] [--prompt-tokens 256] [--itl-percentile 90]
+        [--json]
 
 Starts one prefill and one decode engine exactly as the operator renders a deployment with kvbridge's connector
 (each pod its own loopback address and core), runs ``kvbridge profile`` against them — vLLM's own ``vllm bench
@@ -32,6 +33,7 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=256, help="prefill prompt tokens (default 256)")
     parser.add_argument("--context-tokens", type=int, default=256, help="decode context tokens (default 256)")
     parser.add_argument("--output-tokens", type=int, default=32, help="decode tokens per request (default 32)")
+    parser.add_argument("--itl-percentile", type=float, default=90, help="the ITL points' percentile (default 90)")
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     args = parser.parse_args()
     began = time.monotonic()
@@ -57,6 +59,7 @@ def main() -> int:
                 *("--prompt-tokens", str(args.prompt_tokens), "--prefill-prompts", "32"),
                 *("--prefill-concurrency", "8", "--context-tokens", str(args.context_tokens)),
                 *("--output-tokens", str(args.output_tokens), "--concurrencies", args.concurrencies),
+                *("--itl-percentile", str(args.itl_percentile)),
                 *("--vllm", str(Path(sys.executable).parent / "vllm"), "--timeout", "600"),
             ]
             finished = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)

@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from kvbridge_agent.core import KVBridgeError
+from kvbridge_operator.api.spec import ConfigMapKeyRef, LatencyTarget
 from kvbridge_operator.planner.profile import BenchResult, PerformanceProfile, profile_from_bench
 
 HELP = "measure one prefill and one decode engine with vllm bench serve: the planner's performance profile"
@@ -30,8 +31,10 @@ HELP = "measure one prefill and one decode engine with vllm bench serve: the pla
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_INVALID = 2
-#: the ConfigMap key the planner reads (spec.autoscaling.profile)
-PROFILE_KEY = "profile.json"
+#: the ConfigMap key the planner reads by default (spec.autoscaling.profile.key)
+PROFILE_KEY: str = ConfigMapKeyRef.model_fields["key"].default
+#: the percentile an ITL target holds by default (spec.autoscaling.itl.percentile): the profile's, by default
+ITL_PERCENTILE: float = LatencyTarget.model_fields["percentile"].default
 
 
 def _concurrencies(text: str) -> list[int]:
@@ -81,7 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="decode concurrencies, comma-separated (default 1,4,16)",
     )
     parser.add_argument(
-        "--itl-percentile", type=float, default=90, help="the ITL percentile the points hold (default 90)"
+        "--itl-percentile",
+        type=float,
+        default=ITL_PERCENTILE,
+        help=f"the ITL percentile the points hold: your ITL target's (default {ITL_PERCENTILE:g}, the target's)",
     )
     parser.add_argument("--vllm", default="vllm", help="the vllm executable (default: vllm on PATH)")
     parser.add_argument(
