@@ -90,8 +90,9 @@ class Ledger:
 
     #: seconds spent inside prefill and decode calls (the rest is the router's own time)
     spent: float = 0.0
-    #: engines (pods) that answered it 500 and were unhealthy right after (:meth:`Router._judge_5xx`); the samples
-    #: of one request share this list, so that one request, however many samples it has, loses at most two engines
+    #: engines (pods, each once) that answered it 500 and were unhealthy right after (:meth:`Router._judge_5xx`);
+    #: the samples of one request share this list, so that one request, however many samples it has, loses at most
+    #: two engines
     lost_engines: list[str] = field(default_factory=list)
     #: its spans (tracing.py; OFF when tracing is off)
     trace: Trace = OFF
@@ -619,8 +620,9 @@ class Router:
             if role == "prefill":
                 return False, " (the engine is healthy: this request failed on it, and would on another pod)"
             return True, ""
-        ledger.lost_engines.append(target.pod)
-        self.metrics.engines_lost.labels(role, target.pod).inc()
+        if target.pod not in ledger.lost_engines:  # samples of one request may meet the same engine: count it once
+            ledger.lost_engines.append(target.pod)
+            self.metrics.engines_lost.labels(role, target.pod).inc()
         if len(ledger.lost_engines) > 1:
             lost = len(ledger.lost_engines)
             return False, f" (unhealthy since: {lost} engines failed after this request; not sent to another)"

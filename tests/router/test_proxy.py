@@ -737,3 +737,15 @@ async def test_a_sample_that_fails_fails_the_request_and_no_call_is_left_behind(
     assert answer["error"]["code"] == "PREFILL_TIMEOUT"
     await asyncio.sleep(0.1)
     assert all(count == 0 for count in rig.router.balancer.outstanding.values())
+
+
+async def test_samples_that_meet_the_same_lost_engine_count_it_once(rig: Rig) -> None:
+    """An engine that answers 500 and is unhealthy after is one lost engine for the request, however many of its
+    samples met it: each of them is served by the other pod, and the request is answered."""
+    rig.prefill[0].mode = "500"  # answers 500, and /health 503 after
+    status, answer = await rig.post({"model": "m", "prompt": [1, 2, 3], "max_tokens": 3, "n": 4})
+    assert status == 200, answer
+    assert len(answer["choices"]) == 4
+    assert len(rig.prefill[0].received) >= 2  # several samples met it (the point of this test)
+    metrics = await (await rig.session.get(rig.url + "/metrics")).text()
+    assert 'kvbridge_router_engines_lost_total{pod="prefill-0",role="prefill"} 1.0' in metrics
