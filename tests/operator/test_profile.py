@@ -72,6 +72,16 @@ def test_a_bench_that_failed_or_measured_nothing_gives_no_profile(
     assert words in raised.value.message
 
 
+def test_an_output_that_cannot_be_written_is_refused_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    urls = ["--prefill-url", "http://127.0.0.1:9", "--decode-url", "http://127.0.0.1:9"]
+    vllm = ["--vllm", sys.executable]  # an executable: the check of the output comes before any run
+    status = main(["profile", *urls, "--model", "m", "--engine", "e", *vllm, "-o", str(tmp_path / "no" / "p.json")])
+    assert status == 2
+    assert "PROFILE_OUTPUT (--output)" in capsys.readouterr().err
+
+
 def test_without_vllm_to_run_the_command_says_what_to_install(capsys: pytest.CaptureFixture[str]) -> None:
     urls = ["--prefill-url", "http://127.0.0.1:9", "--decode-url", "http://127.0.0.1:9"]
     status = main(["profile", *urls, "--model", "m", "--engine", "e", "--vllm", "no-such-vllm-here"])
@@ -85,8 +95,13 @@ def test_without_vllm_to_run_the_command_says_what_to_install(capsys: pytest.Cap
     ("flags", "words"),
     [
         (["--concurrencies", "1,x"], "not a comma-separated list"),
-        (["--concurrencies", "0,4"], "each at least 1"),
+        (["--concurrencies", "0,4"], "each from 1 to"),
         (["--output-tokens", "1"], "not at least 2"),
+        (["--concurrencies", "1,100001"], "each from 1 to 100000"),
+        (["--itl-percentile", "99.95"], "not from 50 to 99.9"),
+        (["--itl-percentile", "ninety"], "not a number"),
+        (["--engine", ""], "1 to 512 characters"),
+        (["--configmap", "My_Profile"], "not a ConfigMap name"),
     ],
 )
 def test_bad_flags_are_refused_before_anything_runs(

@@ -241,8 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     profile = commands.add_parser(
         "profile",
         help=profile_cli.HELP,
-        description="Exit status: 0 the profile was written, 1 a bench run failed or timed out, 2 invalid "
-        "arguments or no vllm to run.",
+        description="Exit status: 0 the profile was written, 1 a bench run failed or timed out (or the profile "
+        "could not be written: it is printed instead), 2 invalid arguments, an unwritable output folder or no vllm "
+        "to run, checked before the first run.",
     )
     profile_cli.add_arguments(profile)
     profile.set_defaults(func=profile_cli.run)

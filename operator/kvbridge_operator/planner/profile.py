@@ -110,6 +110,11 @@ def _checked(result: BenchResult, what: str, field: str) -> BenchResult:
     return result
 
 
+def percentile_word(percentile: float) -> str:
+    """A percentile as ``vllm bench serve`` writes it in its flags and result keys (``90``, ``99.9``)."""
+    return str(int(percentile)) if int(percentile) == percentile else str(percentile)
+
+
 def profile_from_bench(
     engine: str,
     prefill: BenchResult,
@@ -118,14 +123,14 @@ def profile_from_bench(
     context_tokens: int,
 ) -> PerformanceProfile:
     """A profile from ``vllm bench serve`` runs: ``prefill`` at saturation with one output token (its prompt tokens
-    over its duration: the random dataset's prompts share no prefix, so every token was computed), ``decode`` one
-    run per concurrency (the inter-token latency at ``percentile``), measured at ``context_tokens`` of context."""
+    over its duration: random prompts the engine had not seen, so every token was computed), ``decode`` one run per
+    concurrency (the inter-token latency at ``percentile``), measured at ``context_tokens`` of context."""
     computed = _checked(prefill, "prefill", "--prefill-url")
     tokens = float(computed.get("total_input_tokens") or 0)
     if tokens <= 0:
         raise KVBridgeError("prefill: no prompt tokens counted", field="--prefill-url", code="PROFILE_REQUESTS_FAILED")
     points = []
-    key = f"p{int(percentile) if int(percentile) == percentile else percentile}_itl_ms"
+    key = f"p{percentile_word(percentile)}_itl_ms"
     for concurrency, result in sorted(decode.items()):
         itl = float(_checked(result, f"decode at concurrency {concurrency}", "--decode-url").get(key) or 0)
         if not math.isfinite(itl) or itl <= 0:
