@@ -663,12 +663,15 @@ _SERVERS: dict[str, _Server] = {}
 class _Server(aiohttp.test_utils.RawTestServer):
     """kmock's test server, which can close the client connections that sit idle between requests."""
 
+    _url = ""
+
     async def start_server(self, loop: asyncio.AbstractEventLoop | None = None, **kwargs: Any) -> None:
         await super().start_server(loop, **kwargs)
-        _SERVERS[str(self.make_url("")).rstrip("/")] = self
+        self._url = str(self.make_url("")).rstrip("/")
+        _SERVERS[self._url] = self
 
     async def close(self) -> None:
-        _SERVERS.pop(str(self.make_url("")).rstrip("/"), None)
+        _SERVERS.pop(self._url, None)
         await super().close()
 
     def close_idle_connections(self) -> int:
@@ -682,8 +685,16 @@ class _Server(aiohttp.test_utils.RawTestServer):
 
 
 def _idle(connection: aiohttp.web.RequestHandler) -> bool:
-    """Whether a connection waits for its next request (aiohttp's own state; unknown counts as busy)."""
-    return getattr(connection, "_waiter", None) is not None and getattr(connection, "_current_request", 1) is None
+    """Whether a connection waits for its next request with none received (aiohttp's own state, as its keep-alive
+    check reads it; unknown counts as busy). A request still in the kernel's buffer cannot be seen: closing is for
+    when no client sends, as while Kopf stops."""
+    waiter = getattr(connection, "_waiter", None)
+    return (
+        waiter is not None
+        and not waiter.done()
+        and getattr(connection, "_current_request", 1) is None
+        and not getattr(connection, "_messages", True)
+    )
 
 
 def close_idle_connections(url: str) -> int:
@@ -697,13 +708,20 @@ async def stop_operator_beside(url: str, operator: asyncio.Task[None], stop: asy
     """Stop an operator that runs in this event loop beside the emulator at ``url``, within ``timeout`` seconds.
     Kopf, stopping, waits up to 5 s for every task started after it, and the emulator's handler of an idle
     connection from the operator's or anybody's client is one: every operator test and demo paid those 5 s at its
-    end. While Kopf stops, idle connections are closed, and it stops in a few hundred milliseconds."""
+    end. While Kopf stops, idle connections are closed, and it stops in a few hundred milliseconds; past
+    ``timeout`` it is cancelled and TimeoutError raised."""
     stop.set()
-    async with asyncio.timeout(timeout):
-        while not operator.done():
-            close_idle_connections(url)
-            await asyncio.wait([operator], timeout=0.05)
-        await operator
+    try:
+        async with asyncio.timeout(timeout):
+            while not operator.done():
+                close_idle_connections(url)
+                await asyncio.wait([operator], timeout=0.05)
+            await operator
+    except TimeoutError:  # a hang is a failure, but never leave the task behind
+        operator.cancel()
+        with contextlib.suppress(BaseException):
+            await operator
+        raise
 
 
 #: where the CRDs are created

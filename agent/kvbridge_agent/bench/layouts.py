@@ -622,7 +622,7 @@ def transport_note(device: str, memcpy: float, raw: float) -> str:
     without NVLink peers: 0.52 GB/s by default, 1,365 GB/s with the variable set (docs/benchmarks.md)."""
     if device != "cuda" or raw >= SLOW_GPU_TRANSPORT * memcpy:
         return ""
-    setting = os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "")
+    setting = os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "").strip().lower() in ("y", "yes", "1", "on", "true")
     return (
         f"note: raw NIXL {raw:.2f} GB/s is under {SLOW_GPU_TRANSPORT:.0%} of the GPU's own copy ({memcpy:.0f} GB/s): "
         "UCX took no GPU copy path for READs between these processes"

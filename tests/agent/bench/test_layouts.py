@@ -137,5 +137,7 @@ def test_a_gpu_transport_far_below_the_gpus_own_copy_is_named_with_what_to_try(
     assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y" in note
     assert transport_note("cuda", 1385.8, 1365.3) == ""
     assert transport_note("cpu", 11.6, 0.1) == ""
+    monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "n")  # set, but off: the same advice
+    assert "try UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y" in transport_note("cuda", 1333.6, 0.52)
     monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
     assert "is set, so look at UCX_TLS" in transport_note("cuda", 1333.6, 0.52)
