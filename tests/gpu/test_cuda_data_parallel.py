@@ -14,7 +14,6 @@ rank) is tests/agent/vllm_connector/test_data_parallel.py; this one needs a CUDA
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import torch
@@ -28,7 +27,19 @@ from kvbridge_agent.transfer.digest import Digester
 from kvbridge_agent.transfer.prefill_rank import PrefillRank
 from tests.physical_kv import check_bytes
 
-from .test_cuda_transfer import DECODE_BLOCKS, MODEL, PREFILL_BLOCKS, TIMEOUT, TOKENS, TRANSFER, Opened, Side, attach
+from .test_cuda_transfer import (
+    DECODE_BLOCKS,
+    MODEL,
+    PREFILL_BLOCKS,
+    TIMEOUT,
+    TOKENS,
+    TRANSFER,
+    Opened,
+    Side,
+    attach,
+    read,
+    released,
+)
 
 NEEDS_VLLM = False  # conftest.py: this module needs a CUDA device and NIXL only
 
@@ -83,23 +94,11 @@ def test_each_decode_dp_rank_reads_the_prefill_dp_rank_its_parameters_name(opene
             fingerprint=plan.fingerprint,
         )
         verify = Verify(expected[f"r{dp}"], decode_blocks, TOKENS)
-        result = reader.start(f"d{dp}", params, decode_blocks, TIMEOUT, verify)
-        deadline = time.monotonic() + TIMEOUT + 5
-        while result is None:
-            assert time.monotonic() < deadline, f"decode DP rank {dp}: the read did not finish"
-            for rank in prefills:
-                rank.poll()
-            done = reader.poll()
-            result = done[0] if done else None
-        results.append(result)
+        started = reader.start(f"d{dp}", params, decode_blocks, TIMEOUT, verify)
+        results.append(read(reader, prefills, started, f"decode DP rank {dp}"))
         torch.cuda.synchronize()
         check_bytes(SIDE, SIDE, [views[source]], [held.views], prefill_blocks, decode_blocks)
         assert held.cache.memory_type.value == "VRAM"
     assert [(r.ok, r.code) for r in results] == [(True, "")] * DECODE_DP
     assert all(r.descriptors > 0 for r in results)
-    deadline = time.monotonic() + TIMEOUT
-    while any(rank.pending for rank in prefills):  # every offer released by its reader's notification
-        assert time.monotonic() < deadline, "a prefill DP rank was never notified"
-        for rank in prefills:
-            rank.poll()
-        time.sleep(0.001)
+    released(prefills, "a prefill DP rank")

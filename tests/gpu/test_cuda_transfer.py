@@ -127,6 +127,28 @@ class Moved:
     descriptors: int
 
 
+def read(reader: DecodeRank, prefills: list[PrefillRank], result: ReadResult | None, what: str) -> ReadResult:
+    """Poll the prefill ranks and ``reader`` until its read ends (``result``: what ``reader.start`` returned)."""
+    deadline = time.monotonic() + TIMEOUT + 5
+    while result is None:
+        assert time.monotonic() < deadline, f"{what}: the read did not finish"
+        for rank in prefills:
+            rank.poll()
+        done = reader.poll()
+        result = done[0] if done else None
+    return result
+
+
+def released(prefills: list[PrefillRank], what: str) -> None:
+    """Poll the prefill ranks until each reader's notification released every offer."""
+    deadline = time.monotonic() + TIMEOUT
+    while any(rank.pending for rank in prefills):
+        assert time.monotonic() < deadline, f"{what} was never notified"
+        for rank in prefills:
+            rank.poll()
+        time.sleep(0.001)
+
+
 def move(prefill: Side, decode: Side, opened: Opened, lie: bool = False) -> Moved:
     """One prompt of ``TOKENS`` tokens offered by every prefill rank and read by every decode rank, verified."""
     model = MLA_MODEL if prefill.mla else MODEL
@@ -172,23 +194,12 @@ def move(prefill: Side, decode: Side, opened: Opened, lie: bool = False) -> Move
         memory_types.add(held.cache.memory_type.value)
         reader.add_peer(engine_id, incarnation, {p: metadata[p] for p in handshake_ranks(prefill.tp, decode.tp, d)})
         verify = Verify(expected, decode_blocks, TOKENS)
-        result = reader.start("d1", params, decode_blocks, TIMEOUT, verify)
-        deadline = time.monotonic() + TIMEOUT + 5
-        while result is None:
-            assert time.monotonic() < deadline, f"decode rank {d}: the read did not finish"
-            for rank in prefills:
-                rank.poll()
-            done = reader.poll()
-            result = done[0] if done else None
+        result = read(reader, prefills, reader.start("d1", params, decode_blocks, TIMEOUT, verify), f"decode rank {d}")
         results.append(result)
         descriptors += result.descriptors
         decode_views.append(held.views)
-    deadline = time.monotonic() + TIMEOUT
-    while all(r.ok for r in results) and any(rank.pending for rank in prefills):  # released by every reader
-        assert time.monotonic() < deadline, "a prefill rank was never notified"
-        for rank in prefills:
-            rank.poll()
-        time.sleep(0.001)
+    if all(r.ok for r in results):
+        released(prefills, "a prefill rank")
     torch.cuda.synchronize()
     return Moved(results, prefill_views, decode_views, memory_types, descriptors)
 
