@@ -15,6 +15,7 @@ from kvbridge_operator.api.names import KIND
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.children import placement
 from kvbridge_operator.cli import profile as profile_cli
+from kvbridge_operator.cli.arguments import at_least
 from kvbridge_operator.cli.manifests import read_documents, source_name
 from kvbridge_operator.cli.plan_report import (
     DocumentPlan as PlannedDocument,
@@ -33,17 +34,6 @@ EXIT_INCOMPATIBLE = 1
 EXIT_INVALID = 2
 #: the reader of stdout went away (``| head``): what a shell reports for a command SIGPIPE ended (128 + 13)
 EXIT_CLOSED_PIPE = 141
-
-
-def _positive(text: str) -> int:
-    """argparse type: a whole number of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
-    return value
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -219,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print one JSON document (a list) on stdout")
     plan.add_argument(
         "--gpus-per-node",
-        type=_positive,
+        type=at_least(1),
         default=0,
         metavar="N",
         help="GPUs one node of the cluster offers (the operator's --gpus-per-node), for documents "

@@ -22,12 +22,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from kvbridge_agent.core import KVBridgeError
 from kvbridge_operator.api.spec import ConfigMapKeyRef, LatencyTarget
+from kvbridge_operator.cli.arguments import at_least
 from kvbridge_operator.planner.profile import (
     BenchResult,
     DecodePoint,
@@ -87,19 +87,6 @@ def _config_map(text: str) -> str:
     return text
 
 
-def _at_least(minimum: int) -> Any:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} is not at least {minimum}")
-        return value
-
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-url", required=True, help="a prefill pod's OpenAI-compatible URL (http://IP:8000)")
     parser.add_argument("--decode-url", required=True, help="a decode pod's OpenAI-compatible URL")
@@ -111,17 +98,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_engine,
         help='what is measured, stored in the profile: "Llama-3.1-8B, vLLM 0.32, H100"',
     )
-    parser.add_argument("--prompt-tokens", type=_at_least(1), default=1024, help="prefill prompts (default 1024)")
+    parser.add_argument("--prompt-tokens", type=at_least(1), default=1024, help="prefill prompts (default 1024)")
     parser.add_argument(
-        "--prefill-concurrency", type=_at_least(1), default=16, help="prefill requests at once (default 16)"
+        "--prefill-concurrency", type=at_least(1), default=16, help="prefill requests at once (default 16)"
     )
-    parser.add_argument("--prefill-prompts", type=_at_least(1), default=64, help="prefill requests (default 64)")
+    parser.add_argument("--prefill-prompts", type=at_least(1), default=64, help="prefill requests (default 64)")
     parser.add_argument(
-        "--context-tokens", type=_at_least(1), default=1024, help="decode prompts: the context (default 1024)"
+        "--context-tokens", type=at_least(1), default=1024, help="decode prompts: the context (default 1024)"
     )
     parser.add_argument(
         "--output-tokens",
-        type=_at_least(2),
+        type=at_least(2),
         default=256,
         help="decode tokens per request (default 256: the decode pod prefills its prompts itself, and each prefill "
         "slows one step; many steps per request keep those out of the percentile)",
@@ -140,7 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--vllm", default="vllm", help="the vllm executable (default: vllm on PATH)")
     parser.add_argument(
-        "--timeout", type=_at_least(10), default=1800, help="seconds each bench run may take (default 1800)"
+        "--timeout", type=at_least(10), default=1800, help="seconds each bench run may take (default 1800)"
     )
     parser.add_argument("-o", "--output", help="write the profile here (default: stdout)")
     parser.add_argument(
