@@ -79,6 +79,33 @@ def test_agent_demo_json_contract() -> None:
     assert marked_processes(marker) == [], "the demo left processes behind"
 
 
+DP = "examples/data-parallel-mla.yaml"
+
+
+@pytest.mark.slow  # the synthetic engine's pods with data-parallel ranks, through operator, kubelet and router
+def test_agent_demo_with_data_parallel_ranks_on_both_roles() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvbridge_operator", "demo", "--engine", "agent", "--json", "--requests", "6", "-f", DP],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        cwd=Path(__file__).parents[2],
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    [deployment] = json.loads(result.stdout)["deployments"]
+    assert deployment["conditions"]["Ready"] == "True"
+    for endpoint in deployment["endpoints"]:  # every prefill DP rank published as a peer of its own
+        assert [(r["engineId"], r["port"]) for r in endpoint["dataParallelRanks"]] == [
+            (f"{endpoint['pod']}_dp0", 5600),
+            (f"{endpoint['pod']}_dp1", 5601),
+        ]
+    transfers = deployment["transfers"]
+    assert transfers["requests"] == transfers["verified"] == 6
+    assert transfers["verifiedAfterPrefillRestart"] >= 1
+    assert transfers["failures"] == []
+
+
 @pytest.mark.vllm
 def test_vllm_demo_runs_real_engines_and_checks_tokens() -> None:
     """The default demo: real vLLM (CPU build) pods from the rendered templates, a prefill restart halfway."""

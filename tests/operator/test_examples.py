@@ -13,6 +13,7 @@ ROOT = Path(__file__).parents[2]
 EXPECTED = {
     "llama3-8b-hetero-tp.yaml": (0, []),
     "deepseek-mla.yaml": (0, []),
+    "data-parallel-mla.yaml": (0, []),
     "hetero-block-size.yaml": (0, []),
     "incompatible-replicated-heads.yaml": (1, ["PREFILL_HEADS_REPLICATED"]),
 }

@@ -15,6 +15,7 @@ from pydantic.alias_generators import to_camel
 
 from .errors import SpecError
 from .model import CamelModel, ModelGeometry, Role, RoleSettings, TransferSettings
+from .parallel import engine_id_of_rank
 
 PREFIX = "KVBRIDGE_"
 
@@ -128,6 +129,19 @@ class EngineEnvironment(CamelModel):
         if self.side_channel_listen_port is not None:
             return self.side_channel_listen_port
         return self.transfer.side_channel_port + self.dp_index
+
+    def of_data_parallel_rank(self, rank: int) -> EngineEnvironment:
+        """One data-parallel rank of this engine: its index, its engine id (``<engine>_dp<rank>`` where the role has
+        several) and so its side channel on base port + rank (an overridden listen port is offset too, unless it is
+        0: any free port)."""
+        listen = self.side_channel_listen_port
+        return self.model_copy(
+            update={
+                "dp_index": rank,
+                "engine_id": engine_id_of_rank(self.engine_id, rank, self.own.data_parallel_size),
+                "side_channel_listen_port": listen + rank if listen else listen,
+            }
+        )
 
 
 def render_environment(env: EngineEnvironment) -> dict[str, str]:

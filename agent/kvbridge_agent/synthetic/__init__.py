@@ -2,7 +2,8 @@
 
 Reading order:
 - ``serve``: the process, until SIGTERM.
-- ``engine``: block allocation, handshakes, leases.
+- ``data_parallel``: the pod's data-parallel ranks, one engine each, behind one HTTP API.
+- ``engine``: one DP rank's block allocation, handshakes, leases.
 - ``ranks``: the engine's rank processes, free blocks and errors.
 - ``rank_worker``: one TP rank as its own process.
 - ``rank_entry``: the rank processes' spawn target.

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from kvbridge_agent.core.handshake import KVTransferParams, request_id_problem
 from kvbridge_agent.core.signing import TransferNotSignedError, check_signature, unsigned
-from kvbridge_agent.synthetic.engine import Engine
+from kvbridge_agent.synthetic.data_parallel import DataParallelEngines
 from kvbridge_agent.synthetic.ranks import INVALID_REQUEST, EngineError
 
 Obj = dict[str, Any]
@@ -42,8 +42,10 @@ def prompt_tokens(body: Obj, chat: bool) -> int:
     raise EngineError("prompt must be a non-empty string or list of token ids", code=INVALID_REQUEST, field="prompt")
 
 
-def complete(engine: Engine, body: Obj, chat: bool, request_id: str) -> tuple[Obj, bool]:
-    """The answer of one request, and whether it is to be streamed."""
+def complete(
+    engine: DataParallelEngines, body: Obj, chat: bool, request_id: str, rank: int | None = None
+) -> tuple[Obj, bool]:
+    """The answer of one request (on DP rank ``rank``, else the least busy), and whether it is to be streamed."""
     if request_id_problem(request_id):  # an id kvbridge cannot carry (the client's X-Request-Id): one of ours
         request_id = uuid.uuid4().hex
     params = body.get("kv_transfer_params")
@@ -59,7 +61,7 @@ def complete(engine: Engine, body: Obj, chat: bool, request_id: str) -> tuple[Ob
     choice.update({"message": {"role": "assistant", "content": ""}} if chat else {"text": ""})
     answer["choices"] = [choice]
     if isinstance(params, dict) and params.get("do_remote_decode"):
-        offered = engine.prefill(request_id, tokens)
+        offered = engine.prefill(request_id, tokens, rank=rank)
         answer["kv_transfer_params"] = offered.model_dump(by_alias=True, mode="json")
         return answer, False
     if not isinstance(params, dict) or not params:
@@ -76,14 +78,14 @@ def complete(engine: Engine, body: Obj, chat: bool, request_id: str) -> tuple[Ob
         first = exc.errors()[0]
         where = ".".join(str(p) for p in ("kv_transfer_params", *first["loc"]))
         raise EngineError(f"{where}: {first['msg']}", code=INVALID_REQUEST, field=where) from exc
-    result = engine.decode(f"decode-{request_id}", remote)
+    result = engine.decode(f"decode-{request_id}", remote, rank=rank)
     if not result.get("verified") and engine.env.verify:
         raise EngineError("the KV bytes decode read differ from what prefill computed", code="NOT_VERIFIED", status=500)
     answer["kvbridge"] = {k: result[k] for k in ("verified", "bytes", "descriptors", "transferSeconds")}
     return answer, bool(body.get("stream"))
 
 
-def signed_by_router(engine: Engine, params: Obj, field: str) -> Obj:
+def signed_by_router(engine: DataParallelEngines, params: Obj, field: str) -> Obj:
     """``params`` without the router's signature; where the engine holds the router's token
     (``spec.router.signTransfers``) the signature is checked first: missing or wrong, the request gets 403
     ``TRANSFER_NOT_SIGNED`` and nothing is read."""

@@ -102,7 +102,13 @@ class _PeerState:
 class Engine:
     """One prefill or decode engine of the agent worker."""
 
-    def __init__(self, env: EngineEnvironment, keys: CurveKeys | None = None, log_level: str = "WARNING") -> None:
+    def __init__(
+        self,
+        env: EngineEnvironment,
+        keys: CurveKeys | None = None,
+        log_level: str = "WARNING",
+        metrics: AgentMetrics | None = None,
+    ) -> None:
         self._verification = VerificationPolicy(env.transfer)
         self.env = env
         self.keys = keys
@@ -112,7 +118,7 @@ class Engine:
         )
         self.log_level = log_level
         self.incarnation = uuid.uuid4().hex[:12]
-        self.metrics = AgentMetrics(env.role.value, env.engine_id)
+        self.metrics = metrics or AgentMetrics(env.role.value, env.engine_id)
         self.allocator = BlockAllocator(env.num_blocks, default=env.block_allocation)
         self.plan = build_plan(env.model, env.prefill, env.decode, env.transfer)
         self.ranks: list[RankHandle] = []
@@ -369,6 +375,10 @@ class Engine:
                 log.warning("lease of request %s expired; freeing its blocks", request_id)
                 self.metrics.expired_leases.labels(**self.metrics.labels).inc()
                 self._drop_held(request_id)
+
+    def holds(self, request_id: str) -> bool:
+        with self._held_lock:
+            return request_id in self._held
 
     def held(self) -> dict[str, list[int]]:
         with self._held_lock:

@@ -10,6 +10,9 @@
 - ``GET /v1/held`` — prefill requests whose blocks await readers
 - ``GET /v1/ranks`` — per-rank state (open NIXL handles, requests in flight)
 
+With several data-parallel ranks (``data_parallel``) each POST runs on one of them, the one named by vLLM's header
+``X-data-parallel-rank`` or else the least busy; health and metrics cover them all.
+
 Errors are ``{"error": {"code", "field", "message", "invalidBlocks"}}`` with a
 4xx/5xx status; a bad request never affects other requests. On SIGTERM the server drains: new POSTs get 503
 ``DRAINING`` (a router retries them elsewhere) while those in flight finish, at most ``KVBRIDGE_DRAIN_SECONDS``.
@@ -30,7 +33,7 @@ from kvbridge_agent.core import KVBridgeError
 from kvbridge_agent.core.contract import BlockAllocation
 from kvbridge_agent.core.handshake import KVTransferParams
 from kvbridge_agent.synthetic import completions
-from kvbridge_agent.synthetic.engine import Engine
+from kvbridge_agent.synthetic.data_parallel import DP_RANK_HEADER, DataParallelEngines
 from kvbridge_agent.synthetic.ranks import INVALID_REQUEST, EngineError
 
 log = logging.getLogger(__name__)
@@ -82,6 +85,7 @@ class _Handler(BaseHTTPRequestHandler):
                     "engineId": engine.env.engine_id,
                     "incarnation": engine.incarnation,
                     "rankPids": engine.rank_pids(),
+                    **_ranks_of(engine),
                 },
             )
         elif self.path == "/metrics":
@@ -89,7 +93,7 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path == "/v1/models":
             self._send(HTTPStatus.OK, completions.models())
         elif self.path == "/v1/held":
-            self._send(HTTPStatus.OK, {"held": engine.held(), "freeBlocks": engine.allocator.free_count})
+            self._send(HTTPStatus.OK, {"held": engine.held(), "freeBlocks": engine.free_blocks})
         elif self.path == "/v1/ranks":
             self._send(HTTPStatus.OK, {"ranks": engine.rank_stats()})
         else:
@@ -109,8 +113,11 @@ class _Handler(BaseHTTPRequestHandler):
         engine = self.server.engine
         try:
             body = self._body()
+            rank = engine.rank_of(self.headers.get(DP_RANK_HEADER))
             if self.path == "/v1/prefill":
-                params = engine.prefill(str(body.get("requestId", "")), _int(body, "numTokens"), _allocation(body))
+                params = engine.prefill(
+                    str(body.get("requestId", "")), _int(body, "numTokens"), _allocation(body), rank
+                )
                 self._send(HTTPStatus.OK, {"kvTransferParams": params.model_dump(by_alias=True)})
             elif self.path == "/v1/decode":
                 raw = body.get("kvTransferParams")
@@ -122,12 +129,13 @@ class _Handler(BaseHTTPRequestHandler):
                     where = ".".join(str(p) for p in ("kvTransferParams", *first["loc"]))
                     raise EngineError(f"{where}: {first['msg']}", code=INVALID_REQUEST, field=where) from exc
                 result = engine.decode(
-                    str(body.get("requestId", "")), params, _int(body, "prefixHitBlocks", 0), _allocation(body)
+                    str(body.get("requestId", "")), params, _int(body, "prefixHitBlocks", 0), _allocation(body), rank
                 )
                 self._send(HTTPStatus.OK, result)
             elif self.path in ("/v1/completions", "/v1/chat/completions"):
                 chat = self.path == "/v1/chat/completions"
-                answer, stream = completions.complete(engine, body, chat, self.headers.get("X-Request-Id") or "")
+                request_id = self.headers.get("X-Request-Id") or ""
+                answer, stream = completions.complete(engine, body, chat, request_id, rank)
                 if stream:
                     self._send(HTTPStatus.OK, completions.event_stream(answer, chat), "text/event-stream")
                 else:
@@ -141,6 +149,11 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as exc:  # keep serving; report the bug
             log.exception("request %s failed", self.path)
             self._send(HTTPStatus.INTERNAL_SERVER_ERROR, _error("INTERNAL_ERROR", f"{type(exc).__name__}: {exc}"))
+
+
+def _ranks_of(engine: DataParallelEngines) -> dict[str, Any]:
+    """Each DP rank as a transfer peer, where the engine has several."""
+    return {"dataParallelRanks": engine.data_parallel_ranks()} if len(engine.members) > 1 else {}
 
 
 def _int(body: dict[str, Any], name: str, default: int | None = None) -> int:
@@ -166,7 +179,7 @@ def _allocation(body: dict[str, Any]) -> BlockAllocation | None:
 class AgentHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, host: str, port: int, engine: Engine) -> None:
+    def __init__(self, host: str, port: int, engine: DataParallelEngines) -> None:
         super().__init__((host, port), _Handler)
         self.engine = engine
         self._in_flight = 0

@@ -51,10 +51,14 @@ class EngineProcess:
     def pids(self) -> list[int]:
         return [self.process.pid, *self.ready.get("rankPids", [])]
 
-    def post(self, path: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[int, dict[str, Any]]:
+    def post(
+        self, path: str, body: dict[str, Any], timeout: float = 120.0, headers: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, Any]]:
         """POST JSON; returns (status, body) for success and error statuses alike."""
         request = urllib.request.Request(
-            self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+            self.url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", **(headers or {})},
         )
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:

@@ -1,4 +1,4 @@
-"""``kvbridge-agent serve``: run one engine of the agent worker until SIGTERM."""
+"""``kvbridge-agent serve``: run one engine of the agent worker (all its data-parallel ranks) until SIGTERM."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import threading
 from typing import Any
 
 from kvbridge_agent.core.contract import EngineEnvironment
-from kvbridge_agent.synthetic.engine import Engine
+from kvbridge_agent.synthetic.data_parallel import DataParallelEngines
 from kvbridge_agent.synthetic.http_api import AgentHTTPServer
 from kvbridge_agent.transfer.keys import load_keys
 
@@ -33,7 +33,7 @@ def serve(env: EngineEnvironment, *, log_level: str = "WARNING") -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     keys = load_keys(env.keys_dir) if env.keys_dir else None
-    engine = Engine(env, keys, log_level=log_level)
+    engine = DataParallelEngines(env, keys, log_level=log_level)
     http: AgentHTTPServer | None = None
     try:
         engine.start()
@@ -45,9 +45,11 @@ def serve(env: EngineEnvironment, *, log_level: str = "WARNING") -> int:
             "engineId": env.engine_id,
             "incarnation": engine.incarnation,
             "httpPort": http.port,
-            "sideChannelPort": engine.server.port if engine.server else None,
+            "sideChannelPort": engine.data_parallel_ranks()[0]["sideChannelPort"],
             "rankPids": engine.rank_pids(),
         }
+        if len(engine.members) > 1:  # each DP rank a transfer peer: its engine id, incarnation and side channel
+            ready["dataParallelRanks"] = engine.data_parallel_ranks()
         sys.stdout.write(json.dumps(ready) + "\n")
         sys.stdout.flush()
         while not stop.wait(HEALTH_CHECK_SECONDS):

@@ -1,6 +1,9 @@
-"""Prometheus metrics of one engine (one registry per engine, so tests can run several)."""
+"""Prometheus metrics of one engine (one registry per engine, so tests can run several; an engine's data-parallel
+ranks share its registry, each under its own ``engine`` label)."""
 
 from __future__ import annotations
+
+import copy
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -67,6 +70,12 @@ class AgentMetrics:
             registry=self.registry,
         )
         self.free_blocks = Gauge("kvbridge_free_blocks", "Free KV blocks.", list(labels), registry=self.registry)
+
+    def relabelled(self, engine_id: str) -> AgentMetrics:
+        """The same series in the same registry, labelled for another engine id (one data-parallel rank)."""
+        view = copy.copy(self)
+        view.labels = {**self.labels, "engine": engine_id}
+        return view
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

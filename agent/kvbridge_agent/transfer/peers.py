@@ -17,6 +17,8 @@ from kvbridge_agent.transfer.side_channel import SideChannelClient
 
 LEASE_EXPIRED = "LEASE_EXPIRED"
 STALE_PEER = "STALE_PEER"
+#: the side channel the parameters point at serves another engine than they name (a mixed-up DP rank port)
+WRONG_PEER = "WRONG_PEER"
 #: decode refuses a read this close to the prefill's lease end (clock skew between the two hosts)
 LEASE_CLOCK_MARGIN_SECONDS = 1.0
 
@@ -27,8 +29,17 @@ def fetch_prefill_ranks(
     params: KVTransferParams, ranks: Sequence[int], fingerprint: str, keys: CurveKeys | None, timeout: float
 ) -> tuple[str, PrefillRanks]:
     """The metadata of these prefill ranks (one exchange each, all within ``timeout``) and the incarnation they
-    all run; ranks of different incarnations (an engine restarting under decode's feet) are refused."""
+    all run; ranks of another engine than the parameters name (:data:`WRONG_PEER`) or of different incarnations
+    (an engine restarting under decode's feet) are refused."""
     fetched = SideChannelClient(params.remote_host, params.remote_port, fingerprint, keys, timeout).fetch(ranks)
+    served = sorted({meta.engine_id for meta, _ in fetched.values()} - {params.remote_engine_id})
+    if served:  # checked first: nothing of another engine may be taken for this one's (its incarnation included)
+        raise HandshakeError(
+            f"the side channel at {params.remote_host}:{params.remote_port} serves {', '.join(served)}, not "
+            f"{params.remote_engine_id}, which the transfer parameters name: each data-parallel rank listens on base "
+            "port + its rank; prefill the request again",
+            code=WRONG_PEER,
+        )
     incarnations = {meta.incarnation for meta, _ in fetched.values()}
     if len(incarnations) != 1:
         raise HandshakeError(

@@ -10,7 +10,6 @@ from typing import Any
 from kvbridge_agent.core import KVLayout, ModelGeometry, Role, SpecError, TransferSettings
 from kvbridge_agent.core.cache_groups import CacheGroups
 from kvbridge_agent.core.contract import EngineEnvironment, parse_environment
-from kvbridge_agent.core.parallel import engine_id_of_rank
 from kvbridge_agent.core.plan import plan_or_problems
 
 #: vLLM's KV roles and kvbridge's
@@ -112,5 +111,4 @@ def data_parallel_rank(environment: EngineEnvironment, vllm_config: Any) -> Engi
             field=f"spec.{environment.role.value}.dataParallelSize",
             code="CONNECTOR_MISMATCH",
         )
-    engine_id = engine_id_of_rank(environment.engine_id, index, size)
-    return environment.model_copy(update={"dp_index": index, "engine_id": engine_id})
+    return environment.of_data_parallel_rank(index)

@@ -2,9 +2,10 @@
 
 The KV side of it is the agent core's (``kvbridge_agent.core.parallel``: each DP rank a KV peer with its own engine
 id and side-channel port; the compatibility rules refuse expert parallelism without experts). What is checked here
-is where they run: vLLM on GPUs, the DP ranks of an engine in its one pod or spread evenly over the pods of a
-LeaderWorkerSet group (multinode.py: ``--data-parallel-start-rank`` on the workers), and ``dataParallelSize x
-tensorParallelSize / nodes`` GPUs per pod (placement.py's fit check counts them).
+is where they run: vLLM on GPUs, or the synthetic engine (DP only: it has no experts; its DP ranks in its one pod);
+a vLLM engine's DP ranks in its one pod or spread evenly over the pods of a LeaderWorkerSet group (multinode.py:
+``--data-parallel-start-rank`` on the workers); and ``dataParallelSize x tensorParallelSize / nodes`` GPUs per pod
+(placement.py's fit check counts them).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from kvbridge_agent.core import Problem, Role
 from kvbridge_operator.api.spec import DisaggregatedDeploymentSpec, EngineDevice, EngineKind
 
-#: data or expert parallelism asked of the synthetic engine, which serves no model
+#: expert parallelism asked of the synthetic engine, which serves no model (its DP ranks it runs)
 PARALLELISM_NEEDS_VLLM = "PARALLELISM_NEEDS_VLLM"
 #: data parallelism on vLLM's CPU build, which kvbridge has not run it on
 DATA_PARALLEL_ON_CPU = "DATA_PARALLEL_ON_CPU"
@@ -24,16 +25,7 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
         role_spec = spec.role(role)
         dp_field, ep_field = f"spec.{role.value}.dataParallelSize", f"spec.{role.value}.expertParallel"
         dp = role_spec.data_parallel_size
-        if spec.engine.kind is not EngineKind.VLLM:
-            if dp > 1:
-                found.append(
-                    Problem(
-                        PARALLELISM_NEEDS_VLLM,
-                        dp_field,
-                        f"{role.value} asks for {dp} data-parallel ranks, and the synthetic engine (kind Agent) runs "
-                        f"one KV cache per pod: set {dp_field}: 1, or spec.engine.kind: VLLM",
-                    )
-                )
+        if spec.engine.kind is not EngineKind.VLLM:  # the synthetic engine runs its DP ranks in its pod
             if role_spec.expert_parallel:
                 found.append(
                     Problem(

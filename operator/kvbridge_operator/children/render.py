@@ -207,10 +207,7 @@ def rendered_template(
         if spec.inference_pool.enabled:
             labels[LABEL_INFERENCE_POOL] = dd.metadata.name  # what the InferencePool selects: engines only
     else:
-        containers, volumes = (
-            [_agent_container(dd, role, plan, config, side_channels[0])],
-            [_keys_volume(dd)],
-        )
+        containers, volumes = [_agent_container(dd, role, plan, config, side_channels)], [_keys_volume(dd)]
     template: Obj = {
         "metadata": {"labels": labels},
         "spec": {"containers": containers, "volumes": volumes, **placed},
@@ -234,19 +231,19 @@ def on_cpu(dd: DisaggregatedDeployment, config: OperatorConfig) -> bool:
 
 
 def _agent_container(
-    dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig, side: Obj
+    dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig, side_channels: list[Obj]
 ) -> Obj:
     # the agent worker needs little besides its KV cache; override with the role's template
     resources: Obj = {"requests": {"cpu": "1", "memory": "2Gi"}}
     if not on_cpu(dd, config):
-        gpus = str(dd.spec.role(role).tensor_parallel_size)
+        gpus = str(multinode.gpus_per_pod(dd.spec, role))  # every DP rank's TP ranks
         resources = {
             "requests": {**resources["requests"], config.gpu_resource: gpus},
             "limits": {config.gpu_resource: gpus},
         }
     ports = [{"name": HTTP_PORT_NAME, "containerPort": config.agent_http_port, "protocol": "TCP"}]
-    if role is Role.PREFILL:
-        ports.append(side)
+    if role is Role.PREFILL:  # a side channel per data-parallel rank
+        ports += side_channels
     probe = {"httpGet": {"path": "/healthz", "port": HTTP_PORT_NAME}, "periodSeconds": 5, "failureThreshold": 3}
     return {
         "name": ENGINE_CONTAINER,

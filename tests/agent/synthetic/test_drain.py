@@ -20,7 +20,10 @@ class SlowEngine:
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
 
-    def prefill(self, request_id: str, num_tokens: int, allocation: Any) -> KVTransferParams:
+    def rank_of(self, header: str | None) -> int | None:
+        return None
+
+    def prefill(self, request_id: str, num_tokens: int, *options: Any) -> KVTransferParams:
         time.sleep(self.seconds)
         return KVTransferParams(
             remote_engine_id="p",

@@ -50,7 +50,10 @@ class StubEngine:
         self.env = SimpleNamespace(verify=True)
         self.read: list[KVTransferParams] = []
 
-    def decode(self, request_id: str, params: KVTransferParams, *rest: Any) -> dict[str, Any]:
+    def rank_of(self, header: str | None) -> int | None:
+        return None
+
+    def decode(self, request_id: str, params: KVTransferParams, *rest: Any, **options: Any) -> dict[str, Any]:
         self.read.append(params)
         return {"verified": True, "bytes": 1, "descriptors": 1, "transferSeconds": 0.0}
 
