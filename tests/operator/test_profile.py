@@ -22,8 +22,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from kvbridge_agent.core import KVBridgeError
+from kvbridge_agent.core import KVBridgeError, SpecError
+from kvbridge_operator.api.spec import AutoscalingSpec
 from kvbridge_operator.cli.main import main
+from kvbridge_operator.controller.autoscaling import read_profile
 from kvbridge_operator.planner.profile import PerformanceProfile, profile_from_bench
 
 ROOT = Path(__file__).parents[2]
@@ -47,6 +49,7 @@ def test_a_profile_is_the_prefill_rate_and_the_decode_latency_at_its_percentile(
     assert profile.decode.context_tokens == 1056
     stored = profile.model_dump(by_alias=True, mode="json")
     assert stored["prefill"] == {"tokensPerSecond": 4096.0}
+    assert stored["decode"]["itlPercentile"] == 90  # the planner uses it for a p90 ITL target only
     assert PerformanceProfile.model_validate(stored) == profile  # what the planner reads back
     assert profile_from_bench("e", bench(), {1: bench(**{"p99.5_itl_ms": 3.0})}, 99.5, 10).decode.points[0].itl_ms == 3
 
@@ -192,3 +195,41 @@ async def test_the_command_measures_a_stand_in_engine_with_vllms_own_client(stan
     assert four.itl_ms >= 1000 * (BASE_ITL + 3 * PER_REQUEST_ITL)
     assert profile.decode.context_tokens == 32 + 12
     print(f"kvbridge profile against the stand-in: {time.monotonic() - began:.1f} s, {profile.model_dump()}")
+
+
+class ConfigMaps:
+    """What read_profile asks of the API: one ConfigMap."""
+
+    def __init__(self, data: dict[str, str]) -> None:
+        self.data = data
+
+    async def get(self, resource: Any, namespace: str, name: str) -> dict[str, Any]:
+        return {"metadata": {"name": name}, "data": self.data}
+
+
+@pytest.mark.parametrize(("measured", "target", "refused"), [(90, 95, True), (95, 95, False), (None, 99, False)])
+def test_the_planner_uses_a_profile_only_at_its_targets_itl_percentile(
+    measured: float | None, target: float, refused: bool
+) -> None:
+    profile = profile_from_bench("e", bench(), {1: bench(p90_itl_ms=8.0, p95_itl_ms=9.0)}, measured or 90, 10)
+    stored = profile.model_dump(by_alias=True, mode="json")
+    if measured is None:  # a profile written before the percentile was stored: taken as the target's
+        del stored["decode"]["itlPercentile"]
+    spec = AutoscalingSpec.model_validate(
+        {
+            "enabled": True,
+            "prometheusUrl": "http://prometheus:9090",
+            "ttft": {"milliseconds": 500},
+            "itl": {"milliseconds": 50, "percentile": target},
+            "profile": {"name": "profile"},
+        }
+    )
+    read = read_profile(ConfigMaps({"profile.json": json.dumps(stored)}), "default", spec)  # type: ignore[arg-type]
+    if not refused:
+        assert asyncio.run(read).decode.points[0].concurrency == 1
+        return
+    with pytest.raises(SpecError) as caught:
+        asyncio.run(read)
+    assert caught.value.code == "ProfileInvalid"
+    assert "p90 and the ITL target is p95" in caught.value.message
+    assert "kvbridge profile --itl-percentile 95" in caught.value.message

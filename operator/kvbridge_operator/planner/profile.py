@@ -36,6 +36,14 @@ class DecodePoint(CamelModel):
 
 class DecodeProfile(CamelModel):
     context_tokens: int = Field(ge=1, description="The context length the points were measured at.")
+    itl_percentile: float | None = Field(
+        default=None,
+        ge=50,
+        le=99.9,
+        description="The percentile of the points' inter-token latencies (``kvbridge profile --itl-percentile``); "
+        "the planner uses a profile only for an ITL target of the same percentile. Absent: not stated, taken as "
+        "the target's.",
+    )
     points: list[DecodePoint] = Field(min_length=1, max_length=256)
 
     @model_validator(mode="after")
@@ -144,5 +152,5 @@ def profile_from_bench(
     return PerformanceProfile(
         engine=engine,
         prefill=PrefillProfile(tokens_per_second=round(tokens / float(computed["duration"]), 1)),
-        decode=DecodeProfile(context_tokens=context_tokens, points=points),
+        decode=DecodeProfile(context_tokens=context_tokens, itl_percentile=percentile, points=points),
     )
