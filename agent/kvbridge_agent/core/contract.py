@@ -135,6 +135,14 @@ class EngineEnvironment(CamelModel):
         several) and so its side channel on base port + rank (an overridden listen port is offset too, unless it is
         0: any free port)."""
         listen = self.side_channel_listen_port
+        port = (listen if listen else self.transfer.side_channel_port) + rank
+        if port > 65535:
+            field = "KVBRIDGE_SIDE_CHANNEL_LISTEN_PORT" if listen else "spec.transfer.sideChannelPort"
+            raise SpecError(
+                f"data-parallel rank {rank} would listen on port {port}, past 65535: lower {field}",
+                field=field,
+                code="SIDE_CHANNEL_PORTS_OUT_OF_RANGE",
+            )
         return self.model_copy(
             update={
                 "dp_index": rank,

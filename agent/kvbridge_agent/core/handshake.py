@@ -222,8 +222,10 @@ def decode_digest_reply(frames: Sequence[bytes], fingerprint: str) -> tuple[Dige
     return state, [int(h) for h in heads], bytes(frames[1]), key
 
 
-def encode_ack(fingerprint: str) -> list[bytes]:
-    return [_dump({"version": ENVELOPE_VERSION, "fingerprint": fingerprint})]
+def encode_ack(fingerprint: str, renewed: Sequence[str] = ()) -> list[bytes]:
+    """An acknowledgement; a heartbeat's names the requests whose lease prefill renewed (held, and named with
+    their token): decode extends its view of a lease only for those."""
+    return [_dump({"version": ENVELOPE_VERSION, "fingerprint": fingerprint, "renewed": list(renewed)})]
 
 
 def encode_error(fingerprint: str, code: str, message: str) -> list[bytes]:
@@ -239,12 +241,17 @@ def _raise_peer_error(header: dict[str, object]) -> None:
         raise HandshakeError(f"peer refused: {detail.get('message', error)}", code=code)
 
 
-def decode_ack(frames: Sequence[bytes], fingerprint: str) -> None:
+def decode_ack(frames: Sequence[bytes], fingerprint: str) -> list[str]:
+    """The request ids an acknowledgement says were renewed (none where it names none)."""
     if not frames:
         raise HandshakeError("empty reply", code=MALFORMED_MESSAGE)
     header = _header(frames[0])
     _check_envelope(header, fingerprint)
     _raise_peer_error(header)
+    renewed = header.get("renewed", [])
+    if not isinstance(renewed, list) or not all(isinstance(r, str) for r in renewed):
+        raise HandshakeError("renewed must be a list of request ids", code=MALFORMED_MESSAGE)
+    return [str(r) for r in renewed]
 
 
 def decode_reply(frames: Sequence[bytes], fingerprint: str) -> tuple[RankMetadata, bytes]:

@@ -11,6 +11,7 @@ vLLM's header ``X-data-parallel-rank``. One DP rank (the default) is the plain e
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,8 @@ from kvbridge_agent.synthetic.engine import Engine
 from kvbridge_agent.synthetic.ranks import DUPLICATE_REQUEST, INVALID_REQUEST, EngineError
 from kvbridge_agent.transfer.keys import CurveKeys
 from kvbridge_agent.transfer.metrics import AgentMetrics
+
+log = logging.getLogger(__name__)
 
 #: vLLM's header naming the DP rank a request runs on (its OpenAI server reads the same)
 DP_RANK_HEADER = "X-data-parallel-rank"
@@ -37,7 +40,11 @@ class DataParallelEngines:
         self.metrics = metrics
         self.members = [
             Engine(member, keys, log_level, metrics.relabelled(member.engine_id))
-            for member in (env.of_data_parallel_rank(rank) for rank in range(env.own.data_parallel_size))
+            for member in (
+                [env.of_data_parallel_rank(r) for r in range(env.own.data_parallel_size)]
+                if env.own.data_parallel_size > 1
+                else [env]  # one DP rank: the engine as its environment says (KVBRIDGE_DP_INDEX included)
+            )
         ]
         self._lock = threading.Lock()
         self._in_flight = [0] * len(self.members)
@@ -58,10 +65,15 @@ class DataParallelEngines:
         """Start every rank's processes and side channel at once; any failure stops them all and is raised."""
         with ThreadPoolExecutor(len(self.members), thread_name_prefix="dp-start") as pool:
             started = [pool.submit(member.start) for member in self.members]
-            failures = [error for error in (f.exception() for f in started) if error is not None]
+            failures = [(rank, f.exception()) for rank, f in enumerate(started) if f.exception() is not None]
         if failures:
-            self.close()
-            raise failures[0]
+            for rank, error in failures:
+                log.error("DP rank %d of %s did not start: %s", rank, self.env.engine_id, error)
+            try:
+                self.close()
+            except Exception:  # the start's failure is what the caller needs to see
+                log.exception("stopping the DP ranks of %s after a failed start", self.env.engine_id)
+            raise failures[0][1]  # type: ignore[misc]
         return self
 
     def close(self) -> None:

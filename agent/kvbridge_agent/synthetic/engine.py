@@ -73,6 +73,7 @@ from kvbridge_agent.transfer.peers import (
     fetch_digests,
     fetch_prefill_ranks,
     lease_left,
+    require_address,
     require_incarnation,
 )
 from kvbridge_agent.transfer.side_channel import (
@@ -97,6 +98,8 @@ class _Held:
 class _PeerState:
     incarnation: str
     future: Future[None]
+    #: the side channel the handshake went to (host, port)
+    address: tuple[str, int]
 
 
 class Engine:
@@ -357,14 +360,17 @@ class Engine:
                 handle.send({"op": "forget", "request_id": request_id})
             self._free(held.blocks)
 
-    def heartbeat(self, request_ids: list[str]) -> None:
-        """Renew the leases of requests a decode engine still waits on."""
+    def heartbeat(self, request_ids: list[str]) -> list[str]:
+        """Renew the leases of requests a decode engine still waits on; returns those renewed (still held)."""
         deadline = time.monotonic() + self.env.transfer.lease_seconds
+        renewed = []
         with self._held_lock:
             for request_id in request_ids:
                 held = self._held.get(request_id)
                 if held is not None:
                     held.deadline = max(held.deadline, deadline)
+                    renewed.append(request_id)
+        return renewed
 
     def _expire_leases(self) -> None:
         while not self._stop.wait(0.1):
@@ -527,7 +533,7 @@ class Engine:
                 and (known.future.exception() is not None or known.incarnation != params.remote_incarnation)
             )
             if known is None or fresh:
-                known = _PeerState(params.remote_incarnation, Future())
+                known = _PeerState(params.remote_incarnation, Future(), (params.remote_host, params.remote_port))
                 self._peers[params.remote_engine_id] = known
             state = known
         if fresh:
@@ -547,8 +553,9 @@ class Engine:
             raise EngineError("handshake still in flight", code="HANDSHAKE_TIMEOUT", status=504) from exc
         try:
             require_incarnation(params, state.incarnation)
+            require_address(params, state.address)
         except HandshakeError as exc:
-            raise EngineError(exc.message, code=exc.code, status=409) from exc
+            raise EngineError(exc.message, code=exc.code, status=409 if exc.code == STALE_PEER else 502) from exc
 
     def _handshake(self, params: KVTransferParams) -> None:
         started = time.perf_counter()

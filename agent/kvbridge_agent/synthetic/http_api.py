@@ -38,6 +38,7 @@ from kvbridge_agent.synthetic.ranks import INVALID_REQUEST, EngineError
 
 log = logging.getLogger(__name__)
 MAX_BODY = 64 << 20
+_POST_ROUTES = ("/v1/prefill", "/v1/decode", "/v1/completions", "/v1/chat/completions")
 
 
 def _error(code: str, message: str, field: str = "", invalid: list[int] | None = None) -> dict[str, Any]:
@@ -111,6 +112,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _post(self) -> None:
         engine = self.server.engine
+        if self.path not in _POST_ROUTES:
+            self._send(HTTPStatus.NOT_FOUND, _error("NOT_FOUND", f"no route {self.path}"))
+            return
         try:
             body = self._body()
             rank = engine.rank_of(self.headers.get(DP_RANK_HEADER))
@@ -132,7 +136,7 @@ class _Handler(BaseHTTPRequestHandler):
                     str(body.get("requestId", "")), params, _int(body, "prefixHitBlocks", 0), _allocation(body), rank
                 )
                 self._send(HTTPStatus.OK, result)
-            elif self.path in ("/v1/completions", "/v1/chat/completions"):
+            else:  # /v1/completions, /v1/chat/completions
                 chat = self.path == "/v1/chat/completions"
                 request_id = self.headers.get("X-Request-Id") or ""
                 answer, stream = completions.complete(engine, body, chat, request_id, rank)
@@ -140,8 +144,6 @@ class _Handler(BaseHTTPRequestHandler):
                     self._send(HTTPStatus.OK, completions.event_stream(answer, chat), "text/event-stream")
                 else:
                     self._send(HTTPStatus.OK, answer)
-            else:
-                self._send(HTTPStatus.NOT_FOUND, _error("NOT_FOUND", f"no route {self.path}"))
         except EngineError as exc:
             self._send(exc.status, _error(exc.code, exc.message, exc.field, exc.invalid_blocks))
         except KVBridgeError as exc:

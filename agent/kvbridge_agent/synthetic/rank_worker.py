@@ -29,6 +29,20 @@ from kvbridge_agent.transfer.transport import Transport
 
 log = logging.getLogger(__name__)
 
+
+def rank_device(device: str, dp_index: int, tp_size: int, rank: int, visible: int) -> str:
+    """The device of one rank's cache: on GPUs, its own of the pod's ``DP x TP`` (DP rank ``dp_index``'s TP rank
+    ``rank``), as vLLM places ranks; ranks share GPUs only where fewer are visible (a test on one GPU)."""
+    if device != "cuda" or visible < 1:
+        return device
+    index = dp_index * tp_size + rank
+    if index >= visible:
+        log.warning(
+            "rank %d of DP rank %d shares a GPU: %d visible, the pod's ranks need more", rank, dp_index, visible
+        )
+    return f"cuda:{index % visible}"
+
+
 VERIFY_MISMATCH = "VERIFY_MISMATCH"
 IDLE_WAIT = 0.02
 WAITING_FOR_READERS = 0.0005
@@ -51,13 +65,21 @@ def _result_dict(result: ReadResult) -> dict[str, Any]:
     }
 
 
+def _visible_gpus() -> int:
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
 class RankWorker:
     def __init__(self, env: EngineEnvironment, rank: int, incarnation: str, conn: Connection) -> None:
         self.env = env
         self.conn = conn
         own = env.own
+        visible = _visible_gpus() if env.device == "cuda" else 0
+        device = rank_device(env.device, env.dp_index, own.tensor_parallel_size, rank, visible)
         self.cache = KVCache.allocate(
-            env.model, own.block_size, own.kv_layout, own.tensor_parallel_size, rank, env.num_blocks, env.device
+            env.model, own.block_size, own.kv_layout, own.tensor_parallel_size, rank, env.num_blocks, device
         )
         self.transport = Transport(f"{env.engine_id}.{incarnation}.{rank}", env.transfer.backends)
         self.transport.register(self.cache.tensors)

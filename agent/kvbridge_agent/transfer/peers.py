@@ -89,6 +89,18 @@ def require_incarnation(params: KVTransferParams, incarnation: str) -> None:
         )
 
 
+def require_address(params: KVTransferParams, address: tuple[str, int] | None) -> None:
+    """An incarnation's side channel does not move: parameters naming a known incarnation at another address than
+    decode met it at point at another engine's listener (:data:`WRONG_PEER`; ``address`` None: not met yet)."""
+    if address is not None and address != (params.remote_host, params.remote_port):
+        raise HandshakeError(
+            f"{params.remote_engine_id} incarnation {params.remote_incarnation} listens at {address[0]}:{address[1]}, "
+            f"and these transfer parameters name {params.remote_host}:{params.remote_port}: each data-parallel rank "
+            "listens on base port + its rank; prefill the request again",
+            code=WRONG_PEER,
+        )
+
+
 def lease_left(expires_at: float | None, now: float | None = None) -> float:
     """Seconds decode may still read within prefill's lease ending at ``expires_at`` (Unix time), less
     :data:`LEASE_CLOCK_MARGIN_SECONDS`; ``inf`` for parameters without an expiry."""

@@ -85,7 +85,8 @@ class SideChannelServer:
     fingerprint: str
     ranks: dict[int, tuple[RankMetadata, bytes]]
     keys: CurveKeys | None = None
-    on_heartbeat: Callable[[list[str]], None] | None = None
+    #: renews the leases of the named requests it holds; returns those it renewed
+    on_heartbeat: Callable[[list[str]], list[str]] | None = None
     #: a request's key and digests as prefill published them (docs/protocol.md §8), or why there are none
     digests: Callable[[str], tuple[DigestState, RequestDigests | None]] | None = None
     stats: ServerStats = field(default_factory=ServerStats)
@@ -163,9 +164,8 @@ class SideChannelServer:
             request_ids = self._offered(named)
             if kind is MessageType.HEARTBEAT:
                 self.stats.heartbeats += 1
-                if self.on_heartbeat is not None and request_ids:
-                    self.on_heartbeat(request_ids)
-                return envelope + encode_ack(self.fingerprint)
+                renewed = self.on_heartbeat(request_ids) if self.on_heartbeat is not None and request_ids else []
+                return envelope + encode_ack(self.fingerprint, renewed)
             if kind is MessageType.DIGEST:
                 if len(named) != 1:
                     raise HandshakeError("a digest request names one request", code=MALFORMED_MESSAGE)
@@ -270,13 +270,14 @@ class SideChannelClient:
         except ValueError as exc:
             raise HandshakeError(f"digest reply: {exc}", code=MALFORMED_MESSAGE) from exc
 
-    def heartbeat(self, requests: Sequence[Named]) -> None:
-        """Renew the leases of these requests (prefill's request id and lease token each)."""
+    def heartbeat(self, requests: Sequence[Named]) -> set[str]:
+        """Renew the leases of these requests (prefill's request id and lease token each); returns the ids prefill
+        says it renewed (not those it no longer holds, nor those named with another listener's token)."""
         frames = self._exchange(
             encode_request(MessageType.HEARTBEAT, self.fingerprint, requests=requests),
             time.monotonic() + self.timeout,
         )
-        decode_ack(frames, self.fingerprint)
+        return set(decode_ack(frames, self.fingerprint))
 
 
 def heartbeat_interval(lease_seconds: float) -> float:
@@ -288,8 +289,8 @@ def send_heartbeats(
     waiting: Mapping[str, KVTransferParams], fingerprint: str, keys: CurveKeys | None, timeout: float = 2.0
 ) -> dict[str, float]:
     """One round of heartbeats: on each prefill engine, renew the leases of the requests (decode's request id ->
-    the prefill's parameters) decode still waits on. Returns, for each request whose prefill acknowledged, the
-    time the heartbeat was sent (prefill renews from when it receives it: no earlier)."""
+    the prefill's parameters) decode still waits on. Returns, for each request prefill says it renewed, the time
+    the heartbeat was sent (prefill renews from when it receives it: no earlier)."""
     by_engine: dict[tuple[str, int], list[tuple[str, KVTransferParams]]] = {}
     for request_id, params in waiting.items():
         by_engine.setdefault((params.remote_host, params.remote_port), []).append((request_id, params))
@@ -298,9 +299,9 @@ def send_heartbeats(
         sent = time.time()
         try:
             named = [(params.remote_request_id, params.lease_token) for _, params in pairs]
-            SideChannelClient(host, port, fingerprint, keys, timeout).heartbeat(named)
+            held = SideChannelClient(host, port, fingerprint, keys, timeout).heartbeat(named)
         except HandshakeError as exc:
             log.warning("heartbeat to %s:%s failed: %s", host, port, exc)
             continue
-        renewed.update((request_id, sent) for request_id, _ in pairs)
+        renewed.update((request_id, sent) for request_id, params in pairs if params.remote_request_id in held)
     return renewed

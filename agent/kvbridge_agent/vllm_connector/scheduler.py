@@ -173,12 +173,15 @@ class ConnectorScheduler:
                     ours["digests"] = TransferDigests.of(found).model_dump(mode="json", by_alias=True)
             self._awaiting_digests.clear()
 
-    def _renew(self, request_ids: list[str]) -> None:
+    def _renew(self, request_ids: list[str]) -> list[str]:
         until = time.time() + self.settings.transfer.lease_seconds
+        renewed = []
         with self._lock:
             for request_id in request_ids:
                 if request_id in self._leases:
                     self._leases[request_id] = max(self._leases[request_id], until)
+                    renewed.append(request_id)
+        return renewed
 
     # -- decode: what to load ----------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:

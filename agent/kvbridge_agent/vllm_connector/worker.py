@@ -53,6 +53,7 @@ from kvbridge_agent.transfer.peers import (
     fetch_digests,
     fetch_prefill_ranks,
     lease_left,
+    require_address,
     require_incarnation,
 )
 from kvbridge_agent.transfer.prefill_rank import PrefillRank
@@ -165,8 +166,10 @@ class ConnectorWorker:
         # decode
         self._results: list[ReadResult] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-handshake")
-        #: handshakes in flight, by (prefill engine, incarnation): the fetch and when it started
-        self._fetching: dict[tuple[str, str], tuple[Future[PrefillRanks], float]] = {}
+        #: handshakes in flight, by (prefill engine, incarnation): the fetch, when it started and the side channel
+        self._fetching: dict[tuple[str, str], tuple[Future[PrefillRanks], float, tuple[str, int]]] = {}
+        #: where each prefill engine's current incarnation was met (host, port): its side channel does not move
+        self._addresses: dict[str, tuple[str, int]] = {}
         self._parked: dict[tuple[str, str], list[tuple[str, ReadOrder]]] = {}
         self._load_errors: set[int] = set()
         #: reads in flight -> the lease end they must finish before, and the local blocks they fill
@@ -318,14 +321,20 @@ class ConnectorWorker:
             return ReadResult(
                 request_id, False, LEASE_EXPIRED, "prefill's lease on the blocks has ended", list(order.local_block_ids)
             )
+        peer = decode.peers.get(params.remote_engine_id)
+        if peer is not None and peer.incarnation == params.remote_incarnation:
+            try:  # parameters crossed with another DP rank's side channel: refused before anything is read
+                require_address(params, self._addresses.get(params.remote_engine_id))
+            except HandshakeError as exc:
+                return ReadResult(request_id, False, exc.code, exc.message, list(order.local_block_ids))
         if expires_at is not None:
             self._expiry[request_id] = (expires_at, list(order.local_block_ids))
-        peer = decode.peers.get(params.remote_engine_id)
         if peer is None or peer.incarnation != params.remote_incarnation:
             key = (params.remote_engine_id, params.remote_incarnation)
             self._parked.setdefault(key, []).append((request_id, order))
             if key not in self._fetching:
-                self._fetching[key] = (self._executor.submit(self._fetch, params), time.perf_counter())
+                address = (params.remote_host, params.remote_port)
+                self._fetching[key] = (self._executor.submit(self._fetch, params), time.perf_counter(), address)
                 self._fetch_started_ns[key] = time.time_ns()
             return None
         # prefill's draw (the parameters' verify), or decode's own policy when it is All; prefill's digests are
@@ -412,7 +421,7 @@ class ConnectorWorker:
 
     def _finish_handshakes(self, decode: DecodeRank) -> None:
         """Adopt every finished handshake (NIXL calls stay on vLLM's thread), then post or fail what waited."""
-        for key, (future, started) in list(self._fetching.items()):
+        for key, (future, started, address) in list(self._fetching.items()):
             if not future.done():
                 continue
             del self._fetching[key]
@@ -432,6 +441,7 @@ class ConnectorWorker:
                 except SpecError as exc:
                     decode.evict_peer(engine_id)
                     raise HandshakeError(exc.message, code=exc.code) from exc
+                self._addresses[engine_id] = address
             except (KVBridgeError, OSError) as exc:
                 code = getattr(exc, "code", "HANDSHAKE_FAILED")
                 message = getattr(exc, "message", str(exc))

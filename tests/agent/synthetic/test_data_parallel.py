@@ -13,11 +13,12 @@ from typing import Any
 
 import pytest
 
-from kvbridge_agent.core import ModelGeometry, Role, RoleSettings, TransferSettings, Verification
+from kvbridge_agent.core import ModelGeometry, Role, RoleSettings, SpecError, TransferSettings, Verification
 from kvbridge_agent.core.contract import EngineEnvironment
 from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams
 from kvbridge_agent.synthetic.data_parallel import DP_RANK_HEADER
 from kvbridge_agent.synthetic.processes import EngineProcess, start_engine
+from kvbridge_agent.synthetic.rank_worker import rank_device
 from kvbridge_agent.transfer.keys import generate_keys, load_keys
 from kvbridge_agent.transfer.peers import WRONG_PEER, fetch_prefill_ranks
 
@@ -158,6 +159,14 @@ def test_parameters_naming_another_ranks_side_channel_fail_loudly(
     status, body = decode(d, "d-crossed", dict(params, remoteEngineId="p_dp7", remotePort=dp1_port), rank=1)
     assert status == 502, body
     assert body["error"]["code"] == WRONG_PEER
+    known = prefill(p, "known", 24, rank=0)
+    status, result = decode(d, "d-known", known, rank=1)  # decode rank 1 now knows p_dp0's incarnation
+    assert status == 200, result
+    # and a known incarnation named at another rank's side channel: refused too (the heartbeats and digests
+    # would go to the wrong rank), before a byte is read
+    status, body = decode(d, "d-crossed-known", dict(params, remotePort=dp1_port), rank=1)
+    assert status == 502, body
+    assert body["error"]["code"] == WRONG_PEER
     status, result = decode(d, "d-crossed-right", params, rank=1)  # the right parameters still read
     assert status == 200
     assert result["verified"]
@@ -171,3 +180,28 @@ def test_metrics_name_every_rank_in_one_family(engines: tuple[EngineProcess, Eng
     assert 'kvbridge_free_blocks{engine="p_dp0",role="prefill"}' in text
     assert 'kvbridge_free_blocks{engine="p_dp1",role="prefill"}' in text
     assert json.loads(json.dumps(p.get("/v1/held")))["freeBlocks"] == 64  # both ranks' caches, all free again
+
+
+@pytest.mark.parametrize(
+    ("device", "dp_index", "rank", "visible", "expected"),
+    [
+        ("cpu", 1, 1, 0, "cpu"),
+        ("cuda", 0, 0, 4, "cuda:0"),
+        ("cuda", 0, 1, 4, "cuda:1"),
+        ("cuda", 1, 0, 4, "cuda:2"),  # DP rank 1's first TP rank: the pod's third GPU
+        ("cuda", 1, 1, 4, "cuda:3"),
+        ("cuda", 1, 1, 1, "cuda:0"),  # one GPU visible (a test): the ranks share it
+    ],
+)
+def test_each_rank_of_a_gpu_pod_gets_its_own_gpu(
+    device: str, dp_index: int, rank: int, visible: int, expected: str
+) -> None:
+    assert rank_device(device, dp_index, 2, rank, visible) == expected
+
+
+def test_a_dp_rank_past_the_last_port_is_refused() -> None:
+    env = environment(Role.PREFILL, "p", Path("/nonexistent")).model_copy(update={"side_channel_listen_port": 65535})
+    assert env.of_data_parallel_rank(0).side_channel_port == 65535
+    with pytest.raises(SpecError) as caught:
+        env.of_data_parallel_rank(1)
+    assert caught.value.code == "SIDE_CHANNEL_PORTS_OUT_OF_RANGE"

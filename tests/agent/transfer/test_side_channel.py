@@ -14,13 +14,15 @@ from kvbridge_agent.core.digest import RequestDigests, new_key
 from kvbridge_agent.core.handshake import (
     DigestState,
     HandshakeError,
+    KVTransferParams,
     MessageType,
     RankMetadata,
+    decode_ack,
     decode_reply,
     encode_request,
 )
 from kvbridge_agent.transfer.keys import CurveKeys, KeysError, generate_keys, load_keys
-from kvbridge_agent.transfer.side_channel import SideChannelClient, SideChannelServer
+from kvbridge_agent.transfer.side_channel import SideChannelClient, SideChannelServer, send_heartbeats
 from kvbridge_sim.support import free_port
 
 META = RankMetadata(
@@ -45,7 +47,12 @@ META = RankMetadata(
 @pytest.fixture
 def server(keys: CurveKeys) -> Iterator[SideChannelServer]:
     beats: list[list[str]] = []
-    srv = SideChannelServer("127.0.0.1", 0, "fp", {0: (META, b"agent-0")}, keys=keys, on_heartbeat=beats.append)
+
+    def renew(request_ids: list[str]) -> list[str]:  # an engine holding every request but "gone"
+        beats.append(request_ids)
+        return [r for r in request_ids if r != "gone"]
+
+    srv = SideChannelServer("127.0.0.1", 0, "fp", {0: (META, b"agent-0")}, keys=keys, on_heartbeat=renew)
     srv.beats = beats  # type: ignore[attr-defined]
     srv.start()
     try:
@@ -124,11 +131,40 @@ def test_garbage_frames_get_an_error_reply(server: SideChannelServer, keys: Curv
 
 
 def test_heartbeats_reach_the_engine(server: SideChannelServer, keys: CurveKeys) -> None:
-    client(server, keys).heartbeat([("r1", server.token("r1")), ("r2", server.token("r2")), ("r3", "forged")])
+    named = [("r1", server.token("r1")), ("r2", server.token("r2")), ("r3", "forged")]
+    assert client(server, keys).heartbeat(named) == {"r1", "r2"}  # what prefill renewed, and only that
     assert server.beats == [["r1", "r2"]]  # type: ignore[attr-defined]
     assert server.stats.not_offered == 1
-    client(server, keys).heartbeat([("r4", server.token("r1"))])  # another request's token renews nothing
+    assert client(server, keys).heartbeat([("r4", server.token("r1"))]) == set()  # another request's token
     assert server.beats == [["r1", "r2"]]  # type: ignore[attr-defined]
+    assert client(server, keys).heartbeat([("gone", server.token("gone"))]) == set()  # freed: not renewed
+
+
+def test_decode_counts_a_lease_renewed_only_where_prefill_says_so(server: SideChannelServer, keys: CurveKeys) -> None:
+    def params(request_id: str) -> KVTransferParams:
+        return KVTransferParams(
+            remote_engine_id="p",
+            remote_incarnation="i",
+            remote_host="127.0.0.1",
+            remote_port=server.port,
+            remote_request_id=request_id,
+            remote_block_ids=[0],
+            num_tokens=1,
+            remote_tp_size=1,
+            fingerprint="fp",
+            lease_token=server.token(request_id),
+        )
+
+    forged = params("other").model_copy(update={"lease_token": "0" * 32})
+    waiting = {"d-held": params("held"), "d-gone": params("gone"), "d-forged": forged}
+    renewed = send_heartbeats(waiting, "fp", keys)
+    assert set(renewed) == {"d-held"}  # a freed request, or one named with a wrong token, is not renewed
+
+
+def test_an_acknowledgement_naming_no_renewals_renews_nothing() -> None:
+    assert decode_ack([b'{"version": 2, "fingerprint": "fp"}'], "fp") == []  # a listener before renewals were named
+    with pytest.raises(HandshakeError):
+        decode_ack([b'{"version": 2, "fingerprint": "fp", "renewed": "all"}'], "fp")
 
 
 def test_nobody_listening_times_out(keys: CurveKeys) -> None:

@@ -132,3 +132,22 @@ def test_every_prefill_dp_rank_is_read_by_every_decode_dp_rank(closing: list[Any
     for d, decode in enumerate(decodes):  # one peer per prefill DP rank, each met on its own port
         assert decode.worker.decode is not None
         assert sorted(decode.worker.decode.peers) == ["prefill-pod_dp0", "prefill-pod_dp1"], d
+    # parameters of prefill DP rank 0 crossed with rank 1's side channel: refused before a byte is read, although
+    # decode knows rank 0's incarnation (the side channel of an incarnation does not move)
+    prefill, decode = prefills[0], decodes[0]
+    done, params = prefill.scheduler.request_finished(request("crossed", {"do_remote_decode": True}), (PREFILL_BLOCKS,))
+    assert params is not None
+    prefill.worker.start_load_kv(prefill.scheduler.build_connector_meta())
+    prefill.scheduler.take_digests(prefill.worker.stats.take())
+    params["kvbridge"]["remotePort"] = prefill_base + 1
+    wanted = request("d-crossed", params)
+    assert decode.scheduler.get_num_new_matched_tokens(wanted, 0) == (TOKENS, True)
+    decode.scheduler.update_state_after_alloc(wanted, blocks_of(DECODE_BLOCKS), TOKENS)
+    decode.worker.start_load_kv(decode.scheduler.build_connector_meta())
+    deadline, received = time.monotonic() + TIMEOUT, set()
+    while "d-crossed" not in received:
+        assert time.monotonic() < deadline, "the crossed request neither failed nor finished"
+        received |= decode.worker.get_finished(set())[1] or set()
+        time.sleep(0.002)
+    assert decode.worker.get_block_ids_with_load_errors() == set(DECODE_BLOCKS)
+    assert all(not view.any() for view in decode.views.values())  # nothing was read

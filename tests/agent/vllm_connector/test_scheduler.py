@@ -212,9 +212,12 @@ def test_decode_heartbeats_renew_the_prefill_lease_until_the_kv_arrived(tmp_path
     assert prefill._server is not None
     secret = prefill._server.secret  # the stand-in listener checks the lease tokens prefill's listener handed out
     prefill.shutdown()
-    server = SideChannelServer(
-        "127.0.0.1", 0, decode.settings.fingerprint, {}, keys, on_heartbeat=seen.append, secret=secret
-    )
+
+    def renew(request_ids: list[str]) -> list[str]:
+        seen.append(request_ids)
+        return request_ids
+
+    server = SideChannelServer("127.0.0.1", 0, decode.settings.fingerprint, {}, keys, on_heartbeat=renew, secret=secret)
     server.start()
     try:
         params["kvbridge"]["remotePort"] = server.port
