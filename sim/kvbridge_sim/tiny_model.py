@@ -1,4 +1,4 @@
-"""A tiny random-weight Llama with a locally trained tokenizer, for running real vLLM without a model hub.
+"""A tiny random-weight Llama (or Mixtral) with a locally trained tokenizer, for running real vLLM without a hub.
 
 No hub is reachable on the machines kvbridge is developed and tested on, and a real model would not fit two
 cores anyway. Random weights give deterministic greedy tokens, which is all an equality check between a
@@ -50,6 +50,9 @@ class Shape:
     #: a hybrid model: every even layer attends to a sliding window of this many tokens, every odd one to all
     #: (``layer_types`` as transformers and vLLM's Llama read it); ``None``: full attention everywhere
     sliding_window: int | None = None
+    #: a mixture-of-experts model (transformers' and vLLM's Mixtral: routed experts in every layer, two per token)
+    #: of this many experts; 0: a dense Llama
+    num_experts: int = 0
 
     @property
     def layer_types(self) -> list[str] | None:
@@ -69,6 +72,7 @@ class Shape:
             "numKVHeads": self.num_kv_heads,
             "headDim": self.head_dim,
             "kvCacheDtype": "bfloat16",
+            **({"numExperts": self.num_experts} if self.num_experts else {}),
         }
 
 
@@ -82,8 +86,11 @@ SMALL = Shape("kvbridge/small-llama", num_layers=4, hidden=1024, num_heads=16, n
 #: the tiny model with a sliding window of 32 tokens on its first layer and full attention on its second: two
 #: KV cache groups in vLLM's hybrid allocator (one where kvbridge's connector runs on vLLM's CPU build)
 HYBRID = Shape("kvbridge/tiny-hybrid-llama", NUM_LAYERS, HIDDEN, NUM_HEADS, NUM_KV_HEADS, MAX_POSITIONS, 32)
+#: the tiny model's attention with a mixture of 4 experts (2 per token) in place of each MLP: what vLLM's CPU build
+#: serves with its CPU MoE kernels, expert parallelism on (EP size 1: one rank; DP is what the CPU build cannot run)
+MOE = Shape("kvbridge/tiny-moe", NUM_LAYERS, HIDDEN, NUM_HEADS, NUM_KV_HEADS, MAX_POSITIONS, num_experts=4)
 #: the local models by ``spec.model.name``
-SHAPES = {shape.name: shape for shape in (TINY, SMALL, HYBRID)}
+SHAPES = {shape.name: shape for shape in (TINY, SMALL, HYBRID, MOE)}
 _MARKER = "kvbridge-tiny-model.json"
 
 _TEXT = (
@@ -108,7 +115,7 @@ def make(path: Path, shape: Shape = TINY) -> Path:
             return path
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
 
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -120,25 +127,35 @@ def make(path: Path, shape: Shape = TINY) -> Path:
     tokenizer.train_from_iterator(_corpus(4000, random.Random(SEED)), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     fast.chat_template = CHAT_TEMPLATE
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=shape.hidden,
-        intermediate_size=4 * shape.hidden,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        max_position_embeddings=shape.max_positions,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-        initializer_range=0.1,
-        dtype="bfloat16",
-        **({} if shape.sliding_window is None else {"sliding_window": shape.sliding_window}),
-        **({} if shape.layer_types is None else {"layer_types": shape.layer_types}),
-    )
+    common: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "hidden_size": shape.hidden,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "max_position_embeddings": shape.max_positions,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.1,
+        "dtype": "bfloat16",
+    }
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model: Any
+    if shape.num_experts:  # each expert's MLP half as wide as the dense model's, two of them per token
+        experts = MixtralConfig(
+            **common, intermediate_size=2 * shape.hidden, num_local_experts=shape.num_experts, num_experts_per_tok=2
+        )
+        model = MixtralForCausalLM(experts).to(torch.bfloat16)
+    else:
+        config = LlamaConfig(
+            **common,
+            intermediate_size=4 * shape.hidden,
+            **({} if shape.sliding_window is None else {"sliding_window": shape.sliding_window}),
+            **({} if shape.layer_types is None else {"layer_types": shape.layer_types}),
+        )
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
     with tempfile.TemporaryDirectory(dir=path.parent) as staging:  # write then rename: no half-made model
         model.save_pretrained(staging)
         fast.save_pretrained(staging)

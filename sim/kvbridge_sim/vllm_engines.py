@@ -49,16 +49,18 @@ def deployment(
     device: str = "CPU",
     verification: str | None = None,
     shape: tiny_model.Shape = tiny_model.TINY,
+    expert_parallel: bool = False,
 ) -> dict[str, Any]:
     """A vLLM DisaggregatedDeployment of the tiny model (or another local ``shape``), on CPUs (vLLM's CPU build)
     unless ``device`` says GPU: prefill TP ``prefill_tp`` -> decode TP 1; ``verification`` sets
-    spec.transfer.verification."""
+    spec.transfer.verification; ``expert_parallel`` both roles' expertParallel (a mixture-of-experts shape)."""
     transfer: dict[str, Any] = {} if lease is None else {"leaseSeconds": lease}
     if verification is not None:
         transfer["verification"] = verification
     engine: dict[str, Any] = {"kind": "VLLM", "device": device, "connector": connector}
     if device == "CPU":
         engine["cpuKVCacheGiB"] = 1
+    experts = {"expertParallel": True} if expert_parallel else {}
     return {
         "apiVersion": "kvbridge.io/v1alpha1",
         "kind": "DisaggregatedDeployment",
@@ -67,8 +69,8 @@ def deployment(
             "engine": {**engine, "extraArgs": ["--enforce-eager", "--max-model-len=512", *extra]},
             "model": {"name": shape.name, **shape.geometry},
             "transfer": transfer,
-            "prefill": {"replicas": 1, "tensorParallelSize": prefill_tp, "blockSize": blocks[0]},
-            "decode": {"replicas": 1, "tensorParallelSize": 1, "blockSize": blocks[1]},
+            "prefill": {"replicas": 1, "tensorParallelSize": prefill_tp, "blockSize": blocks[0], **experts},
+            "decode": {"replicas": 1, "tensorParallelSize": 1, "blockSize": blocks[1], **experts},
         },
     }
 

@@ -19,6 +19,7 @@ EXAMPLES = Path(__file__).parents[2] / "examples" / "vllm"
         ("tiny-cpu.yaml", tiny_model.TINY),
         ("small-cpu-kv-aware.yaml", tiny_model.SMALL),
         ("small-cpu-kv-pressure.yaml", tiny_model.SMALL),
+        ("tiny-moe-cpu.yaml", tiny_model.MOE),
     ],
 )
 def test_the_example_manifests_say_the_models_geometry(manifest: str, shape: tiny_model.Shape) -> None:

@@ -25,8 +25,10 @@ SHORT_LEASE_SECONDS = 2
 
 TRACES_PORT = free_port()
 TRACES_URL = f"http://127.0.0.1:{TRACES_PORT}/v1/traces"
-#: decode merges two of prefill's blocks into one of its own: every traced read has a conversion span
-traced = deployment("tiny-traced", 1, connector="KVBridge", blocks=(32, 64))
+#: decode merges two of prefill's blocks into one of its own: every traced read has a conversion span. The pair
+#: serves the tiny mixture-of-experts model with expert parallelism on (what the CPU build runs of MoE: EP size 1),
+#: so the same engines prove MoE P/D with kvbridge's connector (test_moe) at no extra start-up
+traced = deployment("tiny-traced", 1, connector="KVBridge", blocks=(32, 64), shape=tiny_model.MOE, expert_parallel=True)
 DEPLOYMENTS = {
     "tp1": deployment("tiny-tp1", 1),
     "tp2": deployment("tiny-tp2", 2),
@@ -58,8 +60,9 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def all_engines(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
     """Every engine the tests use, rendered once; each phase starts the ones it needs."""
     found = Engines(tmp_path_factory.mktemp("engines"), tiny_model_path)
-    hybrid = tiny_model.make(tmp_path_factory.mktemp("model") / "tiny-hybrid-llama", tiny_model.HYBRID)
-    found.more_models[tiny_model.HYBRID.name] = hybrid
+    for shape in (tiny_model.HYBRID, tiny_model.MOE):
+        folder = tmp_path_factory.mktemp("model") / shape.name.split("/")[-1]
+        found.more_models[shape.name] = tiny_model.make(folder, shape)
     models = found.models
     plans = tmp_path_factory.mktemp("plans")
 
@@ -175,7 +178,8 @@ def kvbridge_hybrid_engines(all_engines: Engines) -> Engines:
 
 @pytest.fixture
 def traced_engines(all_engines: Engines) -> Engines:
-    """prefill TP 1 and decode TP 1 with kvbridge's connector and spec.tracing (OTLP/HTTP to ``TRACES_URL``)."""
+    """prefill TP 1 and decode TP 1 of the tiny mixture-of-experts model, expert parallel, with kvbridge's connector
+    and spec.tracing (OTLP/HTTP to ``TRACES_URL``)."""
     return _phase(all_engines, ["traced-prefill", "traced-decode"])
 
 

@@ -38,12 +38,14 @@ from kvbridge_router.proxy import Router, RouterConfig
 from kvbridge_router.tracing import Tracing
 from kvbridge_sim import pd_requests
 from kvbridge_sim.tiny_model import prompt
-from kvbridge_sim.vllm_engines import MODEL_NAME, Engines
+from kvbridge_sim.vllm_engines import Engines
 from tests.kv_faults import overwrite_prefill_kv
 
 from .conftest import DEPLOYMENTS, TRACES_PORT, TRACES_URL
 from .routing import endpoint, pool
 
+#: what the traced pair serves (the tiny mixture-of-experts model)
+MODEL_NAME = str(DEPLOYMENTS["traced"]["spec"]["model"]["name"])
 #: clocks of one machine; the router's call begins before the engine sees the request and ends after its answer
 SLACK_NS = 5_000_000
 

@@ -41,8 +41,11 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
                 Problem(
                     DATA_PARALLEL_ON_CPU,
                     dp_field,
-                    f"{role.value} asks for {dp} data-parallel ranks on vLLM's CPU build, where kvbridge has not run "
-                    f"data parallelism (its core binding gives TP ranks their cores, not DP ranks): set {dp_field}: 1",
+                    f"{role.value} asks for {dp} data-parallel ranks on vLLM's CPU build, which does not run them "
+                    "for a mixture-of-experts model (its CPU communicator has no all_gatherv, which the experts' "
+                    "dispatch needs: the first forward fails) and where kvbridge has not run them for a dense one "
+                    f"(its core binding gives TP ranks their cores, not DP ranks): set {dp_field}: 1 and run more "
+                    "replicas",
                 )
             )
     return found
