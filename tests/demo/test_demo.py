@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from kvbridge_sim.demo import DEFAULT_FILES, MANIFESTS
+
 
 def marked_processes(marker: str) -> list[int]:
     found = []
@@ -29,12 +31,20 @@ def marked_processes(marker: str) -> list[int]:
     return found
 
 
+#: the agent demo's two default manifests, and pods of data-parallel ranks on both roles (one run for all three)
+AGENT_MANIFESTS = [
+    *(str(MANIFESTS / name) for name in DEFAULT_FILES["agent"]),
+    str(Path(__file__).parents[2] / "examples" / "data-parallel-mla.yaml"),
+]
+
+
 @pytest.mark.slow  # the whole demo with synthetic engines, up to 3 minutes (`make test` runs it)
 def test_agent_demo_json_contract() -> None:
     marker = uuid.uuid4().hex
     started = time.monotonic()
+    files = [arg for path in AGENT_MANIFESTS for arg in ("-f", path)]
     result = subprocess.run(
-        [sys.executable, "-m", "kvbridge_operator", "demo", "--engine", "agent", "--json", "--requests", "4"],
+        [sys.executable, "-m", "kvbridge_operator", "demo", "--engine", "agent", "--json", "--requests", "4", *files],
         capture_output=True,
         text=True,
         timeout=240,
@@ -75,35 +85,19 @@ def test_agent_demo_json_contract() -> None:
     assert hetero["transfers"]["duringOutage"]["status"] == 200
     assert hetero["transfers"]["router"]["requests"] == {"ok": 5}
 
-    time.sleep(1)
-    assert marked_processes(marker) == [], "the demo left processes behind"
-
-
-DP = "examples/data-parallel-mla.yaml"
-
-
-@pytest.mark.slow  # the synthetic engine's pods with data-parallel ranks, through operator, kubelet and router
-def test_agent_demo_with_data_parallel_ranks_on_both_roles() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "kvbridge_operator", "demo", "--engine", "agent", "--json", "--requests", "6", "-f", DP],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-        cwd=Path(__file__).parents[2],
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    [deployment] = json.loads(result.stdout)["deployments"]
-    assert deployment["conditions"]["Ready"] == "True"
-    for endpoint in deployment["endpoints"]:  # every prefill DP rank published as a peer of its own
+    wide = by_name["data-parallel-mla"]  # every prefill DP rank published as a transfer peer of its own
+    assert wide["conditions"]["Ready"] == "True"
+    for endpoint in wide["endpoints"]:
         assert [(r["engineId"], r["port"]) for r in endpoint["dataParallelRanks"]] == [
             (f"{endpoint['pod']}_dp0", 5600),
             (f"{endpoint['pod']}_dp1", 5601),
         ]
-    transfers = deployment["transfers"]
-    assert transfers["requests"] == transfers["verified"] == 6
-    assert transfers["verifiedAfterPrefillRestart"] >= 1
-    assert transfers["failures"] == []
+    assert wide["transfers"]["requests"] == wide["transfers"]["verified"] == 4
+    assert wide["transfers"]["verifiedAfterPrefillRestart"] >= 1
+    assert wide["transfers"]["failures"] == []
+
+    time.sleep(1)
+    assert marked_processes(marker) == [], "the demo left processes behind"
 
 
 @pytest.mark.vllm

@@ -27,7 +27,7 @@ TRACES_PORT = free_port()
 TRACES_URL = f"http://127.0.0.1:{TRACES_PORT}/v1/traces"
 #: decode merges two of prefill's blocks into one of its own: every traced read has a conversion span. The pair
 #: serves the tiny mixture-of-experts model with expert parallelism on (what the CPU build runs of MoE: EP size 1),
-#: so the same engines prove MoE P/D with kvbridge's connector (test_moe) at no extra start-up
+#: so the same engines prove MoE P/D with kvbridge's connector (test_traced_moe) at no extra start-up
 traced = deployment("tiny-traced", 1, connector="KVBridge", blocks=(32, 64), shape=tiny_model.MOE, expert_parallel=True)
 DEPLOYMENTS = {
     "tp1": deployment("tiny-tp1", 1),

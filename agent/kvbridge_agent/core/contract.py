@@ -136,7 +136,7 @@ class EngineEnvironment(CamelModel):
         0: any free port)."""
         listen = self.side_channel_listen_port
         port = (listen if listen else self.transfer.side_channel_port) + rank
-        if port > 65535:
+        if listen != 0 and port > 65535:  # 0: any free port, whatever the rank
             field = "KVBRIDGE_SIDE_CHANNEL_LISTEN_PORT" if listen else "spec.transfer.sideChannelPort"
             raise SpecError(
                 f"data-parallel rank {rank} would listen on port {port}, past 65535: lower {field}",

@@ -5,6 +5,8 @@ Wire format: a ZeroMQ multipart message.
 - request: ``[header]`` with header ``{"version", "fingerprint", "type", "rank" | "requestIds"}``
 - reply:   ``[header, payload, agent_metadata]`` with header ``{"version", "fingerprint"}``,
   or ``[header]`` with header ``{"version", "fingerprint", "error": {"code", "message"}}``
+- acknowledgement (of a heartbeat): ``[header]`` with header ``{"version", "fingerprint", "renewed"}``, the ids of
+  the requests whose lease prefill renewed
 - digest reply: ``[header, digests]`` with header ``{"version", "fingerprint", "state", "heads", "key"}`` (the
   request's digest key in hex, docs/protocol.md §8)
 
@@ -241,14 +243,17 @@ def _raise_peer_error(header: dict[str, object]) -> None:
         raise HandshakeError(f"peer refused: {detail.get('message', error)}", code=code)
 
 
-def decode_ack(frames: Sequence[bytes], fingerprint: str) -> list[str]:
-    """The request ids an acknowledgement says were renewed (none where it names none)."""
+def decode_ack(frames: Sequence[bytes], fingerprint: str) -> list[str] | None:
+    """The request ids an acknowledgement says were renewed; None where it does not say (a listener from before
+    renewals were named, which renewed every request it held of those named)."""
     if not frames:
         raise HandshakeError("empty reply", code=MALFORMED_MESSAGE)
     header = _header(frames[0])
     _check_envelope(header, fingerprint)
     _raise_peer_error(header)
-    renewed = header.get("renewed", [])
+    renewed = header.get("renewed")
+    if renewed is None:
+        return None
     if not isinstance(renewed, list) or not all(isinstance(r, str) for r in renewed):
         raise HandshakeError("renewed must be a list of request ids", code=MALFORMED_MESSAGE)
     return [str(r) for r in renewed]

@@ -356,18 +356,23 @@ class Engine:
         with self._held_lock:
             held = self._held.pop(request_id, None)
         if held is not None:
-            for handle in self.ranks:
-                handle.send({"op": "forget", "request_id": request_id})
-            self._free(held.blocks)
+            self._release(request_id, held)
+
+    def _release(self, request_id: str, held: _Held) -> None:
+        """Free a request no longer held: its ranks forget it, its blocks go back."""
+        for handle in self.ranks:
+            handle.send({"op": "forget", "request_id": request_id})
+        self._free(held.blocks)
 
     def heartbeat(self, request_ids: list[str]) -> list[str]:
         """Renew the leases of requests a decode engine still waits on; returns those renewed (still held)."""
-        deadline = time.monotonic() + self.env.transfer.lease_seconds
+        now = time.monotonic()
+        deadline = now + self.env.transfer.lease_seconds
         renewed = []
         with self._held_lock:
             for request_id in request_ids:
                 held = self._held.get(request_id)
-                if held is not None:
+                if held is not None and held.deadline > now:  # an ended lease is freed, not renewed
                     held.deadline = max(held.deadline, deadline)
                     renewed.append(request_id)
         return renewed
@@ -375,12 +380,14 @@ class Engine:
     def _expire_leases(self) -> None:
         while not self._stop.wait(0.1):
             now = time.monotonic()
-            with self._held_lock:
-                expired = [rid for rid, held in self._held.items() if held.deadline < now]
-            for request_id in expired:
+            with self._held_lock:  # taken out under the lock: a heartbeat cannot renew what is being freed
+                expired = [(rid, held) for rid, held in self._held.items() if held.deadline < now]
+                for request_id, _ in expired:
+                    del self._held[request_id]
+            for request_id, held in expired:
                 log.warning("lease of request %s expired; freeing its blocks", request_id)
                 self.metrics.expired_leases.labels(**self.metrics.labels).inc()
-                self._drop_held(request_id)
+                self._release(request_id, held)
 
     def holds(self, request_id: str) -> bool:
         with self._held_lock:

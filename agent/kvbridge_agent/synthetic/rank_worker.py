@@ -71,6 +71,12 @@ def _visible_gpus() -> int:
     return int(torch.cuda.device_count())
 
 
+def _use_gpu(device: str) -> None:
+    import torch
+
+    torch.cuda.set_device(device)
+
+
 class RankWorker:
     def __init__(self, env: EngineEnvironment, rank: int, incarnation: str, conn: Connection) -> None:
         self.env = env
@@ -78,6 +84,8 @@ class RankWorker:
         own = env.own
         visible = _visible_gpus() if env.device == "cuda" else 0
         device = rank_device(env.device, env.dp_index, own.tensor_parallel_size, rank, visible)
+        if device.startswith("cuda:"):  # libraries that use the current device (UCX's CUDA transports) use this one
+            _use_gpu(device)
         self.cache = KVCache.allocate(
             env.model, own.block_size, own.kv_layout, own.tensor_parallel_size, rank, env.num_blocks, device
         )

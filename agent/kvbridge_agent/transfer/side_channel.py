@@ -9,6 +9,7 @@ serving.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import threading
@@ -277,7 +278,10 @@ class SideChannelClient:
             encode_request(MessageType.HEARTBEAT, self.fingerprint, requests=requests),
             time.monotonic() + self.timeout,
         )
-        return set(decode_ack(frames, self.fingerprint))
+        renewed = decode_ack(frames, self.fingerprint)
+        if renewed is None:  # a listener from before renewals were named: it renewed what it held, as it always did
+            return {request_id for request_id, _ in requests}
+        return set(renewed)
 
 
 def heartbeat_interval(lease_seconds: float) -> float:
@@ -295,13 +299,34 @@ def send_heartbeats(
     for request_id, params in waiting.items():
         by_engine.setdefault((params.remote_host, params.remote_port), []).append((request_id, params))
     renewed: dict[str, float] = {}
-    for (host, port), pairs in by_engine.items():
-        sent = time.time()
-        try:
-            named = [(params.remote_request_id, params.lease_token) for _, params in pairs]
-            held = SideChannelClient(host, port, fingerprint, keys, timeout).heartbeat(named)
-        except HandshakeError as exc:
-            log.warning("heartbeat to %s:%s failed: %s", host, port, exc)
-            continue
-        renewed.update((request_id, sent) for request_id, params in pairs if params.remote_request_id in held)
+    for (host, port), waiting_there in by_engine.items():
+        for pairs in _batches(waiting_there):  # each batch's header fits MAX_HEADER_BYTES
+            sent = time.time()
+            try:
+                named = [(params.remote_request_id, params.lease_token) for _, params in pairs]
+                held = SideChannelClient(host, port, fingerprint, keys, timeout).heartbeat(named)
+            except HandshakeError as exc:
+                log.warning("heartbeat to %s:%s failed: %s", host, port, exc)
+                continue
+            renewed.update((rid, sent) for rid, params in pairs if params.remote_request_id in held)
     return renewed
+
+
+#: a heartbeat's header less what its request ids and tokens take: the envelope, the keys, the brackets
+_HEARTBEAT_OVERHEAD = 256
+
+
+def _batches(pairs: list[tuple[str, KVTransferParams]]) -> list[list[tuple[str, KVTransferParams]]]:
+    """The requests waiting on one listener, in batches whose heartbeat header stays under MAX_HEADER_BYTES (each
+    id and token as the JSON strings the header holds, and their separators)."""
+    batches: list[list[tuple[str, KVTransferParams]]] = [[]]
+    size = _HEARTBEAT_OVERHEAD
+    for pair in pairs:
+        params = pair[1]
+        cost = len(json.dumps(params.remote_request_id)) + len(json.dumps(params.lease_token)) + 4
+        if batches[-1] and size + cost > MAX_HEADER_BYTES:
+            batches.append([])
+            size = _HEARTBEAT_OVERHEAD
+        batches[-1].append(pair)
+        size += cost
+    return [batch for batch in batches if batch]

@@ -32,6 +32,7 @@ from kvbridge_agent.core.handshake import (
 from kvbridge_agent.core.signing import TransferNotSignedError, check_signature, load_token
 from kvbridge_agent.core.tracing import context_of
 from kvbridge_agent.transfer.keys import load_keys
+from kvbridge_agent.transfer.peers import LEASE_CLOCK_MARGIN_SECONDS
 from kvbridge_agent.transfer.side_channel import SideChannelServer, heartbeat_interval, send_heartbeats
 
 from .messages import (
@@ -174,11 +175,14 @@ class ConnectorScheduler:
             self._awaiting_digests.clear()
 
     def _renew(self, request_ids: list[str]) -> list[str]:
-        until = time.time() + self.settings.transfer.lease_seconds
+        """Renew the leases still running by more than the clock margin (the worker frees an expired request from
+        its copy of the leases, up to a step old: a lease about to end is not renewed, and not said to be)."""
+        now = time.time()
+        until = now + self.settings.transfer.lease_seconds
         renewed = []
         with self._lock:
             for request_id in request_ids:
-                if request_id in self._leases:
+                if self._leases.get(request_id, now) - now > LEASE_CLOCK_MARGIN_SECONDS:
                     self._leases[request_id] = max(self._leases[request_id], until)
                     renewed.append(request_id)
         return renewed

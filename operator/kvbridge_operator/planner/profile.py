@@ -41,8 +41,8 @@ class DecodeProfile(CamelModel):
         ge=50,
         le=99.9,
         description="The percentile of the points' inter-token latencies (``kvbridge profile --itl-percentile``); "
-        "the planner uses a profile only for an ITL target of the same percentile. Absent: not stated, taken as "
-        "the target's.",
+        "the planner uses a profile only for an ITL target of this percentile or a lower one. Absent: not stated, "
+        "taken as the target's.",
     )
     points: list[DecodePoint] = Field(min_length=1, max_length=256)
 

@@ -21,6 +21,7 @@ from kvbridge_agent.core.handshake import (
     decode_reply,
     encode_request,
 )
+from kvbridge_agent.transfer import side_channel
 from kvbridge_agent.transfer.keys import CurveKeys, KeysError, generate_keys, load_keys
 from kvbridge_agent.transfer.side_channel import SideChannelClient, SideChannelServer, send_heartbeats
 from kvbridge_sim.support import free_port
@@ -161,10 +162,45 @@ def test_decode_counts_a_lease_renewed_only_where_prefill_says_so(server: SideCh
     assert set(renewed) == {"d-held"}  # a freed request, or one named with a wrong token, is not renewed
 
 
-def test_an_acknowledgement_naming_no_renewals_renews_nothing() -> None:
-    assert decode_ack([b'{"version": 2, "fingerprint": "fp"}'], "fp") == []  # a listener before renewals were named
+def test_an_acknowledgement_that_does_not_name_renewals_is_an_older_listeners(
+    server: SideChannelServer, keys: CurveKeys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert decode_ack([b'{"version": 2, "fingerprint": "fp", "renewed": []}'], "fp") == []
+    assert decode_ack([b'{"version": 2, "fingerprint": "fp"}'], "fp") is None
     with pytest.raises(HandshakeError):
         decode_ack([b'{"version": 2, "fingerprint": "fp", "renewed": "all"}'], "fp")
+    # a listener from before renewals were named renewed what it held of those named: counted as before
+    monkeypatch.setattr(
+        side_channel, "encode_ack", lambda fingerprint, renewed=(): [b'{"version":2,"fingerprint":"fp"}']
+    )
+    assert client(server, keys).heartbeat([("r1", server.token("r1")), ("gone", server.token("gone"))]) == {
+        "r1",
+        "gone",
+    }
+
+
+def test_many_waiting_requests_are_renewed_in_heartbeats_that_fit_a_header(
+    server: SideChannelServer, keys: CurveKeys
+) -> None:
+    def params(request_id: str) -> KVTransferParams:
+        return KVTransferParams(
+            remote_engine_id="p",
+            remote_incarnation="i",
+            remote_host="127.0.0.1",
+            remote_port=server.port,
+            remote_request_id=request_id,
+            remote_block_ids=[0],
+            num_tokens=1,
+            remote_tp_size=1,
+            fingerprint="fp",
+            lease_token=server.token(request_id),
+        )
+
+    waiting = {f"d{i}": params(f"cmpl-{i:04d}-" + "x" * 48) for i in range(150)}  # ~13 KB of ids and tokens
+    renewed = send_heartbeats(waiting, "fp", keys)
+    assert set(renewed) == set(waiting)  # none lost to an oversized header
+    assert len(server.beats) > 1  # type: ignore[attr-defined]
+    assert server.stats.heartbeats == len(server.beats)  # type: ignore[attr-defined]
 
 
 def test_nobody_listening_times_out(keys: CurveKeys) -> None:

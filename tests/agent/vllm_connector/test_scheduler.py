@@ -562,3 +562,19 @@ def test_a_prompt_digested_but_finished_later_is_digested_again_at_the_offer() -
         assert scheduler.build_connector_meta().to_offer["p6"].digest_tokens == 43
     finally:
         scheduler.shutdown()
+
+
+def test_prefill_renews_only_leases_still_running_past_the_clock_margin() -> None:
+    """The worker frees an expired request from its copy of the leases (a step old at most): a heartbeat that comes
+    when the lease has ended, or is about to, is neither applied nor acknowledged."""
+    prefill = prefill_scheduler(lease=120)
+    try:
+        published(prefill)
+        assert prefill._renew(["p1", "unknown"]) == ["p1"]
+        prefill._leases["p1"] = time.time() + 0.5  # within the margin: the worker may free it before it sees more
+        assert prefill._renew(["p1"]) == []
+        prefill._leases["p1"] = time.time() - 1  # ended
+        assert prefill._renew(["p1"]) == []
+        assert prefill._leases["p1"] < time.time()
+    finally:
+        prefill.shutdown()

@@ -1,7 +1,8 @@
 """A mixture-of-experts model P/D with kvbridge's connector, on vLLM's CPU build: the tiny random-weight Mixtral (4
 experts, 2 per token), expert parallelism on, prefill blocks of 32 tokens merged into decode's 64 (the traced pair
 of conftest serves it). Experts hold no KV, so the plan is the dense model's; what is proven is that vLLM running
-exactly what kvbridge renders for a MoE model gives decode the same greedy tokens as a single engine.
+exactly what kvbridge renders for a MoE model gives decode the same greedy tokens as a single engine. (Named to run
+right before test_tracing, on the same two engines: they start once for both.)
 
 What the CPU build does not run: data parallelism with experts. With ``--data-parallel-size 2`` (and expert
 parallelism) vLLM 0.32's CPU build starts both ranks, then its first forward dies in the MoE layer: the CPU
