@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kvbridge_sim.demo import DEFAULT_FILES, MANIFESTS
 
@@ -31,18 +32,20 @@ def marked_processes(marker: str) -> list[int]:
     return found
 
 
-#: the agent demo's two default manifests, and pods of data-parallel ranks on both roles (one run for all three)
-AGENT_MANIFESTS = [
-    *(str(MANIFESTS / name) for name in DEFAULT_FILES["agent"]),
-    str(Path(__file__).parents[2] / "examples" / "data-parallel-mla.yaml"),
-]
+#: the agent demo's two default manifests (one run also takes pods of data-parallel ranks on both roles)
+AGENT_MANIFESTS = [str(MANIFESTS / name) for name in DEFAULT_FILES["agent"]]
+#: prefill DP 2 and decode DP 3 per pod (examples/data-parallel-mla.yaml, one prefill pod here: 5 rank processes)
+DATA_PARALLEL = Path(__file__).parents[2] / "examples" / "data-parallel-mla.yaml"
 
 
 @pytest.mark.slow  # the whole demo with synthetic engines, up to 3 minutes (`make test` runs it)
-def test_agent_demo_json_contract() -> None:
+def test_agent_demo_json_contract(tmp_path: Path) -> None:
     marker = uuid.uuid4().hex
     started = time.monotonic()
-    files = [arg for path in AGENT_MANIFESTS for arg in ("-f", path)]
+    wide = yaml.safe_load(DATA_PARALLEL.read_text())
+    wide["spec"]["prefill"]["replicas"] = 1
+    (tmp_path / "data-parallel.yaml").write_text(yaml.safe_dump(wide))
+    files = [arg for path in [*AGENT_MANIFESTS, str(tmp_path / "data-parallel.yaml")] for arg in ("-f", path)]
     result = subprocess.run(
         [sys.executable, "-m", "kvbridge_operator", "demo", "--engine", "agent", "--json", "--requests", "4", *files],
         capture_output=True,
