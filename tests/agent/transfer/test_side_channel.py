@@ -141,23 +141,25 @@ def test_heartbeats_reach_the_engine(server: SideChannelServer, keys: CurveKeys)
     assert client(server, keys).heartbeat([("gone", server.token("gone"))]) == set()  # freed: not renewed
 
 
-def test_decode_counts_a_lease_renewed_only_where_prefill_says_so(server: SideChannelServer, keys: CurveKeys) -> None:
-    def params(request_id: str) -> KVTransferParams:
-        return KVTransferParams(
-            remote_engine_id="p",
-            remote_incarnation="i",
-            remote_host="127.0.0.1",
-            remote_port=server.port,
-            remote_request_id=request_id,
-            remote_block_ids=[0],
-            num_tokens=1,
-            remote_tp_size=1,
-            fingerprint="fp",
-            lease_token=server.token(request_id),
-        )
+def offered(server: SideChannelServer, request_id: str) -> KVTransferParams:
+    """The transfer parameters the listener's engine would have handed out for ``request_id`` (its lease token)."""
+    return KVTransferParams(
+        remote_engine_id="p",
+        remote_incarnation="i",
+        remote_host="127.0.0.1",
+        remote_port=server.port,
+        remote_request_id=request_id,
+        remote_block_ids=[0],
+        num_tokens=1,
+        remote_tp_size=1,
+        fingerprint="fp",
+        lease_token=server.token(request_id),
+    )
 
-    forged = params("other").model_copy(update={"lease_token": "0" * 32})
-    waiting = {"d-held": params("held"), "d-gone": params("gone"), "d-forged": forged}
+
+def test_decode_counts_a_lease_renewed_only_where_prefill_says_so(server: SideChannelServer, keys: CurveKeys) -> None:
+    forged = offered(server, "other").model_copy(update={"lease_token": "0" * 32})
+    waiting = {"d-held": offered(server, "held"), "d-gone": offered(server, "gone"), "d-forged": forged}
     renewed = send_heartbeats(waiting, "fp", keys)
     assert set(renewed) == {"d-held"}  # a freed request, or one named with a wrong token, is not renewed
 
@@ -182,21 +184,7 @@ def test_an_acknowledgement_that_does_not_name_renewals_is_an_older_listeners(
 def test_many_waiting_requests_are_renewed_in_heartbeats_that_fit_a_header(
     server: SideChannelServer, keys: CurveKeys
 ) -> None:
-    def params(request_id: str) -> KVTransferParams:
-        return KVTransferParams(
-            remote_engine_id="p",
-            remote_incarnation="i",
-            remote_host="127.0.0.1",
-            remote_port=server.port,
-            remote_request_id=request_id,
-            remote_block_ids=[0],
-            num_tokens=1,
-            remote_tp_size=1,
-            fingerprint="fp",
-            lease_token=server.token(request_id),
-        )
-
-    waiting = {f"d{i}": params(f"cmpl-{i:04d}-" + "x" * 48) for i in range(150)}  # ~13 KB of ids and tokens
+    waiting = {f"d{i}": offered(server, f"cmpl-{i:04d}-" + "x" * 48) for i in range(150)}  # ~13 KB of ids and tokens
     renewed = send_heartbeats(waiting, "fp", keys)
     assert set(renewed) == set(waiting)  # none lost to an oversized header
     assert len(server.beats) > 1  # type: ignore[attr-defined]
