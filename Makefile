@@ -72,8 +72,12 @@ typecheck: setup
 imports: setup
 	$(VENV)/bin/lint-imports
 
+# every test once, in two stages: first all but the `slow` ones over 4 workers (`make check`'s set: an emulated
+# cluster's test mostly waits), then the `slow` ones one at a time (real vLLM engines, processes per rank, whole CLI
+# runs: each wants the machine's cores to itself)
 unit: setup
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -m "not slow" -n 4
+	$(VENV)/bin/pytest -m slow
 
 test: lint typecheck imports unit
 

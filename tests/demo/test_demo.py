@@ -104,6 +104,7 @@ def test_agent_demo_json_contract(tmp_path: Path) -> None:
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # real engines: they want the cores to themselves (`make test`'s serial stage)
 def test_vllm_demo_runs_real_engines_and_checks_tokens() -> None:
     """The default demo: real vLLM (CPU build) pods from the rendered templates, a prefill restart halfway."""
     from tests.vllm.assertions import require_vllm

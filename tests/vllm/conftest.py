@@ -225,10 +225,12 @@ def kvbridge_tp2_engines(all_engines: Engines) -> Engines:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test here runs real engines: each gets the ``vllm`` marker (skipped without vLLM, tests/conftest.py)."""
+    """Every test here runs real engines: each gets the ``vllm`` marker (skipped without vLLM, tests/conftest.py) and
+    the ``slow`` one (`make test` runs them one at a time, after the rest: engines want the cores to themselves)."""
     for item in items:
         if HERE in item.path.parents:
             item.add_marker(pytest.mark.vllm)
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

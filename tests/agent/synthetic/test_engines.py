@@ -76,6 +76,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         built.prefill = built.start(env(Role.PREFILL, "p1", built.keys_dir))  # type: ignore[attr-defined]
         built.spare = built.start(env(Role.PREFILL, "p2", built.keys_dir, tp_p=1))  # type: ignore[attr-defined]
         built.decode = built.start(env(Role.DECODE, "d1", built.keys_dir))  # type: ignore[attr-defined]
+        _handshake(built.prefill, built.decode)  # type: ignore[attr-defined]
         yield built
     finally:
         built.stop()
@@ -93,6 +94,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                         # another process's connection may have been given the freed port as its own ephemeral
                         # port (other tests, pytest-xdist workers); only a listener left on it would be the engines'
                         assert port not in _listening_ports(), f"port {port} still listened on"
+
+
+def _handshake(p: EngineProcess, d: EngineProcess) -> None:
+    """Decode meets prefill before the tests: a first read includes the handshake (NIXL agents, metadata), which on
+    two busy cores (`make test`'s parallel stage) can outlast this module's 3 s lease, so a test's first read would
+    fail as LEASE_EXPIRED for a reason that is not its own. Tried a few times, each a fresh request."""
+    outcomes = []
+    for attempt in range(5):
+        status, body = decode(d, f"d-handshake-{attempt}", prefill(p, f"handshake-{attempt}", 16))
+        if status == 200:
+            return
+        outcomes.append(body)
+    raise AssertionError(f"decode never read from prefill: {outcomes}")
 
 
 def _listening_ports() -> set[int]:
