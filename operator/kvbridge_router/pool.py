@@ -14,6 +14,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
+
 from kvbridge_operator.api.objects import Obj
 from kvbridge_router.prefixes import PrefixIndex
 from kvbridge_router.ring import Ring, anchor, cap
@@ -121,6 +123,17 @@ def _targets(status: Obj, role: str, skipped: list[str]) -> tuple[Target, ...]:
     return tuple(found)
 
 
+@dataclass(frozen=True)
+class _Candidates:
+    """A set of candidates as a request's choice reads it, built once per tuple of targets (the pool's are cached
+    per pool): each target's slot in the balancer's counts, its position by pod name, and its hash ring."""
+
+    targets: tuple[Target, ...]
+    slots: np.ndarray
+    position: dict[str, int]
+    names: tuple[str, ...]
+
+
 @dataclass
 class Balancer:
     """Requests in flight per pod, and the choice of a pod: the least loaded one (``least-loaded``), or
@@ -128,7 +141,11 @@ class Balancer:
     was sent the longest leading part of the prompt (``prefixes``: its prefix cache most likely holds it), ties
     to the least loaded; then round-robin. A prompt none of them was sent goes (``ring``) where consistent hashing
     with bounded loads puts its first chunks (ring.py), so that router replicas, each knowing only what it sent,
-    send a new prefix to the same pod; without ``ring``, to the least loaded pod."""
+    send a new prefix to the same pod; without ``ring``, to the least loaded pod.
+
+    A choice among hundreds of pods reads their loads as one array (numpy; a slot per pod, kept beside
+    ``outstanding``), scores only the pods holding the prompt's first key, and walks the candidates' ring, built
+    once per set of candidates: no Python loop over the pods per request."""
 
     policy: str = KV_AWARE
     outstanding: dict[str, int] = field(default_factory=dict)
@@ -142,6 +159,13 @@ class Balancer:
     #: the router replicas in front of the pool: each sends about 1/replicas of every pod's requests, so its counts
     #: times this estimate the pods' loads, and the slack and the cap are in requests of all replicas
     replicas: int = 1
+    #: each pod's slot in ``_counts`` (``outstanding`` as an array); renumbered by :meth:`keep_only`
+    _slots: dict[str, int] = field(default_factory=dict)
+    _counts: np.ndarray = field(default_factory=lambda: np.zeros(64, dtype=np.int64))
+    #: the sets of candidates seen, by the identity of their tuple (checked: ``targets is``)
+    _candidates: dict[int, _Candidates] = field(default_factory=dict)
+    #: the hash rings, by the candidates' names (each prefill pod's decode partners are a tuple of their own, most
+    #: often of the same pods: one ring for all)
     _rings: dict[tuple[str, ...], Ring] = field(default_factory=dict)
 
     def pick(
@@ -149,21 +173,32 @@ class Balancer:
     ) -> Target | None:
         """One of ``candidates`` (taken in the order given: the pool's are sorted by pod), ``exclude`` left out."""
         every = tuple(candidates)
-        left = set(exclude)
-        options = [t for t in every if t.pod not in left] if left else every
-        if not options:
+        if not every:
             return None
-        outstanding = self.outstanding
-        scale = self.replicas
-        loads = [outstanding.get(t.pod, 0) * scale for t in options]
-        fewest = min(loads)
+        known = self._of(every)
+        loads = self._counts[known.slots] * self.replicas
+        left = set(exclude)
+        if left:  # a retry: the pods that failed this request are left out
+            kept = np.fromiter((t.pod not in left for t in every), dtype=bool, count=len(every))
+            options = np.flatnonzero(kept)
+            if options.size == 0:
+                return None
+            fewest = int(loads[options].min())
+            total, first, last = int(loads[options].sum()), int(options[0]), int(options[-1])
+        else:
+            options = None
+            fewest = int(loads.min())
+            total, first, last = int(loads.sum()), 0, len(every) - 1
+        count = len(every) if options is None else int(options.size)
         tied: list[Target] = []
         if keys and self.policy == KV_AWARE:
-            # among the pods at most LOAD_SLACK busier than the least loaded: the longest match, then the least load
+            # among the pods at most LOAD_SLACK busier than the least loaded: the longest match, then the least load;
+            # only the pods holding the prompt's first key can match at all, taken in the candidates' order
             best, best_load, matched = 0, 0, self.prefixes.matched
-            holders = self.prefixes.holders(keys[0])  # the pods that can match at all
-            for target, load in zip(options, loads, strict=True):
-                if load > fewest + LOAD_SLACK or target.pod not in holders:
+            holders = sorted(known.position[pod] for pod in self.prefixes.holders(keys[0]) if pod in known.position)
+            for index in holders:
+                target, load = every[index], int(loads[index])
+                if load > fewest + LOAD_SLACK or target.pod in left:
                     continue
                 score = matched(target.pod, keys)
                 if score == 0 or score < best or (score == best and load > best_load):
@@ -173,36 +208,57 @@ class Balancer:
                 else:
                     tied.append(target)
             if not tied and self.ring:
-                placed = self._place(every, left, keys, sum(loads), len(options))
+                placed = self._place(known, left, keys, total, count)
                 if placed is not None:
                     return placed
         if not tied:
-            tied = [t for t, load in zip(options, loads, strict=True) if load == fewest]
+            least = loads == fewest
+            if options is not None:
+                least &= kept
+            tied = [every[index] for index in np.flatnonzero(least)]
         # the set of candidates, told apart by its size and ends (a tuple of hundreds of names per request costs more
         # than the choice; two sets that look alike share a turn counter, which only shifts whose turn it is)
-        key = (len(options), options[0].pod, options[-1].pod)
+        key = (count, every[first].pod, every[last].pod)
         turn = self._turns[key] = self._turns.get(key, -1) + 1
         if len(self._turns) > 1024:  # pods come and go: forget old sets rather than grow without bound
             self._turns = {key: turn}
         return tied[turn % len(tied)]
 
-    def _place(
-        self, every: tuple[Target, ...], left: set[str], keys: list[int], total: int, count: int
-    ) -> Target | None:
-        """The pod the hash ring of ``every`` candidate gives the prompt, ``left`` excluded, its load within the
-        cap (``total`` requests in flight at the ``count`` pods not excluded)."""
+    def _of(self, every: tuple[Target, ...]) -> _Candidates:
+        """``every`` as a choice reads it, built on its first choice."""
+        known = self._candidates.get(id(every))
+        if known is not None and known.targets is every:
+            return known
+        if len(self._candidates) >= 1024:  # pools come and go: forget old sets rather than grow without bound
+            self._candidates.clear()
+        names = tuple(t.pod for t in every)
+        slots = np.fromiter(map(self._slot, names), dtype=np.intp, count=len(names))
+        position = {name: index for index, name in reversed(tuple(enumerate(names)))}  # a name listed twice: its first
+        known = self._candidates[id(every)] = _Candidates(every, slots, position, names)
+        return known
+
+    def _slot(self, pod: str) -> int:
+        slot = self._slots.get(pod)
+        if slot is None:
+            slot = self._slots[pod] = len(self._slots)
+            if slot >= self._counts.size:
+                self._counts = np.concatenate((self._counts, np.zeros_like(self._counts)))
+        return slot
+
+    def _place(self, known: _Candidates, left: set[str], keys: list[int], total: int, count: int) -> Target | None:
+        """The pod the hash ring of the candidates gives the prompt, ``left`` excluded, its load within the cap
+        (``total`` requests in flight at the ``count`` pods not excluded)."""
         position = anchor(keys)
         if position is None:
             return None
-        names = tuple(t.pod for t in every)
-        ring = self._rings.get(names)
+        ring = self._rings.get(known.names)
         if ring is None:
             if len(self._rings) >= 64:  # pods come and go: forget old sets rather than grow without bound
                 self._rings.clear()
-            ring = self._rings[names] = Ring(names)
+            ring = self._rings[known.names] = Ring(known.names)
         limit = cap(total, count, slack=LOAD_SLACK)
         pod = ring.place(position, self.outstanding, left, math.ceil(limit / self.replicas))
-        return next((t for t in every if t.pod == pod), None)
+        return None if pod is None else known.targets[known.position[pod]]
 
     def choose(
         self,
@@ -233,13 +289,29 @@ class Balancer:
 
     def started(self, pod: str) -> None:
         self.outstanding[pod] = self.outstanding.get(pod, 0) + 1
+        self._counts[self._slot(pod)] += 1
 
     def finished(self, pod: str) -> None:
-        left = self.outstanding.get(pod, 0) - 1
+        if pod not in self.outstanding:
+            return
+        left = self.outstanding[pod] - 1
         if left > 0:
             self.outstanding[pod] = left
         else:
-            self.outstanding.pop(pod, None)
+            del self.outstanding[pod]
+        self._counts[self._slots[pod]] = left if left > 0 else 0
+
+    def keep_only(self, pods: Iterable[str]) -> None:
+        """Forget pods that left the pool (their prefixes, their slots), except while requests to them are in flight;
+        the counts are renumbered, so that pods coming and going for months cost nothing."""
+        kept = set(pods)
+        self.prefixes.keep_only(kept)
+        live = kept | self.outstanding.keys()
+        self._slots = {pod: slot for slot, pod in enumerate(sorted(live))}
+        self._counts = np.zeros(max(64, 2 * len(self._slots)), dtype=np.int64)
+        for pod, count in self.outstanding.items():
+            self._counts[self._slots[pod]] = count
+        self._candidates.clear()
 
     def load(self, pods: Mapping[str, str]) -> dict[str, int]:
         """In-flight requests of every pod named in ``pods`` (name -> role), zeros included."""

@@ -16,9 +16,10 @@ on that pod — never a pairing, which the pool alone decides.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from kvbridge_operator.api.objects import Obj
 from kvbridge_router.prompts import one_prompt, token_ids
@@ -37,14 +38,17 @@ KEYS_PER_POD = 1 << 16
 MAX_KEYS = 1 << 20
 
 
-def prefix_keys(body: Obj, block_tokens: int = CHUNK_TOKENS) -> list[int]:
+def prefix_keys(body: Obj, block_tokens: int = CHUNK_TOKENS, *, ids_checked: bool = False) -> list[int]:
     """The chained keys of a completion or chat request's prompt, a key per whole block of ``block_tokens``
-    tokens (or ``BYTES_PER_TOKEN`` times as many bytes of text); empty when it has no whole chunk."""
+    tokens (or ``BYTES_PER_TOKEN`` times as many bytes of text); empty when it has no whole chunk.
+    ``ids_checked``: a list prompt has passed :func:`~kvbridge_router.prompts.token_ids` already (the router's
+    admission checks a completion's), so it is not checked again."""
     prompt = one_prompt(body.get("prompt"))
     chunks: Iterable[object]
-    if isinstance(prompt, list) and token_ids(prompt):
+    if isinstance(prompt, list) and (ids_checked or token_ids(prompt)):
         whole = min(len(prompt) // block_tokens, MAX_CHUNKS)
-        chunks = (tuple(prompt[i * block_tokens : (i + 1) * block_tokens]) for i in range(whole))
+        # each whole chunk as a tuple of its ids, cut at C speed (zip over one iterator, block_tokens times)
+        chunks = itertools.islice(zip(*[iter(prompt)] * block_tokens, strict=False), whole)  # a partial last: dropped
     else:
         text = _text(prompt, body.get("messages"))
         if not text:
@@ -85,6 +89,9 @@ class PrefixIndex:
         self.keys_per_pod = keys_per_pod
         self.max_keys = max_keys
         self._pods: dict[str, OrderedDict[int, None]] = {}
+        #: the pods that hold each prompt's first key, while they do (one pod as itself, more as a set): a request
+        #: asks which pods can match at all with one lookup, not one per pod
+        self._holders: dict[int, str | set[str]] = {}
 
     def limit(self) -> int:
         """The most keys one pod keeps now: ``keys_per_pod``, or the pods' even share of ``max_keys``."""
@@ -96,12 +103,19 @@ class PrefixIndex:
 
     def footprint(self) -> int:
         """Bytes the index holds, at most (its tables and its keys; a key shared by pods is counted per pod)."""
-        return sum(sys.getsizeof(known) + sum(map(sys.getsizeof, known)) for known in self._pods.values())
+        holders = sys.getsizeof(self._holders) + sum(
+            sys.getsizeof(pods) for pods in self._holders.values() if isinstance(pods, set)
+        )
+        return holders + sum(sys.getsizeof(known) + sum(map(sys.getsizeof, known)) for known in self._pods.values())
 
-    def holders(self, first: int) -> set[str]:
-        """The pods that hold a prompt's first key: the only ones whose :meth:`matched` can be above 0 (one lookup
-        a pod, so that a request scores only these among hundreds)."""
-        return {pod for pod, known in self._pods.items() if first in known}
+    def holders(self, first: int) -> Collection[str]:
+        """The pods that hold a prompt's first key: the only ones whose :meth:`matched` can be above 0, so that a
+        request scores only these among hundreds. (A key that a pod holds only as a later chunk of another prompt
+        is not counted: that takes a collision of chained keys, and would cost a cache hit, never a pairing.)"""
+        pods = self._holders.get(first)
+        if pods is None:
+            return ()
+        return (pods,) if isinstance(pods, str) else tuple(pods)
 
     def matched(self, pod: str, keys: list[int]) -> int:
         """How many leading keys of a prompt the pod was sent (its cached prefix, in chunks, as far as known)."""
@@ -126,20 +140,44 @@ class PrefixIndex:
         for key in keys:
             known[key] = None
             known.move_to_end(key)
-        self._trim(known, self.limit())
+        first = keys[0]
+        pods = self._holders.get(first)
+        if pods is None:
+            self._holders[first] = pod
+        elif isinstance(pods, str):
+            if pods != pod:
+                self._holders[first] = {pods, pod}
+        else:
+            pods.add(pod)
+        self._trim(pod, known, self.limit())
 
     def keep_only(self, pods: Iterable[str]) -> None:
         """Forget pods that left the pool (scaled down, replaced by a rollout)."""
         kept = set(pods)
         for pod in [p for p in self._pods if p not in kept]:
-            del self._pods[pod]
+            for key in self._pods.pop(pod):
+                self._drop_holder(key, pod)
 
     def _trim_all(self) -> None:
         limit = self.limit()
-        for known in self._pods.values():
-            self._trim(known, limit)
+        for pod, known in self._pods.items():
+            self._trim(pod, known, limit)
 
-    @staticmethod
-    def _trim(known: OrderedDict[int, None], limit: int) -> None:
+    def _trim(self, pod: str, known: OrderedDict[int, None], limit: int) -> None:
         while len(known) > limit:
-            known.popitem(last=False)
+            key, _ = known.popitem(last=False)
+            if key in self._holders:
+                self._drop_holder(key, pod)
+
+    def _drop_holder(self, key: int, pod: str) -> None:
+        """``pod`` no longer holds ``key``: it is no holder of it as a first key either."""
+        pods = self._holders.get(key)
+        if pods is None:
+            return
+        if isinstance(pods, str):
+            if pods == pod:
+                del self._holders[key]
+            return
+        pods.discard(pod)
+        if len(pods) == 1:
+            self._holders[key] = next(iter(pods))

@@ -185,7 +185,7 @@ class Router:
         if reborn:
             log.info("forgetting what was sent to %s: restarted or replaced (a new incarnation)", sorted(reborn))
         self.pool = pool
-        self.balancer.prefixes.keep_only(t.pod for t in (*pool.prefill, *pool.decode) if t.pod not in reborn)
+        self.balancer.keep_only(t.pod for t in (*pool.prefill, *pool.decode) if t.pod not in reborn)
         self.metrics.endpoints.labels("prefill").set(len(pool.routable()))
         self.metrics.endpoints.labels("decode").set(len(pool.decode))
 
@@ -399,7 +399,10 @@ class Router:
         what is left of the request's ``request_timeout`` (it ``started`` then); none is made when nothing is."""
         tried: list[str] = []
         last: RouteError | None = None
-        keys = prefix_keys(body, self.config.block_tokens) if self.balancer.policy == KV_AWARE else []
+        # a completion's list prompt passed admission's token-id check (prompts.token_ids): not checked again
+        admitted_ids = ROUTES[path] == "completions"
+        kv_aware = self.balancer.policy == KV_AWARE
+        keys = prefix_keys(body, self.config.block_tokens, ids_checked=admitted_ids) if kv_aware else []
         for _ in range(self.config.prefill_attempts):
             left = self.config.request_timeout - (time.perf_counter() - started)
             if left <= 0:

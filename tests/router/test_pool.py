@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge_router.pool import Balancer, Pool
+from kvbridge_router.pool import KV_AWARE, LOAD_SLACK, Balancer, Pool, Target
+from kvbridge_router.prefixes import prefix_keys
 from kvbridge_router.proxy import Router
+from kvbridge_router.ring import Ring, anchor, cap
+
+PODS6 = tuple(f"pod-{i}" for i in range(6))
 
 
 def endpoint(pod: str, key: str, ip: str = "10.0.0.1", port: int | None = 8000) -> dict[str, Any]:
@@ -131,3 +136,67 @@ def test_a_pod_restarted_or_replaced_under_its_name_is_forgotten_by_the_router()
     router.set_pool(pool("uid-a:1", "uid-c:0"))  # p0's container restarted; p1 replaced under its name
     assert [router.balancer.prefixes.matched(pod, [1, 2, 3]) for pod in ("p0", "p1", "d0")] == [0, 0, 3]
     assert pool("", "uid-b:0").reborn(pool("uid-a:0", "uid-b:0")) == set()  # unknown is not another
+
+
+def expected_picks(
+    balancer: Balancer, every: tuple[Target, ...], exclude: list[str], keys: list[int] | None
+) -> set[str] | None:
+    """The pods a pick may return, by the policy's words alone (a Python loop over every candidate), None for none."""
+    options = [t for t in every if t.pod not in exclude]
+    if not options:
+        return None
+    loads = {t.pod: balancer.outstanding.get(t.pod, 0) * balancer.replicas for t in options}
+    fewest = min(loads.values())
+    if keys and balancer.policy == KV_AWARE:
+        scores = {t.pod: balancer.prefixes.matched(t.pod, keys) for t in options if loads[t.pod] <= fewest + LOAD_SLACK}
+        best = max(scores.values(), default=0)
+        if best > 0:
+            matching = [pod for pod, score in scores.items() if score == best]
+            least = min(loads[pod] for pod in matching)
+            return {pod for pod in matching if loads[pod] == least}
+        position = anchor(keys)
+        if balancer.ring and position is not None:
+            limit = math.ceil(cap(sum(loads.values()), len(options), slack=LOAD_SLACK) / balancer.replicas)
+            placed = Ring(t.pod for t in every).place(position, balancer.outstanding, set(exclude), limit)
+            if placed is not None:
+                return {placed}
+    return {pod for pod, load in loads.items() if load == fewest}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.integers(1, 3),
+    st.lists(
+        st.tuples(
+            st.sampled_from(["pick", "start", "finish", "keep"]),
+            st.lists(st.sampled_from(PODS6), max_size=4),
+            st.lists(st.integers(0, 2), max_size=5),
+        ),
+        max_size=40,
+    ),
+)
+def test_a_pick_is_what_the_policy_says_after_any_history(
+    replicas: int, operations: list[tuple[str, list[str], list[int]]]
+) -> None:
+    """The array-based choice (slots, the first-key holders, cached rings) picks what the policy's plain loop would,
+    after any mix of requests started and finished, prompts recorded, pods excluded and pools changed."""
+    balancer = Balancer(replicas=replicas)
+    every = tuple(Target(pod, f"http://{pod}", "k") for pod in PODS6)
+    for operation, pods, chunks in operations:
+        keys = prefix_keys({"prompt": [token for chunk in chunks for token in [chunk] * 16]}) if chunks else None
+        if operation == "start":  # loads that cross the slack within a few operations
+            for pod in pods * 2:
+                balancer.started(pod)
+        elif operation == "finish":
+            for pod in pods:
+                balancer.finished(pod)
+        elif operation == "keep":  # a new pool: the listed pods (and those with requests in flight) keep their slots
+            balancer.keep_only(pods)
+            every = tuple(Target(pod, f"http://{pod}", "k") for pod in PODS6)  # another tuple, as a new pool's
+        else:
+            allowed = expected_picks(balancer, every, pods, keys)
+            picked = balancer.pick(every, pods, keys)
+            assert (picked is None) if allowed is None else (picked is not None and picked.pod in allowed)
+            if picked is not None and keys:
+                balancer.prefixes.record(picked.pod, keys)
+    assert all(count > 0 for count in balancer.outstanding.values())

@@ -175,4 +175,6 @@ def test_only_the_holders_of_a_first_key_can_match(operations: list[tuple[str, s
             for holder in PODS[:4]:
                 if index.matched(holder, keys) > 0:
                     assert holder in index.holders(keys[0])
+            for holder in index.holders(keys[0]):  # and every pod named still holds it: none kept after it left
+                assert index.matched(holder, keys[:1]) == 1
     assert index.size() <= 12
