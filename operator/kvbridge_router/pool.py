@@ -148,7 +148,7 @@ class Balancer:
     once per set of candidates: no Python loop over the pods per request."""
 
     policy: str = KV_AWARE
-    outstanding: dict[str, int] = field(default_factory=dict)
+    outstanding: dict[str, int] = field(default_factory=dict, init=False)  # kept in step with _counts
     #: the round-robin position per set of candidates (prefill pods, each prefill pod's decode partners, ...)
     _turns: dict[tuple[int, str, str], int] = field(default_factory=dict)
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)
@@ -288,8 +288,9 @@ class Balancer:
         return prefill, decode
 
     def started(self, pod: str) -> None:
+        slot = self._slot(pod)  # first: a new slot may replace the counts with a larger array
+        self._counts[slot] += 1
         self.outstanding[pod] = self.outstanding.get(pod, 0) + 1
-        self._counts[self._slot(pod)] += 1
 
     def finished(self, pod: str) -> None:
         if pod not in self.outstanding:

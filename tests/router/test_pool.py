@@ -200,3 +200,17 @@ def test_a_pick_is_what_the_policy_says_after_any_history(
             if picked is not None and keys:
                 balancer.prefixes.record(picked.pod, keys)
     assert all(count > 0 for count in balancer.outstanding.values())
+
+
+def test_requests_started_at_more_pods_than_the_counts_hold_grow_them() -> None:
+    """A pod's first slot can be handed out by ``started`` itself (a pod that lost its slot to a new pool between
+    its pick and its call), past the counts' first size: counted, and the choice reads the count."""
+    balancer = Balancer()
+    pods = tuple(Target(f"pod-{i:03d}", f"http://pod-{i}", "k") for i in range(200))
+    for target in pods[1:]:
+        balancer.started(target.pod)
+    assert balancer.pick(pods) == pods[0]  # the one idle pod
+    for target in pods[1:]:
+        balancer.finished(target.pod)
+    assert balancer.outstanding == {}
+    assert not balancer._counts.any()
