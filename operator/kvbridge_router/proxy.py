@@ -46,7 +46,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from kvbridge_agent.core import tracing as span
 from kvbridge_agent.core.signing import signed
 from kvbridge_operator.api.objects import Obj
-from kvbridge_router.admission import Limits, admit, engine_request_id, sample_count
+from kvbridge_router.admission import Limits, Members, admit, engine_request_id, sample_count
 from kvbridge_router.answers import Start, StreamStart, aborted
 from kvbridge_router.auth import INVALID_API_KEY, ApiKeys
 from kvbridge_router.errors import RouteError
@@ -274,7 +274,7 @@ class Router:
         ledger = Ledger(trace=self.tracing.request(request.headers, request.path, route))
         try:
             with ledger.trace.step(span.ROUTER_ADMISSION) as admission:
-                body, raw = await admit(request, route, self.config.limits)
+                body, raw, members = await admit(request, route, self.config.limits)
                 admission.set(span.BODY_BYTES, len(raw))
             request_id = engine_request_id(request.headers.get("X-Request-Id"))
             ledger.trace.set(span.REQUEST_ID, request_id)
@@ -284,7 +284,8 @@ class Router:
             }
             n = sample_count(body)
             if n == 1:
-                response = await self._served(request, body, raw, headers, ledger, started)
+                prefill_body = prefill_bytes(body, members)
+                response = await self._served(request, body, raw, prefill_body, headers, ledger, started)
             else:
                 response = await self._sampled(request, body, n, headers, ledger, started)
         except RouteError as exc:
@@ -307,6 +308,7 @@ class Router:
         request: web.Request,
         body: Obj,
         raw: bytes,
+        prefill_body: bytes,
         headers: dict[str, str],
         ledger: Ledger,
         started: float,
@@ -319,7 +321,9 @@ class Router:
         if after is not None:
             await after.wait()
         request_id = headers["X-Request-Id"]
-        prefill, decode, params = await self._prefill_somewhere(request.path, body, headers, ledger, started)
+        prefill, decode, params = await self._prefill_somewhere(
+            request.path, body, prefill_body, headers, ledger, started
+        )
         if prefilled is not None:
             prefilled.set()
         tried: list[str] = []
@@ -346,7 +350,7 @@ class Router:
                     # lease ends) and would refuse the id as a duplicate
                     headers = {**headers, "X-Request-Id": f"{request_id}-retry{len(tried)}"}
                     prefill, decode, params = await self._prefill_somewhere(
-                        request.path, body, headers, ledger, started, exclude_decodes=tried
+                        request.path, body, prefill_body, headers, ledger, started, exclude_decodes=tried
                     )
                 else:
                     log.warning("decode pod %s unreachable (%s); trying %s", decode.pod, exc.message, other.pod)
@@ -364,7 +368,17 @@ class Router:
             sample_headers = {**headers, "X-Request-Id": f"{headers['X-Request-Id']}-{index}"}
             wait, done = (None, first_prefilled) if index == 0 else (first_prefilled, None)
             ledgers.append(Ledger(lost_engines=ledger.lost_engines, trace=ledger.trace.sample(index), ttft=index == 0))
-            served = self._served(request, sample, _encoded(sample), sample_headers, ledgers[-1], started, wait, done)
+            served = self._served(
+                request,
+                sample,
+                _encoded(sample),
+                prefill_bytes(sample),
+                sample_headers,
+                ledgers[-1],
+                started,
+                wait,
+                done,
+            )
             calls.append(asyncio.ensure_future(served))
         try:
             answers = await asyncio.gather(*calls)
@@ -389,6 +403,7 @@ class Router:
         self,
         path: str,
         body: Obj,
+        prefill_body: bytes,
         headers: dict[str, str],
         ledger: Ledger,
         started: float,
@@ -426,7 +441,9 @@ class Router:
             timeout = min(self.config.prefill_timeout, left)
             try:
                 with ledger.trace.step(span.ROUTER_PREFILL, {span.POD: prefill.pod}, call=True) as call:
-                    params = await self._call_prefill(path, prefill, body, call.inject(headers), timeout, ledger)
+                    params = await self._call_prefill(
+                        path, prefill, prefill_body, call.inject(headers), timeout, ledger
+                    )
             except RouteError as exc:
                 if exc.code == "PREFILL_TIMEOUT" and timeout < self.config.prefill_timeout:
                     raise self._request_timeout([*tried, prefill.pod]) from None  # cut at the time left: no more
@@ -460,9 +477,8 @@ class Router:
         )
 
     async def _call_prefill(
-        self, path: str, target: Target, body: Obj, headers: dict[str, str], timeout: float, ledger: Ledger
+        self, path: str, target: Target, request: bytes, headers: dict[str, str], timeout: float, ledger: Ledger
     ) -> Obj:
-        request = _encoded(prefill_request(body))
         self._enter("prefill", target)
         try:
             async with asyncio.timeout(timeout):
@@ -654,12 +670,33 @@ def prefill_request(body: Obj) -> Obj:
     keep the prompt's blocks for a remote decode."""
     # a shallow copy: only top-level keys change, and the prompt (maybe thousands of token ids) is not copied
     request = {key: value for key, value in body.items() if key not in PREFILL_DROPPED}
-    request["stream"] = False
-    request["max_tokens"] = 1
-    if "max_completion_tokens" in request:
-        request["max_completion_tokens"] = 1
-    request["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
+    request.update(_prefill_fields(body))
     return request
+
+
+def prefill_bytes(body: Obj, members: Members | None = None) -> bytes:
+    """:func:`prefill_request` as the bytes sent: with the client's ``members`` (admission.members), the client's
+    own text of every member prefill keeps, spliced, and the changed fields after them (the prompt is neither
+    parsed nor encoded again); without, the request encoded."""
+    if members is None:
+        return _encoded(prefill_request(body))
+    changed = _prefill_fields(body)
+    kept = [
+        members.text[a:b]
+        for name, (a, b) in members.spans.items()
+        if name not in changed and name not in PREFILL_DROPPED
+    ]
+    head = "".join(("{", ",".join(kept), "," if kept else "")).encode("utf-8")
+    return head + _encoded(changed)[1:]  # the changed fields and the closing brace
+
+
+def _prefill_fields(body: Obj) -> Obj:
+    """The fields prefill's request sets (over the client's)."""
+    fields: Obj = {"stream": False, "max_tokens": 1}
+    if "max_completion_tokens" in body:
+        fields["max_completion_tokens"] = 1
+    fields["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
+    return fields
 
 
 def with_field(raw: bytes, name: str, value: object) -> list[bytes | memoryview] | None:

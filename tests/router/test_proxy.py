@@ -16,9 +16,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvbridge_router.admission import members
 from kvbridge_router.pool import Pool
-from kvbridge_router.proxy import Router, RouterConfig, prefill_request, with_field
+from kvbridge_router.proxy import Router, RouterConfig, prefill_bytes, prefill_request, with_field
 from kvbridge_sim.support import free_port
 
 Obj = dict[str, Any]
@@ -234,6 +237,61 @@ def test_prefill_gets_one_token_no_stream_and_the_remote_decode_flag() -> None:
         "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
     }
     assert body["max_tokens"] == 50  # the client's request is not changed
+    raw = json.dumps(body, indent=2).encode()
+    parsed, places = members(raw) or ({}, None)
+    assert parsed == body
+    assert places is not None
+    assert json.loads(prefill_bytes(body, places)) == sent  # spliced from the client's text: the same request
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+PREFILL_NAMES = st.sampled_from(
+    ["prompt", "stream", "max_tokens", "max_completion_tokens", "stream_options", "min_tokens"]
+)
+
+
+@settings(max_examples=300)
+@given(
+    st.dictionaries(PREFILL_NAMES | st.text(max_size=8), JSON_VALUES, max_size=8),
+    st.sampled_from([(None, None), (2, None), (None, (" , ", " : ")), (1, (",", ": "))]),
+    st.booleans(),
+)
+def test_a_body_walked_member_by_member_is_what_json_parses_and_prefill_gets_the_same_request(
+    body: dict[str, Any], layout: tuple[int | None, tuple[str, str] | None], ascii_only: bool
+) -> None:
+    """The members' walk parses as json.loads does (any values, names, whitespace, non-ASCII text), and prefill's
+    request spliced from the client's text is, parsed, the request prefill_request builds."""
+    indent, separators = layout
+    raw = json.dumps(body, indent=indent, separators=separators, ensure_ascii=ascii_only).encode()
+    walked = members(raw)
+    assert walked is not None
+    parsed, places = walked
+    assert parsed == json.loads(raw) == body
+    assert json.loads(prefill_bytes(parsed, places)) == prefill_request(parsed) == json.loads(prefill_bytes(parsed))
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"a": 1, "a": 2}',  # a repeated name: json.loads keeps the last; left to it
+        b'\xef\xbb\xbf{"a": 1}',  # a BOM
+        '{"a": 1}'.encode("utf-16"),
+        b'{"a": 1,}',
+        b'{"a" 1}',
+        b'{"a": 1} {}',
+        b'{"a": [1, 2}',
+        b"[1, 2]",
+        b"",
+        b'{"a": 1',
+        b'{"a": "\xff"}',
+    ],
+)
+def test_a_body_the_walk_cannot_take_is_left_to_json_loads(raw: bytes) -> None:
+    assert members(raw) is None
 
 
 async def test_decode_gets_the_clients_request_and_prefills_parameters(rig: Rig) -> None:
