@@ -283,8 +283,9 @@ class Router:
                 **{k: request.headers[k] for k in FORWARDED_HEADERS if k in request.headers},
             }
             n = sample_count(body)
+            prefill_body = prefill_bytes(body, members) if n == 1 else b""
+            del members  # its decoded text (up to 4 bytes a character) is not held while the answer streams
             if n == 1:
-                prefill_body = prefill_bytes(body, members)
                 response = await self._served(request, body, raw, prefill_body, headers, ledger, started)
             else:
                 response = await self._sampled(request, body, n, headers, ledger, started)
