@@ -295,12 +295,12 @@ class Balancer:
     def finished(self, pod: str) -> None:
         if pod not in self.outstanding:
             return
-        left = self.outstanding[pod] - 1
+        left = self.outstanding[pod] - 1  # at least 0: a pod in outstanding has a request in flight
         if left > 0:
             self.outstanding[pod] = left
         else:
             del self.outstanding[pod]
-        self._counts[self._slots[pod]] = left if left > 0 else 0
+        self._counts[self._slots[pod]] = left
 
     def keep_only(self, pods: Iterable[str]) -> None:
         """Forget pods that left the pool (their prefixes, their slots), except while requests to them are in flight;
