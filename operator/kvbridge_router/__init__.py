@@ -13,6 +13,8 @@ Reading order:
 - ``pool``: pure: which pods pair, balancing.
 - ``prefixes``: pure: what was sent to each pod by prompt prefix (the ``kv-aware`` policy).
 - ``ring``: pure: consistent hashing with bounded loads, where replicas send a prefix none of them sent yet.
+- ``peers``: pure: what replicas report to each other (loads, what each sent where), the frame and the view.
+- ``peering``: the reports sent to the other replicas, and theirs received.
 - ``source``: the watched status, or a file.
 - ``upstream``: the HTTP/1.1 client to the engines.
 - ``answers``: whether a decode pod's answer is an answer or an engine's refusal.
@@ -22,6 +24,6 @@ Reading order:
 
 A separate process with its own, read-only RBAC: it imports the operator's ``api``, API client and retry delays,
 never Kopf, the children or the controller. ``settings``, ``prompts``, ``samples``, ``pool``, ``prefixes``,
-``ring``, ``answers`` and ``auth`` import no HTTP library, event loop or metrics client (import-linter keeps it so);
-``settings`` imports nothing of the operator, whose ``api`` and ``children`` read it.
+``ring``, ``peers``, ``answers`` and ``auth`` import no HTTP library, event loop or metrics client (import-linter
+keeps it so); ``settings`` imports nothing of the operator, whose ``api`` and ``children`` read it.
 """

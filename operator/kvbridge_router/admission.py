@@ -79,7 +79,8 @@ async def admit(request: web.Request, route: str, limits: Limits) -> tuple[Obj, 
         raise RouteError(413, "TOO_LARGE", f"the request body ({declared} bytes) exceeds {limits.max_body_bytes} bytes")
     announced = f"{declared if declared is not None else 'unknown'} bytes announced"
     try:
-        raw = await asyncio.wait_for(request.read(), timeout=limits.body_timeout)
+        async with asyncio.timeout(limits.body_timeout):  # not wait_for: no task of its own per request
+            raw = await request.read()
     except TimeoutError:
         raise RouteError(
             408, "BODY_TIMEOUT", f"the request body did not arrive within {limits.body_timeout:g} s ({announced})"

@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag_of(item), **options)  # type: ignore[arg-type]
 
 
+#: the shortest key the replicas may sign their reports with
+MIN_PEER_KEY_BYTES = 16
+
+
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
     add_arguments(parser)
@@ -63,6 +67,7 @@ def run(args: argparse.Namespace, prog: str = PROG) -> int:
     from kvbridge_agent.core.signing import load_token
     from kvbridge_operator.kube import KubeClient, connect
     from kvbridge_router.auth import ApiKeys
+    from kvbridge_router.peering import PeersError
     from kvbridge_router.proxy import Router, RouterConfig, serve
     from kvbridge_router.source import follow_file, watch_status
     from kvbridge_router.tracing import Tracing
@@ -72,6 +77,11 @@ def run(args: argparse.Namespace, prog: str = PROG) -> int:
     problems = given.problems()
     if problems:
         print(f"{prog}: error: {'; '.join(problems)}", file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        peer_key = read_peer_key(given.peer_key_file) if given.peer_key_file else b""
+    except ValueError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_INVALID
     try:
         token = load_token(given.transfer_token_file) if given.transfer_token_file else b""
@@ -86,7 +96,15 @@ def run(args: argparse.Namespace, prog: str = PROG) -> int:
     if api_keys is not None:
         logging.getLogger(__name__).info("clients must send one of %d API keys (Authorization: Bearer)", len(api_keys))
     tracing = Tracing.from_environment(os.environ)
-    router = Router(RouterConfig.of(given, transfer_token=token, api_keys=api_keys), tracing=tracing)
+    try:
+        router = Router(RouterConfig.of(given, token, api_keys, peer_key), tracing=tracing)
+    except PeersError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    if router.exchange is not None:
+        logging.getLogger(__name__).info(
+            "reporting to the other replicas (%s) every %g s", given.peers, given.peer_interval
+        )
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -115,6 +133,21 @@ def run(args: argparse.Namespace, prog: str = PROG) -> int:
     finally:
         tracing.shutdown()  # the spans still batched go out
     return EXIT_OK
+
+
+def read_peer_key(path: str) -> bytes:
+    """The key in the file ``--peer-key-file`` names (its bytes, surrounding whitespace removed); ``ValueError``
+    saying why when it cannot be read or is shorter than 16 bytes."""
+    try:
+        key = Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read --peer-key-file {path}: {exc.strerror or exc}") from None
+    if len(key) < MIN_PEER_KEY_BYTES:
+        raise ValueError(
+            f"--peer-key-file {path} holds {len(key)} bytes, at least {MIN_PEER_KEY_BYTES} are needed (the operator "
+            "writes 64 hex characters into the <name>-router-peers Secret)"
+        )
+    return key
 
 
 def fast_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

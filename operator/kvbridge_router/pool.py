@@ -9,8 +9,7 @@ the least loaded decode pod paired with it; ties go round-robin so that an idle 
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -26,6 +25,11 @@ LEAST_LOADED = RouterPolicy.LEAST_LOADED.value
 #: kv-aware: a pod holding the prompt's prefix is preferred while it has at most this many more requests in flight
 #: than the least loaded pod (a busy pod's queue costs more than recomputing a prefix elsewhere)
 LOAD_SLACK = 2
+#: prefix keys of what was sent kept for the next report to the other replicas (peering.py, every 0.05 s by
+#: default): 2 MiB of them in a report, what 1,200 prompts of 1,700 tokens hold; past it, the peers miss the rest
+SENT_KEYS = 1 << 18
+#: and records of them (a report holds at most 65,535: peers.MAX_RECORDS)
+SENT_RECORDS = 1 << 15
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,28 @@ class Pool:
         return "no ready prefill and decode pods of one pairing key (or a pair listed in status.rollout.pairings)"
 
 
+class _Estimate(Mapping[str, int]):
+    """A balancer's estimate of each pod's requests in flight, over every replica (a view, not a copy): what the
+    ring's bounded loads compare with the cap."""
+
+    def __init__(self, balancer: Balancer) -> None:
+        self._balancer = balancer
+
+    def __getitem__(self, pod: str) -> int:
+        b = self._balancer
+        slot = b._slots[pod]
+        return int(b._counts[slot] * (1 + b.unheard) + b._peers[slot])
+
+    def get(self, pod: str, default: int = 0) -> int:  # type: ignore[override]
+        return self[pod] if pod in self._balancer._slots else default
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._balancer._slots)
+
+    def __len__(self) -> int:
+        return len(self._balancer._slots)
+
+
 def _targets(status: Obj, role: str, skipped: list[str]) -> tuple[Target, ...]:
     found = []
     for endpoint in (status.get(role) or {}).get("endpoints") or []:
@@ -156,12 +182,23 @@ class Balancer:
     last_matched: int = 0
     #: kv-aware: place prompts no pod was sent on the hash ring (bounded loads) rather than on the least loaded pod
     ring: bool = True
-    #: the router replicas in front of the pool: each sends about 1/replicas of every pod's requests, so its counts
-    #: times this estimate the pods' loads, and the slack and the cap are in requests of all replicas
+    #: the router replicas in front of the pool: each sends about 1/replicas of every pod's requests, so that the
+    #: slack and the cap are in requests of all replicas; a pod's load is this replica's count, plus the others' as
+    #: they reported them (:meth:`set_peers`), plus this replica's count again for each one not heard from (all of
+    #: them without reports: its counts times ``replicas``)
     replicas: int = 1
     #: each pod's slot in ``_counts`` (``outstanding`` as an array); renumbered by :meth:`keep_only`
     _slots: dict[str, int] = field(default_factory=dict)
     _counts: np.ndarray = field(default_factory=lambda: np.zeros(64, dtype=np.int64))
+    #: the other replicas' requests in flight per pod (same slots), summed over their fresh reports (peers.py)
+    _peers: np.ndarray = field(default_factory=lambda: np.zeros(64, dtype=np.int64))
+    #: the replicas that sent no fresh report: each is taken to send what this one does (its counts once more)
+    _unheard: int = field(default=-1)
+    #: kv-aware with peers: the (pod, prefix keys) this replica sent since its last report (:meth:`drain_sent`)
+    sent: list[tuple[str, list[int]]] | None = None
+    _sent_keys: int = 0
+    #: records not kept for want of room since the last drain
+    sent_dropped: int = 0
     #: the sets of candidates seen, by the identity of their tuple (checked: ``targets is``)
     _candidates: dict[int, _Candidates] = field(default_factory=dict)
     #: the hash rings, by the candidates' names (each prefill pod's decode partners are a tuple of their own, most
@@ -176,7 +213,7 @@ class Balancer:
         if not every:
             return None
         known = self._of(every)
-        loads = self._counts[known.slots] * self.replicas
+        loads = self._counts[known.slots] * (1 + self.unheard) + self._peers[known.slots]
         left = set(exclude)
         if left:  # a retry: the pods that failed this request are left out
             kept = np.fromiter((t.pod not in left for t in every), dtype=bool, count=len(every))
@@ -243,6 +280,7 @@ class Balancer:
             slot = self._slots[pod] = len(self._slots)
             if slot >= self._counts.size:
                 self._counts = np.concatenate((self._counts, np.zeros_like(self._counts)))
+                self._peers = np.concatenate((self._peers, np.zeros_like(self._peers)))
         return slot
 
     def _place(self, known: _Candidates, left: set[str], keys: list[int], total: int, count: int) -> Target | None:
@@ -257,7 +295,7 @@ class Balancer:
                 self._rings.clear()
             ring = self._rings[known.names] = Ring(known.names)
         limit = cap(total, count, slack=LOAD_SLACK)
-        pod = ring.place(position, self.outstanding, left, math.ceil(limit / self.replicas))
+        pod = ring.place(position, _Estimate(self), left, limit)
         return None if pod is None else known.targets[known.position[pod]]
 
     def choose(
@@ -285,6 +323,12 @@ class Balancer:
             self.last_matched = self.prefixes.matched(prefill.pod, keys)
             self.prefixes.record(prefill.pod, keys)
             self.prefixes.record(decode.pod, keys)
+            if self.sent is not None:
+                if self._sent_keys + 2 * len(keys) <= SENT_KEYS and len(self.sent) < SENT_RECORDS:
+                    self.sent += ((prefill.pod, keys), (decode.pod, keys))
+                    self._sent_keys += 2 * len(keys)
+                else:  # the peers miss it: a cache hit at most
+                    self.sent_dropped += 2
         return prefill, decode
 
     def started(self, pod: str) -> None:
@@ -302,6 +346,30 @@ class Balancer:
             del self.outstanding[pod]
         self._counts[self._slots[pod]] = left
 
+    def drain_sent(self) -> tuple[list[tuple[str, list[int]]], int]:
+        """What was sent since the last drain, for a report, and how many records were dropped for want of room."""
+        sent, dropped = self.sent or [], self.sent_dropped
+        self.sent = [] if self.sent is not None else None
+        self._sent_keys = self.sent_dropped = 0
+        return sent, dropped
+
+    @property
+    def unheard(self) -> int:
+        """The other replicas this one has no fresh report of (all of them, ``replicas - 1``, until told)."""
+        return self.replicas - 1 if self._unheard < 0 else self._unheard
+
+    def set_peers(self, loads: Mapping[str, int], heard: int) -> None:
+        """The other replicas' requests in flight per pod, summed over the ``heard`` replicas with a fresh report
+        (peers.py): a pod's load is then this replica's count, plus theirs, plus this replica's count again for each
+        replica unheard of (as without reports)."""
+        self._unheard = max(0, self.replicas - 1 - heard)
+        self._peers[:] = 0
+        slots = self._slots
+        for pod, count in loads.items():
+            slot = slots.get(pod)  # a pod this replica never chose among (yet, or not in its pool): not kept
+            if slot is not None:
+                self._peers[slot] = count
+
     def keep_only(self, pods: Iterable[str]) -> None:
         """Forget pods that left the pool (their prefixes, their slots), except while requests to them are in flight;
         the counts are renumbered, so that pods coming and going for months cost nothing."""
@@ -312,6 +380,8 @@ class Balancer:
         self._counts = np.zeros(max(64, 2 * len(self._slots)), dtype=np.int64)
         for pod, count in self.outstanding.items():
             self._counts[self._slots[pod]] = count
+        self._peers = np.zeros_like(self._counts)  # renumbered: the peers' counts come again with their next reports
+        self._unheard = -1
         self._candidates.clear()
 
     def load(self, pods: Mapping[str, str]) -> dict[str, int]:

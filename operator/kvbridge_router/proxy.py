@@ -51,6 +51,8 @@ from kvbridge_router.answers import Start, StreamStart, aborted
 from kvbridge_router.auth import INVALID_API_KEY, ApiKeys
 from kvbridge_router.errors import RouteError
 from kvbridge_router.metrics import RouterMetrics
+from kvbridge_router.peering import PEER_PATH, Exchange
+from kvbridge_router.peers import MAX_FRAME_BYTES
 from kvbridge_router.pool import KV_AWARE, Balancer, Pool, Target
 from kvbridge_router.prefixes import prefix_keys
 from kvbridge_router.samples import JoinError, joined, sample_bodies
@@ -133,11 +135,22 @@ class RouterConfig:
     transfer_token: bytes = field(default=b"", repr=False)
     #: the clients' API keys (--api-key-file, auth.py): set, /v1/ requests without one are answered 401
     api_keys: ApiKeys | None = field(default=None, repr=False)
+    #: the other router replicas (--peers, peering.py): set, this one reports to them and takes their reports
+    peers: str = DEFAULTS.peers
+    peer_interval: float = DEFAULTS.peer_interval
+    #: the key reports are signed with (--peer-key-file)
+    peer_key: bytes = field(default=b"", repr=False)
 
     @classmethod
-    def of(cls, settings: RouterSettings, transfer_token: bytes = b"", api_keys: ApiKeys | None = None) -> RouterConfig:
-        """The configuration ``settings`` give, with the token read from their ``transfer_token_file`` and the keys
-        of their ``api_key_file``."""
+    def of(
+        cls,
+        settings: RouterSettings,
+        transfer_token: bytes = b"",
+        api_keys: ApiKeys | None = None,
+        peer_key: bytes = b"",
+    ) -> RouterConfig:
+        """The configuration ``settings`` give, with the token read from their ``transfer_token_file``, the keys
+        of their ``api_key_file`` and the peers' key of their ``peer_key_file``."""
         return cls(
             prefill_timeout=settings.prefill_timeout,
             decode_timeout=settings.decode_timeout,
@@ -152,6 +165,9 @@ class RouterConfig:
             replicas=settings.replicas,
             transfer_token=transfer_token,
             api_keys=api_keys,
+            peers=settings.peers,
+            peer_interval=settings.peer_interval,
+            peer_key=peer_key,
         )
 
     @property
@@ -171,6 +187,21 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         #: the prefill and decode calls (every request's two); the session serves the rest
         self.upstream = Upstream(KEEPALIVE_SECONDS)
+        #: the reports to and from the other replicas (--peers), or None
+        self.exchange = (
+            Exchange(
+                self.balancer,
+                self.metrics,
+                self.config.peer_key,
+                self.config.peers,
+                self.config.peer_interval,
+                lambda: self._pods,
+            )
+            if self.config.peers
+            else None
+        )
+        self._pods: frozenset[str] = frozenset()
+        self._exchanging: tuple[asyncio.Task[None], asyncio.Event] | None = None
 
     def set_pool(self, pool: Pool) -> None:
         if (pool.prefill, pool.decode, pool.pairings) != (self.pool.prefill, self.pool.decode, self.pool.pairings):
@@ -185,7 +216,9 @@ class Router:
         if reborn:
             log.info("forgetting what was sent to %s: restarted or replaced (a new incarnation)", sorted(reborn))
         self.pool = pool
+        self._pods = frozenset(t.pod for t in (*pool.prefill, *pool.decode))
         self.balancer.keep_only(t.pod for t in (*pool.prefill, *pool.decode) if t.pod not in reborn)
+        self.metrics.keep_pods({t.pod for t in (*pool.prefill, *pool.decode)}, set(self.balancer.outstanding))
         self.metrics.endpoints.labels("prefill").set(len(pool.routable()))
         self.metrics.endpoints.labels("decode").set(len(pool.decode))
 
@@ -196,6 +229,8 @@ class Router:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        if self.exchange is not None:
+            app.router.add_post(PEER_PATH, self._peer_report)
         app.on_startup.append(self._open)
         app.on_cleanup.append(self._close)
         return app
@@ -204,8 +239,15 @@ class Router:
         connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_SECONDS, limit=0)
         # no cookie jar: engines set no cookies, and one client's would otherwise leak to another's requests
         self._session = aiohttp.ClientSession(connector=connector, trust_env=False, cookie_jar=aiohttp.DummyCookieJar())
+        if self.exchange is not None:
+            stop = asyncio.Event()
+            self._exchanging = (asyncio.create_task(self.exchange.run(stop)), stop)
 
     async def _close(self, _: web.Application) -> None:
+        if self._exchanging is not None:
+            task, stop = self._exchanging
+            stop.set()
+            await task
         self.upstream.close()
         if self._session is not None:
             await self._session.close()
@@ -228,6 +270,31 @@ class Router:
             "skipped": list(self.pool.skipped),
         }
         return web.json_response(body, status=503 if problem else 200)
+
+    async def _peer_report(self, request: web.Request) -> web.Response:
+        """Another replica's report (peering.py): 200 when taken or stale (the outcome as its body: the sender's client
+        reads an answer with a body, and keeps the connection), 400 with the code when not a report."""
+        if self.exchange is None:  # not routed without one; for the type checker
+            raise web.HTTPNotFound()
+        declared = request.content_length
+        if declared is not None and declared > MAX_FRAME_BYTES:  # refused unread: no report is that large
+            self.metrics.peer_report("received", "TOO_LARGE")
+            return web.Response(status=413, text="TOO_LARGE")
+        frame = bytearray()
+        try:
+            async with asyncio.timeout(self.config.body_timeout):
+                async for chunk in request.content.iter_any():
+                    frame += chunk
+                    if len(frame) > MAX_FRAME_BYTES:
+                        self.metrics.peer_report("received", "TOO_LARGE")
+                        return web.Response(status=413, text="TOO_LARGE")
+        except (TimeoutError, ConnectionResetError, aiohttp.ClientPayloadError):
+            self.metrics.peer_report("received", "BODY_INCOMPLETE")
+            return web.Response(status=400, text="BODY_INCOMPLETE")
+        outcome = self.exchange.receive(bytes(frame))
+        if outcome in ("accepted", "stale"):
+            return web.Response(status=200, text=outcome)
+        return web.Response(status=400, text=outcome)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         body, content_type = self.metrics.render(request.headers.get("Accept", ""))
@@ -269,7 +336,7 @@ class Router:
         route = ROUTES[request.path]
         refused = self._unauthorized(request)
         if refused is not None:
-            self.metrics.requests.labels(route, INVALID_API_KEY).inc()
+            self.metrics.answered(route, INVALID_API_KEY)
             return refused
         ledger = Ledger(trace=self.tracing.request(request.headers, request.path, route))
         try:
@@ -290,7 +357,7 @@ class Router:
             else:
                 response = await self._sampled(request, body, n, headers, ledger, started)
         except RouteError as exc:
-            self.metrics.requests.labels(route, exc.code).inc()
+            self.metrics.answered(route, exc.code)
             log.warning("%s: %s %s", request.path, exc.code, exc.message)
             ledger.trace.finish(exc.status, exc.code)
             return exc.response()
@@ -298,7 +365,7 @@ class Router:
             ledger.trace.finish(500, type(exc).__name__)
             raise
         ledger.trace.finish(response.status)
-        self.metrics.requests.labels(route, "ok" if response.status < 400 else f"HTTP_{response.status}").inc()
+        self.metrics.answered(route, "ok" if response.status < 400 else f"HTTP_{response.status}")
         total = time.perf_counter() - started
         self.metrics.request_seconds.observe(total)
         self.metrics.overhead_seconds.observe(max(total - ledger.spent, 0.0))
@@ -436,8 +503,7 @@ class Router:
                     choice.set(span.PREFIX_HIT_CHUNKS, self.balancer.last_matched if keys else 0)
                 if keys:
                     hit = self.balancer.last_matched
-                    self.metrics.prefix_chunks.labels("hit").inc(hit)
-                    self.metrics.prefix_chunks.labels("miss").inc(len(keys) - hit)
+                    self.metrics.prefix_matched(hit, len(keys))
             called = time.perf_counter()
             timeout = min(self.config.prefill_timeout, left)
             try:
@@ -611,14 +677,14 @@ class Router:
                 raise RouteError(status, code, message, retry=True, reprefill=reached) from None
             transport = request.transport
             if transport is None or transport.is_closing():  # the client went away: stop reading decode's stream
-                self.metrics.requests.labels(ROUTES[request.path], "CLIENT_GONE").inc()
+                self.metrics.answered(ROUTES[request.path], "CLIENT_GONE")
                 return response
             # the stream has begun: end it with an error event the client can read
             event = {"error": {"message": message, "type": "server_error", "code": code}}
             with contextlib.suppress(ConnectionResetError, aiohttp.ClientError):
                 await response.write(f"data: {json.dumps(event)}\n\n".encode())
                 await response.write_eof()
-            self.metrics.requests.labels(ROUTES[request.path], f"{code}_MIDSTREAM").inc()
+            self.metrics.answered(ROUTES[request.path], f"{code}_MIDSTREAM")
             return response
         finally:
             ledger.spent += time.perf_counter() - called
@@ -658,12 +724,11 @@ class Router:
 
     def _enter(self, role: str, target: Target) -> None:
         self.balancer.started(target.pod)
-        self.metrics.pod_requests.labels(role, target.pod).inc()
-        self.metrics.outstanding.labels(role, target.pod).inc()
+        self.metrics.calling(role, target.pod)
 
     def _leave(self, role: str, target: Target) -> None:
         self.balancer.finished(target.pod)
-        self.metrics.outstanding.labels(role, target.pod).dec()
+        self.metrics.called(role, target.pod)
 
 
 def prefill_request(body: Obj) -> Obj:

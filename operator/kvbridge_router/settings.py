@@ -58,6 +58,26 @@ class RouterSettings:
         metavar="N",
         positive=True,
     )
+    peers: str = _setting(
+        "",
+        "kv-aware with replicas: where the other replicas are, to tell them every --peer-interval what this one "
+        "routes (its requests in flight per pod, the prompts it sent where): http://host:port,... or dns:NAME:PORT "
+        "(the operator passes its headless Service's); needs --peer-key-file",
+        metavar="ADDRESSES",
+    )
+    peer_interval: float = _setting(
+        0.05,
+        "seconds between two reports to the other replicas (the operator passes more with more than 4 replicas, "
+        "so that each takes at most 60 reports a second)",
+        metavar="SECONDS",
+        positive=True,
+    )
+    peer_key_file: str = _setting(
+        "",
+        "a file holding the key the replicas sign their reports with, at least 16 bytes (the operator mounts the "
+        "<name>-router-peers Secret's)",
+        metavar="PATH",
+    )
     prefill_timeout: float = _setting(60.0, "seconds per prefill call", metavar="SECONDS", positive=True)
     decode_timeout: float = _setting(
         600.0,
@@ -115,6 +135,8 @@ class RouterSettings:
                 "give --deployment NAME (watched through the Kubernetes API) or --status-file FILE (a deployment's "
                 "YAML or JSON, re-read when it changes)"
             )
+        if self.peers and not self.peer_key_file:
+            found.append("--peers needs --peer-key-file (the key the replicas sign their reports with)")
         for item in dataclasses.fields(self):
             value = getattr(self, item.name)
             if item.metadata["positive"] and value <= 0:
@@ -124,6 +146,14 @@ class RouterSettings:
 
 #: every setting's default, read by the operator's spec.router and the router's own configuration
 DEFAULTS = RouterSettings()
+#: reports a replica takes per second from the others, at most (peer_interval_for)
+PEER_REPORTS_PER_SECOND = 60
+
+
+def peer_interval_for(replicas: int) -> float:
+    """The seconds between two reports of each of ``replicas`` router replicas: the default, longer where more than
+    four would send each more than :data:`PEER_REPORTS_PER_SECOND` reports a second."""
+    return max(DEFAULTS.peer_interval, (replicas - 1) / PEER_REPORTS_PER_SECOND)
 
 
 def flag_of(item: dataclasses.Field[Any]) -> str:

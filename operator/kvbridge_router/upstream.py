@@ -219,8 +219,10 @@ class _Connection(asyncio.Protocol):
         self.transport.writelines(request)  # uvloop: one vectored send, the pieces not joined
         return self._answer
 
-    async def head(self) -> None:
-        await self._head
+    def head(self) -> asyncio.Future[None]:
+        """Done when the answer's status and headers arrived (a future, not a coroutine: waiting on it with a
+        timeout makes no task)."""
+        return self._head
 
     async def next_chunk(self, idle_timeout: float | None) -> bytes | None:
         while not self._body:
@@ -309,8 +311,10 @@ class Upstream:
         headers: Mapping[str, str],
         connect_timeout: float,
         head_timeout: float | None = None,
+        content_type: str = "application/json",
     ) -> _Call:
-        """A POST of a JSON body to ``base`` (``http://host:port``) + ``path``; use it as an async context manager,
+        """A POST of a body (JSON unless ``content_type`` says otherwise) to ``base`` (``http://host:port``) +
+        ``path``; use it as an async context manager,
         which gives the :class:`Answer` once its status and headers arrived (within ``head_timeout`` seconds when
         given) and on leaving puts the connection back in the pool, or closes it."""
         host, port, authority = _address(base)
@@ -319,7 +323,7 @@ class Upstream:
             f"POST {path} HTTP/1.1",
             f"Host: {authority}",
             f"Content-Length: {sum(map(len, parts))}",
-            "Content-Type: application/json",
+            f"Content-Type: {content_type}",
         ]
         for name, value in headers.items():
             if "\r" in value or "\n" in value or "\r" in name or "\n" in name:

@@ -474,6 +474,17 @@ async def test_spec_router_runs_a_router_with_read_only_rbac_and_shows_its_url()
         ]
         decode = c.deployment("llama3-8b")["status"]["decode"]["endpoints"]
         assert [(e["pod"], e["httpPort"]) for e in decode] == [("llama3-8b-decode-0", 8000)]
+        # two replicas report to each other: a headless Service of them all, a key of their own
+        peers = c.api.find("services", "default", "llama3-8b-router-peers")
+        assert peers is not None
+        assert peers["spec"]["clusterIP"] == "None"
+        assert c.api.find("secrets", "default", "llama3-8b-router-peers") is not None
+        assert c.deployment("llama3-8b")["status"]["router"]["peers"] == "llama3-8b-router-peers"
+        await c.patch_spec("llama3-8b", {"router": {"replicas": 1}})
+        await c.wait(
+            lambda: c.api.find("services", "default", "llama3-8b-router-peers") is None, what="peers Service deleted"
+        )
+        await c.wait(lambda: not c.deployment("llama3-8b")["status"]["router"].get("peers"), what="status.router.peers")
         await c.patch_spec("llama3-8b", {"router": {"enabled": False}})
         await c.wait(
             lambda: all(c.api.find(p, "default", "llama3-8b-router") is None for p in names),

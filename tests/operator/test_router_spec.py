@@ -86,7 +86,7 @@ def test_the_api_key_secret_is_mounted_and_passed_to_the_router() -> None:
     mount = {"name": "router-api-keys", "mountPath": "/var/run/kvbridge/router-api-keys", "readOnly": True}
     assert mount in container["volumeMounts"]
     assert all("subPath" not in m for m in container["volumeMounts"])
-    assert len(container["volumeMounts"]) == 2  # and the transfer token's
+    assert len(container["volumeMounts"]) == 3  # and the transfer token's, and the replicas' key
     settings = router_cli.chosen(router_cli.build_parser().parse_args(container["args"]))
     assert settings.api_key_file == API_KEYS_FILE
 
@@ -139,7 +139,9 @@ def test_plan_shows_the_routers_clients_and_placement(tmp_path: Path, capsys: py
     clients = "router clients: only with an API key of Secret router-clients, key keys.txt (Authorization: Bearer;"
     assert clients in out
     placement = (
-        "router pods: 2 replicas spread over nodes where possible; placement: imagePullSecrets regcred; "
+        "router pods: 2 replicas spread over nodes where possible, each telling the others every 0.05 s what it "
+        "routes (Service llama3-8b-vllm-router-peers, reports signed with the key of the Secret of that name); "
+        "placement: imagePullSecrets regcred; "
         "nodeSelector kubernetes.io/os=linux, pool=cpu; "
         "2 tolerations; affinity podAntiAffinity; priorityClassName serving-critical"
     )
@@ -153,6 +155,7 @@ def test_plan_shows_the_routers_clients_and_placement(tmp_path: Path, capsys: py
     router = entry["router"]
     assert router["auth"] == {"apiKeys": True, "secret": "router-clients", "key": "keys.txt"}
     assert router["replicas"] == 2
+    assert router["peers"] == "llama3-8b-vllm-router-peers"
     assert router["placement"]["priorityClassName"] == "serving-critical"
     assert router["placement"]["tolerations"][1] == {
         "operator": "Exists",
@@ -162,3 +165,33 @@ def test_plan_shows_the_routers_clients_and_placement(tmp_path: Path, capsys: py
     assert main(["plan", "-f", str(tmp_path / "plain.yaml"), "--json"]) == 0
     [entry] = json.loads(capsys.readouterr().out)
     assert (entry["router"]["auth"], entry["router"]["placement"]) == ({"apiKeys": False}, {})
+    assert "peers" not in entry["router"]
+
+
+def test_two_or_more_routers_report_to_each_other_through_a_headless_service_with_the_token() -> None:
+    objects = optional_children(parse_deployment(document(router=PLATFORM)), UID, OperatorConfig())
+    peers = next(o for o in objects if o["metadata"]["name"] == "llama3-8b-vllm-router-peers")
+    kubernetes_validate.validate(peers, "1.30", strict=True)
+    service = next(o for o in objects if o["metadata"]["name"] == "llama3-8b-vllm-router" and o["kind"] == "Service")
+    assert peers["spec"]["clusterIP"] == "None"
+    assert peers["spec"]["publishNotReadyAddresses"] is True
+    assert peers["spec"]["selector"] == service["spec"]["selector"]
+    pod = router_pod(PLATFORM)
+    [container] = pod["containers"]
+    settings = router_cli.chosen(router_cli.build_parser().parse_args(container["args"]))
+    assert settings.peers == "dns:llama3-8b-vllm-router-peers.team-a.svc:8000"
+    assert settings.peer_key_file == "/var/run/kvbridge/router-peers/key"
+    assert settings.transfer_token_file == ""
+    # a key of its own, not the router token (which decode pods mount with signTransfers)
+    volume = {"secretName": "llama3-8b-vllm-router-peers", "defaultMode": 0o444}
+    assert {"name": "router-peers-key", "secret": volume} in pod["volumes"]
+    assert "router-token" not in json.dumps(pod)
+    assert settings.problems() == []
+    assert settings.peer_interval == 0.05
+    # more replicas report less often: each takes at most 60 reports a second
+    many = router_pod({"enabled": True, "replicas": 16})["containers"][0]["args"]
+    assert router_cli.chosen(router_cli.build_parser().parse_args(many)).peer_interval == 0.25
+    # one replica: no peers, no Service, no token
+    single = optional_children(parse_deployment(document(router={"enabled": True})), UID, OperatorConfig())
+    assert not any(o["metadata"]["name"].endswith("-router-peers") for o in single)
+    assert "--peers" not in " ".join(router_pod({"enabled": True})["containers"][0]["args"])

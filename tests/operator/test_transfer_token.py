@@ -166,6 +166,13 @@ def test_the_reconcile_creates_the_token_secret_once_before_the_pods_that_mount_
     assert actions.index(created[1]) < first_workload
     plain = [a for a in _actions(document(router={"enabled": True})) if isinstance(a, CreateOnce)]
     assert [a.obj["metadata"]["name"] for a in plain if a.resource == SECRETS] == ["llama3-8b-side-channel"]
+    # router replicas sign their reports to each other with a key of their own (decode pods never mount it)
+    replicas = [a for a in _actions(document(router={"enabled": True, "replicas": 2})) if isinstance(a, CreateOnce)]
+    made = {a.obj["metadata"]["name"]: a.obj for a in replicas if a.resource == SECRETS}
+    assert list(made) == ["llama3-8b-side-channel", "llama3-8b-router-peers"]
+    key = base64.b64decode(made["llama3-8b-router-peers"]["data"]["key"])
+    assert len(bytes.fromhex(key.decode())) == 32
+    assert made["llama3-8b-router-peers"]["metadata"]["ownerReferences"][0]["uid"] == UID
 
 
 def test_plan_shows_whether_the_router_signs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -41,6 +41,10 @@ ENVIRONMENT = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.env
         (["--status-file", "f", "--prefill-attempts", "-1"], "--prefill-attempts must be positive"),
         (["--status-file", "f", "--block-size", "0"], "--block-size"),
         (["--status-file", "f", "--header-timeout", "0"], "--header-timeout must be positive"),
+        (["--status-file", "f", "--peers", "http://h:1"], "--peers needs --peer-key-file"),
+        (["--status-file", "f", "--peers", "http://h:1", "--peer-key-file", "/nonexistent"], "cannot read"),
+        (["--status-file", "f", "--peers", "h:1", "--peer-key-file", __file__], "is not http://host:port"),
+        (["--status-file", "f", "--peers", "http://h:1", "--peer-interval", "0"], "--peer-interval must be positive"),
     ],
 )
 @pytest.mark.parametrize(("command", "prog"), [(router, "kvbridge-router"), (alias, "kvbridge router")])
@@ -51,6 +55,13 @@ def test_bad_flags_exit_2(
     err = capsys.readouterr().err
     assert said in err
     assert err.startswith(f"{prog}: error: ")
+
+
+def test_a_peer_key_too_short_exits_2_saying_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    key = tmp_path / "key"
+    key.write_text("short\n")
+    assert router(["--status-file", "f", "--peers", "http://h:1", "--peer-key-file", str(key)]) == 2
+    assert "holds 5 bytes, at least 16 are needed" in capsys.readouterr().err
 
 
 def test_the_console_script_is_the_routers_own_command_line() -> None:

@@ -526,6 +526,26 @@ async def test_health_models_and_metrics(rig: Rig) -> None:
         assert line in metrics
 
 
+async def test_a_pod_that_left_the_pool_leaves_the_metrics_once_nothing_is_in_flight(rig: Rig) -> None:
+    """Months of rollouts must not grow the scrape: a departed pod's series go, not while a call to it runs."""
+    for i in range(4):
+        assert (await rig.post({"prompt": [i]}))[0] == 200
+    series = 'kvbridge_router_pod_requests_total{pod="prefill-1",role="prefill"}'
+    assert series in (await (await rig.session.get(rig.url + "/metrics")).text())
+    rig.router.balancer.started("prefill-1")  # a call to it still in flight
+    rig.route(prefill=[rig.prefill[0].endpoint])
+    assert series in (await (await rig.session.get(rig.url + "/metrics")).text())
+    rig.router.balancer.finished("prefill-1")
+    rig.route(prefill=[rig.prefill[0].endpoint])
+    metrics = await (await rig.session.get(rig.url + "/metrics")).text()
+    assert 'pod="prefill-1"' not in metrics
+    assert 'kvbridge_router_pod_requests_total{pod="prefill-0",role="prefill"}' in metrics
+    assert (await rig.post({"prompt": [9]}))[0] == 200  # and the pods still in the pool are counted as before
+    assert 'kvbridge_router_outstanding_requests{pod="prefill-0",role="prefill"} 0.0' in (
+        await (await rig.session.get(rig.url + "/metrics")).text()
+    )
+
+
 async def test_a_decode_pod_that_cannot_be_reached_is_replaced_by_another(rig: Rig) -> None:
     """Connection refused: decode never got the request, so no block was read; another paired decode pod may."""
     rig.route(decode=[closed_port_endpoint("decode-dead"), rig.decode[0].endpoint])

@@ -80,6 +80,7 @@ HTTP_PORT_NAME = "http"
 KEYS_VOLUME = "side-channel-keys"
 #: the router's token (spec.router.signTransfers), on the router's pods and the decode engines'
 ROUTER_TOKEN_VOLUME = "router-token"
+ROUTER_PEERS_VOLUME = "router-peers-key"
 
 
 # -- child names ----------------------------------------------------------------------------------------------------
@@ -103,3 +104,9 @@ def network_policy_name(deployment: str) -> str:
 
 def router_name(deployment: str) -> str:
     return f"{deployment}-router"
+
+
+def router_peers_name(deployment: str) -> str:
+    """The routers' headless Service (two or more replicas), whose name resolves to every router pod, and the Secret
+    of the key their reports to each other are signed with."""
+    return f"{deployment}-router-peers"

@@ -112,6 +112,10 @@ class DecodeStatus(RoleStatus):
 
 class RouterStatus(CamelModel):
     url: str = Field(default="", description="The router's Service URL inside the cluster (OpenAI-compatible API).")
+    peers: str = Field(
+        default="",
+        description="Two or more replicas: the headless Service (and Secret) of their reports to each other.",
+    )
 
 
 class InferencePoolStatus(CamelModel):

@@ -18,5 +18,6 @@ Reading order:
 - ``pairing``: which pods may pair.
 - ``keys``: the side channel's CURVE keys.
 - ``transfer_token``: the router's token, mounted where ``spec.router.signTransfers`` wants it.
+- ``peer_key``: the key router replicas sign their reports to each other with.
 - ``tracing``: ``spec.tracing`` as OpenTelemetry's environment and vLLM's flag.
 """

@@ -1,7 +1,9 @@
 """The serving path in front of a deployment's pods, rendered from ``spec.router`` and ``spec.inferencePool``.
 
 - ``spec.router.enabled``: kvbridge's router (``kvbridge-router``) as a Deployment, a PodDisruptionBudget and a
-  ClusterIP Service ``<name>-router`` (``replicas`` of 2 or more spread over nodes, each told how many there are),
+  ClusterIP Service ``<name>-router`` (``replicas`` of 2 or more spread over nodes, each told how many there are
+  and where the others are: the headless Service ``<name>-router-peers``, for their reports to each other, signed
+  with the key of the Secret of the same name, peer_key.py),
   with a ServiceAccount whose Role may only get and watch this one DisaggregatedDeployment (the router reads the
   endpoints and pairings from its status; it never lists pods). With ``spec.router.signTransfers`` it signs decode's
   ``kv_transfer_params`` with the token of the Secret ``<name>-router-token`` (:func:`router_token_secret`;
@@ -24,14 +26,15 @@ from kvbridge_operator.api.names import (
     LABEL_INFERENCE_POOL,
     MANAGED_BY,
     router_name,
+    router_peers_name,
     router_token_secret_name,
 )
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import DisaggregatedDeployment, RouterSpec
-from kvbridge_operator.children import placement, tracing, transfer_token
+from kvbridge_operator.children import peer_key, placement, tracing, transfer_token
 from kvbridge_operator.children.render import child_metadata, owner_reference
 from kvbridge_operator.config import OperatorConfig
-from kvbridge_router.settings import DEFAULTS, RouterSettings, arguments
+from kvbridge_router.settings import DEFAULTS, RouterSettings, arguments, peer_interval_for
 
 ROUTER_PORT = DEFAULTS.port
 #: the router's own program (the operator image has it; ``kvbridge router`` is the same command)
@@ -68,7 +71,8 @@ def router_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfi
     owner = owner_reference(dd, uid)
     labels = router_selector(dd.metadata.name)
     spec = dd.spec.router
-    signs = transfer_token.signs(dd.spec)
+    signs, peers = transfer_token.signs(dd.spec), peer_key.peers(dd.spec)
+    peers_service = router_peers_name(dd.metadata.name)
     chosen = RouterSettings(
         deployment=dd.metadata.name,
         namespace=namespace,
@@ -80,6 +84,9 @@ def router_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfi
         block_size=dd.spec.prefill.block_size,
         replicas=spec.replicas,
         transfer_token_file=transfer_token.TOKEN_FILE if signs else "",
+        peers=f"dns:{peers_service}.{namespace}.svc:{ROUTER_PORT}" if peers else "",
+        peer_key_file=peer_key.KEY_FILE if peers else "",
+        peer_interval=peer_interval_for(spec.replicas),
         api_key_file=API_KEYS_FILE if spec.api_key_secret else "",
     )
     args = arguments(chosen, always=RENDERED_ALWAYS)
@@ -107,6 +114,9 @@ def router_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfi
     # the token's and the keys' files are root's: readable by the router's non-root user
     volumes = [transfer_token.volume(dd.metadata.name, 0o444)] if signs else []
     mounts = [transfer_token.mount()] if signs else []
+    if peers:
+        volumes.append(peer_key.volume(dd.metadata.name))
+        mounts.append(peer_key.mount())
     if spec.api_key_secret is not None:
         items = [{"key": spec.api_key_secret.key, "path": API_KEYS_FILE.rpartition("/")[2]}]
         secret = {"secretName": spec.api_key_secret.name, "items": items, "defaultMode": 0o444}
@@ -180,7 +190,24 @@ def router_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfi
                 ],
             },
         },
+        *([router_peers_service(peers_service, namespace, labels, owner)] if peers else []),
     ]
+
+
+def router_peers_service(name: str, namespace: str, labels: dict[str, str], owner: Obj) -> Obj:
+    """The routers' headless Service: its name resolves to every router pod's address, ready or not (a replica
+    starting reports and is reported to before it serves), for the replicas' reports to each other (peering.py)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": child_metadata(name, namespace, labels, owner),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": labels,
+            "ports": [{"name": HTTP_PORT_NAME, "port": ROUTER_PORT, "targetPort": HTTP_PORT_NAME, "protocol": "TCP"}],
+        },
+    }
 
 
 def router_spread(spec: RouterSpec, labels: dict[str, str]) -> Obj:

@@ -11,7 +11,7 @@ from typing import Any
 from kvbridge_agent.core import KVBridgeError, Problem, Role, SpecError, TransferPlan, Verification
 from kvbridge_agent.core.parallel import kv_words, ranks_words, role_parallelism
 from kvbridge_agent.core.tracing import SAMPLER
-from kvbridge_operator.api.names import ENGINE_CONTAINER, router_token_secret_name
+from kvbridge_operator.api.names import ENGINE_CONTAINER, router_peers_name, router_token_secret_name
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import (
     Connector,
@@ -20,7 +20,7 @@ from kvbridge_operator.api.spec import (
     EngineKind,
     Memlock,
 )
-from kvbridge_operator.children import multinode, network, serving, tracing, transfer_token
+from kvbridge_operator.children import multinode, network, peer_key, serving, tracing, transfer_token
 from kvbridge_operator.children import vllm_engine as vllm
 from kvbridge_operator.children.model_source import weights
 from kvbridge_operator.children.pairing import pairing
@@ -28,6 +28,7 @@ from kvbridge_operator.children.remedy import Fix, describe, merge_patch, sugges
 from kvbridge_operator.children.render import pod_template
 from kvbridge_operator.children.verdict import advisories_for, verdict_for
 from kvbridge_operator.config import OperatorConfig
+from kvbridge_router.settings import peer_interval_for
 
 
 @dataclass(frozen=True)
@@ -262,6 +263,8 @@ def router_of(deployment: DisaggregatedDeployment) -> dict[str, object]:
         "signTransfers": signs,
         "tokenSecret": secret,
         "replicas": router.replicas,
+        # the replicas' headless Service (their reports to each other), when there are two or more
+        **({"peers": router_peers_name(deployment.metadata.name)} if peer_key.peers(deployment.spec) else {}),
         "auth": auth,
         "placement": serving.router_placement(router),
     }
@@ -429,6 +432,13 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
         replicas = f"{spec.router.replicas} replica{'s' if spec.router.replicas != 1 else ''}"
         if serving.router_spread(spec.router, {}):
             replicas += " spread over nodes where possible"
+        if peer_key.peers(spec):
+            interval = peer_interval_for(spec.router.replicas)
+            replicas += (
+                f", each telling the others every {interval:g} s what it routes (Service "
+                f"{router_peers_name(document.deployment.metadata.name)}, reports signed with the key of the "
+                "Secret of that name)"
+            )
         lines.append(f"  router pods: {replicas}; placement: {router_placement_words(document.deployment)}")
     if spec.tracing is not None:
         lines.append(f"  tracing: {tracing_words(document.deployment)}")

@@ -20,7 +20,7 @@ from kvbridge_agent.core import Role, SpecError, TransferPlan
 from kvbridge_operator.api.names import LABEL_PAIRING, LABEL_ROLE, LWS_KIND, WORKLOAD_KINDS
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import DisaggregatedDeployment, parse_deployment
-from kvbridge_operator.children import multinode, placement, transfer_token
+from kvbridge_operator.children import multinode, peer_key, placement, transfer_token
 from kvbridge_operator.children.pairing import pairing
 from kvbridge_operator.children.remedy import advice
 from kvbridge_operator.children.render import desired_children, secret
@@ -189,6 +189,8 @@ def _work(
         work.actions.append(CreateOnce(SECRETS, keys))
         if transfer_token.signs(dd.spec):  # before the pods that mount it (the router's, decode's)
             work.actions.append(CreateOnce(SECRETS, router_token_secret(dd, uid)))
+        if peer_key.peers(dd.spec):  # before the router's pods, which mount it
+            work.actions.append(CreateOnce(SECRETS, peer_key.secret(dd, uid)))
         for role in Role:
             if role in roles.create:
                 work.actions.append(EnsureRole(roles.create[role], exists=False, replicas=dd.spec.role(role).replicas))

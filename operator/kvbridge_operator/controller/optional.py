@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvbridge_operator.api.names import router_name
+from kvbridge_operator.api.names import router_name, router_peers_name
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import DisaggregatedDeployment
+from kvbridge_operator.children import peer_key
 from kvbridge_operator.children.serving import optional_children, router_url
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.controller.actions import Event
@@ -64,11 +65,15 @@ def decide(
         fields["inferencePool"] = {"name": "", "httpRoute": "", "message": message}
         if pool_before.get("message") != message:
             result.events.append(Event("Warning", "ServingUnavailable", message))
+    peers = router_peers_name(dd.metadata.name) if peer_key.peers(dd.spec) else ""
     if dd.spec.router.enabled:
-        fields["router"] = {"url": router_url(dd)}
+        fields["router"] = {"url": router_url(dd), "peers": peers}
     elif previous.get("router"):
         result.delete += [(kind, router_name(dd.metadata.name)) for kind in ROUTER_KINDS]
         result.events.append(Event("Normal", "RouterRemoved", f"{router_name(dd.metadata.name)} deleted (spec.router)"))
+    peers_before = str((previous.get("router") or {}).get("peers") or "")
+    if peers_before and not peers:  # one replica, or no router: the replicas' Service goes (its Secret stays)
+        result.delete.append(("Service", peers_before))
     if dd.spec.inference_pool.enabled and "InferencePool" in made:
         route = dd.metadata.name if "HTTPRoute" in made else ""
         note = fields["inferencePool"]["message"] if lacking else ""
