@@ -14,7 +14,8 @@ other, a new seed per run (no prefix carried over from one run to the next):
 - ``random``: prompts of the same length that share nothing (kv-aware must be no worse).
 
 ``--routers`` names what each workload is sent through: a policy, and with ``:N`` that many router replicas over
-the same pods (``kvbridge router --replicas N`` each, as the operator renders them), the requests spread over them
+the same pods (``kvbridge router --replicas N`` each, reporting to each other, as the operator renders them;
+``--no-peers``: not), the requests spread over them
 at random, one by one, by a small HTTP front here (a Service, or a Gateway that balances per request). Every
 configuration goes through that front, one replica included, so that they pay the same hop.
 
@@ -32,6 +33,7 @@ import json
 import os
 import random
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -169,6 +171,31 @@ def counters(urls: dict[str, list[str]]) -> dict[str, float]:
     }
 
 
+def outcomes(routers: list[str]) -> dict[str, int]:
+    """The routers' requests by outcome (``kvbridge_router_requests_total``: ok, or the error code answered), summed
+    over the replicas."""
+    found: dict[str, int] = {}
+    for url in routers:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        for line in text.splitlines():
+            if not line.startswith("kvbridge_router_requests_total{"):
+                continue
+            labels, value = line.rsplit(" ", 1)
+            outcome = re.search(r'outcome="([^"]*)"', labels)
+            if outcome:
+                found[outcome.group(1)] = found.get(outcome.group(1), 0) + int(float(value))
+    return found
+
+
+def logs(folder: Path | None, name: str) -> Any:
+    """Where a router's log goes: a file in ``folder`` (--logs), else nowhere."""
+    if folder is None:
+        return subprocess.DEVNULL
+    folder.mkdir(parents=True, exist_ok=True)
+    return (folder / name).open("w")
+
+
 def wait_healthy(url: str, timeout: float = 60) -> None:
     def healthy() -> bool:
         with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
@@ -295,10 +322,23 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 for role in ("prefill", "decode")
             }
             routers: dict[tuple[str, int], Spreader] = {}
+            key_file = workdir / "peer-key"
+            key_file.write_text(secrets.token_hex(32))
             for policy, count in args.routers:
-                replicas = []
-                for _ in range(count):
-                    port = free_port()
+                replicas: list[str] = []
+                ports = [free_port() for _ in range(count)]
+                # two or more: the replicas report to each other, as the operator renders them (router.md)
+                peers = (
+                    [
+                        "--peers",
+                        ",".join(f"http://127.0.0.1:{p}" for p in ports),
+                        "--peer-key-file",
+                        str(key_file),
+                    ]
+                    if count >= 2 and not args.no_peers
+                    else []
+                )
+                for port in ports:
                     procs.append(
                         subprocess.Popen(
                             [
@@ -316,8 +356,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                                 str(block),
                                 "--replicas",
                                 str(count),
+                                *peers,
                             ],
-                            stderr=subprocess.DEVNULL,
+                            stderr=logs(args.logs, f"router-{policy}-{count}-{len(replicas)}.log"),
                         )
                     )
                     replicas.append(f"http://127.0.0.1:{port}")
@@ -336,10 +377,11 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                         f"{workload} through {count} {policy} router(s) ({args.num_prompts} prompts at "
                         f"{args.rate:g}/s, seed {seed}) ..."
                     )
-                    before = counters(urls)
+                    before, answered = counters(urls), outcomes(routers[policy, count].backends)
                     result = bench(routers[policy, count].url, model, tokenizer, workload, args, seed, workdir)
                     after = counters(urls)
                     delta = {k: after[k] - before[k] for k in after}
+                    answered = {k: v - answered.get(k, 0) for k, v in outcomes(routers[policy, count].backends).items()}
                     runs.append(
                         {
                             "workload": workload,
@@ -348,6 +390,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                             "seed": seed,
                             "completed": result.get("completed"),
                             "failed": result.get("failed", 0),
+                            # why they failed, as the routers answered them (an error code each)
+                            "routerErrors": {k: v for k, v in sorted(answered.items()) if k != "ok" and v},
                             "ttftP50Ms": round(float(result["p50_ttft_ms"]), 1),
                             "ttftP99Ms": round(float(result["p99_ttft_ms"]), 1),
                             "hitRate": round(delta["hits"] / delta["queries"], 4) if delta["queries"] else None,
@@ -397,7 +441,9 @@ def table(result: dict[str, Any]) -> str:
             rate += f" ({100 * run['idealHitRate']:.1f} %)"
         lines.append(
             f"| {run['workload']} | {run['policy']} | {run['replicas']} | {run['ttftP50Ms']} | {run['ttftP99Ms']} "
-            f"| {rate} | {run['decodeReadMiB']} | {run['failed']} |"
+            f"| {rate} | {run['decodeReadMiB']} | {run['failed']}"
+            + "".join(f", {code} {count}" for code, count in run["routerErrors"].items())
+            + " |"
         )
     return "\n".join(lines)
 
@@ -405,6 +451,10 @@ def table(result: dict[str, Any]) -> str:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--manifest", type=Path, default=ROOT / "examples/vllm/small-cpu-kv-aware.yaml")
+    parser.add_argument("--logs", type=Path, help="write each router's log to a file in this folder")
+    parser.add_argument(
+        "--no-peers", action="store_true", help="router replicas do not report to each other (as before they did)"
+    )
     parser.add_argument("--rate", type=float, default=1.5, help="requests per second (default 1.5)")
     parser.add_argument("--num-prompts", type=int, default=160, help="requests per run (default 160)")
     parser.add_argument("--prefixes", type=int, default=40, help="shared prefixes (default 40)")

@@ -189,7 +189,12 @@ def simulate(args: argparse.Namespace, load: Workload, pods: int, policy: str, r
         Target(f"decode-{i}", f"http://10.1.{i // 250}.{i % 250}:8000", "k") for i in range(max(1, pods // 4))
     )
     pool = Pool(prefill, decode)
+    sharing = bool(args.share_ms) and replicas > 1
     routers = [balancer(policy, 1 if args.unscaled else replicas) for _ in range(replicas)]
+    if sharing and args.share in ("sent", "both"):
+        for router in routers:
+            router.sent = []  # what it sent, for its next report (the router's own bookkeeping, peering.py)
+    shared_at = 0.0
     caches = {t.pod: KVCache(args.capacity_blocks) for t in prefill}
     busy_until = dict.fromkeys(caches, 0.0)
     in_flight: list[tuple[float, int, str, str]] = []
@@ -205,6 +210,17 @@ def simulate(args: argparse.Namespace, load: Workload, pods: int, policy: str, r
             _, replica, p, d = heapq.heappop(in_flight)
             routers[replica].finished(p)
             routers[replica].finished(d)
+        if sharing and request.arrival >= shared_at + args.share_ms / 1000:
+            shared_at = request.arrival
+            if args.share in ("loads", "both"):
+                tell(routers)
+            if args.share in ("sent", "both"):
+                for router in routers:
+                    sent, _ = router.drain_sent()
+                    for other in routers:
+                        if other is not router:
+                            for pod, keys in sent:
+                                other.prefixes.record(pod, keys)
         replica = rng.randrange(replicas)
         router = routers[replica]
         started = time.thread_time_ns()
@@ -249,6 +265,18 @@ def simulate(args: argparse.Namespace, load: Workload, pods: int, policy: str, r
     )
 
 
+def tell(routers: list[Balancer]) -> None:
+    """Every replica is told the others' requests in flight per pod as they are now (``--share-ms``, a report from
+    each replica to the others, none lost or late here), as the router's reports tell it (``Balancer.set_peers``)."""
+    for router in routers:
+        others: dict[str, int] = {}
+        for other in routers:
+            if other is not router:
+                for pod, count in other.outstanding.items():
+                    others[pod] = others.get(pod, 0) + count
+        router.set_peers(others, heard=len(routers) - 1)
+
+
 def keys_cost(args: argparse.Namespace, load: Workload, samples: int = 2000) -> float:
     """Microseconds per request for ``prefix_keys`` of a text prompt of the request's length."""
     rng = random.Random(args.seed + 2)
@@ -283,6 +311,18 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
         "--unscaled", action="store_true", help="replicas count their own requests only (--replicas=1 each, as before)"
+    )
+    parser.add_argument(
+        "--share-ms",
+        type=float,
+        default=0.0,
+        help="replicas report to each other this often (kvbridge-router --peer-interval; 0: no reports)",
+    )
+    parser.add_argument(
+        "--share",
+        choices=("loads", "sent", "both"),
+        default="both",
+        help="what a report holds: requests in flight per pod, what was sent where, or both (as the router)",
     )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
