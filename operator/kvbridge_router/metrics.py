@@ -9,6 +9,7 @@ rollouts do not grow the scrape without bound.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,10 +114,7 @@ class RouterMetrics:
 
     def answered(self, route: str, outcome: str) -> None:
         """A request answered: ``ok``, or the error code (outcomes are few: codes and HTTP statuses)."""
-        child = self._outcomes.get((route, outcome))
-        if child is None:
-            child = self._outcomes[route, outcome] = self.requests.labels(route, outcome)
-        child.inc()
+        _child(self._outcomes, self.requests, route, outcome).inc()
 
     def prefix_matched(self, hit: int, chunks: int) -> None:
         """A kv-aware choice: ``hit`` of the prompt's ``chunks`` leading chunks had been sent to its prefill pod."""
@@ -125,10 +123,7 @@ class RouterMetrics:
 
     def peer_report(self, direction: str, outcome: str) -> None:
         """A report sent to another replica, or received from one, and how it went."""
-        child = self._peer_outcomes.get((direction, outcome))
-        if child is None:
-            child = self._peer_outcomes[direction, outcome] = self.peer_reports.labels(direction, outcome)
-        child.inc()
+        _child(self._peer_outcomes, self.peer_reports, direction, outcome).inc()
 
     def calling(self, role: str, pod: str) -> None:
         """A call to ``pod`` begins."""
@@ -144,7 +139,7 @@ class RouterMetrics:
         if children is not None:  # else removed with its pod, nothing in flight counted
             children[1].dec()
 
-    def keep_pods(self, pods: set[str], busy: set[str]) -> None:
+    def keep_pods(self, pods: AbstractSet[str], busy: AbstractSet[str]) -> None:
         """Remove the series of pods not in ``pods`` (they left the pool), except those in ``busy`` (calls in
         flight: their gauge still counts them; removed on a later call)."""
         for role, pod in [key for key in self._pods if key[1] not in pods and key[1] not in busy]:
@@ -190,3 +185,11 @@ class RouterMetrics:
         if "application/openmetrics-text" in accept:
             return bytes(generate_openmetrics(self.registry)), OPENMETRICS  # type: ignore[no-untyped-call]
         return bytes(generate_latest(self.registry)), TEXT
+
+
+def _child(cache: dict[tuple[str, str], Any], metric: Any, first: str, second: str) -> Any:
+    """``metric``'s child of these two label values, looked up once and kept in ``cache`` (labels are few)."""
+    child = cache.get((first, second))
+    if child is None:
+        child = cache[first, second] = metric.labels(first, second)
+    return child

@@ -120,9 +120,7 @@ class _Estimate(Mapping[str, int]):
         self._balancer = balancer
 
     def __getitem__(self, pod: str) -> int:
-        b = self._balancer
-        slot = b._slots[pod]
-        return int(b._counts[slot] * (1 + b.unheard) + b._peers[slot])
+        return int(self._balancer.estimate(self._balancer._slots[pod]))
 
     def get(self, pod: str, default: int = 0) -> int:  # type: ignore[override]
         return self[pod] if pod in self._balancer._slots else default
@@ -213,7 +211,7 @@ class Balancer:
         if not every:
             return None
         known = self._of(every)
-        loads = self._counts[known.slots] * (1 + self.unheard) + self._peers[known.slots]
+        loads = self.estimate(known.slots)
         left = set(exclude)
         if left:  # a retry: the pods that failed this request are left out
             kept = np.fromiter((t.pod not in left for t in every), dtype=bool, count=len(every))
@@ -352,6 +350,11 @@ class Balancer:
         self.sent = [] if self.sent is not None else None
         self._sent_keys = self.sent_dropped = 0
         return sent, dropped
+
+    def estimate(self, slots: np.ndarray | int) -> np.ndarray:
+        """The requests in flight at the pods of these slots, over every replica: this one's counts, plus the
+        others' as reported, plus this one's again for each replica not heard from (:meth:`set_peers`)."""
+        return self._counts[slots] * (1 + self.unheard) + self._peers[slots]  # type: ignore[no-any-return]
 
     @property
     def unheard(self) -> int:

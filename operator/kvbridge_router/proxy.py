@@ -217,8 +217,8 @@ class Router:
             log.info("forgetting what was sent to %s: restarted or replaced (a new incarnation)", sorted(reborn))
         self.pool = pool
         self._pods = frozenset(t.pod for t in (*pool.prefill, *pool.decode))
-        self.balancer.keep_only(t.pod for t in (*pool.prefill, *pool.decode) if t.pod not in reborn)
-        self.metrics.keep_pods({t.pod for t in (*pool.prefill, *pool.decode)}, set(self.balancer.outstanding))
+        self.balancer.keep_only(self._pods - reborn)
+        self.metrics.keep_pods(self._pods, set(self.balancer.outstanding))
         self.metrics.endpoints.labels("prefill").set(len(pool.routable()))
         self.metrics.endpoints.labels("decode").set(len(pool.decode))
 
