@@ -346,6 +346,52 @@ def test_the_cpu_launcher_keeps_vllm_affinity_changes_on_the_containers_cores() 
     assert result.stdout.split("\n")[:3] == [f"[{mine}]"] * 3
 
 
+#: prints whether Linux granted this process the AMX tile state (arch_prctl(ARCH_GET_XCOMP_PERM): bit 18, XTILEDATA)
+_SHOW_TILE_PERMISSION = (
+    "import ctypes; mask = ctypes.c_uint64(0); "
+    "assert ctypes.CDLL(None).syscall(158, 0x1022, ctypes.byref(mask)) == 0; print(bool(mask.value >> 18 & 1), "
+    "flush=True)"
+)
+
+
+def _kernel_grants_amx_tiles() -> bool:
+    """Linux on x86 with AMX tiles it can grant (arch_prctl(ARCH_GET_XCOMP_SUPP) lists XTILEDATA, bit 18)."""
+    if sys.platform != "linux" or os.uname().machine != "x86_64":
+        return False
+    import ctypes
+
+    supported = ctypes.c_uint64(0)
+    return bool(ctypes.CDLL(None).syscall(158, 0x1021, ctypes.byref(supported)) == 0 and supported.value >> 18 & 1)
+
+
+@pytest.mark.skipif(not _kernel_grants_amx_tiles(), reason="needs Linux on an x86 CPU with AMX tiles")
+def test_the_cpu_launcher_gives_vllm_processes_the_amx_tile_state() -> None:
+    """vLLM 0.32's CPU attention uses AMX tiles without asking Linux for them (SIGILL at a decode engine's first
+    step, exit code -4): under the launcher the process, and a process it spawns, have them before they run."""
+    from kvbridge_operator.children.vllm_engine import CPU_BIND_LAUNCHER
+
+    child = (
+        f"import subprocess, sys; {_SHOW_TILE_PERMISSION}; "
+        f"subprocess.run([sys.executable, '-c', {_SHOW_TILE_PERMISSION!r}], check=True)"
+    )
+    environ = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_OMP_THREADS_BIND", "PYTHONPATH")}
+    unasked = subprocess.run(
+        [sys.executable, "-c", _SHOW_TILE_PERMISSION], capture_output=True, text=True, timeout=30, env=environ
+    )
+    assert unasked.stdout.strip() == "False", unasked.stderr  # the check can fail: a plain process has not asked
+    result = subprocess.run(
+        [sys.executable, "-c", CPU_BIND_LAUNCHER, "1", sys.executable, "-c", child],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        env=environ,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "True"]  # the launched process, then the one it spawned
+    assert "kvbridge:" not in result.stderr
+
+
 def test_the_cpu_launcher_refuses_fewer_cores_than_ranks() -> None:
     from kvbridge_operator.children.vllm_engine import CPU_BIND_LAUNCHER
 

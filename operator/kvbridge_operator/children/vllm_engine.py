@@ -162,13 +162,34 @@ CPU_BLOCK_MULTIPLE = 32
 CPU_BASE_MEMORY_GIB = 4
 
 
-#: the ``sitecustomize`` the CPU launcher gives vLLM's processes: vLLM 0.32's NIXL worker on CPU pins its model
-#: thread to the last core of each NUMA node of the *machine* (``CpuPlatform.discover_numa_topology`` reads /sys and
-#: ignores the container's cpuset), so every P/D engine on a node computes on one core while the cores it was given
-#: idle — or, under a kubelet's static cpuset, the call fails. This keeps every affinity change within the cores the
-#: container started with (an empty intersection keeps them all).
-CPU_CONFINE_SITE = """\
+#: the ``sitecustomize`` the CPU launcher gives vLLM's processes (every process vLLM spawns loads it), for two faults
+#: of vLLM 0.32's CPU build:
+#:
+#: - Its NIXL worker on CPU pins its model thread to the last core of each NUMA node of the *machine*
+#:   (``CpuPlatform.discover_numa_topology`` reads /sys and ignores the container's cpuset), so every P/D engine on a
+#:   node computes on one core while the cores it was given idle — or, under a kubelet's static cpuset, the call
+#:   fails. This keeps every affinity change within the cores the container started with (an empty intersection
+#:   keeps them all).
+#: - On CPUs with AMX, its CPU attention runs its AMX kernel (a bfloat16 model, blocks of a multiple of 32) without
+#:   asking Linux for the tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``), and Linux kills a
+#:   process that uses tiles unasked with SIGILL. oneDNN asks on its first AMX matrix multiply, so an engine whose first
+#:   forward pass multiplies enough tokens runs by luck; a decode engine's first pass is the one-token step after a
+#:   remote prefill, and its worker died (exit code -4) at its first request. This asks at start-up (first, so
+#:   nothing else here can skip it; an exec'd process loses the grant, which is why every process asks); where the
+#:   CPU or kernel has no AMX, Linux refuses (EINVAL) and nothing changes; another refusal is printed.
+CPU_SITE = """\
 import os
+if os.uname().machine == "x86_64":
+    try:
+        import ctypes
+
+        # arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); EINVAL: the CPU (or kernel) has no AMX tiles
+        if ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18) != 0 and ctypes.get_errno() != 22:
+            import sys
+
+            print(f"kvbridge: AMX tiles refused: {os.strerror(ctypes.get_errno())}", file=sys.stderr)
+    except (ImportError, OSError, AttributeError):
+        pass
 _cpus = os.environ.get("KVBRIDGE_CONTAINER_CPUS", "")
 if _cpus and hasattr(os, "sched_setaffinity"):
     _allowed = frozenset(int(c) for c in _cpus.split(","))
@@ -181,9 +202,9 @@ if _cpus and hasattr(os, "sched_setaffinity"):
 """
 
 #: a ``python3 -c`` launcher for CPU pods: bind each TP rank to its own share of the cores the container may use
-#: (the kubelet's cpuset), keep vLLM's later affinity changes within them (``CPU_CONFINE_SITE``, on PYTHONPATH),
-#: then exec ``vllm serve``. vLLM's "auto" binding gives every rank all cores of a NUMA node, which on a small node
-#: makes TP ranks fight over the same cores.
+#: (the kubelet's cpuset), keep vLLM's later affinity changes within them and ask for AMX tiles (``CPU_SITE``, on
+#: PYTHONPATH), then exec ``vllm serve``. vLLM's "auto" binding gives every rank all cores of a NUMA node, which on
+#: a small node makes TP ranks fight over the same cores.
 CPU_BIND_LAUNCHER = f"""\
 import os, sys, tempfile
 tp = int(sys.argv[1])
@@ -196,7 +217,7 @@ if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         ",".join(map(str, cpus[r * per:(r + 1) * per])) for r in range(tp))
 site = tempfile.mkdtemp(prefix="kvbridge-site-")
 with open(os.path.join(site, "sitecustomize.py"), "w") as f:
-    f.write({CPU_CONFINE_SITE!r})
+    f.write({CPU_SITE!r})
 os.environ["KVBRIDGE_CONTAINER_CPUS"] = ",".join(map(str, cpus))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH", "")) if p)
 os.execvp(sys.argv[2], sys.argv[2:])
