@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import threading
 import time
 import urllib.error
@@ -57,11 +56,18 @@ class Cluster:
         self.keys: CurveKeys = generate_keys(self.keys_dir)
         self.engines: list[EngineProcess] = []
         self.pids: set[int] = set()
+        #: the inodes of the sockets the engines listen on (HTTP, side channel), taken once each is ready
+        self.sockets: set[int] = set()
 
     def start(self, environment: EngineEnvironment) -> EngineProcess:
         engine = start_engine(environment)
         self.engines.append(engine)
         self.pids.update(engine.pids)
+        ports = [p for p in (engine.ready["httpPort"], engine.ready.get("sideChannelPort")) if p]
+        listening = _listening_sockets()
+        found = {inode for port in ports for inode in listening.get(port, set())}
+        assert found, f"none of the engine's ports {ports} is listened on"
+        self.sockets |= found
         return engine
 
     def stop(self) -> None:
@@ -83,17 +89,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     time.sleep(0.5)
     leftovers = [pid for pid in built.pids if _alive(pid)]
     assert leftovers == [], f"processes left behind: {leftovers}"
-    for engine in built.engines:  # every port the engines bound is free again
-        for port in (engine.ready["httpPort"], engine.ready.get("sideChannelPort")):
-            if port:
-                with socket.socket() as probe:
-                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                    try:
-                        probe.bind(("127.0.0.1", port))
-                    except OSError:
-                        # another process's connection may have been given the freed port as its own ephemeral
-                        # port (other tests, pytest-xdist workers); only a listener left on it would be the engines'
-                        assert port not in _listening_ports(), f"port {port} still listened on"
+    # every socket the engines listened on is closed; the port itself may already be another test's (pytest-xdist
+    # workers' servers and connections take freed ports), so the sockets are told apart by inode, not by port
+    still = {inode for inodes in _listening_sockets().values() for inode in inodes} & built.sockets
+    assert not still, f"the engines' listening sockets {sorted(still)} are still open"
 
 
 def _handshake(p: EngineProcess, d: EngineProcess) -> None:
@@ -109,19 +108,19 @@ def _handshake(p: EngineProcess, d: EngineProcess) -> None:
     raise AssertionError(f"decode never read from prefill: {outcomes}")
 
 
-def _listening_ports() -> set[int]:
-    """The local ports of every listening TCP socket on this machine (/proc/net/tcp and tcp6, state 0A)."""
-    ports = set()
+def _listening_sockets() -> dict[int, set[int]]:
+    """The inodes of every listening TCP socket on this machine by local port (/proc/net/tcp and tcp6, state 0A)."""
+    found: dict[int, set[int]] = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             lines = Path(table).read_text().splitlines()[1:]
         except OSError:
             continue
         for line in lines:
-            local, state = line.split()[1], line.split()[3]
-            if state == "0A":
-                ports.add(int(local.rsplit(":", 1)[1], 16))
-    return ports
+            fields = line.split()
+            if fields[3] == "0A":
+                found.setdefault(int(fields[1].rsplit(":", 1)[1], 16), set()).add(int(fields[9]))
+    return found
 
 
 def _alive(pid: int) -> bool:
