@@ -1,13 +1,12 @@
 """The block interior of vLLM's CPU attention cache, measured with vLLM's own cache-write kernel.
 
-Why block-size conversions are refused on CPU, for NixlConnector and kvbridge's connector alike: inside a
-``[heads, block_size, 2 * head_dim]`` block, a head's keys are stored dimension-major (``[head_dim, tokens]``)
-and its values token-major (``[tokens, head_dim]``), so concatenating two 32-token blocks into a 64-token one
-scrambles the keys. Whole heads, however, are contiguous (keys, then values), which is what kvbridge's connector
-relies on to move them between TP ranks. If vLLM changes this layout, this test says so.
-
-On a CPU with AMX the kernel is ``amx`` and the interior is the tiles' order instead (cpu_blocks' docstring);
-each test runs for the kernel this CPU gives vLLM and skips the other's.
+Why block-size conversions are refused on CPU for NixlConnector, and why kvbridge's connector converts the
+interior itself: inside a ``[heads, block_size, 2 * head_dim]`` block, the ``vec`` kernels store a head's keys
+dimension-major (``[head_dim, tokens]``) and its values token-major (``[tokens, head_dim]``), so concatenating two
+32-token blocks into a 64-token one scrambles the keys. On a CPU with AMX the kernel is ``amx`` and the interior
+is the tiles' order (cpu_blocks' docstring). Whole heads are contiguous (keys, then values) in both, which is what
+kvbridge's connector relies on to move them between TP ranks. If vLLM changes a layout, these tests say so; each
+runs for the kernel this CPU gives vLLM and skips the other's.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ def test_keys_are_dimension_major_values_token_major_and_each_head_contiguous(bl
 
 
 @pytest.mark.parametrize("block_size", [32, 96])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
 def test_the_amx_kernel_stores_keys_and_values_in_tile_order(block_size: int, head_dim: int) -> None:
     """Keys ``[tokens/16, head_dim/2, 16, 2]``, values ``[head_dim/16, tokens/2, 16, 2]``, each head contiguous."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
@@ -99,7 +98,7 @@ def write_tokens(block_size: int, num_blocks: int, count: int, isa: str) -> Any:
     return cache
 
 
-@pytest.mark.parametrize("ratio", [2, 4])
+@pytest.mark.parametrize("ratio", [2, 3, 4])
 def test_kvbridge_merges_and_splits_cpu_blocks_exactly_as_vllm_writes_them(ratio: int) -> None:
     """Blocks of 32 tokens read into one 64- or 128-token block and merged by kvbridge are byte-equal to what
     vLLM writes into the larger block directly; splitting is the exact inverse."""

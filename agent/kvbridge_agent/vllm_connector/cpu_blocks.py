@@ -4,11 +4,11 @@ Inside a block of one layer, for each local head: its keys, then its values, eac
 in an order that depends on the kernel vLLM picked — measured with vLLM's own cache-write kernel
 (tests/vllm/test_cpu_attention_layout.py):
 
-- ``vec``, ``vec16`` (CPUs without AMX, or head_dim not a multiple of 32): keys dimension-major
-  (``[head_dim, tokens]``), values token-major (``[tokens, head_dim]``).
-- ``amx`` (CPUs with AMX, bfloat16): the tiles' VNNI order. Keys in groups of 16 tokens, each group's dimensions
-  in pairs (``[tokens/16, head_dim/2, 16, 2]``); values in groups of 16 dimensions, tokens in pairs
-  (``[head_dim/16, tokens/2, 16, 2]``).
+- ``vec``, ``vec16`` (CPUs without AMX, a model dtype other than bfloat16, or head_dim not a multiple of 32):
+  keys dimension-major (``[head_dim, tokens]``), values token-major (``[tokens, head_dim]``).
+- ``amx`` (CPUs with AMX, a bfloat16 model, head_dim a multiple of 32): the tiles' VNNI order. Keys in groups
+  of 16 tokens, each group's dimensions in pairs (``[tokens/16, head_dim/2, 16, 2]``); values in groups of 16
+  dimensions, tokens in pairs (``[head_dim/16, tokens/2, 16, 2]``).
 
 A wire block of ``bs_w`` tokens has the interior of its kernel. Decode merges ``r`` received wire blocks into one
 native block, prefill splits a native block into ``r`` wire blocks, the exact inverse: for ``vec``, keys: for every
@@ -41,10 +41,10 @@ class CPUAttentionBlocks:
         self.heads, self.head_dim, self.kernel = heads, head_dim, kernel
         self.element = _INTEGER_OF_SIZE[element_bytes]
         self.amx = kernel == "amx"
-        if self.amx and head_dim % AMX_ROWS:
+        if self.amx and head_dim % (2 * AMX_ROWS):  # vLLM 0.32 runs vec16 there; measured only for multiples of 32
             raise SpecError(
                 f"vLLM's AMX attention kernel with head_dim {head_dim}: kvbridge knows its block interior only for a "
-                f"head_dim that is a multiple of {AMX_ROWS}",
+                f"head_dim that is a multiple of {2 * AMX_ROWS}",
                 field="spec.model.headDim",
                 code="CONNECTOR_UNSUPPORTED",
             )

@@ -29,6 +29,10 @@ class ConnectorSettings:
     #: a hybrid model's KV cache groups (vLLM's hybrid allocator), and each group's layer names; ``None``: one group
     groups: CacheGroups | None = None
     group_layers: list[list[str]] | None = None
+    #: the model's dtype (vLLM's ``--dtype``, a torch dtype) and the KV cache's (``--kv-cache-dtype``): what vLLM's CPU
+    #: attention picks its kernel by, and with it the block interior (``None``: the cache tensor's own dtype)
+    model_dtype: Any = None
+    kv_cache_dtype: str = "auto"
 
     @property
     def model(self) -> ModelGeometry:
@@ -93,7 +97,11 @@ class ConnectorSettings:
             )
         if not environment.fingerprint:
             environment = environment.model_copy(update={"fingerprint": result.fingerprint})
-        return cls(role, environment, block_size, tp_size, host_buffer)
+        model_dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", None)
+        kv_cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+        return cls(
+            role, environment, block_size, tp_size, host_buffer, model_dtype=model_dtype, kv_cache_dtype=kv_cache_dtype
+        )
 
 
 def data_parallel_rank(environment: EngineEnvironment, vllm_config: Any) -> EngineEnvironment:

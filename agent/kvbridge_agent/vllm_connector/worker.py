@@ -75,8 +75,8 @@ def transfer_geometry(model: ModelGeometry, tensors: list[Any], tp_size: int) ->
     """The geometry kvbridge moves bytes by.
 
     vLLM's CPU attention keeps one tensor per layer, ``[blocks, heads, block_size, 2 * head_dim]``: inside a block,
-    each head's keys, then its values, each ``block_size * head_dim`` elements (keys stored dimension-major,
-    values token-major; tests/vllm/test_cpu_attention_layout.py pins this). For moving whole heads that is a Split
+    each head's keys, then its values, each ``block_size * head_dim`` elements, in the kernel's order inside
+    (:mod:`.cpu_blocks`; tests/vllm/test_cpu_attention_layout.py pins it). For moving whole heads that is a Split
     cache of one region per layer with twice the heads — head ``h``'s keys are pseudo-head ``2h``, its values
     ``2h + 1`` — exact for every TP mapping that keeps heads whole (TP size <= KV heads; replicated heads are
     refused). Other engines' tensors are taken as the model's cache kind describes them."""
@@ -121,12 +121,14 @@ def refuse_conversions(geometry: ModelGeometry, model: ModelGeometry, plan: Tran
         )
 
 
-def cpu_kernel(tensor: Any, block_size: int, head_dim: int) -> str:
-    """The CPU attention kernel vLLM runs for this cache (its block interior depends on it)."""
+def cpu_kernel(model_dtype: Any, block_size: int, head_dim: int, kv_cache_dtype: str = "auto") -> str:
+    """The CPU attention kernel vLLM runs for this cache (its block interior depends on it), asked as vLLM's CPU
+    backend asks: by the *model's* dtype and the cache's (an fp8 cache of a bfloat16 model runs ``amx`` on an AMX CPU,
+    though the cache tensor is uint8)."""
     try:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        return str(_get_attn_isa(tensor.dtype, block_size, head_dim))
+        return str(_get_attn_isa(model_dtype, block_size, head_dim, kv_cache_dtype))
     except Exception:  # another vLLM: unknown, so no conversion is attempted
         return "unknown"
 
@@ -219,7 +221,12 @@ class ConnectorWorker:
             tensors = distinct_tensors(list(kv_caches.values()))  # vLLM gives them in layer order
             self.geometry = transfer_geometry(settings.model, tensors, settings.tp_size)
             if self.geometry != settings.model:  # vLLM's CPU attention: its own block interior
-                self.kernel = cpu_kernel(tensors[0], settings.block_size, settings.model.head_dim)
+                self.kernel = cpu_kernel(
+                    settings.model_dtype if settings.model_dtype is not None else tensors[0].dtype,
+                    settings.block_size,
+                    settings.model.head_dim,
+                    settings.kv_cache_dtype,
+                )
                 heads = settings.model.num_kv_heads // settings.tp_size
                 convert = CPUAttentionBlocks(heads, settings.model.head_dim, tensors[0].element_size(), self.kernel)
             blocks = int(tensors[0].shape[0])
