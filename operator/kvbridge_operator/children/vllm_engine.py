@@ -175,19 +175,24 @@ CPU_BASE_MEMORY_GIB = 4
 #:   process that uses tiles unasked with SIGILL. oneDNN asks on its first AMX matrix multiply, so an engine whose first
 #:   forward pass multiplies enough tokens runs by luck; a decode engine's first pass is the one-token step after a
 #:   remote prefill, and its worker died (exit code -4) at its first request. This asks at start-up (first, so
-#:   nothing else here can skip it; an exec'd process loses the grant, which is why every process asks); where the
-#:   CPU or kernel has no AMX, Linux refuses (EINVAL) and nothing changes; another refusal is printed.
+#:   nothing else here can skip it; an exec'd process loses the grant, which is why every process asks), only where
+#:   the CPU and kernel offer AMX tiles (ARCH_GET_XCOMP_SUPP); a failed call (a seccomp profile, say) is printed.
 CPU_SITE = """\
 import os
 if os.uname().machine == "x86_64":
     try:
         import ctypes
 
-        # arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); EINVAL: the CPU (or kernel) has no AMX tiles
-        if ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18) != 0 and ctypes.get_errno() != 22:
+        _libc, _offered = ctypes.CDLL(None, use_errno=True), ctypes.c_uint64(0)
+        # arch_prctl(ARCH_GET_XCOMP_SUPP): what the CPU and kernel offer; EINVAL: a kernel before 5.16, no AMX
+        if _libc.syscall(158, 0x1021, ctypes.byref(_offered)) != 0:
+            _failed = ctypes.get_errno() != 22
+        else:  # XFEATURE_XTILEDATA (bit 18) offered: ask for it, arch_prctl(ARCH_REQ_XCOMP_PERM, 18)
+            _failed = bool(_offered.value >> 18 & 1) and _libc.syscall(158, 0x1023, 18) != 0
+        if _failed:
             import sys
 
-            print(f"kvbridge: AMX tiles refused: {os.strerror(ctypes.get_errno())}", file=sys.stderr)
+            print(f"kvbridge: could not ask Linux for AMX tiles: {os.strerror(ctypes.get_errno())}", file=sys.stderr)
     except (ImportError, OSError, AttributeError):
         pass
 _cpus = os.environ.get("KVBRIDGE_CONTAINER_CPUS", "")
