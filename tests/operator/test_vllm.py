@@ -290,29 +290,31 @@ def test_cpu_engines_request_cores_not_gpus_and_bind_one_core_set_per_rank() -> 
         assert env(container)["KVBRIDGE_DEVICE"] == "cpu"
 
 
+def _launch(
+    launcher: str, tp: int, *command: str, without: tuple[str, ...] = (), **options: Any
+) -> subprocess.CompletedProcess[str]:
+    """Run ``launcher`` (the CPU launcher, or a probe around it) for TP size ``tp`` in front of ``command``, in this
+    environment less a binding of the test's own (and ``without``)."""
+    dropped = {"VLLM_CPU_OMP_THREADS_BIND", *without}
+    environ = {k: v for k, v in os.environ.items() if k not in dropped}
+    return subprocess.run(
+        [sys.executable, "-c", launcher, str(tp), *command],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        env=environ,
+        **options,
+    )
+
+
 @pytest.mark.parametrize(("cpus", "tp", "bound"), [([0, 1], 2, "0|1"), ([4, 5, 6, 7], 2, "4,5|6,7"), ([3], 1, "3")])
 def test_the_cpu_launcher_splits_the_allowed_cores_between_ranks(cpus: list[int], tp: int, bound: str) -> None:
     from kvbridge_operator.children.vllm_engine import CPU_BIND_LAUNCHER
 
     fake = f"import os; os.sched_getaffinity = lambda pid: set({cpus!r}); "
     probe = fake + f"exec(compile({CPU_BIND_LAUNCHER!r}, 'l', 'exec'))"
-    environ = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            probe,
-            str(tp),
-            sys.executable,
-            "-c",
-            "import os; print(os.environ['VLLM_CPU_OMP_THREADS_BIND'])",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-        env=environ,
-    )
+    result = _launch(probe, tp, sys.executable, "-c", "import os; print(os.environ['VLLM_CPU_OMP_THREADS_BIND'])")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == bound
     assert "kvbridge:" not in result.stderr  # the AMX request is silent on every CPU where nothing fails
@@ -333,15 +335,8 @@ def test_the_cpu_launcher_keeps_vllm_affinity_changes_on_the_containers_cores() 
         f"os.sched_setaffinity(0, {{{mine}, {other}}}); {show}; "
         f"subprocess.run([sys.executable, '-c', {spawned!r}], check=True)"
     )
-    environ = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
-    result = subprocess.run(
-        [sys.executable, "-c", CPU_BIND_LAUNCHER, "1", sys.executable, "-c", child],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-        env=environ,
-        preexec_fn=lambda: os.sched_setaffinity(0, {mine}),
+    result = _launch(
+        CPU_BIND_LAUNCHER, 1, sys.executable, "-c", child, preexec_fn=lambda: os.sched_setaffinity(0, {mine})
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[:3] == [f"[{mine}]"] * 3
@@ -375,19 +370,12 @@ def test_the_cpu_launcher_gives_vllm_processes_the_amx_tile_state() -> None:
         f"import subprocess, sys; {_SHOW_TILE_PERMISSION}; "
         f"subprocess.run([sys.executable, '-c', {_SHOW_TILE_PERMISSION!r}], check=True)"
     )
-    environ = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_OMP_THREADS_BIND", "PYTHONPATH")}
+    environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     unasked = subprocess.run(
         [sys.executable, "-c", _SHOW_TILE_PERMISSION], capture_output=True, text=True, timeout=30, env=environ
     )
     assert unasked.stdout.strip() == "False", unasked.stderr  # the check can fail: a plain process has not asked
-    result = subprocess.run(
-        [sys.executable, "-c", CPU_BIND_LAUNCHER, "1", sys.executable, "-c", child],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-        env=environ,
-    )
+    result = _launch(CPU_BIND_LAUNCHER, 1, sys.executable, "-c", child, without=("PYTHONPATH",))
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["True", "True"]  # the launched process, then the one it spawned
     assert "kvbridge:" not in result.stderr
@@ -397,10 +385,7 @@ def test_the_cpu_launcher_refuses_fewer_cores_than_ranks() -> None:
     from kvbridge_operator.children.vllm_engine import CPU_BIND_LAUNCHER
 
     probe = f"import os; os.sched_getaffinity = lambda pid: {{0}}; exec(compile({CPU_BIND_LAUNCHER!r}, 'l', 'exec'))"
-    environ = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
-    result = subprocess.run(
-        [sys.executable, "-c", probe, "2", "true"], capture_output=True, text=True, timeout=30, check=False, env=environ
-    )
+    result = _launch(probe, 2, "true")
     assert result.returncode != 0
     assert "1 CPU(s) available for tensor-parallel size 2" in result.stderr
 
