@@ -36,14 +36,16 @@ def missing(needs_vllm: bool = True) -> str:
         return "NIXL is not installed (the `nixl` distribution)"
     if not needs_vllm:
         return ""
-    from kvbridge_operator.children.vllm_engine import VLLM_RELEASE  # here: the operator's needs only with vLLM
-
     try:
         version = importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
         return "no GPU build of vLLM installed (the `vllm` distribution is missing)"
     if version.partition("+")[2].startswith("cpu"):
         return f"no GPU build of vLLM: vllm {version} is vLLM's CPU build"
+    try:  # here, after vLLM: a GPU machine without the operator's dependencies still runs the CUDA modules
+        from kvbridge_operator.children.vllm_engine import VLLM_RELEASE
+    except ImportError as error:
+        return f"kvbridge's operator cannot be imported ({error}): install kvbridge[operator]"
     if not version.startswith(f"{VLLM_RELEASE}."):
         return f"vllm {version} is installed; kvbridge renders for vLLM {VLLM_RELEASE}"
     return ""

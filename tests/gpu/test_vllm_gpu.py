@@ -17,20 +17,18 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import pytest
 
-from kvbridge_agent.core import Role, TransferPlan
-from kvbridge_agent.transfer.keys import generate_keys
-from kvbridge_operator.api.spec import parse_deployment
-from kvbridge_operator.children.verdict import verdict_for
-from kvbridge_sim import pd_requests, tiny_model
-from kvbridge_sim.tiny_model import prompt
-from kvbridge_sim.vllm_engines import MODEL_NAME, Engines, deployment, rendered_template
-
 from .conftest import gpus
+
+if TYPE_CHECKING:
+    from kvbridge_sim.vllm_engines import Engines
+
+# kvbridge's agent, operator and simulator are imported where a test runs, not here: a GPU machine without the
+# operator's dependencies (cryptography, kopf) collects this module and skips it with conftest.py's reason.
 
 MAX_TOKENS = 12
 #: a partial single block, a few blocks with a partial last one, and many blocks
@@ -70,12 +68,16 @@ CASES = [
 
 @pytest.fixture(scope="session")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvbridge_sim import tiny_model
+
     return tiny_model.make(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
 @pytest.fixture(scope="session")
 def keys_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The side channel's key pair, as kvbridge's connector gets it from the deployment's Secret."""
+    from kvbridge_agent.transfer.keys import generate_keys
+
     keys = tmp_path_factory.mktemp("keys")
     generate_keys(keys)
     return keys
@@ -83,11 +85,15 @@ def keys_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    from kvbridge_sim import pd_requests
+
     async with pd_requests.client_session(300) as s:
         yield s
 
 
 def gpu_deployment(case: Case) -> dict[str, Any]:
+    from kvbridge_sim.vllm_engines import deployment
+
     doc = deployment(
         f"gpu-{case.name}",
         case.prefill_tp,
@@ -103,6 +109,11 @@ def gpu_deployment(case: Case) -> dict[str, Any]:
 
 def started(case: Case, model: Path, keys: Path, workdir: Path) -> Engines:
     """The case's prefill and decode engines, running: prefill on the first TP-size GPUs, decode on the last."""
+    from kvbridge_agent.core import Role, TransferPlan
+    from kvbridge_operator.api.spec import parse_deployment
+    from kvbridge_operator.children.verdict import verdict_for
+    from kvbridge_sim.vllm_engines import Engines, rendered_template
+
     doc = gpu_deployment(case)
     plan = verdict_for(parse_deployment(doc))
     assert isinstance(plan, TransferPlan), plan  # the operator renders what it checked
@@ -137,6 +148,10 @@ async def test_decode_on_gpus_answers_as_a_single_engine(
 ) -> None:
     if gpus() < case.prefill_tp:
         pytest.skip(f"prefill TP {case.prefill_tp} needs {case.prefill_tp} GPUs, this machine has {gpus()}")
+    from kvbridge_sim import pd_requests
+    from kvbridge_sim.tiny_model import prompt
+    from kvbridge_sim.vllm_engines import MODEL_NAME
+
     engines = started(case, model_path, keys_dir, tmp_path / "engines")
     try:
         prefill, decode = engines.engines["prefill"].url, engines.engines["decode"].url
