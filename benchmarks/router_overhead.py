@@ -1,7 +1,7 @@
 """What `kvbridge router` adds to a P/D request (not a test).
 
     .venv/bin/python benchmarks/router_overhead.py [--rate 50] [--seconds 20] [--stream] [--before REV] [--tracing]
-        [--pods 256] [--prefixes 100000] [--prompt-tokens 1700] [--json]
+        [--pods 256] [--prefixes 100000] [--prompt-tokens 1700] [--text] [--json]
 
 Two engine stand-ins (a prefill and a decode, each a separate process answering as vLLM's KV connectors do,
 after ``--engine-ms`` of simulated work) and ``kvbridge router --status-file`` as a third process in front of
@@ -15,6 +15,8 @@ counted nor competing; real vLLM behind the router is in tests/vllm/test_router.
 stand-ins), so that the router's choice runs over a pool of that size; ``--prefixes M`` sends prompts of
 ``--prompt-tokens`` token ids drawn from M distinct prefixes by a Zipf law (exponent 1.0: a few hot, most rare),
 so that the kv-aware index fills as in production; without it every request is the same 512-token prompt.
+``--text`` sends each drawn prompt as text instead, as most OpenAI clients do: a word of three letters and a space
+per token id (4 bytes a token, what the router's text chunking assumes), the same words for the same prefix.
 
 ``--before REV`` runs a second router, the one of git revision REV, beside this checkout's: the paths take turns
 (``--rounds``), so that a change is measured before and after in one run, under the same noise. ``--profile FILE``
@@ -155,12 +157,17 @@ async def steady(rate: float, seconds: float, call: Any) -> list[float]:
     return latencies
 
 
+#: ``--text``: the word written for a token id (``id % 17576``: three letters, a-z)
+WORDS = ["".join(letters) for letters in itertools.product("abcdefghijklmnopqrstuvwxyz", repeat=3)]
+
+
 class Prompts:
     """Request bodies: the same 512-token prompt, or (``prefixes``) prompts of ``tokens`` token ids drawn from that
-    many distinct prefixes by a Zipf law of exponent 1.0, each prefix's ids fixed by its number."""
+    many distinct prefixes by a Zipf law of exponent 1.0, each prefix's ids fixed by its number; ``text``: those ids
+    written as words (:data:`WORDS`)."""
 
-    def __init__(self, prefixes: int, tokens: int, stream: bool, seed: int = 0) -> None:
-        self.prefixes, self.tokens, self.stream = prefixes, tokens, stream
+    def __init__(self, prefixes: int, tokens: int, stream: bool, seed: int = 0, text: bool = False) -> None:
+        self.prefixes, self.tokens, self.stream, self.text = prefixes, tokens, stream, text
         self._random = random.Random(seed)
         self._cumulative = list(itertools.accumulate(1.0 / rank for rank in range(1, prefixes + 1)))
 
@@ -170,7 +177,8 @@ class Prompts:
         drawn = self._random.random() * self._cumulative[-1]
         prefix = bisect.bisect_left(self._cumulative, drawn)
         ids = random.Random(prefix).choices(range(5, 30000), k=self.tokens)
-        return {"model": "m", "prompt": ids, "max_tokens": 3, "stream": self.stream}
+        prompt: list[int] | str = " ".join(WORDS[i % len(WORDS)] for i in ids) if self.text else ids
+        return {"model": "m", "prompt": prompt, "max_tokens": 3, "stream": self.stream}
 
 
 def quantiles(values: list[float]) -> dict[str, float]:
@@ -263,7 +271,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                     await wait_up(session, urls[role] + "/v1/models")
                 for name in names:
                     await wait_up(session, urls[name] + "/health")
-                prompts = Prompts(args.prefixes, args.prompt_tokens, args.stream)
+                prompts = Prompts(args.prefixes, args.prompt_tokens, args.stream, text=args.text)
 
                 def via(url: str) -> Callable[[], Awaitable[None]]:
                     return lambda: routed(session, url, prompts.body())
@@ -300,6 +308,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "promptTokens": args.prompt_tokens if args.prefixes else 512,
         "pods": args.pods,
         "prefixes": args.prefixes,
+        "prompts": "text" if args.text and args.prefixes else "token ids",
         "direct": direct_q,
     }
     for name in names:
@@ -339,6 +348,9 @@ if __name__ == "__main__":
     parser.add_argument("--pods", type=int, default=1, help="prefill and decode pods in the status (default 1)")
     parser.add_argument("--prefixes", type=int, default=0, help="distinct prompt prefixes, Zipf-drawn (default 0)")
     parser.add_argument("--prompt-tokens", type=int, default=1700, help="tokens per drawn prompt (default 1700)")
+    parser.add_argument(
+        "--text", action="store_true", help="with --prefixes: each prompt as text, 4 bytes a token (default: token ids)"
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
         "--profile",
