@@ -44,8 +44,8 @@ def missing(needs_vllm: bool = True) -> str:
         return f"no GPU build of vLLM: vllm {version} is vLLM's CPU build"
     try:  # here, after vLLM: a GPU machine without the operator's dependencies still runs the CUDA modules
         from kvbridge_operator.children.vllm_engine import VLLM_RELEASE
-    except ImportError as error:
-        return f"kvbridge's operator cannot be imported ({error}): install kvbridge[operator]"
+    except Exception as error:  # any failure at import: a skip with its reason, not an error of the whole run
+        return f"kvbridge's operator cannot be imported ({type(error).__name__}: {error}): install kvbridge[operator]"
     if not version.startswith(f"{VLLM_RELEASE}."):
         return f"vllm {version} is installed; kvbridge renders for vLLM {VLLM_RELEASE}"
     return ""

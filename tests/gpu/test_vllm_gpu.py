@@ -19,16 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import pytest
 
 from .conftest import gpus
 
 if TYPE_CHECKING:
+    import aiohttp
+
     from kvbridge_sim.vllm_engines import Engines
 
 # kvbridge's agent, operator and simulator are imported where a test runs, not here: a GPU machine without the
-# operator's dependencies (cryptography, kopf) collects this module and skips it with conftest.py's reason.
+# operator's dependencies (aiohttp, cryptography, kopf) collects this module and skips it with conftest.py's reason.
 
 MAX_TOKENS = 12
 #: a partial single block, a few blocks with a partial last one, and many blocks
