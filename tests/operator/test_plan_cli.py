@@ -115,7 +115,10 @@ def test_stdin(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[st
     [
         ("spec: [unclosed", "not valid YAML at line 1"),
         ("", "no DisaggregatedDeployment documents"),
-        ("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n", "document 1 (c): skipped, a v1 ConfigMap"),
+        (
+            "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n",
+            "document 1 (c): skipped, not a DisaggregatedDeployment (v1 ConfigMap)",
+        ),
         (
             "apiVersion: kvbridge.io/v2\nkind: DisaggregatedDeployment\nmetadata: {name: c}\n",
             "document 1 (c): expected apiVersion kvbridge.io/v1alpha1",
@@ -162,7 +165,7 @@ def test_one_bad_document_does_not_hide_the_others_verdicts(tmp_path: Path, caps
     ]
     assert "spec.model.numLayers: Input should be a valid integer" in bad["problems"][0]["message"]
     assert "document 2 (bad): spec.model.numLayers: Input should be a valid integer" in err
-    assert "document 3 (settings): skipped, a v1 ConfigMap" in err
+    assert "document 3 (settings): skipped, not a DisaggregatedDeployment (v1 ConfigMap)" in err
     code, out, err = run(capsys, "plan", "-f", str(manifest))
     assert code == 2
     assert "llama3-8b: prefill TP 2" in out

@@ -49,7 +49,7 @@ def _plan(args: argparse.Namespace) -> int:
         for warning in item.warnings:
             print(f"kvbridge plan: warning: {item.label}: {warning}", file=sys.stderr)
         if item.skipped:
-            print(f"kvbridge plan: {item.label}: skipped, a {item.skipped} (not a {KIND})", file=sys.stderr)
+            print(f"kvbridge plan: {item.label}: skipped, not a {KIND} ({item.skipped})", file=sys.stderr)
         elif item.error is not None:
             invalid += 1
             field = f" [{item.error.field}]" if item.error.field and item.error.field not in item.error.message else ""
