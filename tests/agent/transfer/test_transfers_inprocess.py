@@ -8,9 +8,10 @@ derivation.
 
 from __future__ import annotations
 
-import time
+import contextlib
 
 from kvbridge_agent.core import Role
+from kvbridge_sim.support import wait_until
 
 from .harness import InProcessPair
 
@@ -42,12 +43,15 @@ def test_full_prefix_hit_reads_nothing_and_still_notifies(pair: InProcessPair) -
     bs_d = pair.decode_settings.block_size
     results = pair.roundtrip("full", 2 * bs_d, 2, offset=1)
     assert all(r.bytes == 0 for r in results.values())
+
     # every prefill rank saw all its notifications: nothing left pending. A notification sent without a READ goes
     # out only while decode's worker progresses, which its poll drives (as an engine's step loop does)
-    deadline = time.monotonic() + 10
-    while any(rank.pending for rank in pair.prefill) and time.monotonic() < deadline:
+    def settled() -> bool:
         for rank in pair.decode:
             rank.poll()
         pair.poll_prefill()
-        time.sleep(0.001)
+        return not any(rank.pending for rank in pair.prefill)
+
+    with contextlib.suppress(TimeoutError):  # the assertion below names what is still pending
+        wait_until(settled, 10, "every prefill rank's notifications", interval=0.001)
     assert [rank.pending for rank in pair.prefill] == [[] for _ in pair.prefill]
