@@ -19,7 +19,8 @@ from aiohttp.test_utils import TestServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge_router.admission import members
+from kvbridge_router.admission import parse
+from kvbridge_router.errors import RouteError
 from kvbridge_router.pool import Pool
 from kvbridge_router.proxy import Router, RouterConfig, prefill_bytes, prefill_request, with_field
 from kvbridge_sim.support import free_port
@@ -237,11 +238,9 @@ def test_prefill_gets_one_token_no_stream_and_the_remote_decode_flag() -> None:
         "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
     }
     assert body["max_tokens"] == 50  # the client's request is not changed
-    raw = json.dumps(body, indent=2).encode()
-    parsed, places = members(raw) or ({}, None)
-    assert parsed == body
-    assert places is not None
-    assert json.loads(prefill_bytes(body, places)) == sent  # spliced from the client's text: the same request
+    parsed, plain = parse(json.dumps(body, indent=2).encode())
+    assert (parsed, plain) == (body, True)
+    assert json.loads(prefill_bytes(body, plain)) == sent
 
 
 JSON_VALUES = st.recursive(
@@ -260,38 +259,69 @@ PREFILL_NAMES = st.sampled_from(
     st.sampled_from([(None, None), (2, None), (None, (" , ", " : ")), (1, (",", ": "))]),
     st.booleans(),
 )
-def test_a_body_walked_member_by_member_is_what_json_parses_and_prefill_gets_the_same_request(
+def test_a_body_parses_as_json_loads_parses_it_and_prefill_gets_the_same_request(
     body: dict[str, Any], layout: tuple[int | None, tuple[str, str] | None], ascii_only: bool
 ) -> None:
-    """The members' walk parses as json.loads does (any values, names, whitespace, non-ASCII text), and prefill's
-    request spliced from the client's text is, parsed, the request prefill_request builds."""
+    """Whichever decoder takes it (msgspec's for plain JSON, the standard library's for the rest: infinities, lone
+    surrogates), a body is what json.loads makes of it, and prefill's request, sent and parsed, is the request
+    prefill_request builds."""
     indent, separators = layout
-    raw = json.dumps(body, indent=indent, separators=separators, ensure_ascii=ascii_only).encode()
-    walked = members(raw)
-    assert walked is not None
-    parsed, places = walked
+    raw = json.dumps(body, indent=indent, separators=separators, ensure_ascii=ascii_only).encode(
+        "utf-8", "surrogatepass"
+    )
+    parsed, plain = parse(raw)
     assert parsed == json.loads(raw) == body
-    assert json.loads(prefill_bytes(parsed, places)) == prefill_request(parsed) == json.loads(prefill_bytes(parsed))
+    assert json.loads(prefill_bytes(parsed, plain)) == prefill_request(parsed)
+
+
+@pytest.mark.parametrize(
+    ("raw", "plain"),
+    [
+        (b'{"a": 1, "a": 2}', True),  # a repeated name: the last, as json.loads keeps it
+        (b'{"a": 1e400}', False),  # out of a float's range: Infinity, as json.loads makes it
+        (b'{"a": NaN}', False),
+        (b'{"a": "\\ud800"}', False),  # a lone surrogate, escaped
+        (b'\xef\xbb\xbf{"a": 1}', False),  # a BOM
+        ('{"a": 1}'.encode("utf-16"), False),
+    ],
+)
+def test_a_body_msgspec_refuses_is_what_json_loads_makes_of_it_and_is_sent_back_as_it_was(
+    raw: bytes, plain: bool
+) -> None:
+    """msgspec writes a NaN back as null and cannot write a lone surrogate: such a body is the standard library's to
+    parse and encode, and prefill gets the client's values."""
+    parsed, was_plain = parse(raw)
+    assert (parsed, was_plain) == (json.loads(raw), plain)
+    sent = json.loads(prefill_bytes(parsed, was_plain))
+    assert repr(sent["a"]) == repr(parsed["a"])
 
 
 @pytest.mark.parametrize(
     "raw",
-    [
-        b'{"a": 1, "a": 2}',  # a repeated name: json.loads keeps the last; left to it
-        b'\xef\xbb\xbf{"a": 1}',  # a BOM
-        '{"a": 1}'.encode("utf-16"),
-        b'{"a": 1,}',
-        b'{"a" 1}',
-        b'{"a": 1} {}',
-        b'{"a": [1, 2}',
-        b"[1, 2]",
-        b"",
-        b'{"a": 1',
-        b'{"a": "\xff"}',
-    ],
+    [b'{"a": 1,}', b'{"a" 1}', b'{"a": 1} {}', b'{"a": [1, 2}', b"", b'{"a": 1', b'{"a": "\xff"}'],
 )
-def test_a_body_the_walk_cannot_take_is_left_to_json_loads(raw: bytes) -> None:
-    assert members(raw) is None
+def test_a_body_that_is_not_json_is_refused_as_json_loads_refuses_it(raw: bytes) -> None:
+    with pytest.raises(RouteError) as refused:
+        parse(raw)
+    assert refused.value.code == "INVALID_JSON"
+    with pytest.raises((json.JSONDecodeError, UnicodeDecodeError)):
+        json.loads(raw)
+
+
+def test_a_body_that_is_not_an_object_is_refused() -> None:
+    with pytest.raises(RouteError) as refused:
+        parse(b"[1, 2]")
+    assert refused.value.code == "INVALID_REQUEST"
+
+
+def test_a_body_nesting_deeper_than_the_limit_is_refused_whichever_decoder_takes_it() -> None:
+    deep = b'{"a": ' + b"[" * 65 + b"]" * 65 + b"}"
+    deepest = b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # past msgspec's own bound (a RecursionError)
+    for raw in (deep, deep.replace(b"[]", b"[NaN]"), deepest):
+        with pytest.raises(RouteError) as refused:
+            parse(raw)
+        assert refused.value.code == "INVALID_JSON"
+    assert parse(b'{"a": ' + b"[" * 63 + b"]" * 63 + b"}")[1]
 
 
 async def test_decode_gets_the_clients_request_and_prefills_parameters(rig: Rig) -> None:
