@@ -141,7 +141,8 @@ def workload(args: argparse.Namespace, pods: int) -> Workload:
 
 
 class KVCache:
-    """A pod's prefix cache: ``capacity`` blocks, least recently used evicted first."""
+    """A pod's prefix cache: ``capacity`` blocks, least recently used evicted first; a request's blocks are used
+    tail first, as vLLM frees them (so that its prefix stays longest)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -153,7 +154,7 @@ class KVCache:
             if key not in self.blocks:
                 break
             hit += 1
-        for key in keys:
+        for key in reversed(keys):
             self.blocks[key] = None
             self.blocks.move_to_end(key)
         while len(self.blocks) > self.capacity:

@@ -130,14 +130,18 @@ class PrefixIndex:
         return count
 
     def record(self, pod: str, keys: list[int]) -> None:
-        """The pod is computing (prefill) or holding (decode) this prompt: remember its keys, newest last."""
+        """The pod is computing (prefill) or holding (decode) this prompt: remember its keys, newest last, the
+        prompt's first key newest of all, so that a pod's share runs out at the tails of its prompts first: as vLLM
+        frees a request's blocks, tail first, so that its prefix cache keeps a prefix longest. A prompt partly
+        forgotten still matches its leading chunks (a first key forgotten first would hide the whole prompt, while
+        its tail, which no request can hit without it, took room)."""
         if not keys:
             return
         known = self._pods.get(pod)
         if known is None:
             known = self._pods[pod] = OrderedDict()
             self._trim_all()  # one more pod: every pod's share shrinks
-        for key in keys:
+        for key in reversed(keys):
             known[key] = None
             known.move_to_end(key)
         first = keys[0]

@@ -65,7 +65,12 @@ def test_the_index_is_bounded_and_forgets_pods_that_left() -> None:
     index = PrefixIndex(keys_per_pod=8)
     keys = list(range(20))
     index.record("p0", keys)
-    assert index.matched("p0", keys) == 0  # the oldest keys (the prefix) were evicted first
+    assert index.matched("p0", keys) == 8  # the tail was forgotten first: the leading 8 chunks still match
+    assert index.holders(keys[0]) == ("p0",)
+    other = list(range(100, 106))  # another prompt
+    index.record("p0", other)
+    assert index.matched("p0", other) == 6
+    assert index.matched("p0", keys) == 2  # the older prompt lost its tail again, its head kept
     index.record("p0", keys[:4])
     assert index.matched("p0", keys) == 4
     index.keep_only(["p1"])
