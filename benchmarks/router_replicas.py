@@ -15,7 +15,9 @@ each request goes to a replica drawn at random (a Service spreading connections)
   ``--system-tokens``): documents or conversations behind an agent's instructions; each request adds a
   question of its own (lognormal, median ``--suffix-tokens``). Poisson arrivals at ``--rate-per-pod`` per pod.
 
-Each replica is told the replica count (``kvbridge-router --replicas``, what the operator passes) and scales its
+Each replica is told, with each prefill pod's answer, how many leading blocks of the prompt the pod's cache held
+(vLLM's ``remote_prefill_cached_tokens``), and forgets what that pod evicted (``Balancer.observed``); ``--blind``:
+not. Each replica is told the replica count (``kvbridge-router --replicas``, what the operator passes) and scales its
 counts of requests in flight by it; ``--unscaled``: not (every router as before). Policies: ``least-loaded``;
 ``memory``: kv-aware as it was, each replica preferring the pods it sent the prompt's prefix, else the least loaded;
 ``ring``: consistent hashing with bounded loads only (ring.py; no memory); ``kv-aware``: memory first, else the ring
@@ -177,6 +179,9 @@ class Result:
     pods_used_per_prefix: float
     #: the prefill pods' busy time over their time (all pods, the whole run)
     utilization: float
+    #: of the leading blocks the routers believed the chosen pod held, the share it did not (evicted): their view's
+    #: error
+    believed_not_held: float
 
 
 def index_bytes(index: PrefixIndex) -> int:
@@ -206,6 +211,7 @@ def simulate(args: argparse.Namespace, load: Workload, pods: int, policy: str, r
     homes: dict[int, set[str]] = {}
     choose_ns = 0
     busy = 0.0
+    believed = wrong = 0
     for request in load.requests:
         while in_flight and in_flight[0][0] <= request.arrival:
             _, replica, p, d = heapq.heappop(in_flight)
@@ -233,6 +239,10 @@ def simulate(args: argparse.Namespace, load: Workload, pods: int, policy: str, r
         choose_ns += time.thread_time_ns() - started
         pod = chosen[0].pod
         hit = caches[pod].prefill(request.keys)
+        believed += router.last_matched if router.last_ticks else 0
+        wrong += max(0, router.last_matched - hit) if router.last_ticks else 0
+        if not args.blind and router.last_ticks:  # the pod's answer says what it held (remote_prefill_cached_tokens)
+            router.observed(pod, router.last_ticks, hit)
         hits += hit
         asked += len(request.keys)
         if request.prefix in seen:
@@ -263,6 +273,7 @@ def simulate(args: argparse.Namespace, load: Workload, pods: int, policy: str, r
         index_mib=max(index_bytes(r.prefixes) for r in routers) / 2**20,
         pods_used_per_prefix=statistics.fmean(repeated),
         utilization=busy / (pods * max(busy_until.values())),
+        believed_not_held=wrong / max(believed, 1),
     )
 
 
@@ -310,6 +321,12 @@ def main() -> None:
     parser.add_argument("--overhead-ms", type=float, default=2.5)
     parser.add_argument("--ms-per-block", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--blind",
+        action="store_true",
+        help="routers are not told what the pods' caches held of each prompt (as before the router read it from "
+        "prefill's answers): what a pod evicted stays in their view",
+    )
     parser.add_argument(
         "--unscaled", action="store_true", help="replicas count their own requests only (--replicas=1 each, as before)"
     )
@@ -366,15 +383,15 @@ def main() -> None:
     else:
         print(
             "| pods | policy | R | hit rate | of ideal | vs R=1 | pods/prefix | TTFT p50 ms | vs R=1 | p99 ms "
-            "| choose µs | keys µs | index keys | index MiB |"
+            "| choose µs | keys µs | index keys | index MiB | believed, not held |"
         )
-        print("|---" * 14 + "|")
+        print("|---" * 15 + "|")
         for r in results:
             print(
                 f"| {r['pods']} | {r['policy']} | {r['replicas']} | {r['hit_rate']:.3f} | {r['of_ideal']:.2f} | "
                 f"{r['hit_vs_one']:.2f} | {r['pods_used_per_prefix']:.2f} | {r['ttft_p50_ms']:.0f} | "
                 f"{r['ttft_p50_vs_one']:.2f} | {r['ttft_p99_ms']:.0f} | {r['choose_us']:.0f} | {r['keys_us']:.0f} | "
-                f"{r['index_keys']} | {r['index_mib']:.0f} |"
+                f"{r['index_keys']} | {r['index_mib']:.0f} | {r['believed_not_held']:.3f} |"
             )
 
 

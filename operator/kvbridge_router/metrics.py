@@ -49,6 +49,13 @@ class RouterMetrics:
             ["result"],
             registry=r,
         )
+        self.prefix_evictions = Counter(
+            "kvbridge_router_prefix_evictions",
+            "Prefill answers in which the pod held fewer leading chunks of the prompt than the router had sent it "
+            "(its prefix cache evicted them, as vLLM's remote_prefill_cached_tokens says): the router then forgot "
+            "what it had sent that pod before them.",
+            registry=r,
+        )
         self.decode_retries = Counter(
             "kvbridge_router_decode_retries",
             "Decode calls that failed before anything reached the client, by pod (the request went to another pair).",

@@ -178,6 +178,8 @@ class Balancer:
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)
     #: kv-aware: how many leading chunks of the last chosen prefill pod's prompt it had been sent before
     last_matched: int = 0
+    #: and when (:meth:`PrefixIndex.ticks`), for :meth:`observed` once the pod has said what it held
+    last_ticks: list[int] = field(default_factory=list)
     #: kv-aware: place prompts no pod was sent on the hash ring (bounded loads) rather than on the least loaded pod
     ring: bool = True
     #: the router replicas in front of the pool: each sends about 1/replicas of every pod's requests, so that the
@@ -319,6 +321,7 @@ class Balancer:
             return None
         if keys and self.policy == KV_AWARE:
             self.last_matched = self.prefixes.matched(prefill.pod, keys)
+            self.last_ticks = self.prefixes.ticks(prefill.pod, keys, self.last_matched) if self.last_matched else []
             self.prefixes.record(prefill.pod, keys)
             self.prefixes.record(decode.pod, keys)
             if self.sent is not None:
@@ -328,6 +331,14 @@ class Balancer:
                 else:  # the peers miss it: a cache hit at most
                     self.sent_dropped += 2
         return prefill, decode
+
+    def observed(self, pod: str, ticks: list[int], held: int) -> int:
+        """A prefill pod's answer said it held ``held`` leading chunks of a prompt of which this router believed it held
+        ``len(ticks)`` (``last_ticks`` of the choice): fewer, and its cache evicted the first chunk it lacked, and
+        what it was sent before that; those are forgotten (:meth:`PrefixIndex.lost`). The keys forgotten."""
+        if held >= len(ticks):
+            return 0
+        return self.prefixes.lost(pod, ticks[max(held, 0)])
 
     def started(self, pod: str) -> None:
         slot = self._slot(pod)  # first: a new slot may replace the counts with a larger array

@@ -67,6 +67,19 @@ def prefix_keys(body: Obj, block_tokens: int = CHUNK_TOKENS, *, ids_checked: boo
     return keys
 
 
+def held_chunks(cached_tokens: int, block_tokens: int, prompt_tokens: int | None) -> int:
+    """How many leading chunks of a prompt a prefill pod held at most, by the prompt tokens its prefix cache served
+    (vLLM's ``remote_prefill_cached_tokens``, whole blocks): for a prompt of ``prompt_tokens`` token ids, one chunk a
+    block, and all of them when it served every block before the last token (vLLM always computes that one, so a
+    prompt of whole blocks hits one block less than it holds); for text
+    (``None``: chunked by bytes, without a tokenizer), twice as many and one more, which holds up to 8 bytes a token,
+    so that only a pod that lacked part of what it was sent reads as one that evicted it."""
+    blocks = cached_tokens // block_tokens
+    if prompt_tokens is None:
+        return 2 * blocks + 1
+    return MAX_CHUNKS if blocks >= (prompt_tokens - 1) // block_tokens else blocks
+
+
 def _text(prompt: object, messages: object) -> str:
     if isinstance(prompt, str):
         return prompt
@@ -88,7 +101,9 @@ class PrefixIndex:
     def __init__(self, keys_per_pod: int = KEYS_PER_POD, max_keys: int = MAX_KEYS) -> None:
         self.keys_per_pod = keys_per_pod
         self.max_keys = max_keys
-        self._pods: dict[str, OrderedDict[int, None]] = {}
+        #: per pod, its keys, oldest first, each with the tick of the record that last put it there
+        self._pods: dict[str, OrderedDict[int, int]] = {}
+        self._tick = 0
         #: the pods that hold each prompt's first key, while they do (one pod as itself, more as a set): a request
         #: asks which pods can match at all with one lookup, not one per pod
         self._holders: dict[int, str | set[str]] = {}
@@ -129,6 +144,24 @@ class PrefixIndex:
             count += 1
         return count
 
+    def ticks(self, pod: str, keys: list[int], count: int) -> list[int]:
+        """When the pod was last sent each of the prompt's ``count`` leading keys (it holds them: :meth:`matched`), as
+        record ticks, for :meth:`lost` once the pod says what it held."""
+        known = self._pods.get(pod)
+        return [known[key] for key in keys[:count]] if known else []
+
+    def lost(self, pod: str, tick: int) -> int:
+        """The pod no longer holds a block it was sent at ``tick`` (its prefix cache evicted it): it evicted, least
+        recently used first as vLLM does, what it was sent before it too; forget those. The number of keys forgotten."""
+        known = self._pods.get(pod)
+        forgotten = 0
+        while known and next(iter(known.values())) <= tick:
+            key, _ = known.popitem(last=False)
+            if key in self._holders:
+                self._drop_holder(key, pod)
+            forgotten += 1
+        return forgotten
+
     def record(self, pod: str, keys: list[int]) -> None:
         """The pod is computing (prefill) or holding (decode) this prompt: remember its keys, newest last, the
         prompt's first key newest of all, so that a pod's share runs out at the tails of its prompts first: as vLLM
@@ -141,8 +174,10 @@ class PrefixIndex:
         if known is None:
             known = self._pods[pod] = OrderedDict()
             self._trim_all()  # one more pod: every pod's share shrinks
+        self._tick += 1
+        tick = self._tick
         for key in reversed(keys):
-            known[key] = None
+            known[key] = tick
             known.move_to_end(key)
         first = keys[0]
         pods = self._holders.get(first)
@@ -167,7 +202,7 @@ class PrefixIndex:
         for pod, known in self._pods.items():
             self._trim(pod, known, limit)
 
-    def _trim(self, pod: str, known: OrderedDict[int, None], limit: int) -> None:
+    def _trim(self, pod: str, known: OrderedDict[int, int], limit: int) -> None:
         while len(known) > limit:
             key, _ = known.popitem(last=False)
             if key in self._holders:

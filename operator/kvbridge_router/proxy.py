@@ -55,7 +55,8 @@ from kvbridge_router.metrics import RouterMetrics
 from kvbridge_router.peering import PEER_PATH, Exchange
 from kvbridge_router.peers import MAX_FRAME_BYTES
 from kvbridge_router.pool import KV_AWARE, Balancer, Pool, Target
-from kvbridge_router.prefixes import prefix_keys
+from kvbridge_router.prefixes import held_chunks, prefix_keys
+from kvbridge_router.prompts import one_prompt
 from kvbridge_router.samples import JoinError, joined, sample_bodies
 from kvbridge_router.settings import DEFAULTS, RouterSettings
 from kvbridge_router.tracing import OFF, Trace, Tracing
@@ -75,6 +76,9 @@ HEALTH_PROBE_SECONDS = 1.0
 #: where a KV connector's prefill says why it offers nothing for a request (kvbridge's connector; vLLM frees the
 #: blocks): the request is answered, not sent to another pod
 ENGINE_REFUSAL = "kvbridge_error"
+#: where vLLM says how many of the prompt's tokens the prefill pod's prefix cache served (in the transfer parameters
+#: a KV connector returns for a remote decode)
+CACHED_TOKENS = "remote_prefill_cached_tokens"
 #: streaming decode: the longest wait for the next chunk (no longer than the decode timeout)
 DECODE_IDLE_SECONDS = 60.0
 #: idle upstream connections are dropped before vLLM's own keep-alive timeout (5 s) closes them under us
@@ -504,6 +508,7 @@ class Router:
                 if keys:
                     hit = self.balancer.last_matched
                     self.metrics.prefix_matched(hit, len(keys))
+                believed = self.balancer.last_ticks if keys else []  # when the pod was sent the chunks it matched
             called = time.perf_counter()
             timeout = min(self.config.prefill_timeout, left)
             try:
@@ -530,10 +535,24 @@ class Router:
             finally:
                 ledger.spent += time.perf_counter() - called
             self.metrics.prefill_seconds.observe(time.perf_counter() - called)
+            if believed:
+                self._held(prefill.pod, body, params, believed)
             return prefill, decode, params
         if last is not None:
             raise RouteError(last.status, last.code, f"{last.message} (prefill pods tried: {', '.join(tried)})")
         raise RouteError(503, "NO_ROUTE", self.pool.problem() or "every paired prefill pod failed")
+
+    def _held(self, pod: str, body: Obj, params: Obj, believed: list[int]) -> None:
+        """What the prefill pod's answer says its prefix cache served of the prompt (vLLM adds
+        ``remote_prefill_cached_tokens`` to the transfer parameters), against the ``believed`` chunks: a pod that
+        evicted what it was sent is forgotten that far (``Balancer.observed``)."""
+        cached = params.get(CACHED_TOKENS)
+        if not isinstance(cached, int) or isinstance(cached, bool) or cached < 0:
+            return  # another engine, or none said: the view stays as it is
+        prompt = one_prompt(body.get("prompt"))
+        tokens = len(prompt) if isinstance(prompt, list) and "messages" not in body else None
+        if self.balancer.observed(pod, believed, held_chunks(cached, self.config.block_tokens, tokens)):
+            self.metrics.prefix_evictions.inc()
 
     def _request_timeout(self, tried: list[str]) -> RouteError:
         pods = f" (prefill pods tried: {', '.join(tried)})" if tried else ""

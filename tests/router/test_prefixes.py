@@ -3,8 +3,10 @@ choice it makes — the pod that was sent the prompt's prefix, unless it is much
 
 from __future__ import annotations
 
+import pytest
+
 from kvbridge_router.pool import KV_AWARE, LEAST_LOADED, LOAD_SLACK, Balancer, Pool
-from kvbridge_router.prefixes import BYTES_PER_TOKEN, CHUNK_TOKENS, PrefixIndex, prefix_keys
+from kvbridge_router.prefixes import BYTES_PER_TOKEN, CHUNK_TOKENS, MAX_CHUNKS, PrefixIndex, held_chunks, prefix_keys
 from kvbridge_router.settings import RouterPolicy
 
 #: the text of one default chunk
@@ -105,3 +107,41 @@ def test_least_loaded_ignores_prefixes() -> None:
         assert pair is not None
         chosen.append(pair[0].pod)
     assert set(chosen) == {"p0", "p1"}  # round-robin among equally loaded pods
+
+
+def test_a_pod_that_evicted_a_block_is_taken_to_have_evicted_what_it_was_sent_before() -> None:
+    index = PrefixIndex()
+    first, second, third = list(range(10)), list(range(100, 110)), list(range(200, 210))
+    for keys in (first, second, third):
+        index.record("p0", keys)
+    index.record("p1", first)
+    ticks = index.ticks("p0", second, index.matched("p0", second))
+    assert len(ticks) == 10
+    assert len(set(ticks)) == 1  # one record: one tick
+    assert index.ticks("p0", second, 3) == ticks[:3]
+    assert index.lost("p0", ticks[2]) == 20  # the first and second prompts, sent up to then
+    assert (index.matched("p0", first), index.matched("p0", second), index.matched("p0", third)) == (0, 0, 10)
+    assert index.holders(first[0]) == ("p1",)  # another pod's view is its own
+    assert index.matched("p1", first) == 10
+    assert index.lost("p0", ticks[2]) == 0
+    assert index.lost("nobody", ticks[2]) == 0
+    assert index.ticks("nobody", first, 3) == []
+
+
+@pytest.mark.parametrize(
+    ("cached", "prompt_tokens", "held"),
+    [
+        (0, 64, 0),
+        (16, 64, 1),
+        (47, 64, 2),  # whole blocks only
+        (48, 64, MAX_CHUNKS),  # every block before the last token, which vLLM always computes: all of it
+        (63, 64, MAX_CHUNKS),
+        (48, 100, 3),
+        (0, None, 1),  # text: twice the blocks and one more (up to 8 bytes a token)
+        (48, None, 7),
+    ],
+)
+def test_what_a_pod_held_is_read_from_the_tokens_its_cache_served(
+    cached: int, prompt_tokens: int | None, held: int
+) -> None:
+    assert held_chunks(cached, 16, prompt_tokens) == held

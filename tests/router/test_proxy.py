@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from kvbridge_router.admission import parse
 from kvbridge_router.errors import RouteError
 from kvbridge_router.pool import Pool
+from kvbridge_router.prefixes import prefix_keys
 from kvbridge_router.proxy import Router, RouterConfig, prefill_bytes, prefill_request, with_field
 from kvbridge_sim.support import free_port
 
@@ -46,6 +47,8 @@ class FakeEngine:
     in_flight: int = 0
     peak: int = 0
     server: TestServer | None = None
+    #: prefill: the prompt tokens its prefix cache served, as vLLM adds them to the transfer parameters (None: not said)
+    cached_tokens: int | None = None
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -71,6 +74,8 @@ class FakeEngine:
                     answer["kv_transfer_params"] = {"do_remote_prefill": False, "kvbridge_error": REFUSAL}
                 elif self.mode != "no-params":
                     answer["kv_transfer_params"] = {"remote_engine_id": self.name, "remote_block_ids": [7]}
+                    if self.cached_tokens is not None:
+                        answer["kv_transfer_params"]["remote_prefill_cached_tokens"] = self.cached_tokens
                 return web.json_response(answer)
             tokens = [len(self.received), 2, 3]
             if self.mode in DRAIN_ANSWERS:
@@ -215,6 +220,34 @@ async def rig() -> AsyncIterator[Rig]:
     config = RouterConfig(prefill_timeout=1.0, decode_timeout=5.0, decode_idle_timeout=1.0)
     async with running_rig(config, ["prefill-0", "prefill-1"], ["decode-0"]) as found:
         yield found
+
+
+async def test_a_prefill_pod_that_evicted_what_it_was_sent_is_forgotten_that_far(rig: Rig) -> None:
+    """vLLM says in prefill's transfer parameters how many prompt tokens the pod's prefix cache served. A pod that
+    held less of a prompt than the router had sent it evicted it, and (least recently used first) what it was sent
+    before: the router forgets those at once, and counts it; the prompt itself, just computed again, stays."""
+    rig.route(prefill=[rig.prefill[0].endpoint])  # one prefill pod: every request goes to it
+    pod, index, block = rig.prefill[0], rig.router.balancer.prefixes, rig.router.config.block_tokens
+    older = {"model": "m", "prompt": list(range(1000, 1000 + 4 * block)), "max_tokens": 2}
+    prompt = {"model": "m", "prompt": list(range(4 * block)), "max_tokens": 2}
+    older_keys, keys = prefix_keys(older, block), prefix_keys(prompt, block)
+
+    def evictions() -> float | None:
+        return rig.router.metrics.registry.get_sample_value("kvbridge_router_prefix_evictions_total")
+
+    for body in (older, prompt):
+        assert (await rig.post(body))[0] == 200
+    pod.cached_tokens = 4 * block - 1  # all it could (vLLM computes the last token): held all of it
+    assert (await rig.post(prompt))[0] == 200
+    assert (index.matched(pod.name, older_keys), evictions()) == (4, 0)
+    pod.cached_tokens = block  # one chunk of four: the second was evicted
+    assert (await rig.post(prompt))[0] == 200
+    assert (index.matched(pod.name, older_keys), index.matched(pod.name, keys), evictions()) == (0, 4, 1)
+    assert pod.name not in index.holders(older_keys[0])  # no longer a holder of its first key
+    pod.cached_tokens = -1  # not a count: the view stays as it is
+    assert (await rig.post(older))[0] == 200
+    assert (await rig.post(older))[0] == 200
+    assert (index.matched(pod.name, keys), evictions()) == (4, 1)
 
 
 def test_prefill_gets_one_token_no_stream_and_the_remote_decode_flag() -> None:

@@ -358,6 +358,22 @@ async def test_hostile_request_ids_fail_their_own_request_and_the_engines_keep_s
         assert await pod_calls(session, url, "prefill", "kvbridge-prefill") == len(HOSTILE_IDS)  # never retried
 
 
+async def test_prefill_says_how_many_prompt_tokens_its_prefix_cache_served(
+    kvbridge_engines: Engines, session: aiohttp.ClientSession
+) -> None:
+    """What the router reads to see a prefill pod's evictions (router.md): vLLM adds ``remote_prefill_cached_tokens``
+    to the transfer parameters kvbridge's connector returns. A prompt sent again is served from the prefix cache,
+    every whole block of it."""
+    prefill, decode, model = urls(kvbridge_engines)
+    tokens = prompt(2 * BLOCK + 3, salt=990)
+    served = []
+    for _ in range(2):
+        params = await pd_requests.prefill(session, prefill, model, tokens)
+        served.append(params.get("remote_prefill_cached_tokens"))
+        await pd_requests.decode(session, decode, model, tokens, params, MAX_TOKENS)
+    assert served == [0, 2 * BLOCK]
+
+
 async def test_forged_transfer_parameters_fail_that_request_and_decode_keeps_serving(
     kvbridge_engines: Engines, session: aiohttp.ClientSession
 ) -> None:
