@@ -71,7 +71,7 @@ lint: $(LINT_STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: setup
-	$(VENV)/bin/mypy agent operator sim tests
+	$(VENV)/bin/mypy agent operator sim tests benchmarks deploy
 
 imports: setup
 	$(VENV)/bin/lint-imports

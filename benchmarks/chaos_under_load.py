@@ -122,13 +122,15 @@ async def run(clients: int, bound: float, engine: str) -> list[dict[str, Any]]:
                     n = 0
                     while not stop.is_set():
                         n += 1
-                        body = {"model": "demo", "prompt": [index + 1] * (17 + 13 * (n % 5)), "max_tokens": 1}
+                        prompt, max_tokens = [index + 1] * (17 + 13 * (n % 5)), 1
+                        body: dict[str, Any] = {"model": "demo", "prompt": prompt, "max_tokens": max_tokens}
                         if vllm:  # distinct prompts of 16 to 300 tokens, greedy, a few tokens each
                             prompt = [(index * 7919 + n * 104729 + i * 31) % 900 + 5 for i in range(16 + 37 * n % 285)]
+                            max_tokens = 4 + n % 9
                             body = {
                                 "model": TINY_MODEL,
                                 "prompt": prompt,
-                                "max_tokens": 4 + n % 9,
+                                "max_tokens": max_tokens,
                                 "temperature": 0.0,
                                 "ignore_eos": True,
                                 "return_token_ids": True,
@@ -148,10 +150,10 @@ async def run(clients: int, bound: float, engine: str) -> list[dict[str, Any]]:
                         elif vllm:
                             choice = (answer.get("choices") or [{}])[0]
                             tokens = list(choice.get("token_ids") or [])
-                            if len(tokens) != body["max_tokens"] or choice.get("finish_reason") != "length":
+                            if len(tokens) != max_tokens or choice.get("finish_reason") != "length":
                                 outcome.wrong += 1  # HTTP 200 without the whole answer
                             else:
-                                outcome.answers.append((body["prompt"], body["max_tokens"], tokens))
+                                outcome.answers.append((prompt, max_tokens, tokens))
                         elif (answer.get("kvbridge") or {}).get("verified") is not True:
                             outcome.wrong += 1
 
