@@ -62,8 +62,8 @@ class NoMemory(PrefixIndex):
     def matched(self, pod: str, keys: list[int]) -> int:
         return 0
 
-    def record(self, pod: str, keys: list[int]) -> None:
-        return None
+    def record(self, pod: str, keys: list[int]) -> int:
+        return 0  # no record: no tick
 
 
 def balancer(policy: str, replicas: int) -> Balancer:
@@ -239,6 +239,7 @@ def simulate(args: argparse.Namespace, load: Workload, pods: int, policy: str, r
         choose_ns += time.thread_time_ns() - started
         pod = chosen[0].pod
         hit = caches[pod].prefill(request.keys)
+        router.prefilled(pod, router.last_tick, request.keys, computed=True)
         believed += router.last_matched if router.last_ticks else 0
         wrong += max(0, router.last_matched - hit) if router.last_ticks else 0
         if not args.blind and router.last_ticks:  # the pod's answer says what it held (remote_prefill_cached_tokens)

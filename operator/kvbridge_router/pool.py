@@ -180,6 +180,10 @@ class Balancer:
     last_matched: int = 0
     #: and when (:meth:`PrefixIndex.ticks`), for :meth:`observed` once the pod has said what it held
     last_ticks: list[int] = field(default_factory=list)
+    #: kv-aware: the tick of the last choice's record at its prefill pod, for :meth:`prefilled`
+    last_tick: int = 0
+    #: kv-aware: per prefill pod, the ticks of its records whose prefill is in flight
+    _prefilling: dict[str, set[int]] = field(default_factory=dict)
     #: kv-aware: place prompts no pod was sent on the hash ring (bounded loads) rather than on the least loaded pod
     ring: bool = True
     #: the router replicas in front of the pool: each sends about 1/replicas of every pod's requests, so that the
@@ -322,7 +326,9 @@ class Balancer:
         if keys and self.policy == KV_AWARE:
             self.last_matched = self.prefixes.matched(prefill.pod, keys)
             self.last_ticks = self.prefixes.ticks(prefill.pod, keys, self.last_matched) if self.last_matched else []
-            self.prefixes.record(prefill.pod, keys)
+            self.last_tick = self.prefixes.record(prefill.pod, keys)
+            if self.last_tick:
+                self._prefilling.setdefault(prefill.pod, set()).add(self.last_tick)
             self.prefixes.record(decode.pod, keys)
             if self.sent is not None:
                 if self._sent_keys + 2 * len(keys) <= SENT_KEYS and len(self.sent) < SENT_RECORDS:
@@ -332,13 +338,31 @@ class Balancer:
                     self.sent_dropped += 2
         return prefill, decode
 
+    def prefilled(self, pod: str, tick: int, keys: list[int], computed: bool) -> None:
+        """The prefill call of the choice that recorded ``keys`` at ``tick`` (``last_tick``) ended: ``computed``, or
+        not (failed, timed out, cancelled: the pod never cached them, so they are forgotten unless sent again since).
+        Every choice with keys is followed by this once."""
+        pending = self._prefilling.get(pod)
+        if pending is not None:
+            pending.discard(tick)
+            if not pending:
+                del self._prefilling[pod]
+        if not computed:
+            self.prefixes.unrecord(pod, keys, tick)
+
     def observed(self, pod: str, ticks: list[int], held: int) -> int:
         """A prefill pod's answer said it held ``held`` leading chunks of a prompt of which this router believed it held
-        ``len(ticks)`` (``last_ticks`` of the choice): fewer, and its cache evicted the first chunk it lacked, and
-        what it was sent before that; those are forgotten (:meth:`PrefixIndex.lost`). The keys forgotten."""
-        if held >= len(ticks):
+        ``len(ticks)`` (``last_ticks`` of the choice): two or more fewer, and its cache evicted the first chunk it
+        lacked, and what it was sent before that; those are forgotten (:meth:`PrefixIndex.lost`). Not when the record
+        of that chunk is a prefill still in flight (not computed yet, or a request that overtook it), nor for a
+        shortfall of one chunk (vLLM's hits can be a block coarser than the router's chunks: speculative decoding
+        drops one). The keys forgotten."""
+        if held >= len(ticks) - 1:
             return 0
-        return self.prefixes.lost(pod, ticks[max(held, 0)])
+        tick = ticks[max(held, 0)]
+        if tick in self._prefilling.get(pod, ()):
+            return 0
+        return self.prefixes.lost(pod, tick)
 
     def started(self, pod: str) -> None:
         slot = self._slot(pod)  # first: a new slot may replace the counts with a larger array

@@ -9,9 +9,10 @@ or an earlier turn gives equal leading keys either way, which is all the score n
 
 Per pod, a bounded LRU set of the keys it was sent, and a bound over all pods (:data:`MAX_KEYS`), so that a pool
 of hundreds of pods costs the router no more memory than a few. Keys are equal in every process (router replicas
-must agree on them, ring.py). The router learns only from what it sends: a pod that restarted, evicted blocks or
-was replaced keeps its entries until they age out or the pod leaves the pool, so stale knowledge costs a cache miss
-on that pod — never a pairing, which the pool alone decides.
+must agree on them, ring.py). The router learns from what it sends, and from what each prefill answer says the
+pod's prefix cache served (:meth:`PrefixIndex.lost`: a pod that evicted is forgotten that far, pool.py's
+``Balancer.observed``); a pod that restarted or was replaced is forgotten on its new incarnation, one that left the
+pool at once. Stale knowledge costs a cache miss on that pod — never a pairing, which the pool alone decides.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ BYTES_PER_TOKEN = 4
 MAX_CHUNKS = 4096
 #: keys remembered per pod (about a million prompt tokens' worth of 16-token chunks)
 KEYS_PER_POD = 1 << 16
+#: keys one prefill answer may make the index forget (:meth:`PrefixIndex.lost`; about 2 ms of the event loop)
+MAX_FORGOTTEN = 4096
 #: keys remembered in all, over every pod (about 124 bytes each in CPython: 130 MiB at most); with more than
 #: ``MAX_KEYS / KEYS_PER_POD`` (16) pods each pod keeps ``MAX_KEYS // pods`` (4096 at 256 pods)
 MAX_KEYS = 1 << 20
@@ -65,6 +68,35 @@ def prefix_keys(body: Obj, block_tokens: int = CHUNK_TOKENS, *, ids_checked: boo
         key = hash((key, chunk))
         keys.append(key)
     return keys
+
+
+#: request fields with which vLLM's prefix cache holds the prompt apart from what the router keys (a salt, a chat
+#: template's other inputs, media): what the pod held of such a request says nothing of what it evicted
+KEYED_APART = (
+    "cache_salt",
+    "tools",
+    "chat_template",
+    "chat_template_kwargs",
+    "documents",
+    "truncate_prompt_tokens",
+    "mm_processor_kwargs",
+)
+
+
+def cached_as_keyed(body: Obj) -> bool:
+    """Whether vLLM's prefix cache serves this request's prompt as the router keys it, so that what a prefill pod
+    says it held of it can be compared with what the router believed: not with prompt logprobs or echo (vLLM then
+    reads nothing from the cache), a field of :data:`KEYED_APART`, or a chat message's parts other than text."""
+    if body.get("prompt_logprobs") is not None or body.get("echo") or any(body.get(f) for f in KEYED_APART):
+        return False
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return True
+    for message in messages:
+        parts = message.get("content") if isinstance(message, dict) else None
+        if isinstance(parts, list) and any(not isinstance(p, dict) or p.get("type", "text") != "text" for p in parts):
+            return False
+    return True
 
 
 def held_chunks(cached_tokens: int, block_tokens: int, prompt_tokens: int | None) -> int:
@@ -152,24 +184,38 @@ class PrefixIndex:
 
     def lost(self, pod: str, tick: int) -> int:
         """The pod no longer holds a block it was sent at ``tick`` (its prefix cache evicted it): it evicted, least
-        recently used first as vLLM does, what it was sent before it too; forget those. The number of keys forgotten."""
+        recently used first as vLLM does, what it was sent before it too; forget those, at most
+        :data:`MAX_FORGOTTEN` (the oldest) in one call, so that one answer never stalls the router long. The number of
+        keys forgotten."""
         known = self._pods.get(pod)
         forgotten = 0
-        while known and next(iter(known.values())) <= tick:
+        while known and forgotten < MAX_FORGOTTEN and next(iter(known.values())) <= tick:
             key, _ = known.popitem(last=False)
             if key in self._holders:
                 self._drop_holder(key, pod)
             forgotten += 1
         return forgotten
 
-    def record(self, pod: str, keys: list[int]) -> None:
+    def unrecord(self, pod: str, keys: list[int], tick: int) -> None:
+        """The record at ``tick`` was never computed (its prefill failed): forget its keys that no later record sent
+        the pod again."""
+        known = self._pods.get(pod)
+        if not known:
+            return
+        for key in keys:
+            if known.get(key) == tick:
+                del known[key]
+                if key in self._holders:
+                    self._drop_holder(key, pod)
+
+    def record(self, pod: str, keys: list[int]) -> int:
         """The pod is computing (prefill) or holding (decode) this prompt: remember its keys, newest last, the
         prompt's first key newest of all, so that a pod's share runs out at the tails of its prompts first: as vLLM
         frees a request's blocks, tail first, so that its prefix cache keeps a prefix longest. A prompt partly
         forgotten still matches its leading chunks (a first key forgotten first would hide the whole prompt, while
-        its tail, which no request can hit without it, took room)."""
+        its tail, which no request can hit without it, took room). The record's tick (0: no keys)."""
         if not keys:
-            return
+            return 0
         known = self._pods.get(pod)
         if known is None:
             known = self._pods[pod] = OrderedDict()
@@ -189,6 +235,7 @@ class PrefixIndex:
         else:
             pods.add(pod)
         self._trim(pod, known, self.limit())
+        return tick
 
     def keep_only(self, pods: Iterable[str]) -> None:
         """Forget pods that left the pool (scaled down, replaced by a rollout)."""

@@ -55,7 +55,7 @@ from kvbridge_router.metrics import RouterMetrics
 from kvbridge_router.peering import PEER_PATH, Exchange
 from kvbridge_router.peers import MAX_FRAME_BYTES
 from kvbridge_router.pool import KV_AWARE, Balancer, Pool, Target
-from kvbridge_router.prefixes import held_chunks, prefix_keys
+from kvbridge_router.prefixes import cached_as_keyed, held_chunks, prefix_keys
 from kvbridge_router.prompts import one_prompt
 from kvbridge_router.samples import JoinError, joined, sample_bodies
 from kvbridge_router.settings import DEFAULTS, RouterSettings
@@ -509,7 +509,9 @@ class Router:
                     hit = self.balancer.last_matched
                     self.metrics.prefix_matched(hit, len(keys))
                 believed = self.balancer.last_ticks if keys else []  # when the pod was sent the chunks it matched
+                tick = self.balancer.last_tick if keys else 0  # this choice's record at the prefill pod
             called = time.perf_counter()
+            computed = False
             timeout = min(self.config.prefill_timeout, left)
             try:
                 with ledger.trace.step(span.ROUTER_PREFILL, {span.POD: prefill.pod}, call=True) as call:
@@ -532,10 +534,14 @@ class Router:
                 tried.append(prefill.pod)
                 last = exc
                 continue
+            else:
+                computed = True
             finally:
                 ledger.spent += time.perf_counter() - called
+                if tick:
+                    self.balancer.prefilled(prefill.pod, tick, keys, computed)
             self.metrics.prefill_seconds.observe(time.perf_counter() - called)
-            if believed:
+            if believed and cached_as_keyed(body):
                 self._held(prefill.pod, body, params, believed)
             return prefill, decode, params
         if last is not None:

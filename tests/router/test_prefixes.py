@@ -3,10 +3,21 @@ choice it makes — the pod that was sent the prompt's prefix, unless it is much
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvbridge_router.pool import KV_AWARE, LEAST_LOADED, LOAD_SLACK, Balancer, Pool
-from kvbridge_router.prefixes import BYTES_PER_TOKEN, CHUNK_TOKENS, MAX_CHUNKS, PrefixIndex, held_chunks, prefix_keys
+from kvbridge_router.prefixes import (
+    BYTES_PER_TOKEN,
+    CHUNK_TOKENS,
+    MAX_CHUNKS,
+    MAX_FORGOTTEN,
+    PrefixIndex,
+    cached_as_keyed,
+    held_chunks,
+    prefix_keys,
+)
 from kvbridge_router.settings import RouterPolicy
 
 #: the text of one default chunk
@@ -145,3 +156,77 @@ def test_what_a_pod_held_is_read_from_the_tokens_its_cache_served(
     cached: int, prompt_tokens: int | None, held: int
 ) -> None:
     assert held_chunks(cached, 16, prompt_tokens) == held
+
+
+def test_a_shortfall_is_read_as_an_eviction_only_when_nothing_else_explains_it() -> None:
+    routes = pool(prefills=1)
+    balancer = Balancer(policy=KV_AWARE)
+    older = prefix_keys({"prompt": list(range(1000, 1000 + 4 * CHUNK_TOKENS))})
+    keys = prefix_keys({"prompt": list(range(4 * CHUNK_TOKENS))})
+
+    def send(prompt: list[int], computed: bool = True) -> tuple[str, list[int], int]:
+        pair = balancer.choose(routes, keys=prompt)
+        assert pair is not None
+        believed, tick = balancer.last_ticks, balancer.last_tick
+        balancer.prefilled(pair[0].pod, tick, prompt, computed)
+        return pair[0].pod, believed, tick
+
+    send(older)
+    pod, _, _ = send(keys)
+    _, believed, _ = send(keys)
+    assert len(believed) == 4
+    assert balancer.observed(pod, believed, 3) == 0  # one chunk short: a coarser hit (speculative decoding), not news
+    assert balancer.choose(routes, keys=keys) is not None  # a copy of the prompt still being prefilled...
+    copy = balancer.last_tick
+    assert balancer.choose(routes, keys=keys) is not None  # ...overtaken by another, which the pod answers first
+    overtaking = balancer.last_tick
+    assert balancer.observed(pod, balancer.last_ticks, 0) == 0  # the chunk it lacked is the copy's, not yet computed
+    assert balancer.prefixes.matched(pod, older) == 4
+    for tick in (overtaking, copy):
+        balancer.prefilled(pod, tick, keys, computed=True)
+    _, believed, _ = send(keys)
+    assert balancer.observed(pod, believed, 0) > 0  # a real shortfall: what was sent before is forgotten
+    assert balancer.prefixes.matched(pod, older) == 0
+
+
+def test_a_prompt_whose_prefill_failed_is_not_believed_held() -> None:
+    routes = pool(prefills=1)
+    balancer = Balancer(policy=KV_AWARE)
+    held, failed = list(range(2 * CHUNK_TOKENS)), list(range(2 * CHUNK_TOKENS, 5 * CHUNK_TOKENS))
+    keys = prefix_keys({"prompt": held + failed})
+    first = balancer.choose(routes, keys=keys[:2])
+    assert first is not None
+    balancer.prefilled(first[0].pod, balancer.last_tick, keys[:2], computed=True)
+    assert balancer.choose(routes, keys=keys) is not None
+    balancer.prefilled(first[0].pod, balancer.last_tick, keys, computed=False)  # failed: never cached
+    assert balancer.prefixes.matched(first[0].pod, keys) == 0  # re-sent keys forgotten too: conservative
+    assert not balancer._prefilling  # nothing left in flight
+
+
+def test_lost_forgets_at_most_a_bound_per_answer() -> None:
+    index = PrefixIndex()
+    for start in range(0, MAX_FORGOTTEN + 100, 10):
+        index.record("p0", list(range(start, start + 10)))
+    last = index.ticks("p0", [MAX_FORGOTTEN + 90], 1)[0]
+    assert index.lost("p0", last) == MAX_FORGOTTEN  # the oldest first
+    assert index.lost("p0", last) == 94  # the rest up to that record, at the next answer
+    assert index.size() == 10
+
+
+@pytest.mark.parametrize(
+    ("body", "keyed"),
+    [
+        ({"prompt": [1, 2]}, True),
+        ({"prompt": [1, 2], "echo": False, "prompt_logprobs": None, "cache_salt": ""}, True),
+        ({"prompt": [1, 2], "prompt_logprobs": 0}, False),  # vLLM reads nothing from its cache then
+        ({"prompt": [1, 2], "echo": True}, False),
+        ({"prompt": [1, 2], "cache_salt": "tenant-a"}, False),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, False),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, True),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, False),
+    ],
+)
+def test_what_a_pod_held_is_compared_only_for_prompts_its_cache_keys_as_the_router(
+    body: dict[str, Any], keyed: bool
+) -> None:
+    assert cached_as_keyed(body) is keyed

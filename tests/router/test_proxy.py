@@ -248,6 +248,7 @@ async def test_a_prefill_pod_that_evicted_what_it_was_sent_is_forgotten_that_far
     assert (await rig.post(older))[0] == 200
     assert (await rig.post(older))[0] == 200
     assert (index.matched(pod.name, keys), evictions()) == (4, 1)
+    assert not rig.router.balancer._prefilling  # every prefill that was chosen has ended
 
 
 def test_prefill_gets_one_token_no_stream_and_the_remote_decode_flag() -> None:
