@@ -325,7 +325,7 @@ class Balancer:
             return None
         if keys and self.policy == KV_AWARE:
             self.last_matched = self.prefixes.matched(prefill.pod, keys)
-            self.last_ticks = self.prefixes.ticks(prefill.pod, keys, self.last_matched) if self.last_matched else []
+            self.last_ticks = self._believed(prefill.pod, keys) if self.last_matched else []
             self.last_tick = self.prefixes.record(prefill.pod, keys)
             if self.last_tick:
                 self._prefilling.setdefault(prefill.pod, set()).add(self.last_tick)
@@ -338,10 +338,22 @@ class Balancer:
                     self.sent_dropped += 2
         return prefill, decode
 
+    def _believed(self, pod: str, keys: list[int]) -> list[int]:
+        """The ticks of the prompt's leading chunks the pod holds as far as this router has seen a prefill of them end
+        (:meth:`observed` reads only these): up to the first one sent by a prefill still in flight (a copy of the prompt
+        this request may overtake) or reported by another replica (whose prefill may not have ended)."""
+        ticks = self.prefixes.ticks(pod, keys, self.last_matched)
+        pending = self._prefilling.get(pod, ())
+        for index, tick in enumerate(ticks):
+            if tick in pending or not PrefixIndex.own(tick):
+                return ticks[:index]
+        return ticks
+
     def prefilled(self, pod: str, tick: int, keys: list[int], computed: bool) -> None:
         """The prefill call of the choice that recorded ``keys`` at ``tick`` (``last_tick``) ended: ``computed``, or
-        not (failed, timed out, cancelled: the pod never cached them, so they are forgotten unless sent again since).
-        Every choice with keys is followed by this once."""
+        not (failed, timed out, cancelled: the pod never cached them, so they are forgotten unless sent again since;
+        pass the keys the choice did not find held, ``keys[last_matched:]``, so that what an earlier prefill left
+        stays). Every choice with keys is followed by this once."""
         pending = self._prefilling.get(pod)
         if pending is not None:
             pending.discard(tick)
@@ -352,17 +364,13 @@ class Balancer:
 
     def observed(self, pod: str, ticks: list[int], held: int) -> int:
         """A prefill pod's answer said it held ``held`` leading chunks of a prompt of which this router believed it held
-        ``len(ticks)`` (``last_ticks`` of the choice): two or more fewer, and its cache evicted the first chunk it
-        lacked, and what it was sent before that; those are forgotten (:meth:`PrefixIndex.lost`). Not when the record
-        of that chunk is a prefill still in flight (not computed yet, or a request that overtook it), nor for a
-        shortfall of one chunk (vLLM's hits can be a block coarser than the router's chunks: speculative decoding
-        drops one). The keys forgotten."""
+        ``len(ticks)`` (``last_ticks`` of the choice: only chunks whose prefill this router saw end): two or more
+        fewer, and its cache evicted the first chunk it lacked, and what it was sent before that; those are forgotten
+        (:meth:`PrefixIndex.lost`). Not for a shortfall of one chunk (vLLM's hits can be a block coarser than the
+        router's chunks: speculative decoding drops one). The keys forgotten."""
         if held >= len(ticks) - 1:
             return 0
-        tick = ticks[max(held, 0)]
-        if tick in self._prefilling.get(pod, ()):
-            return 0
-        return self.prefixes.lost(pod, tick)
+        return self.prefixes.lost(pod, ticks[max(held, 0)])
 
     def started(self, pod: str) -> None:
         slot = self._slot(pod)  # first: a new slot may replace the counts with a larger array

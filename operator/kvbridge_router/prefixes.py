@@ -17,10 +17,14 @@ pool at once. Stale knowledge costs a cache miss on that pod — never a pairing
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import sys
 from collections import OrderedDict
 from collections.abc import Collection, Iterable
+
+import msgspec
 
 from kvbridge_operator.api.objects import Obj
 from kvbridge_router.prompts import one_prompt, token_ids
@@ -63,40 +67,52 @@ def prefix_keys(body: Obj, block_tokens: int = CHUNK_TOKENS, *, ids_checked: boo
         # router replicas must agree on a prompt's keys (ring.py)
         chunks = (int.from_bytes(data[i * size : (i + 1) * size], "little") for i in range(whole))
     keys: list[int] = []
-    key = 0
+    key = _seed(body)
     for chunk in chunks:
         key = hash((key, chunk))
         keys.append(key)
     return keys
 
 
-#: request fields with which vLLM's prefix cache holds the prompt apart from what the router keys (a salt, a chat
-#: template's other inputs, media): what the pod held of such a request says nothing of what it evicted
+#: request fields with which vLLM's prefix cache holds a prompt apart from the same text without them (a salt, a
+#: chat template's other inputs): each prompt's first key is seeded with them (:func:`_seed`), as vLLM's first block
+#: hash is with a salt, so that requests with different ones are different prefixes to the router too
 KEYED_APART = (
     "cache_salt",
     "tools",
     "chat_template",
     "chat_template_kwargs",
     "documents",
+    "add_special_tokens",
     "truncate_prompt_tokens",
     "mm_processor_kwargs",
 )
+_ENCODE = msgspec.json.Encoder().encode
+
+
+def _seed(body: Obj) -> int:
+    """0, or a stable hash (equal in every process) of the request's :data:`KEYED_APART` fields and a chat's parts
+    other than text (media: vLLM's block hashes include them)."""
+    apart: list[tuple[str | int, object]] = [(name, body[name]) for name in KEYED_APART if body.get(name) is not None]
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for index, message in enumerate(messages):
+            parts = message.get("content") if isinstance(message, dict) else None
+            if isinstance(parts, list):
+                apart += [(index, p) for p in parts if not isinstance(p, dict) or p.get("type", "text") != "text"]
+    if not apart:
+        return 0
+    try:
+        encoded = _ENCODE(apart)
+    except (TypeError, ValueError, OverflowError):  # not plain JSON (a NaN, a lone surrogate): the standard library's
+        encoded = json.dumps(apart, sort_keys=True).encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(encoded, digest_size=8).digest(), "little")
 
 
 def cached_as_keyed(body: Obj) -> bool:
-    """Whether vLLM's prefix cache serves this request's prompt as the router keys it, so that what a prefill pod
-    says it held of it can be compared with what the router believed: not with prompt logprobs or echo (vLLM then
-    reads nothing from the cache), a field of :data:`KEYED_APART`, or a chat message's parts other than text."""
-    if body.get("prompt_logprobs") is not None or body.get("echo") or any(body.get(f) for f in KEYED_APART):
-        return False
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return True
-    for message in messages:
-        parts = message.get("content") if isinstance(message, dict) else None
-        if isinstance(parts, list) and any(not isinstance(p, dict) or p.get("type", "text") != "text" for p in parts):
-            return False
-    return True
+    """Whether what a prefill pod says its cache served of this request can be compared with what the router
+    believed: not with prompt logprobs or echo (vLLM then reads nothing from its cache for the request)."""
+    return body.get("prompt_logprobs") is None and not body.get("echo")
 
 
 def held_chunks(cached_tokens: int, block_tokens: int, prompt_tokens: int | None) -> int:
@@ -133,7 +149,8 @@ class PrefixIndex:
     def __init__(self, keys_per_pod: int = KEYS_PER_POD, max_keys: int = MAX_KEYS) -> None:
         self.keys_per_pod = keys_per_pod
         self.max_keys = max_keys
-        #: per pod, its keys, oldest first, each with the tick of the record that last put it there
+        #: per pod, its keys, oldest first, each with the tick of the record that last put it there: increasing, odd
+        #: for this router's own records, even for what another replica reported sending (:meth:`own`)
         self._pods: dict[str, OrderedDict[int, int]] = {}
         self._tick = 0
         #: the pods that hold each prompt's first key, while they do (one pod as itself, more as a set): a request
@@ -208,20 +225,26 @@ class PrefixIndex:
                 if key in self._holders:
                     self._drop_holder(key, pod)
 
-    def record(self, pod: str, keys: list[int]) -> int:
+    @staticmethod
+    def own(tick: int) -> bool:
+        """Whether a tick is of this router's own record (whose prefill it saw end), not another replica's."""
+        return tick % 2 == 1
+
+    def record(self, pod: str, keys: list[int], own: bool = True) -> int:
         """The pod is computing (prefill) or holding (decode) this prompt: remember its keys, newest last, the
         prompt's first key newest of all, so that a pod's share runs out at the tails of its prompts first: as vLLM
         frees a request's blocks, tail first, so that its prefix cache keeps a prefix longest. A prompt partly
         forgotten still matches its leading chunks (a first key forgotten first would hide the whole prompt, while
-        its tail, which no request can hit without it, took room). The record's tick (0: no keys)."""
+        its tail, which no request can hit without it, took room). ``own``: this router sends it (else another
+        replica reported sending it). The record's tick (0: no keys)."""
         if not keys:
             return 0
         known = self._pods.get(pod)
         if known is None:
             known = self._pods[pod] = OrderedDict()
             self._trim_all()  # one more pod: every pod's share shrinks
-        self._tick += 1
-        tick = self._tick
+        self._tick += 2
+        tick = self._tick + 1 if own else self._tick
         for key in reversed(keys):
             known[key] = tick
             known.move_to_end(key)

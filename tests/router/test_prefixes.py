@@ -178,12 +178,17 @@ def test_a_shortfall_is_read_as_an_eviction_only_when_nothing_else_explains_it()
     assert balancer.observed(pod, believed, 3) == 0  # one chunk short: a coarser hit (speculative decoding), not news
     assert balancer.choose(routes, keys=keys) is not None  # a copy of the prompt still being prefilled...
     copy = balancer.last_tick
-    assert balancer.choose(routes, keys=keys) is not None  # ...overtaken by another, which the pod answers first
-    overtaking = balancer.last_tick
-    assert balancer.observed(pod, balancer.last_ticks, 0) == 0  # the chunk it lacked is the copy's, not yet computed
+    assert balancer.choose(routes, keys=keys) is not None  # ...and another, which may overtake it
+    overtaking, believed = balancer.last_tick, balancer.last_ticks
+    assert believed == []  # its chunks' record is the copy's, in flight: nothing to compare, whoever answers first
+    for tick in (copy, overtaking):
+        balancer.prefilled(pod, tick, [], computed=True)
+    assert balancer.observed(pod, believed, 0) == 0
     assert balancer.prefixes.matched(pod, older) == 4
-    for tick in (overtaking, copy):
-        balancer.prefilled(pod, tick, keys, computed=True)
+    balancer.prefixes.record(pod, keys, own=False)  # another replica reports sending it (its prefill may not be done)
+    assert balancer.choose(routes, keys=keys) is not None
+    assert balancer.last_ticks == []
+    balancer.prefilled(pod, balancer.last_tick, [], computed=True)
     _, believed, _ = send(keys)
     assert balancer.observed(pod, believed, 0) > 0  # a real shortfall: what was sent before is forgotten
     assert balancer.prefixes.matched(pod, older) == 0
@@ -198,8 +203,9 @@ def test_a_prompt_whose_prefill_failed_is_not_believed_held() -> None:
     assert first is not None
     balancer.prefilled(first[0].pod, balancer.last_tick, keys[:2], computed=True)
     assert balancer.choose(routes, keys=keys) is not None
-    balancer.prefilled(first[0].pod, balancer.last_tick, keys, computed=False)  # failed: never cached
-    assert balancer.prefixes.matched(first[0].pod, keys) == 0  # re-sent keys forgotten too: conservative
+    assert balancer.last_matched == 2
+    balancer.prefilled(first[0].pod, balancer.last_tick, keys[2:], computed=False)  # failed: never cached
+    assert balancer.prefixes.matched(first[0].pod, keys) == 2  # what the earlier prefill left is still held
     assert not balancer._prefilling  # nothing left in flight
 
 
@@ -214,19 +220,38 @@ def test_lost_forgets_at_most_a_bound_per_answer() -> None:
 
 
 @pytest.mark.parametrize(
-    ("body", "keyed"),
+    ("body", "compared"),
     [
         ({"prompt": [1, 2]}, True),
-        ({"prompt": [1, 2], "echo": False, "prompt_logprobs": None, "cache_salt": ""}, True),
+        ({"prompt": [1, 2], "echo": False, "prompt_logprobs": None}, True),
         ({"prompt": [1, 2], "prompt_logprobs": 0}, False),  # vLLM reads nothing from its cache then
         ({"prompt": [1, 2], "echo": True}, False),
-        ({"prompt": [1, 2], "cache_salt": "tenant-a"}, False),
-        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, False),
-        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, True),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, False),
     ],
 )
-def test_what_a_pod_held_is_compared_only_for_prompts_its_cache_keys_as_the_router(
-    body: dict[str, Any], keyed: bool
-) -> None:
-    assert cached_as_keyed(body) is keyed
+def test_what_a_pod_held_is_compared_only_where_its_cache_was_read(body: dict[str, Any], compared: bool) -> None:
+    assert cached_as_keyed(body) is compared
+
+
+def test_what_vllm_caches_apart_the_router_keys_apart() -> None:
+    """A salt, a chat template's other inputs or media make vLLM hash a prompt's blocks apart from the same text
+    without them: the router's keys of it differ too (so that neither the score nor what a pod held is misread),
+    and are equal for equal ones."""
+    text = "You are terse. " * 40
+    chat = [{"role": "system", "content": text}, {"role": "user", "content": "hi"}]
+    plain = prefix_keys({"messages": chat})
+    parts = [{"role": "system", "content": [{"type": "text", "text": text}]}, {"role": "user", "content": "hi"}]
+    assert prefix_keys({"messages": parts}) == plain  # text parts are the text
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    apart: list[dict[str, Any]] = [
+        {"messages": chat, "cache_salt": "tenant-a"},
+        {"messages": chat, "cache_salt": "tenant-b"},
+        {"messages": chat, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"messages": chat, "chat_template_kwargs": {"enable_thinking": False}},
+        {"messages": [*parts[:1], {"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]},
+    ]
+    keyed = [prefix_keys(body) for body in apart]
+    assert all(len(keys) == len(plain) for keys in keyed)
+    assert len({keys[0] for keys in [plain, *keyed]}) == len(apart) + 1  # each its own prefix
+    assert prefix_keys(apart[0]) == keyed[0]  # and the same one again
+    assert prefix_keys({"messages": chat, "cache_salt": None}) == plain
+    assert prefix_keys({"prompt": "x" * 400, "cache_salt": float("nan")})  # not plain JSON: still keyed

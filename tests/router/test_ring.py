@@ -23,7 +23,8 @@ def test_keys_and_anchors_are_equal_in_every_process() -> None:
     program = (
         "from kvbridge_router.prefixes import prefix_keys; from kvbridge_router.ring import anchor, Ring;"
         "k = prefix_keys({'messages': [{'role': 'system', 'content': 'You are terse. ' * 40}]});"
-        "print(k[:3], anchor(k), next(iter(Ring(['a', 'b', 'c']).order(anchor(k)))))"
+        "s = prefix_keys({'prompt': 'x' * 400, 'cache_salt': 'tenant', 'tools': [{'type': 'function'}]});"
+        "print(k[:3], anchor(k), next(iter(Ring(['a', 'b', 'c']).order(anchor(k)))), s[:2])"
     )
     printed = {
         subprocess.run(
