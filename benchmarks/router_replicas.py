@@ -227,7 +227,7 @@ def simulate(args: argparse.Namespace, load: Workload, pods: int, policy: str, r
                     for other in routers:
                         if other is not router:
                             for pod, keys in sent:
-                                other.prefixes.record(pod, keys)
+                                other.prefixes.record(pod, keys, own=False)
         replica = rng.randrange(replicas)
         router = routers[replica]
         started = time.thread_time_ns()
