@@ -62,7 +62,7 @@ class NoMemory(PrefixIndex):
     def matched(self, pod: str, keys: list[int]) -> int:
         return 0
 
-    def record(self, pod: str, keys: list[int], own: bool = True) -> int:
+    def record(self, pod: str, keys: list[int]) -> int:
         return 0  # no record: no tick
 
 
@@ -227,7 +227,7 @@ def simulate(args: argparse.Namespace, load: Workload, pods: int, policy: str, r
                     for other in routers:
                         if other is not router:
                             for pod, keys in sent:
-                                other.prefixes.record(pod, keys, own=False)
+                                other.prefixes.record(pod, keys)
         replica = rng.randrange(replicas)
         router = routers[replica]
         started = time.thread_time_ns()
@@ -239,7 +239,7 @@ def simulate(args: argparse.Namespace, load: Workload, pods: int, policy: str, r
         choose_ns += time.thread_time_ns() - started
         pod = chosen[0].pod
         hit = caches[pod].prefill(request.keys)
-        router.prefilled(pod, router.last_tick, request.keys, computed=True)
+        router.prefilled(pod, router.last_tick, request.keys, router.last_matched, computed=True)
         believed += router.last_matched if router.last_ticks else 0
         wrong += max(0, router.last_matched - hit) if router.last_ticks else 0
         if not args.blind and router.last_ticks:  # the pod's answer says what it held (remote_prefill_cached_tokens)

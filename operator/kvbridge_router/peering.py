@@ -151,7 +151,7 @@ class Exchange:
         record = self.balancer.prefixes.record
         for pod, keys in report.sent:
             if pod in pods:  # a pod that left the pool (or was never in it) is not remembered
-                record(pod, list(keys), own=False)
+                record(pod, list(keys))
         self._apply()
         self.metrics.peer_report("received", "accepted")
         return "accepted"

@@ -6,7 +6,8 @@ other, so a replica reports both, every ``--peer-interval``, to every other repl
 
 - its **requests in flight per pod** (what :class:`~kvbridge_router.pool.Balancer` counts);
 - **what it sent** since its last report: each pod and the prefix keys of the prompt sent to it (what
-  :class:`~kvbridge_router.prefixes.PrefixIndex` records).
+  :class:`~kvbridge_router.prefixes.PrefixIndex` records): a decode pod as chosen, a prefill pod once its prefill
+  was computed.
 
 A report is a binary frame (:func:`encode`, :func:`decode`), little-endian, signed with HMAC-SHA256 under the key
 the replicas share (the ``<name>-router-peers`` Secret's)::

@@ -198,7 +198,8 @@ class Balancer:
     _peers: np.ndarray = field(default_factory=lambda: np.zeros(64, dtype=np.int64))
     #: the replicas that sent no fresh report: each is taken to send what this one does (its counts once more)
     _unheard: int = field(default=-1)
-    #: kv-aware with peers: the (pod, prefix keys) this replica sent since its last report (:meth:`drain_sent`)
+    #: kv-aware with peers: the (pod, prefix keys) since this replica's last report (:meth:`drain_sent`): prefill pods
+    #: whose prefill of the prompt ended, decode pods as chosen
     sent: list[tuple[str, list[int]]] | None = None
     _sent_keys: int = 0
     #: records not kept for want of room since the last drain
@@ -330,37 +331,45 @@ class Balancer:
             if self.last_tick:
                 self._prefilling.setdefault(prefill.pod, set()).add(self.last_tick)
             self.prefixes.record(decode.pod, keys)
-            if self.sent is not None:
-                if self._sent_keys + 2 * len(keys) <= SENT_KEYS and len(self.sent) < SENT_RECORDS:
-                    self.sent += ((prefill.pod, keys), (decode.pod, keys))
-                    self._sent_keys += 2 * len(keys)
-                else:  # the peers miss it: a cache hit at most
-                    self.sent_dropped += 2
+            self._report(decode.pod, keys)  # the prefill pod's once its prefill ends (:meth:`prefilled`)
         return prefill, decode
+
+    def _report(self, pod: str, keys: list[int]) -> None:
+        """For the next report to the other replicas (with peers): ``pod`` holds the prompt of ``keys``."""
+        if self.sent is None:
+            return
+        if self._sent_keys + len(keys) <= SENT_KEYS and len(self.sent) < SENT_RECORDS:
+            self.sent.append((pod, keys))
+            self._sent_keys += len(keys)
+        else:  # the peers miss it: a cache hit at most
+            self.sent_dropped += 1
 
     def _believed(self, pod: str, keys: list[int]) -> list[int]:
         """The ticks of the prompt's leading chunks the pod holds as far as this router has seen a prefill of them end
         (:meth:`observed` reads only these): up to the first one sent by a prefill still in flight (a copy of the prompt
-        this request may overtake) or reported by another replica (whose prefill may not have ended)."""
+        this request may overtake). Other replicas report a prefill pod's prompts once its prefill ended."""
         ticks = self.prefixes.ticks(pod, keys, self.last_matched)
-        pending = self._prefilling.get(pod, ())
-        for index, tick in enumerate(ticks):
-            if tick in pending or not PrefixIndex.own(tick):
-                return ticks[:index]
+        pending = self._prefilling.get(pod)
+        if pending:
+            for index, tick in enumerate(ticks):
+                if tick in pending:
+                    return ticks[:index]
         return ticks
 
-    def prefilled(self, pod: str, tick: int, keys: list[int], computed: bool) -> None:
-        """The prefill call of the choice that recorded ``keys`` at ``tick`` (``last_tick``) ended: ``computed``, or
-        not (failed, timed out, cancelled: the pod never cached them, so they are forgotten unless sent again since;
-        pass the keys the choice did not find held, ``keys[last_matched:]``, so that what an earlier prefill left
-        stays). Every choice with keys is followed by this once."""
+    def prefilled(self, pod: str, tick: int, keys: list[int], matched: int, computed: bool) -> None:
+        """The prefill call of the choice that recorded ``keys`` at ``tick`` (``last_tick``), ``matched`` of them found
+        held (``last_matched``), ended: ``computed`` (reported to the other replicas from now), or not (failed, timed
+        out, cancelled: the pod never cached the rest, which is forgotten unless sent again since). Every choice with
+        keys is followed by this once."""
         pending = self._prefilling.get(pod)
         if pending is not None:
             pending.discard(tick)
             if not pending:
                 del self._prefilling[pod]
-        if not computed:
-            self.prefixes.unrecord(pod, keys, tick)
+        if computed:
+            self._report(pod, keys)
+        else:
+            self.prefixes.unrecord(pod, keys[matched:], tick)
 
     def observed(self, pod: str, ticks: list[int], held: int) -> int:
         """A prefill pod's answer said it held ``held`` leading chunks of a prompt of which this router believed it held

@@ -149,8 +149,7 @@ class PrefixIndex:
     def __init__(self, keys_per_pod: int = KEYS_PER_POD, max_keys: int = MAX_KEYS) -> None:
         self.keys_per_pod = keys_per_pod
         self.max_keys = max_keys
-        #: per pod, its keys, oldest first, each with the tick of the record that last put it there: increasing, odd
-        #: for this router's own records, even for what another replica reported sending (:meth:`own`)
+        #: per pod, its keys, oldest first, each with the tick of the record that last put it there (increasing)
         self._pods: dict[str, OrderedDict[int, int]] = {}
         self._tick = 0
         #: the pods that hold each prompt's first key, while they do (one pod as itself, more as a set): a request
@@ -225,26 +224,20 @@ class PrefixIndex:
                 if key in self._holders:
                     self._drop_holder(key, pod)
 
-    @staticmethod
-    def own(tick: int) -> bool:
-        """Whether a tick is of this router's own record (whose prefill it saw end), not another replica's."""
-        return tick % 2 == 1
-
-    def record(self, pod: str, keys: list[int], own: bool = True) -> int:
+    def record(self, pod: str, keys: list[int]) -> int:
         """The pod is computing (prefill) or holding (decode) this prompt: remember its keys, newest last, the
         prompt's first key newest of all, so that a pod's share runs out at the tails of its prompts first: as vLLM
         frees a request's blocks, tail first, so that its prefix cache keeps a prefix longest. A prompt partly
         forgotten still matches its leading chunks (a first key forgotten first would hide the whole prompt, while
-        its tail, which no request can hit without it, took room). ``own``: this router sends it (else another
-        replica reported sending it). The record's tick (0: no keys)."""
+        its tail, which no request can hit without it, took room). The record's tick (0: no keys)."""
         if not keys:
             return 0
         known = self._pods.get(pod)
         if known is None:
             known = self._pods[pod] = OrderedDict()
             self._trim_all()  # one more pod: every pod's share shrinks
-        self._tick += 2
-        tick = self._tick + 1 if own else self._tick
+        self._tick += 1
+        tick = self._tick
         for key in reversed(keys):
             known[key] = tick
             known.move_to_end(key)

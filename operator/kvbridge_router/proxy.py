@@ -510,7 +510,7 @@ class Router:
                     self.metrics.prefix_matched(hit, len(keys))
                 believed = self.balancer.last_ticks if keys else []  # when the pod was sent the chunks it matched
                 tick = self.balancer.last_tick if keys else 0  # this choice's record at the prefill pod
-                fresh = keys[self.balancer.last_matched :] if keys else []  # what it did not find held there
+                matched = self.balancer.last_matched if keys else 0
             called = time.perf_counter()
             computed = False
             timeout = min(self.config.prefill_timeout, left)
@@ -540,7 +540,7 @@ class Router:
             finally:
                 ledger.spent += time.perf_counter() - called
                 if tick:
-                    self.balancer.prefilled(prefill.pod, tick, fresh, computed)
+                    self.balancer.prefilled(prefill.pod, tick, keys, matched, computed)
             self.metrics.prefill_seconds.observe(time.perf_counter() - called)
             if believed and cached_as_keyed(body):
                 self._held(prefill.pod, body, params, believed)

@@ -168,7 +168,7 @@ def test_a_shortfall_is_read_as_an_eviction_only_when_nothing_else_explains_it()
         pair = balancer.choose(routes, keys=prompt)
         assert pair is not None
         believed, tick = balancer.last_ticks, balancer.last_tick
-        balancer.prefilled(pair[0].pod, tick, prompt, computed)
+        balancer.prefilled(pair[0].pod, tick, prompt, balancer.last_matched, computed)
         return pair[0].pod, believed, tick
 
     send(older)
@@ -182,13 +182,9 @@ def test_a_shortfall_is_read_as_an_eviction_only_when_nothing_else_explains_it()
     overtaking, believed = balancer.last_tick, balancer.last_ticks
     assert believed == []  # its chunks' record is the copy's, in flight: nothing to compare, whoever answers first
     for tick in (copy, overtaking):
-        balancer.prefilled(pod, tick, [], computed=True)
+        balancer.prefilled(pod, tick, keys, 4, computed=True)
     assert balancer.observed(pod, believed, 0) == 0
     assert balancer.prefixes.matched(pod, older) == 4
-    balancer.prefixes.record(pod, keys, own=False)  # another replica reports sending it (its prefill may not be done)
-    assert balancer.choose(routes, keys=keys) is not None
-    assert balancer.last_ticks == []
-    balancer.prefilled(pod, balancer.last_tick, [], computed=True)
     _, believed, _ = send(keys)
     assert balancer.observed(pod, believed, 0) > 0  # a real shortfall: what was sent before is forgotten
     assert balancer.prefixes.matched(pod, older) == 0
@@ -201,10 +197,10 @@ def test_a_prompt_whose_prefill_failed_is_not_believed_held() -> None:
     keys = prefix_keys({"prompt": held + failed})
     first = balancer.choose(routes, keys=keys[:2])
     assert first is not None
-    balancer.prefilled(first[0].pod, balancer.last_tick, keys[:2], computed=True)
+    balancer.prefilled(first[0].pod, balancer.last_tick, keys[:2], 0, computed=True)
     assert balancer.choose(routes, keys=keys) is not None
     assert balancer.last_matched == 2
-    balancer.prefilled(first[0].pod, balancer.last_tick, keys[2:], computed=False)  # failed: never cached
+    balancer.prefilled(first[0].pod, balancer.last_tick, keys, 2, computed=False)  # failed: the rest never cached
     assert balancer.prefixes.matched(first[0].pod, keys) == 2  # what the earlier prefill left is still held
     assert not balancer._prefilling  # nothing left in flight
 
@@ -255,3 +251,18 @@ def test_what_vllm_caches_apart_the_router_keys_apart() -> None:
     assert prefix_keys(apart[0]) == keyed[0]  # and the same one again
     assert prefix_keys({"messages": chat, "cache_salt": None}) == plain
     assert prefix_keys({"prompt": "x" * 400, "cache_salt": float("nan")})  # not plain JSON: still keyed
+
+
+def test_other_replicas_hear_of_a_prefill_pod_once_its_prefill_ended() -> None:
+    """A report carries a prefill pod's prompt once its prefill was computed (never a failed one), so that a replica
+    can trust what it hears as it trusts its own; a decode pod's as chosen."""
+    routes = pool(prefills=1, decodes=1)
+    balancer = Balancer(policy=KV_AWARE)
+    balancer.sent = []
+    keys = prefix_keys({"prompt": list(range(3 * CHUNK_TOKENS))})
+    for computed in (False, True):
+        pair = balancer.choose(routes, keys=keys)
+        assert pair is not None
+        assert balancer.drain_sent()[0] == [(pair[1].pod, keys)]  # the decode pod at once
+        balancer.prefilled(pair[0].pod, balancer.last_tick, keys, balancer.last_matched, computed)
+        assert balancer.drain_sent()[0] == ([(pair[0].pod, keys)] if computed else [])
