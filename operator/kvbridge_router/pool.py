@@ -182,8 +182,8 @@ class Balancer:
     last_ticks: list[int] = field(default_factory=list)
     #: kv-aware: the tick of the last choice's record at its prefill pod, for :meth:`prefilled`
     last_tick: int = 0
-    #: kv-aware: per prefill pod, the ticks of its records whose prefill is in flight
-    _prefilling: dict[str, set[int]] = field(default_factory=dict)
+    #: kv-aware: per prefill pod, the records whose prefill is in flight: tick -> the prompt's first key
+    _prefilling: dict[str, dict[int, int]] = field(default_factory=dict)
     #: kv-aware: place prompts no pod was sent on the hash ring (bounded loads) rather than on the least loaded pod
     ring: bool = True
     #: the router replicas in front of the pool: each sends about 1/replicas of every pod's requests, so that the
@@ -329,7 +329,7 @@ class Balancer:
             self.last_ticks = self._believed(prefill.pod, keys) if self.last_matched else []
             self.last_tick = self.prefixes.record(prefill.pod, keys)
             if self.last_tick:
-                self._prefilling.setdefault(prefill.pod, set()).add(self.last_tick)
+                self._prefilling.setdefault(prefill.pod, {})[self.last_tick] = keys[0]
             self.prefixes.record(decode.pod, keys)
             self._report(decode.pod, keys)  # the prefill pod's once its prefill ends (:meth:`prefilled`)
         return prefill, decode
@@ -345,16 +345,14 @@ class Balancer:
             self.sent_dropped += 1
 
     def _believed(self, pod: str, keys: list[int]) -> list[int]:
-        """The ticks of the prompt's leading chunks the pod holds as far as this router has seen a prefill of them end
-        (:meth:`observed` reads only these): up to the first one sent by a prefill still in flight (a copy of the prompt
-        this request may overtake). Other replicas report a prefill pod's prompts once its prefill ended."""
-        ticks = self.prefixes.ticks(pod, keys, self.last_matched)
+        """The ticks of the prompt's leading chunks the pod holds (:meth:`observed` compares them with its answer);
+        none while a prefill of a prompt with the same first chunk is in flight there (a copy this request may
+        overtake, or one still filling the cache: its chunks are not cached yet, whatever their ticks say, even after
+        a later copy failed). Other replicas report a prefill pod's prompts once its prefill ended."""
         pending = self._prefilling.get(pod)
-        if pending:
-            for index, tick in enumerate(ticks):
-                if tick in pending:
-                    return ticks[:index]
-        return ticks
+        if pending and keys[0] in pending.values():
+            return []
+        return self.prefixes.ticks(pod, keys, self.last_matched)
 
     def prefilled(self, pod: str, tick: int, keys: list[int], matched: int, computed: bool) -> None:
         """The prefill call of the choice that recorded ``keys`` at ``tick`` (``last_tick``), ``matched`` of them found
@@ -363,7 +361,7 @@ class Balancer:
         keys is followed by this once."""
         pending = self._prefilling.get(pod)
         if pending is not None:
-            pending.discard(tick)
+            pending.pop(tick, None)
             if not pending:
                 del self._prefilling[pod]
         if computed:

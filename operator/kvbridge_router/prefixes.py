@@ -74,45 +74,47 @@ def prefix_keys(body: Obj, block_tokens: int = CHUNK_TOKENS, *, ids_checked: boo
     return keys
 
 
-#: request fields with which vLLM's prefix cache holds a prompt apart from the same text without them (a salt, a
-#: chat template's other inputs): each prompt's first key is seeded with them (:func:`_seed`), as vLLM's first block
-#: hash is with a salt, so that requests with different ones are different prefixes to the router too
-KEYED_APART = (
-    "cache_salt",
-    "tools",
-    "chat_template",
-    "chat_template_kwargs",
-    "documents",
-    "add_special_tokens",
-    "truncate_prompt_tokens",
-    "mm_processor_kwargs",
-)
+#: request fields with which vLLM's prefix cache holds a prompt apart from the same text without them, from its first
+#: block on (a salt seeds vLLM's first block hash; special tokens and truncation change the prompt's start): each
+#: prompt's first key is seeded with them (:func:`_seed`), so that they are different prefixes to the router too
+SEEDED = ("cache_salt", "add_special_tokens", "truncate_prompt_tokens")
+#: request fields that change what vLLM caches somewhere in the prompt, where the chat template puts them (tools, a
+#: template's inputs): keyed as the same text, so a shared prefix is still scored alike, but what the pod held of such
+#: a request is not compared with what the router believed
+TEMPLATED = ("tools", "chat_template", "chat_template_kwargs", "documents", "mm_processor_kwargs")
+#: the fields of a chat message the router's keys read (others, such as tool calls, change vLLM's tokens unseen)
+KEYED_MESSAGE = frozenset(("role", "content"))
 _ENCODE = msgspec.json.Encoder().encode
 
 
 def _seed(body: Obj) -> int:
-    """0, or a stable hash (equal in every process) of the request's :data:`KEYED_APART` fields and a chat's parts
-    other than text (media: vLLM's block hashes include them)."""
-    apart: list[tuple[str | int, object]] = [(name, body[name]) for name in KEYED_APART if body.get(name) is not None]
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        for index, message in enumerate(messages):
-            parts = message.get("content") if isinstance(message, dict) else None
-            if isinstance(parts, list):
-                apart += [(index, p) for p in parts if not isinstance(p, dict) or p.get("type", "text") != "text"]
-    if not apart:
+    """0, or a stable hash (equal in every process) of the request's :data:`SEEDED` fields."""
+    seeded = [(name, body[name]) for name in SEEDED if body.get(name) is not None]
+    if not seeded:
         return 0
     try:
-        encoded = _ENCODE(apart)
-    except (TypeError, ValueError, OverflowError):  # not plain JSON (a NaN, a lone surrogate): the standard library's
-        encoded = json.dumps(apart, sort_keys=True).encode("utf-8", "surrogatepass")
+        encoded = _ENCODE(seeded)
+    except (TypeError, ValueError, OverflowError):  # a lone surrogate in a salt: the standard library writes it
+        encoded = json.dumps(seeded).encode("utf-8", "surrogatepass")
     return int.from_bytes(hashlib.blake2b(encoded, digest_size=8).digest(), "little")
 
 
 def cached_as_keyed(body: Obj) -> bool:
     """Whether what a prefill pod says its cache served of this request can be compared with what the router
-    believed: not with prompt logprobs or echo (vLLM then reads nothing from its cache for the request)."""
-    return body.get("prompt_logprobs") is None and not body.get("echo")
+    believed: not with prompt logprobs or echo (vLLM then reads nothing from its cache for the request), a field of
+    :data:`TEMPLATED`, or chat messages with more than a role and text (media, tool calls: tokens the keys miss)."""
+    if body.get("prompt_logprobs") is not None or body.get("echo") or any(body.get(f) for f in TEMPLATED):
+        return False
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return True
+    for message in messages:
+        if not isinstance(message, dict) or not KEYED_MESSAGE.issuperset(message):
+            return False
+        parts = message.get("content")
+        if isinstance(parts, list) and any(not isinstance(p, dict) or p.get("type", "text") != "text" for p in parts):
+            return False
+    return True
 
 
 def held_chunks(cached_tokens: int, block_tokens: int, prompt_tokens: int | None) -> int:

@@ -181,7 +181,10 @@ def test_a_shortfall_is_read_as_an_eviction_only_when_nothing_else_explains_it()
     assert balancer.choose(routes, keys=keys) is not None  # ...and another, which may overtake it
     overtaking, believed = balancer.last_tick, balancer.last_ticks
     assert believed == []  # its chunks' record is the copy's, in flight: nothing to compare, whoever answers first
-    for tick in (copy, overtaking):
+    balancer.prefilled(pod, overtaking, keys, 4, computed=False)  # the overtaking one failed; the copy still runs
+    assert balancer.choose(routes, keys=keys) is not None
+    assert balancer.last_ticks == []  # still nothing to compare: the copy's chunks are not cached yet
+    for tick in (copy, balancer.last_tick):
         balancer.prefilled(pod, tick, keys, 4, computed=True)
     assert balancer.observed(pod, believed, 0) == 0
     assert balancer.prefixes.matched(pod, older) == 4
@@ -215,42 +218,48 @@ def test_lost_forgets_at_most_a_bound_per_answer() -> None:
     assert index.size() == 10
 
 
+CHAT = [{"role": "system", "content": "You are terse. " * 40}, {"role": "user", "content": "hi"}]
+IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+
+
 @pytest.mark.parametrize(
     ("body", "compared"),
     [
         ({"prompt": [1, 2]}, True),
-        ({"prompt": [1, 2], "echo": False, "prompt_logprobs": None}, True),
+        ({"prompt": [1, 2], "echo": False, "prompt_logprobs": None, "tools": []}, True),
+        ({"prompt": [1, 2], "cache_salt": "tenant-a"}, True),  # keyed apart: its own prefix, compared as such
         ({"prompt": [1, 2], "prompt_logprobs": 0}, False),  # vLLM reads nothing from its cache then
         ({"prompt": [1, 2], "echo": True}, False),
+        ({"messages": CHAT}, True),
+        ({"messages": CHAT, "tools": [{"type": "function"}]}, False),  # where the template puts them: unseen
+        ({"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}}, False),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, True),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, IMAGE]}]}, False),
+        ({"messages": [*CHAT, {"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]}, False),
+        ({"messages": [*CHAT, {"role": "user", "content": "x", "name": "bob"}]}, False),
+        ({"messages": ["not a message"]}, False),
     ],
 )
-def test_what_a_pod_held_is_compared_only_where_its_cache_was_read(body: dict[str, Any], compared: bool) -> None:
+def test_what_a_pod_held_is_compared_only_where_the_keys_see_what_vllm_cached(
+    body: dict[str, Any], compared: bool
+) -> None:
     assert cached_as_keyed(body) is compared
 
 
-def test_what_vllm_caches_apart_the_router_keys_apart() -> None:
-    """A salt, a chat template's other inputs or media make vLLM hash a prompt's blocks apart from the same text
-    without them: the router's keys of it differ too (so that neither the score nor what a pod held is misread),
-    and are equal for equal ones."""
-    text = "You are terse. " * 40
-    chat = [{"role": "system", "content": text}, {"role": "user", "content": "hi"}]
-    plain = prefix_keys({"messages": chat})
-    parts = [{"role": "system", "content": [{"type": "text", "text": text}]}, {"role": "user", "content": "hi"}]
-    assert prefix_keys({"messages": parts}) == plain  # text parts are the text
-    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
-    apart: list[dict[str, Any]] = [
-        {"messages": chat, "cache_salt": "tenant-a"},
-        {"messages": chat, "cache_salt": "tenant-b"},
-        {"messages": chat, "tools": [{"type": "function", "function": {"name": "f"}}]},
-        {"messages": chat, "chat_template_kwargs": {"enable_thinking": False}},
-        {"messages": [*parts[:1], {"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]},
-    ]
-    keyed = [prefix_keys(body) for body in apart]
-    assert all(len(keys) == len(plain) for keys in keyed)
-    assert len({keys[0] for keys in [plain, *keyed]}) == len(apart) + 1  # each its own prefix
-    assert prefix_keys(apart[0]) == keyed[0]  # and the same one again
-    assert prefix_keys({"messages": chat, "cache_salt": None}) == plain
-    assert prefix_keys({"prompt": "x" * 400, "cache_salt": float("nan")})  # not plain JSON: still keyed
+def test_a_salted_prompt_is_its_own_prefix_and_the_templates_inputs_are_not() -> None:
+    """A salt seeds vLLM's first block hash, and special tokens or truncation change a prompt's start: the router's
+    keys of it differ from the first chunk on, equal for equal ones. Tools, a template's inputs and media land where
+    the template puts them: the keys stay the text's, so a shared system prompt is still scored alike."""
+    plain = prefix_keys({"messages": CHAT})
+    salted = [prefix_keys({"messages": CHAT, "cache_salt": salt}) for salt in ("tenant-a", "tenant-b", "tenant-a")]
+    assert salted[0] == salted[2]
+    assert len({plain[0], salted[0][0], salted[1][0]}) == 3
+    assert prefix_keys({"messages": CHAT, "add_special_tokens": False})[0] != plain[0]
+    assert prefix_keys({"messages": CHAT, "cache_salt": None}) == plain
+    assert prefix_keys({"messages": CHAT, "cache_salt": "\ud800"})  # not plain JSON: still keyed
+    parts = [{"role": "system", "content": [{"type": "text", "text": CHAT[0]["content"]}, IMAGE]}, CHAT[1]]
+    for body in ({"messages": CHAT, "tools": [{"type": "function"}]}, {"messages": parts}):
+        assert prefix_keys(body) == plain
 
 
 def test_other_replicas_hear_of_a_prefill_pod_once_its_prefill_ended() -> None:
