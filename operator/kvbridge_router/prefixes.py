@@ -50,14 +50,14 @@ def prefix_keys(body: Obj, block_tokens: int = CHUNK_TOKENS, *, ids_checked: boo
     tokens (or ``BYTES_PER_TOKEN`` times as many bytes of text); empty when it has no whole chunk.
     ``ids_checked``: a list prompt has passed :func:`~kvbridge_router.prompts.token_ids` already (the router's
     admission checks a completion's), so it is not checked again."""
-    prompt = one_prompt(body.get("prompt"))
+    ids = prompt_ids(body, ids_checked)
     chunks: Iterable[object]
-    if isinstance(prompt, list) and (ids_checked or token_ids(prompt)):
-        whole = min(len(prompt) // block_tokens, MAX_CHUNKS)
+    if ids is not None:
+        whole = min(len(ids) // block_tokens, MAX_CHUNKS)
         # each whole chunk as a tuple of its ids, cut at C speed (zip over one iterator, block_tokens times)
-        chunks = itertools.islice(zip(*[iter(prompt)] * block_tokens, strict=False), whole)  # a partial last: dropped
+        chunks = itertools.islice(zip(*[iter(ids)] * block_tokens, strict=False), whole)  # a partial last: dropped
     else:
-        text = _text(prompt, body.get("messages"))
+        text = _text(one_prompt(body.get("prompt")), body.get("messages"))
         if not text:
             return []
         data = text.encode("utf-8", "surrogatepass")
@@ -72,6 +72,13 @@ def prefix_keys(body: Obj, block_tokens: int = CHUNK_TOKENS, *, ids_checked: boo
         key = hash((key, chunk))
         keys.append(key)
     return keys
+
+
+def prompt_ids(body: Obj, ids_checked: bool = False) -> list[int] | None:
+    """The request's prompt when it is a list of token ids, keyed by them (``ids_checked``: as for
+    :func:`prefix_keys`); None when it is keyed as text."""
+    prompt = one_prompt(body.get("prompt"))
+    return prompt if isinstance(prompt, list) and (ids_checked or token_ids(prompt)) else None
 
 
 #: request fields with which vLLM's prefix cache holds a prompt apart from the same text without them, from its first

@@ -55,8 +55,7 @@ from kvbridge_router.metrics import RouterMetrics
 from kvbridge_router.peering import PEER_PATH, Exchange
 from kvbridge_router.peers import MAX_FRAME_BYTES
 from kvbridge_router.pool import KV_AWARE, Balancer, Pool, Target
-from kvbridge_router.prefixes import cached_as_keyed, held_chunks, prefix_keys
-from kvbridge_router.prompts import one_prompt
+from kvbridge_router.prefixes import cached_as_keyed, held_chunks, prefix_keys, prompt_ids
 from kvbridge_router.samples import JoinError, joined, sample_bodies
 from kvbridge_router.settings import DEFAULTS, RouterSettings
 from kvbridge_router.tracing import OFF, Trace, Tracing
@@ -543,21 +542,22 @@ class Router:
                     self.balancer.prefilled(prefill.pod, tick, keys, matched, computed)
             self.metrics.prefill_seconds.observe(time.perf_counter() - called)
             if believed and cached_as_keyed(body):
-                self._held(prefill.pod, body, params, believed)
+                self._held(prefill.pod, body, params, believed, admitted_ids)
             return prefill, decode, params
         if last is not None:
             raise RouteError(last.status, last.code, f"{last.message} (prefill pods tried: {', '.join(tried)})")
         raise RouteError(503, "NO_ROUTE", self.pool.problem() or "every paired prefill pod failed")
 
-    def _held(self, pod: str, body: Obj, params: Obj, believed: list[int]) -> None:
+    def _held(self, pod: str, body: Obj, params: Obj, believed: list[int], ids_checked: bool) -> None:
         """What the prefill pod's answer says its prefix cache served of the prompt (vLLM adds
         ``remote_prefill_cached_tokens`` to the transfer parameters), against the ``believed`` chunks: a pod that
-        evicted what it was sent is forgotten that far (``Balancer.observed``)."""
+        evicted what it was sent is forgotten that far (``Balancer.observed``). The prompt is read as its keys were
+        built (``prompt_ids``: token ids, or text)."""
         cached = params.get(CACHED_TOKENS)
         if not isinstance(cached, int) or isinstance(cached, bool) or cached < 0:
             return  # another engine, or none said: the view stays as it is
-        prompt = one_prompt(body.get("prompt"))
-        tokens = len(prompt) if isinstance(prompt, list) and "messages" not in body else None
+        ids = prompt_ids(body, ids_checked)
+        tokens = None if ids is None else len(ids)
         if self.balancer.observed(pod, believed, held_chunks(cached, self.config.block_tokens, tokens)):
             self.metrics.prefix_evictions.inc()
 
@@ -771,7 +771,7 @@ def prefill_bytes(body: Obj, plain: bool = False) -> bytes:
     (admission.parse: a 1,700-id prompt in an eighth of the standard library's time), else by the standard library,
     which writes a NaN or a lone surrogate back as the client sent it (msgspec would write NaN as null)."""
     request = prefill_request(body)
-    return _PLAIN(request) if plain else _encoded(request)
+    return _encoded_plain(request) if plain else _encoded(request)
 
 
 def _prefill_fields(body: Obj) -> Obj:
@@ -802,8 +802,8 @@ def with_field(raw: bytes, name: str, value: object) -> list[bytes | memoryview]
     return [memoryview(raw)[: end - 1], comma + _encoded({name: value})[1:]]
 
 
-#: msgspec's C encoder, for what was decoded from plain JSON
-_PLAIN = msgspec.json.Encoder().encode
+#: msgspec's C encoder, for what was decoded from plain JSON (admission.parse)
+_encoded_plain = msgspec.json.Encoder().encode
 
 
 def _encoded(obj: object) -> bytes:
