@@ -62,7 +62,7 @@ class NoMemory(PrefixIndex):
     def matched(self, pod: str, keys: list[int]) -> int:
         return 0
 
-    def record(self, pod: str, keys: list[int]) -> int:
+    def record(self, pod: str, keys: list[int], *, later: bool = False) -> int:
         return 0  # no record: no tick
 
 

@@ -13,8 +13,6 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
-import numpy as np
-
 from kvbridge_operator.api.objects import Obj
 from kvbridge_router.prefixes import PrefixIndex
 from kvbridge_router.ring import Ring, anchor, cap
@@ -112,24 +110,26 @@ class Pool:
         return "no ready prefill and decode pods of one pairing key (or a pair listed in status.rollout.pairings)"
 
 
-class _Estimate(Mapping[str, int]):
+class _Loads(Mapping[str, int]):
     """A balancer's estimate of each pod's requests in flight, over every replica (a view, not a copy): what the
-    ring's bounded loads compare with the cap."""
+    ring's bounded loads compare with the cap. Pods with none are absent."""
 
     def __init__(self, balancer: Balancer) -> None:
         self._balancer = balancer
 
     def __getitem__(self, pod: str) -> int:
-        return int(self._balancer.estimate(self._balancer._slots[pod]))
+        if pod not in self._balancer.outstanding and pod not in self._balancer._peer_loads:
+            raise KeyError(pod)
+        return self._balancer.load_of(pod)
 
     def get(self, pod: str, default: int = 0) -> int:  # type: ignore[override]
-        return self[pod] if pod in self._balancer._slots else default
+        return self._balancer.load_of(pod) or default
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._balancer._slots)
+        return iter(self._balancer.outstanding.keys() | self._balancer._peer_loads.keys())
 
     def __len__(self) -> int:
-        return len(self._balancer._slots)
+        return len(self._balancer.outstanding.keys() | self._balancer._peer_loads.keys())
 
 
 def _targets(status: Obj, role: str, skipped: list[str]) -> tuple[Target, ...]:
@@ -150,12 +150,30 @@ def _targets(status: Obj, role: str, skipped: list[str]) -> tuple[Target, ...]:
 @dataclass(frozen=True)
 class _Candidates:
     """A set of candidates as a request's choice reads it, built once per tuple of targets (the pool's are cached
-    per pool): each target's slot in the balancer's counts, its position by pod name, and its hash ring."""
+    per pool): each target's position by pod name (its first, and every position of a name listed more than once)."""
 
     targets: tuple[Target, ...]
-    slots: np.ndarray
     position: dict[str, int]
     names: tuple[str, ...]
+    twins: dict[str, tuple[int, ...]]
+
+    def positions(self, pod: str) -> tuple[int, ...]:
+        """Every position of ``pod`` among the candidates (none when it is not one)."""
+        twins = self.twins.get(pod)
+        if twins is not None:
+            return twins
+        index = self.position.get(pod)
+        return () if index is None else (index,)
+
+
+def _ends(size: int, out: list[int]) -> tuple[int, int]:
+    """The first and last of ``size`` positions not in ``out`` (sorted; fewer than ``size``)."""
+    first, last, left = 0, size - 1, set(out)
+    while first in left:
+        first += 1
+    while last in left:
+        last -= 1
+    return first, last
 
 
 @dataclass
@@ -167,12 +185,14 @@ class Balancer:
     with bounded loads puts its first chunks (ring.py), so that router replicas, each knowing only what it sent,
     send a new prefix to the same pod; without ``ring``, to the least loaded pod.
 
-    A choice among hundreds of pods reads their loads as one array (numpy; a slot per pod, kept beside
-    ``outstanding``), scores only the pods holding the prompt's first key, and walks the candidates' ring, built
-    once per set of candidates: no Python loop over the pods per request."""
+    A choice among hundreds of pods reads only the pods with requests in flight (here or at other replicas; the
+    others are idle), scores only the pods holding the prompt's first key, and walks the candidates' ring, built
+    once per set of candidates: no loop over the pods per request. (Plain dicts, not arrays: a request runs through
+    much code, and numpy's calls on cold caches cost tens of microseconds each, more than the few dict reads.)"""
 
     policy: str = KV_AWARE
-    outstanding: dict[str, int] = field(default_factory=dict, init=False)  # kept in step with _counts
+    #: this replica's requests in flight per pod (pods with none are absent)
+    outstanding: dict[str, int] = field(default_factory=dict, init=False)
     #: the round-robin position per set of candidates (prefill pods, each prefill pod's decode partners, ...)
     _turns: dict[tuple[int, str, str], int] = field(default_factory=dict)
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)
@@ -191,11 +211,9 @@ class Balancer:
     #: they reported them (:meth:`set_peers`), plus this replica's count again for each one not heard from (all of
     #: them without reports: its counts times ``replicas``)
     replicas: int = 1
-    #: each pod's slot in ``_counts`` (``outstanding`` as an array); renumbered by :meth:`keep_only`
-    _slots: dict[str, int] = field(default_factory=dict)
-    _counts: np.ndarray = field(default_factory=lambda: np.zeros(64, dtype=np.int64))
-    #: the other replicas' requests in flight per pod (same slots), summed over their fresh reports (peers.py)
-    _peers: np.ndarray = field(default_factory=lambda: np.zeros(64, dtype=np.int64))
+    #: the other replicas' requests in flight per pod, summed over their fresh reports (peers.py; pods with none are
+    #: absent)
+    _peer_loads: dict[str, int] = field(default_factory=dict)
     #: the replicas that sent no fresh report: each is taken to send what this one does (its counts once more)
     _unheard: int = field(default=-1)
     #: kv-aware with peers: the (pod, prefix keys) since this replica's last report (:meth:`drain_sent`): prefill pods
@@ -218,20 +236,20 @@ class Balancer:
         if not every:
             return None
         known = self._of(every)
-        loads = self.estimate(known.slots)
         left = set(exclude)
-        if left:  # a retry: the pods that failed this request are left out
-            kept = np.fromiter((t.pod not in left for t in every), dtype=bool, count=len(every))
-            options = np.flatnonzero(kept)
-            if options.size == 0:
-                return None
-            fewest = int(loads[options].min())
-            total, first, last = int(loads[options].sum()), int(options[0]), int(options[-1])
-        else:
-            options = None
-            fewest = int(loads.min())
-            total, first, last = int(loads.sum()), 0, len(every) - 1
-        count = len(every) if options is None else int(options.size)
+        # a retry: the candidates that failed this request are left out
+        out = sorted({index for pod in left for index in known.positions(pod)}) if left else []
+        count = len(every) - len(out)
+        if not count:
+            return None
+        # the candidates with requests in flight, by position, and their loads: every other one has none
+        scale = 1 + self.unheard
+        busy: dict[int, int] = {}
+        for pod in (*self.outstanding, *self._peer_loads):
+            if pod not in left:
+                for index in known.positions(pod):
+                    busy[index] = self.outstanding.get(pod, 0) * scale + self._peer_loads.get(pod, 0)
+        fewest = 0 if len(busy) < count else min(busy.values())
         tied: list[Target] = []
         if keys and self.policy == KV_AWARE:
             # among the pods at most LOAD_SLACK busier than the least loaded: the longest match, then the least load;
@@ -239,7 +257,7 @@ class Balancer:
             best, best_load, matched = 0, 0, self.prefixes.matched
             holders = sorted(known.position[pod] for pod in self.prefixes.holders(keys[0]) if pod in known.position)
             for index in holders:
-                target, load = every[index], int(loads[index])
+                target, load = every[index], busy.get(index, 0)
                 if load > fewest + LOAD_SLACK or target.pod in left:
                     continue
                 score = matched(target.pod, keys)
@@ -250,21 +268,28 @@ class Balancer:
                 else:
                     tied.append(target)
             if not tied and self.ring:
-                placed = self._place(known, left, keys, total, count)
+                placed = self._place(known, left, keys, sum(busy.values()), count)
                 if placed is not None:
                     return placed
-        if not tied:
-            least = loads == fewest
-            if options is not None:
-                least &= kept
-            tied = [every[index] for index in np.flatnonzero(least)]
         # the set of candidates, told apart by its size and ends (a tuple of hundreds of names per request costs more
         # than the choice; two sets that look alike share a turn counter, which only shifts whose turn it is)
+        first, last = _ends(len(every), out)
         key = (count, every[first].pod, every[last].pod)
         turn = self._turns[key] = self._turns.get(key, -1) + 1
         if len(self._turns) > 1024:  # pods come and go: forget old sets rather than grow without bound
             self._turns = {key: turn}
-        return tied[turn % len(tied)]
+        if tied:
+            return tied[turn % len(tied)]
+        if fewest:  # every candidate is busy: the least loaded ones
+            least = [every[index] for index in sorted(busy) if busy[index] == fewest]
+            return least[turn % len(least)]
+        # the idle candidates, in order: the turn's one, found past the busy and left-out ones before it
+        index = turn % (count - len(busy))
+        for skipped in sorted({*busy, *out}):
+            if skipped > index:
+                break
+            index += 1
+        return every[index]
 
     def _of(self, every: tuple[Target, ...]) -> _Candidates:
         """``every`` as a choice reads it, built on its first choice."""
@@ -274,19 +299,15 @@ class Balancer:
         if len(self._candidates) >= 1024:  # pools come and go: forget old sets rather than grow without bound
             self._candidates.clear()
         names = tuple(t.pod for t in every)
-        slots = np.fromiter(map(self._slot, names), dtype=np.intp, count=len(names))
         position = {name: index for index, name in reversed(tuple(enumerate(names)))}  # a name listed twice: its first
-        known = self._candidates[id(every)] = _Candidates(every, slots, position, names)
+        twins: dict[str, tuple[int, ...]] = {}
+        if len(position) < len(names):
+            for name in position:
+                indices = tuple(index for index, other in enumerate(names) if other == name)
+                if len(indices) > 1:
+                    twins[name] = indices
+        known = self._candidates[id(every)] = _Candidates(every, position, names, twins)
         return known
-
-    def _slot(self, pod: str) -> int:
-        slot = self._slots.get(pod)
-        if slot is None:
-            slot = self._slots[pod] = len(self._slots)
-            if slot >= self._counts.size:
-                self._counts = np.concatenate((self._counts, np.zeros_like(self._counts)))
-                self._peers = np.concatenate((self._peers, np.zeros_like(self._peers)))
-        return slot
 
     def _place(self, known: _Candidates, left: set[str], keys: list[int], total: int, count: int) -> Target | None:
         """The pod the hash ring of the candidates gives the prompt, ``left`` excluded, its load within the cap
@@ -300,7 +321,7 @@ class Balancer:
                 self._rings.clear()
             ring = self._rings[known.names] = Ring(known.names)
         limit = cap(total, count, slack=LOAD_SLACK)
-        pod = ring.place(position, _Estimate(self), left, limit)
+        pod = ring.place(position, _Loads(self), left, limit)
         return None if pod is None else known.targets[known.position[pod]]
 
     def choose(
@@ -327,12 +348,18 @@ class Balancer:
         if keys and self.policy == KV_AWARE:
             self.last_matched = self.prefixes.matched(prefill.pod, keys)
             self.last_ticks = self._believed(prefill.pod, keys) if self.last_matched else []
-            self.last_tick = self.prefixes.record(prefill.pod, keys)
+            # written at the index's next use, or once the caller sent the prefill request (:meth:`flush`)
+            self.last_tick = self.prefixes.record(prefill.pod, keys, later=True)
             if self.last_tick:
                 self._prefilling.setdefault(prefill.pod, {})[self.last_tick] = keys[0]
-            self.prefixes.record(decode.pod, keys)
+            self.prefixes.record(decode.pod, keys, later=True)
             self._report(decode.pod, keys)  # the prefill pod's once its prefill ends (:meth:`prefilled`)
         return prefill, decode
+
+    def flush(self) -> None:
+        """Write the index records of the last choice (a router calls this once it sent the prefill request, so that
+        the engine starts on it while the index is written; any other use of the index writes them first)."""
+        self.prefixes.flush()
 
     def _report(self, pod: str, keys: list[int]) -> None:
         """For the next report to the other replicas (with peers): ``pod`` holds the prompt of ``keys``."""
@@ -380,8 +407,6 @@ class Balancer:
         return self.prefixes.lost(pod, ticks[max(held, 0)])
 
     def started(self, pod: str) -> None:
-        slot = self._slot(pod)  # first: a new slot may replace the counts with a larger array
-        self._counts[slot] += 1
         self.outstanding[pod] = self.outstanding.get(pod, 0) + 1
 
     def finished(self, pod: str) -> None:
@@ -392,7 +417,6 @@ class Balancer:
             self.outstanding[pod] = left
         else:
             del self.outstanding[pod]
-        self._counts[self._slots[pod]] = left
 
     def drain_sent(self) -> tuple[list[tuple[str, list[int]]], int]:
         """What was sent since the last drain, for a report, and how many records were dropped for want of room."""
@@ -401,10 +425,10 @@ class Balancer:
         self._sent_keys = self.sent_dropped = 0
         return sent, dropped
 
-    def estimate(self, slots: np.ndarray | int) -> np.ndarray:
-        """The requests in flight at the pods of these slots, over every replica: this one's counts, plus the
-        others' as reported, plus this one's again for each replica not heard from (:meth:`set_peers`)."""
-        return self._counts[slots] * (1 + self.unheard) + self._peers[slots]  # type: ignore[no-any-return]
+    def load_of(self, pod: str) -> int:
+        """The requests in flight at ``pod``, over every replica: this one's count, plus the others' as reported, plus
+        this one's again for each replica not heard from (:meth:`set_peers`)."""
+        return self.outstanding.get(pod, 0) * (1 + self.unheard) + self._peer_loads.get(pod, 0)
 
     @property
     def unheard(self) -> int:
@@ -416,25 +440,14 @@ class Balancer:
         (peers.py): a pod's load is then this replica's count, plus theirs, plus this replica's count again for each
         replica unheard of (as without reports)."""
         self._unheard = max(0, self.replicas - 1 - heard)
-        self._peers[:] = 0
-        slots = self._slots
-        for pod, count in loads.items():
-            slot = slots.get(pod)  # a pod this replica never chose among (yet, or not in its pool): not kept
-            if slot is not None:
-                self._peers[slot] = count
+        self._peer_loads = {pod: count for pod, count in loads.items() if count > 0}
 
     def keep_only(self, pods: Iterable[str]) -> None:
-        """Forget pods that left the pool (their prefixes, their slots), except while requests to them are in flight;
-        the counts are renumbered, so that pods coming and going for months cost nothing."""
+        """Forget pods that left the pool (their prefixes, the other replicas' counts of them), so that pods coming and
+        going for months cost nothing; this replica's requests in flight are counted until they end."""
         kept = set(pods)
         self.prefixes.keep_only(kept)
-        live = kept | self.outstanding.keys()
-        self._slots = {pod: slot for slot, pod in enumerate(sorted(live))}
-        self._counts = np.zeros(max(64, 2 * len(self._slots)), dtype=np.int64)
-        for pod, count in self.outstanding.items():
-            self._counts[self._slots[pod]] = count
-        self._peers = np.zeros_like(self._counts)  # renumbered: the peers' counts come again with their next reports
-        self._unheard = -1
+        self._peer_loads = {pod: count for pod, count in self._peer_loads.items() if pod in kept}
         self._candidates.clear()
 
     def load(self, pods: Mapping[str, str]) -> dict[str, int]:

@@ -164,6 +164,15 @@ class PrefixIndex:
         #: the pods that hold each prompt's first key, while they do (one pod as itself, more as a set): a request
         #: asks which pods can match at all with one lookup, not one per pod
         self._holders: dict[int, str | set[str]] = {}
+        #: records given a tick but not written yet (:meth:`record` ``later``), in tick order
+        self._later: list[tuple[str, list[int], int]] = []
+
+    def flush(self) -> None:
+        """Write the records made ``later`` (:meth:`record`). Every other method does this first, so that no use of
+        the index misses one."""
+        later, self._later = self._later, []
+        for pod, keys, tick in later:
+            self._write(pod, keys, tick)
 
     def limit(self) -> int:
         """The most keys one pod keeps now: ``keys_per_pod``, or the pods' even share of ``max_keys``."""
@@ -171,10 +180,14 @@ class PrefixIndex:
 
     def size(self) -> int:
         """The keys remembered, over every pod (at most ``max_keys``, or one per pod when there are more pods)."""
+        if self._later:
+            self.flush()
         return sum(len(known) for known in self._pods.values())
 
     def footprint(self) -> int:
         """Bytes the index holds, at most (its tables and its keys; a key shared by pods is counted per pod)."""
+        if self._later:
+            self.flush()
         holders = sys.getsizeof(self._holders) + sum(
             sys.getsizeof(pods) for pods in self._holders.values() if isinstance(pods, set)
         )
@@ -184,6 +197,8 @@ class PrefixIndex:
         """The pods that hold a prompt's first key: the only ones whose :meth:`matched` can be above 0, so that a
         request scores only these among hundreds. (A key that a pod holds only as a later chunk of another prompt
         is not counted: that takes a collision of chained keys, and would cost a cache hit, never a pairing.)"""
+        if self._later:
+            self.flush()
         pods = self._holders.get(first)
         if pods is None:
             return ()
@@ -191,6 +206,8 @@ class PrefixIndex:
 
     def matched(self, pod: str, keys: list[int]) -> int:
         """How many leading keys of a prompt the pod was sent (its cached prefix, in chunks, as far as known)."""
+        if self._later:
+            self.flush()
         known = self._pods.get(pod)
         if not known:
             return 0
@@ -204,6 +221,8 @@ class PrefixIndex:
     def ticks(self, pod: str, keys: list[int], count: int) -> list[int]:
         """When the pod was last sent each of the prompt's ``count`` leading keys (it holds them: :meth:`matched`), as
         record ticks, for :meth:`lost` once the pod says what it held."""
+        if self._later:
+            self.flush()
         known = self._pods.get(pod)
         return [known[key] for key in keys[:count]] if known else []
 
@@ -212,6 +231,8 @@ class PrefixIndex:
         recently used first as vLLM does, what it was sent before it too; forget those, at most
         :data:`MAX_FORGOTTEN` (the oldest) in one call, so that one answer never stalls the router long. The number of
         keys forgotten."""
+        if self._later:
+            self.flush()
         known = self._pods.get(pod)
         forgotten = 0
         while known and forgotten < MAX_FORGOTTEN and next(iter(known.values())) <= tick:
@@ -224,6 +245,8 @@ class PrefixIndex:
     def unrecord(self, pod: str, keys: list[int], tick: int) -> None:
         """The record at ``tick`` was never computed (its prefill failed): forget its keys that no later record sent
         the pod again."""
+        if self._later:
+            self.flush()
         known = self._pods.get(pod)
         if not known:
             return
@@ -233,20 +256,31 @@ class PrefixIndex:
                 if key in self._holders:
                     self._drop_holder(key, pod)
 
-    def record(self, pod: str, keys: list[int]) -> int:
+    def record(self, pod: str, keys: list[int], *, later: bool = False) -> int:
         """The pod is computing (prefill) or holding (decode) this prompt: remember its keys, newest last, the
         prompt's first key newest of all, so that a pod's share runs out at the tails of its prompts first: as vLLM
         frees a request's blocks, tail first, so that its prefix cache keeps a prefix longest. A prompt partly
         forgotten still matches its leading chunks (a first key forgotten first would hide the whole prompt, while
-        its tail, which no request can hit without it, took room). The record's tick (0: no keys)."""
+        its tail, which no request can hit without it, took room). The record's tick (0: no keys).
+
+        ``later``: the tick is given now, the keys written at the index's next use or :meth:`flush`, so that a router
+        can send the request it chose first (the engine starts on it while the index is written)."""
         if not keys:
             return 0
+        if self._later and not later:
+            self.flush()
+        self._tick += 1
+        if later:
+            self._later.append((pod, keys, self._tick))
+        else:
+            self._write(pod, keys, self._tick)
+        return self._tick
+
+    def _write(self, pod: str, keys: list[int], tick: int) -> None:
         known = self._pods.get(pod)
         if known is None:
             known = self._pods[pod] = OrderedDict()
             self._trim_all()  # one more pod: every pod's share shrinks
-        self._tick += 1
-        tick = self._tick
         for key in reversed(keys):
             known[key] = tick
             known.move_to_end(key)
@@ -260,10 +294,11 @@ class PrefixIndex:
         else:
             pods.add(pod)
         self._trim(pod, known, self.limit())
-        return tick
 
     def keep_only(self, pods: Iterable[str]) -> None:
         """Forget pods that left the pool (scaled down, replaced by a rollout)."""
+        if self._later:
+            self.flush()
         kept = set(pods)
         for pod in [p for p in self._pods if p not in kept]:
             for key in self._pods.pop(pod):

@@ -576,7 +576,7 @@ class Router:
         try:
             async with asyncio.timeout(timeout):
                 async with self.upstream.post(
-                    target.url, path, request, headers, self.config.connect_timeout
+                    target.url, path, request, headers, self.config.connect_timeout, sent=self.balancer.flush
                 ) as upstream:
                     data = await upstream.read(self.config.max_answer_bytes)
             text = data.decode(errors="replace") if upstream.status != 200 else ""

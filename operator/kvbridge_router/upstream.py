@@ -34,7 +34,7 @@ import functools
 import time
 import urllib.parse
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import httptools
@@ -312,11 +312,13 @@ class Upstream:
         connect_timeout: float,
         head_timeout: float | None = None,
         content_type: str = "application/json",
+        sent: Callable[[], None] | None = None,
     ) -> _Call:
         """A POST of a body (JSON unless ``content_type`` says otherwise) to ``base`` (``http://host:port``) +
         ``path``; use it as an async context manager,
         which gives the :class:`Answer` once its status and headers arrived (within ``head_timeout`` seconds when
-        given) and on leaving puts the connection back in the pool, or closes it."""
+        given) and on leaving puts the connection back in the pool, or closes it. ``sent`` is called once the request
+        is written, before its answer is awaited (work that can wait until the engine has the request)."""
         host, port, authority = _address(base)
         parts = [body] if isinstance(body, bytes) else list(body)  # the body's pieces, sent as they are
         lines = [
@@ -330,7 +332,7 @@ class Upstream:
                 raise ValueError(f"header {name!r} holds a line break")
             lines.append(f"{name}: {value}")
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape")
-        return _Call(self, host, port, [head, *parts], connect_timeout, head_timeout)
+        return _Call(self, host, port, [head, *parts], connect_timeout, head_timeout, sent)
 
     def close(self) -> None:
         self._closed = True
@@ -349,15 +351,18 @@ class _Call:
         request: list[Buffer],
         connect_timeout: float,
         head_timeout: float | None,
+        sent: Callable[[], None] | None,
     ) -> None:
         self.upstream, self.host, self.port, self.request = upstream, host, port, request
-        self.connect_timeout, self.head_timeout = connect_timeout, head_timeout
+        self.connect_timeout, self.head_timeout, self.sent = connect_timeout, head_timeout, sent
         self.connection: _Connection | None = None
 
     async def __aenter__(self) -> Answer:
         self.connection = connection = await self.upstream._connect(self.host, self.port, self.connect_timeout)
         try:
             answer = connection.begin(self.request)
+            if self.sent is not None:
+                self.sent()
             await asyncio.wait_for(connection.head(), self.head_timeout)
         except BaseException:
             connection.close()

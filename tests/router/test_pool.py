@@ -202,15 +202,19 @@ def test_a_pick_is_what_the_policy_says_after_any_history(
     assert all(count > 0 for count in balancer.outstanding.values())
 
 
-def test_requests_started_at_more_pods_than_the_counts_hold_grow_them() -> None:
-    """A pod's first slot can be handed out by ``started`` itself (a pod that lost its slot to a new pool between
-    its pick and its call), past the counts' first size: counted, and the choice reads the count."""
+def test_among_hundreds_of_pods_the_one_idle_pod_is_picked_and_a_finished_pod_is_idle_again() -> None:
+    """Only pods with requests in flight are read per choice: the one idle pod among 200 is found, whatever its
+    place, and pods whose requests all ended count as idle again."""
     balancer = Balancer()
     pods = tuple(Target(f"pod-{i:03d}", f"http://pod-{i}", "k") for i in range(200))
     for target in pods[1:]:
         balancer.started(target.pod)
     assert balancer.pick(pods) == pods[0]  # the one idle pod
-    for target in pods[1:]:
+    balancer.started(pods[0].pod)
+    balancer.finished(pods[150].pod)
+    assert balancer.pick(pods) == pods[150]
+    assert balancer.pick(pods, exclude=[pods[150].pod]) in pods  # every other one as busy: the least loaded
+    for target in pods:
         balancer.finished(target.pod)
     assert balancer.outstanding == {}
-    assert not balancer._counts.any()
+    assert balancer.load_of(pods[1].pod) == 0
