@@ -3,13 +3,14 @@
     .venv/bin/python benchmarks/router_overhead.py [--rate 50] [--seconds 20] [--stream] [--before REV] [--tracing]
         [--pods 256] [--prefixes 100000] [--prompt-tokens 1700] [--text] [--json]
 
-Two engine stand-ins (a prefill and a decode, each a separate process answering as vLLM's KV connectors do,
-after ``--engine-ms`` of simulated work) and ``kvbridge router --status-file`` as a third process in front of
-them. At a steady rate the same requests are sent (a) by the client itself, prefill then decode, as a router
-would, and (b) through the router. Reports each path's latency p50/p99, the difference (what the router adds
-per request: one more hop, JSON parsing and re-encoding, the pairing and balancing), and the router process's
-CPU seconds per request (from /proc, user and system). The engines are stand-ins so that their CPU is neither
-counted nor competing; real vLLM behind the router is in tests/vllm/test_router.py.
+Two engine stand-ins (a prefill and a decode, each a separate process answering as vLLM's KV connectors do, after
+``--engine-ms`` of simulated work) and ``kvbridge-router --status-file`` (``python -m kvbridge_router``, what the
+router Deployment runs) as a third process in front of them. At a steady rate the same requests are sent (a) by the
+client itself, prefill then decode, as a router would, and (b) through the router. Reports each path's latency
+p50/p99, the difference (what the router adds per request: one more hop, JSON parsing and re-encoding, the pairing
+and balancing), and the router process's CPU seconds per request (from /proc, user and system). The engines are
+stand-ins so that their CPU is neither counted nor competing; real vLLM behind the router is in
+tests/vllm/test_router.py.
 
 ``--pods N`` lists N prefill and N decode pods in the status (each a name of its own, all served by the two
 stand-ins), so that the router's choice runs over a pool of that size; ``--prefixes M`` sends prompts of
@@ -252,8 +253,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                         sys.executable,
                         *profile,
                         "-m",
-                        "kvbridge_operator",
-                        "router",
+                        "kvbridge_router",
                         "--status-file",
                         str(status_file),
                         "--host",
