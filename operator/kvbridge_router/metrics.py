@@ -123,6 +123,12 @@ class RouterMetrics:
         """A request answered: ``ok``, or the error code (outcomes are few: codes and HTTP statuses)."""
         _child(self._outcomes, self.requests, route, outcome).inc()
 
+    def answered_in(self, route: str, status: int, seconds: float, overhead: float) -> None:
+        """A request answered with an engine's ``status`` after ``seconds``, ``overhead`` of them the router's own."""
+        self.answered(route, "ok" if status < 400 else f"HTTP_{status}")
+        self.request_seconds.observe(seconds)
+        self.overhead_seconds.observe(overhead)
+
     def prefix_matched(self, hit: int, chunks: int) -> None:
         """A kv-aware choice: ``hit`` of the prompt's ``chunks`` leading chunks had been sent to its prefill pod."""
         self._hit.inc(hit)

@@ -224,6 +224,8 @@ class Balancer:
     sent_dropped: int = 0
     #: the sets of candidates seen, by the identity of their tuple (checked: ``targets is``)
     _candidates: dict[int, _Candidates] = field(default_factory=dict)
+    #: the last pick's score (the leading chunks its pod was sent) when it chose by score, else -1
+    _score: int = field(default=-1, init=False)
     #: the hash rings, by the candidates' names (each prefill pod's decode partners are a tuple of their own, most
     #: often of the same pods: one ring for all)
     _rings: dict[tuple[str, ...], Ring] = field(default_factory=dict)
@@ -232,6 +234,7 @@ class Balancer:
         self, candidates: Iterable[Target], exclude: Iterable[str] = (), keys: list[int] | None = None
     ) -> Target | None:
         """One of ``candidates`` (taken in the order given: the pool's are sorted by pod), ``exclude`` left out."""
+        self._score = -1
         every = tuple(candidates)
         if not every:
             return None
@@ -279,6 +282,7 @@ class Balancer:
         if len(self._turns) > 1024:  # pods come and go: forget old sets rather than grow without bound
             self._turns = {key: turn}
         if tied:
+            self._score = best  # only a score fills tied
             return tied[turn % len(tied)]
         if fewest:  # every candidate is busy: the least loaded ones
             least = [every[index] for index in sorted(busy) if busy[index] == fewest]
@@ -342,11 +346,12 @@ class Balancer:
         prefill = self.pick(candidates, exclude, keys)
         if prefill is None:
             return None
+        score = self._score
         decode = self.pick(pool.decodes_for(prefill), avoided, keys)
         if decode is None:
             return None
         if keys and self.policy == KV_AWARE:
-            self.last_matched = self.prefixes.matched(prefill.pod, keys)
+            self.last_matched = score if score >= 0 else self.prefixes.matched(prefill.pod, keys)
             self.last_ticks = self._believed(prefill.pod, keys) if self.last_matched else []
             # written at the index's next use, or once the caller sent the prefill request (:meth:`flush`)
             self.last_tick = self.prefixes.record(prefill.pod, keys, later=True)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvbridge_router.pool import KV_AWARE, LEAST_LOADED, LOAD_SLACK, Balancer, Pool
 from kvbridge_router.prefixes import (
@@ -275,3 +277,25 @@ def test_other_replicas_hear_of_a_prefill_pod_once_its_prefill_ended() -> None:
         assert balancer.drain_sent()[0] == [(pair[1].pod, keys)]  # the decode pod at once
         balancer.prefilled(pair[0].pod, balancer.last_tick, keys, balancer.last_matched, computed)
         assert balancer.drain_sent()[0] == ([(pair[0].pod, keys)] if computed else [])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=5), st.integers(0, 2)), max_size=30))
+def test_a_choice_says_how_much_of_the_prompt_its_prefill_pod_had_been_sent(
+    requests: list[tuple[list[int], int]],
+) -> None:
+    """``last_matched`` is the chosen prefill pod's match before the choice, whether the pod was chosen by its score,
+    by the ring or by load; and the choice's records are in the index at its next use."""
+    routes = pool(prefills=3)
+    balancer = Balancer(policy=KV_AWARE)
+    for chunks, busy in requests:
+        keys = prefix_keys({"prompt": [token for chunk in chunks for token in [chunk] * CHUNK_TOKENS]})
+        for _ in range(busy):
+            balancer.started("p1")
+        before = {target.pod: balancer.prefixes.matched(target.pod, keys) for target in routes.prefill}
+        pair = balancer.choose(routes, keys=keys)
+        assert pair is not None
+        assert balancer.last_matched == before[pair[0].pod]
+        assert balancer.prefixes.matched(pair[0].pod, keys) == len(keys)  # recorded, written at this use
+        assert balancer.prefixes.matched(pair[1].pod, keys) == len(keys)
+        balancer.prefilled(pair[0].pod, balancer.last_tick, keys, balancer.last_matched, computed=True)
