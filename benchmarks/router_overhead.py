@@ -1,7 +1,7 @@
-"""What `kvbridge router` adds to a P/D request (not a test).
+"""What `kvbridge-router` adds to a P/D request (not a test).
 
     .venv/bin/python benchmarks/router_overhead.py [--rate 50] [--seconds 20] [--stream] [--before REV] [--tracing]
-        [--pods 256] [--prefixes 100000] [--prompt-tokens 1700] [--text] [--json]
+        [--floor] [--pods 256] [--prefixes 100000] [--prompt-tokens 1700] [--text] [--json]
 
 Two engine stand-ins (a prefill and a decode, each a separate process answering as vLLM's KV connectors do, after
 ``--engine-ms`` of simulated work) and ``kvbridge-router --status-file`` (``python -m kvbridge_router``, what the
@@ -24,7 +24,9 @@ per token id (4 bytes a token, what the router's text chunking assumes), the sam
 runs this checkout's router under cProfile. ``--tracing`` runs a second router beside the first with tracing on
 (spec.tracing's environment: OTLP/HTTP to a sink process that accepts every export, sampling ratio 1.0), taking
 turns the same way: the difference in CPU per request is what tracing costs, export included (the SDK's batch
-exporter is a thread of the router's process).
+exporter is a thread of the router's process). ``--floor`` runs benchmarks/proxy_floor.py beside it the same way: the
+least a P/D proxy in Python does (uvloop, llhttp, msgspec; no checks, choice, metrics or bounds), the floor under the
+router's cost as memcpy is the ceiling over a transfer's.
 """
 
 from __future__ import annotations
@@ -206,6 +208,7 @@ def router_code(workdir: str, ref: str | None) -> dict[str, str]:
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     names = ["before", "after"] if args.before else ["router", "traced"] if args.tracing else ["router"]
+    names += ["floor"] if args.floor else []
     ports = {
         "prefill": free_port(),
         "decode": free_port(),
@@ -245,6 +248,11 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 sink = [sys.executable, __file__, "--serve-sink", "--port", str(ports["sink"])]
                 procs["sink"] = subprocess.Popen(sink)
             for name in names:
+                if name == "floor":
+                    floor = [sys.executable, str(ROOT / "benchmarks" / "proxy_floor.py"), "--port", str(ports[name])]
+                    floor += ["--prefill-port", str(ports["prefill"]), "--decode-port", str(ports["decode"])]
+                    procs[name] = subprocess.Popen(floor)
+                    continue
                 env = {**os.environ, **router_code(workdir, args.before if name == "before" else None)}
                 env.update(tracing_env(ports["sink"]) if name == "traced" else {})
                 profile = ["-m", "cProfile", "-o", args.profile] if args.profile and name != "before" else []
@@ -345,6 +353,11 @@ if __name__ == "__main__":
     parser.add_argument(
         "--tracing", action="store_true", help="also run a router with tracing on (ratio 1.0), taking turns"
     )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run benchmarks/proxy_floor.py (the least a P/D proxy in Python does), taking turns",
+    )
     parser.add_argument("--pods", type=int, default=1, help="prefill and decode pods in the status (default 1)")
     parser.add_argument("--prefixes", type=int, default=0, help="distinct prompt prefixes, Zipf-drawn (default 0)")
     parser.add_argument("--prompt-tokens", type=int, default=1700, help="tokens per drawn prompt (default 1700)")
@@ -368,6 +381,8 @@ if __name__ == "__main__":
     if parsed.serve_engine:
         serve_engine(parsed.port, parsed.serve_engine, parsed.engine_ms)
         sys.exit(0)
+    if parsed.floor and parsed.stream:
+        parser.error("--floor passes whole answers only: not with --stream")
     result = asyncio.run(main(parsed))
     if parsed.json:
         print(json.dumps(result))
