@@ -82,9 +82,14 @@ def prompt_ids(body: Obj, ids_checked: bool = False) -> list[int] | None:
 
 
 #: request fields with which vLLM's prefix cache holds a prompt apart from the same text without them, from its first
-#: block on (a salt seeds vLLM's first block hash; special tokens and truncation change the prompt's start): each
-#: prompt's first key is seeded with them (:func:`_seed`), so that they are different prefixes to the router too
-SEEDED = ("cache_salt", "add_special_tokens", "truncate_prompt_tokens")
+#: block on (a LoRA adapter, named as the model, and a salt are in vLLM's block hashes; special tokens and truncation
+#: change the prompt's start): each prompt's first key is seeded with them (:func:`_seed`), so that they are different
+#: prefixes to the router too. (Two names of one model, ``--served-model-name a b``, are then keyed apart: a prefix
+#: scored as a miss on the pod that holds it under the other name, never an eviction misread.)
+SEEDED = ("model", "cache_salt", "add_special_tokens", "truncate_prompt_tokens")
+#: seeds by their fields' values, for values that can be looked up (most requests name one of a few models)
+_SEEDS: dict[tuple[tuple[object, ...], tuple[type, ...]], int] = {}
+_MAX_SEEDS = 1024
 #: request fields that change what vLLM caches somewhere in the prompt, where the chat template puts them (tools, a
 #: template's inputs): keyed as the same text, so a shared prefix is still scored alike, but what the pod held of such
 #: a request is not compared with what the router believed
@@ -96,7 +101,21 @@ _ENCODE = msgspec.json.Encoder().encode
 
 def _seed(body: Obj) -> int:
     """0, or a stable hash (equal in every process) of the request's :data:`SEEDED` fields."""
-    seeded = [(name, body[name]) for name in SEEDED if body.get(name) is not None]
+    values = tuple(body.get(name) for name in SEEDED)
+    looked_up = (values, tuple(map(type, values)))  # true is not 1, nor 1.0 (JSON writes them apart)
+    try:
+        return _SEEDS[looked_up]
+    except KeyError:
+        seed = _SEEDS[looked_up] = _hashed(values)
+        if len(_SEEDS) > _MAX_SEEDS:  # values without end (a salt per tenant, say): forget the oldest
+            del _SEEDS[next(iter(_SEEDS))]
+        return seed
+    except TypeError:  # a value that is no key (a list or an object, which vLLM refuses): hashed each time
+        return _hashed(values)
+
+
+def _hashed(values: tuple[object, ...]) -> int:
+    seeded = [(name, value) for name, value in zip(SEEDED, values, strict=True) if value is not None]
     if not seeded:
         return 0
     try:

@@ -264,6 +264,24 @@ def test_a_salted_prompt_is_its_own_prefix_and_the_templates_inputs_are_not() ->
         assert prefix_keys(body) == plain
 
 
+def test_a_prompt_for_another_model_or_lora_adapter_is_its_own_prefix() -> None:
+    """vLLM's block hashes include a LoRA adapter, which a request names as its model: the router keys a prompt per
+    model named, so a prompt sent for an adapter is never believed held, nor read as evicted, by its base model's
+    record of it. Equal seeds of equal values, whatever was seen before (true is not 1)."""
+    prompt = list(range(3 * CHUNK_TOKENS))
+    base, adapter = prefix_keys({"prompt": prompt, "model": "base"}), prefix_keys({"prompt": prompt, "model": "sql"})
+    assert base[0] != adapter[0]
+    assert prefix_keys({"prompt": prompt, "model": "base"}) == base
+    assert prefix_keys({"prompt": prompt})[0] not in (base[0], adapter[0])
+    ones = [prefix_keys({"prompt": prompt, "add_special_tokens": value})[0] for value in (True, 1, 1.0, True)]
+    assert len(set(ones[:3])) == 3
+    assert ones[3] == ones[0]
+    assert prefix_keys({"prompt": prompt, "model": ["not", "a", "name"]})  # refused by vLLM; keyed all the same
+    index = PrefixIndex()
+    index.record("p0", base)
+    assert index.matched("p0", adapter) == 0
+
+
 def test_other_replicas_hear_of_a_prefill_pod_once_its_prefill_ended() -> None:
     """A report carries a prefill pod's prompt once its prefill was computed (never a failed one), so that a replica
     can trust what it hears as it trusts its own; a decode pod's as chosen."""
