@@ -220,6 +220,8 @@ class Balancer:
     #: whose prefill of the prompt ended, decode pods as chosen
     sent: list[tuple[str, list[int]]] | None = None
     _sent_keys: int = 0
+    #: (pod, last key) of each record in ``sent``
+    _sent_marks: set[tuple[str, int]] = field(default_factory=set)
     #: records not kept for want of room since the last drain
     sent_dropped: int = 0
     #: the sets of candidates seen, by the identity of their tuple (checked: ``targets is``)
@@ -368,10 +370,14 @@ class Balancer:
 
     def _report(self, pod: str, keys: list[int]) -> None:
         """For the next report to the other replicas (with peers): ``pod`` holds the prompt of ``keys``."""
-        if self.sent is None:
+        if self.sent is None or not keys:
+            return
+        mark = (pod, keys[-1])  # the last chained key stands for the whole prompt
+        if mark in self._sent_marks:  # in this report already (a prompt's samples, a hot prompt): said once
             return
         if self._sent_keys + len(keys) <= SENT_KEYS and len(self.sent) < SENT_RECORDS:
             self.sent.append((pod, keys))
+            self._sent_marks.add(mark)
             self._sent_keys += len(keys)
         else:  # the peers miss it: a cache hit at most
             self.sent_dropped += 1
@@ -428,6 +434,7 @@ class Balancer:
         sent, dropped = self.sent or [], self.sent_dropped
         self.sent = [] if self.sent is not None else None
         self._sent_keys = self.sent_dropped = 0
+        self._sent_marks = set()
         return sent, dropped
 
     def load_of(self, pod: str) -> int:

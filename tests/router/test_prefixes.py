@@ -297,6 +297,24 @@ def test_other_replicas_hear_of_a_prefill_pod_once_its_prefill_ended() -> None:
         assert balancer.drain_sent()[0] == ([(pair[0].pod, keys)] if computed else [])
 
 
+def test_a_report_says_once_what_a_pod_was_sent_again_since_the_last() -> None:
+    """A prompt's samples (n > 1), or a hot prompt, go to the same pods several times within a report's interval: the
+    report says so once per pod; after a report, again."""
+    routes = pool(prefills=1, decodes=1)
+    balancer = Balancer(policy=KV_AWARE)
+    balancer.sent = []
+    keys, other = (prefix_keys({"prompt": list(range(start, start + 2 * CHUNK_TOKENS))}) for start in (0, 100))
+    for prompt in (keys, keys, other, list(keys)):  # an equal prompt in a list of its own too
+        pair = balancer.choose(routes, keys=prompt)
+        assert pair is not None
+        balancer.prefilled(pair[0].pod, balancer.last_tick, prompt, balancer.last_matched, computed=True)
+    sent, dropped = balancer.drain_sent()
+    assert sorted(sent) == sorted([("d0", keys), ("p0", keys), ("d0", other), ("p0", other)])
+    assert dropped == 0
+    assert balancer.choose(routes, keys=keys) is not None
+    assert balancer.drain_sent()[0] == [("d0", keys)]
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=5), st.integers(0, 2)), max_size=30))
 def test_a_choice_says_how_much_of_the_prompt_its_prefill_pod_had_been_sent(
