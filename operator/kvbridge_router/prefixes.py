@@ -87,9 +87,13 @@ def prompt_ids(body: Obj, ids_checked: bool = False) -> list[int] | None:
 #: prefixes to the router too. (Two names of one model, ``--served-model-name a b``, are then keyed apart: a prefix
 #: scored as a miss on the pod that holds it under the other name, never an eviction misread.)
 SEEDED = ("model", "cache_salt", "add_special_tokens", "truncate_prompt_tokens")
-#: seeds by their fields' values, for values that can be looked up (most requests name one of a few models)
+#: seeds by their fields' values, for values that are kept cheaply and compare as they encode: a name or a salt of
+#: at most :data:`SEED_KEPT_CHARS` characters, a bool, an int (most requests name one of a few models); a float
+#: (``-0.0 == 0.0``, NaN equal to nothing) or a longer text is hashed each time
 _SEEDS: dict[tuple[tuple[object, ...], tuple[type, ...]], int] = {}
 _MAX_SEEDS = 1024
+SEED_KEPT_CHARS = 256
+_KEPT_TYPES = frozenset((str, int, bool, type(None)))
 #: request fields that change what vLLM caches somewhere in the prompt, where the chat template puts them (tools, a
 #: template's inputs): keyed as the same text, so a shared prefix is still scored alike, but what the pod held of such
 #: a request is not compared with what the router believed
@@ -102,16 +106,15 @@ _ENCODE = msgspec.json.Encoder().encode
 def _seed(body: Obj) -> int:
     """0, or a stable hash (equal in every process) of the request's :data:`SEEDED` fields."""
     values = tuple(body.get(name) for name in SEEDED)
-    looked_up = (values, tuple(map(type, values)))  # true is not 1, nor 1.0 (JSON writes them apart)
-    try:
-        return _SEEDS[looked_up]
-    except KeyError:
-        seed = _SEEDS[looked_up] = _hashed(values)
+    types = tuple(map(type, values))  # true is not 1 (JSON writes them apart)
+    if not _KEPT_TYPES.issuperset(types) or sum(len(v) for v in values if isinstance(v, str)) > SEED_KEPT_CHARS:
+        return _hashed(values)  # a float, a list, an object or a long text: not kept
+    seed = _SEEDS.get((values, types))
+    if seed is None:
+        seed = _SEEDS[values, types] = _hashed(values)
         if len(_SEEDS) > _MAX_SEEDS:  # values without end (a salt per tenant, say): forget the oldest
             del _SEEDS[next(iter(_SEEDS))]
-        return seed
-    except TypeError:  # a value that is no key (a list or an object, which vLLM refuses): hashed each time
-        return _hashed(values)
+    return seed
 
 
 def _hashed(values: tuple[object, ...]) -> int:

@@ -11,10 +11,12 @@ from hypothesis import strategies as st
 
 from kvbridge_router.pool import KV_AWARE, LEAST_LOADED, LOAD_SLACK, Balancer, Pool
 from kvbridge_router.prefixes import (
+    _SEEDS,
     BYTES_PER_TOKEN,
     CHUNK_TOKENS,
     MAX_CHUNKS,
     MAX_FORGOTTEN,
+    SEED_KEPT_CHARS,
     PrefixIndex,
     cached_as_keyed,
     held_chunks,
@@ -277,6 +279,14 @@ def test_a_prompt_for_another_model_or_lora_adapter_is_its_own_prefix() -> None:
     assert len(set(ones[:3])) == 3
     assert ones[3] == ones[0]
     assert prefix_keys({"prompt": prompt, "model": ["not", "a", "name"]})  # refused by vLLM; keyed all the same
+    zeros = [prefix_keys({"prompt": prompt, "truncate_prompt_tokens": value})[0] for value in (-0.0, 0.0, -0.0)]
+    assert zeros[0] != zeros[1]  # equal floats written apart: hashed each time, never one cached for both
+    assert zeros[0] == zeros[2]
+    long_salt = "s" * (SEED_KEPT_CHARS + 1)
+    assert prefix_keys({"prompt": prompt, "cache_salt": long_salt}) == prefix_keys(
+        {"prompt": prompt, "cache_salt": long_salt}
+    )
+    assert not any(long_salt in values for values, _ in _SEEDS)  # a long salt is not kept
     index = PrefixIndex()
     index.record("p0", base)
     assert index.matched("p0", adapter) == 0
