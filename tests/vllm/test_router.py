@@ -13,6 +13,7 @@ import pytest
 from kvbridge_agent.core import Role
 from kvbridge_router.pool import Pool
 from kvbridge_router.proxy import RouterConfig
+from kvbridge_router.settings import RouterPolicy
 from kvbridge_sim import pd_requests
 from kvbridge_sim.tiny_model import prompt
 from kvbridge_sim.vllm_engines import MODEL_NAME, Engines
@@ -172,7 +173,11 @@ async def test_router_keeps_serving_while_a_prefill_pod_is_killed(
     this file runs last, so the killed engine is not started again here: that would cost a minute and a half.)"""
     model = MODEL_NAME
     decode = tp1_engines.engines["decode"]
-    config = RouterConfig(prefill_timeout=30, decode_timeout=120, connect_timeout=2)
+    # least-loaded: an idle pool's requests take turns, so the dead pod is tried first by every other request (the
+    # kv-aware ring places each new prompt by its keys, which may put all four on the live pod)
+    config = RouterConfig(
+        prefill_timeout=30, decode_timeout=120, connect_timeout=2, policy=RouterPolicy.LEAST_LOADED.value
+    )
     async with running_router(config) as (router, url):
         router.set_pool(_pool_of(tp1_engines, ["prefill-tp1", "prefill-short-lease"]))
         tp1_engines.stop(["prefill-short-lease"])  # the process is gone; its address stays in the pool
