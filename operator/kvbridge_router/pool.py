@@ -248,12 +248,11 @@ class Balancer:
         if not count:
             return None
         # the candidates with requests in flight, by position, and their loads: every other one has none
-        scale = 1 + self.unheard
         busy: dict[int, int] = {}
         for pod in (*self.outstanding, *self._peer_loads):
             if pod not in left:
                 for index in known.positions(pod):
-                    busy[index] = self.outstanding.get(pod, 0) * scale + self._peer_loads.get(pod, 0)
+                    busy[index] = self.load_of(pod)
         fewest = 0 if len(busy) < count else min(busy.values())
         tied: list[Target] = []
         if keys and self.policy == KV_AWARE:
