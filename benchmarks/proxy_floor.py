@@ -24,12 +24,12 @@ _DECODE = msgspec.json.Decoder()
 _ENCODE = msgspec.json.Encoder().encode
 
 
-class _Engine(asyncio.Protocol):
-    """One kept-alive connection to an engine: a request at a time, its answer's body whole."""
+class _Messages(asyncio.Protocol):
+    """One HTTP/1.1 connection, each message parsed by llhttp as it arrives and handed over whole
+    (:meth:`message`)."""
 
-    def __init__(self) -> None:
-        self._parser = httptools.HttpResponseParser(self)
-        self._answer: asyncio.Future[bytes] | None = None
+    def __init__(self, parser: httptools.HttpRequestParser | httptools.HttpResponseParser) -> None:
+        self._parser = parser
         self._body: list[bytes] = []
         self._transport: asyncio.Transport | None = None
 
@@ -43,8 +43,22 @@ class _Engine(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        answer, self._answer = self._answer, None
         body, self._body = b"".join(self._body), []
+        self.message(body)
+
+    def message(self, body: bytes) -> None:
+        raise NotImplementedError
+
+
+class _Engine(_Messages):
+    """One kept-alive connection to an engine: a request at a time, its answer's body whole."""
+
+    def __init__(self) -> None:
+        super().__init__(httptools.HttpResponseParser(self))
+        self._answer: asyncio.Future[bytes] | None = None
+
+    def message(self, body: bytes) -> None:
+        answer, self._answer = self._answer, None
         if answer is not None:
             answer.set_result(body)
 
@@ -74,30 +88,18 @@ class _Engines:
         return answer
 
 
-class _Client(asyncio.Protocol):
+class _Client(_Messages):
     """A client's connection: each request prefilled, then decoded, decode's answer passed back."""
 
     def __init__(self, prefill: _Engines, decode: _Engines) -> None:
+        super().__init__(httptools.HttpRequestParser(self))
         self._prefill, self._decode = prefill, decode
-        self._parser = httptools.HttpRequestParser(self)
         self._url = b""
-        self._body: list[bytes] = []
-        self._transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        self._parser.feed_data(data)
 
     def on_url(self, url: bytes) -> None:
         self._url = url
 
-    def on_body(self, body: bytes) -> None:
-        self._body.append(body)
-
-    def on_message_complete(self) -> None:
-        body, self._body = b"".join(self._body), []
+    def message(self, body: bytes) -> None:
         if self._url.startswith(b"/v1/"):
             asyncio.get_running_loop().create_task(self._route(body))
         else:  # /health, for the benchmark's wait
