@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -294,18 +295,20 @@ def _launch(
     launcher: str, tp: int, *command: str, without: tuple[str, ...] = (), **options: Any
 ) -> subprocess.CompletedProcess[str]:
     """Run ``launcher`` (the CPU launcher, or a probe around it) for TP size ``tp`` in front of ``command``, in this
-    environment less a binding of the test's own (and ``without``)."""
+    environment less a binding of the test's own (and ``without``), with a temporary folder of its own, removed after
+    (as a container's: the launcher leaves its ``sitecustomize`` there)."""
     dropped = {"VLLM_CPU_OMP_THREADS_BIND", *without}
     environ = {k: v for k, v in os.environ.items() if k not in dropped}
-    return subprocess.run(
-        [sys.executable, "-c", launcher, str(tp), *command],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-        env=environ,
-        **options,
-    )
+    with tempfile.TemporaryDirectory(prefix="kvbridge-launcher-") as scratch:
+        return subprocess.run(
+            [sys.executable, "-c", launcher, str(tp), *command],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+            env={**environ, "TMPDIR": scratch},
+            **options,
+        )
 
 
 @pytest.mark.parametrize(("cpus", "tp", "bound"), [([0, 1], 2, "0|1"), ([4, 5, 6, 7], 2, "4,5|6,7"), ([3], 1, "3")])
