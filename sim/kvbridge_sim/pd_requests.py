@@ -42,6 +42,15 @@ class Completion:
     tokens: list[int]
     kv_transfer_params: Obj | None
     seconds: float
+    #: with ``logprobs``: at each generated position, the best next tokens' log probabilities, by token id
+    top: tuple[dict[int, float], ...] = ()
+
+
+#: how close (nats) a single engine's two best next tokens may be for the same engine, batched with other requests,
+#: to choose the second: the tiny model's bf16 logits are 1/32 apart where they are largest (4-8), and a batch sums
+#: in another order, moving a logit by an ulp or two. Measured on one engine without P/D: 120 random prompts answered
+#: alone and then all at once, 2 answers differed, each at a position where the two best were exactly tied alone.
+TIE_NATS = 1 / 16
 
 
 async def complete(
@@ -63,7 +72,12 @@ async def complete(
             raise PDRequestError(url, response.status, await response.text())
         answer: Obj = await response.json()
     choice = answer["choices"][0]
-    return Completion(list(choice["token_ids"]), answer.get("kv_transfer_params"), time.perf_counter() - started)
+    logprobs = choice.get("logprobs") or {}
+    top = tuple(
+        {int(token.removeprefix("token_id:")): value for token, value in (position or {}).items()}
+        for position in logprobs.get("top_logprobs") or ()
+    )
+    return Completion(list(choice["token_ids"]), answer.get("kv_transfer_params"), time.perf_counter() - started, top)
 
 
 async def prefill(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], **extra: Any) -> Obj:
@@ -89,10 +103,30 @@ async def disaggregated(
 
 
 async def baseline(
-    session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int, salt: str
+    session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int, salt: str, top: int = 0
 ) -> Completion:
-    """A single-engine run; ``cache_salt`` keeps it from reusing blocks that P/D requests left in the cache."""
-    return await complete(session, url, model, prompt, max_tokens, cache_salt=salt)
+    """A single-engine run; ``cache_salt`` keeps it from reusing blocks that P/D requests left in the cache. ``top``:
+    with each position's ``top`` best next tokens (:func:`divergence` reads two)."""
+    extra: dict[str, Any] = {"logprobs": top, "return_tokens_as_token_ids": True} if top else {}
+    return await complete(session, url, model, prompt, max_tokens, cache_salt=salt, **extra)
+
+
+def divergence(tokens: list[int], want: Completion) -> str | None:
+    """None when ``tokens`` are the single engine's, or equal up to a position where the engine alone had a tie (its
+    two best next tokens within :data:`TIE_NATS`, ``tokens`` taking the other; what follows cannot be compared); else
+    where and how they differ. ``want``: a :func:`baseline` with ``top`` ≥ 2. For answers given while the engine
+    batched other requests: greedy tokens of one engine are not batch-invariant at a tie, with or without P/D."""
+    if tokens == want.tokens:
+        return None
+    if len(tokens) != len(want.tokens):
+        return f"{len(tokens)} tokens, the single engine {len(want.tokens)}"
+    at = next(index for index, (got, wanted) in enumerate(zip(tokens, want.tokens, strict=True)) if got != wanted)
+    best = want.top[at] if at < len(want.top) else {}
+    got, wanted = tokens[at], want.tokens[at]
+    if got in best and wanted in best and best[wanted] - best[got] <= TIE_NATS:
+        return None
+    shown = {token: round(value, 4) for token, value in best.items()}
+    return f"token {at}: {got}, the single engine {wanted} (its best there: {shown}; a tie is within {TIE_NATS} nats)"
 
 
 async def healthy(session: aiohttp.ClientSession, url: str) -> bool:

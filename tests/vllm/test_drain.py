@@ -1,7 +1,8 @@
 """A pod's main process sent SIGTERM under load, as a kubelet does when a pod is deleted (here without the preStop
 and without the status changing: the router keeps choosing the pod until it fails): real vLLM with kvbridge's
 connector, two prefill and two decode pods rendered by the operator (``--shutdown-timeout`` included), the router
-in front. No request fails, none hangs, none answers other tokens than a single engine."""
+in front. No request fails, none hangs, none answers other tokens than a single engine (but
+at a tie of the engine's two best tokens, where a batch may take either: pd_requests.divergence)."""
 
 from __future__ import annotations
 
@@ -150,8 +151,14 @@ async def test_sigterm_to_a_decode_then_a_prefill_pod_under_load_loses_no_reques
     assert set(ended) == {"kvbridge-decode-b", "kvbridge-prefill-b"}
     # the answers are the model's: a sample compared with a single engine (a survivor, its cache salted)
     decode = engines.engines["kvbridge-decode"].url
+    ties = 0
     for index, answer in enumerate(random.Random(0).sample(answers, 24)):
         want = await pd_requests.baseline(
-            session, decode, model, answer.prompt, answer.max_tokens, salt=f"drain-{index}"
+            session, decode, model, answer.prompt, answer.max_tokens, salt=f"drain-{index}", top=2
         )
-        assert answer.tokens == want.tokens, f"request {index} ({'streamed' if answer.stream else 'whole'})"
+        # the load batched this answer with others: at a tie of the engine's two best tokens either may come
+        # (pd_requests.TIE_NATS); anywhere else, a difference is a fault
+        why = pd_requests.divergence(answer.tokens, want)
+        assert why is None, f"request {index} ({'streamed' if answer.stream else 'whole'}): {why}"
+        ties += answer.tokens != want.tokens
+    SUMMARY["drainTiesTaken"] = ties
