@@ -16,8 +16,11 @@ tests/vllm/test_router.py.
 stand-ins), so that the router's choice runs over a pool of that size; ``--prefixes M`` sends prompts of
 ``--prompt-tokens`` token ids drawn from M distinct prefixes by a Zipf law (exponent 1.0: a few hot, most rare),
 so that the kv-aware index fills as in production; without it every request is the same 512-token prompt.
-``--text`` sends each drawn prompt as text instead, as most OpenAI clients do: a word of three letters and a space
-per token id (4 bytes a token, what the router's text chunking assumes), the same words for the same prefix.
+Each path is warmed up first (a second's requests; with ``--prefixes``, at least 4 a pod, so that every
+pod's first use, its hash ring and its share of the index, is not counted: a router pays those once per pool, not
+per request). ``--text`` sends each drawn prompt as text instead, as most OpenAI clients do: a word of three letters
+and a space per token id (4 bytes a token, what the router's text chunking assumes), the same words for the same
+prefix.
 
 ``--before REV`` runs a second router, the one of git revision REV, beside this checkout's: the paths take turns
 (``--rounds``), so that a change is measured before and after in one run, under the same noise. ``--profile FILE``
@@ -288,7 +291,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                     "direct": lambda: direct(session, urls["prefill"], urls["decode"], prompts.body()),
                     **{name: via(urls[name]) for name in names},
                 }
-                warm = max(1, int(args.rate))  # warm-up: connections and code paths
+                # warm-up: connections, code paths, and each pod's first use (its hash ring, its share of the index:
+                # a router pays these once per pod set, not per request), so that the rounds measure the steady state
+                warm = max(1, int(args.rate), 4 * args.pods if args.prefixes else 0)
                 for call in calls.values():
                     await steady(args.rate, warm / args.rate, call)
                 # rounds that take turns, so that a noisy neighbour (CPU steal on a shared VM) hits every path alike
