@@ -5,6 +5,7 @@ Reading order:
 - ``cli``: the ``kvbridge-router`` command (``kvbridge router`` is the same), its flags generated from the settings.
 - ``settings``: pure: every setting and its default, written once; the operator renders the router's flags from it.
 - ``proxy``: the HTTP front: the two calls, retries, timeouts, streaming.
+- ``server``: the HTTP/1.1 server the front's routes run in (llhttp; the head's bounds, keep-alive, pipelining).
 - ``admission``: what a request must be before any prefill.
 - ``prompts``: pure: a request's prompt, as admission checks it and kv-aware scores it.
 - ``samples``: pure: OpenAI's ``n``: the samples' requests, and one answer joined from theirs.
@@ -25,5 +26,6 @@ Reading order:
 A separate process with its own, read-only RBAC: it imports the operator's ``api``, API client and retry delays,
 never Kopf, the children or the controller. ``settings``, ``prompts``, ``samples``, ``pool``, ``prefixes``,
 ``ring``, ``peers``, ``answers`` and ``auth`` import no HTTP library, event loop or metrics client (import-linter
-keeps it so); ``settings`` imports nothing of the operator, whose ``api`` and ``children`` read it.
+keeps it so); ``settings`` imports nothing of the operator, whose ``api`` and ``children`` read it; ``server`` and
+``upstream``, the two HTTP ends, import nothing of kvbridge.
 """

@@ -18,14 +18,13 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import msgspec
-from aiohttp import web
 
 from kvbridge_operator.api.objects import Obj
 from kvbridge_router.errors import RouteError
 from kvbridge_router.prompts import one_prompt, token_ids
 from kvbridge_router.samples import MAX_SAMPLES
+from kvbridge_router.server import BodyTooLargeError, Request
 
 #: deeper JSON than this is refused (an OpenAI request nests a few levels: messages, content parts, tool schemas)
 MAX_DEPTH = 64
@@ -49,7 +48,7 @@ class Limits:
     body_timeout: float = 10.0
 
 
-async def admit(request: web.Request, route: str, limits: Limits) -> tuple[Obj, bytes, bool]:
+async def admit(request: Request, route: str, limits: Limits) -> tuple[Obj, bytes, bool]:
     """The request's body, read within the limits and checked for what ``route`` (``completions`` or ``chat``)
     needs, its bytes as the client sent them, and whether it is plain JSON (:func:`parse`); raises
     :class:`RouteError`."""
@@ -65,19 +64,19 @@ async def admit(request: web.Request, route: str, limits: Limits) -> tuple[Obj, 
         raise RouteError(
             408, "BODY_TIMEOUT", f"the request body did not arrive within {limits.body_timeout:g} s ({announced})"
         ) from None
-    except (ConnectionResetError, aiohttp.ClientPayloadError):  # the client left (or broke off) mid-body
+    except ConnectionResetError:  # the client left (or broke off) mid-body
         raise RouteError(
             400, "BODY_INCOMPLETE", f"the client closed the connection before the body arrived ({announced})"
         ) from None
-    except web.HTTPRequestEntityTooLarge:
+    except BodyTooLargeError:
         raise RouteError(413, "TOO_LARGE", f"the request body exceeds {limits.max_body_bytes} bytes") from None
     body, plain = parse(raw)
     check_fields(body, route)
     return body, raw, plain
 
 
-def _media_type(request: web.Request) -> None:
-    kind = request.content_type  # aiohttp: application/octet-stream when the header is absent
+def _media_type(request: Request) -> None:
+    kind = request.content_type  # application/octet-stream when the header is absent
     if request.headers.get("Content-Type") and kind not in JSON_TYPES and not kind.endswith("+json"):
         raise RouteError(
             415, "UNSUPPORTED_MEDIA_TYPE", f"the request body must be JSON (Content-Type: application/json), not {kind}"

@@ -3,7 +3,7 @@ error shape."""
 
 from __future__ import annotations
 
-from aiohttp import web
+from kvbridge_router.server import Response, json_response
 
 
 class RouteError(Exception):
@@ -24,7 +24,7 @@ class RouteError(Exception):
         self.status, self.code, self.message, self.retry, self.param = status, code, message, retry, param
         self.reprefill = reprefill
 
-    def response(self) -> web.Response:
+    def response(self) -> Response:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-        return web.json_response(body, status=self.status)
+        return json_response(body, status=self.status)

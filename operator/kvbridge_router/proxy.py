@@ -21,11 +21,11 @@ Bounds: ``connect_timeout`` per connection, ``prefill_timeout`` per prefill call
 chunk of a stream (the first one included), ``decode_timeout`` per decode call, and ``request_timeout`` for the
 whole request, retries included: no call gets more than the time left, none is made when none is left (504
 ``REQUEST_TIMEOUT`` when prefill runs out of it), and no client waits longer. A client's connection is closed when a
-request's head has not arrived ``header_timeout`` seconds after the connection opened or the head began
-(:class:`_HeadBound`), and when idle ``CLIENT_KEEPALIVE_SECONDS``; its body has ``body_timeout``. A prefill answer,
-and a decode answer that is not streamed, is read whole up to ``max_answer_bytes`` (16 MiB; more is refused unread,
-``*_ANSWER_TOO_LARGE``, and not retried: the request asked for it); a stream is passed on as it comes. Errors are
-``{"error": {"message", "type", "code"}}``, as OpenAI's API writes them.
+request's head has not arrived ``header_timeout`` seconds after the connection opened or the head began, and
+when idle ``CLIENT_KEEPALIVE_SECONDS`` (server.py, the router's own HTTP server); its body has ``body_timeout``. A
+prefill answer, and a decode answer that is not streamed, is read whole up to ``max_answer_bytes`` (16 MiB; more is
+refused unread, ``*_ANSWER_TOO_LARGE``, and not retried: the request asked for it); a stream is passed on as it comes.
+Errors are ``{"error": {"message", "type", "code"}}``, as OpenAI's API writes them.
 """
 
 from __future__ import annotations
@@ -36,13 +36,11 @@ import gc
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
 import msgspec
-from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 
 from kvbridge_agent.core import tracing as span
 from kvbridge_agent.core.signing import signed
@@ -57,6 +55,16 @@ from kvbridge_router.peers import MAX_FRAME_BYTES
 from kvbridge_router.pool import KV_AWARE, Balancer, Pool, Target
 from kvbridge_router.prefixes import cached_as_keyed, held_chunks, prefix_keys, prompt_ids
 from kvbridge_router.samples import JoinError, joined, sample_bodies
+from kvbridge_router.server import (
+    Answer,
+    BodyTooLargeError,
+    Handler,
+    Request,
+    Response,
+    Server,
+    StreamResponse,
+    json_response,
+)
 from kvbridge_router.settings import DEFAULTS, RouterSettings
 from kvbridge_router.tracing import OFF, Trace, Tracing
 from kvbridge_router.upstream import AnswerTooLargeError, UnreachableError, Upstream, UpstreamError
@@ -67,9 +75,6 @@ ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 FORWARDED_HEADERS = ("Authorization",)
 #: what the router sets on the prefill request (OpenAI and vLLM fields); streaming fields are dropped
 PREFILL_DROPPED = ("stream_options", "min_tokens")
-#: a request with more headers, or a longer header or request line, is refused (431/400) before it is routed
-MAX_HEADERS = 64
-MAX_HEADER_BYTES = 8190
 #: how long the router waits for an engine's /health after it answered 500
 HEALTH_PROBE_SECONDS = 1.0
 #: where a KV connector's prefill says why it offers nothing for a request (kvbridge's connector; vLLM frees the
@@ -85,6 +90,8 @@ KEEPALIVE_SECONDS = 3.0
 #: clients' idle keep-alive connections are closed after this; longer than load balancers' idle timeouts (AWS ALB's
 #: 60 s), which then close first and never send on a connection the router is closing
 CLIENT_KEEPALIVE_SECONDS = 75.0
+#: seconds a stopping router gives the requests it is serving (as aiohttp's server gave them)
+SHUTDOWN_GRACE_SECONDS = 60.0
 #: JSON's whitespace and an object's brackets, as byte values
 JSON_SPACE = frozenset(b" \t\r\n")
 OPEN, CLOSE = ord("{"), ord("}")
@@ -226,20 +233,22 @@ class Router:
         self.metrics.endpoints.labels("prefill").set(len(pool.routable()))
         self.metrics.endpoints.labels("decode").set(len(pool.decode))
 
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[_head_arrived])
-        app.router.add_post("/v1/completions", self._generate)
-        app.router.add_post("/v1/chat/completions", self._generate)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
+    def routes(self) -> dict[tuple[str, str], Handler]:
+        """What the router answers, by method and path (server.py serves them)."""
+        routes: dict[tuple[str, str], Handler] = {
+            ("POST", "/v1/completions"): self._generate,
+            ("POST", "/v1/chat/completions"): self._generate,
+            ("GET", "/v1/models"): self._models,
+            ("GET", "/health"): self._health,
+            ("GET", "/metrics"): self._metrics,
+        }
         if self.exchange is not None:
-            app.router.add_post(PEER_PATH, self._peer_report)
-        app.on_startup.append(self._open)
-        app.on_cleanup.append(self._close)
-        return app
+            routes["POST", PEER_PATH] = self._peer_report
+        return routes
 
-    async def _open(self, _: web.Application) -> None:
+    async def start(self) -> None:
+        """Open what the routes use (a client session, the exchange with the other replicas); before serving."""
+
         connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_SECONDS, limit=0)
         # no cookie jar: engines set no cookies, and one client's would otherwise leak to another's requests
         self._session = aiohttp.ClientSession(connector=connector, trust_env=False, cookie_jar=aiohttp.DummyCookieJar())
@@ -247,7 +256,8 @@ class Router:
             stop = asyncio.Event()
             self._exchanging = (asyncio.create_task(self.exchange.run(stop)), stop)
 
-    async def _close(self, _: web.Application) -> None:
+    async def stop(self) -> None:
+        """Close what :meth:`start` opened; after serving."""
         if self._exchanging is not None:
             task, stop = self._exchanging
             stop.set()
@@ -259,12 +269,12 @@ class Router:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            raise RuntimeError("the router's app is not started")
+            raise RuntimeError("the router is not started (Router.start)")
         return self._session
 
     # -- read-only routes ------------------------------------------------------------------------------------
 
-    async def _health(self, _: web.Request) -> web.Response:
+    async def _health(self, _: Request) -> Response:
         problem = self.pool.problem()
         body = {
             "ok": not problem,
@@ -273,38 +283,39 @@ class Router:
             "decode": [t.pod for t in self.pool.decode],
             "skipped": list(self.pool.skipped),
         }
-        return web.json_response(body, status=503 if problem else 200)
+        return json_response(body, status=503 if problem else 200)
 
-    async def _peer_report(self, request: web.Request) -> web.Response:
+    async def _peer_report(self, request: Request) -> Response:
         """Another replica's report (peering.py): 200 when taken or stale (the outcome as its body: the sender's client
         reads an answer with a body, and keeps the connection), 400 with the code when not a report."""
         if self.exchange is None:  # not routed without one; for the type checker
-            raise web.HTTPNotFound()
+            raise RuntimeError("peer reports without an exchange")
         declared = request.content_length
         if declared is not None and declared > MAX_FRAME_BYTES:  # refused unread: no report is that large
             self.metrics.peer_report("received", "TOO_LARGE")
-            return web.Response(status=413, text="TOO_LARGE")
+            return _text(413, "TOO_LARGE")
         frame = bytearray()
         try:
             async with asyncio.timeout(self.config.body_timeout):
-                async for chunk in request.content.iter_any():
+                async for chunk in request.chunks():
                     frame += chunk
                     if len(frame) > MAX_FRAME_BYTES:
                         self.metrics.peer_report("received", "TOO_LARGE")
-                        return web.Response(status=413, text="TOO_LARGE")
-        except (TimeoutError, ConnectionResetError, aiohttp.ClientPayloadError):
+                        return _text(413, "TOO_LARGE")
+        except BodyTooLargeError:
+            self.metrics.peer_report("received", "TOO_LARGE")
+            return _text(413, "TOO_LARGE")
+        except (TimeoutError, ConnectionResetError):
             self.metrics.peer_report("received", "BODY_INCOMPLETE")
-            return web.Response(status=400, text="BODY_INCOMPLETE")
+            return _text(400, "BODY_INCOMPLETE")
         outcome = self.exchange.receive(bytes(frame))
-        if outcome in ("accepted", "stale"):
-            return web.Response(status=200, text=outcome)
-        return web.Response(status=400, text=outcome)
+        return _text(200 if outcome in ("accepted", "stale") else 400, outcome)
 
-    async def _metrics(self, request: web.Request) -> web.Response:
+    async def _metrics(self, request: Request) -> Response:
         body, content_type = self.metrics.render(request.headers.get("Accept", ""))
-        return web.Response(body=body, headers={"Content-Type": content_type})
+        return Response(body, content_type=content_type)
 
-    def _unauthorized(self, request: web.Request) -> web.Response | None:
+    def _unauthorized(self, request: Request) -> Response | None:
         """401 for a /v1/ request without one of the configured API keys (none configured: every request passes);
         before its body is read, so no engine is ever called for it."""
         keys = self.config.api_keys
@@ -316,7 +327,7 @@ class Router:
         response.headers["WWW-Authenticate"] = 'Bearer realm="kvbridge-router"'
         return response
 
-    async def _models(self, request: web.Request) -> web.Response:
+    async def _models(self, request: Request) -> Response:
         refused = self._unauthorized(request)
         if refused is not None:
             return refused
@@ -327,15 +338,13 @@ class Router:
         try:
             forwarded = {k: request.headers[k] for k in FORWARDED_HEADERS if k in request.headers}
             async with self.session.get(f"{decode.url}/v1/models", timeout=timeout, headers=forwarded) as upstream:
-                return web.Response(
-                    body=await upstream.read(), status=upstream.status, content_type=upstream.content_type
-                )
+                return Response(await upstream.read(), upstream.status, upstream.content_type)
         except (aiohttp.ClientError, TimeoutError) as exc:
             return RouteError(502, "DECODE_UNAVAILABLE", f"decode pod {decode.pod}: {_reason(exc)}").response()
 
     # -- generation ------------------------------------------------------------------------------------------
 
-    async def _generate(self, request: web.Request) -> web.StreamResponse:
+    async def _generate(self, request: Request) -> Answer:
         started = time.perf_counter()
         route = ROUTES[request.path]
         refused = self._unauthorized(request)
@@ -374,7 +383,7 @@ class Router:
 
     async def _served(
         self,
-        request: web.Request,
+        request: Request,
         body: Obj,
         raw: bytes,
         prefill_body: bytes,
@@ -383,7 +392,7 @@ class Router:
         started: float,
         after: asyncio.Event | None = None,
         prefilled: asyncio.Event | None = None,
-    ) -> web.StreamResponse:
+    ) -> Answer:
         """One completion: prefilled on a pair's prefill pod, decoded on its decode pod, each retried elsewhere while
         nothing has reached the client. A sample of several (``_sampled``) prefills only ``after`` the event is set,
         and sets ``prefilled`` once it has."""
@@ -426,8 +435,8 @@ class Router:
                     decode = other
 
     async def _sampled(
-        self, request: web.Request, body: Obj, n: int, headers: dict[str, str], ledger: Ledger, started: float
-    ) -> web.StreamResponse:
+        self, request: Request, body: Obj, n: int, headers: dict[str, str], ledger: Ledger, started: float
+    ) -> Answer:
         """``n`` completions of one prompt (samples.py): the first sample prefilled alone, the others after it (the
         prefill pod's prefix cache then holds the prompt), every decode at once; one answer joining them, or the
         first failure (the other samples cancelled)."""
@@ -460,11 +469,11 @@ class Router:
             ledger.spent += max(sample.spent for sample in ledgers)
         data = []
         for answer in answers:
-            if answer.status != 200 or not isinstance(answer, web.Response) or not isinstance(answer.body, bytes):
+            if answer.status != 200 or not isinstance(answer, Response):
                 return answer  # an engine's refusal of the request, as it gave it
             data.append(answer.body)
         try:
-            return web.Response(body=joined(data), status=200, content_type="application/json")
+            return Response(joined(data))
         except JoinError as exc:
             raise RouteError(502, "DECODE_ANSWER_INVALID", str(exc)) from None
 
@@ -618,7 +627,7 @@ class Router:
 
     async def _decode(
         self,
-        request: web.Request,
+        request: Request,
         target: Target,
         body: Obj,
         raw: bytes,
@@ -626,7 +635,7 @@ class Router:
         headers: dict[str, str],
         started: float,
         ledger: Ledger,
-    ) -> web.StreamResponse:
+    ) -> Answer:
         params = signed(self.config.transfer_token, params) if self.config.transfer_token else params
         decode_body = with_field(raw, "kv_transfer_params", params)
         if decode_body is None:  # not UTF-8 shaped {...}: encoded again
@@ -636,7 +645,7 @@ class Router:
         idle = self.config.decode_idle_timeout if stream else None  # streams: the longest wait for each chunk
         self._enter("decode", target)
         called = time.perf_counter()
-        response: web.StreamResponse | None = None
+        response: StreamResponse | None = None
         try:
             async with asyncio.timeout(max(min(self.config.decode_timeout, left), 0.001)):
                 async with self.upstream.post(
@@ -661,8 +670,8 @@ class Router:
                             _after_answer(
                                 self.metrics.observe_ttft, time.perf_counter() - started, ledger.trace.trace_id
                             )
-                        return web.Response(body=data, status=upstream.status, content_type=upstream.content_type)
-                    response = web.StreamResponse(
+                        return Response(data, upstream.status, upstream.content_type)
+                    response = StreamResponse(
                         status=200,
                         headers={
                             "Content-Type": upstream.headers.get("content-type", "text/event-stream"),
@@ -695,7 +704,7 @@ class Router:
                     return response
         except AnswerTooLargeError as exc:  # read before anything reached the client; the request's, not retried
             raise RouteError(502, "DECODE_ANSWER_TOO_LARGE", f"decode pod {target.pod}: {exc}") from None
-        except (TimeoutError, UpstreamError, ConnectionResetError, aiohttp.ClientError) as exc:
+        except (TimeoutError, UpstreamError, ConnectionResetError) as exc:
             code, status = ("DECODE_TIMEOUT", 504) if isinstance(exc, TimeoutError) else ("DECODE_UNAVAILABLE", 502)
             message = f"decode pod {target.pod}: {_reason(exc)}"
             if response is None or not response.prepared:  # nothing reached the client: retry on another pair
@@ -707,7 +716,7 @@ class Router:
                 return response
             # the stream has begun: end it with an error event the client can read
             event = {"error": {"message": message, "type": "server_error", "code": code}}
-            with contextlib.suppress(ConnectionResetError, aiohttp.ClientError):
+            with contextlib.suppress(ConnectionResetError):
                 await response.write(f"data: {json.dumps(event)}\n\n".encode())
                 await response.write_eof()
             self.metrics.answered(ROUTES[request.path], f"{code}_MIDSTREAM")
@@ -823,129 +832,36 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-class _MalformedInOneLine(logging.Filter):
-    """aiohttp logs a request it cannot parse (too many headers, a line too long, bad framing) as an error with its
-    traceback; it has already answered 400/431. One warning line says enough."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, HttpProcessingError):
-            reason = " ".join(str(error.message).split())[:200]
-            record.msg, record.args = "refused a malformed HTTP request (%s %s)", (error.code, reason)
-            record.exc_info, record.exc_text = None, None
-            record.levelno, record.levelname = logging.WARNING, "WARNING"
-        return True
+def _text(status: int, text: str) -> Response:
+    return Response(text.encode(), status, "text/plain; charset=utf-8")
 
 
-class _HeadBound(asyncio.Protocol):
-    """aiohttp's protocol for one client connection, with a bound on the request head: the connection is closed when
-    no whole head arrived ``timeout`` seconds after the connection opened, or after the first byte of a later
-    request (aiohttp's own timer bounds only idle keep-alive connections, and not at all before version 3.14). The
-    app's middleware (:func:`_head_arrived`) says when a head arrived and when its request was answered; a head
-    begun while the previous request is served waits for the keep-alive bound, and none is late while an answer is
-    still being written."""
-
-    def __init__(self, inner: web.RequestHandler, timeout: float) -> None:
-        self.inner, self.timeout = inner, timeout
-        self._timer: asyncio.TimerHandle | None = None
-        self._serving = False  # a head arrived and its request is not answered yet
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.inner.connection_made(transport)
-        self._arm()
-
-    def data_received(self, data: bytes) -> None:
-        if not self._serving and self._timer is None:  # the first byte of the next request's head
-            self._arm()
-        self.inner.data_received(data)
-
-    def eof_received(self) -> bool | None:
-        self.inner.eof_received()
-        return False  # as aiohttp's: the transport closes itself once the client has closed its side
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        self.inner.connection_lost(exc)
-
-    def pause_writing(self) -> None:
-        self.inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.inner.resume_writing()
-
-    def head_arrived(self) -> None:
-        self._serving = True
-        self._disarm()
-
-    def answered(self) -> None:
-        self._serving = False
-
-    def _arm(self) -> None:
-        self._timer = asyncio.get_running_loop().call_later(self.timeout, self._expired)
-
-    def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _expired(self) -> None:
-        self._timer = None
-        transport = self.inner.transport
-        if self._serving or transport is None:
-            return
-        if transport.get_write_buffer_size():  # an answer still going out: the next head is not late yet
-            self._arm()
-            return
-        self.inner.force_close()
-
-
-@web.middleware
-async def _head_arrived(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    """Tells the connection's :class:`_HeadBound` (when served by :func:`serve`) that a head arrived, and when its
-    request's handler returned."""
-    transport = request.transport
-    bound = transport.get_protocol() if transport is not None else None
-    if not isinstance(bound, _HeadBound):
-        return await handler(request)
-    bound.head_arrived()
+@contextlib.asynccontextmanager
+async def listening(router: Router, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[int]:
+    """The router served on ``host``:``port`` (0: a free port, the one taken yielded) while the block runs: started,
+    then its connections given ``SHUTDOWN_GRACE_SECONDS`` and closed, and the router stopped."""
+    await router.start()
+    server = Server(
+        router.routes(), router.config.header_timeout, CLIENT_KEEPALIVE_SECONDS, router.config.max_body_bytes
+    )
     try:
-        return await handler(request)
+        listener = await asyncio.get_running_loop().create_server(server, host, port, backlog=128)
+    except BaseException:
+        await router.stop()
+        raise
+    try:
+        yield int(listener.sockets[0].getsockname()[1])
     finally:
-        bound.answered()
+        listener.close()
+        await server.shutdown(SHUTDOWN_GRACE_SECONDS)
+        await router.stop()
 
 
 async def serve(router: Router, host: str, port: int, stop: asyncio.Event) -> None:
     """Serve until ``stop`` is set."""
-    server_log = logging.getLogger("aiohttp.server")
-    if not any(isinstance(f, _MalformedInOneLine) for f in server_log.filters):
-        server_log.addFilter(_MalformedInOneLine())
-    runner = web.AppRunner(
-        router.app(),
-        access_log=None,
-        keepalive_timeout=CLIENT_KEEPALIVE_SECONDS,
-        max_headers=MAX_HEADERS,
-        max_field_size=MAX_HEADER_BYTES,
-        max_line_size=MAX_HEADER_BYTES,
-    )
-    await runner.setup()
-    handlers = runner.server  # aiohttp's protocol factory, each protocol wrapped in the head's bound
-    if handlers is None:
-        raise RuntimeError("the router's app runner has no server")
-    timeout = router.config.header_timeout
-    loop = asyncio.get_running_loop()
-    try:
-        listening = await loop.create_server(lambda: _HeadBound(handlers(), timeout), host, port, backlog=128)
-    except BaseException:
-        await runner.cleanup()
-        raise
-    log.info("router listening on %s:%d", host, port)
-    # what was built at start-up (modules, the app) lives as long as the router: keep it out of the collector's
-    # scans, which otherwise grow with every import and run every few hundred allocations
-    gc.freeze()
-    try:
+    async with listening(router, host, port) as taken:
+        log.info("router listening on %s:%d", host, taken)
+        # what was built at start-up (modules, the router) lives as long as the router: keep it out of the
+        # collector's scans, which otherwise grow with every import and run every few hundred allocations
+        gc.freeze()
         await stop.wait()
-    finally:
-        listening.close()
-        await runner.cleanup()

@@ -14,7 +14,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,7 +29,7 @@ from kvbridge_router.peers import (
 )
 from kvbridge_router.pool import Balancer, Pool, Target
 from kvbridge_router.prefixes import prefix_keys
-from kvbridge_router.proxy import Router, RouterConfig
+from kvbridge_router.proxy import Router, RouterConfig, listening
 from kvbridge_sim.support import free_port, until
 
 from .test_proxy import FakeEngine
@@ -201,7 +200,8 @@ async def two_replicas(
         await engine.start()
     ports = [free_port(), free_port()]
     urls = [f"http://127.0.0.1:{port}" for port in ports]
-    routers, servers = [], []
+    routers: list[Router] = []
+    servers: list[contextlib.AsyncExitStack] = []  # closed in the order started, as replicas stop one by one
     status = {
         "prefill": {"endpoints": [e.endpoint for e in engines[:4]]},
         "decode": {"endpoints": [engines[4].endpoint]},
@@ -213,14 +213,13 @@ async def two_replicas(
             )
             router = Router(config)
             router.set_pool(Pool.from_status(status))
-            server = TestServer(router.app(), host="127.0.0.1", port=port)
-            await server.start_server()
+            servers.append(contextlib.AsyncExitStack())
+            await servers[-1].enter_async_context(listening(router, port=port))
             routers.append(router)
-            servers.append(server)
         yield urls, routers, engines
     finally:
         for server in servers:
-            await server.close()
+            await server.aclose()
         for engine in engines:
             if engine.server is not None:
                 await engine.server.close()

@@ -23,7 +23,7 @@ from kvbridge_router.admission import parse
 from kvbridge_router.errors import RouteError
 from kvbridge_router.pool import Pool
 from kvbridge_router.prefixes import prefix_keys
-from kvbridge_router.proxy import Router, RouterConfig, prefill_bytes, prefill_request, with_field
+from kvbridge_router.proxy import Router, RouterConfig, listening, prefill_bytes, prefill_request, with_field
 from kvbridge_sim.support import free_port
 
 Obj = dict[str, Any]
@@ -201,15 +201,10 @@ async def running_rig(config: RouterConfig, prefill: list[str], decode: list[str
     for engine in engines:
         await engine.start()
     router = Router(config)
-    server = TestServer(router.app(), host="127.0.0.1")
-    await server.start_server()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
-        found = Rig(
-            router, f"http://127.0.0.1:{server.port}", session, engines[: len(prefill)], engines[len(prefill) :]
-        )
+    async with listening(router) as port, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        found = Rig(router, f"http://127.0.0.1:{port}", session, engines[: len(prefill)], engines[len(prefill) :])
         found.route()
         yield found
-    await server.close()
     for engine in engines:
         assert engine.server is not None
         await engine.server.close()

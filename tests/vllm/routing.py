@@ -8,12 +8,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from aiohttp.test_utils import TestServer
-
 from kvbridge_agent.core import Role
 from kvbridge_operator.api.names import LABEL_PAIRING
 from kvbridge_router.pool import Pool
-from kvbridge_router.proxy import Router, RouterConfig
+from kvbridge_router.proxy import Router, RouterConfig, listening
 from kvbridge_sim.vllm_engines import Engines, metric, rendered_template
 
 Obj = dict[str, Any]
@@ -32,12 +30,8 @@ def pool(prefill: list[Obj], decode: list[Obj]) -> Pool:
 @asynccontextmanager
 async def running_router(config: RouterConfig | None = None) -> AsyncIterator[tuple[Router, str]]:
     router = Router(config or RouterConfig(prefill_timeout=60, decode_timeout=120))
-    server = TestServer(router.app(), host="127.0.0.1")
-    await server.start_server()
-    try:
-        yield router, f"http://127.0.0.1:{server.port}"
-    finally:
-        await server.close()
+    async with listening(router) as port:
+        yield router, f"http://127.0.0.1:{port}"
 
 
 def streamed_tokens(text: str) -> list[int]:

@@ -34,7 +34,7 @@ from kvbridge_agent.core import Role
 from kvbridge_agent.core import tracing as words
 from kvbridge_agent.core.handshake import KVTransferParams
 from kvbridge_agent.transfer.keys import load_keys
-from kvbridge_router.proxy import Router, RouterConfig
+from kvbridge_router.proxy import Router, RouterConfig, listening
 from kvbridge_router.tracing import Tracing
 from kvbridge_sim import pd_requests
 from kvbridge_sim.tiny_model import prompt
@@ -140,8 +140,8 @@ async def test_one_trace_across_the_router_both_engines_and_the_kv_transfer(
     provider = TracerProvider(resource=Resource.create({"service.name": "tiny-traced-router"}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=TRACES_URL)))  # real OTLP protobuf
     router = Router(RouterConfig(prefill_timeout=60, decode_timeout=120), tracing=Tracing(provider))
-    server = TestServer(router.app(), host="127.0.0.1")
-    await server.start_server()
+    served = contextlib.AsyncExitStack()
+    port = await served.enter_async_context(listening(router))
     document = DEPLOYMENTS["traced"]
     router.set_pool(
         pool(
@@ -151,11 +151,11 @@ async def test_one_trace_across_the_router_both_engines_and_the_kv_transfer(
     )
     body = {"model": MODEL_NAME, "prompt": prompt(70, salt=4040), "max_tokens": 4, "temperature": 0.0}
     try:
-        url = f"http://127.0.0.1:{server.port}/v1/completions"
+        url = f"http://127.0.0.1:{port}/v1/completions"
         async with pd_requests.client_session(180) as session, session.post(url, json=body) as answer:
             assert answer.status == 200, await answer.text()
     finally:
-        await server.close()
+        await served.aclose()
         provider.shutdown()
     [root] = [s for s in receiver.spans if s.name == words.ROUTER_REQUEST]  # the router's, flushed at shutdown
     trace = root.trace_id
@@ -252,21 +252,21 @@ async def test_a_retried_decode_is_a_sibling_span_in_the_same_trace(
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=TRACES_URL)))
     config = RouterConfig(prefill_timeout=60, decode_timeout=120, policy="least-loaded")
     router = Router(config, tracing=Tracing(provider))
-    server = TestServer(router.app(), host="127.0.0.1")
-    await server.start_server()
+    served = contextlib.AsyncExitStack()
+    port = await served.enter_async_context(listening(router))
     document = DEPLOYMENTS["traced"]
     real = endpoint(traced_engines, "traced-decode", document, Role.DECODE)
     failing = {**real, "pod": "broken-decode", "ip": "127.0.0.1", "httpPort": broken_server.port}
     router.set_pool(pool([endpoint(traced_engines, "traced-prefill", document, Role.PREFILL)], [failing, real]))
     try:
-        url = f"http://127.0.0.1:{server.port}/v1/completions"
+        url = f"http://127.0.0.1:{port}/v1/completions"
         async with pd_requests.client_session(180) as session:
             for salt in range(3):  # some request meets the failing pod first
                 body = {"model": MODEL_NAME, "prompt": prompt(40, salt=5050 + salt), "max_tokens": 4, "temperature": 0}
                 async with session.post(url, json=body) as answer:
                     assert answer.status == 200, await answer.text()
     finally:
-        await server.close()
+        await served.aclose()
         await broken_server.close()
         provider.shutdown()
     calls = [s for s in receiver.spans if s.name == words.ROUTER_DECODE]
@@ -333,19 +333,19 @@ async def test_a_digest_mismatch_behind_the_router_is_the_error_under_its_decode
     provider = TracerProvider(resource=Resource.create({"service.name": "tiny-traced-router"}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=TRACES_URL)))
     router = Router(RouterConfig(prefill_timeout=60, decode_timeout=120), tracing=Tracing(provider))
-    server = TestServer(router.app(), host="127.0.0.1")
-    await server.start_server()
+    served = contextlib.AsyncExitStack()
+    port = await served.enter_async_context(listening(router))
     document = DEPLOYMENTS["traced"]
     prefill = endpoint(traced_engines, "traced-prefill", document, Role.PREFILL)
     prefill = {**prefill, "ip": "127.0.0.1", "httpPort": proxy_server.port}
     router.set_pool(pool([prefill], [endpoint(traced_engines, "traced-decode", document, Role.DECODE)]))
     body = {"model": MODEL_NAME, "prompt": prompt(75, salt=6060), "max_tokens": 4, "temperature": 0.0}
     try:
-        url = f"http://127.0.0.1:{server.port}/v1/completions"
+        url = f"http://127.0.0.1:{port}/v1/completions"
         async with pd_requests.client_session(180) as session, session.post(url, json=body) as answer:
             status = answer.status
     finally:
-        await server.close()
+        await served.aclose()
         await proxy_server.close()
         provider.shutdown()
     assert overwritten, "the proxy saw no transfer parameters"

@@ -3,6 +3,7 @@ the router signed; anything else gets 403 TRANSFER_NOT_SIGNED before a byte is r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.error
 import urllib.request
@@ -13,7 +14,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
 from kvbridge_agent.core import ModelGeometry, Role, RoleSettings, SpecError
 from kvbridge_agent.core.contract import EngineEnvironment
@@ -26,7 +26,7 @@ from kvbridge_agent.synthetic.processes import EngineProcess, start_engine
 from kvbridge_agent.synthetic.ranks import EngineError
 from kvbridge_agent.transfer.keys import generate_keys
 from kvbridge_router.pool import Pool
-from kvbridge_router.proxy import Router, RouterConfig
+from kvbridge_router.proxy import Router, RouterConfig, listening
 
 TOKEN = b"f" * 64
 PARAMS = KVTransferParams(
@@ -197,20 +197,20 @@ async def test_through_the_signing_router_decode_reads_and_around_it_decode_refu
     router.set_pool(
         Pool.from_status({"prefill": {"endpoints": [endpoint(prefill)]}, "decode": {"endpoints": [endpoint(decode)]}})
     )
-    server = TestServer(router.app(), host="127.0.0.1")
-    await server.start_server()
+    served = contextlib.AsyncExitStack()
+    port = await served.enter_async_context(listening(router))
     try:
         async with (
             aiohttp.ClientSession() as session,
             session.post(
-                f"http://127.0.0.1:{server.port}/v1/completions",
+                f"http://127.0.0.1:{port}/v1/completions",
                 json={"prompt": "one two three four five", "max_tokens": 1},
             ) as answer,
         ):
             assert answer.status == 200, await answer.text()
             assert (await answer.json())["kvbridge"]["verified"] is True
     finally:
-        await server.close()
+        await served.aclose()
     # a caller that reaches decode with what prefill returned, not through the router
     status, offered = prefill.post(
         "/v1/completions", {"prompt": "six seven", "kv_transfer_params": {"do_remote_decode": True}}
