@@ -11,15 +11,18 @@ they do), kept alive as HTTP/1.1 and 1.0 say (``Connection``), ``Expect: 100-con
 reads the body, bodies with ``Content-Length`` or chunked (llhttp checks the framing: both, or two lengths, are
 refused), answers with ``Content-Length`` or streamed (chunked; to an HTTP/1.0 client, until the connection closes).
 A request asking to switch protocols (``Upgrade: h2c``, as ``curl --http2`` asks) is answered in HTTP/1.1 and the
-connection closed; with a body, it is refused (llhttp stops at its head).
+connection closed; with a body, it is refused (llhttp stops at its head). A target in absolute form
+(``http://host/path``) is routed by its path; any other (``CONNECT``'s ``host:port``) is refused.
 
 Bounds: the request line and each header field at most ``MAX_FIELD_BYTES``, ``MAX_HEADERS`` fields (431, or 400 for
 a line, and the connection closed); a whole head must arrive ``header_timeout`` seconds after the connection opened,
 or after the first byte of a later request, and an idle kept-alive connection is closed after ``keepalive`` seconds;
 a body is kept up to ``max_body_bytes`` (the handler reads :class:`BodyTooLargeError` past it; it reads the body within
-its own timeout). A malformed request is answered 400 and logged as one warning line; the connection is closed.
-A connection whose request body was not read whole is closed after its answer (nothing of it is taken for the next
-request).
+its own timeout), and what a chunked body carries besides (chunk sizes, trailers) up to ``MAX_HEAD_BYTES``; an answer
+the client takes nothing of for ``SEND_TIMEOUT_SECONDS`` drops the connection. A malformed request is answered 400
+and logged as one warning line; the connection is closed. A connection whose request body was not read whole is
+closed after its answer (nothing of it is taken for the next request), the rest read and dropped for up to
+``LINGER_SECONDS`` so that the client, still sending, gets the answer.
 
 A client that leaves: a body being read fails with ``ConnectionResetError``, and so does a write; the handler is not
 cancelled (as aiohttp's default), so that what it started (an engine call) ends as it would. :meth:`Server.shutdown`
@@ -420,6 +423,10 @@ class _Connection(asyncio.Protocol):
         self._drains: deque[asyncio.Future[None]] = deque()
         self._task: asyncio.Task[None] | None = None
         self._url_bytes = 0
+        #: a body's reads: the bytes llhttp passed on as body in the last read, and what came besides, in all
+        self._delivered = 0
+        self._framing = 0
+        self._aborting = False
         self._paused = False
         #: nothing more is read: a request switched protocols, was malformed, or the client half-closed
         self._stopped = False
@@ -440,6 +447,8 @@ class _Connection(asyncio.Protocol):
             return
         if self._timing == "idle":  # the first byte of the next request's head: it has a bound now
             self._arm(self.server.header_timeout, "head")
+        in_body = self._parsing is not None and not self._in_head
+        self._delivered = 0
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -455,8 +464,8 @@ class _Connection(asyncio.Protocol):
                 self._refuse(500, "INTERNAL_ERROR", "the router failed to read the request")
             return
         except httptools.HttpParserError as exc:
-            if self._parser.get_http_version() == "1.0" and "after `Connection: close`" in str(exc):
-                self._stopped = True  # an HTTP/1.0 client's next request on a connection it did not keep: not read
+            if "after `Connection: close`" in str(exc):
+                self._stopped = True  # a request after one that closed the connection: not read
             else:
                 self._refuse(400, "BAD_REQUEST", str(exc))
             return
@@ -464,13 +473,20 @@ class _Connection(asyncio.Protocol):
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._refuse(431, "HEADERS_TOO_LARGE", f"the request head exceeds {MAX_HEAD_BYTES} bytes")
+        elif in_body and self._parsing is not None:
+            # what a body's read carried besides the body: chunk sizes and trailers, which llhttp holds unbounded
+            self._framing += len(data) - self._delivered
+            if self._framing > MAX_HEAD_BYTES:
+                message = f"the request's chunk framing and trailers exceed {MAX_HEAD_BYTES} bytes"
+                self._refuse(400, "BAD_REQUEST", message)
 
     def eof_received(self) -> bool | None:
         self._stopped = True
         if self._parsing is not None:
             self._parsing._fail(ConnectionResetError("the client closed the connection before its body arrived"))
-        # nothing to answer: the transport closes; else half-closed, the answer being written still goes out
-        return self._serving is not None
+        if self._serving is None:  # nothing to answer: closed (bounded, if what was written is not taken)
+            self.close()
+        return True  # else half-closed: the answer being written still goes out, then the connection closes
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
@@ -500,6 +516,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._url, self._fields, self._count, self._in_head, self._url_bytes = [], {}, 0, True, 0
+        self._framing = 0
 
     def on_url(self, url: bytes) -> None:
         self._url.append(url)
@@ -527,14 +544,18 @@ class _Connection(asyncio.Protocol):
         parser = self._parser
         url = self._url[0] if len(self._url) == 1 else b"".join(self._url)
         if not url.startswith(b"/"):  # absolute form (``POST http://host/v1/completions``), as proxies send
-            url = httptools.parse_url(url).path or b"/"
+            try:
+                url = httptools.parse_url(url).path or b"/"
+            except httptools.HttpParserInvalidURLError:  # CONNECT's host:port, a scanner's nonsense
+                raise _RefusedError(400, "BAD_REQUEST", "the request target is not a path or an http URL") from None
         path = url.split(b"?", 1)[0].decode("latin-1")
         version = parser.get_http_version()
         keep_alive = parser.should_keep_alive() and not parser.should_upgrade()
         if version == "1.0" and "transfer-encoding" in self._fields:
             keep_alive = False  # HTTP/1.0 has no chunked framing to trust (RFC 9112 6.1): answered, then closed
         request = Request(self, parser.get_method().decode("latin-1"), path, Headers(self._fields), keep_alive, version)
-        if parser.should_upgrade() and ("content-length" in self._fields or "transfer-encoding" in self._fields):
+        has_body = "transfer-encoding" in self._fields or self._fields.get("content-length", ["0"])[0].strip() != "0"
+        if parser.should_upgrade() and has_body:
             raise _RefusedError(
                 400, "BAD_REQUEST", "a request with a body cannot switch protocols here (HTTP/1.1 only)"
             )
@@ -550,6 +571,7 @@ class _Connection(asyncio.Protocol):
             self._pause_reading()
 
     def on_body(self, body: bytes) -> None:
+        self._delivered += len(body)
         if self._parsing is not None:
             self._parsing._feed(body)
 
@@ -625,7 +647,10 @@ class _Connection(asyncio.Protocol):
             self._linger()  # answered before its body arrived whole: the rest is not taken for a request
             return
         if closes or not self.keeps(request):
-            self.close()
+            if self._stopped and self._paused:  # reading was paused: the client's bytes may wait unread
+                self._linger()
+            else:
+                self.close()
             return
         if self._waiting:
             following = self._waiting.popleft()
@@ -634,6 +659,7 @@ class _Connection(asyncio.Protocol):
             self._start(following)
             return
         self._resume_reading()
+        self._unsent = 0
         if self._in_head:
             self._arm(self.server.header_timeout, "head")
         else:
@@ -669,10 +695,13 @@ class _Connection(asyncio.Protocol):
         """Close once what was written is sent; what is not taken within ``SEND_TIMEOUT_SECONDS`` is dropped."""
         self._disarm()
         transport = self.transport
-        if transport is not None and not transport.is_closing():
+        if transport is None:
+            return
+        if not transport.is_closing():
             transport.close()
-            if transport.get_write_buffer_size():
-                self._loop.call_later(SEND_TIMEOUT_SECONDS, self._abort, transport)
+        if transport.get_write_buffer_size() and not self._aborting:
+            self._aborting = True
+            self._loop.call_later(SEND_TIMEOUT_SECONDS, self._abort, transport)
 
     def _abort(self, transport: asyncio.Transport) -> None:
         if self.transport is transport:  # not lost yet

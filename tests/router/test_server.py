@@ -395,3 +395,65 @@ async def test_requests_read_ahead_are_bounded_and_not_served_once_the_client_le
     finally:
         listener.close()
         await server.shutdown(1.0)
+
+
+async def test_a_half_closed_client_that_takes_nothing_is_dropped_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An answer left in the buffer (under the pause mark, so no handler waits for it), then a malformed request and
+    the client's side shut: the connection is closed with its bytes unsent, and dropped after the send bound."""
+    monkeypatch.setattr(server_module, "SEND_TIMEOUT_SECONDS", 0.5)
+
+    async def small(request: Request) -> Response:
+        assert request.transport is not None
+        request.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        return Response(b"x" * 40_000)
+
+    server = Server({("GET", "/small"): small}, header_timeout=5.0, keepalive=30.0)
+    listener = await asyncio.get_running_loop().create_server(server, "127.0.0.1", 0)
+    client = socket.socket()
+    try:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect(listener.sockets[0].getsockname())
+        client.sendall(b"GET /small HTTP/1.1\r\nHost: x\r\n\r\n")
+        await until(lambda: all(c.idle for c in server.connections), 5, "the answer to be written")
+        client.sendall(b"GARBAGE\r\n\r\n")
+        client.shutdown(socket.SHUT_WR)
+        await until(lambda: not server.connections, 5, "the connection to be dropped")
+    finally:
+        client.close()
+        listener.close()
+        await server.shutdown(1.0)
+
+
+async def test_trailers_that_never_end_are_refused() -> None:
+    async with serving() as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nX-T: ")
+            for _ in range(MAX_HEAD_BYTES // 65536 + 2):
+                writer.write(b"a" * 65536)
+                await writer.drain()
+            answer = await closed_within(reader, 5)
+        finally:
+            writer.close()
+    assert status(answer) in (400, 413)  # the handler's read fails first, or the framing bound answers
+
+
+async def test_targets_that_are_no_path_and_requests_after_a_close_are_quiet(caplog: pytest.LogCaptureFixture) -> None:
+    async with serving() as port:
+        (connect,) = await exchange(port, b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n")
+        assert status(connect) == 400
+        (absolute,) = await exchange(port, b"GET http://router:8000/health HTTP/1.1\r\nHost: router\r\n\r\n")
+        assert status(absolute) == 200
+        closing = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(closing)
+        got = await closed_within(reader, 5)
+        writer.close()
+        assert got.count(b"HTTP/1.1 200") == 1
+        upgrade = b"POST /echo HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\nContent-Length: 0\r\n\r\n"
+        (no_body,) = await exchange(port, upgrade)
+        assert status(no_body) == 200
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    assert [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()] == [
+        "refused a malformed HTTP request (400 the request target is not a path or an http URL)"
+    ]
