@@ -3,7 +3,7 @@ error shape."""
 
 from __future__ import annotations
 
-from kvbridge_router.server import Response, json_response
+from kvbridge_router.server import Response, error_body
 
 
 class RouteError(Exception):
@@ -25,6 +25,4 @@ class RouteError(Exception):
         self.reprefill = reprefill
 
     def response(self) -> Response:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-        return json_response(body, status=self.status)
+        return Response(error_body(self.status, self.code, self.message, self.param), self.status)

@@ -38,7 +38,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import overload
 
 import httptools
@@ -89,9 +89,6 @@ class Headers:
     def __contains__(self, name: str) -> bool:
         return name.lower() in self._fields
 
-    def __len__(self) -> int:
-        return len(self._fields)
-
     @overload
     def get(self, name: str) -> str | None: ...
 
@@ -105,10 +102,6 @@ class Headers:
     def getall(self, name: str, default: list[str] | None = None) -> list[str]:
         values = self._fields.get(name.lower())
         return list(values) if values else ([] if default is None else default)
-
-    def items(self) -> Iterator[tuple[str, str]]:
-        """Each value of each field, by its lower-case name."""
-        return ((name, value) for name, values in self._fields.items() for value in values)
 
 
 class Request:
@@ -313,9 +306,11 @@ Answer = Response | StreamResponse
 Handler = Callable[[Request], Awaitable[Answer]]
 
 
-def _error_body(status: int, code: str, message: str) -> bytes:
+def error_body(status: int, code: str, message: str, param: str | None = None) -> bytes:
+    """An error as OpenAI's API writes one: ``{"error": {"message", "type", "param", "code"}}``, the type by the
+    status (the client's request below 500, the server's from 500)."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return json.dumps({"error": {"message": message, "type": kind, "code": code}}).encode()
+    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
 
 
 class _Date:
@@ -369,9 +364,11 @@ class Server:
         for (method, path), handler in routes.items():
             if method == "GET":
                 self.routes.setdefault(("HEAD", path), handler)
-        self.allowed: dict[str, str] = {}
+        methods: dict[str, set[str]] = {}
         for method, path in self.routes:
-            self.allowed[path] = ", ".join(sorted({*self.allowed.get(path, "").split(", "), method} - {""}))
+            methods.setdefault(path, set()).add(method)
+        #: each path's methods, as a 405's ``Allow`` lists them
+        self.allowed = {path: ", ".join(sorted(taken)) for path, taken in methods.items()}
         self.header_timeout, self.keepalive, self.max_body_bytes = header_timeout, keepalive, max_body_bytes
         self.connections: set[_Connection] = set()
         self.closing = False
@@ -613,16 +610,16 @@ class _Connection(asyncio.Protocol):
         if handler is None:
             allowed = self.server.allowed.get(request.path)
             if allowed is None:
-                return Response(_error_body(404, "NOT_FOUND", f"no route {request.path}"), 404)
+                return Response(error_body(404, "NOT_FOUND", f"no route {request.path}"), 404)
             message = f"{request.path} takes {allowed}, not {request.method}"
-            return Response(_error_body(405, "METHOD_NOT_ALLOWED", message), 405, headers={"Allow": allowed})
+            return Response(error_body(405, "METHOD_NOT_ALLOWED", message), 405, headers={"Allow": allowed})
         try:
             return await handler(request)
         except Exception:
             log.exception("%s %s failed", request.method, request.path)
             if request.head_sent:
                 return None
-            return Response(_error_body(500, "INTERNAL_ERROR", "the router failed on this request"), 500)
+            return Response(error_body(500, "INTERNAL_ERROR", "the router failed on this request"), 500)
 
     def _write_whole(self, request: Request, answer: Response) -> None:
         body = b"" if request.method == "HEAD" else answer.body
@@ -630,8 +627,8 @@ class _Connection(asyncio.Protocol):
         head = _head(answer.status, answer.headers, framing, self.keeps(request), request.version)
         if len(body) < 16384:
             self.write(head + body)
-        elif self.transport is not None and not self.transport.is_closing():
-            self.transport.writelines((head, body))
+        else:  # not copied into one
+            self._live().writelines((head, body))
 
     def keeps(self, request: Request) -> bool:
         """Whether the connection stays open after this request's answer: kept alive, its framing whole, and more
@@ -668,10 +665,14 @@ class _Connection(asyncio.Protocol):
     # -- the transport ------------------------------------------------------------------------------------------
 
     def write(self, data: bytes) -> None:
+        self._live().write(data)
+
+    def _live(self) -> asyncio.Transport:
+        """The transport, while it takes writes; else ``ConnectionResetError``."""
         transport = self.transport
         if transport is None or transport.is_closing():
             raise ConnectionResetError("the client closed the connection")
-        transport.write(data)
+        return transport
 
     async def drain(self) -> None:
         """Wait while the transport's buffer is full (the client has not taken what was written); raises
@@ -711,7 +712,7 @@ class _Connection(asyncio.Protocol):
         """Answer a request the server cannot take (its head), and close the connection."""
         reason = " ".join(reason.split())[:200]
         log.warning("refused a malformed HTTP request (%d %s)", status, reason)
-        body = _error_body(status, code, reason)
+        body = error_body(status, code, reason)
         self._stopped = True
         if self._serving is None and self.transport is not None and not self.transport.is_closing():
             framing = b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)

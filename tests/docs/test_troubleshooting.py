@@ -19,7 +19,7 @@ CODE_PATTERNS = [
     re.compile(r'get\("code",\s*"([A-Z][A-Z0-9_]+)"\)'),  # defaults for codes from elsewhere
     re.compile(r'RouteError\(\s*\w+,\s*"([A-Z][A-Z0-9_]+)"'),  # the router's errors
     re.compile(r'\("([A-Z][A-Z0-9_]+)", 50[24]\)'),  # the router's decode errors
-    re.compile(r'(?:_refuse|_RefusedError|_error_body)\(\s*\d+,\s*"([A-Z][A-Z0-9_]+)"'),  # the router's HTTP server
+    re.compile(r'(?:_refuse|_RefusedError|error_body)\(\s*\d+,\s*"([A-Z][A-Z0-9_]+)"'),  # the router's HTTP server
 ]
 
 
