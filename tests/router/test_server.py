@@ -59,17 +59,27 @@ async def broken(_: Request) -> Response:
 
 
 @contextlib.asynccontextmanager
-async def serving(max_body: int = 1 << 20) -> AsyncIterator[int]:
-    routes: dict[tuple[str, str], Handler] = {("POST", "/echo"): echo, ("GET", "/health"): health}
-    routes["GET", "/stream"] = stream
-    routes["GET", "/broken"] = broken
-    server = Server(routes, header_timeout=HEAD_TIMEOUT, keepalive=30.0, max_body_bytes=max_body)
+async def running(
+    routes: dict[tuple[str, str], Handler], header_timeout: float = 5.0, max_body: int = 1 << 20
+) -> AsyncIterator[tuple[Server, int]]:
+    """A server of ``routes`` on a free port while the block runs: the server and its port."""
+    server = Server(routes, header_timeout=header_timeout, keepalive=30.0, max_body_bytes=max_body)
     listener = await asyncio.get_running_loop().create_server(server, "127.0.0.1", 0)
     try:
-        yield int(listener.sockets[0].getsockname()[1])
+        yield server, int(listener.sockets[0].getsockname()[1])
     finally:
         listener.close()
         await server.shutdown(1.0)
+
+
+@contextlib.asynccontextmanager
+async def serving(max_body: int = 1 << 20) -> AsyncIterator[int]:
+    """The stand-in routes above, served: the port."""
+    routes: dict[tuple[str, str], Handler] = {("POST", "/echo"): echo, ("GET", "/health"): health}
+    routes["GET", "/stream"] = stream
+    routes["GET", "/broken"] = broken
+    async with running(routes, HEAD_TIMEOUT, max_body) as (_, port):
+        yield port
 
 
 async def exchange(port: int, data: bytes, *, answers: int = 1, half_close: bool = False) -> list[bytes]:
@@ -274,19 +284,16 @@ async def test_a_stopping_server_finishes_the_request_it_serves() -> None:
         await asyncio.sleep(0.3)
         return json_response({"done": True})
 
-    server = Server({("GET", "/slow"): slow}, header_timeout=5.0, keepalive=30.0)
-    listener = await asyncio.get_running_loop().create_server(server, "127.0.0.1", 0)
-    port = int(listener.sockets[0].getsockname()[1])
-    idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", port)
-    call = asyncio.ensure_future(exchange(port, b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"))
-    await asyncio.wait_for(started.wait(), 5)
-    listener.close()
-    await server.shutdown(5.0)
-    (answer,) = await call
+    async with running({("GET", "/slow"): slow}) as (server, port):
+        idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", port)
+        call = asyncio.ensure_future(exchange(port, b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"))
+        await asyncio.wait_for(started.wait(), 5)
+        await server.shutdown(5.0)
+        (answer,) = await call
+        assert await closed_within(idle_reader, 2) == b""  # an idle connection is closed at once
+        idle_writer.close()
     assert status(answer) == 200
     assert b"Connection: close" in answer
-    assert await closed_within(idle_reader, 2) == b""  # an idle connection is closed at once
-    idle_writer.close()
 
 
 async def test_a_client_that_takes_nothing_is_cut_and_frees_its_handler(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -313,22 +320,17 @@ async def test_a_client_that_takes_nothing_is_cut_and_frees_its_handler(monkeypa
                 outcome.append("gone")
         return answer
 
-    server = Server({("GET", "/flood"): flood}, header_timeout=5.0, keepalive=30.0)
-    listener = await asyncio.get_running_loop().create_server(server, "127.0.0.1", 0)
-    client = socket.socket()
-    try:
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        client.connect(listener.sockets[0].getsockname())
-        client.sendall(b"GET /flood HTTP/1.1\r\nHost: x\r\n\r\n")  # and then reads nothing
-        await until(lambda: len(outcome) == 2, 5, "the handler to learn that the client is gone")
-        assert outcome == ["timeout", "gone"]
-        await until(lambda: not server.connections, 5, "the connection to be cut")
-        started = time.monotonic()
-        listener.close()
-        await server.shutdown(30.0)
-        assert time.monotonic() - started < 1
-    finally:
-        client.close()
+    async with running({("GET", "/flood"): flood}) as (server, port):
+        with socket.socket() as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.connect(("127.0.0.1", port))
+            client.sendall(b"GET /flood HTTP/1.1\r\nHost: x\r\n\r\n")  # and then reads nothing
+            await until(lambda: len(outcome) == 2, 5, "the handler to learn that the client is gone")
+            assert outcome == ["timeout", "gone"]
+            await until(lambda: not server.connections, 5, "the connection to be cut")
+            started = time.monotonic()
+            await server.shutdown(30.0)
+            assert time.monotonic() - started < 1
 
 
 async def test_a_handler_that_fails_mid_stream_ends_the_connection_not_the_answer_inside_it() -> None:
@@ -338,16 +340,11 @@ async def test_a_handler_that_fails_mid_stream_ends_the_connection_not_the_answe
         await answer.write(b"data: one\n\n")
         raise KeyError("a bug mid-stream")
 
-    server = Server({("GET", "/s"): failing}, header_timeout=5.0, keepalive=30.0)
-    listener = await asyncio.get_running_loop().create_server(server, "127.0.0.1", 0)
-    try:
-        reader, writer = await asyncio.open_connection(*listener.sockets[0].getsockname()[:2])
+    async with running({("GET", "/s"): failing}) as (_, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /s HTTP/1.1\r\nHost: x\r\n\r\nGET /s HTTP/1.1\r\nHost: x\r\n\r\n")
         got = await closed_within(reader, 5)
         writer.close()
-    finally:
-        listener.close()
-        await server.shutdown(1.0)
     assert got.count(b"HTTP/1.1") == 1  # no second head inside the first answer, the next request not served
     assert got.endswith(b"data: one\n\n\r\n")  # without the last chunk: the client sees the stream cut
 
@@ -360,18 +357,12 @@ async def test_trailers_are_not_headers_and_http_1_0_keep_alive_is_said() -> Non
         seen.append(request.headers.get("X-Request-Id"))
         return json_response({})
 
-    server = Server({("POST", "/t"): show, ("GET", "/t"): show}, header_timeout=5.0, keepalive=30.0)
-    listener = await asyncio.get_running_loop().create_server(server, "127.0.0.1", 0)
-    port = int(listener.sockets[0].getsockname()[1])
-    try:
+    async with running({("POST", "/t"): show, ("GET", "/t"): show}) as (_, port):
         chunked = b"POST /t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nX-Request-Id: forged\r\n\r\n"
         (answer,) = await exchange(port, chunked)
         assert status(answer) == 200
         (kept,) = await exchange(port, b"GET /t HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
         assert b"Connection: keep-alive\r\n" in kept
-    finally:
-        listener.close()
-        await server.shutdown(1.0)
     assert seen == [None, None]
 
 
@@ -383,18 +374,12 @@ async def test_requests_read_ahead_are_bounded_and_not_served_once_the_client_le
         await asyncio.sleep(0.2)
         return json_response({})
 
-    server = Server({("GET", "/slow"): slow}, header_timeout=5.0, keepalive=30.0)
-    listener = await asyncio.get_running_loop().create_server(server, "127.0.0.1", 0)
-    port = int(listener.sockets[0].getsockname()[1])
-    try:
+    async with running({("GET", "/slow"): slow}) as (_, port):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n" * (MAX_PIPELINED + 50))
         got = await asyncio.wait_for(reader.read(), 30)  # those read ahead answered, then the connection closed
         writer.close()
-        assert got.count(b"HTTP/1.1 200") == MAX_PIPELINED + 1
-    finally:
-        listener.close()
-        await server.shutdown(1.0)
+    assert got.count(b"HTTP/1.1 200") == MAX_PIPELINED + 1
 
 
 async def test_a_half_closed_client_that_takes_nothing_is_dropped_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -407,21 +392,15 @@ async def test_a_half_closed_client_that_takes_nothing_is_dropped_in_time(monkey
         request.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         return Response(b"x" * 40_000)
 
-    server = Server({("GET", "/small"): small}, header_timeout=5.0, keepalive=30.0)
-    listener = await asyncio.get_running_loop().create_server(server, "127.0.0.1", 0)
-    client = socket.socket()
-    try:
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        client.connect(listener.sockets[0].getsockname())
-        client.sendall(b"GET /small HTTP/1.1\r\nHost: x\r\n\r\n")
-        await until(lambda: all(c.idle for c in server.connections), 5, "the answer to be written")
-        client.sendall(b"GARBAGE\r\n\r\n")
-        client.shutdown(socket.SHUT_WR)
-        await until(lambda: not server.connections, 5, "the connection to be dropped")
-    finally:
-        client.close()
-        listener.close()
-        await server.shutdown(1.0)
+    async with running({("GET", "/small"): small}) as (server, port):
+        with socket.socket() as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.connect(("127.0.0.1", port))
+            client.sendall(b"GET /small HTTP/1.1\r\nHost: x\r\n\r\n")
+            await until(lambda: all(c.idle for c in server.connections), 5, "the answer to be written")
+            client.sendall(b"GARBAGE\r\n\r\n")
+            client.shutdown(socket.SHUT_WR)
+            await until(lambda: not server.connections, 5, "the connection to be dropped")
 
 
 async def test_trailers_that_never_end_are_refused() -> None:
