@@ -22,7 +22,7 @@ import msgspec
 
 from kvbridge_operator.api.objects import Obj
 from kvbridge_router.errors import RouteError
-from kvbridge_router.prompts import one_prompt, token_ids
+from kvbridge_router.prompts import TokenIds, one_prompt, token_ids
 from kvbridge_router.samples import MAX_SAMPLES
 from kvbridge_router.server import BodyTooLargeError, Request
 
@@ -39,6 +39,9 @@ CHARSETS = ("utf-8", "utf8")
 #: msgspec's C decoder: plain JSON (finite numbers, text without lone surrogates; most requests) in a third of the
 #: standard library's time, into the same objects; what it refuses, the standard library decides on as before
 _PLAIN = msgspec.json.Decoder()
+#: the same parser over a body's top level: each field's value checked and kept as its JSON text, then decoded
+#: alone (a prompt of token ids stays text: prompts.TokenIds)
+_FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
 
 
 @dataclass(frozen=True)
@@ -89,9 +92,10 @@ def _media_type(request: Request) -> None:
 def parse(raw: bytes) -> tuple[Obj, bool]:
     """``raw`` as ``json.loads`` parses it, and whether it is plain JSON: every number finite and every string free of
     lone surrogates, which any JSON encoder writes back as it was (``json.loads`` alone takes the others: a NaN, an
-    Infinity, a lone ``\\ud800``, a BOM); raises :class:`RouteError`."""
+    Infinity, a lone ``\\ud800``, a BOM); raises :class:`RouteError`. A plain body's ``prompt`` of token ids is kept
+    as :class:`~kvbridge_router.prompts.TokenIds` (the same ids, never made into Python integers)."""
     try:
-        body, plain = _PLAIN.decode(raw), True
+        body, plain = {name: _field(name, value) for name, value in _FIELDS.decode(raw).items()}, True
     except RecursionError:
         raise RouteError(400, "INVALID_JSON", f"the request body nests deeper than {MAX_DEPTH} levels") from None
     except (msgspec.DecodeError, UnicodeDecodeError):  # not plain, or not JSON: the standard library says which
@@ -102,6 +106,14 @@ def parse(raw: bytes) -> tuple[Obj, bool]:
     if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _depth_exceeds(body, MAX_DEPTH):
         raise RouteError(400, "INVALID_JSON", f"the request body nests deeper than {MAX_DEPTH} levels")
     return body, plain
+
+
+def _field(name: str, value: msgspec.Raw) -> Any:
+    if name == "prompt":
+        ids = TokenIds.read(value)
+        if ids is not None:
+            return ids
+    return _PLAIN.decode(value)
 
 
 def _standard(raw: bytes) -> Any:
@@ -169,7 +181,7 @@ def engine_request_id(client_id: str | None) -> str:
 def _prompt(prompt: Any) -> None:
     """A non-empty string, a non-empty list of token ids, or one prompt in a list (P/D prefills one prompt)."""
     prompt = one_prompt(prompt)
-    if isinstance(prompt, str) and prompt:
+    if isinstance(prompt, TokenIds) or (isinstance(prompt, str) and prompt):  # TokenIds: checked as read
         return
     if isinstance(prompt, list) and token_ids(prompt):
         return

@@ -18,7 +18,6 @@ pool at once. Stale knowledge costs a cache miss on that pod — never a pairing
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import sys
 from collections import OrderedDict
@@ -27,7 +26,7 @@ from collections.abc import Collection, Iterable
 import msgspec
 
 from kvbridge_operator.api.objects import Obj
-from kvbridge_router.prompts import one_prompt, token_ids
+from kvbridge_router.prompts import TokenIds, one_prompt, token_ids
 from kvbridge_router.settings import DEFAULTS
 
 #: the chunk of token-id prompts when the block size is not given (vLLM's default block size on GPUs)
@@ -51,34 +50,45 @@ def prefix_keys(body: Obj, block_tokens: int = CHUNK_TOKENS, *, ids_checked: boo
     ``ids_checked``: a list prompt has passed :func:`~kvbridge_router.prompts.token_ids` already (the router's
     admission checks a completion's), so it is not checked again."""
     ids = prompt_ids(body, ids_checked)
-    chunks: Iterable[object]
+    # chunks are read as integers: Python hashes bytes differently in every process, ints and tuples of them alike in
+    # all, and router replicas must agree on a prompt's keys (ring.py)
     if ids is not None:
-        whole = min(len(ids) // block_tokens, MAX_CHUNKS)
-        # each whole chunk as a tuple of its ids, cut at C speed (zip over one iterator, block_tokens times)
-        chunks = itertools.islice(zip(*[iter(ids)] * block_tokens, strict=False), whole)  # a partial last: dropped
-    else:
-        text = _text(one_prompt(body.get("prompt")), body.get("messages"))
-        if not text:
-            return []
-        data = text.encode("utf-8", "surrogatepass")
-        size = BYTES_PER_TOKEN * block_tokens
-        whole = min(len(data) // size, MAX_CHUNKS)
-        # as integers: Python hashes bytes differently in every process, ints and tuples of them alike in all, and
-        # router replicas must agree on a prompt's keys (ring.py)
-        chunks = (int.from_bytes(data[i * size : (i + 1) * size], "little") for i in range(whole))
+        return _id_keys(ids, block_tokens, _seed(body))
+    text = _text(one_prompt(body.get("prompt")), body.get("messages"))
+    if not text:
+        return []
+    data = text.encode("utf-8", "surrogatepass")
+    size = BYTES_PER_TOKEN * block_tokens
     keys: list[int] = []
     key = _seed(body)
-    for chunk in chunks:
-        key = hash((key, chunk))
+    for start in range(0, min(len(data) // size, MAX_CHUNKS) * size, size):
+        key = hash((key, int.from_bytes(data[start : start + size], "little")))
         keys.append(key)
     return keys
 
 
-def prompt_ids(body: Obj, ids_checked: bool = False) -> list[int] | None:
-    """The request's prompt when it is a list of token ids, keyed by them (``ids_checked``: as for
-    :func:`prefix_keys`); None when it is keyed as text."""
+def _id_keys(ids: TokenIds, block_tokens: int, key: int) -> list[int]:
+    """The chained keys of a prompt of token ids, a block of ids at a time as written (``TokenIds.text``)."""
+    whole = min(len(ids) // block_tokens, MAX_CHUNKS)
+    # where each whole block's last id ends: at its comma
+    ends = ids.commas[block_tokens - 1 : block_tokens * whole : block_tokens].tolist()
+    if len(ends) < whole:  # the prompt ends with the last whole block: no comma after it
+        ends.append(len(ids.text))
+    text, start, keys = ids.text, 0, []
+    for end in ends:
+        key = hash((key, int.from_bytes(text[start:end], "little")))
+        keys.append(key)
+        start = end + 1
+    return keys
+
+
+def prompt_ids(body: Obj, ids_checked: bool = False) -> TokenIds | None:
+    """The request's prompt when it is token ids (admission's :class:`TokenIds`, or a list of them: ``ids_checked``
+    as for :func:`prefix_keys`), keyed by them; None when it is keyed as text."""
     prompt = one_prompt(body.get("prompt"))
-    return prompt if isinstance(prompt, list) and (ids_checked or token_ids(prompt)) else None
+    if isinstance(prompt, TokenIds):
+        return prompt
+    return TokenIds.of(prompt) if isinstance(prompt, list) and prompt and (ids_checked or token_ids(prompt)) else None
 
 
 #: request fields with which vLLM's prefix cache holds a prompt apart from the same text without them, from its first

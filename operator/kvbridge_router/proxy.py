@@ -54,6 +54,7 @@ from kvbridge_router.peering import PEER_PATH, Exchange
 from kvbridge_router.peers import MAX_FRAME_BYTES
 from kvbridge_router.pool import KV_AWARE, Balancer, Pool, Target
 from kvbridge_router.prefixes import cached_as_keyed, held_chunks, prefix_keys, prompt_ids
+from kvbridge_router.prompts import TokenIds
 from kvbridge_router.samples import JoinError, joined, sample_bodies
 from kvbridge_router.server import (
     Answer,
@@ -606,8 +607,10 @@ class Router:
         finally:
             self._leave("prefill", target)
         try:
-            params = json.loads(data).get("kv_transfer_params")
-        except (ValueError, AttributeError):
+            params = _ANSWER(data).get("kv_transfer_params")
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+            params = _standard_params(data)
+        except AttributeError:  # not an object
             params = None
         refused = params.get(ENGINE_REFUSAL) if isinstance(params, dict) else None
         if isinstance(
@@ -817,13 +820,37 @@ def with_field(raw: bytes, name: str, value: object) -> list[bytes | memoryview]
     return [memoryview(raw)[: end - 1], comma + _encoded({name: value})[1:]]
 
 
+def _raw_ids(value: object) -> msgspec.Raw:
+    """A prompt admission kept as :class:`TokenIds`, written as the client wrote it."""
+    if not isinstance(value, TokenIds):
+        raise TypeError(f"{type(value).__name__} is not JSON")
+    return msgspec.Raw(value.raw)
+
+
+def _ids(value: object) -> list[int]:
+    if not isinstance(value, TokenIds):
+        raise TypeError(f"{type(value).__name__} is not JSON")
+    return value.ids()
+
+
 #: msgspec's C encoder, for what was decoded from plain JSON (admission.parse)
-_encoded_plain = msgspec.json.Encoder().encode
+_encoded_plain = msgspec.json.Encoder(enc_hook=_raw_ids).encode
 
 
 def _encoded(obj: object) -> bytes:
     """Compact JSON, ASCII-only (lone surrogates a client sent stay escaped)."""
-    return json.dumps(obj, separators=(",", ":")).encode("ascii")
+    return json.dumps(obj, separators=(",", ":"), default=_ids).encode("ascii")
+
+
+#: prefill's answer, decoded at C speed (what msgspec refuses, a NaN in a logprob say, the standard library reads)
+_ANSWER = msgspec.json.Decoder().decode
+
+
+def _standard_params(data: bytes) -> object:
+    try:
+        return json.loads(data).get("kv_transfer_params")
+    except (ValueError, AttributeError, RecursionError):
+        return None
 
 
 def _reason(exc: BaseException) -> str:
