@@ -39,9 +39,13 @@ CHARSETS = ("utf-8", "utf8")
 #: msgspec's C decoder: plain JSON (finite numbers, text without lone surrogates; most requests) in a third of the
 #: standard library's time, into the same objects; what it refuses, the standard library decides on as before
 _PLAIN = msgspec.json.Decoder()
-#: the same parser over a body's top level: each field's value checked and kept as its JSON text, then decoded
-#: alone (a prompt of token ids stays text: prompts.TokenIds)
+#: the same parser over a body's top level: each field's value checked as JSON and kept as its text, then decoded
+#: alone (a prompt of token ids stays text: prompts.TokenIds). What it checks of a value kept as text is its syntax,
+#: not its UTF-8 (a field given twice keeps the last value, and the first is never decoded): the body's bytes are
+#: checked as UTF-8 as a whole.
 _FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
+#: a body of more fields than this is decoded whole (one decoder call per field costs more than one for the body)
+MAX_FIELDS_APART = 64
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,13 @@ def parse(raw: bytes) -> tuple[Obj, bool]:
     Infinity, a lone ``\\ud800``, a BOM); raises :class:`RouteError`. A plain body's ``prompt`` of token ids is kept
     as :class:`~kvbridge_router.prompts.TokenIds` (the same ids, never made into Python integers)."""
     try:
-        body, plain = {name: _field(name, value) for name, value in _FIELDS.decode(raw).items()}, True
+        fields = _FIELDS.decode(raw)
+        if not raw.isascii():
+            raw.decode("utf-8")  # not kept: checked (the values decoded below are, the values shadowed are not)
+        if len(fields) > MAX_FIELDS_APART:
+            body, plain = _PLAIN.decode(raw), True
+        else:
+            body, plain = {name: _field(name, value) for name, value in fields.items()}, True
     except RecursionError:
         raise RouteError(400, "INVALID_JSON", f"the request body nests deeper than {MAX_DEPTH} levels") from None
     except (msgspec.DecodeError, UnicodeDecodeError):  # not plain, or not JSON: the standard library says which

@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 MAGIC = b"KVBP"
-VERSION = 1
+#: 2: prefix keys of token-id prompts read from their text (prefixes.py); a replica of another version is refused
+VERSION = 2
 ID_BYTES = 16
 MAC_BYTES = 32
 #: the most pods one report names (the pool's, at most)
@@ -123,7 +124,9 @@ def decode(frame: bytes, key: bytes) -> Report:
         raise PeerFrameError("BAD_SIGNATURE", "not signed with this deployment's router key")
     magic, version, replica, sequence, sent_at_ms, pods = _HEAD.unpack_from(body)
     if magic != MAGIC or version != VERSION:
-        raise PeerFrameError("VERSION", f"magic {magic!r} version {version}: not a kvbridge report of version 1")
+        raise PeerFrameError(
+            "VERSION", f"magic {magic!r} version {version}: not a kvbridge report of version {VERSION}"
+        )
     if pods > MAX_PODS:
         raise PeerFrameError("TOO_MANY_PODS", f"{pods} pods, over {MAX_PODS}")
     at = _HEAD.size

@@ -50,8 +50,8 @@ def prefix_keys(body: Obj, block_tokens: int = CHUNK_TOKENS, *, ids_checked: boo
     ``ids_checked``: a list prompt has passed :func:`~kvbridge_router.prompts.token_ids` already (the router's
     admission checks a completion's), so it is not checked again."""
     ids = prompt_ids(body, ids_checked)
-    # chunks are read as integers: Python hashes bytes differently in every process, ints and tuples of them alike in
-    # all, and router replicas must agree on a prompt's keys (ring.py)
+    # chunks are read as integers (_chunk_key): Python hashes bytes differently in every process, ints and tuples of
+    # them alike in all, and router replicas must agree on a prompt's keys (ring.py)
     if ids is not None:
         return _id_keys(ids, block_tokens, _seed(body))
     text = _text(one_prompt(body.get("prompt")), body.get("messages"))
@@ -62,9 +62,27 @@ def prefix_keys(body: Obj, block_tokens: int = CHUNK_TOKENS, *, ids_checked: boo
     keys: list[int] = []
     key = _seed(body)
     for start in range(0, min(len(data) // size, MAX_CHUNKS) * size, size):
-        key = hash((key, int.from_bytes(data[start : start + size], "little")))
+        key = _chained(key, data[start : start + size], TEXT)
         keys.append(key)
     return keys
+
+
+#: a prime modulus beside the one Python hashes integers by (2^61 - 1), :func:`_chained`: 2^30 - 35, below 2^30, so
+#: that CPython divides by it in one pass over the integer's digits
+_MODULUS = (1 << 30) - 35
+
+
+#: what a chunk is, in its key: a text prompt whose bytes are a list's digits is not that list of token ids
+TEXT, IDS = 0, 1
+
+
+def _chained(key: int, chunk: bytes, kind: int) -> int:
+    """The key of ``chunk`` (of a prompt of ``kind``) after the prefix keyed ``key``: equal in every process. Python
+    hashes an integer by its value modulo 2^61 - 1, to which bytes 61 apart weigh the same (2^488 = 1): the chunk read
+    as an integer is hashed with its value modulo another prime too, so that only chunks equal modulo both (about
+    2^91) share a key."""
+    value = int.from_bytes(chunk, "little")
+    return hash((key, kind, value, value % _MODULUS))
 
 
 def _id_keys(ids: TokenIds, block_tokens: int, key: int) -> list[int]:
@@ -76,7 +94,7 @@ def _id_keys(ids: TokenIds, block_tokens: int, key: int) -> list[int]:
         ends.append(len(ids.text))
     text, start, keys = ids.text, 0, []
     for end in ends:
-        key = hash((key, int.from_bytes(text[start:end], "little")))
+        key = _chained(key, text[start:end], IDS)
         keys.append(key)
         start = end + 1
     return keys

@@ -41,11 +41,12 @@ _COMMA = ord(",")
 
 class TokenIds:
     """A prompt of token ids kept as the JSON the client sent, never made into Python integers: admission
-    (:meth:`read`) checks it, kv-aware keys it (prefixes.py) and prefill is sent it from its bytes. (Decoded, a
+    (:meth:`read`) checks it, kv-aware keys it (prefixes.py) and prefill is sent it from its text. (Decoded, a
     1,700-id prompt's integers cost the router about 0.3 ms a request among the index's million keys.)
 
     ``raw``: the array as sent; ``text``: its ids as written without brackets or whitespace (``1,2,3``), one spelling
-    per list of ids; ``commas``: where ``text``'s commas are, so that the ``k``-th id ends at ``commas[k]``."""
+    per list of ids (what prefill is sent); ``commas``: where ``text``'s commas are, so that the ``k``-th id ends at
+    ``commas[k]``. Not JSON to the standard library's or msgspec's encoders without a hook (proxy.py has them)."""
 
     __slots__ = ("commas", "raw", "text")
 
@@ -54,9 +55,10 @@ class TokenIds:
 
     @classmethod
     def read(cls, raw: bytes | msgspec.Raw) -> TokenIds | None:
-        """``raw``, a JSON value msgspec's parser has accepted, as token ids when it is a non-empty flat array of
-        integers of at most :data:`MAX_ID_DIGITS` digits (what :func:`token_ids` accepts, as nearly every client
-        writes it); None otherwise, for the caller to decode."""
+        """``raw``, a JSON value whose syntax msgspec's parser has checked (``msgspec.Raw``), as token ids when it is a
+        non-empty flat array of integers of at most :data:`MAX_ID_DIGITS` digits (what :func:`token_ids` accepts, as
+        nearly every client writes it: its bytes are digits, commas, whitespace and one pair of brackets, so ASCII);
+        None otherwise, for the caller to decode."""
         data = bytes(raw)
         if data[:1] != b"[" or data.find(b"[", 1) >= 0 or data.translate(None, _ID_BYTES):
             return None  # text, an object, a float, a negative number, a nested list

@@ -802,10 +802,10 @@ def _prefill_fields(body: Obj) -> Obj:
 
 
 def with_field(raw: bytes, name: str, value: object) -> list[bytes | memoryview] | None:
-    """The client's JSON object ``raw`` (already parsed, so valid) with one more field added before its closing
-    brace, as the pieces to send in order: a view of the client's bytes (neither copied nor re-encoded), then the
-    field. None when ``raw`` is not UTF-8 text shaped ``{...}`` (UTF-16 JSON, say); the caller encodes the parsed
-    object then. The field must not be in the object already."""
+    """The client's JSON object ``raw`` (already parsed and checked as UTF-8, so valid) with one more field added
+    before its closing brace, as the pieces to send in order: a view of the client's bytes (neither copied nor
+    re-encoded), then the field. None when ``raw`` is not UTF-8 text shaped ``{...}`` (UTF-16 JSON, say); the
+    caller encodes the parsed object then. The field must not be in the object already."""
     start, end = 0, len(raw)
     while start < end and raw[start] in JSON_SPACE:
         start += 1
@@ -821,10 +821,10 @@ def with_field(raw: bytes, name: str, value: object) -> list[bytes | memoryview]
 
 
 def _raw_ids(value: object) -> msgspec.Raw:
-    """A prompt admission kept as :class:`TokenIds`, written as the client wrote it."""
+    """A prompt admission kept as :class:`TokenIds`, written from its text (compact, whatever the client's layout)."""
     if not isinstance(value, TokenIds):
         raise TypeError(f"{type(value).__name__} is not JSON")
-    return msgspec.Raw(value.raw)
+    return msgspec.Raw(b"[" + value.text + b"]")
 
 
 def _ids(value: object) -> list[int]:

@@ -21,6 +21,7 @@ from kvbridge_router.peering import PeersError, parse_peers
 from kvbridge_router.peers import (
     _DOMAIN,
     MAX_PEERS,
+    VERSION,
     PeerFrameError,
     PeerView,
     Report,
@@ -61,7 +62,7 @@ def signed(body: bytes, key: bytes = KEY) -> bytes:
     return body + hmac.new(key, _DOMAIN + body, hashlib.sha256).digest()
 
 
-def head(pods: int, version: int = 1) -> bytes:
+def head(pods: int, version: int = VERSION) -> bytes:
     return struct.pack("<4sB16sQQH", b"KVBP", version, A, 1, 0, pods)
 
 
@@ -71,7 +72,8 @@ def head(pods: int, version: int = 1) -> bytes:
         (b"", "TRUNCATED"),
         (signed(head(0) + b"\0\0\0\0")[:-1] + b"?", "BAD_SIGNATURE"),  # (its last byte is not "?": checked)
         (signed(head(0), b"x" * 32), "BAD_SIGNATURE"),
-        (signed(head(0, version=2) + b"\0\0\0\0"), "VERSION"),
+        (signed(head(0, version=VERSION - 1) + b"\0\0\0\0"), "VERSION"),  # the version before
+        (signed(head(0, version=VERSION + 1) + b"\0\0\0\0"), "VERSION"),
         (signed(head(0)), "TRUNCATED"),  # no record count
         (signed(head(1) + b"\x05\x00ab"), "TRUNCATED"),  # a name longer than the frame
         (signed(head(1) + b"\x02\x00\xff\xfe" + b"\0" * 8), "BAD_NAME"),

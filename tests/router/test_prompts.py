@@ -3,6 +3,7 @@ check accepts, keyed as the decoded list is, and sent to prefill as it came."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvbridge_router.admission import parse
 from kvbridge_router.errors import RouteError
-from kvbridge_router.prefixes import MAX_CHUNKS, prefix_keys, prompt_ids
+from kvbridge_router.prefixes import _MODULUS, MAX_CHUNKS, prefix_keys, prompt_ids
 from kvbridge_router.prompts import MAX_ID_DIGITS, TokenIds, token_ids
 from kvbridge_router.proxy import prefill_bytes
 
@@ -79,14 +80,35 @@ def test_keys_of_ids_kept_as_text_are_those_of_the_list_and_chain_by_block(
         assert prefix_keys({"prompt": changed}, block)[:-1] == keys[:-1]
 
 
-def test_a_prompt_kept_as_text_counts_and_is_sent_to_prefill_as_it_came() -> None:
+def test_a_prompt_kept_as_text_counts_and_is_sent_to_prefill_from_its_text() -> None:
     raw = b'{"model": "m", "prompt": [ 5, 6 ,\n7 ], "max_tokens": 9}'
     body, plain = parse(raw)
     ids = prompt_ids(body, ids_checked=True)
     assert isinstance(ids, TokenIds)
     assert len(ids) == 3
     sent = prefill_bytes(body, plain)
-    assert b'"prompt":[ 5, 6 ,\n7 ]' in sent  # the client's bytes, not re-encoded
+    assert b'"prompt":[5,6,7]' in sent  # the ids' text, compact whatever the client's layout
     assert json.loads(sent)["prompt"] == [5, 6, 7]
     assert json.loads(prefill_bytes(body, plain=False))["prompt"] == [5, 6, 7]  # the standard library's path too
     assert token_ids(ids.ids())
+
+
+def test_blocks_that_differ_never_share_a_key_by_construction() -> None:
+    """Python hashes an integer modulo 2^61 - 1, where bytes 61 apart weigh the same: a block's text read as one
+    integer would key alike two blocks differing by +1 at one byte and -1 sixty-one bytes on. Not so here."""
+    block = list(range(151000, 151016))  # 7 bytes an id: byte 0 is the first id's first digit, byte 61 the ninth's last
+    text = ",".join(map(str, block)).encode()
+    changed = [251000, *block[1:8], 151008 - 1, *block[9:]]
+    changed_text = ",".join(map(str, changed)).encode()
+    weight = int.from_bytes(changed_text, "little") - int.from_bytes(text, "little")
+    assert weight % ((1 << 61) - 1) == 0  # an integer hash alone could not tell them apart
+    assert prefix_keys({"prompt": changed}) != prefix_keys({"prompt": block})
+    # the other modulus has no such short period over a chunk's bytes (any block size up to 16 KiB of text)
+    weights = itertools.accumulate(range(1 << 14), lambda weight, _: weight * 256 % _MODULUS, initial=1)
+    assert 1 not in itertools.islice(weights, 1, None)
+    # nor does a text prompt of the same bytes as an id prompt's block (a text chunk is 4 bytes a token)
+    as_text = "1000," + ",".join(["100"] * 15)
+    ids = [1000, *[100] * 15]
+    assert as_text.encode() == ",".join(map(str, ids)).encode()
+    assert len(as_text.encode()) == 4 * 16
+    assert prefix_keys({"prompt": as_text}) != prefix_keys({"prompt": ids})

@@ -19,7 +19,7 @@ from aiohttp.test_utils import TestServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge_router.admission import parse
+from kvbridge_router.admission import MAX_FIELDS_APART, parse
 from kvbridge_router.errors import RouteError
 from kvbridge_router.pool import Pool
 from kvbridge_router.prefixes import prefix_keys
@@ -335,7 +335,17 @@ def test_a_body_msgspec_refuses_is_what_json_loads_makes_of_it_and_is_sent_back_
 
 @pytest.mark.parametrize(
     "raw",
-    [b'{"a": 1,}', b'{"a" 1}', b'{"a": 1} {}', b'{"a": [1, 2}', b"", b'{"a": 1', b'{"a": "\xff"}'],
+    [
+        b'{"a": 1,}',
+        b'{"a" 1}',
+        b'{"a": 1} {}',
+        b'{"a": [1, 2}',
+        b"",
+        b'{"a": 1',
+        b'{"a": "\xff"}',
+        b'{"prompt": "\xff", "prompt": [1, 2, 3]}',  # a value given twice: the first is checked too
+        b'{"x": ["\xc0\x80"], "x": 1, "prompt": "hello"}',
+    ],
 )
 def test_a_body_that_is_not_json_is_refused_as_json_loads_refuses_it(raw: bytes) -> None:
     with pytest.raises(RouteError) as refused:
@@ -343,6 +353,16 @@ def test_a_body_that_is_not_json_is_refused_as_json_loads_refuses_it(raw: bytes)
     assert refused.value.code == "INVALID_JSON"
     with pytest.raises((json.JSONDecodeError, UnicodeDecodeError)):
         json.loads(raw)
+
+
+def test_a_body_of_many_fields_is_decoded_whole_and_the_same() -> None:
+    body = {f"f{index}": [index, {"x": index}] for index in range(MAX_FIELDS_APART)}
+    for fields in (body, {**body, "prompt": [1, 2, 3]}):
+        raw = json.dumps(fields).encode()
+        parsed, plain = parse(raw)
+        assert plain
+        assert decoded(parsed) == json.loads(raw)
+    assert parsed["prompt"] == [1, 2, 3]  # decoded with the rest, past MAX_FIELDS_APART fields
 
 
 def test_a_body_that_is_not_an_object_is_refused() -> None:
