@@ -6,7 +6,9 @@ tokens, or a stream that ends (``data: [DONE]``) with nothing in it — and once
 carries an error event. None of it is the model's answer; passed on, the client gets HTTP 200 with no tokens. The
 router therefore holds a stream back until its first event with content (a token, text, or a real finish) and
 retries on another pair when an abort, an error or the end comes first; a whole answer aborted is retried too.
-Only the first events of a stream are parsed; the rest pass through as bytes.
+Only the first events of a stream are parsed; the rest pass through as bytes, whole events at a time
+(:class:`WholeEvents`), so that a stream that breaks ends with an error event a client can read, never half an
+event.
 """
 
 from __future__ import annotations
@@ -118,3 +120,37 @@ class StreamStart:
         if finish is not None or any(content):
             return Start.STARTED
         return Start.PENDING
+
+
+#: where a Server-Sent Event ends (a blank line), each separator with its length
+_EVENT_ENDS = ((b"\n\n", 2), (b"\n\r\n", 3), (b"\r\r", 2))
+
+
+class WholeEvents:
+    """A stream's bytes passed on as whole events: :meth:`feed` returns what ends at an event's end and holds back
+    the beginning of the next, so that an error event written after a broken stream is read as one. What is held is
+    one event's beginning (a stream that is not Server-Sent Events is held up to :data:`_MAX_HELD_BYTES`, then passed
+    on as it is)."""
+
+    def __init__(self) -> None:
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._tail + chunk if self._tail else chunk
+        end = 0
+        for separator, size in _EVENT_ENDS:
+            at = data.rfind(separator)
+            if at >= 0:
+                end = max(end, at + size)
+        if not end and len(data) <= _MAX_HELD_BYTES:
+            self._tail = data
+            return b""
+        if not end:
+            end = len(data)
+        self._tail = data[end:]
+        return data[:end]
+
+    def rest(self) -> bytes:
+        """What is held at the stream's end (a last event without its blank line)."""
+        rest, self._tail = self._tail, b""
+        return rest

@@ -16,7 +16,7 @@ on another decode pod with the same transfer parameters when the failed pod was 
 read), else prefilled again (the failed pod may have read the KV, and prefill freed it). An answer a shutting-down
 engine aborted (HTTP 200 without tokens) counts as a failure: a stream is held back until its first token
 (answers.py). A 4xx from decode is the client's and is passed back. Once the stream has begun it is not retried:
-it ends with an error event.
+it ends with an error event, after the last whole event decode sent (answers.WholeEvents).
 Bounds: ``connect_timeout`` per connection, ``prefill_timeout`` per prefill call, ``decode_idle_timeout`` for each
 chunk of a stream (the first one included), ``decode_timeout`` per decode call, and ``request_timeout`` for the
 whole request, retries included: no call gets more than the time left, none is made when none is left (504
@@ -46,7 +46,7 @@ from kvbridge_agent.core import tracing as span
 from kvbridge_agent.core.signing import signed
 from kvbridge_operator.api.objects import Obj
 from kvbridge_router.admission import Limits, admit, engine_request_id, sample_count
-from kvbridge_router.answers import Start, StreamStart, aborted
+from kvbridge_router.answers import Start, StreamStart, WholeEvents, aborted
 from kvbridge_router.auth import INVALID_API_KEY, ApiKeys
 from kvbridge_router.errors import RouteError
 from kvbridge_router.metrics import RouterMetrics
@@ -700,9 +700,11 @@ class Router:
                     if ledger.ttft:
                         _after_answer(self.metrics.observe_ttft, time.perf_counter() - started, ledger.trace.trace_id)
                     await response.prepare(request)
-                    await response.write(start.held)
+                    whole = WholeEvents()  # broken off, the stream ends at an event's end, then the error event
+                    await response.write(whole.feed(start.held))
                     async for chunk in chunks:  # the rest, as it comes
-                        await response.write(chunk)
+                        await response.write(whole.feed(chunk))
+                    await response.write(whole.rest())
                     await response.write_eof()
                     return response
         except AnswerTooLargeError as exc:  # read before anything reached the client; the request's, not retried

@@ -38,7 +38,8 @@ class FakeEngine:
     """A prefill or decode engine: what it was sent, and how it misbehaves."""
 
     name: str
-    #: ok | 500 | 400 | slow | no-params | die-midstream | huge | huge-chunked | DRAIN_ANSWERS (a shutting-down vLLM)
+    #: ok | 500 | 400 | slow | no-params | die-midstream | die-mid-event | huge | huge-chunked | DRAIN_ANSWERS
+    #: (a shutting-down vLLM)
     mode: str = "ok"
     delay: float = 0.0
     received: list[Obj] = field(default_factory=list)
@@ -88,7 +89,12 @@ class FakeEngine:
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
             for token in tokens:
-                await response.write(f"data: {json.dumps({'choices': [{'token_ids': [token]}]})}\n\n".encode())
+                event = f"data: {json.dumps({'choices': [{'token_ids': [token]}]})}\n\n".encode()
+                if self.mode == "die-mid-event" and token != tokens[0]:  # half an event, then gone
+                    await response.write(event[: len(event) // 2])
+                    await asyncio.sleep(0.05)
+                    raise ConnectionResetError("decode died")
+                await response.write(event)
                 await asyncio.sleep(0.01)
                 if self.mode == "die-midstream":
                     raise ConnectionResetError("decode died")
@@ -562,6 +568,19 @@ async def test_a_decode_that_dies_midstream_ends_the_stream_with_an_error_event(
         assert r.status == 200
         text = (await r.read()).decode()
     assert '"code": "DECODE_UNAVAILABLE"' in text.split("\n\n")[-2]
+
+
+async def test_a_decode_that_dies_mid_event_ends_the_stream_with_whole_events(rig: Rig) -> None:
+    """Half an event is never passed on: the client reads the whole events, then the error event as one."""
+    rig.decode[0].mode = "die-mid-event"
+    async with rig.session.post(rig.url + "/v1/completions", json={"prompt": [1, 2], "stream": True}) as r:
+        assert r.status == 200
+        text = (await r.read()).decode()
+    assert text.endswith("\n\n")
+    events = [json.loads(event.removeprefix("data: ")) for event in text.split("\n\n") if event]
+    assert len(events[0]["choices"][0]["token_ids"]) == 1  # the first token, whole
+    assert events[-1]["error"]["code"] == "DECODE_UNAVAILABLE"
+    assert len(events) == 2
 
 
 async def test_no_pair_is_503_with_the_reason(rig: Rig) -> None:
