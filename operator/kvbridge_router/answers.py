@@ -122,35 +122,37 @@ class StreamStart:
         return Start.PENDING
 
 
-#: where a Server-Sent Event ends (a blank line), each separator with its length
-_EVENT_ENDS = ((b"\n\n", 2), (b"\n\r\n", 3), (b"\r\r", 2))
+#: where a Server-Sent Event ends: a blank line, two line endings (LF, CR or CRLF) in a row: each pair holds one of
+#: these (CRLF CRLF holds LF CR, its last LF then passed on with what follows)
+_EVENT_ENDS = (b"\n\n", b"\r\r", b"\n\r")
 
 
 class WholeEvents:
     """A stream's bytes passed on as whole events: :meth:`feed` returns what ends at an event's end and holds back
     the beginning of the next, so that an error event written after a broken stream is read as one. What is held is
-    one event's beginning (a stream that is not Server-Sent Events is held up to :data:`_MAX_HELD_BYTES`, then passed
-    on as it is)."""
+    one event's beginning, at most :data:`_MAX_HELD_BYTES` (an event that long, or a stream that is not Server-Sent
+    Events, is passed on as it comes past that). Linear: each feed searches its chunk and the held bytes' last one."""
 
     def __init__(self) -> None:
-        self._tail = b""
+        self._held: list[bytes] = []
+        self._size = 0
 
     def feed(self, chunk: bytes) -> bytes:
-        data = self._tail + chunk if self._tail else chunk
-        end = 0
-        for separator, size in _EVENT_ENDS:
-            at = data.rfind(separator)
-            if at >= 0:
-                end = max(end, at + size)
-        if not end and len(data) <= _MAX_HELD_BYTES:
-            self._tail = data
-            return b""
-        if not end:
-            end = len(data)
-        self._tail = data[end:]
-        return data[:end]
+        edge = self._held[-1][-1:] if self._held else b""  # an event's end may span the held bytes and the chunk
+        probe = edge + chunk if edge else chunk
+        end = max(probe.rfind(separator) for separator in _EVENT_ENDS)
+        if end < 0:
+            self._held.append(chunk)
+            self._size += len(chunk)
+            return self.rest() if self._size > _MAX_HELD_BYTES else b""
+        cut = end + 2 - len(edge)  # where in the chunk the passed part ends (a held byte never ends an event)
+        out = b"".join((*self._held, chunk[:cut])) if self._held else chunk[:cut]
+        rest = chunk[cut:]
+        self._held, self._size = ([rest], len(rest)) if rest else ([], 0)
+        return out
 
     def rest(self) -> bytes:
-        """What is held at the stream's end (a last event without its blank line)."""
-        rest, self._tail = self._tail, b""
+        """What is held (at the stream's end: a last event without its blank line)."""
+        rest = b"".join(self._held)
+        self._held, self._size = [], 0
         return rest
