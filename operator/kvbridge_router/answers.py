@@ -22,6 +22,11 @@ _ABORTED = re.compile(rb'"finish_reason"\s*:\s*"abort"')
 _MAX_HELD_BYTES = 1 << 20
 
 
+#: where a Server-Sent Event ends: a blank line, two line endings (LF, CR or CRLF) in a row: each pair holds one of
+#: these (CRLF CRLF holds LF CR, its last LF then passed on with what follows)
+_EVENT_ENDS = (b"\n\n", b"\r\r", b"\n\r")
+
+
 class Start(Enum):
     PENDING = "pending"  # nothing but role or empty events so far
     STARTED = "started"  # an event with content: the answer is the model's, pass everything on
@@ -57,10 +62,11 @@ class StreamStart:
             return Start.STARTED
         seen = max(len(self._tail) - 1, 0)  # the tail holds no event end; one may span it and the chunk
         self._tail += chunk
-        end = self._tail.rfind(b"\n\n", seen)
+        end = max(self._tail.rfind(separator, seen) for separator in _EVENT_ENDS)
         if end < 0:
             return Start.PENDING
-        events = bytes(self._tail[:end]).split(b"\n\n")
+        # the events, their line endings (LF, CR or CRLF: Server-Sent Events allow each) read as LF
+        events = bytes(self._tail[:end]).replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n\n")
         del self._tail[: end + 2]
         for event in events:
             state = self._judge(event)
@@ -120,11 +126,6 @@ class StreamStart:
         if finish is not None or any(content):
             return Start.STARTED
         return Start.PENDING
-
-
-#: where a Server-Sent Event ends: a blank line, two line endings (LF, CR or CRLF) in a row: each pair holds one of
-#: these (CRLF CRLF holds LF CR, its last LF then passed on with what follows)
-_EVENT_ENDS = (b"\n\n", b"\r\r", b"\n\r")
 
 
 class WholeEvents:

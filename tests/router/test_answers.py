@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvbridge_router.answers import _MAX_HELD_BYTES, WholeEvents
+from kvbridge_router.answers import _MAX_HELD_BYTES, Start, StreamStart, WholeEvents
 
 EVENTS = [b'data: {"choices": [{"text": "a"}]}', b'data: {"choices": [{"text": "b"}]}', b"data: [DONE]"]
 #: every pair of line endings (LF, CR, CRLF) ends an event
@@ -43,3 +43,16 @@ def test_what_is_held_is_an_events_beginning_and_a_stream_without_events_is_boun
     assert len(plain._held) == _MAX_HELD_BYTES // 1024
     assert plain.feed(b"y") == b"x" * _MAX_HELD_BYTES + b"y"  # not Server-Sent Events: not held past the bound
     assert plain.rest() == b""
+
+
+@given(st.sampled_from(BLANK_LINES), st.integers(min_value=1, max_value=60))
+def test_a_streams_first_token_is_found_whatever_its_line_endings_and_cuts(blank: bytes, cut: int) -> None:
+    """A stream is held back until its first token (StreamStart): events ended by any blank line are judged as they
+    end, not held to the stream's end."""
+    role = b'data: {"choices": [{"delta": {"role": "assistant"}}]}' + blank
+    stream = role + b'data: {"choices": [{"delta": {"content": "a"}}]}' + blank
+    start = StreamStart()
+    states = [start.feed(piece) for piece in (stream[:cut], stream[cut:]) if piece]
+    assert states[-1] is Start.STARTED
+    aborted = StreamStart()
+    assert aborted.feed(role + b'data: {"choices": [{"finish_reason": "abort"}]}' + blank) is Start.FAILED
