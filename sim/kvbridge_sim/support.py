@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import random
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 #: the pause between two checks of a condition, unless a caller asks for another
 INTERVAL = 0.1
@@ -18,12 +20,40 @@ INTERVAL = 0.1
 What = str | Callable[[], str]
 
 
+#: where the kernel picks the ports of sockets bound to port 0 (servers asking for any port, every client
+#: connection): Linux's file, and its default
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+DEFAULT_EPHEMERAL_LOW = 32768
+#: how many ports below the ephemeral range :func:`free_port` draws from
+FREE_PORTS = 12000
+_draws = random.Random()  # its own: a test that seeds the global generator must not make workers draw alike
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port of ``host`` that nothing listens on now: bound to port 0, then released (another process may
-    take it before the caller binds it; for local tests and the demo, not for production)."""
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
+    """A TCP port of ``host`` that nothing listens on now, for a process the caller starts to listen on (another
+    process may still take it first; for local tests and the demo, not for production).
+
+    Drawn at random below the kernel's ephemeral range and checked by binding it: a port the kernel gave a socket
+    bound to port 0 and then released would go, in the meantime, to the next server or client connection asking for
+    any port (tests running side by side met this: a router started on a port another test's server had been given).
+    Where the range leaves no room below it, the kernel's choice."""
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = _draws.randrange(max(1024, low - FREE_PORTS), low) if low > 1024 + 256 else 0
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:  # taken (or reserved): another draw
+                continue
+            return int(probe.getsockname()[1])
+    raise OSError(f"no free port on {host} below {low} after 64 draws")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(EPHEMERAL_PORTS.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return DEFAULT_EPHEMERAL_LOW
 
 
 class _Deadline:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvbridge_sim.support import free_port, until, wait_until
+from kvbridge_sim.support import FREE_PORTS, _ephemeral_low, free_port, until, wait_until
 
 
 def test_a_free_port_can_be_listened_on() -> None:
@@ -16,6 +16,18 @@ def test_a_free_port_can_be_listened_on() -> None:
     with socket.socket() as server:
         server.bind(("127.0.0.1", port))
         server.listen()
+
+
+def test_a_free_port_is_never_one_the_kernel_gives_a_socket_bound_to_port_0() -> None:
+    """A server asking for any port (port 0), or a client connection, is given one of the ephemeral range: a port
+    handed out from there could be given away again before the caller binds it."""
+    low = _ephemeral_low()
+    ports = {free_port() for _ in range(50)}
+    assert all(max(1024, low - FREE_PORTS) <= port < low for port in ports)
+    assert len(ports) > 40  # drawn at random, not handed out in order
+    with socket.socket() as any_port:
+        any_port.bind(("127.0.0.1", 0))
+        assert any_port.getsockname()[1] >= low
 
 
 def test_wait_until_returns_once_the_condition_holds() -> None:
