@@ -100,11 +100,11 @@ def parse(raw: bytes) -> tuple[Obj, bool]:
     as :class:`~kvbridge_router.prompts.TokenIds` (the same ids, never made into Python integers)."""
     try:
         fields = _FIELDS.decode(raw)
-        if not raw.isascii():
-            raw.decode("utf-8")  # not kept: checked (the values decoded below are, the values shadowed are not)
         if len(fields) > MAX_FIELDS_APART:
             body, plain = _PLAIN.decode(raw), True
         else:
+            if not raw.isascii():  # the values decoded below are checked, a value shadowed by a later one is not
+                raw.decode("utf-8")  # not kept: checked
             body, plain = {name: _field(name, value) for name, value in fields.items()}, True
     except RecursionError:
         raise RouteError(400, "INVALID_JSON", f"the request body nests deeper than {MAX_DEPTH} levels") from None

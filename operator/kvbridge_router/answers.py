@@ -27,6 +27,11 @@ _MAX_HELD_BYTES = 1 << 20
 _EVENT_ENDS = (b"\n\n", b"\r\r", b"\n\r")
 
 
+def _last_event_end(data: bytes | bytearray, start: int = 0) -> int:
+    """Where the last event end (:data:`_EVENT_ENDS`, two bytes) in ``data[start:]`` begins, or -1."""
+    return max(data.rfind(separator, start) for separator in _EVENT_ENDS)
+
+
 class Start(Enum):
     PENDING = "pending"  # nothing but role or empty events so far
     STARTED = "started"  # an event with content: the answer is the model's, pass everything on
@@ -62,7 +67,7 @@ class StreamStart:
             return Start.STARTED
         seen = max(len(self._tail) - 1, 0)  # the tail holds no event end; one may span it and the chunk
         self._tail += chunk
-        end = max(self._tail.rfind(separator, seen) for separator in _EVENT_ENDS)
+        end = _last_event_end(self._tail, seen)
         if end < 0:
             return Start.PENDING
         # the events, their line endings (LF, CR or CRLF: Server-Sent Events allow each) read as LF
@@ -141,7 +146,7 @@ class WholeEvents:
     def feed(self, chunk: bytes) -> bytes:
         edge = self._held[-1][-1:] if self._held else b""  # an event's end may span the held bytes and the chunk
         probe = edge + chunk if edge else chunk
-        end = max(probe.rfind(separator) for separator in _EVENT_ENDS)
+        end = _last_event_end(probe)
         if end < 0:
             self._held.append(chunk)
             self._size += len(chunk)

@@ -40,18 +40,19 @@ _COMMA = ord(",")
 
 
 class TokenIds:
-    """A prompt of token ids kept as the JSON the client sent, never made into Python integers: admission
+    """A prompt of token ids kept as JSON text, never made into Python integers: admission
     (:meth:`read`) checks it, kv-aware keys it (prefixes.py) and prefill is sent it from its text. (Decoded, a
     1,700-id prompt's integers cost the router about 0.3 ms a request among the index's million keys.)
 
-    ``raw``: the array as sent; ``text``: its ids as written without brackets or whitespace (``1,2,3``), one spelling
-    per list of ids (what prefill is sent); ``commas``: where ``text``'s commas are, so that the ``k``-th id ends at
+    ``text``: the ids as the client wrote them without brackets or whitespace (``1,2,3``), one spelling per list of
+    ids (what prefill is sent); ``commas``: where ``text``'s commas are, so that the ``k``-th id ends at
     ``commas[k]``. Not JSON to the standard library's or msgspec's encoders without a hook (proxy.py has them)."""
 
-    __slots__ = ("commas", "raw", "text")
+    __slots__ = ("commas", "text")
 
-    def __init__(self, raw: bytes | msgspec.Raw, text: bytes, commas: npt.NDArray[np.intp]) -> None:
-        self.raw, self.text, self.commas = raw, text, commas
+    def __init__(self, text: bytes) -> None:
+        self.text = text
+        self.commas: npt.NDArray[np.intp] = np.flatnonzero(np.frombuffer(text, np.uint8) == _COMMA)
 
     @classmethod
     def read(cls, raw: bytes | msgspec.Raw) -> TokenIds | None:
@@ -66,21 +67,20 @@ class TokenIds:
         text = inner.translate(None, _SPACE) if any(space in inner for space in _SPACE) else inner
         if not text:
             return None  # []: the caller refuses it
-        commas = np.flatnonzero(np.frombuffer(text, np.uint8) == _COMMA)
+        ids = cls(text)
+        commas = ids.commas
         if len(commas):  # the longest id: the first, the last, or one between two commas
             widest = max(int(commas[0]), len(text) - 1 - int(commas[-1]), int(np.diff(commas).max(initial=1)) - 1)
         else:
             widest = len(text)
-        return cls(raw, text, commas) if widest <= MAX_ID_DIGITS else None
+        return ids if widest <= MAX_ID_DIGITS else None
 
     @classmethod
     def of(cls, ids: list[int]) -> TokenIds:
         """A non-empty list of token ids (checked: :func:`token_ids`) in the same form, keyed alike."""
         if not ids:
             raise ValueError("a prompt of no token ids")
-        raw = _ENCODE(ids)
-        text = raw[1:-1]
-        return cls(raw, text, np.flatnonzero(np.frombuffer(text, np.uint8) == _COMMA))
+        return cls(_ENCODE(ids)[1:-1])
 
     def __len__(self) -> int:
         return len(self.commas) + 1
