@@ -19,7 +19,7 @@ from aiohttp.test_utils import TestServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge_router.admission import MAX_FIELDS_APART, parse
+from kvbridge_router.admission import MAX_FIELDS_APART, engine_request_id, parse
 from kvbridge_router.errors import RouteError
 from kvbridge_router.pool import Pool
 from kvbridge_router.prefixes import prefix_keys
@@ -699,6 +699,17 @@ async def test_a_hostile_client_request_id_never_reaches_the_engines(rig: Rig, c
     assert sent.startswith("kvb-")
     assert re.fullmatch(r"[A-Za-z0-9._-]{1,100}", sent)
     assert rig.decode[0].headers[0]["x-request-id"] == sent
+
+
+def test_engine_request_ids_are_the_clients_or_the_routers_with_a_random_suffix() -> None:
+    """One draw of 16 random bytes a request: 12 hex digits of suffix, and 20 more for an id of the router's own."""
+    own = [engine_request_id(None) for _ in range(1000)]
+    assert all(re.fullmatch(r"kvb-[0-9a-f]{32}", i) for i in own)
+    assert len(set(own)) == len(own)
+    kept = [engine_request_id("req_1.a-b") for _ in range(1000)]
+    assert all(re.fullmatch(r"req_1\.a-b-[0-9a-f]{12}", i) for i in kept)
+    assert len(set(kept)) == len(kept)
+    assert re.fullmatch(r"kvb-[0-9a-f]{32}", engine_request_id("a:b"))
 
 
 async def test_a_clients_safe_request_id_is_kept_and_two_clients_ids_never_collide(rig: Rig) -> None:
