@@ -11,8 +11,9 @@ they do), kept alive as HTTP/1.1 and 1.0 say (``Connection``), ``Expect: 100-con
 reads the body, bodies with ``Content-Length`` or chunked (llhttp checks the framing: both, or two lengths, are
 refused), answers with ``Content-Length`` or streamed (chunked; to an HTTP/1.0 client, until the connection closes).
 A request asking to switch protocols (``Upgrade: h2c``, as ``curl --http2`` asks) is answered in HTTP/1.1 and the
-connection closed; with a body, it is refused (llhttp stops at its head). A target in absolute form
-(``http://host/path``) is routed by its path; any other (``CONNECT``'s ``host:port``) is refused.
+connection closed; its body, which llhttp leaves unread, is read by its ``Content-Length`` (a chunked one is refused).
+A target in absolute form (``http://host/path``) is routed by its path; any other (``CONNECT``'s ``host:port``) is
+refused.
 
 Bounds: the request line and each header field at most ``MAX_FIELD_BYTES``, ``MAX_HEADERS`` fields (431, or 400 for
 a line, and the connection closed); a whole head must arrive ``header_timeout`` seconds after the connection opened,
@@ -427,6 +428,8 @@ class _Connection(asyncio.Protocol):
         self._paused = False
         #: nothing more is read: a request switched protocols, was malformed, or the client half-closed
         self._stopped = False
+        #: bytes still to come of a body llhttp does not read: a request's that asked to switch protocols
+        self._raw_left = 0
 
     @property
     def idle(self) -> bool:
@@ -440,6 +443,9 @@ class _Connection(asyncio.Protocol):
         self._arm(self.server.header_timeout, "head")
 
     def data_received(self, data: bytes) -> None:
+        if self._raw_left:
+            self._feed_raw(data)
+            return
         if self._stopped:
             return
         if self._timing == "idle":  # the first byte of the next request's head: it has a bound now
@@ -448,8 +454,9 @@ class _Connection(asyncio.Protocol):
         self._delivered = 0
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
+        except httptools.HttpParserUpgrade as upgrade:
             self._stopped = True  # served in HTTP/1.1 (its head is whole), then the connection closes
+            self._feed_raw(data[upgrade.args[0] :])  # with its body, if it has one: llhttp left it unread
         except httptools.HttpParserCallbackError as exc:
             refused = exc.__context__
             if isinstance(refused, _PipelineFullError):
@@ -553,9 +560,13 @@ class _Connection(asyncio.Protocol):
         request = Request(self, parser.get_method().decode("latin-1"), path, Headers(self._fields), keep_alive, version)
         has_body = "transfer-encoding" in self._fields or self._fields.get("content-length", ["0"])[0].strip() != "0"
         if parser.should_upgrade() and has_body:
-            raise _RefusedError(
-                400, "BAD_REQUEST", "a request with a body cannot switch protocols here (HTTP/1.1 only)"
-            )
+            # llhttp stops at the head of a request that asks to switch protocols (``curl --http2 -d``): its body is
+            # read here, by its length (llhttp has checked the field); a chunked one is not read at all
+            if "transfer-encoding" in self._fields:
+                raise _RefusedError(
+                    400, "BAD_REQUEST", "a chunked request cannot switch protocols here (HTTP/1.1 only)"
+                )
+            self._raw_left = int(self._fields["content-length"][0])
         self._parsing = request
         if self._serving is None:
             self._disarm()
@@ -573,7 +584,19 @@ class _Connection(asyncio.Protocol):
             self._parsing._feed(body)
 
     def on_message_complete(self) -> None:
-        if self._parsing is not None:
+        if self._parsing is not None and not self._raw_left:  # else its body is still to come (_feed_raw)
+            self._parsing._end()
+            self._parsing = None
+
+    def _feed_raw(self, data: bytes) -> None:
+        """Bytes of a body llhttp does not read, up to its length; what follows it is not read."""
+        taken = data[: self._raw_left]
+        self._raw_left -= len(taken)
+        if self._parsing is None:
+            return
+        if taken:
+            self._parsing._feed(taken)
+        if not self._raw_left:
             self._parsing._end()
             self._parsing = None
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import shutil
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -191,17 +192,64 @@ async def test_a_body_past_the_limit_is_refused_and_an_unfinished_one_closes_the
         assert b"Connection: close" in answer
 
 
-async def test_an_upgrade_is_answered_in_http_1_1_and_one_with_a_body_refused() -> None:
-    async with serving() as port:
+async def test_an_upgrade_is_answered_in_http_1_1_with_its_body_read_by_its_length() -> None:
+    """llhttp stops at the head of a request asking to switch protocols (``curl --http2 -d`` sends one): the server
+    reads its body by Content-Length, whole or in pieces, answers in HTTP/1.1 and closes; a chunked one is refused."""
+    async with serving(max_body=1000) as port:
         ask = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
         (answer,) = await exchange(port, ask + b"HTTP2-Settings: AAMAAABkAAQAAP__\r\n\r\n")
         assert status(answer) == 200
         assert b"Connection: close" in answer
-        with_body = (
-            b"POST /echo HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\nContent-Length: 2\r\n\r\n{}"
-        )
-        (refused,) = await exchange(port, with_body)
+        head = b"POST /echo HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\nContent-Length: %d\r\n\r\n"
+        # the body with its head, then what follows it (not read: the connection closes after the answer)
+        (whole,) = await exchange(port, head % 7 + b'{"a":1}GET /health HTTP/1.1\r\n\r\n')
+        assert status(whole) == 200
+        assert json.loads(whole.split(b"\r\n\r\n", 1)[1])["body"] == '{"a":1}'
+        assert b"Connection: close" in whole
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:  # the body in pieces after the head
+            writer.write(head % 10 + b"abc")
+            await asyncio.sleep(0.05)
+            writer.write(b"defg")
+            await asyncio.sleep(0.05)
+            writer.write(b"hij")
+            pieces = await closed_within(reader, 5)
+        finally:
+            writer.close()
+        assert json.loads(pieces.split(b"\r\n\r\n", 1)[1])["body"] == "abcdefghij"
+        pipelined = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + head % 7 + b'{"a":2}'
+        first, second = await exchange(port, pipelined, answers=2)
+        assert (status(first), status(second)) == (200, 200)
+        assert json.loads(second.split(b"\r\n\r\n", 1)[1])["body"] == '{"a":2}'
+        (large,) = await exchange(port, head % 2000 + b"x" * 2000)
+        assert status(large) == 413
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:  # the client stops sending halfway: its handler reads the loss, nothing hangs
+            writer.write(head % 10 + b"abc")
+            writer.write_eof()
+            cut = await closed_within(reader, 5)
+        finally:
+            writer.close()
+        assert status(cut) == 400
+        assert cut.endswith(b"ConnectionResetError")
+        chunked = b"POST /echo HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n"
+        (refused,) = await exchange(port, chunked + b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n")
         assert status(refused) == 400
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="no curl on this machine")
+async def test_curl_asking_for_http2_with_a_body_is_answered() -> None:
+    async with serving() as port:
+        curl = await asyncio.create_subprocess_exec(
+            *("curl", "-sS", "--http2", "-H", "Content-Type: application/json", "-d", '{"prompt":"hi"}'),
+            *("-w", "\n%{http_code}", f"http://127.0.0.1:{port}/echo"),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(curl.communicate(), 10)
+    body, _, code = out.decode().rpartition("\n")
+    assert (code, err) == ("200", b"")
+    assert json.loads(body)["body"] == '{"prompt":"hi"}'
 
 
 @pytest.mark.parametrize(
