@@ -663,7 +663,7 @@ class _Connection(asyncio.Protocol):
         self._serving, self._task = None, None
         if self.transport is None:
             return  # the client left
-        if not request.body_complete and not self._stopped:
+        if not request.body_complete and (not self._stopped or self._raw_left):
             self._linger()  # answered before its body arrived whole: the rest is not taken for a request
             return
         if closes or not self.keeps(request):
@@ -674,7 +674,8 @@ class _Connection(asyncio.Protocol):
             return
         if self._waiting:
             following = self._waiting.popleft()
-            if not self._waiting and not self._stopped:
+            # the last one read: reading goes on for the requests after it, or for its body that llhttp left unread
+            if not self._waiting and (not self._stopped or self._raw_left):
                 self._resume_reading()
             self._start(following)
             return
@@ -748,7 +749,7 @@ class _Connection(asyncio.Protocol):
     def _linger(self) -> None:
         """Close once the client stops sending (``LINGER_SECONDS`` at most): this side shut at once, so the answer
         goes out and then the end, what comes meanwhile read and dropped."""
-        self._stopped = True
+        self._stopped, self._raw_left = True, 0  # what comes is dropped, a body llhttp left unread too
         transport = self.transport
         if transport is None or transport.is_closing():
             return

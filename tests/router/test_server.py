@@ -237,6 +237,33 @@ async def test_an_upgrade_is_answered_in_http_1_1_with_its_body_read_by_its_leng
         assert status(refused) == 400
 
 
+async def test_an_upgrades_body_pipelined_or_answered_early_is_read_or_dropped_never_reset() -> None:
+    """Behind another request, the upgrade's body still to come is read when its turn comes (reading resumes); a
+    body answered early (413) is read and dropped while the answer goes out, so a client still sending gets it."""
+    head = b"POST /echo HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\nContent-Length: %d\r\n\r\n"
+    async with serving(max_body=1000) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + head % 10 + b"abc")
+            await asyncio.sleep(0.1)
+            writer.write(b"defghij")
+            both = await closed_within(reader, 5)
+        finally:
+            writer.close()
+        assert both.count(b"HTTP/1.1 200 OK") == 2
+        assert both.endswith(b'"body": "abcdefghij"}')
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(head % (4 << 20))
+            for _ in range(64):  # the whole 4 MiB, as a client that reads only once it has sent
+                writer.write(b"x" * 65536)
+                await writer.drain()
+            answer = await closed_within(reader, 5)
+        finally:
+            writer.close()
+        assert status(answer) == 413
+
+
 @pytest.mark.skipif(shutil.which("curl") is None, reason="no curl on this machine")
 async def test_curl_asking_for_http2_with_a_body_is_answered() -> None:
     async with serving() as port:
