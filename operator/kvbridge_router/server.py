@@ -426,7 +426,8 @@ class _Connection(asyncio.Protocol):
         self._framing = 0
         self._aborting = False
         self._paused = False
-        #: nothing more is read: a request switched protocols, was malformed, or the client half-closed
+        #: nothing more is read: a request switched protocols (and its body, if any, was read), was malformed, or the
+        #: client half-closed
         self._stopped = False
         #: bytes still to come of a body llhttp does not read: a request's that asked to switch protocols
         self._raw_left = 0
@@ -455,8 +456,9 @@ class _Connection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade as upgrade:
-            self._stopped = True  # served in HTTP/1.1 (its head is whole), then the connection closes
-            self._feed_raw(data[upgrade.args[0] :])  # with its body, if it has one: llhttp left it unread
+            # served in HTTP/1.1 (its head is whole), then the connection closes: nothing more is read once its body,
+            # if it has one, is (llhttp left it unread)
+            self._feed_raw(data[upgrade.args[0] :])
         except httptools.HttpParserCallbackError as exc:
             refused = exc.__context__
             if isinstance(refused, _PipelineFullError):
@@ -589,16 +591,18 @@ class _Connection(asyncio.Protocol):
             self._parsing = None
 
     def _feed_raw(self, data: bytes) -> None:
-        """Bytes of a body llhttp does not read, up to its length; what follows it is not read."""
+        """Bytes of a body llhttp does not read (a request's that asked to switch protocols), up to its length; once
+        it is whole, nothing more is read."""
         taken = data[: self._raw_left]
         self._raw_left -= len(taken)
-        if self._parsing is None:
-            return
-        if taken:
-            self._parsing._feed(taken)
+        request = self._parsing
+        if request is not None and taken:
+            request._feed(taken)
         if not self._raw_left:
-            self._parsing._end()
-            self._parsing = None
+            self._stopped = True
+            if request is not None:
+                request._end()
+                self._parsing = None
 
     # -- serving ------------------------------------------------------------------------------------------------
 
@@ -663,7 +667,7 @@ class _Connection(asyncio.Protocol):
         self._serving, self._task = None, None
         if self.transport is None:
             return  # the client left
-        if not request.body_complete and (not self._stopped or self._raw_left):
+        if not request.body_complete and not self._stopped:
             self._linger()  # answered before its body arrived whole: the rest is not taken for a request
             return
         if closes or not self.keeps(request):
@@ -674,8 +678,7 @@ class _Connection(asyncio.Protocol):
             return
         if self._waiting:
             following = self._waiting.popleft()
-            # the last one read: reading goes on for the requests after it, or for its body that llhttp left unread
-            if not self._waiting and (not self._stopped or self._raw_left):
+            if not self._waiting and not self._stopped:
                 self._resume_reading()
             self._start(following)
             return
