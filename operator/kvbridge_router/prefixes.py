@@ -50,7 +50,7 @@ def prefix_keys(body: Obj, block_tokens: int = CHUNK_TOKENS, *, ids_checked: boo
     ``ids_checked``: a list prompt has passed :func:`~kvbridge_router.prompts.token_ids` already (the router's
     admission checks a completion's), so it is not checked again."""
     ids = prompt_ids(body, ids_checked)
-    # chunks are read as integers (_chunk_key): Python hashes bytes differently in every process, ints and tuples of
+    # chunks are read as integers (_chained): Python hashes bytes differently in every process, ints and tuples of
     # them alike in all, and router replicas must agree on a prompt's keys (ring.py)
     if ids is not None:
         return _id_keys(ids, block_tokens, _seed(body))
