@@ -114,11 +114,17 @@ class SideChannelServer:
         else:
             self._socket.bind(f"tcp://{self.host}:{self.port}")
         self._stop = threading.Event()
+        #: the socket's owner: the listener thread while it serves, else whoever closes (see close)
+        self._owner = threading.Lock()
+        self._serving = False
+        self._thread_closes = False
+        self._released = False
         #: why the listener stopped serving, if it did without being closed (the engine then reports unhealthy)
         self.failure: str | None = None
         self._thread = threading.Thread(target=self._run, name=f"side-channel:{self.port}", daemon=True)
 
     def start(self) -> SideChannelServer:
+        self._serving = True
         self._thread.start()
         return self
 
@@ -133,6 +139,12 @@ class SideChannelServer:
         except BaseException as exc:  # recorded and reported through health, never swallowed
             self.failure = f"side-channel listener stopped: {type(exc).__name__}: {exc}"
             log.exception("side channel: listener stopped")
+        finally:
+            with self._owner:
+                self._serving = False
+                release = self._thread_closes
+            if release:  # close() gave up waiting and left the socket to this thread
+                self._release()
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -200,10 +212,31 @@ class SideChannelServer:
             log.warning("side channel: %d request(s) named without their lease token", len(named) - len(offered))
         return offered
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop serving, then close the socket and its context.
+
+        The listener thread uses the socket while it serves, and a ZMQ socket is not thread-safe: closing it under
+        the thread would corrupt memory. A thread still answering after ``timeout`` (a callback that does not
+        return) closes both itself when it ends; that is logged, and nothing waits longer.
+        """
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=timeout)
+        with self._owner:
+            if self._serving:
+                self._thread_closes = True
+                log.error(
+                    "side channel: the listener on port %d did not stop within %g s; it closes its socket when it does",
+                    self.port,
+                    timeout,
+                )
+                return
+        self._release()
+
+    def _release(self) -> None:
+        if self._released:
+            return
+        self._released = True
         self._socket.close(linger=0)
         if self._auth is not None:
             self._auth.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from kvbridge_agent.core.handshake import (
 from kvbridge_agent.transfer import side_channel
 from kvbridge_agent.transfer.keys import CurveKeys, KeysError, generate_keys, load_keys
 from kvbridge_agent.transfer.side_channel import SideChannelClient, SideChannelServer, send_heartbeats
-from kvbridge_sim.support import free_port
+from kvbridge_sim.support import free_port, wait_until
 
 META = RankMetadata(
     engine_id="p-0",
@@ -286,13 +287,45 @@ def test_digests_travel_only_to_a_keyed_client_and_bad_digest_requests_are_refus
         srv.close()
 
 
+def test_close_never_closes_the_socket_under_a_listener_still_answering(keys: CurveKeys) -> None:
+    """A callback that does not return holds the listener thread past close's wait: close returns in time and
+    leaves the socket to the thread (closing a ZMQ socket under the thread using it corrupts memory); once the
+    callback returns, the answer still goes out and the thread closes the socket and frees the port."""
+    held, entered = threading.Event(), threading.Event()
+
+    def renew(request_ids: list[str]) -> list[str]:
+        entered.set()
+        held.wait(10)
+        return request_ids
+
+    srv = SideChannelServer("127.0.0.1", 0, "fp", {0: (META, b"agent-0")}, keys=keys, on_heartbeat=renew).start()
+    answers: list[set[str]] = []
+    asking = threading.Thread(
+        target=lambda: answers.append(client(srv, keys, timeout=10).heartbeat([("r", srv.token("r"))]))
+    )
+    asking.start()
+    try:
+        assert entered.wait(5), "the heartbeat never reached the callback"
+        began = time.monotonic()
+        srv.close(timeout=0.3)
+        assert time.monotonic() - began < 2  # no wait past its bound
+        assert not srv._socket.closed  # left to the thread that uses it
+    finally:
+        held.set()
+        asking.join(timeout=15)
+    assert answers == [{"r"}]  # the answer went out on the socket close left open
+    wait_until(lambda: srv._socket.closed, 5, "the listener thread closing its socket")
+    with zmq.Context() as context, context.socket(zmq.ROUTER) as again:  # the port is free again
+        again.bind(f"tcp://127.0.0.1:{srv.port}")
+    srv.close()  # a second close does nothing
+
+
 def test_a_reply_frame_over_the_limit_is_refused_before_it_is_allocated(keys: CurveKeys) -> None:
     """A listener (or something on its port) answering with a 256 MiB frame: the client's ZMQ drops it as it
     arrives (ZMQ_MAXMSGSIZE), so the client neither allocates it nor hangs. Before the limit a 256 MiB frame cost
     the client 512 MiB of peak memory before it was refused. Run in a child process to measure its peak."""
     import subprocess
     import sys
-    import threading
 
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     router = context.socket(zmq.ROUTER)
