@@ -79,8 +79,9 @@ imports: setup
 # every test once, in two stages: first all but the `slow` ones over 4 workers (`make check`'s set: an emulated
 # cluster's test mostly waits), then the `slow` ones one at a time (real vLLM engines, processes per rank, whole CLI
 # runs: each wants the machine's cores to itself). A test whose worker process died (a native abort, no verdict on
-# the test) is run once more alone, and only such a test (tests/parallel_stage.py); glibc's reason for an abort is
-# written to the log (LIBC_FATAL_STDERR_), not to a terminal CI has none of
+# the test) is run once more alone, and only such a test (tests/parallel_stage.py), which also repeats at the end
+# what the worker wrote as it died; glibc's reason for an abort is written to the log (LIBC_FATAL_STDERR_), not to a
+# terminal CI has none of
 unit: setup
 	LIBC_FATAL_STDERR_=1 $(VENV)/bin/python tests/parallel_stage.py -m "not slow" -n 4
 	LIBC_FATAL_STDERR_=1 $(VENV)/bin/pytest -m slow
