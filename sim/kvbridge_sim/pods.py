@@ -169,30 +169,49 @@ def start(spec: LocalPodSpec, log_path: Path) -> subprocess.Popen[bytes]:
 
 
 def stop(process: subprocess.Popen[bytes], grace: float = 15.0) -> None:
-    """SIGTERM the pod's whole process group, SIGKILL what is left after ``grace`` seconds, and reap it."""
+    """SIGTERM the pod's whole process group, wait at most ``grace`` seconds for every process in it to exit, SIGKILL
+    what is left, and reap it.
+
+    Every process, not only the leader: vLLM's API server exits first, while its engine core, workers and
+    multiprocessing's resource tracker are still unlinking their shared memory (``/dev/shm``). Killed then, they left
+    it behind: eight files per stopped TP-2 engine, on a machine that runs many.
+    """
+    deadline = time.monotonic() + max(grace, 0.0)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGTERM)
     with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=grace)
-    # vLLM's engine core and workers are in the same group: kill stragglers even if the leader exited
+        process.wait(timeout=max(grace, 0.0))
+    _wait_group(process.pid, deadline)
+    # what is still running after the grace period (a stuck worker) is killed, leader or not
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _group_alive(process.pid):
-        time.sleep(0.1)
+    _wait_group(process.pid, time.monotonic() + 10)
 
 
 def terminate(process: subprocess.Popen[bytes], grace: float) -> None:
     """What a kubelet does to a container: SIGTERM its main process only (it shuts down its own children), wait
     at most ``grace`` seconds for it to exit, then SIGKILL everything left (a container's end takes every process
-    in it)."""
+    in it).
+
+    One difference: on a node the container's ``/dev/shm`` goes with it, here it is the machine's. So the processes
+    left when the main one exits get what is left of the grace period to exit (and unlink their shared memory) before
+    they are killed; nothing else is sent to them.
+    """
+    deadline = time.monotonic() + max(grace, 0.0)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(process.pid, signal.SIGTERM)
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=max(grace, 0.0))
+    _wait_group(process.pid, deadline)
     stop(process, grace=0.0)
+
+
+def _wait_group(pgid: int, deadline: float) -> None:
+    """Until no process of the group is left (its leader reaped) or the deadline passes."""
+    while time.monotonic() < deadline and _group_alive(pgid):
+        time.sleep(0.05)
 
 
 def _group_alive(pgid: int) -> bool:
