@@ -20,6 +20,9 @@ from kvbridge_agent.core import KVBridgeError
 from kvbridge_agent.core.contract import EngineEnvironment, render_environment
 
 START_TIMEOUT = 240.0
+#: ``1``: the engine stops (draining, as on SIGTERM) once the process that started it is gone, even if that was
+#: killed; :func:`start_engine` sets it, so that no engine a test or benchmark started outlives it
+EXIT_WITH_PARENT = "KVBRIDGE_EXIT_WITH_PARENT"
 
 
 class ProcessError(KVBridgeError):
@@ -123,7 +126,8 @@ def start_engine(
     timeout: float = START_TIMEOUT,
 ) -> EngineProcess:
     """Start ``kvbridge-agent serve`` for ``env`` and wait for its ready line."""
-    environ = {**os.environ, **render_environment(env), **(extra_env or {})}
+    # its starter dying (a killed test run, a crashed pytest worker) stops it: no engine outlives its starter
+    environ = {**os.environ, **render_environment(env), EXIT_WITH_PARENT: "1", **(extra_env or {})}
     command = [sys.executable, "-m", "kvbridge_agent", "serve", "--log-level", log_level]
     fd, log_path = tempfile.mkstemp(prefix=f"kvbridge-{env.engine_id}-", suffix=".log")
     with os.fdopen(fd, "wb") as log_file:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -12,6 +13,7 @@ from typing import Any
 from kvbridge_agent.core.contract import EngineEnvironment
 from kvbridge_agent.synthetic.data_parallel import DataParallelEngines
 from kvbridge_agent.synthetic.http_api import AgentHTTPServer
+from kvbridge_agent.synthetic.processes import EXIT_WITH_PARENT
 from kvbridge_agent.transfer.keys import load_keys
 
 log = logging.getLogger(__name__)
@@ -26,6 +28,7 @@ def serve(env: EngineEnvironment, *, log_level: str = "WARNING") -> int:
     """Start ranks, side channel and HTTP; print one JSON ready line on stdout; stop on SIGTERM/SIGINT (0), or
     exit with :data:`EXIT_UNHEALTHY` when a rank process or the side-channel listener dies."""
     stop = threading.Event()
+    parent = os.getppid() if os.environ.get(EXIT_WITH_PARENT) == "1" else None
 
     def on_signal(signum: int, frame: Any) -> None:
         stop.set()
@@ -53,6 +56,9 @@ def serve(env: EngineEnvironment, *, log_level: str = "WARNING") -> int:
         sys.stdout.write(json.dumps(ready) + "\n")
         sys.stdout.flush()
         while not stop.wait(HEALTH_CHECK_SECONDS):
+            if parent is not None and os.getppid() != parent:  # orphaned: its starter died without stopping it
+                log.warning("the process that started this engine (pid %d) is gone: stopping", parent)
+                break
             problems = engine.problems()
             if problems:  # exit so that the kubelet restarts the pod: fresh ranks, registrations and handshakes
                 log.error("engine cannot serve (%s): exiting", "; ".join(problems))

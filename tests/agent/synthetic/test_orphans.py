@@ -1,0 +1,65 @@
+"""An engine whose starter dies without stopping it (a killed test run, a crashed pytest worker) stops too, ranks
+and all, instead of running on as an orphan."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from kvbridge_agent.core import ModelGeometry, Role, RoleSettings
+from kvbridge_agent.core.contract import EngineEnvironment
+from kvbridge_sim.support import wait_until
+
+#: a starter: starts one engine, prints its pids, and waits to be killed
+STARTER = textwrap.dedent(
+    """
+    import json, sys, time
+    from kvbridge_agent.core.contract import EngineEnvironment
+    from kvbridge_agent.synthetic.processes import start_engine
+    engine = start_engine(EngineEnvironment.model_validate_json(sys.argv[1]))
+    print(json.dumps(engine.pids), flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"  # a zombie waits for its reaper, it runs no more
+
+
+def test_an_engine_whose_starter_is_killed_stops_with_its_ranks(tmp_path: Path) -> None:
+    env = EngineEnvironment(
+        role=Role.PREFILL,
+        engine_id="orphan",
+        model=ModelGeometry(name="tiny", num_layers=2, num_kv_heads=8, head_dim=32),
+        prefill=RoleSettings(tensor_parallel_size=2),
+        decode=RoleSettings(tensor_parallel_size=1),
+        num_blocks=16,
+        http_port=0,
+        side_channel_listen_port=0,
+    )
+    starter = subprocess.Popen(
+        [sys.executable, "-c", STARTER, env.model_dump_json(by_alias=True)], stdout=subprocess.PIPE, cwd=tmp_path
+    )
+    try:
+        pids: list[int] = json.loads(starter.stdout.readline()) if starter.stdout else []
+        assert len(pids) == 3  # the engine and its two ranks
+        assert all(alive(pid) for pid in pids)
+    finally:
+        starter.send_signal(signal.SIGKILL)
+        starter.wait(timeout=10)
+    try:
+        wait_until(lambda: not any(alive(pid) for pid in pids), 30, "the orphaned engine and its ranks to stop")
+    finally:
+        for pid in pids:  # never leave one behind, even when the test fails
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
