@@ -14,7 +14,9 @@ faulthandler) goes to stderr among the progress of the other workers, far from t
 passes its stderr through and, when a worker died, prints those lines again at the end, where a log's tail shows
 them. Its workers capture output at the level of ``sys`` (``--capture=sys``), not of file descriptors: under fd
 capture a native library's last words go to pytest's temporary file and die with the worker. The stage's tests
-write nothing to the descriptors themselves (a whole run's stderr was empty this way).
+write nothing to the descriptors themselves (a whole run's stderr was empty this way); what a test's child process
+writes to an inherited descriptor goes to the stage's stderr (or, for stdout, nowhere: xdist points a worker's at
+/dev/null) rather than into that test's report.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import collections
 import subprocess
 import sys
 import tempfile
+import threading
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
@@ -35,6 +38,8 @@ CURRENT = b"Current thread"
 #: lines of stderr kept (the newest); shown before each fatal error; searched after it for the dying thread's
 #: stack; and of that stack
 KEPT, BEFORE, SEARCHED, FRAMES = 5000, 8, 1000, 16
+#: how long stderr is still read once pytest has exited (what it wrote last is in the pipe already)
+DRAIN_SECONDS = 5.0
 
 
 def crashes(report: Path) -> tuple[list[str], int]:
@@ -65,14 +70,28 @@ def deaths(lines: list[bytes]) -> list[bytes]:
 
 
 def run_passing_stderr(command: list[str]) -> tuple[int, list[bytes]]:
-    """Run a command, its stderr passed through as it comes; returns its exit code and its newest stderr lines."""
+    """Run a command, its stderr passed through as it comes; returns its exit code and its newest stderr lines.
+
+    A process a test left running may hold the pipe open after pytest exits: once pytest has, its stderr is read
+    for at most :data:`DRAIN_SECONDS` more, never until that process ends.
+    """
     kept: collections.deque[bytes] = collections.deque(maxlen=KEPT)
-    with subprocess.Popen(command, stderr=subprocess.PIPE) as process:
+    keeping = threading.Lock()
+    process = subprocess.Popen(command, stderr=subprocess.PIPE)
+
+    def pass_through() -> None:
         for line in process.stderr or ():
             sys.stderr.buffer.write(line)
             sys.stderr.buffer.flush()
-            kept.append(line)
-    return process.returncode, list(kept)
+            with keeping:
+                kept.append(line)
+
+    reader = threading.Thread(target=pass_through, name="stderr", daemon=True)
+    reader.start()
+    code = process.wait()
+    reader.join(timeout=DRAIN_SECONDS)
+    with keeping:
+        return code, list(kept)
 
 
 def main(args: list[str]) -> int:
@@ -90,9 +109,11 @@ def main(args: list[str]) -> int:
         tell_deaths(crashed, stderr)
         return code
     print(f"\n{len(crashed)} test(s) whose worker process died, run once more alone: {', '.join(crashed)}", flush=True)
-    again = subprocess.run([sys.executable, "-m", "pytest", *args, "-n", "0", "--last-failed"], check=False)
-    tell_deaths(crashed, stderr)
-    return again.returncode
+    code, again = run_passing_stderr(
+        [sys.executable, "-m", "pytest", "--capture=sys", *args, "-n", "0", "--last-failed"]
+    )
+    tell_deaths(crashed, stderr + again)
+    return code
 
 
 def tell_deaths(crashed: list[str], stderr: list[bytes]) -> None:
