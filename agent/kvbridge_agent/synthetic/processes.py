@@ -20,8 +20,8 @@ from kvbridge_agent.core import KVBridgeError
 from kvbridge_agent.core.contract import EngineEnvironment, render_environment
 
 START_TIMEOUT = 240.0
-#: ``1``: the engine stops (draining, as on SIGTERM) once the process that started it is gone, even if that was
-#: killed; :func:`start_engine` sets it, so that no engine a test or benchmark started outlives it
+#: the pid of the engine's starter: the engine stops (draining, as on SIGTERM) once it is no longer its parent, even
+#: if it was killed; :func:`start_engine` sets it, so that no engine a test or benchmark started outlives it
 EXIT_WITH_PARENT = "KVBRIDGE_EXIT_WITH_PARENT"
 
 
@@ -127,7 +127,7 @@ def start_engine(
 ) -> EngineProcess:
     """Start ``kvbridge-agent serve`` for ``env`` and wait for its ready line."""
     # its starter dying (a killed test run, a crashed pytest worker) stops it: no engine outlives its starter
-    environ = {**os.environ, **render_environment(env), EXIT_WITH_PARENT: "1", **(extra_env or {})}
+    environ = {**os.environ, **render_environment(env), EXIT_WITH_PARENT: str(os.getpid()), **(extra_env or {})}
     command = [sys.executable, "-m", "kvbridge_agent", "serve", "--log-level", log_level]
     fd, log_path = tempfile.mkstemp(prefix=f"kvbridge-{env.engine_id}-", suffix=".log")
     with os.fdopen(fd, "wb") as log_file:

@@ -28,13 +28,16 @@ def serve(env: EngineEnvironment, *, log_level: str = "WARNING") -> int:
     """Start ranks, side channel and HTTP; print one JSON ready line on stdout; stop on SIGTERM/SIGINT (0), or
     exit with :data:`EXIT_UNHEALTHY` when a rank process or the side-channel listener dies."""
     stop = threading.Event()
-    parent = os.getppid() if os.environ.get(EXIT_WITH_PARENT) == "1" else None
+    parent = _parent_to_follow()
 
     def on_signal(signum: int, frame: Any) -> None:
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if parent is not None and os.getppid() != parent:  # its starter died while this process was starting
+        log.warning("the process that started this engine (pid %d) is gone: not starting", parent)
+        return 0
     keys = load_keys(env.keys_dir) if env.keys_dir else None
     engine = DataParallelEngines(env, keys, log_level=log_level)
     http: AgentHTTPServer | None = None
@@ -73,3 +76,14 @@ def serve(env: EngineEnvironment, *, log_level: str = "WARNING") -> int:
             http.server_close()
         engine.close()
     return 0
+
+
+def _parent_to_follow() -> int | None:
+    """The pid of the starter this engine stops without (:data:`EXIT_WITH_PARENT`), or None."""
+    value = os.environ.get(EXIT_WITH_PARENT, "")
+    if not value:
+        return None
+    if not value.isdigit():
+        log.warning("%s=%r is not a process id: ignored", EXIT_WITH_PARENT, value)
+        return None
+    return int(value)
