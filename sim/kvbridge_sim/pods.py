@@ -197,7 +197,7 @@ def terminate(process: subprocess.Popen[bytes], grace: float) -> None:
 
     One difference: on a node the container's ``/dev/shm`` goes with it, here it is the machine's. So the processes
     left when the main one exits get what is left of the grace period to exit (and unlink their shared memory) before
-    they are killed; nothing else is sent to them.
+    they are killed; no signal reaches them before that.
     """
     deadline = time.monotonic() + max(grace, 0.0)
     with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from kvbridge_sim import pods
+from kvbridge_sim.support import wait_until
 
 #: a pod's leader that exits at once on SIGTERM, with a child that takes ``delay`` seconds to remove its file on
 #: SIGTERM or once its parent is gone (ignores both when ``delay`` is negative); the child's pid goes in ``pid``
@@ -44,10 +45,11 @@ POD = textwrap.dedent(
 def start(tmp_path: Path, delay: float) -> tuple[subprocess.Popen[bytes], Path]:
     marker = tmp_path / "segment"
     process = subprocess.Popen([sys.executable, "-c", POD, str(marker), str(delay)], start_new_session=True)
-    deadline = time.monotonic() + 30
-    while not Path(f"{marker}.ready").exists():
-        assert time.monotonic() < deadline, "the pod's child never started"
-        time.sleep(0.05)
+    try:
+        wait_until(lambda: Path(f"{marker}.ready").exists(), 30, "the pod's child to start")
+    except TimeoutError:
+        pods.stop(process, grace=0)  # no pod left behind
+        raise
     return process, marker
 
 

@@ -125,13 +125,17 @@ class SideChannelServer:
 
     def start(self) -> SideChannelServer:
         self._serving = True
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:  # no thread: close releases the socket itself
+            self._serving = False
+            raise
         return self
 
     @property
     def alive(self) -> bool:
         """Serving: started, not closed, and the listener thread has not died."""
-        return self._thread.is_alive() and self.failure is None
+        return self._thread.is_alive() and self.failure is None and not self._stop.is_set()
 
     def _run(self) -> None:
         try:
@@ -234,9 +238,10 @@ class SideChannelServer:
         self._release()
 
     def _release(self) -> None:
-        if self._released:
-            return
-        self._released = True
+        with self._owner:
+            if self._released:
+                return
+            self._released = True
         self._socket.close(linger=0)
         if self._auth is not None:
             self._auth.stop()

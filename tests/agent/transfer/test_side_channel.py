@@ -310,6 +310,7 @@ def test_close_never_closes_the_socket_under_a_listener_still_answering(keys: Cu
         srv.close(timeout=0.3)
         assert time.monotonic() - began < 2  # no wait past its bound
         assert not srv._socket.closed  # left to the thread that uses it
+        assert not srv.alive  # closed: no longer serving, even while that thread ends
     finally:
         held.set()
         asking.join(timeout=15)
