@@ -315,7 +315,8 @@ def test_close_never_closes_the_socket_under_a_listener_still_answering(keys: Cu
         held.set()
         asking.join(timeout=15)
     assert answers == [{"r"}]  # the answer went out on the socket close left open
-    wait_until(lambda: srv._socket.closed, 5, "the listener thread closing its socket")
+    # the thread ends after it has closed the socket and terminated the context (the listening port is free then)
+    wait_until(lambda: srv._socket.closed and not srv._thread.is_alive(), 5, "the listener to close its socket, end")
     with zmq.Context() as context, context.socket(zmq.ROUTER) as again:  # the port is free again
         again.bind(f"tcp://127.0.0.1:{srv.port}")
     srv.close()  # a second close does nothing
