@@ -1,5 +1,6 @@
 """What the simulation, the tests and the benchmarks share for running things locally: a free port on this
-machine, and waiting for a condition with a deadline (asynchronous :func:`until`, blocking :func:`wait_until`).
+machine, waiting for a condition with a deadline (asynchronous :func:`until`, blocking :func:`wait_until`), and
+whether a process still runs (:func:`running`).
 
 The standard library only, so that any test may import it without the ``demo`` extra."""
 
@@ -119,3 +120,13 @@ def wait_until(
         if deadline.expired():
             raise deadline.error()
         time.sleep(interval)
+
+
+def running(pid: int) -> bool:
+    """Whether the process runs: it exists and is not a zombie (one that has exited and waits for its parent's
+    ``wait()`` runs no more)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # the state follows the command name, which may hold spaces

@@ -25,7 +25,7 @@ from kvbridge_agent.synthetic.processes import EngineProcess, start_engine
 from kvbridge_agent.transfer.keys import CurveKeys, generate_keys
 from kvbridge_agent.transfer.side_channel import SideChannelClient
 from kvbridge_agent.transfer.transport import Transport
-from kvbridge_sim.support import wait_until
+from kvbridge_sim.support import running, wait_until
 from tests.kv_faults import overwrite_prefill_kv
 
 MODEL = ModelGeometry(name="tiny", num_layers=2, num_kv_heads=8, head_dim=32)
@@ -87,7 +87,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     finally:
         built.stop()
     time.sleep(0.5)
-    leftovers = [pid for pid in built.pids if _alive(pid)]
+    leftovers = [pid for pid in built.pids if running(pid)]
     assert leftovers == [], f"processes left behind: {leftovers}"
     # every socket the engines listened on is closed; the port itself may already be another test's (pytest-xdist
     # workers' servers and connections take freed ports), so the sockets are told apart by inode, not by port
@@ -121,18 +121,6 @@ def _listening_sockets() -> dict[int, set[int]]:
             if fields[3] == "0A":
                 found.setdefault(int(fields[1].rsplit(":", 1)[1], 16), set()).add(int(fields[9]))
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie waiting for its parent's wait() is gone for our purposes
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def prefill(engine: EngineProcess, request_id: str, tokens: int) -> dict[str, Any]:
@@ -406,7 +394,7 @@ def test_a_dead_rank_makes_the_engine_unhealthy_and_exit_for_a_restart(cluster: 
     os.kill(rank, 9)
     assert engine.process.wait(timeout=15) == 3  # EXIT_UNHEALTHY: the kubelet restarts the pod
     assert "rank 0 process exited" in engine.log_tail()
-    assert not _alive(rank)  # reaped, not a zombie
+    assert not running(rank)  # reaped, not a zombie
 
 
 def test_a_side_channel_listener_that_stops_says_why() -> None:
@@ -439,8 +427,8 @@ def test_sigterm_stops_an_engine_in_bounded_time_even_with_a_stuck_rank(cluster:
     engine.process.send_signal(signal.SIGTERM)
     assert engine.process.wait(timeout=30) == 0
     assert time.monotonic() - started < 10  # 3 s grace + 2 s SIGTERM + SIGKILL; it was 10 + 5 s for this rank
-    assert not _alive(stuck)
-    assert not _alive(other)
+    assert not running(stuck)
+    assert not running(other)
 
 
 def test_kv_overwritten_after_publish_fails_the_request_loudly_and_engines_keep_serving(cluster: Cluster) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kvbridge_agent.core import ModelGeometry, Role, RoleSettings
 from kvbridge_agent.core.contract import EngineEnvironment, render_environment
-from kvbridge_sim.support import wait_until
+from kvbridge_sim.support import running, wait_until
 
 #: a starter: starts one engine, prints its pids, and waits to be killed
 STARTER = textwrap.dedent(
@@ -26,14 +26,6 @@ STARTER = textwrap.dedent(
     time.sleep(600)
     """
 )
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"  # a zombie waits for its reaper, it runs no more
 
 
 #: a starter that starts ``kvbridge-agent serve`` as start_engine does and exits at once, before the engine has even
@@ -71,15 +63,15 @@ def test_an_engine_whose_starter_is_killed_stops_with_its_ranks(tmp_path: Path) 
     try:
         pids: list[int] = json.loads(starter.stdout.readline()) if starter.stdout else []
         assert len(pids) == 3  # the engine and its two ranks
-        assert all(alive(pid) for pid in pids)
+        assert all(running(pid) for pid in pids)
     finally:
         starter.send_signal(signal.SIGKILL)
         starter.wait(timeout=10)
     try:
-        wait_until(lambda: not any(alive(pid) for pid in pids), 30, "the orphaned engine and its ranks to stop")
+        wait_until(lambda: not any(running(pid) for pid in pids), 30, "the orphaned engine and its ranks to stop")
     finally:
         for pid in pids:  # never leave one behind, even when the test fails
-            if alive(pid):
+            if running(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -90,7 +82,7 @@ def test_an_engine_whose_starter_died_before_it_started_does_not_start(tmp_path:
     )
     pid = int(starter.stdout)
     try:
-        wait_until(lambda: not alive(pid), 30, "the engine whose starter was gone to exit")
+        wait_until(lambda: not running(pid), 30, "the engine whose starter was gone to exit")
     finally:
-        if alive(pid):
+        if running(pid):
             os.kill(pid, signal.SIGKILL)
