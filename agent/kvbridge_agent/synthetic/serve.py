@@ -35,7 +35,7 @@ def serve(env: EngineEnvironment, *, log_level: str = "WARNING") -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    if parent is not None and os.getppid() != parent:  # its starter died while this process was starting
+    if _orphaned(parent):  # its starter died while this process was starting
         log.warning("the process that started this engine (pid %d) is gone: not starting", parent)
         return 0
     keys = load_keys(env.keys_dir) if env.keys_dir else None
@@ -59,7 +59,7 @@ def serve(env: EngineEnvironment, *, log_level: str = "WARNING") -> int:
         sys.stdout.write(json.dumps(ready) + "\n")
         sys.stdout.flush()
         while not stop.wait(HEALTH_CHECK_SECONDS):
-            if parent is not None and os.getppid() != parent:  # orphaned: its starter died without stopping it
+            if _orphaned(parent):  # its starter died without stopping it
                 log.warning("the process that started this engine (pid %d) is gone: stopping", parent)
                 break
             problems = engine.problems()
@@ -87,3 +87,8 @@ def _parent_to_follow() -> int | None:
         log.warning("%s=%r is not a process id: ignored", EXIT_WITH_PARENT, value)
         return None
     return int(value)
+
+
+def _orphaned(parent: int | None) -> bool:
+    """Whether the starter this engine follows (if any) is no longer its parent: it died."""
+    return parent is not None and os.getppid() != parent
