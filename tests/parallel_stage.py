@@ -40,6 +40,8 @@ CURRENT = b"Current thread"
 KEPT, BEFORE, SEARCHED, FRAMES = 5000, 8, 1000, 16
 #: how long stderr is still read once pytest has exited (what it wrote last is in the pipe already)
 DRAIN_SECONDS = 5.0
+#: pytest, as both runs of the stage start it: output captured at the level of ``sys`` (see above)
+PYTEST = [sys.executable, "-m", "pytest", "--capture=sys"]
 
 
 def crashes(report: Path) -> tuple[list[str], int]:
@@ -97,8 +99,7 @@ def run_passing_stderr(command: list[str]) -> tuple[int, list[bytes]]:
 def main(args: list[str]) -> int:
     with tempfile.TemporaryDirectory() as folder:
         junit = Path(folder, "report.xml")
-        command = [sys.executable, "-m", "pytest", "--capture=sys", *args, f"--junitxml={junit}"]
-        code, stderr = run_passing_stderr(command)
+        code, stderr = run_passing_stderr([*PYTEST, *args, f"--junitxml={junit}"])
         if code == 0:
             return 0
         try:
@@ -109,9 +110,7 @@ def main(args: list[str]) -> int:
         tell_deaths(crashed, stderr)
         return code
     print(f"\n{len(crashed)} test(s) whose worker process died, run once more alone: {', '.join(crashed)}", flush=True)
-    code, again = run_passing_stderr(
-        [sys.executable, "-m", "pytest", "--capture=sys", *args, "-n", "0", "--last-failed"]
-    )
+    code, again = run_passing_stderr([*PYTEST, *args, "-n", "0", "--last-failed"])
     tell_deaths(crashed, stderr + again)
     return code
 
