@@ -64,3 +64,18 @@ class BlockMappingError(KVBridgeError):
     """A request's block ids cannot be mapped onto the plan (one request fails, not the engine)."""
 
     code = "BLOCK_MAPPING"
+
+
+#: an unexpected exception, turned into a failure of the requests it hit (the engine serves on)
+INTERNAL_ERROR = "INTERNAL_ERROR"
+
+
+def failure_of(exc: BaseException, default_code: str) -> tuple[str, str]:
+    """The typed failure of the requests an exception hit: kvbridge's own code and message; an ``OSError``'s text
+    under ``default_code``; anything else (a ``MemoryError``, a bug) :data:`INTERNAL_ERROR` with its type, so that
+    no input a request or a peer brings escapes as an exception into the engine that runs kvbridge."""
+    if isinstance(exc, KVBridgeError):
+        return exc.code, exc.message
+    if isinstance(exc, OSError):
+        return default_code, str(exc)
+    return INTERNAL_ERROR, f"{type(exc).__name__}: {exc}"[:500]

@@ -24,13 +24,14 @@ import json
 import re
 from collections.abc import Sequence
 from enum import StrEnum
+from typing import Annotated
 
 from pydantic import Field, ValidationError, model_validator
 
 from .digest import KEY_BYTES, RequestDigests, from_bytes, to_bytes
 from .errors import KVBridgeError, SpecError
 from .layout import PhysicalLayout
-from .model import CacheKind, CamelModel, KVLayout
+from .model import MAX_BLOCK_SIZE, MAX_TENSOR_PARALLEL, CacheKind, CamelModel, KVLayout
 
 #: 2: heartbeats and digest requests carry each request's lease token (a request's capability, §5)
 ENVELOPE_VERSION = 2
@@ -38,6 +39,19 @@ MAX_HEADER_BYTES = 4096
 MAX_PAYLOAD_BYTES = 1 << 20
 #: brackets a request header may contain (a real one has 2); counted before parsing
 MAX_HEADER_NESTING = 16
+#: blocks of one rank's KV cache a peer may describe (the agent's own caches are bounded alike)
+MAX_BLOCKS = 1 << 24
+#: KV tensors one rank may register (two per layer at most, layers bounded by the model's 1024)
+MAX_TENSORS = 4096
+#: descriptors a decode rank prepares for one prefill rank (blocks x tensors): a peer claiming more is refused
+#: before anything is allocated (Llama-3.1-70B at TP 8 on a 141 GB GPU is about 3.4e7)
+MAX_REMOTE_DESCRIPTORS = 1 << 27
+#: bytes of one block of one region (a 4096-token block of 1024 heads of width 512 in fp32 is 2^33)
+MAX_REGION_BLOCK_BYTES = 1 << 34
+#: tokens of one request (more than any model's context)
+MAX_TOKENS = 1 << 24
+#: a wire block id: a prefill block id times its split into wire blocks
+MAX_BLOCK_ID = MAX_BLOCKS * MAX_BLOCK_SIZE
 
 # Stable error codes of the side channel.
 MALFORMED_MESSAGE = "MALFORMED_MESSAGE"
@@ -80,18 +94,22 @@ class RankMetadata(CamelModel):
     engine_id: str = Field(min_length=1, max_length=256)
     incarnation: str = Field(min_length=1, max_length=64, description="New on every process start.")
     agent_name: str = Field(min_length=1, max_length=512)
-    tp_rank: int = Field(ge=0)
-    tp_size: int = Field(ge=1)
-    block_size: int = Field(ge=1)
+    tp_rank: int = Field(ge=0, lt=MAX_TENSOR_PARALLEL)
+    tp_size: int = Field(ge=1, le=MAX_TENSOR_PARALLEL)
+    block_size: int = Field(ge=1, le=MAX_BLOCK_SIZE)
     kv_layout: KVLayout
     cache_kind: CacheKind
-    num_blocks: int = Field(ge=1)
-    tensor_bases: list[int] = Field(min_length=1, description="Base address of every registered tensor, in order.")
-    region_block_bytes: int = Field(ge=1, description="Bytes of one native block of one region.")
-    wire_block_size: int = Field(ge=1)
+    num_blocks: int = Field(ge=1, le=MAX_BLOCKS)
+    tensor_bases: list[Annotated[int, Field(ge=0, lt=1 << 64)]] = Field(
+        min_length=1, max_length=MAX_TENSORS, description="Base address of every registered tensor, in order."
+    )
+    region_block_bytes: int = Field(
+        ge=1, le=MAX_REGION_BLOCK_BYTES, description="Bytes of one native block of one region."
+    )
+    wire_block_size: int = Field(ge=1, le=MAX_BLOCK_SIZE)
     wire_layout: KVLayout
     memory_type: MemoryType
-    device_id: int = Field(ge=0)
+    device_id: int = Field(ge=0, lt=1 << 16)
     block_interior: str = Field(
         default="",
         max_length=64,
@@ -104,6 +122,18 @@ class RankMetadata(CamelModel):
         "the engine handed strided views of one allocation; ``tensor_bases`` then holds the address of logical "
         "(0, 0, 0, 0, 0). Left out of the message when absent, so caches without one encode as before.",
     )
+
+    @model_validator(mode="after")
+    def _bounded(self) -> RankMetadata:
+        if self.tp_rank >= self.tp_size:
+            raise ValueError(f"tpRank {self.tp_rank} is outside the {self.tp_size} ranks tpSize says")
+        descriptors = self.num_blocks * len(self.tensor_bases)
+        if descriptors > MAX_REMOTE_DESCRIPTORS:
+            raise ValueError(
+                f"{self.num_blocks} blocks of {len(self.tensor_bases)} tensors would take {descriptors} descriptors, "
+                f"at most {MAX_REMOTE_DESCRIPTORS}"
+            )
+        return self
 
 
 def _dump(obj: object) -> bytes:
@@ -347,12 +377,16 @@ class KVTransferParams(CamelModel):
     remote_host: str = Field(min_length=1, max_length=256)
     remote_port: int = Field(ge=1, le=65535)
     remote_request_id: str = Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=REQUEST_ID_PATTERN)
-    remote_block_ids: list[int] = Field(max_length=1 << 20)
+    remote_block_ids: list[Annotated[int, Field(ge=0, lt=MAX_BLOCK_ID)]] = Field(max_length=1 << 20)
     #: a hybrid model (several KV cache groups): ``remote_block_ids`` lists each group's blocks one group after the
     #: other, this many each (core.cache_groups); absent for one group
-    remote_group_sizes: list[int] | None = Field(default=None, min_length=2, max_length=64)
-    num_tokens: int = Field(ge=1)
-    remote_tp_size: int = Field(ge=1)
+    remote_group_sizes: list[Annotated[int, Field(ge=0, le=1 << 20)]] | None = Field(
+        default=None, min_length=2, max_length=64
+    )
+    num_tokens: int = Field(ge=1, le=MAX_TOKENS)
+    #: prefill's TP size: bounded here; whether this decode may pair with it at all is the deployment's verdict
+    #: (:func:`~kvbridge_agent.core.plan.peer_tp_problem`), checked before any handshake
+    remote_tp_size: int = Field(ge=1, le=MAX_TENSOR_PARALLEL)
     fingerprint: str = Field(min_length=1, max_length=64)
     #: when prefill's lease on the blocks ends (Unix time, prefill's clock) unless decode's heartbeats renew it;
     #: decode refuses to read, or to use a read that finished, after it (minus a clock-skew margin)
@@ -368,7 +402,7 @@ class KVTransferParams(CamelModel):
     @model_validator(mode="after")
     def _groups_add_up(self) -> KVTransferParams:
         sizes = self.remote_group_sizes
-        if sizes is not None and (min(sizes) < 0 or sum(sizes) != len(self.remote_block_ids)):
+        if sizes is not None and sum(sizes) != len(self.remote_block_ids):
             raise ValueError(f"remoteGroupSizes {sizes} do not add up to the {len(self.remote_block_ids)} block ids")
         return self
 

@@ -161,11 +161,17 @@ class ModelGeometry(CamelModel):
         return self.num_layers * self.num_kv_heads * self.token_bytes_per_head
 
 
+#: the largest tensor-parallel size a role may run (and a peer may claim on the wire)
+MAX_TENSOR_PARALLEL = 1024
+#: the largest KV cache block a role may use, in tokens
+MAX_BLOCK_SIZE = 4096
+
+
 class RoleSettings(CamelModel):
     """Settings that may differ between prefill and decode, within the rules of §2."""
 
-    tensor_parallel_size: int = Field(default=1, ge=1, le=1024, description="Tensor-parallel size.")
-    block_size: int = Field(default=16, ge=1, le=4096, description="KV cache block size in tokens.")
+    tensor_parallel_size: int = Field(default=1, ge=1, le=MAX_TENSOR_PARALLEL, description="Tensor-parallel size.")
+    block_size: int = Field(default=16, ge=1, le=MAX_BLOCK_SIZE, description="KV cache block size in tokens.")
     kv_layout: KVLayout = Field(default=KVLayout.HND, description="Order inside one block: HND or NHD.")
     data_parallel_size: int = Field(
         default=1,

@@ -222,3 +222,37 @@ def build_plan(
     if isinstance(result, list):
         raise IncompatibleError(result)
     return result
+
+
+class PeerTensorParallel:
+    """Whether a decode engine planned against ``prefill`` may pair with a prefill engine that says it runs another
+    TP: the deployment's own verdict with the TP the peer claims (a rollout's mixed pairs pass; anything the verdict
+    refuses is never handshaken with, whatever the transfer parameters say). A claimed TP decides how many prefill
+    ranks decode asks for, so it is bounded by the deployment, not by the sender. Verdicts are kept per claimed TP
+    (at most :data:`~.model.MAX_TENSOR_PARALLEL` of them: the parameters' schema bounds it)."""
+
+    def __init__(
+        self, model: ModelGeometry, prefill: RoleSettings, decode: RoleSettings, transfer: TransferSettings | None
+    ) -> None:
+        self._pair = (model, prefill, decode, transfer or TransferSettings())
+        self._verdicts: dict[int, Problem | None] = {prefill.tensor_parallel_size: None}
+
+    def problem(self, remote_tp: int) -> Problem | None:
+        """The first problem of pairing with a prefill of TP ``remote_tp`` (``None``: it may pair)."""
+        if remote_tp not in self._verdicts:
+            model, prefill, decode, transfer = self._pair
+            claimed = prefill.model_copy(update={"tensor_parallel_size": remote_tp})
+            problems = check_pair(model, claimed, decode, transfer)
+            self._verdicts[remote_tp] = problems[0] if problems else None
+        return self._verdicts[remote_tp]
+
+    def refusal(self, remote_tp: int) -> str:
+        """Why parameters naming a prefill of TP ``remote_tp`` are refused (empty: they are not)."""
+        problem = self.problem(remote_tp)
+        if problem is None:
+            return ""
+        planned = self._pair[1].tensor_parallel_size
+        return (
+            f"remoteTpSize {remote_tp} cannot pair with this decode engine (planned against prefill TP {planned}): "
+            f"{problem.code}: {problem.message}"
+        )

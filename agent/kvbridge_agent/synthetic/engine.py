@@ -47,6 +47,7 @@ from kvbridge_agent.core.handshake import (
     request_id_problem,
 )
 from kvbridge_agent.core.model import Role
+from kvbridge_agent.core.plan import PeerTensorParallel
 from kvbridge_agent.core.signing import load_token
 from kvbridge_agent.core.tp import handshake_ranks
 from kvbridge_agent.synthetic.rank_entry import main as rank_main
@@ -124,6 +125,8 @@ class Engine:
         self.metrics = metrics or AgentMetrics(env.role.value, env.engine_id)
         self.allocator = BlockAllocator(env.num_blocks, default=env.block_allocation)
         self.plan = build_plan(env.model, env.prefill, env.decode, env.transfer)
+        #: decode: the prefill TPs the deployment lets this engine pair with (a claimed one decides the handshake)
+        self._peer_tp = PeerTensorParallel(env.model, env.prefill, env.decode, env.transfer)
         self.ranks: list[RankHandle] = []
         self.server: SideChannelServer | None = None
         self._held: dict[str, _Held] = {}
@@ -408,6 +411,9 @@ class Engine:
         """Pull a request's KV from its prefill engine; every rank reads its part and verifies it."""
         if self.env.role is not Role.DECODE:
             raise EngineError("this is a prefill engine", code=INVALID_REQUEST, field="role")
+        refusal = self._peer_tp.refusal(params.remote_tp_size)
+        if refusal:
+            raise EngineError(refusal, code=INVALID_REQUEST, field="kvTransferParams.remoteTpSize")
         total = blocks_for_tokens(params.num_tokens, self.env.decode.block_size)
         if not 0 <= prefix_hit_blocks <= total:
             raise EngineError(

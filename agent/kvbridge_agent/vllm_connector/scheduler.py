@@ -29,6 +29,7 @@ from kvbridge_agent.core.handshake import (
     TransferDigests,
     request_id_problem,
 )
+from kvbridge_agent.core.plan import PeerTensorParallel
 from kvbridge_agent.core.signing import TransferNotSignedError, check_signature, load_token
 from kvbridge_agent.core.tracing import context_of
 from kvbridge_agent.transfer.keys import load_keys
@@ -97,6 +98,10 @@ class ConnectorScheduler:
         environment = settings.environment
         # prefill offers wire blocks: with a prefill-side split, block b becomes wire blocks b*r .. b*r + r-1
         self._plan = build_plan(environment.model, environment.prefill, environment.decode, environment.transfer)
+        #: decode: the prefill TPs the deployment lets this engine pair with (a claimed one decides the handshake)
+        self._peer_tp = PeerTensorParallel(
+            environment.model, environment.prefill, environment.decode, environment.transfer
+        )
         self._keys = load_keys(environment.keys_dir) if environment.keys_dir else None
         #: decode: the router's token (spec.router.signTransfers): parameters without its signature are refused
         self._transfer_token = (
@@ -199,6 +204,8 @@ class ConnectorScheduler:
             if self._transfer_token is not None:
                 check_signature(self._transfer_token, raw)
             params = transfer_params(raw)
+            if params is not None and (why := self._peer_tp.refusal(params.remote_tp_size)):
+                raise InvalidTransferParamsError(f"kv_transfer_params.{PARAMS_KEY}.remoteTpSize: {why}")
         except (InvalidTransferParamsError, TransferNotSignedError) as exc:
             # the request fails when its load is reported, never by a raise
             why = f"{exc.field}: {exc.message}" if isinstance(exc, TransferNotSignedError) else str(exc)

@@ -21,7 +21,6 @@ from typing import Any
 
 from kvbridge_agent.core import (
     CacheKind,
-    KVBridgeError,
     KVLayout,
     ModelGeometry,
     Role,
@@ -37,12 +36,13 @@ from kvbridge_agent.core.digest import (
     decode_verifies,
     to_bytes,
 )
+from kvbridge_agent.core.errors import INTERNAL_ERROR, failure_of
 from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams
 from kvbridge_agent.core.layout import PhysicalOrder
 from kvbridge_agent.core.plan import build_plan
 from kvbridge_agent.core.tp import handshake_ranks
 from kvbridge_agent.core.wire import ConversionKind
-from kvbridge_agent.transfer.decode_rank import DecodeRank, ReadResult, Verify
+from kvbridge_agent.transfer.decode_rank import TRANSFER_FAILED, DecodeRank, ReadResult, Verify
 from kvbridge_agent.transfer.digest import Digester
 from kvbridge_agent.transfer.host_buffer import HostBuffer
 from kvbridge_agent.transfer.keys import CurveKeys, load_keys
@@ -67,6 +67,16 @@ from .stats import KVBridgeStats
 from .tracing import Spans, Value
 
 log = logging.getLogger(f"vllm.kvbridge.{__name__.rsplit('.', 1)[-1]}")  # shown by vLLM's log handler
+
+
+def request_failure(exc: Exception, default_code: str, subject: str) -> tuple[str, str]:
+    """The typed failure of the requests ``exc`` hit (:func:`~kvbridge_agent.core.errors.failure_of`); an unexpected
+    one is logged with its traceback."""
+    code, message = failure_of(exc, default_code)
+    if code == INTERNAL_ERROR:
+        log.error("kvbridge: %.80s: unexpected %s", subject, message, exc_info=exc)
+    return code, message
+
 
 BLOCK_INTERIOR_MISMATCH = "BLOCK_INTERIOR_MISMATCH"
 
@@ -305,9 +315,17 @@ class ConnectorWorker:
                 self._held_blocks[request_id] = len(order.block_ids)
         if self.decode is not None:
             for request_id, read in meta.to_read.items():
-                result = self._start_read(self.decode, request_id, read)
-                if result is not None:
-                    self._results.append(result)
+                self._start_or_fail(self.decode, request_id, read)
+
+    def _start_or_fail(self, decode: DecodeRank, request_id: str, order: ReadOrder) -> None:
+        """Start one request's READs; anything unforeseen it raises fails that request alone, typed and logged."""
+        try:
+            result = self._start_read(decode, request_id, order)
+        except Exception as exc:  # a request's input never ends vLLM's step (vLLM treats a raise here as fatal)
+            code, message = request_failure(exc, TRANSFER_FAILED, request_id)
+            result = ReadResult(request_id, False, code, message, list(order.local_block_ids))
+        if result is not None:
+            self._results.append(result)
 
     def _start_read(self, decode: DecodeRank, request_id: str, order: ReadOrder) -> ReadResult | None:
         """Post the request's READs; or park it until its prefill engine's handshake is done (that runs on a
@@ -405,9 +423,9 @@ class ConnectorWorker:
                     raise HandshakeError(f"{params.remote_engine_id} was evicted during the check")
                 tokens = order.digest_tokens or params.num_tokens
                 result = decode.verified(result, Verify(future.result(), blocks, tokens), peer)
-            except (KVBridgeError, OSError) as exc:
-                code = getattr(exc, "code", KV_DIGEST_UNAVAILABLE)
-                message, invalid = getattr(exc, "message", str(exc)), list(order.local_block_ids)
+            except Exception as exc:  # whatever the digests brought fails this request, never vLLM's step
+                code, message = request_failure(exc, KV_DIGEST_UNAVAILABLE, request_id)
+                invalid = list(order.local_block_ids)
                 results.append(
                     dataclasses.replace(result, ok=False, code=code, message=message, invalid_blocks=invalid)
                 )
@@ -449,9 +467,8 @@ class ConnectorWorker:
                     decode.evict_peer(engine_id)
                     raise HandshakeError(exc.message, code=exc.code) from exc
                 self._addresses[engine_id] = address
-            except (KVBridgeError, OSError) as exc:
-                code = getattr(exc, "code", "HANDSHAKE_FAILED")
-                message = getattr(exc, "message", str(exc))
+            except Exception as exc:  # whatever the peer or the parameters brought fails these requests, not vLLM
+                code, message = request_failure(exc, "HANDSHAKE_FAILED", engine_id)
                 self._results += [ReadResult(r, False, code, message, list(o.local_block_ids)) for r, o in waiting]
                 for _, order in waiting:
                     self._span(words.DECODE_HANDSHAKE, order.trace, began, {words.REMOTE_ENGINE: engine_id}, code)
@@ -460,9 +477,7 @@ class ConnectorWorker:
             for _, order in waiting:
                 self._span(words.DECODE_HANDSHAKE, order.trace, began, {words.REMOTE_ENGINE: engine_id})
             for request_id, order in waiting:
-                result = self._start_read(decode, request_id, order)
-                if result is not None:
-                    self._results.append(result)
+                self._start_or_fail(decode, request_id, order)
 
     def _report_held(self) -> None:
         """Requests whose KV this prefill rank holds for readers, and their bytes (the model's KV per token over

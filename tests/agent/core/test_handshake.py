@@ -190,3 +190,53 @@ def test_group_sizes_must_add_up_to_the_block_ids() -> None:
     for sizes in ([2, 2], [4, -1], [3]):
         with pytest.raises(ValidationError):
             KVTransferParams.model_validate({**base, "remoteGroupSizes": sizes})
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"tp_size": 1025}, "tpSize"),
+        ({"tp_rank": 2}, "outside the 2 ranks"),
+        ({"num_blocks": (1 << 24) + 1}, "numBlocks"),
+        ({"tensor_bases": [0] * 4097}, "tensorBases"),
+        ({"tensor_bases": [1 << 64]}, "tensorBases"),
+        ({"num_blocks": 1 << 24, "tensor_bases": [4096] * 16}, "descriptors"),
+        ({"block_size": 8192}, "blockSize"),
+        ({"region_block_bytes": 1 << 40}, "regionBlockBytes"),
+        ({"device_id": 1 << 20}, "deviceId"),
+    ],
+)
+def test_a_peer_s_metadata_is_bounded_before_decode_allocates_for_it(change: dict[str, object], why: str) -> None:
+    """A prefill (faulty, or holding the keys) claiming a cache decode would build descriptor lists of billions of
+    entries for is refused as malformed, before anything is allocated."""
+    raw = json.loads(META.model_dump_json(by_alias=True))
+    raw.update({RankMetadata.model_fields[k].alias or k: v for k, v in change.items()})
+    with pytest.raises(ValueError, match=why):
+        RankMetadata.model_validate(raw)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"remoteTpSize": 1_000_000_000},
+        {"numTokens": 1 << 40},
+        {"remoteBlockIds": [1 << 63]},
+        {"remoteBlockIds": [-1]},
+        {"remoteGroupSizes": [-1, 2], "remoteBlockIds": [0]},
+    ],
+)
+def test_transfer_parameters_bound_every_number(change: dict[str, object]) -> None:
+    raw = {
+        "remoteEngineId": "p-0",
+        "remoteIncarnation": "inc",
+        "remoteHost": "127.0.0.1",
+        "remotePort": 5600,
+        "remoteRequestId": "r1",
+        "remoteBlockIds": [1, 2],
+        "numTokens": 20,
+        "remoteTpSize": 1,
+        "fingerprint": "abcd",
+    }
+    KVTransferParams.model_validate(raw)
+    with pytest.raises(ValueError, match="validation error"):
+        KVTransferParams.model_validate({**raw, **change})

@@ -205,3 +205,22 @@ def test_incompatible_pairs_raise_every_problem_with_a_known_code(
         assert problem.code in PROBLEM_CODES
         assert problem.field.startswith("spec.")
         assert problem.message
+
+
+@settings(max_examples=300, deadline=None)
+@given(model=models(), prefill=roles(), decode=roles(), claimed=st.integers(1, 1024))
+def test_a_claimed_prefill_tp_is_accepted_exactly_when_the_verdict_pairs_it(
+    model: ModelGeometry, prefill: RoleSettings, decode: RoleSettings, claimed: int
+) -> None:
+    """What a decode engine planned against ``prefill`` accepts as a peer's TP is the deployment's verdict with that
+    TP, no wider: the planned TP of a compatible pair, a rollout's compatible mixed pair, nothing the verdict
+    refuses (a claimed TP decides how many prefill ranks decode asks for)."""
+    from kvbridge_agent.core.plan import PeerTensorParallel
+
+    assume(not check_pair(model, prefill, decode))
+    peer = PeerTensorParallel(model, prefill, decode, None)
+    verdict = check_pair(model, prefill.model_copy(update={"tensor_parallel_size": claimed}), decode)
+    assert (peer.refusal(claimed) == "") == (not verdict)
+    if verdict:
+        assert verdict[0].code in peer.refusal(claimed)
+    assert peer.refusal(prefill.tensor_parallel_size) == ""

@@ -235,6 +235,10 @@ def test_bad_requests_get_typed_errors_and_the_engines_keep_serving(cluster: Clu
     assert body["error"]["code"] == "LOCAL_LONGER_THAN_REMOTE"
     assert body["error"]["invalidBlocks"]
     assert decode(d, "d-bad-2", {**params, "numTokens": 0})[1]["error"]["code"] == "INVALID_REQUEST"
+    # a claimed prefill TP decides how many ranks decode asks for: bounded by the schema, then by the verdict
+    for tp, field in ((1_000_000_000, "kvTransferParams.remoteTpSize"), (3, "kvTransferParams.remoteTpSize")):
+        status, body = decode(d, f"d-bad-tp-{tp}", {**params, "remoteTpSize": tp})
+        assert (status, body["error"]["code"], body["error"]["field"]) == (400, "INVALID_REQUEST", field), body
     assert decode(d, "d-bad-3", params, hit=99)[1]["error"]["field"] == "prefixHitBlocks"
     assert p.post("/v1/prefill", {"requestId": "x", "numTokens": 0})[1]["error"]["code"] == "INVALID_REQUEST"
     assert p.post("/v1/prefill", {"requestId": "bad-1", "numTokens": 3})[1]["error"]["code"] == "DUPLICATE_REQUEST"

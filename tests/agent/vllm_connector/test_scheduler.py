@@ -308,6 +308,18 @@ def test_a_request_id_kvbridge_cannot_carry_fails_that_request_and_records_nothi
         {"remoteBlockIds": "not a list"},
         {"numTokens": -1},
         {"fingerprint": None},
+        # bounds: a claimed TP decides how many ranks decode asks for (10^9 grew decode by GiBs on its handshake
+        # thread, then a MemoryError ended the engine); block ids and token counts are bounded alike
+        {"remoteTpSize": 1_000_000_000},
+        {"remoteTpSize": 1025},
+        {"numTokens": 1 << 40},
+        {"remoteBlockIds": [-1]},
+        {"remoteBlockIds": [1 << 70]},
+        {"remoteGroupSizes": [-1, 1]},
+        # within the schema's bounds but refused by the deployment's verdict (2 KV heads): TP 3 does not divide
+        # them, TP 4 would replicate prefill's heads into a smaller decode
+        {"remoteTpSize": 3},
+        {"remoteTpSize": 4},
     ],
 )
 def test_decode_parameters_that_do_not_validate_fail_that_request_without_raising(mutation: dict[str, Any]) -> None:
@@ -333,6 +345,75 @@ def test_decode_parameters_that_do_not_validate_fail_that_request_without_raisin
         assert (result.ok, result.code, result.invalid_blocks) == (False, "INVALID_TRANSFER_PARAMS", [1, 2, 3])
         worker.shutdown()
     finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_prefill_tp_the_deployment_allows_is_read_though_not_the_planned_one() -> None:
+    """A rollout's mixed pair (prefill TP 2 beside this decode, planned against TP 1; the verdict allows it) is not
+    refused: the bound is the deployment's verdict, not equality with the plan."""
+    prefill = prefill_scheduler()
+    decode = ConnectorScheduler(ConnectorSettings.from_vllm(vllm_config("kv_consumer"), environ(Role.DECODE)))
+    try:
+        params = published(prefill)
+        params["kvbridge"]["remoteTpSize"] = 2
+        req = request("d11", 70, params)
+        assert decode.get_num_new_matched_tokens(req, 0) == (70, True)
+        decode.update_state_after_alloc(req, blocks_of([1, 2, 3]), 70)
+        order = decode.build_connector_meta().to_read["d11"]
+        assert (order.refused, order.params is not None) == ("", True)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_whatever_a_handshake_or_a_read_raises_fails_its_requests_not_vllm_s_step() -> None:
+    """get_finished and start_load_kv are vLLM hooks whose exceptions end the engine: a handshake thread that died of
+    a MemoryError (the 10^9-rank list), or a read that raised something unforeseen, fails the requests it hit, typed
+    INTERNAL_ERROR and logged, and the hook returns."""
+    from concurrent.futures import Future
+
+    from kvbridge_agent.vllm_connector.messages import ReadOrder
+    from kvbridge_agent.vllm_connector.worker import ConnectorWorker
+
+    prefill = prefill_scheduler()
+    decode = ConnectorScheduler(ConnectorSettings.from_vllm(vllm_config("kv_consumer"), environ(Role.DECODE)))
+    worker = ConnectorWorker(decode.settings, 0, "inc")
+    try:
+        from kvbridge_agent.vllm_connector.messages import transfer_params
+
+        params = transfer_params(published(prefill))
+        assert params is not None
+        died: Future[Any] = Future()
+        died.set_exception(MemoryError("a list of 10^9 ranks"))
+        key = (params.remote_engine_id, params.remote_incarnation)
+        worker._fetching[key] = (died, time.perf_counter(), ("127.0.0.1", 1))
+        worker._parked[key] = [("d12", ReadOrder([4, 5], params))]
+        worker._finish_handshakes(None)  # type: ignore[arg-type]
+        (result,) = worker._results
+        assert (result.request_id, result.ok, result.code, result.invalid_blocks) == (
+            "d12",
+            False,
+            "INTERNAL_ERROR",
+            [4, 5],
+        )
+        assert "MemoryError" in result.message
+        worker._results = []
+
+        def broken(*_: Any) -> None:
+            raise IndexError("an id past the cache")
+
+        worker._start_read = broken  # type: ignore[method-assign]
+        worker._start_or_fail(None, "d13", ReadOrder([6], params))  # type: ignore[arg-type]
+        (result,) = worker._results
+        assert (result.request_id, result.ok, result.code, result.invalid_blocks) == (
+            "d13",
+            False,
+            "INTERNAL_ERROR",
+            [6],
+        )
+    finally:
+        worker.shutdown()
         prefill.shutdown()
         decode.shutdown()
 
