@@ -11,6 +11,7 @@ Reading order:
 - ``templates``: what a role's ``template`` overlay may change.
 - ``placement``: where pods may run: what fits a node, what stays together.
 - ``network``: the KV data path's network (UCX, RDMA), checked and rendered.
+- ``ports``: the side channel's ports kept clear of those the engine pods listen on.
 - ``termination``: how an engine pod ends without losing a request.
 - ``serving``: the router and the InferencePool.
 - ``scaling``: DisaggregatedRoles and how many engines each role runs.

@@ -12,7 +12,7 @@ from kvbridge_agent.core import KVBridgeError, Problem, TransferPlan, plan_or_pr
 from kvbridge_agent.core.compat import check_pair
 from kvbridge_operator.api.objects import with_fields
 from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind
-from kvbridge_operator.children import multinode, network, parallelism, placement, templates
+from kvbridge_operator.children import multinode, network, parallelism, placement, ports, templates
 from kvbridge_operator.children import vllm_engine as vllm
 from kvbridge_operator.config import OperatorConfig
 
@@ -44,13 +44,14 @@ def verdict_for(dd: DisaggregatedDeployment, config: OperatorConfig | None = Non
     """The plan, or every problem that prevents one. Once the rules find none, the operator's settings (``config``;
     the defaults for ``kvbridge plan``) are looked at: its GPU resource among the RDMA resources is refused, then
     each role's pod is rendered with and without its template overlay and what the overlay changed of kvbridge's
-    values is refused too: the pods run what was checked."""
+    values is refused too: the pods run what was checked. The side-channel ports are checked against the ports the
+    pods listen on (the API port is the operator's setting)."""
     spec = dd.spec
     result = plan_or_problems(spec.model, spec.prefill.settings(), spec.decode.settings(), spec.transfer)
     more = spec_problems(spec)
     if not more and not isinstance(result, list):
         config = config or OperatorConfig()
-        more = network.gpu_resource_problems(spec, config.gpu_resource)
+        more = network.gpu_resource_problems(spec, config.gpu_resource) + ports.problems(spec, config)
         more = more or templates.rendered_problems(dd, result, config)
     if more or isinstance(result, list):
         return [narrowed(problem, spec) for problem in ([*result, *more] if isinstance(result, list) else more)]
