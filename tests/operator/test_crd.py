@@ -120,6 +120,7 @@ def test_schema_rejects_bad_resources(change: Any, where: str) -> None:
         (lambda s: s["model"].update(cacheKind="CrossLayer") or s["decode"].update(blockSize=32), ".decode.blockSize"),
         (lambda s: s["transfer"].update(conversion="Off") or s["decode"].update(blockSize=32), ".decode.blockSize"),
         (lambda s: s["router"].update(signTransfers=True), ".router.signTransfers"),
+        (lambda s: s.update(autoscaling={"enabled": True}) or s["decode"].update(minReplicas=0), ".decode.minReplicas"),
     ],
 )
 def test_cel_rules_reject_cross_field_violations(change: Any, field_path: str) -> None:
@@ -180,6 +181,13 @@ def plan_accepts(document: dict[str, Any]) -> bool:
     return True
 
 
+PLANNER = {
+    "enabled": True,
+    "prometheusUrl": "http://prometheus.monitoring:9090",
+    "ttft": {"milliseconds": 500},
+    "itl": {"milliseconds": 30},
+    "profile": {"name": "profile"},
+}
 CORPUS: list[tuple[str, Any]] = [
     ("valid", lambda d: None),
     ("tp-true", lambda d: d["spec"]["decode"].update(tensorParallelSize=True)),
@@ -229,6 +237,23 @@ CORPUS: list[tuple[str, Any]] = [
     ("network-named", lambda d: d["spec"].update(transfer={"network": {"secondaryNetworks": ["ns/rdma@net1"]}})),
     ("backends-joined", lambda d: d["spec"].update(transfer={"backends": ["UCX,GDS"]})),
     ("backends-two", lambda d: d["spec"].update(transfer={"backends": ["UCX", "GDS_MT"]})),
+    # the planner cannot bring a role back from 0 (issue 56, finding 2); the default minimum is 1
+    ("planner-default-minimum", lambda d: d["spec"].update(autoscaling=PLANNER)),
+    (
+        "planner-prefill-minimum-0",
+        lambda d: d["spec"].update(autoscaling=PLANNER) or d["spec"]["prefill"].update(minReplicas=0),
+    ),
+    (
+        "planner-decode-minimum-0",
+        lambda d: d["spec"].update(autoscaling=PLANNER) or d["spec"]["decode"].update(minReplicas=0),
+    ),
+    ("planner-off-minimum-0", lambda d: d["spec"]["decode"].update(minReplicas=0, replicas=0)),
+    ("replicas-0-default-minimum", lambda d: d["spec"]["decode"].update(replicas=0)),
+    (
+        "planner-url-userinfo",
+        lambda d: d["spec"].update(autoscaling=PLANNER | {"prometheusUrl": "http://u:p@prom:9090"}),
+    ),
+    ("planner-url-query", lambda d: d["spec"].update(autoscaling=PLANNER | {"prometheusUrl": "http://prom:9090/?a=b"})),
 ]
 
 
@@ -269,6 +294,13 @@ def test_plan_and_the_api_server_give_the_same_verdict(label: str, change: Any) 
         ("network-named", True),
         ("backends-joined", False),
         ("backends-two", True),
+        ("planner-default-minimum", True),
+        ("planner-prefill-minimum-0", False),
+        ("planner-decode-minimum-0", False),
+        ("planner-off-minimum-0", True),
+        ("replicas-0-default-minimum", False),
+        ("planner-url-userinfo", False),
+        ("planner-url-query", False),
     ],
 )
 def test_the_verdicts_themselves(label: str, accepted: bool) -> None:

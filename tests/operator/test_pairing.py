@@ -113,7 +113,8 @@ def test_every_model_field_is_in_the_key() -> None:
     ("path", "value"),
     [
         ("prefill__replicas", 5),
-        ("decode__replicas", 0),
+        ("decode__replicas", 3),
+        ("decode__minReplicas", 0),
         ("engine__image", "example.com/engine:2"),
         ("transfer__leaseSeconds", 30),
         ("transfer__sideChannelPort", 7000),

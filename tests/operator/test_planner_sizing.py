@@ -277,7 +277,7 @@ def test_plan_shows_the_planner_when_it_is_on(tmp_path: Path) -> None:
     assert (
         "  autoscaling: planner to TTFT p95 500 ms and ITL p90 30 ms, every 30 s from "
         "http://prometheus.monitoring:9090 (profile ConfigMap llama-profile/profile.json, 0% headroom); "
-        "prefill 0-1024, decode 0-1024"
+        "prefill 1-1024, decode 1-1024"
     ) in text.splitlines()
     answer = json.loads(
         subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=60, check=True).stdout
@@ -292,7 +292,7 @@ def test_plan_shows_the_planner_when_it_is_on(tmp_path: Path) -> None:
         "windowSeconds": 60,
         "headroomPercent": 0,
         "stabilizationWindowSeconds": 300,
-        "bounds": {"prefill": [0, 1024], "decode": [0, 1024]},
+        "bounds": {"prefill": [1, 1024], "decode": [1, 1024]},
     }
     del document["spec"]["autoscaling"]["itl"]
     path.write_text(yaml.safe_dump(document))

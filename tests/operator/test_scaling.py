@@ -42,7 +42,7 @@ def test_desired_counts_run_as_asked_within_the_bounds() -> None:
     dd = deployment({"replicas": 2, "minReplicas": 1, "maxReplicas": 4}, {"replicas": 2, "maxReplicas": 3})
     scale = effective_replicas(dd, {Role.PREFILL: 3, Role.DECODE: 9})
     assert scale.effective == {Role.PREFILL: 3, Role.DECODE: 3}
-    assert scale.notes == ["decode 9 -> 3: within minReplicas 0 and maxReplicas 3"]
+    assert scale.notes == ["decode 9 -> 3: within minReplicas 1 and maxReplicas 3"]
     assert effective_replicas(dd, {Role.PREFILL: 0, Role.DECODE: 1}).effective[Role.PREFILL] == 1
 
 
@@ -92,7 +92,7 @@ def test_effective_counts_stay_in_bounds_never_undercut_the_ask_and_keep_the_rat
 
 
 def test_replicas_outside_the_bounds_and_an_upside_down_ratio_are_refused() -> None:
-    with pytest.raises(SpecError, match="replicas 5 must lie within minReplicas 0 and maxReplicas 4"):
+    with pytest.raises(SpecError, match="replicas 5 must lie within minReplicas 1 and maxReplicas 4"):
         deployment({"replicas": 5, "maxReplicas": 4})
     with pytest.raises(SpecError, match=r"min 3\.0 is above max 2\.0"):
         deployment(ratio={"min": 3, "max": 2})
@@ -183,7 +183,7 @@ async def test_bounds_and_the_ratio_hold_when_one_role_scales() -> None:
         assert role is not None
         assert role["spec"]["replicas"] == 6  # the autoscaler's ask is kept, not rewritten
         assert role["status"]["effectiveReplicas"] == 3
-        assert "within minReplicas 0 and maxReplicas 3" in role["status"]["message"]
+        assert "within minReplicas 1 and maxReplicas 3" in role["status"]["message"]
 
         def decode() -> Obj:
             return c.api.find("disaggregatedroles", "default", "llama3-8b-decode") or {}

@@ -95,6 +95,17 @@ SPEC_RULES: list[dict[str, str]] = [
         }
         for role in ("prefill", "decode")
     ),
+    *(
+        {
+            "rule": "!has(self.autoscaling) || !has(self.autoscaling.enabled) || !self.autoscaling.enabled || "
+            f"self.{role}.minReplicas >= 1",
+            "message": f"{role}.minReplicas is 0 with autoscaling.enabled: the planner would scale the role to 0 "
+            "when idle and nothing brings it back: set minReplicas: 1 or more; scale from zero is not supported",
+            "fieldPath": f".{role}.minReplicas",
+            "reason": "FieldValueInvalid",
+        }
+        for role in ("prefill", "decode")
+    ),
     {
         "rule": "!has(self.scaling.decodePerPrefill) || !has(self.scaling.decodePerPrefill.min) || "
         "!has(self.scaling.decodePerPrefill.max) || "

@@ -96,7 +96,11 @@ class RoleSpec(RoleSettings):
         "which autoscalers and `kubectl scale` change); changing it here sets that count again.",
     )
     min_replicas: int = Field(
-        default=0, ge=0, le=1024, description="Fewest engines the operator runs, whatever is asked."
+        default=1,
+        ge=0,
+        le=1024,
+        description="Fewest engines the operator runs, whatever is asked (default 1). 0 lets an autoscaler of your "
+        "own stop the role; kvbridge's planner (spec.autoscaling) refuses 0: nothing brings a role back from 0.",
     )
     max_replicas: int = Field(
         default=1024, ge=0, le=1024, description="Most engines the operator runs, whatever is asked."
@@ -166,6 +170,15 @@ class ConfigMapKeyRef(CamelModel):
     key: str = Field(default="profile.json", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
 
 
+PROMETHEUS_URL_INVALID = "PROMETHEUS_URL_INVALID"
+PLANNER_MIN_REPLICAS = "PLANNER_MIN_REPLICAS"
+#: a Prometheus server's base URL: http(s)://HOST[:PORT][/PATH], HOST a DNS name, an IPv4 or a bracketed IPv6
+#: address; no user or password, query or fragment; or empty (the planner off)
+PROMETHEUS_URL_PATTERN = (
+    r"^(https?://([A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?(/[-A-Za-z0-9_.~/%]*)?)?$"
+)
+
+
 class AutoscalingSpec(CamelModel):
     """kvbridge's planner (docs/autoscaling.md): both roles sized to TTFT and ITL targets, through their /scale."""
 
@@ -176,8 +189,12 @@ class AutoscalingSpec(CamelModel):
     prometheus_url: str = Field(
         default="",
         max_length=2048,
-        pattern=r"^(https?://[^\s/?#]+(/[^\s?#]*)?)?$",
-        description="The Prometheus server whose HTTP API the planner queries (e.g. http://prometheus.monitoring:9090).",
+        pattern=PROMETHEUS_URL_PATTERN,
+        description="The Prometheus server whose HTTP API the planner queries (e.g. "
+        "http://prometheus.monitoring:9090): http(s)://HOST[:PORT][/PATH], no user, password, query or fragment. "
+        "The operator sends GET PATH/api/v1/query to it from its own pod, so whoever may create a "
+        "DisaggregatedDeployment can make the operator send such GETs anywhere its pod reaches: restrict the "
+        "operator's egress (docs/autoscaling.md).",
     )
     ttft: LatencyTarget | None = Field(default=None, description="Time to first token, as the router's clients see it.")
     itl: LatencyTarget | None = Field(default=None, description="Inter-token latency on decode.")
@@ -207,6 +224,19 @@ class AutoscalingSpec(CamelModel):
         description="A role is scaled down only to the largest size recommended over this window (scale-ups act "
         "at once), as HPA's scale-down stabilization.",
     )
+
+    @field_validator("prometheus_url", mode="before")
+    @classmethod
+    def _prometheus_url(cls, url: object) -> object:
+        """Refused with a code of its own, before the pattern's generic message."""
+        if isinstance(url, str) and not re.fullmatch(PROMETHEUS_URL_PATTERN, url):
+            raise PydanticCustomError(
+                PROMETHEUS_URL_INVALID,
+                "{url} is not a Prometheus URL the planner may query: write http(s)://HOST[:PORT][/PATH] (e.g. "
+                "http://prometheus.monitoring:9090); no user or password, query or fragment",
+                {"url": repr(url[:80])},
+            )
+        return url
 
     @model_validator(mode="after")
     def _complete(self) -> AutoscalingSpec:
@@ -689,6 +719,22 @@ class DisaggregatedDeploymentSpec(CamelModel):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _planner_floor(self) -> DisaggregatedDeploymentSpec:
+        """The planner cannot bring a role back from 0 (with decode at 0 the series it reads are gone, and nothing
+        scales from zero): with it on, neither role's minimum may be 0."""
+        if not self.autoscaling.enabled:
+            return self
+        for name in ("prefill", "decode"):
+            if getattr(self, name).min_replicas < 1:
+                raise PydanticCustomError(
+                    PLANNER_MIN_REPLICAS,
+                    "0 lets the planner (spec.autoscaling.enabled) scale this role to 0 when idle, and nothing "
+                    "brings it back: set minReplicas: 1 or more; scale from zero is not supported",
+                    {"field": f"spec.{name}.minReplicas"},
+                )
+        return self
+
     def role(self, role: Role) -> RoleSpec:
         """The settings of one role."""
         return self.prefill if role is Role.PREFILL else self.decode
@@ -735,7 +781,7 @@ def _location(loc: tuple[int | str, ...]) -> str:
 MAX_DEPTH = 64
 NESTING_TOO_DEEP = "NESTING_TOO_DEEP"
 #: the codes of the model's own checks (raised as PydanticCustomError of that type); any other is INVALID_SPEC
-OWN_CODES = frozenset({TRACING_ENDPOINT_INVALID, TRACING_ENDPOINT_PATH})
+OWN_CODES = frozenset({TRACING_ENDPOINT_INVALID, TRACING_ENDPOINT_PATH, PROMETHEUS_URL_INVALID, PLANNER_MIN_REPLICAS})
 #: the leading steps of a path that nests too deeply that its refusal names (the path goes on below them)
 _NAMED_STEPS = 12
 
@@ -788,10 +834,17 @@ def parse_deployment(document: object) -> DisaggregatedDeployment:
         return DisaggregatedDeployment.model_validate_json(text, strict=True)
     except ValidationError as exc:
         errors = exc.errors()
-        message = "; ".join(f"{_location(e['loc'])}: {e['msg']}" for e in errors)
+        message = "; ".join(f"{_field(e)}: {e['msg']}" for e in errors)
         # a check with a code of its own (TRACING_ENDPOINT_PATH, ...) raises it as the error's type
         code = errors[0]["type"] if errors[0]["type"] in OWN_CODES else "INVALID_SPEC"
-        raise SpecError(message, field=_location(errors[0]["loc"]), code=code) from exc
+        raise SpecError(message, field=_field(errors[0]), code=code) from exc
+
+
+def _field(error: Any) -> str:
+    """The field an error is about: where it was raised, or the field a check of several fields names in its
+    context (PLANNER_MIN_REPLICAS)."""
+    named = (error.get("ctx") or {}).get("field") if error["type"] in OWN_CODES else None
+    return named if isinstance(named, str) else _location(error["loc"])
 
 
 __all__ = [

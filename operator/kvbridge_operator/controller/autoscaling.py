@@ -175,8 +175,8 @@ async def plan_pass(
                 spec.ttft.percentile,
                 spec.itl.percentile,
             )
-        except PrometheusError as exc:
-            unavailable = f"Prometheus at {spec.prometheus_url}: {exc}"
+        except PrometheusError as exc:  # its message quotes nothing of an answer but Prometheus' own error, cut
+            unavailable = f"Prometheus at {spec.prometheus_url}: {exc.code}: {exc.message}"
         bounds = tuple(Bounds(dd.spec.role(r).min_replicas, dd.spec.role(r).max_replicas) for r in Role)
         decision = decide(
             observation,

@@ -13,25 +13,170 @@ time to first token its clients see. Over a window ``W`` (at least 4 scrapes):
 - requests decoding now: ``sum(vllm:num_requests_running{decode})``; staleness: ``time()`` less the newest sample
   of ``vllm:num_requests_running``.
 
-Every query has a timeout; an answer Prometheus cannot give (server down, an error, no series) is a
-:class:`PrometheusError` naming the query, which the planner reports and holds on.
+Every query has a timeout and every answer one bounded schema (:func:`read_answer`): at most
+``MAX_ANSWER_BYTES`` read, a vector of at most ``MAX_SERIES`` series or a scalar, each value a number as Prometheus
+writes it (``NaN`` and ``±Inf`` included, which the sizing reports where they matter). An answer Prometheus cannot
+give (server down, an error, no series) or one of another shape is a :class:`PrometheusError` with a stable code,
+which the planner reports and holds on (``MetricsMissing``). What reaches the status and events of the answer itself
+is Prometheus' own ``errorType`` and ``error``, cleaned of control characters and cut to ``MAX_SHOWN`` characters,
+or the HTTP status of an answer that is not Prometheus': never a body's other content. Redirects are not followed.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+import unicodedata
+from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import aiohttp
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
+
+from kvbridge_agent.core import KVBridgeError
 
 from .sizing import Observation
 
 #: one query's limit (seconds): a planner pass makes about ten
 QUERY_TIMEOUT = 5.0
+#: the most of an answer read: an instant query of one series answers a few hundred bytes
+MAX_ANSWER_BYTES = 256 * 1024
+#: the most series a vector answer may hold (each query sums to one)
+MAX_SERIES = 64
+#: the longest sample value (Prometheus writes a float64 in at most 25 characters)
+MAX_VALUE_CHARS = 64
+#: the longest text of an answer shown in the status and events
+MAX_SHOWN = 200
+
+# Stable codes of a query without a usable answer (docs/troubleshooting.md):
+#: no HTTP answer: refused, unresolvable, timed out, not HTTP
+PROMETHEUS_UNREACHABLE = "PROMETHEUS_UNREACHABLE"
+#: an HTTP answer that is not Prometheus' API (another server's page, a redirect)
+NOT_PROMETHEUS = "NOT_PROMETHEUS"
+#: Prometheus' own error answer (its errorType and error)
+PROMETHEUS_ERROR = "PROMETHEUS_ERROR"
+#: a success answer without one vector or scalar of numbers
+PROMETHEUS_MALFORMED = "PROMETHEUS_MALFORMED"
+#: none of the deployment's decode series
+PROMETHEUS_NO_SERIES = "PROMETHEUS_NO_SERIES"
 
 
-class PrometheusError(Exception):
-    """Prometheus did not answer a query usefully."""
+class PrometheusError(KVBridgeError):
+    """Prometheus did not answer a query usefully; the message is safe to show (it quotes no answer's body beyond
+    Prometheus' own error strings, cleaned and cut)."""
+
+    code = PROMETHEUS_UNREACHABLE
+
+
+@dataclass(frozen=True, slots=True)
+class Unanswered:
+    """Why an answer holds no number: a stable code and a message safe to show."""
+
+    code: str
+    message: str
+
+
+def shown(text: str, limit: int = MAX_SHOWN) -> str:
+    """``text`` fit for a status or an event: control and format characters (escape sequences, newlines,
+    bidirectional overrides) made spaces, at most ``limit`` characters."""
+    cleaned = "".join(" " if unicodedata.category(c)[0] in "CZ" and c != " " else c for c in text[: limit * 2])
+    return cleaned if len(cleaned) <= limit else cleaned[: limit - 3] + "..."
+
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)  # warnings, infos, stats: not read
+
+
+#: a sample value as Prometheus writes it (Go's strconv.FormatFloat 'f' -1; NaN, +Inf, -Inf)
+_NUMBER = r"^([+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?Inf|NaN)$"
+_Value = Annotated[str, StringConstraints(max_length=MAX_VALUE_CHARS, pattern=_NUMBER)]
+#: [Unix time, value]; a time outside 1970 to 5138 is no Prometheus sample's
+_Sample = tuple[Annotated[float, Field(ge=0, le=1e11, allow_inf_nan=False)], _Value]
+
+
+class _Series(_Schema):
+    value: _Sample
+
+
+class _Vector(_Schema):
+    result_type: Literal["vector"] = Field(alias="resultType")
+    result: list[_Series] = Field(max_length=MAX_SERIES)
+
+
+class _Scalar(_Schema):
+    result_type: Literal["scalar"] = Field(alias="resultType")
+    result: _Sample
+
+
+class _Success(_Schema):
+    status: Literal["success"]
+    data: Annotated[_Vector | _Scalar, Field(discriminator="result_type")]
+
+
+class _Failure(_Schema):
+    status: Literal["error"]
+    error_type: str = Field(default="", alias="errorType")
+    error: str
+
+
+#: an answer of Prometheus' HTTP API to an instant query (https://prometheus.io/docs/prometheus/latest/querying/api/)
+_ANSWER: TypeAdapter[_Success | _Failure] = TypeAdapter(Annotated[_Success | _Failure, Field(discriminator="status")])
+
+
+def read_answer(status: int, body: bytes) -> float | Unanswered | None:
+    """What an answer of HTTP ``status`` and ``body`` says: one number (NaN and ±Inf as Prometheus writes them),
+    None (no series), or why it says nothing usable. Never raises."""
+    foreign = Unanswered(NOT_PROMETHEUS, f"HTTP {status} from the metrics URL (not a Prometheus API answer)")
+    if len(body) > MAX_ANSWER_BYTES:
+        if status != 200:
+            return foreign
+        return Unanswered(
+            PROMETHEUS_MALFORMED,
+            f"HTTP {status}: an answer over {MAX_ANSWER_BYTES // 1024} KiB (one series is a few hundred bytes)",
+        )
+    try:
+        answer = _ANSWER.validate_json(body)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False, include_input=False, include_context=False)[0]
+        if status != 200 or not first["loc"] or first["loc"][0] != "success":
+            return foreign
+        where = ".".join(str(step) for step in first["loc"][1:] if step not in ("vector", "scalar"))
+        return Unanswered(
+            PROMETHEUS_MALFORMED,
+            shown(f"a success answer without one vector or scalar of numbers ({where}: {first['type']})"),
+        )
+    if isinstance(answer, _Failure):
+        said = f"{answer.error_type}: {answer.error}" if answer.error_type else answer.error
+        return Unanswered(PROMETHEUS_ERROR, shown(f"Prometheus: {said}"))
+    if status != 200:
+        return foreign
+    if isinstance(answer.data, _Scalar):
+        return float(answer.data.result[1])
+    series = answer.data.result
+    if len(series) > 1:
+        return Unanswered(PROMETHEUS_MALFORMED, f"{len(series)} series where one was expected")
+    return float(series[0].value[1]) if series else None
+
+
+async def _bounded(response: aiohttp.ClientResponse) -> bytes:
+    """The body, read up to one byte over ``MAX_ANSWER_BYTES`` (decompressed, as aiohttp hands it)."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.content.iter_chunked(64 * 1024):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > MAX_ANSWER_BYTES:
+            break
+    return b"".join(chunks)[: MAX_ANSWER_BYTES + 1]
+
+
+def _unreachable(exc: BaseException) -> str:
+    """Why there was no HTTP answer, in words that hold nothing the other side sent (aiohttp quotes the bytes of a
+    malformed HTTP answer in its errors)."""
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {QUERY_TIMEOUT:g} s"
+    if isinstance(exc, aiohttp.ClientConnectorError):  # refused, unresolvable, TLS: said by this side
+        return shown(f"{type(exc).__name__}: {exc}")
+    return f"{type(exc).__name__}: no HTTP answer the planner could read"
 
 
 def _selector(namespace: str, deployment: str, series: str = "", **labels: str) -> str:
@@ -89,30 +234,21 @@ def _named(series: str, selector: str) -> str:
 
 
 async def instant(session: aiohttp.ClientSession, url: str, query: str) -> float | None:
-    """One instant query's single value (None: no series; NaN as Prometheus says it, e.g. 0/0)."""
+    """One instant query's single value (None: no series; NaN as Prometheus says it, e.g. 0/0); raises
+    :class:`PrometheusError` with the code of what went wrong."""
     try:
         async with session.get(
             f"{url.rstrip('/')}/api/v1/query",
             params={"query": query},
             timeout=aiohttp.ClientTimeout(total=QUERY_TIMEOUT),
+            allow_redirects=False,
         ) as response:
-            body: Any = await response.json(content_type=None)
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        raise PrometheusError(f"{query}: {type(exc).__name__}: {exc}") from exc
-    if not isinstance(body, dict) or body.get("status") != "success":
-        error = body.get("error", body) if isinstance(body, dict) else body
-        raise PrometheusError(f"{query}: {str(error)[:300]}")
-    result = body.get("data", {}).get("result")
-    if body.get("data", {}).get("resultType") == "scalar" and isinstance(result, list) and len(result) == 2:
-        return float(result[1])
-    if not isinstance(result, list) or not result:
-        return None
-    if len(result) > 1:
-        raise PrometheusError(f"{query}: {len(result)} series where one was expected")
-    try:
-        return float(result[0]["value"][1])
-    except (KeyError, IndexError, TypeError, ValueError) as exc:
-        raise PrometheusError(f"{query}: an answer without a value ({exc})") from exc
+            answer = read_answer(response.status, await _bounded(response))
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise PrometheusError(f"{query}: {_unreachable(exc)}") from exc
+    if isinstance(answer, Unanswered):
+        raise PrometheusError(f"{query}: {answer.message}", code=answer.code)
+    return answer
 
 
 def _finite(value: float | None) -> float | None:
@@ -134,7 +270,8 @@ async def observe(
     if got["request_rate"] is None or got["decode_running"] is None or got["staleness"] is None:
         raise PrometheusError(
             f"no vllm: series of decode engines labelled namespace={namespace!r}, deployment={deployment!r}, "
-            "role='decode' (is the PodMonitor scraping them?)"
+            "role='decode' (is the PodMonitor scraping them?)",
+            code=PROMETHEUS_NO_SERIES,
         )
     hits, lookups = got["prefix_hits"], got["prefix_queries"]
     ttft = _finite(got["ttft_router"])
