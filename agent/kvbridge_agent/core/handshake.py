@@ -34,7 +34,10 @@ from .layout import PhysicalLayout
 from .model import MAX_BLOCK_SIZE, MAX_TENSOR_PARALLEL, CacheKind, CamelModel, KVLayout
 
 #: 2: heartbeats and digest requests carry each request's lease token (a request's capability, §5)
-ENVELOPE_VERSION = 2
+#: 3: a metadata reply's header carries the SHA-256 of the NIXL agent metadata (``agentSha256``): decode checks it
+#: before NIXL reads the bytes (UCX aborts the whole process on some corrupted addresses, and NIXL keeps part of a
+#: remote agent whose metadata failed half-way, so that the peer can never be added again)
+ENVELOPE_VERSION = 3
 MAX_HEADER_BYTES = 4096
 MAX_PAYLOAD_BYTES = 1 << 20
 #: brackets a request header may contain (a real one has 2); counted before parsing
@@ -214,8 +217,13 @@ def decode_request(frames: Sequence[bytes], fingerprint: str) -> tuple[MessageTy
     return kind, 0, list(zip(ids, tokens, strict=True))
 
 
+def agent_checksum(agent_metadata: bytes) -> str:
+    """What a metadata reply's header says of its NIXL agent metadata: SHA-256, hex."""
+    return hashlib.sha256(agent_metadata).hexdigest()
+
+
 def encode_reply(fingerprint: str, metadata: RankMetadata, agent_metadata: bytes) -> list[bytes]:
-    header = {"version": ENVELOPE_VERSION, "fingerprint": fingerprint}
+    header = {"version": ENVELOPE_VERSION, "fingerprint": fingerprint, "agentSha256": agent_checksum(agent_metadata)}
     return [_dump(header), metadata.model_dump_json(by_alias=True, exclude_none=True).encode(), agent_metadata]
 
 
@@ -310,6 +318,12 @@ def decode_reply(frames: Sequence[bytes], fingerprint: str) -> tuple[RankMetadat
         raise HandshakeError(f"payload describes an impossible layout: {exc.message}", code=MALFORMED_MESSAGE) from exc
     if not frames[2]:
         raise HandshakeError("reply carries no NIXL agent metadata", code=MALFORMED_MESSAGE)
+    if header.get("agentSha256") != agent_checksum(frames[2]):
+        raise HandshakeError(
+            "the reply's NIXL agent metadata does not match the checksum in its header (corrupted on the way, or a "
+            "faulty peer): not handed to NIXL",
+            code=MALFORMED_MESSAGE,
+        )
     return metadata, frames[2]
 
 
@@ -374,7 +388,9 @@ class KVTransferParams(CamelModel):
 
     remote_engine_id: str = Field(min_length=1, max_length=256)
     remote_incarnation: str = Field(min_length=1, max_length=64)
-    remote_host: str = Field(min_length=1, max_length=256)
+    #: a DNS name or an IPv4/IPv6 address (what ZeroMQ's ``tcp://host:port`` takes): anything else is refused here,
+    #: before decode's handshake thread hands it to ZeroMQ
+    remote_host: str = Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9]([A-Za-z0-9.:-]*[A-Za-z0-9])?$|^::1?$")
     remote_port: int = Field(ge=1, le=65535)
     remote_request_id: str = Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=REQUEST_ID_PATTERN)
     remote_block_ids: list[Annotated[int, Field(ge=0, lt=MAX_BLOCK_ID)]] = Field(max_length=1 << 20)

@@ -35,7 +35,7 @@ from pydantic import Field, model_validator
 
 from .errors import SpecError
 from .geometry import RegionLayout
-from .model import CacheKind, CamelModel, KVLayout
+from .model import MAX_BLOCK_SIZE, CacheKind, CamelModel, KVLayout
 
 IntArray = npt.NDArray[np.int64]
 
@@ -91,6 +91,10 @@ def dense_strides(order: PhysicalOrder, shape: tuple[int, int, int, int, int]) -
     return (strides[0], strides[1], strides[2], strides[3], strides[4])
 
 
+#: the largest L, B (kernel blocks: 2^24 blocks of up to 4096 tokens), H, N and C (bytes) a physical layout may have
+_MAX_SHAPE = (1024, (1 << 24) * MAX_BLOCK_SIZE, 4096, MAX_BLOCK_SIZE, 1 << 20)
+
+
 class PhysicalLayout(CamelModel):
     """One rank's cache of one group: the byte address of logical ``(l, b, h, n, c)`` is
     ``origin + l*sL + b*sB + h*sH + n*sN + c`` (``C`` is bytes, stride 1; ``H`` counts this rank's heads).
@@ -105,6 +109,15 @@ class PhysicalLayout(CamelModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> PhysicalLayout:
+        # bounds first (a peer's layout arrives on the side channel): layers, (kernel) blocks, heads, tokens and
+        # bytes of content each within what a real cache has, strides within a 2^48-byte address space
+        for name, size, most in zip("LBHNC", self.shape, _MAX_SHAPE, strict=True):
+            if size > most:
+                raise SpecError(f"{name} of {size} exceeds {most}", field="kvCacheLayout", code=LAYOUT_INCONSISTENT)
+        if any(not 0 <= stride < 1 << 48 for stride in self.strides):
+            raise SpecError(
+                f"strides {self.strides} leave the address space", field="kvCacheLayout", code=LAYOUT_INCONSISTENT
+            )
         problem = layout_problem(self.order, self.shape, self.strides)
         if problem:
             raise SpecError(problem, field="kvCacheLayout", code=LAYOUT_INCONSISTENT)

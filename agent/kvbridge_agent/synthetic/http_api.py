@@ -38,6 +38,8 @@ from kvbridge_agent.synthetic.ranks import INVALID_REQUEST, EngineError
 
 log = logging.getLogger(__name__)
 MAX_BODY = 64 << 20
+#: how long a connection may take to send the rest of a request (a client that stops mid-body holds no thread)
+READ_TIMEOUT_SECONDS = 30.0
 _POST_ROUTES = ("/v1/prefill", "/v1/decode", "/v1/completions", "/v1/chat/completions")
 
 
@@ -48,6 +50,7 @@ def _error(code: str, message: str, field: str = "", invalid: list[int] | None =
 class _Handler(BaseHTTPRequestHandler):
     server: AgentHTTPServer
     protocol_version = "HTTP/1.1"
+    timeout = READ_TIMEOUT_SECONDS  # on the connection's socket: every read of a request is bounded
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("http: " + format, *args)
@@ -61,11 +64,30 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _body(self) -> dict[str, Any]:
-        length = int(self.headers.get("Content-Length") or 0)
+        declared = (self.headers.get("Content-Length") or "0").strip()
+        if not declared.isdigit() or not declared.isascii():
+            self.close_connection = True  # where this request's body ends is unknown
+            raise EngineError(
+                f"Content-Length {declared[:20]!r} is not a number of bytes",
+                code=INVALID_REQUEST,
+                field="Content-Length",
+            )
+        length = int(declared)
         if length > MAX_BODY:
+            self.close_connection = True
             raise EngineError(f"body of {length} bytes exceeds {MAX_BODY}", code=INVALID_REQUEST)
         try:
-            body = json.loads(self.rfile.read(length) or b"{}")
+            raw = self.rfile.read(length)
+        except TimeoutError as exc:
+            self.close_connection = True
+            raise EngineError(
+                f"the body did not arrive within {READ_TIMEOUT_SECONDS:g} s", code=INVALID_REQUEST, status=408
+            ) from exc
+        if len(raw) < length:
+            self.close_connection = True
+            raise EngineError(f"the body ended after {len(raw)} of {length} bytes", code=INVALID_REQUEST)
+        try:
+            body = json.loads(raw or b"{}")
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise EngineError(f"body is not JSON: {exc}", code=INVALID_REQUEST) from exc
         if not isinstance(body, dict):

@@ -210,7 +210,7 @@ class DecodeRank:
         peer = RemotePeer(engine_id, incarnation, plan, rank_plan, {}, first.num_blocks * plan.split_ratio, regions)
         try:
             for p in rank_plan.handshake_ranks:
-                peer.agents[p] = self.transport.add_peer(ranks[p][1])
+                peer.agents[p] = self.transport.add_peer(ranks[p][1], expected=ranks[p][0].agent_name)
             if self.cache.physical is not None or first.physical_layout is not None:
                 self._add_physical_lists(peer, ranks)
                 self.peers[engine_id] = peer

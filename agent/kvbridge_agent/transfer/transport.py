@@ -8,6 +8,7 @@ polling transfer states and notifications from its own loop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -86,13 +87,26 @@ class Transport:
         return data
 
     # -- peers ------------------------------------------------------------
-    def add_peer(self, metadata: bytes) -> str:
-        """Load a remote agent's metadata; returns its name (NIXL gives bytes, notifications use str)."""
+    def add_peer(self, metadata: bytes, expected: str = "") -> str:
+        """Load a remote agent's metadata; returns its name (NIXL gives bytes, notifications use str). With
+        ``expected`` (the agent name the peer's rank metadata gives), metadata of another agent is refused.
+
+        NIXL 0.x keeps a remote agent's connection info when a later part of its metadata does not load, and then
+        refuses that agent name for good (``remove_remote_agent`` does not clear it); UCX aborts the process on some
+        corrupted addresses. So bytes reach this only after the side channel's checksum (core.handshake)."""
         try:
             raw = self._agent.add_remote_agent(metadata)
         except Exception as exc:
             raise TransportError(f"remote agent metadata rejected: {exc}", code=PEER_METADATA_INVALID) from exc
         name = raw.decode() if isinstance(raw, bytes) else str(raw)
+        if expected and name != expected:
+            if name not in self._peers:
+                with contextlib.suppress(Exception):
+                    self._agent.remove_remote_agent(name)
+            raise TransportError(
+                f"the peer's NIXL agent metadata is agent {name[:80]!r}, its rank metadata says {expected[:80]!r}",
+                code=PEER_METADATA_INVALID,
+            )
         self._peers.add(name)
         try:
             self._agent.make_connection(name)  # warm the first transfer

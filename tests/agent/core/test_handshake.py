@@ -56,6 +56,22 @@ def test_request_and_reply_round_trip() -> None:
     decode_ack(encode_ack("fp"), "fp")
 
 
+@pytest.mark.parametrize(
+    "agent", [b"nixl-", b"nix", b"NIXL", b"nixl\x00"], ids=["longer", "cut", "changed", "a byte added"]
+)
+def test_agent_metadata_that_does_not_match_its_checksum_never_reaches_nixl(agent: bytes) -> None:
+    """NIXL keeps part of a remote agent whose metadata failed half-way (and then refuses that agent for good), and
+    UCX aborts the process on some corrupted addresses: a reply whose agent metadata is not what its header's
+    checksum says is refused before anyone hands it to NIXL."""
+    header, payload, _ = encode_reply("fp", META, b"nixl")
+    with pytest.raises(HandshakeError, match="checksum") as caught:
+        decode_reply([header, payload, agent], "fp")
+    assert caught.value.code == "MALFORMED_MESSAGE"
+    unchecked = json.dumps({"version": 3, "fingerprint": "fp"}).encode()  # no checksum at all
+    with pytest.raises(HandshakeError, match="checksum"):
+        decode_reply([unchecked, payload, b"nixl"], "fp")
+
+
 def test_fingerprint_is_checked_before_the_payload() -> None:
     frames = encode_reply("other", META, b"nixl")
     frames[1] = b"not even json"  # a schema change must not surface as a parse error
@@ -77,10 +93,10 @@ def test_version_mismatch_is_named() -> None:
     [
         ([b"\xff\xfe garbage"], "MALFORMED_MESSAGE"),
         ([b"[1, 2]"], "MALFORMED_MESSAGE"),
-        ([b'{"version": 2, "fingerprint": "fp", "type": "metadata", "rank": -1}'], "MALFORMED_MESSAGE"),
-        ([b'{"version": 2, "fingerprint": "fp", "type": "metadata", "rank": true}'], "MALFORMED_MESSAGE"),
-        ([b'{"version": 2, "fingerprint": "fp", "type": "steal"}'], "UNKNOWN_MESSAGE_TYPE"),
-        ([b'{"version": 2, "fingerprint": "fp", "type": "heartbeat", "requestIds": [1]}'], "MALFORMED_MESSAGE"),
+        ([b'{"version": 3, "fingerprint": "fp", "type": "metadata", "rank": -1}'], "MALFORMED_MESSAGE"),
+        ([b'{"version": 3, "fingerprint": "fp", "type": "metadata", "rank": true}'], "MALFORMED_MESSAGE"),
+        ([b'{"version": 3, "fingerprint": "fp", "type": "steal"}'], "UNKNOWN_MESSAGE_TYPE"),
+        ([b'{"version": 3, "fingerprint": "fp", "type": "heartbeat", "requestIds": [1]}'], "MALFORMED_MESSAGE"),
         ([b"x" * 5000], "MALFORMED_MESSAGE"),
         ([], "MALFORMED_MESSAGE"),
         ([b"{}", b"extra"], "MALFORMED_MESSAGE"),
@@ -142,9 +158,9 @@ def test_a_lease_token_is_the_request_s_own_under_the_engine_s_secret() -> None:
 @pytest.mark.parametrize(
     "header",
     [
-        b'{"version":2,"fingerprint":"fp","type":"heartbeat","requestIds":["a"]}',
-        b'{"version":2,"fingerprint":"fp","type":"heartbeat","requestIds":["a"],"tokens":["t","u"]}',
-        b'{"version":2,"fingerprint":"fp","type":"heartbeat","requestIds":["a"],"tokens":[1]}',
+        b'{"version":3,"fingerprint":"fp","type":"heartbeat","requestIds":["a"]}',
+        b'{"version":3,"fingerprint":"fp","type":"heartbeat","requestIds":["a"],"tokens":["t","u"]}',
+        b'{"version":3,"fingerprint":"fp","type":"heartbeat","requestIds":["a"],"tokens":[1]}',
     ],
 )
 def test_request_ids_without_one_token_each_are_malformed(header: bytes) -> None:

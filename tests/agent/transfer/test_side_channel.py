@@ -168,13 +168,13 @@ def test_decode_counts_a_lease_renewed_only_where_prefill_says_so(server: SideCh
 def test_an_acknowledgement_that_does_not_name_renewals_is_an_older_listeners(
     server: SideChannelServer, keys: CurveKeys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert decode_ack([b'{"version": 2, "fingerprint": "fp", "renewed": []}'], "fp") == []
-    assert decode_ack([b'{"version": 2, "fingerprint": "fp"}'], "fp") is None
+    assert decode_ack([b'{"version": 3, "fingerprint": "fp", "renewed": []}'], "fp") == []
+    assert decode_ack([b'{"version": 3, "fingerprint": "fp"}'], "fp") is None
     with pytest.raises(HandshakeError):
-        decode_ack([b'{"version": 2, "fingerprint": "fp", "renewed": "all"}'], "fp")
+        decode_ack([b'{"version": 3, "fingerprint": "fp", "renewed": "all"}'], "fp")
     # a listener from before renewals were named renewed what it held of those named: counted as before
     monkeypatch.setattr(
-        side_channel, "encode_ack", lambda fingerprint, renewed=(): [b'{"version":2,"fingerprint":"fp"}']
+        side_channel, "encode_ack", lambda fingerprint, renewed=(): [b'{"version":3,"fingerprint":"fp"}']
     )
     assert client(server, keys).heartbeat([("r1", server.token("r1")), ("gone", server.token("gone"))]) == {
         "r1",
@@ -202,7 +202,7 @@ def test_nobody_listening_times_out(keys: CurveKeys) -> None:
 
 def test_request_without_envelope_version(server: SideChannelServer, keys: CurveKeys) -> None:
     frames = encode_request(MessageType.METADATA, "fp", rank=0)
-    frames[0] = frames[0].replace(b'"version":2', b'"version":1')
+    frames[0] = frames[0].replace(b'"version":3', b'"version":1')
     with pytest.raises(HandshakeError) as caught:
         decode_reply(raw_request(server, keys, frames), "fp")
     assert caught.value.code == "PROTOCOL_VERSION_MISMATCH"
