@@ -39,9 +39,10 @@ def measure(tokens_list: list[int], repeats: int) -> None:
     from kvbridge_agent.core.blocks import blocks_for_tokens, wire_block_ids
     from kvbridge_agent.core.digest import RequestDigests, new_key
     from kvbridge_agent.core.handshake import KVTransferParams
-    from kvbridge_agent.transfer.decode_rank import DecodeRank, ReadResult, Verify
+    from kvbridge_agent.transfer.decode_rank import DecodeRank
     from kvbridge_agent.transfer.kv_cache import KVCache
     from kvbridge_agent.transfer.prefill_rank import PrefillRank
+    from kvbridge_agent.transfer.reads import ReadResult, Verify
     from kvbridge_agent.transfer.transport import Transport
 
     model = ModelGeometry(

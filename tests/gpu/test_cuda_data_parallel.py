@@ -22,9 +22,10 @@ from kvbridge_agent.core import build_plan, wire_block_ids
 from kvbridge_agent.core.digest import RequestDigests, new_key
 from kvbridge_agent.core.handshake import KVTransferParams, RankMetadata
 from kvbridge_agent.core.parallel import engine_id_of_rank
-from kvbridge_agent.transfer.decode_rank import DecodeRank, ReadResult, Verify
+from kvbridge_agent.transfer.decode_rank import DecodeRank
 from kvbridge_agent.transfer.digest import Digester
 from kvbridge_agent.transfer.prefill_rank import PrefillRank
+from kvbridge_agent.transfer.reads import ReadResult, Verify
 from tests.physical_kv import check_bytes
 
 from .test_cuda_transfer import (

@@ -26,11 +26,12 @@ from kvbridge_agent.core.digest import RequestDigests, new_key
 from kvbridge_agent.core.handshake import KVTransferParams, RankMetadata
 from kvbridge_agent.core.layout import PhysicalOrder
 from kvbridge_agent.core.tp import handshake_ranks
-from kvbridge_agent.transfer.decode_rank import DecodeRank, ReadResult, Verify
+from kvbridge_agent.transfer.decode_rank import DecodeRank
 from kvbridge_agent.transfer.digest import Digester
 from kvbridge_agent.transfer.host_buffer import HostBuffer
 from kvbridge_agent.transfer.kv_cache import KVCache
 from kvbridge_agent.transfer.prefill_rank import PrefillRank
+from kvbridge_agent.transfer.reads import ReadResult, Verify
 from kvbridge_agent.transfer.relayout import Converter, convert_for_side
 from kvbridge_agent.transfer.transport import Transport
 from tests.physical_kv import HEAD_SIZE, HEADS, LAYERS, check_bytes, fill, lying, own_views

@@ -107,8 +107,8 @@ def test_kvbridge_merges_and_splits_cpu_blocks_exactly_as_vllm_writes_them(ratio
     from kvbridge_agent.core import ModelGeometry, Role, RoleSettings
     from kvbridge_agent.core.plan import build_plan
     from kvbridge_agent.transfer.kv_cache import KVCache
+    from kvbridge_agent.vllm_connector.cache_geometry import transfer_geometry
     from kvbridge_agent.vllm_connector.cpu_blocks import KNOWN_KERNELS, CPUAttentionBlocks
-    from kvbridge_agent.vllm_connector.worker import transfer_geometry
 
     small, large = 32, 32 * ratio
     isa = _get_attn_isa(torch.bfloat16, small, DIM)

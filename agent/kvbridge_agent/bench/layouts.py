@@ -390,7 +390,8 @@ def run_case(
     after one warm-up), prefill rank ``p`` on ``prefills[p]``: one row per allocation. Before each request, raw
     NIXL moves the same bytes between the same agents and allocations with one descriptor per prefill rank (the
     reference measured beside it: ``rawHereGBps``)."""
-    from kvbridge_agent.transfer.decode_rank import DecodeRank, ReadResult
+    from kvbridge_agent.transfer.decode_rank import DecodeRank
+    from kvbridge_agent.transfer.reads import ReadResult
     from kvbridge_agent.transfer.transport import Transport
 
     tag = uuid.uuid4().hex[:8]

@@ -22,9 +22,10 @@ from kvbridge_agent.core.digest import RequestDigests, from_bytes, to_bytes
 from kvbridge_agent.core.handshake import KVTransferParams, RankMetadata
 from kvbridge_agent.core.model import Role
 from kvbridge_agent.synthetic.content import fill_request, invalid_blocks, scribble
-from kvbridge_agent.transfer.decode_rank import DecodeRank, ReadResult, Verify
+from kvbridge_agent.transfer.decode_rank import DecodeRank
 from kvbridge_agent.transfer.kv_cache import KVCache
 from kvbridge_agent.transfer.prefill_rank import PrefillRank
+from kvbridge_agent.transfer.reads import ReadResult, Verify
 from kvbridge_agent.transfer.transport import Transport
 
 log = logging.getLogger(__name__)

@@ -8,6 +8,7 @@ Reading order:
 - ``descriptors``: NIXL descriptor rows for a rank's regions.
 - ``prefill_rank``: the prefill side of one rank: offers in the wire format, notifications counted.
 - ``decode_rank``: the decode side of one rank: peers, READs, completion, conversions.
+- ``reads``: what a decode rank reads by and reports: a peer, a request's result, block ids to descriptor ids.
 - ``relayout``: block-size and layout conversions in place.
 - ``host_buffer``: a host mirror of the cache, for nodes without GPUDirect RDMA (``kv_buffer_device: cpu``).
 - ``side_channel``: the authenticated handshake (ZeroMQ).

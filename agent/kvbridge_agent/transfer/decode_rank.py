@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from kvbridge_agent.core import (
     BlockMappingError,
-    DecodeRankPlan,
     IncompatibleError,
     KVBridgeError,
     ModelGeometry,
@@ -27,13 +26,10 @@ from kvbridge_agent.core import (
     TransferPlan,
     TransferSettings,
     build_plan,
-    descriptor_ids,
-    map_request_blocks,
     region_layout,
 )
 from kvbridge_agent.core.blocks import DescriptorIds
-from kvbridge_agent.core.cache_groups import CACHE_GROUPS_MISMATCH, pair_groups
-from kvbridge_agent.core.digest import KV_DIGEST_MISMATCH, RequestDigests, mismatched
+from kvbridge_agent.core.digest import KV_DIGEST_MISMATCH, mismatched
 from kvbridge_agent.core.handshake import (
     PEER_INCOMPATIBLE,
     WIRE_FORMAT_MISMATCH,
@@ -45,10 +41,7 @@ from kvbridge_agent.core.handshake import (
 from kvbridge_agent.core.layout import BlockRuns, run_regions
 from kvbridge_agent.core.physical_reads import (
     ChunkSide,
-    MappedChunks,
     PhysicalRead,
-    chunk_descriptor_ids,
-    map_chunks,
     physical_read,
     shared_heads,
 )
@@ -56,62 +49,19 @@ from kvbridge_agent.transfer.descriptors import descriptor_rows
 from kvbridge_agent.transfer.digest import Digester
 from kvbridge_agent.transfer.kv_cache import KVCache
 from kvbridge_agent.transfer.peers import STALE_PEER
+from kvbridge_agent.transfer.reads import (
+    TRANSFER_FAILED,
+    TRANSFER_TIMEOUT,
+    UNKNOWN_PEER,
+    ReadResult,
+    RemotePeer,
+    Verify,
+    request_descriptor_ids,
+)
 from kvbridge_agent.transfer.relayout import Converter, convert_for_side
 from kvbridge_agent.transfer.transport import Transport, TransportError
 
 log = logging.getLogger(__name__)
-
-# Stable failure codes of a decode request (documented in docs/troubleshooting.md).
-UNKNOWN_PEER = "UNKNOWN_PEER"
-TRANSFER_FAILED = "TRANSFER_FAILED"
-TRANSFER_TIMEOUT = "TRANSFER_TIMEOUT"
-
-
-@dataclass
-class RemotePeer:
-    """One prefill engine as seen by one decode rank."""
-
-    engine_id: str
-    incarnation: str
-    plan: TransferPlan
-    rank_plan: DecodeRankPlan
-    agents: dict[int, str]
-    remote_units: int  # descriptor units per region on the prefill side
-    #: descriptors per block and read (regions of the cache kind, or the paired runs of two physical layouts)
-    regions: int
-    #: physical layouts on both sides: per read of the rank plan, the paired runs of one chunk (and then
-    #: ``lists``/``lengths`` follow these reads), and decode's and prefill's chunking
-    physical: tuple[PhysicalRead, ...] = ()
-    sides: tuple[ChunkSide, ChunkSide] | None = None
-    #: per read of the rank plan: (remote prepped list, local prepped list)
-    lists: list[tuple[Any, Any]] = field(default_factory=list)
-    #: bytes of one descriptor of each list
-    lengths: list[int] = field(default_factory=list)
-
-
-@dataclass
-class ReadResult:
-    request_id: str
-    ok: bool
-    code: str = ""
-    message: str = ""
-    invalid_blocks: list[int] = field(default_factory=list)
-    bytes: int = 0
-    descriptors: int = 0
-    seconds: float = 0.0
-    #: kvbridge mapping block ids to descriptor ids (part of ``own_microseconds``)
-    ids_microseconds: float = 0.0
-    #: NIXL creating the READs (make_prepped_xfer)
-    make_microseconds: float = 0.0
-    #: NIXL posting the READs (on host memory the copy happens inside this call: UCX's CMA transport)
-    post_microseconds: float = 0.0
-    #: kvbridge's own CPU work from the request to every READ posted, NIXL's calls excluded
-    own_microseconds: float = 0.0
-    peer_failed: bool = False
-    #: the part of ``seconds`` spent converting what was read into decode's blocks (0 when nothing was converted)
-    convert_seconds: float = 0.0
-    #: what that conversion was: the plan's steps on decode, or ``host_copy`` (a host buffer's copy out)
-    conversion: str = ""
 
 
 @dataclass
@@ -130,16 +80,6 @@ class _InFlight:
     post_microseconds: float
     own_microseconds: float
     verify: Verify | None = None
-
-
-@dataclass(frozen=True)
-class Verify:
-    """What decode checks after a request's reads and conversions, before the KV is used: its digests over every
-    local block of the request (prefix hits included), under prefill's key for the request, equal prefill's."""
-
-    expected: RequestDigests
-    all_blocks: list[int]  # the request's local blocks in token order, the ones read last
-    num_tokens: int
 
 
 class DecodeRank:
@@ -399,7 +339,7 @@ class DecodeRank:
         note = notification(params.remote_request_id, self.settings.tensor_parallel_size)
         rank_plan = peer.rank_plan
         try:
-            ids = self._descriptor_ids(peer, params, local_blocks, group_sizes)
+            ids = request_descriptor_ids(peer, params, local_blocks, group_sizes, self.cache.num_blocks, self._buffers)
         except (BlockMappingError, SpecError) as exc:
             return ReadResult(request_id, False, exc.code, exc.message, list(local_blocks))
         ids_us = (time.perf_counter() - started) * 1e6
@@ -447,82 +387,6 @@ class DecodeRank:
             return self._finish(flight, peer)
         self._in_flight[request_id] = flight
         return None
-
-    def _descriptor_ids(
-        self, peer: RemotePeer, params: KVTransferParams, local_blocks: list[int], group_sizes: list[int] | None
-    ) -> list[tuple[DescriptorIds, DescriptorIds]]:
-        """Per list of the peer, ``(local ids, remote ids)`` of one request's READs; empty for a full prefix hit."""
-        if (group_sizes is None) != (params.remote_group_sizes is None):
-            raise BlockMappingError(
-                f"decode lists {'several' if group_sizes else 'one'} KV cache group(s) and prefill "
-                f"{'several' if params.remote_group_sizes else 'one'}: not the same model",
-                field="request.remote_group_sizes",
-                code=CACHE_GROUPS_MISMATCH,
-            )
-        if peer.sides is not None:  # physical layouts: the chunks of each read, through its paired runs
-            local_side, remote_side = peer.sides
-            if group_sizes is not None and params.remote_group_sizes is not None:
-                mapped = self._map_groups(local_blocks, group_sizes, params, local_side, remote_side)
-            else:
-                mapped = map_chunks(local_blocks, params.remote_block_ids, params.num_tokens, local_side, remote_side)
-            if mapped.full_hit:
-                return []
-            return [
-                (
-                    chunk_descriptor_ids(mapped.local_blocks, mapped.local_chunks, read.target),
-                    chunk_descriptor_ids(mapped.remote_blocks, mapped.remote_chunks, read.source),
-                )
-                for read in peer.physical
-            ]
-        if group_sizes is not None:
-            raise BlockMappingError(
-                "several KV cache groups are moved between physical layouts only (vLLM's KVCacheLayout views)",
-                field="request.remote_group_sizes",
-                code=CACHE_GROUPS_MISMATCH,
-            )
-        plan = peer.plan
-        mapped_blocks = map_request_blocks(local_blocks, params.remote_block_ids, plan.block_size_ratio)
-        if mapped_blocks.full_hit:
-            return []
-        regions = peer.regions
-        local_units = self.cache.num_blocks * plan.block_size_ratio
-        local_buf, remote_buf = self._buffers(regions * mapped_blocks.local.size)
-        local_ids = descriptor_ids(mapped_blocks.local, regions, local_units, out=local_buf)
-        remote_ids = descriptor_ids(mapped_blocks.remote, regions, peer.remote_units, out=remote_buf)
-        return [(local_ids, remote_ids)] * len(peer.lists)
-
-    @staticmethod
-    def _map_groups(
-        local_blocks: list[int],
-        group_sizes: list[int],
-        params: KVTransferParams,
-        local_side: ChunkSide,
-        remote_side: ChunkSide,
-    ) -> MappedChunks:
-        """A hybrid model's chunks: per cache group, decode's blocks to fill with the last of prefill's blocks of
-        that group, whole blocks (both sides run one block size), the groups one after the other."""
-        if local_side.block_tokens != remote_side.block_tokens or remote_side.units_per_block != 1:
-            raise BlockMappingError(
-                f"prefill's {remote_side.block_tokens}-token and decode's {local_side.block_tokens}-token blocks: "
-                "several KV cache groups move between equal block sizes only",
-                field="spec.decode.blockSize",
-                code=CACHE_GROUPS_MISMATCH,
-            )
-        remote_sizes = params.remote_group_sizes or []
-        parts = [
-            map_chunks(mine, theirs, len(mine) * local_side.block_tokens, local_side, remote_side)
-            for mine, theirs in pair_groups(local_blocks, group_sizes, params.remote_block_ids, remote_sizes)
-            if mine
-        ]
-        if not parts:
-            empty = np.zeros(0, dtype=np.int64)
-            return MappedChunks(empty, empty, empty, empty)
-        return MappedChunks(
-            np.concatenate([p.local_blocks for p in parts]),
-            np.concatenate([p.local_chunks for p in parts]),
-            np.concatenate([p.remote_blocks for p in parts]),
-            np.concatenate([p.remote_chunks for p in parts]),
-        )
 
     def _buffers(self, count: int) -> tuple[DescriptorIds, DescriptorIds]:
         if self._id_buffers[0].size < count:

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from kvbridge_agent.core import tracing as words
+from kvbridge_agent.core.digest import KV_DIGEST_MISMATCH, KV_DIGEST_UNAVAILABLE
+from kvbridge_agent.transfer.reads import ReadResult
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
@@ -87,3 +90,33 @@ class Spans:
         provider = getattr(self, "_provider", None)
         if provider is not None:
             provider.shutdown()
+
+    def record_read(
+        self,
+        tp_rank: int,
+        trace: dict[str, str],
+        began: int,
+        attributes: dict[str, Value],
+        checked: int | None,
+        result: ReadResult,
+    ) -> None:
+        """Decode: a traced request's READs (posted until complete: bytes, descriptors, the failure's code), the
+        conversion after them, and, when verified (``checked``: when the check began), the digest check."""
+        converted = 0
+        if result.seconds:  # the READs' own time (the result comes later when a check or a handshake follows)
+            read_end = began + int((result.seconds - result.convert_seconds) * 1e9)
+            converted = read_end + int(result.convert_seconds * 1e9) if result.convert_seconds else 0
+        else:
+            read_end = checked if checked is not None else time.time_ns()
+        read = {**attributes, words.BYTES: result.bytes, words.DESCRIPTORS: result.descriptors}
+        digest_failed = result.code in (KV_DIGEST_MISMATCH, KV_DIGEST_UNAVAILABLE)
+        read_error = "" if result.ok or (checked is not None and digest_failed) else result.code
+        rank: dict[str, Value] = {words.TP_RANK: tp_rank}
+        self.record(words.DECODE_READ, trace, began, read_end, {**rank, **read}, read_error)
+        if converted:
+            conversion = {**rank, words.CONVERSION: result.conversion, words.BLOCKS: attributes.get(words.BLOCKS, 0)}
+            self.record(words.DECODE_CONVERT, trace, read_end, converted, conversion)
+        if checked is not None:
+            check = {**rank, words.VERIFIED: result.ok, **attributes}
+            error = result.code if not result.ok and read_error == "" else ""
+            self.record(words.DECODE_DIGEST_CHECK, trace, checked, time.time_ns(), check, error)

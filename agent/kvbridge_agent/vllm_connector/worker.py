@@ -20,12 +20,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from kvbridge_agent.core import (
-    CacheKind,
     KVLayout,
     ModelGeometry,
     Role,
     SpecError,
-    TransferPlan,
     Verification,
 )
 from kvbridge_agent.core import tracing as words
@@ -38,15 +36,13 @@ from kvbridge_agent.core.digest import (
 )
 from kvbridge_agent.core.errors import INTERNAL_ERROR, failure_of
 from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams
-from kvbridge_agent.core.layout import PhysicalOrder
 from kvbridge_agent.core.plan import build_plan
 from kvbridge_agent.core.tp import handshake_ranks
-from kvbridge_agent.core.wire import ConversionKind
-from kvbridge_agent.transfer.decode_rank import TRANSFER_FAILED, DecodeRank, ReadResult, Verify
+from kvbridge_agent.transfer.decode_rank import DecodeRank
 from kvbridge_agent.transfer.digest import Digester
 from kvbridge_agent.transfer.host_buffer import HostBuffer
 from kvbridge_agent.transfer.keys import CurveKeys, load_keys
-from kvbridge_agent.transfer.kv_cache import LAYOUT_UNSUPPORTED, KVCache, distinct_tensors
+from kvbridge_agent.transfer.kv_cache import KVCache, distinct_tensors
 from kvbridge_agent.transfer.peers import (
     LEASE_EXPIRED,
     PrefillRanks,
@@ -57,10 +53,12 @@ from kvbridge_agent.transfer.peers import (
     require_incarnation,
 )
 from kvbridge_agent.transfer.prefill_rank import PrefillRank
+from kvbridge_agent.transfer.reads import TRANSFER_FAILED, ReadResult, Verify
 from kvbridge_agent.transfer.relayout import Converter, convert_for_side
 from kvbridge_agent.transfer.transport import Transport
 
-from .cpu_blocks import KNOWN_KERNELS, CPUAttentionBlocks
+from .cache_geometry import check_block_interior, cpu_kernel, physical_order, refuse_conversions, transfer_geometry
+from .cpu_blocks import CPUAttentionBlocks
 from .messages import RankHandshake, ReadOrder, StepMetadata
 from .settings import ConnectorSettings
 from .stats import KVBridgeStats
@@ -76,84 +74,6 @@ def request_failure(exc: Exception, default_code: str, subject: str) -> tuple[st
     if code == INTERNAL_ERROR:
         log.error("kvbridge: %.80s: unexpected %s", subject, message, exc_info=exc)
     return code, message
-
-
-BLOCK_INTERIOR_MISMATCH = "BLOCK_INTERIOR_MISMATCH"
-
-
-def transfer_geometry(model: ModelGeometry, tensors: list[Any], tp_size: int) -> ModelGeometry:
-    """The geometry kvbridge moves bytes by.
-
-    vLLM's CPU attention keeps one tensor per layer, ``[blocks, heads, block_size, 2 * head_dim]``: inside a block,
-    each head's keys, then its values, each ``block_size * head_dim`` elements, in the kernel's order inside
-    (:mod:`.cpu_blocks`; tests/vllm/test_cpu_attention_layout.py pins it). For moving whole heads that is a Split
-    cache of one region per layer with twice the heads — head ``h``'s keys are pseudo-head ``2h``, its values
-    ``2h + 1`` — exact for every TP mapping that keeps heads whole (TP size <= KV heads; replicated heads are
-    refused). Other engines' tensors are taken as the model's cache kind describes them."""
-    if model.cache_kind is CacheKind.SPLIT and not model.is_mla and len(tensors) == model.num_layers:
-        if tp_size > model.num_kv_heads:
-            raise SpecError(
-                f"TP {tp_size} replicates the model's {model.num_kv_heads} KV heads; KVBridgeConnector moves vLLM's "
-                "CPU attention cache by whole heads only",
-                field="spec.prefill.tensorParallelSize",
-                code="CONNECTOR_UNSUPPORTED",
-            )
-        return model.model_copy(update={"num_kv_heads": 2 * model.num_kv_heads})
-    return model
-
-
-def physical_order(layout: str) -> PhysicalOrder:
-    """kvbridge's name of vLLM's resolved ``KVCacheLayout`` (its member name, e.g. ``"BLHNC"``)."""
-    try:
-        return PhysicalOrder(layout)
-    except ValueError as exc:
-        raise SpecError(
-            f"vLLM resolved the KV cache layout {layout!r}; kvbridge knows {', '.join(o.value for o in PhysicalOrder)}",
-            field="kv_cache_layout",
-            code=LAYOUT_UNSUPPORTED,
-        ) from exc
-
-
-def refuse_conversions(geometry: ModelGeometry, model: ModelGeometry, plan: TransferPlan, kernel: str) -> None:
-    """On vLLM's CPU attention layout (the pseudo-head geometry) kvbridge converts between block sizes for the
-    kernels whose block interior it knows (:mod:`.cpu_blocks`); a layout permute (CPU attention runs HND only) or
-    a conversion for another kernel is refused."""
-    if geometry == model or not plan.wire.conversions:
-        return
-    permute = any(s.kind is ConversionKind.PERMUTE for s in plan.wire.conversions)
-    if permute or kernel not in KNOWN_KERNELS:
-        steps = ", ".join(f"{s.side.value} {s.kind.value} {s.source}->{s.target}" for s in plan.wire.conversions)
-        raise SpecError(
-            f"the plan needs {steps} on vLLM's CPU attention cache (kernel {kernel}); kvbridge converts it only "
-            f"between block sizes and for the {', '.join(KNOWN_KERNELS)} kernels: use kvLayout HND on both sides",
-            field="spec.decode.blockSize",
-            code="CONNECTOR_UNSUPPORTED",
-        )
-
-
-def cpu_kernel(model_dtype: Any, block_size: int, head_dim: int, kv_cache_dtype: str = "auto") -> str:
-    """The CPU attention kernel vLLM runs for this cache (its block interior depends on it), asked as vLLM's CPU
-    backend asks: by the *model's* dtype and the cache's (an fp8 cache of a bfloat16 model runs ``amx`` on an AMX CPU,
-    though the cache tensor is uint8)."""
-    try:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        return str(_get_attn_isa(model_dtype, block_size, head_dim, kv_cache_dtype))
-    except Exception:  # another vLLM: unknown, so no conversion is attempted
-        return "unknown"
-
-
-def check_block_interior(mine: str, engine_id: str, ranks: PrefillRanks) -> None:
-    """Both engines' kernels must lay a block's bytes out alike: a prefill on another CPU kernel (an AMX node beside
-    a plain AVX-512 one) would hand decode bytes it reads as other tokens."""
-    theirs = {meta.block_interior for meta, _ in ranks.values()}
-    if theirs != {mine}:
-        raise HandshakeError(
-            f"{engine_id} stores KV blocks as {' and '.join(sorted(t or 'its layout says' for t in theirs))}, this "
-            f"decode as {mine or 'its layout says'}: run both roles on nodes whose CPUs give vLLM the same attention "
-            "kernel (a node selector on the CPU feature), or the same engine build",
-            code=BLOCK_INTERIOR_MISMATCH,
-        )
 
 
 class ConnectorWorker:
@@ -560,31 +480,11 @@ class ConnectorWorker:
             self._span(words.PREFILL_OFFER, trace, began, attributes, LEASE_EXPIRED if expired else "")
 
     def _read_spans(self, result: ReadResult) -> None:
-        """Decode: a traced request's READs (posted until complete: bytes, descriptors, the failure's code) and, when
-        verified, the digest check after them."""
+        """Decode: a traced request's READs and, when verified, the digest check after them."""
         traced = self._traced.pop(result.request_id, None)
         checked = self._check_started_ns.pop(result.request_id, None)
-        if traced is None:
-            return
-        trace, began, attributes = traced
-        converted = 0
-        if result.seconds:  # the READs' own time (the result comes later when a check or a handshake follows)
-            read_end = began + int((result.seconds - result.convert_seconds) * 1e9)
-            converted = read_end + int(result.convert_seconds * 1e9) if result.convert_seconds else 0
-        else:
-            read_end = checked if checked is not None else time.time_ns()
-        read = {**attributes, words.BYTES: result.bytes, words.DESCRIPTORS: result.descriptors}
-        digest_failed = result.code in (KV_DIGEST_MISMATCH, KV_DIGEST_UNAVAILABLE)
-        read_error = "" if result.ok or (checked is not None and digest_failed) else result.code
-        rank = {words.TP_RANK: self.tp_rank}
-        self.spans.record(words.DECODE_READ, trace, began, read_end, {**rank, **read}, read_error)
-        if converted:
-            conversion = {**rank, words.CONVERSION: result.conversion, words.BLOCKS: attributes.get(words.BLOCKS, 0)}
-            self.spans.record(words.DECODE_CONVERT, trace, read_end, converted, conversion)
-        if checked is not None:
-            check = {**rank, words.VERIFIED: result.ok, **attributes}
-            error = result.code if not result.ok and read_error == "" else ""
-            self.spans.record(words.DECODE_DIGEST_CHECK, trace, checked, time.time_ns(), check, error)
+        if traced is not None:
+            self.spans.record_read(self.tp_rank, *traced, checked, result)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -24,9 +24,10 @@ from kvbridge_agent.core.digest import RequestDigests, new_key
 from kvbridge_agent.core.handshake import KVTransferParams
 from kvbridge_agent.core.tp import handshake_ranks
 from kvbridge_agent.synthetic.content import fill_request, invalid_blocks, scribble
-from kvbridge_agent.transfer.decode_rank import DecodeRank, ReadResult, Verify
+from kvbridge_agent.transfer.decode_rank import DecodeRank
 from kvbridge_agent.transfer.kv_cache import KVCache
 from kvbridge_agent.transfer.prefill_rank import PrefillRank
+from kvbridge_agent.transfer.reads import ReadResult, Verify
 from kvbridge_agent.transfer.transport import Transport
 from kvbridge_sim.support import wait_until
 

@@ -8,7 +8,7 @@ pytest.importorskip("vllm")
 
 from kvbridge_agent.core import CacheKind, KVLayout
 from kvbridge_agent.core.handshake import HandshakeError, MemoryType, RankMetadata
-from kvbridge_agent.vllm_connector.worker import BLOCK_INTERIOR_MISMATCH, check_block_interior
+from kvbridge_agent.vllm_connector.cache_geometry import BLOCK_INTERIOR_MISMATCH, check_block_interior
 
 
 def rank(tp_rank: int, interior: str) -> tuple[RankMetadata, bytes]:

@@ -19,9 +19,9 @@ from kvbridge_agent.core import ModelGeometry, Role, RoleSettings
 from kvbridge_agent.core.errors import SpecError
 from kvbridge_agent.core.plan import build_plan
 from kvbridge_agent.transfer.kv_cache import KVCache
+from kvbridge_agent.vllm_connector.cache_geometry import cpu_kernel, transfer_geometry
 from kvbridge_agent.vllm_connector.cpu_blocks import CPUAttentionBlocks
 from kvbridge_agent.vllm_connector.settings import ConnectorSettings
-from kvbridge_agent.vllm_connector.worker import cpu_kernel, transfer_geometry
 
 from .test_scheduler import environ, vllm_config
 

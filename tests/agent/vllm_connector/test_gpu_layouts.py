@@ -29,8 +29,8 @@ from kvbridge_agent.core import ModelGeometry, Role, RoleSettings, SpecError
 from kvbridge_agent.core.contract import EngineEnvironment, render_environment
 from kvbridge_agent.core.handshake import RankMetadata
 from kvbridge_agent.core.layout import PhysicalOrder
-from kvbridge_agent.transfer.decode_rank import ReadResult
 from kvbridge_agent.transfer.host_buffer import HostBuffer
+from kvbridge_agent.transfer.reads import ReadResult
 from kvbridge_agent.vllm_connector.messages import RankHandshake
 from kvbridge_agent.vllm_connector.scheduler import ConnectorScheduler
 from kvbridge_agent.vllm_connector.settings import ConnectorSettings

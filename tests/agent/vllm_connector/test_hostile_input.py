@@ -38,7 +38,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from kvbridge_agent.core import ModelGeometry, Role, RoleSettings
 from kvbridge_agent.core.contract import EngineEnvironment, render_environment
 from kvbridge_agent.core.handshake import ENVELOPE_VERSION, RankMetadata, agent_checksum
-from kvbridge_agent.transfer.decode_rank import ReadResult
+from kvbridge_agent.transfer.reads import ReadResult
 from kvbridge_agent.vllm_connector.scheduler import ConnectorScheduler
 from kvbridge_agent.vllm_connector.settings import ConnectorSettings
 from kvbridge_agent.vllm_connector.worker import ConnectorWorker

@@ -27,7 +27,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvbridge_agent.core import ModelGeometry, Role, RoleSettings
 from kvbridge_agent.core.contract import EngineEnvironment, render_environment
-from kvbridge_agent.transfer.decode_rank import ReadResult
+from kvbridge_agent.transfer.reads import ReadResult
 from kvbridge_agent.vllm_connector.connector import cache_groups
 from kvbridge_agent.vllm_connector.scheduler import ConnectorScheduler
 from kvbridge_agent.vllm_connector.settings import ConnectorSettings

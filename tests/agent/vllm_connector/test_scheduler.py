@@ -403,7 +403,7 @@ def test_whatever_a_handshake_or_a_read_raises_fails_its_requests_not_vllm_s_ste
         def broken(*_: Any) -> None:
             raise IndexError("an id past the cache")
 
-        worker._start_read = broken  # type: ignore[method-assign]
+        worker._start_read = broken  # type: ignore[method-assign,assignment]
         worker._start_or_fail(None, "d13", ReadOrder([6], params))  # type: ignore[arg-type]
         (result,) = worker._results
         assert (result.request_id, result.ok, result.code, result.invalid_blocks) == (

@@ -20,7 +20,7 @@ from opentelemetry.trace import StatusCode
 from kvbridge_agent.core import Role
 from kvbridge_agent.core import tracing as words
 from kvbridge_agent.core.digest import KV_DIGEST_MISMATCH
-from kvbridge_agent.transfer.decode_rank import ReadResult
+from kvbridge_agent.transfer.reads import ReadResult
 from kvbridge_agent.vllm_connector.messages import OfferOrder, StepMetadata
 from kvbridge_agent.vllm_connector.scheduler import ConnectorScheduler
 from kvbridge_agent.vllm_connector.settings import ConnectorSettings
