@@ -137,7 +137,8 @@ def _bench_layouts(args: argparse.Namespace) -> int:
     import functools
     import importlib.util
 
-    from kvbridge_agent.bench.layouts import Allocate, bench_layouts, own_views, print_report
+    from kvbridge_agent.bench.layout_prefill import Allocate, own_views
+    from kvbridge_agent.bench.layouts import bench_layouts, print_report
 
     device = args.device or "cpu"
     allocate: Allocate

@@ -21,315 +21,30 @@ beside NIXL's (make and post; on host memory the copy runs inside the post call)
 from __future__ import annotations
 
 import gc
-import multiprocessing
 import os
 import platform
 import resource
 import statistics
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
-from typing import Any, Protocol
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 
-from kvbridge_agent.core import ModelGeometry, RoleSettings, TransferSettings, build_plan, wire_block_ids
+from kvbridge_agent.core import ModelGeometry, RoleSettings
 from kvbridge_agent.core.arithmetic import ceil_div
 from kvbridge_agent.core.handshake import KVTransferParams, RankMetadata
 
+from .layout_cases import CROSS_LAYER, LLAMA_8B, LLAMA_70B, Case, block_ids, cache_blocks, cache_bytes, cases
+from .layout_prefill import TRANSFER, Allocate, Prefill, ProcessPrefill, attach
 from .measure import memcpy_gbps, nixl_ceilings, progress, raw_at
 
 #: the descriptor sizes of the raw NIXL sweep: ``bench``'s, and below it down to one token of one head (512 bytes:
 #: what the cross-order pair LBHNC -> LBNHC moves per descriptor)
 SWEEP = (512, 2 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
-LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
-CROSS_LAYER = ("BLHNC", "BLNHC", "BHLNC")
 TIMEOUT = 120.0
-
-LLAMA_8B = ModelGeometry(name="llama3-8b-geometry", num_layers=32, num_kv_heads=8, head_dim=128)
-LLAMA_70B = ModelGeometry(name="llama3-70b-geometry", num_layers=80, num_kv_heads=8, head_dim=128)
-
-
-@dataclass(frozen=True)
-class Side:
-    """One role: vLLM's ``KVCacheLayout`` (its member name), block size in tokens, TP size."""
-
-    layout: str
-    block: int = 16
-    tp: int = 1
-
-    def heads(self, model: ModelGeometry) -> int:
-        """KV heads on one rank."""
-        return max(1, model.num_kv_heads // self.tp)
-
-
-@dataclass(frozen=True)
-class Case:
-    """A layout pair: ``kind`` is ``same`` (both sides one layout), ``tp`` (a TP mapping), ``block`` (a block-size
-    conversion) or ``order`` (two layouts)."""
-
-    name: str
-    kind: str
-    prefill: Side
-    decode: Side
-    #: the block allocations it runs
-    allocations: tuple[str, ...] = ("contiguous", "scattered")
-
-
-def cases(quick: bool = False, names: Sequence[str] = ()) -> list[Case]:
-    """The layout pairs of a run: every layout to itself, then the heterogeneous pairs (``quick``: one per-layer
-    and one cross-layer layout, and TP 2 -> 1; ``names``: those cases only)."""
-    same = [Case(layout, "same", Side(layout), Side(layout)) for layout in LAYOUTS]
-    mixed = [
-        Case("LBHNC-tp2to1", "tp", Side("LBHNC", tp=2), Side("LBHNC")),
-        # heads outermost in the block: each prefill rank's heads are one run of decode's block
-        Case("BHLNC-tp2to1", "tp", Side("BHLNC", tp=2), Side("BHLNC")),
-        Case("LBHNC-block16to32", "block", Side("LBHNC", 16), Side("LBHNC", 32)),
-        Case("LBHNC-to-BLHNC", "order", Side("LBHNC"), Side("BLHNC")),
-        # 512-byte descriptors, a million per request: contiguous ids only (they cannot merge either way)
-        Case("LBHNC-to-LBNHC", "order", Side("LBHNC"), Side("LBNHC"), ("contiguous",)),
-    ]
-    every = [*same, *mixed]
-    if names:
-        unknown = sorted(set(names) - {c.name for c in every})
-        if unknown:
-            raise ValueError(f"no layout case {', '.join(unknown)}; the cases: {', '.join(c.name for c in every)}")
-        return [c for c in every if c.name in names]
-    if quick:
-        return [same[0], same[3], mixed[0]]
-    return every
-
-
-def cache_blocks(tokens: int, block: int) -> int:
-    """Blocks of one side's cache: room for two requests, so scattered ids spread over twice a request."""
-    return 2 * ceil_div(tokens, block) + 2
-
-
-def cache_bytes(model: ModelGeometry, case: Case, tokens: int) -> int:
-    """Bytes of both sides' caches of a case (every rank)."""
-    total = 0
-    for side in (case.prefill, case.decode):
-        per_token = model.kv_bytes_per_token * side.heads(model) // model.num_kv_heads
-        total += side.tp * cache_blocks(tokens, side.block) * side.block * per_token
-    return total
-
-
-def block_ids(count: int, num_blocks: int, allocation: str, rng: np.random.Generator) -> list[int]:
-    """A request's block ids: ``contiguous`` (a fresh allocator's) or ``scattered`` (random free blocks in random
-    order, as after long uptime)."""
-    if allocation == "contiguous":
-        return list(range(count))
-    return [int(b) for b in rng.choice(num_blocks, size=count, replace=False)]
-
-
-# -- one side's cache, as vLLM builds it --------------------------------------------------------------------------
-#: ``(model, layout, block size, KV heads, blocks) -> per-layer views``: vLLM's allocator
-#: (``kvbridge_agent.vllm_connector.host_cache.allocate_host_views``, which the command line hands in: only the
-#: vLLM connector imports vllm), or :func:`own_views` where vLLM is not installed. A module-level function (or a
-#: ``functools.partial`` of one, binding the device), so that it reaches the prefill processes by name.
-Allocate = Callable[[ModelGeometry, str, int, int, int], dict[str, Any]]
-
-
-def own_views(
-    device: str, model: ModelGeometry, layout: str, block_size: int, heads: int, num_blocks: int
-) -> dict[str, Any]:
-    """kvbridge's ``layout_views``: the views vLLM's allocator builds (tests check them equal), for a machine without
-    vLLM — a GPU machine lent for a benchmark, say."""
-    import torch
-
-    from kvbridge_agent.core.layout import PhysicalLayout, PhysicalOrder
-    from kvbridge_agent.transfer.allocations import layout_views
-
-    content = model.token_bytes_per_head
-    physical = PhysicalLayout.dense(PhysicalOrder(layout), model.num_layers, num_blocks, heads, block_size, content)
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(model.num_layers)]
-    return layout_views(physical, names, torch.bfloat16, device)
-
-
-def _attach(allocate: Allocate, model: ModelGeometry, side: Side, rank: int, num_blocks: int) -> Any:
-    from kvbridge_agent.core.layout import PhysicalOrder
-    from kvbridge_agent.transfer.kv_cache import KVCache
-
-    views = allocate(model, side.layout, side.block, side.heads(model), num_blocks)
-    cache = KVCache.attach_views(model, side.block, side.tp, rank, views, PhysicalOrder(side.layout))
-    cache.tensors[0].fill_(1)  # every page of the allocation touched before anything is timed
-    return cache
-
-
-class PrefillHost:
-    """One prefill rank of a case: its cache, NIXL agent and :class:`PrefillRank` (what the connector's worker
-    builds in ``register``)."""
-
-    def __init__(
-        self, allocate: Allocate, model: ModelGeometry, case: Case, rank: int, num_blocks: int, tag: str
-    ) -> None:
-        from kvbridge_agent.transfer.prefill_rank import PrefillRank
-        from kvbridge_agent.transfer.transport import Transport
-
-        prefill, decode = case.prefill, case.decode
-        self.cache = _attach(allocate, model, prefill, rank, num_blocks)
-        self.transport = Transport(f"layouts-prefill-{tag}-{rank}")
-        self.transport.register(self.cache.tensors)
-        plan = build_plan(
-            model,
-            RoleSettings(tensor_parallel_size=prefill.tp, block_size=prefill.block),
-            RoleSettings(tensor_parallel_size=decode.tp, block_size=decode.block),
-            TRANSFER,
-        )
-        self.rank = PrefillRank(self.cache, self.transport, plan, "layouts-prefill", f"inc-{tag}")
-
-    def handshake(self) -> Handshake:
-        allocation = self.cache.tensors[0]
-        metadata = self.rank.metadata().model_dump_json(exclude_none=True)
-        return (
-            metadata,
-            self.transport.metadata(),
-            allocation.data_ptr(),
-            allocation.numel() * allocation.element_size(),
-        )
-
-    def offer(self, request_id: str, blocks: list[int], num_tokens: int) -> list[int]:
-        """Offer a request's blocks (as the worker does); the wire block ids its parameters carry."""
-        self.rank.offer(request_id, blocks)
-        plan = self.rank.plan
-        return [int(b) for b in wire_block_ids(blocks, num_tokens, plan.split_ratio, plan.wire.block_size)]
-
-    def poll(self) -> None:
-        self.rank.poll()
-
-    def pending(self) -> int:
-        self.rank.poll()
-        return len(self.rank.pending)
-
-    def close(self) -> None:
-        self.transport.close()
-
-
-#: a prefill rank's rank metadata (JSON), NIXL agent metadata, and its allocation's address and bytes
-Handshake = tuple[str, bytes, int, int]
-
-#: verification off: the figures are the transfer's (docs/benchmarks.md prices the digest separately)
-TRANSFER = TransferSettings(verification="Off")
-
-
-class Prefill(Protocol):
-    def setup(
-        self, allocate: Allocate, model: ModelGeometry, case: Case, rank: int, num_blocks: int, tag: str
-    ) -> Handshake: ...
-    def offer(self, request_id: str, blocks: list[int], num_tokens: int) -> list[int]: ...
-    def pending(self) -> int: ...
-    def progress(self) -> None: ...
-    def teardown(self) -> None: ...
-    def stop(self) -> None: ...
-
-
-class LocalPrefill:
-    """A prefill rank in this process (the fast test's: one import of vLLM)."""
-
-    def __init__(self) -> None:
-        self.host: PrefillHost | None = None
-
-    def setup(
-        self, allocate: Allocate, model: ModelGeometry, case: Case, rank: int, num_blocks: int, tag: str
-    ) -> Handshake:
-        self.host = PrefillHost(allocate, model, case, rank, num_blocks, tag)
-        return self.host.handshake()
-
-    def _host(self) -> PrefillHost:
-        if self.host is None:
-            raise RuntimeError("the prefill rank is not set up")
-        return self.host
-
-    def offer(self, request_id: str, blocks: list[int], num_tokens: int) -> list[int]:
-        return self._host().offer(request_id, blocks, num_tokens)
-
-    def pending(self) -> int:
-        return self._host().pending()
-
-    def progress(self) -> None:
-        """Drive this rank's NIXL agent: in one process, decode's READs complete only while it is polled."""
-        self._host().poll()
-
-    def teardown(self) -> None:
-        if self.host is not None:
-            self.host.close()
-            self.host = None
-            gc.collect()
-
-    def stop(self) -> None:
-        self.teardown()
-
-
-def _serve_prefill(conn: Connection) -> None:
-    """A prefill process: runs the commands of :class:`ProcessPrefill`, driving NIXL progress between them."""
-    os.dup2(2, 1)  # the parent's stdout carries only its result
-    local = LocalPrefill()
-    conn.send(("ready", None))
-    while True:
-        if local.host is None or conn.poll(0.0005):
-            command, args = conn.recv()
-        else:
-            local.host.poll()  # notifications; decode's READs need no help from here (CMA reads this memory)
-            continue
-        if command == "stop":
-            local.stop()
-            conn.send(("ok", None))
-            return
-        try:
-            conn.send(("ok", getattr(local, command)(*args)))
-        except Exception as exc:  # reported to the parent, which raises it
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
-
-
-class ProcessPrefill:
-    """A prefill rank in its own process (started once, reused by every case)."""
-
-    def __init__(self) -> None:
-        context = multiprocessing.get_context("spawn")
-        self.conn, child = context.Pipe()
-        self.process = context.Process(target=_serve_prefill, args=(child,), daemon=True)
-        self.process.start()
-
-    def wait_ready(self, timeout: float = 300.0) -> None:
-        if not self.conn.poll(timeout):
-            raise RuntimeError("a prefill process did not start")
-        self.conn.recv()
-
-    def _call(self, command: str, *args: Any) -> Any:
-        self.conn.send((command, args))
-        status, value = self.conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"prefill process, {command}: {value}")
-        return value
-
-    def setup(
-        self, allocate: Allocate, model: ModelGeometry, case: Case, rank: int, num_blocks: int, tag: str
-    ) -> Handshake:
-        metadata: Handshake = self._call("setup", allocate, model, case, rank, num_blocks, tag)
-        return metadata
-
-    def offer(self, request_id: str, blocks: list[int], num_tokens: int) -> list[int]:
-        ids: list[int] = self._call("offer", request_id, blocks, num_tokens)
-        return ids
-
-    def pending(self) -> int:
-        return int(self._call("pending"))
-
-    def progress(self) -> None:
-        """Nothing: the process drives its own agent."""
-
-    def teardown(self) -> None:
-        self._call("teardown")
-
-    def stop(self) -> None:
-        with suppress(OSError, EOFError, RuntimeError):
-            self._call("stop")
-        self.process.join(timeout=30)
-        if self.process.is_alive():
-            self.process.kill()
 
 
 # -- one case ------------------------------------------------------------------------------------------------------
@@ -407,7 +122,7 @@ def run_case(
             meta_json, agent, address, size = prefills[rank].setup(allocate, model, case, rank, prefill_blocks, tag)
             ranks[rank] = (RankMetadata.model_validate_json(meta_json), agent)
             allocations.append((address, size))
-        cache = _attach(allocate, model, case.decode, 0, decode_blocks)
+        cache = attach(allocate, model, case.decode, 0, decode_blocks)
         transport = Transport(f"layouts-decode-{tag}")
         transport.register(cache.tensors)
         settings = RoleSettings(tensor_parallel_size=case.decode.tp, block_size=case.decode.block)

@@ -9,18 +9,8 @@ from typing import Any
 
 import pytest
 
-from kvbridge_agent.bench.layouts import (
-    CROSS_LAYER,
-    LAYOUTS,
-    LLAMA_8B,
-    LLAMA_70B,
-    Case,
-    add_ratios,
-    cache_bytes,
-    cases,
-    targets,
-    transport_note,
-)
+from kvbridge_agent.bench.layout_cases import CROSS_LAYER, LAYOUTS, LLAMA_8B, LLAMA_70B, Case, cache_bytes, cases
+from kvbridge_agent.bench.layouts import add_ratios, targets, transport_note
 from kvbridge_agent.core import ModelGeometry
 
 LAYERS, HEADS, TOKENS = 3, 2, 64
@@ -106,7 +96,8 @@ def test_a_tiny_run_of_every_case_gives_the_paired_runs_and_the_models_bytes(all
     """Through vLLM's allocator, and through kvbridge's own views (what a GPU machine without vLLM runs)."""
     pytest.importorskip("vllm")
     pytest.importorskip("nixl")
-    from kvbridge_agent.bench.layouts import Allocate, LocalPrefill, own_views, run_case
+    from kvbridge_agent.bench.layout_prefill import Allocate, LocalPrefill, own_views
+    from kvbridge_agent.bench.layouts import run_case
     from kvbridge_agent.vllm_connector.host_cache import allocate_host_views
 
     allocate: Allocate = allocate_host_views if allocator == "vllm" else functools.partial(own_views, "cpu")
