@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from .arithmetic import divides_either_way
 from .errors import IncompatibleError, Problem
@@ -154,52 +155,48 @@ def check_parallelism(model: ModelGeometry, role: Role, settings: RoleSettings) 
     return problems
 
 
-def check_pair(
-    model: ModelGeometry,
-    prefill: RoleSettings,
-    decode: RoleSettings,
-    transfer: TransferSettings | None = None,
-    *,
-    suggestions: bool = True,
-) -> list[Problem]:
-    """Every problem that keeps this prefill/decode pair from exchanging KV caches."""
-    transfer = transfer or TransferSettings()
-    conversion = transfer.conversion
-    problems = check_model(model)
-    for role, settings in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
-        problems += check_parallelism(model, role, settings)
-    problems += check_side_channel_ports(prefill, decode, transfer)
-    tp_p, tp_d = prefill.tensor_parallel_size, decode.tensor_parallel_size
-    bs_p, bs_d = prefill.block_size, decode.block_size
-    k = model.num_kv_heads
+@dataclass(frozen=True)
+class Pair:
+    """What every pair rule looks at: the model, both roles' settings, the transfer's, and whether a problem's
+    message may search for decode values that would work (that search runs the rules again, without it)."""
 
-    def decode_works(name: str) -> Callable[[int], bool]:
-        """Would the pair be compatible with decode's ``name`` set to a value (everything else as is)?"""
+    model: ModelGeometry
+    prefill: RoleSettings
+    decode: RoleSettings
+    transfer: TransferSettings
+    suggestions: bool = True
 
-        def works(value: int) -> bool:
-            candidate = decode.model_copy(update={name: value})
-            return not check_pair(model, prefill, candidate, transfer, suggestions=False)
+    @property
+    def roles(self) -> tuple[tuple[Role, RoleSettings], tuple[Role, RoleSettings]]:
+        return (Role.PREFILL, self.prefill), (Role.DECODE, self.decode)
 
-        return works
-
-    def hint(candidates: Iterable[int], name: str, rule: Callable[[int], bool]) -> str:
-        """Decode values that make the whole pair compatible, else those that at least satisfy this rule."""
-        if not suggestions:
+    def hint(self, candidates: Iterable[int], name: str, rule: Callable[[int], bool]) -> str:
+        """Decode values of ``name`` that make the whole pair compatible, else those that at least satisfy
+        ``rule``; empty without suggestions."""
+        if not self.suggestions:
             return ""
         path = field_path(Role.DECODE, "tensorParallelSize" if name == "tensor_parallel_size" else "blockSize")
-        near = getattr(decode, name)
-        found = _closest(candidates, decode_works(name), near)
+        near = getattr(self.decode, name)
+
+        def works(value: int) -> bool:
+            candidate = self.decode.model_copy(update={name: value})
+            return not check_pair(self.model, self.prefill, candidate, self.transfer, suggestions=False)
+
+        found = _closest(candidates, works, near)
         if found:
             return "; " + _advice(path, found)
         partial = _closest(candidates, rule, near)
         return f"; {_advice(path, partial)} for this rule, but other problems remain (see them)" if partial else ""
 
-    # Rule 6: heads divide evenly on each side.
-    for role, settings in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
-        tp = settings.tensor_parallel_size
-        if not heads_divide(model, tp):
+
+def heads_spread_evenly(pair: Pair) -> list[Problem]:
+    """Rule 6: the KV heads divide evenly over each side's TP (or the TP is a multiple of them)."""
+    problems = []
+    for role, settings in pair.roles:
+        tp, k = settings.tensor_parallel_size, pair.model.num_kv_heads
+        if not heads_divide(pair.model, tp):
             path = field_path(role, "tensorParallelSize")
-            options = _closest(_TP_CANDIDATES, lambda c: heads_divide(model, c), near=tp)
+            options = _closest(_TP_CANDIDATES, lambda c: heads_divide(pair.model, c), near=tp)
             problems.append(
                 Problem(
                     HEADS_NOT_DIVISIBLE,
@@ -208,101 +205,160 @@ def check_pair(
                     f"{k} or be a multiple of it; {_advice(path, options)}",
                 )
             )
-    tp_ok = divides_either_way(tp_p, tp_d)
-    # Rule 1: TP sizes divide one another.
-    if not tp_ok:
-        problems.append(
-            Problem(
-                TP_NOT_DIVISIBLE,
-                field_path(Role.DECODE, "tensorParallelSize"),
-                f"prefill TP {tp_p} and decode TP {tp_d} do not divide one another"
-                + hint(
-                    _TP_CANDIDATES,
-                    "tensor_parallel_size",
-                    lambda c: divides_either_way(tp_p, c) and heads_divide(model, c),
-                ),
-            )
-        )
-    # Rule 2: block sizes divide one another.
-    bs_ok = divides_either_way(bs_p, bs_d)
-    if not bs_ok:
-        problems.append(
-            Problem(
-                BLOCK_SIZE_NOT_DIVISIBLE,
-                field_path(Role.DECODE, "blockSize"),
-                f"prefill block size {bs_p} and decode block size {bs_d} do not divide one another"
-                + hint(_BLOCK_SIZE_CANDIDATES, "block_size", lambda c: divides_either_way(bs_p, c)),
-            )
-        )
-    # Rule 3: dense prefill with replicated heads feeding fewer decode ranks.
-    if not model.is_mla and tp_p > tp_d and tp_p > k:
-        problems.append(
-            Problem(
-                PREFILL_HEADS_REPLICATED,
-                field_path(Role.PREFILL, "tensorParallelSize"),
-                f"prefill TP {tp_p} exceeds the {k} KV heads, so prefill ranks replicate heads, and decode "
-                f"TP {tp_d} would have to deduplicate them into one block: set spec.prefill.tensorParallelSize: "
-                f"{k}, or spec.decode.tensorParallelSize: {tp_p}",
-            )
-        )
-    # Rule 4: no decode-side merge while reading from several prefill ranks.
-    if tp_p > tp_d and bs_p < bs_d and bs_ok:
-        # equal TP sizes end the fan-in; offered only where the heads spread evenly over it (else the advice
-        # would lead to HEADS_NOT_DIVISIBLE, whose advice leads back here)
-        equal_tp = [f"spec.decode.tensorParallelSize: {tp_p}"] if heads_divide(model, tp_p) else []
-        equal_tp += [f"spec.prefill.tensorParallelSize: {tp_d}"] if heads_divide(model, tp_d) else []
-        problems.append(
-            Problem(
-                MERGE_WITH_TP_FAN_IN,
-                field_path(Role.DECODE, "blockSize"),
-                f"decode would merge {bs_d // bs_p} prefill blocks into each block while reading from several "
-                f"prefill ranks (prefill TP {tp_p} > decode TP {tp_d}), which is not supported: set "
-                f"spec.decode.blockSize: {bs_p} (or smaller: prefill then splits its blocks)"
-                + "".join(f"{', or' if i == len(equal_tp) - 1 else ','} {o}" for i, o in enumerate(equal_tp)),
-            )
-        )
-    # Rule 8: cross-layer needs HND on both sides and equal block sizes.
-    cross_layer = model.cache_kind is CacheKind.CROSS_LAYER and not model.is_mla
-    if cross_layer:
-        for role, settings in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
-            if settings.kv_layout is not KVLayout.HND:
-                problems.append(
-                    Problem(
-                        CROSS_LAYER_NEEDS_HND,
-                        field_path(role, "kvLayout"),
-                        "cacheKind CrossLayer keeps heads outermost across all layers and needs kvLayout HND "
-                        f"on both sides; set {field_path(role, 'kvLayout')}: HND",
-                    )
-                )
-        if bs_p != bs_d:
-            problems.append(
-                Problem(
-                    CROSS_LAYER_BLOCK_SIZE,
-                    field_path(Role.DECODE, "blockSize"),
-                    f"cacheKind CrossLayer defines no block conversion: decode blockSize must equal prefill "
-                    f"blockSize {bs_p} (got {bs_d}); set spec.decode.blockSize: {bs_p}",
-                )
-            )
-    # Rule 7: with conversion Off, every needed conversion is a problem.
-    if conversion is Conversion.OFF and wire_format_defined(model, prefill, decode):
-        for step in wire_format(model, prefill, decode).conversions:
-            if step.kind is ConversionKind.PERMUTE:
-                at = field_path(step.side, "kvLayout")
-                what = f"{step.side.value} would permute its blocks from {step.source} to {step.target}"
-                fix = f"set {at}: {step.target}"
-            else:
-                at = field_path(Role.DECODE, "blockSize")
-                verb = "split" if step.kind is ConversionKind.SPLIT_BLOCKS else "merge"
-                what = f"{step.side.value} would {verb} {step.source}-token blocks into {step.target}-token blocks"
-                fix = f"set {at}: {bs_p}"
-            problems.append(
-                Problem(
-                    CONVERSION_OFF,
-                    at,
-                    f"spec.transfer.conversion is Off but {what}: {fix}, or spec.transfer.conversion: Auto",
-                )
-            )
     return problems
+
+
+def tp_sizes_divide(pair: Pair) -> list[Problem]:
+    """Rule 1: the TP sizes divide one another."""
+    tp_p, tp_d = pair.prefill.tensor_parallel_size, pair.decode.tensor_parallel_size
+    if divides_either_way(tp_p, tp_d):
+        return []
+
+    def works(c: int) -> bool:
+        return divides_either_way(tp_p, c) and heads_divide(pair.model, c)
+
+    return [
+        Problem(
+            TP_NOT_DIVISIBLE,
+            field_path(Role.DECODE, "tensorParallelSize"),
+            f"prefill TP {tp_p} and decode TP {tp_d} do not divide one another"
+            + pair.hint(_TP_CANDIDATES, "tensor_parallel_size", works),
+        )
+    ]
+
+
+def block_sizes_divide(pair: Pair) -> list[Problem]:
+    """Rule 2: the block sizes divide one another."""
+    bs_p, bs_d = pair.prefill.block_size, pair.decode.block_size
+    if divides_either_way(bs_p, bs_d):
+        return []
+    return [
+        Problem(
+            BLOCK_SIZE_NOT_DIVISIBLE,
+            field_path(Role.DECODE, "blockSize"),
+            f"prefill block size {bs_p} and decode block size {bs_d} do not divide one another"
+            + pair.hint(_BLOCK_SIZE_CANDIDATES, "block_size", lambda c: divides_either_way(bs_p, c)),
+        )
+    ]
+
+
+def prefill_heads_not_replicated(pair: Pair) -> list[Problem]:
+    """Rule 3: a dense prefill whose ranks replicate heads cannot feed fewer decode ranks."""
+    tp_p, tp_d, k = pair.prefill.tensor_parallel_size, pair.decode.tensor_parallel_size, pair.model.num_kv_heads
+    if pair.model.is_mla or not (tp_p > tp_d and tp_p > k):
+        return []
+    return [
+        Problem(
+            PREFILL_HEADS_REPLICATED,
+            field_path(Role.PREFILL, "tensorParallelSize"),
+            f"prefill TP {tp_p} exceeds the {k} KV heads, so prefill ranks replicate heads, and decode "
+            f"TP {tp_d} would have to deduplicate them into one block: set spec.prefill.tensorParallelSize: "
+            f"{k}, or spec.decode.tensorParallelSize: {tp_p}",
+        )
+    ]
+
+
+def no_merge_with_fan_in(pair: Pair) -> list[Problem]:
+    """Rule 4: no decode-side merge while reading from several prefill ranks."""
+    tp_p, tp_d = pair.prefill.tensor_parallel_size, pair.decode.tensor_parallel_size
+    bs_p, bs_d = pair.prefill.block_size, pair.decode.block_size
+    if not (tp_p > tp_d and bs_p < bs_d and divides_either_way(bs_p, bs_d)):
+        return []
+    # equal TP sizes end the fan-in; offered only where the heads spread evenly over it (else the advice would lead
+    # to HEADS_NOT_DIVISIBLE, whose advice leads back here)
+    equal_tp = [f"spec.decode.tensorParallelSize: {tp_p}"] if heads_divide(pair.model, tp_p) else []
+    equal_tp += [f"spec.prefill.tensorParallelSize: {tp_d}"] if heads_divide(pair.model, tp_d) else []
+    return [
+        Problem(
+            MERGE_WITH_TP_FAN_IN,
+            field_path(Role.DECODE, "blockSize"),
+            f"decode would merge {bs_d // bs_p} prefill blocks into each block while reading from several "
+            f"prefill ranks (prefill TP {tp_p} > decode TP {tp_d}), which is not supported: set "
+            f"spec.decode.blockSize: {bs_p} (or smaller: prefill then splits its blocks)"
+            + "".join(f"{', or' if i == len(equal_tp) - 1 else ','} {o}" for i, o in enumerate(equal_tp)),
+        )
+    ]
+
+
+def cross_layer_hnd_equal_blocks(pair: Pair) -> list[Problem]:
+    """Rule 8: a cross-layer cache needs HND on both sides and equal block sizes."""
+    if pair.model.cache_kind is not CacheKind.CROSS_LAYER or pair.model.is_mla:
+        return []
+    problems = [
+        Problem(
+            CROSS_LAYER_NEEDS_HND,
+            field_path(role, "kvLayout"),
+            "cacheKind CrossLayer keeps heads outermost across all layers and needs kvLayout HND "
+            f"on both sides; set {field_path(role, 'kvLayout')}: HND",
+        )
+        for role, settings in pair.roles
+        if settings.kv_layout is not KVLayout.HND
+    ]
+    bs_p, bs_d = pair.prefill.block_size, pair.decode.block_size
+    if bs_p != bs_d:
+        problems.append(
+            Problem(
+                CROSS_LAYER_BLOCK_SIZE,
+                field_path(Role.DECODE, "blockSize"),
+                f"cacheKind CrossLayer defines no block conversion: decode blockSize must equal prefill "
+                f"blockSize {bs_p} (got {bs_d}); set spec.decode.blockSize: {bs_p}",
+            )
+        )
+    return problems
+
+
+def conversions_allowed(pair: Pair) -> list[Problem]:
+    """Rule 7: with ``conversion: Off``, every conversion the wire format needs is a problem."""
+    model, prefill, decode = pair.model, pair.prefill, pair.decode
+    if pair.transfer.conversion is not Conversion.OFF or not wire_format_defined(model, prefill, decode):
+        return []
+    problems = []
+    for step in wire_format(model, prefill, decode).conversions:
+        if step.kind is ConversionKind.PERMUTE:
+            at = field_path(step.side, "kvLayout")
+            what = f"{step.side.value} would permute its blocks from {step.source} to {step.target}"
+            fix = f"set {at}: {step.target}"
+        else:
+            at = field_path(Role.DECODE, "blockSize")
+            verb = "split" if step.kind is ConversionKind.SPLIT_BLOCKS else "merge"
+            what = f"{step.side.value} would {verb} {step.source}-token blocks into {step.target}-token blocks"
+            fix = f"set {at}: {prefill.block_size}"
+        problems.append(
+            Problem(
+                CONVERSION_OFF,
+                at,
+                f"spec.transfer.conversion is Off but {what}: {fix}, or spec.transfer.conversion: Auto",
+            )
+        )
+    return problems
+
+
+#: every rule of a pair, in the order its problems are listed (each a function of the pair, with its codes)
+PAIR_RULES: tuple[Callable[[Pair], list[Problem]], ...] = (
+    lambda pair: check_model(pair.model),
+    lambda pair: [p for role, settings in pair.roles for p in check_parallelism(pair.model, role, settings)],
+    lambda pair: check_side_channel_ports(pair.prefill, pair.decode, pair.transfer),
+    heads_spread_evenly,
+    tp_sizes_divide,
+    block_sizes_divide,
+    prefill_heads_not_replicated,
+    no_merge_with_fan_in,
+    cross_layer_hnd_equal_blocks,
+    conversions_allowed,
+)
+
+
+def check_pair(
+    model: ModelGeometry,
+    prefill: RoleSettings,
+    decode: RoleSettings,
+    transfer: TransferSettings | None = None,
+    *,
+    suggestions: bool = True,
+) -> list[Problem]:
+    """Every problem that keeps this prefill/decode pair from exchanging KV caches: :data:`PAIR_RULES` in turn."""
+    pair = Pair(model, prefill, decode, transfer or TransferSettings(), suggestions)
+    return [problem for rule in PAIR_RULES for problem in rule(pair)]
 
 
 def check_same_model(prefill: ModelGeometry, decode: ModelGeometry) -> list[Problem]:
