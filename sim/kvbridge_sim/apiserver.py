@@ -252,6 +252,12 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
             handler = handlers.get(request.action)
             if handler is None:
                 raise kmock.KubernetesError(status=405, reason="MethodNotAllowed", message=str(request.action))
+            if request.subresource and request.subresource not in self._info(request)["subresources"]:
+                # a subresource the kind does not have (``kubectl scale`` of a DisaggregatedDeployment, ``logs``):
+                # Kubernetes answers 404 and changes nothing, whatever the verb
+                raise kmock.KubernetesError(
+                    status=404, reason="NotFound", message="the server could not find the requested resource"
+                )
             warnings = self._validate_fields(request)
             result = await handler(request)
             if (

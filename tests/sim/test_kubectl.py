@@ -101,6 +101,20 @@ async def test_apply_then_get_shows_the_documented_columns_and_scale_changes_the
         assert jsonpath == "Complete"
 
 
+async def test_scale_of_a_kind_without_a_scale_subresource_is_not_found_and_changes_nothing(tmp_path: Path) -> None:
+    """``kubectl scale dd`` (a DisaggregatedDeployment has no /scale; its roles do): a real API server answers
+    NotFound and writes nothing. The emulator used to merge the Scale into the object (``spec.replicas``, which the
+    schema refuses) and then fail with an AttributeError."""
+    async with running(tmp_path) as (_c, config):
+        await kubectl(config, f"apply -f {EXAMPLE}")
+        before = await kubectl(config, "get dd llama3-8b -o jsonpath={.spec}")
+        out = await kubectl(config, "scale dd llama3-8b --replicas=2", ok=False)
+        assert "the server could not find the requested resource" in out, out
+        assert "AttributeError" not in out
+        assert await kubectl(config, "get dd llama3-8b -o jsonpath={.spec}") == before
+        assert "replicas" not in await kubectl(config, "get dd llama3-8b -o jsonpath={.spec.replicas}")
+
+
 async def test_describe_and_get_events_show_the_operators_events(tmp_path: Path) -> None:
     async with running(tmp_path) as (_c, config):
         await kubectl(config, f"apply -f {EXAMPLE}")
