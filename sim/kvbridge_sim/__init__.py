@@ -8,6 +8,7 @@ Reading order:
 - ``tables``: server-side ``Table`` output, for ``kubectl get``.
 - ``runner``: a local stand-in for the StatefulSet controller and kubelet.
 - ``pods``: a pod's engine container as a local process.
+- ``pod_logs``: ``kubectl logs``: a pod's container log as the local kubelet keeps it.
 - ``tiny_model``: a random-weight model and tokenizer made locally.
 - ``pd_requests``: prefill-then-decode calls, and the single-engine baseline.
 - ``demo``: ``kvbridge demo``.

@@ -41,14 +41,14 @@ from kmock._internal import rendering
 from kvbridge_operator.api.crd import crds
 from kvbridge_operator.api.objects import Obj, now_rfc3339, with_fields
 from kvbridge_operator.kube import USER_AGENT, KubeClient, Resource
-from kvbridge_sim import field_managers, openapi, tables
+from kvbridge_sim import field_managers, openapi, pod_logs, tables
 from kvbridge_sim.selectors import field_match, label_match, merge_patch
 
 Key = tuple[str, str, str, str | None, str]  # group, version, plural, namespace, name
 
 _SCALE = {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas"}
 BUILTIN: dict[tuple[str, str, str], dict[str, Any]] = {
-    ("", "v1", "pods"): {"kind": "Pod", "namespaced": True, "subresources": {"status"}, "shortnames": {"po"}},
+    ("", "v1", "pods"): {"kind": "Pod", "namespaced": True, "subresources": {"status", "log"}, "shortnames": {"po"}},
     ("", "v1", "services"): {"kind": "Service", "namespaced": True, "subresources": {"status"}, "shortnames": {"svc"}},
     ("", "v1", "secrets"): {"kind": "Secret", "namespaced": True},
     ("", "v1", "configmaps"): {"kind": "ConfigMap", "namespaced": True, "shortnames": {"cm"}},
@@ -115,6 +115,9 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
     faults: Callable[[str, str, Mapping[str, str]], tuple[int, float] | None] | None = attrs.field(
         default=None, init=False
     )
+
+    #: where the local kubelet keeps pods' container logs (``kubectl logs``; pod_logs.py), once one runs pods
+    pod_logs: pod_logs.LogSource | None = attrs.field(default=None, init=False)
 
     #: every resource request served, by (the client's User-Agent up to its first "/", verb, plural)
     calls: collections.Counter[tuple[str, str, str]] = attrs.field(factory=collections.Counter, init=False)
@@ -258,6 +261,8 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
                 raise kmock.KubernetesError(
                     status=404, reason="NotFound", message="the server could not find the requested resource"
                 )
+            if request.subresource == "log":
+                return await self._serve_log(request)
             warnings = self._validate_fields(request)
             result = await handler(request)
             if (
@@ -274,6 +279,19 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
             return response
         except kmock.KubernetesError as exc:
             return await self._render_error(exc)
+
+    async def _serve_log(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        """``pods/{name}/log`` (a read only): the container's log where the local kubelet keeps it."""
+        key = self._key(request, request.name)
+        if request.action != kmock.action.FETCH:
+            raise kmock.KubernetesError(status=405, reason="MethodNotAllowed", message="pods/log is read only")
+        async with self._lock:
+            found = key in self.store
+        if not found or request._raw_request is None:
+            raise self._not_found(key)
+        name, namespace = request.name or "", request.namespace or "default"
+        source = self.pod_logs(namespace, name) if self.pod_logs else None
+        return await pod_logs.serve(request._raw_request, request.params, name, source)
 
     def _validate_fields(self, request: rendering.Request) -> list[str]:
         """``fieldValidation`` on a write of a kind with a schema (the CRDs): ``Strict`` refuses unknown fields

@@ -470,6 +470,7 @@ async def local_cluster(
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(signum, interrupted.set)
         runner, runner_stop = LocalRunner(client, workdir, models=models), asyncio.Event()
+        api.pod_logs = runner.pod_log  # kubectl logs reads what the local kubelet keeps
         running = asyncio.create_task(runner.run(runner_stop))
         try:
             yield LocalCluster(api, url, client, runner)

@@ -41,6 +41,7 @@ from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.children.transfer_token import TOKEN_KEY
 from kvbridge_operator.kube import PODS, SECRETS, STATEFUL_SETS, KubeClient
 from kvbridge_sim import pods
+from kvbridge_sim.pod_logs import PodLog
 
 #: keeps a deleted pod visible (with its deletion timestamp) until this stand-in has ended its container
 KUBELET_FINALIZER = "kvbridge.io/local-kubelet"
@@ -253,8 +254,27 @@ class LocalRunner:
         return path
 
     def _start(self, pod: LocalPod) -> None:
+        if pod.restarts and pod.log_path is not None and pod.log_path.exists():  # kept for ``kubectl logs -p``
+            pod.log_path.replace(self._previous_log(pod.log_path))
         pod.process = pods.start(pod.spec, pod.log_path or Path(os.devnull))
         pod.ready = False
+
+    @staticmethod
+    def _previous_log(path: Path) -> Path:
+        return path.with_suffix(".previous.log")
+
+    def pod_log(self, namespace: str, name: str) -> PodLog | None:
+        """Where a pod's container logs are, as a kubelet keeps them (the API's ``pods/{name}/log``)."""
+        pod = self.pods.get((namespace, name))
+        if pod is None or pod.log_path is None:
+            return None
+        previous = self._previous_log(pod.log_path)
+        process = pod.process
+        return PodLog(
+            pod.log_path,
+            previous if previous.exists() else None,
+            lambda: process is not None and process.poll() is None,
+        )
 
     async def _healthy(self, pod: LocalPod) -> bool:
         if self._session is None:
@@ -300,7 +320,11 @@ class LocalRunner:
         for pod in self.pods.values():
             if pod.log_path is None or not pod.log_path.exists():
                 continue
-            tail = pod.log_path.read_text(errors="replace").splitlines()[-lines:]
+            previous = self._previous_log(pod.log_path)
+            text = (previous.read_text(errors="replace") if previous.exists() else "") + pod.log_path.read_text(
+                errors="replace"
+            )
+            tail = text.splitlines()[-lines:]
             parts.append(f"--- {pod.name} (restarts: {pod.restarts}), last {len(tail)} lines of its log ---")
             parts.extend(tail)
         return "\n".join(parts)

@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from kvbridge_operator.kube import PODS
 from kvbridge_sim.cluster import Cluster, StatefulSetController, cluster
 from kvbridge_sim.kubectl import KUBECTL, kubeconfig, run
+from kvbridge_sim.pod_logs import PodLog
 from kvbridge_sim.support import until
 
 pytestmark = pytest.mark.skipif(KUBECTL is None, reason="no kubectl binary on the PATH (CI machines have one)")
@@ -113,6 +115,38 @@ async def test_scale_of_a_kind_without_a_scale_subresource_is_not_found_and_chan
         assert "AttributeError" not in out
         assert await kubectl(config, "get dd llama3-8b -o jsonpath={.spec}") == before
         assert "replicas" not in await kubectl(config, "get dd llama3-8b -o jsonpath={.spec.replicas}")
+
+
+async def test_logs_are_the_containers_log_with_tail_previous_and_follow(tmp_path: Path) -> None:
+    """``kubectl logs`` reads the container's log where the local kubelet keeps it (pods/{name}/log), not the Pod
+    object: ``--tail``, ``--previous`` (the container before the last restart) and ``-f`` (until it stops)."""
+    async with running(tmp_path) as (c, config):
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p-0"}}
+        await c.client.create(PODS, "default", {**pod, "spec": {"containers": [{"name": "engine", "image": "x"}]}})
+        current, previous = tmp_path / "p-0.log", tmp_path / "p-0.previous.log"
+        current.write_text("line 1\nline 2\nline 3\n")
+        alive = [True]
+
+        def source(namespace: str, name: str) -> PodLog | None:
+            kept = previous if previous.exists() else None
+            return PodLog(current, kept, lambda: alive[0]) if (namespace, name) == ("default", "p-0") else None
+
+        c.api.pod_logs = source
+        assert await kubectl(config, "logs p-0") == "line 1\nline 2\nline 3\n"
+        assert await kubectl(config, "logs p-0 --tail=1") == "line 3\n"
+        out = await kubectl(config, "logs p-0 --previous", ok=False)
+        assert 'previous terminated container "engine" in pod "p-0" not found' in out
+        previous.write_text("before the restart\n")
+        assert await kubectl(config, "logs p-0 --previous") == "before the restart\n"
+        assert "not found" in await kubectl(config, "logs p-9", ok=False)
+        followed = asyncio.create_task(run(config, f"{KUBECTL} logs -f p-0", timeout=30))
+        await asyncio.sleep(1.5)
+        with current.open("a") as log:
+            log.write("line 4\n")
+        await asyncio.sleep(1.0)
+        alive[0] = False  # the container stops: the followed log ends
+        done = await followed
+        assert done.stdout == "line 1\nline 2\nline 3\nline 4\n", (done.stdout, done.stderr)
 
 
 async def test_describe_and_get_events_show_the_operators_events(tmp_path: Path) -> None:
