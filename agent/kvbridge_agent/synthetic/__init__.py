@@ -3,7 +3,9 @@
 Reading order:
 - ``serve``: the process, until SIGTERM.
 - ``data_parallel``: the pod's data-parallel ranks, one engine each, behind one HTTP API.
-- ``engine``: one DP rank's block allocation, handshakes, leases.
+- ``engine``: one DP rank's block allocation, leases, prefill and decode.
+- ``handshakes``: decode's prefill engines: one handshake in flight each, restarts retired, evictions.
+- ``decode_answer``: what a decode request's ranks answered, as the engine's answer and metrics.
 - ``ranks``: the engine's rank processes, free blocks and errors.
 - ``rank_worker``: one TP rank as its own process.
 - ``rank_entry``: the rank processes' spawn target.

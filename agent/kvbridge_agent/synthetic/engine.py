@@ -18,8 +18,6 @@ import multiprocessing
 import threading
 import time
 import uuid
-from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +25,6 @@ from kvbridge_agent.core import build_plan, wire_block_ids
 from kvbridge_agent.core.blocks import blocks_for_tokens
 from kvbridge_agent.core.contract import BlockAllocation, EngineEnvironment
 from kvbridge_agent.core.digest import (
-    KV_DIGEST_MISMATCH,
     KV_DIGEST_UNAVAILABLE,
     HeadDigests,
     RequestDigests,
@@ -49,7 +46,8 @@ from kvbridge_agent.core.handshake import (
 from kvbridge_agent.core.model import Role
 from kvbridge_agent.core.plan import PeerTensorParallel
 from kvbridge_agent.core.signing import load_token
-from kvbridge_agent.core.tp import handshake_ranks
+from kvbridge_agent.synthetic.decode_answer import answer
+from kvbridge_agent.synthetic.handshakes import PrefillPeers
 from kvbridge_agent.synthetic.rank_entry import main as rank_main
 from kvbridge_agent.synthetic.ranks import (
     DUPLICATE_REQUEST,
@@ -70,12 +68,8 @@ from kvbridge_agent.transfer.metrics import AgentMetrics
 from kvbridge_agent.transfer.peers import (
     LEASE_CLOCK_MARGIN_SECONDS,
     LEASE_EXPIRED,
-    STALE_PEER,
     fetch_digests,
-    fetch_prefill_ranks,
     lease_left,
-    require_address,
-    require_incarnation,
 )
 from kvbridge_agent.transfer.side_channel import (
     SideChannelServer,
@@ -93,14 +87,6 @@ class _Held:
     done_ranks: set[int] = field(default_factory=set)
     #: the key and what the ranks digested at offer, for decode to verify (None: not verified)
     digests: RequestDigests | None = None
-
-
-@dataclass
-class _PeerState:
-    incarnation: str
-    future: Future[None]
-    #: the side channel the handshake went to (host, port)
-    address: tuple[str, int]
 
 
 class Engine:
@@ -131,10 +117,8 @@ class Engine:
         self.server: SideChannelServer | None = None
         self._held: dict[str, _Held] = {}
         self._held_lock = threading.Lock()
-        self._peers: dict[str, _PeerState] = {}
-        self._peers_lock = threading.Lock()
-        self._current: dict[str, str] = {}  # engine id -> incarnation of the last successful handshake
-        self._retired: dict[str, deque[str]] = {}  # engine id -> incarnations known to be gone
+        #: decode: the prefill engines met (a handshake each, on every rank)
+        self.peers = PrefillPeers(env, self.plan.fingerprint, keys, self.metrics, lambda: self.ranks)
         self._waiting: dict[str, KVTransferParams] = {}  # decode requests still waiting (heartbeats)
         self._renewed: dict[str, float] = {}  # decode request -> when its last acknowledged heartbeat was sent
         self._stop = threading.Event()
@@ -424,7 +408,7 @@ class Engine:
         started = time.perf_counter()
         labels = self.metrics.labels
         try:
-            self._ensure_peer(params)  # first: a restarted prefill (STALE_PEER) says more than an expired lease
+            self.peers.ensure(params)  # first: a restarted prefill (STALE_PEER) says more than an expired lease
             self._check_lease(request_id, params, "before reading")
             # prefill's draw (the parameters' verify), or decode's own policy when it is All
             verify = decode_verifies(self.env.transfer, params.verify)
@@ -455,43 +439,9 @@ class Engine:
             self._waiting.pop(request_id, None)
             self._renewed.pop(request_id, None)
             self.allocator.free(blocks)
-        failed = [r for r in replies if not r.get("ok")]
-        if any(r.get("peerFailed") for r in failed):
-            self._evict(params.remote_engine_id)
-        if failed:
-            first = failed[0]
-            if any(r.get("code") == KV_DIGEST_MISMATCH for r in failed):
-                self.metrics.digest_mismatches.labels(**labels, peer=params.remote_engine_id).inc()
-            invalid = sorted({b for r in failed for b in r.get("invalidBlocks", [])})
-            self.metrics.failed_transfers.labels(**labels, code=first.get("code", RANK_FAILED)).inc()
-            self.metrics.requests.labels(**labels, outcome="failed").inc()
-            raise EngineError(
-                first.get("message", "read failed"),
-                code=first.get("code", RANK_FAILED),
-                status=502,
-                invalid_blocks=invalid,
-            )
-        seconds = max(r["seconds"] for r in replies)
-        moved = sum(int(r["bytes"]) for r in replies)
-        descriptors = sum(int(r["descriptors"]) for r in replies)
-        self.metrics.transfer_seconds.labels(**labels).observe(seconds)
-        self.metrics.bytes.labels(**labels).inc(moved)
-        self.metrics.descriptors.labels(**labels).observe(descriptors)
-        self.metrics.requests.labels(**labels, outcome="verified" if self.env.verify else "done").inc()
-        return {
-            "ok": True,
-            "requestId": request_id,
-            "verified": all(r.get("verified") for r in replies),
-            "bytes": moved,
-            "descriptors": descriptors,
-            "transferSeconds": seconds,
-            "idsMicroseconds": max(r["idsMicroseconds"] for r in replies),
-            "makeMicroseconds": max(r["makeMicroseconds"] for r in replies),
-            "postMicroseconds": max(r["postMicroseconds"] for r in replies),
-            "ownMicroseconds": max(r["ownMicroseconds"] for r in replies),
-            "verifySeconds": max(r.get("verifySeconds", 0.0) for r in replies),
-            "totalSeconds": time.perf_counter() - started,
-        }
+        if any(not r.get("ok") and r.get("peerFailed") for r in replies):
+            self.peers.evict(params.remote_engine_id)
+        return answer(self.metrics, self.env.verify, request_id, params, replies, started)
 
     def _expected_digests(self, params: KVTransferParams) -> tuple[list[int], bytes, bytes]:
         """Prefill's digests of the request, as the ranks get them: ``(heads, bytes, key)``: those its parameters
@@ -529,98 +479,6 @@ class Engine:
                 code=LEASE_EXPIRED,
                 status=410,
             )
-
-    def _ensure_peer(self, params: KVTransferParams) -> None:
-        """Handshake with a prefill engine unless its current incarnation is known; one in flight per engine."""
-        if params.remote_incarnation in self._retired.get(params.remote_engine_id, ()):
-            raise EngineError(
-                f"{params.remote_engine_id} restarted since incarnation {params.remote_incarnation} computed this "
-                "request: its blocks are gone",
-                code=STALE_PEER,
-                status=409,
-            )
-        with self._peers_lock:
-            known = self._peers.get(params.remote_engine_id)
-            fresh = known is None or (
-                known.future.done()
-                and (known.future.exception() is not None or known.incarnation != params.remote_incarnation)
-            )
-            if known is None or fresh:
-                known = _PeerState(params.remote_incarnation, Future(), (params.remote_host, params.remote_port))
-                self._peers[params.remote_engine_id] = known
-            state = known
-        if fresh:
-            try:
-                self._handshake(params)
-            except BaseException as exc:
-                state.future.set_exception(exc)
-            else:
-                state.future.set_result(None)
-        try:
-            state.future.result(timeout=self.env.transfer.handshake_timeout_seconds * 3 + 30)
-        except HandshakeError as exc:
-            raise EngineError(exc.message, code=exc.code, status=502, field=exc.field) from exc
-        except EngineError:
-            raise
-        except TimeoutError as exc:
-            raise EngineError("handshake still in flight", code="HANDSHAKE_TIMEOUT", status=504) from exc
-        try:
-            require_incarnation(params, state.incarnation)
-            require_address(params, state.address)
-        except HandshakeError as exc:
-            raise EngineError(exc.message, code=exc.code, status=409 if exc.code == STALE_PEER else 502) from exc
-
-    def _handshake(self, params: KVTransferParams) -> None:
-        started = time.perf_counter()
-        tp_d = self.tp_size
-        needed = sorted({p for d in range(tp_d) for p in handshake_ranks(params.remote_tp_size, tp_d, d)})
-        incarnation, ranks = fetch_prefill_ranks(
-            params, needed, self.plan.fingerprint, self.keys, self.env.transfer.handshake_timeout_seconds
-        )
-        gone = {self._current.get(params.remote_engine_id), params.remote_incarnation} - {None, incarnation}
-        for old in gone:
-            if old is not None:
-                self._retired.setdefault(params.remote_engine_id, deque(maxlen=64)).append(old)
-        self._evict(params.remote_engine_id, keep_state=True)
-        futures = []
-        for handle in self.ranks:
-            mine = handshake_ranks(params.remote_tp_size, tp_d, handle.rank)
-            payload = {p: (ranks[p][0].model_dump_json(), ranks[p][1]) for p in mine}
-            futures.append(
-                handle.call_async(
-                    {
-                        "op": "add_peer",
-                        "engine_id": params.remote_engine_id,
-                        "incarnation": incarnation,
-                        "ranks": payload,
-                    }
-                )
-            )
-        for handle, future in zip(self.ranks, futures, strict=True):
-            reply = wait_reply(handle.rank, future, 60)
-            if not reply.get("ok"):
-                self._evict(params.remote_engine_id, keep_state=True)
-                raise HandshakeError(
-                    f"rank {handle.rank}: {reply.get('message')}", code=reply.get("code", "PEER_INCOMPATIBLE")
-                )
-        with self._peers_lock:
-            state = self._peers.get(params.remote_engine_id)
-            if state is not None:
-                state.incarnation = incarnation
-            self._current[params.remote_engine_id] = incarnation
-        self.metrics.handshake_seconds.labels(**self.metrics.labels).observe(time.perf_counter() - started)
-
-    def _evict(self, engine_id: str, keep_state: bool = False) -> None:
-        """Evict a prefill engine on every rank (its remote agents and descriptor lists)."""
-        if not keep_state:
-            with self._peers_lock:
-                self._peers.pop(engine_id, None)
-        evicted = False
-        for handle in self.ranks:
-            reply = handle.call({"op": "evict_peer", "engine_id": engine_id}, timeout=30)
-            evicted = evicted or bool(reply.get("evicted"))
-        if evicted:
-            self.metrics.stale_evictions.labels(**self.metrics.labels).inc()
 
     def _send_heartbeats(self) -> None:
         while not self._stop.wait(heartbeat_interval(self.env.transfer.lease_seconds)):
