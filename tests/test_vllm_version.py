@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge_operator.children.vllm_engine import VLLM_RELEASE
+from kvbridge_operator.children.engines.vllm_serve import VLLM_RELEASE
 from kvbridge_operator.config import VLLM_VERSION, OperatorConfig
 
 ROOT = Path(__file__).parents[1]

@@ -43,7 +43,7 @@ def missing(needs_vllm: bool = True) -> str:
     if version.partition("+")[2].startswith("cpu"):
         return f"no GPU build of vLLM: vllm {version} is vLLM's CPU build"
     try:  # here, after vLLM: a GPU machine without the operator's dependencies still runs the CUDA modules
-        from kvbridge_operator.children.vllm_engine import VLLM_RELEASE
+        from kvbridge_operator.children.engines.vllm_serve import VLLM_RELEASE
     except Exception as error:  # any failure at import: a skip with its reason, not an error of the whole run
         return f"kvbridge's operator cannot be imported ({type(error).__name__}: {error}): install kvbridge[operator]"
     if not version.startswith(f"{VLLM_RELEASE}."):

@@ -14,7 +14,7 @@ from kvbridge_agent.core import Role
 from kvbridge_operator.api.spec import parse_deployment
 from kvbridge_operator.children.render import stateful_set
 from kvbridge_operator.children.verdict import verdict_for
-from kvbridge_operator.cli.plan_report import plan_document, vllm_engines
+from kvbridge_operator.cli.plan_report import engine_commands, plan_document
 from kvbridge_operator.config import OperatorConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -226,7 +226,7 @@ def test_kvbridge_plan_prints_the_command_and_environment_the_pod_runs() -> None
         ]
     )
     dd = parse_deployment(doc)
-    printed = vllm_engines(plan_document(dd))
+    printed = engine_commands(plan_document(dd))
     plan = verdict_for(dd)
     assert not isinstance(plan, list)
     for role in Role:
@@ -252,7 +252,7 @@ def test_plan_json_gives_the_whole_environment_each_role_runs_with(connector: st
     dd = parse_deployment(doc)
     plan = verdict_for(dd)
     assert not isinstance(plan, list), plan
-    printed = vllm_engines(plan_document(dd))
+    printed = engine_commands(plan_document(dd))
     for role in Role:
         container = stateful_set(dd, UID, role, plan, OperatorConfig())["spec"]["template"]["spec"]["containers"][0]
         environment = printed[role.value.lower()]["environment"]

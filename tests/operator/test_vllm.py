@@ -313,7 +313,7 @@ def _launch(
 
 @pytest.mark.parametrize(("cpus", "tp", "bound"), [([0, 1], 2, "0|1"), ([4, 5, 6, 7], 2, "4,5|6,7"), ([3], 1, "3")])
 def test_the_cpu_launcher_splits_the_allowed_cores_between_ranks(cpus: list[int], tp: int, bound: str) -> None:
-    from kvbridge_operator.children.vllm_engine import CPU_BIND_LAUNCHER
+    from kvbridge_operator.children.engines.vllm_cpu import CPU_BIND_LAUNCHER
 
     fake = f"import os; os.sched_getaffinity = lambda pid: set({cpus!r}); "
     probe = fake + f"exec(compile({CPU_BIND_LAUNCHER!r}, 'l', 'exec'))"
@@ -327,7 +327,7 @@ def test_the_cpu_launcher_splits_the_allowed_cores_between_ranks(cpus: list[int]
 def test_the_cpu_launcher_keeps_vllm_affinity_changes_on_the_containers_cores() -> None:
     """vLLM's CPU NIXL worker pins its model thread to the machine's last core; under the launcher a process (and
     the processes it spawns) stays on the cores the container started with."""
-    from kvbridge_operator.children.vllm_engine import CPU_BIND_LAUNCHER
+    from kvbridge_operator.children.engines.vllm_cpu import CPU_BIND_LAUNCHER
 
     cores = sorted(os.sched_getaffinity(0))
     mine, other = cores[0], cores[-1]
@@ -367,7 +367,7 @@ def _kernel_grants_amx_tiles() -> bool:
 def test_the_cpu_launcher_gives_vllm_processes_the_amx_tile_state() -> None:
     """vLLM 0.32's CPU attention uses AMX tiles without asking Linux for them (SIGILL at a decode engine's first
     step, exit code -4): under the launcher the process, and a process it spawns, have them before they run."""
-    from kvbridge_operator.children.vllm_engine import CPU_BIND_LAUNCHER
+    from kvbridge_operator.children.engines.vllm_cpu import CPU_BIND_LAUNCHER
 
     child = (
         f"import subprocess, sys; {_SHOW_TILE_PERMISSION}; "
@@ -385,7 +385,7 @@ def test_the_cpu_launcher_gives_vllm_processes_the_amx_tile_state() -> None:
 
 
 def test_the_cpu_launcher_refuses_fewer_cores_than_ranks() -> None:
-    from kvbridge_operator.children.vllm_engine import CPU_BIND_LAUNCHER
+    from kvbridge_operator.children.engines.vllm_cpu import CPU_BIND_LAUNCHER
 
     probe = f"import os; os.sched_getaffinity = lambda pid: {{0}}; exec(compile({CPU_BIND_LAUNCHER!r}, 'l', 'exec'))"
     result = _launch(probe, 2, "true")

@@ -22,7 +22,7 @@ from kvbridge_router.settings import RouterPolicy
 
 
 class EngineKind(StrEnum):
-    AGENT = "Agent"  # the kvbridge agent worker (synthetic engine; runs without GPUs)
+    SYNTHETIC = "Agent"  # kvbridge's synthetic engine worker (runs without GPUs); the CRD's value stays "Agent"
     VLLM = "VLLM"  # vLLM with its NixlConnector
 
 

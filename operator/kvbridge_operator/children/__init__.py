@@ -1,13 +1,11 @@
 """Pure functions from a spec to a verdict and to the objects the operator writes.
 
 Reading order:
-- ``verdict``: is the spec compatible: the agent core's rules, vLLM's, placement's, multi-node's.
+- ``verdict``: is the spec compatible: the agent core's rules, the engine kind's, placement's, multi-node's.
 - ``remedy``: a checked fix when it is not.
 - ``render``: Services, NetworkPolicy, PDBs, the workloads and their pod templates.
-- ``vllm_engine``: the ``vllm serve`` containers.
-- ``vllm_messages``: the words of ``vllm_engine``'s problems, one template each.
+- ``engines``: the engine kinds (vLLM, the synthetic engine), one module each behind one interface.
 - ``multinode``: LeaderWorkerSets, for engines that span nodes.
-- ``parallelism``: where a role's data and expert parallelism run (vLLM on GPUs, a pod's DP ranks).
 - ``templates``: what a role's ``template`` overlay may change.
 - ``placement``: where pods may run: what fits a node, what stays together.
 - ``network``: the KV data path's network (UCX, RDMA), checked and rendered.

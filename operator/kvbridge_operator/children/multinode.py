@@ -24,7 +24,8 @@ import copy
 from kvbridge_agent.core import Problem, Role
 from kvbridge_operator.api.names import LABEL_INFERENCE_POOL, LABEL_WORKER_INDEX, LWS_API, LWS_KIND
 from kvbridge_operator.api.objects import Obj
-from kvbridge_operator.api.spec import MAX_NODES, DisaggregatedDeploymentSpec, EngineDevice, EngineKind, RoleSpec
+from kvbridge_operator.api.spec import MAX_NODES, DisaggregatedDeploymentSpec, RoleSpec
+from kvbridge_operator.children.engines import engine_of
 
 #: torch.distributed's rendezvous on the leader (vLLM's --master-port)
 MASTER_PORT = 29500
@@ -61,14 +62,16 @@ def gpus_per_pod(spec: DisaggregatedDeploymentSpec, role: Role) -> int:
 
 
 def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
-    """What a multi-node role cannot be: only vLLM on GPUs spans nodes, and every node holds as many ranks."""
+    """What a multi-node role cannot be: only an engine kind that spans nodes on the spec's device does (vLLM on
+    GPUs), and every node holds as many ranks."""
     found = []
+    spans = engine_of(spec).spans_nodes(spec)
     for role in Role:
         role_spec = spec.role(role)
         if role_spec.nodes == 1:
             continue
         field = f"spec.{role.value}.nodes"
-        if spec.engine.kind is not EngineKind.VLLM or spec.engine.device is not EngineDevice.GPU:
+        if not spans:
             found.append(
                 Problem(
                     NODES_NEED_VLLM_ON_GPU,

@@ -29,9 +29,9 @@ from kvbridge_operator.api.spec import (
     DisaggregatedDeployment,
     DisaggregatedDeploymentSpec,
     EngineDevice,
-    EngineKind,
 )
 from kvbridge_operator.children import multinode
+from kvbridge_operator.children.engines import engine_of
 
 ROLE_DOES_NOT_FIT = "ROLE_DOES_NOT_FIT"
 HOSTNAME = "kubernetes.io/hostname"
@@ -76,7 +76,7 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
                 spans += 1
             fix = (
                 f"set spec.{role.value}.nodes to {spans} ({tp // spans} GPUs per pod)"
-                if spec.engine.kind is EngineKind.VLLM and spans <= MAX_NODES
+                if engine_of(spec).spans_nodes(spec) and spans <= MAX_NODES
                 else f"set spec.{role.value}.tensorParallelSize to at most {per_node * nodes}"
             )
             found.append(

@@ -2,18 +2,19 @@
 
 Each data-parallel rank of a role listens on ``spec.transfer.sideChannelPort + rank``. In the same pod the engine
 serves its HTTP API (the operator's ``agentHttpPort``; behind the routing sidecar, vLLM moves to
-:data:`~.vllm_engine.VLLM_PORT_BEHIND_SIDECAR` and the sidecar takes the API port) and, with several data-parallel
-ranks, vLLM's coordination listens on :data:`~.vllm_engine.DATA_PARALLEL_RPC_PORT`. Two listeners on one port is a
-crash loop, so a side-channel range holding any of these ports is refused (``SIDE_CHANNEL_PORT_CONFLICT``) with the
-nearest base that clears every port of both roles, checked here. vLLM's torch.distributed ports are drawn from the
+:data:`~.engines.vllm_serve.VLLM_PORT_BEHIND_SIDECAR` and the sidecar takes the API port) and, with several
+data-parallel ranks, vLLM's coordination listens on :data:`~.engines.vllm_serve.DATA_PARALLEL_RPC_PORT` (each engine
+kind lists its pod's ports, ``ports`` of its module). Two listeners on one port is a crash loop, so a side-channel
+range holding any of these ports is refused (``SIDE_CHANNEL_PORT_CONFLICT``) with the nearest base that clears every
+port of both roles, checked here. vLLM's torch.distributed ports are drawn from the
 free ones when the engine starts (one node) and are not fixed, so they cannot be checked before scheduling.
 """
 
 from __future__ import annotations
 
 from kvbridge_agent.core import Problem, Role
-from kvbridge_operator.api.spec import DisaggregatedDeploymentSpec, EngineKind
-from kvbridge_operator.children.vllm_engine import DATA_PARALLEL_RPC_PORT, VLLM_PORT_BEHIND_SIDECAR
+from kvbridge_operator.api.spec import DisaggregatedDeploymentSpec
+from kvbridge_operator.children.engines import engine_of
 from kvbridge_operator.config import OperatorConfig
 
 SIDE_CHANNEL_PORT_CONFLICT = "SIDE_CHANNEL_PORT_CONFLICT"
@@ -22,15 +23,9 @@ _MAX_PORT = 65535
 
 
 def pod_ports(spec: DisaggregatedDeploymentSpec, role: Role, config: OperatorConfig) -> dict[int, str]:
-    """The fixed ports one role's engine pod listens on besides the side channel, and what listens there."""
-    vllm = spec.engine.kind is EngineKind.VLLM
-    ports = {config.agent_http_port: "the engine's HTTP API (the operator's agentHttpPort)"}
-    if vllm and role is Role.DECODE and config.routing_sidecar_image:
-        ports[config.agent_http_port] = "the routing sidecar (the operator's agentHttpPort)"
-        ports[VLLM_PORT_BEHIND_SIDECAR] = "vLLM behind the routing sidecar"
-    if vllm and spec.role(role).data_parallel_size > 1:
-        ports[DATA_PARALLEL_RPC_PORT] = "vLLM's data-parallel RPC port (--data-parallel-rpc-port)"
-    return ports
+    """The fixed ports one role's engine pod listens on besides the side channel, and what listens there (the
+    engine kind's)."""
+    return engine_of(spec).ports(spec, role, config)
 
 
 def _clashes(spec: DisaggregatedDeploymentSpec, config: OperatorConfig, base: int) -> list[tuple[Role, int, str]]:

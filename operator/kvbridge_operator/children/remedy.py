@@ -27,11 +27,11 @@ from kvbridge_operator.api.objects import with_fields
 from kvbridge_operator.api.spec import (
     DisaggregatedDeployment,
     DisaggregatedDeploymentSpec,
-    EngineKind,
     KVBufferDevice,
 )
 from kvbridge_operator.children import network
-from kvbridge_operator.children import vllm_engine as vllm
+from kvbridge_operator.children.engines import engine_of
+from kvbridge_operator.children.engines.vllm_problems import VLLM_KV_BUFFER_DEVICE
 from kvbridge_operator.children.verdict import spec_problems, verdict_for
 
 #: at most this many fields change (more is a different deployment, not a fix)
@@ -122,7 +122,7 @@ KV_BUFFER_FIELD = "spec.transfer.network.kvBufferDevice"
 #: fields searched only for these problems (a model's geometry is a fact, not a setting to search, except this)
 _ONLY_FOR = {
     MLA_HEADS_FIELD: frozenset({MLA_KV_HEADS}),
-    KV_BUFFER_FIELD: frozenset({vllm.VLLM_KV_BUFFER_DEVICE}),
+    KV_BUFFER_FIELD: frozenset({VLLM_KV_BUFFER_DEVICE}),
 }
 
 
@@ -269,9 +269,8 @@ def suggested_fix(dd: DisaggregatedDeployment) -> Fix | None:
     if not problems or any(_unsearchable(problem) for problem in problems):
         return None
     fix: Fix = {}
-    refused = {*vllm.MANAGED_ARGUMENTS, *vllm.UNMODELLED_ARGUMENTS}
-    dropped = [a for a in spec.engine.extra_args if vllm.argument_name(a) in refused]
-    if dropped and spec.engine.kind is EngineKind.VLLM:
+    dropped = engine_of(spec).refused_extra_args(spec)
+    if dropped:
         kept = [a for a in spec.engine.extra_args if a not in dropped]
         fix["spec.engine.extraArgs"] = kept
         spec = spec.model_copy(update={"engine": spec.engine.model_copy(update={"extra_args": kept})})

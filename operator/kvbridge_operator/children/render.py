@@ -19,7 +19,6 @@ from kvbridge_agent.core.contract import EngineEnvironment, render_environment
 from kvbridge_agent.core.parallel import side_channel_port_of_rank
 from kvbridge_operator.api.names import (
     API_VERSION,
-    ENGINE_CONTAINER,
     HTTP_PORT_NAME,
     KEYS_VOLUME,
     KIND,
@@ -28,8 +27,6 @@ from kvbridge_operator.api.names import (
     LABEL_DP,
     LABEL_DP_LOCAL,
     LABEL_FINGERPRINT,
-    LABEL_INFERENCE_POOL,
-    LABEL_LLM_D_ROLE,
     LABEL_PAIRING,
     LABEL_REVISION,
     LABEL_ROLE,
@@ -41,9 +38,9 @@ from kvbridge_operator.api.names import (
     side_channel_port_name,
 )
 from kvbridge_operator.api.objects import Obj
-from kvbridge_operator.api.spec import DisaggregatedDeployment, EngineDevice, EngineKind, RoleSpec
+from kvbridge_operator.api.spec import DisaggregatedDeployment, RoleSpec
 from kvbridge_operator.children import multinode, network, placement, termination, tracing, transfer_token
-from kvbridge_operator.children import vllm_engine as vllm
+from kvbridge_operator.children.engines import engine_of
 from kvbridge_operator.children.keys import curve_keypair
 from kvbridge_operator.children.pairing import pairing
 from kvbridge_operator.config import OperatorConfig
@@ -127,7 +124,7 @@ def template_revision(workload: Obj) -> str:
 def engine_env(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig) -> list[Obj]:
     """The environment contract for one role's pods; pod name and IP come from the downward API."""
     spec = dd.spec
-    agent = spec.engine.kind is EngineKind.AGENT
+    kind = engine_of(spec)
     environment = EngineEnvironment(
         role=role,
         deployment=dd.metadata.name,
@@ -138,10 +135,10 @@ def engine_env(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, conf
         transfer=spec.transfer,
         side_channel_host="from-downward-api",
         fingerprint=plan.fingerprint,
-        keys_dir=config.keys_mount_path if agent or vllm.uses_kvbridge(spec) else "",
+        keys_dir=config.keys_mount_path if kind.kvbridge_transfer(spec) else "",
         num_blocks=config.agent_num_blocks,
         http_port=config.agent_http_port,
-        device="cpu" if on_cpu(dd, config) else "cuda",
+        device="cpu" if kind.on_cpu(spec, config) else "cuda",
         drain_seconds=spec.transfer.drain_seconds,
         transfer_token_file=transfer_token.token_file(spec, role),
     )
@@ -198,16 +195,11 @@ def rendered_template(
         ),
         **group_labels,
     }
-    if spec.engine.kind is EngineKind.VLLM:
-        containers, volumes = vllm.pod_containers(
-            dd, role, plan, config, engine_env(dd, role, plan, config), side_channels, _keys_volume(dd)
-        )
-        if config.routing_sidecar_image or spec.inference_pool.enabled:
-            labels[LABEL_LLM_D_ROLE] = role.value.lower()  # what llm-d's scheduler selects prefill/decode pods by
-        if spec.inference_pool.enabled:
-            labels[LABEL_INFERENCE_POOL] = dd.metadata.name  # what the InferencePool selects: engines only
-    else:
-        containers, volumes = [_agent_container(dd, role, plan, config, side_channels)], [_keys_volume(dd)]
+    kind = engine_of(spec)
+    containers, volumes = kind.pod(
+        dd, role, plan, config, engine_env(dd, role, plan, config), side_channels, _keys_volume(dd)
+    )
+    labels.update(kind.pod_labels(spec, role, config, dd.metadata.name))
     template: Obj = {
         "metadata": {"labels": labels},
         "spec": {"containers": containers, "volumes": volumes, **placed},
@@ -220,43 +212,6 @@ def rendered_template(
 
 def _keys_volume(dd: DisaggregatedDeployment) -> Obj:
     return {"name": KEYS_VOLUME, "secret": {"secretName": secret_name(dd.metadata.name), "defaultMode": 0o400}}
-
-
-def on_cpu(dd: DisaggregatedDeployment, config: OperatorConfig) -> bool:
-    """Whether the engines keep their KV cache in host memory: ``engine.device: CPU``, or, for the agent worker,
-    the operator's CPU mode too (vLLM pods follow the spec alone: its CPU rules are part of the verdict)."""
-    if dd.spec.engine.kind is EngineKind.VLLM:
-        return vllm.on_cpu(dd.spec)
-    return config.cpu_mode or dd.spec.engine.device is EngineDevice.CPU
-
-
-def _agent_container(
-    dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig, side_channels: list[Obj]
-) -> Obj:
-    # the agent worker needs little besides its KV cache; override with the role's template
-    resources: Obj = {"requests": {"cpu": "1", "memory": "2Gi"}}
-    if not on_cpu(dd, config):
-        gpus = str(multinode.gpus_per_pod(dd.spec, role))  # every DP rank's TP ranks
-        resources = {
-            "requests": {**resources["requests"], config.gpu_resource: gpus},
-            "limits": {config.gpu_resource: gpus},
-        }
-    ports = [{"name": HTTP_PORT_NAME, "containerPort": config.agent_http_port, "protocol": "TCP"}]
-    if role is Role.PREFILL:  # a side channel per data-parallel rank
-        ports += side_channels
-    probe = {"httpGet": {"path": "/healthz", "port": HTTP_PORT_NAME}, "periodSeconds": 5, "failureThreshold": 3}
-    return {
-        "name": ENGINE_CONTAINER,
-        "image": dd.spec.engine.image or config.agent_image,
-        "command": ["kvbridge-agent", "serve"],
-        "env": engine_env(dd, role, plan, config),
-        "ports": ports,
-        "resources": resources,
-        "readinessProbe": probe,
-        "livenessProbe": {**probe, "initialDelaySeconds": 30, "failureThreshold": 6},
-        "volumeMounts": [{"name": KEYS_VOLUME, "mountPath": config.keys_mount_path, "readOnly": True}],
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-    }
 
 
 def stateful_set(

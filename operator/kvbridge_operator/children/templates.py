@@ -47,8 +47,9 @@ from kvbridge_operator.api.names import (
     is_side_channel_port_name,
 )
 from kvbridge_operator.api.objects import Obj
-from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind
+from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec
 from kvbridge_operator.children import multinode
+from kvbridge_operator.children.engines import engine_of
 from kvbridge_operator.children.network import NETWORKS_ANNOTATION, is_gpu_resource
 from kvbridge_operator.children.render import overlay, rendered_template
 from kvbridge_operator.config import OperatorConfig
@@ -102,7 +103,7 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     for role in Role:
         role_spec = spec.role(role)
         where = f"spec.{role.value}"
-        if role_spec.extra_args and spec.engine.kind is not EngineKind.VLLM:
+        if role_spec.extra_args and not engine_of(spec).takes_extra_args:
             message = _EXTRA_ARGS.format(where=where, kind=spec.engine.kind.value)
             found.append(Problem(EXTRA_ARGS_NEED_VLLM, f"{where}.extraArgs", message))
         if role_spec.template:
@@ -468,7 +469,7 @@ def _list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
 
 
-#: the routing sidecar's container name (vllm_engine.routing_sidecar)
+#: the routing sidecar's container name (engines/vllm.py, routing_sidecar)
 ROUTING_SIDECAR = "routing-sidecar"
 #: in a path: the managed value's own key (a variable's name, a port's number, a mount's path, ...)
 _KEY = object()

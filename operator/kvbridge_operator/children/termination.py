@@ -6,8 +6,9 @@ The sequence, for both roles and every engine:
    ready pods without one), so routers stop choosing it.
 2. ``preStop`` (the engine container's): wait :data:`ROUTE_GRACE_SECONDS` for routers to see that; then, on a
    prefill pod whose engine exports what it holds for readers (kvbridge's connector and the synthetic engine:
-   ``*kvbridge_held_requests``), wait until decode has read it all, at most the lease (after which the blocks are
-   freed anyway). vLLM's NixlConnector exports no such figure: its prefill pods wait only for the routers.
+   ``kvbridge_held_requests`` after the engine kind's metrics prefix), wait until decode has read it all, at most
+   the lease (after which the blocks are freed anyway). vLLM's NixlConnector exports no such figure: its prefill
+   pods wait only for the routers.
 3. SIGTERM: vLLM drains the requests it has (``--shutdown-timeout``, ``spec.transfer.drainSeconds``) and exits.
 4. ``terminationGracePeriodSeconds`` covers all of it with a margin, so the kubelet's SIGKILL never cuts a drain.
 
@@ -20,8 +21,11 @@ from __future__ import annotations
 from kvbridge_agent.core import Role
 from kvbridge_operator.api.names import ENGINE_CONTAINER
 from kvbridge_operator.api.objects import Obj
-from kvbridge_operator.api.spec import Connector, DisaggregatedDeploymentSpec, EngineKind
+from kvbridge_operator.api.spec import DisaggregatedDeploymentSpec
+from kvbridge_operator.children.engines import engine_of
 
+#: the gauge of the requests whose KV a prefill engine holds for readers (after the engine kind's metrics prefix)
+HELD_REQUESTS = "kvbridge_held_requests"
 #: how long a deleted pod keeps serving so that routers watching the status stop sending it requests
 ROUTE_GRACE_SECONDS = 5
 #: added to the grace period beyond the waits and the drain (process exit, the kubelet's own latency)
@@ -47,12 +51,12 @@ while gauge and time.monotonic() < deadline:
 
 
 def held_gauge(spec: DisaggregatedDeploymentSpec, role: Role) -> str:
-    """The metric a prefill engine exports for the KV it holds for readers; empty where none is exported."""
-    if role is not Role.PREFILL:
+    """The metric a prefill engine exports for the KV it holds for readers: kvbridge's transfer layer exports it
+    (under the engine kind's prefix); empty where none is exported."""
+    kind = engine_of(spec)
+    if role is not Role.PREFILL or not kind.kvbridge_transfer(spec):
         return ""
-    if spec.engine.kind is EngineKind.AGENT:
-        return "kvbridge_held_requests"
-    return "vllm:kvbridge_held_requests" if spec.engine.connector is Connector.KVBRIDGE else ""
+    return kind.metrics_prefix + HELD_REQUESTS
 
 
 def held_wait_seconds(spec: DisaggregatedDeploymentSpec, role: Role) -> int:

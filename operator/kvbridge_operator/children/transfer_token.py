@@ -5,10 +5,10 @@ kvbridge's router signs them.
   once (never patched: rotation is an explicit action, as for the side channel's keys) and deleted with the
   deployment (owner reference). serving.py renders it with the router's children.
 - **Mounted read-only** into the router's pods (``kvbridge router --transfer-token-file``) and the decode engines'
-  (``KVBRIDGE_TRANSFER_TOKEN_FILE``: the agent worker and kvbridge's vLLM connector check the signature,
+  (``KVBRIDGE_TRANSFER_TOKEN_FILE``: the synthetic engine and kvbridge's vLLM connector check the signature,
   ``kvbridge_agent.core.signing``); prefill pods do not get it.
 - **Checked:** ``signTransfers`` needs ``router.enabled`` (spec.py, CEL) and an engine that checks the signature:
-  vLLM's NixlConnector does not (vllm_engine.py, ``VLLM_NIXL_UNSIGNED``).
+  vLLM's NixlConnector does not (engines/vllm_problems.py, ``VLLM_NIXL_UNSIGNED``).
 """
 
 from __future__ import annotations

@@ -11,33 +11,32 @@ from pydantic import ValidationError
 from kvbridge_agent.core import KVBridgeError, Problem, TransferPlan, plan_or_problems
 from kvbridge_agent.core.compat import check_pair
 from kvbridge_operator.api.objects import with_fields
-from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind
-from kvbridge_operator.children import multinode, network, parallelism, placement, ports, templates
-from kvbridge_operator.children import vllm_engine as vllm
+from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec
+from kvbridge_operator.children import multinode, network, placement, ports, templates
+from kvbridge_operator.children.engines import engine_of
 from kvbridge_operator.config import OperatorConfig
 
 
 def spec_problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
-    """Every check beyond the compatibility rules: what the multi-node layout, the data and expert parallelism, the
-    placement, the data path's network, the template overlays
-    and (for vLLM) the engine cannot run. The fix search (remedy.py) checks its candidates with the same list."""
-    found = [
+    """Every check beyond the compatibility rules: what the multi-node layout, the engine kind's data and expert
+    parallelism, the placement, the data path's network, the template overlays and the engine kind itself cannot
+    run. The fix search (remedy.py) checks its candidates with the same list."""
+    kind = engine_of(spec)
+    return [
         *multinode.problems(spec),
-        *parallelism.problems(spec),
+        *kind.parallelism_problems(spec),
         *placement.problems(spec),
         *network.problems(spec),
         *templates.problems(spec),
+        *kind.problems(spec),
     ]
-    if spec.engine.kind is EngineKind.VLLM:
-        found += vllm.problems(spec)
-    return found
 
 
 def advisories_for(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     """What the engines will run other than the spec asks, without refusing it (a refusal would refuse the defaults):
-    ``kvbridge plan`` lists them, the status carries them and a Warning event says so. For vLLM: verification
-    ``Sampled`` with NixlConnector, which has no transfer digest (``All`` is refused)."""
-    return vllm.advisories(spec) if spec.engine.kind is EngineKind.VLLM else []
+    ``kvbridge plan`` lists them, the status carries them and a Warning event says so (the engine kind's: for vLLM,
+    verification ``Sampled`` with NixlConnector, which has no transfer digest; ``All`` is refused)."""
+    return engine_of(spec).advisories(spec)
 
 
 def verdict_for(dd: DisaggregatedDeployment, config: OperatorConfig | None = None) -> TransferPlan | list[Problem]:

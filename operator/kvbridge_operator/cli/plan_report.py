@@ -13,16 +13,9 @@ from kvbridge_agent.core.parallel import kv_words, ranks_words, role_parallelism
 from kvbridge_agent.core.tracing import SAMPLER
 from kvbridge_operator.api.names import ENGINE_CONTAINER, router_peers_name, router_token_secret_name
 from kvbridge_operator.api.objects import Obj
-from kvbridge_operator.api.spec import (
-    Connector,
-    DisaggregatedDeployment,
-    DisaggregatedDeploymentSpec,
-    EngineKind,
-    Memlock,
-)
+from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, Memlock
 from kvbridge_operator.children import multinode, network, peer_key, serving, tracing, transfer_token
-from kvbridge_operator.children import vllm_engine as vllm
-from kvbridge_operator.children.model_source import weights
+from kvbridge_operator.children.engines import ServedEngine, engine_of
 from kvbridge_operator.children.pairing import pairing
 from kvbridge_operator.children.remedy import Fix, describe, merge_patch, suggested_fix
 from kvbridge_operator.children.render import pod_template
@@ -91,7 +84,7 @@ def entries(document: DocumentPlan, ranks: Iterable[int]) -> list[dict[str, obje
     """The JSON objects of docs/cli.md, one per decode rank."""
     result: list[dict[str, object]] = []
     # the same for every decode rank (and it renders both roles' pods): built once per document
-    engines = vllm_engines(document) if document.deployment.spec.engine.kind is EngineKind.VLLM else None
+    engines = engine_commands(document)
     for rank in ranks:
         entry: dict[str, object]
         if document.plan is None:
@@ -100,7 +93,7 @@ def entries(document: DocumentPlan, ranks: Iterable[int]) -> list[dict[str, obje
                 "decodeRank": rank,
                 "compatible": False,
                 "problems": [problem.to_dict() for problem in document.problems],
-                "engine": engine_of(document.deployment.spec),
+                "engine": engine_object(document.deployment.spec),
             }
             if document.fix:
                 entry["suggestedFix"] = document.fix
@@ -110,14 +103,14 @@ def entries(document: DocumentPlan, ranks: Iterable[int]) -> list[dict[str, obje
                 "name": document.name,
                 **document.plan.for_decode_rank(rank).to_dict(),
                 "pairing": pairing(document.deployment.spec),
-                "engine": engine_of(document.deployment.spec),
+                "engine": engine_object(document.deployment.spec),
                 "verification": verification_of(document.deployment.spec),
                 "router": router_of(document.deployment),
                 "autoscaling": autoscaling_of(document.deployment.spec),
                 "tracing": tracing_of(document.deployment),
             }
-            if engines is not None:
-                entry["vllm"] = engines
+            if engines:
+                entry[engine_of(document.deployment.spec).name] = engines
             result.append(entry)
         entry["advisories"] = [advisory.to_dict() for advisory in document.advisories]
         if document.warnings:
@@ -125,32 +118,43 @@ def entries(document: DocumentPlan, ranks: Iterable[int]) -> list[dict[str, obje
     return result
 
 
-def vllm_engines(document: DocumentPlan, config: OperatorConfig | None = None) -> dict[str, dict[str, Any]]:
-    """For ``engine: VLLM``: the exact ``vllm serve`` arguments and environment each role's pods get
-    (``config`` defaults to the operator's defaults: image, ports, GPU resource, no routing sidecar)."""
+def engine_commands(document: DocumentPlan, config: OperatorConfig | None = None) -> dict[str, dict[str, Any]]:
+    """For an engine kind that serves a model (``engine: VLLM``): the exact command (``vllm serve``'s arguments)
+    and environment each role's pods get (``config`` defaults to the operator's defaults: image, ports, GPU
+    resource, no routing sidecar); empty for an incompatible document or a kind that prints none."""
+    return {role: printed for role, (_, printed) in _served_commands(document, config or OperatorConfig()).items()}
+
+
+def _served_commands(document: DocumentPlan, config: OperatorConfig) -> dict[str, tuple[ServedEngine, dict[str, Any]]]:
+    """Each role's engine process (the engine kind's) and what :func:`engine_commands` prints of it."""
     if document.plan is None:
         return {}
-    config = config or OperatorConfig()
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, tuple[ServedEngine, dict[str, Any]]] = {}
     spec = document.deployment.spec
     for role in (Role.PREFILL, Role.DECODE):
-        engine = vllm.engine(document.deployment, role, document.plan, config, weights(spec.model))
+        engine = engine_of(spec).served(document.deployment, role, document.plan, config)
+        if engine is None:
+            return {}
         template = pod_template(document.deployment, role, document.plan, config)
         container = next(c for c in template["spec"]["containers"] if c["name"] == ENGINE_CONTAINER)
-        command = list(container["command"])  # what runs `vllm serve`, read from the pod (launchers, checks)
-        launcher = command[:-2] if command[-2:] == ["vllm", "serve"] else list(engine.launcher)
-        out[role.value.lower()] = {
-            "command": [*launcher, *engine.command[len(engine.launcher) :]],
-            "launcher": launcher,
-            "env": {
-                **engine.env,
-                **{k: f"<{v}>" for k, v in engine.downward.items()},
-                **network.environment(spec),
-                **overlay_env(spec.role(role).template),
+        command = list(container["command"])  # what runs the program, read from the pod (launchers, checks)
+        program = engine.program
+        launcher = command[: -len(program)] if command[-len(program) :] == program else list(engine.launcher)
+        out[role.value.lower()] = (
+            engine,
+            {
+                "command": [*launcher, *engine.command[len(engine.launcher) :]],
+                "launcher": launcher,
+                "env": {
+                    **engine.env,
+                    **{k: f"<{v}>" for k, v in engine.downward.items()},
+                    **network.environment(spec),
+                    **overlay_env(spec.role(role).template),
+                },
+                "kvTransferConfig": engine.kv_transfer_config,
+                "environment": container_environment(container),
             },
-            "kvTransferConfig": engine.kv_transfer_config,
-            "environment": container_environment(container),
-        }
+        )
     return out
 
 
@@ -180,30 +184,19 @@ def _table(header: tuple[str, ...], rows: list[tuple[object, ...]], indent: str 
 
 def engine_words(spec: DisaggregatedDeploymentSpec) -> str:
     """What runs the engines, in the plan's first line: ``vLLM on GPU, NixlConnector``, ``synthetic engine (Agent)
-    on CPU``."""
-    device = spec.engine.device.value
-    if spec.engine.kind is EngineKind.VLLM:
-        return f"vLLM on {device}, {spec.engine.connector.value}Connector"
-    return f"synthetic engine (Agent) on {device}"
+    on CPU`` (the engine kind's words)."""
+    return engine_of(spec).words(spec)
 
 
-def engine_of(spec: DisaggregatedDeploymentSpec) -> dict[str, str]:
-    """The ``engine`` object of the JSON entries: for vLLM also the connector, ``kvBufferDevice`` (vLLM's
-    ``kv_buffer_device``) and, for kvbridge's connector, where it has been proven on this device (``proven``)."""
-    found = {"kind": spec.engine.kind.value, "device": spec.engine.device.value}
-    if spec.engine.kind is EngineKind.VLLM:
-        found["connector"] = spec.engine.connector.value
-        found["kvBufferDevice"] = vllm.kv_buffer_device(spec).value
-        if vllm.uses_kvbridge(spec):
-            found["proven"] = vllm.KVBRIDGE_PROVEN[spec.engine.device]
-    return found
+def engine_object(spec: DisaggregatedDeploymentSpec) -> dict[str, str]:
+    """The ``engine`` object of the JSON entries: the kind, the device and the kind's own fields (for vLLM the
+    connector, ``kvBufferDevice`` and, for kvbridge's connector, where it has been proven on this device)."""
+    return {"kind": spec.engine.kind.value, "device": spec.engine.device.value, **engine_of(spec).described(spec)}
 
 
 def engine_lines(spec: DisaggregatedDeploymentSpec) -> list[str]:
-    """The text report's lines on kvbridge's connector: where it has been proven on the spec's device."""
-    if spec.engine.kind is not EngineKind.VLLM or not vllm.uses_kvbridge(spec):
-        return []
-    return [f"  KVBridgeConnector on {spec.engine.device.value}: {vllm.KVBRIDGE_PROVEN[spec.engine.device]}"]
+    """The text report's lines on the engine kind (kvbridge's connector: where it has been proven on the device)."""
+    return engine_of(spec).report_lines(spec)
 
 
 def advisory_lines(document: DocumentPlan) -> list[str]:
@@ -216,9 +209,9 @@ def advisory_lines(document: DocumentPlan) -> list[str]:
 
 
 def verifies(spec: DisaggregatedDeploymentSpec) -> bool:
-    """Whether the engines verify transfers at all: kvbridge's connector and the agent worker do (docs/protocol.md
-    §8); vLLM's NixlConnector has no transfer digest."""
-    return spec.engine.kind is EngineKind.AGENT or spec.engine.connector is Connector.KVBRIDGE
+    """Whether the engines verify transfers at all: kvbridge's transfer layer does (kvbridge's connector, the
+    synthetic engine; docs/protocol.md §8); vLLM's NixlConnector has no transfer digest."""
+    return engine_of(spec).kvbridge_transfer(spec)
 
 
 def verification_of(spec: DisaggregatedDeploymentSpec) -> dict[str, object]:
@@ -355,7 +348,7 @@ def parallelism_lines(spec: DisaggregatedDeploymentSpec) -> list[str]:
 
 def tracing_of(deployment: DisaggregatedDeployment) -> dict[str, object]:
     """``spec.tracing`` as the pods get it (``--json``): off, or the OTLP endpoint, protocol and sampling, each
-    process's service name, and whether vLLM's own flag is rendered."""
+    process's service name, and whether the engine's own flag (vLLM's) is rendered."""
     spec, name = deployment.spec, deployment.metadata.name
     if spec.tracing is None:
         return {"enabled": False}
@@ -367,7 +360,7 @@ def tracing_of(deployment: DisaggregatedDeployment) -> dict[str, object]:
         "samplingRatio": spec.tracing.sampling_ratio,
         "sampler": SAMPLER,
         "services": {process: tracing.service_name(name, process) for process in processes},
-        "vllmFlag": spec.engine.kind is EngineKind.VLLM,
+        "vllmFlag": bool(engine_of(spec).tracing_flag),
     }
 
 
@@ -378,10 +371,11 @@ def tracing_words(deployment: DisaggregatedDeployment) -> str:
         return "off"
     processes = [role.value for role in Role] + (["router"] if spec.router.enabled else [])
     services = ", ".join(tracing.service_name(name, process) for process in processes)
-    vllm_flag = f"; vLLM {tracing.VLLM_FLAG}" if spec.engine.kind is EngineKind.VLLM else ""
+    kind = engine_of(spec)
+    flag = f"; {kind.program} {kind.tracing_flag}" if kind.tracing_flag else ""
     return (
         f"OTLP {spec.tracing.protocol.value} to {spec.tracing.endpoint}, {spec.tracing.sampling_ratio:.0%} of new "
-        f"traces (a caller's decision kept); services {services}{vllm_flag}"
+        f"traces (a caller's decision kept); services {services}{flag}"
     )
 
 
@@ -453,37 +447,34 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
             (r.prefill_rank, r.remote_offset, r.local_offset, r.length) for r in rank_plan.reads
         ]
         lines.extend(_table(("prefill rank", "remote offset", "local offset", "length"), rows))
-    if document.deployment.spec.engine.kind is EngineKind.VLLM:
-        for role, engine in vllm_engines(document).items():
-            launcher = engine["launcher"]
-            lines.append(f"  vLLM {role}: {shlex.join(engine['command'][len(launcher) :])}")
-            if vllm.on_cpu(spec):
-                lines.append(
-                    "      (run through kvbridge's CPU launcher: one core set per TP rank, "
-                    "VLLM_CPU_OMP_THREADS_BIND; `--json` shows it)"
-                )
-            if spec.transfer.network.memlock is Memlock.REQUIRED:
-                lines.append(
-                    "      (run through the memlock check: starts only under an unlimited locked-memory "
-                    "limit; `--json` shows it)"
-                )
-            lines.extend(f"      {name}={value}" for name, value in engine["env"].items())
-            nodes = spec.role(Role(role)).nodes
-            per_pod = multinode.data_parallel_per_pod(spec.role(Role(role)))
-            if nodes > 1 and spec.role(Role(role)).data_parallel_size > 1:
-                lines.append(
-                    f"      over {nodes} nodes: a LeaderWorkerSet group per engine, "
-                    f"{multinode.gpus_per_pod(spec, Role(role))} GPUs and {per_pod} DP ranks per pod; the leader "
-                    f"serves the API and DP ranks 0-{per_pod - 1}, each worker adds --headless "
-                    f"--data-parallel-start-rank <worker index x {per_pod}>"
-                )
-            elif nodes > 1:
-                lines.append(
-                    f"      over {nodes} nodes: a LeaderWorkerSet group per engine, "
-                    f"{multinode.gpus_per_pod(spec, Role(role))} GPUs per pod; the leader adds "
-                    f"{shlex.join(multinode.launch_args(nodes, True))}, each worker "
-                    f"{shlex.join(multinode.launch_args(nodes, False))}"
-                )
+    kind = engine_of(spec)
+    for role, (served, engine) in _served_commands(document, OperatorConfig()).items():
+        launcher = engine["launcher"]
+        lines.append(f"  {kind.program} {role}: {shlex.join(engine['command'][len(launcher) :])}")
+        if served.launcher_note:
+            lines.append(f"      {served.launcher_note}")
+        if spec.transfer.network.memlock is Memlock.REQUIRED:
+            lines.append(
+                "      (run through the memlock check: starts only under an unlimited locked-memory "
+                "limit; `--json` shows it)"
+            )
+        lines.extend(f"      {name}={value}" for name, value in engine["env"].items())
+        nodes = spec.role(Role(role)).nodes
+        per_pod = multinode.data_parallel_per_pod(spec.role(Role(role)))
+        if nodes > 1 and spec.role(Role(role)).data_parallel_size > 1:
+            lines.append(
+                f"      over {nodes} nodes: a LeaderWorkerSet group per engine, "
+                f"{multinode.gpus_per_pod(spec, Role(role))} GPUs and {per_pod} DP ranks per pod; the leader "
+                f"serves the API and DP ranks 0-{per_pod - 1}, each worker adds --headless "
+                f"--data-parallel-start-rank <worker index x {per_pod}>"
+            )
+        elif nodes > 1:
+            lines.append(
+                f"      over {nodes} nodes: a LeaderWorkerSet group per engine, "
+                f"{multinode.gpus_per_pod(spec, Role(role))} GPUs per pod; the leader adds "
+                f"{shlex.join(multinode.launch_args(nodes, True))}, each worker "
+                f"{shlex.join(multinode.launch_args(nodes, False))}"
+            )
     return "\n".join(lines)
 
 

@@ -25,7 +25,7 @@ from kvbridge_operator.api.names import (
     PODS_ANNOTATION,
 )
 from kvbridge_operator.api.objects import Obj
-from kvbridge_operator.api.spec import Connector, DisaggregatedDeployment, EngineKind
+from kvbridge_operator.api.spec import DisaggregatedDeployment
 from kvbridge_operator.api.status import (
     Advisory,
     Condition,
@@ -41,6 +41,7 @@ from kvbridge_operator.api.status import (
     merge_conditions,
 )
 from kvbridge_operator.children import multinode
+from kvbridge_operator.children.engines import engine_of
 from kvbridge_operator.children.render import template_revision
 from kvbridge_operator.children.scaling import Scale
 from kvbridge_operator.children.verdict import advisories_for
@@ -143,8 +144,8 @@ def data_parallel_ranks(
 
 def endpoints(pods: Sequence[Obj], port: int, *, named: bool = True, workers: Sequence[Obj] = ()) -> list[Endpoint]:
     """Ready prefill pods: side channel (decode agents) and HTTP (routers), every data-parallel rank's side channel
-    where an engine has several (``named``: kvbridge names their engine ids, as its connector and the agent do;
-    ``workers``: the non-leader pods of engines that span nodes, where some of the ranks run)."""
+    where an engine has several (``named``: kvbridge names their engine ids, as its connector and the synthetic
+    engine do; ``workers``: the non-leader pods of engines that span nodes, where some of the ranks run)."""
     addresses = {str(worker["metadata"]["name"]): ip for worker, ip, _ in _ready_addresses(workers)}
     return [
         Endpoint(
@@ -239,7 +240,7 @@ def observe(
         workload = workloads.get(role)
         revision = template_revision(workload) if workload else None
         roles[role] = _role_status(by_role[role], facts.scale.effective[role], revision)
-    named = spec.engine.kind is EngineKind.AGENT or spec.engine.connector is Connector.KVBRIDGE
+    named = engine_of(spec).kvbridge_transfer(spec)  # kvbridge's side channel names its engines
     workers = [
         p
         for p in pods

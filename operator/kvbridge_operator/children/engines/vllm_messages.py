@@ -1,7 +1,7 @@
-"""The words of :mod:`.vllm_engine`'s problems: one template per problem, its fields named.
+"""The words of :mod:`.vllm_problems`'s problems: one template per problem, its fields named.
 
 Each message says what vLLM (or its NixlConnector) would do with the spec and ends with the fix, ``set FIELD:
-VALUE`` (the remedy search checks it); :mod:`.vllm_engine` decides when a problem applies and fills the fields.
+VALUE`` (the remedy search checks it); :mod:`.vllm_problems` decides when a problem applies and fills the fields.
 """
 
 from __future__ import annotations
