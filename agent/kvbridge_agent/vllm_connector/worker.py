@@ -1,14 +1,13 @@
 """The connector's worker half: one TP rank's vLLM KV cache on kvbridge's rank machinery.
 
-vLLM's KV tensors are attached as they are (no copy) — off vLLM's CPU build as the strided views of one allocation
+vLLM's KV tensors are attached as they are (no copy): off vLLM's CPU build as the strided views of one allocation
 that vLLM's resolved ``KVCacheLayout`` describes (``transfer.allocations``, docs/protocol.md §1b), on it per layer
-as its CPU attention keeps them — and a prefill rank is a
-:class:`~kvbridge_agent.transfer.prefill_rank.PrefillRank`, a decode rank a
-:class:`~kvbridge_agent.transfer.decode_rank.DecodeRank` — the same classes the synthetic worker runs. Decode
-handshakes with a prefill engine the first time it meets it (and again when the engine restarted: a new
-incarnation evicts the stale peer), builds the plan once per engine, and READs each request's blocks; a READ
-it cannot start, a failed or late one, or one past the prefill's lease marks the request's blocks invalid, which
-vLLM handles by its ``kv_load_failure_policy`` (recompute, or fail the request) — never by using stale KV.
+as its CPU attention keeps them. A prefill rank is a ``transfer.prefill_rank.PrefillRank``, a decode rank a
+``transfer.decode_rank.DecodeRank``: the classes the synthetic worker runs. Decode handshakes with a prefill
+engine the first time it meets it (and again after it restarted: a new incarnation evicts the stale peer),
+builds the plan once per engine, and READs each request's blocks; a READ it cannot start, a failed or late one,
+or one past the prefill's lease marks the request's blocks invalid, which vLLM handles by its
+``kv_load_failure_policy`` (recompute, or fail the request): never by using stale KV.
 """
 
 from __future__ import annotations
