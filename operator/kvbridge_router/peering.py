@@ -9,11 +9,19 @@ next reports to it are skipped), never the others' or the rhythm. A replica that
 counts its own requests once more in that peer's place, as a router without peers does. Reports are signed (the
 key of the ``<name>-router-peers`` Secret): an unsigned, forged or malformed one is answered 400 with its code and
 changes nothing. Nothing routed waits on a report, and no failure of the loop stops it.
+
+A report is checked whole (its signature, its bounds) and its loads are taken as it arrives. Its records (up to
+pool.SENT_KEYS keys, 2 MiB) are written into the prefix index at once when they are few (:data:`CHUNK_KEYS` keys at
+most) and no other report's wait, else a slice of about :data:`SLICE_SECONDS` at a time, the event loop free between
+two, by a task of their own, in the order the reports were taken (an older report's records never land after a newer
+one's). At most :data:`MAX_PENDING_BYTES` of reports wait; the records of one more are dropped (its loads count; counted
+``records_dropped``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import re
@@ -22,9 +30,19 @@ import socket
 import time
 import urllib.parse
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 from kvbridge_router.metrics import RouterMetrics
-from kvbridge_router.peers import ID_BYTES, REPLAY_SECONDS, PeerFrameError, PeerView, Report, decode, encode
+from kvbridge_router.peers import (
+    ID_BYTES,
+    MAX_FRAME_BYTES,
+    PeerFrameError,
+    PeerView,
+    Records,
+    Report,
+    decode,
+    encode,
+)
 from kvbridge_router.pool import Balancer
 from kvbridge_router.upstream import Upstream, UpstreamError
 
@@ -35,6 +53,12 @@ PEER_PATH = "/internal/peer-report"
 RESOLVE_SECONDS = 1.0
 #: a resolution that takes longer is given up (the last addresses stay)
 RESOLVE_TIMEOUT = 2.0
+#: how long one slice of a report's records holds the event loop, about (seconds; one chunk more at most)
+SLICE_SECONDS = 0.002
+#: keys read from a frame and recorded at a time, within a slice (about 0.5 ms)
+CHUNK_KEYS = 2048
+#: reports whose records wait to be recorded, in bytes at most (four of the largest)
+MAX_PENDING_BYTES = 4 * MAX_FRAME_BYTES
 
 
 #: a name to resolve: DNS labels, dots between
@@ -67,6 +91,15 @@ def parse_peers(value: str) -> tuple[list[str], tuple[str, int] | None]:
     return urls, None
 
 
+@dataclass
+class _Pending:
+    """A report's records waiting to be recorded: from ``at`` on; the frame's ``size`` in bytes."""
+
+    records: Records
+    at: int
+    size: int
+
+
 class Exchange:
     """One replica's side of the reports: the loop that sends its own, :meth:`receive` for the others'."""
 
@@ -90,6 +123,10 @@ class Exchange:
         self._resolved_at = -RESOLVE_SECONDS
         self._sending: dict[str, asyncio.Task[None]] = {}
         self._resolving: asyncio.Task[None] | None = None
+        #: reports' records to record, in the order the reports were taken, and their frames' bytes
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._pending_bytes = 0
+        self._recording: asyncio.Task[None] | None = None
         balancer.sent = []
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -107,7 +144,7 @@ class Exchange:
                     log.exception("a report to the other router replicas failed")
                     self.metrics.peer_report("sent", "failed")
         finally:
-            tasks = [*self._sending.values(), *([self._resolving] if self._resolving is not None else [])]
+            tasks = [*self._sending.values(), *(t for t in (self._resolving, self._recording) if t is not None)]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -134,27 +171,77 @@ class Exchange:
             del self._sending[url]  # an address no longer resolved
 
     def receive(self, frame: bytes) -> str:
-        """A peer's report: ``accepted``, ``stale`` (older than what it said, or this replica's own), ``expired``
-        (sent too far from now: a replay), or the code of what is wrong with it (``PeerFrameError``)."""
+        """A peer's report: ``accepted``, ``stale`` (no newer than what it said, or this replica's own), ``expired``
+        (sent too long ago: a replay), ``future`` (sent too far ahead: a clock off), or the code of what is wrong with
+        it (``PeerFrameError``). Its loads count at once; its records are recorded in slices (:meth:`_take`)."""
         try:
             report = decode(frame, self.key)
         except PeerFrameError as exc:
             self.metrics.peer_report("received", exc.code)
             return exc.code
-        if abs(time.time() - report.sent_at_ms / 1000) > REPLAY_SECONDS:  # a replay, or a clock far off
-            self.metrics.peer_report("received", "expired")
-            return "expired"
-        if not self.view.accept(report, time.monotonic()):
-            self.metrics.peer_report("received", "stale")
-            return "stale"
-        pods = self.pool_pods()
-        record = self.balancer.prefixes.record
-        for pod, keys in report.sent:
-            if pod in pods:  # a pod that left the pool (or was never in it) is not remembered
-                record(pod, list(keys))
+        outcome = self.view.admit(report, time.monotonic(), time.time())
+        if outcome != "accepted":
+            self.metrics.peer_report("received", outcome)
+            return outcome
+        if not isinstance(report.sent, Records):  # decode's, always
+            raise TypeError("a decoded report's records")
+        self._take(report.sent, len(frame))
         self._apply()
         self.metrics.peer_report("received", "accepted")
         return "accepted"
+
+    async def recorded(self) -> None:
+        """Until every report taken so far is recorded."""
+        while self._recording is not None and not self._recording.done():
+            await asyncio.wait([self._recording])
+
+    def _take(self, records: Records, size: int) -> None:
+        """Record a report's records: at once if none wait and they are few (:data:`CHUNK_KEYS` keys at most), else
+        a slice now if none wait and the rest (or all) by a task, after those waiting."""
+        at = 0
+        if not self._pending:
+            try:
+                asyncio.get_running_loop()
+                small = records.key_count() <= CHUNK_KEYS
+            except RuntimeError:  # no loop to give back (a caller outside one): all at once
+                small = True
+            at = self._record(records, 0, float("inf") if small else time.perf_counter() + SLICE_SECONDS)
+            if at == len(records):
+                return
+        if self._pending_bytes + size > MAX_PENDING_BYTES:  # more than can be recorded: this one's records go
+            self.metrics.peer_report("received", "records_dropped")
+            return
+        self._pending.append(_Pending(records, at, size))
+        self._pending_bytes += size
+        if self._recording is None or self._recording.done():
+            self._recording = asyncio.create_task(self._record_pending())
+
+    async def _record_pending(self) -> None:
+        while self._pending:
+            await asyncio.sleep(0)  # the loop's turn: requests, reports, answers
+            pending = self._pending[0]
+            try:
+                pending.at = self._record(pending.records, pending.at, time.perf_counter() + SLICE_SECONDS)
+            except Exception:  # a bug: said, counted, that report's records dropped; the next ones recorded
+                log.exception("recording a report of another router replica failed")
+                self.metrics.peer_report("received", "failed")
+                pending.at = len(pending.records)
+            if pending.at == len(pending.records):
+                self._pending.popleft()
+                self._pending_bytes -= pending.size
+
+    def _record(self, records: Records, at: int, until: float) -> int:
+        """Record ``records`` from ``at`` on until ``until`` (``time.perf_counter``), their keys read a chunk at a
+        time; where it stopped. A pod that left the pool (or was never in it) is not remembered."""
+        pods, record, clock = self.pool_pods(), self.balancer.prefixes.record, time.perf_counter
+        while at < len(records):
+            for pod, keys in records.between(at, records.stop_after(at, CHUNK_KEYS)):
+                if pod in pods:
+                    record(pod, keys)
+                at += 1
+                if clock() >= until:
+                    return at
+        return at
 
     def _apply(self) -> None:
         loads, heard = self.view.loads(time.monotonic())

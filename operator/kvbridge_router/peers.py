@@ -20,22 +20,29 @@ the replicas share (the ``<name>-router-peers`` Secret's)::
 
 Anything else is a :class:`PeerFrameError` with a stable code (counted by the receiver, never raised further): a
 frame cut short or with bytes left over, a bad signature, an unknown version, a pod index out of the table, more
-pods, records or keys than the bounds below. :class:`PeerView` keeps the newest report of each replica (older
-sequence numbers are dropped) while it is fresh (``fresh`` seconds), at most :data:`MAX_PEERS` replicas; its
-:meth:`~PeerView.loads` is the sum of the fresh reports' counts. A report sent more than :data:`REPLAY_SECONDS` from
-the receiver's clock is dropped too (peering.py), and each replica's last sequence number is kept that long after
-its report went stale, so that a frame captured and sent again later changes nothing.
+pods, records or keys than the bounds below. A frame is checked whole when decoded; its records' keys are read from
+it only as they are used (:class:`Records`), so that a receiver can take a large report a slice at a time.
+
+:class:`PeerView` keeps the newest report of each replica while it is fresh (``fresh`` seconds), at most
+:data:`MAX_PEERS` replicas; its :meth:`~PeerView.loads` is the sum of the fresh reports' counts. It takes a report
+(:meth:`~PeerView.admit`) only if it was sent at most :data:`REPLAY_SECONDS` before the receiver's clock and at most
+:data:`MAX_CLOCK_SKEW` after it, and is newer than the last one taken from its replica, whose sequence number it keeps
+until the receiver's clock is past that report's time of sending plus :data:`REPLAY_SECONDS`: as long as a copy of
+it could pass the window. A frame taken once is never taken again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import operator
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
 import numpy as np
+import numpy.typing as npt
 
 MAGIC = b"KVBP"
 #: 2: prefix keys of token-id prompts read from their text (prefixes.py); a replica of another version is refused
@@ -50,10 +57,16 @@ MAX_RECORDS = 65535
 MAX_KEYS = 4096
 #: the most replicas whose reports are kept (more are ignored until one goes stale)
 MAX_PEERS = 64
+#: the most replicas whose last sequence number is kept (replicas come and go: a new id on every start)
+MAX_SEQUENCES = 4 * MAX_PEERS
 #: a report's size at most, whatever it holds (a replica reports at most pool.SENT_KEYS keys, 2 MiB of them)
 MAX_FRAME_BYTES = 4 << 20
-#: a report sent further than this from the receiver's clock (seconds, either way) is not taken: a replay
+#: a report sent longer ago than this by the receiver's clock (seconds) is not taken (``expired``): a replay, or a
+#: sender whose clock is that far behind
 REPLAY_SECONDS = 10.0
+#: a report sent further ahead of the receiver's clock than this (seconds) is not taken (``future``): the clocks of
+#: two replicas must agree within it (a cluster's, kept by NTP, agree within milliseconds)
+MAX_CLOCK_SKEW = 5.0
 #: what the signature covers besides the frame: a key given for another use (a transfer token, say) never signs a
 #: report that verifies
 _DOMAIN = b"kvbridge-router-peers\x00"
@@ -69,6 +82,68 @@ class PeerFrameError(ValueError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
+
+
+class Records(Sequence[tuple[str, list[int]]]):
+    """A decoded report's records, each a pod and its keys: checked with the frame, each record's keys read from it
+    (Python integers made) only when asked for, :meth:`between` two records for many at once."""
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        where: npt.NDArray[np.uint16],
+        counts: npt.NDArray[np.uint16],
+        keys: npt.NDArray[np.int64],
+    ) -> None:
+        self._names, self._where, self._counts, self._keys = names, where, counts, keys
+        #: where each record's keys end in ``keys``
+        self._ends = np.cumsum(counts, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[str, list[int]]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[tuple[str, list[int]]]: ...
+
+    def __getitem__(self, index: int | slice) -> tuple[str, list[int]] | list[tuple[str, list[int]]]:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            return list(self.between(start, stop)) if step == 1 else [self[i] for i in range(start, stop, step)]
+        at = operator.index(index)
+        at = at + len(self) if at < 0 else at
+        if not 0 <= at < len(self):
+            raise IndexError(f"record {index} of {len(self)}")
+        return next(self.between(at, at + 1))
+
+    def __iter__(self) -> Iterator[tuple[str, list[int]]]:
+        for start in range(0, len(self), 1024):
+            yield from self.between(start, min(len(self), start + 1024))
+
+    def key_count(self) -> int:
+        """How many keys the records hold in all."""
+        return int(self._ends[-1]) if len(self) else 0
+
+    def between(self, start: int, stop: int) -> Iterator[tuple[str, list[int]]]:
+        """Records ``start`` to ``stop`` (not included), their keys read from the frame at once, each record's list
+        made as it is reached (and freed, once used, before the next is: few objects live at once, for the garbage
+        collector to count)."""
+        stop = max(start, stop)
+        first = int(self._ends[start - 1]) if start else 0
+        keys = self._keys[first : int(self._ends[stop - 1]) if stop > start else first].tolist()
+        names, at = self._names, 0
+        for pod, count in zip(self._where[start:stop].tolist(), self._counts[start:stop].tolist(), strict=True):
+            yield names[pod], keys[at : at + count]
+            at += count
+
+    def stop_after(self, start: int, keys: int) -> int:
+        """Where records from ``start`` holding at most ``keys`` keys in all end (one record at least: a slice of a
+        report's ingest)."""
+        first = int(self._ends[start - 1]) if start else 0
+        stop = int(np.searchsorted(self._ends, first + keys, side="right"))
+        return min(len(self), max(start + 1, stop))
 
 
 @dataclass(frozen=True)
@@ -114,7 +189,8 @@ def encode(report: Report, key: bytes) -> bytes:
 
 
 def decode(frame: bytes, key: bytes) -> Report:
-    """The report a frame holds, its signature checked first; :class:`PeerFrameError` for anything else."""
+    """The report a frame holds, its signature checked first; :class:`PeerFrameError` for anything else. Its
+    records are :class:`Records`: checked, their keys read as used."""
     if len(frame) > MAX_FRAME_BYTES:
         raise PeerFrameError("TOO_LARGE", f"{len(frame)} bytes, over {MAX_FRAME_BYTES}")
     if len(frame) < _HEAD.size + MAC_BYTES:
@@ -147,8 +223,8 @@ def decode(frame: bytes, key: bytes) -> Report:
         where = np.frombuffer(body, dtype="<u2", count=records, offset=at)
         counts = np.frombuffer(body, dtype="<u2", count=records, offset=at + 2 * records)
         at += 4 * records
-        total = int(counts.sum())
-        keys = np.frombuffer(body, dtype="<i8", count=total, offset=at).tolist()
+        total = int(counts.sum(dtype=np.int64))
+        keys = np.frombuffer(body, dtype="<i8", count=total, offset=at)
         at += 8 * total
     except PeerFrameError:
         raise
@@ -162,41 +238,66 @@ def decode(frame: bytes, key: bytes) -> Report:
         raise PeerFrameError("BAD_POD_INDEX", f"a record names pod {int(where.max())} of {pods}")
     if records and int(counts.max()) > MAX_KEYS:
         raise PeerFrameError("TOO_MANY_KEYS", f"a record holds {int(counts.max())} keys, over {MAX_KEYS}")
-    ends = np.cumsum(counts).tolist()
-    sent = [
-        (names[pod], keys[end - count : end])
-        for pod, count, end in zip(where.tolist(), counts.tolist(), ends, strict=True)
-    ]
+    sent = Records(names, where, counts, keys)
     loads_by_pod = dict(zip(names, loads.tolist(), strict=True))
     return Report(bytes(replica), int(sequence), loads_by_pod, sent, int(sent_at_ms))
 
 
 @dataclass
 class PeerView:
-    """The other replicas' newest reports, while fresh: this replica's view of what they route."""
+    """The other replicas' newest reports, while fresh: this replica's view of what they route.
+
+    Two clocks: ``now`` (monotonic) says how long ago a report was taken (it stands ``fresh`` seconds); ``wall``
+    (this replica's clock, seconds since the epoch) is compared with a report's time of sending (the sender's clock).
+    """
 
     me: bytes
     #: seconds a report stands for its replica (then it is dropped: a replica that stopped, or cannot reach us)
     fresh: float
+    #: how long before ``wall`` a report may have been sent (:data:`REPLAY_SECONDS`)
+    window: float = REPLAY_SECONDS
+    #: how far after ``wall`` a report may have been sent (:data:`MAX_CLOCK_SKEW`)
+    skew: float = MAX_CLOCK_SKEW
     _reports: dict[bytes, tuple[float, Report]] = field(default_factory=dict)
-    #: each replica's last sequence number, and when it was taken, kept REPLAY_SECONDS past its report (bounded)
+    #: per replica, the last sequence number taken and the latest time of sending taken (seconds, the sender's
+    #: clock): kept until ``wall`` is ``window`` past that time, at most :data:`MAX_SEQUENCES` replicas
     _sequences: dict[bytes, tuple[int, float]] = field(default_factory=dict)
+    #: the latest time of sending of the sequences forgotten: a replica not in ``_sequences`` is taken only from a
+    #: report sent after it (it may be one forgotten, early for room or after ``wall`` went back)
+    _floor: float = float("-inf")
 
-    def accept(self, report: Report, now: float) -> bool:
-        """Keep ``report`` if it is another replica's and newer than what it said before; whether it was kept."""
+    def admit(self, report: Report, now: float, wall: float) -> str:
+        """Take ``report`` (``accepted``) if it is another replica's, was sent within ``window`` before ``wall`` and
+        ``skew`` after it, and is newer than the last report taken from its replica; else why not: ``stale`` (this
+        replica's own, no newer than the last taken, or no room for another replica), ``expired`` (sent too long
+        ago), ``future`` (sent too far ahead: a clock off by more than ``skew``).
+
+        The invariant: **a frame accepted once is never accepted again** (as long as its sender's clock does not go
+        back as its sequence numbers go up), whatever the offset between the two clocks and whenever it is sent
+        again. Its replica's sequence number is kept while ``wall`` is at most ``window`` past its time of sending
+        (after that a copy is ``expired``), and when it is forgotten (that, or for room) ``_floor`` refuses every
+        report of a replica not remembered that was not sent after it (a receiver's clock put back, say). The
+        ``skew`` bounds how long that is: ``window + skew`` after it was taken, at most."""
         if report.replica == self.me:
-            return False
+            return "stale"
+        sent = report.sent_at_ms / 1000
+        if sent > wall + self.skew:
+            return "future"
+        if sent < wall - self.window:
+            return "expired"
         self._expire(now)
+        self._forget(wall)
         last = self._sequences.get(report.replica)
-        if last is not None and last[0] >= report.sequence:
-            return False
+        if (sent <= self._floor) if last is None else (report.sequence <= last[0]):
+            return "stale"
         if report.replica not in self._reports and len(self._reports) >= MAX_PEERS:
-            return False
+            return "stale"
         self._reports[report.replica] = (now, report)
-        self._sequences[report.replica] = (report.sequence, now)
-        if len(self._sequences) > 4 * MAX_PEERS:  # replicas come and go: the oldest first
-            del self._sequences[min(self._sequences, key=lambda r: self._sequences[r][1])]
-        return True
+        self._sequences[report.replica] = (report.sequence, sent if last is None else max(sent, last[1]))
+        if len(self._sequences) > MAX_SEQUENCES:  # replicas come and go: the one sent longest ago first
+            oldest = min(self._sequences, key=lambda r: self._sequences[r][1])
+            self._floor = max(self._floor, self._sequences.pop(oldest)[1])
+        return "accepted"
 
     def loads(self, now: float) -> tuple[dict[str, int], int]:
         """The fresh reports' requests in flight per pod, summed, and how many replicas they are from."""
@@ -214,5 +315,7 @@ class PeerView:
     def _expire(self, now: float) -> None:
         for replica in [r for r, (at, _) in self._reports.items() if now - at > self.fresh]:
             del self._reports[replica]
-        for replica in [r for r, (_, at) in self._sequences.items() if now - at > self.fresh + REPLAY_SECONDS]:
-            del self._sequences[replica]
+
+    def _forget(self, wall: float) -> None:
+        for replica in [r for r, (_, sent) in self._sequences.items() if wall - sent > self.window]:
+            self._floor = max(self._floor, self._sequences.pop(replica)[1])

@@ -24,6 +24,7 @@ from kvbridge_router.peers import (
     VERSION,
     PeerFrameError,
     PeerView,
+    Records,
     Report,
     decode,
     encode,
@@ -56,6 +57,21 @@ def test_a_report_comes_back_as_it_was_sent(loads: dict[str, int], sent: list[An
     assert {p: c for p, c in back.loads.items() if p in loads} == loads
     assert all(back.loads[p] == 0 for p in back.loads if p not in loads)  # pods named only by records: 0
     assert [(p, list(k)) for p, k in back.sent] == report.sent
+
+
+def test_a_decoded_reports_records_read_as_used_are_its_records() -> None:
+    sent = [("p-0", [1, 2, 3]), ("p-1", []), ("p-0", [-4]), ("p-2", [5, 6])]
+    records = decode(encode(Report(A, 1, {}, sent), KEY), KEY).sent
+    assert isinstance(records, Records)
+    assert list(records) == sent
+    assert (len(records), records.key_count()) == (4, 6)
+    assert (records[0], records[-1], records[1:3], records[::2]) == (sent[0], sent[-1], sent[1:3], sent[::2])
+    assert list(records.between(1, 3)) == sent[1:3]
+    # records from the first holding 3 keys at most: the first two (3 and 0 keys); at least one, whatever it holds
+    assert (records.stop_after(0, 3), records.stop_after(0, 2), records.stop_after(1, 1)) == (2, 1, 3)
+    assert records.stop_after(3, 9) == 4
+    with pytest.raises(IndexError):
+        records[4]
 
 
 def signed(body: bytes, key: bytes = KEY) -> bytes:
@@ -110,10 +126,10 @@ def test_any_damage_to_a_frame_is_a_frame_error_never_another(data: st.DataObjec
 
 def test_the_view_keeps_each_replicas_newest_fresh_report_and_never_its_own() -> None:
     view = PeerView(me=A, fresh=1.0)
-    assert not view.accept(Report(A, 1, {"p": 5}), now=0.0)  # its own, sent to itself through the Service
-    assert view.accept(Report(B, 2, {"p": 2, "q": 1}), now=0.0)
-    assert not view.accept(Report(B, 1, {"p": 9}), now=0.1)  # older: a replay or a late packet
-    assert view.accept(Report(b"c" * 16, 1, {"p": 1}), now=0.5)
+    assert view.admit(Report(A, 1, {"p": 5}), now=0.0, wall=0.0) == "stale"  # its own, through the Service
+    assert view.admit(Report(B, 2, {"p": 2, "q": 1}), now=0.0, wall=0.0) == "accepted"
+    assert view.admit(Report(B, 1, {"p": 9}), now=0.1, wall=0.1) == "stale"  # older: a replay or a late packet
+    assert view.admit(Report(b"c" * 16, 1, {"p": 1}, sent_at_ms=500), now=0.5, wall=0.5) == "accepted"
     assert view.loads(now=0.6) == ({"p": 3, "q": 1}, 2)
     assert view.loads(now=1.2) == ({"p": 1}, 1)  # B stopped reporting: its counts go
     assert view.loads(now=2.0) == ({}, 0)
@@ -122,18 +138,22 @@ def test_the_view_keeps_each_replicas_newest_fresh_report_and_never_its_own() ->
 def test_a_report_replayed_after_its_replica_went_stale_is_still_refused() -> None:
     view = PeerView(me=A, fresh=1.0)
     report = Report(B, 5, {"p": 7})
-    assert view.accept(report, now=0.0)
+    assert view.admit(report, now=0.0, wall=0.0) == "accepted"
     assert view.loads(now=1.6) == ({}, 0)  # stale: B's counts go
-    assert not view.accept(report, now=1.6)  # but its sequence number is remembered: the replay changes nothing
+    # but its sequence number is remembered: the replay changes nothing
+    assert view.admit(report, now=1.6, wall=1.6) == "stale"
     assert view.loads(now=1.6) == ({}, 0)
-    assert view.accept(Report(B, 6, {"p": 1}), now=1.7)  # a newer report is taken
-    assert view.accept(Report(B, 1, {"p": 1}), now=30.0)  # long after (a restart reusing an id: never, ids are random)
+    assert view.admit(Report(B, 6, {"p": 1}, sent_at_ms=1700), now=1.7, wall=1.7) == "accepted"  # a newer one
+    # long after, B's sequence forgotten (a restart reusing an id: never, ids are random)
+    assert view.admit(Report(B, 1, {"p": 1}, sent_at_ms=30_000), now=30.0, wall=30.0) == "accepted"
 
 
 def test_the_view_holds_a_bounded_number_of_replicas() -> None:
     view = PeerView(me=A, fresh=10.0)
-    taken = [view.accept(Report(i.to_bytes(16, "little"), 1, {"p": 1}), now=0.0) for i in range(1, MAX_PEERS + 5)]
-    assert taken.count(True) == MAX_PEERS
+    taken = [
+        view.admit(Report(i.to_bytes(16, "little"), 1, {"p": 1}), now=0.0, wall=0.0) for i in range(1, MAX_PEERS + 5)
+    ]
+    assert taken.count("accepted") == MAX_PEERS
     assert view.loads(now=0.0) == ({"p": MAX_PEERS}, MAX_PEERS)
 
 
