@@ -33,7 +33,8 @@ from typing import Any
 import yaml
 
 from kvbridge_operator.kube import DEPLOYMENTS, PODS, KubeClient
-from kvbridge_sim.apiserver import RealisticKubernetes, emulated_api
+from kvbridge_sim.apiserver import RealisticKubernetes
+from kvbridge_sim.local_api import emulated_api
 
 ROOT = Path(__file__).parents[1]
 

@@ -2,6 +2,9 @@
 
 Reading order:
 - ``apiserver``: kmock's emulator made realistic: uids, generations, watches, subresources.
+- ``kinds``: the kinds it serves before any CRD, their discovery, and the Scale subresource.
+- ``watches``: its watches, subscribed before the snapshot, streamed as Kubernetes does.
+- ``local_api``: the emulator on a local port with the CRDs, and stopping an operator beside it.
 - ``field_managers``: its server-side apply and ``managedFields``.
 - ``selectors``: merge patches, label and field selectors.
 - ``openapi``: OpenAPI v3 and strict field validation, for ``kubectl``.

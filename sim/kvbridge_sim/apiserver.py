@@ -23,10 +23,9 @@ import collections
 import contextlib
 import copy
 import itertools
-import json
 import secrets
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp.test_utils
@@ -38,63 +37,12 @@ import yaml
 from kmock._internal import k8s as kmock_k8s
 from kmock._internal import rendering
 
-from kvbridge_operator.api.crd import crds
-from kvbridge_operator.api.objects import Obj, now_rfc3339, with_fields
-from kvbridge_operator.kube import USER_AGENT, KubeClient, Resource
-from kvbridge_sim import field_managers, openapi, pod_logs, tables
+from kvbridge_operator.api.objects import Obj, now_rfc3339
+from kvbridge_sim import field_managers, kinds, openapi, pod_logs, tables, watches
 from kvbridge_sim.selectors import field_match, label_match, merge_patch
 
 Key = tuple[str, str, str, str | None, str]  # group, version, plural, namespace, name
 
-_SCALE = {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas"}
-BUILTIN: dict[tuple[str, str, str], dict[str, Any]] = {
-    ("", "v1", "pods"): {"kind": "Pod", "namespaced": True, "subresources": {"status", "log"}, "shortnames": {"po"}},
-    ("", "v1", "services"): {"kind": "Service", "namespaced": True, "subresources": {"status"}, "shortnames": {"svc"}},
-    ("", "v1", "secrets"): {"kind": "Secret", "namespaced": True},
-    ("", "v1", "configmaps"): {"kind": "ConfigMap", "namespaced": True, "shortnames": {"cm"}},
-    ("", "v1", "events"): {"kind": "Event", "namespaced": True, "shortnames": {"ev"}},
-    ("", "v1", "namespaces"): {
-        "kind": "Namespace",
-        "namespaced": False,
-        "subresources": {"status"},
-        "shortnames": {"ns"},
-    },
-    ("apps", "v1", "statefulsets"): {
-        "kind": "StatefulSet",
-        "namespaced": True,
-        "subresources": {"status", "scale"},
-        "scale": _SCALE,
-        "shortnames": {"sts"},
-    },
-    ("networking.k8s.io", "v1", "networkpolicies"): {
-        "kind": "NetworkPolicy",
-        "namespaced": True,
-        "shortnames": {"netpol"},
-    },
-    ("apps", "v1", "deployments"): {
-        "kind": "Deployment",
-        "namespaced": True,
-        "subresources": {"status", "scale"},
-        "scale": _SCALE,
-        "shortnames": {"deploy"},
-    },
-    ("", "v1", "serviceaccounts"): {"kind": "ServiceAccount", "namespaced": True, "shortnames": {"sa"}},
-    ("rbac.authorization.k8s.io", "v1", "roles"): {"kind": "Role", "namespaced": True},
-    ("rbac.authorization.k8s.io", "v1", "rolebindings"): {"kind": "RoleBinding", "namespaced": True},
-    ("policy", "v1", "poddisruptionbudgets"): {
-        "kind": "PodDisruptionBudget",
-        "namespaced": True,
-        "subresources": {"status"},
-        "shortnames": {"pdb"},
-    },
-    ("events.k8s.io", "v1", "events"): {"kind": "Event", "namespaced": True, "shortnames": {"ev"}},
-    ("apiextensions.k8s.io", "v1", "customresourcedefinitions"): {
-        "kind": "CustomResourceDefinition",
-        "namespaced": False,
-        "subresources": {"status"},
-        "shortnames": {"crd", "crds"},
-    },
-}
 APPLY_PATCH = "application/apply-patch+yaml"
 VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
 
@@ -124,7 +72,7 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        for (group, version, plural), info in BUILTIN.items():
+        for (group, version, plural), info in kinds.BUILTIN.items():
             self.declare(group, version, plural, **info)
 
     # -- resources ------------------------------------------------------------
@@ -251,7 +199,7 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
                     if status >= 400:
                         raise kmock.KubernetesError(status=status, reason="InjectedFault", message="injected fault")
             if request.action == kmock.action.WATCH:
-                return await self._stream(request)
+                return await watches.stream(self, request)
             handler = handlers.get(request.action)
             if handler is None:
                 raise kmock.KubernetesError(status=405, reason="MethodNotAllowed", message=str(request.action))
@@ -270,8 +218,11 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
                 and request.subresource is None
                 and (tables.wants_table(headers.get("Accept", "")))
             ):
-                result = self._table(
-                    request, result.get("items", [result]), result["metadata"].get("resourceVersion", "")
+                result = tables.for_request(
+                    self._info(request),
+                    request.params,
+                    result.get("items", [result]),
+                    result["metadata"].get("resourceVersion", ""),
                 )
             response = aiohttp.web.json_response(result)
             for warning in warnings:
@@ -325,69 +276,11 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
             )
         return [f'unknown field "{f}"' for f in unknown]
 
-    def _table(self, request: rendering.Request, objects: list[Obj], resource_version: str) -> Obj:
-        info = self._info(request)
-        whole = str(request.params.get("includeObject", "Metadata")) == "Object"
-        return tables.table(
-            objects, tables.columns_for(info["kind"], info.get("columns")), resource_version, whole=whole
-        )
-
-    async def _stream(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
-        raw = request._raw_request
-        if raw is None:  # pragma: no cover - only synthetic requests lack it
-            raise kmock.KubernetesError(status=500, reason="InternalError", message="no raw request")
-        events = self._serve_watch(request)
-        await anext(events)  # subscribed and the backlog is taken: safe to start the response
-        response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
-        await response.prepare(raw)
-        as_table = tables.wants_table(str(request.headers.get("Accept", "")))
-        try:
-            async for event in events:
-                if as_table:
-                    rv = event["object"]["metadata"].get("resourceVersion", "")
-                    event = {"type": event["type"], "object": self._table(request, [event["object"]], rv)}
-                await response.write(json.dumps(event).encode() + b"\n")
-            await response.write_eof()
-        except (ConnectionError, RuntimeError):  # the client went away
-            pass
-        finally:
-            await events.aclose()
-        return response
-
     @staticmethod
     def _manager(request: rendering.Request) -> str:
         """The field manager of a write: ``fieldManager``, else the User-Agent up to its first ``/`` (as Kubernetes)."""
         agent = str(request.headers.get("User-Agent", "")).split("/", 1)[0]
         return str(request.params.get("fieldManager") or agent or "unknown")
-
-    @staticmethod
-    def _scale_of(obj: Obj, paths: dict[str, str]) -> Obj:
-        """The ``autoscaling/v1`` Scale of an object (what HPA, KEDA and ``kubectl scale`` read and write)."""
-
-        def at(path: str | None) -> Any:
-            return field_managers.lookup(obj, tuple(path.strip(".").split("."))) if path else None
-
-        selector = at(paths.get("labelSelectorPath"))
-        if selector is None and "matchLabels" in (obj.get("spec", {}).get("selector") or {}):
-            selector = ",".join(f"{k}={v}" for k, v in obj["spec"]["selector"]["matchLabels"].items())
-        meta = obj["metadata"]
-        return {
-            "apiVersion": "autoscaling/v1",
-            "kind": "Scale",
-            "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion") if k in meta},
-            "spec": {"replicas": at(paths["specReplicasPath"]) or 0},
-            "status": {
-                "replicas": at(paths.get("statusReplicasPath")) or 0,
-                **({"selector": selector} if selector else {}),
-            },
-        }
-
-    @staticmethod
-    def _scaled(current: Obj, data: Any, paths: dict[str, str]) -> Obj:
-        replicas = (data or {}).get("spec", {}).get("replicas") if isinstance(data, dict) else None
-        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
-            raise kmock.KubernetesError(status=422, reason="Invalid", message="spec.replicas: must be >= 0")
-        return with_fields(current, {paths["specReplicasPath"].strip("."): replicas})
 
     async def _serve_create(self, request: rendering.Request) -> Obj:
         info, gvp = self._info(request), self._gvp(request)
@@ -426,7 +319,7 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
                 raise self._not_found(key)
             try:
                 if request.subresource == "scale" and info.get("scale"):
-                    patched = self._scaled(current, request.data, info["scale"])
+                    patched = kinds.scaled(current, request.data, info["scale"])
                 elif content_type == "application/json-patch+json":
                     patched = jsonpatch.apply_patch(current, request.data)
                 else:  # merge and strategic-merge patches are merges here
@@ -469,7 +362,7 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
             self.store[key] = updated
             self._bump(gvp, "MODIFIED", updated)
             if request.subresource == "scale":  # a write to /scale answers with the Scale, as Kubernetes
-                return self._scale_of(updated, info["scale"])
+                return kinds.scale_of(updated, info["scale"])
             return copy.deepcopy(updated)
 
     async def _serve_apply(
@@ -547,7 +440,7 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         if current is None:
             raise self._not_found(key)
         if request.subresource == "scale" and info.get("scale"):
-            return self._scale_of(current, info["scale"])
+            return kinds.scale_of(current, info["scale"])
         return copy.deepcopy(current)
 
     async def _serve_list(self, request: rendering.Request) -> Obj:
@@ -562,90 +455,16 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
             "items": items,
         }
 
-    async def _serve_watch(self, request: rendering.Request) -> AsyncGenerator[Any, None]:
-        self._info(request)
-        gvp = self._gvp(request)
-        queue: asyncio.Queue[tuple[int, Obj]] = asyncio.Queue()
-        since = request.params.get("resourceVersion")
-        timeout = float(request.params.get("timeoutSeconds") or 3600)
-        async with self._lock:  # subscribe before the snapshot: nothing is lost in between
-            self.watchers.append((gvp, queue))
-            if since and since != "0":
-                backlog = [(rv, event) for rv, g, event in self.history if g == gvp and rv > int(since)]
-            else:
-                backlog = [(self.revision, {"type": "ADDED", "object": obj}) for obj in self._matching(request)]
-            last = int(since) if since and since != "0" else self.revision
-        yield b""
-        deadline = asyncio.get_running_loop().time() + timeout
-        labels, fields = request.params.get("labelSelector", ""), request.params.get("fieldSelector", "")
-        try:
-            for _rv, event in backlog:
-                if self._wanted(request, event, labels, fields):
-                    yield event
-            while True:
-                remaining = deadline - asyncio.get_running_loop().time()
-                if remaining <= 0:
-                    return
-                try:
-                    rv, event = await asyncio.wait_for(queue.get(), timeout=remaining)
-                except TimeoutError:
-                    return
-                if rv > last and self._wanted(request, event, labels, fields):
-                    last = rv
-                    yield event
-        finally:
-            self.watchers.remove((gvp, queue))
-
-    @staticmethod
-    def _wanted(request: rendering.Request, event: Obj, labels: str, fields: str) -> bool:
-        obj = event["object"]
-        if request.namespace and obj["metadata"].get("namespace") != request.namespace:
-            return False
-        if labels and not label_match(labels, obj["metadata"].get("labels") or {}):
-            return False
-        return not (fields and not field_match(fields, obj))
-
     # -- discovery --------------------------------------------------------------
     async def _serve_version(self, request: rendering.Request) -> Obj:
-        """``/api/v1``, ``/apis/GROUP/VERSION``: the APIResourceList, subresources as Kubernetes lists them (no
-        short names, ``scale`` of kind ``autoscaling/v1`` Scale), so ``kubectl`` resolves ``dd`` to one resource."""
+        """``/api/v1``, ``/apis/GROUP/VERSION``: the APIResourceList (kinds.api_resource_list)."""
         if request.resource is None:  # pragma: no cover - the route has a group-version
             raise kmock_k8s.KubernetesResourceNotFoundError()
         group, version = request.resource.group or "", request.resource.version or "v1"
-        entries: list[Obj] = []
-        for (g, v, plural), info in sorted(self.kinds.items()):
-            if (g, v) != (group, version):
-                continue
-            entries.append(
-                {
-                    "name": plural,
-                    "singularName": info["singular"],
-                    "namespaced": info["namespaced"],
-                    "kind": info["kind"],
-                    "verbs": sorted(VERBS | {"deletecollection"}),
-                    **({"shortNames": info["shortnames"]} if info["shortnames"] else {}),
-                }
-            )
-            for sub in sorted(info["subresources"]):
-                scale = {"group": "autoscaling", "version": "v1", "kind": "Scale"} if sub == "scale" else {}
-                entries.append(
-                    {
-                        "name": f"{plural}/{sub}",
-                        "singularName": "",
-                        "namespaced": info["namespaced"],
-                        "kind": info["kind"],
-                        "verbs": ["get", "patch", "update"],
-                        **scale,
-                    }
-                )
-        if not entries and group:
+        found = kinds.api_resource_list(self.kinds, group, version, VERBS)
+        if found is None:
             raise kmock_k8s.KubernetesResourceNotFoundError()
-        return {
-            "kind": "APIResourceList",
-            "apiVersion": "v1",
-            "groupVersion": f"{group}/{version}" if group else version,
-            "resources": entries,
-        }
+        return found
 
     async def _serve_openapi(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         """``/openapi/v3`` and its per-group-version documents (openapi)."""
@@ -678,92 +497,3 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
             if p == plural and ns == namespace and n == name:
                 return copy.deepcopy(obj)
         return None
-
-
-#: the emulator's HTTP servers by URL, for :func:`close_idle_connections`
-_SERVERS: dict[str, _Server] = {}
-
-
-class _Server(aiohttp.test_utils.RawTestServer):
-    """kmock's test server, which can close the client connections that sit idle between requests."""
-
-    _url = ""
-
-    async def start_server(self, loop: asyncio.AbstractEventLoop | None = None, **kwargs: Any) -> None:
-        await super().start_server(loop, **kwargs)
-        self._url = str(self.make_url("")).rstrip("/")
-        _SERVERS[self._url] = self
-
-    async def close(self) -> None:
-        _SERVERS.pop(self._url, None)
-        await super().close()
-
-    def close_idle_connections(self) -> int:
-        runner = self.runner
-        if runner is None or runner.server is None:
-            return 0
-        idle = [c for c in runner.server.connections if _idle(c)]
-        for connection in idle:  # the socket closed now, as a server's idle timeout does: the client sees it
-            connection.force_close()
-        return len(idle)
-
-
-def _idle(connection: aiohttp.web.RequestHandler) -> bool:
-    """Whether a connection waits for its next request with none received (aiohttp's own state, as its keep-alive
-    check reads it; unknown counts as busy). A request still in the kernel's buffer cannot be seen: closing is for
-    when no client sends, as while Kopf stops."""
-    waiter = getattr(connection, "_waiter", None)
-    return (
-        waiter is not None
-        and not waiter.done()
-        and getattr(connection, "_current_request", 1) is None
-        and not getattr(connection, "_messages", True)
-    )
-
-
-def close_idle_connections(url: str) -> int:
-    """Close the keep-alive connections to the emulator at ``url`` that wait for their next request, as a server
-    does with idle connections; how many."""
-    server = _SERVERS.get(url.rstrip("/"))
-    return 0 if server is None else server.close_idle_connections()
-
-
-async def stop_operator_beside(url: str, operator: asyncio.Task[None], stop: asyncio.Event, timeout: float) -> None:
-    """Stop an operator that runs in this event loop beside the emulator at ``url``, within ``timeout`` seconds.
-    Kopf, stopping, waits up to 5 s for every task started after it, and the emulator's handler of an idle
-    connection from the operator's or anybody's client is one: every operator test and demo paid those 5 s at its
-    end. While Kopf stops, idle connections are closed, and it stops in a few hundred milliseconds; past
-    ``timeout`` it is cancelled and TimeoutError raised."""
-    stop.set()
-    try:
-        async with asyncio.timeout(timeout):
-            while not operator.done():
-                close_idle_connections(url)
-                await asyncio.wait([operator], timeout=0.05)
-            await operator
-    except TimeoutError:  # a hang is a failure, but never leave the task behind
-        operator.cancel()
-        with contextlib.suppress(BaseException):
-            await operator
-        raise
-
-
-#: where the CRDs are created
-CRDS = Resource("apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False)
-
-
-@contextlib.asynccontextmanager
-async def emulated_api(
-    *, token: str | None = None, user_agent: str = USER_AGENT
-) -> AsyncIterator[tuple[RealisticKubernetes, str, KubeClient]]:
-    """The emulated API server on a local port with kvbridge's CRDs installed: the emulator, its URL and a client of
-    it (``user_agent`` tells its calls apart from the operator's); all closed on exit."""
-    async with RealisticKubernetes() as api, kmock.Server(api, server_cls=_Server) as server:
-        url = str(server.url).rstrip("/")
-        client = KubeClient.for_url(url, token=token, user_agent=user_agent)
-        try:
-            for definition in crds():
-                await client.create(CRDS, "", definition)
-            yield api, url, client
-        finally:
-            await client.close()

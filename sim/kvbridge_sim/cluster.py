@@ -15,7 +15,8 @@ from kvbridge_operator.api.rbac import allowed_calls
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.controller.handlers import run_operator
 from kvbridge_operator.kube import DEPLOYMENTS, LEADER_WORKER_SETS, PODS, STATEFUL_SETS, KubeClient
-from kvbridge_sim.apiserver import RealisticKubernetes, emulated_api, stop_operator_beside
+from kvbridge_sim.apiserver import RealisticKubernetes
+from kvbridge_sim.local_api import emulated_api, stop_operator_beside
 from kvbridge_sim.support import until
 
 

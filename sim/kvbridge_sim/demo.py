@@ -456,7 +456,7 @@ async def local_cluster(
     pods end first (engines drain on SIGTERM), then the operator (Kopf's exit cancels what still runs).
     ``interrupted`` is set on SIGINT/SIGTERM (after the operator started: Kopf installs its own handlers)."""
     from kvbridge_operator.controller.handlers import run_operator
-    from kvbridge_sim.apiserver import emulated_api, stop_operator_beside
+    from kvbridge_sim.local_api import emulated_api, stop_operator_beside
     from kvbridge_sim.runner import LocalRunner
 
     async with emulated_api() as (api, url, client):

@@ -74,3 +74,13 @@ def field_match(selector: str, obj: Obj) -> bool:
         if (str(current) == value) == negate:
             return False
     return True
+
+
+def event_wanted(namespace: str | None, event: Obj, labels: str, fields: str) -> bool:
+    """Whether a watch asked for this event: its namespace (if it named one), label and field selectors."""
+    obj = event["object"]
+    if namespace and obj["metadata"].get("namespace") != namespace:
+        return False
+    if labels and not label_match(labels, obj["metadata"].get("labels") or {}):
+        return False
+    return not (fields and not field_match(fields, obj))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvbridge_operator.api.objects import Obj
@@ -191,3 +191,9 @@ def table(objects: Sequence[Obj], columns: Sequence[Obj], resource_version: str,
         "columnDefinitions": definitions,
         "rows": rows,
     }
+
+
+def for_request(info: Mapping[str, Any], params: Mapping[str, Any], objects: list[Obj], resource_version: str) -> Obj:
+    """The ``Table`` a request for a kind (its ``info``: kind, printer columns) asked for (``includeObject``)."""
+    whole = str(params.get("includeObject", "Metadata")) == "Object"
+    return table(objects, columns_for(info["kind"], info.get("columns")), resource_version, whole=whole)

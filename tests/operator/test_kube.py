@@ -13,8 +13,8 @@ from kvbridge_agent.core import KVBridgeError
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.controller.handlers import run_operator
 from kvbridge_operator.kube import DEPLOYMENTS, KubeClient, connect
-from kvbridge_sim.apiserver import stop_operator_beside
 from kvbridge_sim.cluster import cluster
+from kvbridge_sim.local_api import stop_operator_beside
 
 from .test_operator import example
 

@@ -14,7 +14,7 @@ import pytest
 from kvbridge_operator.kube import DEPLOYMENTS, KubeClient
 from kvbridge_router.pool import Pool
 from kvbridge_router.source import follow_file, read_status_file, watch_status
-from kvbridge_sim.apiserver import emulated_api
+from kvbridge_sim.local_api import emulated_api
 from kvbridge_sim.support import until
 
 ROOT = Path(__file__).resolve().parents[2]
