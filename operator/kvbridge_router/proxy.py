@@ -639,12 +639,14 @@ class Router:
         started: float,
         ledger: Ledger,
     ) -> Answer:
-        params = signed(self.config.transfer_token, params) if self.config.transfer_token else params
+        left = self.config.request_timeout - (time.perf_counter() - started)
+        if self.config.transfer_token:  # bound to this pod, and to the time this router waits for its answer
+            until = time.time() + min(self.config.decode_timeout, max(left, 0.0))
+            params = signed(self.config.transfer_token, params, decode_pod=target.pod, expires_at=until)
         decode_body = with_field(raw, "kv_transfer_params", params)
         if decode_body is None:  # not UTF-8 shaped {...}: encoded again
             decode_body = [_encoded({**body, "kv_transfer_params": params})]
         stream = bool(body.get("stream"))
-        left = self.config.request_timeout - (time.perf_counter() - started)
         idle = self.config.decode_idle_timeout if stream else None  # streams: the longest wait for each chunk
         self._enter("decode", target)
         called = time.perf_counter()

@@ -1,7 +1,9 @@
-"""The router signs the kv_transfer_params it hands decode (--transfer-token-file, spec.router.signTransfers)."""
+"""The router signs the kv_transfer_params it hands decode (--transfer-token-file, spec.router.signTransfers), for
+the decode pod it sends them to, until it stops waiting for that pod's answer."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -9,13 +11,23 @@ from typing import Any
 
 import pytest
 
-from kvbridge_agent.core.signing import SIGNATURE_KEY, check_signature, unsigned
+from kvbridge_agent.core.signing import SIGNATURE_KEY, SIGNATURE_VERSION, signature, unsigned
 from kvbridge_operator.cli.main import main
 from kvbridge_router.proxy import RouterConfig
 
 from .test_proxy import Rig, running_rig
 
 TOKEN = b"0123456789abcdef0123456789abcdef"
+
+
+def bound(params: dict[str, Any], pod: str, within: float) -> None:
+    """``params`` carry the router's valid signature (under TOKEN) for the decode pod ``pod``, expiring within
+    ``within`` seconds from now (what decode checks: core/signing.py; the fake prefill adds no prompt hash)."""
+    sealed = params[SIGNATURE_KEY]
+    assert sealed["version"] == SIGNATURE_VERSION
+    assert sealed["decodePod"] == pod
+    assert time.time() <= sealed["expiresAt"] <= time.time() + within + 1
+    assert sealed["mac"] == signature(TOKEN, params, pod, sealed["expiresAt"])
 
 
 @pytest.fixture
@@ -29,10 +41,10 @@ async def test_decode_gets_prefills_parameters_with_the_routers_signature(signin
     for body in ({"prompt": [1, 2, 3], "max_tokens": 3}, {"prompt": "hi", "stream": True}):
         status, _ = await signing_rig.post(body)
         assert status == 200
-    sent = [body["kv_transfer_params"] for engine in signing_rig.decode for body in engine.received]
+    sent = [(engine.name, body["kv_transfer_params"]) for engine in signing_rig.decode for body in engine.received]
     assert len(sent) == 2
-    for params in sent:
-        check_signature(TOKEN, params)  # what decode checks, on what decode parsed
+    for pod, params in sent:
+        bound(params, pod, within=5.0)  # for the pod that got them, until the router's decode timeout
         assert unsigned(params) == {"remote_engine_id": "prefill-0", "remote_block_ids": [7]}  # prefill's, as is
     # prefill is asked for parameters, and is handed no signature
     assert all(SIGNATURE_KEY not in body["kv_transfer_params"] for body in signing_rig.prefill[0].received)
@@ -46,9 +58,18 @@ async def test_a_decode_retried_on_another_pod_carries_a_valid_signature_too(sig
         status, answer = await signing_rig.post({"prompt": [i]})
         assert status == 200, answer
     for body in signing_rig.decode[1].received:
-        check_signature(TOKEN, body["kv_transfer_params"])
+        bound(body["kv_transfer_params"], "decode-1", within=5.0)  # signed anew for the pod that got them
     metrics = await (await signing_rig.session.get(signing_rig.url + "/metrics")).text()
     assert 'kvbridge_router_decode_retries_total{pod="gone"}' in metrics  # the same parameters, signed once more
+
+
+async def test_the_signature_expires_when_the_router_stops_waiting(signing_rig: Rig) -> None:
+    """A signature lasts the decode call's bound: the decode timeout, or what is left of the request's."""
+    signing_rig.router.config = replace(signing_rig.router.config, decode_timeout=600.0, request_timeout=30.0)
+    status, _ = await signing_rig.post({"prompt": [5]})
+    assert status == 200
+    [(pod, params)] = [(e.name, b["kv_transfer_params"]) for e in signing_rig.decode for b in e.received]
+    bound(params, pod, within=30.0)
 
 
 async def test_without_a_token_the_router_adds_no_signature(signing_rig: Rig) -> None:

@@ -414,6 +414,9 @@ class KVTransferParams(CamelModel):
     #: a verified request's key and digests, when prefill had them before it answered (vLLM: digested right after
     #: the forward step that completed the prompt); else decode asks the side channel for them
     digests: TransferDigests | None = None
+    #: the first 128 bits of SHA-256 of the prompt's token ids (core.signing.prompt_hash), in hex: a router that
+    #: signs (spec.router.signTransfers) binds it, and decode refuses parameters computed for another prompt
+    prompt_hash: str | None = Field(default=None, min_length=32, max_length=64, pattern=r"^[0-9a-f]+$")
 
     @model_validator(mode="after")
     def _groups_add_up(self) -> KVTransferParams:

@@ -14,12 +14,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
+import zlib
 from typing import Any
 
 from pydantic import ValidationError
 
 from kvbridge_agent.core.handshake import KVTransferParams, request_id_problem
-from kvbridge_agent.core.signing import TransferNotSignedError, check_signature, unsigned
+from kvbridge_agent.core.signing import TransferNotSignedError, check_signature, decode_pods, prompt_hash, unsigned
 from kvbridge_agent.synthetic.data_parallel import DataParallelEngines
 from kvbridge_agent.synthetic.ranks import INVALID_REQUEST, EngineError
 
@@ -42,6 +43,24 @@ def prompt_tokens(body: Obj, chat: bool) -> int:
     raise EngineError("prompt must be a non-empty string or list of token ids", code=INVALID_REQUEST, field="prompt")
 
 
+def prompt_digest(body: Obj, chat: bool) -> str | None:
+    """:func:`~kvbridge_agent.core.signing.prompt_hash` of the prompt as this engine counts its tokens: a token-id
+    list as it is, text as one id per whitespace-separated word (its CRC-32: the synthetic engine's tokenizer);
+    ``None`` without a prompt of either kind."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return None
+        text = " ".join(str(m.get("content", "")) if isinstance(m, dict) else str(m) for m in messages)
+        return prompt_hash(zlib.crc32(word.encode("utf-8", "surrogatepass")) for word in text.split())
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt_hash(prompt)
+    if isinstance(prompt, str):
+        return prompt_hash(zlib.crc32(word.encode("utf-8", "surrogatepass")) for word in prompt.split())
+    return None
+
+
 def complete(
     engine: DataParallelEngines, body: Obj, chat: bool, request_id: str, rank: int | None = None
 ) -> tuple[Obj, bool]:
@@ -62,6 +81,7 @@ def complete(
     answer["choices"] = [choice]
     if isinstance(params, dict) and params.get("do_remote_decode"):
         offered = engine.prefill(request_id, tokens, rank=rank)
+        offered = offered.model_copy(update={"prompt_hash": prompt_digest(body, chat)})  # what a signature binds
         answer["kv_transfer_params"] = offered.model_dump(by_alias=True, mode="json")
         return answer, False
     if not isinstance(params, dict) or not params:
@@ -71,7 +91,7 @@ def complete(
             code=INVALID_REQUEST,
             field="kv_transfer_params",
         )
-    params = signed_by_router(engine, params, "kv_transfer_params")
+    params = signed_by_router(engine, params, "kv_transfer_params", prompt_digest(body, chat))
     try:
         remote = KVTransferParams.model_validate(params)
     except ValidationError as exc:
@@ -85,13 +105,16 @@ def complete(
     return answer, bool(body.get("stream"))
 
 
-def signed_by_router(engine: DataParallelEngines, params: Obj, field: str) -> Obj:
+def signed_by_router(engine: DataParallelEngines, params: Obj, field: str, prompt: str | None) -> Obj:
     """``params`` without the router's signature; where the engine holds the router's token
-    (``spec.router.signTransfers``) the signature is checked first: missing or wrong, the request gets 403
-    ``TRANSFER_NOT_SIGNED`` and nothing is read."""
+    (``spec.router.signTransfers``) the signature is checked first, as kvbridge's connector checks it
+    (core/signing.py): missing, wrong, expired, for another decode pod or for another prompt than the one whose
+    :func:`prompt_digest` is ``prompt``, the request gets 403 with the refusal's code and nothing is read."""
     if engine.transfer_token is not None:
+        env = engine.env
+        pods = decode_pods(env.engine_id, env.dp_index, env.own.data_parallel_size)
         try:
-            check_signature(engine.transfer_token, params, field)
+            check_signature(engine.transfer_token, params, pods=pods, prompt=prompt, field=field)
         except TransferNotSignedError as exc:
             raise EngineError(exc.message, code=exc.code, field=exc.field, status=403) from None
     return unsigned(params)

@@ -3,7 +3,8 @@
 - ``GET /healthz`` — 200 when every rank and the side-channel listener are up (probes); 503 with ``problems``
 - ``GET /metrics`` — Prometheus text
 - ``POST /v1/prefill`` ``{"requestId", "numTokens"}`` -> ``{"kvTransferParams": {...}}``
-- ``POST /v1/decode`` ``{"requestId", "kvTransferParams", "prefixHitBlocks"}`` -> transfer result
+- ``POST /v1/decode`` ``{"requestId", "kvTransferParams", "prefixHitBlocks"}`` -> transfer result (behind a
+  signing router also ``"prompt"``: the request's token ids or text, which the signature binds)
   (both take an optional ``"blockAllocation": "Sequential" | "Scattered"`` overriding the engine's default)
 - ``POST /v1/completions``, ``/v1/chat/completions`` — what a P/D router sends vLLM (``completions``)
 - ``GET /v1/models`` — the synthetic model's name
@@ -147,7 +148,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(HTTPStatus.OK, {"kvTransferParams": params.model_dump(by_alias=True)})
             elif self.path == "/v1/decode":
                 raw = body.get("kvTransferParams")
-                raw = completions.signed_by_router(engine, raw, "kvTransferParams") if isinstance(raw, dict) else raw
+                if isinstance(raw, dict):  # a signature binds a prompt: this route checks the one it is given
+                    prompt = completions.prompt_digest(body, chat=False)
+                    raw = completions.signed_by_router(engine, raw, "kvTransferParams", prompt)
                 try:
                     params = KVTransferParams.model_validate(raw)
                 except ValidationError as exc:

@@ -30,7 +30,13 @@ from kvbridge_agent.core.handshake import (
     request_id_problem,
 )
 from kvbridge_agent.core.plan import PeerTensorParallel
-from kvbridge_agent.core.signing import TransferNotSignedError, check_signature, load_token
+from kvbridge_agent.core.signing import (
+    TransferNotSignedError,
+    check_signature,
+    decode_pods,
+    load_token,
+    request_prompt_hash,
+)
 from kvbridge_agent.core.tracing import context_of
 from kvbridge_agent.transfer.keys import load_keys
 from kvbridge_agent.transfer.peers import LEASE_CLOCK_MARGIN_SECONDS
@@ -109,6 +115,8 @@ class ConnectorScheduler:
             if environment.transfer_token_file and settings.role is Role.DECODE
             else None
         )
+        #: decode: the pod names a router's signature may name for this engine
+        self._pods = decode_pods(environment.engine_id, environment.dp_index, environment.own.data_parallel_size)
         # decode: requests whose KV is still to be read, by request id; a thread renews their leases on prefill
         self._waiting: dict[str, KVTransferParams] = {}
         #: decode: requests whose kvbridge parameters did not validate, and why (until their blocks are allocated)
@@ -202,7 +210,8 @@ class ConnectorScheduler:
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         try:
             if self._transfer_token is not None:
-                check_signature(self._transfer_token, raw)
+                prompt = request_prompt_hash(request)  # the signature binds prefill's hash of the same prompt
+                check_signature(self._transfer_token, raw, pods=self._pods, prompt=prompt, params_key=PARAMS_KEY)
             params = transfer_params(raw)
             if params is not None and (why := self._peer_tp.refusal(params.remote_tp_size)):
                 raise InvalidTransferParamsError(f"kv_transfer_params.{PARAMS_KEY}.remoteTpSize: {why}")
@@ -423,6 +432,7 @@ class ConnectorScheduler:
                 expires_at=expires_at,
                 verify=verify,
                 lease_token=self._server.token(request_id),
+                prompt_hash=request_prompt_hash(request),  # what a signing router binds (core/signing.py)
             )
         except (KVBridgeError, ValidationError) as exc:  # blocks that cannot hold the tokens: not offered
             code, message = (

@@ -1,10 +1,12 @@
 """The agent worker behind a signing router (spec.router.signTransfers): decode reads only the transfer parameters
-the router signed; anything else gets 403 TRANSFER_NOT_SIGNED before a byte is read."""
+the router signed, for the request's prompt, for this pod, before the signature expires; anything else gets 403
+with the refusal's code before a byte is read."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -18,8 +20,8 @@ import pytest
 from kvbridge_agent.core import ModelGeometry, Role, RoleSettings, SpecError
 from kvbridge_agent.core.contract import EngineEnvironment
 from kvbridge_agent.core.handshake import KVTransferParams
-from kvbridge_agent.core.signing import SIGNATURE_KEY, signed
-from kvbridge_agent.synthetic.completions import complete
+from kvbridge_agent.core.signing import CLOCK_SKEW_SECONDS, SIGNATURE_KEY, signed
+from kvbridge_agent.synthetic.completions import complete, prompt_digest
 from kvbridge_agent.synthetic.engine import Engine
 from kvbridge_agent.synthetic.http_api import AgentHTTPServer
 from kvbridge_agent.synthetic.processes import EngineProcess, start_engine
@@ -29,6 +31,9 @@ from kvbridge_router.pool import Pool
 from kvbridge_router.proxy import Router, RouterConfig, listening
 
 TOKEN = b"f" * 64
+#: the decode engine's pod (its engine id)
+POD = "decode-a"
+PROMPT = "a b c"
 PARAMS = KVTransferParams(
     remote_engine_id="p1",
     remote_incarnation="inc",
@@ -39,7 +44,13 @@ PARAMS = KVTransferParams(
     num_tokens=20,
     remote_tp_size=1,
     fingerprint="abcd1234",
+    prompt_hash=prompt_digest({"prompt": PROMPT}, chat=False),
 ).model_dump(by_alias=True, mode="json")
+
+
+def routed(params: dict[str, Any], pod: str = POD, until: float | None = None) -> dict[str, Any]:
+    """What kvbridge's router hands the decode pod ``pod``: prefill's parameters, signed for it."""
+    return signed(TOKEN, params, decode_pod=pod, expires_at=time.time() + 600 if until is None else until)
 
 
 class StubEngine:
@@ -47,7 +58,7 @@ class StubEngine:
 
     def __init__(self, token: bytes | None) -> None:
         self.transfer_token = token
-        self.env = SimpleNamespace(verify=True)
+        self.env = SimpleNamespace(verify=True, engine_id=POD, dp_index=0, own=SimpleNamespace(data_parallel_size=1))
         self.read: list[KVTransferParams] = []
 
     def rank_of(self, header: str | None) -> int | None:
@@ -58,13 +69,13 @@ class StubEngine:
         return {"verified": True, "bytes": 1, "descriptors": 1, "transferSeconds": 0.0}
 
 
-def body(params: dict[str, Any]) -> dict[str, Any]:
-    return {"model": "m", "prompt": "a b c", "max_tokens": 3, "kv_transfer_params": params}
+def body(params: dict[str, Any], prompt: str = PROMPT) -> dict[str, Any]:
+    return {"model": "m", "prompt": prompt, "max_tokens": 3, "kv_transfer_params": params}
 
 
 def test_decode_reads_what_the_router_signed() -> None:
     engine = StubEngine(TOKEN)
-    answer, _ = complete(engine, body(signed(TOKEN, PARAMS)), False, "req-1")  # type: ignore[arg-type]
+    answer, _ = complete(engine, body(routed(PARAMS)), False, "req-1")  # type: ignore[arg-type]
     assert answer["kvbridge"]["verified"] is True
     assert [p.remote_block_ids for p in engine.read] == [[3, 4]]
 
@@ -73,8 +84,8 @@ def test_decode_reads_what_the_router_signed() -> None:
     "params",
     [
         PARAMS,  # unsigned
-        {**signed(TOKEN, PARAMS), "remoteBlockIds": [5, 6]},  # replayed with another request's blocks
-        signed(b"another token of enough bytes", PARAMS),
+        {**routed(PARAMS), "remoteBlockIds": [5, 6]},  # replayed with another request's blocks
+        signed(b"another token of enough bytes", PARAMS, decode_pod=POD, expires_at=time.time() + 60),
         {**PARAMS, SIGNATURE_KEY: None},
     ],
 )
@@ -87,10 +98,45 @@ def test_decode_refuses_unsigned_or_changed_parameters_with_403_before_reading(p
     assert engine.read == []
 
 
+@pytest.mark.parametrize(
+    ("params", "prompt", "code", "field"),
+    [
+        # issue 56: the same signed parameters with another prompt of the same length (3 tokens)
+        (routed(PARAMS), "x y z", "TRANSFER_PROMPT_MISMATCH", "kv_transfer_params.promptHash"),
+        (
+            routed(PARAMS, pod="decode-b"),
+            PROMPT,
+            "TRANSFER_WRONG_DECODE",
+            f"kv_transfer_params.{SIGNATURE_KEY}.decodePod",
+        ),
+        (
+            routed(PARAMS, until=time.time() - CLOCK_SKEW_SECONDS - 2),
+            PROMPT,
+            "TRANSFER_SIGNATURE_EXPIRED",
+            f"kv_transfer_params.{SIGNATURE_KEY}.expiresAt",
+        ),
+        (
+            routed({k: v for k, v in PARAMS.items() if k != "promptHash"}),
+            PROMPT,
+            "TRANSFER_PROMPT_UNBOUND",
+            "kv_transfer_params.promptHash",
+        ),
+    ],
+)
+def test_decode_refuses_a_replay_with_another_prompt_to_another_pod_or_too_late(
+    params: dict[str, Any], prompt: str, code: str, field: str
+) -> None:
+    engine = StubEngine(TOKEN)
+    with pytest.raises(EngineError) as caught:
+        complete(engine, body(params, prompt), False, "req-5")  # type: ignore[arg-type]
+    assert (caught.value.status, caught.value.code, caught.value.field) == (403, code, field)
+    assert engine.read == []
+
+
 def test_decode_without_the_token_takes_signed_and_unsigned_parameters() -> None:
     engine = StubEngine(None)
     complete(engine, body(PARAMS), False, "req-3")  # type: ignore[arg-type]
-    complete(engine, body(signed(TOKEN, PARAMS)), False, "req-4")  # type: ignore[arg-type]
+    complete(engine, body(routed(PARAMS, pod="anywhere")), False, "req-4")  # type: ignore[arg-type]
     assert len(engine.read) == 2  # the signature is no field of the parameters: it is dropped, not refused
 
 
@@ -125,10 +171,16 @@ def test_the_http_api_answers_403_with_the_code_on_both_decode_routes(
     status, answer = post(http, "/v1/decode", {"requestId": "d1", "kvTransferParams": PARAMS})
     assert (status, answer["error"]["code"]) == (403, "TRANSFER_NOT_SIGNED")
     assert answer["error"]["field"] == f"kvTransferParams.{SIGNATURE_KEY}"
+    # /v1/decode checks the prompt it is given (none: none matches)
+    status, answer = post(http, "/v1/decode", {"requestId": "d2", "kvTransferParams": routed(PARAMS)})
+    assert (status, answer["error"]["code"]) == (403, "TRANSFER_PROMPT_MISMATCH")
+    assert answer["error"]["field"] == "kvTransferParams.promptHash"
     assert engine.read == []
-    status, _ = post(http, "/v1/completions", body(signed(TOKEN, PARAMS)))
+    status, _ = post(http, "/v1/completions", body(routed(PARAMS)))
     assert status == 200
-    assert len(engine.read) == 1
+    status, _ = post(http, "/v1/decode", {"requestId": "d3", "kvTransferParams": routed(PARAMS), "prompt": PROMPT})
+    assert status == 200
+    assert len(engine.read) == 2
 
 
 def environment(role: Role, token_file: Path) -> EngineEnvironment:
@@ -220,3 +272,10 @@ async def test_through_the_signing_router_decode_reads_and_around_it_decode_refu
         "/v1/completions", {"prompt": "six seven", "kv_transfer_params": offered["kv_transfer_params"]}
     )
     assert (status, refused["error"]["code"]) == (403, "TRANSFER_NOT_SIGNED")
+    # issue 56: what the router signed for this decode pod, replayed with another prompt of the same length
+    handed = signed(TOKEN, offered["kv_transfer_params"], decode_pod=decode.env.engine_id, expires_at=time.time() + 60)
+    status, refused = decode.post("/v1/completions", {"prompt": "ten eleven", "kv_transfer_params": handed})
+    assert (status, refused["error"]["code"]) == (403, "TRANSFER_PROMPT_MISMATCH")
+    status, read = decode.post("/v1/completions", {"prompt": "six seven", "kv_transfer_params": handed})
+    assert status == 200, read  # its own prompt: read (the refusals left prefill's blocks held)
+    assert read["kvbridge"]["verified"] is True

@@ -16,7 +16,6 @@ pytest.importorskip("vllm")
 from kvbridge_agent.core import ModelGeometry, Role, RoleSettings, SpecError
 from kvbridge_agent.core.contract import EngineEnvironment, render_environment
 from kvbridge_agent.core.handshake import RankMetadata
-from kvbridge_agent.core.signing import SIGNATURE_KEY, signed
 from kvbridge_agent.transfer.keys import generate_keys
 from kvbridge_agent.transfer.side_channel import SideChannelServer
 from kvbridge_agent.vllm_connector.scheduler import ConnectorScheduler
@@ -429,119 +428,7 @@ def test_decode_parameters_that_are_not_an_object_fail_that_request() -> None:
         decode.shutdown()
 
 
-# -- decode behind a signing router (spec.router.signTransfers) ---------------------------------------------------
-
-TOKEN = b"a" * 64
-
-
-def signing_decode(tmp_path: Path) -> ConnectorScheduler:
-    """A decode scheduler holding the router's token (KVBRIDGE_TRANSFER_TOKEN_FILE), as the operator renders it."""
-    (tmp_path / "token").write_bytes(TOKEN + b"\n")
-    variables = {**environ(Role.DECODE), "KVBRIDGE_TRANSFER_TOKEN_FILE": str(tmp_path / "token")}
-    return ConnectorScheduler(ConnectorSettings.from_vllm(vllm_config("kv_consumer"), variables))
-
-
-def refusal(decode: ConnectorScheduler, params: dict[str, Any], request_id: str = "d20") -> str:
-    """What decode makes of a request with these parameters: its order's refusal (empty: it is read)."""
-    req = request(request_id, 70, params)
-    assert decode.get_num_new_matched_tokens(req, 0) == (70, True)  # a refusal too: its blocks are reported invalid
-    decode.update_state_after_alloc(req, blocks_of([1, 2, 3]), 70)
-    return decode.build_connector_meta().to_read[request_id].refused
-
-
-def test_decode_with_the_routers_token_reads_only_what_the_router_signed(tmp_path: Path) -> None:
-    prefill = prefill_scheduler()
-    decode = signing_decode(tmp_path)
-    try:
-        assert refusal(decode, signed(TOKEN, published(prefill)), "ok") == ""
-        assert "ok" in decode._waiting  # its prefill lease is renewed while it waits
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
-
-
-def _unsigned(params: dict[str, Any]) -> dict[str, Any]:
-    return params
-
-
-def _zeros(params: dict[str, Any]) -> dict[str, Any]:
-    return {**params, SIGNATURE_KEY: "0" * 64}
-
-
-def _another_token(params: dict[str, Any]) -> dict[str, Any]:
-    return signed(b"b" * 64, params)
-
-
-def _replayed(params: dict[str, Any]) -> dict[str, Any]:
-    """Parameters the router signed, replayed with another request's blocks."""
-    sent = signed(TOKEN, params)
-    kvbridge = sent["kvbridge"]
-    assert isinstance(kvbridge, dict)
-    sent["kvbridge"] = {**kvbridge, "remoteBlockIds": [1, 2, 3]}
-    return sent
-
-
-@pytest.mark.parametrize(
-    ("forge", "said"),
-    [
-        (_unsigned, "carry no signature"),
-        (_zeros, "does not match"),
-        (_another_token, "does not match"),
-        (_replayed, "does not match"),
-    ],
-)
-def test_decode_with_the_routers_token_refuses_unsigned_forged_or_changed_parameters(
-    tmp_path: Path, forge: Any, said: str
-) -> None:
-    from kvbridge_agent.vllm_connector.messages import ReadOrder
-    from kvbridge_agent.vllm_connector.worker import ConnectorWorker
-
-    prefill = prefill_scheduler()
-    decode = signing_decode(tmp_path)
-    try:
-        refused = refusal(decode, forge(published(prefill)))
-        assert refused.startswith(f"TRANSFER_NOT_SIGNED: kv_transfer_params.{SIGNATURE_KEY}: ")
-        assert said in refused
-        assert decode._waiting == {}  # no heartbeat renews a lease for it
-        worker = ConnectorWorker(decode.settings, 0, "inc")
-        result = worker._start_read(None, "d20", ReadOrder([1, 2, 3], None, refused))  # type: ignore[arg-type]
-        assert result is not None
-        assert (result.ok, result.code, result.invalid_blocks) == (False, "TRANSFER_NOT_SIGNED", [1, 2, 3])
-        worker.shutdown()
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
-
-
-def test_a_request_that_asks_decode_to_read_without_kvbridge_parameters_needs_the_signature_too(
-    tmp_path: Path,
-) -> None:
-    decode = signing_decode(tmp_path)
-    try:
-        assert refusal(decode, {"do_remote_prefill": True}).startswith("TRANSFER_NOT_SIGNED")
-        req = request("plain", 40, None)  # a request that reads nothing is none of the token's business
-        assert decode.get_num_new_matched_tokens(req, 0) == (0, False)
-    finally:
-        decode.shutdown()
-
-
-def test_decode_without_the_token_ignores_the_signature() -> None:
-    """The router may sign before the decode pods hold the token (or after they stopped checking)."""
-    prefill = prefill_scheduler()
-    decode = ConnectorScheduler(ConnectorSettings.from_vllm(vllm_config("kv_consumer"), environ(Role.DECODE)))
-    try:
-        assert refusal(decode, published(prefill), "unsigned") == ""
-        assert refusal(decode, signed(b"any token at all", published(prefill)), "signed") == ""
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
-
-
-def test_a_token_file_decode_cannot_read_stops_the_engine(tmp_path: Path) -> None:
-    variables = {**environ(Role.DECODE), "KVBRIDGE_TRANSFER_TOKEN_FILE": str(tmp_path / "missing")}
-    with pytest.raises(SpecError) as caught:
-        ConnectorScheduler(ConnectorSettings.from_vllm(vllm_config("kv_consumer"), variables))
-    assert caught.value.code == "TRANSFER_TOKEN_UNREADABLE"
+# decode behind a signing router (spec.router.signTransfers): test_signed_reads.py
 
 
 def test_a_verified_request_is_offered_with_its_own_key_and_published_with_it() -> None:
