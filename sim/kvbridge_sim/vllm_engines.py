@@ -26,7 +26,7 @@ import yaml
 
 from kvbridge_agent.core import Role, TransferPlan
 from kvbridge_operator.api.spec import parse_deployment
-from kvbridge_operator.children.render import stateful_set
+from kvbridge_operator.children.objects.workload import stateful_set
 from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_sim import pods, tiny_model

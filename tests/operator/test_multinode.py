@@ -11,8 +11,8 @@ import yaml
 
 from kvbridge_agent.core import Role
 from kvbridge_operator.api.spec import parse_deployment
+from kvbridge_operator.children.objects.workload import leader_worker_set
 from kvbridge_operator.children.remedy import suggested_fix
-from kvbridge_operator.children.render import leader_worker_set
 from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.config import OperatorConfig
 

@@ -15,8 +15,8 @@ from kvbridge_agent.core import Role
 from kvbridge_agent.core.contract import pair_from_spec
 from kvbridge_operator.api.spec import DisaggregatedDeployment
 from kvbridge_operator.children import network
+from kvbridge_operator.children.objects.pod import pod_template
 from kvbridge_operator.children.remedy import apply_fix, suggested_fix
-from kvbridge_operator.children.render import pod_template
 from kvbridge_operator.children.templates import TEMPLATE_MANAGED_FIELD
 from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.config import OperatorConfig

@@ -281,7 +281,7 @@ def test_rdma_resources_may_not_ask_for_gpus(name: str, tmp_path: Path, capsys: 
 
 
 def test_rdma_resources_of_a_nic_are_still_rendered() -> None:
-    from kvbridge_operator.children.render import pod_template
+    from kvbridge_operator.children.objects.pod import pod_template
     from kvbridge_operator.children.verdict import verdict_for
 
     dd = parse_deployment(with_transfer("network.rdmaResources", {"rdma/ib": 1, "nvidia.com/hostdev": 2}))
@@ -481,7 +481,7 @@ TEMPLATE_MERGED: dict[str, dict[str, Any]] = {
 
 @pytest.mark.parametrize("what", sorted(TEMPLATE_MERGED))
 def test_a_template_that_keeps_what_kvbridge_manages_is_merged_with_all_of_it(what: str) -> None:
-    from kvbridge_operator.children.render import pod_template
+    from kvbridge_operator.children.objects.pod import pod_template
     from kvbridge_operator.children.verdict import verdict_for
 
     plain = parse_deployment(document())
@@ -519,7 +519,8 @@ def test_thousands_of_odd_items_are_summed_up_in_the_status_not_refused_for_its_
 
 
 def test_a_long_spec_error_is_cut_to_fit_the_status() -> None:
-    from kvbridge_operator.controller.observe import MAX_MESSAGE, invalid
+    from kvbridge_operator.controller.observe import invalid
+    from kvbridge_operator.controller.status_rules import MAX_MESSAGE
 
     status, [event] = invalid({}, 3, SpecError("x" * 100_000, field="spec.model.name"), NOW)
     assert [len(c["message"]) <= MAX_MESSAGE for c in status["conditions"]] == [True, True]

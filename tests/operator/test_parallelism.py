@@ -17,8 +17,9 @@ from kvbridge_agent.core.model import ModelGeometry
 from kvbridge_operator.api.names import LABEL_DP, LABEL_DP_LOCAL, LABEL_TP
 from kvbridge_operator.api.objects import with_fields
 from kvbridge_operator.api.spec import parse_deployment
+from kvbridge_operator.children.objects.service import service
+from kvbridge_operator.children.objects.workload import leader_worker_set, stateful_set
 from kvbridge_operator.children.remedy import suggested_fix
-from kvbridge_operator.children.render import leader_worker_set, service, stateful_set
 from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.cli.main import main
 from kvbridge_operator.config import OperatorConfig

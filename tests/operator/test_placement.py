@@ -11,10 +11,10 @@ import yaml
 
 from kvbridge_agent.core import Role, SpecError
 from kvbridge_operator.api.spec import parse_deployment
+from kvbridge_operator.children.objects.workload import stateful_set
 from kvbridge_operator.children.pairing import pairing
 from kvbridge_operator.children.placement import with_gpus_per_node
 from kvbridge_operator.children.remedy import advice
-from kvbridge_operator.children.render import stateful_set
 from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.config import OperatorConfig
 
@@ -114,7 +114,7 @@ def test_colocation_needs_a_topology_key() -> None:
 
 
 def test_gang_scheduling_labels_both_roles_into_one_pod_group() -> None:
-    from kvbridge_operator.children.serving import optional_children
+    from kvbridge_operator.children.objects.desired import optional_children
 
     doc = document(placement={"gang": {}})
     for role in Role:

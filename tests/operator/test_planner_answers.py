@@ -25,8 +25,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge_agent.core import SpecError
+from kvbridge_operator.api.autoscaling import PLANNER_MIN_REPLICAS, AutoscalingSpec
 from kvbridge_operator.api.objects import Obj
-from kvbridge_operator.api.spec import PLANNER_MIN_REPLICAS, AutoscalingSpec, parse_deployment
+from kvbridge_operator.api.spec import parse_deployment
 from kvbridge_operator.cli.main import main
 from kvbridge_operator.controller.autoscaling import plan_pass
 from kvbridge_operator.planner.prometheus import (

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from kvbridge_operator.api.spec import AutoscalingSpec
+from kvbridge_operator.api.autoscaling import AutoscalingSpec
 from kvbridge_operator.controller.autoscaling import may_be_due
 from kvbridge_operator.planner.profile import DecodePoint, DecodeProfile, PerformanceProfile, PrefillProfile
 from kvbridge_operator.planner.sizing import (

@@ -23,7 +23,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from kvbridge_agent.core import KVBridgeError, SpecError
-from kvbridge_operator.api.spec import AutoscalingSpec
+from kvbridge_operator.api.autoscaling import AutoscalingSpec
 from kvbridge_operator.cli.main import main
 from kvbridge_operator.controller.autoscaling import read_profile
 from kvbridge_operator.planner.profile import PerformanceProfile, profile_from_bench

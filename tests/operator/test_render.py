@@ -15,7 +15,10 @@ from kvbridge_agent.core import Role
 from kvbridge_agent.core.contract import parse_environment
 from kvbridge_operator.api.names import LABEL_FINGERPRINT, LABEL_REVISION
 from kvbridge_operator.api.spec import parse_deployment
-from kvbridge_operator.children.render import desired_children, overlay, secret, stateful_set
+from kvbridge_operator.children.objects.desired import desired_children
+from kvbridge_operator.children.objects.secret import secret
+from kvbridge_operator.children.objects.shared import overlay
+from kvbridge_operator.children.objects.workload import stateful_set
 from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.config import OperatorConfig
 

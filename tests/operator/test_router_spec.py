@@ -14,7 +14,8 @@ import yaml
 from kvbridge_agent.core import SpecError
 from kvbridge_operator.api.crd import SPEC_RULES, crd
 from kvbridge_operator.api.spec import parse_deployment
-from kvbridge_operator.children.serving import API_KEYS_FILE, optional_children
+from kvbridge_operator.children.objects.desired import optional_children
+from kvbridge_operator.children.objects.router import API_KEYS_FILE
 from kvbridge_operator.cli.main import main
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_router import cli as router_cli

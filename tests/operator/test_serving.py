@@ -15,9 +15,9 @@ from kvbridge_agent.core import Role, SpecError
 from kvbridge_operator.api.names import LABEL_LLM_D_ROLE
 from kvbridge_operator.api.spec import parse_deployment
 from kvbridge_operator.children.engines.vllm_problems import problems
+from kvbridge_operator.children.objects.desired import desired_children, optional_children
+from kvbridge_operator.children.objects.workload import stateful_set
 from kvbridge_operator.children.pairing import pairing
-from kvbridge_operator.children.render import desired_children, stateful_set
-from kvbridge_operator.children.serving import optional_children
 from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.controller.rollout import Strategy

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from kvbridge_agent.core import Role
 from kvbridge_operator.api.spec import parse_deployment
 from kvbridge_operator.children.network import is_gpu_resource
-from kvbridge_operator.children.render import desired_children
+from kvbridge_operator.children.objects.desired import desired_children
 from kvbridge_operator.children.templates import TUNABLE_ENV
 from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.cli.plan_report import entries, plan_document

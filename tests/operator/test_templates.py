@@ -12,7 +12,7 @@ import yaml
 
 from kvbridge_agent.core import Role
 from kvbridge_operator.api.spec import parse_deployment
-from kvbridge_operator.children.render import stateful_set
+from kvbridge_operator.children.objects.workload import stateful_set
 from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.cli.plan_report import engine_commands, plan_document
 from kvbridge_operator.config import OperatorConfig
@@ -271,7 +271,7 @@ RENDERED = [(p.stem, "Nixl") for p in sorted((ROOT / "examples" / "vllm").glob("
 def test_every_variable_kvbridge_renders_is_one_an_overlay_may_not_set(example: str, connector: str) -> None:
     """The overlay rule's list of managed names follows the renderer: nothing kvbridge sets on the engine
     container can be overridden by a template (a new variable in the renderer must join the list)."""
-    from kvbridge_operator.children.render import desired_children
+    from kvbridge_operator.children.objects.desired import desired_children
     from kvbridge_operator.children.templates import MANAGED_ENV, MANAGED_ENV_PREFIX
 
     doc = document(f"vllm/{example}")

@@ -16,7 +16,7 @@ import pytest
 from kvbridge_agent.core import Role
 from kvbridge_operator.api.spec import DisaggregatedDeployment
 from kvbridge_operator.children import termination
-from kvbridge_operator.children.render import pod_template
+from kvbridge_operator.children.objects.pod import pod_template
 from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_sim.support import free_port

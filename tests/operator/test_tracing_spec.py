@@ -13,8 +13,9 @@ import yaml
 
 from kvbridge_agent.core import Role, SpecError
 from kvbridge_operator.api.crd import crd
-from kvbridge_operator.api.spec import TRACING_ENDPOINT_PATTERN, parse_deployment
-from kvbridge_operator.children.serving import optional_children
+from kvbridge_operator.api.spec import parse_deployment
+from kvbridge_operator.api.tracing import TRACING_ENDPOINT_PATTERN
+from kvbridge_operator.children.objects.desired import optional_children
 from kvbridge_operator.cli.main import main
 from kvbridge_operator.config import OperatorConfig
 

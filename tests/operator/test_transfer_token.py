@@ -18,8 +18,9 @@ from kvbridge_agent.core.signing import load_token
 from kvbridge_operator.api.names import LABEL_REVISION
 from kvbridge_operator.api.spec import DisaggregatedDeployment, parse_deployment
 from kvbridge_operator.children import transfer_token
-from kvbridge_operator.children.render import stateful_set
-from kvbridge_operator.children.serving import optional_children, router_token_secret
+from kvbridge_operator.children.objects.desired import optional_children
+from kvbridge_operator.children.objects.router import router_token_secret
+from kvbridge_operator.children.objects.workload import stateful_set
 from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.cli.main import main
 from kvbridge_operator.config import OperatorConfig

@@ -20,7 +20,8 @@ import yaml
 
 from kvbridge_agent.core import Problem, Role
 from kvbridge_operator.api.spec import parse_deployment
-from kvbridge_operator.children.render import desired_children, stateful_set
+from kvbridge_operator.children.objects.desired import desired_children
+from kvbridge_operator.children.objects.workload import stateful_set
 from kvbridge_operator.children.verdict import advisories_for, verdict_for
 from kvbridge_operator.config import OperatorConfig
 

@@ -1,7 +1,12 @@
 """The DisaggregatedDeployment API.
 
 Reading order:
-- ``spec``: the resource's fields and their checks (pydantic, the one source of truth).
+- ``spec``: the resource's fields and their checks (pydantic, the one source of truth), and parsing a manifest.
+- ``transfer``: ``spec.transfer``: the transfer settings and the KV data path's network.
+- ``autoscaling``: ``spec.scaling`` and ``spec.autoscaling``: the ratio of the roles and the planner.
+- ``serving``: ``spec.router`` and ``spec.inferencePool``.
+- ``placement``: ``spec.placement``: node fit and gang scheduling.
+- ``tracing``: ``spec.tracing``: OpenTelemetry traces.
 - ``status``: the status models and conditions.
 - ``names``: every label, annotation, kind and child name.
 - ``objects``: a Kubernetes object as JSON, and setting its fields by dotted path.

@@ -25,7 +25,9 @@ from typing import Any
 from kvbridge_agent.core import Problem
 from kvbridge_operator.api.names import ENGINE_CONTAINER
 from kvbridge_operator.api.objects import Obj
-from kvbridge_operator.api.spec import Colocation, DisaggregatedDeploymentSpec, Memlock
+from kvbridge_operator.api.placement import Colocation
+from kvbridge_operator.api.spec import DisaggregatedDeploymentSpec
+from kvbridge_operator.api.transfer import Memlock
 
 UCX_TRANSPORT_UNKNOWN = "UCX_TRANSPORT_UNKNOWN"
 UCX_TRANSPORTS_NODE_LOCAL = "UCX_TRANSPORTS_NODE_LOCAL"

@@ -5,7 +5,7 @@
   apart from it: decode pods mount that token to check signed transfers, and must not be able to forge what a router
   replica tells the others (kvbridge_router/peers.py).
 - **Mounted read-only** into the router's pods only (``kvbridge-router --peer-key-file``), beside the headless
-  Service of the same name whose address is every router pod (serving.py).
+  Service of the same name whose address is every router pod (objects/router.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import secrets as random
 from kvbridge_operator.api.names import LABEL_DEPLOYMENT, ROUTER_PEERS_VOLUME, router_peers_name
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec
-from kvbridge_operator.children.render import child_metadata, owner_reference
+from kvbridge_operator.children.objects.shared import child_metadata, owner_reference
 
 KEY = "key"
 KEY_DIR = "/var/run/kvbridge/router-peers"

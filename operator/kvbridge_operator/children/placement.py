@@ -23,13 +23,8 @@ from __future__ import annotations
 from kvbridge_agent.core import Problem, Role
 from kvbridge_operator.api.names import LABEL_POD_GROUP, POD_GROUP_API
 from kvbridge_operator.api.objects import Obj
-from kvbridge_operator.api.spec import (
-    MAX_NODES,
-    Colocation,
-    DisaggregatedDeployment,
-    DisaggregatedDeploymentSpec,
-    EngineDevice,
-)
+from kvbridge_operator.api.placement import Colocation
+from kvbridge_operator.api.spec import MAX_NODES, DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineDevice
 from kvbridge_operator.children import multinode
 from kvbridge_operator.children.engines import engine_of
 

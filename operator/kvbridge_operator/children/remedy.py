@@ -24,11 +24,8 @@ from kvbridge_agent.core import Problem
 from kvbridge_agent.core.compat import CONVERSION_OFF, MLA_KV_HEADS, check_pair
 from kvbridge_agent.core.model import CacheKind, Conversion, KVCacheDtype, KVLayout
 from kvbridge_operator.api.objects import with_fields
-from kvbridge_operator.api.spec import (
-    DisaggregatedDeployment,
-    DisaggregatedDeploymentSpec,
-    KVBufferDevice,
-)
+from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec
+from kvbridge_operator.api.transfer import KVBufferDevice
 from kvbridge_operator.children import network
 from kvbridge_operator.children.engines import engine_of
 from kvbridge_operator.children.engines.vllm_problems import VLLM_KV_BUFFER_DEVICE

@@ -29,7 +29,7 @@ from kvbridge_agent.core import Role
 from kvbridge_operator.api.names import ANNOTATION_SPEC_REPLICAS, API_VERSION, MANAGED_BY, ROLE_KIND, role_name
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import DisaggregatedDeployment
-from kvbridge_operator.children.render import owner_reference, selector
+from kvbridge_operator.children.objects.shared import owner_reference, selector
 
 
 @dataclass(frozen=True)

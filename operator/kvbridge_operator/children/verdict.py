@@ -12,7 +12,7 @@ from kvbridge_agent.core import KVBridgeError, Problem, TransferPlan, plan_or_pr
 from kvbridge_agent.core.compat import check_pair
 from kvbridge_operator.api.objects import with_fields
 from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec
-from kvbridge_operator.children import multinode, network, placement, ports, templates
+from kvbridge_operator.children import multinode, network, placement, ports, template_changes, templates
 from kvbridge_operator.children.engines import engine_of
 from kvbridge_operator.config import OperatorConfig
 
@@ -51,7 +51,7 @@ def verdict_for(dd: DisaggregatedDeployment, config: OperatorConfig | None = Non
     if not more and not isinstance(result, list):
         config = config or OperatorConfig()
         more = network.gpu_resource_problems(spec, config.gpu_resource) + ports.problems(spec, config)
-        more = more or templates.rendered_problems(dd, result, config)
+        more = more or template_changes.rendered_problems(dd, result, config)
     if more or isinstance(result, list):
         return [narrowed(problem, spec) for problem in ([*result, *more] if isinstance(result, list) else more)]
     return result

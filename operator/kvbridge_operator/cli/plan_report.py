@@ -13,12 +13,14 @@ from kvbridge_agent.core.parallel import kv_words, ranks_words, role_parallelism
 from kvbridge_agent.core.tracing import SAMPLER
 from kvbridge_operator.api.names import ENGINE_CONTAINER, router_peers_name, router_token_secret_name
 from kvbridge_operator.api.objects import Obj
-from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, Memlock
-from kvbridge_operator.children import multinode, network, peer_key, serving, tracing, transfer_token
+from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec
+from kvbridge_operator.api.transfer import Memlock
+from kvbridge_operator.children import multinode, network, peer_key, tracing, transfer_token
 from kvbridge_operator.children.engines import ServedEngine, engine_of
+from kvbridge_operator.children.objects.pod import pod_template
+from kvbridge_operator.children.objects.router import router_placement, router_spread
 from kvbridge_operator.children.pairing import pairing
 from kvbridge_operator.children.remedy import Fix, describe, merge_patch, suggested_fix
-from kvbridge_operator.children.render import pod_template
 from kvbridge_operator.children.verdict import advisories_for, verdict_for
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_router.settings import peer_interval_for
@@ -259,7 +261,7 @@ def router_of(deployment: DisaggregatedDeployment) -> dict[str, object]:
         # the replicas' headless Service (their reports to each other), when there are two or more
         **({"peers": router_peers_name(deployment.metadata.name)} if peer_key.peers(deployment.spec) else {}),
         "auth": auth,
-        "placement": serving.router_placement(router),
+        "placement": router_placement(router),
     }
 
 
@@ -305,7 +307,7 @@ def router_auth_words(deployment: DisaggregatedDeployment) -> str:
 
 def router_placement_words(deployment: DisaggregatedDeployment) -> str:
     """Where the router's pods run, in the text report's words: each pod field set, else the cluster's defaults."""
-    placement = serving.router_placement(deployment.spec.router)
+    placement = router_placement(deployment.spec.router)
     if not placement:
         return "the cluster's defaults"
     words = {
@@ -424,7 +426,7 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
         lines.append(f"  router: {router_words(document.deployment)}")
         lines.append(f"  router clients: {router_auth_words(document.deployment)}")
         replicas = f"{spec.router.replicas} replica{'s' if spec.router.replicas != 1 else ''}"
-        if serving.router_spread(spec.router, {}):
+        if router_spread(spec.router, {}):
             replicas += " spread over nodes where possible"
         if peer_key.peers(spec):
             interval = peer_interval_for(spec.router.replicas)

@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from kvbridge_agent.core import KVBridgeError
-from kvbridge_operator.api.spec import ConfigMapKeyRef, LatencyTarget
+from kvbridge_operator.api.autoscaling import ConfigMapKeyRef, LatencyTarget
 from kvbridge_operator.cli.arguments import at_least
 from kvbridge_operator.planner.profile import (
     BenchResult,

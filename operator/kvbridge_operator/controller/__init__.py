@@ -9,6 +9,7 @@ Reading order:
 - ``rollout``: pure: the step of each workload.
 - ``optional``: pure: router, InferencePool, PodGroup.
 - ``observe``: pure: the whole status and its events.
+- ``status_rules``: pure: the conditions and events, a table of small rules.
 - ``revisions``: the pairing keys of the specs pods still run.
 - ``autoscaling``: kvbridge's planner (spec.autoscaling): a pass that sizes both roles from Prometheus.
 - ``metrics``: the operator's own.

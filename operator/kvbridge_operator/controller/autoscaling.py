@@ -23,9 +23,10 @@ import aiohttp
 from pydantic import ValidationError
 
 from kvbridge_agent.core import Role, SpecError
+from kvbridge_operator.api.autoscaling import AutoscalingSpec
 from kvbridge_operator.api.names import role_name
 from kvbridge_operator.api.objects import Obj
-from kvbridge_operator.api.spec import AutoscalingSpec, DisaggregatedDeployment, parse_deployment
+from kvbridge_operator.api.spec import DisaggregatedDeployment, parse_deployment
 from kvbridge_operator.api.status import AutoscalingStatus, PlannedSize
 from kvbridge_operator.controller.actions import Event
 from kvbridge_operator.controller.apply import post_event

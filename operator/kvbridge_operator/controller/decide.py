@@ -21,11 +21,12 @@ from kvbridge_operator.api.names import LABEL_PAIRING, LABEL_ROLE, LWS_KIND, WOR
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import DisaggregatedDeployment, parse_deployment
 from kvbridge_operator.children import multinode, peer_key, placement, transfer_token
+from kvbridge_operator.children.objects.desired import desired_children
+from kvbridge_operator.children.objects.router import router_token_secret
+from kvbridge_operator.children.objects.secret import secret
 from kvbridge_operator.children.pairing import pairing
 from kvbridge_operator.children.remedy import advice
-from kvbridge_operator.children.render import desired_children, secret
 from kvbridge_operator.children.scaling import Roles, decide_roles
-from kvbridge_operator.children.serving import router_token_secret
 from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.controller import optional, revisions, rollout

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvbridge_agent.core import Problem, Role, SpecError, TransferPlan
-from kvbridge_agent.core.parallel import engine_id_of_rank, ranks_words, side_channel_port_of_rank
+from kvbridge_agent.core.parallel import engine_id_of_rank, side_channel_port_of_rank
 from kvbridge_operator.api.names import (
     LABEL_DP,
     LABEL_DP_LOCAL,
@@ -42,10 +42,12 @@ from kvbridge_operator.api.status import (
 )
 from kvbridge_operator.children import multinode
 from kvbridge_operator.children.engines import engine_of
-from kvbridge_operator.children.render import template_revision
+from kvbridge_operator.children.objects.shared import template_revision
 from kvbridge_operator.children.scaling import Scale
 from kvbridge_operator.children.verdict import advisories_for
+from kvbridge_operator.controller import status_rules
 from kvbridge_operator.controller.actions import Event
+from kvbridge_operator.controller.status_rules import Seen, bounded
 
 
 @dataclass(frozen=True)
@@ -183,38 +185,6 @@ def summary(plan: TransferPlan) -> PlanSummary:
     return PlanSummary.model_validate(plan.summary())
 
 
-#: the reason of the Warning event that states the spec's advisories (status.advisories)
-ADVISORY = "Advisory"
-#: the longest message of a condition or event kvbridge writes (a condition's may hold 32,768 characters): a spec
-#: with thousands of problems (a template of thousands of odd items) is summed up, not refused for its message
-MAX_MESSAGE = 8192
-_MORE = "; and {count} more problem(s) (kvbridge plan lists them all)"
-
-
-def _bounded(message: str) -> str:
-    if len(message) <= MAX_MESSAGE:
-        return message
-    cut = f"... ({len(message)} characters)"
-    return message[: MAX_MESSAGE - len(cut)] + cut
-
-
-def _problems_message(problems: Sequence[Problem], fix: str) -> str:
-    """Every problem as far as :data:`MAX_MESSAGE` goes, then the checked fix for all of them at once (when the
-    search finds one)."""
-    fixed = f". A fix that passes every check: {fix}" if fix else ""
-    parts = [f"{p.code} at {p.field}: {p.message}" for p in problems]
-    room = MAX_MESSAGE - len(fixed) - len(_MORE.format(count=len(parts)))
-    kept: list[str] = []
-    length = -2  # the separators: one fewer than the parts
-    for part in parts:
-        length += len(part) + 2
-        if length > room:
-            break
-        kept.append(part)
-    more = _MORE.format(count=len(parts) - len(kept)) if len(kept) < len(parts) else ""
-    return _bounded("; ".join(kept) + more + fixed)
-
-
 def observe(
     dd: DisaggregatedDeployment,
     verdict: TransferPlan | Sequence[Problem],
@@ -223,156 +193,47 @@ def observe(
     pods: Sequence[Obj],
     facts: Facts,
 ) -> Report:
-    """The whole status, the events and the annotations (``key``: the spec's pairing key when it is compatible)."""
-    generation, previous, annotations, now = facts.generation, facts.previous, facts.annotations, facts.now
-    events: list[Event] = []
-    spec = dd.spec
+    """The whole status, the events and the annotations (``key``: the spec's pairing key when it is compatible):
+    what runs counted here, the conditions and events by status_rules.py's tables."""
+    spec, previous = dd.spec, facts.previous
     by_role = {  # an engine is a pod, or a LeaderWorkerSet group's leader (its workers are part of it)
-        role: [
-            p
-            for p in pods
-            if p["metadata"].get("labels", {}).get(LABEL_ROLE) == role.value and not multinode.is_worker(p)
-        ]
-        for role in Role
+        role: [p for p in pods if _role_of(p) == role.value and not multinode.is_worker(p)] for role in Role
     }
-    roles: dict[Role, RoleStatus] = {}
-    for role in Role:
-        workload = workloads.get(role)
-        revision = template_revision(workload) if workload else None
-        roles[role] = _role_status(by_role[role], facts.scale.effective[role], revision)
+    roles = {
+        role: _role_status(by_role[role], facts.scale.effective[role], _revision(workloads.get(role))) for role in Role
+    }
     named = engine_of(spec).kvbridge_transfer(spec)  # kvbridge's side channel names its engines
-    workers = [
-        p
-        for p in pods
-        if p["metadata"].get("labels", {}).get(LABEL_ROLE) == Role.PREFILL.value and multinode.is_worker(p)
-    ]
+    workers = [p for p in pods if _role_of(p) == Role.PREFILL.value and multinode.is_worker(p)]
     current_endpoints = endpoints(by_role[Role.PREFILL], spec.transfer.side_channel_port, named=named, workers=workers)
-    prefill = PrefillStatus(**dict(roles[Role.PREFILL]), endpoints=current_endpoints)
-    decode = DecodeStatus(**dict(roles[Role.DECODE]), endpoints=serving_endpoints(by_role[Role.DECODE]))
-
-    compatible = isinstance(verdict, TransferPlan)
-    conditions: list[Condition] = []
-    if isinstance(verdict, TransferPlan):
-        plan_text = (
-            f"prefill {ranks_words(spec.prefill)} -> decode {ranks_words(spec.decode)}, "
-            f"{verdict.wire.block_size}-token {verdict.wire.layout.value} wire blocks, "
-            f"{len(verdict.for_decode_rank(0).reads)} read(s) per decode rank"
-        )
-        conditions.append(
-            Condition(
-                type=ConditionType.COMPATIBLE,
-                status="True",
-                reason="PlanBuilt",
-                message=plan_text,
-                observed_generation=generation,
-            )
-        )
-    else:
-        conditions.append(
-            Condition(
-                type=ConditionType.COMPATIBLE,
-                status="False",
-                reason="Incompatible",
-                message=_problems_message(verdict, facts.fix),
-                observed_generation=generation,
-            )
-        )
-    for role, kind in ((Role.PREFILL, ConditionType.PREFILL_READY), (Role.DECODE, ConditionType.DECODE_READY)):
-        counts = roles[role]
-        ok = counts.ready_replicas >= counts.replicas
-        if workloads.get(role) is None:
-            conditions.append(
-                Condition(
-                    type=kind,
-                    status="False",
-                    reason="NotCreated",
-                    message=f"no {role.value} workload exists",
-                    observed_generation=generation,
-                )
-            )
-        else:
-            conditions.append(
-                Condition(
-                    type=kind,
-                    status="True" if ok else "False",
-                    reason="AllReplicasReady" if ok else "ReplicasNotReady",
-                    message=f"{counts.ready_replicas}/{counts.replicas} {role.value} pods ready",
-                    observed_generation=generation,
-                )
-            )
-    failing = [c for c in conditions if c.status != "True"]
-    conditions.append(
-        Condition(
-            type=ConditionType.READY,
-            status="False" if failing else "True",
-            reason=(failing[0].reason if failing else "Ready"),
-            message=(f"{failing[0].type.value}: {failing[0].message}" if failing else "prefill and decode are serving"),
-            observed_generation=generation,
-        )
+    incarnations = {p["metadata"]["name"]: _incarnation(p) for p in by_role[Role.PREFILL]}
+    seen = Seen(
+        spec=spec,
+        verdict=verdict,
+        generation=facts.generation,
+        previous=previous,
+        annotations=facts.annotations,
+        fix=facts.fix,
+        roles=roles,
+        created={role: workloads.get(role) is not None for role in Role},
+        endpoints=current_endpoints,
+        advisories=[Advisory(code=a.code, field=a.field, message=bounded(a.message)) for a in advisories_for(spec)],
+        incarnations=incarnations,
     )
-    old_conditions: list[Obj] = list(previous.get("conditions") or [])
-    merged = merge_conditions(old_conditions, conditions, now)
-    advisories = [Advisory(code=a.code, field=a.field, message=_bounded(a.message)) for a in advisories_for(spec)]
-
+    plan = isinstance(verdict, TransferPlan)
     status = DisaggregatedDeploymentStatus(
-        observed_generation=generation,
+        observed_generation=facts.generation,
         fingerprint=verdict.fingerprint if isinstance(verdict, TransferPlan) else str(previous.get("fingerprint", "")),
-        pairing=key if isinstance(verdict, TransferPlan) else str(previous.get("pairing", "")),
+        pairing=key if plan else str(previous.get("pairing", "")),
         tp=f"{spec.prefill.tensor_parallel_size}→{spec.decode.tensor_parallel_size}",
-        conditions=merged,
+        conditions=merge_conditions(seen.old_conditions, status_rules.conditions(seen), facts.now),
         plan=summary(verdict) if isinstance(verdict, TransferPlan) else _previous_plan(previous),
-        prefill=prefill,
-        decode=decode,
-        advisories=advisories,
+        prefill=PrefillStatus(**dict(roles[Role.PREFILL]), endpoints=current_endpoints),
+        decode=DecodeStatus(**dict(roles[Role.DECODE]), endpoints=serving_endpoints(by_role[Role.DECODE])),
+        advisories=seen.advisories,
     )
-
-    # -- events from what changed ----------------------------------------------
-    was = {str(c.get("type")): c for c in old_conditions}
-    old_compatible = was.get("Compatible", {})
-    if not compatible and (
-        old_compatible.get("status") != "False" or int(old_compatible.get("observedGeneration", -1)) != generation
-    ):
-        events.append(Event("Warning", "Incompatible", _problems_message(list(verdict), facts.fix)))  # type: ignore[arg-type]
-    if advisories and (
-        previous.get("advisories") != [a.model_dump(by_alias=True, mode="json") for a in advisories]
-        or int(previous.get("observedGeneration", -1)) != generation
-    ):
-        # what runs other than the spec asks: said once per generation (and when it changes), never silently
-        events.append(Event("Warning", ADVISORY, "; ".join(f"{a.code} at {a.field}: {a.message}" for a in advisories)))
-    old_endpoints = [Endpoint.model_validate(e) for e in (previous.get("prefill") or {}).get("endpoints") or []]
-    if old_endpoints != current_endpoints and (old_endpoints or current_endpoints):
-        listed = ", ".join(f"{e.pod}={e.ip}:{e.port}" for e in current_endpoints) or "none"
-        events.append(Event("Normal", "EndpointsChanged", f"prefill endpoints: {listed}"))
-    seen = _load(annotations.get(PODS_ANNOTATION))
-    current = {p["metadata"]["name"]: _incarnation(p) for p in by_role[Role.PREFILL]}
-    for name, incarnation in sorted(current.items()):
-        if name in seen and seen[name] != incarnation:
-            events.append(
-                Event(
-                    "Normal",
-                    "PrefillRestarted",
-                    f"prefill pod {name} restarted; decode agents re-handshake with its new incarnation",
-                )
-            )
-    for role in Role:
-        old = previous.get(role.value) or {}
-        now_role = roles[role]
-        if (
-            now_role.updated_replicas != old.get("updatedReplicas")
-            and workloads.get(role) is not None
-            and (now_role.updated_replicas < now_role.replicas or old.get("updatedReplicas") is not None)
-        ):
-            events.append(
-                Event(
-                    "Normal",
-                    "RolloutProgress",
-                    f"{role.value}: {now_role.updated_replicas}/{now_role.replicas} pods on the current "
-                    f"revision, {now_role.ready_replicas} ready",
-                )
-            )
     new_annotations = {}
-    encoded = json.dumps(current, sort_keys=True)
-    if annotations.get(PODS_ANNOTATION) != encoded:
+    encoded = json.dumps(incarnations, sort_keys=True)
+    if facts.annotations.get(PODS_ANNOTATION) != encoded:
         new_annotations[PODS_ANNOTATION] = encoded
     whole = status.model_dump(by_alias=True, mode="json")
     del whole["autoscaling"]  # the planner's alone (a merge patch of null would delete it)
@@ -380,7 +241,16 @@ def observe(
     for role in Role:
         whole[role.value]["desiredReplicas"] = facts.scale.desired[role]
     whole["rollout"] = facts.rollout
-    return Report(whole, events, new_annotations)
+    return Report(whole, status_rules.events(seen), new_annotations)
+
+
+def _role_of(pod: Obj) -> str | None:
+    role = pod["metadata"].get("labels", {}).get(LABEL_ROLE)
+    return None if role is None else str(role)
+
+
+def _revision(workload: Obj | None) -> str | None:
+    return template_revision(workload) if workload else None
 
 
 def invalid(
@@ -389,7 +259,7 @@ def invalid(
     """A resource the schema should have rejected (or an older CRD), or one kvbridge's checks failed on
     (``reason`` CheckFailed): its status and events (reported, never a crash loop); nothing else of the status
     changes."""
-    message = _bounded(f"{exc.field}: {exc.message}")
+    message = bounded(f"{exc.field}: {exc.message}")
     conditions = [
         Condition(type=kind, status="False", reason=reason, message=message, observed_generation=generation)
         for kind in (ConditionType.COMPATIBLE, ConditionType.READY)
@@ -408,13 +278,3 @@ def invalid(
 def _previous_plan(previous: Obj) -> PlanSummary | None:
     plan = previous.get("plan")
     return PlanSummary.model_validate(plan) if plan else None
-
-
-def _load(text: str | None) -> dict[str, str]:
-    if not text:
-        return {}
-    try:
-        loaded = json.loads(text)
-    except json.JSONDecodeError:
-        return {}
-    return {str(k): str(v) for k, v in loaded.items()} if isinstance(loaded, dict) else {}

@@ -14,7 +14,8 @@ from kvbridge_operator.api.names import router_name, router_peers_name
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import DisaggregatedDeployment
 from kvbridge_operator.children import peer_key
-from kvbridge_operator.children.serving import optional_children, router_url
+from kvbridge_operator.children.objects.desired import optional_children
+from kvbridge_operator.children.objects.router import router_url
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.controller.actions import Event
 

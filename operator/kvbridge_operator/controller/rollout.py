@@ -31,7 +31,7 @@ from kvbridge_operator.api.names import LABEL_PAIRING, LABEL_REVISION, LABEL_ROL
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import DisaggregatedDeployment
 from kvbridge_operator.api.status import Pairing, RolloutStatus
-from kvbridge_operator.children.render import template_revision
+from kvbridge_operator.children.objects.shared import template_revision
 from kvbridge_operator.children.scaling import Scale
 from kvbridge_operator.controller.actions import Event
 from kvbridge_operator.controller.observe import pod_ready

@@ -9,7 +9,8 @@ from __future__ import annotations
 from kvbridge_agent.core import CacheKind, KVLayout, Problem, Role, Verification
 from kvbridge_agent.core.compat import check_pair
 from kvbridge_agent.core.wire import ConversionKind, wire_format, wire_format_defined
-from kvbridge_operator.api.spec import DisaggregatedDeploymentSpec, KVBufferDevice
+from kvbridge_operator.api.spec import DisaggregatedDeploymentSpec
+from kvbridge_operator.api.transfer import KVBufferDevice
 from kvbridge_operator.children import tracing
 from kvbridge_operator.children.engines import vllm_messages as words
 from kvbridge_operator.children.engines.vllm_cpu import CPU_BLOCK_MULTIPLE, cpu_block_size, cpu_build

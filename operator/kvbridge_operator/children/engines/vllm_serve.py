@@ -18,13 +18,8 @@ from kvbridge_agent.core import CacheKind, KVCacheDtype, Role, TransferPlan
 from kvbridge_agent.core.layout import rendered_order
 from kvbridge_agent.core.wire import ConversionKind
 from kvbridge_operator.api.objects import Obj
-from kvbridge_operator.api.spec import (
-    Connector,
-    DisaggregatedDeployment,
-    DisaggregatedDeploymentSpec,
-    KVBufferDevice,
-    RoleSpec,
-)
+from kvbridge_operator.api.spec import Connector, DisaggregatedDeployment, DisaggregatedDeploymentSpec, RoleSpec
+from kvbridge_operator.api.transfer import KVBufferDevice
 from kvbridge_operator.children import tracing
 from kvbridge_operator.children.engines.kind import ServedEngine
 from kvbridge_operator.children.engines.vllm_cpu import CPU_BIND_LAUNCHER, CPU_LAUNCHER_NOTE, cpu_build

@@ -1,47 +1,48 @@
-"""The serving path in front of a deployment's pods, rendered from ``spec.router`` and ``spec.inferencePool``.
-
-- ``spec.router.enabled``: kvbridge's router (``kvbridge-router``) as a Deployment, a PodDisruptionBudget and a
-  ClusterIP Service ``<name>-router`` (``replicas`` of 2 or more spread over nodes, each told how many there are
-  and where the others are: the headless Service ``<name>-router-peers``, for their reports to each other, signed
-  with the key of the Secret of the same name, peer_key.py),
-  with a ServiceAccount whose Role may only get and watch this one DisaggregatedDeployment (the router reads the
-  endpoints and pairings from its status; it never lists pods). With ``spec.router.signTransfers`` it signs decode's
-  ``kv_transfer_params`` with the token of the Secret ``<name>-router-token`` (:func:`router_token_secret`;
-  transfer_token.py). With ``spec.router.apiKeySecret`` its pods mount that Secret's key and clients must send one
-  of its API keys; ``imagePullSecrets``, ``nodeSelector``, ``tolerations``, ``affinity`` and ``priorityClassName``
-  go into its pod spec as given.
-- ``spec.inferencePool.enabled``: a Gateway API Inference Extension ``InferencePool`` (``inference.networking.
-  k8s.io/v1``) selecting both roles' pods, which carry ``llm-d.ai/role: prefill|decode`` for llm-d's P/D
-  scheduler (the Endpoint Picker, installed separately and named in the spec), and an ``HTTPRoute`` from a
-  Gateway when one is named.
+"""``spec.router.enabled``: kvbridge's router (``kvbridge-router``) as a Deployment, a PodDisruptionBudget and a
+ClusterIP Service ``<name>-router`` (``replicas`` of 2 or more spread over nodes, each told how many there are
+and where the others are: the headless Service ``<name>-router-peers``, for their reports to each other, signed
+with the key of the Secret of the same name, peer_key.py),
+with a ServiceAccount whose Role may only get and watch this one DisaggregatedDeployment (the router reads the
+endpoints and pairings from its status; it never lists pods). With ``spec.router.signTransfers`` it signs decode's
+``kv_transfer_params`` with the token of the Secret ``<name>-router-token`` (:func:`router_token_secret`;
+transfer_token.py). With ``spec.router.apiKeySecret`` its pods mount that Secret's key and clients must send one
+of its API keys; ``imagePullSecrets``, ``nodeSelector``, ``tolerations``, ``affinity`` and ``priorityClassName``
+go into its pod spec as given.
 """
 
 from __future__ import annotations
 
 from kvbridge_operator.api.names import (
     HTTP_PORT_NAME,
-    INFERENCE_POOL_API,
     LABEL_COMPONENT,
     LABEL_DEPLOYMENT,
-    LABEL_INFERENCE_POOL,
     MANAGED_BY,
     router_name,
     router_peers_name,
     router_token_secret_name,
 )
 from kvbridge_operator.api.objects import Obj
-from kvbridge_operator.api.spec import DisaggregatedDeployment, RouterSpec
-from kvbridge_operator.children import peer_key, placement, tracing, transfer_token
-from kvbridge_operator.children.render import child_metadata, owner_reference
+from kvbridge_operator.api.serving import RouterSpec
+from kvbridge_operator.api.spec import DisaggregatedDeployment
+from kvbridge_operator.children import peer_key, tracing, transfer_token
+from kvbridge_operator.children.objects.shared import child_metadata, owner_reference
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_router.settings import DEFAULTS, RouterSettings, arguments, peer_interval_for
 
 ROUTER_PORT = DEFAULTS.port
+
+
 #: the router's own program (the operator image has it; ``kvbridge router`` is the same command)
 ROUTER_COMMAND = "kvbridge-router"
+
+
 #: where the router's pods mount spec.router.apiKeySecret's key (``--api-key-file``)
 API_KEYS_VOLUME = "router-api-keys"
+
+
 API_KEYS_FILE = "/var/run/kvbridge/router-api-keys/api-keys"
+
+
 #: the router's settings written into its Deployment even at their defaults (what ``kubectl describe`` should show);
 #: any other is written when the spec sets it apart from its default
 RENDERED_ALWAYS = (
@@ -250,66 +251,3 @@ def router_token_secret(dd: DisaggregatedDeployment, uid: str) -> Obj:
         "metadata": metadata,
         "data": transfer_token.secret_data(),
     }
-
-
-def inference_pool_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfig) -> list[Obj]:
-    name, namespace = dd.metadata.name, dd.metadata.namespace or "default"
-    owner = owner_reference(dd, uid)
-    labels = {LABEL_DEPLOYMENT: name}
-    pool = dd.spec.inference_pool
-    found: list[Obj] = [
-        {
-            "apiVersion": INFERENCE_POOL_API,
-            "kind": "InferencePool",
-            "metadata": child_metadata(name, namespace, labels, owner),
-            "spec": {
-                # both roles' serving pods (not the router's, not multi-node workers); llm-d's P/D scheduler tells
-                # them apart by llm-d.ai/role
-                "selector": {"matchLabels": {LABEL_INFERENCE_POOL: name}},
-                "targetPorts": [{"number": config.agent_http_port}],
-                "endpointPickerRef": {
-                    "name": pool.endpoint_picker,
-                    "kind": "Service",
-                    "port": {"number": pool.endpoint_picker_port},
-                    "failureMode": "FailClose",
-                },
-            },
-        },
-    ]
-    if pool.gateway:
-        found.append(
-            {
-                "apiVersion": "gateway.networking.k8s.io/v1",
-                "kind": "HTTPRoute",
-                "metadata": child_metadata(name, namespace, labels, owner),
-                "spec": {
-                    "parentRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": pool.gateway}],
-                    "rules": [
-                        {
-                            "matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
-                            "backendRefs": [
-                                {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": name}
-                            ],
-                        }
-                    ],
-                },
-            }
-        )
-    return found
-
-
-def pod_group_children(dd: DisaggregatedDeployment, uid: str) -> list[Obj]:
-    name, namespace = dd.metadata.name, dd.metadata.namespace or "default"
-    group = placement.pod_group(
-        dd.spec, child_metadata(name, namespace, {LABEL_DEPLOYMENT: name}, owner_reference(dd, uid))
-    )
-    return [group] if group is not None else []
-
-
-def optional_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfig) -> list[Obj]:
-    """The optional children: the router's, the InferencePool's, and the gang's PodGroup."""
-    return [
-        *(router_children(dd, uid, config) if dd.spec.router.enabled else []),
-        *(inference_pool_children(dd, uid, config) if dd.spec.inference_pool.enabled else []),
-        *pod_group_children(dd, uid),
-    ]

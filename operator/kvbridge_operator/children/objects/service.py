@@ -1,0 +1,39 @@
+"""A role's headless Service: the HTTP port, and for prefill every data-parallel rank's side channel."""
+
+from __future__ import annotations
+
+from kvbridge_agent.core import Role
+from kvbridge_agent.core.parallel import side_channel_port_of_rank
+from kvbridge_operator.api.names import (
+    HTTP_PORT_NAME,
+    role_name,
+    side_channel_port_name,
+)
+from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.api.spec import DisaggregatedDeployment
+from kvbridge_operator.children import multinode
+from kvbridge_operator.children.objects.shared import child_metadata, owner_reference, selector
+from kvbridge_operator.config import OperatorConfig
+
+
+def service(dd: DisaggregatedDeployment, uid: str, role: Role, config: OperatorConfig) -> Obj:
+    name = role_name(dd.metadata.name, role)
+    ports = [{"name": HTTP_PORT_NAME, "port": config.agent_http_port, "targetPort": HTTP_PORT_NAME, "protocol": "TCP"}]
+    if role is Role.PREFILL:  # every data-parallel rank's side channel that a pod declares (the leader's)
+        for rank in range(multinode.data_parallel_per_pod(dd.spec.prefill)):
+            port_name = side_channel_port_name(rank)
+            port = side_channel_port_of_rank(dd.spec.transfer.side_channel_port, rank)
+            ports.append({"name": port_name, "port": port, "targetPort": port_name, "protocol": "TCP"})
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": child_metadata(
+            name, dd.metadata.namespace or "default", selector(dd.metadata.name, role), owner_reference(dd, uid)
+        ),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector(dd.metadata.name, role),
+            "ports": ports,
+            "publishNotReadyAddresses": False,
+        },
+    }
