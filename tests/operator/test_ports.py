@@ -34,6 +34,16 @@ def deployment(base: int, kind: str = "VLLM", dp_prefill: int = 1, dp_decode: in
     }
 
 
+def multinode(base: int) -> dict[str, Any]:
+    """Prefill over two nodes (TP 16 of 8 GPUs each, vLLM on GPUs): its leader pod listens on --master-port."""
+    doc = deployment(base)
+    doc["spec"]["model"] = {"name": "m", "numLayers": 2, "numKVHeads": 16, "headDim": 64}
+    doc["spec"]["prefill"] = {"tensorParallelSize": 16, "nodes": 2}
+    doc["spec"]["decode"] = {"tensorParallelSize": 16, "nodes": 2}
+    doc["spec"]["placement"] = {"gpusPerNode": 8}
+    return doc
+
+
 @pytest.mark.parametrize(
     ("doc", "config", "port"),
     [
@@ -42,6 +52,7 @@ def deployment(base: int, kind: str = "VLLM", dp_prefill: int = 1, dp_decode: in
         (deployment(29545, dp_prefill=8), OperatorConfig(), 29550),  # beside --data-parallel-rpc-port 29550
         (deployment(8200), SIDECAR, 8200),  # vLLM's port behind the routing sidecar (decode)
         (deployment(9000, kind="Agent"), OperatorConfig(agent_http_port=9000), 9000),  # the operator's setting
+        (multinode(29500), OperatorConfig(), 29500),  # a two-node engine's leader: torch.distributed's rendezvous
     ],
 )
 def test_a_side_channel_range_holding_a_pod_port_is_refused_with_a_checked_fix(

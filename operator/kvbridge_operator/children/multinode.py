@@ -26,9 +26,8 @@ from kvbridge_operator.api.names import LABEL_INFERENCE_POOL, LABEL_WORKER_INDEX
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import MAX_NODES, DisaggregatedDeploymentSpec, RoleSpec
 from kvbridge_operator.children.engines import engine_of
+from kvbridge_operator.children.engines.vllm_serve import MASTER_PORT
 
-#: torch.distributed's rendezvous on the leader (vLLM's --master-port)
-MASTER_PORT = 29500
 MASTER_PORT_NAME = "rendezvous"
 NODES_NEED_VLLM_ON_GPU = "NODES_NEED_VLLM_ON_GPU"
 NODES_DO_NOT_DIVIDE_TP = "NODES_DO_NOT_DIVIDE_TP"

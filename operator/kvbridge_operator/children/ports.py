@@ -3,11 +3,12 @@
 Each data-parallel rank of a role listens on ``spec.transfer.sideChannelPort + rank``. In the same pod the engine
 serves its HTTP API (the operator's ``agentHttpPort``; behind the routing sidecar, vLLM moves to
 :data:`~.engines.vllm_serve.VLLM_PORT_BEHIND_SIDECAR` and the sidecar takes the API port) and, with several
-data-parallel ranks, vLLM's coordination listens on :data:`~.engines.vllm_serve.DATA_PARALLEL_RPC_PORT` (each engine
-kind lists its pod's ports, ``ports`` of its module). Two listeners on one port is a crash loop, so a side-channel
-range holding any of these ports is refused (``SIDE_CHANNEL_PORT_CONFLICT``) with the nearest base that clears every
-port of both roles, checked here. vLLM's torch.distributed ports are drawn from the
-free ones when the engine starts (one node) and are not fixed, so they cannot be checked before scheduling.
+data-parallel ranks, vLLM's coordination listens on :data:`~.engines.vllm_serve.DATA_PARALLEL_RPC_PORT`; an engine
+over several nodes has its leader's torch.distributed rendezvous on :data:`~.engines.vllm_serve.MASTER_PORT` (each
+engine kind lists its pod's ports, ``ports`` of its module). Two listeners on one port is a crash loop, so a
+side-channel range holding any of these ports is refused (``SIDE_CHANNEL_PORT_CONFLICT``) with the nearest base that
+clears every port of both roles, checked here. On one node vLLM draws its other torch.distributed ports from the free
+ones when the engine starts: they are not fixed, so they cannot be checked before scheduling.
 """
 
 from __future__ import annotations

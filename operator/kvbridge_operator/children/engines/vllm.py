@@ -23,6 +23,7 @@ from kvbridge_operator.children.engines.vllm_problems import problems as problem
 from kvbridge_operator.children.engines.vllm_problems import refused_extra_args as refused_extra_args
 from kvbridge_operator.children.engines.vllm_serve import (
     DATA_PARALLEL_RPC_PORT,
+    MASTER_PORT,
     VLLM_PORT_BEHIND_SIDECAR,
     behind_sidecar,
     engine,
@@ -66,14 +67,16 @@ def kvbridge_transfer(spec: DisaggregatedDeploymentSpec) -> bool:
 
 
 def ports(spec: DisaggregatedDeploymentSpec, role: Role, config: OperatorConfig) -> dict[int, str]:
-    """The HTTP API (the routing sidecar's on decode, when one is set, with vLLM behind it), and with several
-    data-parallel ranks vLLM's coordination."""
+    """The HTTP API (the routing sidecar's on decode, when one is set, with vLLM behind it), with several
+    data-parallel ranks vLLM's coordination, and for an engine over several nodes its leader's rendezvous."""
     found = api_port(config)
     if behind_sidecar(role, config):
         found[config.agent_http_port] = "the routing sidecar (the operator's agentHttpPort)"
         found[VLLM_PORT_BEHIND_SIDECAR] = "vLLM behind the routing sidecar"
     if spec.role(role).data_parallel_size > 1:
         found[DATA_PARALLEL_RPC_PORT] = "vLLM's data-parallel RPC port (--data-parallel-rpc-port)"
+    if spec.role(role).nodes > 1:
+        found[MASTER_PORT] = "torch.distributed's rendezvous on the engine's leader pod (--master-port)"
     return found
 
 

@@ -62,6 +62,8 @@ DATA_PARALLEL_ARGUMENTS = (
 )
 #: the port of vLLM's data-parallel coordination (its default, rendered so the pod says it)
 DATA_PARALLEL_RPC_PORT = 29550
+#: torch.distributed's rendezvous on a multi-node engine's leader (vLLM's --master-port)
+MASTER_PORT = 29500
 #: arguments kvbridge sets from the spec; ``extraArgs`` naming one of them is refused
 MANAGED_ARGUMENTS = (
     "--port",
