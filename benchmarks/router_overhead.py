@@ -58,14 +58,30 @@ ROOT = Path(__file__).parents[1]
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def serve_engine(port: int, role: str, engine_ms: float) -> None:
-    """A vLLM-shaped engine: prefill returns transfer parameters, decode a completion (or a 3-chunk stream)."""
+def serve_engine(port: int, role: str, engine_ms: float, hosts: int = 1) -> None:
+    """A vLLM-shaped engine: prefill returns transfer parameters, decode a completion (or a 3-chunk stream). With
+    ``hosts`` above 1 it listens on 127.0.0.1 to 127.0.0.<hosts>, one address a pod, and counts the prefill requests
+    whose prompt the pod (the address called) had been sent before: what an unbounded prefix cache would hit
+    (``GET /stats``)."""
     from aiohttp import web
+
+    seen: dict[str, set[int]] = {}
+    stats = {"requests": 0, "hits": 0}
+
+    async def counts(request: web.Request) -> web.Response:
+        return web.json_response(stats)
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         await asyncio.sleep(engine_ms / 1000)
         if role == "prefill":
+            if hosts > 1:
+                pod = str(request.transport.get_extra_info("sockname")[0]) if request.transport else ""
+                prompt = hash(json.dumps(body.get("prompt")))
+                held = seen.setdefault(pod, set())
+                stats["requests"] += 1
+                stats["hits"] += prompt in held
+                held.add(prompt)
             return web.json_response(
                 {
                     "choices": [{"text": "x"}],
@@ -87,7 +103,9 @@ def serve_engine(port: int, role: str, engine_ms: float) -> None:
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+    app.router.add_get("/stats", counts)
+    listened = [f"127.0.0.{i + 1}" for i in range(hosts)] if hosts > 1 else "127.0.0.1"
+    web.run_app(app, host=listened, port=port, print=None, access_log=None)
 
 
 def serve_sink(port: int) -> None:
@@ -126,6 +144,13 @@ async def wait_up(session: aiohttp.ClientSession, url: str) -> None:
             return r.status < 500
 
     await until(up, 60, f"{url} to come up", interval=0.2, tolerate=(aiohttp.ClientError,))
+
+
+async def prefill_stats(session: aiohttp.ClientSession, urls: dict[str, str], name: str) -> tuple[int, int]:
+    """The prefill requests the stand-in of ``name`` took so far, and how many went to a pod sent the prompt before."""
+    async with session.get(urls[f"prefill:{name}"] + "/stats") as r:
+        stats = await r.json()
+    return stats["requests"], stats["hits"]
 
 
 async def direct(session: aiohttp.ClientSession, prefill: str, decode: str, body: dict[str, Any]) -> None:
@@ -212,12 +237,15 @@ def router_code(workdir: str, ref: str | None) -> dict[str, str]:
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     names = ["before", "after"] if args.before else ["router", "traced"] if args.tracing else ["router"]
     names += ["floor"] if args.floor else []
+    names = [f"policy:{policy}" for policy in args.policies] if args.policies else names
     ports = {
         "prefill": free_port(),
         "decode": free_port(),
         "sink": free_port(),
         **{name: free_port() for name in names},
+        **{f"prefill:{name}": free_port() for name in names if name.startswith("policy:")},
     }
+    hits = {name: [0, 0] for name in names if name.startswith("policy:")}
     procs: dict[str, subprocess.Popen[bytes]] = {}
     latencies: dict[str, list[float]] = {name: [] for name in ("direct", *names)}
     cpu = {name: [0.0, 0.0] for name in names}
@@ -233,6 +261,14 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         }
         status_file = Path(workdir, "status.json")
         status_file.write_text(json.dumps(status))
+        status_files = dict.fromkeys(names, status_file)
+        for name in hits:  # a prefill stand-in per policy, an address per pod: what each pod was sent is counted
+            endpoints = [
+                {"pod": f"prefill-{i}", "ip": f"127.0.0.{i + 1}", "httpPort": ports[f"prefill:{name}"], "pairing": "k"}
+                for i in range(args.pods)
+            ]
+            status_files[name] = Path(workdir, f"status-{name.split(':')[1]}.json")
+            status_files[name].write_text(json.dumps({**status, "prefill": {"endpoints": endpoints}}))
         try:
             for role in ("prefill", "decode"):
                 procs[role] = subprocess.Popen(
@@ -247,6 +283,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                         str(args.engine_ms),
                     ]
                 )
+            for name in hits:
+                standin = [sys.executable, __file__, "--serve-engine", "prefill", "--engine-ms", str(args.engine_ms)]
+                standin += ["--port", str(ports[f"prefill:{name}"]), "--hosts", str(max(2, args.pods))]
+                procs[f"prefill:{name}"] = subprocess.Popen(standin)
             if args.tracing:
                 sink = [sys.executable, __file__, "--serve-sink", "--port", str(ports["sink"])]
                 procs["sink"] = subprocess.Popen(sink)
@@ -266,7 +306,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                         "-m",
                         "kvbridge_router",
                         "--status-file",
-                        str(status_file),
+                        str(status_files[name]),
+                        *(["--policy", name.split(":")[1]] if name in hits else []),
                         "--host",
                         "127.0.0.1",
                         "--port",
@@ -300,10 +341,14 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 for round_ in range(args.rounds):
                     for name, call in calls.items():
                         before = cpu_seconds(procs[name].pid) if name in cpu else (0.0, 0.0)
+                        counted = await prefill_stats(session, urls, name) if name in hits else (0, 0)
                         latencies[name] += await steady(args.rate, args.seconds / args.rounds, call)
                         if name in cpu:
                             after = cpu_seconds(procs[name].pid)
                             cpu[name] = [total + b - a for total, a, b in zip(cpu[name], before, after, strict=True)]
+                        if name in hits:
+                            now = await prefill_stats(session, urls, name)
+                            hits[name] = [total + b - a for total, a, b in zip(hits[name], counted, now, strict=True)]
                     print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
         finally:
             for proc in procs.values():
@@ -336,6 +381,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             "routerCpuMsPerRequest": round(1000 * (user + system) / count, 3),
             "routerUserMsPerRequest": round(1000 * user / count, 3),
             "routerSystemMsPerRequest": round(1000 * system / count, 3),
+            **({"prefixHitRate": round(hits[name][1] / max(1, hits[name][0]), 3)} if name in hits else {}),
         }
     return result
 
@@ -369,6 +415,14 @@ if __name__ == "__main__":
     parser.add_argument(
         "--text", action="store_true", help="with --prefixes: each prompt as text, 4 bytes a token (default: token ids)"
     )
+    parser.add_argument(
+        "--policies",
+        nargs="+",
+        metavar="POLICY",
+        help="run one router per policy (kv-aware, least-loaded, round-robin) instead, taking turns, each in front of "
+        "a prefill stand-in of its own that counts prefix hits (a prompt sent to a pod that was sent it before; "
+        "up to 254 pods)",
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
         "--profile",
@@ -379,12 +433,13 @@ if __name__ == "__main__":
     parser.add_argument("--serve-engine", choices=("prefill", "decode"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-sink", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--hosts", type=int, default=1, help=argparse.SUPPRESS)
     parsed = parser.parse_args()
     if parsed.serve_sink:
         serve_sink(parsed.port)
         sys.exit(0)
     if parsed.serve_engine:
-        serve_engine(parsed.port, parsed.serve_engine, parsed.engine_ms)
+        serve_engine(parsed.port, parsed.serve_engine, parsed.engine_ms, parsed.hosts)
         sys.exit(0)
     if parsed.floor and parsed.stream:
         parser.error("--floor passes whole answers only: not with --stream")

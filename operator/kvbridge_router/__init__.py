@@ -11,7 +11,9 @@ Reading order:
 - ``samples``: pure: OpenAI's ``n``: the samples' requests, and one answer joined from theirs.
 - ``auth``: pure: clients' API keys (``Authorization: Bearer``), compared in constant time.
 - ``errors``: the router's errors, in OpenAI's error shape.
-- ``pool``: pure: which pods pair, balancing.
+- ``pool``: pure: which pods pair, the balancer (what the policies read: loads, what was sent where).
+- ``policies``: pure: how pods are chosen, one module per policy behind one protocol (``kv-aware``, ``least-loaded``,
+  ``round-robin``); the choice returned as a value.
 - ``prefixes``: pure: what was sent to each pod by prompt prefix (the ``kv-aware`` policy).
 - ``ring``: pure: consistent hashing with bounded loads, where replicas send a prefix none of them sent yet.
 - ``peers``: pure: what replicas report to each other (loads, what each sent where), the frame and the view.
@@ -24,8 +26,8 @@ Reading order:
 - ``__main__``: ``python -m kvbridge_router``.
 
 A separate process with its own, read-only RBAC: it imports the operator's ``api``, API client and retry delays,
-never Kopf, the children or the controller. ``settings``, ``prompts``, ``samples``, ``pool``, ``prefixes``,
-``ring``, ``peers``, ``answers`` and ``auth`` import no HTTP library, event loop or metrics client (import-linter
-keeps it so); ``settings`` imports nothing of the operator, whose ``api`` and ``children`` read it; ``server`` and
-``upstream``, the two HTTP ends, import nothing of kvbridge.
+never Kopf, the children or the controller. ``settings``, ``prompts``, ``samples``, ``pool``, ``policies``,
+``prefixes``, ``ring``, ``peers``, ``answers`` and ``auth`` import no HTTP library, event loop or metrics client
+(import-linter keeps it so); ``settings`` imports nothing of the operator, whose ``api`` and ``children`` read it;
+``server`` and ``upstream``, the two HTTP ends, import nothing of kvbridge.
 """

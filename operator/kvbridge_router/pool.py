@@ -3,8 +3,9 @@
 A prefill pod and a decode pod are a pair when their pairing keys are equal (one spec, one checked plan) or
 listed together in ``status.rollout.pairings`` (a mix of old and new pods the operator checked during a rollout).
 Nothing else is paired: pods of different keys that are not listed were never checked and may exchange KV
-caches wrongly. Among the pairs, the balancer picks the prefill pod with the fewest requests in flight, then
-the least loaded decode pod paired with it; ties go round-robin so that an idle pool spreads its requests.
+caches wrongly. Among the pairs, the balancer's policy (policies/) chooses a prefill pod and a decode pod paired
+with it; the balancer holds what the policies read: the requests in flight per pod, what each pod was sent, the turn
+counters and hash rings of each set of candidates.
 """
 
 from __future__ import annotations
@@ -14,15 +15,17 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from kvbridge_operator.api.objects import Obj
+from kvbridge_router.policies import POLICIES, Choice, Policy
+from kvbridge_router.policies.base import Candidates, candidates_of
+from kvbridge_router.policies.kv_aware import LOAD_SLACK
 from kvbridge_router.prefixes import PrefixIndex
-from kvbridge_router.ring import Ring, anchor, cap
+from kvbridge_router.ring import Ring
 from kvbridge_router.settings import RouterPolicy
 
 KV_AWARE = RouterPolicy.KV_AWARE.value
 LEAST_LOADED = RouterPolicy.LEAST_LOADED.value
-#: kv-aware: a pod holding the prompt's prefix is preferred while it has at most this many more requests in flight
-#: than the least loaded pod (a busy pod's queue costs more than recomputing a prefix elsewhere)
-LOAD_SLACK = 2
+ROUND_ROBIN = RouterPolicy.ROUND_ROBIN.value
+__all__ = ["KV_AWARE", "LEAST_LOADED", "LOAD_SLACK", "ROUND_ROBIN", "Balancer", "Choice", "Pool", "Target"]
 #: prefix keys of what was sent kept for the next report to the other replicas (peering.py, every 0.05 s by
 #: default): 2 MiB of them in a report, what 1,200 prompts of 1,700 tokens hold; past it, the peers miss the rest
 SENT_KEYS = 1 << 18
@@ -147,61 +150,22 @@ def _targets(status: Obj, role: str, skipped: list[str]) -> tuple[Target, ...]:
     return tuple(found)
 
 
-@dataclass(frozen=True)
-class _Candidates:
-    """A set of candidates as a request's choice reads it, built once per tuple of targets (the pool's are cached
-    per pool): each target's position by pod name (its first, and every position of a name listed more than once)."""
-
-    targets: tuple[Target, ...]
-    position: dict[str, int]
-    names: tuple[str, ...]
-    twins: dict[str, tuple[int, ...]]
-
-    def positions(self, pod: str) -> tuple[int, ...]:
-        """Every position of ``pod`` among the candidates (none when it is not one)."""
-        twins = self.twins.get(pod)
-        if twins is not None:
-            return twins
-        index = self.position.get(pod)
-        return () if index is None else (index,)
-
-
-def _ends(size: int, out: list[int]) -> tuple[int, int]:
-    """The first and last of ``size`` positions not in ``out`` (sorted; fewer than ``size``)."""
-    first, last, left = 0, size - 1, set(out)
-    while first in left:
-        first += 1
-    while last in left:
-        last -= 1
-    return first, last
-
-
 @dataclass
 class Balancer:
-    """Requests in flight per pod, and the choice of a pod: the least loaded one (``least-loaded``), or
-    (``kv-aware``) among the pods at most :data:`LOAD_SLACK` requests busier than the least loaded, the one that
-    was sent the longest leading part of the prompt (``prefixes``: its prefix cache most likely holds it), ties
-    to the least loaded; then round-robin. A prompt none of them was sent goes (``ring``) where consistent hashing
-    with bounded loads puts its first chunks (ring.py), so that router replicas, each knowing only what it sent,
-    send a new prefix to the same pod; without ``ring``, to the least loaded pod.
+    """What the router's policy reads and writes, and its choice: requests in flight per pod (here and, as reported,
+    at the other replicas), what each pod was sent (``prefixes``, for ``kv-aware``), the turn counter per set of
+    candidates and their hash rings. The choice is the policy's (``policy``, one of :data:`POLICIES`), returned as
+    a :class:`Choice` by :meth:`decide`; nothing of it is left here for the caller to read."""
 
-    A choice among hundreds of pods reads only the pods with requests in flight (here or at other replicas; the
-    others are idle), scores only the pods holding the prompt's first key, and walks the candidates' ring, built
-    once per set of candidates: no loop over the pods per request. (Plain dicts, not arrays: a request runs through
-    much code, and numpy's calls on cold caches cost tens of microseconds each, more than the few dict reads.)"""
-
+    #: the policy's name (``--policy``)
     policy: str = KV_AWARE
     #: this replica's requests in flight per pod (pods with none are absent)
     outstanding: dict[str, int] = field(default_factory=dict, init=False)
     #: the round-robin position per set of candidates (prefill pods, each prefill pod's decode partners, ...)
     _turns: dict[tuple[int, str, str], int] = field(default_factory=dict)
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)
-    #: kv-aware: how many leading chunks of the last chosen prefill pod's prompt it had been sent before
-    last_matched: int = 0
-    #: and when (:meth:`PrefixIndex.ticks`), for :meth:`observed` once the pod has said what it held
-    last_ticks: list[int] = field(default_factory=list)
-    #: kv-aware: the tick of the last choice's record at its prefill pod, for :meth:`prefilled`
-    last_tick: int = 0
+    #: the last choice of :meth:`choose` (tests and benchmarks read it; the router reads :meth:`decide`'s answer)
+    last: Choice | None = field(default=None, init=False)
     #: kv-aware: per prefill pod, the records whose prefill is in flight: tick -> the prompt's first key
     _prefilling: dict[str, dict[int, int]] = field(default_factory=dict)
     #: kv-aware: place prompts no pod was sent on the hash ring (bounded loads) rather than on the least loaded pod
@@ -225,109 +189,31 @@ class Balancer:
     #: records not kept for want of room since the last drain
     sent_dropped: int = 0
     #: the sets of candidates seen, by the identity of their tuple (checked: ``targets is``)
-    _candidates: dict[int, _Candidates] = field(default_factory=dict)
-    #: the last pick's score (the leading chunks its pod was sent) when it chose by score, else -1
-    _score: int = field(default=-1, init=False)
+    _candidates: dict[int, Candidates] = field(default_factory=dict)
     #: the hash rings, by the candidates' names (each prefill pod's decode partners are a tuple of their own, most
     #: often of the same pods: one ring for all)
     _rings: dict[tuple[str, ...], Ring] = field(default_factory=dict)
+    _unit: Policy | None = field(default=None, init=False, repr=False)
 
-    def pick(
-        self, candidates: Iterable[Target], exclude: Iterable[str] = (), keys: list[int] | None = None
-    ) -> Target | None:
-        """One of ``candidates`` (taken in the order given: the pool's are sorted by pod), ``exclude`` left out."""
-        self._score = -1
-        every = tuple(candidates)
-        if not every:
-            return None
-        known = self._of(every)
-        left = set(exclude)
-        # a retry: the candidates that failed this request are left out
-        out = sorted({index for pod in left for index in known.positions(pod)}) if left else []
-        count = len(every) - len(out)
-        if not count:
-            return None
-        # the candidates with requests in flight, by position, and their loads: every other one has none
-        busy: dict[int, int] = {}
-        for pod in (*self.outstanding, *self._peer_loads):
-            if pod not in left:
-                for index in known.positions(pod):
-                    busy[index] = self.load_of(pod)
-        fewest = 0 if len(busy) < count else min(busy.values())
-        tied: list[Target] = []
-        if keys and self.policy == KV_AWARE:
-            # among the pods at most LOAD_SLACK busier than the least loaded: the longest match, then the least load;
-            # only the pods holding the prompt's first key can match at all, taken in the candidates' order
-            best, best_load, matched = 0, 0, self.prefixes.matched
-            holders = sorted(known.position[pod] for pod in self.prefixes.holders(keys[0]) if pod in known.position)
-            for index in holders:
-                target, load = every[index], busy.get(index, 0)
-                if load > fewest + LOAD_SLACK or target.pod in left:
-                    continue
-                score = matched(target.pod, keys)
-                if score == 0 or score < best or (score == best and load > best_load):
-                    continue
-                if score > best or load < best_load:
-                    best, best_load, tied = score, load, [target]
-                else:
-                    tied.append(target)
-            if not tied and self.ring:
-                placed = self._place(known, left, keys, sum(busy.values()), count)
-                if placed is not None:
-                    return placed
-        # the set of candidates, told apart by its size and ends (a tuple of hundreds of names per request costs more
-        # than the choice; two sets that look alike share a turn counter, which only shifts whose turn it is)
-        first, last = _ends(len(every), out)
-        key = (count, every[first].pod, every[last].pod)
-        turn = self._turns[key] = self._turns.get(key, -1) + 1
-        if len(self._turns) > 1024:  # pods come and go: forget old sets rather than grow without bound
-            self._turns = {key: turn}
-        if tied:
-            self._score = best  # only a score fills tied
-            return tied[turn % len(tied)]
-        if fewest:  # every candidate is busy: the least loaded ones
-            least = [every[index] for index in sorted(busy) if busy[index] == fewest]
-            return least[turn % len(least)]
-        # the idle candidates, in order: the turn's one, found past the busy and left-out ones before it
-        index = turn % (count - len(busy))
-        for skipped in sorted({*busy, *out}):
-            if skipped > index:
-                break
-            index += 1
-        return every[index]
+    @property
+    def unit(self) -> Policy:
+        """The policy named ``policy``."""
+        unit = self._unit
+        if unit is None or unit.name != self.policy:
+            unit = self._unit = POLICIES[RouterPolicy(self.policy)]
+        return unit
 
-    def _of(self, every: tuple[Target, ...]) -> _Candidates:
-        """``every`` as a choice reads it, built on its first choice."""
-        known = self._candidates.get(id(every))
-        if known is not None and known.targets is every:
-            return known
-        if len(self._candidates) >= 1024:  # pools come and go: forget old sets rather than grow without bound
-            self._candidates.clear()
-        names = tuple(t.pod for t in every)
-        position = {name: index for index, name in reversed(tuple(enumerate(names)))}  # a name listed twice: its first
-        twins: dict[str, tuple[int, ...]] = {}
-        if len(position) < len(names):
-            for name in position:
-                indices = tuple(index for index, other in enumerate(names) if other == name)
-                if len(indices) > 1:
-                    twins[name] = indices
-        known = self._candidates[id(every)] = _Candidates(every, position, names, twins)
-        return known
-
-    def _place(self, known: _Candidates, left: set[str], keys: list[int], total: int, count: int) -> Target | None:
-        """The pod the hash ring of the candidates gives the prompt, ``left`` excluded, its load within the cap
-        (``total`` requests in flight at the ``count`` pods not excluded)."""
-        position = anchor(keys)
-        if position is None:
-            return None
-        ring = self._rings.get(known.names)
-        if ring is None:
-            if len(self._rings) >= 64:  # pods come and go: forget old sets rather than grow without bound
-                self._rings.clear()
-            ring = self._rings[known.names] = Ring(known.names)
-        limit = cap(total, count, slack=LOAD_SLACK)
-        pod = ring.place(position, _Loads(self), left, limit)
-        return None if pod is None else known.targets[known.position[pod]]
+    def decide(
+        self,
+        pool: Pool,
+        exclude: Iterable[str] = (),
+        exclude_decodes: Iterable[str] = (),
+        keys: list[int] | None = None,
+    ) -> Choice | None:
+        """The policy's (prefill, decode) pair for the next request and why, or None when none is left; ``exclude``
+        names prefill pods, ``exclude_decodes`` decode pods (ones that failed this request); ``keys``: the prompt's
+        prefix keys (``prefixes.prefix_keys``), for a policy that scores them."""
+        return self.unit.choose(self, pool, keys or [], exclude, exclude_decodes)
 
     def choose(
         self,
@@ -336,31 +222,77 @@ class Balancer:
         exclude_decodes: Iterable[str] = (),
         keys: list[int] | None = None,
     ) -> tuple[Target, Target] | None:
-        """A (prefill, decode) pair for the next request, or None when none is left; ``exclude`` names prefill
-        pods, ``exclude_decodes`` decode pods (ones that failed this request); ``keys``: the prompt's prefix keys
-        (``prefixes.prefix_keys``), for the kv-aware policy. Decode affinity: the decode partner that was sent the
-        prompt's prefix already holds those blocks, and reads only the rest."""
-        avoided = set(exclude_decodes)
-        candidates = pool.routable()
-        if avoided:
-            candidates = tuple(p for p in candidates if any(d.pod not in avoided for d in pool.decodes_for(p)))
-        prefill = self.pick(candidates, exclude, keys)
-        if prefill is None:
+        """:meth:`decide`'s pair alone, the choice kept as ``last`` (what the tests read)."""
+        choice = self.decide(pool, exclude, exclude_decodes, keys)
+        if choice is None:
             return None
-        score = self._score
-        decode = self.pick(pool.decodes_for(prefill), avoided, keys)
-        if decode is None:
-            return None
-        if keys and self.policy == KV_AWARE:
-            self.last_matched = score if score >= 0 else self.prefixes.matched(prefill.pod, keys)
-            self.last_ticks = self._believed(prefill.pod, keys) if self.last_matched else []
-            # written at the index's next use, or once the caller sent the prefill request (:meth:`flush`)
-            self.last_tick = self.prefixes.record(prefill.pod, keys, later=True)
-            if self.last_tick:
-                self._prefilling.setdefault(prefill.pod, {})[self.last_tick] = keys[0]
-            self.prefixes.record(decode.pod, keys, later=True)
-            self._report(decode.pod, keys)  # the prefill pod's once its prefill ends (:meth:`prefilled`)
-        return prefill, decode
+        self.last = choice
+        return choice.prefill, choice.decode
+
+    @property
+    def last_matched(self) -> int:
+        return self.last.matched if self.last else 0
+
+    @property
+    def last_ticks(self) -> list[int]:
+        return list(self.last.ticks) if self.last else []
+
+    @property
+    def last_tick(self) -> int:
+        return self.last.tick if self.last else 0
+
+    def pick(
+        self, candidates: Iterable[Target], exclude: Iterable[str] = (), keys: list[int] | None = None
+    ) -> Target | None:
+        """One of ``candidates`` (taken in the order given: the pool's are sorted by pod), ``exclude`` left out, as
+        the policy picks one pod (another decode pod for a retry, one for /v1/models)."""
+        return self.unit.pick(self, tuple(candidates), exclude, keys)
+
+    # -- what the policies read ------------------------------------------------------------------------------------
+
+    def candidates(self, every: tuple[Target, ...]) -> Candidates:
+        """``every`` as a choice reads it, built on its first choice."""
+        known = self._candidates.get(id(every))
+        if known is not None and known.targets is every:
+            return known
+        if len(self._candidates) >= 1024:  # pools come and go: forget old sets rather than grow without bound
+            self._candidates.clear()
+        known = self._candidates[id(every)] = candidates_of(every)
+        return known
+
+    def next_turn(self, key: tuple[int, str, str]) -> int:
+        """The next turn of the set of candidates ``key`` tells apart."""
+        turn = self._turns[key] = self._turns.get(key, -1) + 1
+        if len(self._turns) > 1024:  # pods come and go: forget old sets rather than grow without bound
+            self._turns = {key: turn}
+        return turn
+
+    def ring_of(self, names: tuple[str, ...]) -> Ring:
+        """The hash ring of the candidates ``names``, built once."""
+        ring = self._rings.get(names)
+        if ring is None:
+            if len(self._rings) >= 64:  # pods come and go: forget old sets rather than grow without bound
+                self._rings.clear()
+            ring = self._rings[names] = Ring(names)
+        return ring
+
+    def busy(self) -> tuple[str, ...]:
+        """The pods with requests in flight, here or at other replicas (a pod may be named twice)."""
+        return (*self.outstanding, *self._peer_loads)
+
+    def in_flight(self) -> Mapping[str, int]:
+        """Each pod's requests in flight over every replica (:meth:`load_of`), a view."""
+        return _Loads(self)
+
+    def sending(self, prefill: str, decode: str, keys: list[int]) -> int:
+        """kv-aware: ``prefill`` and ``decode`` were chosen for the prompt of ``keys``; its record's tick at the
+        prefill pod (written at the index's next use, or at :meth:`flush`)."""
+        tick = self.prefixes.record(prefill, keys, later=True)
+        if tick:
+            self._prefilling.setdefault(prefill, {})[tick] = keys[0]
+        self.prefixes.record(decode, keys, later=True)
+        self._report(decode, keys)  # the prefill pod's once its prefill ends (:meth:`prefilled`)
+        return tick
 
     def flush(self) -> None:
         """Write the index records of the last choice (a router calls this once it sent the prefill request, so that
@@ -381,7 +313,7 @@ class Balancer:
         else:  # the peers miss it: a cache hit at most
             self.sent_dropped += 1
 
-    def _believed(self, pod: str, keys: list[int]) -> list[int]:
+    def believed(self, pod: str, keys: list[int], matched: int) -> list[int]:
         """The ticks of the prompt's leading chunks the pod holds (:meth:`observed` compares them with its answer);
         none while a prefill of a prompt with the same first chunk is in flight there (a copy this request may
         overtake, or one still filling the cache: its chunks are not cached yet, whatever their ticks say, even after
@@ -389,13 +321,13 @@ class Balancer:
         pending = self._prefilling.get(pod)
         if pending and keys[0] in pending.values():
             return []
-        return self.prefixes.ticks(pod, keys, self.last_matched)
+        return self.prefixes.ticks(pod, keys, matched)
 
     def prefilled(self, pod: str, tick: int, keys: list[int], matched: int, computed: bool) -> None:
-        """The prefill call of the choice that recorded ``keys`` at ``tick`` (``last_tick``), ``matched`` of them found
-        held (``last_matched``), ended: ``computed`` (reported to the other replicas from now), or not (failed, timed
-        out, cancelled: the pod never cached the rest, which is forgotten unless sent again since). Every choice with
-        keys is followed by this once."""
+        """The prefill call of the choice that recorded ``keys`` at ``tick`` (``Choice.tick``), ``matched`` of them
+        found held (``Choice.matched``), ended: ``computed`` (reported to the other replicas from now), or not
+        (failed, timed out, cancelled: the pod never cached the rest, which is forgotten unless sent again since).
+        Every choice with keys is followed by this once."""
         pending = self._prefilling.get(pod)
         if pending is not None:
             pending.pop(tick, None)
@@ -408,7 +340,7 @@ class Balancer:
 
     def observed(self, pod: str, ticks: list[int], held: int) -> int:
         """A prefill pod's answer said it held ``held`` leading chunks of a prompt of which this router believed it held
-        ``len(ticks)`` (``last_ticks`` of the choice: only chunks whose prefill this router saw end): two or more
+        ``len(ticks)`` (``Choice.ticks``: only chunks whose prefill this router saw end): two or more
         fewer, and its cache evicted the first chunk it lacked, and what it was sent before that; those are forgotten
         (:meth:`PrefixIndex.lost`). Not for a shortfall of one chunk (vLLM's hits can be a block coarser than the
         router's chunks: speculative decoding drops one). The keys forgotten."""

@@ -52,7 +52,7 @@ from kvbridge_router.errors import RouteError
 from kvbridge_router.metrics import RouterMetrics
 from kvbridge_router.peering import PEER_PATH, Exchange
 from kvbridge_router.peers import MAX_FRAME_BYTES
-from kvbridge_router.pool import KV_AWARE, Balancer, Pool, Target
+from kvbridge_router.pool import Balancer, Pool, Target
 from kvbridge_router.prefixes import cached_as_keyed, held_chunks, prefix_keys, prompt_ids
 from kvbridge_router.prompts import TokenIds
 from kvbridge_router.samples import JoinError, joined, sample_bodies
@@ -127,7 +127,8 @@ class RouterConfig:
     prefill_attempts: int = DEFAULTS.prefill_attempts
     #: decode calls per request (the first and its retries on other pairs)
     decode_attempts: int = DEFAULTS.decode_attempts
-    #: how pods are chosen: kv-aware (by the prompt prefix each pod was sent, then load) or least-loaded
+    #: how pods are chosen (policies/): kv-aware (by the prompt prefix each pod was sent, then load), least-loaded or
+    #: round-robin
     policy: str = DEFAULTS.policy.value
     #: kv-aware: tokens per prompt chunk scored, the prefill pods' KV block size (vLLM caches whole blocks)
     block_tokens: int = DEFAULTS.block_size
@@ -495,29 +496,27 @@ class Router:
         last: RouteError | None = None
         # a completion's list prompt passed admission's token-id check (prompts.token_ids): not checked again
         admitted_ids = ROUTES[path] == "completions"
-        kv_aware = self.balancer.policy == KV_AWARE
-        keys = prefix_keys(body, self.config.block_tokens, ids_checked=admitted_ids) if kv_aware else []
+        scored = self.balancer.unit.scores_prefixes
+        keys = prefix_keys(body, self.config.block_tokens, ids_checked=admitted_ids) if scored else []
         for _ in range(self.config.prefill_attempts):
             left = self.config.request_timeout - (time.perf_counter() - started)
             if left <= 0:
                 raise self._request_timeout(tried)
-            with ledger.trace.step(span.ROUTER_CHOOSE, {span.POLICY: self.balancer.policy}) as choice:
-                pair = self.balancer.choose(self.pool, exclude=tried, exclude_decodes=exclude_decodes or (), keys=keys)
-                if pair is None:
-                    choice.failed("NO_ROUTE")
+            with ledger.trace.step(span.ROUTER_CHOOSE, {span.POLICY: self.balancer.policy}) as step:
+                choice = self.balancer.decide(self.pool, tried, exclude_decodes or (), keys)
+                if choice is None:
+                    step.failed("NO_ROUTE")
                     break
-                prefill, decode = pair
-                choice.set(span.PREFILL_POD, prefill.pod)
-                choice.set(span.DECODE_POD, decode.pod)
-                if self.balancer.policy == KV_AWARE:
-                    choice.set(span.PREFIX_CHUNKS, len(keys))
-                    choice.set(span.PREFIX_HIT_CHUNKS, self.balancer.last_matched if keys else 0)
+                prefill, decode = choice.prefill, choice.decode
+                step.set(span.PREFILL_POD, prefill.pod)
+                step.set(span.DECODE_POD, decode.pod)
+                if scored:
+                    step.set(span.PREFIX_CHUNKS, len(keys))
+                    step.set(span.PREFIX_HIT_CHUNKS, choice.matched)
                 if keys:
-                    hit = self.balancer.last_matched
-                    _after_answer(self.metrics.prefix_matched, hit, len(keys))
-                believed = self.balancer.last_ticks if keys else []  # when the pod was sent the chunks it matched
-                tick = self.balancer.last_tick if keys else 0  # this choice's record at the prefill pod
-                matched = self.balancer.last_matched if keys else 0
+                    _after_answer(self.metrics.prefix_matched, choice.matched, len(keys))
+                # when the pod was sent the chunks it matched; this choice's record at the prefill pod
+                believed, tick, matched = list(choice.ticks), choice.tick, choice.matched
             called = time.perf_counter()
             computed = False
             timeout = min(self.config.prefill_timeout, left)

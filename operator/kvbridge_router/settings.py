@@ -19,6 +19,7 @@ class RouterPolicy(StrEnum):
 
     KV_AWARE = "kv-aware"  # the pod most of the prompt's prefix was sent to, unless it is much busier
     LEAST_LOADED = "least-loaded"  # the pod with the fewest requests in flight
+    ROUND_ROBIN = "round-robin"  # the next pod in turn, whatever its load (a baseline)
 
 
 #: the variable holding API keys (comma- or newline-separated), besides ``--api-key-file``
@@ -42,7 +43,7 @@ class RouterSettings:
     policy: RouterPolicy = _setting(  # noqa: RUF009 - a dataclasses.field, as every setting's
         RouterPolicy.KV_AWARE,
         "kv-aware: the pods that were sent the longest leading part of the prompt, unless much busier; "
-        "least-loaded: the fewest requests in flight (docs/router.md)",
+        "least-loaded: the fewest requests in flight; round-robin: the next pod in turn (docs/router.md)",
     )
     block_size: int = _setting(
         16,

@@ -49,6 +49,9 @@ async def longest_stall(during: asyncio.Future[None]) -> float:
     return longest
 
 
+# a wall-clock stall measured on the event loop: beside three other workers on two cores the OS alone can hold the
+# loop past the bound (seen once), so it runs in make test's serial stage
+@pytest.mark.slow
 @pytest.mark.parametrize("records", [SENT_RECORDS, 64])
 async def test_the_largest_report_never_holds_the_loop_long(records: int) -> None:
     peers = exchange()

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge_router.pool import KV_AWARE, LEAST_LOADED, LOAD_SLACK, Balancer, Pool
+from kvbridge_router.pool import KV_AWARE, LEAST_LOADED, LOAD_SLACK, ROUND_ROBIN, Balancer, Pool
 from kvbridge_router.prefixes import (
     _SEEDS,
     BYTES_PER_TOKEN,
@@ -41,7 +41,7 @@ def pool(prefills: int = 2, decodes: int = 2) -> Pool:
 
 
 def test_the_policies_are_the_specs() -> None:
-    assert {KV_AWARE, LEAST_LOADED} == {p.value for p in RouterPolicy}
+    assert {KV_AWARE, LEAST_LOADED, ROUND_ROBIN} == {p.value for p in RouterPolicy}
 
 
 def test_keys_chain_whole_chunks_of_tokens_text_and_chat() -> None:

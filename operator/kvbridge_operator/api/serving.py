@@ -85,7 +85,7 @@ class RouterSpec(CamelModel):
         default=ROUTER.policy,
         description="kv-aware: send a request to the prefill and decode pods that were sent the longest leading part "
         "of its prompt (their prefix caches), unless they are busier than the least loaded by more than 2 requests; "
-        "least-loaded: the pod with the fewest requests in flight.",
+        "least-loaded: the pod with the fewest requests in flight; round-robin: each pod in turn.",
     )
     sign_transfers: bool = Field(
         default=False,

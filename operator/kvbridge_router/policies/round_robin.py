@@ -1,0 +1,48 @@
+"""``round-robin``: each request to the next prefill pod in turn, then the next of its decode partners, whatever
+their loads or what they were sent; pure. The simplest policy: a baseline the others are measured against
+(docs/benchmarks.md), and the proof that a policy is one module and its registration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from kvbridge_router.policies.base import BY_TURN, Choice, Pick, nth_left, pair
+from kvbridge_router.policies.least_loaded import next_turn
+from kvbridge_router.settings import RouterPolicy
+
+if TYPE_CHECKING:
+    from kvbridge_router.pool import Balancer, Pool, Target
+
+
+def _pick(view: Balancer, candidates: tuple[Target, ...], exclude: Iterable[str], keys: list[int]) -> Pick | None:
+    every = tuple(candidates)
+    if not every:
+        return None
+    _, out = view.candidates(every).left_out(exclude)
+    count = len(every) - len(out)
+    if not count:
+        return None
+    turn = next_turn(view, every, out, count)
+    return every[nth_left(turn % count, out)], -1, BY_TURN
+
+
+class RoundRobin:
+    name = RouterPolicy.ROUND_ROBIN
+    scores_prefixes = False
+
+    def choose(
+        self, view: Balancer, pool: Pool, keys: list[int], exclude: Iterable[str], exclude_decodes: Iterable[str]
+    ) -> Choice | None:
+        chosen = pair(_pick, view, pool, keys, exclude, exclude_decodes)
+        if chosen is None:
+            return None
+        (prefill, _, reason), decode = chosen
+        return Choice(prefill, decode, reason)
+
+    def pick(
+        self, view: Balancer, candidates: tuple[Target, ...], exclude: Iterable[str] = (), keys: list[int] | None = None
+    ) -> Target | None:
+        picked = _pick(view, candidates, exclude, keys or [])
+        return None if picked is None else picked[0]
