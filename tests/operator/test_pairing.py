@@ -70,7 +70,7 @@ def test_every_role_setting_changes_the_key(role: str, field: str, value: object
 def test_data_and_expert_parallelism_left_unset_keep_the_key_they_had() -> None:
     """Keys of deployments without them are what they were before the fields existed (no rollout on upgrade)."""
     assert key(with_(prefill__dataParallelSize=1, decode__expertParallel=False)) == key(with_())
-    assert key(with_()) == "141971a902"  # the key before dataParallelSize and expertParallel existed
+    assert key(with_()) == "7872541c86"  # the key without them (protocol version 5: every key changed with it)
 
 
 def test_the_test_above_covers_every_role_setting() -> None:

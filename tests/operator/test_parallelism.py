@@ -124,7 +124,7 @@ def test_one_dp_rank_renders_what_it_rendered_before() -> None:
 
 def test_dense_fingerprints_stay_and_experts_are_part_of_the_model() -> None:
     dense = ModelGeometry(name="meta-llama/Llama-3.1-8B", num_layers=32, num_kv_heads=8, head_dim=128)
-    assert fingerprint(dense) == "27af220c"  # as before numExperts existed: dense pods keep pairing
+    assert fingerprint(dense) == "03588fdb"  # without numExperts, as before it existed (protocol version 5)
     assert fingerprint(dense.model_copy(update={"num_experts": 64})) != fingerprint(dense)
 
 

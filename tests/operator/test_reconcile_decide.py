@@ -434,7 +434,7 @@ CASES = [
             "PrefillReady": ("True", "AllReplicasReady"),
             "Ready": ("False", "Incompatible"),
         },
-        status={"observedGeneration": 2, "pairing": "3ccdfdce2d", "rollout.phase": "Complete"},
+        status={"observedGeneration": 2, "pairing": "d17a158943", "rollout.phase": "Complete"},
         says={
             "Incompatible": f"{INCOMPATIBLE_HEADS}: prefill TP 16 exceeds the 8 KV heads",
         },

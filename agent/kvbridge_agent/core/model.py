@@ -23,7 +23,10 @@ from pydantic.alias_generators import to_camel
 #: ``digest`` requests; engines of version 2 would ignore the flag or refuse the message, so they never pair.
 #: 4: ``kvbridge-digest/2`` (a keyed digest over a prime field; the digest reply carries the request's key): an
 #: engine of version 3 would compute other values and fail every verified request as a mismatch.
-PROTOCOL_VERSION = 4
+#: 5: side-channel envelope 3 (a metadata reply carries its agent metadata's SHA-256) and the transfer parameters'
+#: ``promptHash``: an engine of version 4 refuses the unknown field and the envelope, so the pairing key (which holds
+#: the version) keeps the two releases apart and a rollout between them is blue/green.
+PROTOCOL_VERSION = 5
 
 
 class Attention(StrEnum):
