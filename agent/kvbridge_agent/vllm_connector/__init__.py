@@ -6,6 +6,7 @@ Reading order:
 - ``messages``: what the two halves tell each other, and the ``kv_transfer_params``.
 - ``scheduler``: the scheduler half: which requests to read or offer, leases, the side-channel listener.
 - ``worker``: the worker half: one TP rank's KV cache on kvbridge's rank machinery.
+- ``failures``: a request's typed failure instead of vLLM's step; the handshakes refused, not queued.
 - ``cache_geometry``: what vLLM's KV tensors are to kvbridge: geometry, layout name, CPU kernel, refused conversions.
 - ``cpu_blocks``: block-size conversions for vLLM's CPU attention cache.
 - ``stats``: what the connector reports through vLLM's metrics.

@@ -33,7 +33,6 @@ from kvbridge_agent.core.digest import (
     decode_verifies,
     to_bytes,
 )
-from kvbridge_agent.core.errors import INTERNAL_ERROR, failure_of
 from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams
 from kvbridge_agent.core.plan import build_plan
 from kvbridge_agent.core.tp import handshake_ranks
@@ -58,21 +57,13 @@ from kvbridge_agent.transfer.transport import Transport
 
 from .cache_geometry import check_block_interior, cpu_kernel, physical_order, refuse_conversions, transfer_geometry
 from .cpu_blocks import CPUAttentionBlocks
+from .failures import HANDSHAKE_BUSY, MAX_HANDSHAKES, request_failure
 from .messages import RankHandshake, ReadOrder, StepMetadata
 from .settings import ConnectorSettings
 from .stats import KVBridgeStats
 from .tracing import Spans, Value
 
 log = logging.getLogger(f"vllm.kvbridge.{__name__.rsplit('.', 1)[-1]}")  # shown by vLLM's log handler
-
-
-def request_failure(exc: Exception, default_code: str, subject: str) -> tuple[str, str]:
-    """The typed failure of the requests ``exc`` hit (:func:`~kvbridge_agent.core.errors.failure_of`); an unexpected
-    one is logged with its traceback."""
-    code, message = failure_of(exc, default_code)
-    if code == INTERNAL_ERROR:
-        log.error("kvbridge: %.80s: unexpected %s", subject, message, exc_info=exc)
-    return code, message
 
 
 class ConnectorWorker:
@@ -96,7 +87,7 @@ class ConnectorWorker:
         self._finished_seen: set[str] = set()
         # decode
         self._results: list[ReadResult] = []
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-handshake")
+        self._executor = ThreadPoolExecutor(max_workers=MAX_HANDSHAKES, thread_name_prefix="kvbridge-handshake")
         #: handshakes in flight, by (prefill engine, incarnation): the fetch, when it started and the side channel
         self._fetching: dict[tuple[str, str], tuple[Future[PrefillRanks], float, tuple[str, int]]] = {}
         #: where each prefill engine's current incarnation was met (host, port): its side channel does not move
@@ -271,15 +262,19 @@ class ConnectorWorker:
                 require_address(params, self._addresses.get(params.remote_engine_id))
             except HandshakeError as exc:
                 return ReadResult(request_id, False, exc.code, exc.message, list(order.local_block_ids))
-        if expires_at is not None:
-            self._expiry[request_id] = (expires_at, list(order.local_block_ids))
         if peer is None or peer.incarnation != params.remote_incarnation:
             key = (params.remote_engine_id, params.remote_incarnation)
-            self._parked.setdefault(key, []).append((request_id, order))
             if key not in self._fetching:
+                if len(self._fetching) >= MAX_HANDSHAKES:  # never queued behind side channels that do not answer
+                    busy = f"{MAX_HANDSHAKES} handshakes with other prefill engines are in flight; prefill it again"
+                    return ReadResult(request_id, False, HANDSHAKE_BUSY, busy, list(order.local_block_ids))
                 address = (params.remote_host, params.remote_port)
                 self._fetching[key] = (self._executor.submit(self._fetch, params), time.perf_counter(), address)
                 self._fetch_started_ns[key] = time.time_ns()
+            self._parked.setdefault(key, []).append((request_id, order))
+        if expires_at is not None:
+            self._expiry[request_id] = (expires_at, list(order.local_block_ids))
+        if peer is None or peer.incarnation != params.remote_incarnation:
             return None
         # prefill's draw (the parameters' verify), or decode's own policy when it is All; prefill's digests are
         # fetched while the READs run

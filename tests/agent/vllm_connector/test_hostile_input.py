@@ -402,3 +402,55 @@ def test_decode_survives_any_handshake_reply(pair: Pair, fake_prefill: FakePrefi
     event(f"outcome: {code or 'read, byte-exact'}")
     assert code != "INTERNAL_ERROR"
     pair.normal_request_moves()
+
+
+def test_a_handshake_never_waits_behind_side_channels_that_do_not_answer(pair: Pair) -> None:
+    """A client naming new prefill engines at an address that takes TCP and never answers holds one handshake
+    thread each for the handshake timeout; a handshake with the real prefill (after it restarted, say) runs beside
+    them rather than queued behind (the hostile review saw it end LEASE_EXPIRED behind eight), and past
+    MAX_HANDSHAKES a request that needs one more fails at once, typed."""
+    from kvbridge_agent.vllm_connector.failures import HANDSHAKE_BUSY, MAX_HANDSHAKES
+    from kvbridge_agent.vllm_connector.messages import ReadOrder, transfer_params
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)  # takes connections, never answers: each handshake waits its whole timeout
+    decode = pair.decode
+    assert decode.decode is not None
+    try:
+        _, real = pair.offer()
+        dead = []
+        for n in range(MAX_HANDSHAKES - 1):
+            hostile = json.loads(json.dumps(real))
+            hostile["kvbridge"].update(remoteEngineId=f"dead-{n}", remotePort=silent.getsockname()[1])
+            dead.append(transfer_params(hostile))
+        for n, params in enumerate(dead):
+            assert params is not None
+            decode._start_or_fail(decode.decode, f"dead-{n}", ReadOrder([9], params))
+        decode.decode.evict_peer("prefill-hostile")  # the real prefill must be met again: a handshake of its own
+        began = time.monotonic()
+        assert pair.load(real) == ""  # beside the dead ones, not behind them
+        assert time.monotonic() - began < 1.5, "the real handshake waited for a dead one's timeout"
+        assert len(decode._fetching) == MAX_HANDSHAKES - 1  # the dead ones still wait
+        extra = json.loads(json.dumps(real))
+        extra["kvbridge"].update(remoteEngineId="dead-more", remotePort=silent.getsockname()[1])
+        more = transfer_params(extra)
+        assert more is not None
+        for n in range(2):  # one more fills the last thread; the next is refused at once
+            named = more.model_copy(update={"remote_engine_id": f"more-{n}"})
+            decode._start_or_fail(decode.decode, f"more-{n}", ReadOrder([9], named))
+        (busy,) = [r for r in decode._results if r.request_id == "more-1"]
+        assert (busy.ok, busy.code) == (False, HANDSHAKE_BUSY)
+        deadline = time.monotonic() + ENDS_WITHIN
+        while decode._fetching and time.monotonic() < deadline:  # the dead ones time out, typed
+            decode.get_finished(set())
+            time.sleep(0.05)
+        decode.get_finished(set())
+        taken = decode.stats.take()
+        codes = sorted(taken.data.get("failed_reads", [])) if taken is not None else []
+        assert codes == sorted([HANDSHAKE_BUSY] + ["HANDSHAKE_TIMEOUT"] * MAX_HANDSHAKES), codes
+    finally:
+        decode._results = []
+        decode.get_block_ids_with_load_errors()
+        silent.close()
+    pair.normal_request_moves()
