@@ -18,15 +18,17 @@ clear message instead of a parse error.  Only this module knows the layout.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
+import ipaddress
 import json
 import re
 from collections.abc import Sequence
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import AfterValidator, Field, ValidationError, model_validator
 
 from .digest import KEY_BYTES, RequestDigests, from_bytes, to_bytes
 from .errors import KVBridgeError, SpecError
@@ -383,14 +385,42 @@ class TransferDigests(CamelModel):
         return RequestDigests(bytes.fromhex(self.key), from_bytes(self.heads, base64.b64decode(self.rows)))
 
 
+_DNS_LABEL = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
+
+
+def host_problem(host: str) -> str:
+    """Why ``host`` cannot name a side channel (empty when it can): an IPv4 or IPv6 address, or a DNS name of labels
+    of letters, digits and inner hyphens (at most 63 characters each, 253 in all; a trailing dot allowed)."""
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(host)
+        return ""
+    name = host.removesuffix(".")
+    if name and len(name) <= 253 and all(_DNS_LABEL.fullmatch(label) for label in name.split(".")):
+        return ""
+    return "neither an IP address nor a DNS name"
+
+
+def _valid_host(host: str) -> str:
+    problem = host_problem(host)
+    if problem:
+        raise ValueError(problem)
+    return host
+
+
+def tcp_endpoint(host: str, port: int | None = None) -> str:
+    """ZeroMQ's ``tcp://`` endpoint of a host (an IPv6 address in brackets) and, when given, a port."""
+    literal = f"[{host}]" if ":" in host else host
+    return f"tcp://{literal}" if port is None else f"tcp://{literal}:{port}"
+
+
 class KVTransferParams(CamelModel):
     """What prefill returns for a request and the router hands to decode."""
 
     remote_engine_id: str = Field(min_length=1, max_length=256)
     remote_incarnation: str = Field(min_length=1, max_length=64)
-    #: a DNS name or an IPv4/IPv6 address (what ZeroMQ's ``tcp://host:port`` takes): anything else is refused here,
+    #: an IPv4 or IPv6 address (a pod's IP) or a DNS name (:func:`host_problem`): anything else is refused here,
     #: before decode's handshake thread hands it to ZeroMQ
-    remote_host: str = Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9]([A-Za-z0-9.:-]*[A-Za-z0-9])?$|^::1?$")
+    remote_host: Annotated[str, AfterValidator(_valid_host)] = Field(min_length=1, max_length=253)
     remote_port: int = Field(ge=1, le=65535)
     remote_request_id: str = Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=REQUEST_ID_PATTERN)
     remote_block_ids: list[Annotated[int, Field(ge=0, lt=MAX_BLOCK_ID)]] = Field(max_length=1 << 20)

@@ -42,6 +42,7 @@ from kvbridge_agent.core.handshake import (
     encode_reply,
     encode_request,
     lease_token,
+    tcp_endpoint,
     token_matches,
 )
 from kvbridge_agent.transfer.keys import CurveKeys
@@ -109,10 +110,11 @@ class SideChannelServer:
             self._socket.curve_publickey = self.keys.public
             self._socket.curve_secretkey = self.keys.secret
             self._socket.zap_domain = b"kvbridge"
+        self._socket.setsockopt(zmq.IPV6, 1)  # a pod's IP may be IPv6 (and IPv4 still binds)
         if self.port == 0:
-            self.port = self._socket.bind_to_random_port(f"tcp://{self.host}")
+            self.port = self._socket.bind_to_random_port(tcp_endpoint(self.host))
         else:
-            self._socket.bind(f"tcp://{self.host}:{self.port}")
+            self._socket.bind(tcp_endpoint(self.host, self.port))
         self._stop = threading.Event()
         #: the socket's owner: the listener thread while it serves, else whoever closes (see close)
         self._owner = threading.Lock()
@@ -252,7 +254,7 @@ class SideChannelClient:
     """Talks to one prefill engine's listener; a fresh REQ socket per exchange (no stuck REQ state)."""
 
     def __init__(self, host: str, port: int, fingerprint: str, keys: CurveKeys | None, timeout: float) -> None:
-        self.endpoint = f"tcp://{host}:{port}"
+        self.endpoint = tcp_endpoint(host, port)
         self.fingerprint = fingerprint
         self.keys = keys
         self.timeout = timeout
@@ -262,6 +264,7 @@ class SideChannelClient:
         socket = self._context.socket(zmq.REQ)
         try:
             socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.IPV6, 1)  # prefill's pod IP may be IPv6
             socket.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_FRAME_BYTES)
             if self.keys is not None:
                 socket.curve_serverkey = self.keys.public

@@ -22,8 +22,10 @@ from kvbridge_agent.core.handshake import (
     encode_error,
     encode_reply,
     encode_request,
+    host_problem,
     notification,
     parse_notification,
+    tcp_endpoint,
 )
 
 META = RankMetadata(
@@ -256,3 +258,47 @@ def test_transfer_parameters_bound_every_number(change: dict[str, object]) -> No
     KVTransferParams.model_validate(raw)
     with pytest.raises(ValueError, match="validation error"):
         KVTransferParams.model_validate({**raw, **change})
+
+
+@pytest.mark.parametrize(
+    ("host", "ok"),
+    [
+        ("10.244.1.5", True),
+        ("fd00:10:244::5", True),  # an IPv6 pod IP, as Kubernetes writes it
+        ("::1", True),
+        ("localhost", True),
+        ("llama-prefill-0.llama-prefill.default.svc.cluster.local", True),
+        ("x.svc.cluster.local.", True),  # a trailing dot: a fully qualified name
+        ("a b", False),
+        ("a:b", False),  # neither an address nor a name
+        ("[fd00::5]", False),  # a URL's form, not an address
+        ("-bad", False),
+        ("x" * 64 + ".local", False),  # a label over 63 characters
+        ("", False),
+    ],
+)
+def test_remote_host_is_an_address_or_a_dns_name(host: str, ok: bool) -> None:
+    assert (host_problem(host) == "") is ok
+    raw = {
+        "remoteEngineId": "p-0",
+        "remoteIncarnation": "inc",
+        "remoteHost": host,
+        "remotePort": 5600,
+        "remoteRequestId": "r1",
+        "remoteBlockIds": [1],
+        "numTokens": 20,
+        "remoteTpSize": 1,
+        "fingerprint": "abcd",
+    }
+    if ok:
+        assert KVTransferParams.model_validate(raw).remote_host == host
+    else:
+        with pytest.raises(ValueError, match="validation error"):
+            KVTransferParams.model_validate(raw)
+
+
+def test_tcp_endpoints_bracket_ipv6() -> None:
+    assert tcp_endpoint("10.0.0.1", 5600) == "tcp://10.0.0.1:5600"
+    assert tcp_endpoint("fd00::5", 5600) == "tcp://[fd00::5]:5600"
+    assert tcp_endpoint("::1") == "tcp://[::1]"
+    assert tcp_endpoint("p-0.svc", 1) == "tcp://p-0.svc:1"

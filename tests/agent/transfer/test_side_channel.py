@@ -367,3 +367,13 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
     code, grown = done.stdout.split()
     assert code == "HANDSHAKE_TIMEOUT"
     assert int(grown) < 64, f"the client's peak memory grew by {grown} MiB"
+
+
+def test_a_side_channel_on_an_ipv6_address_is_reached(keys: CurveKeys) -> None:
+    """A pod's IP may be IPv6 (an IPv6-only cluster): the listener binds it and decode reaches it, which ZeroMQ
+    does only with IPV6 set and the address in brackets (before, every such handshake timed out)."""
+    srv = SideChannelServer("::1", 0, "fp", {0: (META, b"agent-0")}, keys=keys).start()
+    try:
+        assert SideChannelClient("::1", srv.port, "fp", keys, 2.0).fetch([0]) == {0: (META, b"agent-0")}
+    finally:
+        srv.close()
