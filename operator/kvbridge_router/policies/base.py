@@ -8,6 +8,7 @@ chose comes back as a :class:`Choice`: the pair and why. The proxy reads nothing
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -143,3 +144,33 @@ def pair(
         return None
     decode = pick(view, pool.decodes_for(prefill[0]), avoided, keys)
     return None if decode is None else (prefill, decode[0])
+
+
+class Picking(ABC):
+    """A policy that is one pick of a pod among candidates (:meth:`pick_one`): a pair is that pick of a prefill pod
+    then of its decode partner (:func:`pair`), and :meth:`pick` is the pick's pod. least-loaded and round-robin are
+    this and their pick; kv-aware adds what the prefill pod matched."""
+
+    name: RouterPolicy
+    scores_prefixes = False
+
+    @abstractmethod
+    def pick_one(
+        self, view: Balancer, candidates: tuple[Target, ...], exclude: Iterable[str], keys: list[int]
+    ) -> Pick | None:
+        """One of ``candidates`` with its score and why, ``exclude`` left out (None: none is left)."""
+
+    def choose(
+        self, view: Balancer, pool: Pool, keys: list[int], exclude: Iterable[str], exclude_decodes: Iterable[str]
+    ) -> Choice | None:
+        chosen = pair(self.pick_one, view, pool, keys, exclude, exclude_decodes)
+        if chosen is None:
+            return None
+        (prefill, _, reason), decode = chosen
+        return Choice(prefill, decode, reason)
+
+    def pick(
+        self, view: Balancer, candidates: tuple[Target, ...], exclude: Iterable[str] = (), keys: list[int] | None = None
+    ) -> Target | None:
+        picked = self.pick_one(view, candidates, exclude, keys or [])
+        return None if picked is None else picked[0]

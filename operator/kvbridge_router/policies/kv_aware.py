@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from kvbridge_router.policies.base import BY_LOAD, BY_PREFIX, BY_RING, Choice, Pick, pair
+from kvbridge_router.policies.base import BY_LOAD, BY_PREFIX, BY_RING, Choice, Pick, Picking, pair
 from kvbridge_router.policies.least_loaded import Scan, by_load, next_turn, scan
 from kvbridge_router.ring import anchor, cap
 from kvbridge_router.settings import RouterPolicy
@@ -72,14 +72,14 @@ def _place(view: Balancer, found: Scan, keys: list[int]) -> Target | None:
     return None if pod is None else known.targets[known.position[pod]]
 
 
-class KvAware:
+class KvAware(Picking):
     name = RouterPolicy.KV_AWARE
     scores_prefixes = True
 
     def choose(
         self, view: Balancer, pool: Pool, keys: list[int], exclude: Iterable[str], exclude_decodes: Iterable[str]
     ) -> Choice | None:
-        chosen = pair(_pick, view, pool, keys, exclude, exclude_decodes)
+        chosen = pair(self.pick_one, view, pool, keys, exclude, exclude_decodes)
         if chosen is None:
             return None
         (prefill, score, reason), decode = chosen
@@ -91,8 +91,7 @@ class KvAware:
         tick = view.sending(prefill.pod, decode.pod, keys)
         return Choice(prefill, decode, reason, matched, tuple(ticks), tick)
 
-    def pick(
-        self, view: Balancer, candidates: tuple[Target, ...], exclude: Iterable[str] = (), keys: list[int] | None = None
-    ) -> Target | None:
-        picked = _pick(view, candidates, exclude, keys or [])
-        return None if picked is None else picked[0]
+    def pick_one(
+        self, view: Balancer, candidates: tuple[Target, ...], exclude: Iterable[str], keys: list[int]
+    ) -> Pick | None:
+        return _pick(view, candidates, exclude, keys)

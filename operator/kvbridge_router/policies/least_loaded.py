@@ -11,11 +11,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvbridge_router.policies.base import BY_LOAD, Candidates, Choice, Pick, ends, nth_left, pair
+from kvbridge_router.policies.base import BY_LOAD, Candidates, Pick, Picking, ends, nth_left
 from kvbridge_router.settings import RouterPolicy
 
 if TYPE_CHECKING:
-    from kvbridge_router.pool import Balancer, Pool, Target
+    from kvbridge_router.pool import Balancer, Target
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,21 +80,10 @@ def _pick(view: Balancer, candidates: tuple[Target, ...], exclude: Iterable[str]
     return by_load(found, next_turn(view, found.every, found.out, found.count)), -1, BY_LOAD
 
 
-class LeastLoaded:
+class LeastLoaded(Picking):
     name = RouterPolicy.LEAST_LOADED
-    scores_prefixes = False
 
-    def choose(
-        self, view: Balancer, pool: Pool, keys: list[int], exclude: Iterable[str], exclude_decodes: Iterable[str]
-    ) -> Choice | None:
-        chosen = pair(_pick, view, pool, keys, exclude, exclude_decodes)
-        if chosen is None:
-            return None
-        (prefill, _, reason), decode = chosen
-        return Choice(prefill, decode, reason)
-
-    def pick(
-        self, view: Balancer, candidates: tuple[Target, ...], exclude: Iterable[str] = (), keys: list[int] | None = None
-    ) -> Target | None:
-        picked = _pick(view, candidates, exclude, keys or [])
-        return None if picked is None else picked[0]
+    def pick_one(
+        self, view: Balancer, candidates: tuple[Target, ...], exclude: Iterable[str], keys: list[int]
+    ) -> Pick | None:
+        return _pick(view, candidates, exclude, keys)

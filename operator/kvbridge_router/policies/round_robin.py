@@ -8,12 +8,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from kvbridge_router.policies.base import BY_TURN, Choice, Pick, nth_left, pair
+from kvbridge_router.policies.base import BY_TURN, Pick, Picking, nth_left
 from kvbridge_router.policies.least_loaded import next_turn
 from kvbridge_router.settings import RouterPolicy
 
 if TYPE_CHECKING:
-    from kvbridge_router.pool import Balancer, Pool, Target
+    from kvbridge_router.pool import Balancer, Target
 
 
 def _pick(view: Balancer, candidates: tuple[Target, ...], exclude: Iterable[str], keys: list[int]) -> Pick | None:
@@ -28,21 +28,10 @@ def _pick(view: Balancer, candidates: tuple[Target, ...], exclude: Iterable[str]
     return every[nth_left(turn % count, out)], -1, BY_TURN
 
 
-class RoundRobin:
+class RoundRobin(Picking):
     name = RouterPolicy.ROUND_ROBIN
-    scores_prefixes = False
 
-    def choose(
-        self, view: Balancer, pool: Pool, keys: list[int], exclude: Iterable[str], exclude_decodes: Iterable[str]
-    ) -> Choice | None:
-        chosen = pair(_pick, view, pool, keys, exclude, exclude_decodes)
-        if chosen is None:
-            return None
-        (prefill, _, reason), decode = chosen
-        return Choice(prefill, decode, reason)
-
-    def pick(
-        self, view: Balancer, candidates: tuple[Target, ...], exclude: Iterable[str] = (), keys: list[int] | None = None
-    ) -> Target | None:
-        picked = _pick(view, candidates, exclude, keys or [])
-        return None if picked is None else picked[0]
+    def pick_one(
+        self, view: Balancer, candidates: tuple[Target, ...], exclude: Iterable[str], keys: list[int]
+    ) -> Pick | None:
+        return _pick(view, candidates, exclude, keys)
