@@ -5,7 +5,7 @@
         [--routers least-loaded kv-aware kv-aware:4] [--json]
 
 ``kvbridge demo --serve -f MANIFEST`` runs the deployment's pods (real ``vllm serve`` processes of the CPU build,
-kvbridge's connector), and two ``kvbridge router --status-file`` processes are put over the same pods, one per
+kvbridge's connector), and two ``kvbridge-router --status-file`` processes are put over the same pods, one per
 policy (``kv-aware``, ``least-loaded``). Each workload is sent by ``vllm bench serve`` through one router, then the
 other, a new seed per run (no prefix carried over from one run to the next):
 
@@ -14,7 +14,7 @@ other, a new seed per run (no prefix carried over from one run to the next):
 - ``random``: prompts of the same length that share nothing (kv-aware must be no worse).
 
 ``--routers`` names what each workload is sent through: a policy, and with ``:N`` that many router replicas over
-the same pods (``kvbridge router --replicas N`` each, reporting to each other, as the operator renders them;
+the same pods (``kvbridge-router --replicas N`` each, reporting to each other, as the operator renders them;
 ``--no-peers``: not), the requests spread over them
 at random, one by one, by a small HTTP front here (a Service, or a Gateway that balances per request). Every
 configuration goes through that front, one replica included, so that they pay the same hop.
@@ -342,8 +342,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                     procs.append(
                         subprocess.Popen(
                             [
-                                str(BIN / "kvbridge"),
-                                "router",
+                                str(BIN / "kvbridge-router"),
                                 "--status-file",
                                 str(status_file),
                                 "--host",

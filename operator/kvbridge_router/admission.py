@@ -23,8 +23,8 @@ import msgspec
 from kvbridge_operator.api.objects import Obj
 from kvbridge_router.errors import RouteError
 from kvbridge_router.prompts import TokenIds, one_prompt, token_ids
+from kvbridge_router.request import BodyTooLargeError, Request
 from kvbridge_router.samples import MAX_SAMPLES
-from kvbridge_router.server import BodyTooLargeError, Request
 
 #: deeper JSON than this is refused (an OpenAI request nests a few levels: messages, content parts, tool schemas)
 MAX_DEPTH = 64

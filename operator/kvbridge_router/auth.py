@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from kvbridge_agent.core import SpecError
-from kvbridge_router.settings import API_KEYS_VARIABLE
+from kvbridge_operator.api.router_settings import API_KEYS_VARIABLE
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""The ``kvbridge-router`` command (``kvbridge router`` is the same command): flags generated from the settings.
+"""The ``kvbridge-router`` command (also ``python -m kvbridge_router``): flags generated from the settings (the
+operator's ``api.router_settings``, from which the operator renders the router Deployment's flags).
 
 Bad settings exit 2 with what to give, as do an unreadable token or API key file, no API to watch and a taken port;
 SIGTERM and SIGINT stop it with 0.
@@ -14,7 +15,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvbridge_router.settings import API_KEYS_VARIABLE, RouterSettings, flag_of, settings, shown
+from kvbridge_operator.api.router_settings import API_KEYS_VARIABLE, RouterSettings, flag_of, settings, shown
 
 if TYPE_CHECKING:
     import asyncio
@@ -30,7 +31,7 @@ HELP = "OpenAI-compatible front: each request to a prefill pod, then a decode po
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per setting (settings.py), with its default and help."""
+    """One flag per setting (router_settings.py), with its default and help."""
     for item, kind in settings():
         text = item.metadata["help"] + (f" (default {shown(item.default)})" if item.default != "" else "")
         options: dict[str, object] = {"dest": item.name, "default": item.default, "type": kind, "help": text}

@@ -3,7 +3,7 @@ error shape."""
 
 from __future__ import annotations
 
-from kvbridge_router.server import Response, error_body
+from kvbridge_router.response import Response, error_body
 
 
 class RouteError(Exception):

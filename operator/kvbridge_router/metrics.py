@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -23,97 +23,142 @@ TEXT = "text/plain; version=0.0.4; charset=utf-8"
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-@dataclass
-class RouterMetrics:
-    registry: CollectorRegistry = field(default_factory=lambda: CollectorRegistry(auto_describe=True))
+@dataclass(frozen=True)
+class Metric:
+    """One of the router's metrics: its kind, name, help and labels (a histogram's buckets: :data:`BUCKETS` unless
+    given)."""
 
-    def __post_init__(self) -> None:
-        r = self.registry
-        self.requests = Counter(
-            "kvbridge_router_requests",
-            "Requests by API route and outcome: ok, or the error code returned.",
-            ["route", "outcome"],
-            registry=r,
-        )
-        self.retries = Counter(
-            "kvbridge_router_prefill_retries",
-            "Prefill calls that failed, by pod (the request went to another pod while attempts were left).",
-            ["pod"],
-            registry=r,
-        )
-        self.prefix_chunks = Counter(
-            "kvbridge_router_prefix_chunks",
-            "Leading prompt chunks of routed requests (kv-aware policy), by whether "
-            "the chosen prefill pod had been sent them before (hit) or not (miss): the router's view of the "
-            "prefix-cache hit rate.",
-            ["result"],
-            registry=r,
-        )
-        self.prefix_evictions = Counter(
-            "kvbridge_router_prefix_evictions",
-            "Prefill answers in which the pod held fewer leading chunks of the prompt than the router had sent it "
-            "(its prefix cache evicted them, as vLLM's remote_prefill_cached_tokens says): the router then forgot "
-            "what it had sent that pod before them.",
-            registry=r,
-        )
-        self.decode_retries = Counter(
-            "kvbridge_router_decode_retries",
-            "Decode calls that failed before anything reached the client, by pod (the request went to another pair).",
-            ["pod"],
-            registry=r,
-        )
-        self.engines_lost = Counter(
-            "kvbridge_router_engines_lost",
-            "Engines still in the pool that answered a request 500 and were unhealthy right after, by role and pod "
-            "(a request is sent to one more engine after such a loss, never a second: it may be what kills them).",
-            ["role", "pod"],
-            registry=r,
-        )
-        self.ttft = Histogram(
-            "kvbridge_router_ttft_seconds",
-            "Time to first token as the client sees it: request received to decode's first streamed byte "
-            "(streaming requests), or to decode's whole answer (non-streaming).",
-            registry=r,
-            buckets=BUCKETS,
-        )
-        self.prefill_seconds = Histogram(
-            "kvbridge_router_prefill_seconds",
-            "The prefill call (prompt computed, transfer parameters returned).",
-            registry=r,
-            buckets=BUCKETS,
-        )
-        self.request_seconds = Histogram(
-            "kvbridge_router_request_seconds", "Request received to the last byte sent.", registry=r, buckets=BUCKETS
-        )
-        self.overhead_seconds = Histogram(
-            "kvbridge_router_overhead_seconds",
-            "The router's own time per request: the whole request less the prefill and decode calls.",
-            registry=r,
-            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
-        )
-        self.pod_requests = Counter(
-            "kvbridge_router_pod_requests",
-            "Calls sent to each pod (prefill or decode), failed ones included.",
-            ["role", "pod"],
-            registry=r,
-        )
-        self.outstanding = Gauge(
-            "kvbridge_router_outstanding_requests", "Requests in flight per pod.", ["role", "pod"], registry=r
-        )
-        self.endpoints = Gauge(
-            "kvbridge_router_endpoints", "Routable pods per role, from the deployment's status.", ["role"], registry=r
-        )
-        self.peer_reports = Counter(
-            "kvbridge_router_peer_reports",
-            "Reports exchanged with the other router replicas (docs/router.md, Several replicas): sent, by outcome "
-            "(delivered, unreachable, timeout, skipped, unresolved, failed, HTTP_<status>, records_dropped), and "
-            "received, by outcome (accepted, stale, expired, TOO_LARGE, BODY_INCOMPLETE, or what was wrong with the "
-            "frame: BAD_SIGNATURE, TRUNCATED, ...).",
-            ["direction", "outcome"],
-            registry=r,
-        )
-        self.peers = Gauge("kvbridge_router_peers", "Other router replicas whose last report is fresh.", registry=r)
+    kind: type[Counter] | type[Gauge] | type[Histogram]
+    name: str
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = BUCKETS
+
+    def made(self, registry: CollectorRegistry) -> Counter | Gauge | Histogram:
+        if self.kind is Histogram:
+            return Histogram(self.name, self.help, self.labels, registry=registry, buckets=self.buckets)
+        return self.kind(self.name, self.help, self.labels, registry=registry)
+
+
+#: every metric of the router, by the attribute of :class:`RouterMetrics` that holds it
+METRICS: dict[str, Metric] = {
+    "requests": Metric(
+        Counter,
+        "kvbridge_router_requests",
+        "Requests by API route and outcome: ok, or the error code returned.",
+        ("route", "outcome"),
+    ),
+    "picks": Metric(
+        Counter,
+        "kvbridge_router_picks",
+        "Pairs the policy chose (one per choice, retries included), by policy and why: prefix (kv-aware: the prefill "
+        "pod was sent the longest leading part of the prompt), ring (kv-aware: no pod was; the hash ring placed it), "
+        "load (the fewest requests in flight), turn (round-robin: the next in turn).",
+        ("policy", "reason"),
+    ),
+    "retries": Metric(
+        Counter,
+        "kvbridge_router_prefill_retries",
+        "Prefill calls that failed, by pod (the request went to another pod while attempts were left).",
+        ("pod",),
+    ),
+    "prefix_chunks": Metric(
+        Counter,
+        "kvbridge_router_prefix_chunks",
+        "Leading prompt chunks of routed requests (kv-aware policy), by whether "
+        "the chosen prefill pod had been sent them before (hit) or not (miss): the router's view of the "
+        "prefix-cache hit rate.",
+        ("result",),
+    ),
+    "prefix_evictions": Metric(
+        Counter,
+        "kvbridge_router_prefix_evictions",
+        "Prefill answers in which the pod held fewer leading chunks of the prompt than the router had sent it "
+        "(its prefix cache evicted them, as vLLM's remote_prefill_cached_tokens says): the router then forgot "
+        "what it had sent that pod before them.",
+    ),
+    "decode_retries": Metric(
+        Counter,
+        "kvbridge_router_decode_retries",
+        "Decode calls that failed before anything reached the client, by pod (the request went to another pair).",
+        ("pod",),
+    ),
+    "engines_lost": Metric(
+        Counter,
+        "kvbridge_router_engines_lost",
+        "Engines still in the pool that answered a request 500 and were unhealthy right after, by role and pod "
+        "(a request is sent to one more engine after such a loss, never a second: it may be what kills them).",
+        ("role", "pod"),
+    ),
+    "ttft": Metric(
+        Histogram,
+        "kvbridge_router_ttft_seconds",
+        "Time to first token as the client sees it: request received to decode's first streamed byte "
+        "(streaming requests), or to decode's whole answer (non-streaming).",
+    ),
+    "prefill_seconds": Metric(
+        Histogram,
+        "kvbridge_router_prefill_seconds",
+        "The prefill call (prompt computed, transfer parameters returned).",
+    ),
+    "request_seconds": Metric(Histogram, "kvbridge_router_request_seconds", "Request received to the last byte sent."),
+    "overhead_seconds": Metric(
+        Histogram,
+        "kvbridge_router_overhead_seconds",
+        "The router's own time per request: the whole request less the prefill and decode calls.",
+        buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
+    ),
+    "pod_requests": Metric(
+        Counter,
+        "kvbridge_router_pod_requests",
+        "Calls sent to each pod (prefill or decode), failed ones included.",
+        ("role", "pod"),
+    ),
+    "outstanding": Metric(
+        Gauge, "kvbridge_router_outstanding_requests", "Requests in flight per pod.", ("role", "pod")
+    ),
+    "endpoints": Metric(
+        Gauge, "kvbridge_router_endpoints", "Routable pods per role, from the deployment's status.", ("role",)
+    ),
+    "peer_reports": Metric(
+        Counter,
+        "kvbridge_router_peer_reports",
+        "Reports exchanged with the other router replicas (docs/router.md, Several replicas): sent, by outcome "
+        "(delivered, unreachable, timeout, skipped, unresolved, failed, HTTP_<status>, records_dropped), and "
+        "received, by outcome (accepted, stale, expired, TOO_LARGE, BODY_INCOMPLETE, or what was wrong with the "
+        "frame: BAD_SIGNATURE, TRUNCATED, ...).",
+        ("direction", "outcome"),
+    ),
+    "peers": Metric(Gauge, "kvbridge_router_peers", "Other router replicas whose last report is fresh."),
+}
+
+
+class RouterMetrics:
+    """The router's metrics (:data:`METRICS`) in a registry of their own."""
+
+    requests: Counter
+    picks: Counter
+    retries: Counter
+    prefix_chunks: Counter
+    prefix_evictions: Counter
+    decode_retries: Counter
+    engines_lost: Counter
+    ttft: Histogram
+    prefill_seconds: Histogram
+    request_seconds: Histogram
+    overhead_seconds: Histogram
+    pod_requests: Counter
+    outstanding: Gauge
+    endpoints: Gauge
+    peer_reports: Counter
+    peers: Gauge
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        for attribute, metric in METRICS.items():
+            setattr(self, attribute, metric.made(self.registry))
         self._outcomes: dict[tuple[str, str], Any] = {}
+        self._picks: dict[tuple[str, str], Any] = {}
         self._peer_outcomes: dict[tuple[str, str], Any] = {}
         #: (role, pod) -> its calls counter and its in-flight gauge
         self._pods: dict[tuple[str, str], tuple[Any, Any]] = {}
@@ -128,6 +173,10 @@ class RouterMetrics:
         self.answered(route, "ok" if status < 400 else f"HTTP_{status}")
         self.request_seconds.observe(seconds)
         self.overhead_seconds.observe(overhead)
+
+    def picked(self, policy: str, reason: str) -> None:
+        """A pair the ``policy`` chose, and why (``Choice.reason``: a few values, as the policies write them)."""
+        _child(self._picks, self.picks, policy, reason).inc()
 
     def prefix_matched(self, hit: int, chunks: int) -> None:
         """A kv-aware choice: ``hit`` of the prompt's ``chunks`` leading chunks had been sent to its prefill pod."""

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.api.router_settings import RouterPolicy
 from kvbridge_router.policies import POLICIES, Choice, Policy
 from kvbridge_router.policies.base import Candidates, candidates_of
 from kvbridge_router.policies.kv_aware import LOAD_SLACK
 from kvbridge_router.prefixes import PrefixIndex
 from kvbridge_router.ring import Ring
-from kvbridge_router.settings import RouterPolicy
 
 KV_AWARE = RouterPolicy.KV_AWARE.value
 LEAST_LOADED = RouterPolicy.LEAST_LOADED.value

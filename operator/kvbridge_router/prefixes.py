@@ -26,8 +26,8 @@ from collections.abc import Collection, Iterable
 import msgspec
 
 from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.api.router_settings import DEFAULTS
 from kvbridge_router.prompts import TokenIds, one_prompt, token_ids
-from kvbridge_router.settings import DEFAULTS
 
 #: the chunk of token-id prompts when the block size is not given (vLLM's default block size on GPUs)
 CHUNK_TOKENS = DEFAULTS.block_size

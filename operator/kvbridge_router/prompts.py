@@ -48,7 +48,7 @@ class TokenIds:
 
     ``text``: the ids as the client wrote them without brackets or whitespace (``1,2,3``), one spelling per list of
     ids (what prefill is sent); ``commas``: where ``text``'s commas are, so that the ``k``-th id ends at
-    ``commas[k]``. Not JSON to the standard library's or msgspec's encoders without a hook (proxy.py has them)."""
+    ``commas[k]``. Not JSON to the standard library's or msgspec's encoders without a hook (encoding.py has them)."""
 
     __slots__ = ("commas", "text")
 

@@ -2,7 +2,7 @@
 requests of one completion each, whose answers are joined into the one answer the client asked for.
 
 A prefill engine's prefix cache makes the prompt's KV once: the router sends the first sample's prefill alone and
-the others' after it (proxy.py), to the same prefill pod when the ``kv-aware`` policy finds it there, so they reuse
+the others' after it (generation.py), to the same prefill pod when the ``kv-aware`` policy finds it there, so they reuse
 its blocks and compute only the prompt's last, partial block again. Each decode then reads its own copy of the KV
 (a decode engine's blocks belong to one request). vLLM gives its ``n`` samples seeds ``seed``, ``seed + 1``, ...;
 the samples here get the same.

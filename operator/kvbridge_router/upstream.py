@@ -21,7 +21,7 @@ ones are dropped after ``keepalive`` seconds (before the engine's own keep-alive
 request).
 
 Bounds: an answer's head is at most ``MAX_HEAD_BYTES`` (interim answers included, at most ``MAX_INTERIM`` of them);
-a body read whole (:meth:`Answer.read`) at most its ``limit`` (``MAX_ANSWER_BYTES`` unless given), refused on an
+a body read whole (:meth:`EngineAnswer.read`) at most its ``limit`` (``MAX_ANSWER_BYTES`` unless given), refused on an
 announced ``Content-Length`` before a byte of it is read, else as soon as it passes; a body arriving faster than the
 router passes it on pauses reading from the engine (at ``BUFFER_BYTES``), so a slow client holds back its engine's
 stream, not the router's memory.
@@ -48,7 +48,7 @@ BUFFER_BYTES = 1 << 20
 MAX_HEAD_BYTES = 64 << 10
 #: interim (1xx) answers skipped before the final one; more is an engine talking nonsense
 MAX_INTERIM = 8
-#: a body read whole (Answer.read) larger than this is refused unless the caller gives its own limit
+#: a body read whole (EngineAnswer.read) larger than this is refused unless the caller gives its own limit
 MAX_ANSWER_BYTES = 16 << 20
 #: statuses that are a final answer but have no body (RFC 9110 6.4.1), and the switch to another protocol
 NO_ANSWER_STATUSES = frozenset((101, 204, 304))
@@ -72,7 +72,7 @@ class AnswerTooLargeError(UpstreamError):
 
 
 @dataclass
-class Answer:
+class EngineAnswer:
     """An engine's answer: its status and headers, its body read whole (:meth:`read`) or as it comes
     (:meth:`chunks`)."""
 
@@ -122,7 +122,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.idle_since = 0.0
         self._parser = httptools.HttpResponseParser(self)
-        self._answer: Answer | None = None
+        self._answer: EngineAnswer | None = None
         self._head = asyncio.get_running_loop().create_future()  # type: asyncio.Future[None]
         self._body: deque[bytes] = deque()
         self._buffered = 0
@@ -208,10 +208,10 @@ class _Connection(asyncio.Protocol):
         self._notify()
 
     # -- the router's side ---------------------------------------------------------------------------------
-    def begin(self, request: Sequence[Buffer]) -> Answer:
+    def begin(self, request: Sequence[Buffer]) -> EngineAnswer:
         if self.transport is None:
             raise UpstreamError("the connection closed")
-        self._answer = Answer(self)
+        self._answer = EngineAnswer(self)
         self._head = asyncio.get_running_loop().create_future()
         self._body.clear()
         self._buffered, self._complete, self._keep_alive, self._error, self._head_bytes = 0, False, False, None, 0
@@ -316,7 +316,7 @@ class Upstream:
     ) -> _Call:
         """A POST of a body (JSON unless ``content_type`` says otherwise) to ``base`` (``http://host:port``) +
         ``path``; use it as an async context manager,
-        which gives the :class:`Answer` once its status and headers arrived (within ``head_timeout`` seconds when
+        which gives the :class:`EngineAnswer` once its status and headers arrived (within ``head_timeout`` seconds when
         given) and on leaving puts the connection back in the pool, or closes it. ``sent`` is called once the request
         is written, before its answer is awaited (work that can wait until the engine has the request)."""
         host, port, authority = _address(base)
@@ -357,7 +357,7 @@ class _Call:
         self.connect_timeout, self.head_timeout, self.sent = connect_timeout, head_timeout, sent
         self.connection: _Connection | None = None
 
-    async def __aenter__(self) -> Answer:
+    async def __aenter__(self) -> EngineAnswer:
         self.connection = connection = await self.upstream._connect(self.host, self.port, self.connect_timeout)
         try:
             answer = connection.begin(self.request)

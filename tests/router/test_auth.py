@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from kvbridge_agent.core import SpecError
+from kvbridge_operator.api.router_settings import API_KEYS_VARIABLE
 from kvbridge_router import cli
 from kvbridge_router.auth import API_KEYS_UNREADABLE, RECHECK_SECONDS, ApiKeys
 from kvbridge_router.proxy import RouterConfig
-from kvbridge_router.settings import API_KEYS_VARIABLE
 
 from .test_proxy import running_rig
 

@@ -1,5 +1,5 @@
-"""`kvbridge-router`'s command line (and its alias `kvbridge router`): flags generated from the settings, bad input
-says what to give and exits 2, no traceback."""
+"""`kvbridge-router`'s command line: flags generated from the settings (the operator's api owns them), bad input
+says what to give and exits 2, no traceback; the operator imports nothing of the router."""
 
 from __future__ import annotations
 
@@ -8,24 +8,20 @@ import socket
 import subprocess
 import sys
 import tomllib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
+from kvbridge_operator.api.router_settings import DEFAULTS, RouterPolicy, RouterSettings, arguments
 from kvbridge_operator.cli.main import main as kvbridge
 from kvbridge_router import cli
-from kvbridge_router.settings import DEFAULTS, RouterPolicy, RouterSettings, arguments
 
 ROOT = Path(__file__).parents[2]
 
 
 def router(argv: Sequence[str]) -> int:
     return cli.main(argv)
-
-
-def alias(argv: Sequence[str]) -> int:
-    return kvbridge(["router", *argv])
 
 
 #: the checkout's source roots, for commands run with a bare environment
@@ -47,14 +43,11 @@ ENVIRONMENT = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.env
         (["--status-file", "f", "--peers", "http://h:1", "--peer-interval", "0"], "--peer-interval must be positive"),
     ],
 )
-@pytest.mark.parametrize(("command", "prog"), [(router, "kvbridge-router"), (alias, "kvbridge router")])
-def test_bad_flags_exit_2(
-    args: list[str], said: str, command: Callable[[Sequence[str]], int], prog: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert command(args) == 2
+def test_bad_flags_exit_2(args: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert router(args) == 2
     err = capsys.readouterr().err
     assert said in err
-    assert err.startswith(f"{prog}: error: ")
+    assert err.startswith("kvbridge-router: error: ")
 
 
 def test_a_peer_key_too_short_exits_2_saying_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -69,8 +62,7 @@ def test_the_console_script_is_the_routers_own_command_line() -> None:
     assert scripts["kvbridge-router"] == "kvbridge_router.cli:main"
 
 
-def test_both_commands_take_the_same_flags_with_the_settings_defaults() -> None:
-    """One parser: every setting is a flag with its default, under either name."""
+def test_every_setting_is_a_flag_with_its_default() -> None:
     given = ["--status-file", "dd.yaml"]
     own = cli.chosen(cli.build_parser().parse_args(given))
     assert own == RouterSettings(status_file="dd.yaml")
@@ -135,3 +127,25 @@ def test_a_taken_port_exits_2(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_kvbridge_has_no_router_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """The router is its own program (kvbridge-router); the operator's command line does not host it."""
+    with pytest.raises(SystemExit) as exited:
+        kvbridge(["router", "--status-file", "f"])
+    assert exited.value.code == 2
+    assert "invalid choice: 'router'" in capsys.readouterr().err
+
+
+def test_the_operator_imports_nothing_of_the_router() -> None:
+    """The dependency goes one way (import-linter checks the imports written; this, those made at run time): the
+    operator's command line, children and api load no module of kvbridge_router."""
+    code = (
+        "import sys, kvbridge_operator.cli.main, kvbridge_operator.children.objects.router, kvbridge_operator.api.crd\n"
+        "kvbridge_operator.cli.main.build_parser()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'kvbridge_router'))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True, env={**os.environ}
+    )
+    assert result.stdout.strip() == "[]"

@@ -1,4 +1,4 @@
-"""Bad input against the real ``kvbridge router`` process: every malformed request gets a clear 4xx before any engine
+"""Bad input against the real ``kvbridge-router`` process: every malformed request gets a clear 4xx before any engine
 sees it, a stalled or truncated body neither hangs nor leaks a traceback, and the router keeps serving.
 
 A fixed corpus of hostile requests, then a seeded fuzz of mutations of a valid request; the engines are stand-ins
@@ -70,8 +70,7 @@ async def router(tmp_path: Path) -> AsyncIterator[RouterProcess]:
             [
                 sys.executable,
                 "-m",
-                "kvbridge_operator",
-                "router",
+                "kvbridge_router",
                 "--status-file",
                 str(tmp_path / "dd.json"),
                 "--host",

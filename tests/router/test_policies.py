@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from kvbridge_operator.api.router_settings import RouterPolicy
 from kvbridge_router.policies import POLICIES, Choice
 from kvbridge_router.policies.base import BY_LOAD, BY_PREFIX, BY_RING, BY_TURN
 from kvbridge_router.pool import KV_AWARE, LEAST_LOADED, ROUND_ROBIN, Balancer, Pool
 from kvbridge_router.prefixes import prefix_keys
-from kvbridge_router.settings import RouterPolicy
 
 
 def pool(prefills: int = 3, decodes: int = 2) -> Pool:

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvbridge_operator.api.router_settings import RouterPolicy
 from kvbridge_router.pool import KV_AWARE, LEAST_LOADED, LOAD_SLACK, ROUND_ROBIN, Balancer, Pool
 from kvbridge_router.prefixes import (
     _SEEDS,
@@ -22,7 +23,6 @@ from kvbridge_router.prefixes import (
     held_chunks,
     prefix_keys,
 )
-from kvbridge_router.settings import RouterPolicy
 
 #: the text of one default chunk
 CHUNK_BYTES = BYTES_PER_TOKEN * CHUNK_TOKENS

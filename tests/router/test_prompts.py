@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from kvbridge_router.admission import parse
 from kvbridge_router.errors import RouteError
+from kvbridge_router.prefill import prefill_bytes
 from kvbridge_router.prefixes import _MODULUS, MAX_CHUNKS, prefix_keys, prompt_ids
 from kvbridge_router.prompts import MAX_ID_DIGITS, TokenIds, token_ids
-from kvbridge_router.proxy import prefill_bytes
 
 LAYOUTS = [(None, None), (2, None), (None, (" , ", " : ")), (None, (",", ":")), (1, ("\t,\r\n", ": "))]
 

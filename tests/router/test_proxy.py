@@ -19,12 +19,16 @@ from aiohttp.test_utils import TestServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvbridge_operator.api.router_settings import RouterPolicy
 from kvbridge_router.admission import MAX_FIELDS_APART, engine_request_id, parse
+from kvbridge_router.encoding import with_field
 from kvbridge_router.errors import RouteError
+from kvbridge_router.policies.base import BY_LOAD, BY_TURN
 from kvbridge_router.pool import Pool
+from kvbridge_router.prefill import prefill_bytes, prefill_request
 from kvbridge_router.prefixes import prefix_keys
 from kvbridge_router.prompts import TokenIds
-from kvbridge_router.proxy import Router, RouterConfig, listening, prefill_bytes, prefill_request, with_field
+from kvbridge_router.proxy import Router, RouterConfig, listening
 from kvbridge_sim.support import free_port
 
 Obj = dict[str, Any]
@@ -944,3 +948,18 @@ async def test_samples_that_meet_the_same_lost_engine_count_it_once(rig: Rig) ->
     assert len(rig.prefill[0].received) >= 2  # several samples met it (the point of this test)
     metrics = await (await rig.session.get(rig.url + "/metrics")).text()
     assert 'kvbridge_router_engines_lost_total{pod="prefill-0",role="prefill"} 1.0' in metrics
+
+
+@pytest.mark.parametrize(
+    ("policy", "reason"), [(RouterPolicy.LEAST_LOADED, BY_LOAD), (RouterPolicy.ROUND_ROBIN, BY_TURN)]
+)
+async def test_every_pick_is_counted_by_policy_and_why(policy: RouterPolicy, reason: str) -> None:
+    """``kvbridge_router_picks_total{policy, reason}``: one per choice, retries included; only the policies' few
+    reasons as labels, whatever the prompts."""
+    config = RouterConfig(prefill_timeout=1.0, decode_timeout=5.0, policy=policy.value)
+    async with running_rig(config, ["prefill-0", "prefill-1"], ["decode-0"]) as rig:
+        for prompt in ([1], [2, 3], list(range(40))):
+            assert (await rig.post({"prompt": prompt}))[0] == 200
+        metrics = await (await rig.session.get(rig.url + "/metrics")).text()
+    picks = re.findall(r"^kvbridge_router_picks_total\{(.*)\} (\S+)$", metrics, re.MULTILINE)
+    assert picks == [(f'policy="{policy.value}",reason="{reason}"', "3.0")]

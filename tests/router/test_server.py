@@ -1,6 +1,6 @@
-"""The router's HTTP server (server.py) on raw sockets: framing, keep-alive, pipelining, bounds and clients that
-misbehave; handlers here are small stand-ins (the router's own routes are tests/router/test_proxy.py's and
-test_hostile_input.py's)."""
+"""The router's HTTP server (server.py, connection.py, request.py, response.py) on raw sockets: framing, keep-alive,
+pipelining, bounds and clients that misbehave; handlers here are small stand-ins (the router's own routes are
+tests/router/test_proxy.py's and test_hostile_input.py's)."""
 
 from __future__ import annotations
 
@@ -14,19 +14,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvbridge_router import server as server_module
-from kvbridge_router.server import (
-    MAX_HEAD_BYTES,
-    MAX_HEADERS,
-    MAX_PIPELINED,
-    BodyTooLargeError,
-    Handler,
-    Request,
-    Response,
-    Server,
-    StreamResponse,
-    json_response,
-)
+from kvbridge_router import connection as connection_module
+from kvbridge_router.connection import MAX_HEAD_BYTES, MAX_HEADERS, MAX_PIPELINED
+from kvbridge_router.request import BodyTooLargeError, Request
+from kvbridge_router.response import Response, StreamResponse, json_response
+from kvbridge_router.server import Handler, Server
 from kvbridge_sim.support import until
 
 HEAD_TIMEOUT = 0.5
@@ -375,7 +367,7 @@ async def test_a_client_that_takes_nothing_is_cut_and_frees_its_handler(monkeypa
     """A streamed answer to a client that reads nothing fills the buffers; the handler's own timeout fires while it
     waits for them, and its error event waits again: each wait is bounded, the connection is aborted, the handler
     learns that the client is gone, and the server stops at once."""
-    monkeypatch.setattr(server_module, "SEND_TIMEOUT_SECONDS", 0.5)
+    monkeypatch.setattr(connection_module, "SEND_TIMEOUT_SECONDS", 0.5)
     outcome: list[str] = []
 
     async def flood(request: Request) -> StreamResponse:
@@ -460,7 +452,7 @@ async def test_requests_read_ahead_are_bounded_and_not_served_once_the_client_le
 async def test_a_half_closed_client_that_takes_nothing_is_dropped_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """An answer left in the buffer (under the pause mark, so no handler waits for it), then a malformed request and
     the client's side shut: the connection is closed with its bytes unsent, and dropped after the send bound."""
-    monkeypatch.setattr(server_module, "SEND_TIMEOUT_SECONDS", 0.5)
+    monkeypatch.setattr(connection_module, "SEND_TIMEOUT_SECONDS", 0.5)
 
     async def small(request: Request) -> Response:
         assert request.transport is not None

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kvbridge_agent.core.signing import SIGNATURE_KEY, SIGNATURE_VERSION, signature, unsigned
-from kvbridge_operator.cli.main import main
+from kvbridge_router.cli import main
 from kvbridge_router.proxy import RouterConfig
 
 from .test_proxy import Rig, running_rig
@@ -87,7 +87,7 @@ def test_the_token_is_not_shown_with_the_routers_settings() -> None:
 def test_an_unreadable_token_file_exits_2_with_the_code(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "short").write_text("tiny\n")
     for path in (tmp_path / "missing", tmp_path / "short"):
-        assert main(["router", "--status-file", "f", "--transfer-token-file", str(path)]) == 2
+        assert main(["--status-file", "f", "--transfer-token-file", str(path)]) == 2
         err = capsys.readouterr().err
         assert "TRANSFER_TOKEN_UNREADABLE" in err
         assert "Traceback" not in err
@@ -107,5 +107,5 @@ def test_the_flag_gives_the_router_the_files_token(tmp_path: Path, monkeypatch: 
 
     monkeypatch.setattr("kvbridge_router.proxy.Router", started)
     with pytest.raises(_StartedError):
-        main(["router", "--status-file", "f", "--transfer-token-file", str(tmp_path / "token")])
+        main(["--status-file", "f", "--transfer-token-file", str(tmp_path / "token")])
     assert seen[0].transfer_token == TOKEN

@@ -36,7 +36,7 @@ async def api() -> AsyncIterator[KubeClient]:
 async def test_the_pool_follows_status_changes_and_deletion(api: KubeClient) -> None:
     import yaml
 
-    document = yaml.safe_load((ROOT / "examples" / "llama3-8b-hetero-tp.yaml").read_text())
+    document = yaml.safe_load((ROOT / "examples" / "synthetic" / "llama3-8b-hetero-tp.yaml").read_text())
     seen: list[Pool] = []
     stop, first = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(watch_status(api, "default", "llama3-8b", seen.append, stop, first))

@@ -14,6 +14,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, StatusCode
 
 from kvbridge_agent.core import tracing as words
+from kvbridge_router.policies.base import BY_LOAD, BY_PREFIX, BY_RING
 from kvbridge_router.proxy import RouterConfig
 from kvbridge_router.tracing import OFF, Tracing
 
@@ -183,6 +184,22 @@ async def test_a_retried_decode_is_a_sibling_span_with_the_failures_code(
     assert (second.attributes[words.ATTEMPT], second.attributes[words.RETRY_OF]) == (2, "DECODE_FAILED")
     assert second.status.status_code is not StatusCode.ERROR
     assert len(mine[words.ROUTER_PREFILL]) == 2  # prefilled again for the other pair, in the same trace
+
+
+async def test_each_choice_says_why_on_its_span_and_in_the_metrics(traced: Rig, exported: InMemorySpanExporter) -> None:
+    """The policy's reason (policies/base.py's ``BY_*``) is the choice span's ``kvbridge.choice.reason`` and a label
+    of ``kvbridge_router_picks_total``: a prompt no pod was sent is placed by the hash ring, the same prompt again by
+    its prefix."""
+    prompt = {"prompt": list(range(1, 2 * traced.router.config.block_tokens + 5))}  # two whole blocks
+    for _ in range(2):
+        assert await post(traced, body=prompt) == 200
+    choices = by_name(exported.get_finished_spans())[words.ROUTER_CHOOSE]
+    said = [((c.attributes or {})[words.CHOICE_REASON], (c.attributes or {})[words.PREFIX_HIT_CHUNKS]) for c in choices]
+    assert said == [(BY_RING, 0), (BY_PREFIX, 2)]
+    picks = traced.router.metrics.registry.get_sample_value
+    for reason in (BY_RING, BY_PREFIX):
+        assert picks("kvbridge_router_picks_total", {"policy": "kv-aware", "reason": reason}) == 1.0
+    assert picks("kvbridge_router_picks_total", {"policy": "kv-aware", "reason": BY_LOAD}) is None
 
 
 async def test_the_samples_of_n_are_siblings_under_one_request_each_numbered(

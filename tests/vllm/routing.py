@@ -1,4 +1,4 @@
-"""``kvbridge router`` in front of the session's real vLLM engines: its pool as the operator's status would
+"""``kvbridge-router`` in front of the session's real vLLM engines: its pool as the operator's status would
 list them (each engine's address and its rendered pod's pairing key)."""
 
 from __future__ import annotations

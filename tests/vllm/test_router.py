@@ -1,4 +1,4 @@
-"""``kvbridge router`` in front of real vLLM prefill and decode engines (NixlConnector, exactly the rendered pods):
+"""``kvbridge-router`` in front of real vLLM prefill and decode engines (NixlConnector, exactly the rendered pods):
 a single engine's greedy tokens, streamed or not; a prefill pod killed while requests go on."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import aiohttp
 import pytest
 
 from kvbridge_agent.core import Role
+from kvbridge_operator.api.router_settings import RouterPolicy
 from kvbridge_router.pool import Pool
 from kvbridge_router.proxy import RouterConfig
-from kvbridge_router.settings import RouterPolicy
 from kvbridge_sim import pd_requests
 from kvbridge_sim.tiny_model import prompt
 from kvbridge_sim.vllm_engines import MODEL_NAME, Engines

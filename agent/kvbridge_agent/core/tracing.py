@@ -106,6 +106,8 @@ DEPLOYMENT = "kvbridge.deployment"
 REQUEST_ID = "kvbridge.request_id"
 ROUTE = "kvbridge.route"
 POLICY = "kvbridge.policy"
+#: why the policy chose the pair (``prefix``, ``ring``, ``load``, ``turn``: kvbridge_router/policies/base.py)
+CHOICE_REASON = "kvbridge.choice.reason"
 ATTEMPT = "kvbridge.attempt"
 #: which of a request's ``n`` completions a step serves (0 to n - 1; absent when n is 1)
 SAMPLE = "kvbridge.sample"

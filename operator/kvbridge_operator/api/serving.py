@@ -9,8 +9,8 @@ from typing import Any
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from kvbridge_agent.core.model import CamelModel
-from kvbridge_router.settings import DEFAULTS as ROUTER
-from kvbridge_router.settings import RouterPolicy
+from kvbridge_operator.api.router_settings import DEFAULTS as ROUTER
+from kvbridge_operator.api.router_settings import RouterPolicy
 
 #: a DNS subdomain (RFC 1123): Secret and PriorityClass names
 SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
@@ -92,7 +92,7 @@ class RouterSpec(CamelModel):
         description="Decode engines accept kv_transfer_params only with this router's signature (HMAC-SHA256 under "
         "a token in the Secret <name>-router-token, created once and mounted into the router and the decode pods): "
         "a pod that reaches a decode engine's port cannot hand it forged or altered parameters. Needs enabled, and "
-        "engines that check it: kind Agent, or VLLM with connector KVBridge.",
+        "engines that check it: kind Synthetic, or VLLM with connector KVBridge.",
     )
     api_key_secret: ApiKeySecret | None = Field(
         default=None,

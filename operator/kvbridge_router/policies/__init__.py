@@ -8,17 +8,17 @@ Reading order:
   on the hash ring (the default).
 - ``round_robin``: pure: the next pod in turn, whatever its load.
 
-Adding a policy: its value in ``settings.RouterPolicy`` (the flag and ``spec.router.policy`` take it from there),
-one module here, and its line in :data:`POLICIES`.
+Adding a policy: its value in ``RouterPolicy`` (the operator's ``api.router_settings``; the flag and
+``spec.router.policy`` take it from there), one module here, and its line in :data:`POLICIES`.
 """
 
 from __future__ import annotations
 
+from kvbridge_operator.api.router_settings import RouterPolicy
 from kvbridge_router.policies.base import Choice, Policy
 from kvbridge_router.policies.kv_aware import KvAware
 from kvbridge_router.policies.least_loaded import LeastLoaded
 from kvbridge_router.policies.round_robin import RoundRobin
-from kvbridge_router.settings import RouterPolicy
 
 #: every policy, by its name (each is stateless: what it reads is the Balancer it is given)
 POLICIES: dict[RouterPolicy, Policy] = {

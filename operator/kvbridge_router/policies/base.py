@@ -2,8 +2,9 @@
 candidates the policies share; pure.
 
 A policy is a stateless unit: what it reads (requests in flight, what each pod was sent, the turn counters and hash
-rings of each set of candidates) lives in the :class:`~kvbridge_router.pool.Balancer` it is given, and what it
-chose comes back as a :class:`Choice`: the pair and why. The proxy reads nothing else of the choice.
+rings of each set of candidates) lives in the :class:`~kvbridge_router.pool.Balancer` it is given, and what it chose
+comes back as a :class:`Choice`: the pair and why. The prefill call (prefill.py) reads nothing else of the choice, and
+shows why on the trace and in the metrics.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from kvbridge_operator.api.router_settings import RouterPolicy
     from kvbridge_router.pool import Balancer, Pool, Target
-    from kvbridge_router.settings import RouterPolicy
 
 #: why a pod was chosen (:attr:`Choice.reason`)
 BY_PREFIX = "prefix"  # kv-aware: it was sent the longest leading part of the prompt

@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from kvbridge_operator.api.router_settings import RouterPolicy
 from kvbridge_router.policies.base import BY_LOAD, BY_PREFIX, BY_RING, Choice, Pick, Picking, pair
 from kvbridge_router.policies.least_loaded import Scan, by_load, next_turn, scan
 from kvbridge_router.ring import anchor, cap
-from kvbridge_router.settings import RouterPolicy
 
 if TYPE_CHECKING:
     from kvbridge_router.pool import Balancer, Pool, Target

@@ -11,8 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvbridge_operator.api.router_settings import RouterPolicy
 from kvbridge_router.policies.base import BY_LOAD, Candidates, Pick, Picking, ends, nth_left
-from kvbridge_router.settings import RouterPolicy
 
 if TYPE_CHECKING:
     from kvbridge_router.pool import Balancer, Target

@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from kvbridge_operator.api.router_settings import RouterPolicy
 from kvbridge_router.policies.base import BY_TURN, Pick, Picking, nth_left
 from kvbridge_router.policies.least_loaded import next_turn
-from kvbridge_router.settings import RouterPolicy
 
 if TYPE_CHECKING:
     from kvbridge_router.pool import Balancer, Target
