@@ -38,16 +38,9 @@ import aiohttp
 import numpy as np
 
 from kvbridge_operator.kube import DEPLOYMENTS, PODS
-from kvbridge_sim.demo import (
-    NAMESPACE,
-    LocalCluster,
-    apply_all,
-    local_cluster,
-    models_for,
-    send,
-    start_router,
-    synthetic_deployment,
-)
+from kvbridge_sim.demo import LocalCluster, apply_all, local_cluster, models_for, synthetic_deployment
+from kvbridge_sim.demo_traffic import send, start_router
+from kvbridge_sim.demo_wait import NAMESPACE
 from kvbridge_sim.support import until
 from kvbridge_sim.tiny_model import NAME as TINY_MODEL
 from kvbridge_sim.vllm_engines import deployment as vllm_deployment

@@ -1,19 +1,22 @@
-"""A realistic enough Kubernetes API for Kopf and the operator: kmock's emulator plus what they rely on.
+"""A realistic enough Kubernetes API for Kopf, the operator and ``kubectl``: kmock's emulator plus what they rely on.
 
 kmock 0.8's ``KubernetesEmulator`` keeps objects as plain merged dicts. This
 subclass adds (docs/development.md): ``uid``,
 ``creationTimestamp``, ``generation`` bumped on spec changes only, a fresh
-``resourceVersion`` on every write, ``generateName``, merge and JSON patches
-(a failed JSON-patch ``test`` answers 422), server-side apply with field managers and
-``metadata.managedFields`` (field_managers), status and scale subresources, watches that
-subscribe before the snapshot and honour ``resourceVersion`` and
-``timeoutSeconds``, typed lists, ``/api/v1`` discovery, label and field
-selectors, cluster-scoped namespaces and CRDs that register their resource; and what the
-real ``kubectl`` needs: discovery as Kubernetes lists it, OpenAPI v3 (openapi), server-side
-Tables (tables), 404s worded as Kubernetes words them.
+``resourceVersion`` on every write, ``generateName``, the verbs as a real server
+serves them: create (201; ``dryRun``), update (PUT: a replace, ``resourceVersion``
+checked), patch (JSON, merge and strategic merge patches, patches), server-side apply
+with field managers and ``metadata.managedFields`` (field_managers), delete with its
+options and the garbage collector's part (deletion), deletecollection; status and
+scale subresources, watches that subscribe before the snapshot and honour
+``resourceVersion`` and ``timeoutSeconds``, typed lists, ``/api/v1`` discovery, label
+and field selectors, cluster-scoped namespaces and CRDs that register their resource;
+and what the real ``kubectl`` needs: discovery as Kubernetes lists it, OpenAPI v3
+(openapi), server-side Tables (tables), refusals worded as Kubernetes words them
+(api_errors), pods' container logs (pod_logs).
 
-Like kmock, it does no garbage collection; it validates custom resources only for unknown
-fields (``fieldValidation``): tests check ownerReferences and validate objects separately.
+It validates custom resources only for unknown fields (``fieldValidation``): tests
+validate objects separately.
 """
 
 from __future__ import annotations
@@ -31,20 +34,17 @@ from typing import Any
 import aiohttp.test_utils
 import aiohttp.web
 import attrs
-import jsonpatch
 import kmock
 import yaml
 from kmock._internal import k8s as kmock_k8s
 from kmock._internal import rendering
 
 from kvbridge_operator.api.objects import Obj, now_rfc3339
-from kvbridge_sim import field_managers, kinds, openapi, pod_logs, tables, watches
-from kvbridge_sim.selectors import field_match, label_match, merge_patch
+from kvbridge_sim import api_errors, deletion, field_managers, kinds, openapi, patches, pod_logs, tables, watches
+from kvbridge_sim.api_errors import Key
+from kvbridge_sim.selectors import field_match, label_match
 
-Key = tuple[str, str, str, str | None, str]  # group, version, plural, namespace, name
-
-APPLY_PATCH = "application/apply-patch+yaml"
-VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
+VERBS = {"get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"}
 
 
 @attrs.define(kw_only=True)
@@ -90,9 +90,11 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         scale: dict[str, str] | None = None,
         schema: Obj | None = None,
         columns: list[Obj] | None = None,
+        custom: bool = False,
     ) -> None:
         self.kinds[(group, version, plural)] = {
             "kind": kind,
+            "custom": custom,
             "namespaced": namespaced,
             "subresources": set(subresources or ()),
             "scale": scale,
@@ -111,22 +113,8 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         )
 
     def _install_crd(self, crd: Obj) -> None:
-        spec = crd.get("spec", {})
-        names = spec.get("names", {})
-        for version in spec.get("versions", []):
-            self.declare(
-                spec["group"],
-                version["name"],
-                names["plural"],
-                kind=names["kind"],
-                namespaced=spec.get("scope") == "Namespaced",
-                subresources=set(version.get("subresources") or {}),
-                scale=(version.get("subresources") or {}).get("scale"),
-                shortnames=set(names.get("shortNames") or ()),
-                singular=names.get("singular"),
-                schema=(version.get("schema") or {}).get("openAPIV3Schema"),
-                columns=version.get("additionalPrinterColumns"),
-            )
+        for (group, version, plural), info in kinds.of_crd(crd).items():
+            self.declare(group, version, plural, **info, custom=True)
 
     @staticmethod
     def _gvp(request: rendering.Request) -> tuple[str, str, str]:
@@ -162,37 +150,34 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         return (*gvp, namespace, name)
 
     @staticmethod
-    def _not_found(key: Key) -> kmock.KubernetesError:
-        """404 worded as Kubernetes words it: ``disaggregatedroles.kvbridge.io "x" not found``."""
-        group, _version, plural, _namespace, name = key
-        resource = f"{plural}.{group}" if group else plural
-        return kmock.KubernetesError(status=404, reason="NotFound", message=f'{resource} "{name}" not found')
-
-    @staticmethod
     def _essence(obj: Obj) -> Obj:
         return {k: v for k, v in obj.items() if k not in ("metadata", "status")}
+
+    @staticmethod
+    def _verb(request: rendering.Request) -> str | None:
+        """The Kubernetes verb of a resource request (kmock's action, or from the method where it has none)."""
+        if request.action is not None:
+            return str(request.action)
+        if request.method == kmock.method.PUT and request.name is not None:
+            return "replace"
+        if request.method == kmock.method.DELETE and request.name is None:
+            return "deletecollection"
+        return None
 
     async def _handle(self, request: rendering.Request) -> Any:
         if request.url.path == "/openapi/v3" or request.url.path.startswith("/openapi/v3/"):
             return await self._serve_openapi(request)
         # Resource requests go straight to this class (its state lives in `store`); kmock's reaction
         # routing re-checks every filter against every request and gets slower with each request served.
-        resource = request.resource
-        if resource is None or not resource.plural or request.action is None:
+        resource, verb = request.resource, self._verb(request)
+        if resource is None or not resource.plural or (verb is None and request.method is None):
             return await kmock_k8s.KubernetesScaffold._handle(self, request)
-        handlers = {
-            kmock.action.LIST: self._serve_list,
-            kmock.action.FETCH: self._serve_fetch,
-            kmock.action.CREATE: self._serve_create,
-            kmock.action.UPDATE: self._serve_update,
-            kmock.action.DELETE: self._serve_delete,
-        }
         raw_request = request._raw_request
         headers: Mapping[str, str] = raw_request.headers if raw_request is not None else {}
-        self.calls[(headers.get("User-Agent", "").split("/", 1)[0], str(request.action), resource.plural)] += 1
+        self.calls[(headers.get("User-Agent", "").split("/", 1)[0], str(verb), resource.plural)] += 1
         try:
             if self.faults is not None:
-                fault = self.faults(str(request.action), resource.plural, headers)
+                fault = self.faults(str(verb), resource.plural, headers)
                 if fault is not None:
                     status, delay = fault
                     await asyncio.sleep(delay)
@@ -200,36 +185,51 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
                         raise kmock.KubernetesError(status=status, reason="InjectedFault", message="injected fault")
             if request.action == kmock.action.WATCH:
                 return await watches.stream(self, request)
-            handler = handlers.get(request.action)
-            if handler is None:
-                raise kmock.KubernetesError(status=405, reason="MethodNotAllowed", message=str(request.action))
-            if request.subresource and request.subresource not in self._info(request)["subresources"]:
-                # a subresource the kind does not have (``kubectl scale`` of a DisaggregatedDeployment, ``logs``):
-                # Kubernetes answers 404 and changes nothing, whatever the verb
-                raise kmock.KubernetesError(
-                    status=404, reason="NotFound", message="the server could not find the requested resource"
-                )
-            if request.subresource == "log":
-                return await self._serve_log(request)
-            warnings = self._validate_fields(request)
-            result = await handler(request)
-            if (
-                request.action in (kmock.action.LIST, kmock.action.FETCH)
-                and request.subresource is None
-                and (tables.wants_table(headers.get("Accept", "")))
-            ):
-                result = tables.for_request(
-                    self._info(request),
-                    request.params,
-                    result.get("items", [result]),
-                    result["metadata"].get("resourceVersion", ""),
-                )
-            response = aiohttp.web.json_response(result)
-            for warning in warnings:
-                response.headers.add("Warning", f'299 - "{warning}"')
-            return response
+            return await self._serve_resource(request, verb, headers)
         except kmock.KubernetesError as exc:
             return await self._render_error(exc)
+
+    async def _serve_resource(
+        self, request: rendering.Request, verb: str | None, headers: Mapping[str, str]
+    ) -> aiohttp.web.StreamResponse:
+        handlers = {
+            str(kmock.action.LIST): self._serve_list,
+            str(kmock.action.FETCH): self._serve_fetch,
+            str(kmock.action.CREATE): self._serve_create,
+            str(kmock.action.UPDATE): self._serve_update,
+            "replace": self._serve_update,
+            str(kmock.action.DELETE): self._serve_delete,
+            "deletecollection": self._serve_delete_collection,
+        }
+        handler = handlers.get(str(verb))
+        if handler is None:
+            raise kmock.KubernetesError(
+                status=405,
+                reason="MethodNotAllowed",
+                message="the server does not allow this method on the requested resource",
+            )
+        if request.subresource and request.subresource not in self._info(request)["subresources"]:
+            # a subresource the kind does not have (``kubectl scale`` of a DisaggregatedDeployment, ``logs``):
+            # Kubernetes answers 404 and changes nothing, whatever the verb
+            raise kmock.KubernetesError(
+                status=404, reason="NotFound", message="the server could not find the requested resource"
+            )
+        if request.subresource == "log":
+            return await self._serve_log(request)
+        warnings = self._validate_fields(request)
+        result = await handler(request)
+        reads = (str(kmock.action.LIST), str(kmock.action.FETCH))
+        if verb in reads and request.subresource is None and tables.wants_table(headers.get("Accept", "")):
+            result = tables.for_request(
+                self._info(request),
+                request.params,
+                result.get("items", [result]),
+                result["metadata"].get("resourceVersion", ""),
+            )
+        response = aiohttp.web.json_response(result, status=201 if verb == str(kmock.action.CREATE) else 200)
+        for warning in warnings:
+            response.headers.add("Warning", f'299 - "{warning}"')
+        return response
 
     async def _serve_log(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         """``pods/{name}/log`` (a read only): the container's log where the local kubelet keeps it."""
@@ -237,50 +237,44 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         if request.action != kmock.action.FETCH:
             raise kmock.KubernetesError(status=405, reason="MethodNotAllowed", message="pods/log is read only")
         async with self._lock:
-            found = key in self.store
-        if not found or request._raw_request is None:
-            raise self._not_found(key)
+            pod = copy.deepcopy(self.store.get(key))
+        if pod is None or request._raw_request is None:
+            raise api_errors.not_found(key)
         name, namespace = request.name or "", request.namespace or "default"
         source = self.pod_logs(namespace, name) if self.pod_logs else None
-        return await pod_logs.serve(request._raw_request, request.params, name, source)
+        return await pod_logs.serve(request._raw_request, request.params, pod, source)
 
     def _validate_fields(self, request: rendering.Request) -> list[str]:
-        """``fieldValidation`` on a write of a kind with a schema (the CRDs): ``Strict`` refuses unknown fields
-        (HTTP 400, as Kubernetes), ``Warn`` (the API's default) answers them as warnings, ``Ignore`` drops the
-        check. Returns the warnings."""
-        directive = str(request.params.get("fieldValidation") or "Warn")
-        if (
-            request.action not in (kmock.action.CREATE, kmock.action.UPDATE)
-            or request.subresource
-            or (directive == "Ignore")
-        ):
+        """``fieldValidation`` of a create or update of a kind with a schema (the CRDs; openapi.validate_fields)."""
+        if self._verb(request) not in (str(kmock.action.CREATE), str(kmock.action.UPDATE), "replace"):
             return []
-        info = self._info(request)
+        content_type = str(request.headers.get("Content-Type", "")).split(";")[0]
+        if request.subresource or content_type == patches.JSON_PATCH:
+            return []
         body = request.data
         if body is None and request.text:
             with contextlib.suppress(yaml.YAMLError):
                 body = yaml.safe_load(request.text)
-        content_type = str(request.headers.get("Content-Type", "")).split(";")[0]
-        if not info.get("schema") or not isinstance(body, dict) or content_type == "application/json-patch+json":
-            return []
-        unknown = openapi.unknown_fields(body, info["schema"])
-        if unknown and directive == "Strict":
-            kind, version = info["kind"], self._gvp(request)[1]
-            fields = ", ".join(f'unknown field "{f}"' for f in unknown)
-            raise kmock.KubernetesError(
-                status=400,
-                reason="BadRequest",
-                message=(
-                    f'{kind} in version "{version}" cannot be handled as a {kind}: strict decoding error: {fields}'
-                ),
-            )
-        return [f'unknown field "{f}"' for f in unknown]
+        directive = str(request.params.get("fieldValidation") or "Warn")
+        return openapi.validate_fields(directive, body, self._info(request), self._gvp(request)[1])
 
     @staticmethod
     def _manager(request: rendering.Request) -> str:
         """The field manager of a write: ``fieldManager``, else the User-Agent up to its first ``/`` (as Kubernetes)."""
         agent = str(request.headers.get("User-Agent", "")).split("/", 1)[0]
         return str(request.params.get("fieldManager") or agent or "unknown")
+
+    @staticmethod
+    def _dry_run(request: rendering.Request) -> bool:
+        """``?dryRun=All``: the write is checked and answered, and not stored (``kubectl --dry-run=server``)."""
+        return request.params.get("dryRun") == "All"
+
+    def _commit(self, key: Key, obj: Obj, kind: str, request: rendering.Request) -> Obj:
+        """Store a written object and tell the watchers, unless the write is a dry run; what the write answers."""
+        if not self._dry_run(request):
+            self.store[key] = obj
+            self._bump(key[:3], kind, obj)
+        return copy.deepcopy(obj)
 
     async def _serve_create(self, request: rendering.Request) -> Obj:
         info, gvp = self._info(request), self._gvp(request)
@@ -289,81 +283,48 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         if not meta.get("name") and meta.get("generateName"):
             meta["name"] = meta["generateName"] + secrets.token_hex(3)[:5]
         key = self._key(request, meta.get("name"))
+        if info["namespaced"] and meta.get("namespace") not in (None, request.namespace):
+            raise api_errors.bad_request(
+                "the namespace of the provided object does not match the namespace sent on the request"
+            )
         async with self._lock:
             if key in self.store:
-                raise kmock.KubernetesError(
-                    status=409, reason="AlreadyExists", message=f"{gvp[2]} {meta['name']!r} already exists"
-                )
+                raise api_errors.already_exists(key)
             if info["namespaced"]:
                 meta["namespace"] = request.namespace
             meta.update(uid=str(uuid.uuid4()), creationTimestamp=now_rfc3339(), generation=1)
             body.setdefault("apiVersion", self._api_version(gvp))
             body.setdefault("kind", info["kind"])
             field_managers.record_update(None, body, self._manager(request), "status" in info["subresources"])
-            self.store[key] = body
-            self._bump(gvp, "ADDED", body)
-            if gvp == ("apiextensions.k8s.io", "v1", "customresourcedefinitions"):
+            created = self._commit(key, body, "ADDED", request)
+            if gvp == ("apiextensions.k8s.io", "v1", "customresourcedefinitions") and not self._dry_run(request):
                 self._install_crd(body)
-            return copy.deepcopy(body)
+            return created
 
     async def _serve_update(self, request: rendering.Request) -> Obj:
-        info, gvp = self._info(request), self._gvp(request)
+        """PATCH (any patch type, server-side apply) and PUT (a replace)."""
+        info = self._info(request)
         key = self._key(request, request.name)
-        content_type = str(request.headers.get("Content-Type", "application/merge-patch+json")).split(";")[0]
-        with_status = "status" in info["subresources"]
-        if content_type == APPLY_PATCH and request.subresource is None:
-            return await self._serve_apply(request, info, gvp, key)
+        content_type = str(request.headers.get("Content-Type", "")).split(";")[0]
+        if content_type == patches.APPLY_PATCH and request.subresource is None and self._verb(request) != "replace":
+            return await self._serve_apply(request, info, self._gvp(request), key)
         async with self._lock:
             current = self.store.get(key)
             if current is None:
-                raise self._not_found(key)
-            try:
-                if request.subresource == "scale" and info.get("scale"):
-                    patched = kinds.scaled(current, request.data, info["scale"])
-                elif content_type == "application/json-patch+json":
-                    patched = jsonpatch.apply_patch(current, request.data)
-                else:  # merge and strategic-merge patches are merges here
-                    patched = merge_patch(current, request.data)
-            except jsonpatch.JsonPatchTestFailed as exc:
-                raise kmock.KubernetesError(status=422, reason="Invalid", message=f"test failed: {exc}") from exc
-            except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
-                raise kmock.KubernetesError(status=422, reason="Invalid", message=str(exc)) from exc
-            wanted_rv = (
-                (request.data or {}).get("metadata", {}).get("resourceVersion")
-                if isinstance(request.data, dict)
-                else None
+                raise api_errors.not_found(key)
+            content_type = content_type or patches.MERGE_PATCH
+            updated = patches.changed(
+                current, request.data, (self._verb(request), request.subresource, content_type), info, key
             )
-            if wanted_rv and wanted_rv != current["metadata"].get("resourceVersion"):
-                raise kmock.KubernetesError(status=409, reason="Conflict", message="the object has been modified")
-            updated = copy.deepcopy(current)
-            if request.subresource == "status":
-                updated["status"] = patched.get("status", {})
-            elif request.subresource == "scale":
-                updated = patched
-            else:
-                for k, v in patched.items():
-                    if k != "status" or "status" not in info["subresources"]:
-                        updated[k] = v
-                for k in [k for k in current if k not in patched and k != "status"]:
-                    del updated[k]
-                kept = {
-                    f: current["metadata"][f]
-                    for f in ("uid", "creationTimestamp", "generation", "namespace", "name")
-                    if f in current["metadata"]
-                }
-                updated["metadata"] = {**patched.get("metadata", {}), **kept}
             if self._essence(updated) != self._essence(current):
                 updated["metadata"]["generation"] = int(current["metadata"].get("generation", 1)) + 1
-            field_managers.record_update(current, updated, self._manager(request), with_status)
+            field_managers.record_update(current, updated, self._manager(request), "status" in info["subresources"])
             if updated["metadata"].get("deletionTimestamp") and not updated["metadata"].get("finalizers"):
-                del self.store[key]
-                self._bump(gvp, "DELETED", updated)
-                return copy.deepcopy(updated)
-            self.store[key] = updated
-            self._bump(gvp, "MODIFIED", updated)
+                return self._remove(key, updated, request)  # its last finalizer released: the object goes
+            answer = self._commit(key, updated, "MODIFIED", request)
             if request.subresource == "scale":  # a write to /scale answers with the Scale, as Kubernetes
                 return kinds.scale_of(updated, info["scale"])
-            return copy.deepcopy(updated)
+            return answer
 
     async def _serve_apply(
         self, request: rendering.Request, info: dict[str, Any], gvp: tuple[str, str, str], key: Key
@@ -371,7 +332,7 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         """Server-side apply (``application/apply-patch+yaml``): create or update, owning fields (field_managers)."""
         config = request.data if isinstance(request.data, dict) else yaml.safe_load(request.text or "null")
         if not isinstance(config, dict) or config.get("metadata", {}).get("name") not in (None, request.name):
-            raise kmock.KubernetesError(status=400, reason="BadRequest", message="apply: an object named as the URL")
+            raise api_errors.bad_request("apply: an object named as the URL")
         force = str(request.params.get("force", "false")).lower() == "true"
         manager = request.params.get("fieldManager")
         if not manager:
@@ -391,32 +352,69 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
                 meta.update(name=request.name, uid=str(uuid.uuid4()), creationTimestamp=now_rfc3339(), generation=1)
                 result.setdefault("apiVersion", self._api_version(gvp))
                 result.setdefault("kind", info["kind"])
-                self.store[key] = result
-                self._bump(gvp, "ADDED", result)
-                return copy.deepcopy(result)
+                return self._commit(key, result, "ADDED", request)
             if self._essence(result) != self._essence(current):
                 meta["generation"] = int(current["metadata"].get("generation", 1)) + 1
             if result == current:  # nothing changed: no new resourceVersion, no watch event (as Kubernetes)
                 return copy.deepcopy(current)
-            self.store[key] = result
-            self._bump(gvp, "MODIFIED", result)
-            return copy.deepcopy(result)
+            return self._commit(key, result, "MODIFIED", request)
 
     async def _serve_delete(self, request: rendering.Request) -> Obj:
-        gvp = self._gvp(request)
         key = self._key(request, request.name)
+        options = deletion.delete_options(request.params, request.data)
         async with self._lock:
             current = self.store.get(key)
             if current is None:
-                raise self._not_found(key)
-            if current["metadata"].get("finalizers"):
-                if not current["metadata"].get("deletionTimestamp"):
-                    current["metadata"]["deletionTimestamp"] = now_rfc3339()
-                    self._bump(gvp, "MODIFIED", current)
+                raise api_errors.not_found(key)
+            deletion.check_preconditions(options, current, key)
+            if options.dry_run:
                 return copy.deepcopy(current)
-            del self.store[key]
-            self._bump(gvp, "DELETED", current)
+            return self._delete(key, current, options.propagation)
+
+    async def _serve_delete_collection(self, request: rendering.Request) -> Obj:
+        """DELETE of a collection: every object the selectors match (each as a DELETE of it); the list of them."""
+        info, gvp = self._info(request), self._gvp(request)
+        options = deletion.delete_options(request.params, request.data)
+        async with self._lock:
+            matching = self._matching(request)
+            items = []
+            for obj in matching:
+                key = (*gvp, obj["metadata"].get("namespace") if info["namespaced"] else None, obj["metadata"]["name"])
+                if key in self.store:
+                    items.append(obj if options.dry_run else self._delete(key, self.store[key], options.propagation))
+            revision = self.revision
+        return {
+            "apiVersion": self._api_version(gvp),
+            "kind": f"{info['kind']}List",
+            "metadata": {"resourceVersion": str(revision)},
+            "items": items,
+        }
+
+    def _delete(self, key: Key, current: Obj, propagation: str) -> Obj:
+        """Delete a stored object (the lock held): a deletion timestamp while finalizers hold it, else gone, its
+        dependents after it (deletion); ``Orphan`` leaves them, without their reference to it."""
+        uid = str(current["metadata"].get("uid", ""))
+        if propagation == "Orphan":
+            for dependent in deletion.dependents(self.store, uid):
+                self.store[dependent] = deletion.orphaned(self.store[dependent], uid)
+                self._bump(dependent[:3], "MODIFIED", self.store[dependent])
+        if current["metadata"].get("finalizers"):
+            if not current["metadata"].get("deletionTimestamp"):
+                current["metadata"]["deletionTimestamp"] = now_rfc3339()
+                self._bump(key[:3], "MODIFIED", current)
             return copy.deepcopy(current)
+        return self._remove(key, current)
+
+    def _remove(self, key: Key, obj: Obj, request: rendering.Request | None = None) -> Obj:
+        """An object leaves the store (the lock held), then the garbage collector deletes its dependents."""
+        if request is not None and self._dry_run(request):
+            return copy.deepcopy(obj)
+        self.store.pop(key, None)
+        self._bump(key[:3], "DELETED", obj)
+        for dependent in deletion.dependents(self.store, str(obj["metadata"].get("uid", ""))):
+            if dependent in self.store:
+                self._delete(dependent, self.store[dependent], "Background")
+        return copy.deepcopy(obj)
 
     # -- reads ----------------------------------------------------------------
     def _matching(self, request: rendering.Request) -> list[Obj]:
@@ -438,7 +436,7 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         async with self._lock:
             current = self.store.get(key)
         if current is None:
-            raise self._not_found(key)
+            raise api_errors.not_found(key)
         if request.subresource == "scale" and info.get("scale"):
             return kinds.scale_of(current, info["scale"])
         return copy.deepcopy(current)

@@ -28,7 +28,9 @@ def demo(args: argparse.Namespace) -> int:
         return EXIT_INVALID
     import signal
 
-    from kvbridge_sim.demo import DemoError, render_text, run_demo
+    from kvbridge_sim.demo import run_demo
+    from kvbridge_sim.demo_report import render_text
+    from kvbridge_sim.demo_wait import DemoError
 
     interrupted = asyncio.Event()
     if getattr(args, "serve", False):
@@ -69,7 +71,7 @@ def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import signal
 
-    from kvbridge_sim.demo import DemoError
+    from kvbridge_sim.demo_wait import DemoError
     from kvbridge_sim.serve import serve
 
     stop = asyncio.Event()

@@ -14,7 +14,7 @@ from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.rbac import allowed_calls
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.controller.handlers import run_operator
-from kvbridge_operator.kube import DEPLOYMENTS, LEADER_WORKER_SETS, PODS, STATEFUL_SETS, KubeClient
+from kvbridge_operator.kube import DEPLOYMENTS, LEADER_WORKER_SETS, PODS, STATEFUL_SETS, ApiError, KubeClient
 from kvbridge_sim.apiserver import RealisticKubernetes
 from kvbridge_sim.local_api import emulated_api, stop_operator_beside
 from kvbridge_sim.support import until
@@ -205,7 +205,8 @@ TEST_AGENT = "kvbridge-test"
 @contextlib.asynccontextmanager
 async def cluster(config: OperatorConfig | None = None, *, start: bool = True) -> AsyncIterator[Cluster]:
     async with emulated_api(user_agent=TEST_AGENT) as (api, url, client):  # the test's own requests, told apart
-        base = config or OperatorConfig(liveness_port=0)
+        # every pod is a local process on its own 127.0.0.N: decode reaches prefill's side channels there only
+        base = config or OperatorConfig(liveness_port=0, pod_networks=("127.0.0.0/8",))
         built = Cluster(api, url, client, OperatorConfig(**{**base.__dict__, "api_server": url}))
         try:
             if start:
@@ -227,7 +228,13 @@ class StatefulSetController:
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             for sts in self.c.api.objects_of("statefulsets"):
-                await self._step(sts)
+                try:
+                    await self._step(sts)
+                except (ApiError, AssertionError):
+                    meta = sts["metadata"]
+                    if self.c.api.find("statefulsets", meta["namespace"], meta["name"]) is not None:
+                        raise
+                    # deleted meanwhile with its pods (the garbage collector): a controller goes on
             await asyncio.sleep(self.tick)
 
     async def _step(self, sts: Obj) -> None:

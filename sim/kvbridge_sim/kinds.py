@@ -126,3 +126,23 @@ def api_resource_list(
         return None
     groupversion = f"{group}/{version}" if group else version
     return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": groupversion, "resources": entries}
+
+
+def of_crd(crd: Obj) -> dict[tuple[str, str, str], dict[str, Any]]:
+    """The kinds a CustomResourceDefinition declares, one per version, as :data:`BUILTIN` describes its kinds (and
+    their schemas and printer columns)."""
+    spec = crd.get("spec", {})
+    names = spec.get("names", {})
+    return {
+        (spec["group"], version["name"], names["plural"]): {
+            "kind": names["kind"],
+            "namespaced": spec.get("scope") == "Namespaced",
+            "subresources": set(version.get("subresources") or {}),
+            "scale": (version.get("subresources") or {}).get("scale"),
+            "shortnames": set(names.get("shortNames") or ()),
+            "singular": names.get("singular"),
+            "schema": (version.get("schema") or {}).get("openAPIV3Schema"),
+            "columns": version.get("additionalPrinterColumns"),
+        }
+        for version in spec.get("versions", [])
+    }

@@ -14,6 +14,8 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import kmock
+
 from kvbridge_operator.api.objects import Obj
 
 GroupVersionPlural = tuple[str, str, str]
@@ -117,3 +119,21 @@ def unknown_fields(obj: Any, schema: Obj, path: str = "") -> list[str]:
         for index, item in enumerate(obj):
             found += unknown_fields(item, schema["items"], f"{path}[{index}]")
     return found
+
+
+def validate_fields(directive: str, body: Any, info: Obj, version: str) -> list[str]:
+    """``fieldValidation`` of a create or an update's body (``info``: its kind's, with the CRD's ``schema``):
+    ``Strict`` refuses unknown fields (HTTP 400, as Kubernetes), ``Warn`` (the API's default) answers them as
+    warnings, ``Ignore`` drops the check. Returns the warnings."""
+    if directive == "Ignore" or not info.get("schema") or not isinstance(body, dict):
+        return []
+    unknown = unknown_fields(body, info["schema"])
+    if unknown and directive == "Strict":
+        kind = info["kind"]
+        fields = ", ".join(f'unknown field "{f}"' for f in unknown)
+        raise kmock.KubernetesError(
+            status=400,
+            reason="BadRequest",
+            message=f'{kind} in version "{version}" cannot be handled as a {kind}: strict decoding error: {fields}',
+        )
+    return [f'unknown field "{f}"' for f in unknown]

@@ -37,7 +37,7 @@ import aiohttp
 
 from kvbridge_agent.core.contract import PREFIX
 from kvbridge_operator.api.names import LABEL_REVISION, MANAGED_BY, router_token_secret_name, secret_name
-from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.api.objects import Obj, now_rfc3339
 from kvbridge_operator.children.transfer_token import TOKEN_KEY
 from kvbridge_operator.kube import PODS, SECRETS, STATEFUL_SETS, KubeClient
 from kvbridge_sim import pods
@@ -62,6 +62,10 @@ class LocalPod:
     log_path: Path | None = None
     revision: str = ""
     terminating: bool = False
+    #: the running container's start, and how the one before it ended (``lastState.terminated``), as a kubelet
+    #: reports them
+    started_at: str = ""
+    last_state: Obj | None = None
 
 
 class LocalRunner:
@@ -257,6 +261,7 @@ class LocalRunner:
         if pod.restarts and pod.log_path is not None and pod.log_path.exists():  # kept for ``kubectl logs -p``
             pod.log_path.replace(self._previous_log(pod.log_path))
         pod.process = pods.start(pod.spec, pod.log_path or Path(os.devnull))
+        pod.started_at = now_rfc3339()
         pod.ready = False
 
     @staticmethod
@@ -287,6 +292,7 @@ class LocalRunner:
 
     async def _watch(self, pod: LocalPod) -> None:
         if pod.process is not None and pod.process.poll() is not None:  # the container exited: restart it
+            pod.last_state = terminated(pod.process.returncode, pod.started_at)
             pod.restarts += 1
             self._start(pod)
             await self._report(pod)
@@ -308,6 +314,8 @@ class LocalRunner:
                     "image": "local",
                     "imageID": "",
                     "started": True,
+                    "state": {"running": {"startedAt": pod.started_at}},
+                    **({"lastState": {"terminated": pod.last_state}} if pod.last_state else {}),
                 }
             ],
         }
@@ -332,6 +340,14 @@ class LocalRunner:
     def http_url(self, namespace: str, name: str) -> str:
         pod = self.pods[(namespace, name)]
         return f"http://{pod.ip}:{pod.spec.http_port}"
+
+
+def terminated(returncode: int, started_at: str) -> Obj:
+    """A container that ended, as a kubelet reports it (``containerStatuses[].lastState.terminated``): the exit code
+    (128 + the signal's number for a process a signal ended, as a container runtime reports it) and why."""
+    code = 128 - returncode if returncode < 0 else returncode
+    reason = "Completed" if code == 0 else "Error"
+    return {"exitCode": code, "reason": reason, "startedAt": started_at, "finishedAt": now_rfc3339()}
 
 
 #: the engine environment variable naming the router's token file (the agent core's contract)

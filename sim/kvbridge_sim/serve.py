@@ -12,16 +12,9 @@ import asyncio
 import tempfile
 from pathlib import Path
 
-from kvbridge_sim.demo import (
-    LocalRouter,
-    apply_all,
-    condition,
-    documents,
-    local_cluster,
-    models_for,
-    start_router,
-    wait_for_verdicts,
-)
+from kvbridge_sim.demo import apply_all, documents, local_cluster, models_for
+from kvbridge_sim.demo_traffic import LocalRouter, start_router
+from kvbridge_sim.demo_wait import condition, wait_for_verdicts
 from kvbridge_sim.kubectl import kubeconfig
 
 
@@ -40,7 +33,9 @@ async def serve(files: list[str] | None, num_layers: int, engine: str, stop: asy
             routers: list[LocalRouter] = []
             try:
                 names = await apply_all(cluster.client, docs)
-                objects = await wait_for_verdicts(cluster.client, names, 900 if models else 150, stop)
+                objects = await wait_for_verdicts(
+                    cluster.client, names, 900 if models else 150, stop, logs=cluster.runner.pod_log
+                )
                 config_path = workdir / "kubeconfig"
                 config_path.write_text(kubeconfig(cluster.url))
                 say(f"kubeconfig {config_path}  (export KUBECONFIG={config_path}; kubectl get dd)")

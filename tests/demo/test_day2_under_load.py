@@ -12,7 +12,9 @@ import aiohttp
 import pytest
 
 from kvbridge_operator.kube import DEPLOYMENTS
-from kvbridge_sim.demo import NAMESPACE, apply_all, local_cluster, send, start_router, synthetic_deployment
+from kvbridge_sim.demo import apply_all, local_cluster, synthetic_deployment
+from kvbridge_sim.demo_traffic import send, start_router
+from kvbridge_sim.demo_wait import NAMESPACE
 from kvbridge_sim.runner import LocalRunner
 from kvbridge_sim.support import until
 

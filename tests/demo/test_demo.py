@@ -34,8 +34,9 @@ def marked_processes(marker: str) -> list[int]:
 
 #: the agent demo's two default manifests (one run also takes pods of data-parallel ranks on both roles)
 AGENT_MANIFESTS = [str(MANIFESTS / name) for name in DEFAULT_FILES["agent"]]
-#: prefill DP 2 and decode DP 3 per pod (examples/data-parallel-mla.yaml, one prefill pod here: 5 rank processes)
-DATA_PARALLEL = Path(__file__).parents[2] / "examples" / "data-parallel-mla.yaml"
+#: prefill DP 2 and decode DP 3 per pod (examples/synthetic/data-parallel-mla.yaml, one prefill pod here: 5 rank
+#: processes)
+DATA_PARALLEL = Path(__file__).parents[2] / "examples" / "synthetic" / "data-parallel-mla.yaml"
 
 
 @pytest.mark.slow  # the whole demo with synthetic engines, up to 3 minutes (`make test` runs it)
@@ -149,7 +150,7 @@ def test_demo_reads_a_manifest_from_stdin_once(monkeypatch: pytest.MonkeyPatch) 
     """Issue 13 #10: `kvbridge demo -f -` read stdin twice and applied nothing (then said ok)."""
     from kvbridge_sim.demo import documents
 
-    text = (Path(__file__).parents[2] / "examples" / "llama3-8b-hetero-tp.yaml").read_text()
+    text = (Path(__file__).parents[2] / "examples" / "synthetic" / "llama3-8b-hetero-tp.yaml").read_text()
     monkeypatch.setattr(sys, "stdin", io.StringIO(text))
     [doc] = documents(["-"], num_layers=4, engine="agent")
     assert doc["metadata"]["name"] == "llama3-8b"

@@ -46,8 +46,8 @@ def test_the_demos_manifests_are_the_examples_the_docs_show() -> None:
 
     sources = {
         "tiny-cpu.yaml": "vllm/tiny-cpu.yaml",
-        "llama3-8b-hetero-tp.yaml": "llama3-8b-hetero-tp.yaml",
-        "incompatible-replicated-heads.yaml": "incompatible-replicated-heads.yaml",
+        "llama3-8b-hetero-tp.yaml": "synthetic/llama3-8b-hetero-tp.yaml",
+        "incompatible-replicated-heads.yaml": "synthetic/incompatible-replicated-heads.yaml",
     }
     assert {name for names in DEFAULT_FILES.values() for name in names} == set(sources)
     examples = Path(__file__).parents[2] / "examples"

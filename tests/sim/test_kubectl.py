@@ -21,7 +21,7 @@ from kvbridge_sim.support import until
 
 pytestmark = pytest.mark.skipif(KUBECTL is None, reason="no kubectl binary on the PATH (CI machines have one)")
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "llama3-8b-hetero-tp.yaml"
+EXAMPLE = ROOT / "examples" / "synthetic" / "llama3-8b-hetero-tp.yaml"
 
 
 @contextlib.asynccontextmanager
@@ -193,3 +193,42 @@ async def test_server_side_apply_of_the_crds_as_the_install_guide_does(tmp_path:
             in (out)
         )
         assert "disaggregateddeployments.kvbridge.io" in await kubectl(config, "get crd")
+
+
+async def test_patch_replace_and_delete_answer_as_a_real_server(tmp_path: Path) -> None:
+    """Issue 59: ``kubectl patch`` of a custom resource without ``--type=merge`` fails as on a cluster (a strategic
+    merge patch is for built-in kinds), ``kubectl replace`` replaces, ``--dry-run=server`` changes nothing, and
+    ``kubectl delete dd`` takes the deployment's children and pods with it (the garbage collector)."""
+    async with running(tmp_path) as (c, config):
+        await kubectl(config, f"apply -f {EXAMPLE}")
+        await eventually(config, "get pods", "llama3-8b-decode-0")
+        out = await kubectl(config, """patch dd llama3-8b -p '{"metadata":{"labels":{"team":"a"}}}'""", ok=False)
+        assert "application/strategic-merge-patch+json is not supported" in out, out
+        merged = await kubectl(config, """patch dd llama3-8b --type=merge -p '{"metadata":{"labels":{"team":"a"}}}'""")
+        assert "patched" in merged
+        document = await kubectl(config, "get dd llama3-8b -o json")
+        replacement = document.replace('"team": "a"', '"team": "b"')
+        done = await run(config, f"{KUBECTL} replace -f - <<'EOF'\n{replacement}\nEOF")
+        assert done.returncode == 0, done.stderr
+        assert await kubectl(config, "get dd llama3-8b -o jsonpath={.metadata.labels.team}") == "b"
+        assert "(server dry run)" in await kubectl(config, "delete dd llama3-8b --dry-run=server")
+        assert await kubectl(config, "get dd llama3-8b -o name") == "disaggregateddeployment.kvbridge.io/llama3-8b\n"
+        assert "deleted" in await kubectl(config, "delete dd llama3-8b --wait=false")
+        await until(lambda: not c.api.objects_of("statefulsets"), 20, "the StatefulSets garbage-collected")
+        await until(lambda: not c.api.objects_of("pods"), 20, "the pods garbage-collected")
+        assert not c.api.objects_of("services")
+
+
+async def test_logs_name_a_container_the_pod_has_and_limit_bytes(tmp_path: Path) -> None:
+    async with running(tmp_path) as (c, config):
+        containers = [{"name": "engine", "image": "x"}, {"name": "sidecar", "image": "y"}]
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p-0"}, "spec": {"containers": containers}}
+        await c.client.create(PODS, "default", pod)
+        log = tmp_path / "p-0.log"
+        log.write_text("line 1\nline 2\n")
+        c.api.pod_logs = lambda namespace, name: PodLog(log, None, lambda: False)
+        assert await kubectl(config, "logs p-0 -c engine --limit-bytes=4") == "line"
+        out = await kubectl(config, "logs p-0 -c nope", ok=False)
+        assert "container nope is not valid for pod p-0" in out, out
+        out = await kubectl(config, "logs p-0 -c sidecar", ok=False)
+        assert 'container "sidecar" in pod "p-0" is waiting to start' in out, out

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from kvbridge_operator.api.images import KVBRIDGE_ENGINE_REPOSITORY, STOCK_VLLM_PATTERN
 from kvbridge_operator.api.names import GROUP, KIND, PLURAL, ROLE_KIND, ROLE_PLURAL, VERSION
 from kvbridge_operator.api.spec import MAX_NAME_LENGTH, NAME_PATTERN, DisaggregatedDeploymentSpec
 from kvbridge_operator.api.status import DisaggregatedDeploymentStatus
@@ -146,6 +147,18 @@ SPEC_RULES: list[dict[str, str]] = [
         "(!has(t.operator) || t.operator == 'Equal') ? (has(t.key) && t.key != '') : (!has(t.value) || t.value == ''))",
         "message": "a toleration with operator Equal needs a key, one with operator Exists takes no value",
         "fieldPath": ".router.tolerations",
+        "reason": "FieldValueInvalid",
+    },
+    {
+        # the model's IMAGE_LACKS_CONNECTOR on spec.engine.image (a role's template overlay, which CEL cannot read,
+        # is refused by the operator's model alone); a CEL string takes the pattern's backslashes doubled
+        "rule": "!has(self.engine) || !has(self.engine.connector) || self.engine.connector != 'KVBridge' || "
+        "(has(self.engine.kind) && self.engine.kind != 'VLLM') || !has(self.engine.image) || "
+        f"!self.engine.image.matches('{STOCK_VLLM_PATTERN.replace(chr(92), chr(92) * 2)}')",
+        "message": "connector KVBridge needs kvbridge in the engine's image, and vLLM's own images do not have it: "
+        f"use kvbridge's engine image ({KVBRIDGE_ENGINE_REPOSITORY}), an image of your own with kvbridge installed, "
+        "or no image (the operator's default)",
+        "fieldPath": ".engine.image",
         "reason": "FieldValueInvalid",
     },
     {
@@ -303,10 +316,101 @@ def crd() -> dict[str, Any]:
     }
 
 
+#: the DisaggregatedRole's counts: engines of one role
+_ROLE_COUNT = {"type": "integer", "minimum": 0, "maximum": 1024}
+
+
+def _role_spec_schema() -> dict[str, Any]:
+    """The DisaggregatedRole's spec: which deployment and role, and the desired count (its /scale)."""
+    return {
+        "type": "object",
+        "required": ["deployment", "role"],
+        "properties": {
+            "deployment": {
+                "type": "string",
+                "maxLength": 253,
+                "description": "The DisaggregatedDeployment this role belongs to.",
+            },
+            "role": {"type": "string", "enum": ["prefill", "decode"]},
+            "replicas": {**_ROLE_COUNT, "description": "Desired engines (autoscalers write it)."},
+        },
+        "x-kubernetes-validations": [
+            {
+                "rule": "self.deployment == oldSelf.deployment && self.role == oldSelf.role",
+                "message": "deployment and role are immutable",
+            }
+        ],
+    }
+
+
+def _role_status_schema() -> dict[str, Any]:
+    """The DisaggregatedRole's status: the counts the operator runs, and the selector HPA reads."""
+    return {
+        "type": "object",
+        "properties": {
+            "replicas": {
+                **_ROLE_COUNT,
+                "description": "Engines the operator runs (the scale subresource's current count; the same as "
+                "effectiveReplicas).",
+            },
+            "desiredReplicas": {**_ROLE_COUNT, "description": "spec.replicas as the operator last saw it."},
+            "effectiveReplicas": {
+                **_ROLE_COUNT,
+                "description": "Engines the operator runs: the desired count within minReplicas, maxReplicas and "
+                "decodePerPrefill.",
+            },
+            "selector": {"type": "string", "description": "The role's pods (for HPA)."},
+            "message": {
+                "type": "string",
+                "maxLength": 1024,
+                "description": "Why effective differs from desired, if it does.",
+            },
+        },
+    }
+
+
+def _role_version() -> dict[str, Any]:
+    """The DisaggregatedRole's one version: its status and scale subresources, printer columns and schema."""
+    return {
+        "name": VERSION,
+        "served": True,
+        "storage": True,
+        "subresources": {
+            "status": {},
+            "scale": {
+                "specReplicasPath": ".spec.replicas",
+                "statusReplicasPath": ".status.replicas",
+                "labelSelectorPath": ".status.selector",
+            },
+        },
+        "additionalPrinterColumns": [
+            {"name": "Deployment", "type": "string", "jsonPath": ".spec.deployment"},
+            {"name": "Role", "type": "string", "jsonPath": ".spec.role"},
+            {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas"},
+            {"name": "Effective", "type": "integer", "jsonPath": ".status.effectiveReplicas"},
+            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        ],
+        "schema": {
+            "openAPIV3Schema": {
+                "type": "object",
+                "description": "One role of a DisaggregatedDeployment, for autoscalers: spec.replicas (its /scale) "
+                "is the desired engine count; the operator runs it within the deployment's bounds.",
+                "properties": {
+                    "apiVersion": {"type": "string"},
+                    "kind": {"type": "string"},
+                    "metadata": {"type": "object"},
+                    "spec": _role_spec_schema(),
+                    "status": _role_status_schema(),
+                },
+                "required": ["spec"],
+            }
+        },
+    }
+
+
 def role_crd() -> dict[str, Any]:
     """The DisaggregatedRole: one per role of a deployment, what HPA, KEDA and ``kubectl scale`` target (its
     ``/scale``); the operator creates it and owns everything but ``spec.replicas`` (see scaling.py)."""
-    count = {"type": "integer", "minimum": 0, "maximum": 1024}
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -322,87 +426,7 @@ def role_crd() -> dict[str, Any]:
                 "categories": ["kvbridge"],
             },
             "scope": "Namespaced",
-            "versions": [
-                {
-                    "name": VERSION,
-                    "served": True,
-                    "storage": True,
-                    "subresources": {
-                        "status": {},
-                        "scale": {
-                            "specReplicasPath": ".spec.replicas",
-                            "statusReplicasPath": ".status.replicas",
-                            "labelSelectorPath": ".status.selector",
-                        },
-                    },
-                    "additionalPrinterColumns": [
-                        {"name": "Deployment", "type": "string", "jsonPath": ".spec.deployment"},
-                        {"name": "Role", "type": "string", "jsonPath": ".spec.role"},
-                        {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas"},
-                        {"name": "Effective", "type": "integer", "jsonPath": ".status.effectiveReplicas"},
-                        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-                    ],
-                    "schema": {
-                        "openAPIV3Schema": {
-                            "type": "object",
-                            "description": "One role of a DisaggregatedDeployment, for autoscalers: spec.replicas "
-                            "(its /scale) is the desired engine count; the operator runs it within the deployment's "
-                            "bounds.",
-                            "properties": {
-                                "apiVersion": {"type": "string"},
-                                "kind": {"type": "string"},
-                                "metadata": {"type": "object"},
-                                "spec": {
-                                    "type": "object",
-                                    "required": ["deployment", "role"],
-                                    "properties": {
-                                        "deployment": {
-                                            "type": "string",
-                                            "maxLength": 253,
-                                            "description": "The DisaggregatedDeployment this role belongs to.",
-                                        },
-                                        "role": {"type": "string", "enum": ["prefill", "decode"]},
-                                        "replicas": {**count, "description": "Desired engines (autoscalers write it)."},
-                                    },
-                                    "x-kubernetes-validations": [
-                                        {
-                                            "rule": "self.deployment == oldSelf.deployment && self.role == "
-                                            "oldSelf.role",
-                                            "message": "deployment and role are immutable",
-                                        }
-                                    ],
-                                },
-                                "status": {
-                                    "type": "object",
-                                    "properties": {
-                                        "replicas": {
-                                            **count,
-                                            "description": "Engines the operator runs (the scale "
-                                            "subresource's current count; the same as effectiveReplicas).",
-                                        },
-                                        "desiredReplicas": {
-                                            **count,
-                                            "description": "spec.replicas as the operator last saw it.",
-                                        },
-                                        "effectiveReplicas": {
-                                            **count,
-                                            "description": "Engines the operator runs: the desired "
-                                            "count within minReplicas, maxReplicas and decodePerPrefill.",
-                                        },
-                                        "selector": {"type": "string", "description": "The role's pods (for HPA)."},
-                                        "message": {
-                                            "type": "string",
-                                            "maxLength": 1024,
-                                            "description": "Why effective differs from desired, if it does.",
-                                        },
-                                    },
-                                },
-                            },
-                            "required": ["spec"],
-                        }
-                    },
-                }
-            ],
+            "versions": [_role_version()],
         },
     }
 

@@ -112,28 +112,66 @@ def children_from(indexes: Indexes, namespace: str, name: str) -> ExistingChildr
     return ExistingChildren(by_role(roles), by_role(stateful_sets), pods, by_role(leader_worker_sets))
 
 
-def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorRegistry:
-    registry = kopf.OperatorRegistry()
-    locks: defaultdict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
+def _handler_id(name: str) -> str:
+    """The id Kopf knows a handler by (and keeps in a deployment's annotations while the handler is retried): the
+    name it had when one function defined every handler, kept so an upgraded operator resumes what it retried."""
+    return f"build_registry.<locals>.{name}"
 
-    async def run(namespace: str, name: str, indexes: Indexes, apply_children: bool = True) -> None:
+
+class _Reconciles:
+    """The reconciles the handlers run: one at a time per resource, from a fresh read of it."""
+
+    def __init__(self, config: OperatorConfig, client: KubeClient) -> None:
+        self.config = config
+        self.client = client
+        self.locks: defaultdict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    async def run(self, namespace: str, name: str, indexes: Indexes, apply_children: bool = True) -> None:
         """Reconcile from a fresh read of the resource, one at a time per resource (events may carry stale
         bodies); its children come from the operator's watch indexes (no API reads)."""
-        async with locks[(namespace, name)]:
-            body = await client.get(DEPLOYMENTS, namespace, name)
+        async with self.locks[(namespace, name)]:
+            body = await self.client.get(DEPLOYMENTS, namespace, name)
             if body is None:  # it may be gone by now (its pods drain after it)
                 return
             with RECONCILE_SECONDS.time():
                 try:
                     cached = children_from(indexes, namespace, name)
-                    outcome = await reconcile(client, body, config, apply_children, cached)
+                    outcome = await reconcile(self.client, body, self.config, apply_children, cached)
                 except Exception:
                     RECONCILES.labels(result="error").inc()
                     raise
             result = "applied" if outcome.applied else "refused" if apply_children else "observed"
             RECONCILES.labels(result=result).inc()
 
-    @kopf.on.startup(registry=registry)
+    async def observe(self, namespace: str, name: str, what: str, indexes: Indexes) -> None:
+        """A status-only reconcile (it applies only where the running counts are not the effective ones). Event
+        handlers are not retried by Kopf, and an event may be the last one for a while (the one that makes the
+        deployment Ready): retry API failures here, with the same backoff."""
+        for attempt in range(POD_EVENT_ATTEMPTS):
+            try:
+                await self.run(namespace, name, indexes, apply_children=False)
+                return
+            except API_ERRORS as exc:
+                if attempt == POD_EVENT_ATTEMPTS - 1:
+                    raise
+                logging.getLogger(__name__).info("%s: Kubernetes API: %s; retrying", what, exc)
+                await asyncio.sleep(OPERATOR_BACKOFF.delay(attempt))
+
+
+def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    reconciles = _Reconciles(config, client)
+    _register_setup(registry, config)
+    _register_deployment_handlers(registry, reconciles)
+    _register_planner(registry, client)
+    _register_child_events(registry, reconciles)
+    return registry
+
+
+def _register_setup(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
+    """Kopf's settings, the watch indexes of the children and the login."""
+
+    @kopf.on.startup(registry=registry, id=_handler_id("startup"))
     def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         configure_settings(settings)
 
@@ -152,33 +190,49 @@ def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorR
         by_deployment
     )
 
-    @kopf.on.login(registry=registry)
+    @kopf.on.login(registry=registry, id=_handler_id("login"))
     async def login(**_: Any) -> kopf.ConnectionInfo:
         """Kopf's watches use the credentials of the operator's own client, loaded afresh on every login (Kopf logs
         in again on a 401: a rotated service-account token, an expired exec-plugin token)."""
         return connection_info(await connect(config.api_server, config.kubeconfig, config.context))
 
-    @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
-    @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", registry=registry)
-    @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
+
+def _register_deployment_handlers(registry: kopf.OperatorRegistry, reconciles: _Reconciles) -> None:
+    """A deployment created, its spec changed, the operator resumed; and the periodic resync."""
+    changed = _handler_id("deployment_changed")
+
+    @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry, id=changed)
+    @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", registry=registry, id=changed)
+    @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry, id=changed)
     async def deployment_changed(name: str, namespace: str | None, retry: int, **kwargs: Any) -> None:
         try:
-            await run(namespace or "default", name, _indexes(kwargs))
+            await reconciles.run(namespace or "default", name, _indexes(kwargs))
         except API_ERRORS as exc:  # the API is down or overloaded: retry soon
             raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=OPERATOR_BACKOFF.delay(retry)) from exc
 
-    @kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS, registry=registry)
+    @kopf.timer(
+        GROUP,
+        VERSION,
+        PLURAL,
+        interval=RESYNC_SECONDS,
+        initial_delay=RESYNC_SECONDS,
+        registry=registry,
+        id=_handler_id("resync"),
+    )
     async def resync(name: str, namespace: str | None, **kwargs: Any) -> None:
         """Level-triggered safety net, as Kubernetes' own controllers resync: an event lost to API errors (Kopf
         skips events of an object while it throttles that object's errors) is made up within this period."""
         try:
-            await run(namespace or "default", name, _indexes(kwargs))
+            await reconciles.run(namespace or "default", name, _indexes(kwargs))
         except API_ERRORS as exc:
             logging.getLogger(__name__).info("resync of %s/%s: Kubernetes API: %s", namespace, name, exc)
 
-    planner_session: list[aiohttp.ClientSession] = []  # one HTTP session for every planner pass, made on first use
 
-    @kopf.on.cleanup(registry=registry)
+def _register_planner(registry: kopf.OperatorRegistry, client: KubeClient) -> None:
+    """kvbridge's planner (spec.autoscaling): a timer per planning deployment, one HTTP session for every pass."""
+    planner_session: list[aiohttp.ClientSession] = []  # made on first use
+
+    @kopf.on.cleanup(registry=registry, id=_handler_id("close_planner"))
     async def close_planner(**_: Any) -> None:
         while planner_session:
             await planner_session.pop().close()
@@ -186,7 +240,9 @@ def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorR
     def planning(spec: kopf.Spec, **_: Any) -> bool:
         return bool((spec.get("autoscaling") or {}).get("enabled"))
 
-    @kopf.timer(GROUP, VERSION, PLURAL, interval=PLANNER_TICK_SECONDS, when=planning, registry=registry)
+    @kopf.timer(
+        GROUP, VERSION, PLURAL, interval=PLANNER_TICK_SECONDS, when=planning, registry=registry, id=_handler_id("plan")
+    )
     async def plan(name: str, namespace: str | None, body: kopf.Body, **_: Any) -> None:
         """kvbridge's planner (spec.autoscaling): a pass when one is due (controller.autoscaling). A pass that
         fails is logged and tried again at the next tick; it changes nothing that runs."""
@@ -203,37 +259,27 @@ def build_registry(config: OperatorConfig, client: KubeClient) -> kopf.OperatorR
         except Exception:  # a planner bug must not stop the reconciles, nor this timer: logged, tried next tick
             logging.getLogger(__name__).exception("planner, %s/%s: the pass failed", namespace, name)
 
-    async def observe_deployment(namespace: str, name: str, what: str, indexes: Indexes) -> None:
-        """A status-only reconcile (it applies only where the running counts are not the effective ones). Event
-        handlers are not retried by Kopf, and an event may be the last one for a while (the one that makes the
-        deployment Ready): retry API failures here, with the same backoff."""
-        for attempt in range(POD_EVENT_ATTEMPTS):
-            try:
-                await run(namespace, name, indexes, apply_children=False)
-                return
-            except API_ERRORS as exc:
-                if attempt == POD_EVENT_ATTEMPTS - 1:
-                    raise
-                logging.getLogger(__name__).info("%s: Kubernetes API: %s; retrying", what, exc)
-                await asyncio.sleep(OPERATOR_BACKOFF.delay(attempt))
 
-    @kopf.on.event("v1", "pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT}, registry=registry)
+def _register_child_events(registry: kopf.OperatorRegistry, reconciles: _Reconciles) -> None:
+    """A pod of a deployment changed, or a role was scaled: a status-only reconcile."""
+
+    @kopf.on.event(
+        "v1", "pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT}, registry=registry, id=_handler_id("pod_changed")
+    )
     async def pod_changed(labels: kopf.Labels, namespace: str | None, **kwargs: Any) -> None:
         # a pod changes no spec: observe and write the status only
-        await observe_deployment(namespace or "default", labels[LABEL_DEPLOYMENT], "pod event", _indexes(kwargs))
+        await reconciles.observe(namespace or "default", labels[LABEL_DEPLOYMENT], "pod event", _indexes(kwargs))
 
-    @kopf.on.event(GROUP, VERSION, ROLE_PLURAL, registry=registry)
+    @kopf.on.event(GROUP, VERSION, ROLE_PLURAL, registry=registry, id=_handler_id("role_scaled"))
     async def role_scaled(body: kopf.Body, namespace: str | None, **kwargs: Any) -> None:
         """An autoscaler or `kubectl scale` changed a role's replicas: run the new effective counts. The operator's
         own status writes (desiredReplicas caught up) and deletions do nothing."""
         spec, status = body.get("spec") or {}, body.get("status") or {}
         if body.get("metadata", {}).get("deletionTimestamp") or spec.get("replicas") == status.get("desiredReplicas"):
             return
-        await observe_deployment(
+        await reconciles.observe(
             namespace or "default", str(spec.get("deployment", "")), "role scaled", _indexes(kwargs)
         )
-
-    return registry
 
 
 def _indexes(kwargs: dict[str, Any]) -> Indexes:

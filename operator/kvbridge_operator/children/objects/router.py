@@ -22,17 +22,17 @@ from kvbridge_operator.api.names import (
     router_token_secret_name,
 )
 from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.api.router_settings import DEFAULTS, RouterSettings, arguments, peer_interval_for
 from kvbridge_operator.api.serving import RouterSpec
 from kvbridge_operator.api.spec import DisaggregatedDeployment
 from kvbridge_operator.children import peer_key, tracing, transfer_token
 from kvbridge_operator.children.objects.shared import child_metadata, owner_reference
 from kvbridge_operator.config import OperatorConfig
-from kvbridge_router.settings import DEFAULTS, RouterSettings, arguments, peer_interval_for
 
 ROUTER_PORT = DEFAULTS.port
 
 
-#: the router's own program (the operator image has it; ``kvbridge router`` is the same command)
+#: the router's own program (the operator image has it)
 ROUTER_COMMAND = "kvbridge-router"
 
 
@@ -72,85 +72,9 @@ def router_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfi
     owner = owner_reference(dd, uid)
     labels = router_selector(dd.metadata.name)
     spec = dd.spec.router
-    signs, peers = transfer_token.signs(dd.spec), peer_key.peers(dd.spec)
     peers_service = router_peers_name(dd.metadata.name)
-    chosen = RouterSettings(
-        deployment=dd.metadata.name,
-        namespace=namespace,
-        port=ROUTER_PORT,
-        prefill_timeout=spec.prefill_timeout_seconds,
-        decode_timeout=spec.decode_timeout_seconds,
-        prefill_attempts=spec.prefill_attempts,
-        policy=spec.policy,
-        block_size=dd.spec.prefill.block_size,
-        replicas=spec.replicas,
-        transfer_token_file=transfer_token.TOKEN_FILE if signs else "",
-        peers=f"dns:{peers_service}.{namespace}.svc:{ROUTER_PORT}" if peers else "",
-        peer_key_file=peer_key.KEY_FILE if peers else "",
-        peer_interval=peer_interval_for(spec.replicas),
-        api_key_file=API_KEYS_FILE if spec.api_key_secret else "",
-    )
-    args = arguments(chosen, always=RENDERED_ALWAYS)
-    probe = {"httpGet": {"path": "/metrics", "port": HTTP_PORT_NAME}, "periodSeconds": 10}
-    container: Obj = {
-        "name": "router",
-        "image": spec.image or config.router_image,
-        "command": [ROUTER_COMMAND],
-        "args": args,
-        "ports": [{"name": HTTP_PORT_NAME, "containerPort": ROUTER_PORT, "protocol": "TCP"}],
-        **(
-            {"env": env} if (env := tracing.env_list(dd.spec, tracing.service_name(dd.metadata.name, "router"))) else {}
-        ),
-        # ready once some prefill/decode pair is routable (503 before); alive while it answers at all
-        "readinessProbe": {"httpGet": {"path": "/health", "port": HTTP_PORT_NAME}, "periodSeconds": 5},
-        "livenessProbe": {**probe, "failureThreshold": 6},
-        "resources": spec.resources or {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
-    }
-    # the token's and the keys' files are root's: readable by the router's non-root user
-    volumes = [transfer_token.volume(dd.metadata.name, 0o444)] if signs else []
-    mounts = [transfer_token.mount()] if signs else []
-    if peers:
-        volumes.append(peer_key.volume(dd.metadata.name))
-        mounts.append(peer_key.mount())
-    if spec.api_key_secret is not None:
-        items = [{"key": spec.api_key_secret.key, "path": API_KEYS_FILE.rpartition("/")[2]}]
-        secret = {"secretName": spec.api_key_secret.name, "items": items, "defaultMode": 0o444}
-        volumes.append({"name": API_KEYS_VOLUME, "secret": secret})
-        # not a subPath mount: the kubelet updates the file when the Secret changes, and the router reads it again
-        mounts.append({"name": API_KEYS_VOLUME, "mountPath": API_KEYS_FILE.rpartition("/")[0], "readOnly": True})
-    if mounts:
-        container["volumeMounts"] = mounts
-    env = tracing.env_list(dd.spec, tracing.service_name(dd.metadata.name, "router"))
-    if env:
-        container["env"] = env
     return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": child_metadata(name, namespace, labels, owner)},
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "Role",
-            "metadata": child_metadata(name, namespace, labels, owner),
-            "rules": [
-                {
-                    "apiGroups": ["kvbridge.io"],
-                    "resources": ["disaggregateddeployments"],
-                    "resourceNames": [dd.metadata.name],
-                    "verbs": ["get", "list", "watch"],
-                }
-            ],
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
-            "metadata": child_metadata(name, namespace, labels, owner),
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
-        },
+        *router_access(dd, name, namespace, labels, owner),
         {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
@@ -158,17 +82,7 @@ def router_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfi
             "spec": {
                 "replicas": spec.replicas,
                 "selector": {"matchLabels": labels},
-                "template": {
-                    "metadata": {"labels": {**MANAGED_BY, **labels}},
-                    "spec": {
-                        "serviceAccountName": name,
-                        "containers": [container],
-                        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
-                        **({"volumes": volumes} if volumes else {}),
-                        **router_spread(spec, labels),
-                        **router_placement(spec),
-                    },
-                },
+                "template": {"metadata": {"labels": {**MANAGED_BY, **labels}}, "spec": router_pod_spec(dd, config)},
             },
         },
         {
@@ -191,8 +105,116 @@ def router_children(dd: DisaggregatedDeployment, uid: str, config: OperatorConfi
                 ],
             },
         },
-        *([router_peers_service(peers_service, namespace, labels, owner)] if peers else []),
+        *([router_peers_service(peers_service, namespace, labels, owner)] if peer_key.peers(dd.spec) else []),
     ]
+
+
+def router_access(
+    dd: DisaggregatedDeployment, name: str, namespace: str, labels: dict[str, str], owner: Obj
+) -> list[Obj]:
+    """The router's ServiceAccount, and a Role (with its binding) that may only read this one deployment."""
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": child_metadata(name, namespace, labels, owner)},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": child_metadata(name, namespace, labels, owner),
+            "rules": [
+                {
+                    "apiGroups": ["kvbridge.io"],
+                    "resources": ["disaggregateddeployments"],
+                    "resourceNames": [dd.metadata.name],
+                    "verbs": ["get", "list", "watch"],
+                }
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": child_metadata(name, namespace, labels, owner),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+        },
+    ]
+
+
+def router_settings(dd: DisaggregatedDeployment) -> RouterSettings:
+    """What the router is told (its arguments): the deployment, its timeouts and policy, and the files and peers of
+    the features the spec turns on."""
+    namespace, spec = dd.metadata.namespace or "default", dd.spec.router
+    signs, peers = transfer_token.signs(dd.spec), peer_key.peers(dd.spec)
+    peers_service = router_peers_name(dd.metadata.name)
+    return RouterSettings(
+        deployment=dd.metadata.name,
+        namespace=namespace,
+        port=ROUTER_PORT,
+        prefill_timeout=spec.prefill_timeout_seconds,
+        decode_timeout=spec.decode_timeout_seconds,
+        prefill_attempts=spec.prefill_attempts,
+        policy=spec.policy,
+        block_size=dd.spec.prefill.block_size,
+        replicas=spec.replicas,
+        transfer_token_file=transfer_token.TOKEN_FILE if signs else "",
+        peers=f"dns:{peers_service}.{namespace}.svc:{ROUTER_PORT}" if peers else "",
+        peer_key_file=peer_key.KEY_FILE if peers else "",
+        peer_interval=peer_interval_for(spec.replicas),
+        api_key_file=API_KEYS_FILE if spec.api_key_secret else "",
+    )
+
+
+def router_pod_spec(dd: DisaggregatedDeployment, config: OperatorConfig) -> Obj:
+    """The router pods' spec: its container, the volumes of its files, its spread and placement."""
+    spec = dd.spec.router
+    volumes, mounts = router_volumes(dd)
+    probe = {"httpGet": {"path": "/metrics", "port": HTTP_PORT_NAME}, "periodSeconds": 10}
+    env = tracing.env_list(dd.spec, tracing.service_name(dd.metadata.name, "router"))
+    container: Obj = {
+        "name": "router",
+        "image": spec.image or config.router_image,
+        "command": [ROUTER_COMMAND],
+        "args": arguments(router_settings(dd), always=RENDERED_ALWAYS),
+        "ports": [{"name": HTTP_PORT_NAME, "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        **({"env": env} if env else {}),
+        # ready once some prefill/decode pair is routable (503 before); alive while it answers at all
+        "readinessProbe": {"httpGet": {"path": "/health", "port": HTTP_PORT_NAME}, "periodSeconds": 5},
+        "livenessProbe": {**probe, "failureThreshold": 6},
+        "resources": spec.resources or {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        **({"volumeMounts": mounts} if mounts else {}),
+    }
+    labels = router_selector(dd.metadata.name)
+    return {
+        "serviceAccountName": router_name(dd.metadata.name),
+        "containers": [container],
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        **({"volumes": volumes} if volumes else {}),
+        **router_spread(spec, labels),
+        **router_placement(spec),
+    }
+
+
+def router_volumes(dd: DisaggregatedDeployment) -> tuple[list[Obj], list[Obj]]:
+    """The router's Secret volumes and their mounts: the transfer token, the peers' key, the API keys."""
+    spec = dd.spec.router
+    signs, peers = transfer_token.signs(dd.spec), peer_key.peers(dd.spec)
+    # the token's and the keys' files are root's: readable by the router's non-root user
+    volumes = [transfer_token.volume(dd.metadata.name, 0o444)] if signs else []
+    mounts = [transfer_token.mount()] if signs else []
+    if peers:
+        volumes.append(peer_key.volume(dd.metadata.name))
+        mounts.append(peer_key.mount())
+    if spec.api_key_secret is not None:
+        items = [{"key": spec.api_key_secret.key, "path": API_KEYS_FILE.rpartition("/")[2]}]
+        secret = {"secretName": spec.api_key_secret.name, "items": items, "defaultMode": 0o444}
+        volumes.append({"name": API_KEYS_VOLUME, "secret": secret})
+        # not a subPath mount: the kubelet updates the file when the Secret changes, and the router reads it again
+        mounts.append({"name": API_KEYS_VOLUME, "mountPath": API_KEYS_FILE.rpartition("/")[0], "readOnly": True})
+    return volumes, mounts
 
 
 def router_peers_service(name: str, namespace: str, labels: dict[str, str], owner: Obj) -> Obj:
