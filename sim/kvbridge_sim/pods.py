@@ -2,8 +2,10 @@
 
 One function turns the ``engine`` container of a pod template (exactly what the operator renders) into an
 argument vector and an environment: the downward API is resolved, the pod's own loopback address stands in
-for its network namespace, and the model name may be mapped to a local folder (no hub here). Nothing else is
-changed, so what runs is what a cluster would run. Used by the demo's local runner and by the real-vLLM tests.
+for its network namespace, and the model name may be mapped to a local folder (no hub here). One thing a cluster
+has is missing here, its DNS: a decode told its prefill Service (``KVBRIDGE_PREFILL_SERVICE``) is told the network
+its pods' addresses are in instead (:func:`local_network`). Nothing else is changed, so what runs is what a cluster
+would run. Used by the demo's local runner and by the real-vLLM tests.
 """
 
 from __future__ import annotations
@@ -67,6 +69,18 @@ def resolve_env(container: Obj, pod_name: str, ip: str) -> dict[str, str]:
     return env
 
 
+#: where every local pod's address is (each pod has a loopback address of its own)
+LOCAL_POD_NETWORK = "127.0.0.0/8"
+
+
+def local_network(env: dict[str, str]) -> dict[str, str]:
+    """``env`` as this machine can serve it: no cluster DNS resolves the prefill Service's name here, so a decode that
+    names it checks prefill hosts against the local pods' network (``KVBRIDGE_PREFILL_HOSTS``) instead."""
+    if env.pop("KVBRIDGE_PREFILL_SERVICE", None) is not None:
+        env.setdefault("KVBRIDGE_PREFILL_HOSTS", LOCAL_POD_NETWORK)
+    return env
+
+
 def cpu_request(container: Obj) -> int:
     """Whole cores the container requests (at least 1)."""
     raw = str(container.get("resources", {}).get("requests", {}).get("cpu", "1"))
@@ -94,7 +108,7 @@ def local_pod(
     if not argv:
         raise PodStartError("the engine container has no command")
     argv = local_argv(argv, models or {}, ip)
-    env = resolve_env(container, pod_name, ip)
+    env = local_network(resolve_env(container, pod_name, ip))
     env.update(env_overrides or {})
     http = next((p for p in container.get("ports", []) if p.get("name") in ("http", "vllm")), None)
     probe = container.get("readinessProbe", {}).get("httpGet", {})

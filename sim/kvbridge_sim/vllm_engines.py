@@ -108,7 +108,8 @@ def plan_json_pod(
     """A role's engine process from ``kvbridge plan --json`` alone: its ``command`` and ``environment``, with only
     what a pod gets from elsewhere filled in — the downward API's ``<metadata.name>`` and ``<status.podIP>``, the
     model folder for the model name, ``--host`` (each pod its own address), the keys folder (the Secret's
-    mount) and the cores (a kubelet's cpuset)."""
+    mount), the cores (a kubelet's cpuset) and, for want of cluster DNS, the local pods' network for the prefill
+    Service (pods.local_network)."""
     engine = entry["vllm"][role.value.lower()]
     fields = {"<metadata.name>": pod_name, "<status.podIP>": ip}
     env: dict[str, str] = {}
@@ -118,6 +119,7 @@ def plan_json_pod(
                 raise AssertionError(f"{name}={value}: the JSON names a source this runner cannot fill")
             value = fields[value]
         env[name] = value
+    env = pods.local_network(env)
     env.update(env_overrides or {})
     argv = pods.local_argv(engine["command"], models, ip)
     port = int(argv[argv.index("--port") + 1]) if "--port" in argv else 8000

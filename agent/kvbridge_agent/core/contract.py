@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from enum import StrEnum
+from typing import Annotated
 
-from pydantic import Field, ValidationError
+from pydantic import AfterValidator, Field, ValidationError, field_validator
 from pydantic.alias_generators import to_camel
 
+from .admission import host_entry_problem, service_problem
 from .errors import SpecError
 from .model import CamelModel, ModelGeometry, Role, RoleSettings, TransferSettings
 from .parallel import engine_id_of_rank
@@ -39,7 +41,13 @@ _ROLE_VARS = {
 }
 #: fields added after the first pods ran: rendered only where they differ from their default, so the pods of a
 #: deployment that does not use them keep their environment (and their template revision) through an upgrade
-_RENDERED_WHEN_SET = frozenset({"num_experts", "data_parallel_size", "expert_parallel"})
+_RENDERED_WHEN_SET = frozenset(
+    {"num_experts", "data_parallel_size", "expert_parallel", "http_request_seconds", "http_max_connections"}
+)
+#: the synthetic engine's HTTP server: the default deadline of one request (its line, headers and body, from its
+#: first byte) and the default cap on open connections (synthetic/http_bounds.py)
+HTTP_REQUEST_SECONDS = 30.0
+HTTP_MAX_CONNECTIONS = 256
 _TRANSFER_VARS = {
     "SIDE_CHANNEL_PORT": "side_channel_port",
     "LEASE_SECONDS": "lease_seconds",
@@ -68,7 +76,25 @@ _ENGINE_VARS = {
     "BLOCK_ALLOCATION": "block_allocation",
     "DRAIN_SECONDS": "drain_seconds",
     "TRANSFER_TOKEN_FILE": "transfer_token_file",
+    "PREFILL_HOSTS": "prefill_hosts",
+    "PREFILL_SERVICE": "prefill_service",
+    "HTTP_REQUEST_SECONDS": "http_request_seconds",
+    "HTTP_MAX_CONNECTIONS": "http_max_connections",
 }
+
+
+def _service(name: str) -> str:
+    problem = service_problem(name)
+    if problem:
+        raise ValueError(problem)
+    return name
+
+
+def _host_entry(entry: str) -> str:
+    problem = host_entry_problem(entry)
+    if problem:
+        raise ValueError(problem)
+    return entry
 
 
 class BlockAllocation(StrEnum):
@@ -98,6 +124,20 @@ class EngineEnvironment(CamelModel):
     num_blocks: int = Field(default=256, ge=1, le=1 << 24)
     http_port: int = Field(default=8000, ge=0, le=65535)
     http_host: str = Field(default="0.0.0.0", min_length=1, description="Address the HTTP API binds.")
+    http_request_seconds: float = Field(
+        default=HTTP_REQUEST_SECONDS,
+        gt=0,
+        le=3600,
+        description="Agent worker: how long one HTTP request (line, headers, body) may take to arrive from its first "
+        "byte; a slower one is cut off (408 or the connection closed).",
+    )
+    http_max_connections: int = Field(
+        default=HTTP_MAX_CONNECTIONS,
+        ge=1,
+        le=65536,
+        description="Agent worker: open HTTP connections at most (a thread each); one more is answered 503 "
+        "TOO_MANY_CONNECTIONS with Retry-After and closed.",
+    )
     device: str = Field(default="cpu", min_length=1)
     transfer_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
     verify: bool = Field(
@@ -114,10 +154,35 @@ class EngineEnvironment(CamelModel):
         description="Decode: a file holding the router's token (spec.router.signTransfers); set, the engine accepts "
         "kv_transfer_params only with the router's signature (core/signing.py). Unset or empty: any.",
     )
+    prefill_hosts: list[Annotated[str, AfterValidator(_host_entry)]] | None = Field(
+        default=None,
+        max_length=64,
+        description="Decode: the hosts its side channels may reach (comma-separated IP addresses, CIDR networks and "
+        "DNS names, a name admitting the names under it; core/admission.py): transfer parameters naming another "
+        "remoteHost fail, REMOTE_HOST_NOT_ALLOWED, before any connection. Unset or empty: any host.",
+    )
+    prefill_service: Annotated[str, AfterValidator(_service)] | None = Field(
+        default=None,
+        max_length=253,
+        description="Decode: the DNS name of its deployment's prefill Service (headless; the operator renders "
+        "<deployment>-prefill.<namespace>.svc): a remoteHost must be one of the addresses it resolves to (or a name "
+        "under it that resolves into them), checked on the threads that connect (transfer/peers.py); another fails "
+        "REMOTE_HOST_NOT_ALLOWED before any connection. Unset or empty: not checked.",
+    )
     block_allocation: BlockAllocation = Field(
         default=BlockAllocation.SEQUENTIAL,
         description="Agent worker: Sequential block ids, or Scattered (a shuffled free list, as after long uptime).",
     )
+
+    @field_validator("prefill_hosts", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        return [part.strip() for part in value.split(",") if part.strip()] if isinstance(value, str) else value
+
+    @field_validator("prefill_service", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        return (value.strip() or None) if isinstance(value, str) else value
 
     @property
     def own(self) -> RoleSettings:
@@ -157,7 +222,11 @@ def render_environment(env: EngineEnvironment) -> dict[str, str]:
     out: dict[str, str] = {}
     for var, name in _ENGINE_VARS.items():
         value = getattr(env, name)
-        if value is not None:
+        if not _rendered(env, name):
+            continue
+        if isinstance(value, list):
+            out[PREFIX + var] = ",".join(value)
+        elif value is not None:
             out[PREFIX + var] = str(_plain(value))
     for var, name in _MODEL_VARS.items():
         if _rendered(env.model, name):

@@ -10,13 +10,20 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from kvbridge_agent.core.admission import REMOTE_HOST_NOT_ALLOWED
 from kvbridge_agent.core.contract import EngineEnvironment
 from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams
 from kvbridge_agent.core.tp import handshake_ranks
 from kvbridge_agent.synthetic.ranks import EngineError, RankHandle, wait_reply
 from kvbridge_agent.transfer.keys import CurveKeys
 from kvbridge_agent.transfer.metrics import AgentMetrics
-from kvbridge_agent.transfer.peers import STALE_PEER, fetch_prefill_ranks, require_address, require_incarnation
+from kvbridge_agent.transfer.peers import (
+    STALE_PEER,
+    PrefillService,
+    fetch_prefill_ranks,
+    require_address,
+    require_incarnation,
+)
 
 
 @dataclass
@@ -43,6 +50,8 @@ class PrefillPeers:
         self._peers_lock = threading.Lock()
         self._current: dict[str, str] = {}  # engine id -> incarnation of the last successful handshake
         self._retired: dict[str, deque[str]] = {}  # engine id -> incarnations known to be gone
+        #: the deployment's prefill pods (KVBRIDGE_PREFILL_SERVICE): the only side channels decode connects to
+        self.service = PrefillService(env.prefill_service, env.transfer.handshake_timeout_seconds)
 
     def ensure(self, params: KVTransferParams) -> None:
         """Handshake with a prefill engine unless its current incarnation is known; one in flight per engine."""
@@ -72,8 +81,9 @@ class PrefillPeers:
                 state.future.set_result(None)
         try:
             state.future.result(timeout=self.env.transfer.handshake_timeout_seconds * 3 + 30)
-        except HandshakeError as exc:
-            raise EngineError(exc.message, code=exc.code, status=502, field=exc.field) from exc
+        except HandshakeError as exc:  # a host outside the prefill Service is the request's fault: 400
+            status = 400 if exc.code == REMOTE_HOST_NOT_ALLOWED else 502
+            raise EngineError(exc.message, code=exc.code, status=status, field=exc.field) from exc
         except EngineError:
             raise
         except TimeoutError as exc:
@@ -88,9 +98,8 @@ class PrefillPeers:
         started = time.perf_counter()
         tp_d = self.env.own.tensor_parallel_size
         needed = sorted({p for d in range(tp_d) for p in handshake_ranks(params.remote_tp_size, tp_d, d)})
-        incarnation, ranks = fetch_prefill_ranks(
-            params, needed, self.fingerprint, self.keys, self.env.transfer.handshake_timeout_seconds
-        )
+        timeout = self.env.transfer.handshake_timeout_seconds
+        incarnation, ranks = fetch_prefill_ranks(params, needed, self.fingerprint, self.keys, timeout, self.service)
         gone = {self._current.get(params.remote_engine_id), params.remote_incarnation} - {None, incarnation}
         for old in gone:
             if old is not None:

@@ -2,18 +2,26 @@
 
 Both decode engines use it — the synthetic engine (``engine.py``, which hands the metadata to its rank processes)
 and vLLM's connector (``vllm_connector.worker``, where each TP rank fetches its own) — so a restarted prefill,
-a mixed-up incarnation and the lease margin mean the same thing in both.
+a mixed-up incarnation and the lease margin mean the same thing in both. Every connection decode opens to a prefill
+side channel (handshake, digests, heartbeats) goes through :class:`PrefillService`: only to an address of its
+deployment's prefill pods, when it knows their Service (``KVBRIDGE_PREFILL_SERVICE``; docs/protocol.md §5).
 """
 
 from __future__ import annotations
 
+import ipaddress
+import math
+import socket
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
+from kvbridge_agent.core.admission import REMOTE_HOST_NOT_ALLOWED, under_service
 from kvbridge_agent.core.digest import KV_DIGEST_UNAVAILABLE, RequestDigests
 from kvbridge_agent.core.handshake import DigestState, HandshakeError, KVTransferParams, RankMetadata
 from kvbridge_agent.transfer.keys import CurveKeys
-from kvbridge_agent.transfer.side_channel import SideChannelClient
+from kvbridge_agent.transfer.side_channel import SideChannelClient, send_heartbeats
 
 LEASE_EXPIRED = "LEASE_EXPIRED"
 STALE_PEER = "STALE_PEER"
@@ -23,15 +31,160 @@ WRONG_PEER = "WRONG_PEER"
 LEASE_CLOCK_MARGIN_SECONDS = 1.0
 
 PrefillRanks = dict[int, tuple[RankMetadata, bytes]]
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+#: how long the Service's addresses are trusted before they are looked up again
+SERVICE_TTL_SECONDS = 5.0
+#: a host the addresses do not hold looks them up again (a prefill pod newer than the answer), at most this often
+SERVICE_REFRESH_SECONDS = 1.0
+#: names under the Service (a pod's own name) remembered at most (their answers expire as the Service's do)
+_MAX_NAMES = 256
+
+
+def resolve(name: str) -> list[str]:
+    """Every address ``name`` resolves to (the system's resolver: a pod's search path and cluster DNS)."""
+    return [str(info[4][0]) for info in socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)]
+
+
+def _address(host: str) -> IPAddress | None:
+    try:
+        return ipaddress.ip_address(host.partition("%")[0])  # a link-local scope is not part of the address
+    except ValueError:
+        return None
+
+
+class PrefillService:
+    """Where decode may open side channels: the addresses of its deployment's prefill pods, which the prefill role's
+    headless Service ``name`` resolves to (it publishes pods that are not ready yet or are draining: a prefill pod
+    is met as it starts to serve and read from until its leases end), or a name under the Service that resolves
+    into them only. Looked up on the calling thread's time (a handshake, digest or heartbeat thread; never vLLM's
+    step), within ``timeout``, cached :data:`SERVICE_TTL_SECONDS`; a host outside the answer looks it up once more
+    (a new pod), at most every :data:`SERVICE_REFRESH_SECONDS`; a failed lookup keeps the last answer. Without a
+    name every host is reachable (nothing to check against)."""
+
+    def __init__(
+        self,
+        name: str | None,
+        timeout: float,
+        *,
+        lookup: Callable[[str], Iterable[str]] = resolve,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.name = name.removesuffix(".").lower() if name else None
+        self.timeout, self._lookup, self._clock = timeout, lookup, clock
+        self._lock = threading.Lock()
+        #: name -> when it was looked up, its addresses (the last good ones) and why the last lookup failed
+        self._answers: dict[str, tuple[float, frozenset[IPAddress], str]] = {}
+        #: lookups in flight: their future and when they started
+        self._pending: dict[str, tuple[Future[frozenset[IPAddress]], float]] = {}
+        self._executor: ThreadPoolExecutor | None = None
+
+    def address(self, host: str) -> str:
+        """The address to connect to for ``host`` (a side channel's host in transfer parameters): ``host`` itself
+        without a Service, else the one of the Service's addresses it is or resolves to. Raises
+        :class:`HandshakeError` (:data:`REMOTE_HOST_NOT_ALLOWED`) for any other."""
+        if self.name is None:
+            return host
+        given = _address(host)
+        if given is None and not under_service(host, self.name):
+            raise self._refusal(host, "neither an address nor a name under it")
+        wanted = frozenset({given}) if given is not None else self._resolved(host.lower(), refresh=False)[0]
+        if not wanted:
+            raise self._refusal(host, "the name resolves to no address")
+        members, error = self._resolved(self.name, refresh=False)
+        if not wanted <= members:
+            members, error = self._resolved(self.name, refresh=True)
+        if not wanted <= members:
+            why = f"the lookup failed: {error}" if error else f"not among its {len(members)} address(es)"
+            raise self._refusal(host, why)
+        return str(min(wanted, key=str))
+
+    def admitted(self, params: KVTransferParams) -> KVTransferParams:
+        """``params`` to connect by: their host replaced by the address :meth:`address` admits."""
+        address = self.address(params.remote_host)
+        return params if address == params.remote_host else params.model_copy(update={"remote_host": address})
+
+    def _refusal(self, host: str, why: str) -> HandshakeError:
+        return HandshakeError(
+            f"{host!r} is not an address of this deployment's prefill pods (Service {self.name}: {why}; "
+            "KVBRIDGE_PREFILL_SERVICE): decode opens no connection to it",
+            field="kvTransferParams.remoteHost",
+            code=REMOTE_HOST_NOT_ALLOWED,
+        )
+
+    def _resolved(self, name: str, refresh: bool) -> tuple[frozenset[IPAddress], str]:
+        """``name``'s addresses and why its last lookup failed: the cached answer while fresh (``refresh``: unless
+        older than the refresh floor), else a lookup (one in flight per name, waited for within the timeout)."""
+        now = self._clock()
+        with self._lock:
+            at, addresses, error = self._answers.get(name, (-math.inf, frozenset(), ""))
+            if now - at < (SERVICE_REFRESH_SECONDS if refresh else SERVICE_TTL_SECONDS):
+                return addresses, error
+            pending = self._pending.get(name)
+            started = pending is None
+            if pending is None:
+                self._executor = self._executor or ThreadPoolExecutor(2, thread_name_prefix="kvbridge-resolve")
+                pending = self._pending[name] = (self._executor.submit(self._addresses_of, name), now)
+            future, since = pending
+        if started:  # outside the lock: on a lookup done already, the callback runs at once
+            future.add_done_callback(lambda done: self._settle(name, done, now))
+        wait([future], timeout=max(self.timeout - (now - since), 0))  # a lookup that hangs is waited for once
+        if not future.done():  # its answer is kept when it comes
+            return addresses, f"no answer within {self.timeout:g} s"
+        self._settle(name, future, now)
+        with self._lock:
+            return self._answers[name][1:]
+
+    def _settle(self, name: str, future: Future[frozenset[IPAddress]], at: float) -> None:
+        """Keep a finished lookup's answer (once: its callback and its waiter both call this)."""
+        with self._lock:
+            if self._pending.get(name, (None, at))[0] is not future:
+                return
+            del self._pending[name]
+            kept = self._answers.get(name, (at, frozenset(), ""))[1]
+            try:
+                found, error = future.result(), ""
+            except Exception as exc:  # socket.gaierror (no such name, no server), or what the resolver raised
+                found, error = kept, str(exc) or type(exc).__name__  # a failed lookup keeps the last answer
+            self._answers[name] = (at, found, error)
+            while len(self._answers) > _MAX_NAMES + 1:
+                del self._answers[next(n for n in self._answers if n != self.name)]
+
+    def _addresses_of(self, name: str) -> frozenset[IPAddress]:
+        return frozenset(a for a in map(_address, self._lookup(name)) if a is not None)
+
+    def reachable(self, waiting: Mapping[str, KVTransferParams]) -> dict[str, KVTransferParams]:
+        """The waiting requests whose prefill host is reachable, each to be reached at its admitted address (a
+        heartbeat goes nowhere else; a request left out fails at its handshake)."""
+        reached: dict[str, KVTransferParams] = {}
+        for request_id, params in waiting.items():
+            try:
+                reached[request_id] = self.admitted(params)
+            except HandshakeError:
+                continue
+        return reached
+
+
+def renew_leases(
+    waiting: Mapping[str, KVTransferParams], service: PrefillService, fingerprint: str, keys: CurveKeys | None
+) -> dict[str, float]:
+    """Decode's heartbeats (``side_channel.send_heartbeats``) to the prefill hosts :class:`PrefillService` admits."""
+    return send_heartbeats(service.reachable(waiting), fingerprint, keys)
 
 
 def fetch_prefill_ranks(
-    params: KVTransferParams, ranks: Sequence[int], fingerprint: str, keys: CurveKeys | None, timeout: float
+    params: KVTransferParams,
+    ranks: Sequence[int],
+    fingerprint: str,
+    keys: CurveKeys | None,
+    timeout: float,
+    service: PrefillService | None = None,
 ) -> tuple[str, PrefillRanks]:
     """The metadata of these prefill ranks (one exchange each, all within ``timeout``) and the incarnation they
-    all run; ranks of another engine than the parameters name (:data:`WRONG_PEER`) or of different incarnations
-    (an engine restarting under decode's feet) are refused."""
-    fetched = SideChannelClient(params.remote_host, params.remote_port, fingerprint, keys, timeout).fetch(ranks)
+    all run; a host ``service`` does not admit is refused before any connection (:data:`REMOTE_HOST_NOT_ALLOWED`),
+    ranks of another engine than the parameters name (:data:`WRONG_PEER`) or of different incarnations (an engine
+    restarting under decode's feet) after it."""
+    host = service.address(params.remote_host) if service is not None else params.remote_host
+    fetched = SideChannelClient(host, params.remote_port, fingerprint, keys, timeout).fetch(ranks)
     served = sorted({meta.engine_id for meta, _ in fetched.values()} - {params.remote_engine_id})
     if served:  # checked first: nothing of another engine may be taken for this one's (its incarnation included)
         raise HandshakeError(
@@ -50,13 +203,19 @@ def fetch_prefill_ranks(
 
 
 def fetch_digests(
-    params: KVTransferParams, fingerprint: str, keys: CurveKeys | None, timeout: float, until: float
+    params: KVTransferParams,
+    fingerprint: str,
+    keys: CurveKeys | None,
+    timeout: float,
+    until: float,
+    service: PrefillService | None = None,
 ) -> RequestDigests:
-    """Prefill's key and digests of a request to verify (docs/protocol.md §8). A prefill that has not digested it
-    yet (vLLM's ranks report one engine step after the offer) is asked again until ``until`` (Unix time: the lease);
-    none to be had is :data:`KV_DIGEST_UNAVAILABLE` — also when decode's own policy (``All``) asks for a request
-    prefill did not digest (``params.verify`` false): it is not used unverified."""
-    client = SideChannelClient(params.remote_host, params.remote_port, fingerprint, keys, timeout)
+    """Prefill's key and digests of a request to verify (docs/protocol.md §8), from a host ``service`` admits. A
+    prefill that has not digested it yet (vLLM's ranks report one engine step after the offer) is asked again until
+    ``until`` (Unix time: the lease); none to be had is :data:`KV_DIGEST_UNAVAILABLE` — also when decode's own policy
+    (``All``) asks for a request prefill did not digest (``params.verify`` false): it is not used unverified."""
+    host = service.address(params.remote_host) if service is not None else params.remote_host
+    client = SideChannelClient(host, params.remote_port, fingerprint, keys, timeout)
     delay = 0.002
     while True:
         state, digests = client.digests(params.remote_request_id, params.lease_token)

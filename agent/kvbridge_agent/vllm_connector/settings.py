@@ -33,6 +33,9 @@ class ConnectorSettings:
     #: attention picks its kernel by, and with it the block interior (``None``: the cache tensor's own dtype)
     model_dtype: Any = None
     kv_cache_dtype: str = "auto"
+    #: the longest request vLLM runs (``--max-model-len``): decode refuses transfer parameters of more tokens
+    #: (``None``: not known, the schema's bound)
+    max_model_len: int | None = None
 
     @property
     def model(self) -> ModelGeometry:
@@ -97,10 +100,19 @@ class ConnectorSettings:
             )
         if not environment.fingerprint:
             environment = environment.model_copy(update={"fingerprint": result.fingerprint})
-        model_dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", None)
+        model_config = getattr(vllm_config, "model_config", None)
+        model_dtype = getattr(model_config, "dtype", None)
         kv_cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+        max_model_len = getattr(model_config, "max_model_len", None)
         return cls(
-            role, environment, block_size, tp_size, host_buffer, model_dtype=model_dtype, kv_cache_dtype=kv_cache_dtype
+            role,
+            environment,
+            block_size,
+            tp_size,
+            host_buffer,
+            model_dtype=model_dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            max_model_len=int(max_model_len) if max_model_len else None,
         )
 
 
