@@ -52,6 +52,14 @@ def as_block_ids(ids: BlockIds, *, field: str) -> IntArray:
     return result
 
 
+def require_distinct(units: IntArray, *, field: str) -> None:
+    """Refuse a request whose units to read (block ids, or any one-to-one key of them) list one twice: two READs
+    into one decode block would race, and neither engine lists a block of one request twice."""
+    ordered = np.sort(units)
+    if bool((ordered[1:] == ordered[:-1]).any()):
+        raise BlockMappingError("a block is listed more than once", field=field, code=INVALID_BLOCK_IDS)
+
+
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     """Blocks a prompt of ``num_tokens`` occupies: a ceiling, never a floor."""
     if num_tokens < 0:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 #: Version of the agent protocol (side-channel envelope and plan semantics).
@@ -85,6 +85,21 @@ class Verification(StrEnum):
     OFF = "Off"
 
 
+class LayerType(StrEnum):
+    """What one decoder layer keeps per token (``spec.model.layerTypes``): how vLLM's cache groups it."""
+
+    FULL = "Full"  # full attention: every token's KV
+    SLIDING = "Sliding"  # sliding-window attention: the KV of the last spec.model.slidingWindow tokens
+    CHUNKED_LOCAL = "ChunkedLocal"  # chunked local attention (Llama 4): the KV of the current attentionChunkSize chunk
+    STATE_SPACE = "StateSpace"  # no attention: a state-space or linear-attention mixer's state (spec.model.stateSpace)
+    NO_CACHE = "NoCache"  # nothing per token: a layer of an MLP only (Nemotron-H's "-")
+
+
+class StateSpaceKind(StrEnum):
+    MAMBA2 = "Mamba2"  # Mamba-2 mixers (Nemotron-H, Granite-4.0-H, Falcon-H1)
+    GATED_DELTA_NET = "GatedDeltaNet"  # linear attention with a recurrent state (Qwen3-Next)
+
+
 class Role(StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
@@ -102,12 +117,40 @@ class CamelModel(BaseModel):
     )
 
 
+#: one size of a state's shape
+_Size = Annotated[int, Field(ge=1, le=1 << 24)]
+
+
+class StateSpace(CamelModel):
+    """A model's state-space (or linear-attention) layers: one fixed-size state per request and layer, no KV."""
+
+    kind: StateSpaceKind = Field(description="Mamba2 or GatedDeltaNet.")
+    num_layers: int = Field(
+        ge=1,
+        le=1024,
+        description="Layers that hold a state: those of layerTypes StateSpace, or every layer where the mixer runs "
+        "beside attention (Falcon-H1).",
+    )
+    conv_state: tuple[_Size, ...] = Field(
+        min_length=2,
+        max_length=2,
+        description="One layer's convolution state per request over all TP ranks: [channels, kernel width - 1].",
+    )
+    temporal_state: tuple[_Size, ...] = Field(
+        min_length=3,
+        max_length=3,
+        description="One layer's recurrent state per request over all TP ranks: [heads, head dim, state size] "
+        "(GatedDeltaNet: [value heads, key head dim, value head dim]).",
+    )
+
+
 #: other spellings of a KV cache dtype, as vLLM's ``--kv-cache-dtype`` takes them (``fp8`` is e4m3 there)
 KV_CACHE_DTYPE_ALIASES = {"fp8": KVCacheDtype.FP8_E4M3}
 
 
 class ModelGeometry(CamelModel):
-    """What must be identical on both sides (folded into the fingerprint)."""
+    """What must be identical on both sides (folded into the fingerprint; the layer description, layerTypes and what
+    defines its kinds, into the operator's pairing key only: vLLM reads it from the weights' config)."""
 
     name: str = Field(
         min_length=1,
@@ -134,11 +177,46 @@ class ModelGeometry(CamelModel):
         description="Routed experts per mixture-of-experts layer (config.json's n_routed_experts or num_experts); "
         "0: a dense model. Changes no KV geometry; expertParallel needs it.",
     )
+    layer_types: tuple[LayerType, ...] = Field(
+        default_factory=tuple,
+        max_length=1024,
+        description="Per decoder layer (numLayers of them), what it keeps per token: Full, Sliding, ChunkedLocal, "
+        "StateSpace or NoCache; empty: Full everywhere. Decides vLLM's KV cache groups (`kvbridge model` writes it "
+        "from config.json).",
+    )
+    sliding_window: int = Field(
+        default=0, ge=0, le=1 << 24, description="Tokens a Sliding layer attends to (its window); 0: none."
+    )
+    attention_chunk_size: int = Field(
+        default=0, ge=0, le=1 << 24, description="Tokens of one chunk of a ChunkedLocal layer (Llama 4); 0: none."
+    )
+    state_space: StateSpace | None = Field(
+        default=None,
+        description="The model's state-space or linear-attention layers and their state shapes; unset: none.",
+    )
 
     @field_validator("kv_cache_dtype", mode="before")
     @classmethod
     def _dtype_alias(cls, value: object) -> object:
         return KV_CACHE_DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _layers_described(self) -> ModelGeometry:
+        """layerTypes names every decoder layer, and each kind it names has what defines it."""
+        kinds = set(self.layer_types)
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layerTypes names {len(self.layer_types)} layers, numLayers is {self.num_layers}")
+        for kind, setting, value in (
+            (LayerType.SLIDING, "slidingWindow", self.sliding_window),
+            (LayerType.CHUNKED_LOCAL, "attentionChunkSize", self.attention_chunk_size),
+        ):
+            if (kind in kinds) != (value > 0):
+                raise ValueError(
+                    f"{setting} ({value}) is set exactly when layerTypes has {kind.value} layers: give both or neither"
+                )
+        if LayerType.STATE_SPACE in kinds and self.state_space is None:
+            raise ValueError("layerTypes has StateSpace layers: describe them in stateSpace")
+        return self
 
     @property
     def element_bytes(self) -> int:
@@ -151,6 +229,11 @@ class ModelGeometry(CamelModel):
     @property
     def is_mla(self) -> bool:
         return self.attention is Attention.MLA
+
+    @property
+    def layer_kinds(self) -> list[LayerType]:
+        """Every decoder layer's type (Full everywhere unless layerTypes says otherwise)."""
+        return list(self.layer_types) or [LayerType.FULL] * self.num_layers
 
     @property
     def token_bytes_per_head(self) -> int:

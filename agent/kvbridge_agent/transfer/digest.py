@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -78,10 +78,18 @@ class Digester:
         self._seconds.clear()
         return taken
 
-    def request(self, key: bytes, block_ids: list[int], num_tokens: int, wire_block_size: int) -> Words:
+    def request(
+        self,
+        key: bytes,
+        block_ids: list[int],
+        num_tokens: int,
+        wire_block_size: int,
+        block_layers: Sequence[int] | None = None,
+    ) -> Words:
         """``D[local head, wire block]`` under ``key`` of a request whose block ``i`` holds tokens
         ``i*bs .. i*bs+bs-1``: the first ``ceil(num_tokens / wire_block_size)`` wire blocks (what every side of
-        any plan agrees on)."""
+        any plan agrees on). ``block_layers``: per block, the layers that hold its KV (a padded cache group's
+        blocks hold fewer than the cache, core.cache_groups; the rest is not digested)."""
         started = time.perf_counter()
         cache = self.cache
         wire_blocks = ceil_div(num_tokens, wire_block_size)
@@ -95,32 +103,40 @@ class Digester:
         groups = cache.model.num_layers * self._kv
         count, units = self._segments
         coef = row_coefficients(key, self.width, groups).reshape(groups, LANES, count, units)
-        totals = self._totals(block_ids, coef)
+        if block_layers is not None and len(block_layers) != len(block_ids):
+            raise ValueError(f"layers of {len(block_layers)} blocks for {len(block_ids)} blocks")
+        depths = None if block_layers is None else np.asarray(block_layers, dtype=np.int64)
+        if depths is not None and bool((depths >= cache.model.num_layers).all()):
+            depths = None  # every block holds every layer
+        totals = self._totals(block_ids, coef, depths)
         digests = finish(totals, key, num_tokens, wire_block_size)[:, :wire_blocks]
         self._seconds.append(time.perf_counter() - started)
         return digests
 
     # -- the rows, in the blocks' own order ----------------------------------------------------------------------
-    def _totals(self, block_ids: list[int], coef: npt.NDArray[np.float64]) -> Lanes:
+    def _totals(
+        self, block_ids: list[int], coef: npt.NDArray[np.float64], depths: npt.NDArray[np.int64] | None = None
+    ) -> Lanes:
         """``[positions, local heads, lanes]``: per position and head, the sum over layers and K/V of ``r * B``
-        (congruent mod ``p``)."""
+        (congruent mod ``p``); with ``depths``, layer ``l`` of block ``i`` only where ``l < depths[i]``."""
         cache = self.cache
         n, hl, bs = len(block_ids), len(self.heads), cache.block_size
         hnd = cache.kv_layout is KVLayout.HND and not cache.model.is_mla
-        if self._logical:
+        logical = self._logical or depths is not None
+        if logical:
             shape, head_major = (n, 1, bs * hl), False
         elif cache.cross_layer:
             shape, head_major = (n, hl, bs), True
         else:
             shape, head_major = (n, 1, hl * bs), hnd
-        if self._logical:
+        if logical:
             ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
             every = torch.arange(n, dtype=torch.int64, device=self.device)
             if self._kernel is not None:
-                arrays = ((units.numpy(), group) for units, group in self._logical_regions(ids))
+                arrays = ((units.numpy(), group) for units, group in self._logical_regions(ids, depths))
                 total = self._run_kernel(self._kernel, arrays, every.numpy(), shape, coef)
             else:
-                total = self._run_torch(self._logical_regions(ids), every, shape, coef)
+                total = self._run_torch(self._logical_regions(ids, depths), every, shape, coef)
         elif self._kernel is not None:
             total = self._run_kernel(self._kernel, iter(self._arrays), np.asarray(block_ids, np.int64), shape, coef)
         else:
@@ -146,11 +162,15 @@ class Digester:
             for layer in range(layers):
                 yield self._units(layer).view(nb, 1, 2, rows, width), 2 * layer
 
-    def _logical_regions(self, ids: torch.Tensor) -> Iterator[_Region]:
-        """Per layer, the request's blocks copied into token-major order by the logical view (``ids`` in order)."""
+    def _logical_regions(self, ids: torch.Tensor, depths: npt.NDArray[np.int64] | None = None) -> Iterator[_Region]:
+        """Per layer, the request's blocks copied into token-major order by the logical view (``ids`` in order);
+        with ``depths``, a block's layers from its depth on are zeros (they add nothing to a digest)."""
         view = self.view or logical_layer
         for layer in range(self.cache.model.num_layers):
             x = view(self.cache, ids, layer).contiguous()  # [n, kv, bs, heads, row bytes]
+            if depths is not None and bool((depths <= layer).any()):
+                padding = torch.from_numpy(depths <= layer).to(x.device)
+                x = torch.where(padding.view(-1, *([1] * (x.dim() - 1))), x.new_zeros(()), x)
             n, kv = x.shape[0], x.shape[1]
             yield x.view(torch.int16).view(n, 1, kv, -1, self.width), layer * self._kv
 

@@ -22,25 +22,41 @@ LAYOUT_UNSUPPORTED = "LAYOUT_UNSUPPORTED"
 def overlaid_groups(
     views: Mapping[str, torch.Tensor], groups: Sequence[Sequence[str]], order: PhysicalOrder
 ) -> ViewedCache:
-    """A hybrid model's cache groups as vLLM allocates them: every group the same layout at the same origin of one
-    allocation (a block id then belongs to one group); anything else is refused."""
+    """A hybrid model's cache groups as vLLM allocates them: every group the deepest group's layout at the same
+    origin of one allocation (a block id then belongs to one group), a group vLLM padded being that layout's first
+    layers (core.cache_groups); anything else is refused."""
     try:
         described = describe_groups([{name: views[name] for name in group} for group in groups], order)
     except KeyError as exc:
         raise SpecError(
             f"cache group layer {exc} has no KV view", field="kv_cache_config", code="INVALID_KV_TENSOR"
         ) from exc
-    first = described.groups[0]
-    others = described.groups[1:]
-    if len(described.allocations) != 1 or any((g.physical, g.origin) != (first.physical, first.origin) for g in others):
+    deepest = max(described.groups, key=lambda g: g.physical.num_layers)
+    if len(described.allocations) != 1 or not all(overlays(g, deepest) for g in described.groups):
+        depths = sorted({g.physical.num_layers for g in described.groups})
         raise SpecError(
-            f"{len(groups)} KV cache groups in {len(described.allocations)} allocation(s), with layouts "
-            f"{sorted({g.physical.order.value for g in described.groups})}: kvbridge moves groups that overlay one "
-            "another (one layout, one origin, one allocation), as vLLM's hybrid allocator lays them out",
+            f"{len(groups)} KV cache groups of {depths} layers in {len(described.allocations)} allocation(s), with "
+            f"layouts {sorted({g.physical.order.value for g in described.groups})}: kvbridge moves groups that "
+            "overlay one another (one layout, one origin, one allocation; a padded group the first layers of it), "
+            "as vLLM's hybrid allocator lays them out in every layout but BHLNC, whose head stride grows with a "
+            "group's layers: run such a model with a layer-outer layout (kvLayout HND or NHD, cache kind Split)",
             field="kv_cache_config",
             code=LAYOUT_UNSUPPORTED,
         )
-    return first
+    return deepest
+
+
+def overlays(group: ViewedCache, deepest: ViewedCache) -> bool:
+    """``group`` is the first layers of ``deepest``: the same origin, order, shape but for fewer layers, and strides
+    (an axis of one element has none that matters: a one-layer group's views do not show its layer stride)."""
+    mine, theirs = group.physical, deepest.physical
+    return (
+        group.origin == deepest.origin
+        and mine.order is theirs.order
+        and mine.num_layers <= theirs.num_layers
+        and mine.shape[1:] == theirs.shape[1:]
+        and all(size == 1 or a == b for size, a, b in zip(mine.shape, mine.strides, theirs.strides, strict=True))
+    )
 
 
 def distinct_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

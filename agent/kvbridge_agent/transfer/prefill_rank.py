@@ -76,21 +76,29 @@ class PrefillRank:
         )
 
     def offer(
-        self, request_id: str, block_ids: list[int], digest_tokens: int = 0, digest_key: bytes = b""
+        self,
+        request_id: str,
+        block_ids: list[int],
+        digest_tokens: int = 0,
+        digest_key: bytes = b"",
+        block_layers: list[int] | None = None,
     ) -> HeadDigests:
         """Convert the request's computed blocks to the wire format and wait for its readers. With
         ``digest_tokens`` (the request's token count) and ``digest_key`` (the request's, drawn where it was decided
         to verify it) the content is digested first, as computed (core.digest): returned, per global head this rank
-        holds, for decode to verify what it read."""
-        digests = self.digest(digest_key, block_ids, digest_tokens) if digest_tokens else {}
+        holds, for decode to verify what it read (``block_layers``: :meth:`digest`)."""
+        digests = self.digest(digest_key, block_ids, digest_tokens, block_layers) if digest_tokens else {}
         self.convert(self.cache, self.plan, Role.PREFILL, block_ids)
         self._pending[request_id] = _Pending()
         return digests
 
-    def digest(self, key: bytes, block_ids: list[int], num_tokens: int) -> HeadDigests:
-        """The digests under ``key`` of a request's blocks in this rank's native format (before any conversion)."""
+    def digest(
+        self, key: bytes, block_ids: list[int], num_tokens: int, block_layers: list[int] | None = None
+    ) -> HeadDigests:
+        """The digests under ``key`` of a request's blocks in this rank's native format (before any conversion);
+        ``block_layers``: per block, the layers holding its KV (a padded cache group's, core.cache_groups)."""
         digester = self.digester = self.digester or Digester(self.cache)
-        rows = digester.request(key, block_ids, num_tokens, self.plan.wire.block_size)
+        rows = digester.request(key, block_ids, num_tokens, self.plan.wire.block_size, block_layers)
         return dict(zip(digester.heads, rows, strict=True))
 
     def forget(self, request_id: str) -> bool:

@@ -68,20 +68,23 @@ def require_checked_layout(resolved: str, settings: ConnectorSettings) -> None:
 
 def cache_groups(kv_cache_config: Any) -> CacheGroups | None:
     """A hybrid model's KV cache groups (vLLM's hybrid allocator: full-attention and sliding-window layers overlaid
-    in one allocation); ``None`` for one group. Other kinds of group (state-space layers, chunked local attention)
-    are refused: kvbridge moves attention KV only."""
+    in one allocation, padded groups included); ``None`` for one group. Other kinds of group (state-space layers,
+    chunked local attention) are refused: kvbridge moves attention KV only."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     if len(groups) < 2:
         return None
     windows: list[int | None] = []
+    retained: list[int] = []
     for group in groups:
         spec = group.kv_cache_spec
         if isinstance(spec, SlidingWindowSpec):
             windows.append(int(spec.sliding_window))
+            retained.append(int(getattr(spec, "extra_retained_tokens", 0) or 0))
         elif isinstance(spec, FullAttentionSpec):
             windows.append(None)
+            retained.append(0)
         else:
             raise SpecError(
                 f"a KV cache group of {type(spec).__name__}: KVBridgeConnector moves full-attention and "
@@ -96,7 +99,8 @@ def cache_groups(kv_cache_config: Any) -> CacheGroups | None:
             field="spec.model",
             code="CONNECTOR_UNSUPPORTED",
         )
-    return CacheGroups.of(windows, sizes.pop())
+    layers = [len(group.layer_names) for group in groups]
+    return CacheGroups.of(windows, sizes.pop(), retained, layers)
 
 
 class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):

@@ -52,6 +52,8 @@ class ReadOrder:
     digest_tokens: int = 0
     #: the request's W3C trace context, checked (tracing.py; empty: not traced)
     trace: dict[str, str] = field(default_factory=dict)
+    #: a padded hybrid model: per block of ``all_block_ids``, the layers holding its KV (core.cache_groups)
+    block_layers: list[int] | None = None
 
 
 @dataclass
@@ -66,6 +68,8 @@ class OfferOrder:
     digest_key: bytes = b""
     #: the request's W3C trace context, checked (tracing.py; empty: not traced)
     trace: dict[str, str] = field(default_factory=dict)
+    #: a padded hybrid model: per block, the layers holding its KV (core.cache_groups)
+    block_layers: list[int] | None = None
 
 
 @dataclass
@@ -79,6 +83,8 @@ class DigestOrder:
     key: bytes
     #: the request's W3C trace context, checked (tracing.py; empty: not traced)
     trace: dict[str, str] = field(default_factory=dict)
+    #: a padded hybrid model: per block, the layers holding its KV (core.cache_groups)
+    block_layers: list[int] | None = None
 
 
 @dataclass

@@ -1,8 +1,10 @@
 """``spec.model`` from a Hugging Face ``config.json``: the KV-cache geometry without typing it by hand.
 
 Dense models (Llama, Qwen2, Mistral and the like; MHA or GQA) and MLA models (DeepSeek-V2/V3) are read, with the
-routed experts of a mixture-of-experts model (``numExperts``: what ``expertParallel`` needs); what
-cannot be derived exactly is an error that names the config key, never a guess.
+routed experts of a mixture-of-experts model (``numExperts``: what ``expertParallel`` needs) and what decides vLLM's
+KV cache groups (hf_layers.py): each layer's kind (``layerTypes``), the sliding window, Llama 4's attention chunks
+and a hybrid's state-space layers (``stateSpace``). What cannot be derived exactly is an error that names the
+config key, never a guess.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge_agent.core import ModelGeometry, SpecError
+from kvbridge_agent.core.model import LayerType
+from kvbridge_operator.cli import hf_layers
 
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32", "float": "float32"}
 _MLA_TYPES = {"deepseek_v2", "deepseek_v3", "kimi_k2", "deepseek_v32"}
@@ -35,7 +39,10 @@ def read_config(path: Path) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise ModelConfigError(f"{file} is not a JSON object", field=str(file))
     text_config = loaded.get("text_config")  # multimodal wrappers keep the language model's config inside
-    return text_config if isinstance(text_config, dict) and "num_hidden_layers" in text_config else loaded
+    if isinstance(text_config, dict) and "num_hidden_layers" in text_config:
+        dtype = {key: loaded[key] for key in ("torch_dtype", "dtype") if key in loaded and key not in text_config}
+        return {**dtype, **text_config}  # the wrapper may name the dtype for both
+    return loaded
 
 
 def _int(config: dict[str, Any], key: str) -> int:
@@ -67,6 +74,7 @@ def geometry(config: dict[str, Any], name: str) -> ModelGeometry:
         "num_layers": _int(config, "num_hidden_layers"),
         "kv_cache_dtype": _DTYPES[dtype_name],
         "num_experts": experts(config),
+        **layers(config, _int(config, "num_hidden_layers")),
     }
     if config.get("model_type") in _MLA_TYPES or "kv_lora_rank" in config:
         # MLA caches one latent per token: the compressed KV plus the decoupled RoPE key
@@ -85,6 +93,35 @@ def geometry(config: dict[str, Any], name: str) -> ModelGeometry:
             )
         head_dim = hidden // heads
     return ModelGeometry(**common, num_kv_heads=kv_heads, head_dim=head_dim)
+
+
+def layers(config: dict[str, Any], count: int) -> dict[str, Any]:
+    """What decides vLLM's KV cache groups: ``layerTypes`` (left out where every layer is full attention), the
+    window, the chunk size and the state-space layers."""
+    try:
+        kinds = hf_layers.layer_kinds(config, count)
+        found: dict[str, Any] = {
+            "layer_types": [] if set(kinds) == {LayerType.FULL} else kinds,
+            "sliding_window": hf_layers.sliding_window(config, kinds),
+            "attention_chunk_size": hf_layers.chunk_size(config, kinds),
+            "state_space": hf_layers.state_space(config, kinds, count),
+        }
+    except hf_layers.LayerConfigError as exc:
+        raise ModelConfigError(str(exc), field=exc.key) from exc
+    return found
+
+
+#: the words of spec.model that ``kvbridge model`` leaves out where they hold their default (a dense model's)
+_OPTIONAL = ("cacheKind", "numExperts", "layerTypes", "slidingWindow", "attentionChunkSize", "stateSpace")
+
+
+def model_block(found: ModelGeometry) -> dict[str, Any]:
+    """The ``spec.model`` block ``kvbridge model`` prints: every word, less the optional ones at their default."""
+    block = found.model_dump(by_alias=True, mode="json")
+    defaults = ModelGeometry(name=found.name, num_layers=1, num_kv_heads=1, head_dim=1).model_dump(
+        by_alias=True, mode="json"
+    )
+    return {key: value for key, value in block.items() if key not in _OPTIONAL or value != defaults[key]}
 
 
 def model_name(path: Path, config: dict[str, Any]) -> str:

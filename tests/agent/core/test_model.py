@@ -26,7 +26,37 @@ def test_camel_case_aliases_match_the_crd() -> None:
         "attention",
         "cacheKind",
         "numExperts",
+        "layerTypes",
+        "slidingWindow",
+        "attentionChunkSize",
+        "stateSpace",
     }
+
+
+@pytest.mark.parametrize(
+    "layers",
+    [
+        {"layerTypes": ["Full", "Sliding"]},  # Sliding without a window
+        {"layerTypes": ["Full", "Full"], "slidingWindow": 512},  # a window without Sliding layers
+        {"layerTypes": ["ChunkedLocal", "Full"]},  # chunks without a size
+        {"layerTypes": ["Full"], "slidingWindow": 0},  # one layer named of two
+        {"layerTypes": ["StateSpace", "Full"]},  # state-space layers without stateSpace
+    ],
+)
+def test_layer_types_name_every_layer_and_what_defines_each_kind(layers: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        ModelGeometry.model_validate({"name": "m", "numLayers": 2, "numKVHeads": 2, "headDim": 64, **layers})
+
+
+def test_the_layer_description_changes_no_fingerprint() -> None:
+    """vLLM reads the layers from the weights' config, which the name pins: the fingerprints of engines running
+    before ``layerTypes`` existed stay as they were (the operator's pairing key holds it)."""
+    plain = ModelGeometry(name="g", num_layers=2, num_kv_heads=1, head_dim=64)
+    words = {"name": "g", "numLayers": 2, "numKVHeads": 1, "headDim": 64}
+    hybrid = ModelGeometry.model_validate({**words, "layerTypes": ["Sliding", "Full"], "slidingWindow": 512})
+    assert hybrid.layer_kinds == ["Sliding", "Full"]
+    assert plain.layer_kinds == ["Full", "Full"]
+    assert fingerprint(hybrid) == fingerprint(plain)
 
 
 def test_role_defaults() -> None:

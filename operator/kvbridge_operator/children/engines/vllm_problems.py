@@ -13,6 +13,7 @@ from kvbridge_operator.api.spec import DisaggregatedDeploymentSpec
 from kvbridge_operator.api.transfer import KVBufferDevice
 from kvbridge_operator.children import tracing
 from kvbridge_operator.children.engines import vllm_messages as words
+from kvbridge_operator.children.engines import vllm_models
 from kvbridge_operator.children.engines.vllm_cpu import CPU_BLOCK_MULTIPLE, cpu_block_size, cpu_build
 from kvbridge_operator.children.engines.vllm_serve import (
     MANAGED_ARGUMENTS,
@@ -83,6 +84,7 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
             )
         )
     found += _argument_problems(spec)
+    found += vllm_models.problems(spec)
     if not cpu_build(spec) and spec.model.is_mla:
         found += [
             Problem(
