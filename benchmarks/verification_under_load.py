@@ -1,15 +1,16 @@
 """What verified transfers cost under load, measured with vLLM's own client on real vLLM (not a test).
 
     .venv/bin/python benchmarks/verification_under_load.py [--num-prompts 256] [--input-len 400]
-        [--output-len 64] [--concurrency 16] [--rounds 6] [--warmup 1] [--json]
+        [--output-len 64] [--concurrency 16] [--rounds 6] [--warmup 1] [--policies Off All Sampled] [--json]
 
 ``kvbridge demo --serve`` runs two deployments of the tiny local model side by side, each one prefill and one
-decode pod of the CPU build with kvbridge's connector, alike but for ``spec.transfer.verification`` (``Off`` and
-``All``), and a router in front of each. ``vllm bench serve`` sends the same workload (random prompts, a new seed
-per round, ``--max-concurrency`` requests in flight) through one router and then the other, ``--rounds`` times,
-the order swapped every round (Off, All, All, Off, ...), so that drift on the machine and whatever favours the
-first or second run of a round fall on both alike. Reported per run: requests per second, output
-tokens per second, TTFT p50/p99, failures, and the CPU seconds the driven deployment's engine processes used
+decode pod of the CPU build with kvbridge's connector, alike but for ``spec.transfer.verification`` (``Off``,
+``All`` and the default ``Sampled``), and a router in front of each. ``vllm bench serve`` sends the same workload
+(random prompts, a new seed per round, ``--max-concurrency`` requests in flight) through one router after the
+other, ``--rounds`` times, the order reversed every round (Off, All, Sampled, Sampled, All, Off, ...), so that
+drift on the machine and whatever favours an early or late run of a round fall on all alike. Reported per run:
+requests per second, output tokens per second, TTFT p50/p99, TPOT p50, ITL p99, failures, and the CPU seconds
+the driven deployment's engine processes used
 per completed request (each pod's ``vllm serve`` and its descendants, read from ``/proc``), and the engines' own
 time digesting per request (``vllm:kvbridge_digest_seconds`` from their ``/metrics``).
 
@@ -23,6 +24,7 @@ travel with the transfer parameters (no extra exchange, no extra engine step).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -41,7 +43,7 @@ import yaml
 from kvbridge_sim import tiny_model
 from router_policies import BIN, progress, read_line
 
-POLICIES = ("Off", "All")
+POLICIES = ("Off", "All", "Sampled")
 
 
 def manifests(policies: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -108,7 +110,7 @@ def bench(url: str, model: str, tokenizer: Path, args: argparse.Namespace, seed:
         str(seed),
         "--ignore-eos",
         "--percentile-metrics",
-        "ttft",
+        "ttft,tpot,itl",
         "--metric-percentiles",
         "50,99",
         "--save-result",
@@ -172,6 +174,27 @@ def engine_cpu_seconds(deployment: str) -> dict[int, float]:
     return seconds
 
 
+def pin(deployment: str) -> dict[str, list[int]]:
+    """Every thread of ``deployment``'s engines onto one core per role, the same for every deployment (prefill on
+    the first core, decode on the last): the local kubelet hands out cores in the order pods start, which may put
+    one deployment's two pods on one core and another's on two — a placement, not a policy, that would decide
+    the comparison. Returns the cores by role."""
+    cores = sorted(os.sched_getaffinity(0))
+    placed: dict[str, list[int]] = {}
+    for process in pod_processes(deployment):
+        try:
+            role = process.environ().get("KVBRIDGE_ROLE", "")
+            core = {cores[0]} if role == "prefill" else {cores[-1]}
+            for member in (process, *process.children(recursive=True)):
+                for thread in member.threads():
+                    with contextlib.suppress(OSError):
+                        os.sched_setaffinity(thread.id, core)
+            placed[role] = sorted(core)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return placed
+
+
 def cpu_used(before: dict[int, float], after: dict[int, float]) -> float:
     """CPU seconds used between two readings (a process started in between counts from zero)."""
     return sum(total - before.get(pid, 0.0) for pid, total in after.items())
@@ -179,11 +202,12 @@ def cpu_used(before: dict[int, float], after: dict[int, float]) -> float:
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
+    policies = tuple(args.policies)
     with tempfile.TemporaryDirectory(prefix="kvbridge-verification-") as folder:
         workdir = Path(folder)
         manifest = workdir / "deployments.yaml"
-        manifest.write_text(yaml.safe_dump_all(manifests(POLICIES), sort_keys=False))
-        progress("starting kvbridge demo --serve with verification Off and All (engines start: minutes)")
+        manifest.write_text(yaml.safe_dump_all(manifests(policies), sort_keys=False))
+        progress(f"starting kvbridge demo --serve with verification {', '.join(policies)} (engines start: minutes)")
         demo = subprocess.Popen(
             [str(BIN / "kvbridge"), "demo", "--serve", "-f", str(manifest)],
             stdout=subprocess.PIPE,
@@ -193,20 +217,22 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         try:
             read_line(demo, r"^kubeconfig (\S+)", 1800)
             routers: dict[str, tuple[str, str]] = {}
-            while len(routers) < len(POLICIES):
+            while len(routers) < len(policies):
                 found = read_line(demo, r"^router (\S+) (\S+) model (\S+)", 600)
-                policy = next(p for p in POLICIES if found.group(1) == f"verify-{p.lower()}")
+                policy = next(p for p in policies if found.group(1) == f"verify-{p.lower()}")
                 routers[policy] = (found.group(2), found.group(3))
+            placement = {policy: pin(f"verify-{policy.lower()}") for policy in policies}
+            progress(f"cores by role: {placement}")
             tokenizer = tiny_model.make(workdir / "tokenizer")
             seed = args.seed
             for warmup in range(args.warmup):  # vLLM on CPU speeds up over its first minutes (kernels per shape)
-                for policy in POLICIES:
+                for policy in policies:
                     seed += 1
                     progress(f"warm-up {warmup + 1}: verification {policy} (not counted) ...")
                     bench(*routers[policy], tokenizer, args, seed, workdir)
             for round_index in range(args.rounds):
-                # Off first in odd rounds, All first in even ones: neither always runs second (ABBA)
-                for policy in POLICIES if round_index % 2 == 0 else POLICIES[::-1]:
+                # the order reversed every other round (ABBA): none always runs first or last
+                for policy in policies if round_index % 2 == 0 else policies[::-1]:
                     seed += 1
                     url, model = routers[policy]
                     progress(
@@ -214,6 +240,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                         f"concurrency {args.concurrency}, seed {seed} ..."
                     )
                     deployment = f"verify-{policy.lower()}"
+                    pin(deployment)  # threads started since (vLLM's, kvbridge's) too
                     before, digests_before = engine_cpu_seconds(deployment), digest_totals(deployment)
                     result = bench(url, model, tokenizer, args, seed, workdir)
                     cpu = cpu_used(before, engine_cpu_seconds(deployment))
@@ -232,6 +259,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                             "outputTokensPerSecond": round(float(result["output_throughput"]), 1),
                             "ttftP50Ms": round(float(result["p50_ttft_ms"]), 1),
                             "ttftP99Ms": round(float(result["p99_ttft_ms"]), 1),
+                            "tpotP50Ms": round(float(result["p50_tpot_ms"]), 2),
+                            "itlP99Ms": round(float(result["p99_itl_ms"]), 1),
                             "engineCpuMsPerRequest": round(1000 * cpu / completed, 2) if completed else None,
                             "digestMsPerRequest": round(1000 * digest_seconds / completed, 3) if completed else None,
                             "digestsPerRequest": round(digest_count / completed, 2) if completed else None,
@@ -253,45 +282,55 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "concurrency": args.concurrency,
         "warmupRounds": args.warmup,
         "runs": runs,
-        "allVersusOff": compare(runs),
+        "versusOff": {policy: compare(runs, policy) for policy in policies if policy != "Off"},
     }
 
 
-def compare(runs: list[dict[str, Any]]) -> dict[str, float]:
-    """``All`` against ``Off``: the ratio of the medians over the rounds, and the median of the per-round ratios."""
+#: the figures compared with ``Off``: name -> the run's key
+FIGURES = {
+    "throughput": "requestsPerSecond",
+    "ttftP50": "ttftP50Ms",
+    "tpotP50": "tpotP50Ms",
+    "itlP99": "itlP99Ms",
+    "engineCpuPerRequest": "engineCpuMsPerRequest",
+}
 
-    def median(policy: str, key: str) -> float:
-        return float(statistics.median(r[key] for r in runs if r["verification"] == policy))
+
+def compare(runs: list[dict[str, Any]], policy: str) -> dict[str, float]:
+    """``policy`` against ``Off``: the ratio of the medians over the rounds, and the median of the per-round
+    (paired) ratios."""
+
+    def median(which: str, key: str) -> float:
+        return float(statistics.median(r[key] for r in runs if r["verification"] == which))
 
     def paired(key: str) -> float:
         off = {r["round"]: r[key] for r in runs if r["verification"] == "Off"}
-        return float(statistics.median(r[key] / off[r["round"]] for r in runs if r["verification"] == "All"))
+        return float(statistics.median(r[key] / off[r["round"]] for r in runs if r["verification"] == policy))
 
-    keys = {"throughput": "requestsPerSecond", "ttftP50": "ttftP50Ms", "engineCpuPerRequest": "engineCpuMsPerRequest"}
     ratios: dict[str, float] = {}
-    for name, key in keys.items():
-        ratios[name] = round(median("All", key) / median("Off", key), 4)
+    for name, key in FIGURES.items():
+        ratios[name] = round(median(policy, key) / median("Off", key), 4)
         ratios[f"{name}Paired"] = round(paired(key), 4)
     return ratios
 
 
 def table(result: dict[str, Any]) -> str:
     lines = [
-        "| round | verification | req/s | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | engine CPU ms/req "
-        "| digest ms/req | digests/req | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| round | verification | req/s | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | ITL p99 (ms) "
+        "| engine CPU ms/req | digest ms/req | digests/req | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in result["runs"]:
         lines.append(
             f"| {run['round']} | {run['verification']} | {run['requestsPerSecond']} | "
-            f"{run['outputTokensPerSecond']} | {run['ttftP50Ms']} | {run['ttftP99Ms']} | "
-            f"{run['engineCpuMsPerRequest']} | {run['digestMsPerRequest']} | {run['digestsPerRequest']} | "
-            f"{run['failed']} |"
+            f"{run['outputTokensPerSecond']} | {run['ttftP50Ms']} | {run['ttftP99Ms']} | {run['tpotP50Ms']} | "
+            f"{run['itlP99Ms']} | {run['engineCpuMsPerRequest']} | {run['digestMsPerRequest']} | "
+            f"{run['digestsPerRequest']} | {run['failed']} |"
         )
-    ratio = result["allVersusOff"]
-    lines.append("\n`All` / `Off` | ratio of medians | median of paired rounds\n|---|---|---|")
-    for name in ("throughput", "ttftP50", "engineCpuPerRequest"):
-        lines.append(f"| {name} | {ratio[name]:.3f} | {ratio[name + 'Paired']:.3f} |")
+    for policy, ratio in result["versusOff"].items():
+        lines.append(f"\n`{policy}` / `Off` | ratio of medians | median of paired rounds\n|---|---|---|")
+        for name in FIGURES:
+            lines.append(f"| {name} | {ratio[name]:.3f} | {ratio[name + 'Paired']:.3f} |")
     return "\n".join(lines)
 
 
@@ -304,8 +343,12 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=1, help="rounds run first and not counted")
     parser.add_argument("--seed", type=int, default=int(time.time()) % 1_000_000 * 10)
+    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES), help="Off comes first")
     parser.add_argument("--json", action="store_true")
     parsed = parser.parse_args()
+    if "Off" not in parsed.policies:
+        parser.error("--policies: Off is what the others are compared with")
+    parsed.policies = ["Off", *(p for p in parsed.policies if p != "Off")]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed: still stop what it started (finally)
     outcome = main(parsed)
     print(json.dumps(outcome) if parsed.json else table(outcome))

@@ -51,7 +51,7 @@ async def test_decode_tokens_equal_a_single_engine(
     assert params["do_remote_prefill"] is True
     assert params["kvbridge"]["numTokens"] == length
     assert params["kvbridge"]["expiresAt"] > time.time()  # the lease travels with the parameters
-    if params["kvbridge"]["verify"]:  # and the digests, added before vLLM sent the answer: no side-channel fetch
+    if "digests" in params["kvbridge"]:  # taken on prefill's digest thread before vLLM sent the answer
         assert set(params["kvbridge"]["digests"]) == {"key", "heads", "rows"}
     got = await pd_requests.decode(session, decode, model, tokens, params, MAX_TOKENS)
     want = await pd_requests.baseline(session, decode, model, tokens, MAX_TOKENS, salt=f"kvb-baseline-{length}")
@@ -228,16 +228,17 @@ async def test_decode_exports_transfers_and_failures_on_vllms_metrics(
     params["kvbridge"]["expiresAt"] = time.time() - 5
     with pytest.raises(pd_requests.PDRequestError):
         await pd_requests.decode(session, decode, model, prompt(BLOCK, salt=52), params, MAX_TOKENS)
-    # 109 tokens: 4 blocks of 32, one descriptor per layer (2 layers) per block, each 2 KV heads x 2 (K, V) x 32
-    # tokens x 64 x 2 bytes = 16 KiB
-    want = {"reads": 1, "descriptors": 8, "bytes": 8 * 16384, "expired": 1}
+    # 109 tokens: 4 blocks of 32, per layer (2 layers) and block 2 KV heads x 2 (K, V) x 32 tokens x 64 x 2 bytes =
+    # 16 KiB; one descriptor per layer and block, or per layer and run of blocks adjacent in both caches
+    # (core.coalesce): 2 (one run of 4) to 8 (none adjacent), as the engines' allocators placed them
+    want = {"reads": 1, "bytes": 8 * 16384, "expired": 1}
     got: dict[str, float] = {}
 
     async def recorded() -> bool:
         nonlocal got
         after = await figures()
         got = {key: after[key] - before[key] for key in names}
-        return got == want
+        return {key: got[key] for key in want} == want and 2 <= got["descriptors"] <= 8
 
     # vLLM's front end records them with its next stats update
     await until(recorded, 10, lambda: f"the decode figures {want} (got {got})", interval=0.2)

@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -250,8 +251,33 @@ class SideChannelServer:
         self._context.term()
 
 
+#: the sockets one thread keeps open for digest exchanges, at most (the least recently used is closed first)
+KEPT_SOCKETS = 64
+
+
+class _KeptSockets(threading.local):
+    """One thread's REQ sockets kept connected across digest exchanges, by endpoint and key: the CURVE handshake
+    and the TCP connection are paid once per prefill engine and thread, not once per request. A socket whose
+    exchange failed (no answer in time, a send that would block) is closed, never reused in its stuck state."""
+
+    def __init__(self) -> None:
+        self.sockets: OrderedDict[tuple[str, bytes], zmq.Socket[bytes]] = OrderedDict()
+
+    def take(self, key: tuple[str, bytes]) -> zmq.Socket[bytes] | None:
+        return self.sockets.pop(key, None)
+
+    def keep(self, key: tuple[str, bytes], socket: zmq.Socket[bytes]) -> None:
+        self.sockets[key] = socket
+        while len(self.sockets) > KEPT_SOCKETS:
+            self.sockets.popitem(last=False)[1].close(linger=0)
+
+
+_KEPT = _KeptSockets()
+
+
 class SideChannelClient:
-    """Talks to one prefill engine's listener; a fresh REQ socket per exchange (no stuck REQ state)."""
+    """Talks to one prefill engine's listener; a fresh REQ socket per exchange (no stuck REQ state), except for
+    digest exchanges, which reuse a socket the thread kept connected (:class:`_KeptSockets`)."""
 
     def __init__(self, host: str, port: int, fingerprint: str, keys: CurveKeys | None, timeout: float) -> None:
         self.endpoint = tcp_endpoint(host, port)
@@ -260,19 +286,27 @@ class SideChannelClient:
         self.timeout = timeout
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
 
-    def _exchange(self, request: Sequence[bytes], deadline: float) -> list[bytes]:
+    def _socket(self) -> zmq.Socket[bytes]:
         socket = self._context.socket(zmq.REQ)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.IPV6, 1)  # prefill's pod IP may be IPv6
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_FRAME_BYTES)
+        if self.keys is not None:
+            socket.curve_serverkey = self.keys.public
+            socket.curve_publickey = self.keys.public
+            socket.curve_secretkey = self.keys.secret
+        socket.connect(self.endpoint)
+        return socket
+
+    def _exchange(self, request: Sequence[bytes], deadline: float, kept: bool = False) -> list[bytes]:
+        """One request and its reply, on a fresh socket, or (``kept``) on the one this thread keeps connected to
+        this endpoint, kept again only after a whole exchange."""
+        key = (self.endpoint, self.keys.secret if self.keys is not None else b"")
+        socket = (_KEPT.take(key) if kept else None) or self._socket()
+        done = False
         try:
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.IPV6, 1)  # prefill's pod IP may be IPv6
-            socket.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_FRAME_BYTES)
-            if self.keys is not None:
-                socket.curve_serverkey = self.keys.public
-                socket.curve_publickey = self.keys.public
-                socket.curve_secretkey = self.keys.secret
             # a send on a REQ socket whose peer never completes the CURVE handshake may block: bound it too
             socket.setsockopt(zmq.SNDTIMEO, max(1, int((deadline - time.monotonic()) * 1000)))
-            socket.connect(self.endpoint)
             try:
                 socket.send_multipart(list(request))
             except zmq.Again:
@@ -286,9 +320,13 @@ class SideChannelClient:
                     code=HANDSHAKE_TIMEOUT,
                 )
             frames: list[bytes] = socket.recv_multipart()
+            done = True
             return frames
         finally:
-            socket.close(linger=0)
+            if done and kept:
+                _KEPT.keep(key, socket)
+            else:
+                socket.close(linger=0)
 
     def fetch(self, ranks: Sequence[int]) -> dict[int, tuple[RankMetadata, bytes]]:
         """Metadata of the given prefill ranks; all within one timeout."""
@@ -305,6 +343,7 @@ class SideChannelClient:
         frames = self._exchange(
             encode_request(MessageType.DIGEST, self.fingerprint, requests=[(request_id, token)]),
             time.monotonic() + self.timeout,
+            kept=True,
         )
         state, heads, data, key = decode_digest_reply(frames, self.fingerprint)
         try:

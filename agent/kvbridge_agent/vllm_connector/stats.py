@@ -22,7 +22,8 @@ DIGESTS = "digests"
 #: each observation list: read durations (s), bytes and descriptors per read, handshake durations (s), the codes
 #: of failed reads, and a 1 per lease that ended unread (prefill) and per stale peer evicted (decode); ``held``:
 #: (TP rank, requests, bytes) a prefill rank holds for readers, each time it changes; ``digest_seconds``: how long
-#: each verified request's digest took on this rank
+#: each verified request's digest took on this rank (on its digest thread); ``digest_wait_seconds``: per step that
+#: waited, how long vLLM's thread waited for verification
 _KEYS = (
     "read_seconds",
     "read_bytes",
@@ -34,6 +35,7 @@ _KEYS = (
     "held",
     "digest_mismatches",
     "digest_seconds",
+    "digest_wait_seconds",
     DIGESTS,
 )
 _SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
@@ -70,6 +72,9 @@ class KVBridgeStats(KVConnectorStats):
 
     def record_digest_seconds(self, seconds: list[float]) -> None:
         self.data["digest_seconds"].extend(seconds)
+
+    def record_digest_wait(self, seconds: float) -> None:
+        self.data["digest_wait_seconds"].append(seconds)
 
     def record_digest_mismatch(self, peer: str) -> None:
         self.data["digest_mismatches"].append(peer)
@@ -156,7 +161,14 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             histogram,
             "vllm:kvbridge_digest_seconds",
             "One TP rank's digest of one request's KV (prefill: after the step that completed the prompt; decode: "
-            "checking what it read), on the engine's own thread.",
+            "checking what it read), on kvbridge's digest thread beside the engine's steps.",
+            buckets=list(_DIGEST_SECONDS),
+        )
+        self.digest_wait_seconds = per_engine(
+            histogram,
+            "vllm:kvbridge_digest_wait_seconds",
+            "How long one engine step waited for verification on the engine's own thread (prefill: an offer waiting "
+            "for its request's digest, or taking it there; decode never waits: its checks run beside the steps).",
             buckets=list(_DIGEST_SECONDS),
         )
         self.handshake_seconds = per_engine(
@@ -207,6 +219,7 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             (self.read_descriptors, "read_descriptors"),
             (self.handshake_seconds, "handshake_seconds"),
             (self.digest_seconds, "digest_seconds"),
+            (self.digest_wait_seconds, "digest_wait_seconds"),
         ):
             for value in data.get(key, ()):
                 metric[engine_idx].observe(value)

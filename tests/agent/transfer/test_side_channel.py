@@ -377,3 +377,29 @@ def test_a_side_channel_on_an_ipv6_address_is_reached(keys: CurveKeys) -> None:
         assert SideChannelClient("::1", srv.port, "fp", keys, 2.0).fetch([0]) == {0: (META, b"agent-0")}
     finally:
         srv.close()
+
+
+def test_digest_exchanges_reuse_one_connection_per_thread_and_drop_a_stuck_one(keys: CurveKeys, tmp_path: Path) -> None:
+    """A decode thread asking one prefill engine for many requests' digests pays the CURVE handshake once: the
+    socket is kept after a whole exchange, reused by the next, and closed (never kept) after one that failed."""
+    published = RequestDigests(new_key(), {0: np.array([7], dtype=np.uint64)})
+    srv = SideChannelServer(
+        "127.0.0.1", 0, "fp", {0: (META, b"agent-0")}, keys=keys, digests=lambda rid: (DigestState.READY, published)
+    ).start()
+    endpoint = ("tcp://127.0.0.1:" + str(srv.port), keys.secret)
+    try:
+        side_channel._KEPT.sockets.pop(endpoint, None)
+        assert client(srv, keys).digests("r", srv.token("r"))[0] is DigestState.READY
+        kept = side_channel._KEPT.sockets[endpoint]
+        for _ in range(5):
+            assert client(srv, keys).digests("r", srv.token("r"))[0] is DigestState.READY
+        assert side_channel._KEPT.sockets[endpoint] is kept
+        stranger = generate_keys(tmp_path / "stranger")
+        with pytest.raises(HandshakeError):  # no answer: that socket is closed, not kept
+            client(srv, stranger, timeout=0.3).digests("r", srv.token("r"))
+        assert ("tcp://127.0.0.1:" + str(srv.port), stranger.secret) not in side_channel._KEPT.sockets
+    finally:
+        srv.close()
+        socket = side_channel._KEPT.sockets.pop(endpoint, None)
+        if socket is not None:
+            socket.close(linger=0)

@@ -129,3 +129,14 @@ def test_digest_durations_are_a_histogram_and_in_the_summary() -> None:
     assert 'vllm:kvbridge_digest_seconds_count{engine="0",model_name="tiny"} 2.0' in text
     assert 'vllm:kvbridge_digest_seconds_bucket{engine="0",le="5e-05",model_name="tiny"} 1.0' in text
     assert "Avg digest (ms)" not in KVBridgeStats().reduce()
+
+
+def test_what_a_step_waited_for_verification_is_a_histogram() -> None:
+    registry = CollectorRegistry()
+    metrics = prometheus_metrics(registry)
+    stats = KVBridgeStats()
+    stats.record_digest_wait(0.0004)
+    metrics.observe(pickle.loads(pickle.dumps(stats.take())).to_dict(), 0)
+    text = generate_latest(registry).decode()
+    assert 'vllm:kvbridge_digest_wait_seconds_count{engine="0",model_name="tiny"} 1.0' in text
+    assert 'vllm:kvbridge_digest_wait_seconds_bucket{engine="0",le="0.0005",model_name="tiny"} 1.0' in text

@@ -143,7 +143,7 @@ def test_a_read_is_a_span_with_bytes_and_descriptors_then_its_check(
         began = time.time_ns()
         worker._traced["r"] = (TRACE, began, {words.BLOCKS: 1, words.REMOTE_ENGINE: "prefill-0"})
         if checked:
-            worker._check_started_ns["r"] = began + 2_000_000
+            worker._checks.started_ns["r"] = began + 2_000_000
         worker._read_spans(result)
     finally:
         worker.shutdown()
@@ -169,7 +169,7 @@ def test_a_conversion_is_a_span_between_the_reads_and_the_check(spans: Spans, ex
     try:
         began = time.time_ns()
         worker._traced["r"] = (TRACE, began, {words.BLOCKS: 3, words.REMOTE_ENGINE: "prefill-0"})
-        worker._check_started_ns["r"] = began + 6_000_000
+        worker._checks.started_ns["r"] = began + 6_000_000
         worker._read_spans(result)
     finally:
         worker.shutdown()
