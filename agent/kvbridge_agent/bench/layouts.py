@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,6 +40,10 @@ from kvbridge_agent.core.handshake import KVTransferParams, RankMetadata
 from .layout_cases import CROSS_LAYER, LLAMA_8B, LLAMA_70B, Case, block_ids, cache_blocks, cache_bytes, cases
 from .layout_prefill import TRANSFER, Allocate, Prefill, ProcessPrefill, attach
 from .measure import memcpy_gbps, nixl_ceilings, progress, raw_at
+
+if TYPE_CHECKING:  # NIXL's bindings: imported where a case runs
+    from kvbridge_agent.transfer.decode_rank import DecodeRank
+    from kvbridge_agent.transfer.reads import ReadResult
 
 #: the descriptor sizes of the raw NIXL sweep: ``bench``'s, and below it down to one token of one head (512 bytes:
 #: what the cross-order pair LBHNC -> LBNHC moves per descriptor)
@@ -91,6 +95,75 @@ class RawReference:
             self.transport.release_dlist(remote)
 
 
+class CaseReads:
+    """The decode side of one case: its rank reading ``tokens``-token requests from the prefill ranks (prefill rank
+    ``p`` on ``prefills[p]``), and the raw NIXL reference measured beside them."""
+
+    def __init__(
+        self,
+        reader: DecodeRank,
+        raw: RawReference,
+        run: tuple[ModelGeometry, Case, Sequence[Prefill], int],
+        blocks: tuple[int, int],
+        incarnation: str,
+        seed: int,
+    ) -> None:
+        self.reader, self.raw, self.incarnation = reader, raw, incarnation
+        self.model, self.case, self.prefills, self.tokens = run
+        self.prefill_blocks, self.decode_blocks = blocks
+        self.rng = np.random.default_rng(seed)
+
+    def progress_prefills(self) -> None:
+        for p in range(self.case.prefill.tp):
+            self.prefills[p].progress()
+
+    def one(self, request_id: str, allocation: str) -> ReadResult:
+        """One request's READs, its blocks placed as ``allocation`` says, until it ends (its result)."""
+        case, tokens = self.case, self.tokens
+        remote = block_ids(ceil_div(tokens, case.prefill.block), self.prefill_blocks, allocation, self.rng)
+        local = block_ids(ceil_div(tokens, case.decode.block), self.decode_blocks, allocation, self.rng)
+        wires = [self.prefills[p].offer(request_id, remote, tokens) for p in range(case.prefill.tp)]
+        params = KVTransferParams(
+            remote_engine_id="layouts-prefill",
+            remote_incarnation=self.incarnation,
+            remote_host="127.0.0.1",
+            remote_port=1,
+            remote_request_id=request_id,
+            remote_block_ids=wires[0],
+            num_tokens=tokens,
+            remote_tp_size=case.prefill.tp,
+            fingerprint="layouts",
+        )
+        result = self.reader.start(request_id, params, local, TIMEOUT)
+        while result is None:
+            self.progress_prefills()
+            done = self.reader.poll()
+            result = done[0] if done else None
+        if not result.ok:
+            raise RuntimeError(f"{case.name}, {self.model.name}: {result.code}: {result.message}")
+        return result
+
+    def row(self, allocation: str, requests: int) -> dict[str, Any]:
+        """``requests`` requests of one block allocation, each after a raw reference read: the row."""
+        results, references = [], []
+        for index in range(requests):  # taking turns, so that both meet the same load of the machine
+            references.append(self.raw.read(self.progress_prefills))
+            results.append(self.one(f"{self.case.name}-{allocation}-{index}", allocation))
+        row = _row(self.model, self.case, self.tokens, allocation, results)
+        row["rawHereGBps"] = round(self.raw.bytes / _median(references) / 1e9, 3)
+        row["ratioToRawHere"] = round(row["gbps"] / row["rawHereGBps"], 3)
+        return row
+
+    def wait_notified(self) -> None:
+        """Until every prefill rank was notified of every READ (at most ``TIMEOUT`` seconds)."""
+        deadline = time.monotonic() + TIMEOUT
+        while any(self.prefills[p].pending() for p in range(self.case.prefill.tp)):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.case.name}: a prefill rank was never notified")
+            self.reader.poll()
+            time.sleep(0.001)
+
+
 def run_case(
     allocate: Allocate,
     model: ModelGeometry,
@@ -106,7 +179,6 @@ def run_case(
     NIXL moves the same bytes between the same agents and allocations with one descriptor per prefill rank (the
     reference measured beside it: ``rawHereGBps``)."""
     from kvbridge_agent.transfer.decode_rank import DecodeRank
-    from kvbridge_agent.transfer.reads import ReadResult
     from kvbridge_agent.transfer.transport import Transport
 
     tag = uuid.uuid4().hex[:8]
@@ -126,58 +198,17 @@ def run_case(
         transport = Transport(f"layouts-decode-{tag}")
         transport.register(cache.tensors)
         settings = RoleSettings(tensor_parallel_size=case.decode.tp, block_size=case.decode.block)
-        decode = reader = DecodeRank(cache, transport, settings, TRANSFER)
+        decode = DecodeRank(cache, transport, settings, TRANSFER)
         incarnation = f"inc-{tag}"
         peer = decode.add_peer("layouts-prefill", incarnation, ranks)
-        rng = np.random.default_rng(seed)
         raw = RawReference(transport, cache.tensors[0], peer.agents, allocations, model.kv_bytes_per_token * tokens)
-
-        def progress_prefills() -> None:
-            for p in range(case.prefill.tp):
-                prefills[p].progress()
-
-        def one(request_id: str, allocation: str) -> ReadResult:
-            remote = block_ids(ceil_div(tokens, case.prefill.block), prefill_blocks, allocation, rng)
-            local = block_ids(ceil_div(tokens, case.decode.block), decode_blocks, allocation, rng)
-            wires = [prefills[p].offer(request_id, remote, tokens) for p in range(case.prefill.tp)]
-            params = KVTransferParams(
-                remote_engine_id="layouts-prefill",
-                remote_incarnation=incarnation,
-                remote_host="127.0.0.1",
-                remote_port=1,
-                remote_request_id=request_id,
-                remote_block_ids=wires[0],
-                num_tokens=tokens,
-                remote_tp_size=case.prefill.tp,
-                fingerprint="layouts",
-            )
-            result = reader.start(request_id, params, local, TIMEOUT)
-            while result is None:
-                progress_prefills()
-                done = reader.poll()
-                result = done[0] if done else None
-            if not result.ok:
-                raise RuntimeError(f"{case.name}, {model.name}: {result.code}: {result.message}")
-            return result
-
-        one(f"{case.name}-warm", "contiguous")  # the first READ warms the connection
-        raw.read(progress_prefills)
-        rows = []
-        for allocation in block_allocations or case.allocations:
-            results, references = [], []
-            for index in range(requests):  # taking turns, so that both meet the same load of the machine
-                references.append(raw.read(progress_prefills))
-                results.append(one(f"{case.name}-{allocation}-{index}", allocation))
-            row = _row(model, case, tokens, allocation, results)
-            row["rawHereGBps"] = round(raw.bytes / _median(references) / 1e9, 3)
-            row["ratioToRawHere"] = round(row["gbps"] / row["rawHereGBps"], 3)
-            rows.append(row)
-        deadline = time.monotonic() + TIMEOUT
-        while any(prefills[p].pending() for p in range(case.prefill.tp)):  # every READ was notified
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{case.name}: a prefill rank was never notified")
-            reader.poll()
-            time.sleep(0.001)
+        reads = CaseReads(
+            decode, raw, (model, case, prefills, tokens), (prefill_blocks, decode_blocks), incarnation, seed
+        )
+        reads.one(f"{case.name}-warm", "contiguous")  # the first READ warms the connection
+        raw.read(reads.progress_prefills)
+        rows = [reads.row(allocation, requests) for allocation in block_allocations or case.allocations]
+        reads.wait_notified()  # every READ was notified
         return rows
     finally:
         if raw is not None:

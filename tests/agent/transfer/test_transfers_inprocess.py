@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 
 from kvbridge_agent.core import Role
+from kvbridge_agent.core.blocks import blocks_for_tokens
 from kvbridge_sim.support import wait_until
 
 from .harness import InProcessPair
@@ -55,3 +56,33 @@ def test_full_prefix_hit_reads_nothing_and_still_notifies(pair: InProcessPair) -
     with contextlib.suppress(TimeoutError):  # the assertion below names what is still pending
         wait_until(settled, 10, "every prefill rank's notifications", interval=0.001)
     assert [rank.pending for rank in pair.prefill] == [[] for _ in pair.prefill]
+
+
+def test_contiguous_ids_move_byte_exact_as_merged_runs(pair: InProcessPair) -> None:
+    """Block ids that run on in both caches (a prefix hit leaving out the first): where the peer's lists hold merged
+    entries (core.coalesce) each run of a region goes as the fewest pieces of the prepared lengths, every byte
+    lands where it belongs, and the bytes counted are those of the unmerged descriptors."""
+    bs_p, bs_d = pair.prefill_settings.block_size, pair.decode_settings.block_size
+    tokens = 3 * max(bs_p, bs_d) + 3
+    prefill_blocks = list(range(3, 3 + blocks_for_tokens(tokens, bs_p)))
+    decode_blocks = list(range(20, 20 + blocks_for_tokens(tokens, bs_d)))  # within the harness's 48 blocks
+    params = pair.offer("contiguous", tokens, prefill_blocks)
+    results = pair.read(params, decode_blocks, 1)
+    assert sorted(results) == list(range(len(pair.decode)))
+    for d, result in results.items():
+        assert result.ok, (d, result)
+        assert pair.verify(d, "contiguous", decode_blocks, tokens) == [], f"decode rank {d} bytes differ"
+        peer = pair.decode[d].peers[pair.engine_id]
+        merged = peer.merged_lists
+        if any(lists is None for lists in merged):
+            continue
+        # one run per region and read: n units of each region as (n >> levels) + popcount(rest) pieces
+        expected = 0
+        for lists, length in zip(merged, peer.lengths, strict=True):
+            assert lists is not None
+            local = lists.local
+            units = result.bytes // (length * local.regions * len(merged))
+            pieces = (units >> local.levels) + bin(units & ((1 << local.levels) - 1)).count("1")
+            expected += local.regions * pieces
+        assert result.descriptors == expected
+        assert result.descriptors < result.bytes // min(peer.lengths)  # fewer than unmerged

@@ -195,11 +195,19 @@ def wrong_strides(handshake: RankHandshake) -> RankHandshake:
     return RankHandshake(meta.model_dump_json(exclude_none=True), handshake.agent_metadata)
 
 
-def move(prefill: Side, decode: Side, opened: list[Any], lie: bool = False, decode_per_layer: bool = False) -> Moved:
+def move(
+    prefill: Side,
+    decode: Side,
+    opened: list[Any],
+    lie: bool = False,
+    decode_per_layer: bool = False,
+    blocks: tuple[list[int], list[int]] = (PREFILL_BLOCKS, DECODE_BLOCKS),
+) -> Moved:
     """One prompt of ``TOKENS`` tokens computed by a prefill engine (a scheduler, a worker per rank) and loaded by a
-    decode engine, through vLLM's connector API, real NIXL and kvbridge's side channel, verification ``All``."""
-    prefill_blocks = PREFILL_BLOCKS[: -(-TOKENS // prefill.block)]
-    decode_blocks = DECODE_BLOCKS[: -(-TOKENS // decode.block)]
+    decode engine, through vLLM's connector API, real NIXL and kvbridge's side channel, verification ``All``; the
+    request's blocks the first of ``blocks`` (prefill's, decode's)."""
+    prefill_blocks = blocks[0][: -(-TOKENS // prefill.block)]
+    decode_blocks = blocks[1][: -(-TOKENS // decode.block)]
     prefill_scheduler = ConnectorScheduler(settings(Role.PREFILL, prefill, decode))
     opened.append(prefill_scheduler)
     prefill_workers, prefill_views, handshakes = [], [], {}
@@ -407,7 +415,42 @@ def test_kernel_blocks_smaller_than_the_block(
     assert [(r.ok, r.code) for r in outcome.results] == [(True, "")]
     check_bytes(outcome)
     kernels = len(outcome.decode_blocks) * (block // kernel)
-    assert outcome.results[0].descriptors == outcome.runs_per_block * kernels
+    # one layout on both sides: a block's kernel blocks lie end to end on both, one descriptor per run and block
+    # (core.coalesce; block // kernel is a power of two); across orders the runs are smaller than a kernel block
+    per_run = len(outcome.decode_blocks) if prefill_layout == decode_layout else kernels
+    assert outcome.results[0].descriptors == outcome.runs_per_block * per_run
+
+
+#: contiguous block ids on both sides: five blocks of each, one run
+CONTIGUOUS = (list(range(4, 9)), list(range(11, 16)))
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "merged"),
+    [
+        *[(Side(layout), Side(layout), True) for layout in KVCacheLayout],
+        (Side(KVCacheLayout.LBHNC, 32, 16), Side(KVCacheLayout.LBHNC, 32, 16), True),
+        (Side(KVCacheLayout.BHLNC, mla=True, tp=2), Side(KVCacheLayout.BHLNC, mla=True), True),
+        (Side(KVCacheLayout.LBHNC, tp=2), Side(KVCacheLayout.LBHNC), False),
+        (Side(KVCacheLayout.LBHNC), Side(KVCacheLayout.BLHNC), False),
+    ],
+    ids=lambda value: value.layout.name + (f"-tp{value.tp}" if value.tp > 1 else "") if isinstance(value, Side) else "",
+)
+def test_contiguous_block_ids_go_as_one_run_per_region_and_read(
+    prefill: Side, decode: Side, merged: bool, closing: list[Any]
+) -> None:
+    """Block ids that run on in both caches: where both sides' blocks lie end to end (same layout, whole blocks),
+    each region of each read moves the request's blocks as one run — the fewest pieces of the lengths the lists
+    were prepared with (core.coalesce: five blocks are a run of 4 and one of 1) — instead of one descriptor per
+    block; byte-exact and verified."""
+    outcome = move(prefill, decode, closing, blocks=CONTIGUOUS)
+    assert [(r.ok, r.code) for r in outcome.results] == [(True, "")] * decode.tp
+    assert outcome.load_errors == set()
+    check_bytes(outcome)
+    reads = max(1, prefill.tp // decode.tp) if not prefill.mla else 1
+    units = len(outcome.decode_blocks) * decode.ratio
+    pieces = bin(units).count("1") if merged else units  # 5 blocks: 4 + 1; 3 blocks of 2 kernel blocks: 4 + 2
+    assert outcome.results[0].descriptors == outcome.runs_per_block * pieces * reads
 
 
 def test_kernel_block_sizes_that_differ_pair_by_chunks(closing: list[Any]) -> None:
