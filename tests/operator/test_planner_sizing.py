@@ -33,7 +33,9 @@ from kvbridge_operator.planner.sizing import (
     Targets,
     decide,
     decode_engines,
+    predicted_rate,
     prefill_engines,
+    rate_noise,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,6 +120,36 @@ def test_a_growing_rate_is_extrapolated_one_interval() -> None:
     decision = run(TRAFFIC, Memory(last_rate=20))
     assert decision.predicted_rate == 40  # 30 seen, 10 more than last time
     assert (decision.prefill, decision.decode) == (3, 8)
+
+
+def test_an_increase_chance_alone_makes_is_not_extrapolated() -> None:
+    """Found closing the loop (issue 61): at 1 request/s over a 10 s window, Poisson counts alone move the rate by
+    +-0.6 request/s between passes, and extrapolating each such rise (doubled again by the headroom) added a decode pod
+    at rest, scaled in a minute later: an oscillation."""
+    assert rate_noise(1.0, 10) == pytest.approx(0.632, abs=1e-3)
+    assert rate_noise(5.0, 0) == 0  # no window: any increase is extrapolated, as before
+    assert predicted_rate(1.5, 1.0, rate_noise(1.5, 10)) == 1.5  # +0.5: chance
+    assert predicted_rate(3.0, 1.0, rate_noise(3.0, 10)) == 5.0  # +2: a step, extrapolated
+    quiet = replace(TRAFFIC, request_rate=31)
+    assert run(quiet, Memory(last_rate=30)).predicted_rate == 32  # without the window: extrapolated
+    seen = decide(quiet, "", TARGETS, PROFILE, Recommendation(0, 2, 4), BOUNDS, Memory(last_rate=30), 0.0, 30, 0, 60)
+    assert seen.predicted_rate == 31  # 30 -> 31 over 60 s: within 2 x sqrt(31 / 60) = 1.4
+
+
+@given(
+    st.floats(0, 1e4, allow_nan=False),
+    st.one_of(st.none(), st.floats(0, 1e4, allow_nan=False)),
+    st.floats(0, 3600, allow_nan=False),
+)
+def test_the_prediction_is_what_was_seen_or_its_rise_beyond_chance_extrapolated(
+    rate: float, last: float | None, window: float
+) -> None:
+    noise = rate_noise(max(rate, last or 0.0), window)
+    predicted = predicted_rate(rate, last, noise)
+    assert predicted >= rate
+    assert predicted == rate or (
+        last is not None and rate - last > noise and predicted == pytest.approx(2 * rate - last)
+    )
 
 
 @pytest.mark.parametrize(
@@ -262,7 +294,7 @@ def test_sizes_are_within_bounds_and_grow_with_the_rate(
 
 
 def test_plan_shows_the_planner_when_it_is_on(tmp_path: Path) -> None:
-    document = yaml.safe_load((ROOT / "examples" / "llama3-8b-hetero-tp.yaml").read_text())
+    document = yaml.safe_load((ROOT / "examples" / "synthetic" / "llama3-8b-hetero-tp.yaml").read_text())
     document["spec"]["autoscaling"] = {
         "enabled": True,
         "prometheusUrl": "http://prometheus.monitoring:9090",

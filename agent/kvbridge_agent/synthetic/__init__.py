@@ -11,6 +11,8 @@ Reading order:
 - ``rank_entry``: the rank processes' spawn target.
 - ``content``: the bytes a rank "computes", so decode can verify every byte.
 - ``http_api``: the engine's HTTP API: health, metrics, prefill, decode.
+- ``http_bounds``: its server's bounds on clients: a deadline per request, a cap on open connections.
 - ``completions``: its OpenAI-shaped routes, for the router.
+- ``pace``: their set speed (a prefill slot, decode's inter-token latency), and the ``vllm:`` series they export.
 - ``processes``: starting and stopping local engines.
 """

@@ -80,7 +80,8 @@ def complete(
     choice.update({"message": {"role": "assistant", "content": ""}} if chat else {"text": ""})
     answer["choices"] = [choice]
     if isinstance(params, dict) and params.get("do_remote_decode"):
-        offered = engine.prefill(request_id, tokens, rank=rank)
+        with engine.pace.prefilling(tokens):  # the set speed's turn and time (pace.py)
+            offered = engine.prefill(request_id, tokens, rank=rank)
         offered = offered.model_copy(update={"prompt_hash": prompt_digest(body, chat)})  # what a signature binds
         answer["kv_transfer_params"] = offered.model_dump(by_alias=True, mode="json")
         return answer, False

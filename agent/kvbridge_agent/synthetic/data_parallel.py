@@ -21,6 +21,7 @@ from typing import Any
 from kvbridge_agent.core.contract import BlockAllocation, EngineEnvironment
 from kvbridge_agent.core.handshake import KVTransferParams
 from kvbridge_agent.synthetic.engine import Engine
+from kvbridge_agent.synthetic.pace import Pace, Pacer
 from kvbridge_agent.synthetic.ranks import DUPLICATE_REQUEST, INVALID_REQUEST, EngineError
 from kvbridge_agent.transfer.keys import CurveKeys
 from kvbridge_agent.transfer.metrics import AgentMetrics
@@ -34,8 +35,15 @@ DP_RANK_HEADER = "X-data-parallel-rank"
 class DataParallelEngines:
     """The pod's DP ranks behind one HTTP API: start and stop them together, pick one per request."""
 
-    def __init__(self, env: EngineEnvironment, keys: CurveKeys | None = None, log_level: str = "WARNING") -> None:
+    def __init__(
+        self,
+        env: EngineEnvironment,
+        keys: CurveKeys | None = None,
+        log_level: str = "WARNING",
+        pace: Pace | None = None,
+    ) -> None:
         self.env = env
+        self.pace = Pacer(pace or Pace(), env.role)  # the OpenAI routes' set speed, and the vllm: series (pace.py)
         metrics = AgentMetrics(env.role.value, env.engine_id)
         self.metrics = metrics
         self.members = [

@@ -17,13 +17,18 @@ With several data-parallel ranks (``data_parallel``) each POST runs on one of th
 Errors are ``{"error": {"code", "field", "message", "invalidBlocks"}}`` with a
 4xx/5xx status; a bad request never affects other requests. On SIGTERM the server drains: new POSTs get 503
 ``DRAINING`` (a router retries them elsewhere) while those in flight finish, at most ``KVBRIDGE_DRAIN_SECONDS``.
+A request must arrive within ``KVBRIDGE_HTTP_REQUEST_SECONDS`` of its first byte, and at most
+``KVBRIDGE_HTTP_MAX_CONNECTIONS`` connections are served at once (``http_bounds``).
 """
 
 from __future__ import annotations
 
+import io
+import itertools
 import json
 import logging
 import threading
+from collections.abc import Generator
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -33,14 +38,19 @@ from pydantic import ValidationError
 from kvbridge_agent.core import KVBridgeError
 from kvbridge_agent.core.contract import BlockAllocation
 from kvbridge_agent.core.handshake import KVTransferParams
-from kvbridge_agent.synthetic import completions
+from kvbridge_agent.synthetic import completions, pace
 from kvbridge_agent.synthetic.data_parallel import DP_RANK_HEADER, DataParallelEngines
+from kvbridge_agent.synthetic.http_bounds import (
+    IDLE_TIMEOUT_SECONDS,
+    MAX_CONNECTIONS,
+    REQUEST_SECONDS,
+    ConnectionSlots,
+    DeadlineReader,
+)
 from kvbridge_agent.synthetic.ranks import INVALID_REQUEST, EngineError
 
 log = logging.getLogger(__name__)
 MAX_BODY = 64 << 20
-#: how long a connection may take to send the rest of a request (a client that stops mid-body holds no thread)
-READ_TIMEOUT_SECONDS = 30.0
 _POST_ROUTES = ("/v1/prefill", "/v1/decode", "/v1/completions", "/v1/chat/completions")
 
 
@@ -51,7 +61,17 @@ def _error(code: str, message: str, field: str = "", invalid: list[int] | None =
 class _Handler(BaseHTTPRequestHandler):
     server: AgentHTTPServer
     protocol_version = "HTTP/1.1"
-    timeout = READ_TIMEOUT_SECONDS  # on the connection's socket: every read of a request is bounded
+    timeout = IDLE_TIMEOUT_SECONDS  # on the connection's socket: every read and write is bounded
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # read through the request deadline instead (http_bounds)
+        self._reader = DeadlineReader(self.connection, self.server.request_seconds)
+        self.rfile = io.BufferedReader(self._reader)
+
+    def handle_one_request(self) -> None:
+        self._reader.next_request()  # its deadline runs from its first byte
+        super().handle_one_request()
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("http: " + format, *args)
@@ -63,6 +83,22 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+    def _send_events(self, events: Generator[bytes]) -> None:
+        """Server-sent events as they come (chunked); a client gone mid-stream ends it (and the connection)."""
+        first = next(events)  # an error before the first token is still an answer of its own
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        try:
+            for event in itertools.chain([first], events):
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+            self.wfile.write(b"0\r\n\r\n")
+        except OSError:
+            self.close_connection = True
+        finally:
+            events.close()
 
     def _body(self) -> dict[str, Any]:
         declared = (self.headers.get("Content-Length") or "0").strip()
@@ -81,9 +117,7 @@ class _Handler(BaseHTTPRequestHandler):
             raw = self.rfile.read(length)
         except TimeoutError as exc:
             self.close_connection = True
-            raise EngineError(
-                f"the body did not arrive within {READ_TIMEOUT_SECONDS:g} s", code=INVALID_REQUEST, status=408
-            ) from exc
+            raise EngineError(f"the body did not arrive in time: {exc}", code=INVALID_REQUEST, status=408) from exc
         if len(raw) < length:
             self.close_connection = True
             raise EngineError(f"the body ended after {len(raw)} of {length} bytes", code=INVALID_REQUEST)
@@ -113,7 +147,7 @@ class _Handler(BaseHTTPRequestHandler):
                 },
             )
         elif self.path == "/metrics":
-            self._send(HTTPStatus.OK, engine.metrics.render(), "text/plain; version=0.0.4")
+            self._send(HTTPStatus.OK, engine.metrics.render() + engine.pace.render(), "text/plain; version=0.0.4")
         elif self.path == "/v1/models":
             self._send(HTTPStatus.OK, completions.models())
         elif self.path == "/v1/held":
@@ -165,7 +199,12 @@ class _Handler(BaseHTTPRequestHandler):
                 chat = self.path == "/v1/chat/completions"
                 request_id = self.headers.get("X-Request-Id") or ""
                 answer, stream = completions.complete(engine, body, chat, request_id, rank)
-                if stream:
+                sent = pace.paced(engine.pace, answer, body, chat, stream)  # a decode at the set speed (pace.py)
+                if isinstance(sent, dict):
+                    self._send(HTTPStatus.OK, sent)
+                elif sent is not None:
+                    self._send_events(sent)
+                elif stream:
                     self._send(HTTPStatus.OK, completions.event_stream(answer, chat), "text/event-stream")
                 else:
                     self._send(HTTPStatus.OK, answer)
@@ -204,11 +243,25 @@ def _allocation(body: dict[str, Any]) -> BlockAllocation | None:
 
 
 class AgentHTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
+    """The engine's HTTP server: a thread per connection, at most ``max_connections`` of them (one more is answered
+    503 and closed), each request read within ``request_seconds`` of its first byte (http_bounds)."""
 
-    def __init__(self, host: str, port: int, engine: DataParallelEngines) -> None:
+    daemon_threads = True
+    request_queue_size = 128  # the listen backlog: a burst is accepted (and served, or refused) rather than dropped
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        engine: DataParallelEngines,
+        *,
+        request_seconds: float = REQUEST_SECONDS,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
         super().__init__((host, port), _Handler)
         self.engine = engine
+        self.request_seconds = request_seconds
+        self._slots = ConnectionSlots(max_connections)
         self._in_flight = 0
         self._draining = False
         self._idle = threading.Condition()
@@ -233,6 +286,23 @@ class AgentHTTPServer(ThreadingHTTPServer):
             self._draining = True
             self._idle.wait_for(lambda: self._in_flight == 0, timeout=seconds)
             return self._in_flight
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.take():
+            self._slots.refuse(request)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread to give the slot back
+            self._slots.give_back()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.give_back()
 
     @property
     def port(self) -> int:

@@ -13,6 +13,7 @@ from typing import Any
 from kvbridge_agent.core.contract import EngineEnvironment
 from kvbridge_agent.synthetic.data_parallel import DataParallelEngines
 from kvbridge_agent.synthetic.http_api import AgentHTTPServer
+from kvbridge_agent.synthetic.pace import Pace
 from kvbridge_agent.synthetic.processes import EXIT_WITH_PARENT
 from kvbridge_agent.transfer.keys import load_keys
 
@@ -39,11 +40,17 @@ def serve(env: EngineEnvironment, *, log_level: str = "WARNING") -> int:
         log.warning("the process that started this engine (pid %d) is gone: not starting", parent)
         return 0
     keys = load_keys(env.keys_dir) if env.keys_dir else None
-    engine = DataParallelEngines(env, keys, log_level=log_level)
+    engine = DataParallelEngines(env, keys, log_level=log_level, pace=Pace.from_environ(os.environ))
     http: AgentHTTPServer | None = None
     try:
         engine.start()
-        http = AgentHTTPServer(env.http_host, env.http_port, engine)
+        http = AgentHTTPServer(
+            env.http_host,
+            env.http_port,
+            engine,
+            request_seconds=env.http_request_seconds,
+            max_connections=env.http_max_connections,
+        )
         http.start()
         ready = {
             "ready": True,

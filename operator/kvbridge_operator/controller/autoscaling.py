@@ -4,9 +4,11 @@ Every ``intervalSeconds`` it reads the engines' profile (a ConfigMap), asks Prom
 traffic was (planner.prometheus), decides both roles' sizes (planner.sizing) and writes them to the roles' /scale
 — ``spec.replicas`` of each DisaggregatedRole, as HPA or KEDA would — so the operator's bounds and P:D ratio still
 apply and a scale-down drains as any other. It writes ``status.autoscaling`` (what it saw, decided and why), a
-``Planned`` event when a size changes, a ``PlannerHeld`` Warning when it starts holding (metrics missing, stale
-or implausible, or the profile unreadable), and exports what it asked for as
-``kvbridge_operator_planned_replicas``, for HPA or KEDA users who would rather act on it themselves.
+``Planned`` event when a size changes (with why), a ``PlannerHeld`` Warning when it starts holding (metrics missing,
+stale or implausible, or the profile unreadable), ``PlannerResumed`` when it sizes again, a ``TargetUnreachable``
+Warning when a target becomes one no engine meets; it exports what it asked for as
+``kvbridge_operator_planned_replicas`` (for HPA or KEDA users who would rather act on it themselves), and each pass as
+``kvbridge_operator_planner_*`` series: decisions by role, reason and change, what it read, targets, corrections.
 
 A pass that fails changes nothing that runs; a planner that restarts picks its memory up from the status.
 """
@@ -30,11 +32,19 @@ from kvbridge_operator.api.spec import DisaggregatedDeployment, parse_deployment
 from kvbridge_operator.api.status import AutoscalingStatus, PlannedSize
 from kvbridge_operator.controller.actions import Event
 from kvbridge_operator.controller.apply import post_event
-from kvbridge_operator.controller.metrics import PLANNED_REPLICAS
+from kvbridge_operator.controller.metrics import (
+    PLANNED_REPLICAS,
+    PLANNER_CORRECTION,
+    PLANNER_DECISIONS,
+    PLANNER_LAST_PASS,
+    PLANNER_OBSERVED,
+    PLANNER_TARGET_SECONDS,
+)
 from kvbridge_operator.kube import CONFIG_MAPS, DEPLOYMENTS, ROLES, ApiError, KubeClient
 from kvbridge_operator.planner.profile import PerformanceProfile
 from kvbridge_operator.planner.prometheus import PrometheusError, observe
 from kvbridge_operator.planner.sizing import (
+    TARGET_UNREACHABLE,
     Bounds,
     Decision,
     Memory,
@@ -190,7 +200,9 @@ async def plan_pass(
             now,
             spec.interval_seconds,
             spec.stabilization_window_seconds,
+            spec.window_seconds,
         )
+    export(namespace, dd.metadata.name, spec, decision, observation, running)
     if not decision.held:
         await _scale(client, dd, decision)
     await client.patch(
@@ -220,11 +232,62 @@ async def _scale(client: KubeClient, dd: DisaggregatedDeployment, decision: Deci
             log.info("planner: scaling %s/%s: %s", namespace, role_name(name, role), exc)
 
 
+def export(
+    namespace: str,
+    name: str,
+    spec: AutoscalingSpec,
+    decision: Decision,
+    observation: Observation | None,
+    running: Recommendation,
+) -> None:
+    """The pass as the operator's metrics (controller/metrics.py): the decision per role and its change of the size
+    running, what was read (NaN: not read this pass), the targets, the corrections and the time of the pass."""
+    memory = decision.memory
+    for role, was, wanted, correction in (
+        (Role.PREFILL, running.prefill, decision.prefill, memory.prefill_correction),
+        (Role.DECODE, running.decode, decision.decode, memory.decode_correction),
+    ):
+        change = "up" if wanted > was else "down" if wanted < was else "none"
+        PLANNER_DECISIONS.labels(namespace, name, role.value, decision.reason, change).inc()
+        PLANNER_CORRECTION.labels(namespace, name, role.value).set(correction)
+    seen = observation
+    nan = math.nan
+    figures = {
+        "request_rate": nan if seen is None else seen.request_rate,
+        "predicted_rate": nan if decision.held else decision.predicted_rate,
+        "prompt_tokens": nan if seen is None else seen.prompt_tokens,
+        "output_tokens": nan if seen is None else seen.output_tokens,
+        "prefix_hit_rate": nan if seen is None else seen.prefix_hit_rate,
+        "decode_running": nan if seen is None else seen.decode_running,
+        "ttft_seconds": nan if seen is None or seen.ttft_ms is None else seen.ttft_ms / 1000,
+        "itl_seconds": nan if seen is None or seen.itl_ms is None else seen.itl_ms / 1000,
+    }
+    for figure, value in figures.items():
+        PLANNER_OBSERVED.labels(namespace, name, figure).set(value)
+    for target, latency in (("ttft", spec.ttft), ("itl", spec.itl)):
+        if latency is not None:
+            PLANNER_TARGET_SECONDS.labels(namespace, name, target, f"{latency.percentile:g}").set(
+                latency.milliseconds / 1000
+            )
+    PLANNER_LAST_PASS.labels(namespace, name).set(running.at)
+
+
 async def _events(client: KubeClient, body: Obj, previous: Obj, decision: Decision) -> None:
+    """``PlannerHeld`` (Warning) when it starts holding, ``PlannerResumed`` when it sizes again after holding,
+    ``TargetUnreachable`` (Warning) when a target becomes one even an idle engine misses, ``Planned`` when a size
+    changes, with why."""
     involved = body.get("metadata") or {}
-    if decision.held and previous.get("state") != decision.reason:
-        await post_event(client, involved, Event("Warning", "PlannerHeld", f"{decision.reason}: {decision.message}"))
-    elif not decision.held and (previous.get("prefill"), previous.get("decode")) != (decision.prefill, decision.decode):
-        await post_event(
-            client, involved, Event("Normal", "Planned", f"{decision.prefill} prefill, {decision.decode} decode")
-        )
+    state, sizes = previous.get("state"), (previous.get("prefill"), previous.get("decode"))
+    if decision.held:
+        if state != decision.reason:
+            held = Event("Warning", "PlannerHeld", f"{decision.reason}: {decision.message}")
+            await post_event(client, involved, held)
+        return
+    if previous.get("held") is True:
+        await post_event(client, involved, Event("Normal", "PlannerResumed", f"{state} no more: {decision.message}"))
+    if decision.reason == TARGET_UNREACHABLE and state != TARGET_UNREACHABLE:
+        await post_event(client, involved, Event("Warning", TARGET_UNREACHABLE, decision.message))
+    if sizes != (decision.prefill, decision.decode):
+        was = "" if None in sizes else f" (was {sizes[0]}/{sizes[1]})"
+        message = f"{decision.prefill} prefill, {decision.decode} decode{was}: {decision.message}"
+        await post_event(client, involved, Event("Normal", "Planned", message))

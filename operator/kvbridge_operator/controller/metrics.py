@@ -26,6 +26,42 @@ PLANNED_REPLICAS = Gauge(
     registry=REGISTRY,
 )
 
+# kvbridge's planner, seen (controller/autoscaling.py, docs/autoscaling.md): per pass, what it read, how it decided
+PLANNER_DECISIONS = Counter(
+    "kvbridge_operator_planner_decisions",
+    "Planner passes by deployment, role, reason (Sized, TargetUnreachable, or why it held: MetricsMissing, "
+    "MetricsStale, MetricsImplausible, ProfileInvalid) and change of the role's size (up, down, none).",
+    ["namespace", "deployment", "role", "reason", "change"],
+    registry=REGISTRY,
+)
+PLANNER_OBSERVED = Gauge(
+    "kvbridge_operator_planner_observed",
+    "What the planner's last pass read from Prometheus (NaN: not read): request_rate and predicted_rate "
+    "(requests/s, the prediction with headroom), prompt_tokens and output_tokens (means per request), "
+    "prefix_hit_rate, decode_running (requests), ttft_seconds and itl_seconds (at the targets' percentiles).",
+    ["namespace", "deployment", "figure"],
+    registry=REGISTRY,
+)
+PLANNER_TARGET_SECONDS = Gauge(
+    "kvbridge_operator_planner_target_seconds",
+    "The planner's latency targets (target: ttft or itl; percentile as the spec says it).",
+    ["namespace", "deployment", "target", "percentile"],
+    registry=REGISTRY,
+)
+PLANNER_CORRECTION = Gauge(
+    "kvbridge_operator_planner_correction",
+    "The planner's learnt correction of each role's profile (observed latency over the profile's prediction, "
+    "damped; 1: as profiled, above 1: slower).",
+    ["namespace", "deployment", "role"],
+    registry=REGISTRY,
+)
+PLANNER_LAST_PASS = Gauge(
+    "kvbridge_operator_planner_last_pass_timestamp_seconds",
+    "When the planner last passed over the deployment (Unix seconds): alert when it stops.",
+    ["namespace", "deployment"],
+    registry=REGISTRY,
+)
+
 
 def serve(port: int) -> None:
     """Serve /metrics on ``port`` (0 disables) from a daemon thread."""

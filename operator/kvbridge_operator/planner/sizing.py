@@ -3,9 +3,9 @@
 Given what Prometheus says of the last window (:class:`Observation`), the engines' profile and what the planner
 remembers (:class:`Memory`, kept in ``status.autoscaling``):
 
-- **demand**: the request rate, extrapolated one interval along its last change when it grows (never predicted
-  below what was seen), plus the headroom asked for (bursts arrive faster than new engines start), prompt and
-  output lengths as observed;
+- **demand**: the request rate, extrapolated one interval along its last change when it grows by more than chance
+  would (twice a Poisson count's deviation over the rate's window; never predicted below what was seen), plus the
+  headroom asked for (bursts arrive faster than new engines start), prompt and output lengths as observed;
 - **prefill**: a request's uncached prompt (``prompt x (1 - prefix hit rate)``) takes ``s = uncached / capacity``
   on an idle engine; with one queue per engine at utilisation ``rho`` the time to first token is exponential with
   mean ``s / (1 - rho)`` (M/M/1), so its percentile ``q`` is ``ln(1 / (1 - q)) x s / (1 - rho)``; the TTFT target
@@ -173,9 +173,17 @@ def refine(
     return replace(memory, prefill_correction=prefill_c, decode_correction=decode_c)
 
 
-def predicted_rate(rate: float, last: float | None) -> float:
-    """Next interval's request rate: this one's, plus its last increase (never below what was seen)."""
-    return rate if last is None else rate + max(0.0, rate - last)
+def rate_noise(rate: float, window_seconds: float) -> float:
+    """Twice the standard deviation of a Poisson rate of ``rate`` counted over ``window_seconds`` (0 without a
+    window): how much two windows' rates differ by chance alone, most of the time."""
+    return 2 * math.sqrt(max(rate, 0.0) / window_seconds) if window_seconds > 0 else 0.0
+
+
+def predicted_rate(rate: float, last: float | None, noise: float = 0.0) -> float:
+    """Next interval's request rate: this one's, plus its last increase where that exceeds ``noise`` (chance alone
+    does not grow the prediction); never below what was seen."""
+    rise = 0.0 if last is None else rate - last
+    return rate + rise if rise > noise else rate
 
 
 def prefill_engines(
@@ -223,9 +231,12 @@ def decide(
     now: float,
     interval_seconds: float,
     window_seconds: float,
+    rate_window_seconds: float = 0.0,
 ) -> Decision:
     """One pass: the sizes to ask for (``running``: the engines running now, with ``at`` unused; ``unavailable``:
-    why there is no observation, when ``observation`` is None)."""
+    why there is no observation, when ``observation`` is None; ``window_seconds``: the stabilization window;
+    ``rate_window_seconds``: the window the rate was counted over, whose noise an increase must exceed to be
+    extrapolated, 0: any increase is)."""
     prefill_bounds, decode_bounds = bounds
     if observation is None:
         return Decision(running.prefill, running.decode, METRICS_MISSING, unavailable, True, memory=memory)
@@ -233,7 +244,8 @@ def decide(
     if wrong is not None:
         return Decision(running.prefill, running.decode, wrong[0], wrong[1], True, memory=memory)
     memory = refine(observation, profile, running, memory, targets.tail)
-    rate = predicted_rate(observation.request_rate, memory.last_rate) * (1 + targets.headroom)
+    noise = rate_noise(max(observation.request_rate, memory.last_rate or 0.0), rate_window_seconds)
+    rate = predicted_rate(observation.request_rate, memory.last_rate, noise) * (1 + targets.headroom)
     prefill = prefill_engines(rate, observation, profile, targets.ttft_ms, memory.prefill_correction, targets.tail)
     decode = decode_engines(rate, observation, profile, targets.itl_ms, memory.decode_correction)
     unreachable = [role for role, wanted in (("prefill", prefill), ("decode", decode)) if wanted is None]

@@ -24,6 +24,7 @@ from kvbridge_agent.core.signing import CLOCK_SKEW_SECONDS, SIGNATURE_KEY, signe
 from kvbridge_agent.synthetic.completions import complete, prompt_digest
 from kvbridge_agent.synthetic.engine import Engine
 from kvbridge_agent.synthetic.http_api import AgentHTTPServer
+from kvbridge_agent.synthetic.pace import Pace, Pacer
 from kvbridge_agent.synthetic.processes import EngineProcess, start_engine
 from kvbridge_agent.synthetic.ranks import EngineError
 from kvbridge_agent.transfer.keys import generate_keys
@@ -60,6 +61,7 @@ class StubEngine:
         self.transfer_token = token
         self.env = SimpleNamespace(verify=True, engine_id=POD, dp_index=0, own=SimpleNamespace(data_parallel_size=1))
         self.read: list[KVTransferParams] = []
+        self.pace = Pacer(Pace(), Role.DECODE)  # unpaced: answered at once (synthetic/pace.py)
 
     def rank_of(self, header: str | None) -> int | None:
         return None
