@@ -44,7 +44,7 @@ def ready_names(api: RealisticKubernetes) -> set[str]:
 
 
 async def scenario(kind: str, count: int, outage: float = 25.0, timeout: float = 300.0) -> dict[str, Any]:
-    template = yaml.safe_load((ROOT / "examples" / "llama3-8b-hetero-tp.yaml").read_text())
+    template = yaml.safe_load((ROOT / "examples" / "synthetic" / "llama3-8b-hetero-tp.yaml").read_text())
     rng = random.Random(7)
     state = {"outage": False}
 

@@ -147,7 +147,7 @@ async def operator_on_emulator(
 
 
 async def run(count: int) -> dict[str, Any]:
-    template = yaml.safe_load((ROOT / "examples" / "llama3-8b-hetero-tp.yaml").read_text())
+    template = yaml.safe_load((ROOT / "examples" / "synthetic" / "llama3-8b-hetero-tp.yaml").read_text())
     async with operator_on_emulator() as (api, client, operator):
         idle_rss = rss_kib(operator.pid, "VmRSS")
         created: dict[str, float] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 from collections.abc import Mapping
@@ -9,6 +10,8 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
 from kvbridge_agent.core import SpecError
+from kvbridge_agent.core.handshake import host_problem
+from kvbridge_operator.api.images import KVBRIDGE_ENGINE_REPOSITORY, lacks_connector
 
 from . import __version__
 
@@ -33,16 +36,28 @@ class OperatorConfig:
     """Every setting is a flag of ``kvbridge operator run`` and a ``KVBRIDGE_OPERATOR_<NAME>`` variable (flags win);
     docs/operator.md lists them all (a test keeps it complete)."""
 
-    agent_image: str = _setting(
-        f"ghcr.io/kvbridge/kvbridge-agent:{__version__}", "image of the kvbridge agent worker (engine kind Agent)"
+    synthetic_image: str = _setting(
+        f"ghcr.io/kvbridge/kvbridge-agent:{__version__}",
+        "image of the synthetic engine (engine kind Synthetic: kvbridge's worker, which serves no model)",
     )
     vllm_image: str = _setting(
         f"vllm/vllm-openai:v{VLLM_VERSION}",
-        f"image of vLLM engines on GPUs (engine kind VLLM; vLLM {VLLM_RELEASE}, what the renderer targets)",
+        f"image of vLLM engines on GPUs with NixlConnector (engine kind VLLM; vLLM {VLLM_RELEASE}, what the "
+        "renderer targets)",
     )
     vllm_cpu_image: str = _setting(
         f"public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v{VLLM_VERSION}",
-        "image of vLLM engines on CPUs (engine.device CPU; vLLM's CPU build)",
+        "image of vLLM engines on CPUs with NixlConnector (engine.device CPU; vLLM's CPU build)",
+    )
+    kvbridge_vllm_image: str = _setting(
+        f"{KVBRIDGE_ENGINE_REPOSITORY}:{__version__}",
+        "image of vLLM engines on GPUs with kvbridge's connector (connector KVBridge): vLLM with kvbridge "
+        "installed (images/vllm-engine/Dockerfile); vLLM's own images are refused",
+    )
+    kvbridge_vllm_cpu_image: str = _setting(
+        f"{KVBRIDGE_ENGINE_REPOSITORY}:{__version__}-cpu",
+        "image of vLLM engines on CPUs with kvbridge's connector: vLLM's CPU build with kvbridge installed "
+        "(images/vllm-engine-cpu/Dockerfile); vLLM's own images are refused",
     )
     router_image: str = _setting(
         f"ghcr.io/kvbridge/kvbridge-operator:{__version__}",
@@ -63,10 +78,27 @@ class OperatorConfig:
         "GPUs one node offers: the fit check (ROLE_DOES_NOT_FIT) of deployments that leave "
         "spec.placement.gpusPerNode unset; 0: not checked",
     )
-    cpu_mode: bool = _setting(False, "request no GPUs for agent-worker pods; agents move host memory")
-    agent_num_blocks: int = _setting(256, "KV blocks each agent-worker rank allocates")
-    agent_http_port: int = _setting(8000, "the agent worker's HTTP port (API and probes)")
+    cpu_mode: bool = _setting(False, "request no GPUs for synthetic-engine pods; they move host memory")
+    synthetic_num_blocks: int = _setting(256, "KV blocks each rank of the synthetic engine allocates")
+    engine_http_port: int = _setting(
+        8000,
+        "every engine pod's HTTP port (vLLM's API, or the routing sidecar's in front of it; the synthetic "
+        "engine's API and probes)",
+    )
     keys_mount_path: str = _setting("/var/run/kvbridge/keys", "where pods mount the side-channel key Secret")
+    pod_networks: tuple[str, ...] = _setting(
+        (),
+        "the cluster's pod address ranges (CIDR, flag repeatable; the variable takes a comma-separated list): decode "
+        "engines open side channels only to prefill hosts in them (KVBRIDGE_PREFILL_HOSTS); none: to any host",
+        flag="--pod-network",
+    )
+    service_domain: str = _setting(
+        "svc",
+        "what follows <service>.<namespace> in the cluster's Service DNS names (svc, which pods' search path "
+        "completes, or svc.cluster.local): decode engines of kvbridge's transfer open side channels only to the "
+        "addresses of their deployment's prefill Service, <deployment>-prefill.<namespace>.<this> "
+        "(KVBRIDGE_PREFILL_SERVICE); empty: not rendered (no Service DNS: podNetworks alone restricts them)",
+    )
     namespaces: tuple[str, ...] = _setting(
         (),
         "namespace to watch (flag repeatable; the variable takes a comma-separated list); none: all namespaces",
@@ -86,16 +118,56 @@ class OperatorConfig:
     liveness_port: int = _setting(8080, "port of the operator's /healthz; 0 disables it")
     metrics_port: int = _setting(0, "port of the operator's Prometheus /metrics; 0 disables it")
 
+    def __post_init__(self) -> None:
+        for network in self.pod_networks:
+            try:
+                ipaddress.ip_network(network, strict=False)
+            except ValueError:
+                raise SpecError(
+                    f"pod network {network!r} is not an address range in CIDR notation (10.244.0.0/16, fd00::/8)",
+                    field=ENV_PREFIX + "POD_NETWORKS",
+                    code="INVALID_ENVIRONMENT",
+                ) from None
+        if self.service_domain and host_problem(self.service_domain):
+            raise SpecError(
+                f"service domain {self.service_domain!r} is not a DNS name (svc, svc.cluster.local)",
+                field=ENV_PREFIX + "SERVICE_DOMAIN",
+                code="INVALID_ENVIRONMENT",
+            )
+        self._check_engine_images()
+
+    def _check_engine_images(self) -> None:
+        """kvbridge's vLLM images must carry kvbridge: vLLM's own images are refused (api/images.py)."""
+        for name in ("kvbridge_vllm_image", "kvbridge_vllm_cpu_image"):
+            if lacks_connector(getattr(self, name)):
+                raise SpecError(
+                    f"{ENV_PREFIX}{name.upper()}={getattr(self, name)!r} is one of vLLM's own images, which do not "
+                    "contain kvbridge: engines with connector KVBridge could not start from it; use kvbridge's "
+                    f"engine image ({KVBRIDGE_ENGINE_REPOSITORY}) or an image of your own with kvbridge installed",
+                    field=ENV_PREFIX + name.upper(),
+                    code="IMAGE_LACKS_CONNECTOR",
+                )
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ, **overrides: object) -> OperatorConfig:
         values: dict[str, object] = {}
         for item in fields(cls):
-            raw = environ.get(ENV_PREFIX + item.name.upper())
-            if raw is None:
+            names = [item.name, *(old for old, new in RENAMED.items() if new == item.name)]
+            given = next((name for name in names if ENV_PREFIX + name.upper() in environ), None)
+            if given is None:
                 continue
-            values[item.name] = _convert(item.name, raw, item.type)
+            values[item.name] = _convert(given, environ[ENV_PREFIX + given.upper()], item.type)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
+
+
+#: settings' former names -> their names now: the former variables and flags are still read (deprecated; the new
+#: name wins where both are given)
+RENAMED = {
+    "agent_image": "synthetic_image",
+    "agent_num_blocks": "synthetic_num_blocks",
+    "agent_http_port": "engine_http_port",
+}
 
 
 def _convert(name: str, raw: str, kind: object) -> object:
@@ -126,6 +198,11 @@ def _convert(name: str, raw: str, kind: object) -> object:
 def flag_of(item: Field[Any]) -> str:
     """The ``kvbridge operator run`` flag of a setting."""
     return str(item.metadata.get("flag") or "--" + item.name.replace("_", "-"))
+
+
+def former_flags(item: Field[Any]) -> list[str]:
+    """The deprecated flags of a renamed setting (``--agent-image``), still accepted."""
+    return ["--" + old.replace("_", "-") for old, new in RENAMED.items() if new == item.name]
 
 
 def variable_of(item: Field[Any]) -> str:

@@ -21,7 +21,12 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "cpu-mode-custom-images": {
         "gpu": {"cpuMode": True, "resourceName": "amd.com/gpu", "perNode": 8},
         "image": {"repository": "registry.local/kvbridge-operator", "tag": "dev"},
-        "agent": {"image": "registry.local/kvbridge-agent:dev", "numBlocks": 1024},
+        "synthetic": {"image": "registry.local/kvbridge-agent:dev", "numBlocks": 1024},
+        "vllm": {
+            "kvbridgeImage": "registry.local/vllm-engine:dev",
+            "kvbridgeCpuImage": "registry.local/vllm-engine:dev-cpu",
+        },
+        "agent": {"podNetworks": ["10.244.0.0/16", "fd00:10:244::/56"]},
     },
     "three-namespaces": {"watch": {"scope": "Namespace", "namespaces": ["team-a", "team-b", "team-c"]}},
     "no-metrics-existing-sa": {"metrics": {"enabled": False}, "serviceAccount": {"create": False, "name": "ops"}},
@@ -153,9 +158,27 @@ def test_operator_deployment_is_one_restricted_replica() -> None:
     assert container["image"] == "ghcr.io/kvbridge/kvbridge-operator:0.1.0"
     assert container["resources"]["limits"]["memory"] == "512Mi"
     env = {e["name"]: e["value"] for e in container["env"]}
-    assert env["KVBRIDGE_OPERATOR_AGENT_IMAGE"] == "ghcr.io/kvbridge/kvbridge-agent:0.1.0"
+    assert env["KVBRIDGE_OPERATOR_SYNTHETIC_IMAGE"] == "ghcr.io/kvbridge/kvbridge-agent:0.1.0"
+    assert env["KVBRIDGE_OPERATOR_KVBRIDGE_VLLM_IMAGE"] == "ghcr.io/kvbridge/vllm-engine:0.1.0"
+    assert env["KVBRIDGE_OPERATOR_KVBRIDGE_VLLM_CPU_IMAGE"] == "ghcr.io/kvbridge/vllm-engine:0.1.0-cpu"
     assert env["KVBRIDGE_OPERATOR_GPU_RESOURCE"] == "nvidia.com/gpu"
     assert env["KVBRIDGE_OPERATOR_METRICS_PORT"] == "8081"
+
+
+def test_the_former_agent_values_are_still_read() -> None:
+    """Issue 57: agent.image and agent.numBlocks became synthetic.image and synthetic.numBlocks; a values file of the
+    former names keeps doing what it did (they win where set), and what the chart renders the operator reads."""
+    from kvbridge_operator.config import OperatorConfig
+
+    values = {"agent": {"image": "old/agent:1", "numBlocks": 64}, "synthetic": {"image": "new/synthetic:2"}}
+    [deployment] = by_kind(render(values))["Deployment"]
+    env = {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert (env["KVBRIDGE_OPERATOR_SYNTHETIC_IMAGE"], env["KVBRIDGE_OPERATOR_SYNTHETIC_NUM_BLOCKS"]) == (
+        "old/agent:1",
+        "64",
+    )
+    config = OperatorConfig.from_env(env)
+    assert (config.synthetic_image, config.synthetic_num_blocks) == ("old/agent:1", 64)
 
 
 def test_values_reach_the_operator() -> None:
@@ -163,11 +186,14 @@ def test_values_reach_the_operator() -> None:
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e["value"] for e in container["env"]}
     assert container["image"] == "registry.local/kvbridge-operator:dev"
-    assert env["KVBRIDGE_OPERATOR_AGENT_IMAGE"] == "registry.local/kvbridge-agent:dev"
+    assert env["KVBRIDGE_OPERATOR_SYNTHETIC_IMAGE"] == "registry.local/kvbridge-agent:dev"
+    assert env["KVBRIDGE_OPERATOR_KVBRIDGE_VLLM_IMAGE"] == "registry.local/vllm-engine:dev"
+    assert env["KVBRIDGE_OPERATOR_KVBRIDGE_VLLM_CPU_IMAGE"] == "registry.local/vllm-engine:dev-cpu"
     assert env["KVBRIDGE_OPERATOR_CPU_MODE"] == "true"
-    assert env["KVBRIDGE_OPERATOR_AGENT_NUM_BLOCKS"] == "1024"
+    assert env["KVBRIDGE_OPERATOR_SYNTHETIC_NUM_BLOCKS"] == "1024"
     assert env["KVBRIDGE_OPERATOR_GPU_RESOURCE"] == "amd.com/gpu"
     assert env["KVBRIDGE_OPERATOR_GPUS_PER_NODE"] == "8"
+    assert env["KVBRIDGE_OPERATOR_POD_NETWORKS"] == "10.244.0.0/16,fd00:10:244::/56"
     default = {
         e["name"]: e["value"]
         for e in by_kind(render({}))["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["env"]
@@ -176,6 +202,12 @@ def test_values_reach_the_operator() -> None:
     assert default["KVBRIDGE_OPERATOR_VLLM_CPU_IMAGE"] == "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0"
     assert default["KVBRIDGE_OPERATOR_ROUTING_SIDECAR_IMAGE"] == ""  # no sidecar unless asked for
     assert default["KVBRIDGE_OPERATOR_GPUS_PER_NODE"] == "0"  # fit not checked unless the cluster is described
+    assert "KVBRIDGE_OPERATOR_POD_NETWORKS" not in default  # decode reaches any host unless the networks are named
+    assert "KVBRIDGE_OPERATOR_SERVICE_DOMAIN" not in default  # the operator's own default: svc
+    for domain in ("", "svc.cluster.local"):  # empty: decode not restricted to the prefill Service's addresses
+        deployment = by_kind(render({"agent": {"serviceDomain": domain}}))["Deployment"][0]
+        env = {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env["KVBRIDGE_OPERATOR_SERVICE_DOMAIN"] == domain
     sidecar = {
         "vllm": {
             "routingSidecar": {
@@ -208,6 +240,10 @@ def test_values_reach_the_operator() -> None:
         {"unknownKey": 1},
         {"image": {"repository": "x", "pullPolicy": "Sometimes"}},
         {"agent": {"numBlocks": 0}},
+        {"synthetic": {"numBlocks": 0}},
+        {"synthetic": {"name": "x"}},
+        {"agent": {"podNetworks": ["pods.example"]}},
+        {"agent": {"serviceDomain": "svc/cluster"}},
         {"gpu": {"cpuMode": "yes"}},
         {"metrics": {"port": 70000}},
         {"metrics": {"serviceMonitor": {"interval": "often"}}},

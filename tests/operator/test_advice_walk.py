@@ -149,7 +149,7 @@ def test_no_advice_loops_and_every_problem_says_what_to_do(name: str) -> None:
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    kind=st.sampled_from(["Agent", "VLLM"]),
+    kind=st.sampled_from(["Synthetic", "VLLM"]),
     device=st.sampled_from(["GPU", "CPU"]),
     connector=st.sampled_from(["Nixl", "KVBridge"]),
     mla=st.booleans(),

@@ -83,7 +83,7 @@ async def test_the_operator_runs_from_a_kubeconfig_with_its_context_token_on_eve
         stop = asyncio.Event()
         task = asyncio.create_task(run_operator(config, stop))
         try:
-            await c.apply(example("llama3-8b-hetero-tp"))
+            await c.apply(example("synthetic/llama3-8b-hetero-tp"))
             await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True", what="Compatible")
         finally:
             await stop_operator_beside(c.url, task, stop, timeout=30)

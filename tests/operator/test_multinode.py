@@ -64,7 +64,7 @@ def test_a_prefill_spanning_two_nodes_fits_where_one_pod_would_not() -> None:
 @pytest.mark.parametrize(
     ("change", "code"),
     [
-        ({"engine": {"kind": "Agent"}}, "NODES_NEED_VLLM_ON_GPU"),
+        ({"engine": {"kind": "Synthetic"}}, "NODES_NEED_VLLM_ON_GPU"),
         ({"engine": {"kind": "VLLM", "device": "CPU"}}, "NODES_NEED_VLLM_ON_GPU"),
         ({"prefill": {"tensorParallelSize": 16, "nodes": 3}}, "NODES_DO_NOT_DIVIDE_TP"),
     ],

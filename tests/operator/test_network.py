@@ -82,7 +82,7 @@ def container_and_template(document: dict[str, Any], role: Role = Role.DECODE) -
     return next(c for c in template["spec"]["containers"] if c["name"] == "engine"), template
 
 
-@pytest.mark.parametrize(("kind", "connector"), [("VLLM", "Nixl"), ("VLLM", "KVBridge"), ("Agent", "")])
+@pytest.mark.parametrize(("kind", "connector"), [("VLLM", "Nixl"), ("VLLM", "KVBridge"), ("Synthetic", "")])
 def test_rendered_on_the_engine_container_of_every_engine(kind: str, connector: str) -> None:
     document = manifest(
         kind,

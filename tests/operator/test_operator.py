@@ -41,7 +41,7 @@ async def ready(c: Cluster, name: str) -> None:
 
 async def test_create_makes_owned_children_status_and_events() -> None:
     async with cluster() as c:
-        created = await c.apply(example("llama3-8b-hetero-tp"))
+        created = await c.apply(example("synthetic/llama3-8b-hetero-tp"))
         await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True", what="Compatible")
         kids = children(c, "llama3-8b")
         assert sorted(o["metadata"]["name"] for o in kids["statefulsets"]) == ["llama3-8b-decode", "llama3-8b-prefill"]
@@ -109,7 +109,7 @@ async def test_the_finalizer_is_set_and_released_on_delete() -> None:
     the delete completes without the operator doing anything else (docs/operator.md, "Deleting a deployment")."""
     assert FINALIZER == "kvbridge.io/finalizer"
     async with cluster() as c:
-        await c.apply(example("llama3-8b-hetero-tp"))
+        await c.apply(example("synthetic/llama3-8b-hetero-tp"))
 
         def finalized() -> bool:
             return FINALIZER in c.deployment("llama3-8b")["metadata"].get("finalizers", [])
@@ -124,7 +124,7 @@ async def test_the_finalizer_is_set_and_released_on_delete() -> None:
 
 async def test_incompatible_create_schedules_nothing_and_says_why() -> None:
     async with cluster() as c:
-        await c.apply(example("incompatible-replicated-heads"))
+        await c.apply(example("synthetic/incompatible-replicated-heads"))
         await c.wait(lambda: c.condition("replicated-heads", "Compatible").get("status") == "False")
         condition = c.condition("replicated-heads", "Compatible")
         assert condition["reason"] == "Incompatible"
@@ -145,7 +145,7 @@ async def test_incompatible_create_schedules_nothing_and_says_why() -> None:
 
 async def test_incompatible_update_keeps_the_running_revision() -> None:
     async with cluster() as c:
-        await c.apply(example("llama3-8b-hetero-tp"))
+        await c.apply(example("synthetic/llama3-8b-hetero-tp"))
         await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True")
         await ready(c, "llama3-8b")
         before = {o["metadata"]["name"]: o for o in children(c, "llama3-8b")["statefulsets"]}
@@ -169,7 +169,7 @@ async def test_incompatible_update_keeps_the_running_revision() -> None:
 
 async def test_pod_readiness_ip_change_restart_and_deletion_move_endpoints() -> None:
     async with cluster() as c:
-        await c.apply(example("llama3-8b-hetero-tp"))
+        await c.apply(example("synthetic/llama3-8b-hetero-tp"))
         await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True")
         await ready(c, "llama3-8b")
 
@@ -201,7 +201,7 @@ async def test_a_pod_event_writes_the_status_and_nothing_else() -> None:
     """A pod changes no spec: the operator observes and patches the status, and leaves the children (and the
     fields an autoscaler or a user set on them) alone; the periodic resync re-applies them."""
     async with cluster() as c:
-        await c.apply(example("llama3-8b-hetero-tp"))
+        await c.apply(example("synthetic/llama3-8b-hetero-tp"))
         await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True")
         await ready(c, "llama3-8b")
 
@@ -228,7 +228,7 @@ async def test_a_pod_event_writes_the_status_and_nothing_else() -> None:
 
 async def test_conditions_keep_their_transition_time_unless_they_flip() -> None:
     async with cluster() as c:
-        await c.apply(example("llama3-8b-hetero-tp"))
+        await c.apply(example("synthetic/llama3-8b-hetero-tp"))
         await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True")
         first = c.condition("llama3-8b", "Compatible")["lastTransitionTime"]
         await ready(c, "llama3-8b")
@@ -237,7 +237,7 @@ async def test_conditions_keep_their_transition_time_unless_they_flip() -> None:
 
 async def test_spec_change_rolls_out_with_fingerprints() -> None:
     async with cluster() as c:
-        await c.apply(example("llama3-8b-hetero-tp"))
+        await c.apply(example("synthetic/llama3-8b-hetero-tp"))
         await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True")
         await ready(c, "llama3-8b")
         old = c.deployment("llama3-8b")["status"]["fingerprint"]
@@ -275,7 +275,7 @@ async def test_tp_change_keeps_the_fingerprint_but_not_the_pairing_key_of_the_en
     """A router tells old and new pods apart during a TP change: same model, so same fingerprint, but another
     pairing key on the new pods and their endpoints (the fingerprint alone cannot tell them apart)."""
     async with cluster() as c:
-        await c.apply(example("llama3-8b-hetero-tp"))
+        await c.apply(example("synthetic/llama3-8b-hetero-tp"))
         await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True")
         await ready(c, "llama3-8b")
         before = c.deployment("llama3-8b")["status"]
@@ -307,7 +307,7 @@ async def test_tp_change_keeps_the_fingerprint_but_not_the_pairing_key_of_the_en
 
 async def test_secret_is_created_once_and_kept_across_updates() -> None:
     async with cluster() as c:
-        await c.apply(example("llama3-8b-hetero-tp"))
+        await c.apply(example("synthetic/llama3-8b-hetero-tp"))
         await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True")
         first = c.api.find("secrets", "default", "llama3-8b-side-channel")
         await c.patch_spec("llama3-8b", {"prefill": {"replicas": 3}})
@@ -321,8 +321,8 @@ async def test_secret_is_created_once_and_kept_across_updates() -> None:
 
 async def test_operator_restart_converges_without_duplicates() -> None:
     async with cluster() as c:
-        await c.apply(example("llama3-8b-hetero-tp"))
-        await c.apply(example("deepseek-mla"))
+        await c.apply(example("synthetic/llama3-8b-hetero-tp"))
+        await c.apply(example("synthetic/deepseek-mla"))
         await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True")
         await c.stop_operator()  # possibly in the middle of reconciling deepseek-mla
         await c.patch_spec("llama3-8b", {"decode": {"replicas": 2}})  # changed while no operator runs
@@ -337,11 +337,11 @@ async def test_operator_restart_converges_without_duplicates() -> None:
 
 async def test_bad_resource_is_reported_not_crash_looped() -> None:
     async with cluster() as c:
-        bad = example("llama3-8b-hetero-tp")
+        bad = example("synthetic/llama3-8b-hetero-tp")
         bad["metadata"]["name"] = "bad"
         bad["spec"]["decode"]["tensorParallelSize"] = "two"  # the emulator does no schema validation
         await c.apply(bad)
-        await c.apply(example("deepseek-mla"))
+        await c.apply(example("synthetic/deepseek-mla"))
         await c.wait(lambda: c.condition("bad", "Compatible").get("reason") == "InvalidSpec", what="InvalidSpec")
         assert "spec.decode.tensorParallelSize" in c.condition("bad", "Compatible")["message"]
         await c.wait(lambda: "InvalidSpec" in c.reasons("bad"))
@@ -351,8 +351,8 @@ async def test_bad_resource_is_reported_not_crash_looped() -> None:
 
 async def test_cpu_mode_requests_no_gpus_and_vllm_settings_it_cannot_honour_are_refused() -> None:
     async with cluster(OperatorConfig(cpu_mode=True, liveness_port=0)) as c:
-        await c.apply(example("deepseek-mla"))
-        vllm = example("hetero-block-size")  # needs a prefill-side block split: the kvbridge agent only
+        await c.apply(example("synthetic/deepseek-mla"))
+        vllm = example("synthetic/hetero-block-size")  # needs a prefill-side block split: the kvbridge agent only
         vllm["spec"]["engine"] = {"kind": "VLLM"}
         await c.apply(vllm)
         await c.wait(lambda: c.condition("deepseek-mla", "Compatible").get("status") == "True")
@@ -415,7 +415,7 @@ def printer_columns(obj: Obj) -> list[str]:
 async def test_the_operators_gpus_per_node_refuses_an_engine_no_node_can_hold() -> None:
     """The chart's gpu.perNode (KVBRIDGE_OPERATOR_GPUS_PER_NODE) checks deployments that state no gpusPerNode."""
     async with cluster(OperatorConfig(gpus_per_node=8, liveness_port=0)) as c:
-        big = example("deepseek-mla")
+        big = example("synthetic/deepseek-mla")
         big["spec"]["prefill"]["tensorParallelSize"] = 16
         await c.apply(big)
         await c.wait(lambda: c.condition("deepseek-mla", "Compatible").get("status") == "False")
@@ -428,7 +428,7 @@ async def test_the_operators_gpus_per_node_refuses_an_engine_no_node_can_hold() 
 
 async def test_kubectl_get_columns_show_ready_replicas_and_tp() -> None:
     async with cluster() as c:
-        await c.apply(example("llama3-8b-hetero-tp"))
+        await c.apply(example("synthetic/llama3-8b-hetero-tp"))
         await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True")
         await ready(c, "llama3-8b")
         ready_col, prefill, decode, tp, router, planner, planned, age = printer_columns(c.deployment("llama3-8b"))
@@ -441,7 +441,7 @@ async def test_spec_router_runs_a_router_with_read_only_rbac_and_shows_its_url()
     status.router.url (a printer column), and decode endpoints in the status for it; disabling it deletes them."""
     names = ("deployments", "poddisruptionbudgets", "services", "serviceaccounts", "roles", "rolebindings")
     async with cluster() as c:
-        document = example("llama3-8b-hetero-tp")
+        document = example("synthetic/llama3-8b-hetero-tp")
         document["spec"]["router"] = {"enabled": True, "replicas": 2, "prefillTimeoutSeconds": 30}
         await c.apply(document)
         await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True")
@@ -521,7 +521,7 @@ async def test_an_inference_pool_without_its_crd_is_a_warning_and_with_it_is_mad
 
     crds = Resource("apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False)
     async with cluster() as c:
-        document = example("llama3-8b-hetero-tp")
+        document = example("synthetic/llama3-8b-hetero-tp")
         document["spec"]["inferencePool"] = {"enabled": True, "endpointPicker": "llm-d-epp", "gateway": "gw"}
         await c.apply(document)
         await c.wait(lambda: "ServingUnavailable" in c.reasons("llama3-8b"), what="the warning")
@@ -551,7 +551,7 @@ async def test_gang_scheduling_makes_a_pod_group_where_its_crd_exists() -> None:
 
     crds = Resource("apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False)
     async with cluster() as c:
-        document = example("llama3-8b-hetero-tp")
+        document = example("synthetic/llama3-8b-hetero-tp")
         document["spec"]["placement"] = {"gang": {}}
         await c.apply(document)
         await c.wait(lambda: "GangSchedulingUnavailable" in c.reasons("llama3-8b"), what="the warning")

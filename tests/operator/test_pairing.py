@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from kvbridge_agent.core import RoleSettings
 from kvbridge_agent.core.model import ModelGeometry
-from kvbridge_operator.api.spec import DisaggregatedDeployment
+from kvbridge_operator.api.spec import DisaggregatedDeployment, parse_deployment
 from kvbridge_operator.children.pairing import pairing
 from kvbridge_operator.children.verdict import verdict_for
 
@@ -94,9 +96,11 @@ def test_the_test_above_covers_every_role_setting() -> None:
         ("model__attention", "MLA"),
         ("model__cacheKind", "BlocksFirst"),
         ("model__numExperts", 64),
+        ("model__layerTypes", ["Full"] * 31 + ["NoCache"]),
+        ("model__stateSpace", {"kind": "Mamba2", "numLayers": 2, "convState": [8, 3], "temporalState": [2, 4, 8]}),
         ("transfer__conversion", "Off"),
         ("transfer__backends", ["UCX", "LIBFABRIC"]),
-        ("engine__kind", "Agent"),
+        ("engine__kind", "Synthetic"),
         ("engine__device", "CPU"),
     ],
 )
@@ -106,6 +110,7 @@ def test_model_transfer_and_engine_fields_change_the_key(path: str, value: objec
 
 def test_every_model_field_is_in_the_key() -> None:
     covered = {"name", "numLayers", "numKVHeads", "headDim", "kvCacheDtype", "attention", "cacheKind", "numExperts"}
+    covered |= {"layerTypes", "slidingWindow", "attentionChunkSize", "stateSpace"}  # issue 58: the model's layers
     assert {f.alias or name for name, f in ModelGeometry.model_fields.items()} == covered
 
 
@@ -124,3 +129,15 @@ def test_every_model_field_is_in_the_key() -> None:
 )
 def test_what_does_not_change_the_plan_keeps_the_key(path: str, value: object) -> None:
     assert key(with_(**{path: value})) == key(with_())
+
+
+def test_renaming_the_synthetic_engine_changes_no_key() -> None:
+    """Issue 57: the kind Agent became Synthetic (Agent still read): pods the operator ran before keep their key, so
+    an upgrade rolls nothing; the key written in the README before the rename is still the one computed now."""
+    assert key(with_(engine__kind="Synthetic")) == key(with_(engine__kind="Agent"))
+    readme_before = "d17a158943"  # examples/llama3-8b-hetero-tp.yaml (kind Agent), as the README showed it
+    moved = yaml.safe_load(
+        (Path(__file__).parents[2] / "examples" / "synthetic" / "llama3-8b-hetero-tp.yaml").read_text()
+    )
+    assert moved["spec"]["engine"]["kind"] == "Synthetic"
+    assert pairing(parse_deployment(moved).spec) == readme_before

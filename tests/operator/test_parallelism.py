@@ -202,13 +202,13 @@ def test_dp_on_cpu_and_ep_on_the_synthetic_engine_are_refused() -> None:
         "kind": "DisaggregatedDeployment",
         "metadata": {"name": "agent"},
         "spec": {
-            "engine": {"kind": "Agent"},
+            "engine": {"kind": "Synthetic"},
             "model": {"name": "m", "numLayers": 2, "numKVHeads": 2, "headDim": 64, "numExperts": 8},
             "prefill": {"dataParallelSize": 2},
             "decode": {"expertParallel": True},
         },
     }
-    assert codes(agent) == [("PARALLELISM_NEEDS_VLLM", "spec.decode.expertParallel")]  # its DP ranks it runs
+    assert codes(agent) == [("EXPERT_PARALLEL_ON_SYNTHETIC", "spec.decode.expertParallel")]  # its DP ranks it runs
     assert isinstance(verdict_for(parse_deployment(fixed(agent))), TransferPlan)
     cpu = copy.deepcopy(agent)
     cpu["spec"]["engine"] = {"kind": "VLLM", "device": "CPU"}

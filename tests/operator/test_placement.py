@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 UID = "00000000-0000-0000-0000-0000000000bb"
 
 
-def document(name: str = "llama3-8b-hetero-tp", **spec: Any) -> dict[str, Any]:
+def document(name: str = "synthetic/llama3-8b-hetero-tp", **spec: Any) -> dict[str, Any]:
     found: dict[str, Any] = yaml.safe_load((ROOT / "examples" / f"{name}.yaml").read_text())
     for key, value in spec.items():
         found["spec"][key] = {**found["spec"].get(key, {}), **value}
@@ -31,7 +31,7 @@ def document(name: str = "llama3-8b-hetero-tp", **spec: Any) -> dict[str, Any]:
 
 def test_a_tp_larger_than_a_node_is_refused_with_the_field_and_what_fits() -> None:
     doc = document(
-        "deepseek-mla",
+        "synthetic/deepseek-mla",
         placement={"gpusPerNode": 8},
         prefill={"tensorParallelSize": 16},
         decode={"tensorParallelSize": 8},
@@ -50,8 +50,9 @@ def test_a_tp_larger_than_a_node_is_refused_with_the_field_and_what_fits() -> No
 
 def test_fit_is_checked_only_where_known_and_only_for_gpus() -> None:
     big = {"prefill": {"tensorParallelSize": 16}, "decode": {"tensorParallelSize": 8}}
-    assert not isinstance(verdict_for(parse_deployment(document("deepseek-mla", **big))), list)  # gpusPerNode unset
-    on_cpu = document("deepseek-mla", engine={"device": "CPU"}, placement={"gpusPerNode": 8}, **big)
+    # gpusPerNode unset: not checked
+    assert not isinstance(verdict_for(parse_deployment(document("synthetic/deepseek-mla", **big))), list)
+    on_cpu = document("synthetic/deepseek-mla", engine={"device": "CPU"}, placement={"gpusPerNode": 8}, **big)
     assert not isinstance(verdict_for(parse_deployment(on_cpu)), list)
     fits = document(placement={"gpusPerNode": 8}, prefill={"tensorParallelSize": 8})
     assert not isinstance(verdict_for(parse_deployment(fits)), list)
@@ -59,14 +60,14 @@ def test_fit_is_checked_only_where_known_and_only_for_gpus() -> None:
 
 def test_the_operators_gpus_per_node_applies_where_the_spec_states_none() -> None:
     tp = {"prefill": {"tensorParallelSize": 16}, "decode": {"tensorParallelSize": 8}}
-    big = parse_deployment(document("deepseek-mla", **tp))
+    big = parse_deployment(document("synthetic/deepseek-mla", **tp))
     assert with_gpus_per_node(big, 0) is big  # unknown: not checked
     refused = verdict_for(with_gpus_per_node(big, 8))
     assert isinstance(refused, list)
     assert [(p.code, p.field) for p in refused] == [("ROLE_DOES_NOT_FIT", "spec.prefill.tensorParallelSize")]
     assert "operator's gpusPerNode" in refused[0].message
     assert pairing(with_gpus_per_node(big, 8).spec) == pairing(big.spec)  # no pod changes with the setting
-    stated = parse_deployment(document("deepseek-mla", placement={"gpusPerNode": 16}, **tp))
+    stated = parse_deployment(document("synthetic/deepseek-mla", placement={"gpusPerNode": 16}, **tp))
     assert not isinstance(verdict_for(with_gpus_per_node(stated, 8)), list)  # the spec's own value wins
 
 

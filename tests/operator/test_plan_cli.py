@@ -13,7 +13,7 @@ import pytest
 
 from kvbridge_operator.cli.main import main
 
-EXAMPLES = Path(__file__).parents[2] / "examples"
+EXAMPLES = Path(__file__).parents[2] / "examples" / "synthetic"
 HETERO = EXAMPLES / "llama3-8b-hetero-tp.yaml"
 INCOMPATIBLE = EXAMPLES / "incompatible-replicated-heads.yaml"
 CONTRACT_KEYS = {
@@ -127,7 +127,10 @@ def test_stdin(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[st
             HETERO.read_text().replace("numLayers: 32", "numLayers: -3"),
             "document 1 (llama3-8b): spec.model.numLayers: Input should be greater than or equal to 1",
         ),
-        (HETERO.read_text().replace("    headDim: 128\n", ""), "spec.model.headDim: Field required"),
+        (
+            HETERO.read_text().replace("    headDim: 128\n", ""),
+            "spec.model.headDim: required field 'headDim' is missing",
+        ),
         ("- just\n- a list\n", "expected a mapping"),
         (HETERO.read_text().replace("numLayers: 32", "numLayers: " + "9" * 5000), "an integer of 5000 characters"),
         ("a: " + "[" * 5000 + "]" * 5000 + "\n", "nests more than"),

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = sorted((ROOT / "examples").glob("*.yaml")) + sorted((ROOT / "examples" / "vllm").glob("*.yaml"))
+SOURCES = sorted((ROOT / "examples" / "synthetic").glob("*.yaml")) + sorted((ROOT / "examples" / "vllm").glob("*.yaml"))
 JUNK: list[Any] = [
     None,
     "",

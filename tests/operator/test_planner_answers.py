@@ -99,7 +99,7 @@ async def metrics_url() -> AsyncIterator[tuple[str, list[Answerer]]]:
 
 def planned(url: str, **roles: Obj) -> Obj:
     """The example deployment with the planner on, reading ``url``; ``roles`` overlays prefill and decode."""
-    document = example("llama3-8b-hetero-tp")
+    document = example("synthetic/llama3-8b-hetero-tp")
     document["metadata"] |= {"namespace": NAMESPACE, "uid": "u-1"}
     for role, overlay in roles.items():
         document["spec"][role] |= overlay

@@ -226,7 +226,7 @@ async def test_the_operators_planner_sizes_both_roles_and_holds_when_prometheus_
                 "data": {"profile.json": json.dumps(PROFILE)},
             },
         )
-        document = example("llama3-8b-hetero-tp")
+        document = example("synthetic/llama3-8b-hetero-tp")
         document["spec"]["prefill"]["maxReplicas"] = 16
         document["spec"]["decode"]["maxReplicas"] = 16
         document["spec"]["autoscaling"] = {

@@ -51,7 +51,7 @@ def multinode(base: int) -> dict[str, Any]:
         (deployment(7995, dp_prefill=8), OperatorConfig(), 8000),  # prefill's 8 ranks reach the API port
         (deployment(29545, dp_prefill=8), OperatorConfig(), 29550),  # beside --data-parallel-rpc-port 29550
         (deployment(8200), SIDECAR, 8200),  # vLLM's port behind the routing sidecar (decode)
-        (deployment(9000, kind="Agent"), OperatorConfig(agent_http_port=9000), 9000),  # the operator's setting
+        (deployment(9000, kind="Synthetic"), OperatorConfig(engine_http_port=9000), 9000),  # the operator's setting
         (multinode(29500), OperatorConfig(), 29500),  # a two-node engine's leader: torch.distributed's rendezvous
     ],
 )
@@ -69,7 +69,7 @@ def test_a_side_channel_range_holding_a_pod_port_is_refused_with_a_checked_fix(
 
 def test_ports_the_pod_does_not_open_are_free() -> None:
     # the synthetic engine has no data-parallel RPC port; a prefill pod has no sidecar
-    assert isinstance(verdict_for(parse_deployment(deployment(29545, kind="Agent", dp_prefill=8))), TransferPlan)
+    assert isinstance(verdict_for(parse_deployment(deployment(29545, kind="Synthetic", dp_prefill=8))), TransferPlan)
     assert isinstance(verdict_for(parse_deployment(deployment(29550, dp_prefill=1))), TransferPlan)
 
 
@@ -86,7 +86,7 @@ def test_the_fix_clears_every_port_of_both_roles(
 ) -> None:
     spec = parse_deployment(deployment(min(base, 65535 - 8), dp_prefill=dp_prefill, dp_decode=dp_decode)).spec
     config = OperatorConfig(
-        agent_http_port=http, routing_sidecar_image=SIDECAR.routing_sidecar_image if sidecar else ""
+        engine_http_port=http, routing_sidecar_image=SIDECAR.routing_sidecar_image if sidecar else ""
     )
     fix = ports.clear_base(spec, config, spec.transfer.side_channel_port)
     assert fix is not None

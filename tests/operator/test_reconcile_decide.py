@@ -51,7 +51,7 @@ KIND_OF = {resource: kind for (_, kind), resource in BY_KIND.items()} | {DEPLOYM
 POOL: Obj = {"enabled": True, "endpointPicker": "llm-d-epp", "gateway": "inference-gw"}
 
 
-def document(name: str = "llama3-8b-hetero-tp", generation: int = 1, **spec: Obj) -> Obj:
+def document(name: str = "synthetic/llama3-8b-hetero-tp", generation: int = 1, **spec: Obj) -> Obj:
     """An example as the API server hands it over: namespaced, with a uid and a generation; ``spec`` merges into
     the example's spec sections."""
     found: Obj = yaml.safe_load((ROOT / "examples" / f"{name}.yaml").read_text())
@@ -404,7 +404,7 @@ CASES = [
     Case(
         # refused before any child exists: no Secret, no role, no workload; the condition and event say why
         "incompatible-from-nothing",
-        lambda: observed(World(document("incompatible-replicated-heads"))),
+        lambda: observed(World(document("synthetic/incompatible-replicated-heads"))),
         [
             ("status", "DisaggregatedDeployment", "replicated-heads"),
             ("annotate", "DisaggregatedDeployment", "replicated-heads"),

@@ -144,7 +144,7 @@ def test_the_fix_for_two_rules_on_one_field_satisfies_both() -> None:
     layout_p=st.sampled_from(["HND", "NHD"]),
     layout_d=st.sampled_from(["HND", "NHD"]),
     heads=st.sampled_from([1, 2, 4, 6, 8]),
-    kind=st.sampled_from(["Agent", "VLLM"]),
+    kind=st.sampled_from(["Synthetic", "VLLM"]),
     device=st.sampled_from(["GPU", "CPU"]),
     conversion=st.sampled_from(["Auto", "Off"]),
 )
@@ -185,7 +185,7 @@ AGENT_HEAD = """apiVersion: kvbridge.io/v1alpha1
 kind: DisaggregatedDeployment
 metadata: {name: x}
 spec:
-  engine: {kind: Agent}
+  engine: {kind: Synthetic}
 """
 
 

@@ -26,7 +26,7 @@ ROOT = Path(__file__).parents[2]
 UID = "1b4e28ba-2fa1-11d2-883f-0016d3cca427"
 
 
-def deployment(name: str = "llama3-8b-hetero-tp", **spec_changes: Any) -> Any:
+def deployment(name: str = "synthetic/llama3-8b-hetero-tp", **spec_changes: Any) -> Any:
     document = yaml.safe_load((ROOT / "examples" / f"{name}.yaml").read_text())
     document["metadata"]["namespace"] = "team-a"
     for key, value in spec_changes.items():
@@ -40,7 +40,9 @@ def rendered(config: OperatorConfig | None = None, **spec_changes: Any) -> list[
     return [*desired_children(dd, UID, plan, config or OperatorConfig()), secret(dd, UID)]  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("example", ["llama3-8b-hetero-tp", "deepseek-mla", "hetero-block-size"])
+@pytest.mark.parametrize(
+    "example", ["synthetic/llama3-8b-hetero-tp", "synthetic/deepseek-mla", "synthetic/hetero-block-size"]
+)
 def test_children_validate_strictly(example: str) -> None:
     dd = deployment(example)
     for obj in [*desired_children(dd, UID, verdict_for(dd), OperatorConfig()), secret(dd, UID)]:  # type: ignore[arg-type]

@@ -181,7 +181,7 @@ def _records(*documents: dict) -> tuple[dict[str, dict], list[str]]:  # type: ig
 
 
 def changed(**spec: dict) -> dict:  # type: ignore[type-arg]
-    document = example("llama3-8b-hetero-tp")
+    document = example("synthetic/llama3-8b-hetero-tp")
     for section, values in spec.items():
         document["spec"].setdefault(section, {}).update(values)
     return document
@@ -239,7 +239,7 @@ async def roll(change: dict, mixed_pairs: bool) -> tuple[list[str], list[dict]]:
 
     from kvbridge_sim.cluster import StatefulSetController, cluster
 
-    before = example("llama3-8b-hetero-tp")
+    before = example("synthetic/llama3-8b-hetero-tp")
     after = changed(**change)
     (old_key, new_key) = (pairing(parse_deployment(before).spec), pairing(parse_deployment(after).spec))
     allowed = {(old_key, old_key), (new_key, new_key)}

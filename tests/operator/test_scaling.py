@@ -29,7 +29,7 @@ HPA_AGENT = "horizontal-pod-autoscaler/v1.34.0"
 
 
 def deployment(prefill: Obj | None = None, decode: Obj | None = None, ratio: Obj | None = None) -> Any:
-    document = example("llama3-8b-hetero-tp")
+    document = example("synthetic/llama3-8b-hetero-tp")
     document["spec"]["prefill"].update(prefill or {})
     document["spec"]["decode"].update(decode or {})
     if ratio is not None:
@@ -117,7 +117,7 @@ def replicas(c: Cluster, name: str) -> int:
 
 async def test_an_autoscaler_scales_a_role_and_the_operator_never_reverts_it() -> None:
     async with cluster() as c:
-        await c.apply(example("llama3-8b-hetero-tp"))
+        await c.apply(example("synthetic/llama3-8b-hetero-tp"))
         await c.wait(lambda: c.api.find("disaggregatedroles", "default", "llama3-8b-decode") is not None)
         role = c.api.find("disaggregatedroles", "default", "llama3-8b-decode")
         assert role is not None
@@ -161,7 +161,7 @@ async def test_an_autoscaler_scales_a_role_and_the_operator_never_reverts_it() -
 
 
 async def test_bounds_and_the_ratio_hold_when_one_role_scales() -> None:
-    document = example("llama3-8b-hetero-tp")
+    document = example("synthetic/llama3-8b-hetero-tp")
     document["spec"]["prefill"].update({"replicas": 1, "maxReplicas": 3})
     document["spec"]["decode"].update({"replicas": 2, "maxReplicas": 8})  # 2 per prefill from the start
     document["spec"]["scaling"] = {"decodePerPrefill": {"min": 2}}
@@ -194,7 +194,7 @@ async def test_bounds_and_the_ratio_hold_when_one_role_scales() -> None:
 
 async def test_each_role_gets_a_disruption_budget() -> None:
     async with cluster() as c:
-        await c.apply(example("llama3-8b-hetero-tp"))
+        await c.apply(example("synthetic/llama3-8b-hetero-tp"))
         await c.wait(lambda: len(c.api.objects_of("poddisruptionbudgets")) == 2)
         for budget in c.api.objects_of("poddisruptionbudgets"):
             role = budget["metadata"]["labels"]["kvbridge.io/role"]

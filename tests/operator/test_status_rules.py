@@ -120,7 +120,7 @@ def test_ready_names_the_first_failing_condition() -> None:
     found = [rule.observe(seen) for rule in CONDITION_RULES]
     condition = ready(seen, found)
     assert (condition.status, condition.reason) == ("False", "ReplicasNotReady")
-    assert condition.message == "PrefillReady: 1/2 prefill pods ready"
+    assert condition.message == "PrefillReady is False: 1/2 prefill pods ready"
     serving = _seen(verdict=_plan())
     assert ready(serving, [rule.observe(serving) for rule in CONDITION_RULES]).reason == "Ready"
 

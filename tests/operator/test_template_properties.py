@@ -54,7 +54,7 @@ NETWORK = {
 }
 BASES = [
     _example("vllm/llama3-8b-hetero-tp.yaml", network=NETWORK),
-    _example("llama3-8b-hetero-tp.yaml"),
+    _example("synthetic/llama3-8b-hetero-tp.yaml"),
     _example("vllm/tiny-cpu.yaml"),
     _example("vllm/deepseek-v3-h200-two-node-prefill.yaml"),
 ]

@@ -204,7 +204,7 @@ def test_role_extra_args_reach_that_roles_pods_and_are_checked() -> None:
     refused = verdict_for(parse_deployment(doc))
     assert isinstance(refused, list)
     assert [(p.code, p.field) for p in refused] == [("VLLM_MANAGED_ARGUMENT", "spec.decode.extraArgs")]
-    agent = document("llama3-8b-hetero-tp")
+    agent = document("synthetic/llama3-8b-hetero-tp")
     agent["spec"]["prefill"]["extraArgs"] = ["--x"]
     refused = verdict_for(parse_deployment(agent))
     assert isinstance(refused, list)

@@ -49,8 +49,8 @@ def rendered(document: dict[str, Any], role: Role) -> tuple[dict[str, Any], dict
 @pytest.mark.parametrize(
     ("kind", "connector", "role", "gauge", "grace"),
     [
-        ("Agent", "Nixl", Role.PREFILL, "kvbridge_held_requests", 5 + 60 + 20 + 10),
-        ("Agent", "Nixl", Role.DECODE, "", 5 + 20 + 10),
+        ("Synthetic", "Nixl", Role.PREFILL, "kvbridge_held_requests", 5 + 60 + 20 + 10),
+        ("Synthetic", "Nixl", Role.DECODE, "", 5 + 20 + 10),
         ("VLLM", "KVBridge", Role.PREFILL, "vllm:kvbridge_held_requests", 5 + 60 + 20 + 10),
         ("VLLM", "Nixl", Role.PREFILL, "", 5 + 20 + 10),  # NixlConnector exports nothing to wait on
         ("VLLM", "KVBridge", Role.DECODE, "", 5 + 20 + 10),

@@ -33,7 +33,7 @@ UID = "1b4e28ba-2fa1-11d2-883f-0016d3cca427"
 SIGNING = {"enabled": True, "signTransfers": True}
 
 
-def document(name: str = "llama3-8b-hetero-tp", **spec: Any) -> dict[str, Any]:
+def document(name: str = "synthetic/llama3-8b-hetero-tp", **spec: Any) -> dict[str, Any]:
     found: dict[str, Any] = yaml.safe_load((ROOT / "examples" / f"{name}.yaml").read_text())
     found["metadata"]["namespace"] = "team-a"
     for key, value in spec.items():
@@ -71,7 +71,9 @@ def test_the_token_secret_is_fresh_random_hex_owned_by_the_deployment(tmp_path: 
     assert load_token(str(tmp_path / "token")) == token
 
 
-@pytest.mark.parametrize("example", ["llama3-8b-hetero-tp", "vllm/small-cpu-kv-aware"])  # agent; vLLM + KVBridge
+@pytest.mark.parametrize(
+    "example", ["synthetic/llama3-8b-hetero-tp", "vllm/small-cpu-kv-aware"]
+)  # synthetic; vLLM + KVBridge
 def test_decode_pods_mount_the_token_and_are_told_where_prefill_pods_get_nothing(example: str) -> None:
     dd = parse_deployment(document(example, router=SIGNING))
     decode = template(dd, Role.DECODE)

@@ -172,7 +172,9 @@ def codes(result: Any) -> list[tuple[str, str]]:
 
 
 def test_prefill_side_conversions_are_refused_for_vllm_only() -> None:
-    doc = yaml.safe_load((ROOT / "examples" / "hetero-block-size.yaml").read_text())  # prefill 32 NHD -> 16 HND
+    doc = yaml.safe_load(
+        (ROOT / "examples" / "synthetic" / "hetero-block-size.yaml").read_text()
+    )  # prefill 32 NHD -> 16 HND
     assert not isinstance(verdict(doc), list)  # the kvbridge agent converts on prefill
     doc["spec"]["engine"] = {"kind": "VLLM"}
     assert ("VLLM_PREFILL_CONVERSION", "spec.prefill.blockSize") in codes(verdict(doc))
@@ -520,30 +522,28 @@ def plan_cli(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
 
 
-#: what kvbridge plan says of kvbridge's connector on GPUs (docs/vllm.md)
-PROVEN_ON_GPU = (
-    "vLLM's GPU KV cache layouts, TP mappings, block conversions, MLA and the host buffer proven with vLLM's own "
-    "allocator on host memory (real NIXL on DRAM) and on NVIDIA H200 and H100 GPUs (NIXL on VRAM, the digest on the "
-    "GPU); real vLLM on GPUs not yet run"
-)
-
-
-def test_plan_says_where_the_kvbridge_connector_was_proven_on_gpus(tmp_path: Path) -> None:
-    """kvbridge plan states plainly what was run where, in the text and the JSON (engine.proven): on GPUs, vLLM's
-    GPU layouts with vLLM's allocator on host memory and kvbridge's transfer path on an H200, not real vLLM on GPUs."""
+def test_plan_says_what_runs_the_engines_in_the_json(tmp_path: Path) -> None:
+    """The engine object: kind, device, connector, kvBufferDevice, and what has been run for real of the
+    configuration (tests/operator/test_plan_provenance.py checks the table)."""
     path = tmp_path / "gpu-kvbridge.yaml"
     doc = kvbridge_connector(document("llama3-8b-hetero-tp"))
-    doc["spec"]["decode"]["tensorParallelSize"] = 2  # equal TP sizes: no TP mapping on GPU layouts yet
     path.write_text(yaml.safe_dump(doc))
     done = plan_cli(path, "--json")
     assert done.returncode == 0, done.stderr
     [entry] = json.loads(done.stdout)
     engine_json = {"kind": "VLLM", "device": "GPU", "connector": "KVBridge", "kvBufferDevice": "cuda"}
-    assert entry["engine"] == {**engine_json, "proven": PROVEN_ON_GPU}
+    assert {k: v for k, v in entry["engine"].items() if k != "provenance"} == engine_json
+    assert entry["engine"]["provenance"]["notRunYet"] == [
+        "real vLLM on GPUs (tests/gpu/test_vllm_gpu.py: skipped without a GPU and vLLM's GPU build)"
+    ]
     assert entry["vllm"]["prefill"]["kvTransferConfig"]["kv_buffer_device"] == "cuda"
-    assert f"  KVBridgeConnector on GPU: {PROVEN_ON_GPU}" in plan_cli(path).stdout.splitlines()
     [nixl] = json.loads(plan_cli(ROOT / "examples" / "vllm" / "tiny-cpu.yaml", "--json").stdout)
-    assert nixl["engine"] == {"kind": "VLLM", "device": "CPU", "connector": "Nixl", "kvBufferDevice": "cpu"}
+    assert {k: v for k, v in nixl["engine"].items() if k != "provenance"} == {
+        "kind": "VLLM",
+        "device": "CPU",
+        "connector": "Nixl",
+        "kvBufferDevice": "cpu",
+    }
 
 
 @pytest.mark.parametrize("blocks", [(32, 64), (64, 32), (32, 128)])
@@ -633,7 +633,7 @@ def test_sampled_verification_with_nixl_runs_but_is_never_dropped_silently(name:
     doc["spec"]["transfer"] = {**doc["spec"].get("transfer", {}), "verification": "Off"}
     assert advisories_for(parse_deployment(doc).spec) == []
     agent = document(name)
-    agent["spec"]["engine"] = {"kind": "Agent"}
+    agent["spec"]["engine"] = {"kind": "Synthetic"}
     assert advisories_for(parse_deployment(agent).spec) == []
 
 

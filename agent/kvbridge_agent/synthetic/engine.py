@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge_agent.core import build_plan, wire_block_ids
+from kvbridge_agent.core.admission import INVALID_TRANSFER_PARAMS, Admission, PrefillHosts, TransferRefusedError
 from kvbridge_agent.core.blocks import blocks_for_tokens
 from kvbridge_agent.core.contract import BlockAllocation, EngineEnvironment
 from kvbridge_agent.core.digest import (
@@ -70,12 +71,9 @@ from kvbridge_agent.transfer.peers import (
     LEASE_EXPIRED,
     fetch_digests,
     lease_left,
+    renew_leases,
 )
-from kvbridge_agent.transfer.side_channel import (
-    SideChannelServer,
-    heartbeat_interval,
-    send_heartbeats,
-)
+from kvbridge_agent.transfer.side_channel import SideChannelServer, heartbeat_interval
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +109,11 @@ class Engine:
         self.metrics = metrics or AgentMetrics(env.role.value, env.engine_id)
         self.allocator = BlockAllocator(env.num_blocks, default=env.block_allocation)
         self.plan = build_plan(env.model, env.prefill, env.decode, env.transfer)
-        #: decode: the prefill TPs the deployment lets this engine pair with (a claimed one decides the handshake)
-        self._peer_tp = PeerTensorParallel(env.model, env.prefill, env.decode, env.transfer)
+        self.max_tokens = env.num_blocks * env.own.block_size  # the synthetic model's length: what its cache holds
+        #: decode: its deployment's bounds on transfer parameters: prefill TPs, the model's length, prefill hosts
+        peer_tp = PeerTensorParallel(env.model, env.prefill, env.decode, env.transfer)
+        hosts = PrefillHosts(env.prefill_hosts or ())
+        self._admission = Admission(peer_tp, self.max_tokens, self.plan.wire.block_size, hosts)
         self.ranks: list[RankHandle] = []
         self.server: SideChannelServer | None = None
         self._held: dict[str, _Held] = {}
@@ -272,8 +273,8 @@ class Engine:
         problem = request_id_problem(request_id)
         if problem:  # checked before anything is allocated or held for it
             raise EngineError(problem, code=INVALID_REQUEST_ID, field="requestId")
-        if num_tokens < 1:
-            raise EngineError("numTokens must be at least 1", code=INVALID_REQUEST, field="numTokens")
+        if not 1 <= num_tokens <= self.max_tokens:  # the synthetic model's length
+            raise EngineError(f"numTokens must be within 1..{self.max_tokens}", code=INVALID_REQUEST, field="numTokens")
         blocks = self.allocator.allocate(blocks_for_tokens(num_tokens, self.env.prefill.block_size), allocation)
         with self._held_lock:
             if request_id in self._held:
@@ -395,9 +396,11 @@ class Engine:
         """Pull a request's KV from its prefill engine; every rank reads its part and verifies it."""
         if self.env.role is not Role.DECODE:
             raise EngineError("this is a prefill engine", code=INVALID_REQUEST, field="role")
-        refusal = self._peer_tp.refusal(params.remote_tp_size)
-        if refusal:
-            raise EngineError(refusal, code=INVALID_REQUEST, field="kvTransferParams.remoteTpSize")
+        try:  # before anything is allocated, recorded or connected to
+            self._admission.check(params, "kvTransferParams")
+        except TransferRefusedError as exc:  # out of bounds: the engine's INVALID_REQUEST, as the schema's
+            code = INVALID_REQUEST if exc.code == INVALID_TRANSFER_PARAMS else exc.code
+            raise EngineError(exc.message, code=code, field=exc.field) from None
         total = blocks_for_tokens(params.num_tokens, self.env.decode.block_size)
         if not 0 <= prefix_hit_blocks <= total:
             raise EngineError(
@@ -454,9 +457,8 @@ class Engine:
             return (*to_bytes(carried.heads), carried.key)
         until = params.expires_at if params.expires_at is not None else time.time()
         try:
-            digests = fetch_digests(
-                params, self.plan.fingerprint, self.keys, self.env.transfer.handshake_timeout_seconds, until
-            )
+            timeout = self.env.transfer.handshake_timeout_seconds
+            digests = fetch_digests(params, self.plan.fingerprint, self.keys, timeout, until, self.peers.service)
         except HandshakeError as exc:
             status = 410 if exc.code == KV_DIGEST_UNAVAILABLE else 502
             raise EngineError(
@@ -482,7 +484,7 @@ class Engine:
 
     def _send_heartbeats(self) -> None:
         while not self._stop.wait(heartbeat_interval(self.env.transfer.lease_seconds)):
-            renewed = send_heartbeats(dict(self._waiting), self.plan.fingerprint, self.keys)
+            renewed = renew_leases(dict(self._waiting), self.peers.service, self.plan.fingerprint, self.keys)
             for request_id, sent in renewed.items():
                 if request_id in self._waiting:
                     self._renewed[request_id] = sent

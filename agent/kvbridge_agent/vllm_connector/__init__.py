@@ -6,6 +6,8 @@ Reading order:
 - ``messages``: what the two halves tell each other, and the ``kv_transfer_params``.
 - ``scheduler``: the scheduler half: which requests to read or offer, leases, the side-channel listener.
 - ``worker``: the worker half: one TP rank's KV cache on kvbridge's rank machinery.
+- ``verifying``: verification off vLLM's thread: prefill's digests and decode's checks on threads of their own.
+- ``digest_relay``: prefill's digests from each rank to the scheduler's side channel the moment they are taken.
 - ``failures``: a request's typed failure instead of vLLM's step; the handshakes refused, not queued.
 - ``cache_geometry``: what vLLM's KV tensors are to kvbridge: geometry, layout name, CPU kernel, refused conversions.
 - ``cpu_blocks``: block-size conversions for vLLM's CPU attention cache.

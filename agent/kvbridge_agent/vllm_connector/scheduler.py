@@ -19,7 +19,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvbridge_agent.core import KVBridgeError, Role, build_plan, wire_block_ids
+from kvbridge_agent.core import KVBridgeError, Role, Verification, build_plan, wire_block_ids
+from kvbridge_agent.core.admission import Admission, PrefillHosts, TransferRefusedError
 from kvbridge_agent.core.digest import RequestDigests, VerificationPolicy, from_bytes, new_key
 from kvbridge_agent.core.handshake import (
     INVALID_REQUEST_ID,
@@ -39,9 +40,10 @@ from kvbridge_agent.core.signing import (
 )
 from kvbridge_agent.core.tracing import context_of
 from kvbridge_agent.transfer.keys import load_keys
-from kvbridge_agent.transfer.peers import LEASE_CLOCK_MARGIN_SECONDS
-from kvbridge_agent.transfer.side_channel import SideChannelServer, heartbeat_interval, send_heartbeats
+from kvbridge_agent.transfer.peers import LEASE_CLOCK_MARGIN_SECONDS, PrefillService, renew_leases
+from kvbridge_agent.transfer.side_channel import SideChannelServer, heartbeat_interval
 
+from .digest_relay import DigestReceiver, start_relay
 from .messages import (
     ERROR_KEY,
     PARAMS_KEY,
@@ -80,6 +82,7 @@ class ConnectorScheduler:
         self._to_read: dict[str, ReadOrder] = {}
         self._to_offer: dict[str, OfferOrder] = {}
         self._server: SideChannelServer | None = None
+        self._relay: DigestReceiver | None = None  # prefill: the ranks' digests as they are taken
         self._incarnation = ""
         # prefill, verification: requests offered to be digested, and their keys and the digests the ranks
         # reported (by head)
@@ -104,10 +107,10 @@ class ConnectorScheduler:
         environment = settings.environment
         # prefill offers wire blocks: with a prefill-side split, block b becomes wire blocks b*r .. b*r + r-1
         self._plan = build_plan(environment.model, environment.prefill, environment.decode, environment.transfer)
-        #: decode: the prefill TPs the deployment lets this engine pair with (a claimed one decides the handshake)
-        self._peer_tp = PeerTensorParallel(
-            environment.model, environment.prefill, environment.decode, environment.transfer
-        )
+        #: decode: its deployment's bounds on transfer parameters: prefill TPs, the model's length, prefill hosts
+        peer_tp = PeerTensorParallel(environment.model, environment.prefill, environment.decode, environment.transfer)
+        hosts = PrefillHosts(environment.prefill_hosts or ())
+        self._admission = Admission(peer_tp, settings.max_model_len, self._plan.wire.block_size, hosts)
         self._keys = load_keys(environment.keys_dir) if environment.keys_dir else None
         #: decode: the router's token (spec.router.signTransfers): parameters without its signature are refused
         self._transfer_token = (
@@ -122,6 +125,7 @@ class ConnectorScheduler:
         #: decode: requests whose kvbridge parameters did not validate, and why (until their blocks are allocated)
         self._refused: dict[str, str] = {}
         self._renewed: dict[str, float] = {}  # decode request -> when a heartbeat last renewed its prefill lease
+        self._service = PrefillService(environment.prefill_service, settings.transfer.handshake_timeout_seconds)
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
         if settings.role is Role.DECODE:
@@ -150,6 +154,8 @@ class ConnectorScheduler:
             on_heartbeat=self._renew,
             digests=self._published_digests,
         ).start()
+        if self.settings.transfer.verification is not Verification.OFF:
+            self._relay = start_relay(self._incarnation, self._relayed)
         log.info(
             "kvbridge: side channel of %s on %s:%d (%s)",
             self.engine_id,
@@ -165,6 +171,16 @@ class ConnectorScheduler:
             if found is not None and len(found.heads) == self._heads:
                 return DigestState.READY, RequestDigests(found.key, dict(found.heads))
             return (DigestState.PENDING if request_id in self._verifying else DigestState.UNKNOWN), None
+
+    def _relayed(self, request_id: str, heads: list[int], raw: bytes) -> None:
+        """A rank's digests of a request the moment it took them (digest_relay.py, the relay's thread)."""
+        if any(not 0 <= head < self._heads for head in heads):
+            raise ValueError(f"heads {heads[:8]} outside the model's {self._heads}")
+        digests = from_bytes(heads, raw)
+        with self._lock:
+            found = self._digests.get(request_id)
+            if found is not None and request_id in self._verifying:
+                found.heads.update(digests)
 
     def take_digests(self, stats: Any) -> None:
         """The digests the prefill ranks computed this step (they ride in the worker's stats): kept for the side
@@ -213,11 +229,11 @@ class ConnectorScheduler:
                 prompt = request_prompt_hash(request)  # the signature binds prefill's hash of the same prompt
                 check_signature(self._transfer_token, raw, pods=self._pods, prompt=prompt, params_key=PARAMS_KEY)
             params = transfer_params(raw)
-            if params is not None and (why := self._peer_tp.refusal(params.remote_tp_size)):
-                raise InvalidTransferParamsError(f"kv_transfer_params.{PARAMS_KEY}.remoteTpSize: {why}")
-        except (InvalidTransferParamsError, TransferNotSignedError) as exc:
+            if params is not None:
+                self._admission.check(params, f"kv_transfer_params.{PARAMS_KEY}")
+        except (InvalidTransferParamsError, TransferNotSignedError, TransferRefusedError) as exc:
             # the request fails when its load is reported, never by a raise
-            why = f"{exc.field}: {exc.message}" if isinstance(exc, TransferNotSignedError) else str(exc)
+            why = str(exc) if isinstance(exc, InvalidTransferParamsError) else f"{exc.field}: {exc.message}"
             self._refused[request.request_id] = f"{exc.code}: {why}"
             log.warning("kvbridge: request %.80s: %s", request.request_id, exc)
             return (count, True) if count > 0 else (0, False)
@@ -271,6 +287,7 @@ class ConnectorScheduler:
         )
         local_sizes: list[int] | None = None
         digest_tokens = params.num_tokens
+        block_layers: list[int] | None = None
         if groups is None:
             all_blocks = every[0]
         else:
@@ -285,6 +302,7 @@ class ConnectorScheduler:
             local_sizes = None if refused else [len(group) for group in to_fill]
             all_blocks = [b for group in kept for b in group]
             digest_tokens = groups.digest_tokens(all_blocks)
+            block_layers = groups.block_layers([len(group) for group in kept])
         self._to_read[request.request_id] = ReadOrder(
             local,
             params,
@@ -294,6 +312,7 @@ class ConnectorScheduler:
             local_sizes,
             digest_tokens,
             context_of(getattr(request, "trace_headers", None)),
+            block_layers,
         )
 
     # -- both: each step ------------------------------------------------------------
@@ -336,11 +355,13 @@ class ConnectorScheduler:
                 order = DigestOrder(list(blocks[0]) if blocks else [], prompt, new_key())
             else:
                 try:
-                    flat, _sizes = groups.flatten(blocks, prompt)
+                    flat, flat_sizes = groups.flatten(blocks, prompt)
                 except KVBridgeError as exc:  # digested at the offer instead, or not offered (request_finished)
                     log.warning("kvbridge: not digesting request %.80s now: %s", request_id, exc.message)
                     continue
-                order = DigestOrder(flat, groups.digest_tokens(flat), new_key())
+                order = DigestOrder(
+                    flat, groups.digest_tokens(flat), new_key(), block_layers=groups.block_layers(flat_sizes)
+                )
             order.trace = context_of(getattr(request, "trace_headers", None))
             key = order.key
             self._predigested[request_id] = (key, prompt)
@@ -374,7 +395,7 @@ class ConnectorScheduler:
         while not self._stop.wait(heartbeat_interval(self.settings.transfer.lease_seconds)):
             with self._lock:
                 waiting = dict(self._waiting)
-            renewed = send_heartbeats(waiting, self.settings.fingerprint, self._keys)
+            renewed = renew_leases(waiting, self._service, self.settings.fingerprint, self._keys)  # DNS here
             with self._lock:
                 self._renewed.update((r, sent) for r, sent in renewed.items() if r in self._waiting)
 
@@ -461,6 +482,7 @@ class ConnectorScheduler:
             digest_tokens if verify and not digested else 0,
             key,
             context_of(getattr(request, "trace_headers", None)),
+            None if groups is None or sizes is None else groups.block_layers(sizes),
         )
         return True, {"do_remote_prefill": True, "do_remote_decode": False, PARAMS_KEY: ours}
 
@@ -471,3 +493,6 @@ class ConnectorScheduler:
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self._relay is not None:
+            self._relay.close()
+            self._relay = None

@@ -12,7 +12,6 @@ or one past the prefill's lease marks the request's blocks invalid, which vLLM h
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,8 +26,6 @@ from kvbridge_agent.core import (
 )
 from kvbridge_agent.core import tracing as words
 from kvbridge_agent.core.digest import (
-    KV_DIGEST_MISMATCH,
-    KV_DIGEST_UNAVAILABLE,
     RequestDigests,
     decode_verifies,
     to_bytes,
@@ -44,6 +41,7 @@ from kvbridge_agent.transfer.kv_cache import KVCache, distinct_tensors
 from kvbridge_agent.transfer.peers import (
     LEASE_EXPIRED,
     PrefillRanks,
+    PrefillService,
     fetch_digests,
     fetch_prefill_ranks,
     lease_left,
@@ -51,7 +49,7 @@ from kvbridge_agent.transfer.peers import (
     require_incarnation,
 )
 from kvbridge_agent.transfer.prefill_rank import PrefillRank
-from kvbridge_agent.transfer.reads import TRANSFER_FAILED, ReadResult, Verify
+from kvbridge_agent.transfer.reads import TRANSFER_FAILED, ReadResult
 from kvbridge_agent.transfer.relayout import Converter, convert_for_side
 from kvbridge_agent.transfer.transport import Transport
 
@@ -62,6 +60,7 @@ from .messages import RankHandshake, ReadOrder, StepMetadata
 from .settings import ConnectorSettings
 from .stats import KVBridgeStats
 from .tracing import Spans, Value
+from .verifying import DecodeChecks, PrefillDigests
 
 log = logging.getLogger(f"vllm.kvbridge.{__name__.rsplit('.', 1)[-1]}")  # shown by vLLM's log handler
 
@@ -90,22 +89,22 @@ class ConnectorWorker:
         self._executor = ThreadPoolExecutor(max_workers=MAX_HANDSHAKES, thread_name_prefix="kvbridge-handshake")
         #: handshakes in flight, by (prefill engine, incarnation): the fetch, when it started and the side channel
         self._fetching: dict[tuple[str, str], tuple[Future[PrefillRanks], float, tuple[str, int]]] = {}
+        #: the deployment's prefill pods (KVBRIDGE_PREFILL_SERVICE): the only side channels this rank connects to
+        self._service = PrefillService(environment.prefill_service, settings.transfer.handshake_timeout_seconds)
         #: where each prefill engine's current incarnation was met (host, port): its side channel does not move
         self._addresses: dict[str, tuple[str, int]] = {}
         self._parked: dict[tuple[str, str], list[tuple[str, ReadOrder]]] = {}
         self._load_errors: set[int] = set()
         #: reads in flight -> the lease end they must finish before, and the local blocks they fill
         self._expiry: dict[str, tuple[float, list[int]]] = {}
-        # verification: the orders of reads in flight that must be verified, and the digest fetches of reads done
-        self._orders: dict[str, ReadOrder] = {}
-        self._digest_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbridge-digest")
-        self._checking: dict[str, tuple[Future[RequestDigests], ReadResult, ReadOrder]] = {}
-        self._prefetch: dict[str, Future[RequestDigests]] = {}
+        # verification, off vLLM's thread (verifying.py): prefill's digests, decode's checks
+        verifies = settings.transfer.verification is not Verification.OFF
+        self._digesting = PrefillDigests(incarnation if verifies and settings.role is Role.PREFILL else None)
+        self._checks = DecodeChecks(self._fetch_digests)
         # traces (tracing.py): each traced request's context, when its offer or read began, and its attributes
         self.spans = Spans()
         self._traced: dict[str, tuple[dict[str, str], int, dict[str, Value]]] = {}
         self._fetch_started_ns: dict[tuple[str, str], int] = {}
-        self._check_started_ns: dict[str, int] = {}
         self._expired: set[str] = set()
 
     # -- registration --------------------------------------------------------------
@@ -189,26 +188,42 @@ class ConnectorWorker:
 
     # -- each step -----------------------------------------------------------------------
     def wait_for_save(self, meta: StepMetadata) -> None:
-        """Prefill, after the step's forward: digest the requests whose prompt this step completed, in their
-        native format (before any conversion); reported with the step's output."""
+        """Prefill, after the step's forward: start digesting the requests whose prompt this step completed, in
+        their native format (before any conversion), on the digest thread; each is reported with the output of
+        the step in which it is done (:meth:`_report_digests`)."""
         if self.prefill is None:
             return
         for request_id, order in meta.to_digest.items():
-            began = time.time_ns()
-            try:
-                digests = self.prefill.digest(order.key, order.block_ids, order.num_tokens)
-            except ValueError as exc:  # its answer goes without digests; decode then finds none: fails, typed
-                log.error("kvbridge: cannot digest %s: %s", request_id, exc)
-                self._span(words.PREFILL_DIGEST, order.trace, began, {words.TOKENS: order.num_tokens}, "DIGEST_FAILED")
-                continue
-            self._span(words.PREFILL_DIGEST, order.trace, began, {words.TOKENS: order.num_tokens})
-            self.stats.record_digests(request_id, *to_bytes(digests))
+            self._digesting.start(self.prefill, request_id, order)
+
+    def _report_digests(self) -> None:
+        """Prefill: the digests done since the last step, with this step's output (the scheduler publishes them)."""
+        for done in self._digesting.take():
+            attributes: dict[str, Value] = {words.TOKENS: done.order.num_tokens}
+            if done.order.trace:
+                tp = {words.TP_RANK: self.tp_rank}
+                error = "" if done.digests is not None else "DIGEST_FAILED"
+                self.spans.record(
+                    words.PREFILL_DIGEST, done.order.trace, done.began_ns, done.ended_ns, {**tp, **attributes}, error
+                )
+            if done.digests is not None:
+                self.stats.record_digests(done.request_id, *to_bytes(done.digests))
 
     def start_load_kv(self, meta: StepMetadata) -> None:
         if self.prefill is not None:
             for request_id, order in meta.to_offer.items():
                 began = time.time_ns()
-                digests = self.prefill.offer(request_id, order.block_ids, order.digest_tokens, order.digest_key)
+                waited = self._digesting.wait(request_id)  # its blocks are converted in place after their digest
+                if order.digest_tokens:  # not digested after its prompt's step: digested here, on vLLM's thread
+                    started = time.perf_counter()
+                    digests = self.prefill.offer(
+                        request_id, order.block_ids, order.digest_tokens, order.digest_key, order.block_layers
+                    )
+                    waited += time.perf_counter() - started
+                else:
+                    digests = self.prefill.offer(request_id, order.block_ids)
+                if waited > 0:
+                    self.stats.record_digest_wait(waited)
                 if order.trace:
                     held: dict[str, Value] = {
                         words.BLOCKS: len(order.block_ids),
@@ -279,8 +294,7 @@ class ConnectorWorker:
         # prefill's draw (the parameters' verify), or decode's own policy when it is All; prefill's digests are
         # fetched while the READs run
         if decode_verifies(self.settings.transfer, params.verify):
-            self._orders[request_id] = order
-            self._prefetch[request_id] = self._expected_digests(params, expires_at)
+            self._checks.expect(request_id, order, params, expires_at)
         return decode.start(
             request_id,
             params,
@@ -289,71 +303,19 @@ class ConnectorWorker:
             group_sizes=order.local_group_sizes,
         )
 
-    def _expected_digests(self, params: KVTransferParams, until: float | None) -> Future[RequestDigests]:
-        """Prefill's digests of a request to verify: those its parameters carry (checked in the step the READs
-        complete), else fetched from its side channel while the READs run."""
-        if params.digests is None:
-            return self._digest_executor.submit(self._fetch_digests, params, until)
-        carried: Future[RequestDigests] = Future()
-        try:
-            carried.set_result(params.digests.request_digests())
-        except ValueError as exc:  # rows that are not whole rows of the heads: the check fails the request
-            carried.set_exception(HandshakeError(f"the parameters' digests: {exc}", code=KV_DIGEST_UNAVAILABLE))
-        return carried
-
     def _fetch_digests(self, params: KVTransferParams, until: float | None) -> RequestDigests:
         """On a digest thread: prefill's digests of the request, until its lease ends."""
         until = until if until is not None else time.time() + self.settings.transfer.lease_seconds
-        return fetch_digests(
-            params, self.settings.fingerprint, self.keys, self.settings.transfer.handshake_timeout_seconds, until
-        )
-
-    def _check(self, decode: DecodeRank, result: ReadResult) -> ReadResult | None:
-        """A read that must be verified: start fetching prefill's digests (``None``: the result comes later)."""
-        order = self._orders.pop(result.request_id, None)
-        future = self._prefetch.pop(result.request_id, None)
-        if order is None or future is None or not result.ok:
-            if future is not None:
-                future.cancel()
-            return result
-        self._checking[result.request_id] = (future, result, order)
-        self._check_started_ns[result.request_id] = time.time_ns()
-        return None
-
-    def _verified(self, decode: DecodeRank) -> list[ReadResult]:
-        """Reads whose digests arrived: compared with what this rank holds now, before vLLM uses it."""
-        results = []
-        for request_id, (future, result, order) in list(self._checking.items()):
-            if not future.done():
-                continue
-            del self._checking[request_id]
-            blocks = order.all_block_ids or list(order.local_block_ids)
-            params = order.params
-            try:
-                if params is None:  # never: only orders with parameters are read
-                    raise HandshakeError("a refused order reached the check")
-                peer = decode.peers.get(params.remote_engine_id)
-                if peer is None:
-                    raise HandshakeError(f"{params.remote_engine_id} was evicted during the check")
-                tokens = order.digest_tokens or params.num_tokens
-                result = decode.verified(result, Verify(future.result(), blocks, tokens), peer)
-            except Exception as exc:  # whatever the digests brought fails this request, never vLLM's step
-                code, message = request_failure(exc, KV_DIGEST_UNAVAILABLE, request_id)
-                invalid = list(order.local_block_ids)
-                results.append(
-                    dataclasses.replace(result, ok=False, code=code, message=message, invalid_blocks=invalid)
-                )
-                continue
-            if result.code == KV_DIGEST_MISMATCH and params is not None:
-                self.stats.record_digest_mismatch(params.remote_engine_id)
-            results.append(result)
-        return results
+        timeout = self.settings.transfer.handshake_timeout_seconds
+        return fetch_digests(params, self.settings.fingerprint, self.keys, timeout, until, self._service)
 
     def _fetch(self, params: KVTransferParams) -> PrefillRanks:
-        """On the handshake thread: the prefill ranks' metadata this rank reads from (network only)."""
+        """On the handshake thread: the prefill ranks' metadata this rank reads from (network only: the prefill
+        Service's DNS too, before any connection; a host outside it fails the requests, REMOTE_HOST_NOT_ALLOWED)."""
         needed = handshake_ranks(params.remote_tp_size, self.settings.tp_size, self.tp_rank)
+        timeout = self.settings.transfer.handshake_timeout_seconds
         incarnation, ranks = fetch_prefill_ranks(
-            params, needed, self.settings.fingerprint, self.keys, self.settings.transfer.handshake_timeout_seconds
+            params, needed, self.settings.fingerprint, self.keys, timeout, self._service
         )
         require_incarnation(params, incarnation)
         return ranks
@@ -430,12 +392,15 @@ class ConnectorWorker:
                 self._held_blocks.pop(request_id, None)
                 self._offer_span(request_id)
             self._report_held()
+            self._report_digests()
             return ready or None, None
         if self.decode is not None:
             self._finish_handshakes(self.decode)
-            polled = [self._check(self.decode, r) for r in [*self._results, *self.decode.poll()]]
+            polled = [self._checks.start(self.decode, r) for r in [*self._results, *self.decode.poll()]]
             self._results = []
-            results = [*(r for r in polled if r is not None), *self._verified(self.decode)]
+            results = [*(r for r in polled if r is not None), *self._checks.finished()]
+            for engine_id in self._checks.take_mismatches():
+                self.stats.record_digest_mismatch(engine_id)
             done = set()
             now = time.time()
             for result in results:
@@ -476,7 +441,7 @@ class ConnectorWorker:
     def _read_spans(self, result: ReadResult) -> None:
         """Decode: a traced request's READs and, when verified, the digest check after them."""
         traced = self._traced.pop(result.request_id, None)
-        checked = self._check_started_ns.pop(result.request_id, None)
+        checked = self._checks.started_ns.pop(result.request_id, None)
         if traced is not None:
             self.spans.record_read(self.tp_rank, *traced, checked, result)
 
@@ -487,7 +452,8 @@ class ConnectorWorker:
     def shutdown(self) -> None:
         self.spans.shutdown()
         self._executor.shutdown(wait=False, cancel_futures=True)
-        self._digest_executor.shutdown(wait=False, cancel_futures=True)
+        self._digesting.shutdown()
+        self._checks.shutdown()
         for rank in (self.prefill, self.decode):
             if rank is not None:
                 if isinstance(rank, DecodeRank):

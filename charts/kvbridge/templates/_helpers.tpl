@@ -60,8 +60,10 @@ why). */}}
 {{- end }}
 {{- end }}
 
-{{- define "kvbridge.agentImage" -}}
-{{- default (printf "ghcr.io/kvbridge/kvbridge-agent:%s" .Chart.AppVersion) .Values.agent.image }}
+{{/* The synthetic engine's image: agent.image (its former name, deprecated) where set, else synthetic.image, else
+the agent image of the chart's version. */}}
+{{- define "kvbridge.syntheticImage" -}}
+{{- .Values.agent.image | default .Values.synthetic.image | default (printf "ghcr.io/kvbridge/kvbridge-agent:%s" .Chart.AppVersion) }}
 {{- end }}
 
 {{/*

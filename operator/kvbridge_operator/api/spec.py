@@ -22,6 +22,8 @@ from kvbridge_operator.api.autoscaling import (
     AutoscalingSpec,
     ScalingSpec,
 )
+from kvbridge_operator.api.field_errors import message_of
+from kvbridge_operator.api.images import IMAGE_LACKS_CONNECTOR, lacks_connector, lacks_connector_message, overlay_image
 from kvbridge_operator.api.names import API_VERSION, KIND
 from kvbridge_operator.api.placement import PlacementSpec
 from kvbridge_operator.api.serving import InferencePoolSpec, RouterSpec
@@ -30,8 +32,12 @@ from kvbridge_operator.api.transfer import TransferSpec
 
 
 class EngineKind(StrEnum):
-    SYNTHETIC = "Agent"  # kvbridge's synthetic engine worker (runs without GPUs); the CRD's value stays "Agent"
-    VLLM = "VLLM"  # vLLM with its NixlConnector
+    SYNTHETIC = "Synthetic"  # kvbridge's synthetic engine worker: moves real KV bytes, serves no model
+    VLLM = "VLLM"  # vLLM serving the model
+
+
+#: engine kinds' former names, still accepted and read as the kind they name (``kvbridge plan`` warns of them)
+DEPRECATED_KINDS = {"Agent": EngineKind.SYNTHETIC}
 
 
 class EngineDevice(StrEnum):
@@ -47,8 +53,10 @@ class Connector(StrEnum):
 class EngineSpec(CamelModel):
     kind: EngineKind = Field(
         default=EngineKind.VLLM,
-        description="VLLM (vLLM serving the model, the default) or Agent (kvbridge's synthetic engine worker: moves "
-        "real KV bytes, serves no model; for tests and benchmarks).",
+        description="VLLM (vLLM serving the model, the default) or Synthetic (kvbridge's synthetic engine worker: "
+        "moves real KV bytes, serves no model; for tests and benchmarks). Agent, its former name, is read as "
+        "Synthetic (deprecated).",
+        json_schema_extra={"enum": [*(kind.value for kind in EngineKind), *DEPRECATED_KINDS]},
     )
     device: EngineDevice = Field(
         default=EngineDevice.GPU,
@@ -60,7 +68,10 @@ class EngineSpec(CamelModel):
         "in the transfer parameters, stale-peer recovery; the image must have kvbridge installed).",
     )
     image: str = Field(
-        default="", max_length=512, description="Container image; empty takes the default per kind and device."
+        default="",
+        max_length=512,
+        description="Container image; empty takes the operator's default per kind, connector and device. With "
+        "connector KVBridge it must carry kvbridge (vLLM's own images are refused: IMAGE_LACKS_CONNECTOR).",
     )
     extra_args: list[str] = Field(
         default_factory=list, max_length=64, description="VLLM only: arguments appended to `vllm serve`."
@@ -72,6 +83,12 @@ class EngineSpec(CamelModel):
         le=4096,
         description="VLLM on CPU: host memory for the KV cache in GiB (VLLM_CPU_KVCACHE_SPACE).",
     )
+
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _former_names(cls, kind: object) -> object:
+        """A former name of a kind (``Agent``) is read as the kind it names."""
+        return DEPRECATED_KINDS.get(kind, kind) if isinstance(kind, str) else kind
 
 
 class RolloutSpec(CamelModel):
@@ -232,6 +249,21 @@ class DisaggregatedDeploymentSpec(CamelModel):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _image_has_connector(self) -> DisaggregatedDeploymentSpec:
+        """kvbridge's connector needs kvbridge in the engine's image: vLLM's own images are refused (api/images.py),
+        whether spec.engine.image or a role's template overlay names them."""
+        if self.engine.kind is not EngineKind.VLLM or self.engine.connector is not Connector.KVBRIDGE:
+            return self
+        named = [("spec.engine.image", self.engine.image)]
+        named += [(f"spec.{r.value}.template", overlay_image(self.role(r).template)) for r in Role]
+        for field, image in named:
+            if image and lacks_connector(image):
+                raise PydanticCustomError(
+                    IMAGE_LACKS_CONNECTOR, lacks_connector_message(image, field), {"field": field}
+                )
+        return self
+
     def role(self, role: Role) -> RoleSpec:
         """The settings of one role."""
         return self.prefill if role is Role.PREFILL else self.decode
@@ -278,7 +310,15 @@ def _location(loc: tuple[int | str, ...]) -> str:
 MAX_DEPTH = 64
 NESTING_TOO_DEEP = "NESTING_TOO_DEEP"
 #: the codes of the model's own checks (raised as PydanticCustomError of that type); any other is INVALID_SPEC
-OWN_CODES = frozenset({TRACING_ENDPOINT_INVALID, TRACING_ENDPOINT_PATH, PROMETHEUS_URL_INVALID, PLANNER_MIN_REPLICAS})
+OWN_CODES = frozenset(
+    {
+        TRACING_ENDPOINT_INVALID,
+        TRACING_ENDPOINT_PATH,
+        PROMETHEUS_URL_INVALID,
+        PLANNER_MIN_REPLICAS,
+        IMAGE_LACKS_CONNECTOR,
+    }
+)
 #: the leading steps of a path that nests too deeply that its refusal names (the path goes on below them)
 _NAMED_STEPS = 12
 
@@ -331,10 +371,15 @@ def parse_deployment(document: object) -> DisaggregatedDeployment:
         return DisaggregatedDeployment.model_validate_json(text, strict=True)
     except ValidationError as exc:
         errors = exc.errors()
-        message = "; ".join(f"{_field(e)}: {e['msg']}" for e in errors)
+        message = "; ".join(_said(e, document) for e in errors)
         # a check with a code of its own (TRACING_ENDPOINT_PATH, ...) raises it as the error's type
         code = errors[0]["type"] if errors[0]["type"] in OWN_CODES else "INVALID_SPEC"
         raise SpecError(message, field=_field(errors[0]), code=code) from exc
+
+
+def _said(error: Any, document: object) -> str:
+    """One error as the refusal says it: the field, then what is wrong (a typo with the field likely meant)."""
+    return f"{_field(error)}: {message_of(DisaggregatedDeployment, error, document)}"
 
 
 def _field(error: Any) -> str:

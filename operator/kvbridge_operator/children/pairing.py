@@ -14,11 +14,14 @@ import json
 
 from kvbridge_agent.core import RoleSettings
 from kvbridge_agent.core.fingerprint import fingerprint_fields
-from kvbridge_operator.api.spec import DisaggregatedDeploymentSpec
+from kvbridge_operator.api.spec import DisaggregatedDeploymentSpec, EngineKind
 
 #: role settings added after the first pods ran: in the key only where set, so the keys of deployments without
 #: them stay as they were
 _KEYED_WHEN_SET = ("data_parallel_size", "expert_parallel")
+#: engine kinds under the name they had when the first pods ran (the synthetic engine was ``Agent``), so renaming
+#: a kind changes no pod's key (a new key would roll every such deployment blue/green for nothing)
+_KEYED_AS = {EngineKind.SYNTHETIC: "Agent"}
 
 
 def _role_fields(settings: RoleSettings) -> dict[str, object]:
@@ -26,20 +29,37 @@ def _role_fields(settings: RoleSettings) -> dict[str, object]:
     return settings.model_dump(mode="json", by_alias=True, exclude=unset)
 
 
+#: the model's layer description (spec.model.layerTypes and what defines its kinds): in the key, not the fingerprint
+#: (the engines are not told it: vLLM reads the layers from the weights' config, which the name and source pin), and
+#: only where set, so the keys of deployments without it stay as they were
+_LAYER_FIELDS = ("layer_types", "sliding_window", "attention_chunk_size", "state_space")
+
+
+def _model_fields(spec: DisaggregatedDeploymentSpec) -> dict[str, object]:
+    model = spec.model
+    unset = {
+        name
+        for name in _LAYER_FIELDS
+        if getattr(model, name) == type(model).model_fields[name].get_default(call_default_factory=True)
+    }
+    layers = model.model_dump(mode="json", by_alias=True, include=set(_LAYER_FIELDS) - unset)
+    return {**fingerprint_fields(model), **layers}
+
+
 def pairing_fields(spec: DisaggregatedDeploymentSpec) -> dict[str, object]:
     """What the verdict and the rendered transfer configuration depend on, in CRD words: the model (with the
-    protocol version), both roles' settings (data and expert parallelism among them), the conversion policy, the
-    NIXL backends, the engine kind and device.
+    protocol version; its layer description where set), both roles' settings (data and expert parallelism among
+    them), the conversion policy, the NIXL backends, the engine kind and device.
     The model's source (with its revision) is in it when set: pods of two revisions hold different weights, so
     KV computed by one is wrong for the other however equal the geometry. Not in it: replicas, images,
     templates, extra arguments, lease and timeouts, the side-channel port, the router, the InferencePool."""
     found: dict[str, object] = {
-        "model": fingerprint_fields(spec.model),
+        "model": _model_fields(spec),
         "prefill": _role_fields(spec.prefill.settings()),
         "decode": _role_fields(spec.decode.settings()),
         "conversion": spec.transfer.conversion.value,
         "backends": list(spec.transfer.backends),
-        "engine": {"kind": spec.engine.kind.value, "device": spec.engine.device.value},
+        "engine": {"kind": _KEYED_AS.get(spec.engine.kind, spec.engine.kind.value), "device": spec.engine.device.value},
     }
     if spec.model.source:  # absent when unset, so the keys of deployments without a source stay as they were
         found["source"] = spec.model.source

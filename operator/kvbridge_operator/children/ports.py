@@ -1,7 +1,7 @@
 """The ports an engine pod listens on, and the side-channel range kept clear of them (checked before scheduling).
 
 Each data-parallel rank of a role listens on ``spec.transfer.sideChannelPort + rank``. In the same pod the engine
-serves its HTTP API (the operator's ``agentHttpPort``; behind the routing sidecar, vLLM moves to
+serves its HTTP API (the operator's ``engineHttpPort``; behind the routing sidecar, vLLM moves to
 :data:`~.engines.vllm_serve.VLLM_PORT_BEHIND_SIDECAR` and the sidecar takes the API port) and, with several
 data-parallel ranks, vLLM's coordination listens on :data:`~.engines.vllm_serve.DATA_PARALLEL_RPC_PORT`; an engine
 over several nodes has its leader's torch.distributed rendezvous on :data:`~.engines.vllm_serve.MASTER_PORT` (each

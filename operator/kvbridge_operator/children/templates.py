@@ -35,6 +35,7 @@ import json
 from typing import Any
 
 from kvbridge_agent.core import Problem, Role
+from kvbridge_agent.core import tracing as trace_words
 from kvbridge_operator.api.names import (
     ENGINE_CONTAINER,
     HTTP_PORT_NAME,
@@ -66,11 +67,17 @@ MANAGED_ENV = frozenset(
         "HF_HOME",
         "UCX_TLS",
         "UCX_NET_DEVICES",
+        # spec.tracing's OpenTelemetry variables (children/tracing.py)
+        trace_words.ENV_ENDPOINT,
+        trace_words.ENV_PROTOCOL,
+        trace_words.ENV_SAMPLER,
+        trace_words.ENV_SAMPLER_ARG,
+        trace_words.ENV_SERVICE_NAME,
     }
 )
 MANAGED_ENV_PREFIX = "KVBRIDGE_"
 #: the KVBRIDGE_* variables that tune one engine without deciding anything the plan checked (capacity, checks,
-#: allocation order, NIXL and UCX modes, a deadline, the bind address): a template may set them
+#: allocation order, NIXL and UCX modes, deadlines, the bind address, the HTTP server's cap): a template may set them
 TUNABLE_ENV = frozenset(
     {
         "KVBRIDGE_NUM_BLOCKS",
@@ -80,6 +87,12 @@ TUNABLE_ENV = frozenset(
         "KVBRIDGE_UCX_ERROR_HANDLING",
         "KVBRIDGE_TRANSFER_TIMEOUT_SECONDS",
         "KVBRIDGE_HTTP_HOST",
+        "KVBRIDGE_HTTP_REQUEST_SECONDS",
+        "KVBRIDGE_HTTP_MAX_CONNECTIONS",
+        # the synthetic engine's set speed (agent synthetic/pace.py)
+        "KVBRIDGE_SYNTHETIC_PREFILL_MS_PER_TOKEN",
+        "KVBRIDGE_SYNTHETIC_DECODE_ITL_MS",
+        "KVBRIDGE_SYNTHETIC_DECODE_ITL_MS_PER_SEQUENCE",
     }
 )
 #: container port names kvbridge renders (``vllm``: vLLM behind llm-d's routing sidecar)

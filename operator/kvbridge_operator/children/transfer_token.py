@@ -4,7 +4,7 @@ kvbridge's router signs them.
 - **The Secret** ``<name>-router-token`` holds 32 random bytes as 64 hex characters under ``token``; it is created
   once (never patched: rotation is an explicit action, as for the side channel's keys) and deleted with the
   deployment (owner reference). objects/router.py renders it with the router's children.
-- **Mounted read-only** into the router's pods (``kvbridge router --transfer-token-file``) and the decode engines'
+- **Mounted read-only** into the router's pods (``kvbridge-router --transfer-token-file``) and the decode engines'
   (``KVBRIDGE_TRANSFER_TOKEN_FILE``: the synthetic engine and kvbridge's vLLM connector check the signature,
   ``kvbridge_agent.core.signing``); prefill pods do not get it.
 - **Checked:** ``signTransfers`` needs ``router.enabled`` (spec.py, CEL) and an engine that checks the signature:

@@ -27,7 +27,6 @@ from kvbridge_operator.cli.plan_report import (
     render_text,
     selected_ranks,
 )
-from kvbridge_router import cli as router_cli
 
 EXIT_OK = 0
 EXIT_INCOMPATIBLE = 1
@@ -95,7 +94,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _model(args: argparse.Namespace) -> int:
     import yaml
 
-    from kvbridge_operator.cli.hf_config import geometry, model_name, read_config
+    from kvbridge_operator.cli.hf_config import geometry, model_block, model_name, read_config
 
     try:
         config = read_config(Path(args.path))
@@ -103,12 +102,12 @@ def _model(args: argparse.Namespace) -> int:
     except KVBridgeError as exc:
         print(f"kvbridge model: error: {exc.message}", file=sys.stderr)
         return EXIT_INVALID
-    block = found.model_dump(by_alias=True, mode="json", exclude_defaults=False)
-    if found.cache_kind.value == "Split":
-        block.pop("cacheKind")
-    if not found.is_moe:
-        block.pop("numExperts")
-    sys.stdout.write(yaml.safe_dump({"model": block}, sort_keys=False))
+
+    class Dumper(yaml.SafeDumper):
+        """Lists in flow style (``layerTypes: [Sliding, Full, ...]``), maps as blocks."""
+
+    Dumper.add_representer(list, lambda dumper, data: dumper.represent_sequence("tag:yaml.org,2002:seq", data, True))
+    sys.stdout.write(yaml.dump({"model": model_block(found)}, Dumper=Dumper, sort_keys=False, width=118))
     return EXIT_OK
 
 
@@ -193,12 +192,41 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvbridge", description="Prefill/decode disaggregation on Kubernetes.")
     parser.add_argument("--version", action="version", version=f"kvbridge {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_plan(commands)
 
+    model = commands.add_parser(
+        "model", help="print the spec.model block of a Hugging Face model from its config.json (file or folder)"
+    )
+    model.add_argument("path", help="config.json, or a model folder that contains it")
+    model.add_argument("--name", help="spec.model.name (default: the config's _name_or_path or the folder name)")
+    model.set_defaults(func=_model)
+
+    crd = commands.add_parser("crd", help="print or write the CustomResourceDefinition generated from the models")
+    crd.add_argument("-o", "--output", action="append", metavar="DIR", help="write into DIR (repeatable)")
+    crd.set_defaults(func=_crd)
+
+    profile = commands.add_parser(
+        "profile",
+        help=profile_cli.HELP,
+        description=f"{profile_cli.HELP[0].upper()}{profile_cli.HELP[1:]}. Exit status: 0 the profile was written, "
+        "1 a bench run failed or timed out (or the profile could not be written: it is printed instead), 2 invalid "
+        "arguments, an unwritable output folder or no vllm to run, checked before the first run.",
+    )
+    profile_cli.add_arguments(profile)
+    profile.set_defaults(func=profile_cli.run)
+
+    _add_operator(commands)
+    _add_demo(commands)
+    return parser
+
+
+def _add_plan(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     plan = commands.add_parser(
         "plan",
         help="check whether prefill and decode settings can exchange KV caches, and how",
-        description="Check DisaggregatedDeployment documents without a cluster. Exit status: 0 all compatible, "
-        "1 any incompatible, 2 unreadable or invalid input.",
+        description="Check DisaggregatedDeployment documents without a cluster: what each role runs (engine and "
+        "image), whether the two roles can exchange KV and how, and what has been run for real of the "
+        "configuration. Exit status: 0 all compatible, 1 any incompatible, 2 unreadable or invalid input.",
     )
     plan.add_argument(
         "-f", "--file", required=True, help="manifest file (multi-document YAML), a folder of them, or - for stdin"
@@ -217,26 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.set_defaults(func=_plan)
 
-    model = commands.add_parser(
-        "model", help="print the spec.model block of a Hugging Face model from its config.json (file or folder)"
-    )
-    model.add_argument("path", help="config.json, or a model folder that contains it")
-    model.add_argument("--name", help="spec.model.name (default: the config's _name_or_path or the folder name)")
-    model.set_defaults(func=_model)
 
-    crd = commands.add_parser("crd", help="print or write the CustomResourceDefinition generated from the models")
-    crd.add_argument("-o", "--output", action="append", metavar="DIR", help="write into DIR (repeatable)")
-    crd.set_defaults(func=_crd)
-
-    profile = commands.add_parser(
-        "profile",
-        help=profile_cli.HELP,
-        description="Exit status: 0 the profile was written, 1 a bench run failed or timed out (or the profile "
-        "could not be written: it is printed instead), 2 invalid arguments, an unwritable output folder or no vllm "
-        "to run, checked before the first run.",
-    )
-    profile_cli.add_arguments(profile)
-    profile.set_defaults(func=profile_cli.run)
+def _add_operator(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from kvbridge_operator.config import default_of, flag_of, former_flags, settings, variable_of
 
     operator = commands.add_parser("operator", help="the Kopf operator for DisaggregatedDeployments")
     operator_commands = operator.add_subparsers(dest="operator_command", required=True, metavar="ACTION")
@@ -245,27 +256,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the operator (settings from flags or KVBRIDGE_OPERATOR_* variables)",
         description="Watches DisaggregatedDeployments and their pods; one replica.",
     )
-    from kvbridge_operator.config import default_of, flag_of, settings, variable_of
-
     for item in settings():  # one flag per setting, generated: the flags and the variables never drift apart
         default = default_of(item)
         metavar = flag_of(item).rsplit("-", 1)[-1].upper()
         shown = ",".join(default) if isinstance(default, tuple) else default
-        text = f"{item.metadata['help']} (default {shown!r}; {variable_of(item)})"
+        former = "".join(f"; {flag} is its former name (deprecated)" for flag in former_flags(item))
+        text = f"{item.metadata['help']} (default {shown!r}; {variable_of(item)}{former})"
+        flags = [flag_of(item), *former_flags(item)]
         if item.type in (bool, "bool"):
-            run.add_argument(flag_of(item), dest=item.name, action="store_true", default=None, help=text)
+            run.add_argument(*flags, dest=item.name, action="store_true", default=None, help=text)
         elif "tuple" in str(item.type):
-            run.add_argument(flag_of(item), dest=item.name, action="append", metavar=metavar, help=text)
+            run.add_argument(*flags, dest=item.name, action="append", metavar=metavar, help=text)
         else:
             kind = int if "int" in str(item.type) else str
-            run.add_argument(flag_of(item), dest=item.name, type=kind, metavar=metavar, help=text)
+            run.add_argument(*flags, dest=item.name, type=kind, metavar=metavar, help=text)
     run.set_defaults(func=_operator_run)
 
-    # the router's own program (``kvbridge-router``, kvbridge_router.cli), under the name it always had
-    router = commands.add_parser("router", help=router_cli.HELP, description=router_cli.DESCRIPTION)
-    router_cli.add_arguments(router)
-    router.set_defaults(func=lambda args: router_cli.run(args, prog="kvbridge router"))
 
+def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     demo = commands.add_parser(
         "demo",
         help="the whole system on one machine: emulated API, operator, local pods, real KV transfers",
@@ -293,7 +301,6 @@ def build_parser() -> argparse.ArgumentParser:
         "everything",
     )
     demo.set_defaults(func=_demo)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

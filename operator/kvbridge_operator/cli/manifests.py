@@ -17,7 +17,7 @@ from yaml.nodes import MappingNode
 
 from kvbridge_agent.core import SpecError
 from kvbridge_operator.api.names import KIND
-from kvbridge_operator.api.spec import MAX_DEPTH, DisaggregatedDeployment, parse_deployment
+from kvbridge_operator.api.spec import DEPRECATED_KINDS, MAX_DEPTH, DisaggregatedDeployment, parse_deployment
 
 
 class ManifestError(SpecError):
@@ -176,6 +176,17 @@ def unknown_fields(document: Any) -> tuple[str, ...]:
     )
 
 
+def deprecated_words(document: Any) -> tuple[str, ...]:
+    """What a document says in a former spelling that is still read (an engine kind's former name)."""
+    spec = document.get("spec") if isinstance(document, dict) else None
+    engine = spec.get("engine") if isinstance(spec, dict) else None
+    kind = engine.get("kind") if isinstance(engine, dict) else None
+    if isinstance(kind, str) and kind in DEPRECATED_KINDS:
+        now = DEPRECATED_KINDS[kind].value
+        return (f"spec.engine.kind: {kind} is the former name of {now}, read as {now} (deprecated): write {now}",)
+    return ()
+
+
 def _name(document: Any) -> str:
     metadata = document.get("metadata") if isinstance(document, dict) else None
     name = metadata.get("name") if isinstance(metadata, dict) else None
@@ -205,7 +216,10 @@ def read_documents(path: str) -> list[Document]:
                 try:
                     found.append(
                         Document(
-                            label, deployment=parse_deployment(document), name=name, warnings=unknown_fields(document)
+                            label,
+                            deployment=parse_deployment(document),
+                            name=name,
+                            warnings=unknown_fields(document) + deprecated_words(document),
                         )
                     )
                 except SpecError as exc:

@@ -8,22 +8,33 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge_agent.core import KVBridgeError, Problem, Role, SpecError, TransferPlan, Verification
-from kvbridge_agent.core.parallel import kv_words, ranks_words, role_parallelism
-from kvbridge_agent.core.tracing import SAMPLER
-from kvbridge_operator.api.names import ENGINE_CONTAINER, router_peers_name, router_token_secret_name
+from kvbridge_agent.core import KVBridgeError, Problem, Role, SpecError, TransferPlan
+from kvbridge_agent.core.parallel import ranks_words
+from kvbridge_operator.api.images import overlay_image
+from kvbridge_operator.api.names import ENGINE_CONTAINER
 from kvbridge_operator.api.objects import Obj
-from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec
+from kvbridge_operator.api.spec import Connector, DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind
 from kvbridge_operator.api.transfer import Memlock
-from kvbridge_operator.children import multinode, network, peer_key, tracing, transfer_token
+from kvbridge_operator.children import multinode, network
 from kvbridge_operator.children.engines import ServedEngine, engine_of
 from kvbridge_operator.children.objects.pod import pod_template
-from kvbridge_operator.children.objects.router import router_placement, router_spread
 from kvbridge_operator.children.pairing import pairing
 from kvbridge_operator.children.remedy import Fix, describe, merge_patch, suggested_fix
 from kvbridge_operator.children.verdict import advisories_for, verdict_for
-from kvbridge_operator.config import OperatorConfig
-from kvbridge_router.settings import peer_interval_for
+from kvbridge_operator.cli.plan_sections import (
+    autoscaling_of,
+    autoscaling_words,
+    notes_of,
+    parallelism_lines,
+    router_lines,
+    router_of,
+    tracing_of,
+    tracing_words,
+    verification_of,
+    verification_words,
+)
+from kvbridge_operator.cli.provenance import provenance, provenance_lines
+from kvbridge_operator.config import OperatorConfig, flag_of, settings
 
 
 @dataclass(frozen=True)
@@ -96,6 +107,7 @@ def entries(document: DocumentPlan, ranks: Iterable[int]) -> list[dict[str, obje
                 "compatible": False,
                 "problems": [problem.to_dict() for problem in document.problems],
                 "engine": engine_object(document.deployment.spec),
+                "images": images_of(document.deployment),
             }
             if document.fix:
                 entry["suggestedFix"] = document.fix
@@ -106,6 +118,7 @@ def entries(document: DocumentPlan, ranks: Iterable[int]) -> list[dict[str, obje
                 **document.plan.for_decode_rank(rank).to_dict(),
                 "pairing": pairing(document.deployment.spec),
                 "engine": engine_object(document.deployment.spec),
+                "images": images_of(document.deployment),
                 "verification": verification_of(document.deployment.spec),
                 "router": router_of(document.deployment),
                 "autoscaling": autoscaling_of(document.deployment.spec),
@@ -115,6 +128,9 @@ def entries(document: DocumentPlan, ranks: Iterable[int]) -> list[dict[str, obje
                 entry[engine_of(document.deployment.spec).name] = engines
             result.append(entry)
         entry["advisories"] = [advisory.to_dict() for advisory in document.advisories]
+        notes = notes_of(document.deployment.spec)
+        if notes:
+            entry["notes"] = notes
         if document.warnings:
             entry["warnings"] = list(document.warnings)
     return result
@@ -185,20 +201,61 @@ def _table(header: tuple[str, ...], rows: list[tuple[object, ...]], indent: str 
 
 
 def engine_words(spec: DisaggregatedDeploymentSpec) -> str:
-    """What runs the engines, in the plan's first line: ``vLLM on GPU, NixlConnector``, ``synthetic engine (Agent)
-    on CPU`` (the engine kind's words)."""
+    """What runs the engines, in the plan's first line: ``vLLM on GPU, NixlConnector``, ``synthetic engine on CPU,
+    serves no model`` (the engine kind's words)."""
     return engine_of(spec).words(spec)
 
 
-def engine_object(spec: DisaggregatedDeploymentSpec) -> dict[str, str]:
-    """The ``engine`` object of the JSON entries: the kind, the device and the kind's own fields (for vLLM the
-    connector, ``kvBufferDevice`` and, for kvbridge's connector, where it has been proven on this device)."""
-    return {"kind": spec.engine.kind.value, "device": spec.engine.device.value, **engine_of(spec).described(spec)}
+def engine_object(spec: DisaggregatedDeploymentSpec) -> dict[str, object]:
+    """The ``engine`` object of the JSON entries: the kind, the device, the kind's own fields (for vLLM the
+    connector and ``kvBufferDevice``) and what has been run for real of this configuration (``provenance``)."""
+    return {
+        "kind": spec.engine.kind.value,
+        "device": spec.engine.device.value,
+        **engine_of(spec).described(spec),
+        "provenance": provenance(spec),
+    }
 
 
 def engine_lines(spec: DisaggregatedDeploymentSpec) -> list[str]:
-    """The text report's lines on the engine kind (kvbridge's connector: where it has been proven on the device)."""
+    """The text report's lines on the engine kind, right after the first (the synthetic engine: it serves no
+    model)."""
     return engine_of(spec).report_lines(spec)
+
+
+def images_of(deployment: DisaggregatedDeployment, config: OperatorConfig | None = None) -> dict[str, dict[str, str]]:
+    """Each role's engine image as its pods will run it, and where it comes from (``source``): the role's template
+    overlay (``spec.<role>.template``), ``spec.engine.image``, or the operator's default (its flag; ``config``
+    defaults to the operator's defaults)."""
+    spec = deployment.spec
+    default, setting = engine_of(spec).default_image(spec, config or OperatorConfig())
+    flag = next(flag_of(item) for item in settings() if item.name == setting)
+    found: dict[str, dict[str, str]] = {}
+    for role in Role:
+        overlay = overlay_image(spec.role(role).template)
+        if overlay:
+            found[role.value] = {"image": overlay, "source": f"spec.{role.value}.template"}
+        elif spec.engine.image:
+            found[role.value] = {"image": spec.engine.image, "source": "spec.engine.image"}
+        else:
+            found[role.value] = {"image": default, "source": flag}
+    return found
+
+
+def image_lines(deployment: DisaggregatedDeployment) -> list[str]:
+    """The text report's image line: the image of each role (one line when both run the same)."""
+    found = images_of(deployment)
+
+    def said(entry: dict[str, str]) -> str:
+        source = entry["source"]
+        return f"{entry['image']} ({source if source.startswith('spec.') else 'the operator default, ' + source})"
+
+    spec = deployment.spec
+    own = spec.engine.kind is EngineKind.VLLM and spec.engine.connector is Connector.KVBRIDGE
+    needs = "; it must have kvbridge installed, as kvbridge's engine image has (docs/install.md)" if own else ""
+    if found[Role.PREFILL.value] == found[Role.DECODE.value]:
+        return [f"  image: {said(found[Role.PREFILL.value])} for both roles{needs}"]
+    return [f"  images: prefill {said(found[Role.PREFILL.value])}; decode {said(found[Role.DECODE.value])}{needs}"]
 
 
 def advisory_lines(document: DocumentPlan) -> list[str]:
@@ -210,179 +267,9 @@ def advisory_lines(document: DocumentPlan) -> list[str]:
     return lines
 
 
-def verifies(spec: DisaggregatedDeploymentSpec) -> bool:
-    """Whether the engines verify transfers at all: kvbridge's transfer layer does (kvbridge's connector, the
-    synthetic engine; docs/protocol.md §8); vLLM's NixlConnector has no transfer digest."""
-    return engine_of(spec).kvbridge_transfer(spec)
-
-
-def verification_of(spec: DisaggregatedDeploymentSpec) -> dict[str, object]:
-    """``spec.transfer.verification`` as the engines apply it (``--json``)."""
-    transfer = spec.transfer
-    return {
-        "policy": transfer.verification.value if verifies(spec) else Verification.OFF.value,
-        "firstSeconds": transfer.verification_first_seconds,
-        "fraction": transfer.verification_fraction,
-        "supported": verifies(spec),
-    }
-
-
-def verification_words(spec: DisaggregatedDeploymentSpec) -> str:
-    transfer = spec.transfer
-    if not verifies(spec):
-        return "none (vLLM's NixlConnector has no transfer digest; connector: KVBridge verifies)"
-    if transfer.verification is Verification.SAMPLED:
-        return (
-            f"Sampled (decode checks prefill's digest of every request for {transfer.verification_first_seconds}"
-            f" s after a prefill engine's first, then of {transfer.verification_fraction:.0%})"
-        )
-    if transfer.verification is Verification.ALL:
-        return "All (decode checks prefill's digest of every request)"
-    return "Off"
-
-
-def router_of(deployment: DisaggregatedDeployment) -> dict[str, object]:
-    """``spec.router`` as it will run (``--json``): whether kvbridge's router runs, its policy, whether it signs
-    decode's transfer parameters with the token of ``tokenSecret`` (empty when it does not), how many replicas,
-    which clients it admits (``auth``) and where its pods run (``placement``: the pod fields rendered)."""
-    router = deployment.spec.router
-    signs = transfer_token.signs(deployment.spec)
-    secret = router_token_secret_name(deployment.metadata.name) if signs else ""
-    keys = router.api_key_secret
-    auth: dict[str, object] = (
-        {"apiKeys": True, "secret": keys.name, "key": keys.key} if keys is not None else {"apiKeys": False}
-    )
-    return {
-        "enabled": router.enabled,
-        "policy": router.policy.value,
-        "signTransfers": signs,
-        "tokenSecret": secret,
-        "replicas": router.replicas,
-        # the replicas' headless Service (their reports to each other), when there are two or more
-        **({"peers": router_peers_name(deployment.metadata.name)} if peer_key.peers(deployment.spec) else {}),
-        "auth": auth,
-        "placement": router_placement(router),
-    }
-
-
-def autoscaling_of(spec: DisaggregatedDeploymentSpec) -> dict[str, object]:
-    """``spec.autoscaling`` as the planner will run it (``--json``): off, or its targets, source and rhythm."""
-    auto = spec.autoscaling
-    if not auto.enabled or auto.ttft is None or auto.itl is None or auto.profile is None:
-        return {"enabled": False}
-    return {
-        "enabled": True,
-        "ttft": {"milliseconds": auto.ttft.milliseconds, "percentile": auto.ttft.percentile},
-        "itl": {"milliseconds": auto.itl.milliseconds, "percentile": auto.itl.percentile},
-        "prometheusUrl": auto.prometheus_url,
-        "profile": {"configMap": auto.profile.name, "key": auto.profile.key},
-        "intervalSeconds": auto.interval_seconds,
-        "windowSeconds": auto.window_seconds,
-        "headroomPercent": auto.headroom_percent,
-        "stabilizationWindowSeconds": auto.stabilization_window_seconds,
-        "bounds": {role.value: [spec.role(role).min_replicas, spec.role(role).max_replicas] for role in Role},
-    }
-
-
-def autoscaling_words(spec: DisaggregatedDeploymentSpec) -> str:
-    """The planner's line of the text report."""
-    auto = spec.autoscaling
-    if not auto.enabled or auto.ttft is None or auto.itl is None or auto.profile is None:
-        return "off (the roles' /scale is for HPA, KEDA or kubectl scale)"
-    bounds = ", ".join(f"{r.value} {spec.role(r).min_replicas}-{spec.role(r).max_replicas}" for r in Role)
-    return (
-        f"planner to TTFT p{auto.ttft.percentile:g} {auto.ttft.milliseconds:g} ms and ITL p{auto.itl.percentile:g} "
-        f"{auto.itl.milliseconds:g} ms, every {auto.interval_seconds} s from {auto.prometheus_url} (profile "
-        f"ConfigMap {auto.profile.name}/{auto.profile.key}, {auto.headroom_percent}% headroom); {bounds}"
-    )
-
-
-def router_auth_words(deployment: DisaggregatedDeployment) -> str:
-    """Which clients the router admits, in the text report's words."""
-    keys = deployment.spec.router.api_key_secret
-    if keys is None:
-        return "any client that reaches its Service (no apiKeySecret)"
-    return f"only with an API key of Secret {keys.name}, key {keys.key} (Authorization: Bearer; else 401)"
-
-
-def router_placement_words(deployment: DisaggregatedDeployment) -> str:
-    """Where the router's pods run, in the text report's words: each pod field set, else the cluster's defaults."""
-    placement = router_placement(deployment.spec.router)
-    if not placement:
-        return "the cluster's defaults"
-    words = {
-        "imagePullSecrets": lambda v: "imagePullSecrets " + ", ".join(ref["name"] for ref in v),
-        "nodeSelector": lambda v: "nodeSelector " + ", ".join(f"{k}={val}" for k, val in sorted(v.items())),
-        "tolerations": lambda v: f"{len(v)} toleration{'s' if len(v) != 1 else ''}",
-        "affinity": lambda v: "affinity " + ", ".join(sorted(v)),
-        "priorityClassName": lambda v: f"priorityClassName {v}",
-    }
-    return "; ".join(words[key](value) for key, value in placement.items())
-
-
-def router_words(deployment: DisaggregatedDeployment) -> str:
-    """The router's line of the text report: its policy, and who decode takes transfer parameters from."""
-    policy = deployment.spec.router.policy.value
-    if not transfer_token.signs(deployment.spec):
-        return f"{policy}; decode accepts kv_transfer_params from any pod that reaches it (signTransfers off)"
-    secret = router_token_secret_name(deployment.metadata.name)
-    return f"{policy}; decode accepts kv_transfer_params only as the router signs them (signTransfers, Secret {secret})"
-
-
-def parallelism_lines(spec: DisaggregatedDeploymentSpec) -> list[str]:
-    """The text report's lines on data and expert parallelism (none without either): each role's ranks, GPUs and
-    side channels, then what they change for KV (``kvbridge_agent.core.parallel``)."""
-    if not any(r.data_parallel_size > 1 or r.expert_parallel for r in (spec.prefill, spec.decode)):
-        return []
-    lines: list[str] = []
-    for role in Role:
-        ranks = role_parallelism(spec.role(role), spec.transfer)
-        ports = ranks.side_channel_ports
-        listened = str(ports[0]) if len(ports) == 1 else f"{ports[0]}-{ports[-1]}"
-        experts = f", {ranks.world_size}-way expert parallel" if ranks.expert_parallel else ""
-        lines.append(
-            f"  {role.value}: {ranks.data_parallel_size} DP rank(s) x TP {ranks.tensor_parallel_size} = "
-            f"{ranks.world_size} ranks per engine{experts}; side channels on {listened}"
-        )
-    lines.extend(f"  KV: {words}" for words in kv_words(spec.model, spec.prefill, spec.decode))
-    return lines
-
-
-def tracing_of(deployment: DisaggregatedDeployment) -> dict[str, object]:
-    """``spec.tracing`` as the pods get it (``--json``): off, or the OTLP endpoint, protocol and sampling, each
-    process's service name, and whether the engine's own flag (vLLM's) is rendered."""
-    spec, name = deployment.spec, deployment.metadata.name
-    if spec.tracing is None:
-        return {"enabled": False}
-    processes = [role.value for role in Role] + (["router"] if spec.router.enabled else [])
-    return {
-        "enabled": True,
-        "endpoint": spec.tracing.endpoint,
-        "protocol": spec.tracing.protocol.value,
-        "samplingRatio": spec.tracing.sampling_ratio,
-        "sampler": SAMPLER,
-        "services": {process: tracing.service_name(name, process) for process in processes},
-        "vllmFlag": bool(engine_of(spec).tracing_flag),
-    }
-
-
-def tracing_words(deployment: DisaggregatedDeployment) -> str:
-    """The text report's tracing line: where spans go, how many new traces are kept, which processes send them."""
-    spec, name = deployment.spec, deployment.metadata.name
-    if spec.tracing is None:
-        return "off"
-    processes = [role.value for role in Role] + (["router"] if spec.router.enabled else [])
-    services = ", ".join(tracing.service_name(name, process) for process in processes)
-    kind = engine_of(spec)
-    flag = f"; {kind.program} {kind.tracing_flag}" if kind.tracing_flag else ""
-    return (
-        f"OTLP {spec.tracing.protocol.value} to {spec.tracing.endpoint}, {spec.tracing.sampling_ratio:.0%} of new "
-        f"traces (a caller's decision kept); services {services}{flag}"
-    )
-
-
 def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
-    """The human-readable report for one document."""
+    """The human-readable report for one document: what runs it (the engine kind, each role's image), then the
+    problems and a checked fix, or the plan, its sections, each decode rank's reads and the engines' commands."""
     spec = document.deployment.spec
     head = (
         f"{document.name}: prefill {ranks_words(spec.prefill)} / block {spec.prefill.block_size}"
@@ -390,26 +277,44 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
         f" {spec.decode.kv_layout.value}"
         f" ({spec.model.name}, {spec.model.attention.value}, {spec.model.cache_kind.value}; {engine_words(spec)})"
     )
+    lines = [head, *engine_lines(spec), *image_lines(document.deployment)]
+    notes = [f"  {note}" for note in notes_of(spec)]
     if document.plan is None:
-        lines = [head, f"  INCOMPATIBLE: {len(document.problems)} problem(s)"]
-        for problem in document.problems:
-            lines.append(f"  - {problem.code} at {problem.field}")
-            lines.append(f"      {problem.message}")
-        if document.fix:
-            patch = json.dumps(merge_patch(document.fix), separators=(",", ":"))
-            lines.append(f"  a fix for all of them at once, checked: {describe(document.fix)}")
-            namespace = document.deployment.metadata.namespace
-            where = f" -n {namespace}" if namespace else ""
-            lines.append(
-                f"      kubectl patch disaggregateddeployment {document.name}{where} --type merge -p '{patch}'"
-            )
-        return "\n".join([*lines, *advisory_lines(document)])
-    plan = document.plan
+        return "\n".join([*lines, *problem_lines(document), *advisory_lines(document), *notes])
+    lines += plan_lines(document.plan, spec)
+    lines += provenance_lines(spec)
+    lines += notes
+    lines += parallelism_lines(spec)
+    lines += [f"  autoscaling: {autoscaling_words(spec)}"] if spec.autoscaling.enabled else []
+    lines += advisory_lines(document)
+    lines += router_lines(document.deployment)
+    lines += [f"  tracing: {tracing_words(document.deployment)}"] if spec.tracing is not None else []
+    lines += [line for rank in ranks for line in rank_lines(document.plan, rank)]
+    lines += command_lines(document)
+    return "\n".join(lines)
+
+
+def problem_lines(document: DocumentPlan) -> list[str]:
+    """An incompatible document's problems, each with its field and advice, and the checked fix for all."""
+    lines = [f"  INCOMPATIBLE: {len(document.problems)} problem(s)"]
+    for problem in document.problems:
+        lines.append(f"  - {problem.code} at {problem.field}")
+        lines.append(f"      {problem.message}")
+    if document.fix:
+        patch = json.dumps(merge_patch(document.fix), separators=(",", ":"))
+        lines.append(f"  a fix for all of them at once, checked: {describe(document.fix)}")
+        namespace = document.deployment.metadata.namespace
+        where = f" -n {namespace}" if namespace else ""
+        lines.append(f"      kubectl patch disaggregateddeployment {document.name}{where} --type merge -p '{patch}'")
+    return lines
+
+
+def plan_lines(plan: TransferPlan, spec: DisaggregatedDeploymentSpec) -> list[str]:
+    """The plan's own lines: its keys and ratios, the wire format, notifications, block bytes, verification."""
     conversions = (
         ", ".join(f"{s.side.value} {s.kind.value} {s.source}->{s.target}" for s in plan.wire.conversions) or "none"
     )
-    lines = [
-        head,
+    return [
         f"  compatible  fingerprint {plan.fingerprint}  pairing {pairing(spec)}  tpRatio {plan.tp_ratio}"
         f"  blockSizeRatio {plan.block_size_ratio}",
         f"  wire format: {plan.wire.block_size}-token blocks, {plan.wire.layout.value}; conversions: {conversions}",
@@ -417,39 +322,28 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
         f" prefill prefix caching {'allowed' if plan.wire.prefill_prefix_caching_allowed else 'must be off'}",
         f"  bytes per region block: local {plan.local_block_bytes}, remote wire {plan.remote_block_bytes}",
         f"  verification: {verification_words(spec)}",
-        *parallelism_lines(spec),
-        *([f"  autoscaling: {autoscaling_words(spec)}"] if spec.autoscaling.enabled else []),
-        *advisory_lines(document),
-        *engine_lines(spec),
     ]
-    if spec.router.enabled:
-        lines.append(f"  router: {router_words(document.deployment)}")
-        lines.append(f"  router clients: {router_auth_words(document.deployment)}")
-        replicas = f"{spec.router.replicas} replica{'s' if spec.router.replicas != 1 else ''}"
-        if router_spread(spec.router, {}):
-            replicas += " spread over nodes where possible"
-        if peer_key.peers(spec):
-            interval = peer_interval_for(spec.router.replicas)
-            replicas += (
-                f", each telling the others every {interval:g} s what it routes (Service "
-                f"{router_peers_name(document.deployment.metadata.name)}, reports signed with the key of the "
-                "Secret of that name)"
-            )
-        lines.append(f"  router pods: {replicas}; placement: {router_placement_words(document.deployment)}")
-    if spec.tracing is not None:
-        lines.append(f"  tracing: {tracing_words(document.deployment)}")
-    for rank in ranks:
-        rank_plan = plan.for_decode_rank(rank)
-        notify = ", ".join(map(str, rank_plan.notify_only_ranks)) or "-"
-        lines.append(
-            f"  decode rank {rank}: handshake ranks {', '.join(map(str, rank_plan.handshake_ranks))};"
-            f" notify-only {notify}; {rank_plan.descriptors_per_block} descriptors per block"
-        )
-        rows: list[tuple[object, ...]] = [
-            (r.prefill_rank, r.remote_offset, r.local_offset, r.length) for r in rank_plan.reads
-        ]
-        lines.extend(_table(("prefill rank", "remote offset", "local offset", "length"), rows))
+
+
+def rank_lines(plan: TransferPlan, rank: int) -> list[str]:
+    """One decode rank's handshakes and reads, as a table."""
+    rank_plan = plan.for_decode_rank(rank)
+    notify = ", ".join(map(str, rank_plan.notify_only_ranks)) or "-"
+    rows: list[tuple[object, ...]] = [
+        (r.prefill_rank, r.remote_offset, r.local_offset, r.length) for r in rank_plan.reads
+    ]
+    return [
+        f"  decode rank {rank}: handshake ranks {', '.join(map(str, rank_plan.handshake_ranks))};"
+        f" notify-only {notify}; {rank_plan.descriptors_per_block} descriptors per block",
+        *_table(("prefill rank", "remote offset", "local offset", "length"), rows),
+    ]
+
+
+def command_lines(document: DocumentPlan) -> list[str]:
+    """Each role's engine command and environment (for a kind that prints them), and how it spans nodes."""
+    spec = document.deployment.spec
     kind = engine_of(spec)
+    lines: list[str] = []
     for role, (served, engine) in _served_commands(document, OperatorConfig()).items():
         launcher = engine["launcher"]
         lines.append(f"  {kind.program} {role}: {shlex.join(engine['command'][len(launcher) :])}")
@@ -461,23 +355,28 @@ def render_text(document: DocumentPlan, ranks: Iterable[int]) -> str:
                 "limit; `--json` shows it)"
             )
         lines.extend(f"      {name}={value}" for name, value in engine["env"].items())
-        nodes = spec.role(Role(role)).nodes
-        per_pod = multinode.data_parallel_per_pod(spec.role(Role(role)))
-        if nodes > 1 and spec.role(Role(role)).data_parallel_size > 1:
-            lines.append(
-                f"      over {nodes} nodes: a LeaderWorkerSet group per engine, "
-                f"{multinode.gpus_per_pod(spec, Role(role))} GPUs and {per_pod} DP ranks per pod; the leader "
-                f"serves the API and DP ranks 0-{per_pod - 1}, each worker adds --headless "
-                f"--data-parallel-start-rank <worker index x {per_pod}>"
-            )
-        elif nodes > 1:
-            lines.append(
-                f"      over {nodes} nodes: a LeaderWorkerSet group per engine, "
-                f"{multinode.gpus_per_pod(spec, Role(role))} GPUs per pod; the leader adds "
-                f"{shlex.join(multinode.launch_args(nodes, True))}, each worker "
-                f"{shlex.join(multinode.launch_args(nodes, False))}"
-            )
-    return "\n".join(lines)
+        lines.extend(_nodes_lines(spec, Role(role)))
+    return lines
+
+
+def _nodes_lines(spec: DisaggregatedDeploymentSpec, role: Role) -> list[str]:
+    """How one engine of the role spans nodes (none for an engine in one pod)."""
+    nodes, role_spec = spec.role(role).nodes, spec.role(role)
+    if nodes <= 1:
+        return []
+    gpus = multinode.gpus_per_pod(spec, role)
+    if role_spec.data_parallel_size > 1:
+        per_pod = multinode.data_parallel_per_pod(role_spec)
+        return [
+            f"      over {nodes} nodes: a LeaderWorkerSet group per engine, {gpus} GPUs and {per_pod} DP ranks per "
+            f"pod; the leader serves the API and DP ranks 0-{per_pod - 1}, each worker adds --headless "
+            f"--data-parallel-start-rank <worker index x {per_pod}>"
+        ]
+    return [
+        f"      over {nodes} nodes: a LeaderWorkerSet group per engine, {gpus} GPUs per pod; the leader adds "
+        f"{shlex.join(multinode.launch_args(nodes, True))}, each worker "
+        f"{shlex.join(multinode.launch_args(nodes, False))}"
+    ]
 
 
 def overlay_env(template: dict[str, Any]) -> dict[str, str]:

@@ -119,7 +119,12 @@ def ready(seen: Seen, conditions: Sequence[Condition]) -> Condition:
     failing = [c for c in conditions if c.status != "True"]
     if failing:
         return _condition(
-            seen, ConditionType.READY, "False", failing[0].reason, f"{failing[0].type.value}: {failing[0].message}"
+            seen,
+            ConditionType.READY,
+            "False",
+            failing[0].reason,
+            # "Compatible: PREFILL_HEADS_REPLICATED ..." read as compatible: say which condition is not True
+            f"{failing[0].type.value} is {failing[0].status}: {failing[0].message}",
         )
     return _condition(seen, ConditionType.READY, "True", "Ready", "prefill and decode are serving")
 

@@ -15,7 +15,7 @@ from kvbridge_agent.core import Attention, CacheKind, ModelGeometry, RoleSetting
 from kvbridge_agent.core.contract import PairSpec
 
 ROOT = Path(__file__).parents[3]
-EXAMPLES = ROOT / "examples"
+EXAMPLES = ROOT / "examples" / "synthetic"
 
 
 def pair(tp_p: int, tp_d: int, *, kind: str = "Split", mla: bool = False, decode_layout: str = "HND") -> PairSpec:

@@ -249,7 +249,14 @@ class UnreadRank:
 
     digester = None
 
-    def offer(self, request_id: str, block_ids: list[int], digest_tokens: int = 0, key: bytes = b"") -> dict[int, Any]:
+    def offer(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        digest_tokens: int = 0,
+        key: bytes = b"",
+        block_layers: list[int] | None = None,
+    ) -> dict[int, Any]:
         return {}
 
     def poll(self) -> Any:

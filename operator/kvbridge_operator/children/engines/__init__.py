@@ -6,8 +6,9 @@ Reading order:
 - ``vllm_serve``: ``vllm serve``'s arguments and environment for one role.
 - ``vllm_problems``: what vLLM cannot run of a spec, and what it runs other than asked.
 - ``vllm_messages``: the words of ``vllm_problems``' problems, one template each.
+- ``vllm_models``: what kvbridge's connector cannot move of a model's KV cache as vLLM groups it.
 - ``vllm_cpu``: vLLM's CPU build: the core-binding launcher, CPU attention's sizes.
-- ``synthetic``: the synthetic engine (``engine.kind: Agent``), kvbridge's own worker that serves no model.
+- ``synthetic``: the synthetic engine (``engine.kind: Synthetic``), kvbridge's own worker that serves no model.
 
 Everything else asks :func:`engine_of` rather than comparing ``spec.engine.kind``. To add a kind: a value of
 ``EngineKind`` (api/spec.py), a module here providing every member of ``EngineKindModule``, and its row in

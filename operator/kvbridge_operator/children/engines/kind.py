@@ -129,6 +129,11 @@ class EngineKindModule(Protocol):
         """Labels the kind adds to a role's pods (what other schedulers select them by)."""
         ...
 
+    def default_image(self, spec: DisaggregatedDeploymentSpec, config: OperatorConfig) -> tuple[str, str]:
+        """The image the engines run when ``spec.engine.image`` is empty, and the operator's setting it comes from
+        (the field of :class:`~kvbridge_operator.config.OperatorConfig`)."""
+        ...
+
     # -- how ``kvbridge plan`` describes it
 
     def words(self, spec: DisaggregatedDeploymentSpec) -> str:
@@ -140,7 +145,7 @@ class EngineKindModule(Protocol):
         ...
 
     def report_lines(self, spec: DisaggregatedDeploymentSpec) -> list[str]:
-        """The text report's lines on the engine (where its connector has been proven)."""
+        """The text report's lines on the engine kind, right after its first line (what the kind is for)."""
         ...
 
     def served(
@@ -151,5 +156,5 @@ class EngineKindModule(Protocol):
 
 
 def api_port(config: OperatorConfig) -> dict[int, str]:
-    """The port every engine pod serves its HTTP API on (the operator's ``agentHttpPort``)."""
-    return {config.agent_http_port: "the engine's HTTP API (the operator's agentHttpPort)"}
+    """The port every engine pod serves its HTTP API on (the operator's ``engineHttpPort``)."""
+    return {config.engine_http_port: "the engine's HTTP API (the operator's engineHttpPort)"}

@@ -1,4 +1,5 @@
-"""The synthetic engine (``spec.engine.kind: Agent``): kvbridge's own engine worker, ``kvbridge-agent serve``.
+"""The synthetic engine (``spec.engine.kind: Synthetic``, formerly ``Agent``): kvbridge's own engine worker,
+``kvbridge-agent serve``.
 
 It moves real KV bytes through kvbridge's transfer layer and serves no model: for tests and benchmarks, on GPUs or
 on host memory (the operator's CPU mode, or ``engine.device: CPU``). Its data-parallel ranks run in its one pod; it
@@ -24,7 +25,7 @@ takes_extra_args: Final = False
 tracing_flag: Final = ""
 
 #: expert parallelism asked of the synthetic engine, which serves no model (its DP ranks it runs)
-PARALLELISM_NEEDS_VLLM = "PARALLELISM_NEEDS_VLLM"
+EXPERT_PARALLEL_ON_SYNTHETIC = "EXPERT_PARALLEL_ON_SYNTHETIC"
 
 
 def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
@@ -40,9 +41,9 @@ def parallelism_problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
         if spec.role(role).expert_parallel:
             found.append(
                 Problem(
-                    PARALLELISM_NEEDS_VLLM,
+                    EXPERT_PARALLEL_ON_SYNTHETIC,
                     ep_field,
-                    f"{role.value} asks for expert parallelism, and the synthetic engine (kind Agent) serves no "
+                    f"{role.value} asks for expert parallelism, and the synthetic engine (kind Synthetic) serves no "
                     f"model, so it has no experts to shard: set {ep_field}: false, or spec.engine.kind: VLLM",
                 )
             )
@@ -106,13 +107,13 @@ def container(
             "requests": {**resources["requests"], config.gpu_resource: gpus},
             "limits": {config.gpu_resource: gpus},
         }
-    listened = [{"name": HTTP_PORT_NAME, "containerPort": config.agent_http_port, "protocol": "TCP"}]
+    listened = [{"name": HTTP_PORT_NAME, "containerPort": config.engine_http_port, "protocol": "TCP"}]
     if role is Role.PREFILL:  # a side channel per data-parallel rank
         listened += side_channels
     probe = {"httpGet": {"path": health_path, "port": HTTP_PORT_NAME}, "periodSeconds": 5, "failureThreshold": 3}
     return {
         "name": ENGINE_CONTAINER,
-        "image": dd.spec.engine.image or config.agent_image,
+        "image": dd.spec.engine.image or default_image(dd.spec, config)[0],
         "command": ["kvbridge-agent", "serve"],
         "env": env,
         "ports": listened,
@@ -131,9 +132,14 @@ def pod_labels(
     return {}
 
 
+def default_image(spec: DisaggregatedDeploymentSpec, config: OperatorConfig) -> tuple[str, str]:
+    """The operator's image of the synthetic engine (``kvbridge-agent serve``)."""
+    return config.synthetic_image, "synthetic_image"
+
+
 def words(spec: DisaggregatedDeploymentSpec) -> str:
-    """``synthetic engine (Agent) on CPU``."""
-    return f"synthetic engine (Agent) on {spec.engine.device.value}"
+    """``synthetic engine on CPU, serves no model``."""
+    return f"synthetic engine on {spec.engine.device.value}, serves no model"
 
 
 def described(spec: DisaggregatedDeploymentSpec) -> dict[str, str]:
@@ -141,9 +147,16 @@ def described(spec: DisaggregatedDeploymentSpec) -> dict[str, str]:
     return {}
 
 
+#: what the text report says of the synthetic engine right after its first line
+SERVES_NO_MODEL = (
+    "  the synthetic engine serves no model: kvbridge's own worker moves real KV bytes between prefill and decode "
+    "and checks every byte, for tests and benchmarks; to serve the model set spec.engine.kind: VLLM"
+)
+
+
 def report_lines(spec: DisaggregatedDeploymentSpec) -> list[str]:
-    """None."""
-    return []
+    """That it serves no model, and which kind does."""
+    return [SERVES_NO_MODEL]
 
 
 def served(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig) -> ServedEngine | None:

@@ -40,16 +40,6 @@ metrics_prefix: Final = "vllm:"
 takes_extra_args: Final = True
 tracing_flag: Final = tracing.VLLM_FLAG
 
-#: where kvbridge's connector has run, per device, as ``kvbridge plan`` states it (docs/vllm.md, "What was run for
-#: real"): a short stable line, changed only when the evidence changes
-KVBRIDGE_PROVEN = {
-    EngineDevice.GPU: "vLLM's GPU KV cache layouts, TP mappings, block conversions, MLA and the host buffer proven "
-    "with vLLM's own allocator on host memory (real NIXL on DRAM) and on NVIDIA H200 and H100 GPUs (NIXL on VRAM, the "
-    "digest on the GPU); real vLLM on GPUs not yet run",
-    EngineDevice.CPU: "run in real vLLM (the 0.32 CPU build, real NIXL on DRAM): decode's tokens equal a single "
-    "engine's",
-}
-
 
 def spans_nodes(spec: DisaggregatedDeploymentSpec) -> bool:
     """vLLM's multi-node launch spans nodes on GPUs (not on its CPU build)."""
@@ -71,7 +61,7 @@ def ports(spec: DisaggregatedDeploymentSpec, role: Role, config: OperatorConfig)
     data-parallel ranks vLLM's coordination, and for an engine over several nodes its leader's rendezvous."""
     found = api_port(config)
     if behind_sidecar(role, config):
-        found[config.agent_http_port] = "the routing sidecar (the operator's agentHttpPort)"
+        found[config.engine_http_port] = "the routing sidecar (the operator's engineHttpPort)"
         found[VLLM_PORT_BEHIND_SIDECAR] = "vLLM behind the routing sidecar"
     if spec.role(role).data_parallel_size > 1:
         found[DATA_PARALLEL_RPC_PORT] = "vLLM's data-parallel RPC port (--data-parallel-rpc-port)"
@@ -99,19 +89,13 @@ def words(spec: DisaggregatedDeploymentSpec) -> str:
 
 
 def described(spec: DisaggregatedDeploymentSpec) -> dict[str, str]:
-    """The connector, ``kvBufferDevice`` (vLLM's ``kv_buffer_device``) and, for kvbridge's connector, where it has
-    been proven on this device (``proven``)."""
-    found = {"connector": spec.engine.connector.value, "kvBufferDevice": kv_buffer_device(spec).value}
-    if uses_kvbridge(spec):
-        found["proven"] = KVBRIDGE_PROVEN[spec.engine.device]
-    return found
+    """The connector and ``kvBufferDevice`` (vLLM's ``kv_buffer_device``)."""
+    return {"connector": spec.engine.connector.value, "kvBufferDevice": kv_buffer_device(spec).value}
 
 
 def report_lines(spec: DisaggregatedDeploymentSpec) -> list[str]:
-    """Where kvbridge's connector has been proven on the spec's device (nothing for NixlConnector)."""
-    if not uses_kvbridge(spec):
-        return []
-    return [f"  KVBridgeConnector on {spec.engine.device.value}: {KVBRIDGE_PROVEN[spec.engine.device]}"]
+    """None: vLLM serves the model the spec names."""
+    return []
 
 
 def served(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: OperatorConfig) -> ServedEngine:
@@ -119,9 +103,21 @@ def served(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, config: 
     return engine(dd, role, plan, config, weights(dd.spec.model))
 
 
+def default_image(spec: DisaggregatedDeploymentSpec, config: OperatorConfig) -> tuple[str, str]:
+    """The operator's vLLM image for the connector and device: with kvbridge's connector kvbridge's engine image
+    (vLLM with kvbridge installed), else vLLM's own."""
+    if uses_kvbridge(spec):
+        if cpu_build(spec):
+            return config.kvbridge_vllm_cpu_image, "kvbridge_vllm_cpu_image"
+        return config.kvbridge_vllm_image, "kvbridge_vllm_image"
+    if cpu_build(spec):
+        return config.vllm_cpu_image, "vllm_cpu_image"
+    return config.vllm_image, "vllm_image"
+
+
 def image(spec: DisaggregatedDeploymentSpec, config: OperatorConfig) -> str:
-    """The spec's image, else the operator's vLLM image for the device."""
-    return spec.engine.image or (config.vllm_cpu_image if cpu_build(spec) else config.vllm_image)
+    """The spec's image, else the operator's default (:func:`default_image`)."""
+    return spec.engine.image or default_image(spec, config)[0]
 
 
 def resources(spec: DisaggregatedDeploymentSpec, role_spec: RoleSpec, config: OperatorConfig) -> Obj:
@@ -205,12 +201,12 @@ def routing_sidecar(config: OperatorConfig) -> Obj:
         "name": "routing-sidecar",
         "image": config.routing_sidecar_image,
         "args": [
-            f"--port={config.agent_http_port}",
+            f"--port={config.engine_http_port}",
             f"--vllm-port={VLLM_PORT_BEHIND_SIDECAR}",
             *config.routing_sidecar_args,
         ],
-        "ports": [{"name": "http", "containerPort": config.agent_http_port, "protocol": "TCP"}],
-        "readinessProbe": {"tcpSocket": {"port": config.agent_http_port}, "periodSeconds": 5},
+        "ports": [{"name": "http", "containerPort": config.engine_http_port, "protocol": "TCP"}],
+        "readinessProbe": {"tcpSocket": {"port": config.engine_http_port}, "periodSeconds": 5},
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }

@@ -197,7 +197,7 @@ def engine(
     """What ``vllm serve`` runs with (``loaded``: the model's weights, ``model_source.weights``)."""
     spec = dd.spec
     role_spec: RoleSpec = spec.role(role)
-    port = VLLM_PORT_BEHIND_SIDECAR if behind_sidecar(role, config) else config.agent_http_port
+    port = VLLM_PORT_BEHIND_SIDECAR if behind_sidecar(role, config) else config.engine_http_port
     transfer_config = kv_transfer_config(spec, plan, role)
     backend = attention_backend(spec)
     args = [

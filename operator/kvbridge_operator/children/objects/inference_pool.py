@@ -31,7 +31,7 @@ def inference_pool_children(dd: DisaggregatedDeployment, uid: str, config: Opera
                 # both roles' serving pods (not the router's, not multi-node workers); llm-d's P/D scheduler tells
                 # them apart by llm-d.ai/role
                 "selector": {"matchLabels": {LABEL_INFERENCE_POOL: name}},
-                "targetPorts": [{"number": config.agent_http_port}],
+                "targetPorts": [{"number": config.engine_http_port}],
                 "endpointPickerRef": {
                     "name": pool.endpoint_picker,
                     "kind": "Service",

@@ -43,7 +43,7 @@ def network_policy(dd: DisaggregatedDeployment, uid: str, config: OperatorConfig
                         {"podSelector": {}},
                         {"namespaceSelector": {"matchLabels": {LABEL_API_ACCESS: "allowed"}}},
                     ],
-                    "ports": [{"protocol": "TCP", "port": config.agent_http_port}],
+                    "ports": [{"protocol": "TCP", "port": config.engine_http_port}],
                 },
             ],
         },

@@ -23,6 +23,7 @@ from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import DisaggregatedDeployment, RoleSpec
 from kvbridge_operator.children import multinode, network, placement, termination, tracing, transfer_token
 from kvbridge_operator.children.engines import engine_of
+from kvbridge_operator.children.objects.service import dns_name
 from kvbridge_operator.children.objects.shared import overlay, revision, selector
 from kvbridge_operator.children.pairing import pairing
 from kvbridge_operator.config import OperatorConfig
@@ -43,11 +44,17 @@ def engine_env(dd: DisaggregatedDeployment, role: Role, plan: TransferPlan, conf
         side_channel_host="from-downward-api",
         fingerprint=plan.fingerprint,
         keys_dir=config.keys_mount_path if kind.kvbridge_transfer(spec) else "",
-        num_blocks=config.agent_num_blocks,
-        http_port=config.agent_http_port,
+        num_blocks=config.synthetic_num_blocks,
+        http_port=config.engine_http_port,
         device="cpu" if kind.on_cpu(spec, config) else "cuda",
         drain_seconds=spec.transfer.drain_seconds,
         transfer_token_file=transfer_token.token_file(spec, role),
+        # decode: the side channels it may reach, the pods' networks (prefill advertises its pod IP)
+        prefill_hosts=list(config.pod_networks) if role is Role.DECODE and config.pod_networks else None,
+        # decode of kvbridge's transfer: only to its deployment's prefill pods, the addresses of their Service
+        prefill_service=dns_name(dd, Role.PREFILL, config)
+        if role is Role.DECODE and config.service_domain and kind.kvbridge_transfer(spec)
+        else None,
     )
     downward = {"KVBRIDGE_ENGINE_ID": "metadata.name", "KVBRIDGE_SIDE_CHANNEL_HOST": "status.podIP"}
     env: list[Obj] = []
@@ -112,7 +119,7 @@ def rendered_template(
         "spec": {"containers": containers, "volumes": volumes, **placed},
     }
     network.apply(template, spec)
-    termination.apply(template, spec, role, config.agent_http_port)
+    termination.apply(template, spec, role, config.engine_http_port)
     transfer_token.apply(template, spec, dd.metadata.name, role)
     return template
 

@@ -1,4 +1,9 @@
-"""A role's headless Service: the HTTP port, and for prefill every data-parallel rank's side channel."""
+"""A role's headless Service: the HTTP port, and for prefill every data-parallel rank's side channel.
+
+The prefill Service is also what decode checks a side channel's host against (``KVBRIDGE_PREFILL_SERVICE``,
+docs/protocol.md §5): it publishes its pods before they are ready and while they drain (a decode meets a prefill pod
+as soon as the router sends it there, which may be before cluster DNS caught up with its readiness, and reads from a
+draining one until its leases end); nothing routes by it (the router reads the deployment's status)."""
 
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from kvbridge_operator.config import OperatorConfig
 
 def service(dd: DisaggregatedDeployment, uid: str, role: Role, config: OperatorConfig) -> Obj:
     name = role_name(dd.metadata.name, role)
-    ports = [{"name": HTTP_PORT_NAME, "port": config.agent_http_port, "targetPort": HTTP_PORT_NAME, "protocol": "TCP"}]
+    ports = [{"name": HTTP_PORT_NAME, "port": config.engine_http_port, "targetPort": HTTP_PORT_NAME, "protocol": "TCP"}]
     if role is Role.PREFILL:  # every data-parallel rank's side channel that a pod declares (the leader's)
         for rank in range(multinode.data_parallel_per_pod(dd.spec.prefill)):
             port_name = side_channel_port_name(rank)
@@ -34,6 +39,11 @@ def service(dd: DisaggregatedDeployment, uid: str, role: Role, config: OperatorC
             "clusterIP": "None",
             "selector": selector(dd.metadata.name, role),
             "ports": ports,
-            "publishNotReadyAddresses": False,
+            "publishNotReadyAddresses": role is Role.PREFILL,
         },
     }
+
+
+def dns_name(dd: DisaggregatedDeployment, role: Role, config: OperatorConfig) -> str:
+    """The role's Service's DNS name as its deployment's pods resolve it: ``<name>.<namespace>.<serviceDomain>``."""
+    return f"{role_name(dd.metadata.name, role)}.{dd.metadata.namespace or 'default'}.{config.service_domain}"
