@@ -30,7 +30,7 @@ export KVBRIDGE_IMAGES_CACHE := $(IMAGES_CACHE)
 IMAGE_TOOLS := mmdebstrap buildah podman runc
 
 
-.PHONY: prometheus image-tools images images-test
+.PHONY: prometheus image-tools images images-test planner-loop-test
 .PHONY: setup test lint typecheck imports unit demo bench-core crds manifests clean check check-tests
 
 setup: $(STAMP) $(if $(filter $(CHECK_VENV),$(VENV)),,$(VLLM_STAMP)) prometheus image-tools
@@ -61,6 +61,9 @@ images: image-tools
 
 # every test that builds and runs an image, the CPU engine image's P/D run included (which `make test` leaves out:
 # minutes to build, 4.7 GB)
+planner-loop-test: setup
+	$(VENV)/bin/pytest -m planner_loop $(PYTEST_ARGS)
+
 images-test: setup
 	TORCH_INDEX='$(TORCH_INDEX)' $(VENV)/bin/pytest -m images $(PYTEST_ARGS)
 
@@ -113,7 +116,7 @@ imports: setup
 # terminal CI has none of
 unit: setup
 	LIBC_FATAL_STDERR_=1 $(VENV)/bin/python tests/parallel_stage.py -m "not slow" -n 4
-	LIBC_FATAL_STDERR_=1 TORCH_INDEX='$(TORCH_INDEX)' $(VENV)/bin/pytest -m "slow and not engine_image"
+	LIBC_FATAL_STDERR_=1 TORCH_INDEX='$(TORCH_INDEX)' $(VENV)/bin/pytest -m "slow and not engine_image and not planner_loop"
 
 test: lint typecheck imports unit
 
