@@ -137,16 +137,28 @@ def test_state_shapes_are_vllms(member: Member) -> None:
 def test_a_window_without_layer_types_of_an_unknown_family_is_refused(tmp_path: Path) -> None:
     """Which layers slide is never guessed: a family whose config class computes its own layer_types, unknown here,
     is refused naming the key to add."""
-    config = {"model_type": "cohere2", "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
-              "hidden_size": 512, "sliding_window": 4096}  # fmt: skip
+    config = {
+        "model_type": "cohere2",
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "hidden_size": 512,
+        "sliding_window": 4096,
+    }
     with pytest.raises(ModelConfigError) as refused:
         geometry(config, "cohere2")
     assert refused.value.field == "layer_types"
 
 
 def test_layer_types_of_another_length_are_refused() -> None:
-    config = {"model_type": "gpt_oss", "num_hidden_layers": 4, "num_attention_heads": 8, "head_dim": 64,
-              "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"]}  # fmt: skip
+    config = {
+        "model_type": "gpt_oss",
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "head_dim": 64,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"],
+    }
     with pytest.raises(ModelConfigError) as refused:
         geometry(config, "short")
     assert refused.value.field == "layer_types"
