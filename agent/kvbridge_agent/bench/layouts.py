@@ -243,7 +243,8 @@ def _row(model: ModelGeometry, case: Case, tokens: int, allocation: str, results
         "blockIds": allocation,
         "tokens": tokens,
         "bytesPerRequest": moved,
-        "descriptorsPerRequest": descriptors,
+        "descriptorsPerRequest": descriptors,  # what NIXL posted (runs adjacent in both caches merged)
+        "descriptorIdsPerRequest": int(results[0].indices),  # the ids kvbridge handed it
         "bytesPerDescriptor": moved // max(1, descriptors),
         "gbps": round(moved / _median([r.seconds for r in results]) / 1e9, 3),
         "ownUsPerRequest": round(_median([r.own_microseconds for r in results]), 1),

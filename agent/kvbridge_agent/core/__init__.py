@@ -14,7 +14,6 @@ Reading order:
 - ``wire``: the wire format and the conversions each side performs.
 - ``plan``: the transfer plan, built once per pair of engines.
 - ``blocks``: per-request block ids to descriptor ids (numpy, the hot path).
-- ``coalesce``: runs of units adjacent in both caches as one descriptor (a peer's lists' merged entries).
 - ``arithmetic``: checked integer division.
 - ``handshake``: the side channel's messages.
 - ``admission``: what decode admits of transfer parameters: its deployment's bounds, prefill hosts among them.

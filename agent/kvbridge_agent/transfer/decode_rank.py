@@ -2,9 +2,8 @@
 
 Per remote engine, everything that depends only on the two shapes is done
 once in :meth:`DecodeRank.add_peer`: the plan, remote agents, remote and
-local prepped descriptor lists (with merged entries for runs adjacent in both
-caches, core.coalesce).  Per request only block ids are mapped to descriptor
-ids (numpy) and the READs are posted.
+local prepped descriptor lists.  Per request only block ids are mapped to
+descriptor ids (numpy) and the READs are posted.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from kvbridge_agent.core import (
     Role,
     RoleSettings,
     SpecError,
+    TransferPlan,
     TransferSettings,
     build_plan,
     region_layout,
@@ -38,14 +38,14 @@ from kvbridge_agent.core.handshake import (
     RankMetadata,
     notification,
 )
-from kvbridge_agent.core.layout import run_regions
+from kvbridge_agent.core.layout import BlockRuns, run_regions
 from kvbridge_agent.core.physical_reads import (
     ChunkSide,
     PhysicalRead,
     physical_read,
     shared_heads,
 )
-from kvbridge_agent.transfer.descriptors import LocalLists, LocalRead, Rows, descriptor_rows, merged_rows
+from kvbridge_agent.transfer.descriptors import descriptor_rows
 from kvbridge_agent.transfer.digest import Digester
 from kvbridge_agent.transfer.kv_cache import KVCache
 from kvbridge_agent.transfer.peers import STALE_PEER
@@ -53,7 +53,6 @@ from kvbridge_agent.transfer.reads import (
     TRANSFER_FAILED,
     TRANSFER_TIMEOUT,
     UNKNOWN_PEER,
-    MergedRead,
     ReadResult,
     RemotePeer,
     Verify,
@@ -75,12 +74,14 @@ class _InFlight:
     deadline: float
     started: float
     bytes: int
-    descriptors: int
+    descriptors: int  # descriptor ids handed NIXL
     ids_microseconds: float
     make_microseconds: float
     post_microseconds: float
     own_microseconds: float
     verify: Verify | None = None
+    #: descriptors NIXL posted (its telemetry, once every READ is done; ``None``: not reported)
+    posted: int | None = None
 
 
 class DecodeRank:
@@ -98,7 +99,7 @@ class DecodeRank:
         self.settings = settings
         self.transfer = transfer
         self.peers: dict[str, RemotePeer] = {}
-        self._local_lists = LocalLists(transport, cache)
+        self._local_lists: dict[tuple[int, int, int] | BlockRuns, Any] = {}
         self._in_flight: dict[str, _InFlight] = {}
         self._zombies: list[Any] = []  # transfer handles NIXL could not cancel yet
         #: the transfer digest of this cache (core.digest): made from the cache's geometry when first needed,
@@ -181,8 +182,8 @@ class DecodeRank:
                     length=read.length,
                     device_id=meta.device_id,
                 )
-                local = self._local_lists.for_layout(plan.block_size_ratio, read.local_offset, read.length, rows)
-                self._add_read(peer, read.prefill_rank, meta, rows, local)
+                remote = self.transport.prep(peer.agents[read.prefill_rank], rows, meta.memory_type.value)
+                peer.lists.append((remote, self._local_list(plan, read.local_offset, read.length)))
                 peer.lengths.append(read.length)
         except BaseException:
             self._drop(peer)
@@ -239,9 +240,8 @@ class DecodeRank:
                 length=length,
                 device_id=meta.device_id,
             )
-            self._add_read(
-                peer, read.prefill_rank, meta, rows, self._local_lists.for_runs(physical.target.regions, rows)
-            )
+            handle = self.transport.prep(peer.agents[read.prefill_rank], rows, meta.memory_type.value)
+            peer.lists.append((handle, self._local_runs_list(physical.target.regions)))
             peer.lengths.append(length)
             if reads and (physical.tokens, physical.source.chunks) != (reads[0].tokens, reads[0].source.chunks):
                 raise HandshakeError(  # one chunking maps every request's blocks for all reads
@@ -257,23 +257,44 @@ class DecodeRank:
             ChunkSide(meta.block_size, plan.split_ratio, first.source.chunks * first.tokens, first.tokens),
         )
 
-    def _add_read(self, peer: RemotePeer, prefill_rank: int, meta: RankMetadata, rows: Rows, local: LocalRead) -> None:
-        """One read's lists: the prefill rank's ``rows`` beside the local list, and where both sides can merge the
-        same with merged entries (core.coalesce)."""
-        agent, memory = peer.agents[prefill_rank], meta.memory_type.value
-        peer.lists.append((self.transport.prep(agent, rows, memory), local.plain))
-        if local.merged is None:
-            peer.merged.append(None)
-            return
-        remote = self.transport.prep(agent, merged_rows(rows, local.merged[1]), memory)
-        peer.merged.append(MergedRead(*local.merged, (remote, local.merged_list)))
+    def _local_runs_list(self, runs: BlockRuns) -> Any:
+        handle = self._local_lists.get(runs)
+        if handle is None:
+            cache = self.cache
+            rows = descriptor_rows(
+                cache.bases,
+                run_regions(runs),
+                cache.num_blocks * cache.kernel_ratio,
+                units_per_block=1,
+                offset=0,
+                length=runs.length,
+                device_id=cache.device_id,
+            )
+            handle = self.transport.prep("", rows, cache.memory_type.value)
+            self._local_lists[runs] = handle
+        return handle
+
+    def _local_list(self, plan: TransferPlan, offset: int, length: int) -> Any:
+        key = (plan.block_size_ratio, offset, length)
+        handle = self._local_lists.get(key)
+        if handle is None:
+            cache = self.cache
+            rows = descriptor_rows(
+                cache.bases,
+                cache.layout,
+                cache.num_blocks,
+                units_per_block=plan.block_size_ratio,
+                offset=offset,
+                length=length,
+                device_id=cache.device_id,
+            )
+            handle = self.transport.prep("", rows, cache.memory_type.value)
+            self._local_lists[key] = handle
+        return handle
 
     def _drop(self, peer: RemotePeer) -> None:
         for remote, _local in peer.lists:
             self.transport.release_dlist(remote)
-        for merged in peer.merged:
-            if merged is not None:
-                self.transport.release_dlist(merged.lists[0])
         for name in peer.agents.values():
             self.transport.remove_peer(name)
 
@@ -333,15 +354,14 @@ class DecodeRank:
                     self.transport.notify(peer.agents[p], note)
             else:
                 made = time.perf_counter()
-                for lists, read in zip(peer.lists, ids, strict=True):
-                    remote, local = read.lists or lists
-                    handles.append(self.transport.make_read(local, read.local, remote, read.remote, note))
+                for (remote, local), (local_ids, remote_ids) in zip(peer.lists, ids, strict=True):
+                    handles.append(self.transport.make_read(local, local_ids, remote, remote_ids, note))
                 posting = time.perf_counter()
                 make_us = (posting - made) * 1e6
                 for handle in handles:
                     self.transport.post(handle)
                 nixl_post_us = (time.perf_counter() - posting) * 1e6
-                total_bytes = sum(length * read.units for length, read in zip(peer.lengths, ids, strict=True))
+                total_bytes = sum(length * pair[0].size for length, pair in zip(peer.lengths, ids, strict=True))
             for p in rank_plan.notify_only_ranks:
                 self.transport.notify(peer.agents[p], note)
         except (TransportError, KVBridgeError) as exc:
@@ -358,7 +378,7 @@ class DecodeRank:
             time.monotonic() + timeout,
             started,
             total_bytes,
-            sum(read.local.size for read in ids),
+            sum(pair[0].size for pair in ids),
             ids_us,
             make_us,
             nixl_post_us,
@@ -397,6 +417,9 @@ class DecodeRank:
                 )
             elif all(state == "DONE" for state in states):
                 del self._in_flight[request_id]
+                posted = [self.transport.posted(handle) for handle in flight.handles]
+                if None not in posted:  # runs adjacent in both caches merged by NIXL (docs/protocol.md §4c)
+                    flight.posted = sum(p for p in posted if p is not None)
                 for handle in flight.handles:
                     self.transport.release(handle)
                 results.append(self._finish(flight, peer))
@@ -415,7 +438,8 @@ class DecodeRank:
             flight.request_id,
             True,
             bytes=flight.bytes,
-            descriptors=flight.descriptors,
+            descriptors=flight.descriptors if flight.posted is None else flight.posted,
+            indices=flight.descriptors,
             seconds=done - flight.started,
             convert_seconds=done - read if converted else 0.0,
             conversion=conversion,
@@ -457,7 +481,9 @@ class DecodeRank:
     def close(self) -> None:
         for engine_id in list(self.peers):
             self.evict_peer(engine_id)
-        self._local_lists.close()
+        for handle in self._local_lists.values():
+            self.transport.release_dlist(handle)
+        self._local_lists.clear()
         for handle in self._zombies:
             self.transport.release(handle)
         self._zombies.clear()

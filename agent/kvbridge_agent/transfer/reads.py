@@ -6,14 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from kvbridge_agent.core import BlockMappingError, DecodeRankPlan, TransferPlan, descriptor_ids, map_request_blocks
-from kvbridge_agent.core.blocks import BLOCK_ID_OUT_OF_RANGE, DescriptorIds, IntArray, require_distinct
+from kvbridge_agent.core.blocks import BLOCK_ID_OUT_OF_RANGE, DescriptorIds, require_distinct
 from kvbridge_agent.core.cache_groups import CACHE_GROUPS_MISMATCH, pair_groups
-from kvbridge_agent.core.coalesce import MergedList, merged_ids, merged_runs
 from kvbridge_agent.core.digest import RequestDigests
 from kvbridge_agent.core.handshake import KVTransferParams
 from kvbridge_agent.core.physical_reads import ChunkSide, MappedChunks, PhysicalRead, chunk_descriptor_ids, map_chunks
@@ -22,17 +21,6 @@ from kvbridge_agent.core.physical_reads import ChunkSide, MappedChunks, Physical
 UNKNOWN_PEER = "UNKNOWN_PEER"
 TRANSFER_FAILED = "TRANSFER_FAILED"
 TRANSFER_TIMEOUT = "TRANSFER_TIMEOUT"
-
-
-@dataclass(frozen=True, eq=False)
-class MergedRead:
-    """A read's lists with merged entries (core.coalesce), prepared beside its plain ones: each side's numbering,
-    and the prepped ``(remote, local)`` lists. A request with a run of two or more reads through these; one without
-    through the plain ones, which NIXL looks entries up in faster (fewer rows)."""
-
-    local: MergedList
-    remote: MergedList
-    lists: tuple[Any, Any]
 
 
 @dataclass
@@ -53,15 +41,8 @@ class RemotePeer:
     sides: tuple[ChunkSide, ChunkSide] | None = None
     #: per read of the rank plan: (remote prepped list, local prepped list)
     lists: list[tuple[Any, Any]] = field(default_factory=list)
-    #: bytes of one unmerged descriptor of each list
+    #: bytes of one descriptor of each list
     lengths: list[int] = field(default_factory=list)
-    #: per list: its merged lists (core.coalesce), or ``None`` where its runs cannot merge
-    merged: list[MergedRead | None] = field(default_factory=list)
-
-    @property
-    def merged_lists(self) -> list[MergedRead | None]:
-        """:attr:`merged` for every list (``None`` for lists prepared without merged entries)."""
-        return [*self.merged, *[None] * (len(self.lists) - len(self.merged))]
 
 
 @dataclass
@@ -72,7 +53,11 @@ class ReadResult:
     message: str = ""
     invalid_blocks: list[int] = field(default_factory=list)
     bytes: int = 0
+    #: descriptors NIXL posted: it merges the ids of a run adjacent in both caches into one (docs/protocol.md §4c;
+    #: from its telemetry, or ``indices`` where it reports none)
     descriptors: int = 0
+    #: descriptor ids kvbridge handed NIXL: one per region (or paired run) and unit
+    indices: int = 0
     seconds: float = 0.0
     #: kvbridge mapping block ids to descriptor ids (part of ``own_microseconds``)
     ids_microseconds: float = 0.0
@@ -101,29 +86,6 @@ class Verify:
     block_layers: list[int] | None = None
 
 
-class ReadIds(NamedTuple):
-    """One READ of a request: descriptor ids of the local and the remote list, the units it moves (its descriptors
-    before merging: its bytes are these times the list's length), and the ``(remote, local)`` lists the ids index
-    when they are not the read's plain ones (merged, :class:`MergedRead`)."""
-
-    local: DescriptorIds
-    remote: DescriptorIds
-    units: int
-    lists: tuple[Any, Any] | None = None
-
-
-def _ids(local: IntArray, remote: IntArray, merged: MergedRead | None, plain: Callable[[], ReadIds]) -> ReadIds:
-    """``local[i] <- remote[i]`` (units of every region) as merged runs where the read has merged lists and the
-    request a run of two or more; else the plain ids."""
-    if merged is None:
-        return plain()
-    paired = merged_runs(local, remote)
-    if paired is None:  # no run of two
-        return plain()
-    local_ids, remote_ids = merged_ids(paired, merged.local, merged.remote)
-    return ReadIds(local_ids, remote_ids, merged.local.regions * local.size, merged.lists)
-
-
 def request_descriptor_ids(
     peer: RemotePeer,
     params: KVTransferParams,
@@ -131,10 +93,10 @@ def request_descriptor_ids(
     group_sizes: list[int] | None,
     num_local_blocks: int,
     buffers: Callable[[int], tuple[DescriptorIds, DescriptorIds]],
-) -> list[ReadIds]:
-    """Per list of the peer, the ids of one request's READ (runs adjacent in both caches merged where the lists
-    hold merged entries, core.coalesce); empty for a full prefix hit. ``num_local_blocks``: the blocks of decode's
-    cache; ``buffers(n)``: two id arrays of at least ``n``, which the rank reuses from request to request."""
+) -> list[tuple[DescriptorIds, DescriptorIds]]:
+    """Per list of the peer, ``(local ids, remote ids)`` of one request's READs; empty for a full prefix hit.
+    ``num_local_blocks``: the blocks of decode's cache; ``buffers(n)``: two id arrays of at least ``n``, which the
+    rank reuses from request to request."""
     if len(params.remote_block_ids) > peer.remote_units:  # more than the peer's cache holds: not one request's
         raise BlockMappingError(
             f"{len(params.remote_block_ids)} block ids, but prefill {peer.engine_id} registered {peer.remote_units} "
@@ -157,12 +119,18 @@ def request_descriptor_ids(
             mapped = map_chunks(local_blocks, params.remote_block_ids, params.num_tokens, local_side, remote_side)
         if mapped.full_hit:
             return []
-        # each block read once, on each side (its chunks: one key each)
+        # each block read once on each side (its chunks, one key each): two READs into one block would race
         require_distinct(mapped.local_blocks * local_side.chunks + mapped.local_chunks, field="request.local_block_ids")
         require_distinct(
             mapped.remote_blocks * remote_side.chunks + mapped.remote_chunks, field="request.remote_block_ids"
         )
-        return [_chunk_ids(mapped, read, merged) for read, merged in zip(peer.physical, peer.merged_lists, strict=True)]
+        return [
+            (
+                chunk_descriptor_ids(mapped.local_blocks, mapped.local_chunks, read.target),
+                chunk_descriptor_ids(mapped.remote_blocks, mapped.remote_chunks, read.source),
+            )
+            for read in peer.physical
+        ]
     if group_sizes is not None:
         raise BlockMappingError(
             "several KV cache groups are moved between physical layouts only (vLLM's KVCacheLayout views)",
@@ -176,30 +144,10 @@ def request_descriptor_ids(
     require_distinct(mapped_blocks.local, field="request.local_block_ids")  # each (sub-)block read once
     require_distinct(mapped_blocks.remote, field="request.remote_block_ids")
     regions = peer.regions
-
-    def plain() -> ReadIds:
-        local_buf, remote_buf = buffers(regions * mapped_blocks.local.size)
-        local_units = num_local_blocks * plan.block_size_ratio
-        local_ids = descriptor_ids(mapped_blocks.local, regions, local_units, out=local_buf)
-        remote_ids = descriptor_ids(mapped_blocks.remote, regions, peer.remote_units, out=remote_buf)
-        return ReadIds(local_ids, remote_ids, regions * mapped_blocks.local.size)
-
-    ids = {merged: _ids(mapped_blocks.local, mapped_blocks.remote, merged, plain) for merged in peer.merged_lists}
-    return [ids[merged] for merged in peer.merged_lists]
-
-
-def _chunk_ids(mapped: MappedChunks, read: PhysicalRead, merged: MergedRead | None) -> ReadIds:
-    """One physical read's ids: merged runs of blocks where both sides' blocks are one chunk each."""
-
-    def plain() -> ReadIds:
-        return ReadIds(
-            chunk_descriptor_ids(mapped.local_blocks, mapped.local_chunks, read.target),
-            chunk_descriptor_ids(mapped.remote_blocks, mapped.remote_chunks, read.source),
-            read.target.runs.count * mapped.local_blocks.size,
-        )
-
-    whole = read.target.chunks == read.source.chunks == 1
-    return _ids(mapped.local_blocks, mapped.remote_blocks, merged if whole else None, plain)
+    local_buf, remote_buf = buffers(regions * mapped_blocks.local.size)
+    local_ids = descriptor_ids(mapped_blocks.local, regions, num_local_blocks * plan.block_size_ratio, out=local_buf)
+    remote_ids = descriptor_ids(mapped_blocks.remote, regions, peer.remote_units, out=remote_buf)
+    return [(local_ids, remote_ids)] * len(peer.lists)
 
 
 def _map_groups(

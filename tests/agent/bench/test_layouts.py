@@ -111,7 +111,7 @@ def test_a_tiny_run_of_every_case_gives_the_paired_runs_and_the_models_bytes(all
             unmerged = RUNS_PER_CHUNK[case.name] * TOKENS // 16  # one per paired run of each 16-token chunk
             if row["blockIds"] == "scattered":  # no two ids adjacent on both sides: nothing to coalesce
                 assert row["descriptorsPerRequest"] == unmerged, case.name
-            else:  # contiguous ids: adjacent runs coalesced (core/coalesce.py)
+            else:  # contiguous ids: NIXL merges adjacent runs (docs/protocol.md §4c)
                 assert 0 < row["descriptorsPerRequest"] <= unmerged, case.name
             assert row["bytesPerRequest"] == TINY.kv_bytes_per_token * TOKENS // case.decode.tp
             assert row["bytesPerDescriptor"] * row["descriptorsPerRequest"] == row["bytesPerRequest"]

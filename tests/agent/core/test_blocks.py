@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvbridge_agent.core import BlockMappingError, blocks_for_tokens, descriptor_ids, map_request_blocks, wire_block_ids
+from kvbridge_agent.core.blocks import INVALID_BLOCK_IDS, require_distinct
 
 
 def test_blocks_for_tokens_is_a_ceiling() -> None:
@@ -78,3 +81,15 @@ def test_descriptor_ids_into_a_reused_buffer() -> None:
     assert np.shares_memory(ids, out)
     with pytest.raises(BlockMappingError):
         descriptor_ids(np.array([0, 1, 2, 3]), 3, 4, out=out)
+
+
+@given(ids=st.lists(st.integers(0, 50), max_size=30))
+def test_a_block_listed_twice_is_refused(ids: list[int]) -> None:
+    """Two READs into one decode block would race (transfer/reads.py checks both sides' units)."""
+    units = np.asarray(ids, dtype=np.int64)
+    if len(set(ids)) == len(ids):
+        require_distinct(units, field="request.local_block_ids")
+        return
+    with pytest.raises(BlockMappingError) as caught:
+        require_distinct(units, field="request.local_block_ids")
+    assert (caught.value.code, caught.value.field) == (INVALID_BLOCK_IDS, "request.local_block_ids")

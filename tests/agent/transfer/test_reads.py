@@ -49,8 +49,7 @@ def test_more_block_ids_than_the_peer_registered_are_refused(ids: list[int]) -> 
 @given(ids=st.lists(st.integers(0, 23), min_size=1, max_size=24, unique=True), local=st.integers(1, 24))
 def test_a_request_within_the_peer_s_cache_maps_its_tail(ids: list[int], local: int) -> None:
     local_blocks = list(range(40, 40 + min(local, len(ids))))
-    (read,) = request_descriptor_ids(PEER, params(ids), local_blocks, None, 64, buffers)
-    local_ids, remote_ids = read.local, read.remote
+    ((local_ids, remote_ids),) = request_descriptor_ids(PEER, params(ids), local_blocks, None, 64, buffers)
     tail = np.asarray(ids[len(ids) - len(local_blocks) :])
     assert np.array_equal(remote_ids, np.concatenate([tail, tail + 24]))
     assert np.array_equal(local_ids, np.concatenate([np.asarray(local_blocks), np.asarray(local_blocks) + 64]))

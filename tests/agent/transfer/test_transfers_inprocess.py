@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
-from kvbridge_agent.core import Role
+from kvbridge_agent.core import RegionLayout, Role
 from kvbridge_agent.core.blocks import blocks_for_tokens
 from kvbridge_sim.support import wait_until
 
@@ -58,10 +58,28 @@ def test_full_prefix_hit_reads_nothing_and_still_notifies(pair: InProcessPair) -
     assert [rank.pending for rank in pair.prefill] == [[] for _ in pair.prefill]
 
 
-def test_contiguous_ids_move_byte_exact_as_merged_runs(pair: InProcessPair) -> None:
-    """Block ids that run on in both caches (a prefix hit leaving out the first): where the peer's lists hold merged
-    entries (core.coalesce) each run of a region goes as the fewest pieces of the prepared lengths, every byte
-    lands where it belongs, and the bytes counted are those of the unmerged descriptors."""
+def spacing(layout: RegionLayout, units_per_block: int) -> int | None:
+    """Bytes from one descriptor unit of a region to the next (``None``: not evenly spaced)."""
+    sub = layout.unit_bytes // units_per_block
+    if units_per_block == 1:
+        return layout.block_stride
+    return sub if layout.block_stride == units_per_block * sub else None
+
+
+def end_to_end(pair: InProcessPair, d: int) -> bool:
+    """Whether every read of decode rank ``d`` moves whole units that lie end to end on both sides."""
+    peer, plan = pair.decode[d].peers[pair.engine_id], pair.plan
+    local = spacing(pair.decode[d].cache.layout, plan.block_size_ratio)
+    return all(
+        length == local == spacing(pair.prefill[read.prefill_rank].cache.layout, plan.split_ratio)
+        for read, length in zip(peer.rank_plan.reads, peer.lengths, strict=True)
+    )
+
+
+def test_contiguous_ids_go_as_one_descriptor_per_region_where_blocks_lie_end_to_end(pair: InProcessPair) -> None:
+    """Block ids that run on in both caches (a prefix hit leaving out the first): where each region's blocks (or
+    sub-blocks) lie end to end on both sides, NIXL posts the request's run as one descriptor per region (its
+    telemetry, docs/protocol.md §4c), byte-exact; elsewhere the descriptors kvbridge hands it."""
     bs_p, bs_d = pair.prefill_settings.block_size, pair.decode_settings.block_size
     tokens = 3 * max(bs_p, bs_d) + 3
     prefill_blocks = list(range(3, 3 + blocks_for_tokens(tokens, bs_p)))
@@ -73,16 +91,6 @@ def test_contiguous_ids_move_byte_exact_as_merged_runs(pair: InProcessPair) -> N
         assert result.ok, (d, result)
         assert pair.verify(d, "contiguous", decode_blocks, tokens) == [], f"decode rank {d} bytes differ"
         peer = pair.decode[d].peers[pair.engine_id]
-        merged = peer.merged_lists
-        if any(lists is None for lists in merged):
-            continue
-        # one run per region and read: n units of each region as (n >> levels) + popcount(rest) pieces
-        expected = 0
-        for lists, length in zip(merged, peer.lengths, strict=True):
-            assert lists is not None
-            local = lists.local
-            units = result.bytes // (length * local.regions * len(merged))
-            pieces = (units >> local.levels) + bin(units & ((1 << local.levels) - 1)).count("1")
-            expected += local.regions * pieces
-        assert result.descriptors == expected
-        assert result.descriptors < result.bytes // min(peer.lengths)  # fewer than unmerged
+        assert result.indices == result.bytes // sum(peer.lengths) * len(peer.lengths)
+        one_run = peer.regions * len(peer.lists)
+        assert result.descriptors == (one_run if end_to_end(pair, d) else result.indices)

@@ -415,8 +415,8 @@ def test_kernel_blocks_smaller_than_the_block(
     assert [(r.ok, r.code) for r in outcome.results] == [(True, "")]
     check_bytes(outcome)
     kernels = len(outcome.decode_blocks) * (block // kernel)
-    # one layout on both sides: a block's kernel blocks lie end to end on both, one descriptor per run and block
-    # (core.coalesce; block // kernel is a power of two); across orders the runs are smaller than a kernel block
+    # one layout on both sides: a block's kernel blocks lie end to end on both, and NIXL merges them into one
+    # descriptor per run and block (docs/protocol.md §4c); across orders the runs are smaller than a kernel block
     per_run = len(outcome.decode_blocks) if prefill_layout == decode_layout else kernels
     assert outcome.results[0].descriptors == outcome.runs_per_block * per_run
 
@@ -440,17 +440,16 @@ def test_contiguous_block_ids_go_as_one_run_per_region_and_read(
     prefill: Side, decode: Side, merged: bool, closing: list[Any]
 ) -> None:
     """Block ids that run on in both caches: where both sides' blocks lie end to end (same layout, whole blocks),
-    each region of each read moves the request's blocks as one run — the fewest pieces of the lengths the lists
-    were prepared with (core.coalesce: five blocks are a run of 4 and one of 1) — instead of one descriptor per
-    block; byte-exact and verified."""
+    NIXL posts the request as one descriptor per region (paired run) and read — its telemetry, docs/protocol.md §4c
+    — not one per block; byte-exact and verified."""
     outcome = move(prefill, decode, closing, blocks=CONTIGUOUS)
     assert [(r.ok, r.code) for r in outcome.results] == [(True, "")] * decode.tp
     assert outcome.load_errors == set()
     check_bytes(outcome)
     reads = max(1, prefill.tp // decode.tp) if not prefill.mla else 1
     units = len(outcome.decode_blocks) * decode.ratio
-    pieces = bin(units).count("1") if merged else units  # 5 blocks: 4 + 1; 3 blocks of 2 kernel blocks: 4 + 2
-    assert outcome.results[0].descriptors == outcome.runs_per_block * pieces * reads
+    assert outcome.results[0].indices == outcome.runs_per_block * units * reads
+    assert outcome.results[0].descriptors == outcome.runs_per_block * (1 if merged else units) * reads
 
 
 def test_kernel_block_sizes_that_differ_pair_by_chunks(closing: list[Any]) -> None:

@@ -237,7 +237,7 @@ def test_a_prefix_hit_leaves_out_the_first_blocks_of_a_group(closing: list[Any])
     assert [(r.ok, r.code) for r in outcome.results] == [(True, "")]
     check_bytes(outcome)
     single = move(KVCacheLayout.LBHNC, KVCacheLayout.LBHNC, closing)
-    # 6 of the 8 kept blocks read (counted in bytes: adjacent blocks merge into fewer descriptors, core.coalesce)
+    # 6 of the 8 kept blocks read (counted in bytes: NIXL merges adjacent blocks into fewer descriptors)
     assert outcome.results[0].bytes * 8 == single.results[0].bytes * 6
 
 

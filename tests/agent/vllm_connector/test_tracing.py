@@ -126,8 +126,18 @@ def decode_worker(spans: Spans) -> ConnectorWorker:
     [
         (ReadResult("r", True, bytes=4096, descriptors=8, seconds=0.002), False, "", None),
         (ReadResult("r", True, bytes=4096, descriptors=8, seconds=0.002), True, "", ""),
-        (ReadResult("r", False, KV_DIGEST_MISMATCH, "x", [1], 4096, 8, 0.002), True, "", KV_DIGEST_MISMATCH),
-        (ReadResult("r", False, "TRANSFER_FAILED", "x", [1], 0, 8, 0.0), False, "TRANSFER_FAILED", None),
+        (
+            ReadResult("r", False, KV_DIGEST_MISMATCH, "x", [1], bytes=4096, descriptors=8, seconds=0.002),
+            True,
+            "",
+            KV_DIGEST_MISMATCH,
+        ),
+        (
+            ReadResult("r", False, "TRANSFER_FAILED", "x", [1], bytes=0, descriptors=8, seconds=0.0),
+            False,
+            "TRANSFER_FAILED",
+            None,
+        ),
     ],
 )
 def test_a_read_is_a_span_with_bytes_and_descriptors_then_its_check(
