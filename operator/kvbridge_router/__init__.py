@@ -19,7 +19,8 @@ Reading order:
 - ``prompts``: pure: a request's prompt, as admission checks it and kv-aware scores it.
 - ``samples``: pure: OpenAI's ``n``: the samples' requests, and one answer joined from theirs.
 - ``auth``: pure: clients' API keys (``Authorization: Bearer``), compared in constant time.
-- ``errors``: the router's errors, in OpenAI's error shape.
+- ``errors``: the router's errors, in OpenAI's error shape, the pods they are about in headers.
+- ``refusals``: pure: an engine's error answer as the client gets it (OpenAI's error object, bounded).
 - ``pool``: pure: which pods pair, the balancer (what the policies read: loads, what was sent where).
 - ``policies``: pure: how pods are chosen, one module per policy behind one protocol (``kv-aware``, ``least-loaded``,
   ``round-robin``); the choice returned as a value, the pair and why.
@@ -30,13 +31,14 @@ Reading order:
 - ``source``: the watched status, or a file.
 - ``upstream``: the HTTP/1.1 client to the engines.
 - ``answers``: whether a decode pod's answer is an answer or an engine's refusal.
+- ``warmth``: pure: which pods are still cold for a kind of request (their first call of it gets ``cold_timeout``).
 - ``metrics``: the router's Prometheus metrics, one table of their definitions.
 - ``tracing``: the router's OpenTelemetry spans, and the trace context each engine call carries.
 - ``__main__``: ``python -m kvbridge_router``.
 
 A separate process with its own, read-only RBAC: it imports the operator's ``api`` (its settings among them), API
 client and retry delays, never Kopf, the children or the controller; the operator imports nothing of it.
-``prompts``, ``samples``, ``pool``, ``policies``, ``prefixes``, ``ring``, ``peers``, ``answers`` and ``auth`` import
-no HTTP library, event loop or metrics client (import-linter keeps it so); ``server``, ``connection``, ``request``,
-``response`` and ``upstream``, the two HTTP ends, import nothing else of kvbridge.
+``prompts``, ``samples``, ``pool``, ``policies``, ``prefixes``, ``ring``, ``peers``, ``answers``, ``refusals``,
+``warmth`` and ``auth`` import no HTTP library, event loop or metrics client (import-linter keeps it so); ``server``,
+``connection``, ``request``, ``response`` and ``upstream``, the two HTTP ends, import nothing else of kvbridge.
 """

@@ -18,6 +18,9 @@ class RouterConfig:
     """What a router runs with: the settings as the proxy uses them, and the bounds that are not flags."""
 
     prefill_timeout: float = DEFAULTS.prefill_timeout
+    #: a pod's first call of a kind of request (warmth.py): its bound instead of prefill_timeout, and instead of a
+    #: stream's decode_idle_timeout until the first chunk
+    cold_timeout: float = DEFAULTS.cold_timeout
     decode_timeout: float = DEFAULTS.decode_timeout
     #: streaming decode: the longest wait for the next chunk
     decode_idle_timeout: float = DECODE_IDLE_SECONDS
@@ -64,6 +67,7 @@ class RouterConfig:
         of their ``api_key_file`` and the peers' key of their ``peer_key_file``."""
         return cls(
             prefill_timeout=settings.prefill_timeout,
+            cold_timeout=settings.cold_timeout,
             decode_timeout=settings.decode_timeout,
             decode_idle_timeout=min(settings.decode_timeout, DECODE_IDLE_SECONDS),
             prefill_attempts=settings.prefill_attempts,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 
 from kvbridge_agent.core.signing import signed
@@ -20,12 +21,14 @@ from kvbridge_operator.api.objects import Obj
 from kvbridge_router.answers import Start, StreamStart, WholeEvents, aborted
 from kvbridge_router.config import RouterConfig
 from kvbridge_router.encoding import encoded, with_field
-from kvbridge_router.engines import Engines, Ledger, after_answer, cause_of
+from kvbridge_router.engines import Engines, Ledger, after_answer, cause_of, client_cause, read_error
 from kvbridge_router.errors import RouteError
 from kvbridge_router.pool import Target
 from kvbridge_router.request import Request
 from kvbridge_router.response import Answer, Response, StreamResponse
 from kvbridge_router.upstream import AnswerTooLargeError, EngineAnswer, UnreachableError, UpstreamError
+
+log = logging.getLogger(__name__)
 
 
 async def decode(
@@ -47,6 +50,8 @@ async def decode(
     decode_body = _decode_body(config, target, body, raw, params, left)
     stream = bool(body.get("stream"))
     idle = config.decode_idle_timeout if stream else None  # streams: the longest wait for each chunk
+    # a pod's first stream of the request's kind: cold_timeout for its first chunk (warmth.py)
+    first = engines.bound(target.pod, ledger.kind, idle) if idle is not None else None
     # a streamed answer, begun once decode's first token came; None: decode's answer is read whole
     response = StreamResponse(status=200) if stream else None
     engines.enter("decode", target)
@@ -54,16 +59,18 @@ async def decode(
     try:
         async with asyncio.timeout(max(min(config.decode_timeout, left), 0.001)):
             async with engines.upstream.post(
-                target.url, request.path, decode_body, headers, config.connect_timeout, idle
+                target.url, request.path, decode_body, headers, config.connect_timeout, first
             ) as upstream:
                 if upstream.status >= 500:  # nothing has reached the client: another pair may serve it
                     raise await _failed(engines, target, upstream, ledger)
                 if response is None or upstream.status != 200:
                     return await _whole(engines, target, upstream, started, ledger)
-                return await _streamed(engines, request, target, upstream, response, started, ledger)
+                return await _streamed(engines, request, target, upstream, response, first, ledger, started)
     except AnswerTooLargeError as exc:  # read before anything reached the client; the request's, not retried
-        raise RouteError(502, "DECODE_ANSWER_TOO_LARGE", f"decode pod {target.pod}: {exc}") from None
+        raise RouteError(502, "DECODE_ANSWER_TOO_LARGE", f"the decode engine's {exc}", pods=(target.pod,)) from None
     except (TimeoutError, UpstreamError, ConnectionResetError) as exc:
+        if isinstance(exc, TimeoutError):  # a longer bound for its first call, if it had one, is spent
+            engines.warmth.warmed(target.pod, ledger.kind)
         return await _broken_off(engines, request, target, exc, response, ledger.route)
     finally:
         ledger.spent += time.perf_counter() - called
@@ -85,23 +92,31 @@ def _decode_body(
 
 async def _failed(engines: Engines, target: Target, upstream: EngineAnswer, ledger: Ledger) -> RouteError:
     """Decode's 5xx, as the error the caller retries on another pair (or not: engines.judge_5xx)."""
-    text = (await upstream.read(engines.config.max_answer_bytes)).decode(errors="replace")
+    error = await read_error(upstream, "decode", "DECODE_FAILED")
     retry, why = await engines.judge_5xx(target, upstream.status, ledger, "decode")
-    message = f"decode pod {target.pod}: HTTP {upstream.status}: {text[:300]}{why}"
-    return RouteError(502, "DECODE_FAILED", message, retry=retry, reprefill=True)
+    message = f"the decode engine answered HTTP {upstream.status}: {error['message']}{why}"
+    return RouteError(502, "DECODE_FAILED", message, retry=retry, reprefill=True, pods=(target.pod,))
 
 
 async def _whole(engines: Engines, target: Target, upstream: EngineAnswer, started: float, ledger: Ledger) -> Answer:
-    """Decode's answer read whole (not streamed, or not a 200) and passed back as it is; an aborted one is retried."""
+    """Decode's answer read whole (not streamed, or not a 200) and passed back as it is; an aborted one is retried.
+    A refusal (4xx) is the request's: the engine's error object with its status, not retried."""
+    if upstream.status != 200:
+        error = await read_error(upstream, "decode", "DECODE_REFUSED")
+        raise RouteError(
+            upstream.status, "DECODE_REFUSED", error["message"], pods=(target.pod,), engine=("decode", error)
+        )
     data = await upstream.read(engines.config.max_answer_bytes)
-    if upstream.status == 200 and aborted(data):
+    if aborted(data):
         raise RouteError(
             502,
             "DECODE_ABORTED",
-            f"decode pod {target.pod}: the engine aborted the request (shutting down?)",
+            "the decode engine aborted the request (shutting down?)",
             retry=True,
             reprefill=True,
+            pods=(target.pod,),
         )
+    engines.warmth.warmed(target.pod, ledger.kind)
     if ledger.ttft:
         after_answer(engines.metrics.observe_ttft, time.perf_counter() - started, ledger.trace.trace_id)
     return Response(data, upstream.status, upstream.content_type)
@@ -113,23 +128,26 @@ async def _streamed(
     target: Target,
     upstream: EngineAnswer,
     response: StreamResponse,
-    started: float,
+    first: float | None,
     ledger: Ledger,
+    started: float,
 ) -> Answer:
     """Decode's stream passed on: held back until an event with content (an engine that aborts first is retried),
-    then each chunk as it comes, broken off only at an event's end."""
+    then each chunk as it comes, broken off only at an event's end. The first chunk may take ``first`` seconds."""
     response.headers["Content-Type"] = upstream.headers.get("content-type", "text/event-stream")
     response.headers["Cache-Control"] = "no-cache"
     start = StreamStart()  # held back until an event with content (answers.py)
-    chunks = upstream.chunks(engines.config.decode_idle_timeout)
+    chunks = upstream.chunks(engines.config.decode_idle_timeout, first)
     async for chunk in chunks:
         state = start.feed(chunk)
         if state is not Start.PENDING:
             break
     else:
         state = start.end()
+    engines.warmth.warmed(target.pod, ledger.kind)  # it answered: a stream's usual bounds from now on
     if state is Start.FAILED:
-        raise RouteError(502, "DECODE_ABORTED", f"decode pod {target.pod}: {start.reason}", retry=True, reprefill=True)
+        message = f"the decode engine: {start.reason}"
+        raise RouteError(502, "DECODE_ABORTED", message, retry=True, reprefill=True, pods=(target.pod,))
     if ledger.ttft:
         after_answer(engines.metrics.observe_ttft, time.perf_counter() - started, ledger.trace.trace_id)
     await response.prepare(request)
@@ -153,16 +171,18 @@ async def _broken_off(
     """A decode call that failed: before anything reached the client, a :class:`RouteError` to retry on another
     pair; once the stream has begun, the stream ended with an error event the client can read."""
     code, status = ("DECODE_TIMEOUT", 504) if isinstance(exc, TimeoutError) else ("DECODE_UNAVAILABLE", 502)
-    message = f"decode pod {target.pod}: {cause_of(exc)}"
+    message = f"no answer from the decode engine: {client_cause(exc)}"
     if response is None or not response.prepared:  # nothing reached the client: retry on another pair
         reached = not isinstance(exc, UnreachableError)  # else nothing was sent: same parameters elsewhere
-        raise RouteError(status, code, message, retry=True, reprefill=reached) from None
+        raise RouteError(status, code, message, retry=True, reprefill=reached, pods=(target.pod,)) from None
     transport = request.transport
     if transport is None or transport.is_closing():  # the client went away: stop reading decode's stream
         engines.metrics.answered(route, "CLIENT_GONE")
         return response
-    # the stream has begun: end it with an error event the client can read
-    event = {"error": {"message": message, "type": "server_error", "code": code}}
+    # the stream has begun: end it with an error event the client can read (the pod in the log only)
+    log.warning("decode pod %s broke off a stream: %s", target.pod, cause_of(exc))
+    message = f"the decode engine's stream broke off: {client_cause(exc)}"
+    event = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
     with contextlib.suppress(ConnectionResetError):
         await response.write(f"data: {json.dumps(event)}\n\n".encode())
         await response.write_eof()

@@ -16,8 +16,10 @@ from kvbridge_router.config import RouterConfig
 from kvbridge_router.errors import RouteError
 from kvbridge_router.metrics import RouterMetrics
 from kvbridge_router.pool import Balancer, Pool, Target
+from kvbridge_router.refusals import MAX_ERROR_BYTES, ErrorObject, engine_error, error_type
 from kvbridge_router.tracing import OFF, Trace
-from kvbridge_router.upstream import Upstream
+from kvbridge_router.upstream import AnswerTooLargeError, EngineAnswer, UnreachableError, Upstream
+from kvbridge_router.warmth import Warmth
 
 #: client headers passed on to both engines (vLLM's --api-key checks Authorization)
 FORWARDED_HEADERS = ("Authorization",)
@@ -43,6 +45,8 @@ class Ledger:
     trace: Trace = OFF
     #: whether its first answer is observed as a time to first token (one of a request's ``n`` samples only)
     ttft: bool = True
+    #: its kind, as far as an engine's first-time paths go (warmth.kind): a pod's first call of it gets cold_timeout
+    kind: str = ""
 
 
 @dataclass
@@ -56,6 +60,8 @@ class Engines:
     pool: Pool = field(default_factory=Pool)
     #: the prefill and decode calls (every request's two); the session serves the rest
     upstream: Upstream = field(default_factory=lambda: Upstream(KEEPALIVE_SECONDS))
+    #: the kinds of request each pod has answered: a pod's first call of a kind gets ``cold_timeout`` (warmth.py)
+    warmth: Warmth = field(default_factory=Warmth)
     _session: aiohttp.ClientSession | None = field(default=None, init=False)
 
     def open(self) -> None:
@@ -80,12 +86,18 @@ class Engines:
         """Seconds left of the request's ``request_timeout``, since it ``started`` (``time.perf_counter``)."""
         return self.config.request_timeout - (time.perf_counter() - started)
 
+    def bound(self, pod: str, kind: str, usual: float) -> float:
+        """A call's bound: ``usual``, or ``cold_timeout`` when longer and ``pod`` has not answered ``kind`` yet."""
+        cold = self.config.cold_timeout
+        return cold if cold > usual and self.warmth.cold(pod, kind) else usual
+
     def request_timeout(self, tried: list[str]) -> RouteError:
-        pods = f" (prefill pods tried: {', '.join(tried)})" if tried else ""
+        pods = f" ({len(tried)} prefill pod(s) tried)" if tried else ""
         return RouteError(
             504,
             "REQUEST_TIMEOUT",
             f"no answer within the request's bound, request_timeout {self.config.request_timeout:g} s{pods}",
+            pods=tried,
         )
 
     def enter(self, role: str, target: Target) -> None:
@@ -135,6 +147,27 @@ def after_answer(account: Callable[..., object], *args: object) -> None:
     """Metrics of a request, taken as it goes (its times measured then) but written once the event loop is free: after
     the answer or the call at hand is on its way (an observation costs 5-30 us of Prometheus' locks and buckets)."""
     asyncio.get_running_loop().call_soon(account, *args)
+
+
+async def read_error(upstream: EngineAnswer, role: str, code: str) -> ErrorObject:
+    """An engine's answer other than 200 as an OpenAI error object (refusals.py), read up to
+    :data:`~kvbridge_router.refusals.MAX_ERROR_BYTES` (a longer one is not read: the object says so)."""
+    try:
+        data = await upstream.read(MAX_ERROR_BYTES)
+    except AnswerTooLargeError:
+        message = (
+            f"the {role} engine answered HTTP {upstream.status} with an error over {MAX_ERROR_BYTES} bytes, not read "
+            "(the engine's log has it)"
+        )
+        return {"message": message, "type": error_type(upstream.status), "param": None, "code": code}
+    return engine_error(upstream.status, data, code)
+
+
+def client_cause(exc: BaseException) -> str:
+    """A failed call's exception as a client is told it: no address of an engine (the log has those)."""
+    if isinstance(exc, UnreachableError):
+        return "no connection could be made"
+    return cause_of(exc)
 
 
 def cause_of(exc: BaseException) -> str:

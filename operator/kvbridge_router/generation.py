@@ -13,6 +13,7 @@ import time
 
 from kvbridge_agent.core import tracing as span
 from kvbridge_operator.api.objects import Obj
+from kvbridge_router import warmth
 from kvbridge_router.admission import admit, engine_request_id, sample_count
 from kvbridge_router.decode import decode
 from kvbridge_router.encoding import encoded
@@ -37,6 +38,7 @@ async def generate(engines: Engines, tracing: Tracing, request: Request, started
         with ledger.trace.step(span.ROUTER_ADMISSION) as admission:
             body, raw, plain = await admit(request, route, engines.config.limits)
             admission.set(span.BODY_BYTES, len(raw))
+        ledger.kind = warmth.kind(route, body)
         request_id = engine_request_id(request.headers.get("X-Request-Id"))
         ledger.trace.set(span.REQUEST_ID, request_id)
         headers = {
@@ -51,7 +53,7 @@ async def generate(engines: Engines, tracing: Tracing, request: Request, started
             response = await sampled(engines, request, body, n, headers, ledger, started)
     except RouteError as exc:
         engines.metrics.answered(route, exc.code)
-        log.warning("%s: %s %s", request.path, exc.code, exc.message)
+        log.warning("%s: %s %s", request.path, exc.code, exc.logged())
         ledger.trace.finish(exc.status, exc.code)
         return exc.response()
     except BaseException as exc:  # the client went away (cancelled), or a bug: the span still ends
@@ -135,7 +137,9 @@ async def sampled(
         sample_headers = {**headers, "X-Request-Id": f"{headers['X-Request-Id']}-{index}"}
         wait, done = (None, first_prefilled) if index == 0 else (first_prefilled, None)
         trace = ledger.trace.sample(index)
-        ledgers.append(Ledger(ledger.route, lost_engines=ledger.lost_engines, trace=trace, ttft=index == 0))
+        ledgers.append(
+            Ledger(ledger.route, lost_engines=ledger.lost_engines, trace=trace, ttft=index == 0, kind=ledger.kind)
+        )
         sample_body = prefill_bytes(sample)
         served_sample = served(
             engines, request, sample, encoded(sample), sample_body, sample_headers, ledgers[-1], started, wait, done

@@ -18,12 +18,13 @@ import msgspec
 from kvbridge_agent.core import tracing as span
 from kvbridge_operator.api.objects import Obj
 from kvbridge_router.encoding import encoded, encoded_plain
-from kvbridge_router.engines import Engines, Ledger, after_answer, cause_of
+from kvbridge_router.engines import Engines, Ledger, after_answer, client_cause, read_error
 from kvbridge_router.errors import RouteError
 from kvbridge_router.policies import Choice
 from kvbridge_router.pool import Target
 from kvbridge_router.prefixes import cached_as_keyed, held_chunks, prefix_keys, prompt_ids
-from kvbridge_router.upstream import AnswerTooLargeError, UpstreamError
+from kvbridge_router.refusals import clipped
+from kvbridge_router.upstream import AnswerTooLargeError, EngineAnswer, UpstreamError
 
 log = logging.getLogger(__name__)
 #: what the router sets on the prefill request (OpenAI and vLLM fields); streaming fields are dropped
@@ -47,8 +48,9 @@ async def prefill_somewhere(
     exclude_decodes: list[str] | None = None,
 ) -> tuple[Target, Target, Obj]:
     """Prefill on the pod the policy chooses among those with a decode partner (other than ``exclude_decodes``); on
-    a pod failure, on another one. Each call is bounded by ``prefill_timeout`` and by what is left of the request's
-    ``request_timeout`` (it ``started`` then); none is made when nothing is. The pair and the transfer parameters."""
+    a pod failure, on another one. Each call is bounded by ``prefill_timeout`` (``cold_timeout`` for a pod's first call
+    of the request's kind: warmth.py) and by what is left of the request's ``request_timeout`` (it ``started`` then);
+    none is made when nothing is. The pair and the transfer parameters."""
     config = engines.config
     tried: list[str] = []
     last: RouteError | None = None
@@ -66,18 +68,25 @@ async def prefill_somewhere(
         prefill = choice.prefill
         called = time.perf_counter()
         computed = False
-        timeout = min(config.prefill_timeout, left)
+        bound = engines.bound(prefill.pod, ledger.kind, config.prefill_timeout)  # cold_timeout for a first call
+        timeout = min(bound, left)
         try:
             with ledger.trace.step(span.ROUTER_PREFILL, {span.POD: prefill.pod}, call=True) as call:
                 params = await _call(engines, path, prefill, prefill_body, call.inject(headers), timeout, ledger)
         except RouteError as exc:
-            if exc.code == "PREFILL_TIMEOUT" and timeout < config.prefill_timeout:
+            if exc.code == "PREFILL_TIMEOUT" and timeout < bound:
                 raise engines.request_timeout([*tried, prefill.pod]) from None  # cut at the time left: no more
+            if exc.code == "PREFILL_TIMEOUT":  # the pod had its whole bound: a longer one is spent
+                engines.warmth.warmed(prefill.pod, ledger.kind)
             if not exc.retry:
                 raise
             more = len(tried) + 1 < config.prefill_attempts
             log.warning(
-                "prefill pod %s failed (%s); %s", prefill.pod, exc.message, "trying another" if more else "giving up"
+                "prefill pod %s failed (%s: %s); %s",
+                prefill.pod,
+                exc.code,
+                exc.message,
+                "trying another" if more else "giving up",
             )
             engines.metrics.retries.labels(prefill.pod).inc()
             tried.append(prefill.pod)
@@ -85,6 +94,7 @@ async def prefill_somewhere(
             continue
         else:
             computed = True
+            engines.warmth.warmed(prefill.pod, ledger.kind)
         finally:
             ledger.spent += time.perf_counter() - called
             if choice.tick:  # this choice's record at the prefill pod
@@ -94,8 +104,9 @@ async def prefill_somewhere(
             _held(engines, prefill.pod, body, params, list(choice.ticks), admitted_ids)
         return prefill, choice.decode, params
     if last is not None:
-        raise RouteError(last.status, last.code, f"{last.message} (prefill pods tried: {', '.join(tried)})")
-    raise RouteError(503, "NO_ROUTE", engines.pool.problem() or "every paired prefill pod failed")
+        message = f"{last.message} ({len(tried)} prefill pod(s) tried)"
+        raise RouteError(last.status, last.code, message, pods=tried)
+    raise RouteError(503, "NO_ROUTE", engines.pool.problem() or "every paired prefill pod failed", pods=tried)
 
 
 def _choose(
@@ -139,33 +150,43 @@ async def _call(
     engines: Engines, path: str, target: Target, request: bytes, headers: dict[str, str], timeout: float, ledger: Ledger
 ) -> Obj:
     """One prefill call: the transfer parameters of a 200; a :class:`RouteError` saying whether another pod may
-    serve the request."""
+    serve the request (the pod named in its ``pods``, never in its message)."""
     config = engines.config
+    pods = (target.pod,)
     engines.enter("prefill", target)
     try:
         async with asyncio.timeout(timeout):
             async with engines.upstream.post(
                 target.url, path, request, headers, config.connect_timeout, sent=engines.balancer.flush
             ) as upstream:
+                if upstream.status != 200:
+                    raise await _refusal(engines, target, upstream, ledger)
                 data = await upstream.read(config.max_answer_bytes)
-        text = data.decode(errors="replace") if upstream.status != 200 else ""
-        if upstream.status >= 500:
-            retry, why = await engines.judge_5xx(target, upstream.status, ledger, "prefill")
-            message = f"prefill pod {target.pod}: HTTP {upstream.status}: {text[:300]}{why}"
-            raise RouteError(502, "PREFILL_FAILED", message, retry=retry)
-        if upstream.status != 200:  # the request's fault: another pod would refuse it too
-            raise RouteError(upstream.status, "PREFILL_REFUSED", f"prefill pod {target.pod}: {text[:1000]}")
     except TimeoutError:
-        raise RouteError(
-            504, "PREFILL_TIMEOUT", f"prefill pod {target.pod}: no answer within {timeout:g} s", retry=True
-        ) from None
+        message = f"the prefill engine gave no answer within {timeout:g} s"
+        raise RouteError(504, "PREFILL_TIMEOUT", message, retry=True, pods=pods) from None
     except AnswerTooLargeError as exc:  # the request's (prompt_logprobs, say): another pod would answer the same
-        raise RouteError(502, "PREFILL_ANSWER_TOO_LARGE", f"prefill pod {target.pod}: {exc}") from None
+        raise RouteError(502, "PREFILL_ANSWER_TOO_LARGE", f"the prefill engine's {exc}", pods=pods) from None
     except UpstreamError as exc:
-        raise RouteError(502, "PREFILL_UNAVAILABLE", f"prefill pod {target.pod}: {cause_of(exc)}", retry=True) from None
+        message = f"the prefill engine is unavailable: {client_cause(exc)}"
+        raise RouteError(502, "PREFILL_UNAVAILABLE", message, retry=True, pods=pods) from None
     finally:
         engines.leave("prefill", target)
     return _transfer_params(target, data)
+
+
+async def _refusal(engines: Engines, target: Target, upstream: EngineAnswer, ledger: Ledger) -> RouteError:
+    """Prefill's answer other than 200: a 4xx is the request's (another pod would refuse it too), answered with the
+    engine's error object and status; a 5xx is the router's ``PREFILL_FAILED``, another pod's to try or not
+    (engines.judge_5xx), its message the engine's."""
+    error = await read_error(upstream, "prefill", "PREFILL_REFUSED")
+    if upstream.status < 500:
+        return RouteError(
+            upstream.status, "PREFILL_REFUSED", error["message"], pods=(target.pod,), engine=("prefill", error)
+        )
+    retry, why = await engines.judge_5xx(target, upstream.status, ledger, "prefill")
+    message = f"the prefill engine answered HTTP {upstream.status}: {error['message']}{why}"
+    return RouteError(502, "PREFILL_FAILED", message, retry=retry, pods=(target.pod,))
 
 
 def _transfer_params(target: Target, data: bytes) -> Obj:
@@ -178,15 +199,18 @@ def _transfer_params(target: Target, data: bytes) -> Obj:
     except AttributeError:  # not an object
         params = None
     refused = params.get(ENGINE_REFUSAL) if isinstance(params, dict) else None
+    pods = (target.pod,)
     if isinstance(refused, dict):  # the engine's KV connector would not offer this request: not another pod's to try
-        code, message = str(refused.get("code", "")), str(refused.get("message", ""))[:300]
-        raise RouteError(502, "PREFILL_REFUSED", f"prefill pod {target.pod} offered no KV: {code}: {message}")
+        code, message = clipped(str(refused.get("code", "")), 128), clipped(str(refused.get("message", "")), 300)
+        message = f"the prefill engine's KV connector offered no KV for this request: {code}: {message}"
+        raise RouteError(502, "PREFILL_REFUSED", message, pods=pods)
     if not isinstance(params, dict) or not params:
         raise RouteError(
             502,
             "PREFILL_NO_TRANSFER_PARAMS",
-            f"prefill pod {target.pod} answered without kv_transfer_params (is it a kv_producer with a KV connector?)",
+            "the prefill engine answered without kv_transfer_params (is it a kv_producer with a KV connector?)",
             retry=True,
+            pods=pods,
         )
     return params
 

@@ -9,14 +9,15 @@ with the reason; ``GET /metrics`` is Prometheus text (OpenMetrics, with exemplar
 stay open.
 
 Failures: a prefill that cannot be reached, times out, answers 5xx or returns no transfer parameters is tried
-on another prefill pod (``prefill_attempts`` in all); a 4xx from prefill is the client's and is passed back.
+on another prefill pod (``prefill_attempts`` in all); a 4xx from prefill is the client's and is passed back (the
+engine's error object and status, refusals.py).
 A decode call that fails before anything reached the client (connection refused or reset, a 5xx, a timeout
 before the first byte — a pod being drained or killed) is retried on another pair, ``decode_attempts`` in all:
 on another decode pod with the same transfer parameters when the failed pod was never reached (nothing was
 read), else prefilled again (the failed pod may have read the KV, and prefill freed it). An answer a shutting-down
 engine aborted (HTTP 200 without tokens) counts as a failure: a stream is held back until its first token
-(answers.py). A 4xx from decode is the client's and is passed back. Once the stream has begun it is not retried:
-it ends with an error event, after the last whole event decode sent (answers.WholeEvents).
+(answers.py). A 4xx from decode is the client's and is passed back likewise. Once the stream has begun it is not
+retried: it ends with an error event, after the last whole event decode sent (answers.WholeEvents).
 Bounds: ``connect_timeout`` per connection, ``prefill_timeout`` per prefill call, ``decode_idle_timeout`` for each
 chunk of a stream (the first one included), ``decode_timeout`` per decode call, and ``request_timeout`` for the
 whole request, retries included: no call gets more than the time left, none is made when none is left (504
@@ -25,7 +26,11 @@ request's head has not arrived ``header_timeout`` seconds after the connection o
 when idle ``CLIENT_KEEPALIVE_SECONDS`` (server.py, the router's own HTTP server); its body has ``body_timeout``. A
 prefill answer, and a decode answer that is not streamed, is read whole up to ``max_answer_bytes`` (16 MiB; more is
 refused unread, ``*_ANSWER_TOO_LARGE``, and not retried: the request asked for it); a stream is passed on as it comes.
-Errors are ``{"error": {"message", "type", "code"}}``, as OpenAI's API writes them.
+Errors are ``{"error": {"message", "type", "param", "code"}}``, as OpenAI's API writes them: an engine's own when it
+refused the request, else the router's with its stable code; the pods an error is about are in the log and the
+``X-KVBridge-*`` headers, never the body (errors.py). A pod's first call of a kind of request is bounded by
+``cold_timeout`` instead of ``prefill_timeout`` (and a stream's first chunk's 60 s): an engine compiles the paths a
+request takes the first time (warmth.py).
 
 Its modules: this one (the router: its pool, routes and the read-only ones, served on a port), ``config`` (what it
 runs with), ``generation`` (a generation request, decode's retries, ``n`` samples), ``prefill`` and ``decode`` (the
@@ -45,7 +50,7 @@ import aiohttp
 
 from kvbridge_router.auth import INVALID_API_KEY
 from kvbridge_router.config import RouterConfig
-from kvbridge_router.engines import FORWARDED_HEADERS, Engines, cause_of
+from kvbridge_router.engines import FORWARDED_HEADERS, Engines, cause_of, client_cause
 from kvbridge_router.errors import RouteError
 from kvbridge_router.generation import ROUTES, generate
 from kvbridge_router.metrics import RouterMetrics
@@ -126,6 +131,7 @@ class Router:
         self.engines.pool = pool
         self._pods = frozenset(t.pod for t in (*pool.prefill, *pool.decode))
         self.balancer.keep_only(self._pods - reborn)
+        self.engines.warmth.keep_only(self._pods - reborn)  # a restarted or replaced engine is cold again
         self.metrics.keep_pods(self._pods, set(self.balancer.outstanding))
         self.metrics.endpoints.labels("prefill").set(len(pool.routable()))
         self.metrics.endpoints.labels("decode").set(len(pool.decode))
@@ -228,7 +234,9 @@ class Router:
             ) as upstream:
                 return Response(await upstream.read(), upstream.status, upstream.content_type)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            return RouteError(502, "DECODE_UNAVAILABLE", f"decode pod {decode.pod}: {cause_of(exc)}").response()
+            log.warning("/v1/models: decode pod %s: %s", decode.pod, cause_of(exc))
+            message = f"no answer from the decode engine: {client_cause(exc)}"
+            return RouteError(502, "DECODE_UNAVAILABLE", message, pods=(decode.pod,)).response()
 
     async def _generate(self, request: Request) -> Answer:
         started = time.perf_counter()

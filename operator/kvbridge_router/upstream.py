@@ -100,13 +100,18 @@ class EngineAnswer:
             pieces.append(chunk)
         return b"".join(pieces)
 
-    async def chunks(self, idle_timeout: float | None = None) -> AsyncIterator[bytes]:
-        """The body's pieces as they arrive; ``TimeoutError`` when none comes for ``idle_timeout`` seconds."""
+    async def chunks(
+        self, idle_timeout: float | None = None, first_timeout: float | None = None
+    ) -> AsyncIterator[bytes]:
+        """The body's pieces as they arrive; ``TimeoutError`` when none comes for ``idle_timeout`` seconds (the first
+        one: ``first_timeout``, when given)."""
         connection = self._connection
+        wait = first_timeout if first_timeout is not None else idle_timeout
         while True:
-            chunk = await connection.next_chunk(idle_timeout)
+            chunk = await connection.next_chunk(wait)
             if chunk is None:
                 return
+            wait = idle_timeout
             yield chunk
 
 

@@ -132,6 +132,15 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
     def _api_version(self, gvp: tuple[str, str, str]) -> str:
         return gvp[1] if not gvp[0] else f"{gvp[0]}/{gvp[1]}"
 
+    def _list(self, gvp: tuple[str, str, str], info: dict[str, Any], revision: int, items: list[Obj]) -> Obj:
+        """A kind's List of ``items`` as of ``revision``."""
+        return {
+            "apiVersion": self._api_version(gvp),
+            "kind": f"{info['kind']}List",
+            "metadata": {"resourceVersion": str(revision)},
+            "items": items,
+        }
+
     # -- writes ---------------------------------------------------------------
     def _bump(self, gvp: tuple[str, str, str], kind: str, obj: Obj) -> None:
         self.revision = next(self.counter)
@@ -383,12 +392,7 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
                 if key in self.store:
                     items.append(obj if options.dry_run else self._delete(key, self.store[key], options.propagation))
             revision = self.revision
-        return {
-            "apiVersion": self._api_version(gvp),
-            "kind": f"{info['kind']}List",
-            "metadata": {"resourceVersion": str(revision)},
-            "items": items,
-        }
+        return self._list(gvp, info, revision, items)
 
     def _delete(self, key: Key, current: Obj, propagation: str) -> Obj:
         """Delete a stored object (the lock held): a deletion timestamp while finalizers hold it, else gone, its
@@ -446,12 +450,7 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         async with self._lock:
             items = self._matching(request)
             revision = self.revision
-        return {
-            "apiVersion": self._api_version(gvp),
-            "kind": f"{info['kind']}List",
-            "metadata": {"resourceVersion": str(revision)},
-            "items": items,
-        }
+        return self._list(gvp, info, revision, items)
 
     # -- discovery --------------------------------------------------------------
     async def _serve_version(self, request: rendering.Request) -> Obj:

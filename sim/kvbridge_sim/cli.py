@@ -22,7 +22,7 @@ def demo(args: argparse.Namespace) -> int:
         print(
             f"kvbridge demo: error: missing {', '.join(missing)}; install with "
             "pip install 'kvbridge[agent,operator,demo]' and vLLM's CPU build (or run make demo; "
-            "--engine agent runs without vLLM)",
+            "--engine synthetic runs without vLLM)",
             file=sys.stderr,
         )
         return EXIT_INVALID

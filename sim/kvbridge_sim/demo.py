@@ -5,8 +5,9 @@ the StatefulSet controller and kubelet), two example deployments (one
 compatible, one incompatible), and real KV transfers through the published
 endpoints — including across a prefill pod restart. By default the pods run
 real vLLM (its CPU build, a tiny model made locally) and decode's greedy
-tokens are checked against a single engine; ``--engine agent`` runs
-kvbridge's synthetic engine instead and checks every byte. A manifest the
+tokens are checked against a single engine; ``--engine synthetic`` (formerly
+``agent``, still read) runs kvbridge's synthetic engine instead and checks
+every byte. A manifest the
 local runner cannot run is refused before anything starts (demo_preflight);
 the wait for readiness reports crash-looping pods (demo_wait), the requests
 are demo_traffic's, the report demo_report's.
@@ -26,6 +27,8 @@ from typing import Any
 
 from kvbridge_operator.api.names import LABEL_DEPLOYMENT
 from kvbridge_operator.api.objects import Obj
+from kvbridge_operator.api.spec import EngineSpec
+from kvbridge_operator.children.engines import ENGINES
 from kvbridge_operator.cli.manifests import deployments_of, parse_documents, read_text, source_name
 from kvbridge_operator.config import OperatorConfig
 from kvbridge_operator.kube import DEPLOYMENTS, PODS, KubeClient
@@ -39,19 +42,25 @@ from kvbridge_sim.demo_wait import NAMESPACE, condition, progress, wait_for_verd
 MANIFESTS = Path(__file__).resolve().parent / "manifests"
 DEFAULT_FILES = {
     "vllm": ("tiny-cpu.yaml", "incompatible-replicated-heads.yaml"),
-    "agent": ("llama3-8b-hetero-tp.yaml", "incompatible-replicated-heads.yaml"),
+    "synthetic": ("llama3-8b-hetero-tp.yaml", "incompatible-replicated-heads.yaml"),
 }
+#: ``--engine``'s former names, still read as the one they name (the synthetic engine was the agent engine)
+FORMER_ENGINES = {"agent": "synthetic"}
 
 
-def is_vllm(document: Obj) -> bool:
-    return bool(((document.get("spec") or {}).get("engine") or {}).get("kind", "VLLM") == "VLLM")  # VLLM: the default
+def serves_model(document: Obj) -> bool:
+    """Whether the document's engines serve its model (vLLM, the default kind; the synthetic engine serves none):
+    the engine kind's ``serves_model``, the kind read as the API reads it (its default, its former names)."""
+    kind = ((document.get("spec") or {}).get("engine") or {}).get("kind")
+    return ENGINES[EngineSpec.model_validate({} if kind is None else {"kind": kind}).kind].serves_model
 
 
 def documents(files: list[str] | None, num_layers: int, engine: str = "vllm") -> list[Obj]:
-    """The manifests to apply; agent-engine models scaled down to ``num_layers`` so the demo fits this machine
+    """The manifests to apply (by default ``engine``'s, a key of :data:`DEFAULT_FILES` or a former name); models of
+    engines that serve none (the synthetic engine's) scaled down to ``num_layers`` so the demo fits this machine
     (vLLM engines serve a real model, whose geometry the spec must state as it is). A manifest the local runner
     cannot run is refused here, before anything starts (demo_preflight.NotLocalError)."""
-    paths = files or [str(MANIFESTS / name) for name in DEFAULT_FILES[engine]]
+    paths = files or [str(MANIFESTS / name) for name in DEFAULT_FILES[FORMER_ENGINES.get(engine, engine)]]
     found: list[Obj] = []
     for path in paths:
         source = source_name(path)
@@ -61,7 +70,7 @@ def documents(files: list[str] | None, num_layers: int, engine: str = "vllm") ->
         for document in parsed:
             if document:
                 scaled = copy.deepcopy(document)
-                if not is_vllm(scaled):
+                if not serves_model(scaled):
                     model = scaled["spec"]["model"]
                     model["numLayers"] = min(int(model["numLayers"]), num_layers)
                 found.append(scaled)
@@ -76,7 +85,7 @@ def synthetic_deployment(name: str) -> Obj:
         "kind": "DisaggregatedDeployment",
         "metadata": {"name": name},
         "spec": {
-            "engine": {"kind": "Agent", "device": "CPU"},
+            "engine": {"kind": "Synthetic", "device": "CPU"},
             "model": {"name": "m", "numLayers": 2, "numKVHeads": 4, "headDim": 64},
             "transfer": {"leaseSeconds": 20, "drainSeconds": 5},
             "prefill": {"replicas": 2, "blockSize": 16},
@@ -88,11 +97,11 @@ def synthetic_deployment(name: str) -> Obj:
 def models_for(docs: list[Obj], workdir: Path) -> dict[str, str]:
     """The local model folder for each model name the vLLM documents serve (the tiny model, and the small one
     where a document names it: made here)."""
-    if not any(is_vllm(d) for d in docs):
+    if not any(serves_model(d) for d in docs):
         return {}
     from kvbridge_sim import tiny_model
 
-    named = {str(((d.get("spec") or {}).get("model") or {}).get("name", "")) for d in docs if is_vllm(d)}
+    named = {str(((d.get("spec") or {}).get("model") or {}).get("name", "")) for d in docs if serves_model(d)}
     folders = {}
     for shape in (s for s in tiny_model.SHAPES.values() if s is tiny_model.TINY or s.name in named):
         progress(f"making {shape.name} (random weights, a tokenizer trained here) ...")
@@ -164,7 +173,7 @@ async def run_demo(
     engine: str = "vllm",
 ) -> dict[str, Any]:
     docs = documents(files, num_layers, engine)
-    vllm_docs = [d for d in docs if is_vllm(d)]
+    vllm_docs = [d for d in docs if serves_model(d)]
     progress(
         "kvbridge demo — everything on this machine: an emulated Kubernetes API, the operator, and a local "
         "stand-in for the StatefulSet controller and kubelet (pods are local processes on 127.0.0.N; not a "
@@ -214,7 +223,7 @@ async def _exercise(
         entry["pods"] = len(pods)
         return entry, not pods and condition(obj, "Compatible").get("reason") == "Incompatible"
     progress(f"routing {requests} requests through {name} ...")
-    if is_vllm(obj):
+    if serves_model(obj):
         model = obj["spec"]["model"]["name"]  # the served name, as clients of a cluster send
         transfers = await route_vllm(client, cluster.runner, name, requests, model, interrupted)
     else:

@@ -5,7 +5,8 @@ with each field at fault and what to run instead, rather than its pods crash-loo
 The local runner runs each pod's engine container as a process on this machine: vLLM's CPU build (one core per
 TP rank, the CPU launcher binds them), models made locally (:mod:`.tiny_model`), one pod per engine
 (StatefulSets; no LeaderWorkerSet groups), no volumes, downloads or extended resources. kvbridge's synthetic
-engine (``engine.kind: Agent``) runs on any device setting: the operator's CPU mode gives its pods no GPUs.
+engine (``engine.kind: Synthetic``) runs on any device setting: the operator's CPU mode gives its pods no GPUs.
+What each engine kind needs here its module says (``on_cpu`` in the operator's CPU mode, ``serves_model``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pathlib import Path
 
 from kvbridge_agent.core import KVBridgeError, Problem, Role
 from kvbridge_operator.api.objects import Obj
-from kvbridge_operator.api.spec import DisaggregatedDeployment, EngineDevice, EngineKind
+from kvbridge_operator.api.spec import DisaggregatedDeployment, EngineDevice
+from kvbridge_operator.children.engines import engine_of
 from kvbridge_operator.children.engines.vllm_serve import argument_name
 from kvbridge_operator.config import OperatorConfig
 
@@ -47,7 +49,7 @@ def local_models() -> tuple[str, ...]:
 def local_problems(dd: DisaggregatedDeployment, cores: int, models: tuple[str, ...]) -> list[Problem]:
     """Why the local runner cannot run ``dd`` (empty: it can), each with the field at fault."""
     spec = dd.spec
-    found = list(_vllm_problems(dd, cores, models)) if spec.engine.kind is EngineKind.VLLM else []
+    found = list(_engine_problems(dd, cores, models))
     for role in Role:
         role_spec = spec.prefill if role is Role.PREFILL else spec.decode
         if role_spec.nodes > 1:
@@ -70,9 +72,12 @@ def local_problems(dd: DisaggregatedDeployment, cores: int, models: tuple[str, .
     return found
 
 
-def _vllm_problems(dd: DisaggregatedDeployment, cores: int, models: tuple[str, ...]) -> Iterator[Problem]:
+def _engine_problems(dd: DisaggregatedDeployment, cores: int, models: tuple[str, ...]) -> Iterator[Problem]:
+    """What the local runner cannot run of an engine kind that needs GPUs even in the operator's CPU mode (vLLM on
+    ``device: GPU``) or serves a model (vLLM: the model must be made here, its TP ranks fit this machine's cores)."""
     spec = dd.spec
-    if spec.engine.device is EngineDevice.GPU:
+    kind = engine_of(spec)
+    if not kind.on_cpu(spec, OperatorConfig(cpu_mode=True)):
         gpu_args = [a for a in spec.engine.extra_args if any(w in argument_name(a) for w in ("gpu", "cudagraph"))]
         also = f"; its extraArgs are GPU settings too ({', '.join(gpu_args)})" if gpu_args else ""
         yield Problem(
@@ -81,6 +86,8 @@ def _vllm_problems(dd: DisaggregatedDeployment, cores: int, models: tuple[str, .
             f"GPU (the default): its pods request {OperatorConfig().gpu_resource} (one per TP rank) and "
             f"run vLLM's CUDA build; this machine runs vLLM's CPU build only (engine.device: CPU){also}",
         )
+    if not kind.serves_model:
+        return
     if spec.model.name not in models and not Path(spec.model.name).is_dir():
         yield Problem(
             DEMO_NOT_LOCAL,
@@ -133,6 +140,6 @@ def refuse_unrunnable(deployments: list[DisaggregatedDeployment], path: str) -> 
         lines.append(
             f"It is made for a cluster: `kvbridge plan -f {path}` shows what each role would run there (and "
             f"`kubectl apply -f {path}` runs it); `kvbridge demo -f {LOCAL_EXAMPLE}` runs a vLLM deployment "
-            "locally, `kvbridge demo --engine agent` the synthetic engine."
+            "locally, `kvbridge demo --engine synthetic` the synthetic engine."
         )
         raise NotLocalError("\n".join(lines), field=first.field)

@@ -15,6 +15,7 @@ def ready_columns(obj: Obj) -> dict[str, str]:
     status = obj.get("status") or {}
     return {
         "ready": condition(obj, "Ready").get("status", ""),
+        "available": condition(obj, "Available").get("status", ""),
         "prefill": status.get("prefill", {}).get("ready", ""),
         "decode": status.get("decode", {}).get("ready", ""),
         "tp": status.get("tp", ""),
@@ -51,10 +52,11 @@ def events_of(api: Any, name: str) -> list[Obj]:
 
 
 def render_text(report: dict[str, Any]) -> str:
-    lines = ["", "NAME                     READY   PREFILL   DECODE   TP"]
+    lines = ["", "NAME                     READY   AVAILABLE   PREFILL   DECODE   TP"]
     for d in report["deployments"]:
         r = d["ready"]
-        lines.append(f"{d['name']:<24} {r['ready']:<7} {r['prefill']:<9} {r['decode']:<8} {r['tp']}")
+        available = r.get("available", "")
+        lines.append(f"{d['name']:<24} {r['ready']:<7} {available:<11} {r['prefill']:<9} {r['decode']:<8} {r['tp']}")
     for d in report["deployments"]:
         lines += _deployment_lines(d)
     lines.append("")

@@ -32,23 +32,23 @@ def marked_processes(marker: str) -> list[int]:
     return found
 
 
-#: the agent demo's two default manifests (one run also takes pods of data-parallel ranks on both roles)
-AGENT_MANIFESTS = [str(MANIFESTS / name) for name in DEFAULT_FILES["agent"]]
+#: the synthetic demo's two default manifests (one run also takes pods of data-parallel ranks on both roles)
+SYNTHETIC_MANIFESTS = [str(MANIFESTS / name) for name in DEFAULT_FILES["synthetic"]]
 #: prefill DP 2 and decode DP 3 per pod (examples/synthetic/data-parallel-mla.yaml, one prefill pod here: 5 rank
 #: processes)
 DATA_PARALLEL = Path(__file__).parents[2] / "examples" / "synthetic" / "data-parallel-mla.yaml"
 
 
 @pytest.mark.slow  # the whole demo with synthetic engines, up to 3 minutes (`make test` runs it)
-def test_agent_demo_json_contract(tmp_path: Path) -> None:
+def test_synthetic_demo_json_contract(tmp_path: Path) -> None:
     marker = uuid.uuid4().hex
     started = time.monotonic()
     wide = yaml.safe_load(DATA_PARALLEL.read_text())
     wide["spec"]["prefill"]["replicas"] = 1
     (tmp_path / "data-parallel.yaml").write_text(yaml.safe_dump(wide))
-    files = [arg for path in [*AGENT_MANIFESTS, str(tmp_path / "data-parallel.yaml")] for arg in ("-f", path)]
+    files = [arg for path in [*SYNTHETIC_MANIFESTS, str(tmp_path / "data-parallel.yaml")] for arg in ("-f", path)]
     result = subprocess.run(
-        [sys.executable, "-m", "kvbridge_operator", "demo", "--engine", "agent", "--json", "--requests", "4", *files],
+        [sys.executable, "-m", "kvbridge_operator", "demo", "--engine=synthetic", "--json", "--requests=4", *files],
         capture_output=True,
         text=True,
         timeout=240,
@@ -66,6 +66,7 @@ def test_agent_demo_json_contract(tmp_path: Path) -> None:
         "Compatible": "True",
         "PrefillReady": "True",
         "DecodeReady": "True",
+        "Available": "True",
         "Ready": "True",
     }
     assert hetero["plan"]["tpRatio"] == -2
@@ -152,9 +153,25 @@ def test_demo_reads_a_manifest_from_stdin_once(monkeypatch: pytest.MonkeyPatch) 
 
     text = (Path(__file__).parents[2] / "examples" / "synthetic" / "llama3-8b-hetero-tp.yaml").read_text()
     monkeypatch.setattr(sys, "stdin", io.StringIO(text))
-    [doc] = documents(["-"], num_layers=4, engine="agent")
+    [doc] = documents(["-"], num_layers=4, engine="synthetic")
     assert doc["metadata"]["name"] == "llama3-8b"
-    assert doc["spec"]["model"]["numLayers"] == 4  # agent engines are scaled down
+    assert doc["spec"]["model"]["numLayers"] == 4  # synthetic engines are scaled down
+
+
+def test_the_synthetic_engine_is_named_synthetic_and_its_former_names_are_still_read() -> None:
+    """Issue 57: the demo wrote the deprecated ``engine.kind: Agent`` and keyed its manifests ``agent``; it writes
+    ``Synthetic``, keys them ``synthetic``, and still reads ``--engine agent`` and ``kind: Agent``."""
+    from kvbridge_operator.api.spec import EngineKind, parse_deployment
+    from kvbridge_sim.demo import documents, serves_model, synthetic_deployment
+
+    written = synthetic_deployment("s")
+    assert written["spec"]["engine"]["kind"] == "Synthetic"
+    assert parse_deployment(written).spec.engine.kind is EngineKind.SYNTHETIC
+    assert documents(None, num_layers=4, engine="agent") == documents(None, num_layers=4, engine="synthetic")
+    kinds = {k: serves_model({"spec": {"engine": {"kind": k}}}) for k in ("Synthetic", "Agent", "VLLM")}
+    assert kinds == {"Synthetic": False, "Agent": False, "VLLM": True}
+    assert serves_model({"spec": {}})  # VLLM, the default kind
+    assert serves_model({})
 
 
 def test_serve_keeps_the_cluster_up_for_your_own_clients_and_ctrl_c_stops_everything() -> None:
@@ -167,7 +184,7 @@ def test_serve_keeps_the_cluster_up_for_your_own_clients_and_ctrl_c_stops_everyt
 
     marker = uuid.uuid4().hex
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvbridge_operator", "demo", "--serve", "--engine", "agent"],
+        [sys.executable, "-m", "kvbridge_operator", "demo", "--serve", "--engine", "synthetic"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -210,7 +227,8 @@ def test_serve_keeps_the_cluster_up_for_your_own_clients_and_ctrl_c_stops_everyt
                 check=False,
             )
             assert got.returncode == 0, got.stderr
-            assert got.stdout.split("\n")[1].split()[:4] == ["llama3-8b", "True", "2/2", "1/1"]
+            # NAME READY AVAILABLE PREFILL DECODE ...
+            assert got.stdout.split("\n")[1].split()[:5] == ["llama3-8b", "True", "True", "2/2", "1/1"]
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=90) == 0
     finally:

@@ -59,6 +59,7 @@ def test_printer_columns_short_names_and_status_subresource() -> None:
     version = crd()["spec"]["versions"][0]
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
         "Ready",
+        "Available",
         "Prefill",
         "Decode",
         "TP",

@@ -431,8 +431,10 @@ async def test_kubectl_get_columns_show_ready_replicas_and_tp() -> None:
         await c.apply(example("synthetic/llama3-8b-hetero-tp"))
         await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True")
         await ready(c, "llama3-8b")
-        ready_col, prefill, decode, tp, router, planner, planned, age = printer_columns(c.deployment("llama3-8b"))
-        assert (ready_col, prefill, decode, tp, router, planner, planned) == ("True", "2/2", "1/1", "2→1", "", "", "")
+        columns = printer_columns(c.deployment("llama3-8b"))
+        ready_col, available, prefill, decode, tp, router, planner, planned, age = columns
+        assert (ready_col, available, prefill, decode, tp) == ("True", "True", "2/2", "1/1", "2→1")
+        assert (router, planner, planned) == ("", "", "")
         assert age.endswith("Z")
 
 
@@ -447,7 +449,7 @@ async def test_spec_router_runs_a_router_with_read_only_rbac_and_shows_its_url()
         await c.wait(lambda: c.condition("llama3-8b", "Compatible").get("status") == "True")
         await ready(c, "llama3-8b")
         await c.wait(lambda: (c.deployment("llama3-8b")["status"].get("router") or {}).get("url"), what="router url")
-        assert printer_columns(c.deployment("llama3-8b"))[4] == "http://llama3-8b-router.default.svc:8000"
+        assert printer_columns(c.deployment("llama3-8b"))[5] == "http://llama3-8b-router.default.svc:8000"
         for plural in names:
             assert c.api.find(plural, "default", "llama3-8b-router") is not None, plural
         deployment = c.api.find("deployments", "default", "llama3-8b-router")

@@ -92,6 +92,14 @@ def test_the_api_key_secret_is_mounted_and_passed_to_the_router() -> None:
     assert settings.api_key_file == API_KEYS_FILE
 
 
+def test_the_cold_timeout_reaches_the_router_only_when_set_apart_from_its_default() -> None:
+    """spec.router.coldTimeoutSeconds: a pod's first call of a kind of request (docs/router.md, "A cold engine")."""
+    for given, expected in (({}, 300.0), ({"coldTimeoutSeconds": 900}, 900.0)):
+        [container] = router_pod({"enabled": True, **given})["containers"]
+        assert ("--cold-timeout=900" in container["args"]) is bool(given)
+        assert router_cli.chosen(router_cli.build_parser().parse_args(container["args"])).cold_timeout == expected
+
+
 @pytest.mark.parametrize(
     ("router", "said"),
     [

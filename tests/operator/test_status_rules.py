@@ -13,7 +13,7 @@ import yaml
 from kvbridge_agent.core import Problem, Role, TransferPlan
 from kvbridge_operator.api.names import PODS_ANNOTATION
 from kvbridge_operator.api.spec import parse_deployment
-from kvbridge_operator.api.status import Advisory, ConditionType, Endpoint, RoleStatus
+from kvbridge_operator.api.status import Advisory, ConditionType, Endpoint, RoleStatus, ServingEndpoint
 from kvbridge_operator.children.verdict import verdict_for
 from kvbridge_operator.controller import status_rules
 from kvbridge_operator.controller.status_rules import (
@@ -23,6 +23,7 @@ from kvbridge_operator.controller.status_rules import (
     MAX_MESSAGE,
     Seen,
     advised,
+    available,
     compatible,
     decode_ready,
     endpoints_changed,
@@ -73,8 +74,18 @@ def _seen(**changes: Any) -> Seen:
     return dataclasses.replace(base, **changes)
 
 
-def _endpoint(ip: str) -> Endpoint:
-    return Endpoint(pod="p-0", ip=ip, port=5600, ranks=1, fingerprint="f")
+def _endpoint(ip: str, pod: str = "p-0", pairing: str = "k") -> Endpoint:
+    return Endpoint(pod=pod, ip=ip, port=5600, ranks=1, fingerprint="f", pairing=pairing, http_port=8000)
+
+
+def _decode(pod: str, pairing: str = "k") -> ServingEndpoint:
+    return ServingEndpoint(pod=pod, ip="10.0.1.1", http_port=8000, pairing=pairing)
+
+
+def _serving(**changes: Any) -> Seen:
+    """A compatible deployment with one ready prefill and one ready decode pod of one pairing key."""
+    base = _seen(verdict=_plan(), endpoints=[_endpoint("10.0.0.1")], decode_endpoints=[_decode("d-0")])
+    return dataclasses.replace(base, **changes)
 
 
 def test_compatible_states_the_plan() -> None:
@@ -121,8 +132,60 @@ def test_ready_names_the_first_failing_condition() -> None:
     condition = ready(seen, found)
     assert (condition.status, condition.reason) == ("False", "ReplicasNotReady")
     assert condition.message == "PrefillReady is False: 1/2 prefill pods ready"
-    serving = _seen(verdict=_plan())
+    serving = _serving()
     assert ready(serving, [rule.observe(serving) for rule in CONDITION_RULES]).reason == "Ready"
+
+
+def test_a_scale_up_keeps_the_deployment_available_and_says_why_it_is_not_ready() -> None:
+    """Issue 59: Ready flapped to False for two minutes on every decode scale-up while the router served on.
+    Available (a ready pair serves) stays True; Ready, every replica ready, says which role is short and that the
+    ready pods serve."""
+    scaling = _serving(roles={Role.PREFILL: _counts(1, 1), Role.DECODE: _counts(3, 1)})
+    found = status_rules.conditions(scaling)
+    by_type = {c.type: c for c in found}
+    assert [c.type for c in found] == [
+        ConditionType.COMPATIBLE,
+        ConditionType.PREFILL_READY,
+        ConditionType.DECODE_READY,
+        ConditionType.AVAILABLE,
+        ConditionType.READY,
+    ]
+    assert (by_type[ConditionType.AVAILABLE].status, by_type[ConditionType.AVAILABLE].reason) == (
+        "True",
+        "MinimumReplicasAvailable",
+    )
+    assert by_type[ConditionType.AVAILABLE].message == (
+        "serving: 1 prefill and 1 decode pods in pairs (1/1 prefill, 1/3 decode pods ready)"
+    )
+    not_ready = by_type[ConditionType.READY]
+    assert (not_ready.status, not_ready.reason) == ("False", "ReplicasNotReady")
+    assert not_ready.message == (
+        "DecodeReady is False: 1/3 decode pods ready; the ready pods serve meanwhile (Available is True)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"decode_endpoints": []}, "NoDecodeReady"),
+        ({"endpoints": []}, "NoPrefillReady"),
+        ({"decode_endpoints": [_decode("d-0", pairing="other")]}, "NoPairReady"),
+        ({"decode_endpoints": [_decode("d-0", pairing="")]}, "NoDecodeReady"),  # routers skip a pod without a key
+    ],
+)
+def test_a_deployment_without_a_ready_pair_is_not_available(changes: dict[str, Any], reason: str) -> None:
+    seen = _serving(**changes)
+    condition = available(seen)
+    assert (condition.type, condition.status, condition.reason) == (ConditionType.AVAILABLE, "False", reason)
+    assert ready(seen, status_rules.conditions(seen)[:-1]).status == "False"
+
+
+def test_pairs_a_rollout_lists_are_available_and_an_incompatible_update_does_not_take_serving_away() -> None:
+    mixed = _serving(decode_endpoints=[_decode("d-0", pairing="new")], pairings=frozenset({("k", "new")}))
+    assert available(mixed).status == "True"
+    refused = _serving(verdict=[PROBLEM])  # nothing that runs changed: the pods as they were still serve
+    assert available(refused).status == "True"
+    assert ready(refused, status_rules.conditions(refused)[:-1]).reason == "Incompatible"
 
 
 def test_incompatible_is_said_once_per_generation() -> None:

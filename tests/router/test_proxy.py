@@ -55,6 +55,10 @@ class FakeEngine:
     server: TestServer | None = None
     #: prefill: the prompt tokens its prefix cache served, as vLLM adds them to the transfer parameters (None: not said)
     cached_tokens: int | None = None
+    #: set: every request is answered this (status, body, content type): an engine's or a proxy's error
+    scripted: tuple[int, bytes, str] | None = None
+    #: seconds each of the next requests waits first, one taken per request (a cold engine compiling)
+    delays: list[float] = field(default_factory=list)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -66,7 +70,10 @@ class FakeEngine:
         try:
             if self.mode == "slow":
                 await asyncio.sleep(30)
-            await asyncio.sleep(self.delay)
+            await asyncio.sleep(self.delays.pop(0) if self.delays else self.delay)
+            if self.scripted is not None:
+                status, data, content_type = self.scripted
+                return web.Response(body=data, status=status, content_type=content_type)
             if self.mode in ("500", "500-alive"):
                 return web.json_response({"error": {"message": "engine dead"}}, status=500)
             if self.mode == "400":
@@ -183,6 +190,8 @@ class Rig:
     session: aiohttp.ClientSession
     prefill: list[FakeEngine]
     decode: list[FakeEngine]
+    #: the last answer's headers (post)
+    headers: dict[str, str] = field(default_factory=dict)
 
     def route(self, prefill: list[Obj] | None = None, decode: list[Obj] | None = None) -> None:
         self.router.set_pool(
@@ -197,6 +206,7 @@ class Rig:
     async def post(self, body: Obj, path: str = "/v1/completions") -> tuple[int, Obj]:
         async with self.session.post(self.url + path, json=body) as r:
             text = await r.text()
+            self.headers = dict(r.headers)
             return r.status, json.loads(text) if not body.get("stream") else {"events": text}
 
 
@@ -223,7 +233,8 @@ async def running_rig(config: RouterConfig, prefill: list[str], decode: list[str
 
 @pytest.fixture
 async def rig() -> AsyncIterator[Rig]:
-    config = RouterConfig(prefill_timeout=1.0, decode_timeout=5.0, decode_idle_timeout=1.0)
+    # no longer bound for a pod's first call (cold_timeout): these tests time calls out from the first
+    config = RouterConfig(prefill_timeout=1.0, decode_timeout=5.0, decode_idle_timeout=1.0, cold_timeout=1.0)
     async with running_rig(config, ["prefill-0", "prefill-1"], ["decode-0"]) as found:
         yield found
 
@@ -467,7 +478,8 @@ async def test_a_failing_or_slow_prefill_is_retried_and_the_wait_is_bounded(rig:
     assert time.monotonic() - started < 5  # one timeout (1 s) and one quick failure, never a hang
     assert status in (502, 504)
     assert answer["error"]["code"] in ("PREFILL_FAILED", "PREFILL_TIMEOUT")
-    assert "prefill pods tried: " in answer["error"]["message"]
+    assert "2 prefill pod(s) tried" in answer["error"]["message"]
+    assert sorted(rig.headers["X-KVBridge-Pods"].split(",")) == ["prefill-0", "prefill-1"]  # named there, not above
     rig.prefill[1].mode = "ok"
     status, _ = await rig.post({"prompt": [1]})
     assert status == 200
@@ -545,7 +557,8 @@ async def test_a_request_prefill_refuses_is_the_clients_error_and_not_retried(ri
     rig.prefill[0].mode = rig.prefill[1].mode = "400"
     status, answer = await rig.post({"prompt": [1]})
     assert status == 400
-    assert answer["error"]["code"] == "PREFILL_REFUSED"
+    assert answer["error"]["message"] == "prompt too long"  # the engine's own (tests/router/test_errors.py)
+    assert rig.headers["X-KVBridge-Error-Code"] == "PREFILL_REFUSED"
     assert sum(len(e.received) for e in rig.prefill) == 1
 
 
@@ -554,7 +567,8 @@ async def test_decode_failures_are_clear_errors(rig: Rig) -> None:
     status, answer = await rig.post({"prompt": [1]})
     assert status == 502
     assert answer["error"]["code"] == "DECODE_UNAVAILABLE"
-    assert "decode-dead" in answer["error"]["message"]
+    assert "decode-dead" not in answer["error"]["message"]
+    assert rig.headers["X-KVBridge-Pods"] == "decode-dead"
     rig.route()
     rig.decode[0].mode = "500"
     status, answer = await rig.post({"prompt": [1]})
@@ -888,7 +902,7 @@ async def test_the_whole_request_bounds_prefill_and_its_retries(rig: Rig) -> Non
     rig.prefill.append(third)
     rig.route()
     rig.router.config = RouterConfig(
-        prefill_timeout=1.0, decode_timeout=5.0, decode_idle_timeout=1.0, request_timeout=1.3
+        prefill_timeout=1.0, decode_timeout=5.0, decode_idle_timeout=1.0, request_timeout=1.3, cold_timeout=1.0
     )
     for engine in rig.prefill:
         engine.mode = "slow"
@@ -897,7 +911,7 @@ async def test_the_whole_request_bounds_prefill_and_its_retries(rig: Rig) -> Non
     took = asyncio.get_running_loop().time() - started
     assert (status, answer["error"]["code"]) == (504, "REQUEST_TIMEOUT"), answer
     assert "1.3 s" in answer["error"]["message"]
-    assert "prefill pods tried: " in answer["error"]["message"]
+    assert "2 prefill pod(s) tried" in answer["error"]["message"]
     assert 1.2 < took < 2.2, took  # 1 s, then the 0.3 s left; not 3 x 1 s
     assert sum(len(e.received) for e in rig.prefill) == 2
     assert rig.decode[0].received == []

@@ -82,9 +82,10 @@ async def test_apply_then_get_shows_the_documented_columns_and_scale_changes_the
         assert "disaggregateddeployment.kvbridge.io/llama3-8b created" in await kubectl(config, f"apply -f {EXAMPLE}")
         out = await eventually(config, "get dd", "True")
         header, row = rows(out)
-        assert header == ["NAME", "READY", "PREFILL", "DECODE", "TP", "ROUTER", "PLANNER", "PLANNED", "AGE"]
-        assert row[:5] == ["llama3-8b", "True", "2/2", "1/1", "2→1"]  # no router, no planner: those cells are empty
-        assert len(row) == 6
+        header_row = ["NAME", "READY", "AVAILABLE", "PREFILL", "DECODE", "TP", "ROUTER", "PLANNER", "PLANNED", "AGE"]
+        assert header == header_row
+        assert row[:6] == ["llama3-8b", "True", "True", "2/2", "1/1", "2→1"]  # no router, no planner: cells empty
+        assert len(row) == 7
         assert "unchanged" in await kubectl(config, f"apply -f {EXAMPLE}")
 
         assert "scaled" in await kubectl(config, "scale ddrole/llama3-8b-decode --replicas=3")
@@ -95,7 +96,7 @@ async def test_apply_then_get_shows_the_documented_columns_and_scale_changes_the
             ["llama3-8b-prefill", "llama3-8b", "prefill", "2", "2", rows(out)[2][-1]],
         ]
         out = await eventually(config, "get dd", "3/3")
-        assert rows(out)[1][:4] == ["llama3-8b", "True", "2/2", "3/3"]
+        assert rows(out)[1][:5] == ["llama3-8b", "True", "True", "2/2", "3/3"]
         pods = rows(await kubectl(config, "get pods -l kvbridge.io/role=decode"))
         assert [p[0] for p in pods[1:]] == [f"llama3-8b-decode-{i}" for i in range(3)]
         assert pods[0] == ["NAME", "READY", "STATUS", "RESTARTS", "AGE"]

@@ -24,6 +24,11 @@ PARAMS_KEY = "kvbridge"
 ERROR_KEY = "kvbridge_error"
 
 
+def refusal(code: str, message: str) -> dict[str, Any]:
+    """The ``kv_transfer_params`` of a prefill answer that offers nothing, and why (``ERROR_KEY``)."""
+    return {"do_remote_prefill": False, "do_remote_decode": False, ERROR_KEY: {"code": code, "message": message}}
+
+
 @dataclass
 class RankHandshake(KVConnectorHandshakeMetadata):
     """One TP rank's side-channel metadata: ``RankMetadata`` as JSON and the NIXL agent's metadata."""

@@ -124,6 +124,50 @@ class KVBridgeStats(KVConnectorStats):
         }
 
 
+#: each observation list that is a histogram: its key, then the metric's name, help and buckets
+_HISTOGRAMS: tuple[tuple[str, str, str, tuple[float, ...]], ...] = (
+    (
+        "read_seconds",
+        "vllm:kvbridge_transfer_seconds",
+        "One TP rank's READs of one request, from posting to completion.",
+        _SECONDS,
+    ),
+    ("read_bytes", "vllm:kvbridge_transfer_bytes", "Bytes one TP rank READ for one request.", _BYTES),
+    (
+        "read_descriptors",
+        "vllm:kvbridge_descriptors_per_request",
+        "Descriptors one TP rank posted for one request.",
+        _DESCRIPTORS,
+    ),
+    (
+        "digest_seconds",
+        "vllm:kvbridge_digest_seconds",
+        "One TP rank's digest of one request's KV (prefill: after the step that completed the prompt; decode: "
+        "checking what it read), on kvbridge's digest thread beside the engine's steps.",
+        _DIGEST_SECONDS,
+    ),
+    (
+        "digest_wait_seconds",
+        "vllm:kvbridge_digest_wait_seconds",
+        "How long one engine step waited for verification on the engine's own thread (prefill: an offer waiting "
+        "for its request's digest, or taking it there; decode: a check its step gave up to 2 ms to finish, so "
+        "that its request goes in that step).",
+        _DIGEST_SECONDS,
+    ),
+    (
+        "handshake_seconds",
+        "vllm:kvbridge_handshake_seconds",
+        "Side-channel handshake with a prefill engine, until its peer is usable.",
+        _SECONDS,
+    ),
+)
+#: each observation list that is counted (one per entry): its key, then the counter's name and help
+_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("expired_leases", "vllm:kvbridge_expired_leases", "Prefill requests freed because their lease ended unread."),
+    ("stale_peer_evictions", "vllm:kvbridge_stale_peer_evictions", "Prefill engines evicted because they restarted."),
+)
+
+
 class KVBridgePromMetrics(KVConnectorPromMetrics):
     """``vllm:kvbridge_*`` on the engine's ``/metrics``, one child per engine of the front end."""
 
@@ -141,48 +185,12 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             children: dict[int, Any] = create_metric_per_engine(metric, per_engine_labelvalues)
             return children
 
-        histogram, counter = self._histogram_cls, self._counter_cls
-        self.read_seconds = per_engine(
-            histogram,
-            "vllm:kvbridge_transfer_seconds",
-            "One TP rank's READs of one request, from posting to completion.",
-            buckets=list(_SECONDS),
-        )
-        self.read_bytes = per_engine(
-            histogram, "vllm:kvbridge_transfer_bytes", "Bytes one TP rank READ for one request.", buckets=list(_BYTES)
-        )
-        self.read_descriptors = per_engine(
-            histogram,
-            "vllm:kvbridge_descriptors_per_request",
-            "Descriptors one TP rank posted for one request.",
-            buckets=list(_DESCRIPTORS),
-        )
-        self.digest_seconds = per_engine(
-            histogram,
-            "vllm:kvbridge_digest_seconds",
-            "One TP rank's digest of one request's KV (prefill: after the step that completed the prompt; decode: "
-            "checking what it read), on kvbridge's digest thread beside the engine's steps.",
-            buckets=list(_DIGEST_SECONDS),
-        )
-        self.digest_wait_seconds = per_engine(
-            histogram,
-            "vllm:kvbridge_digest_wait_seconds",
-            "How long one engine step waited for verification on the engine's own thread (prefill: an offer waiting "
-            "for its request's digest, or taking it there; decode never waits: its checks run beside the steps).",
-            buckets=list(_DIGEST_SECONDS),
-        )
-        self.handshake_seconds = per_engine(
-            histogram,
-            "vllm:kvbridge_handshake_seconds",
-            "Side-channel handshake with a prefill engine, until its peer is usable.",
-            buckets=list(_SECONDS),
-        )
-        self.expired_leases = per_engine(
-            counter, "vllm:kvbridge_expired_leases", "Prefill requests freed because their lease ended unread."
-        )
-        self.evictions = per_engine(
-            counter, "vllm:kvbridge_stale_peer_evictions", "Prefill engines evicted because they restarted."
-        )
+        histogram, counter, gauge = self._histogram_cls, self._counter_cls, self._gauge_cls
+        #: each histogram's and counter's children, by the key of the observations it takes
+        self._histograms = {
+            key: per_engine(histogram, name, doc, buckets=list(buckets)) for key, name, doc, buckets in _HISTOGRAMS
+        }
+        self._counters = {key: per_engine(counter, name, doc) for key, name, doc in _COUNTERS}
         # one child per (engine, code), made when a code first occurs
         self._failed = counter(
             name="vllm:kvbridge_failed_transfers",
@@ -194,7 +202,6 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             documentation="Requests whose KV differed from prefill's digest, by prefill engine.",
             labelnames=[*labelnames, "peer"],
         )
-        gauge = self._gauge_cls
         self.held_requests = per_engine(
             gauge,
             "vllm:kvbridge_held_requests",
@@ -213,19 +220,12 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         data = transfer_stats_data
-        for metric, key in (
-            (self.read_seconds, "read_seconds"),
-            (self.read_bytes, "read_bytes"),
-            (self.read_descriptors, "read_descriptors"),
-            (self.handshake_seconds, "handshake_seconds"),
-            (self.digest_seconds, "digest_seconds"),
-            (self.digest_wait_seconds, "digest_wait_seconds"),
-        ):
+        for key, histogram in self._histograms.items():
             for value in data.get(key, ()):
-                metric[engine_idx].observe(value)
-        for metric, key in ((self.expired_leases, "expired_leases"), (self.evictions, "stale_peer_evictions")):
+                histogram[engine_idx].observe(value)
+        for key, counter in self._counters.items():
             if data.get(key):
-                metric[engine_idx].inc(len(data[key]))
+                counter[engine_idx].inc(len(data[key]))
         for code in data.get("failed_reads", ()):
             self._failed.labels(*self.per_engine_labelvalues[engine_idx], code).inc()
         for peer in data.get("digest_mismatches", ()):

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from kvbridge_operator.api.images import KVBRIDGE_ENGINE_REPOSITORY, STOCK_VLLM_PATTERN
 from kvbridge_operator.api.names import GROUP, KIND, PLURAL, ROLE_KIND, ROLE_PLURAL, VERSION
-from kvbridge_operator.api.spec import MAX_NAME_LENGTH, NAME_PATTERN, DisaggregatedDeploymentSpec
+from kvbridge_operator.api.spec import CONNECTOR_KINDS, MAX_NAME_LENGTH, NAME_PATTERN, DisaggregatedDeploymentSpec
 from kvbridge_operator.api.status import DisaggregatedDeploymentStatus
 
 CRD_NAME = f"{PLURAL}.{GROUP}"
@@ -153,7 +153,9 @@ SPEC_RULES: list[dict[str, str]] = [
         # the model's IMAGE_LACKS_CONNECTOR on spec.engine.image (a role's template overlay, which CEL cannot read,
         # is refused by the operator's model alone); a CEL string takes the pattern's backslashes doubled
         "rule": "!has(self.engine) || !has(self.engine.connector) || self.engine.connector != 'KVBridge' || "
-        "(has(self.engine.kind) && self.engine.kind != 'VLLM') || !has(self.engine.image) || "
+        "(has(self.engine.kind) && "
+        + " && ".join(f"self.engine.kind != '{kind}'" for kind in sorted(CONNECTOR_KINDS))
+        + ") || !has(self.engine.image) || "
         f"!self.engine.image.matches('{STOCK_VLLM_PATTERN.replace(chr(92), chr(92) * 2)}')",
         "message": "connector KVBridge needs kvbridge in the engine's image, and vLLM's own images do not have it: "
         f"use kvbridge's engine image ({KVBRIDGE_ENGINE_REPOSITORY}), an image of your own with kvbridge installed, "
@@ -257,63 +259,79 @@ def status_schema() -> dict[str, Any]:
     return schema
 
 
-def crd() -> dict[str, Any]:
-    """The CustomResourceDefinition as a dict."""
+def _definition(kind: str, plural: str, short_names: list[str], version: dict[str, Any]) -> dict[str, Any]:
+    """A namespaced CustomResourceDefinition of kvbridge's group with one version."""
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": CRD_NAME, "labels": {"app.kubernetes.io/name": "kvbridge"}},
+        "metadata": {"name": f"{plural}.{GROUP}", "labels": {"app.kubernetes.io/name": "kvbridge"}},
         "spec": {
             "group": GROUP,
             "names": {
-                "kind": KIND,
-                "listKind": f"{KIND}List",
-                "plural": PLURAL,
-                "singular": KIND.lower(),
-                "shortNames": ["dd", "disagg"],
+                "kind": kind,
+                "listKind": f"{kind}List",
+                "plural": plural,
+                "singular": kind.lower(),
+                "shortNames": short_names,
                 "categories": ["kvbridge"],
             },
             "scope": "Namespaced",
-            "versions": [
-                {
-                    "name": VERSION,
-                    "served": True,
-                    "storage": True,
-                    "subresources": {"status": {}},
-                    "additionalPrinterColumns": [
-                        {
-                            "name": "Ready",
-                            "type": "string",
-                            "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
-                        },
-                        {"name": "Prefill", "type": "string", "jsonPath": ".status.prefill.ready"},
-                        {"name": "Decode", "type": "string", "jsonPath": ".status.decode.ready"},
-                        {"name": "TP", "type": "string", "jsonPath": ".status.tp"},
-                        {"name": "Router", "type": "string", "jsonPath": ".status.router.url"},
-                        {"name": "Planner", "type": "string", "jsonPath": ".status.autoscaling.state"},
-                        {"name": "Planned", "type": "string", "jsonPath": ".status.autoscaling.planned"},
-                        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-                    ],
-                    "schema": {
-                        "openAPIV3Schema": {
-                            "type": "object",
-                            "description": "A prefill/decode disaggregated LLM deployment whose KV-cache "
-                            "compatibility kvbridge checks before scheduling.",
-                            "properties": {
-                                "apiVersion": {"type": "string"},
-                                "kind": {"type": "string"},
-                                "metadata": {"type": "object"},
-                                "spec": spec_schema(),
-                                "status": status_schema(),
-                            },
-                            "required": ["spec"],
-                            "x-kubernetes-validations": ROOT_RULES,
-                        }
-                    },
-                }
-            ],
+            "versions": [version],
         },
     }
+
+
+def _version(
+    subresources: dict[str, Any],
+    columns: list[dict[str, str]],
+    description: str,
+    spec: dict[str, Any],
+    status: dict[str, Any],
+    rules: list[dict[str, str]] | None = None,
+) -> dict[str, Any]:
+    """The one served and stored version: its subresources, printer columns and the object's structural schema."""
+    schema: dict[str, Any] = {
+        "type": "object",
+        "description": description,
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec,
+            "status": status,
+        },
+        "required": ["spec"],
+    }
+    if rules is not None:
+        schema["x-kubernetes-validations"] = rules
+    return {
+        "name": VERSION,
+        "served": True,
+        "storage": True,
+        "subresources": subresources,
+        "additionalPrinterColumns": columns,
+        "schema": {"openAPIV3Schema": schema},
+    }
+
+
+def crd() -> dict[str, Any]:
+    """The CustomResourceDefinition as a dict."""
+    columns = [
+        {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+        {"name": "Available", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Available")].status'},
+        {"name": "Prefill", "type": "string", "jsonPath": ".status.prefill.ready"},
+        {"name": "Decode", "type": "string", "jsonPath": ".status.decode.ready"},
+        {"name": "TP", "type": "string", "jsonPath": ".status.tp"},
+        {"name": "Router", "type": "string", "jsonPath": ".status.router.url"},
+        {"name": "Planner", "type": "string", "jsonPath": ".status.autoscaling.state"},
+        {"name": "Planned", "type": "string", "jsonPath": ".status.autoscaling.planned"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+    description = (
+        "A prefill/decode disaggregated LLM deployment whose KV-cache compatibility kvbridge checks before scheduling."
+    )
+    version = _version({"status": {}}, columns, description, spec_schema(), status_schema(), ROOT_RULES)
+    return _definition(KIND, PLURAL, ["dd", "disagg"], version)
 
 
 #: the DisaggregatedRole's counts: engines of one role
@@ -369,66 +387,28 @@ def _role_status_schema() -> dict[str, Any]:
     }
 
 
-def _role_version() -> dict[str, Any]:
-    """The DisaggregatedRole's one version: its status and scale subresources, printer columns and schema."""
-    return {
-        "name": VERSION,
-        "served": True,
-        "storage": True,
-        "subresources": {
-            "status": {},
-            "scale": {
-                "specReplicasPath": ".spec.replicas",
-                "statusReplicasPath": ".status.replicas",
-                "labelSelectorPath": ".status.selector",
-            },
-        },
-        "additionalPrinterColumns": [
-            {"name": "Deployment", "type": "string", "jsonPath": ".spec.deployment"},
-            {"name": "Role", "type": "string", "jsonPath": ".spec.role"},
-            {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas"},
-            {"name": "Effective", "type": "integer", "jsonPath": ".status.effectiveReplicas"},
-            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-        ],
-        "schema": {
-            "openAPIV3Schema": {
-                "type": "object",
-                "description": "One role of a DisaggregatedDeployment, for autoscalers: spec.replicas (its /scale) "
-                "is the desired engine count; the operator runs it within the deployment's bounds.",
-                "properties": {
-                    "apiVersion": {"type": "string"},
-                    "kind": {"type": "string"},
-                    "metadata": {"type": "object"},
-                    "spec": _role_spec_schema(),
-                    "status": _role_status_schema(),
-                },
-                "required": ["spec"],
-            }
-        },
-    }
-
-
 def role_crd() -> dict[str, Any]:
     """The DisaggregatedRole: one per role of a deployment, what HPA, KEDA and ``kubectl scale`` target (its
     ``/scale``); the operator creates it and owns everything but ``spec.replicas`` (see scaling.py)."""
-    return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {"name": ROLE_CRD_NAME, "labels": {"app.kubernetes.io/name": "kvbridge"}},
-        "spec": {
-            "group": GROUP,
-            "names": {
-                "kind": ROLE_KIND,
-                "listKind": f"{ROLE_KIND}List",
-                "plural": ROLE_PLURAL,
-                "singular": ROLE_KIND.lower(),
-                "shortNames": ["ddrole"],
-                "categories": ["kvbridge"],
-            },
-            "scope": "Namespaced",
-            "versions": [_role_version()],
-        },
+    scale = {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
     }
+    columns = [
+        {"name": "Deployment", "type": "string", "jsonPath": ".spec.deployment"},
+        {"name": "Role", "type": "string", "jsonPath": ".spec.role"},
+        {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas"},
+        {"name": "Effective", "type": "integer", "jsonPath": ".status.effectiveReplicas"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+    description = (
+        "One role of a DisaggregatedDeployment, for autoscalers: spec.replicas (its /scale) is the desired engine "
+        "count; the operator runs it within the deployment's bounds."
+    )
+    subresources = {"status": {}, "scale": scale}
+    version = _version(subresources, columns, description, _role_spec_schema(), _role_status_schema())
+    return _definition(ROLE_KIND, ROLE_PLURAL, ["ddrole"], version)
 
 
 def crds() -> list[dict[str, Any]]:

@@ -81,6 +81,14 @@ class RouterSettings:
         metavar="PATH",
     )
     prefill_timeout: float = _setting(60.0, "seconds per prefill call", metavar="SECONDS", positive=True)
+    cold_timeout: float = _setting(
+        300.0,
+        "seconds a pod's first call of a kind of request may take (an engine compiles the paths a request takes the "
+        "first time: vLLM's CPU build on its first logprobs request), instead of --prefill-timeout and, for a "
+        "stream's first chunk, 60 s; once the pod answered that kind, the usual bounds (docs/router.md)",
+        metavar="SECONDS",
+        positive=True,
+    )
     decode_timeout: float = _setting(
         600.0,
         "seconds for a whole decode answer (streams: also 60 s at most between chunks)",

@@ -75,6 +75,14 @@ class RouterSpec(CamelModel):
     prefill_timeout_seconds: int = Field(
         default=int(ROUTER.prefill_timeout), ge=1, le=3600, description="Per prefill call."
     )
+    cold_timeout_seconds: int = Field(
+        default=int(ROUTER.cold_timeout),
+        ge=1,
+        le=3600,
+        description="A pod's first call of a kind of request (completions or chat; with logprobs, prompt logprobs or "
+        "a structured output): its bound instead of prefillTimeoutSeconds and, for a stream's first chunk, 60 s. An "
+        "engine compiles the paths a request takes the first time (vLLM's CPU build: its first logprobs request).",
+    )
     decode_timeout_seconds: int = Field(
         default=int(ROUTER.decode_timeout), ge=1, le=86400, description="Per decode answer."
     )

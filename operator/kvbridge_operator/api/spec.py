@@ -38,6 +38,10 @@ class EngineKind(StrEnum):
 
 #: engine kinds' former names, still accepted and read as the kind they name (``kvbridge plan`` warns of them)
 DEPRECATED_KINDS = {"Agent": EngineKind.SYNTHETIC}
+#: the engine kinds that load the KV connector ``spec.engine.connector`` names (with ``KVBridge`` their image must
+#: carry kvbridge): what this model's check and the CRD's rule know of the kinds, which cannot ask the kinds' modules
+#: (``children/engines``: each kind's ``connector``; a test keeps the two equal)
+CONNECTOR_KINDS = frozenset({EngineKind.VLLM})
 
 
 class EngineDevice(StrEnum):
@@ -253,7 +257,7 @@ class DisaggregatedDeploymentSpec(CamelModel):
     def _image_has_connector(self) -> DisaggregatedDeploymentSpec:
         """kvbridge's connector needs kvbridge in the engine's image: vLLM's own images are refused (api/images.py),
         whether spec.engine.image or a role's template overlay names them."""
-        if self.engine.kind is not EngineKind.VLLM or self.engine.connector is not Connector.KVBRIDGE:
+        if self.engine.kind not in CONNECTOR_KINDS or self.engine.connector is not Connector.KVBRIDGE:
             return self
         named = [("spec.engine.image", self.engine.image)]
         named += [(f"spec.{r.value}.template", overlay_image(self.role(r).template)) for r in Role]

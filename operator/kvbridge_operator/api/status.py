@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
 
@@ -16,10 +16,13 @@ from kvbridge_agent.core import Role
 from kvbridge_agent.core.model import CamelModel
 
 
+# the conditions' types, stable (docs/operator.md, "Conditions"): Available while the deployment serves (a ready
+# prefill and decode pod that pair), Ready once every replica of both roles is ready as well
 class ConditionType(StrEnum):
     COMPATIBLE = "Compatible"
     PREFILL_READY = "PrefillReady"
     DECODE_READY = "DecodeReady"
+    AVAILABLE = "Available"
     READY = "Ready"
 
 
@@ -178,6 +181,11 @@ class PlannedSize(CamelModel):
     decode: int = Field(ge=0)
 
 
+class SizeChange(CamelModel):
+    at: float = Field(description="When the planner changed the role's size (Unix seconds).")
+    direction: Literal["up", "down"]
+
+
 class AutoscalingStatus(CamelModel):
     """What kvbridge's planner (spec.autoscaling) saw and decided on its last pass (written by the planner alone)."""
 
@@ -205,6 +213,8 @@ class AutoscalingStatus(CamelModel):
     history: list[PlannedSize] = Field(
         default_factory=list, max_length=1024, description="Sizes recommended within the stabilization window."
     )
+    prefill_change: SizeChange | None = Field(default=None, description="Prefill's last change of size.")
+    decode_change: SizeChange | None = Field(default=None, description="Decode's last change of size.")
     last_pass_at: float = Field(default=0.0, description="The last pass (Unix seconds).")
 
 

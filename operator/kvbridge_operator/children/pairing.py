@@ -14,14 +14,12 @@ import json
 
 from kvbridge_agent.core import RoleSettings
 from kvbridge_agent.core.fingerprint import fingerprint_fields
-from kvbridge_operator.api.spec import DisaggregatedDeploymentSpec, EngineKind
+from kvbridge_operator.api.spec import DisaggregatedDeploymentSpec
+from kvbridge_operator.children.engines import engine_of
 
 #: role settings added after the first pods ran: in the key only where set, so the keys of deployments without
 #: them stay as they were
 _KEYED_WHEN_SET = ("data_parallel_size", "expert_parallel")
-#: engine kinds under the name they had when the first pods ran (the synthetic engine was ``Agent``), so renaming
-#: a kind changes no pod's key (a new key would roll every such deployment blue/green for nothing)
-_KEYED_AS = {EngineKind.SYNTHETIC: "Agent"}
 
 
 def _role_fields(settings: RoleSettings) -> dict[str, object]:
@@ -49,7 +47,8 @@ def _model_fields(spec: DisaggregatedDeploymentSpec) -> dict[str, object]:
 def pairing_fields(spec: DisaggregatedDeploymentSpec) -> dict[str, object]:
     """What the verdict and the rendered transfer configuration depend on, in CRD words: the model (with the
     protocol version; its layer description where set), both roles' settings (data and expert parallelism among
-    them), the conversion policy, the NIXL backends, the engine kind and device.
+    them), the conversion policy, the NIXL backends, the engine kind (its ``pairing_name``: the synthetic engine is
+    keyed as ``Agent``, its name when its first pods ran) and device.
     The model's source (with its revision) is in it when set: pods of two revisions hold different weights, so
     KV computed by one is wrong for the other however equal the geometry. Not in it: replicas, images,
     templates, extra arguments, lease and timeouts, the side-channel port, the router, the InferencePool."""
@@ -59,7 +58,7 @@ def pairing_fields(spec: DisaggregatedDeploymentSpec) -> dict[str, object]:
         "decode": _role_fields(spec.decode.settings()),
         "conversion": spec.transfer.conversion.value,
         "backends": list(spec.transfer.backends),
-        "engine": {"kind": _KEYED_AS.get(spec.engine.kind, spec.engine.kind.value), "device": spec.engine.device.value},
+        "engine": {"kind": engine_of(spec).pairing_name, "device": spec.engine.device.value},
     }
     if spec.model.source:  # absent when unset, so the keys of deployments without a source stay as they were
         found["source"] = spec.model.source

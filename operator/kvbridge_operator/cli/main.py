@@ -283,14 +283,15 @@ def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     demo.add_argument("-f", "--file", action="append", help="manifest(s) to apply (default: two examples)")
     demo.add_argument(
         "--engine",
-        choices=("vllm", "agent"),
+        choices=("vllm", "synthetic", "agent"),
         default="vllm",
         help="vllm (default): real vLLM (CPU build) with a tiny local model, decode's tokens checked "
-        "against a single engine; agent: kvbridge's synthetic engine, every byte checked (fast)",
+        "against a single engine; synthetic: kvbridge's synthetic engine, every byte checked (fast); agent: "
+        "synthetic's former name (deprecated)",
     )
     demo.add_argument("--requests", type=int, default=8, help="requests per compatible deployment (default 8)")
     demo.add_argument(
-        "--num-layers", type=int, default=4, help="agent engines: scale models down to this many layers (default 4)"
+        "--num-layers", type=int, default=4, help="synthetic engines: scale models down to this many layers (default 4)"
     )
     demo.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     demo.add_argument(

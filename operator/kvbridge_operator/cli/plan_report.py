@@ -13,7 +13,7 @@ from kvbridge_agent.core.parallel import ranks_words
 from kvbridge_operator.api.images import overlay_image
 from kvbridge_operator.api.names import ENGINE_CONTAINER
 from kvbridge_operator.api.objects import Obj
-from kvbridge_operator.api.spec import Connector, DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineKind
+from kvbridge_operator.api.spec import Connector, DisaggregatedDeployment, DisaggregatedDeploymentSpec
 from kvbridge_operator.api.transfer import Memlock
 from kvbridge_operator.children import multinode, network
 from kvbridge_operator.children.engines import ServedEngine, engine_of
@@ -251,7 +251,7 @@ def image_lines(deployment: DisaggregatedDeployment) -> list[str]:
         return f"{entry['image']} ({source if source.startswith('spec.') else 'the operator default, ' + source})"
 
     spec = deployment.spec
-    own = spec.engine.kind is EngineKind.VLLM and spec.engine.connector is Connector.KVBRIDGE
+    own = engine_of(spec).connector(spec) is Connector.KVBRIDGE
     needs = "; it must have kvbridge installed, as kvbridge's engine image has (docs/install.md)" if own else ""
     if found[Role.PREFILL.value] == found[Role.DECODE.value]:
         return [f"  image: {said(found[Role.PREFILL.value])} for both roles{needs}"]

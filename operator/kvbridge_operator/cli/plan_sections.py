@@ -8,13 +8,7 @@ from kvbridge_agent.core.parallel import kv_words, role_parallelism
 from kvbridge_agent.core.tracing import SAMPLER
 from kvbridge_operator.api.names import router_peers_name, router_token_secret_name
 from kvbridge_operator.api.router_settings import peer_interval_for
-from kvbridge_operator.api.spec import (
-    Connector,
-    DisaggregatedDeployment,
-    DisaggregatedDeploymentSpec,
-    EngineDevice,
-    EngineKind,
-)
+from kvbridge_operator.api.spec import Connector, DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineDevice
 from kvbridge_operator.children import peer_key, tracing, transfer_token
 from kvbridge_operator.children.engines import engine_of
 from kvbridge_operator.children.objects.router import router_placement, router_spread
@@ -32,9 +26,8 @@ LAYOUTS_NOTE = (
 def notes_of(spec: DisaggregatedDeploymentSpec) -> list[str]:
     """The plan's notes (``--json``'s ``notes``, a line each in the text): the layouts where kvbridge's connector
     runs vLLM on GPUs."""
-    engine = spec.engine
-    on_gpus = engine.kind is EngineKind.VLLM and engine.device is EngineDevice.GPU
-    return [LAYOUTS_NOTE] if on_gpus and engine.connector is Connector.KVBRIDGE else []
+    on_gpus = spec.engine.device is EngineDevice.GPU
+    return [LAYOUTS_NOTE] if on_gpus and engine_of(spec).connector(spec) is Connector.KVBRIDGE else []
 
 
 def verifies(spec: DisaggregatedDeploymentSpec) -> bool:
@@ -107,6 +100,9 @@ def autoscaling_of(spec: DisaggregatedDeploymentSpec) -> dict[str, object]:
         "windowSeconds": auto.window_seconds,
         "headroomPercent": auto.headroom_percent,
         "stabilizationWindowSeconds": auto.stabilization_window_seconds,
+        "tolerancePercent": auto.tolerance_percent,
+        "reversalWindowSeconds": auto.reversal_window_seconds,
+        "warmupSeconds": auto.warmup_seconds,
         "bounds": {role.value: [spec.role(role).min_replicas, spec.role(role).max_replicas] for role in Role},
     }
 

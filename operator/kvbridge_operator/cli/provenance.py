@@ -14,8 +14,7 @@ from enum import StrEnum
 
 from kvbridge_agent.core import Role
 from kvbridge_operator.api.spec import Connector, DisaggregatedDeploymentSpec, EngineDevice, EngineKind
-from kvbridge_operator.api.transfer import KVBufferDevice
-from kvbridge_operator.children.engines.vllm_serve import kv_buffer_device
+from kvbridge_operator.children.engines import engine_of
 
 
 class Feature(StrEnum):
@@ -132,8 +131,7 @@ def features(spec: DisaggregatedDeploymentSpec) -> dict[Feature, str]:
         found[Feature.LAYOUT_CONVERSION] = f"{prefill.kv_layout.value} -> {decode.kv_layout.value}"
     if spec.model.attention.value == "MLA":
         found[Feature.MLA] = "MLA"
-    gpu_vllm = spec.engine.kind is EngineKind.VLLM and spec.engine.device is EngineDevice.GPU
-    if gpu_vllm and kv_buffer_device(spec) is KVBufferDevice.CPU:
+    if engine_of(spec).host_buffer(spec):
         found[Feature.HOST_BUFFER] = "kvBufferDevice: cpu"
     if any(spec.role(r).data_parallel_size > 1 for r in Role):
         found[Feature.DATA_PARALLEL] = ", ".join(f"{r.value} DP {spec.role(r).data_parallel_size}" for r in Role)
@@ -145,8 +143,8 @@ def features(spec: DisaggregatedDeploymentSpec) -> dict[Feature, str]:
 
 
 def _key(spec: DisaggregatedDeploymentSpec) -> tuple[EngineKind, Connector | None, EngineDevice]:
-    connector = spec.engine.connector if spec.engine.kind is EngineKind.VLLM else None
-    return spec.engine.kind, connector, spec.engine.device
+    """The run's key of the spec: its kind, the connector its engines load (none for a kind without) and device."""
+    return spec.engine.kind, engine_of(spec).connector(spec), spec.engine.device
 
 
 def provenance(spec: DisaggregatedDeploymentSpec) -> dict[str, list[str]]:

@@ -206,6 +206,7 @@ def observe(
     workers = [p for p in pods if _role_of(p) == Role.PREFILL.value and multinode.is_worker(p)]
     current_endpoints = endpoints(by_role[Role.PREFILL], spec.transfer.side_channel_port, named=named, workers=workers)
     incarnations = {p["metadata"]["name"]: _incarnation(p) for p in by_role[Role.PREFILL]}
+    decode_endpoints = serving_endpoints(by_role[Role.DECODE])
     seen = Seen(
         spec=spec,
         verdict=verdict,
@@ -218,6 +219,8 @@ def observe(
         endpoints=current_endpoints,
         advisories=[Advisory(code=a.code, field=a.field, message=bounded(a.message)) for a in advisories_for(spec)],
         incarnations=incarnations,
+        decode_endpoints=decode_endpoints,
+        pairings=_pairings(facts.rollout),
     )
     plan = isinstance(verdict, TransferPlan)
     status = DisaggregatedDeploymentStatus(
@@ -228,7 +231,7 @@ def observe(
         conditions=merge_conditions(seen.old_conditions, status_rules.conditions(seen), facts.now),
         plan=summary(verdict) if isinstance(verdict, TransferPlan) else _previous_plan(previous),
         prefill=PrefillStatus(**dict(roles[Role.PREFILL]), endpoints=current_endpoints),
-        decode=DecodeStatus(**dict(roles[Role.DECODE]), endpoints=serving_endpoints(by_role[Role.DECODE])),
+        decode=DecodeStatus(**dict(roles[Role.DECODE]), endpoints=decode_endpoints),
         advisories=seen.advisories,
     )
     new_annotations = {}
@@ -242,6 +245,12 @@ def observe(
         whole[role.value]["desiredReplicas"] = facts.scale.desired[role]
     whole["rollout"] = facts.rollout
     return Report(whole, status_rules.events(seen), new_annotations)
+
+
+def _pairings(rollout: Obj | None) -> frozenset[tuple[str, str]]:
+    """The pairs of pairing keys status.rollout lists (routers pair those pods too)."""
+    listed = (rollout or {}).get("pairings") or []
+    return frozenset((str(p.get("prefill", "")), str(p.get("decode", ""))) for p in listed if isinstance(p, dict))
 
 
 def _role_of(pod: Obj) -> str | None:

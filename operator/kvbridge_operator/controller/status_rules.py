@@ -17,7 +17,7 @@ from kvbridge_agent.core.parallel import ranks_words
 from kvbridge_operator.api.names import PODS_ANNOTATION
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import DisaggregatedDeploymentSpec
-from kvbridge_operator.api.status import Advisory, Condition, ConditionType, Endpoint, RoleStatus
+from kvbridge_operator.api.status import Advisory, Condition, ConditionType, Endpoint, RoleStatus, ServingEndpoint
 from kvbridge_operator.controller.actions import Event
 
 #: the reason of the Warning event that states the spec's advisories (status.advisories)
@@ -68,6 +68,13 @@ class Seen:
     endpoints: list[Endpoint]  # the ready prefill engines'
     advisories: list[Advisory]
     incarnations: dict[str, str]  # each prefill engine's pod uid and restarts, by name
+    decode_endpoints: Sequence[ServingEndpoint] = ()  # the ready decode engines'
+    #: the (prefill, decode) pairing keys checked compatible besides equal ones (status.rollout.pairings)
+    pairings: frozenset[tuple[str, str]] = frozenset()
+
+    def pair(self, prefill: str, decode: str) -> bool:
+        """Whether pods of these pairing keys pair, as routers pair them: equal keys, or a pair listed."""
+        return prefill == decode or (prefill, decode) in self.pairings
 
     @property
     def old_conditions(self) -> list[Obj]:
@@ -114,19 +121,47 @@ def _role_ready(seen: Seen, role: Role, kind: ConditionType) -> Condition:
     )
 
 
+def available(seen: Seen) -> Condition:
+    """Available: the deployment serves, whatever else is starting: a ready prefill pod (its side channel for decode's
+    handshake, its HTTP port for routers) and a ready decode pod that a router pairs with it, by the rule routers
+    follow (equal pairing keys, or a pair listed in status.rollout.pairings). As a Deployment's Available, it stays
+    True while a scale-up's new pods start; it does not depend on Compatible (an incompatible update changes nothing
+    that runs: the pods as they were still serve)."""
+    kind = ConditionType.AVAILABLE
+    prefill = [e for e in seen.endpoints if e.pairing]
+    decode = [e for e in seen.decode_endpoints if e.pairing]
+    counts = f"{seen.roles[Role.PREFILL].ready} prefill, {seen.roles[Role.DECODE].ready} decode pods ready"
+    if not prefill or not decode:
+        role = "prefill" if not prefill else "decode"
+        reason = "NoPrefillReady" if not prefill else "NoDecodeReady"
+        return _condition(seen, kind, "False", reason, f"no ready {role} pod to serve with ({counts})")
+    paired = [(p.pod, d.pod) for p in prefill for d in decode if seen.pair(p.pairing, d.pairing)]
+    if not paired:
+        message = f"no ready prefill and decode pods of one pairing key or a pair in status.rollout.pairings ({counts})"
+        return _condition(seen, kind, "False", "NoPairReady", message)
+    serving = f"{len({p for p, _ in paired})} prefill and {len({d for _, d in paired})} decode pods in pairs"
+    return _condition(seen, kind, "True", "MinimumReplicasAvailable", f"serving: {serving} ({counts})")
+
+
 def ready(seen: Seen, conditions: Sequence[Condition]) -> Condition:
-    """Ready: the first of the other conditions that is not True, else serving."""
+    """Ready: the first of the other conditions that is not True, else serving with every replica; while the
+    deployment is Available (a scale-up's new pods starting, say) the message says the ready pods serve."""
     failing = [c for c in conditions if c.status != "True"]
     if failing:
+        first = failing[0]
+        serving = first.type is not ConditionType.AVAILABLE and any(
+            c.type is ConditionType.AVAILABLE and c.status == "True" for c in conditions
+        )
         return _condition(
             seen,
             ConditionType.READY,
             "False",
-            failing[0].reason,
+            first.reason,
             # "Compatible: PREFILL_HEADS_REPLICATED ..." read as compatible: say which condition is not True
-            f"{failing[0].type.value} is {failing[0].status}: {failing[0].message}",
+            f"{first.type.value} is {first.status}: {first.message}"
+            + ("; the ready pods serve meanwhile (Available is True)" if serving else ""),
         )
-    return _condition(seen, ConditionType.READY, "True", "Ready", "prefill and decode are serving")
+    return _condition(seen, ConditionType.READY, "True", "Ready", "prefill and decode are serving, every replica ready")
 
 
 def _condition(seen: Seen, kind: ConditionType, status: str, reason: str, message: str) -> Condition:
@@ -232,6 +267,7 @@ CONDITION_RULES: tuple[ConditionRule, ...] = (
     ConditionRule(ConditionType.COMPATIBLE, compatible),
     ConditionRule(ConditionType.PREFILL_READY, prefill_ready),
     ConditionRule(ConditionType.DECODE_READY, decode_ready),
+    ConditionRule(ConditionType.AVAILABLE, available),
 )
 #: the events, in the order they are posted
 EVENT_RULES: tuple[EventRule, ...] = (

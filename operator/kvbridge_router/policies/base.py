@@ -165,10 +165,11 @@ class Picking(ABC):
         self, view: Balancer, pool: Pool, keys: list[int], exclude: Iterable[str], exclude_decodes: Iterable[str]
     ) -> Choice | None:
         chosen = pair(self.pick_one, view, pool, keys, exclude, exclude_decodes)
-        if chosen is None:
-            return None
-        (prefill, _, reason), decode = chosen
-        return Choice(prefill, decode, reason)
+        return None if chosen is None else self.choice(view, keys, *chosen)
+
+    def choice(self, view: Balancer, keys: list[int], picked: Pick, decode: Target) -> Choice:
+        """The choice of a pair picked for a prompt of ``keys``: the pods and why (kv-aware adds what matched)."""
+        return Choice(picked[0], decode, picked[2])
 
     def pick(
         self, view: Balancer, candidates: tuple[Target, ...], exclude: Iterable[str] = (), keys: list[int] | None = None

@@ -16,12 +16,12 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from kvbridge_operator.api.router_settings import RouterPolicy
-from kvbridge_router.policies.base import BY_LOAD, BY_PREFIX, BY_RING, Choice, Pick, Picking, pair
+from kvbridge_router.policies.base import BY_LOAD, BY_PREFIX, BY_RING, Choice, Pick, Picking
 from kvbridge_router.policies.least_loaded import Scan, by_load, next_turn, scan
 from kvbridge_router.ring import anchor, cap
 
 if TYPE_CHECKING:
-    from kvbridge_router.pool import Balancer, Pool, Target
+    from kvbridge_router.pool import Balancer, Target
 
 #: a pod holding the prompt's prefix is preferred while it has at most this many more requests in flight than the
 #: least loaded pod (a busy pod's queue costs more than recomputing a prefix elsewhere)
@@ -76,13 +76,10 @@ class KvAware(Picking):
     name = RouterPolicy.KV_AWARE
     scores_prefixes = True
 
-    def choose(
-        self, view: Balancer, pool: Pool, keys: list[int], exclude: Iterable[str], exclude_decodes: Iterable[str]
-    ) -> Choice | None:
-        chosen = pair(self.pick_one, view, pool, keys, exclude, exclude_decodes)
-        if chosen is None:
-            return None
-        (prefill, score, reason), decode = chosen
+    def choice(self, view: Balancer, keys: list[int], picked: Pick, decode: Target) -> Choice:
+        """The pair, and what the prefill pod matched of the prompt and when it was sent it (what
+        ``Balancer.observed`` compares with its answer); the choice is recorded as sent to it."""
+        prefill, score, reason = picked
         if not keys:
             return Choice(prefill, decode, reason)
         matched = score if score >= 0 else view.prefixes.matched(prefill.pod, keys)

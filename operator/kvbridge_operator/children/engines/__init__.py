@@ -10,9 +10,10 @@ Reading order:
 - ``vllm_cpu``: vLLM's CPU build: the core-binding launcher, CPU attention's sizes.
 - ``synthetic``: the synthetic engine (``engine.kind: Synthetic``), kvbridge's own worker that serves no model.
 
-Everything else asks :func:`engine_of` rather than comparing ``spec.engine.kind``. To add a kind: a value of
-``EngineKind`` (api/spec.py), a module here providing every member of ``EngineKindModule``, and its row in
-:data:`ENGINES` (docs/development.md, "Adding an engine kind").
+Everything else asks :func:`engine_of` rather than comparing ``spec.engine.kind`` (the API, below this package,
+names the kinds that load a KV connector: ``CONNECTOR_KINDS``). To add a kind: a value of ``EngineKind``
+(api/spec.py), a module here providing every member of ``EngineKindModule``, and its row in :data:`ENGINES`
+(docs/development.md, "Adding an engine kind").
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from kvbridge_agent.core import Problem, Role, TransferPlan
 from kvbridge_operator.api.objects import Obj
-from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec
+from kvbridge_operator.api.spec import Connector, DisaggregatedDeployment, DisaggregatedDeploymentSpec
 from kvbridge_operator.config import OperatorConfig
 
 
@@ -71,6 +71,16 @@ class EngineKindModule(Protocol):
     @property
     def tracing_flag(self) -> str: ...
 
+    #: whether the engines serve the model the spec names (and so need its weights): vLLM does, the synthetic
+    #: engine serves none (``kvbridge demo`` makes a model locally for the kinds that serve one)
+    @property
+    def serves_model(self) -> bool: ...
+
+    #: the kind's name in the pairing key (``children/pairing.py``): its CRD value when its first pods ran, kept
+    #: through a rename so that no pod's key changes (a new key would roll every such deployment blue/green)
+    @property
+    def pairing_name(self) -> str: ...
+
     # -- what it refuses before scheduling
 
     def problems(self, spec: DisaggregatedDeploymentSpec) -> list[Problem]:
@@ -98,6 +108,17 @@ class EngineKindModule(Protocol):
 
     def on_cpu(self, spec: DisaggregatedDeploymentSpec, config: OperatorConfig) -> bool:
         """Whether the engines keep their KV cache in host memory."""
+        ...
+
+    def connector(self, spec: DisaggregatedDeploymentSpec) -> Connector | None:
+        """The KV connector the engines load (``spec.engine.connector``), ``None`` for a kind that loads none: with
+        ``KVBridge`` the image must carry kvbridge (``api/spec.py``'s ``CONNECTOR_KINDS`` says which kinds load one,
+        for the model's check and the CRD's rule, which cannot ask this package)."""
+        ...
+
+    def host_buffer(self, spec: DisaggregatedDeploymentSpec) -> bool:
+        """Whether engines on GPUs stage their KV through a buffer in host memory (vLLM's ``kv_buffer_device:
+        cpu``), which ``kvbridge plan``'s record of what was run for real tells apart."""
         ...
 
     def kvbridge_transfer(self, spec: DisaggregatedDeploymentSpec) -> bool:

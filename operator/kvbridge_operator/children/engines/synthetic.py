@@ -13,7 +13,7 @@ from typing import Final
 from kvbridge_agent.core import Problem, Role, TransferPlan
 from kvbridge_operator.api.names import ENGINE_CONTAINER, HTTP_PORT_NAME, KEYS_VOLUME
 from kvbridge_operator.api.objects import Obj
-from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineDevice
+from kvbridge_operator.api.spec import Connector, DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineDevice
 from kvbridge_operator.children.engines.kind import ServedEngine, api_port
 from kvbridge_operator.config import OperatorConfig
 
@@ -23,6 +23,8 @@ health_path: Final = "/healthz"  # the worker's HTTP API: 200 once its ranks hol
 metrics_prefix: Final = ""
 takes_extra_args: Final = False
 tracing_flag: Final = ""
+serves_model: Final = False
+pairing_name: Final = "Agent"  # its CRD value when its first pods ran (now Synthetic; Agent is still read)
 
 #: expert parallelism asked of the synthetic engine, which serves no model (its DP ranks it runs)
 EXPERT_PARALLEL_ON_SYNTHETIC = "EXPERT_PARALLEL_ON_SYNTHETIC"
@@ -68,6 +70,16 @@ def refused_extra_args(spec: DisaggregatedDeploymentSpec) -> list[str]:
 def on_cpu(spec: DisaggregatedDeploymentSpec, config: OperatorConfig) -> bool:
     """``engine.device: CPU``, or the operator's CPU mode (agents move host memory)."""
     return config.cpu_mode or spec.engine.device is EngineDevice.CPU
+
+
+def connector(spec: DisaggregatedDeploymentSpec) -> Connector | None:
+    """None: the worker is kvbridge's transfer layer itself (``spec.engine.connector`` does not apply)."""
+    return None
+
+
+def host_buffer(spec: DisaggregatedDeploymentSpec) -> bool:
+    """Never: its ranks register their own KV memory."""
+    return False
 
 
 def kvbridge_transfer(spec: DisaggregatedDeploymentSpec) -> bool:

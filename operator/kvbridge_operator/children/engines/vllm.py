@@ -13,7 +13,14 @@ from typing import Final
 from kvbridge_agent.core import Role, TransferPlan
 from kvbridge_operator.api.names import ENGINE_CONTAINER, LABEL_INFERENCE_POOL, LABEL_LLM_D_ROLE
 from kvbridge_operator.api.objects import Obj
-from kvbridge_operator.api.spec import DisaggregatedDeployment, DisaggregatedDeploymentSpec, EngineDevice, RoleSpec
+from kvbridge_operator.api.spec import (
+    Connector,
+    DisaggregatedDeployment,
+    DisaggregatedDeploymentSpec,
+    EngineDevice,
+    RoleSpec,
+)
+from kvbridge_operator.api.transfer import KVBufferDevice
 from kvbridge_operator.children import tracing
 from kvbridge_operator.children.engines.kind import ServedEngine, api_port
 from kvbridge_operator.children.engines.vllm_cpu import CPU_BASE_MEMORY_GIB, cpu_build
@@ -39,6 +46,8 @@ health_path: Final = "/health"  # vLLM's OpenAI server: 200 once the engine is u
 metrics_prefix: Final = "vllm:"
 takes_extra_args: Final = True
 tracing_flag: Final = tracing.VLLM_FLAG
+serves_model: Final = True
+pairing_name: Final = "VLLM"
 
 
 def spans_nodes(spec: DisaggregatedDeploymentSpec) -> bool:
@@ -49,6 +58,16 @@ def spans_nodes(spec: DisaggregatedDeploymentSpec) -> bool:
 def on_cpu(spec: DisaggregatedDeploymentSpec, config: OperatorConfig) -> bool:
     """vLLM pods follow the spec alone (its CPU rules are part of the verdict), not the operator's CPU mode."""
     return cpu_build(spec)
+
+
+def connector(spec: DisaggregatedDeploymentSpec) -> Connector:
+    """``spec.engine.connector``: vLLM's NixlConnector or kvbridge's."""
+    return spec.engine.connector
+
+
+def host_buffer(spec: DisaggregatedDeploymentSpec) -> bool:
+    """On GPUs with ``kv_buffer_device: cpu`` (its CPU build keeps the whole cache in host memory: no buffer)."""
+    return not cpu_build(spec) and kv_buffer_device(spec) is KVBufferDevice.CPU
 
 
 def kvbridge_transfer(spec: DisaggregatedDeploymentSpec) -> bool:

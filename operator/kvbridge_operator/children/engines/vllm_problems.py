@@ -126,39 +126,19 @@ def _argument_problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     given = [("spec.engine.extraArgs", arg) for arg in spec.engine.extra_args]
     given += [(f"spec.{role.value}.extraArgs", arg) for role in Role for arg in spec.role(role).extra_args]
     for where, arg in given:
-        name = argument_name(arg)
+        name, flag = argument_name(arg), arg.split("=", 1)[0]
         if spec.model.source and name in SOURCE_ARGUMENTS:
-            found.append(
-                Problem(
-                    VLLM_MANAGED_ARGUMENT,
-                    where,
-                    words.MANAGED_BY_SOURCE.format(flag=arg.split("=", 1)[0]),
-                )
-            )
+            code, message = VLLM_MANAGED_ARGUMENT, words.MANAGED_BY_SOURCE.format(flag=flag)
         elif name == tracing.VLLM_FLAG and spec.tracing is not None:
-            found.append(
-                Problem(
-                    VLLM_MANAGED_ARGUMENT,
-                    where,
-                    words.MANAGED.format(flag=arg.split("=", 1)[0], field="spec.tracing.endpoint"),
-                )
-            )
+            code, message = VLLM_MANAGED_ARGUMENT, words.MANAGED.format(flag=flag, field="spec.tracing.endpoint")
         elif name in MANAGED_ARGUMENTS:
-            found.append(
-                Problem(
-                    VLLM_MANAGED_ARGUMENT,
-                    where,
-                    words.MANAGED.format(flag=arg.split("=", 1)[0], field=MANAGED_BY_FIELD[name]),
-                )
-            )
+            code, message = VLLM_MANAGED_ARGUMENT, words.MANAGED.format(flag=flag, field=MANAGED_BY_FIELD[name])
         elif name in UNMODELLED_ARGUMENTS:
-            found.append(
-                Problem(
-                    VLLM_UNMODELLED_ARGUMENT,
-                    where,
-                    words.UNMODELLED.format(flag=arg.split("=", 1)[0], why=UNMODELLED_ARGUMENTS[name]),
-                )
-            )
+            code = VLLM_UNMODELLED_ARGUMENT
+            message = words.UNMODELLED.format(flag=flag, why=UNMODELLED_ARGUMENTS[name])
+        else:
+            continue
+        found.append(Problem(code, where, message))
     return found
 
 

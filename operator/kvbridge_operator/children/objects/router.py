@@ -149,6 +149,7 @@ def router_settings(dd: DisaggregatedDeployment) -> RouterSettings:
         namespace=namespace,
         port=ROUTER_PORT,
         prefill_timeout=spec.prefill_timeout_seconds,
+        cold_timeout=spec.cold_timeout_seconds,
         decode_timeout=spec.decode_timeout_seconds,
         prefill_attempts=spec.prefill_attempts,
         policy=spec.policy,
