@@ -159,6 +159,29 @@ def digest_totals(deployment: str) -> tuple[float, int]:
     return seconds, count
 
 
+def router_totals(url: str) -> dict[str, float]:
+    """The router's own split of the time to first token, so far: the prefill calls' seconds and the first
+    tokens' (``kvbridge_router_prefill_seconds``, ``kvbridge_router_ttft_seconds``: sums and counts)."""
+    names = [f"kvbridge_router_{name}_seconds_{part}" for name in ("prefill", "ttft") for part in ("sum", "count")]
+    totals = dict.fromkeys(names, 0.0)
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
+        for line in answer.read().decode().splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in totals:
+                totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def split_ms(before: dict[str, float], after: dict[str, float]) -> tuple[float | None, float | None]:
+    """Mean prefill call and mean rest of the time to first token (decode: READs, check, first step), in ms."""
+    delta = {name: after[name] - before[name] for name in after}
+    prefills, firsts = delta["kvbridge_router_prefill_seconds_count"], delta["kvbridge_router_ttft_seconds_count"]
+    if not prefills or not firsts:
+        return None, None
+    prefill = delta["kvbridge_router_prefill_seconds_sum"] / prefills
+    return round(1000 * prefill, 1), round(1000 * (delta["kvbridge_router_ttft_seconds_sum"] / firsts - prefill), 1)
+
+
 def engine_cpu_seconds(deployment: str) -> dict[int, float]:
     """CPU seconds (user + system) so far of every process of ``deployment``'s pods, by process id: each pod's
     ``vllm serve`` and its descendants (vLLM's engine core and workers retitle themselves, which hides their
@@ -242,7 +265,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                     deployment = f"verify-{policy.lower()}"
                     pin(deployment)  # threads started since (vLLM's, kvbridge's) too
                     before, digests_before = engine_cpu_seconds(deployment), digest_totals(deployment)
+                    routed = router_totals(url)
                     result = bench(url, model, tokenizer, args, seed, workdir)
+                    prefill_ms, decode_ms = split_ms(routed, router_totals(url))
                     cpu = cpu_used(before, engine_cpu_seconds(deployment))
                     digests_after = digest_totals(deployment)
                     digest_seconds = digests_after[0] - digests_before[0]
@@ -261,6 +286,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                             "ttftP99Ms": round(float(result["p99_ttft_ms"]), 1),
                             "tpotP50Ms": round(float(result["p50_tpot_ms"]), 2),
                             "itlP99Ms": round(float(result["p99_itl_ms"]), 1),
+                            "prefillMeanMs": prefill_ms,
+                            "decodeFirstMeanMs": decode_ms,
                             "engineCpuMsPerRequest": round(1000 * cpu / completed, 2) if completed else None,
                             "digestMsPerRequest": round(1000 * digest_seconds / completed, 3) if completed else None,
                             "digestsPerRequest": round(digest_count / completed, 2) if completed else None,
@@ -292,6 +319,8 @@ FIGURES = {
     "ttftP50": "ttftP50Ms",
     "tpotP50": "tpotP50Ms",
     "itlP99": "itlP99Ms",
+    "prefillMean": "prefillMeanMs",
+    "decodeFirstMean": "decodeFirstMeanMs",
     "engineCpuPerRequest": "engineCpuMsPerRequest",
 }
 
@@ -317,14 +346,15 @@ def compare(runs: list[dict[str, Any]], policy: str) -> dict[str, float]:
 def table(result: dict[str, Any]) -> str:
     lines = [
         "| round | verification | req/s | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | ITL p99 (ms) "
-        "| engine CPU ms/req | digest ms/req | digests/req | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| prefill mean (ms) | decode first mean (ms) | engine CPU ms/req | digest ms/req | digests/req | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in result["runs"]:
         lines.append(
             f"| {run['round']} | {run['verification']} | {run['requestsPerSecond']} | "
             f"{run['outputTokensPerSecond']} | {run['ttftP50Ms']} | {run['ttftP99Ms']} | {run['tpotP50Ms']} | "
-            f"{run['itlP99Ms']} | {run['engineCpuMsPerRequest']} | {run['digestMsPerRequest']} | "
+            f"{run['itlP99Ms']} | {run['prefillMeanMs']} | {run['decodeFirstMeanMs']} | "
+            f"{run['engineCpuMsPerRequest']} | {run['digestMsPerRequest']} | "
             f"{run['digestsPerRequest']} | {run['failed']} |"
         )
     for policy, ratio in result["versusOff"].items():

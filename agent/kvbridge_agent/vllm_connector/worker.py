@@ -399,6 +399,8 @@ class ConnectorWorker:
             polled = [self._checks.start(self.decode, r) for r in [*self._results, *self.decode.poll()]]
             self._results = []
             results = [*(r for r in polled if r is not None), *self._checks.finished()]
+            if self._checks.joined_seconds > 0:
+                self.stats.record_digest_wait(self._checks.joined_seconds)
             for engine_id in self._checks.take_mismatches():
                 self.stats.record_digest_mismatch(engine_id)
             done = set()
