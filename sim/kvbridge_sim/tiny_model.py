@@ -47,18 +47,29 @@ class Shape:
     num_heads: int
     num_kv_heads: int
     max_positions: int
-    #: a hybrid model: every even layer attends to a sliding window of this many tokens, every odd one to all
-    #: (``layer_types`` as transformers and vLLM's Llama read it); ``None``: full attention everywhere
+    #: a hybrid model: layers attend to a sliding window of this many tokens but for the last of each
+    #: :attr:`period` layers, which attends to all (``layer_types`` as transformers and vLLM read it); ``None``: full
+    #: attention everywhere
     sliding_window: int | None = None
     #: a mixture-of-experts model (transformers' and vLLM's Mixtral: routed experts in every layer, two per token)
     #: of this many experts; 0: a dense Llama
     num_experts: int = 0
+    #: the architecture: ``llama`` (Llama, or Mixtral with experts) or ``gemma3`` (Gemma-3's text model: 5 sliding
+    #: layers then a global one, each kind its own RoPE base; transformers' and vLLM's ``Gemma3ForCausalLM``)
+    family: str = "llama"
+
+    @property
+    def period(self) -> int:
+        """Layers per repetition of the sliding/full pattern: 2 for the Llama (gpt-oss's alternation), 6 for
+        Gemma-3 (5 local : 1 global)."""
+        return 6 if self.family == "gemma3" else 2
 
     @property
     def layer_types(self) -> list[str] | None:
         if self.sliding_window is None:
             return None
-        return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.num_layers)]
+        last = self.period - 1
+        return ["full_attention" if i % self.period == last else "sliding_attention" for i in range(self.num_layers)]
 
     @property
     def head_dim(self) -> int:
@@ -73,7 +84,13 @@ class Shape:
             "headDim": self.head_dim,
             "kvCacheDtype": "bfloat16",
             **({"numExperts": self.num_experts} if self.num_experts else {}),
+            **({"slidingWindow": self.sliding_window, "layerTypes": self.kinds} if self.family == "gemma3" else {}),
         }
+
+    @property
+    def kinds(self) -> list[str]:
+        """``spec.model.layerTypes`` (what ``kvbridge model`` writes from the folder's config.json)."""
+        return ["Sliding" if kind == "sliding_attention" else "Full" for kind in self.layer_types or ()]
 
 
 TINY = Shape(NAME, NUM_LAYERS, HIDDEN, NUM_HEADS, NUM_KV_HEADS, MAX_POSITIONS)
@@ -89,8 +106,11 @@ HYBRID = Shape("kvbridge/tiny-hybrid-llama", NUM_LAYERS, HIDDEN, NUM_HEADS, NUM_
 #: the tiny model's attention with a mixture of 4 experts (2 per token) in place of each MLP: what vLLM's CPU build
 #: serves with its CPU MoE kernels, expert parallelism on (EP size 1: one rank; DP is what the CPU build cannot run)
 MOE = Shape("kvbridge/tiny-moe", NUM_LAYERS, HIDDEN, NUM_HEADS, NUM_KV_HEADS, MAX_POSITIONS, num_experts=4)
+#: Gemma-3's layer pattern shrunk: 6 layers, 5 with a 32-token sliding window then 1 global (Gemma-3-1B's 26 layers
+#: and 512-token window, Gemma-3-12B's 48 and 1024), one KV head as Gemma-3-1B, the tiny model's width
+GEMMA3 = Shape("kvbridge/tiny-gemma3", 6, HIDDEN, NUM_HEADS, 1, MAX_POSITIONS, 32, family="gemma3")
 #: the local models by ``spec.model.name``
-SHAPES = {shape.name: shape for shape in (TINY, SMALL, HYBRID, MOE)}
+SHAPES = {shape.name: shape for shape in (TINY, SMALL, HYBRID, MOE, GEMMA3)}
 _MARKER = "kvbridge-tiny-model.json"
 
 _TEXT = (
@@ -143,7 +163,9 @@ def make(path: Path, shape: Shape = TINY) -> Path:
     }
     torch.manual_seed(SEED)
     model: Any
-    if shape.num_experts:  # each expert's MLP half as wide as the dense model's, two of them per token
+    if shape.family == "gemma3":
+        model = _gemma3(common, shape)
+    elif shape.num_experts:  # each expert's MLP half as wide as the dense model's, two of them per token
         experts = MixtralConfig(
             **common, intermediate_size=2 * shape.hidden, num_local_experts=shape.num_experts, num_experts_per_tok=2
         )
@@ -163,6 +185,22 @@ def make(path: Path, shape: Shape = TINY) -> Path:
         for item in Path(staging).iterdir():
             os.replace(item, path / item.name)
     return path
+
+
+def _gemma3(common: dict[str, Any], shape: Shape) -> Any:
+    """Gemma-3's text model (random weights) of ``shape``: its layer pattern, window and per-kind RoPE bases."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        **common,
+        intermediate_size=4 * shape.hidden,
+        pad_token_id=0,
+        query_pre_attn_scalar=shape.head_dim,
+        sliding_window=shape.sliding_window,
+        layer_types=shape.layer_types,
+    )
+    return Gemma3ForCausalLM(config).to(torch.bfloat16)
 
 
 def prompt(length: int, salt: int = 0) -> list[int]:

@@ -42,6 +42,10 @@ DEPLOYMENTS = {
     "kvbridge-hybrid": deployment(
         "tiny-kvbridge-hybrid", 1, connector="KVBridge", verification="All", shape=tiny_model.HYBRID
     ),
+    # Gemma-3's layer pattern (5 sliding : 1 global, a 32-token window): prompts at the window's edge (test_gemma3)
+    "kvbridge-gemma3": deployment(
+        "tiny-kvbridge-gemma3", 1, connector="KVBridge", verification="All", shape=tiny_model.GEMMA3
+    ),
     # spec.tracing: OTLP/HTTP to the receiver test_tracing runs on this port (chosen once per session)
     "traced": {**traced, "spec": {**traced["spec"], "tracing": {"endpoint": TRACES_URL, "protocol": "http/protobuf"}}},
     "short-lease": deployment(
@@ -60,7 +64,7 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def all_engines(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
     """Every engine the tests use, rendered once; each phase starts the ones it needs."""
     found = Engines(tmp_path_factory.mktemp("engines"), tiny_model_path)
-    for shape in (tiny_model.HYBRID, tiny_model.MOE):
+    for shape in (tiny_model.HYBRID, tiny_model.MOE, tiny_model.GEMMA3):
         folder = tmp_path_factory.mktemp("model") / shape.name.split("/")[-1]
         found.more_models[shape.name] = tiny_model.make(folder, shape)
     models = found.models
@@ -123,6 +127,12 @@ def all_engines(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
     ):
         template = rendered_template(DEPLOYMENTS["kvbridge-hybrid"], role)
         found.add(name, template, ip, (core,), env={"KVBRIDGE_KEYS_DIR": str(keys)})
+    for name, role, ip, core in (
+        ("kvbridge-gemma3-prefill", Role.PREFILL, "127.0.1.18", 0),
+        ("kvbridge-gemma3-decode", Role.DECODE, "127.0.1.19", 1),
+    ):
+        template = rendered_template(DEPLOYMENTS["kvbridge-gemma3"], role)
+        found.add(name, template, ip, (core,), env={"KVBRIDGE_KEYS_DIR": str(keys)})
     # TP 2 -> 1 with kvbridge's connector: the prefill ranks on cores of their own (where there are 4)
     found.add(
         "kvbridge-prefill-tp2",
@@ -174,6 +184,13 @@ def kvbridge_hybrid_engines(all_engines: Engines) -> Engines:
     """prefill TP 1 and decode TP 1 of the hybrid tiny model (full attention + a 32-token sliding window) with
     kvbridge's connector, verification All."""
     return _phase(all_engines, ["kvbridge-hybrid-prefill", "kvbridge-hybrid-decode"])
+
+
+@pytest.fixture
+def kvbridge_gemma3_engines(all_engines: Engines) -> Engines:
+    """prefill TP 1 and decode TP 1 of the tiny Gemma-3 (6 layers: 5 with a 32-token window, then 1 global) with
+    kvbridge's connector, verification All."""
+    return _phase(all_engines, ["kvbridge-gemma3-prefill", "kvbridge-gemma3-decode"])
 
 
 @pytest.fixture

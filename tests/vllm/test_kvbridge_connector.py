@@ -230,7 +230,8 @@ async def test_decode_exports_transfers_and_failures_on_vllms_metrics(
         await pd_requests.decode(session, decode, model, prompt(BLOCK, salt=52), params, MAX_TOKENS)
     # 109 tokens: 4 blocks of 32, per layer (2 layers) and block 2 KV heads x 2 (K, V) x 32 tokens x 64 x 2 bytes =
     # 16 KiB; one descriptor per layer and block, or per layer and run of blocks adjacent in both caches
-    # (NIXL merges them, docs/protocol.md §4c): 2 (one run of 4) to 8 (none adjacent), as the engines' allocators placed them
+    # (NIXL merges them, docs/protocol.md §4c): 2 (one run of 4) to 8 (none adjacent), as the engines' allocators
+    # placed them
     want = {"reads": 1, "bytes": 8 * 16384, "expired": 1}
     got: dict[str, float] = {}
 

@@ -21,7 +21,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvbridge_agent.core import Role
 from kvbridge_agent.core.model import LayerType
-from tests.agent.vllm_connector.vllm_engines import Engine, Model, check_bytes, move
+from tests.agent.vllm_connector.vllm_engines import Engine, Model, check_bytes, move, window_gaps
 
 from .zoo import ZOO
 
@@ -65,3 +65,4 @@ def test_a_zoo_pattern_moves_byte_exact_at_the_window_edge(
         moved = move(prefill, decode, f"{folder}-{length}", [11 + (i * 37) % 3000 for i in range(length)])
         assert moved.ok, (length, moved.failures, moved.load_errors)
         check_bytes(decode, moved)
+        assert not window_gaps(decode, moved), length  # 143 and 1087 are at the edge: prefill left the last token

@@ -5,6 +5,7 @@ Reading order:
 - ``settings``: what the connector needs, from kvbridge's environment contract and vLLM's configuration.
 - ``messages``: what the two halves tell each other, and the ``kv_transfer_params``.
 - ``scheduler``: the scheduler half: which requests to read or offer, leases, the side-channel listener.
+- ``window_backoff``: sliding windows: prefill leaves the prompt's last token to decode, which computes it.
 - ``worker``: the worker half: one TP rank's KV cache on kvbridge's rank machinery.
 - ``verifying``: verification off vLLM's thread: prefill's digests and decode's checks on threads of their own.
 - ``digest_relay``: prefill's digests from each rank to the scheduler's side channel the moment they are taken.

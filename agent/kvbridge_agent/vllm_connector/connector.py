@@ -176,6 +176,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
 
     # -- scheduler ---------------------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        self._scheduler_half().on_new_request(request)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler_half().get_num_new_matched_tokens(request, num_computed_tokens)
 

@@ -18,16 +18,17 @@ def allocate_host_views(
     model: ModelGeometry, layout: str, block_size: int, heads: int, num_blocks: int, device: str = "cpu"
 ) -> dict[str, Any]:
     """Per-layer views (``model.layers.<i>.self_attn.attn``) of ``num_blocks`` blocks of ``block_size`` tokens and
-    ``heads`` KV heads of ``model.head_dim`` in bf16 on ``device``, laid out as the ``KVCacheLayout`` named
-    ``layout``."""
+    ``heads`` KV heads of ``model.head_dim`` in bf16 on ``device`` (an MLA model: its one latent), laid out as the
+    ``KVCacheLayout`` named ``layout``."""
     import torch
     from vllm.v1.core.kv_cache_utils import create_kv_cache_group_specs, get_kv_cache_config_from_groups
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
     resolved = KVCacheLayout[layout]
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=model.head_dim, dtype=torch.bfloat16)
+    kind = MLAAttentionSpec if model.is_mla else FullAttentionSpec
+    spec = kind(block_size=block_size, num_kv_heads=heads, head_size=model.head_dim, dtype=torch.bfloat16)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(model.num_layers)]
     groups = create_kv_cache_group_specs(dict.fromkeys(names, spec), [names])
     vllm_config = SimpleNamespace(  # the few settings the engine core reads to size the cache

@@ -6,7 +6,7 @@ lease ends; the lease starts when the parameters are published and travels in th
 request is digested right after the step that completes its prompt, and its digests are added to the parameters
 before vLLM sends the answer (``take_digests``), so decode checks them in the step its READs complete. Decode: a
 request with kvbridge parameters is loaded asynchronously; its whole prompt comes from prefill less what the
-local prefix cache already holds.
+local prefix cache already holds (with sliding windows, less its last token too: window_backoff.py).
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from kvbridge_agent.transfer.side_channel import SideChannelServer, heartbeat_in
 
 from .digest_relay import DigestReceiver, start_relay
 from .messages import (
-    ERROR_KEY,
     PARAMS_KEY,
     DigestOrder,
     InvalidTransferParamsError,
@@ -53,10 +52,12 @@ from .messages import (
     RankHandshake,
     ReadOrder,
     StepMetadata,
+    refusal,
     transfer_params,
 )
 from .settings import ConnectorSettings
 from .stats import DIGESTS
+from .window_backoff import WindowBackoff
 
 log = logging.getLogger(f"vllm.kvbridge.{__name__.rsplit('.', 1)[-1]}")  # shown by vLLM's log handler
 
@@ -125,6 +126,7 @@ class ConnectorScheduler:
         #: decode: requests whose kvbridge parameters did not validate, and why (until their blocks are allocated)
         self._refused: dict[str, str] = {}
         self._renewed: dict[str, float] = {}  # decode request -> when a heartbeat last renewed its prefill lease
+        self._backoff = WindowBackoff(settings)  # sliding windows: prefill leaves the prompt's last token to decode
         self._service = PrefillService(environment.prefill_service, settings.transfer.handshake_timeout_seconds)
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
@@ -216,6 +218,9 @@ class ConnectorScheduler:
                     renewed.append(request_id)
         return renewed
 
+    def on_new_request(self, request: Any) -> None:
+        self._backoff.truncate(request)  # prefill: a prompt at a sliding window's edge leaves its last token to decode
+
     # -- decode: what to load ----------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         if self.settings.role is not Role.DECODE:
@@ -239,8 +244,10 @@ class ConnectorScheduler:
             return (count, True) if count > 0 else (0, False)
         if params is None:
             return 0, False
-        with self._lock:
-            self._waiting[request.request_id] = params  # renew prefill's lease while the request waits here
+        count = self._backoff.remote_tokens(count + num_computed_tokens, params.num_tokens) - num_computed_tokens
+        if count > 0:  # else all prefill offered is in the local prefix cache: nothing to read (its lease frees it)
+            with self._lock:
+                self._waiting[request.request_id] = params  # renew prefill's lease while the request waits here
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -251,6 +258,8 @@ class ConnectorScheduler:
         if self.settings.role is not Role.DECODE or not isinstance(raw, dict) or not raw.get("do_remote_prefill"):
             return
         raw["do_remote_prefill"] = False  # one transfer per request, also after a preemption
+        if num_external_tokens <= 0:  # nothing to read: vLLM waits for no load (a report would be fatal to it)
+            return
         groups = self.settings.groups
         every = by_group(blocks.get_block_ids())
         unhashed: list[list[int]] = [[] for _ in every]  # per group; vLLM leaves out null blocks
@@ -276,15 +285,7 @@ class ConnectorScheduler:
         expires_at = params.expires_at
         if expires_at is not None and renewed is not None:  # prefill renews from when the heartbeat arrives
             expires_at = max(expires_at, renewed + self.settings.transfer.lease_seconds)
-        prompt = len(request.prompt_token_ids or ())
-        refused = (
-            ""
-            if prompt == params.num_tokens
-            else (
-                f"PROMPT_MISMATCH: decode's prompt has {prompt} tokens, the prefill computed {params.num_tokens}: this "
-                "is not the request prefill ran"
-            )
-        )
+        refused = self._backoff.mismatch(len(request.prompt_token_ids or ()), params.num_tokens)
         local_sizes: list[int] | None = None
         digest_tokens = params.num_tokens
         block_layers: list[int] | None = None
@@ -303,16 +304,9 @@ class ConnectorScheduler:
             all_blocks = [b for group in kept for b in group]
             digest_tokens = groups.digest_tokens(all_blocks)
             block_layers = groups.block_layers([len(group) for group in kept])
+        trace = context_of(getattr(request, "trace_headers", None))
         self._to_read[request.request_id] = ReadOrder(
-            local,
-            params,
-            refused,
-            expires_at,
-            all_blocks,
-            local_sizes,
-            digest_tokens,
-            context_of(getattr(request, "trace_headers", None)),
-            block_layers,
+            local, params, refused, expires_at, all_blocks, local_sizes, digest_tokens, trace, block_layers
         )
 
     # -- both: each step ------------------------------------------------------------
@@ -401,37 +395,50 @@ class ConnectorScheduler:
 
     # -- prefill: publishing a finished request ------------------------------------
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Prefill: offer a finished request to decode, or free its blocks now. Never raises (vLLM treats an
+        exception here as the engine's death): a request that cannot be offered says why in its answer."""
         request_id = request.request_id
-        predigested = self._predigested.pop(request_id, None)
-        self._producing.pop(request_id, None)
-        with self._lock:
-            self._waiting.pop(request_id, None)
-            self._renewed.pop(request_id, None)
-            self._refused.pop(request_id, None)
+        predigested = self._forget(request_id)
         raw = request.kv_transfer_params
         if self.settings.role is not Role.PREFILL or not isinstance(raw, dict) or not raw.get("do_remote_decode"):
             return False, None
         per_group = by_group(block_ids)
-        blocks = per_group[0]
-        if request.status.name not in _FINISHED_NORMALLY or not blocks or self._server is None:
+        server = self._server
+        if request.status.name not in _FINISHED_NORMALLY or not per_group[0] or server is None:
             if predigested is not None:
                 with self._lock:
                     self._verifying.discard(request_id)
                     self._digests.pop(request_id, None)
             return False, None
-        # everything a request carries is checked before anything is recorded for it: a bad one frees its blocks
-        # now and says why in its answer (vLLM treats an exception here as the engine's death)
+        # everything a request carries is checked before anything is recorded for it
         problem = request_id_problem(request_id)
         if problem:
             log.warning("kvbridge: not offering request %.80s: %s", request_id, problem)
-            error = {"code": INVALID_REQUEST_ID, "message": problem}
-            return False, {"do_remote_prefill": False, "do_remote_decode": False, ERROR_KEY: error}
+            return False, refusal(INVALID_REQUEST_ID, problem)
+        return self._offer(request, per_group, predigested, server)
+
+    def _forget(self, request_id: str) -> tuple[bytes, int] | None:
+        """Drop what was followed of a finished request; its key and prompt tokens if it was digested already."""
+        predigested = self._predigested.pop(request_id, None)
+        self._producing.pop(request_id, None)
+        self._backoff.forget(request_id)
+        with self._lock:
+            self._waiting.pop(request_id, None)
+            self._renewed.pop(request_id, None)
+            self._refused.pop(request_id, None)
+        return predigested
+
+    def _offer(
+        self, request: Any, per_group: list[list[int]], predigested: tuple[bytes, int] | None, server: SideChannelServer
+    ) -> tuple[bool, dict[str, Any]]:
+        """Publish a request's transfer parameters and hold its blocks under a lease (request_finished's checks
+        passed); blocks that cannot hold its tokens are not offered, and the answer says why."""
+        request_id, blocks = request.request_id, per_group[0]
         expires_at = time.time() + self.settings.transfer.lease_seconds
         # a secret draw (the client's request id does not enter it), taken when the prompt's last step was
         # scheduled if this engine saw it (then the ranks digested it right after that step's forward)
         verify = predigested is not None or self._verification.decide()
         key = predigested[0] if predigested is not None else new_key() if verify else b""
-        environment = self.settings.environment
         num_tokens = request.num_computed_tokens
         groups, sizes = self.settings.groups, None
         try:
@@ -442,8 +449,8 @@ class ConnectorScheduler:
             params = KVTransferParams(
                 remote_engine_id=self.engine_id,
                 remote_incarnation=self._incarnation,
-                remote_host=environment.side_channel_host,
-                remote_port=self._server.port,
+                remote_host=self.settings.environment.side_channel_host,
+                remote_port=server.port,
                 remote_request_id=request_id,
                 num_tokens=num_tokens,
                 remote_block_ids=wire,
@@ -452,18 +459,17 @@ class ConnectorScheduler:
                 fingerprint=self.settings.fingerprint,
                 expires_at=expires_at,
                 verify=verify,
-                lease_token=self._server.token(request_id),
-                prompt_hash=request_prompt_hash(request),  # what a signing router binds (core/signing.py)
+                lease_token=server.token(request_id),
+                prompt_hash=self._backoff.prompt_hash(request),  # what a signing router binds (core/signing.py)
             )
         except (KVBridgeError, ValidationError) as exc:  # blocks that cannot hold the tokens: not offered
             code, message = (
                 (exc.code, exc.message)
                 if isinstance(exc, KVBridgeError)
-                else ("INVALID_TRANSFER_PARAMS", str(exc.errors()[0]["msg"]))
+                else (InvalidTransferParamsError.code, str(exc.errors()[0]["msg"]))
             )
             log.error("kvbridge: not offering request %.80s: %s", request_id, message)
-            error = {"code": code, "message": message}
-            return False, {"do_remote_prefill": False, "do_remote_decode": False, ERROR_KEY: error}
+            return False, refusal(code, message)
         ours = params.model_dump(mode="json", by_alias=True, exclude_none=True)
         digested = predigested is not None and predigested[1] == num_tokens  # else digested again at the offer
         with self._lock:
@@ -474,16 +480,11 @@ class ConnectorScheduler:
                     self._digests[request_id] = RequestDigests(key, {})
                 else:  # this step's digests complete the answer before vLLM sends it (take_digests)
                     self._awaiting_digests[request_id] = ours
-        digest_tokens = num_tokens if groups is None else groups.digest_tokens(wire)
+        digest_tokens = (num_tokens if groups is None else groups.digest_tokens(wire)) if verify and not digested else 0
+        layers = None if groups is None or sizes is None else groups.block_layers(sizes)
+        trace = context_of(getattr(request, "trace_headers", None))
         offered = blocks if groups is None else wire
-        self._to_offer[request_id] = OfferOrder(
-            offered,
-            expires_at,
-            digest_tokens if verify and not digested else 0,
-            key,
-            context_of(getattr(request, "trace_headers", None)),
-            None if groups is None or sizes is None else groups.block_layers(sizes),
-        )
+        self._to_offer[request_id] = OfferOrder(offered, expires_at, digest_tokens, key, trace, layers)
         return True, {"do_remote_prefill": True, "do_remote_decode": False, PARAMS_KEY: ours}
 
     def shutdown(self) -> None:

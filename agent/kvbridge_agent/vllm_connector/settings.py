@@ -36,6 +36,8 @@ class ConnectorSettings:
     #: the longest request vLLM runs (``--max-model-len``): decode refuses transfer parameters of more tokens
     #: (``None``: not known, the schema's bound)
     max_model_len: int | None = None
+    #: the model's sliding window in tokens as vLLM reads it (``model_config.get_sliding_window()``); ``None``: none
+    sliding_window: int | None = None
 
     @property
     def model(self) -> ModelGeometry:
@@ -104,6 +106,8 @@ class ConnectorSettings:
         model_dtype = getattr(model_config, "dtype", None)
         kv_cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
         max_model_len = getattr(model_config, "max_model_len", None)
+        window = getattr(model_config, "get_sliding_window", None)
+        sliding_window = window() if callable(window) else None
         return cls(
             role,
             environment,
@@ -113,6 +117,7 @@ class ConnectorSettings:
             model_dtype=model_dtype,
             kv_cache_dtype=kv_cache_dtype,
             max_model_len=int(max_model_len) if max_model_len else None,
+            sliding_window=int(sliding_window) if isinstance(sliding_window, int) and sliding_window > 0 else None,
         )
 
 

@@ -22,7 +22,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvbridge_agent.core import Role, SpecError
 
-from .vllm_engines import Engine, Model, check_bytes, compute_prompt, move
+from .vllm_engines import Engine, Model, check_bytes, compute_prompt, move, window_gaps
 
 FIVE = Model((None, None, 32, 32, 32), num_blocks=64)
 #: Gemma-3-1B's layer pattern and window (1 KV head; head size shrunk from 256)
@@ -103,17 +103,21 @@ def test_five_layers_in_padded_groups_move_byte_exact(
 
 def test_gemma3_1b_groups_move_byte_exact_at_the_window_edges(engines: list[Engine]) -> None:
     """Gemma-3-1B's 7 groups (two padded) with its 512-token window, prompts one block edge around one and two
-    windows: every group's kept blocks byte-exact, the padded groups' unused layer slots never digested."""
+    windows and at the window's edge (527, 1023: ``n - 511`` a multiple of the block): every group's kept blocks
+    byte-exact, the padded groups' unused layer slots never digested, the first computed token's window held."""
     prefill, decode = pair(GEMMA, KVCacheLayout.LBHNC, KVCacheLayout.BLHNC)
     engines += [prefill, decode]
-    for length in (511, 512, 513, 1024, 1025):
+    for length in (511, 512, 513, 527, 1023, 1024, 1025):
         moved = move(prefill, decode, f"g{length}", [7 + (i * 31) % 1000 for i in range(length)])
         assert moved.ok, (length, moved.failures, moved.load_errors)
         check_bytes(decode, moved)
         sizes = moved.params["remoteGroupSizes"]
-        blocks = -(-length // GEMMA.block)
-        window = blocks - max(0, length - 512 + 1) // GEMMA.block
+        offered = len(moved.tokens)  # at an edge (527, 1023) prefill left the last token to decode (window_backoff)
+        assert offered == (length - 1 if length in (527, 1023) else length)
+        blocks = -(-offered // GEMMA.block)
+        window = blocks - max(0, offered - 512 + 1) // GEMMA.block
         assert sizes == [window] * 6 + [blocks]  # vLLM's sliding-window groups come first here
+        assert not window_gaps(decode, moved)
 
 
 def test_a_hit_in_a_padded_group_verifies(engines: list[Engine]) -> None:

@@ -9,6 +9,11 @@ Prompt lengths are drawn by hypothesis around every multiple of the window and o
 j * block + d``, ``d`` in -1, 0, 1); block tables come from vLLM's own ``KVCacheManager`` (prefix caching on, so
 prompts of one family hit each other's blocks on both sides); both connector halves move them with real NIXL and
 verification ``All`` (vllm_engines.py), byte-exact where decode's vLLM reads them.
+
+Moving those blocks is not enough at one edge: vLLM's decode recomputes the prompt's last token after the load, and
+its window reaches one token before what either side keeps when ``n - window + 1`` is a multiple of the block.
+So prefill leaves that token to decode (window_backoff.py) and every token the first computed one attends to is
+checked to lie in a block decode holds (``window_gaps``).
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvbridge_agent.core import Role
 from kvbridge_agent.vllm_connector.connector import cache_groups
+from kvbridge_agent.vllm_connector.window_backoff import at_window_edge, sliding_windows
 
-from .vllm_engines import Engine, Model, check_bytes, move
+from .vllm_engines import Engine, Model, check_bytes, move, window_gaps
 
 #: (model, prefill layout, decode layout): windows a multiple of the block, below it, above it but not a multiple;
 #: 32-token blocks; vLLM's padded groups [2, 2, 1]
@@ -80,9 +86,50 @@ def test_prompts_at_every_edge_move_byte_exact(engines: tuple[Engine, Engine], d
     check_bytes(decode, moved)
     groups = cache_groups(decode.config)
     assert groups is not None
-    # decode read every block its table holds for the prompt, none of vLLM's null blocks, per group
-    held = [len([b for b in ids[: -(-length // prefill.model.block)] if b]) for ids in moved.decode_table]
-    assert moved.params["remoteGroupSizes"] == held == groups.sizes(length)
+    # at a window edge prefill left the prompt's last token to decode (window_backoff), whose first forward computes it
+    offered = len(moved.tokens)
+    blocks = (prefill.model.block, decode.model.block)
+    assert offered == (
+        length - 1 if at_window_edge(length, sliding_windows(decode.scheduler.settings), blocks) else length
+    )
+    assert moved.computes_from == min(offered, length - 1)
+    # decode read every block its table holds for what prefill offered, none of vLLM's null blocks, per group
+    held = [len([b for b in ids[: -(-offered // prefill.model.block)] if b]) for ids in moved.decode_table]
+    assert moved.params["remoteGroupSizes"] == held == groups.sizes(offered)
+    # and every token the first computed token's window reaches is in a block decode holds (check_bytes: its KV)
+    assert not window_gaps(decode, moved), (length, window_gaps(decode, moved))
+
+
+@pytest.mark.parametrize(
+    ("backoff", "length", "gaps"), [(False, 63, 1), (False, 95, 1), (False, 64, 0), (True, 63, 0), (True, 95, 0)]
+)
+def test_without_the_backoff_vllm_recomputes_the_last_token_over_a_null_block(
+    monkeypatch: pytest.MonkeyPatch, backoff: bool, length: int, gaps: int
+) -> None:
+    """vLLM's own managers, window 32, blocks 32, the whole prompt offered (no backoff, as vLLM's NixlConnector
+    does): decode allocates ``n`` external tokens with the first ``(n - 31) // 32`` blocks null, then recomputes
+    token ``n - 1``, whose window reaches token ``n - 32`` — in a null block when ``n - 31`` is a multiple of 32
+    (63, 95; not 64), on prefill too (freed before the offer). With the backoff nothing is missing. Seen in real
+    vLLM with NixlConnector (docs/vllm.md, "Sliding windows at the edge")."""
+    from kvbridge_agent.vllm_connector import window_backoff
+
+    if not backoff:
+        monkeypatch.setattr(window_backoff, "at_window_edge", lambda *args: False)
+    model, prefill_layout, decode_layout = CASES["w32-b32"]
+    prefill, decode = Engine(model, Role.PREFILL, prefill_layout), Engine(model, Role.DECODE, decode_layout)
+    try:
+        for engine in (prefill, decode):
+            engine.register()
+        handshake = prefill.worker.get_handshake_metadata()
+        assert handshake is not None
+        prefill.scheduler.set_xfer_handshake_metadata({0: handshake})
+        moved = move(prefill, decode, f"nb{backoff}-{length}", list(range(1000, 1000 + length)))
+        assert moved.ok, (moved.failures, moved.load_errors)
+        check_bytes(decode, moved)
+        assert len(window_gaps(decode, moved)) == gaps, window_gaps(decode, moved)
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
 
 
 @settings(max_examples=300, deadline=None)

@@ -5,8 +5,10 @@ halves on both: the harness of the allocator proofs (test_padded_groups.py, test
   hybrid model) -> ``get_kv_cache_config_from_groups`` -> ``allocate_kv_cache`` on host memory, in a resolved
   ``KVCacheLayout``;
 - the block tables: vLLM's own ``KVCacheManager`` (prefix caching on), called as vLLM's scheduler calls it —
-  prefill allocates the prompt and finishes the request; decode looks up its prefix cache, asks the connector for
-  the external tokens, allocates them (``delay_cache_blocks``) and hands the connector its blocks;
+  prefill hands the connector the new request (``on_new_request``: with sliding windows it drops the prompt's last
+  token), allocates the prompt, frees what the windows skip and finishes the request; decode looks up its prefix
+  cache, asks the connector for the external tokens, allocates them (``delay_cache_blocks``) and hands the
+  connector its blocks;
 - the transfer: both connector halves with real NIXL on DRAM, kvbridge's side channel, verification ``All``.
 
 Content is position-tagged per (model layer, block, head, token, unit, request) so a byte in the wrong place shows.
@@ -197,6 +199,7 @@ class Engine:
 class Moved:
     """One request moved: both engines' block tables as vLLM's managers gave them, and decode's outcome."""
 
+    #: the tokens prefill computed and offered (the prompt, or all but its last token: window_backoff)
     tokens: list[int]
     prefill_table: tuple[list[int], ...]
     decode_table: tuple[list[int], ...]
@@ -206,6 +209,9 @@ class Moved:
     local_hit: int  # tokens decode's own prefix cache held
     #: decode's cache before the request: per layer name, ``[blocks, H, N, C]`` int16
     before: dict[str, torch.Tensor]
+    #: the first token decode's forward computes once the load is done: the first one not loaded, or the prompt's
+    #: last, which vLLM recomputes when all were loaded (``Scheduler._update_waiting_for_remote_kv``)
+    computes_from: int = 0
 
     @property
     def ok(self) -> bool:
@@ -214,8 +220,12 @@ class Moved:
 
 def compute_prompt(prefill: Engine, request_id: str, tokens: list[int]) -> tuple[Request, tuple[list[int], ...]]:
     """Prefill computes the prompt as vLLM's scheduler allocates it (its prefix cache first): each block it computes
-    gets, in each layer of the group holding it, the content of its prefix."""
+    gets, in each layer of the group holding it, the content of its prefix. Before allocating, the connector sees
+    the new request (it may drop the prompt's last token: window_backoff); once computed, vLLM frees the blocks
+    the sliding windows skip, before the connector is handed the table (``Scheduler._connector_finished``)."""
     request = prefill.request(request_id, tokens, {"do_remote_decode": True})
+    prefill.scheduler.on_new_request(request)
+    tokens = list(request.prompt_token_ids or ())
     computed, hit, _boundary = prefill.manager.get_computed_blocks(request)
     blocks = prefill.manager.allocate_slots(request, len(tokens) - hit, hit, computed)
     assert blocks is not None, "prefill's cache is full"
@@ -230,7 +240,8 @@ def compute_prompt(prefill: Engine, request_id: str, tokens: list[int]) -> tuple
                     prefill.views[m.names[layer]].view(torch.int16)[block] = content
     request.num_computed_tokens = len(tokens)
     request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    return request, tuple(list(group) for group in table)
+    prefill.manager.remove_skipped_blocks(request_id, len(tokens), num_prompt_tokens=len(tokens))
+    return request, tuple(list(group) for group in prefill.manager.get_block_ids(request_id))
 
 
 def move(prefill: Engine, decode: Engine, request_id: str, tokens: list[int]) -> Moved:
@@ -248,8 +259,9 @@ def move(prefill: Engine, decode: Engine, request_id: str, tokens: list[int]) ->
     wanted = decode.request(f"d-{request_id}", tokens, dict(answer))
     computed, hit, _boundary = decode.manager.get_computed_blocks(wanted)
     external, asynchronous = decode.scheduler.get_num_new_matched_tokens(wanted, hit)
+    offered = int(answer["kvbridge"]["numTokens"])
     assert asynchronous is True
-    assert external == len(tokens) - hit, (external, hit)
+    assert external == offered - hit, (external, offered, hit)
     blocks = decode.manager.allocate_slots(
         wanted, 0, hit, computed, num_external_computed_tokens=external, delay_cache_blocks=True
     )
@@ -259,11 +271,12 @@ def move(prefill: Engine, decode: Engine, request_id: str, tokens: list[int]) ->
     failures = run_decode(prefill, decode, wanted.request_id)
     errors = decode.worker.get_block_ids_with_load_errors()
     if not failures and not errors:  # vLLM caches the loaded blocks once the load is done
-        decode.manager.cache_blocks(wanted, len(tokens))
+        decode.manager.cache_blocks(wanted, offered)
     decode.manager.free(wanted)
     finish_prefill(prefill, request, "KV_DIGEST_MISMATCH" in failures or not failures)
     params = answer["kvbridge"]
-    return Moved(tokens, prefill_table, decode_table, failures, errors, params, hit, before)
+    computes_from = offered if offered < len(tokens) else len(tokens) - 1
+    return Moved(tokens[:offered], prefill_table, decode_table, failures, errors, params, hit, before, computes_from)
 
 
 def run_decode(prefill: Engine, decode: Engine, request_id: str) -> list[str]:
@@ -316,6 +329,24 @@ def check_bytes(decode: Engine, moved: Moved) -> None:
     others = sorted(set(range(decode.config.num_blocks)) - mine)
     for name, view in decode.slots().items():
         assert torch.equal(view.view(torch.int16)[others], moved.before[name][others]), f"{name}: a block outside"
+
+
+def window_gaps(decode: Engine, moved: Moved) -> list[str]:
+    """Where decode's first forward after the load would read the null block: for each sliding-window group, the
+    tokens its window reaches before ``moved.computes_from`` whose block in decode's table is the null block (the
+    tokens it reaches are ``window - 1`` before it). Empty when every one holds KV (check_bytes checks which)."""
+    gaps = []
+    first = moved.computes_from
+    for index, group in enumerate(decode.config.kv_cache_groups):
+        window = getattr(group.kv_cache_spec, "sliding_window", None)
+        if window is None:
+            continue
+        table = moved.decode_table[index]
+        for token in range(max(0, first - window + 1), first):
+            block = token // decode.model.block
+            if block >= len(table) or table[block] == 0:
+                gaps.append(f"group {index} (window {window}): token {token} of the {first} before the first computed")
+    return gaps
 
 
 def manager_table(spec: KVCacheSpec, length: int) -> list[int]:
