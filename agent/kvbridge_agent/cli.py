@@ -159,12 +159,13 @@ def _bench_layouts(args: argparse.Namespace) -> int:
     try:
         result = bench_layouts(
             allocate,
-            requests=args.requests or 3,
+            requests=args.requests or (1 if args.zoo else 3),
             quick=args.quick,
             tokens=args.tokens,
             names=names,
             device=device,
             allocator=allocator,
+            zoo=args.zoo,
         )
     except ValueError as exc:
         print(f"kvbridge-agent bench: error: {exc}", file=sys.stderr)
@@ -222,7 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
         "allocator in host memory, for Llama-3-8B and a 70B-class geometry (needs vllm).",
     )
     bench.add_argument(
-        "--requests", type=int, help="requests per configuration (default 4; with --layouts 3 per block allocation)"
+        "--requests",
+        type=int,
+        help="requests per configuration (default 4; with --layouts 3 per block allocation, 1 with --zoo)",
     )
     bench.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     bench.add_argument(
@@ -245,6 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--cases", metavar="NAMES", help="with --layouts: only these cases, comma-separated (e.g. BLHNC,LBHNC-tp2to1)"
+    )
+    bench.add_argument(
+        "--zoo",
+        action="store_true",
+        help="with --layouts: the model zoo's families kvbridge accepts (tests/zoo: hybrid groups, MLA) instead of the "
+        "Llama geometries; --cases names families, --tokens caps prompts (default 1024)",
     )
     bench.set_defaults(func=_bench)
 

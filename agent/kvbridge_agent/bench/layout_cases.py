@@ -88,3 +88,10 @@ def block_ids(count: int, num_blocks: int, allocation: str, rng: np.random.Gener
     if allocation == "contiguous":
         return list(range(count))
     return [int(b) for b in rng.choice(num_blocks, size=count, replace=False)]
+
+
+def staging_bytes(model: ModelGeometry, tokens: int, ranks: int) -> int:
+    """A staging buffer for one rank of a side of ``ranks`` ranks holding ``tokens`` tokens (prefill: its cache's,
+    room for two requests — one packed when offered, the one before it whose readers' notification is on its way;
+    decode: a request's), and the pieces their ranges round up to."""
+    return model.kv_bytes_per_token * tokens // ranks + (16 << 20)

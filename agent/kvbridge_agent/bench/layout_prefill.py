@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from kvbridge_agent.core import ModelGeometry, RoleSettings, TransferSettings, build_plan, wire_block_ids
 
-from .layout_cases import Case, Side
+from .layout_cases import Case, Side, staging_bytes
 
 # -- one side's cache, as vLLM builds it --------------------------------------------------------------------------
 #: ``(model, layout, block size, KV heads, blocks) -> per-layer views``: vLLM's allocator
@@ -55,7 +55,14 @@ class PrefillHost:
     builds in ``register``)."""
 
     def __init__(
-        self, allocate: Allocate, model: ModelGeometry, case: Case, rank: int, num_blocks: int, tag: str
+        self,
+        allocate: Allocate,
+        model: ModelGeometry,
+        case: Case,
+        rank: int,
+        num_blocks: int,
+        tag: str,
+        staging: bool = False,
     ) -> None:
         from kvbridge_agent.transfer.prefill_rank import PrefillRank
         from kvbridge_agent.transfer.transport import Transport
@@ -70,7 +77,8 @@ class PrefillHost:
             RoleSettings(tensor_parallel_size=decode.tp, block_size=decode.block),
             TRANSFER,
         )
-        self.rank = PrefillRank(self.cache, self.transport, plan, "layouts-prefill", f"inc-{tag}")
+        buffer = staging_bytes(model, num_blocks * prefill.block, prefill.tp) if staging else 0
+        self.rank = PrefillRank(self.cache, self.transport, plan, "layouts-prefill", f"inc-{tag}", staging_bytes=buffer)
 
     def handshake(self) -> Handshake:
         allocation = self.cache.tensors[0]
@@ -87,6 +95,12 @@ class PrefillHost:
         self.rank.offer(request_id, blocks)
         plan = self.rank.plan
         return [int(b) for b in wire_block_ids(blocks, num_tokens, plan.split_ratio, plan.wire.block_size)]
+
+    def stage(self, request_id: str, request: str) -> str:
+        """A stage request (JSON) as the side channel hands it to the rank; its reply (JSON)."""
+        from kvbridge_agent.core.stage_requests import StageRequest
+
+        return self.rank.stage(request_id, StageRequest.model_validate_json(request)).model_dump_json()
 
     def poll(self) -> None:
         self.rank.poll()
@@ -108,9 +122,17 @@ TRANSFER = TransferSettings(verification="Off")
 
 class Prefill(Protocol):
     def setup(
-        self, allocate: Allocate, model: ModelGeometry, case: Case, rank: int, num_blocks: int, tag: str
+        self,
+        allocate: Allocate,
+        model: ModelGeometry,
+        case: Case,
+        rank: int,
+        num_blocks: int,
+        tag: str,
+        staging: bool = False,
     ) -> Handshake: ...
     def offer(self, request_id: str, blocks: list[int], num_tokens: int) -> list[int]: ...
+    def stage(self, request_id: str, request: str) -> str: ...
     def pending(self) -> int: ...
     def progress(self) -> None: ...
     def teardown(self) -> None: ...
@@ -124,9 +146,17 @@ class LocalPrefill:
         self.host: PrefillHost | None = None
 
     def setup(
-        self, allocate: Allocate, model: ModelGeometry, case: Case, rank: int, num_blocks: int, tag: str
+        self,
+        allocate: Allocate,
+        model: ModelGeometry,
+        case: Case,
+        rank: int,
+        num_blocks: int,
+        tag: str,
+        staging: bool = False,
     ) -> Handshake:
-        self.host = PrefillHost(allocate, model, case, rank, num_blocks, tag)
+        """The rank's handshake; ``staging``: with a staging buffer (docs/protocol.md §4d)."""
+        self.host = PrefillHost(allocate, model, case, rank, num_blocks, tag, staging)
         return self.host.handshake()
 
     def _host(self) -> PrefillHost:
@@ -136,6 +166,9 @@ class LocalPrefill:
 
     def offer(self, request_id: str, blocks: list[int], num_tokens: int) -> list[int]:
         return self._host().offer(request_id, blocks, num_tokens)
+
+    def stage(self, request_id: str, request: str) -> str:
+        return self._host().stage(request_id, request)
 
     def pending(self) -> int:
         return self._host().pending()
@@ -197,14 +230,24 @@ class ProcessPrefill:
         return value
 
     def setup(
-        self, allocate: Allocate, model: ModelGeometry, case: Case, rank: int, num_blocks: int, tag: str
+        self,
+        allocate: Allocate,
+        model: ModelGeometry,
+        case: Case,
+        rank: int,
+        num_blocks: int,
+        tag: str,
+        staging: bool = False,
     ) -> Handshake:
-        metadata: Handshake = self._call("setup", allocate, model, case, rank, num_blocks, tag)
+        metadata: Handshake = self._call("setup", allocate, model, case, rank, num_blocks, tag, staging)
         return metadata
 
     def offer(self, request_id: str, blocks: list[int], num_tokens: int) -> list[int]:
         ids: list[int] = self._call("offer", request_id, blocks, num_tokens)
         return ids
+
+    def stage(self, request_id: str, request: str) -> str:
+        return str(self._call("stage", request_id, request))
 
     def pending(self) -> int:
         return int(self._call("pending"))

@@ -12,6 +12,9 @@ ceiling: two processes, UCX over DRAM), the decode rank a :class:`~kvbridge_agen
 in this one, joined by their handshake metadata (the side channel, verification and the scheduler are left out:
 per request this is the connector worker's path from block ids to completed READs).
 
+With ``--zoo`` (:mod:`.layout_zoo`) the cases run on the geometries of the model zoo's families kvbridge accepts
+instead, hybrid KV cache groups and MLA included.
+
 Per layout pair and geometry it reports descriptors and bytes per request, GB/s, GB/s as a fraction of raw NIXL
 (one descriptor, and at the request's descriptor size) and of memcpy, both measured in the same run by
 :mod:`.measure`, and kvbridge's own CPU work per request (``ReadResult.own_microseconds``, ``ids_microseconds``)
@@ -37,13 +40,20 @@ from kvbridge_agent.core import ModelGeometry, RoleSettings
 from kvbridge_agent.core.arithmetic import ceil_div
 from kvbridge_agent.core.handshake import KVTransferParams, RankMetadata
 
-from .layout_cases import CROSS_LAYER, LLAMA_8B, LLAMA_70B, Case, block_ids, cache_blocks, cache_bytes, cases
+from .layout_cases import LLAMA_8B, LLAMA_70B, Case, block_ids, cache_blocks, cache_bytes, cases, staging_bytes
 from .layout_prefill import TRANSFER, Allocate, Prefill, ProcessPrefill, attach
+from .layout_report import print_report, targets, transport_note
+from .layout_zoo import MOST_TOKENS, run_family, zoo_cache_bytes, zoo_families
 from .measure import memcpy_gbps, nixl_ceilings, progress, raw_at
 
 if TYPE_CHECKING:  # NIXL's bindings: imported where a case runs
+    from kvbridge_agent.core.stage_requests import StageReply, StageRequest
     from kvbridge_agent.transfer.decode_rank import DecodeRank
     from kvbridge_agent.transfer.reads import ReadResult
+
+__all__ = ["bench_layouts", "print_report", "run_case", "targets", "transport_note"]
+#: how decode reads each request: between the caches, and through the staging buffers (docs/protocol.md §4d)
+MODES = ("direct", "staged")
 
 #: the descriptor sizes of the raw NIXL sweep: ``bench``'s, and below it down to one token of one head (512 bytes:
 #: what the cross-order pair LBHNC -> LBNHC moves per descriptor)
@@ -143,15 +153,22 @@ class CaseReads:
             raise RuntimeError(f"{case.name}, {self.model.name}: {result.code}: {result.message}")
         return result
 
-    def row(self, allocation: str, requests: int) -> dict[str, Any]:
-        """``requests`` requests of one block allocation, each after a raw reference read: the row."""
+    def row(self, allocation: str, requests: int, mode: str = "direct") -> dict[str, Any]:
+        """``requests`` requests of one block allocation read ``mode`` (``direct``, or ``staged`` where the rank
+        stages), each after a raw reference read: the row."""
+        staging = self.reader.staging
+        if staging is not None:
+            staging.mode = mode
         results, references = [], []
         for index in range(requests):  # taking turns, so that both meet the same load of the machine
             references.append(self.raw.read(self.progress_prefills))
-            results.append(self.one(f"{self.case.name}-{allocation}-{index}", allocation))
+            results.append(self.one(f"{self.case.name}-{allocation}-{mode}-{index}", allocation))
         row = _row(self.model, self.case, self.tokens, allocation, results)
         row["rawHereGBps"] = round(self.raw.bytes / _median(references) / 1e9, 3)
         row["ratioToRawHere"] = round(row["gbps"] / row["rawHereGBps"], 3)
+        row["mode"] = mode
+        if mode == "staged" and staging is not None:
+            row.update(_staged_fields(results, staging))
         return row
 
     def wait_notified(self) -> None:
@@ -173,11 +190,13 @@ def run_case(
     requests: int,
     block_allocations: Sequence[str] = (),
     seed: int = 0,
+    modes: Sequence[str] = ("direct",),
 ) -> list[dict[str, Any]]:
     """``requests`` requests of ``tokens`` tokens per block allocation (the case's unless ``block_allocations``;
-    after one warm-up), prefill rank ``p`` on ``prefills[p]``: one row per allocation. Before each request, raw
-    NIXL moves the same bytes between the same agents and allocations with one descriptor per prefill rank (the
-    reference measured beside it: ``rawHereGBps``)."""
+    after one warm-up) and read mode, prefill rank ``p`` on ``prefills[p]``: one row per allocation and mode. Before
+    each request, raw NIXL moves the same bytes between the same agents and allocations with one descriptor per
+    prefill rank (the reference measured beside it: ``rawHereGBps``). With ``staged`` among ``modes`` both sides get
+    staging buffers (docs/protocol.md §4d)."""
     from kvbridge_agent.transfer.decode_rank import DecodeRank
     from kvbridge_agent.transfer.transport import Transport
 
@@ -191,23 +210,32 @@ def run_case(
     raw: RawReference | None = None
     try:
         for rank in range(case.prefill.tp):
-            meta_json, agent, address, size = prefills[rank].setup(allocate, model, case, rank, prefill_blocks, tag)
+            meta_json, agent, address, size = prefills[rank].setup(
+                allocate, model, case, rank, prefill_blocks, tag, "staged" in modes
+            )
             ranks[rank] = (RankMetadata.model_validate_json(meta_json), agent)
             allocations.append((address, size))
         cache = attach(allocate, model, case.decode, 0, decode_blocks)
         transport = Transport(f"layouts-decode-{tag}")
         transport.register(cache.tensors)
         settings = RoleSettings(tensor_parallel_size=case.decode.tp, block_size=case.decode.block)
-        decode = DecodeRank(cache, transport, settings, TRANSFER)
+        staging = staging_bytes(model, tokens, case.decode.tp) if "staged" in modes else 0
+        decode = DecodeRank(cache, transport, settings, TRANSFER, staging_bytes=staging, stager=_stager(prefills))
         incarnation = f"inc-{tag}"
         peer = decode.add_peer("layouts-prefill", incarnation, ranks)
         raw = RawReference(transport, cache.tensors[0], peer.agents, allocations, model.kv_bytes_per_token * tokens)
         reads = CaseReads(
             decode, raw, (model, case, prefills, tokens), (prefill_blocks, decode_blocks), incarnation, seed
         )
-        reads.one(f"{case.name}-warm", "contiguous")  # the first READ warms the connection
-        raw.read(reads.progress_prefills)
-        rows = [reads.row(allocation, requests) for allocation in block_allocations or case.allocations]
+        rows: list[dict[str, Any]] = []
+        for mode in modes:
+            if decode.staging is not None:
+                decode.staging.mode = mode
+            reads.one(f"{case.name}-warm-{mode}", "contiguous")  # warms the connection; prefill meets the plan
+            raw.read(reads.progress_prefills)
+            rows.extend(reads.row(allocation, requests, mode) for allocation in block_allocations or case.allocations)
+        if decode.staging is not None:
+            rows[0]["costModel"] = decode.staging.cost.to_dict()
         reads.wait_notified()  # every READ was notified
         return rows
     finally:
@@ -220,6 +248,36 @@ def run_case(
         for rank in ranks:
             prefills[rank].teardown()
         gc.collect()
+
+
+def _stager(prefills: Sequence[Prefill]) -> Any:
+    """Stage requests to the prefill ranks as the side channel would hand them on (``Prefill.stage``)."""
+    from kvbridge_agent.core import KVBridgeError
+    from kvbridge_agent.core.stage_requests import StageReply
+
+    def stage(params: Any, request: StageRequest) -> StageReply:
+        try:
+            reply = prefills[request.rank].stage(params.remote_request_id, request.model_dump_json())
+        except RuntimeError as exc:  # a prefill process's refusal
+            raise KVBridgeError(str(exc), code="STAGE_REFUSED") from exc
+        return StageReply.model_validate_json(reply)
+
+    return stage
+
+
+def _staged_fields(results: Sequence[ReadResult], staging: Any) -> dict[str, Any]:
+    choice = staging.last_choice
+    return {
+        "stagedShare": round(sum(r.mode == "staged" for r in results) / len(results), 3),
+        "into": ",".join(sorted({r.into for r in results if r.into})),
+        "prestagedShare": round(sum(r.prestaged for r in results) / len(results), 3),
+        "stageUsPerRequest": round(_median([r.stage_microseconds for r in results]), 1),
+        "packUsPerRequest": round(_median([r.pack_microseconds for r in results]), 1),
+        "scatterUsPerRequest": round(_median([r.scatter_microseconds for r in results]), 1),
+        "costModelPick": "staged" if choice is not None and choice.staged else "direct",
+        "costModelDirectMs": round(choice.direct_seconds * 1e3, 3) if choice is not None else None,
+        "costModelStagedMs": round(choice.staged_seconds * 1e3, 3) if choice is not None else None,
+    }
 
 
 def _median(values: Sequence[float]) -> float:
@@ -261,37 +319,6 @@ def add_ratios(rows: list[dict[str, Any]], memcpy: float, raw: float, sweep: lis
         row["ratioToMemcpy"] = round(row["gbps"] / memcpy, 3)
 
 
-def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The goals of issue 35, each with the worst row it covers, judged against raw NIXL measured beside each row
-    (``ratioToRawHere``: same bytes, agents and allocations, taking turns with kvbridge's requests) — on a shared
-    machine the run's ceiling, measured minutes apart, moves with the load."""
-    out: list[dict[str, Any]] = []
-
-    def add(target: str, covered: list[dict[str, Any]], goal: float) -> None:
-        if not covered:
-            return
-        worst = min(covered, key=lambda r: r["ratioToRawHere"])
-        out.append(
-            {
-                "target": target,
-                "worst": worst["name"],
-                "measured": worst["ratioToRawHere"],
-                "goal": goal,
-                "met": bool(worst["ratioToRawHere"] >= goal),
-                "ratioToRaw": worst["ratioToRaw"],
-                "atDescriptorSize": worst["ratioToRawAtDescriptorSize"],
-                "bytesPerDescriptor": worst["bytesPerDescriptor"],
-            }
-        )
-
-    cross = [r for r in rows if r["kind"] == "same" and r["case"] in CROSS_LAYER]
-    add("cross-layer (BLHNC, BLNHC, BHLNC) >= 0.9 x raw NIXL", cross, 0.9)
-    per_layer = [r for r in rows if r["kind"] == "tp" and r["case"].split("-")[0] not in CROSS_LAYER]
-    hetero = [r for r in per_layer if r["blockIds"] == "contiguous"]
-    add("per-layer heterogeneous TP (LBHNC 2 -> 1), contiguous ids >= 0.8 x raw NIXL", hetero, 0.8)
-    return out
-
-
 @contextmanager
 def _prefill_processes(count: int) -> Iterator[list[ProcessPrefill]]:
     started = [ProcessPrefill() for _ in range(count)]
@@ -312,44 +339,59 @@ def bench_layouts(
     names: Sequence[str] = (),
     device: str = "cpu",
     allocator: str = "vLLM's allocate_kv_cache",
+    zoo: bool = False,
 ) -> dict[str, Any]:
     """The whole run: ceilings, then every case (``names``: those) on both geometries (``quick``: Llama-3-8B,
     three cases, 512 tokens), each side's cache from ``allocate`` (named ``allocator`` in the result) on
     ``device``: the ceilings are measured there too (memcpy within its memory, raw NIXL between two of its
-    buffers)."""
+    buffers). ``zoo``: the zoo families' cases instead (``names``: those families; ``tokens``: the most prompt
+    tokens a request has)."""
     began = time.monotonic()
-    tokens = tokens or (512 if quick else 2048)
+    families = zoo_families(names) if zoo else []
+    tokens = tokens or (MOST_TOKENS if zoo else 512 if quick else 2048)
     models = (LLAMA_8B,) if quick else (LLAMA_8B, LLAMA_70B)
-    chosen = cases(quick, names)
-    peak_cache = max(cache_bytes(m, c, tokens) for m in models for c in chosen)
+    chosen = [c for f in families for c in f.cases()] if zoo else cases(quick, names)
+    peak_cache = (
+        zoo_cache_bytes(families, tokens) if zoo else max(cache_bytes(m, c, tokens) for m in models for c in chosen)
+    )
     progress(f"layouts: starting 2 prefill processes (largest case: {peak_cache / 2**30:.2f} GiB of KV caches) ...")
     rows: list[dict[str, Any]] = []
     with _prefill_processes(max(c.prefill.tp for c in chosen)) as prefills:
         progress("measuring memcpy ...")
         memcpy = memcpy_gbps(device=device)
         progress(f"measuring raw NIXL (256 MiB, two processes, on {device}) ...")
-        raw, sweep = nixl_ceilings(sizes=SWEEP, device=device)
+        # the zoo's descriptors are 16 KiB or more (one token of one head at TP 2 -> 1 and more)
+        raw, sweep = nixl_ceilings(sizes=SWEEP[3:] if zoo else SWEEP, device=device)
         note = transport_note(device, memcpy, raw)
         if note:
             progress(note)
-        for model in models:
+        for family in families:
+            progress(f"  {family.name}: {family.prompt_tokens(tokens)}-token prompts, {requests} requests per case")
+            rows.extend(run_family(allocate, family, prefills, requests, tokens))
+        for model in models if not zoo else ():
             for case in chosen:
                 progress(f"  {case.name}, {model.name}: {requests} requests of {tokens} tokens per allocation")
-                done = run_case(allocate, model, case, prefills, tokens, requests)
+                done = run_case(allocate, model, case, prefills, tokens, requests, modes=MODES)
                 for row in done:  # as it comes: a run cut short keeps what it measured
                     progress(
-                        f"    {row['name']}: {row['gbps']} GB/s, {row['ratioToRawHere']} x raw NIXL beside it, "
-                        f"{row['descriptorsPerRequest']} descriptors"
+                        f"    {row['name']} {row['mode']}: {row['gbps']} GB/s, {row['ratioToRawHere']} x raw NIXL "
+                        f"beside it, {row['descriptorsPerRequest']} descriptors"
                     )
                 rows.extend(done)
     add_ratios(rows, memcpy, raw, sweep)
+    models_measured = [row.pop("costModel") for row in rows if "costModel" in row]
     return {
         "device": device,
         "allocator": allocator,
         "memcpyGBps": round(memcpy, 3),
         "nixlRawGBps": round(raw, 3),
+        "costModel": {k: round(_median([m[k] for m in models_measured]), 3) for k in models_measured[0]}
+        if models_measured
+        else {},
+        "costModels": models_measured,
         "descriptorSweep": sweep,
         "tokensPerRequest": tokens,
+        "zoo": zoo,
         "largestCaseCacheBytes": peak_cache,
         "results": rows,
         "targets": targets(rows),
@@ -358,63 +400,3 @@ def bench_layouts(
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine()},
         "seconds": round(time.monotonic() - began, 1),
     }
-
-
-#: raw NIXL below this share of the device's own copy, on a GPU: UCX moved the bytes without a GPU copy path
-SLOW_GPU_TRANSPORT = 0.05
-
-
-def transport_note(device: str, memcpy: float, raw: float) -> str:
-    """What to try when raw NIXL between two processes on one GPU is far below the GPU's own copy: UCX turns off
-    CUDA IPC for READs (``get_zcopy``) where it finds no NVLink, and emulates them over TCP. Measured on an H100
-    without NVLink peers: 0.52 GB/s by default, 1,365 GB/s with the variable set (docs/benchmarks.md)."""
-    if device != "cuda" or raw >= SLOW_GPU_TRANSPORT * memcpy:
-        return ""
-    setting = os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "").strip().lower() in ("y", "yes", "1", "on", "true")
-    return (
-        f"note: raw NIXL {raw:.2f} GB/s is under {SLOW_GPU_TRANSPORT:.0%} of the GPU's own copy ({memcpy:.0f} GB/s): "
-        "UCX took no GPU copy path for READs between these processes"
-        + (
-            "; UCX_CUDA_IPC_ENABLE_GET_ZCOPY is set, so look at UCX_TLS and the processes' GPU visibility"
-            if setting
-            else " (without NVLink it turns CUDA IPC off for READs); try UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y"
-        )
-    )
-
-
-def print_report(result: dict[str, Any]) -> None:
-    print(f"caches on {result['device']}, built by {result['allocator']}")
-    print(
-        f"memcpy {result['memcpyGBps']} GB/s, raw NIXL {result['nixlRawGBps']} GB/s (one descriptor), "
-        f"{result['tokensPerRequest']} tokens per request, {result['seconds']} s"
-    )
-    print(
-        "raw NIXL by descriptor size: "
-        + ", ".join(f"{row['descriptorBytes'] / 1024:g} KiB {row['gbps']}" for row in result["descriptorSweep"])
-    )
-    print(
-        "x here: against raw NIXL moving the same bytes beside it; x raw: the run's one-descriptor ceiling; "
-        "x size: raw NIXL at the row's descriptor size"
-    )
-    print(
-        f"{'configuration':<36} {'descs':>8} {'B/desc':>8} {'MiB':>5} {'GB/s':>6} {'here':>6} {'x here':>6} "
-        f"{'x raw':>6} {'x size':>6} {'x mcpy':>6} {'own us':>7} {'ids us':>7} {'make us':>8} "
-        f"{'post us':>9}"
-    )
-    for row in result["results"]:
-        print(
-            f"{row['name']:<36} {row['descriptorsPerRequest']:>8} {row['bytesPerDescriptor']:>8} "
-            f"{row['bytesPerRequest'] / 2**20:>5.0f} {row['gbps']:>6.2f} {row['rawHereGBps']:>6.2f} "
-            f"{row['ratioToRawHere']:>6.2f} {row['ratioToRaw']:>6.2f} {row['ratioToRawAtDescriptorSize']:>6.2f} "
-            f"{row['ratioToMemcpy']:>6.2f} {row['ownUsPerRequest']:>7.0f} {row['idsUsPerRequest']:>7.0f} "
-            f"{row['nixlMakeUsPerRequest']:>8.0f} {row['nixlPostUsPerRequest']:>9.0f}"
-        )
-    for target in result["targets"]:
-        print(
-            f"{'met' if target['met'] else 'NOT met'}: {target['target']} (worst {target['worst']}: "
-            f"{target['measured']} x raw NIXL beside it, {target['ratioToRaw']} x the run's ceiling, "
-            f"{target['atDescriptorSize']} x raw NIXL at its {target['bytesPerDescriptor']}-byte "
-            "descriptors)"
-        )
-    if result.get("transportNote"):
-        print(result["transportNote"])

@@ -14,8 +14,10 @@ Reading order:
 - ``wire``: the wire format and the conversions each side performs.
 - ``plan``: the transfer plan, built once per pair of engines.
 - ``blocks``: per-request block ids to descriptor ids (numpy, the hot path).
+- ``staging``: staged reads: both sides' segments of a read, and the cost model that picks direct or staged.
 - ``arithmetic``: checked integer division.
 - ``handshake``: the side channel's messages.
+- ``stage_requests``: the side channel's ``stage`` message, and what prefill derives from one.
 - ``admission``: what decode admits of transfer parameters: its deployment's bounds, prefill hosts among them.
 - ``contract``: the environment variables the operator renders and every engine reads.
 - ``digest``: a keyed digest of KV content wherever it is stored (the numpy reference).

@@ -80,6 +80,7 @@ class MessageType(StrEnum):
     METADATA = "metadata"  # ask for one TP rank's metadata
     HEARTBEAT = "heartbeat"  # renew the leases of requests decode still waits on
     DIGEST = "digest"  # the digests prefill computed for one request (docs/protocol.md §8)
+    STAGE = "stage"  # pack a request's segments for one read into the staging buffer (docs/protocol.md §4d)
 
 
 class DigestState(StrEnum):
@@ -127,6 +128,11 @@ class RankMetadata(CamelModel):
         "the engine handed strided views of one allocation; ``tensor_bases`` then holds the address of logical "
         "(0, 0, 0, 0, 0). Left out of the message when absent, so caches without one encode as before.",
     )
+    staging_base: int | None = Field(
+        default=None, ge=0, lt=1 << 64, description="Address of the registered staging buffer (docs/protocol.md §4d)."
+    )
+    staging_bytes: int | None = Field(default=None, ge=1, le=1 << 40, description="Its size, whole pieces.")
+    staging_piece: int | None = Field(default=None, ge=1 << 12, le=1 << 30, description="Bytes of one piece.")
 
     @model_validator(mode="after")
     def _bounded(self) -> RankMetadata:
@@ -240,11 +246,7 @@ def encode_digest_reply(
 def decode_digest_reply(frames: Sequence[bytes], fingerprint: str) -> tuple[DigestState, list[int], bytes, bytes]:
     """``(state, heads, digest bytes, key)`` of a digest reply; the envelope is checked first. A ``ready`` reply
     carries the request's key (``KEY_BYTES``), any other none."""
-    if not frames:
-        raise HandshakeError("empty reply", code=MALFORMED_MESSAGE)
-    header = _header(frames[0])
-    _check_envelope(header, fingerprint)
-    _raise_peer_error(header)
+    header = _reply_header(frames, fingerprint)
     heads = header.get("heads")
     if len(frames) != 2 or not isinstance(heads, list) or not all(isinstance(h, int) for h in heads):
         raise HandshakeError("a digest reply is a header with heads and one data frame", code=MALFORMED_MESSAGE)
@@ -275,22 +277,24 @@ def encode_error(fingerprint: str, code: str, message: str) -> list[bytes]:
     return [_dump(header)]
 
 
-def _raise_peer_error(header: dict[str, object]) -> None:
+def _reply_header(frames: Sequence[bytes], fingerprint: str) -> dict[str, object]:
+    """A reply's header, its envelope checked; the error a peer answered with raised as a :class:`HandshakeError`."""
+    if not frames:
+        raise HandshakeError("empty reply", code=MALFORMED_MESSAGE)
+    header = _header(frames[0])
+    _check_envelope(header, fingerprint)
     error = header.get("error")
     if error is not None:
         detail = error if isinstance(error, dict) else {}
         code = str(detail.get("code", PEER_ERROR))
         raise HandshakeError(f"peer refused: {detail.get('message', error)}", code=code)
+    return header
 
 
 def decode_ack(frames: Sequence[bytes], fingerprint: str) -> list[str] | None:
     """The request ids an acknowledgement says were renewed; None where it does not say (a listener from before
     renewals were named, which renewed every request it held of those named)."""
-    if not frames:
-        raise HandshakeError("empty reply", code=MALFORMED_MESSAGE)
-    header = _header(frames[0])
-    _check_envelope(header, fingerprint)
-    _raise_peer_error(header)
+    header = _reply_header(frames, fingerprint)
     renewed = header.get("renewed")
     if renewed is None:
         return None
@@ -301,11 +305,7 @@ def decode_ack(frames: Sequence[bytes], fingerprint: str) -> list[str] | None:
 
 def decode_reply(frames: Sequence[bytes], fingerprint: str) -> tuple[RankMetadata, bytes]:
     """Check the envelope, then decode the payload."""
-    if not frames:
-        raise HandshakeError("empty reply", code=MALFORMED_MESSAGE)
-    header = _header(frames[0])
-    _check_envelope(header, fingerprint)
-    _raise_peer_error(header)
+    header = _reply_header(frames, fingerprint)
     if len(frames) != 3:
         raise HandshakeError(f"reply has {len(frames)} frames, expected 3", code=MALFORMED_MESSAGE)
     if len(frames[1]) > MAX_PAYLOAD_BYTES:

@@ -190,6 +190,9 @@ class MappedChunks:
     local_chunks: IntArray
     remote_blocks: IntArray
     remote_chunks: IntArray
+    #: the first of prefill's chunks read, counted in token order over its listed units (a staged read names the
+    #: chunks ``first .. first + len - 1``, docs/protocol.md §4d)
+    first: int = 0
 
     @property
     def full_hit(self) -> bool:
@@ -235,7 +238,7 @@ def map_chunks(
     )
     local_blocks, local_chunks = local.positions(local_ids, 0, count)
     remote_blocks, remote_chunks = remote.positions(remote_ids, first, count)
-    return MappedChunks(local_blocks, local_chunks, remote_blocks, remote_chunks)
+    return MappedChunks(local_blocks, local_chunks, remote_blocks, remote_chunks, first)
 
 
 def chunk_descriptor_ids(

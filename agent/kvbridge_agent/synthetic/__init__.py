@@ -9,6 +9,7 @@ Reading order:
 - ``ranks``: the engine's rank processes, free blocks and errors.
 - ``rank_worker``: one TP rank as its own process.
 - ``rank_entry``: the rank processes' spawn target.
+- ``stage_requests``: staged reads between its processes: prefill's rank packs, decode's rank asks.
 - ``content``: the bytes a rank "computes", so decode can verify every byte.
 - ``http_api``: the engine's HTTP API: health, metrics, prefill, decode.
 - ``http_bounds``: its server's bounds on clients: a deadline per request, a cap on open connections.

@@ -93,12 +93,7 @@ def complete(
             field="kv_transfer_params",
         )
     params = signed_by_router(engine, params, "kv_transfer_params", prompt_digest(body, chat))
-    try:
-        remote = KVTransferParams.model_validate(params)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in ("kv_transfer_params", *first["loc"]))
-        raise EngineError(f"{where}: {first['msg']}", code=INVALID_REQUEST, field=where) from exc
+    remote = transfer_params(params, "kv_transfer_params")
     result = engine.decode(f"decode-{request_id}", remote, rank=rank)
     if not result.get("verified") and engine.env.verify:
         raise EngineError("the KV bytes decode read differ from what prefill computed", code="NOT_VERIFIED", status=500)
@@ -119,6 +114,17 @@ def signed_by_router(engine: DataParallelEngines, params: Obj, field: str, promp
         except TransferNotSignedError as exc:
             raise EngineError(exc.message, code=exc.code, field=exc.field, status=403) from None
     return unsigned(params)
+
+
+def transfer_params(raw: object, field: str) -> KVTransferParams:
+    """A decode request's transfer parameters, carried as ``field``; an :class:`EngineError` naming where they do
+    not validate."""
+    try:
+        return KVTransferParams.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in (field, *first["loc"]))
+        raise EngineError(f"{where}: {first['msg']}", code=INVALID_REQUEST, field=where) from exc
 
 
 def event_stream(answer: Obj, chat: bool) -> bytes:

@@ -50,6 +50,8 @@ def answer(
         "verified": all(r.get("verified") for r in replies),
         "bytes": moved,
         "descriptors": descriptors,
+        #: how the ranks read: ``direct``, ``staged`` (docs/protocol.md §4d), or both where they differed
+        "mode": ",".join(sorted({str(r.get("mode", "direct")) for r in replies})),
         "transferSeconds": seconds,
         "idsMicroseconds": max(r["idsMicroseconds"] for r in replies),
         "makeMicroseconds": max(r["makeMicroseconds"] for r in replies),

@@ -64,6 +64,7 @@ from kvbridge_agent.synthetic.ranks import (
     join_all,
     wait_reply,
 )
+from kvbridge_agent.synthetic.stage_requests import stage_host, stage_on_rank
 from kvbridge_agent.transfer.keys import CurveKeys
 from kvbridge_agent.transfer.metrics import AgentMetrics
 from kvbridge_agent.transfer.peers import (
@@ -173,6 +174,7 @@ class Engine:
                 keys=self.keys,
                 on_heartbeat=self.heartbeat,
                 digests=self._published_digests,
+                on_stage=lambda request_id, request: stage_on_rank(self.ranks, request_id, request),
             ).start()
             self._spawn(self._expire_leases, "leases")
         else:
@@ -425,6 +427,7 @@ class Engine:
                         "blocks": blocks,
                         "hit": prefix_hit_blocks,
                         "expected": expected,
+                        "stage_host": stage_host(self.peers.service, params),
                     }
                 )
                 for h in self.ranks

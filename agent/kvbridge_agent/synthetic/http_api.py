@@ -33,11 +33,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from pydantic import ValidationError
-
 from kvbridge_agent.core import KVBridgeError
 from kvbridge_agent.core.contract import BlockAllocation
-from kvbridge_agent.core.handshake import KVTransferParams
 from kvbridge_agent.synthetic import completions, pace
 from kvbridge_agent.synthetic.data_parallel import DP_RANK_HEADER, DataParallelEngines
 from kvbridge_agent.synthetic.http_bounds import (
@@ -185,12 +182,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if isinstance(raw, dict):  # a signature binds a prompt: this route checks the one it is given
                     prompt = completions.prompt_digest(body, chat=False)
                     raw = completions.signed_by_router(engine, raw, "kvTransferParams", prompt)
-                try:
-                    params = KVTransferParams.model_validate(raw)
-                except ValidationError as exc:
-                    first = exc.errors()[0]
-                    where = ".".join(str(p) for p in ("kvTransferParams", *first["loc"]))
-                    raise EngineError(f"{where}: {first['msg']}", code=INVALID_REQUEST, field=where) from exc
+                params = completions.transfer_params(raw, "kvTransferParams")
                 result = engine.decode(
                     str(body.get("requestId", "")), params, _int(body, "prefixHitBlocks", 0), _allocation(body), rank
                 )

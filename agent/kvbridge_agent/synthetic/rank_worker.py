@@ -21,11 +21,14 @@ from kvbridge_agent.core.contract import EngineEnvironment
 from kvbridge_agent.core.digest import RequestDigests, from_bytes, to_bytes
 from kvbridge_agent.core.handshake import KVTransferParams, RankMetadata
 from kvbridge_agent.core.model import Role
+from kvbridge_agent.core.stage_requests import StageRequest
 from kvbridge_agent.synthetic.content import fill_request, invalid_blocks, scribble
+from kvbridge_agent.synthetic.stage_requests import SideChannelStager
 from kvbridge_agent.transfer.decode_rank import DecodeRank
 from kvbridge_agent.transfer.kv_cache import KVCache
 from kvbridge_agent.transfer.prefill_rank import PrefillRank
 from kvbridge_agent.transfer.reads import ReadResult, Verify
+from kvbridge_agent.transfer.staging import staging_bytes, staging_mode
 from kvbridge_agent.transfer.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -63,6 +66,7 @@ def _result_dict(result: ReadResult) -> dict[str, Any]:
         "postMicroseconds": result.post_microseconds,
         "ownMicroseconds": result.own_microseconds,
         "peerFailed": result.peer_failed,
+        "mode": result.mode,
     }
 
 
@@ -94,11 +98,20 @@ class RankWorker:
         self.transport.register(self.cache.tensors)
         self.prefill: PrefillRank | None = None
         self.decode: DecodeRank | None = None
+        #: staged reads (docs/protocol.md §4d): a staging buffer per rank, sized from the environment
+        staging = staging_bytes(os.environ, sum(t.numel() * t.element_size() for t in self.cache.tensors))
+        self.stager = SideChannelStager(env)
         if env.role is Role.PREFILL:
             plan = build_plan(env.model, env.prefill, env.decode, env.transfer)
-            self.prefill = PrefillRank(self.cache, self.transport, plan, env.engine_id, incarnation)
+            self.prefill = PrefillRank(
+                self.cache, self.transport, plan, env.engine_id, incarnation, staging_bytes=staging
+            )
         else:
-            self.decode = DecodeRank(self.cache, self.transport, env.decode, env.transfer)
+            self.decode = DecodeRank(
+                self.cache, self.transport, env.decode, env.transfer, staging_bytes=staging, stager=self.stager
+            )
+            if self.decode.staging is not None:
+                self.decode.staging.mode = staging_mode(os.environ)
         self._reads: dict[str, dict[str, Any]] = {}
         self.running = True
 
@@ -133,6 +146,12 @@ class RankWorker:
         heads, data = to_bytes(digests)
         return {"ok": True, "digestHeads": heads, "digest": data}
 
+    def _op_stage(self, message: dict[str, Any]) -> dict[str, Any]:
+        if self.prefill is None:
+            return {"ok": False, "code": "WRONG_ROLE", "message": "only prefill ranks stage requests"}
+        request = StageRequest.model_validate_json(message["request"])
+        return {"ok": True, "reply": self.prefill.stage(message["request_id"], request).model_dump_json()}
+
     def _op_forget(self, message: dict[str, Any]) -> None:
         if self.prefill is not None:
             self.prefill.forget(message["request_id"])
@@ -161,6 +180,7 @@ class RankWorker:
             scribble(self.cache, blocks[hit:])  # so a missing write cannot pass verification
         request_id = message["request_id"]
         self._reads[request_id] = {"id": message["id"], "params": params, "blocks": blocks}
+        self.stager.hosts[params.remote_request_id] = message.get("stage_host", params.remote_host)
         expected = message.get("expected")  # (heads, digest bytes, key): prefill's, when this read is verified
         verify = None
         if expected:
@@ -186,6 +206,7 @@ class RankWorker:
     # -- progress -------------------------------------------------------------
     def _complete(self, result: ReadResult) -> None:
         read = self._reads.pop(result.request_id)
+        self.stager.hosts.pop(read["params"].remote_request_id, None)
         reply = _result_dict(result)
         reply["verified"] = False
         if result.ok and self.env.verify:

@@ -9,6 +9,11 @@ Reading order:
 - ``prefill_rank``: the prefill side of one rank: offers in the wire format, notifications counted.
 - ``decode_rank``: the decode side of one rank: peers, READs, completion, conversions.
 - ``reads``: what a decode rank reads by and reports: a peer, a request's result, block ids to descriptor ids.
+- ``peer_lists``: a decode rank's prepped lists for one prefill engine, and both sides' segments of each read.
+- ``staging``: staging buffers and the indexed copies of staged reads (pack, scatter) on the cache's device.
+- ``prefill_staging``: a prefill rank's staging buffer: stage requests packed on request or when offered.
+- ``staged_reads``: a decode rank's staged reads: ask, READ a few large descriptors, scatter.
+- ``cost_model``: direct or staged: the device's per-descriptor cost and copy rates, measured at start.
 - ``relayout``: block-size and layout conversions in place.
 - ``host_buffer``: a host mirror of the cache, for nodes without GPUDirect RDMA (``kv_buffer_device: cpu``).
 - ``side_channel``: the authenticated handshake (ZeroMQ).

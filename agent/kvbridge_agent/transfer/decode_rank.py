@@ -2,15 +2,17 @@
 
 Per remote engine, everything that depends only on the two shapes is done
 once in :meth:`DecodeRank.add_peer`: the plan, remote agents, remote and
-local prepped descriptor lists.  Per request only block ids are mapped to
-descriptor ids (numpy) and the READs are posted.
+local prepped descriptor lists (``transfer.peer_lists``).  Per request only
+block ids are mapped to descriptor ids (numpy) and the READs are posted —
+directly between the caches, or, where the rank's cost model says so and the
+peer stages, through the staging buffers (``transfer.staged_reads``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -23,10 +25,8 @@ from kvbridge_agent.core import (
     Role,
     RoleSettings,
     SpecError,
-    TransferPlan,
     TransferSettings,
     build_plan,
-    region_layout,
 )
 from kvbridge_agent.core.blocks import DescriptorIds
 from kvbridge_agent.core.digest import KV_DIGEST_MISMATCH, mismatched
@@ -38,50 +38,31 @@ from kvbridge_agent.core.handshake import (
     RankMetadata,
     notification,
 )
-from kvbridge_agent.core.layout import BlockRuns, run_regions
-from kvbridge_agent.core.physical_reads import (
-    ChunkSide,
-    PhysicalRead,
-    physical_read,
-    shared_heads,
-)
-from kvbridge_agent.transfer.descriptors import descriptor_rows
 from kvbridge_agent.transfer.digest import Digester
 from kvbridge_agent.transfer.kv_cache import KVCache
+from kvbridge_agent.transfer.peer_lists import LocalLists, add_physical_lists, add_region_lists
 from kvbridge_agent.transfer.peers import STALE_PEER
 from kvbridge_agent.transfer.reads import (
     TRANSFER_FAILED,
     TRANSFER_TIMEOUT,
     UNKNOWN_PEER,
+    InFlight,
     ReadResult,
     RemotePeer,
     Verify,
     request_descriptor_ids,
+    stage_first,
 )
 from kvbridge_agent.transfer.relayout import Converter, convert_for_side
+from kvbridge_agent.transfer.staged_reads import DecodeStaging, StagedFlight, Stager
 from kvbridge_agent.transfer.transport import Transport, TransportError
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class _InFlight:
-    request_id: str
-    params: KVTransferParams
-    blocks: list[int]  # local blocks that receive bytes
-    handles: list[Any]
-    timeout: float
-    deadline: float
-    started: float
-    bytes: int
-    descriptors: int  # descriptor ids handed NIXL
-    ids_microseconds: float
-    make_microseconds: float
-    post_microseconds: float
-    own_microseconds: float
-    verify: Verify | None = None
-    #: descriptors NIXL posted (its telemetry, once every READ is done; ``None``: not reported)
-    posted: int | None = None
+#: what a staged request that failed reports
+STAGED_READ_FAILED = (
+    "NIXL reported a failed READ of a staging buffer, or a scatter failed (the prefill engine may be gone)"
+)
 
 
 class DecodeRank:
@@ -92,15 +73,20 @@ class DecodeRank:
         settings: RoleSettings,
         transfer: TransferSettings,
         convert: Converter = convert_for_side,
+        staging_bytes: int = 0,
+        stager: Stager | None = None,
     ) -> None:
+        """``staging_bytes``: a staging buffer of that size on the cache's device for staged reads, and the cost
+        model measured on it now (0: every read is direct); ``stager`` asks a prefill rank to stage a request."""
         self.convert = convert
         self.cache = cache
         self.transport = transport
         self.settings = settings
         self.transfer = transfer
         self.peers: dict[str, RemotePeer] = {}
-        self._local_lists: dict[tuple[int, int, int] | BlockRuns, Any] = {}
-        self._in_flight: dict[str, _InFlight] = {}
+        self._local = LocalLists(cache, transport)
+        self._in_flight: dict[str, InFlight] = {}
+        self._staged: dict[str, StagedFlight] = {}
         self._zombies: list[Any] = []  # transfer handles NIXL could not cancel yet
         #: the transfer digest of this cache (core.digest): made from the cache's geometry when first needed,
         #: unless the engine sets one that reads its own block interior
@@ -110,6 +96,7 @@ class DecodeRank:
             np.empty(0, dtype=np.int32),
             np.empty(0, dtype=np.int32),
         )
+        self.staging = DecodeStaging(cache, transport, staging_bytes, stager) if staging_bytes else None
 
     @property
     def model(self) -> ModelGeometry:
@@ -153,146 +140,19 @@ class DecodeRank:
         try:
             for p in rank_plan.handshake_ranks:
                 peer.agents[p] = self.transport.add_peer(ranks[p][1], expected=ranks[p][0].agent_name)
-            if self.cache.physical is not None or first.physical_layout is not None:
-                self._add_physical_lists(peer, ranks)
-                self.peers[engine_id] = peer
-                return peer
-            for read in rank_plan.reads:
-                meta = ranks[read.prefill_rank][0]
-                remote_layout = region_layout(
-                    self.model, meta.block_size, meta.tp_size, num_tensors=len(meta.tensor_bases)
-                )
-                if remote_layout.unit_bytes != meta.region_block_bytes:
-                    raise HandshakeError(
-                        f"prefill rank {read.prefill_rank} reports {meta.region_block_bytes}-byte region blocks, "
-                        f"the model needs {remote_layout.unit_bytes}",
-                        code=PEER_INCOMPATIBLE,
-                    )
-                if remote_layout.num_regions != self.cache.layout.num_regions:
-                    raise HandshakeError(
-                        f"prefill has {remote_layout.num_regions} regions, decode {self.cache.layout.num_regions}",
-                        code=PEER_INCOMPATIBLE,
-                    )
-                rows = descriptor_rows(
-                    meta.tensor_bases,
-                    remote_layout,
-                    meta.num_blocks,
-                    units_per_block=plan.split_ratio,
-                    offset=read.remote_offset,
-                    length=read.length,
-                    device_id=meta.device_id,
-                )
-                remote = self.transport.prep(peer.agents[read.prefill_rank], rows, meta.memory_type.value)
-                peer.lists.append((remote, self._local_list(plan, read.local_offset, read.length)))
-                peer.lengths.append(read.length)
+            physical = self.cache.physical is not None or first.physical_layout is not None
+            segments = (add_physical_lists if physical else add_region_lists)(peer, ranks, self.cache, self._local)
+            if self.staging is not None:
+                self.staging.attach(peer, segments, ranks)
         except BaseException:
             self._drop(peer)
             raise
         self.peers[engine_id] = peer
         return peer
 
-    def _add_physical_lists(self, peer: RemotePeer, ranks: dict[int, tuple[RankMetadata, bytes]]) -> None:
-        """Both caches have physical layouts (docs/protocol.md §1b, §1c): per prefill rank this decode rank reads,
-        the runs of the heads both hold, cut into chunks of the smaller block, paired with its own — every TP
-        mapping and block-size conversion is a choice of descriptors, nothing is re-laid."""
-        plan, rank_plan, local = peer.plan, peer.rank_plan, self.cache.physical
-        reads: list[PhysicalRead] = []
-        for read in rank_plan.reads:
-            meta = ranks[read.prefill_rank][0]
-            remote = meta.physical_layout
-            if local is None or remote is None:
-                raise HandshakeError(
-                    f"prefill engine {peer.engine_id} {'has' if remote else 'has no'} physical KV layout and this "
-                    f"decode {'has' if local else 'has no'}: run both roles on the same engine build and KV layout "
-                    "kind",
-                    code=PEER_INCOMPATIBLE,
-                )
-            if len(meta.tensor_bases) != 1:
-                raise HandshakeError("a physical layout has one base address", code=PEER_INCOMPATIBLE)
-            if meta.block_size % remote.block_size or remote.num_blocks != meta.num_blocks * (
-                meta.block_size // remote.block_size
-            ):
-                raise HandshakeError(
-                    f"prefill rank {read.prefill_rank} describes {remote.num_blocks} kernel blocks of "
-                    f"{remote.block_size} tokens for {meta.num_blocks} blocks of {meta.block_size}",
-                    code=PEER_INCOMPATIBLE,
-                )
-            try:
-                heads = shared_heads(
-                    self.model,
-                    plan.prefill.tensor_parallel_size,
-                    plan.decode.tensor_parallel_size,
-                    read.prefill_rank,
-                    self.cache.tp_rank,
-                )
-                physical = physical_read(read.prefill_rank, remote, local, heads)
-            except KVBridgeError as exc:
-                raise HandshakeError(
-                    f"prefill engine {peer.engine_id} rank {read.prefill_rank}: {exc.message}", code=PEER_INCOMPATIBLE
-                ) from exc
-            length = physical.source.runs.length
-            rows = descriptor_rows(
-                meta.tensor_bases,
-                run_regions(physical.source.regions),
-                remote.num_blocks,
-                units_per_block=1,
-                offset=0,
-                length=length,
-                device_id=meta.device_id,
-            )
-            handle = self.transport.prep(peer.agents[read.prefill_rank], rows, meta.memory_type.value)
-            peer.lists.append((handle, self._local_runs_list(physical.target.regions)))
-            peer.lengths.append(length)
-            if reads and (physical.tokens, physical.source.chunks) != (reads[0].tokens, reads[0].source.chunks):
-                raise HandshakeError(  # one chunking maps every request's blocks for all reads
-                    f"prefill rank {read.prefill_rank} runs other kernel blocks than rank {reads[0].prefill_rank}",
-                    code=PEER_INCOMPATIBLE,
-                )
-            reads.append(physical)
-        first, meta = reads[0], ranks[reads[0].prefill_rank][0]
-        peer.physical = tuple(reads)
-        peer.regions = first.target.runs.count
-        peer.sides = (
-            ChunkSide(self.cache.block_size, 1, first.target.chunks * first.tokens, first.tokens),
-            ChunkSide(meta.block_size, plan.split_ratio, first.source.chunks * first.tokens, first.tokens),
-        )
-
-    def _local_runs_list(self, runs: BlockRuns) -> Any:
-        handle = self._local_lists.get(runs)
-        if handle is None:
-            cache = self.cache
-            rows = descriptor_rows(
-                cache.bases,
-                run_regions(runs),
-                cache.num_blocks * cache.kernel_ratio,
-                units_per_block=1,
-                offset=0,
-                length=runs.length,
-                device_id=cache.device_id,
-            )
-            handle = self.transport.prep("", rows, cache.memory_type.value)
-            self._local_lists[runs] = handle
-        return handle
-
-    def _local_list(self, plan: TransferPlan, offset: int, length: int) -> Any:
-        key = (plan.block_size_ratio, offset, length)
-        handle = self._local_lists.get(key)
-        if handle is None:
-            cache = self.cache
-            rows = descriptor_rows(
-                cache.bases,
-                cache.layout,
-                cache.num_blocks,
-                units_per_block=plan.block_size_ratio,
-                offset=offset,
-                length=length,
-                device_id=cache.device_id,
-            )
-            handle = self.transport.prep("", rows, cache.memory_type.value)
-            self._local_lists[key] = handle
-        return handle
-
     def _drop(self, peer: RemotePeer) -> None:
+        if self.staging is not None:
+            self.staging.drop(peer)
         for remote, _local in peer.lists:
             self.transport.release_dlist(remote)
         for name in peer.agents.values():
@@ -307,6 +167,10 @@ class DecodeRank:
             if flight.params.remote_engine_id == engine_id:
                 self._cancel(flight)
                 del self._in_flight[request_id]
+        for request_id, staged in list(self._staged.items()):
+            if staged.flight.params.remote_engine_id == engine_id:
+                del self._staged[request_id]
+                self._cancel_staged(staged)
         self._drop(peer)
         return True
 
@@ -338,57 +202,66 @@ class DecodeRank:
                 list(local_blocks),
                 peer_failed=True,
             )
-        note = notification(params.remote_request_id, self.settings.tensor_parallel_size)
-        rank_plan = peer.rank_plan
         try:
             ids = request_descriptor_ids(peer, params, local_blocks, group_sizes, self.cache.num_blocks, self._buffers)
         except (BlockMappingError, SpecError) as exc:
             return ReadResult(request_id, False, exc.code, exc.message, list(local_blocks))
-        ids_us = (time.perf_counter() - started) * 1e6
-        handles: list[Any] = []
-        total_bytes = 0
-        make_us = nixl_post_us = 0.0
+        nbytes = sum(length * pair[0].size for length, pair in zip(peer.lengths, ids, strict=True)) if ids else 0
+        flight = InFlight(request_id, params, list(local_blocks), [], timeout, time.monotonic() + timeout, started,
+                          nbytes, sum(pair[0].size for pair in ids), (time.perf_counter() - started) * 1e6, 0.0, 0.0,
+                          0.0, verify)  # fmt: skip
+        note = notification(params.remote_request_id, self.settings.tensor_parallel_size)
         try:
-            if not ids:  # a full prefix hit: nothing to read
-                for p in {r.prefill_rank for r in rank_plan.reads}:
-                    self.transport.notify(peer.agents[p], note)
-            else:
-                made = time.perf_counter()
-                for (remote, local), (local_ids, remote_ids) in zip(peer.lists, ids, strict=True):
-                    handles.append(self.transport.make_read(local, local_ids, remote, remote_ids, note))
-                posting = time.perf_counter()
-                make_us = (posting - made) * 1e6
-                for handle in handles:
-                    self.transport.post(handle)
-                nixl_post_us = (time.perf_counter() - posting) * 1e6
-                total_bytes = sum(length * pair[0].size for length, pair in zip(peer.lengths, ids, strict=True))
-            for p in rank_plan.notify_only_ranks:
-                self.transport.notify(peer.agents[p], note)
+            if ids and group_sizes is None and self._start_staged(flight, peer, ids, len(local_blocks)):
+                self._notify(peer, peer.rank_plan.notify_only_ranks, note)
+                return None
+            self._post_direct(flight, peer, ids, note)
         except (TransportError, KVBridgeError) as exc:
-            for handle in handles:
+            for handle in flight.handles:
                 self.transport.release(handle)
             return ReadResult(request_id, False, TRANSFER_FAILED, exc.message, list(local_blocks), peer_failed=True)
-        own_us = (time.perf_counter() - started) * 1e6 - make_us - nixl_post_us
-        flight = _InFlight(
-            request_id,
-            params,
-            list(local_blocks),
-            handles,
-            timeout,
-            time.monotonic() + timeout,
-            started,
-            total_bytes,
-            sum(pair[0].size for pair in ids),
-            ids_us,
-            make_us,
-            nixl_post_us,
-            own_us,
-            verify,
-        )
-        if not handles:
+        if not flight.handles:
             return self._finish(flight, peer)
         self._in_flight[request_id] = flight
         return None
+
+    def _post_direct(
+        self, flight: InFlight, peer: RemotePeer, ids: list[tuple[DescriptorIds, DescriptorIds]], note: bytes
+    ) -> None:
+        """The READs between the caches (a full prefix hit: the notifications alone)."""
+        if not ids:  # a full prefix hit: nothing to read
+            self._notify(peer, {r.prefill_rank for r in peer.rank_plan.reads}, note)
+        else:
+            made = time.perf_counter()
+            for (remote, local), (local_ids, remote_ids) in zip(peer.lists, ids, strict=True):
+                flight.handles.append(self.transport.make_read(local, local_ids, remote, remote_ids, note))
+            posting = time.perf_counter()
+            flight.make_microseconds = (posting - made) * 1e6
+            for handle in flight.handles:
+                self.transport.post(handle)
+            flight.post_microseconds = (time.perf_counter() - posting) * 1e6
+        self._notify(peer, peer.rank_plan.notify_only_ranks, note)
+        nixl = flight.make_microseconds + flight.post_microseconds
+        flight.own_microseconds = (time.perf_counter() - flight.started) * 1e6 - nixl
+
+    def _start_staged(
+        self, flight: InFlight, peer: RemotePeer, ids: list[tuple[DescriptorIds, DescriptorIds]], local_count: int
+    ) -> bool:
+        """Stage the request where the cost model says so and both sides have room (docs/protocol.md §4d)."""
+        choice = self.staging.choose(peer, ids) if self.staging is not None else None
+        if self.staging is None or choice is None or not choice.staged:
+            return False
+        first = stage_first(peer, flight.params, local_count, ids[0][1].size // peer.staged[0].segments.runs)
+        staged = self.staging.start(flight, peer, ids, first, choice)
+        if staged is None:
+            return False
+        flight.own_microseconds = (time.perf_counter() - flight.started) * 1e6 - flight.post_microseconds
+        self._staged[flight.request_id] = staged
+        return True
+
+    def _notify(self, peer: RemotePeer, ranks: Any, note: bytes) -> None:
+        for p in ranks:
+            self.transport.notify(peer.agents[p], note)
 
     def _buffers(self, count: int) -> tuple[DescriptorIds, DescriptorIds]:
         if self._id_buffers[0].size < count:
@@ -397,7 +270,7 @@ class DecodeRank:
 
     @property
     def in_flight(self) -> int:
-        return len(self._in_flight)
+        return len(self._in_flight) + len(self._staged)
 
     def poll(self) -> list[ReadResult]:
         """Drive progress; results of requests that completed, failed or timed out."""
@@ -417,17 +290,63 @@ class DecodeRank:
                 )
             elif all(state == "DONE" for state in states):
                 del self._in_flight[request_id]
-                posted = [self.transport.posted(handle) for handle in flight.handles]
-                if None not in posted:  # runs adjacent in both caches merged by NIXL (docs/protocol.md §4c)
-                    flight.posted = sum(p for p in posted if p is not None)
-                for handle in flight.handles:
-                    self.transport.release(handle)
+                self._release(flight)
                 results.append(self._finish(flight, peer))
             elif now > flight.deadline:
                 results.append(self._fail(flight, TRANSFER_TIMEOUT, f"READs not complete after {flight.timeout:g} s"))
+        if self.staging is not None:
+            self.staging.poll()
+            results.extend(self._poll_staged(now))
         return results
 
-    def _finish(self, flight: _InFlight, peer: RemotePeer) -> ReadResult:
+    def _release(self, flight: InFlight) -> None:
+        """Release a request's completed READs, counting what NIXL posted (docs/protocol.md §4c)."""
+        posted = [self.transport.posted(handle) for handle in flight.handles]
+        if None not in posted:  # runs adjacent in both caches merged by NIXL
+            flight.posted = sum(p for p in posted if p is not None)
+        for handle in flight.handles:
+            self.transport.release(handle)
+        flight.handles.clear()
+
+    def _poll_staged(self, now: float) -> list[ReadResult]:
+        results: list[ReadResult] = []
+        staging = self.staging
+        for request_id, staged in list(self._staged.items()):
+            if staging is None:
+                break
+            flight = staged.flight
+            peer = self.peers.get(flight.params.remote_engine_id)
+            state = staging.advance(staged) if peer is not None else "ERR"
+            if state == "PROC" and now <= flight.deadline:
+                continue
+            del self._staged[request_id]
+            if state != "DONE" or peer is None:
+                self._cancel_staged(staged)
+                why = STAGED_READ_FAILED if state == "ERR" else f"READs not complete after {flight.timeout:g} s"
+                code = TRANSFER_FAILED if state == "ERR" else TRANSFER_TIMEOUT
+                results.append(ReadResult(request_id, False, code, why, flight.blocks, peer_failed=True))
+                continue
+            self._release(flight)
+            scattered = staging.finish(staged)
+            note = notification(flight.params.remote_request_id, self.settings.tensor_parallel_size)
+            try:  # prefill frees the blocks and staged bytes: the READs of its staging buffer carried no notification
+                self._notify(peer, {read.segments.prefill_rank for read in peer.staged}, note)
+            except TransportError as exc:
+                results.append(
+                    ReadResult(request_id, False, TRANSFER_FAILED, exc.message, flight.blocks, peer_failed=True)
+                )
+                continue
+            result = self._finish(flight, peer)
+            results.append(replace(result, mode="staged", into=staged.into, stage_microseconds=staged.stage_us,
+                                   pack_microseconds=staged.pack_us, scatter_microseconds=scattered,
+                                   prestaged=staged.prestaged))  # fmt: skip
+        return results
+
+    def _cancel_staged(self, staged: StagedFlight) -> None:
+        if self.staging is not None:
+            self.staging.cancel(staged)
+
+    def _finish(self, flight: InFlight, peer: RemotePeer) -> ReadResult:
         read = time.perf_counter()
         converted = self.convert(self.cache, peer.plan, Role.DECODE, flight.blocks)
         done = time.perf_counter()
@@ -467,13 +386,13 @@ class DecodeRank:
         )
         return replace(result, ok=False, code=KV_DIGEST_MISMATCH, message=message, invalid_blocks=bad)
 
-    def _fail(self, flight: _InFlight, code: str, message: str) -> ReadResult:
+    def _fail(self, flight: InFlight, code: str, message: str) -> ReadResult:
         """Stop tracking a request, cancel its READs; its local blocks are invalid, its peer suspect."""
         del self._in_flight[flight.request_id]
         self._cancel(flight)
         return ReadResult(flight.request_id, False, code, message, flight.blocks, peer_failed=True)
 
-    def _cancel(self, flight: _InFlight) -> None:
+    def _cancel(self, flight: InFlight) -> None:
         for handle in flight.handles:
             if not self.transport.release(handle):
                 self._zombies.append(handle)
@@ -481,9 +400,9 @@ class DecodeRank:
     def close(self) -> None:
         for engine_id in list(self.peers):
             self.evict_peer(engine_id)
-        for handle in self._local_lists.values():
-            self.transport.release_dlist(handle)
-        self._local_lists.clear()
+        self._local.close()
         for handle in self._zombies:
             self.transport.release(handle)
         self._zombies.clear()
+        if self.staging is not None:
+            self.staging.close()

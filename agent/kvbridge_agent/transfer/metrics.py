@@ -20,26 +20,22 @@ class AgentMetrics:
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(name, doc, [*labels, *extra], registry=self.registry)
 
-        self.transfer_seconds = Histogram(
-            "kvbridge_transfer_seconds",
-            "Time from posting a request's READs to their completion.",
-            list(labels),
-            buckets=_SECONDS,
-            registry=self.registry,
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, list(labels), buckets=buckets, registry=self.registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, list(labels), registry=self.registry)
+
+        self.transfer_seconds = histogram(
+            "kvbridge_transfer_seconds", "Time from posting a request's READs to their completion.", _SECONDS
         )
-        self.handshake_seconds = Histogram(
+        self.handshake_seconds = histogram(
             "kvbridge_handshake_seconds",
             "Side-channel handshake with a prefill engine, until its peer is usable.",
-            list(labels),
-            buckets=_SECONDS,
-            registry=self.registry,
+            _SECONDS,
         )
-        self.descriptors = Histogram(
-            "kvbridge_descriptors_per_request",
-            "Descriptors posted for one request (all ranks).",
-            list(labels),
-            buckets=_DESCRIPTORS,
-            registry=self.registry,
+        self.descriptors = histogram(
+            "kvbridge_descriptors_per_request", "Descriptors posted for one request (all ranks).", _DESCRIPTORS
         )
         self.bytes = counter("kvbridge_transfer_bytes", "Bytes READ from prefill engines.")
         self.requests = counter("kvbridge_requests", "Requests handled, by outcome.", ("outcome",))
@@ -56,20 +52,13 @@ class AgentMetrics:
         self.stale_evictions = counter(
             "kvbridge_stale_peer_evictions", "Remote engines evicted because they restarted or failed."
         )
-        self.held_requests = Gauge(
-            "kvbridge_held_requests",
-            "Prefill requests whose blocks await readers.",
-            list(labels),
-            registry=self.registry,
-        )
-        self.held_bytes = Gauge(
+        self.held_requests = gauge("kvbridge_held_requests", "Prefill requests whose blocks await readers.")
+        self.held_bytes = gauge(
             "kvbridge_held_bytes",
             "KV cache bytes prefill holds for readers (the blocks of held requests): a "
             "prefill pod with none is the one to scale down.",
-            list(labels),
-            registry=self.registry,
         )
-        self.free_blocks = Gauge("kvbridge_free_blocks", "Free KV blocks.", list(labels), registry=self.registry)
+        self.free_blocks = gauge("kvbridge_free_blocks", "Free KV blocks.")
 
     def relabelled(self, engine_id: str) -> AgentMetrics:
         """The same series in the same registry, labelled for another engine id (one data-parallel rank)."""

@@ -1,15 +1,28 @@
-"""The prefill side of one TP rank: offer requests in the wire format, count notifications."""
+"""The prefill side of one TP rank: offer requests in the wire format, stage them for readers that ask
+(docs/protocol.md §4d), count notifications."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
 
-from kvbridge_agent.core import Role, TransferPlan
+import numpy as np
+
+from kvbridge_agent.core import KVBridgeError, Role, TransferPlan
+from kvbridge_agent.core.blocks import IntArray
 from kvbridge_agent.core.digest import HeadDigests
 from kvbridge_agent.core.handshake import RankMetadata, parse_notification
+from kvbridge_agent.core.stage_requests import (
+    STAGE_NOT_OFFERED,
+    STAGE_PLAN_INVALID,
+    STAGING_OFF,
+    StageReply,
+    StageRequest,
+    offered_units,
+)
 from kvbridge_agent.transfer.digest import Digester
 from kvbridge_agent.transfer.kv_cache import KVCache
+from kvbridge_agent.transfer.prefill_staging import PrefillStaging
 from kvbridge_agent.transfer.relayout import Converter, convert_for_side
 from kvbridge_agent.transfer.transport import Transport
 
@@ -20,6 +33,8 @@ log = logging.getLogger(__name__)
 class _Pending:
     received: int = 0
     expected: int | None = None
+    #: the units offered (wire blocks, unclipped): what a stage request's range counts over
+    units: IntArray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 @dataclass
@@ -42,7 +57,10 @@ class PrefillRank:
         engine_id: str,
         incarnation: str,
         convert: Converter = convert_for_side,
+        staging_bytes: int = 0,
     ) -> None:
+        """``staging_bytes``: a staging buffer of that size on the cache's device, registered, for staged reads
+        (0: none; decode then reads this rank directly)."""
         self.convert = convert
         self.cache = cache
         self.transport = transport
@@ -53,9 +71,10 @@ class PrefillRank:
         #: the transfer digest of this cache (core.digest): made from the cache's geometry when first needed,
         #: unless the engine sets one that reads its own block interior
         self.digester: Digester | None = None
+        self.staging = PrefillStaging(cache, transport, plan, staging_bytes) if staging_bytes else None
 
     def metadata(self) -> RankMetadata:
-        cache = self.cache
+        cache, staging = self.cache, self.staging
         return RankMetadata(
             engine_id=self.engine_id,
             incarnation=self.incarnation,
@@ -73,6 +92,9 @@ class PrefillRank:
             memory_type=cache.memory_type,
             device_id=cache.device_id,
             physical_layout=cache.physical,
+            staging_base=staging.pool.base if staging else None,
+            staging_bytes=staging.pool.bytes if staging else None,
+            staging_piece=staging.pool.piece if staging else None,
         )
 
     def offer(
@@ -89,8 +111,31 @@ class PrefillRank:
         holds, for decode to verify what it read (``block_layers``: :meth:`digest`)."""
         digests = self.digest(digest_key, block_ids, digest_tokens, block_layers) if digest_tokens else {}
         self.convert(self.cache, self.plan, Role.PREFILL, block_ids)
-        self._pending[request_id] = _Pending()
+        units = offered_units(block_ids, self.plan.split_ratio)
+        self._pending[request_id] = _Pending(units=units)
+        if self.staging is not None:  # packed now for the plans met: decode's stage request finds it packed
+            self.staging.prestage(request_id, units)
         return digests
+
+    def stage(self, request_id: str, request: StageRequest) -> StageReply:
+        """Pack a request this rank holds for one read of a decode rank (docs/protocol.md §4d); a refusal is a
+        typed :class:`KVBridgeError`, a full staging buffer a ``busy`` reply."""
+        if self.staging is None:
+            raise KVBridgeError("this prefill rank has no staging buffer", field="stage", code=STAGING_OFF)
+        pending = self._pending.get(request_id)
+        if pending is None:
+            raise KVBridgeError(
+                f"request {request_id[:80]!r} is not held here (never offered, read, or its lease ended)",
+                field="stage.requestId",
+                code=STAGE_NOT_OFFERED,
+            )
+        if request.rank != self.cache.tp_rank:
+            raise KVBridgeError(
+                f"a stage request for rank {request.rank} reached rank {self.cache.tp_rank}",
+                field="stage.rank",
+                code=STAGE_PLAN_INVALID,
+            )
+        return self.staging.stage(request_id, pending.units, request)
 
     def digest(
         self, key: bytes, block_ids: list[int], num_tokens: int, block_layers: list[int] | None = None
@@ -102,7 +147,10 @@ class PrefillRank:
         return dict(zip(digester.heads, rows, strict=True))
 
     def forget(self, request_id: str) -> bool:
-        """Stop waiting for a request (its lease expired); late notifications count as unknown."""
+        """Stop waiting for a request (its lease expired); late notifications count as unknown. Its staged bytes
+        go back."""
+        if self.staging is not None:
+            self.staging.release(request_id)
         return self._pending.pop(request_id, None) is not None
 
     @property
@@ -130,5 +178,7 @@ class PrefillRank:
                 pending.received += 1
                 if pending.received >= pending.expected:
                     del self._pending[request_id]
+                    if self.staging is not None:
+                        self.staging.release(request_id)
                     events.completed.append(request_id)
         return events

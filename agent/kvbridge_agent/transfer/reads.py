@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge_agent.core import BlockMappingError, DecodeRankPlan, TransferPlan, descriptor_ids, map_request_blocks
+from kvbridge_agent.core.arithmetic import ceil_div
 from kvbridge_agent.core.blocks import BLOCK_ID_OUT_OF_RANGE, DescriptorIds, require_distinct
 from kvbridge_agent.core.cache_groups import CACHE_GROUPS_MISMATCH, pair_groups
 from kvbridge_agent.core.digest import RequestDigests
@@ -43,6 +44,8 @@ class RemotePeer:
     lists: list[tuple[Any, Any]] = field(default_factory=list)
     #: bytes of one descriptor of each list
     lengths: list[int] = field(default_factory=list)
+    #: per read, the same read staged (docs/protocol.md §4d; empty: this peer is read directly)
+    staged: tuple[Any, ...] = ()
 
 
 @dataclass
@@ -72,6 +75,37 @@ class ReadResult:
     convert_seconds: float = 0.0
     #: what that conversion was: the plan's steps on decode, or ``host_copy`` (a host buffer's copy out)
     conversion: str = ""
+    #: ``direct`` (READs between the caches) or ``staged`` (through the staging buffers, docs/protocol.md §4d)
+    mode: str = "direct"
+    #: staged: READ straight ``blocks``, or into decode's ``buffer`` and scattered
+    into: str = ""
+    #: staged: the stage exchanges, prefill's pack (reported by it; 0 when packed at offer), decode's scatter
+    stage_microseconds: float = 0.0
+    pack_microseconds: float = 0.0
+    scatter_microseconds: float = 0.0
+    prestaged: bool = False
+
+
+@dataclass
+class InFlight:
+    """A request whose READs are posted: what its result reports once they complete."""
+
+    request_id: str
+    params: KVTransferParams
+    blocks: list[int]  # local blocks that receive bytes
+    handles: list[Any]
+    timeout: float
+    deadline: float
+    started: float
+    bytes: int
+    descriptors: int  # descriptor ids handed NIXL
+    ids_microseconds: float
+    make_microseconds: float
+    post_microseconds: float
+    own_microseconds: float
+    verify: Verify | None = None
+    #: descriptors NIXL posted (its telemetry, once every READ is done; ``None``: not reported)
+    posted: int | None = None
 
 
 @dataclass(frozen=True)
@@ -181,3 +215,13 @@ def _map_groups(
         np.concatenate([p.remote_blocks for p in parts]),
         np.concatenate([p.remote_chunks for p in parts]),
     )
+
+
+def stage_first(peer: RemotePeer, params: KVTransferParams, local_count: int, units: int) -> int:
+    """The first of prefill's units (token order over those it offered) a request reads ``units`` of, as the
+    mapping above pairs them: the last ones of a cache kind's wire blocks, or the chunks after a prefix hit of
+    ``len(local blocks) = local_count`` short of the prompt's (docs/protocol.md §4d)."""
+    if peer.sides is None:
+        return len(params.remote_block_ids) - units
+    local = peer.sides[0]
+    return (ceil_div(params.num_tokens, local.block_tokens) - local_count) * (local.block_tokens // local.tokens)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from kvbridge_agent.core import KVBridgeError
 from kvbridge_agent.core.digest import RequestDigests, from_bytes, to_bytes
 from kvbridge_agent.core.handshake import (
     HANDSHAKE_TIMEOUT,
@@ -45,6 +46,16 @@ from kvbridge_agent.core.handshake import (
     lease_token,
     tcp_endpoint,
     token_matches,
+)
+from kvbridge_agent.core.stage_requests import (
+    STAGE_NOT_OFFERED,
+    STAGING_OFF,
+    StageReply,
+    StageRequest,
+    decode_stage_reply,
+    decode_stage_request,
+    encode_stage_reply,
+    encode_stage_request,
 )
 from kvbridge_agent.transfer.keys import CurveKeys
 
@@ -77,6 +88,7 @@ class ServerStats:
     digests: int = 0
     #: heartbeats or digest requests naming a request without its lease token (not offered to the asker)
     not_offered: int = 0
+    staged: int = 0  # stage requests answered ready or busy
 
 
 @dataclass
@@ -92,6 +104,8 @@ class SideChannelServer:
     on_heartbeat: Callable[[list[str]], list[str]] | None = None
     #: a request's key and digests as prefill published them (docs/protocol.md §8), or why there are none
     digests: Callable[[str], tuple[DigestState, RequestDigests | None]] | None = None
+    #: packs a request for one read of a decode rank (docs/protocol.md §4d); raises a typed KVBridgeError to refuse
+    on_stage: Callable[[str, StageRequest], StageReply] | None = None
     stats: ServerStats = field(default_factory=ServerStats)
     #: this listener's secret: the lease tokens of the requests its engine offers are derived from it
     secret: bytes = field(default_factory=lambda: os.urandom(32), repr=False)
@@ -186,6 +200,8 @@ class SideChannelServer:
                 self.stats.heartbeats += 1
                 renewed = self.on_heartbeat(request_ids) if self.on_heartbeat is not None and request_ids else []
                 return envelope + encode_ack(self.fingerprint, renewed)
+            if kind is MessageType.STAGE:
+                return envelope + self._stage(rest, named, request_ids)
             if kind is MessageType.DIGEST:
                 if len(named) != 1:
                     raise HandshakeError("a digest request names one request", code=MALFORMED_MESSAGE)
@@ -206,6 +222,24 @@ class SideChannelServer:
             self.stats.rejected += 1
             log.warning("side channel: rejected a request: %s", exc)
             return envelope + encode_error(self.fingerprint, exc.code, exc.message)
+
+    def _stage(self, frames: list[bytes], named: list[Named], offered: list[str]) -> list[bytes]:
+        """A stage request: one request, named with its lease token, for the engine to pack (docs/protocol.md §4d)."""
+        if len(named) != 1:
+            raise HandshakeError("a stage request names one request", code=MALFORMED_MESSAGE)
+        request = decode_stage_request(frames)
+        if not offered:
+            raise HandshakeError("the request is not one this engine offered to the asker", code=STAGE_NOT_OFFERED)
+        if self.on_stage is None:
+            raise HandshakeError("this engine stages nothing", code=STAGING_OFF)
+        try:
+            reply = self.on_stage(offered[0], request)
+        except HandshakeError:
+            raise
+        except KVBridgeError as exc:  # typed refusals keep their code
+            raise HandshakeError(exc.message, code=exc.code) from exc
+        self.stats.staged += 1
+        return encode_stage_reply(self.fingerprint, reply)
 
     def token(self, request_id: str) -> str:
         """The lease token of a request this engine offers (it goes in the request's transfer parameters)."""
@@ -350,6 +384,16 @@ class SideChannelClient:
             return state, RequestDigests(key, from_bytes(heads, data)) if state is DigestState.READY else None
         except ValueError as exc:
             raise HandshakeError(f"digest reply: {exc}", code=MALFORMED_MESSAGE) from exc
+
+    def stage(self, request_id: str, token: str, request: StageRequest) -> StageReply:
+        """Ask prefill to pack one of its requests (by its id and lease token) for one read (docs/protocol.md §4d);
+        a refusal raises :class:`HandshakeError` with prefill's code."""
+        frames = self._exchange(
+            encode_stage_request(self.fingerprint, (request_id, token), request),
+            time.monotonic() + self.timeout,
+            kept=True,
+        )
+        return decode_stage_reply(frames, self.fingerprint)
 
     def heartbeat(self, requests: Sequence[Named]) -> set[str]:
         """Renew the leases of these requests (prefill's request id and lease token each); returns the ids prefill
