@@ -59,11 +59,13 @@ image-tools:
 images: image-tools
 	PYTHONPATH=sim $(PYTHON) -m kvbridge_sim.images build --torch-index='$(TORCH_INDEX)' $(IMAGES_ARGS)
 
-# every test that builds and runs an image, the CPU engine image's P/D run included (which `make test` leaves out:
-# minutes to build, 4.7 GB)
+# the planner's closed loop over the benchmark's whole ramp (about 10 minutes of load on the local cluster; `make test`
+# runs the short ramp, tests/demo/test_planner_loop.py)
 planner-loop-test: setup
 	$(VENV)/bin/pytest -m planner_loop $(PYTEST_ARGS)
 
+# every test that builds and runs an image, the CPU engine image's P/D run included (which `make test` leaves out:
+# minutes to build, 4.7 GB)
 images-test: setup
 	TORCH_INDEX='$(TORCH_INDEX)' $(VENV)/bin/pytest -m images $(PYTEST_ARGS)
 

@@ -35,25 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge_sim.load_ramp import RECOVERY_WINDOW, Segment, summary
-from kvbridge_sim.planner_loop import QUICK, Loop, LoopRun, run_loop
+from kvbridge_sim.load_ramp import RECOVERY_WINDOW, summary
+from kvbridge_sim.planner_loop import FULL, QUICK, Loop, LoopRun, run_loop
 
 ROOT = Path(__file__).resolve().parents[1]
-FULL = Loop(
-    segments=(
-        Segment(60, 1, "low"),
-        Segment(40, 2.5),
-        Segment(30, 4),
-        Segment(10, 8, "burst"),
-        Segment(40, 5.5),
-        Segment(40, 7),
-        Segment(30, 8.5),
-        Segment(10, 14, "burst"),
-        Segment(60, 10, "peak"),
-        Segment(240, 1, "scale-in"),
-    ),
-    kill_prefill_at=220,
-)
 
 
 def word_tokenizer(folder: Path) -> Path:

@@ -66,6 +66,10 @@ class Loop:
     window_seconds: int = 10
     stabilization_seconds: int = 60
     headroom_percent: int = 50
+    #: the hysteresis (planner.hysteresis): a scale-down's spare, the reversal window, the warm-up
+    tolerance_percent: int = 10
+    reversal_seconds: int = 300
+    warmup_seconds: int = 10
     max_replicas: tuple[int, int] = (4, 4)
     segments: tuple[Segment, ...] = ()
     #: seconds into the load after which a ready prefill pod is SIGKILLed, once two are ready (None: none)
@@ -97,12 +101,32 @@ class LoopRun:
 
 
 #: the shortened run of the test (tests/demo/test_planner_loop.py) and ``benchmarks/planner_loop.py --quick``: 1 -> 3 ->
-#: 6 requests/s and back to 1, a prefill pod killed once two are ready, a 30 s stabilization window
+#: 6 requests/s and back to 1, a prefill pod killed once two are ready, a 30 s stabilization window (no longer: the
+#: scale-in must come while the last 45 s of load still run) and a reversal window over the whole scale-in
 QUICK = Loop(
     segments=(Segment(15, 1, "low"), Segment(20, 3), Segment(30, 6, "peak"), Segment(45, 1, "scale-in")),
     stabilization_seconds=30,
+    reversal_seconds=120,
     kill_prefill_at=45,
     settle_seconds=60,
+)
+#: the benchmark's ramp (``benchmarks/planner_loop.py``, ``make planner-loop-test``): 1 request/s for a minute, steps
+#: of 2.5, 4, 5.5, 7, 8.5 and 10 with bursts of 8 and 14 for 10 s, back to 1 for four minutes; a prefill pod killed
+#: at 220 s
+FULL = Loop(
+    segments=(
+        Segment(60, 1, "low"),
+        Segment(40, 2.5),
+        Segment(30, 4),
+        Segment(10, 8, "burst"),
+        Segment(40, 5.5),
+        Segment(40, 7),
+        Segment(30, 8.5),
+        Segment(10, 14, "burst"),
+        Segment(60, 10, "peak"),
+        Segment(240, 1, "scale-in"),
+    ),
+    kill_prefill_at=220,
 )
 
 
@@ -150,6 +174,9 @@ def deployment(loop: Loop, prometheus_url: str, planning: bool) -> Obj:
         "windowSeconds": loop.window_seconds,
         "headroomPercent": loop.headroom_percent,
         "stabilizationWindowSeconds": loop.stabilization_seconds,
+        "tolerancePercent": loop.tolerance_percent,
+        "reversalWindowSeconds": loop.reversal_seconds,
+        "warmupSeconds": loop.warmup_seconds,
     }
     return document
 

@@ -324,6 +324,9 @@ def test_plan_shows_the_planner_when_it_is_on(tmp_path: Path) -> None:
         "windowSeconds": 60,
         "headroomPercent": 0,
         "stabilizationWindowSeconds": 300,
+        "tolerancePercent": 10,
+        "reversalWindowSeconds": 300,
+        "warmupSeconds": 30,
         "bounds": {"prefill": [1, 1024], "decode": [1, 1024]},
     }
     del document["spec"]["autoscaling"]["itl"]

@@ -98,6 +98,28 @@ class AutoscalingSpec(CamelModel):
         description="A role is scaled down only to the largest size recommended over this window (scale-ups act "
         "at once), as HPA's scale-down stabilization.",
     )
+    tolerance_percent: int = Field(
+        default=10,
+        ge=0,
+        le=100,
+        description="A scale-down goes only to a size that carries the demand with this much to spare, in percent "
+        "(HPA's tolerance): a demand that wavers about a whole number of engines does not move the size.",
+    )
+    reversal_window_seconds: int = Field(
+        default=300,
+        ge=0,
+        le=86_400,
+        description="Within this long of a role's last scale-down, it is scaled up only when the demand's lower "
+        "bound (the rate less twice its Poisson deviation over windowSeconds) needs more engines than run, not on "
+        "chance; a scale-down after a scale-up already waits for stabilizationWindowSeconds (docs/autoscaling.md).",
+    )
+    warmup_seconds: int = Field(
+        default=30,
+        ge=0,
+        le=3600,
+        description="A role's latencies refine its profile only once all its pods are ready and windowSeconds plus "
+        "this long have passed since its size changed (new engines' first requests, a window of two sizes).",
+    )
 
     @field_validator("prometheus_url", mode="before")
     @classmethod

@@ -29,7 +29,7 @@ from kvbridge_operator.api.autoscaling import AutoscalingSpec
 from kvbridge_operator.api.names import role_name
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import DisaggregatedDeployment, parse_deployment
-from kvbridge_operator.api.status import AutoscalingStatus, PlannedSize
+from kvbridge_operator.api.status import AutoscalingStatus, PlannedSize, SizeChange
 from kvbridge_operator.controller.actions import Event
 from kvbridge_operator.controller.apply import post_event
 from kvbridge_operator.controller.metrics import (
@@ -41,6 +41,7 @@ from kvbridge_operator.controller.metrics import (
     PLANNER_TARGET_SECONDS,
 )
 from kvbridge_operator.kube import CONFIG_MAPS, DEPLOYMENTS, ROLES, ApiError, KubeClient
+from kvbridge_operator.planner.hysteresis import DOWN, UP, Change, Hysteresis
 from kvbridge_operator.planner.profile import PerformanceProfile
 from kvbridge_operator.planner.prometheus import PrometheusError, observe
 from kvbridge_operator.planner.sizing import (
@@ -84,7 +85,32 @@ def memory_of(status: Obj) -> Memory:
     except ValidationError:
         return Memory()
     history = tuple(Recommendation(h.at, h.prefill, h.decode) for h in last.history)
-    return Memory(history, last.request_rate, last.prefill_correction, last.decode_correction)
+    changes = tuple(
+        None if c is None else Change(c.at, UP if c.direction == "up" else DOWN)
+        for c in (last.prefill_change, last.decode_change)
+    )
+    return Memory(
+        history,
+        last.request_rate,
+        last.prefill_correction,
+        last.decode_correction,
+        (last.prefill, last.decode) if last.last_pass_at > 0 else None,
+        (changes[0], changes[1]),
+    )
+
+
+def hysteresis_of(spec: AutoscalingSpec) -> Hysteresis:
+    """planner.hysteresis's settings from ``spec.autoscaling``."""
+    return Hysteresis(spec.tolerance_percent / 100, spec.reversal_window_seconds, spec.warmup_seconds)
+
+
+def _settled(status: Obj) -> tuple[bool, bool]:
+    """Whether each role's pods are all ready, as the deployment's status says."""
+    roles = [status.get(role.value) or {} for role in Role]
+    return (
+        int(roles[0].get("readyReplicas", 0)) >= int(roles[0].get("replicas", 0)),
+        int(roles[1].get("readyReplicas", 0)) >= int(roles[1].get("replicas", 0)),
+    )
 
 
 async def read_profile(client: KubeClient, namespace: str, spec: AutoscalingSpec) -> PerformanceProfile:
@@ -142,9 +168,15 @@ def status_of(spec: AutoscalingSpec, decision: Decision, observation: Observatio
         prefill_correction=decision.memory.prefill_correction,
         decode_correction=decision.memory.decode_correction,
         history=[PlannedSize(at=r.at, prefill=r.prefill, decode=r.decode) for r in decision.memory.history],
+        prefill_change=_change(decision.memory.changes[0]),
+        decode_change=_change(decision.memory.changes[1]),
         last_pass_at=now,
     )
     return status.model_dump(by_alias=True, mode="json")
+
+
+def _change(change: Change | None) -> SizeChange | None:
+    return None if change is None else SizeChange(at=change.at, direction="up" if change.direction == UP else "down")
 
 
 async def plan_pass(
@@ -201,6 +233,8 @@ async def plan_pass(
             spec.interval_seconds,
             spec.stabilization_window_seconds,
             spec.window_seconds,
+            hysteresis=hysteresis_of(spec),
+            settled=_settled(status),
         )
     export(namespace, dd.metadata.name, spec, decision, observation, running)
     if not decision.held:

@@ -2,6 +2,8 @@
 
 Reading order:
 - ``profile``: pure: what one engine of each role can do (a performance profile, from a ConfigMap).
+- ``hysteresis``: pure: what keeps a role's size from oscillating (tolerance, stabilization, reversal window,
+  warm-up).
 - ``sizing``: pure: observed traffic and the profile -> both roles' sizes, with the safety rules.
 - ``prometheus``: the traffic, read from a Prometheus server's HTTP API.
 

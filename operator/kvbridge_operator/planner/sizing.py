@@ -17,8 +17,10 @@ remembers (:class:`Memory`, kept in ``status.autoscaling``):
   prediction at the engines running now, damped (square root per pass) and kept within [0.5, 4]; an observation
   more than 4x off the prediction (a queue a burst blew up) or at over 90 % utilisation refines nothing;
 - **safety**: missing, NaN, negative, implausible or stale figures hold the current sizes (the reason says
-  which); a role is scaled down only to the largest size recommended over the stabilization window (scale-ups
-  act at once); results lie within the roles' minReplicas and maxReplicas (the operator then keeps the P:D ratio).
+  which); results lie within the roles' minReplicas and maxReplicas (the operator then keeps the P:D ratio);
+- **hysteresis** (planner.hysteresis): a tolerance on scale-downs, the scale-down stabilization window (scale-ups
+  act at once), a reversal window against changes of direction on chance, and no refinement from a role's latencies
+  while its pods warm up.
 
 Pure: no I/O; every function returns a value.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from .hysteresis import NONE, Change, Hysteresis, Sizes, changed, engines, settle, warm
 from .profile import PerformanceProfile
 
 #: what the planner refuses to believe of one deployment's traffic
@@ -100,10 +103,12 @@ class Recommendation:
 class Memory:
     """What the planner keeps from one pass to the next (``status.autoscaling``)."""
 
-    history: tuple[Recommendation, ...] = ()
+    history: tuple[Recommendation, ...] = ()  # the sizes a scale-down may go to, recommended within the window
     last_rate: float | None = None
     prefill_correction: float = 1.0
     decode_correction: float = 1.0
+    sizes: tuple[int, int] | None = None  # what the last pass asked for (None: the sizes running are taken)
+    changes: tuple[Change | None, Change | None] = (None, None)  # each role's last change of size
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,18 +161,25 @@ def _damped(correction: float, observed: float, predicted: float) -> float:
 
 
 def refine(
-    observation: Observation, profile: PerformanceProfile, running: Recommendation, memory: Memory, tail: float
+    observation: Observation,
+    profile: PerformanceProfile,
+    running: Recommendation,
+    memory: Memory,
+    tail: float,
+    warmed: tuple[bool, bool] = (True, True),
 ) -> Memory:
-    """The corrections after comparing what was observed with what the profile predicts for the engines running."""
+    """The corrections after comparing what was observed with what the profile predicts for the engines running
+    (``warmed``: whether each role's latencies may refine it, :func:`~.hysteresis.warm`)."""
     prefill_c, decode_c = memory.prefill_correction, memory.decode_correction
     uncached = observation.prompt_tokens * (1 - observation.prefix_hit_rate)
-    if observation.ttft_ms is not None and observation.request_rate > 0 and running.prefill > 0 and uncached > 0:
+    ttft = observation.ttft_ms if warmed[0] else None
+    if ttft is not None and observation.request_rate > 0 and running.prefill > 0 and uncached > 0:
         capacity = profile.prefill.tokens_per_second / prefill_c
         rho = observation.request_rate * uncached / (running.prefill * capacity)
         if rho < REFINE_BELOW:
             predicted = tail * 1000 * uncached / capacity / (1 - rho)
-            prefill_c = _damped(prefill_c, observation.ttft_ms, predicted)
-    if observation.itl_ms is not None and running.decode > 0 and observation.decode_running > 0:
+            prefill_c = _damped(prefill_c, ttft, predicted)
+    if warmed[1] and observation.itl_ms is not None and running.decode > 0 and observation.decode_running > 0:
         predicted = profile.decode.itl_ms(observation.decode_running / running.decode) * decode_c
         decode_c = _damped(decode_c, observation.itl_ms, predicted)
     return replace(memory, prefill_correction=prefill_c, decode_correction=decode_c)
@@ -186,6 +198,27 @@ def predicted_rate(rate: float, last: float | None, noise: float = 0.0) -> float
     return rate + rise if rise > noise else rate
 
 
+def prefill_need(
+    rate: float,
+    observation: Observation,
+    profile: PerformanceProfile,
+    ttft_ms: float,
+    correction: float,
+    tail: float = math.log(2),
+) -> float | None:
+    """Prefill engines' worth of work (a fraction) for ``rate`` within the TTFT target at the percentile whose
+    ``tail`` is given (the median's by default); None: not even an idle engine meets it."""
+    uncached = observation.prompt_tokens * (1 - observation.prefix_hit_rate) if rate > 0 else 0.0
+    if uncached <= 0:
+        return 0.0
+    capacity = profile.prefill.tokens_per_second / correction
+    service_ms = tail * 1000 * uncached / capacity
+    if service_ms >= ttft_ms:
+        return None
+    utilisation = 1 - service_ms / ttft_ms
+    return rate * uncached / (capacity * utilisation)
+
+
 def prefill_engines(
     rate: float,
     observation: Observation,
@@ -194,30 +227,60 @@ def prefill_engines(
     correction: float,
     tail: float = math.log(2),
 ) -> int | None:
-    """Prefill engines for ``rate`` within the TTFT target at the percentile whose ``tail`` is given (the median's
-    by default); None: not even an idle engine meets it."""
-    uncached = observation.prompt_tokens * (1 - observation.prefix_hit_rate) if rate > 0 else 0.0
-    if uncached <= 0:
-        return 0
-    capacity = profile.prefill.tokens_per_second / correction
-    service_ms = tail * 1000 * uncached / capacity
-    if service_ms >= ttft_ms:
+    """Whole prefill engines for ``rate`` (:func:`prefill_need`)."""
+    need = prefill_need(rate, observation, profile, ttft_ms, correction, tail)
+    return None if need is None else engines(need)
+
+
+def decode_need(
+    rate: float, observation: Observation, profile: PerformanceProfile, itl_ms: float, correction: float
+) -> float | None:
+    """Decode engines' worth of work (a fraction) for ``rate`` within the ITL target (None: not even one request
+    per engine meets it)."""
+    if rate <= 0 or observation.output_tokens <= 0:
+        return 0.0
+    concurrency = profile.decode.concurrency_within(itl_ms / correction)
+    if concurrency < 1:
         return None
-    utilisation = 1 - service_ms / ttft_ms
-    return math.ceil(rate * uncached / (capacity * utilisation) - 1e-9)
+    tokens_per_second = concurrency / (profile.decode.itl_ms(concurrency) * correction / 1000)
+    return rate * observation.output_tokens / tokens_per_second
 
 
 def decode_engines(
     rate: float, observation: Observation, profile: PerformanceProfile, itl_ms: float, correction: float
 ) -> int | None:
-    """Decode engines for ``rate`` within the ITL target (None: not even one request per engine meets it)."""
-    if rate <= 0 or observation.output_tokens <= 0:
-        return 0
-    concurrency = profile.decode.concurrency_within(itl_ms / correction)
-    if concurrency < 1:
-        return None
-    tokens_per_second = concurrency / (profile.decode.itl_ms(concurrency) * correction / 1000)
-    return math.ceil(rate * observation.output_tokens / tokens_per_second - 1e-9)
+    """Whole decode engines for ``rate`` (:func:`decode_need`)."""
+    need = decode_need(rate, observation, profile, itl_ms, correction)
+    return None if need is None else engines(need)
+
+
+def _needs(
+    rate: float, observation: Observation, profile: PerformanceProfile, targets: Targets, memory: Memory
+) -> tuple[float | None, float | None]:
+    """Both roles' engines' worth of work for ``rate`` at the corrections of ``memory``."""
+    return (
+        prefill_need(rate, observation, profile, targets.ttft_ms, memory.prefill_correction, targets.tail),
+        decode_need(rate, observation, profile, targets.itl_ms, memory.decode_correction),
+    )
+
+
+def role_sizes(
+    needs: tuple[float | None, float | None, float | None],
+    bounds: Bounds,
+    busy: tuple[bool, bool],
+    tolerance: float,
+) -> Sizes:
+    """One role's recommendations from its ``needs`` (None: a target no engine meets: the role's maximum): at the
+    predicted demand (a scale-up's), the same at a correction of at least 1 (a scale-down's floor), and at the
+    demand's lower bound (a reversal's); ``busy``: whether the demand and its lower bound are above 0 (then at least
+    one engine)."""
+
+    def whole(value: float | None, spare: float, above_zero: bool) -> int:
+        count = bounds.high if value is None else engines(value, spare)
+        return bounds.clamp(max(count, 1) if above_zero else count)
+
+    up, down, low = needs
+    return Sizes(whole(up, 0.0, busy[0]), whole(down, tolerance, busy[0]), whole(low, 0.0, busy[1]))
 
 
 def decide(
@@ -232,43 +295,89 @@ def decide(
     interval_seconds: float,
     window_seconds: float,
     rate_window_seconds: float = 0.0,
+    *,
+    hysteresis: Hysteresis = NONE,
+    settled: tuple[bool, bool] = (True, True),
 ) -> Decision:
     """One pass: the sizes to ask for (``running``: the engines running now, with ``at`` unused; ``unavailable``:
     why there is no observation, when ``observation`` is None; ``window_seconds``: the stabilization window;
-    ``rate_window_seconds``: the window the rate was counted over, whose noise an increase must exceed to be
-    extrapolated, 0: any increase is)."""
-    prefill_bounds, decode_bounds = bounds
+    ``rate_window_seconds``: the window the rate and latencies were read over, whose noise an increase must exceed to
+    be extrapolated, 0: any increase is; ``hysteresis``: planner.hysteresis's settings; ``settled``: whether each
+    role's pods are all ready)."""
     if observation is None:
         return Decision(running.prefill, running.decode, METRICS_MISSING, unavailable, True, memory=memory)
     wrong = problem(observation, interval_seconds)
     if wrong is not None:
         return Decision(running.prefill, running.decode, wrong[0], wrong[1], True, memory=memory)
-    memory = refine(observation, profile, running, memory, targets.tail)
+    current = memory.sizes if memory.sizes is not None else (running.prefill, running.decode)
+    warmed = (
+        warm(memory.changes[0], settled[0], now, rate_window_seconds, hysteresis),
+        warm(memory.changes[1], settled[1], now, rate_window_seconds, hysteresis),
+    )
+    refined = refine(observation, profile, running, memory, targets.tail, warmed)
     noise = rate_noise(max(observation.request_rate, memory.last_rate or 0.0), rate_window_seconds)
     rate = predicted_rate(observation.request_rate, memory.last_rate, noise) * (1 + targets.headroom)
-    prefill = prefill_engines(rate, observation, profile, targets.ttft_ms, memory.prefill_correction, targets.tail)
-    decode = decode_engines(rate, observation, profile, targets.itl_ms, memory.decode_correction)
-    unreachable = [role for role, wanted in (("prefill", prefill), ("decode", decode)) if wanted is None]
-    wanted = Recommendation(
-        now,
-        prefill_bounds.clamp(prefill_bounds.high if prefill is None else max(prefill, 1 if rate > 0 else 0)),
-        decode_bounds.clamp(decode_bounds.high if decode is None else max(decode, 1 if rate > 0 else 0)),
+    low = max(0.0, observation.request_rate - noise) * (1 + targets.headroom)  # not extrapolated: chance excluded
+    lower = replace(  # nor a correction's rise alone
+        refined,
+        prefill_correction=min(memory.prefill_correction, refined.prefill_correction),
+        decode_correction=min(memory.decode_correction, refined.decode_correction),
     )
-    kept = (*(r for r in memory.history if now - r.at < window_seconds), wanted)
-    chosen = (max(r.prefill for r in kept), max(r.decode for r in kept))
-    memory = replace(memory, history=kept, last_rate=observation.request_rate)
+    slowest = replace(  # a scale-down trusts no correction that says the engines are faster than profiled
+        refined,
+        prefill_correction=max(1.0, refined.prefill_correction),
+        decode_correction=max(1.0, refined.decode_correction),
+    )
+    needs, down_needs, low_needs = (
+        _needs(rate, observation, profile, targets, refined),
+        _needs(rate, observation, profile, targets, slowest),
+        _needs(low, observation, profile, targets, lower),
+    )
+    sizes = [
+        role_sizes((needs[i], down_needs[i], low_needs[i]), bounds[i], (rate > 0, low > 0), hysteresis.tolerance)
+        for i in range(2)
+    ]
+    kept = (
+        *(r for r in memory.history if now - r.at < window_seconds),
+        Recommendation(now, sizes[0].down, sizes[1].down),
+    )
+    stabilized = (max(r.prefill for r in kept), max(r.decode for r in kept))
+    chosen = tuple(  # within the bounds as they are now (a window may hold sizes of a higher maximum)
+        bounds[i].clamp(settle(current[i], sizes[i], stabilized[i], memory.changes[i], now, hysteresis))
+        for i in range(2)
+    )
+    memory = replace(
+        refined,
+        history=kept,
+        last_rate=observation.request_rate,
+        sizes=(chosen[0], chosen[1]),
+        changes=(
+            changed(memory.changes[0], current[0], chosen[0], now),
+            changed(memory.changes[1], current[1], chosen[1], now),
+        ),
+    )
+    unreachable = [role for role, need in zip(("prefill", "decode"), needs, strict=True) if need is None]
+    reason = TARGET_UNREACHABLE if unreachable else SIZED
+    message = _message(observation, rate, unreachable, (sizes[0].up, sizes[1].up), (chosen[0], chosen[1]), memory)
+    return Decision(chosen[0], chosen[1], reason, message, False, rate, memory)
+
+
+def _message(
+    observation: Observation,
+    rate: float,
+    unreachable: list[str],
+    wanted: tuple[int, int],
+    chosen: tuple[int, int],
+    memory: Memory,
+) -> str:
     if unreachable:
-        reason = TARGET_UNREACHABLE
-        message = (
+        return (
             f"{' and '.join(unreachable)}: even an idle engine misses the target (the profile and the corrections "
             f"{memory.prefill_correction:.2f}/{memory.decode_correction:.2f}); sized to maxReplicas"
         )
-    else:
-        reason = SIZED
-        message = (
-            f"{rate:.3g} req/s predicted ({observation.request_rate:.3g} seen), prompt {observation.prompt_tokens:.0f} "
-            f"tokens at {observation.prefix_hit_rate:.0%} prefix hits, output {observation.output_tokens:.0f}: "
-            f"{wanted.prefill} prefill and {wanted.decode} decode engines; {chosen[0]} and {chosen[1]} over the "
-            "stabilization window"
-        )
-    return Decision(chosen[0], chosen[1], reason, message, False, rate, memory)
+    return (
+        f"{rate:.3g} req/s predicted ({observation.request_rate:.3g} seen), prompt {observation.prompt_tokens:.0f} "
+        f"tokens at {observation.prefix_hit_rate:.0%} prefix hits, output {observation.output_tokens:.0f}: "
+        f"{wanted[0]} prefill and {wanted[1]} decode engines; {chosen[0]} and {chosen[1]} after the hysteresis "
+        "(stabilization window, tolerance, reversal window)"
+    )
