@@ -18,9 +18,11 @@ from collections.abc import Iterable, Mapping
 _PATHS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("logprobs", ("logprobs", "top_logprobs")),
     ("prompt_logprobs", ("prompt_logprobs", "echo")),
-    ("structured", ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                    "structured_outputs")),
-)  # fmt: skip
+    (
+        "structured",
+        ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
+    ),
+)
 
 
 def kind(route: str, body: Mapping[str, object]) -> str:

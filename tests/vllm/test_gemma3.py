@@ -57,9 +57,15 @@ async def test_gemma3_prompts_at_the_window_and_block_edges_give_a_single_engine
         assert ours["verify"] is True
         assert ours["numTokens"] == (length - 1 if length in EDGES else length)  # the edge's last token: decode's
         got = await pd_requests.complete(
-            session, decode, MODEL, tokens, MAX_TOKENS, kv_transfer_params=params, logprobs=3,
+            session,
+            decode,
+            MODEL,
+            tokens,
+            MAX_TOKENS,
+            kv_transfer_params=params,
+            logprobs=3,
             return_tokens_as_token_ids=True,
-        )  # fmt: skip
+        )
         want = await pd_requests.baseline(session, decode, MODEL, tokens, MAX_TOKENS, salt=f"gemma3-{length}", top=3)
         drift = max(abs(got.top[0].get(token, -1e9) - value) for token, value in want.top[0].items())
         seen.append((length, got.tokens == want.tokens, round(drift, 4)))

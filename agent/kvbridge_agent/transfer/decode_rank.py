@@ -207,9 +207,24 @@ class DecodeRank:
         except (BlockMappingError, SpecError) as exc:
             return ReadResult(request_id, False, exc.code, exc.message, list(local_blocks))
         nbytes = sum(length * pair[0].size for length, pair in zip(peer.lengths, ids, strict=True)) if ids else 0
-        flight = InFlight(request_id, params, list(local_blocks), [], timeout, time.monotonic() + timeout, started,
-                          nbytes, sum(pair[0].size for pair in ids), (time.perf_counter() - started) * 1e6, 0.0, 0.0,
-                          0.0, verify)  # fmt: skip
+        ids_us = (time.perf_counter() - started) * 1e6
+        descriptors = sum(pair[0].size for pair in ids)
+        flight = InFlight(
+            request_id,
+            params,
+            list(local_blocks),
+            [],
+            timeout,
+            time.monotonic() + timeout,
+            started,
+            nbytes,
+            descriptors,
+            ids_us,
+            make_microseconds=0.0,
+            post_microseconds=0.0,
+            own_microseconds=0.0,
+            verify=verify,
+        )
         note = notification(params.remote_request_id, self.settings.tensor_parallel_size)
         try:
             if ids and group_sizes is None and self._start_staged(flight, peer, ids, len(local_blocks)):
@@ -337,9 +352,17 @@ class DecodeRank:
                 )
                 continue
             result = self._finish(flight, peer)
-            results.append(replace(result, mode="staged", into=staged.into, stage_microseconds=staged.stage_us,
-                                   pack_microseconds=staged.pack_us, scatter_microseconds=scattered,
-                                   prestaged=staged.prestaged))  # fmt: skip
+            results.append(
+                replace(
+                    result,
+                    mode="staged",
+                    into=staged.into,
+                    stage_microseconds=staged.stage_us,
+                    pack_microseconds=staged.pack_us,
+                    scatter_microseconds=scattered,
+                    prestaged=staged.prestaged,
+                )
+            )
         return results
 
     def _cancel_staged(self, staged: StagedFlight) -> None:

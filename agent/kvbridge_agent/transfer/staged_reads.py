@@ -213,8 +213,9 @@ class DecodeStaging:
             runs = segments.runs
             units = local_ids.size // runs
             merge = segments.source.tiles and segments.target.tiles
-            direct += posted_estimate(local_ids[:units].astype(np.int64), remote_ids[:units].astype(np.int64),
-                                      runs, merge)  # fmt: skip
+            direct += posted_estimate(
+                local_ids[:units].astype(np.int64), remote_ids[:units].astype(np.int64), runs, merge
+            )
             found = self._runs(read, local_ids)
             self._wire[1].append(found)  # kept for start()
             placed += int(found.sizes.size)
@@ -294,8 +295,9 @@ class DecodeStaging:
             segments = read.segments
             count = local_ids.size // segments.runs
             asked = time.perf_counter()
-            reply = self.stager(params, StageRequest(rank=segments.prefill_rank, plan=segments.plan, first=first,
-                                                     count=count))  # fmt: skip
+            reply = self.stager(
+                params, StageRequest(rank=segments.prefill_rank, plan=segments.plan, first=first, count=count)
+            )
             took = (time.perf_counter() - asked) * 1e6 - reply.pack_microseconds * (not reply.prestaged)
             exchange = (1 - EXCHANGE_WEIGHT) * self.cost.exchange_us + EXCHANGE_WEIGHT * max(took, 1.0)
             self.cost = replace(self.cost, exchange_us=exchange)

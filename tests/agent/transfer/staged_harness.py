@@ -82,8 +82,9 @@ class StagedPair:
             cache = self._cache(decode, d)
             transport = Transport(f"decode-{tag}.{d}")
             transport.register(cache.tensors)
-            self.decode.append(DecodeRank(cache, transport, settings[1], self.plan.transfer, staging_bytes=staging,
-                                          stager=self.stage))  # fmt: skip
+            self.decode.append(
+                DecodeRank(cache, transport, settings[1], self.plan.transfer, staging_bytes=staging, stager=self.stage)
+            )
         metas = {p: (prank.metadata(), prank.transport.metadata()) for p, prank in enumerate(self.prefill)}
         for d, drank in enumerate(self.decode):
             drank.add_peer(
@@ -95,8 +96,9 @@ class StagedPair:
     def _cache(self, side: Side, rank: int) -> KVCache:
         if side.order is None:
             model = self.model
-            return KVCache.allocate(model, side.block, RoleSettings(tensor_parallel_size=side.tp).kv_layout, side.tp,
-                                    rank, self.blocks)  # fmt: skip
+            return KVCache.allocate(
+                model, side.block, RoleSettings(tensor_parallel_size=side.tp).kv_layout, side.tp, rank, self.blocks
+            )
         return physical_cache(self.model, side, rank, self.blocks)
 
     def stage(self, params: KVTransferParams, request: StageRequest) -> StageReply:

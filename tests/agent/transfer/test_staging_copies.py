@@ -49,8 +49,9 @@ def test_pack_then_scatter_puts_every_segment_back(
     row = row_words * 8
     rows_per_tensor = 64
     caches = [torch.randint(0, 255, (rows_per_tensor * row,), dtype=torch.uint8) for _ in range(tensors)]
-    picks = data.draw(st.lists(st.integers(0, tensors * rows_per_tensor - 1), min_size=segments, max_size=segments,
-                               unique=True))  # fmt: skip
+    picks = data.draw(
+        st.lists(st.integers(0, tensors * rows_per_tensor - 1), min_size=segments, max_size=segments, unique=True)
+    )
     order = sorted(picks, key=lambda p: p // rows_per_tensor)  # tensor-major, as a wire order is
     tensor_of = np.array([p // rows_per_tensor for p in order], dtype=np.int64)
     offsets = np.array([(p % rows_per_tensor) * row for p in order], dtype=np.int64)
