@@ -8,17 +8,15 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from vllm.v1.kv_cache_interface import SlidingWindowSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvbridge_agent.core import Role
 from kvbridge_agent.core.signing import request_prompt_hash
 from kvbridge_agent.vllm_connector.window_backoff import WindowBackoff, at_window_edge
 
-from .vllm_engines import Engine, Model, manager_table
+from .vllm_engines import Engine, Model, window_table
 from .vllm_engines import settings as engine_settings
 
 
@@ -42,15 +40,7 @@ def test_the_edge_is_where_vllms_decode_table_misses_the_window_of_the_last_toke
         ),
         label="length",
     )
-    spec = SlidingWindowSpec(
-        block_size=block,
-        num_kv_heads=1,
-        head_size=8,
-        dtype=torch.bfloat16,
-        sliding_window=window,
-        extra_retained_tokens=extra,
-    )
-    table = manager_table(spec, length)
+    table = window_table(block, window, extra, length)
     first = length - window
     missing = first >= 0 and table[first // block] == 0
     assert at_window_edge(length, [(window, extra)], (block,)) == missing

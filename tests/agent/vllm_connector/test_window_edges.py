@@ -142,12 +142,10 @@ def test_without_the_backoff_vllm_recomputes_the_last_token_over_a_null_block(
 def test_kept_blocks_are_the_ones_vllm_keeps(block: int, window: int, extra: int, data: st.DataObject) -> None:
     """vLLM's own manager, decode's way (``n`` external tokens at once): the null blocks of each group are exactly
     the ones kvbridge leaves out, so clipping its table never meets one."""
-    import torch
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
     from kvbridge_agent.core.cache_groups import CacheGroups
 
-    from .vllm_engines import manager_table
+    from .vllm_engines import window_table
 
     length = data.draw(
         st.one_of(
@@ -157,15 +155,7 @@ def test_kept_blocks_are_the_ones_vllm_keeps(block: int, window: int, extra: int
         ),
         label="length",
     )
-    spec = SlidingWindowSpec(
-        block_size=block,
-        num_kv_heads=1,
-        head_size=8,
-        dtype=torch.bfloat16,
-        sliding_window=window,
-        extra_retained_tokens=extra,
-    )
-    table = manager_table(spec, length)
+    table = window_table(block, window, extra, length)
     nulls = next((i for i, b in enumerate(table) if b), len(table))
     groups = CacheGroups.of([window], block, [extra])
     assert nulls == groups.skipped_blocks(0, length)

@@ -349,6 +349,19 @@ def window_gaps(decode: Engine, moved: Moved) -> list[str]:
     return gaps
 
 
+def window_table(block: int, window: int, extra: int, length: int) -> list[int]:
+    """:func:`manager_table` for one sliding-window group (``extra`` tokens retained beyond the window)."""
+    spec = SlidingWindowSpec(
+        block_size=block,
+        num_kv_heads=1,
+        head_size=8,
+        dtype=torch.bfloat16,
+        sliding_window=window,
+        extra_retained_tokens=extra,
+    )
+    return manager_table(spec, length)
+
+
 def manager_table(spec: KVCacheSpec, length: int) -> list[int]:
     """The block table vLLM's ``KVCacheManager`` gives decode for a transferred prompt of ``length`` tokens (all
     external, allocated at once) in a model of one cache group of ``spec``."""
