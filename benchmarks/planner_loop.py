@@ -18,7 +18,8 @@ SIGKILLed halfway up. Targets: TTFT p99 1 s (as the router's clients see it), IT
 Printed: the requests within both targets (TTFT, and mean gap between tokens), replica-hours against a static size
 at the peak, the time to recover (TTFT p99 over the last 10 s back under target) after each step up, the losses by
 phase (failed and hung: scale-in must lose none), each role's changes of direction and the hysteresis that keeps
-them few; ``--plot`` draws the timeline. ``--quick``: the shortened run of the test (tests/demo/test_planner_loop.py).
+them few, each role's correction (least and most over the run, read back from Prometheus); ``--plot`` draws the
+timeline. ``--quick``: the shortened run of the test (tests/demo/test_planner_loop.py).
 """
 
 from __future__ import annotations
@@ -169,6 +170,12 @@ def table(result: dict[str, Any], loop: Loop, run: LoopRun) -> str:
     for role, turns in result["reversals"].items():
         rows.append((f"{role}: changes of direction (at s)", f"{len(turns)} {[round(t) for t in turns]}"))
     rows.append(("prefill pod killed", ", ".join(f"{n} at {t:.0f} s" for t, n in run.killed) or "none"))
+    low, high = (
+        run.prometheus.get(f"{edge}_over_time(kvbridge_operator_planner_correction[1h])", []) for edge in ("min", "max")
+    )
+    for role in ("prefill", "decode"):
+        seen = [f"{s['value']:.2f}" for series in (low, high) for s in series if s["labels"].get("role") == role]
+        rows.append((f"{role}: correction, least and most over the run", " to ".join(seen) or "not read"))
     return "\n".join(["| figure | value |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows)])
 
 

@@ -21,6 +21,9 @@ TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 #: latency buckets in seconds, from a cached-prefix decode on a GPU to a long prompt on a CPU
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: the time to first token's, finer where TTFT targets lie (steps of at most 1.33x from 0.15 to 2.5 s): the planner
+#: reads its percentile, which says only which bucket it lies in (planner.buckets); 10 more series per router
+TTFT_BUCKETS = (*BUCKETS[:4], 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0, 1.25, 1.5, 2.0, *BUCKETS[8:])
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,7 @@ METRICS: dict[str, Metric] = {
         "kvbridge_router_ttft_seconds",
         "Time to first token as the client sees it: request received to decode's first streamed byte "
         "(streaming requests), or to decode's whole answer (non-streaming).",
+        buckets=TTFT_BUCKETS,
     ),
     "prefill_seconds": Metric(
         Histogram,

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
-import socket
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +41,9 @@ ROLES = ("prefill", "decode")
 PLANNER_SERIES = (
     'sum by (role, change) (kvbridge_operator_planner_decisions_total{reason="Sized"})',
     "kvbridge_operator_planned_replicas",
+    # each role's correction, its least and most over the run (1: as profiled; issue 61: its bias at rest)
+    "min_over_time(kvbridge_operator_planner_correction[1h])",
+    "max_over_time(kvbridge_operator_planner_correction[1h])",
 )
 
 
@@ -181,19 +182,6 @@ def deployment(loop: Loop, prometheus_url: str, planning: bool) -> Obj:
     return document
 
 
-def unused_addresses(port: int = 8000) -> Iterator[int]:
-    """The last byte of loopback addresses 127.0.0.N (from 2) on which nothing listens on ``port`` when a pod is
-    given one: another local cluster on this machine (another test, benchmark or demo) runs its pods on the same
-    addresses, and an engine that cannot bind its port, or a probe answered by another cluster's pod, spoils a run."""
-    for last in itertools.count(2):
-        with socket.socket() as probe:
-            try:
-                probe.bind((f"127.0.0.{last}", port))
-            except OSError:
-                continue
-        yield last
-
-
 def _pods(cluster: LocalCluster, name: str) -> tuple[tuple[int, int], tuple[int, int]]:
     mine = [p for p in cluster.runner.pods.values() if p.deployment == name and not p.terminating]
     counts = tuple(sum(f"-{role}-" in p.name for p in mine) for role in ROLES)
@@ -274,7 +262,6 @@ async def run_loop(loop: Loop, workdir: Path, measure: Callable[[str], Awaitable
     operator_port = free_port()
     server, _thread = start_http_server(operator_port, "127.0.0.1", REGISTRY)
     async with local_cluster(workdir, {}, None) as cluster:
-        cluster.runner._addresses = unused_addresses()  # the runner's own counter: addresses another run may hold
         watcher: asyncio.Task[None] | None = None
         router: LocalRouter | None = None
         try:

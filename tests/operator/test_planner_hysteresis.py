@@ -167,6 +167,22 @@ def test_a_correction_rise_alone_does_not_reverse_a_scale_down() -> None:
     assert step(spiked, rest, 216.0, hysteresis=replace(LOOP, reversal_seconds=300)).decode == 1
 
 
+def test_a_real_slowdown_at_steady_load_is_held_until_the_reversal_window_ends() -> None:
+    """The reversal window's price (docs/autoscaling.md): decode scaled down to 1 at 0 s, then its engines turn 3x
+    slower at a steady 1 request/s. The correction follows within a few passes and 1 request/s then needs 2 engines,
+    but the demand's lower bound (0.37 request/s over a 10 s window) does not: the slowdown is held until the 300 s
+    window ends, then followed at the next pass."""
+    slow = Hysteresis(tolerance=0.1, reversal_seconds=300, warmup_seconds=30)
+    memory = Memory(sizes=(1, 1), changes=(None, Change(0.0, DOWN)), last_rate=1.0, decode_correction=3.0)
+    sizes = {}
+    for now in range(5, 320, 5):
+        decision = step(seen(1.0), memory, float(now), slow, stabilization=60)
+        memory = decision.memory
+        sizes[now] = decision.decode
+    assert decode_engines(1.5, seen(1.0), PROFILE, 60, 3.0) == 2
+    assert {n for n, size in sizes.items() if size == 2} == set(range(300, 320, 5))
+
+
 def test_settle_is_the_rules_and_nothing_else() -> None:
     sizes = Sizes(up=3, down=3, significant=2)
     assert settle(2, sizes, 3, Change(0, DOWN), 10, LOOP) == 2  # up after down, within chance

@@ -174,6 +174,8 @@ async def test_the_planner_reads_the_deployments_traffic_from_prometheus(prometh
     assert 100 < seen.ttft_ms <= 200  # the router's histogram (decode's own says 70 ms)
     assert seen.itl_ms is not None
     assert 10 < seen.itl_ms <= 25
+    assert seen.ttft_bounds_ms == pytest.approx((100, 200, 500, 1000))  # the router's buckets, +Inf left out
+    assert seen.itl_bounds_ms == pytest.approx((10, 25, 50, 100))  # the readings' buckets: (100, 200] and (10, 25]
     assert 0 <= seen.staleness_seconds < 5
 
 

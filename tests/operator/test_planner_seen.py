@@ -59,6 +59,13 @@ async def prometheus() -> AsyncIterator[tuple[str, list[Answerer]]]:
 
 
 def busy(query: str) -> tuple[int, str, bytes]:
+    if query.startswith("count by (le)"):  # a histogram's bucket bounds
+        result = [{"metric": {"le": le}, "value": [1.5, "1"]} for le in ("0.01", "0.025", "0.05", "0.5", "+Inf")]
+        return (
+            200,
+            "application/json",
+            json.dumps({"status": "success", "data": {"resultType": "vector", "result": result}}).encode(),
+        )
     value = next((v for k, v in BUSY.items() if k in query), "NaN")
     return 200, "application/json", vector(value)
 

@@ -2,6 +2,7 @@
 
 Reading order:
 - ``profile``: pure: what one engine of each role can do (a performance profile, from a ConfigMap).
+- ``buckets``: pure: what a percentile read from histogram buckets says, compared alike with a prediction.
 - ``hysteresis``: pure: what keeps a role's size from oscillating (tolerance, stabilization, reversal window,
   warm-up).
 - ``sizing``: pure: observed traffic and the profile -> both roles' sizes, with the safety rules.

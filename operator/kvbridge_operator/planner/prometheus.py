@@ -10,8 +10,11 @@ time to first token its clients see. Over a window ``W`` (at least 4 scrapes):
 - prefix hit rate: prefill's ``vllm:prefix_cache_hits_total`` over ``vllm:prefix_cache_queries_total`` (tokens);
 - TTFT at the target's percentile: the router's ``kvbridge_router_ttft_seconds``, else decode's
   ``vllm:time_to_first_token_seconds`` (without a router); ITL: decode's ``vllm:inter_token_latency_seconds``;
-- requests decoding now: ``sum(vllm:num_requests_running{decode})``; staleness: ``time()`` less the newest sample
-  of ``vllm:num_requests_running``.
+- requests decoding: the window's mean, ``sum(avg_over_time(vllm:num_requests_running{decode}[W]))`` (the load the
+  ITL was observed at, not one instant's); staleness: ``time()`` less the newest sample of
+  ``vllm:num_requests_running``;
+- the bucket bounds of the two histograms the percentiles were read from (``count by (le)`` of their buckets): a
+  reading says only which bucket the percentile lies in (planner.buckets).
 
 Every query has a timeout and every answer one bounded schema (:func:`read_answer`): at most
 ``MAX_ANSWER_BYTES`` read, a vector of at most ``MAX_SERIES`` series or a scalar, each value a number as Prometheus
@@ -93,7 +96,12 @@ _Value = Annotated[str, StringConstraints(max_length=MAX_VALUE_CHARS, pattern=_N
 _Sample = tuple[Annotated[float, Field(ge=0, le=1e11, allow_inf_nan=False)], _Value]
 
 
+#: a label's name or value in an answer (a bucket's ``le`` is a number as written: at most 64 characters)
+_Label = Annotated[str, StringConstraints(max_length=MAX_VALUE_CHARS)]
+
+
 class _Series(_Schema):
+    metric: dict[_Label, _Label] = Field(default_factory=dict, max_length=8)
     value: _Sample
 
 
@@ -122,9 +130,8 @@ class _Failure(_Schema):
 _ANSWER: TypeAdapter[_Success | _Failure] = TypeAdapter(Annotated[_Success | _Failure, Field(discriminator="status")])
 
 
-def read_answer(status: int, body: bytes) -> float | Unanswered | None:
-    """What an answer of HTTP ``status`` and ``body`` says: one number (NaN and ±Inf as Prometheus writes them),
-    None (no series), or why it says nothing usable. Never raises."""
+def _read(status: int, body: bytes) -> _Success | Unanswered:
+    """An answer of HTTP ``status`` and ``body`` validated, or why it says nothing usable. Never raises."""
     foreign = Unanswered(NOT_PROMETHEUS, f"HTTP {status} from the metrics URL (not a Prometheus API answer)")
     if len(body) > MAX_ANSWER_BYTES:
         if status != 200:
@@ -149,12 +156,38 @@ def read_answer(status: int, body: bytes) -> float | Unanswered | None:
         return Unanswered(PROMETHEUS_ERROR, shown(f"Prometheus: {said}"))
     if status != 200:
         return foreign
+    return answer
+
+
+def read_answer(status: int, body: bytes) -> float | Unanswered | None:
+    """What an answer of HTTP ``status`` and ``body`` says: one number (NaN and ±Inf as Prometheus writes them),
+    None (no series), or why it says nothing usable. Never raises."""
+    answer = _read(status, body)
+    if isinstance(answer, Unanswered):
+        return answer
     if isinstance(answer.data, _Scalar):
         return float(answer.data.result[1])
     series = answer.data.result
     if len(series) > 1:
         return Unanswered(PROMETHEUS_MALFORMED, f"{len(series)} series where one was expected")
     return float(series[0].value[1]) if series else None
+
+
+def read_bounds(status: int, body: bytes) -> tuple[float, ...] | Unanswered:
+    """The finite bucket bounds an answer's series are labelled with (``le``; a vector by ``le``), increasing, or why
+    it says nothing usable (a series without a numeric ``le``). Never raises."""
+    answer = _read(status, body)
+    if isinstance(answer, Unanswered):
+        return answer
+    if isinstance(answer.data, _Scalar):
+        return Unanswered(PROMETHEUS_MALFORMED, "a scalar where bucket bounds (a vector by le) were expected")
+    found: set[float] = set()
+    for series in answer.data.result:
+        try:
+            found.add(float(series.metric.get("le", "")))
+        except ValueError:
+            return Unanswered(PROMETHEUS_MALFORMED, "a series without a numeric le label where buckets were expected")
+    return tuple(sorted(b for b in found if math.isfinite(b)))
 
 
 async def _bounded(response: aiohttp.ClientResponse) -> bytes:
@@ -204,8 +237,6 @@ def queries(namespace: str, deployment: str, window: str, ttft_q: float, itl_q: 
     def decode(series: str) -> str:
         return _named(series, _selector(namespace, deployment, series, role="decode"))
 
-    router = _selector(namespace, deployment, component="router")
-
     def rate(selected: str) -> str:
         return f"sum(rate({selected}[{window}]))"
 
@@ -220,12 +251,33 @@ def queries(namespace: str, deployment: str, window: str, ttft_q: float, itl_q: 
         ),
         "prefix_hits": rate(prefill("vllm:prefix_cache_hits_total")),
         "prefix_queries": rate(prefill("vllm:prefix_cache_queries_total")),
-        "decode_running": f"sum({decode('vllm:num_requests_running')})",
+        "decode_running": f"sum(avg_over_time({decode('vllm:num_requests_running')}[{window}]))",
         "staleness": f"time() - max(timestamp({decode('vllm:num_requests_running')}))",
-        "ttft_router": quantile(ttft_q, f"kvbridge_router_ttft_seconds_bucket{router}"),
-        "ttft_decode": quantile(ttft_q, decode("vllm:time_to_first_token_seconds_bucket")),
-        "itl": quantile(itl_q, decode("vllm:inter_token_latency_seconds_bucket")),
+        **{
+            name: quantile(ttft_q if name.startswith("ttft") else itl_q, selected)
+            for name, selected in histograms(namespace, deployment).items()
+        },
     }
+
+
+def histograms(namespace: str, deployment: str) -> dict[str, str]:
+    """The bucket series of the histograms the percentiles are read from, by the name of their figure."""
+    return {
+        "ttft_router": f"kvbridge_router_ttft_seconds_bucket{_selector(namespace, deployment, component='router')}",
+        "ttft_decode": _named(
+            "vllm:time_to_first_token_seconds_bucket",
+            _selector(namespace, deployment, "vllm:time_to_first_token_seconds_bucket", role="decode"),
+        ),
+        "itl": _named(
+            "vllm:inter_token_latency_seconds_bucket",
+            _selector(namespace, deployment, "vllm:inter_token_latency_seconds_bucket", role="decode"),
+        ),
+    }
+
+
+def bounds_query(selected: str, window: str) -> str:
+    """The PromQL of a histogram's bucket bounds: its buckets' series over ``window``, one per ``le``."""
+    return f"count by (le) (last_over_time({selected}[{window}]))"
 
 
 def _named(series: str, selector: str) -> str:
@@ -233,9 +285,9 @@ def _named(series: str, selector: str) -> str:
     return selector if series.startswith("vllm:") else f"{series}{selector}"
 
 
-async def instant(session: aiohttp.ClientSession, url: str, query: str) -> float | None:
-    """One instant query's single value (None: no series; NaN as Prometheus says it, e.g. 0/0); raises
-    :class:`PrometheusError` with the code of what went wrong."""
+async def _asked(session: aiohttp.ClientSession, url: str, query: str) -> tuple[int, bytes]:
+    """One instant query's HTTP status and body (at most ``MAX_ANSWER_BYTES`` and one); raises
+    :class:`PrometheusError` without an HTTP answer."""
     try:
         async with session.get(
             f"{url.rstrip('/')}/api/v1/query",
@@ -243,9 +295,24 @@ async def instant(session: aiohttp.ClientSession, url: str, query: str) -> float
             timeout=aiohttp.ClientTimeout(total=QUERY_TIMEOUT),
             allow_redirects=False,
         ) as response:
-            answer = read_answer(response.status, await _bounded(response))
+            return response.status, await _bounded(response)
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise PrometheusError(f"{query}: {_unreachable(exc)}") from exc
+
+
+async def instant(session: aiohttp.ClientSession, url: str, query: str) -> float | None:
+    """One instant query's single value (None: no series; NaN as Prometheus says it, e.g. 0/0); raises
+    :class:`PrometheusError` with the code of what went wrong."""
+    answer = read_answer(*await _asked(session, url, query))
+    if isinstance(answer, Unanswered):
+        raise PrometheusError(f"{query}: {answer.message}", code=answer.code)
+    return answer
+
+
+async def bucket_bounds(session: aiohttp.ClientSession, url: str, query: str) -> tuple[float, ...]:
+    """The finite bucket bounds of a histogram, from an instant query of its buckets by ``le``
+    (:func:`read_bounds`); raises :class:`PrometheusError` with the code of what went wrong."""
+    answer = read_bounds(*await _asked(session, url, query))
     if isinstance(answer, Unanswered):
         raise PrometheusError(f"{query}: {answer.message}", code=answer.code)
     return answer
@@ -274,9 +341,11 @@ async def observe(
             code=PROMETHEUS_NO_SERIES,
         )
     hits, lookups = got["prefix_hits"], got["prefix_queries"]
-    ttft = _finite(got["ttft_router"])
-    ttft = ttft if ttft is not None else _finite(got["ttft_decode"])
-    itl = _finite(got["itl"])
+    ttft_from = "ttft_router" if _finite(got["ttft_router"]) is not None else "ttft_decode"
+    ttft, itl = _finite(got[ttft_from]), _finite(got["itl"])
+    selected = histograms(namespace, deployment)
+    ttft_bounds = () if ttft is None else await bucket_bounds(session, url, bounds_query(selected[ttft_from], window))
+    itl_bounds = () if itl is None else await bucket_bounds(session, url, bounds_query(selected["itl"], window))
     return Observation(
         request_rate=got["request_rate"],
         prompt_tokens=math.nan if got["prompt_tokens"] is None else got["prompt_tokens"],
@@ -286,4 +355,6 @@ async def observe(
         ttft_ms=None if ttft is None else 1000 * ttft,
         itl_ms=None if itl is None else 1000 * itl,
         staleness_seconds=got["staleness"],
+        ttft_bounds_ms=tuple(1000 * b for b in ttft_bounds),
+        itl_bounds_ms=tuple(1000 * b for b in itl_bounds),
     )

@@ -15,7 +15,10 @@ remembers (:class:`Memory`, kept in ``status.autoscaling``):
   ``n``, and so its token rate ``n / itl(n)``; decode needs ``ceil(rate x output / (n / itl(n)))`` engines;
 - **online refinement**: each role's capacity is divided by a correction, the observed latency over the model's
   prediction at the engines running now, damped (square root per pass) and kept within [0.5, 4]; an observation
-  more than 4x off the prediction (a queue a burst blew up) or at over 90 % utilisation refines nothing;
+  more than 4x off the prediction (a queue a burst blew up) or at over 90 % utilisation refines nothing. Both sides
+  are alike: the prediction is made at the window's mean load (its request rate; the mean of the decode engines'
+  in-flight gauges over the window), and compared with the histogram bucket the observed percentile was read from,
+  not with the reading's interpolated value (planner.buckets: a steady engine at its profile corrects nothing);
 - **safety**: missing, NaN, negative, implausible or stale figures hold the current sizes (the reason says
   which); results lie within the roles' minReplicas and maxReplicas (the operator then keeps the P:D ratio);
 - **hysteresis** (planner.hysteresis): a tolerance on scale-downs, the scale-down stabilization window (scale-ups
@@ -30,6 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from .buckets import ratio
 from .hysteresis import NONE, Change, Hysteresis, Sizes, changed, engines, settle, warm
 from .profile import PerformanceProfile
 
@@ -60,10 +64,14 @@ class Observation:
     prompt_tokens: float  # mean per request (NaN without requests)
     output_tokens: float  # mean per request (NaN without requests)
     prefix_hit_rate: float  # share of prompt tokens prefill found cached (0 without queries)
-    decode_running: float  # requests decoding now, on all decode engines
+    decode_running: float  # requests decoding, on all decode engines: the mean over the window
     ttft_ms: float | None  # at the TTFT target's percentile (None without requests)
     itl_ms: float | None  # at the ITL target's percentile
     staleness_seconds: float  # since the engines' metrics were last scraped
+    #: the finite upper bounds (ms, increasing) of the histograms the two percentiles were read from: a reading says
+    #: only which bucket the percentile lies in (planner.buckets); empty: exact percentiles
+    ttft_bounds_ms: tuple[float, ...] = ()
+    itl_bounds_ms: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,13 +159,16 @@ def problem(observation: Observation, interval_seconds: float) -> tuple[str, str
     return None
 
 
-def _damped(correction: float, observed: float, predicted: float) -> float:
-    if not (math.isfinite(observed) and math.isfinite(predicted)) or observed <= 0 or predicted <= 0:
+def _damped(correction: float, observed: float, predicted: float, bounds: tuple[float, ...] = ()) -> float:
+    """``correction`` moved by the square root of observed over predicted, compared alike (:func:`~.buckets.ratio`:
+    the prediction against the bucket of ``bounds`` the observed percentile was read from)."""
+    seen = ratio(observed, predicted, bounds)
+    if not math.isfinite(seen):
         return correction
-    if not 1 / REFINE_WITHIN <= observed / predicted <= REFINE_WITHIN:  # a queue blown by a burst, not the profile
+    if not 1 / REFINE_WITHIN <= seen <= REFINE_WITHIN:  # a queue blown by a burst, not the profile
         return correction
     low, high = CORRECTION_RANGE
-    return min(high, max(low, correction * math.sqrt(observed / predicted)))
+    return min(high, max(low, correction * math.sqrt(seen)))
 
 
 def refine(
@@ -178,10 +189,10 @@ def refine(
         rho = observation.request_rate * uncached / (running.prefill * capacity)
         if rho < REFINE_BELOW:
             predicted = tail * 1000 * uncached / capacity / (1 - rho)
-            prefill_c = _damped(prefill_c, ttft, predicted)
+            prefill_c = _damped(prefill_c, ttft, predicted, observation.ttft_bounds_ms)
     if warmed[1] and observation.itl_ms is not None and running.decode > 0 and observation.decode_running > 0:
         predicted = profile.decode.itl_ms(observation.decode_running / running.decode) * decode_c
-        decode_c = _damped(decode_c, observation.itl_ms, predicted)
+        decode_c = _damped(decode_c, observation.itl_ms, predicted, observation.itl_bounds_ms)
     return replace(memory, prefill_correction=prefill_c, decode_correction=decode_c)
 
 
