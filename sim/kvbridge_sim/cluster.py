@@ -205,7 +205,7 @@ TEST_AGENT = "kvbridge-test"
 @contextlib.asynccontextmanager
 async def cluster(config: OperatorConfig | None = None, *, start: bool = True) -> AsyncIterator[Cluster]:
     async with emulated_api(user_agent=TEST_AGENT) as (api, url, client):  # the test's own requests, told apart
-        # every pod is a local process on its own 127.0.0.N: decode reaches prefill's side channels there only
+        # every pod is a local process on its own 127.A.B.N: decode reaches prefill's side channels there only
         base = config or OperatorConfig(liveness_port=0, pod_networks=("127.0.0.0/8",))
         built = Cluster(api, url, client, OperatorConfig(**{**base.__dict__, "api_server": url}))
         try:

@@ -131,7 +131,7 @@ async def local_cluster(
     from kvbridge_sim.runner import LocalRunner
 
     async with emulated_api() as (api, url, client):
-        # every pod is a local process on its own 127.0.0.N: decode reaches prefill's side channels there only
+        # every pod is a local process on its own 127.A.B.N: decode reaches prefill's side channels there only
         config = OperatorConfig(
             api_server=url, cpu_mode=True, synthetic_num_blocks=96, liveness_port=0, pod_networks=("127.0.0.0/8",)
         )
@@ -176,7 +176,7 @@ async def run_demo(
     vllm_docs = [d for d in docs if serves_model(d)]
     progress(
         "kvbridge demo — everything on this machine: an emulated Kubernetes API, the operator, and a local "
-        "stand-in for the StatefulSet controller and kubelet (pods are local processes on 127.0.0.N; not a "
+        "stand-in for the StatefulSet controller and kubelet (pods are local processes on 127.A.B.N; not a "
         "cluster). "
         + (
             "vLLM pods run vLLM's CPU build with a tiny model made locally; starting them takes a minute or two."

@@ -1,7 +1,7 @@
 """A local stand-in for the StatefulSet controller and the kubelet — on this machine, not a cluster.
 
 For every StatefulSet the operator created it creates the pods, gives each
-its own loopback address (127.0.0.N, so every pod can bind the real ports),
+its own loopback address (127.A.B.N, a /24 of this process's own, so every pod can bind the real ports),
 mounts the side-channel Secret as files, resolves the downward-API
 variables, runs the engine container's own command as a local process
 (``kvbridge-agent serve``, or the rendered ``vllm serve`` line with the model
@@ -24,7 +24,6 @@ import asyncio
 import base64
 import contextlib
 import copy
-import itertools
 import os
 import signal
 import subprocess
@@ -42,6 +41,7 @@ from kvbridge_operator.children.transfer_token import TOKEN_KEY
 from kvbridge_operator.kube import PODS, SECRETS, STATEFUL_SETS, KubeClient
 from kvbridge_sim import pods
 from kvbridge_sim.pod_logs import PodLog
+from kvbridge_sim.support import pod_addresses
 
 #: keeps a deleted pod visible (with its deletion timestamp) until this stand-in has ended its container
 KUBELET_FINALIZER = "kvbridge.io/local-kubelet"
@@ -74,7 +74,7 @@ class LocalRunner:
         self.workdir = workdir
         self.models = dict(models or {})
         self.pods: dict[tuple[str, str], LocalPod] = {}
-        self._addresses = itertools.count(2)
+        self._addresses = pod_addresses()
         self._next_core = 0
         self._cores = sorted(os.sched_getaffinity(0))
         self._session: aiohttp.ClientSession | None = None
@@ -186,7 +186,7 @@ class LocalRunner:
         template = copy.deepcopy(sts["spec"]["template"])
         labels = template["metadata"].get("labels", {})
         deployment = labels.get("kvbridge.io/deployment", "")
-        ip = f"127.0.0.{next(self._addresses)}"
+        ip = next(self._addresses)
         keys_dir = await self._mount_secret(namespace, secret_name(deployment), f"{deployment}-keys")
         overrides = {"KVBRIDGE_KEYS_DIR": str(keys_dir), "KVBRIDGE_HTTP_HOST": ip}
         if any(e.get("name") == TOKEN_ENV for e in pods.engine_container(template).get("env", [])):

@@ -1,6 +1,7 @@
 """What the simulation, the tests and the benchmarks share for running things locally: a free port on this
 machine, waiting for a condition with a deadline (asynchronous :func:`until`, blocking :func:`wait_until`), and
-whether a process still runs (:func:`running`).
+whether a process still runs (:func:`running`), and loopback addresses for a local cluster's pods
+(:func:`own_subnet`, :func:`pod_addresses`, :func:`fixed_address`).
 
 The standard library only, so that any test may import it without the ``demo`` extra."""
 
@@ -8,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
+import os
 import random
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 #: the pause between two checks of a condition, unless a caller asks for another
@@ -48,6 +51,40 @@ def free_port(host: str = "127.0.0.1") -> int:
                 continue
             return int(probe.getsockname()[1])
     raise OSError(f"no free port on {host} below {low} after 64 draws")
+
+
+#: the last byte from which addresses of :func:`own_subnet` are left to tests' engines at fixed addresses
+FIXED_ADDRESSES = 128
+
+
+def own_subnet(pid: int | None = None) -> str:
+    """This process's own /24 of loopback, ``127.A.B`` with A.B from its pid (A from 1, so never 127.0.0.N, where
+    other tools listen). Linux routes all of 127.0.0.0/8 to the loopback device, so two local clusters on one
+    machine (a test beside a benchmark or a demo, two pytest workers) each give their pods addresses of their own,
+    where otherwise an engine would fail to bind its port or a probe would reach the other cluster's pod."""
+    own = os.getpid() if pid is None else pid
+    return f"127.{1 + (own >> 8) % 254}.{own % 256}"
+
+
+def fixed_address(n: int) -> str:
+    """The ``n``-th address of this process's own /24 for an engine a test starts at an address of its choosing."""
+    return f"{own_subnet()}.{FIXED_ADDRESSES + n}"
+
+
+def pod_addresses(port: int = 8000, pid: int | None = None) -> Iterator[str]:
+    """Loopback addresses for one local cluster's pods in :func:`own_subnet`, 127.A.B.2 to .127, each with nothing
+    listening on ``port`` when it is given (an address in use is skipped); then the next /24. The upper half,
+    :data:`FIXED_ADDRESSES` on, is for engines a test starts at an address of its own choosing."""
+    own = os.getpid() if pid is None else pid
+    for subnet in itertools.count(own):
+        for last in range(2, FIXED_ADDRESSES):
+            address = f"{own_subnet(subnet)}.{last}"
+            with socket.socket() as probe:
+                try:
+                    probe.bind((address, port))
+                except OSError:
+                    continue
+            yield address
 
 
 def _ephemeral_low() -> int:

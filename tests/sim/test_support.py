@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ipaddress
+import itertools
 import socket
 import time
 
 import pytest
 
-from kvbridge_sim.support import FREE_PORTS, _ephemeral_low, free_port, until, wait_until
+from kvbridge_sim.support import FREE_PORTS, _ephemeral_low, free_port, pod_addresses, until, wait_until
 
 
 def test_a_free_port_can_be_listened_on() -> None:
@@ -28,6 +30,24 @@ def test_a_free_port_is_never_one_the_kernel_gives_a_socket_bound_to_port_0() ->
     with socket.socket() as any_port:
         any_port.bind(("127.0.0.1", 0))
         assert any_port.getsockname()[1] >= low
+
+
+def test_pod_addresses_are_loopback_and_each_process_has_its_own() -> None:
+    """Two local clusters on one machine (a test beside a benchmark) must not give their pods the same address."""
+    firsts = {pid: list(itertools.islice(pod_addresses(port=free_port(), pid=pid), 3)) for pid in (4242, 4243, 70000)}
+    every = [a for addresses in firsts.values() for a in addresses]
+    assert len(set(every)) == len(every)
+    assert all(ipaddress.ip_address(a) in ipaddress.ip_network("127.0.0.0/8") for a in every)
+    assert not any(a.startswith("127.0.0.") for a in every)  # where other tools listen
+
+
+def test_pod_addresses_skip_one_something_listens_on() -> None:
+    port = free_port()
+    first = next(pod_addresses(port=port, pid=4242))
+    with socket.socket() as taken:
+        taken.bind((first, port))
+        taken.listen()
+        assert next(pod_addresses(port=port, pid=4242)) != first
 
 
 def test_wait_until_returns_once_the_condition_holds() -> None:

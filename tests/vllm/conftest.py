@@ -12,7 +12,7 @@ import pytest
 from kvbridge_agent.core import Role
 from kvbridge_agent.transfer.keys import generate_keys
 from kvbridge_sim import tiny_model
-from kvbridge_sim.support import free_port
+from kvbridge_sim.support import fixed_address, free_port
 from kvbridge_sim.vllm_engines import Engines, deployment, plan_json, plan_json_pod, rendered_template
 
 from .assertions import require_vllm
@@ -37,8 +37,8 @@ DEPLOYMENTS = {
     "kvbridge-merge": deployment("tiny-kvbridge-merge", 1, connector="KVBridge", blocks=(32, 64)),
     "kvbridge-split": deployment("tiny-kvbridge-split", 1, connector="KVBridge", blocks=(64, 32)),
     "kvbridge-tp2": deployment("tiny-kvbridge-tp2", 2, connector="KVBridge"),
-    # full attention and a 32-token sliding window: vLLM's hybrid allocator would make two KV cache groups; on the
-    # CPU build the operator renders --disable-hybrid-kv-cache-manager for kvbridge's connector (one group)
+    # full attention and a 32-token sliding window: vLLM's hybrid allocator makes two KV cache groups, which
+    # kvbridge's connector moves on the CPU build too (in the layer slot they share)
     "kvbridge-hybrid": deployment(
         "tiny-kvbridge-hybrid", 1, connector="KVBridge", verification="All", shape=tiny_model.HYBRID
     ),
@@ -85,34 +85,36 @@ def all_engines(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
         )
         found.add_spec(name, ip, spec)
 
-    from_plan_json("decode", "tp1", Role.DECODE, "127.0.1.5", 1)
-    from_plan_json("prefill-tp1", "tp1", Role.PREFILL, "127.0.1.2", 0)
-    found.add("prefill-short-lease", rendered_template(DEPLOYMENTS["short-lease"], Role.PREFILL), "127.0.1.4", (0,))
-    found.add("prefill-tp2", rendered_template(DEPLOYMENTS["tp2"], Role.PREFILL), "127.0.1.3", (0, 1))
+    from_plan_json("decode", "tp1", Role.DECODE, fixed_address(5), 1)
+    from_plan_json("prefill-tp1", "tp1", Role.PREFILL, fixed_address(2), 0)
+    found.add(
+        "prefill-short-lease", rendered_template(DEPLOYMENTS["short-lease"], Role.PREFILL), fixed_address(4), (0,)
+    )
+    found.add("prefill-tp2", rendered_template(DEPLOYMENTS["tp2"], Role.PREFILL), fixed_address(3), (0, 1))
     # kvbridge's connector: the Secret's key pair, as the pods mount it
     keys = tmp_path_factory.mktemp("keys")
     generate_keys(keys)
     found.keys_dir = keys
-    from_plan_json("kvbridge-prefill", "kvbridge", Role.PREFILL, "127.0.1.6", 0, KVBRIDGE_KEYS_DIR=str(keys))
-    from_plan_json("kvbridge-decode", "kvbridge", Role.DECODE, "127.0.1.7", 1, KVBRIDGE_KEYS_DIR=str(keys))
+    from_plan_json("kvbridge-prefill", "kvbridge", Role.PREFILL, fixed_address(6), 0, KVBRIDGE_KEYS_DIR=str(keys))
+    from_plan_json("kvbridge-decode", "kvbridge", Role.DECODE, fixed_address(7), 1, KVBRIDGE_KEYS_DIR=str(keys))
     # a second pod of each role of the same deployment: one of each is sent SIGTERM under load (test_drain)
     for name, role, ip, core in (
-        ("kvbridge-prefill-b", Role.PREFILL, "127.0.1.12", 0),
-        ("kvbridge-decode-b", Role.DECODE, "127.0.1.13", 1),
+        ("kvbridge-prefill-b", Role.PREFILL, fixed_address(12), 0),
+        ("kvbridge-decode-b", Role.DECODE, fixed_address(13), 1),
     ):
         found.add(
             name, rendered_template(DEPLOYMENTS["kvbridge"], role), ip, (core,), env={"KVBRIDGE_KEYS_DIR": str(keys)}
         )
     # spec.tracing: their spans go to test_tracing's receiver, exported at once (not every 5 s)
     for name, role, ip, core in (
-        ("traced-prefill", Role.PREFILL, "127.0.1.14", 0),
-        ("traced-decode", Role.DECODE, "127.0.1.15", 1),
+        ("traced-prefill", Role.PREFILL, fixed_address(14), 0),
+        ("traced-decode", Role.DECODE, fixed_address(15), 1),
     ):
         env = {"KVBRIDGE_KEYS_DIR": str(keys), "OTEL_BSP_SCHEDULE_DELAY": "100"}
         found.add(name, rendered_template(DEPLOYMENTS["traced"], role), ip, (core,), env=env)
     for name, deployment_name, role, ip, core in (
-        ("kvbridge-decode-64", "kvbridge-merge", Role.DECODE, "127.0.1.8", 1),  # reads the 32-token prefill
-        ("kvbridge-prefill-64", "kvbridge-split", Role.PREFILL, "127.0.1.9", 0),  # read by the 32-token decode
+        ("kvbridge-decode-64", "kvbridge-merge", Role.DECODE, fixed_address(8), 1),  # reads the 32-token prefill
+        ("kvbridge-prefill-64", "kvbridge-split", Role.PREFILL, fixed_address(9), 0),  # read by the 32-token decode
     ):
         found.add(
             name,
@@ -122,14 +124,14 @@ def all_engines(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
             env={"KVBRIDGE_KEYS_DIR": str(keys)},
         )
     for name, role, ip, core in (
-        ("kvbridge-hybrid-prefill", Role.PREFILL, "127.0.1.16", 0),
-        ("kvbridge-hybrid-decode", Role.DECODE, "127.0.1.17", 1),
+        ("kvbridge-hybrid-prefill", Role.PREFILL, fixed_address(16), 0),
+        ("kvbridge-hybrid-decode", Role.DECODE, fixed_address(17), 1),
     ):
         template = rendered_template(DEPLOYMENTS["kvbridge-hybrid"], role)
         found.add(name, template, ip, (core,), env={"KVBRIDGE_KEYS_DIR": str(keys)})
     for name, role, ip, core in (
-        ("kvbridge-gemma3-prefill", Role.PREFILL, "127.0.1.18", 0),
-        ("kvbridge-gemma3-decode", Role.DECODE, "127.0.1.19", 1),
+        ("kvbridge-gemma3-prefill", Role.PREFILL, fixed_address(18), 0),
+        ("kvbridge-gemma3-decode", Role.DECODE, fixed_address(19), 1),
     ):
         template = rendered_template(DEPLOYMENTS["kvbridge-gemma3"], role)
         found.add(name, template, ip, (core,), env={"KVBRIDGE_KEYS_DIR": str(keys)})
@@ -137,14 +139,14 @@ def all_engines(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
     found.add(
         "kvbridge-prefill-tp2",
         rendered_template(DEPLOYMENTS["kvbridge-tp2"], Role.PREFILL),
-        "127.0.1.10",
+        fixed_address(10),
         (2, 3),
         env={"KVBRIDGE_KEYS_DIR": str(keys)},
     )
     found.add(
         "kvbridge-decode-tp2",
         rendered_template(DEPLOYMENTS["kvbridge-tp2"], Role.DECODE),
-        "127.0.1.11",
+        fixed_address(11),
         (1,),
         env={"KVBRIDGE_KEYS_DIR": str(keys)},
     )

@@ -17,6 +17,7 @@ from kvbridge_agent.core import Role
 from kvbridge_agent.core.signing import signed
 from kvbridge_router.proxy import RouterConfig
 from kvbridge_sim import pd_requests
+from kvbridge_sim.support import fixed_address
 from kvbridge_sim.tiny_model import prompt
 from kvbridge_sim.vllm_engines import MODEL_NAME, Engines, rendered_template
 
@@ -37,7 +38,7 @@ def signed_engines(all_engines: Engines, tmp_path_factory: pytest.TempPathFactor
         token.write_bytes(TOKEN + b"\n")
         env = {"KVBRIDGE_KEYS_DIR": str(all_engines.keys_dir), "KVBRIDGE_TRANSFER_TOKEN_FILE": str(token)}
         template = rendered_template(DEPLOYMENTS["kvbridge"], Role.DECODE)
-        all_engines.add(DECODE, template, "127.0.1.40", (1,), env=env)
+        all_engines.add(DECODE, template, fixed_address(40), (1,), env=env)
     return _phase(all_engines, ["kvbridge-prefill", DECODE])
 
 
