@@ -676,17 +676,37 @@ def test_the_gpu_suites_deployments_render_on_this_machine() -> None:
             assert env(engine(doc, role))["KVBRIDGE_VERIFICATION"] == case.verification
 
 
-def test_the_hybrid_allocator_stays_off_for_kvbridges_connector_on_cpus() -> None:
-    """kvbridge's connector declares SupportsHMA (it moves several KV cache groups on vLLM's GPU layouts), so vLLM
-    would keep its hybrid allocator on; on the CPU build, where the connector reads per-layer tensors without
-    groups, kvbridge renders --disable-hybrid-kv-cache-manager (NixlConnector's engines need nothing: vLLM turns
-    the allocator off for a connector without HMA support itself)."""
+def test_the_hybrid_allocator_stays_on_for_kvbridges_connector_where_it_moves_the_groups() -> None:
+    """kvbridge's connector declares SupportsHMA, so vLLM keeps its hybrid allocator on; on the CPU build the
+    connector moves each group's blocks in the layer slots the groups share (cache_geometry.group_slots), so nothing
+    is rendered — but where it could not move the groups vLLM would make: chunked local attention layers (groups of
+    their own) or block sizes that differ between the roles (groups move between equal ones), kvbridge renders
+    --disable-hybrid-kv-cache-manager (one group). On GPUs too where the block sizes differ in a model of several
+    layer kinds (else plan would pass what every read refuses with CACHE_GROUPS_MISMATCH). NixlConnector's engines
+    never get it."""
     flag = "--disable-hybrid-kv-cache-manager"
-    for connector, wanted in (("KVBridge", True), ("Nixl", False)):
+    sliding = {"layerTypes": ["Sliding", "Full"], "slidingWindow": 32}
+    chunked = {"layerTypes": ["ChunkedLocal", "Full"], "attentionChunkSize": 64}
+    cases: list[tuple[str, dict[str, Any], tuple[int, int], bool]] = [
+        ("KVBridge", {}, (32, 32), False),
+        ("KVBridge", sliding, (32, 32), False),
+        ("KVBridge", sliding, (32, 64), True),
+        ("KVBridge", chunked, (32, 32), True),
+        ("Nixl", sliding, (32, 32), False),
+    ]
+    for connector, model, blocks, wanted in cases:
         doc = document("tiny-cpu")
         doc["spec"]["engine"]["connector"] = connector
-        assert not isinstance(verdict(doc), list)
+        doc["spec"]["model"].update(model)
+        doc["spec"]["prefill"]["blockSize"], doc["spec"]["decode"]["blockSize"] = blocks
+        assert not isinstance(verdict(doc), list), (connector, model, blocks)
         for role in Role:
-            assert (flag in engine(doc, role)["args"]) is wanted, (connector, role)
+            assert (flag in engine(doc, role)["args"]) is wanted, (connector, model, blocks, role)
     on_gpu = kvbridge_connector(document("llama3-8b-hetero-tp"))
     assert all(flag not in engine(on_gpu, role)["args"] for role in Role)
+    for blocks, wanted in (((16, 16), False), ((32, 16), True)):
+        hybrid_gpu = kvbridge_connector(document("llama3-8b-hetero-tp"))
+        hybrid_gpu["spec"]["model"].update({"layerTypes": ["Sliding", "Full"] * 16, "slidingWindow": 4096})
+        hybrid_gpu["spec"]["prefill"]["blockSize"], hybrid_gpu["spec"]["decode"]["blockSize"] = blocks
+        assert not isinstance(verdict(hybrid_gpu), list), verdict(hybrid_gpu)
+        assert all((flag in engine(hybrid_gpu, role)["args"]) is wanted for role in Role), blocks

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,3 +39,13 @@ async def assert_pd_equals_single_engine(
     want = await pd_requests.baseline(session, decode_url, model, tokens, max_tokens, salt=salt)
     assert len(got.tokens) == max_tokens
     assert got.tokens == want.tokens, f"{what}: P/D {got.tokens} != single engine {want.tokens}"
+
+
+#: what kvbridge's worker logs at registration of a cache of several KV cache groups (vllm_connector/worker.py)
+_GROUPS_LOGGED = re.compile(r"kvbridge: \w+ rank \d+ registered \d+ KV tensor\(s\) of (\d+) KV cache groups")
+
+
+def registered_cache_groups(log: Path) -> list[int]:
+    """The KV cache groups each of an engine's ranks registered with kvbridge's connector (from its log): empty
+    where it registered one group."""
+    return [int(count) for count in _GROUPS_LOGGED.findall(log.read_text(errors="replace"))]

@@ -2,14 +2,15 @@
 
 The tiny Gemma-3 (``tiny_model.GEMMA3``: transformers' and vLLM's ``Gemma3ForCausalLM``, 6 layers — 5 with a
 32-token sliding window, then a global one — 4 query heads, 1 KV head of 64, random weights), prefill TP 1 ->
-decode TP 1, blocks of 32 tokens, ``verification: All``, exactly as the operator renders it (on vLLM's CPU build:
-one KV cache group, ``--disable-hybrid-kv-cache-manager``). Prompt lengths around the window (31, 32, 33) and
-around a block edge (64, 65), and where ``n - 31`` is a multiple of 32 (63, 95, 127): there vLLM's P/D loses the
-KV of token ``n - 32`` when its hybrid allocator frees sliding-window blocks (window_backoff.py) — seen with vLLM's
-NixlConnector on this build, which keeps two groups: 63, 95, 127 and 159 tokens changed the first token's log
-probabilities, some the greedy tokens (docs/vllm.md). With kvbridge's connector prefill leaves those prompts' last
-token to decode (``numTokens`` one short), decode computes it, and decode's greedy tokens and first log
-probabilities equal a single engine's; through kvbridge's router too.
+decode TP 1, blocks of 32 tokens, ``verification: All``, exactly as the operator renders it: vLLM's hybrid
+allocator on (six KV cache groups of one layer, overlaid in one layer slot of the CPU cache:
+cache_geometry.group_slots), so the sliding-window groups' blocks below the window are freed as in vLLM's own P/D.
+Prompt lengths around the window (31, 32, 33) and around a block edge (64, 65), and where ``n - 31`` is a multiple
+of 32 (63, 95, 127): there vLLM's P/D loses the KV of token ``n - 32`` when its hybrid allocator frees
+sliding-window blocks (window_backoff.py) — seen with vLLM's NixlConnector on this build, which keeps vLLM's groups:
+63, 95, 127 and 159 tokens changed the first token's log probabilities, some the greedy tokens (docs/vllm.md). With
+kvbridge's connector prefill leaves those prompts' last token to decode (``numTokens`` one short), decode computes
+it, and decode's greedy tokens and first log probabilities equal a single engine's; through kvbridge's router too.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvbridge_sim import pd_requests, tiny_model
 from kvbridge_sim.tiny_model import prompt
 from kvbridge_sim.vllm_engines import Engines
 
+from .assertions import registered_cache_groups
 from .conftest import DEPLOYMENTS
 from .routing import endpoint, pool, running_router
 
@@ -48,7 +50,11 @@ async def test_gemma3_prompts_at_the_window_and_block_edges_give_a_single_engine
 ) -> None:
     engines = kvbridge_gemma3_engines.engines
     prefill, decode = engines["kvbridge-gemma3-prefill"].url, engines["kvbridge-gemma3-decode"].url
-    assert "--disable-hybrid-kv-cache-manager" in engines["kvbridge-gemma3-decode"].spec.argv
+    for name in ("kvbridge-gemma3-prefill", "kvbridge-gemma3-decode"):  # several groups, vLLM's own
+        assert "--disable-hybrid-kv-cache-manager" not in engines[name].spec.argv
+        groups = registered_cache_groups(engines[name].log)
+        assert len(groups) == 1, kvbridge_gemma3_engines.log_tails([name])
+        assert groups[0] >= 2, groups
     seen = []
     for length in LENGTHS:
         tokens = prompt(length, salt=5800 + length)
@@ -56,6 +62,10 @@ async def test_gemma3_prompts_at_the_window_and_block_edges_give_a_single_engine
         ours = params["kvbridge"]
         assert ours["verify"] is True
         assert ours["numTokens"] == (length - 1 if length in EDGES else length)  # the edge's last token: decode's
+        # each group's kept blocks: from 64 tokens on, the sliding-window groups' first block is freed (vLLM's own)
+        sizes = ours["remoteGroupSizes"]
+        assert len(sizes) >= 2, sizes
+        assert (min(sizes) < max(sizes)) == (ours["numTokens"] >= 64), (length, sizes)
         got = await pd_requests.complete(
             session,
             decode,

@@ -21,7 +21,7 @@ from kvbridge_sim.tiny_model import prompt
 from kvbridge_sim.vllm_engines import MODEL_NAME, Engines, metric
 from tests.kv_faults import overwrite_prefill_kv
 
-from .assertions import assert_pd_equals_single_engine
+from .assertions import assert_pd_equals_single_engine, registered_cache_groups
 from .conftest import DEPLOYMENTS
 from .routing import endpoint, pod_calls, pool, running_router, streamed_tokens
 
@@ -407,12 +407,15 @@ async def test_a_hybrid_model_gives_equal_tokens_with_every_transfer_verified(
     kvbridge_hybrid_engines: Engines, session: aiohttp.ClientSession, length: int
 ) -> None:
     """A model with a 32-token sliding window on one layer and full attention on the other, prompts of up to ten
-    windows: vLLM's CPU build serves it with its hybrid allocator (two KV cache groups), and with kvbridge's
-    connector the operator renders ``--disable-hybrid-kv-cache-manager`` (one group; the window is still applied by
-    attention). Every transfer verified (``verification: All``); tokens equal a single engine's."""
+    windows: vLLM's CPU build serves it with its hybrid allocator (two KV cache groups overlaid in one layer slot),
+    and kvbridge's connector moves each group's blocks (cache_geometry.group_slots; nothing renders
+    ``--disable-hybrid-kv-cache-manager``). Every transfer verified (``verification: All``); tokens equal a single
+    engine's."""
     engines = kvbridge_hybrid_engines.engines
     prefill, decode = engines["kvbridge-hybrid-prefill"].url, engines["kvbridge-hybrid-decode"].url
-    assert "--disable-hybrid-kv-cache-manager" in engines["kvbridge-hybrid-decode"].spec.argv
+    for name in ("kvbridge-hybrid-prefill", "kvbridge-hybrid-decode"):
+        assert "--disable-hybrid-kv-cache-manager" not in engines[name].spec.argv
+        assert registered_cache_groups(engines[name].log) == [2], kvbridge_hybrid_engines.log_tails([name])
     model = tiny_model.HYBRID.name
     tokens = prompt(length, salt=700 + length)
     params = await pd_requests.prefill(session, prefill, model, tokens)

@@ -12,7 +12,7 @@ import numpy as np
 
 from kvbridge_agent.core import BlockMappingError, DecodeRankPlan, TransferPlan, descriptor_ids, map_request_blocks
 from kvbridge_agent.core.arithmetic import ceil_div
-from kvbridge_agent.core.blocks import BLOCK_ID_OUT_OF_RANGE, DescriptorIds, require_distinct
+from kvbridge_agent.core.blocks import BLOCK_ID_OUT_OF_RANGE, DescriptorIds, MappedBlocks, require_distinct
 from kvbridge_agent.core.cache_groups import CACHE_GROUPS_MISMATCH, pair_groups
 from kvbridge_agent.core.digest import RequestDigests
 from kvbridge_agent.core.handshake import KVTransferParams
@@ -106,6 +106,9 @@ class InFlight:
     verify: Verify | None = None
     #: descriptors NIXL posted (its telemetry, once every READ is done; ``None``: not reported)
     posted: int | None = None
+    #: a read the staged-read cost model weighed: the path taken and the model's estimate of it in seconds
+    #: (``transfer.observed_costs`` learns from it once the read completes)
+    expected: tuple[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -165,14 +168,11 @@ def request_descriptor_ids(
             )
             for read in peer.physical
         ]
-    if group_sizes is not None:
-        raise BlockMappingError(
-            "several KV cache groups are moved between physical layouts only (vLLM's KVCacheLayout views)",
-            field="request.remote_group_sizes",
-            code=CACHE_GROUPS_MISMATCH,
-        )
     plan = peer.plan
-    mapped_blocks = map_request_blocks(local_blocks, params.remote_block_ids, plan.block_size_ratio)
+    if group_sizes is not None:  # per-layer-slot tensors (vLLM's CPU build): each group's blocks, whole
+        mapped_blocks = _map_group_blocks(local_blocks, group_sizes, params, plan.block_size_ratio * plan.split_ratio)
+    else:
+        mapped_blocks = map_request_blocks(local_blocks, params.remote_block_ids, plan.block_size_ratio)
     if mapped_blocks.full_hit:
         return []
     require_distinct(mapped_blocks.local, field="request.local_block_ids")  # each (sub-)block read once
@@ -215,6 +215,23 @@ def _map_groups(
         np.concatenate([p.remote_blocks for p in parts]),
         np.concatenate([p.remote_chunks for p in parts]),
     )
+
+
+def _map_group_blocks(
+    local_blocks: list[int], group_sizes: list[int], params: KVTransferParams, ratio: int
+) -> MappedBlocks:
+    """A hybrid model's blocks on per-layer-slot tensors: per cache group, decode's blocks with the last of
+    prefill's blocks of that group (both sides one block size: ``ratio`` 1), the groups one after the other."""
+    if ratio != 1:
+        raise BlockMappingError(
+            "several KV cache groups move between equal block sizes only",
+            field="spec.decode.blockSize",
+            code=CACHE_GROUPS_MISMATCH,
+        )
+    pairs = pair_groups(local_blocks, group_sizes, params.remote_block_ids, params.remote_group_sizes or [])
+    local = [b for mine, _ in pairs for b in mine]
+    remote = [b for _, theirs in pairs for b in theirs]
+    return MappedBlocks(np.asarray(local, dtype=np.int64), np.asarray(remote, dtype=np.int64))
 
 
 def stage_first(peer: RemotePeer, params: KVTransferParams, local_count: int, units: int) -> int:

@@ -10,7 +10,8 @@ Reading order:
 - ``verifying``: verification off vLLM's thread: prefill's digests and decode's checks on threads of their own.
 - ``digest_relay``: prefill's digests from each rank to the scheduler's side channel the moment they are taken.
 - ``failures``: a request's typed failure instead of vLLM's step; the handshakes refused, not queued.
-- ``cache_geometry``: what vLLM's KV tensors are to kvbridge: geometry, layout name, CPU kernel, refused conversions.
+- ``cache_geometry``: what vLLM's KV tensors are to kvbridge: geometry, the CPU build's layer slots of several cache
+  groups, layout name, CPU kernel, refused conversions.
 - ``cpu_blocks``: block-size conversions for vLLM's CPU attention cache.
 - ``stats``: what the connector reports through vLLM's metrics.
 - ``tracing``: the connector's spans, parented to the request's trace (``spec.tracing``).

@@ -1,8 +1,11 @@
-"""What vLLM's KV tensors are to kvbridge: the geometry it moves bytes by, the name of vLLM's resolved layout, the
-CPU attention kernel (which decides a block's interior) and the conversions refused on that cache."""
+"""What vLLM's KV tensors are to kvbridge: the geometry it moves bytes by, the layer slots several KV cache groups
+share on vLLM's CPU build, the name of vLLM's resolved layout, the CPU attention kernel (which decides a block's
+interior) and the conversions refused on that cache."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from itertools import pairwise
 from typing import Any
 
 from kvbridge_agent.core import CacheKind, ModelGeometry, SpecError, TransferPlan
@@ -36,6 +39,50 @@ def transfer_geometry(model: ModelGeometry, tensors: list[Any], tp_size: int) ->
             )
         return model.model_copy(update={"num_kv_heads": 2 * model.num_kv_heads})
     return model
+
+
+def group_slots(kv_caches: Mapping[str, Any], group_layers: Sequence[Sequence[str]], num_layers: int) -> list[Any]:
+    """vLLM's CPU build with several KV cache groups (its hybrid allocator): the tensors of the layer slots the groups
+    overlay, slot ``i`` being every group's ``i``-th layer.
+
+    ``allocate_kv_cache`` views one allocation per group at the same origin (``LBHNC``, the CPU attention's only
+    layout), so group ``g``'s layer ``i`` and group ``h``'s layer ``i`` are one tensor, ``[blocks, heads, block_size,
+    2 * head_dim]``, and a block id is one group's at a time: block ``b`` of a group is block ``b`` of the first
+    ``len(group)`` slots (a group vLLM padded leaves the slots past its layers unused; core.cache_groups). Groups
+    that do not share their slots so are refused."""
+    names = sum(len(group) for group in group_layers)
+    if names != num_layers:
+        raise SpecError(
+            f"vLLM's {len(group_layers)} KV cache groups hold {names} layers, the model geometry says {num_layers}",
+            field="spec.model.numLayers",
+            code="INVALID_KV_TENSOR",
+        )
+    slots: list[Any] = []
+    for index in range(max(len(group) for group in group_layers)):
+        try:
+            tensors = [kv_caches[group[index]] for group in group_layers if index < len(group)]
+        except KeyError as exc:
+            raise SpecError(
+                f"cache group layer {exc} has no KV tensor", field="kv_cache_config", code="INVALID_KV_TENSOR"
+            ) from exc
+        first = tensors[0]
+        if any((t.data_ptr(), t.shape, t.stride()) != (first.data_ptr(), first.shape, first.stride()) for t in tensors):
+            raise SpecError(
+                f"vLLM's KV cache groups do not share layer slot {index}: kvbridge moves groups on the CPU build "
+                "that overlay one another, each group's i-th layer in one tensor (as vLLM's allocate_kv_cache lays "
+                "them out)",
+                field="kv_cache_config",
+                code=LAYOUT_UNSUPPORTED,
+            )
+        slots.append(first)
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in slots)
+    if any(end > start for (_, end), (start, _) in pairwise(spans)):
+        raise SpecError(
+            f"vLLM's {len(slots)} layer slots of its KV cache groups overlap one another",
+            field="kv_cache_config",
+            code=LAYOUT_UNSUPPORTED,
+        )
+    return slots
 
 
 def physical_order(layout: str) -> PhysicalOrder:

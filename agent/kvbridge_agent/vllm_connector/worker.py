@@ -53,7 +53,14 @@ from kvbridge_agent.transfer.reads import TRANSFER_FAILED, ReadResult
 from kvbridge_agent.transfer.relayout import Converter, convert_for_side
 from kvbridge_agent.transfer.transport import Transport
 
-from .cache_geometry import check_block_interior, cpu_kernel, physical_order, refuse_conversions, transfer_geometry
+from .cache_geometry import (
+    check_block_interior,
+    cpu_kernel,
+    group_slots,
+    physical_order,
+    refuse_conversions,
+    transfer_geometry,
+)
 from .cpu_blocks import CPUAttentionBlocks
 from .failures import HANDSHAKE_BUSY, MAX_HANDSHAKES, request_failure
 from .messages import RankHandshake, ReadOrder, StepMetadata
@@ -76,6 +83,8 @@ class ConnectorWorker:
         self.decode: DecodeRank | None = None
         self._handshake: RankHandshake | None = None
         self.geometry: ModelGeometry = settings.model
+        #: the model as the cache holds it: one cache group's layers deep on the CPU build with several groups
+        self.native: ModelGeometry = settings.model
         self.kernel = "n/a"
         self.stats = KVBridgeStats()
         # prefill
@@ -111,7 +120,7 @@ class ConnectorWorker:
     def register_kv_caches(self, kv_caches: dict[str, Any], layout: str | None = None) -> None:
         """Attach vLLM's KV tensors and register them with NIXL. ``layout`` is the ``KVCacheLayout`` vLLM resolved
         for the cache (its name): the views are then read by their strides (one registration per allocation);
-        without it (vLLM's CPU build) the tensors are taken per layer, as before."""
+        without it (vLLM's CPU build) the tensors are taken per layer slot (:meth:`_cpu_cache`)."""
         settings, environment = self.settings, self.settings.environment
         convert: Converter = convert_for_side
         engine: KVCache | None = None  # the engine's own cache, when NIXL moves a host mirror of it
@@ -128,30 +137,8 @@ class ConnectorWorker:
             if settings.host_buffer:
                 buffer = HostBuffer(cache)
                 engine, cache, convert = cache, buffer.mirror, buffer
-        elif settings.groups is not None:
-            raise SpecError(
-                f"{settings.groups.count} KV cache groups on vLLM's CPU build: kvbridge moves several groups on "
-                "vLLM's KVCacheLayout views only; start vLLM with --disable-hybrid-kv-cache-manager (kvbridge renders "
-                "it on CPUs)",
-                field="spec.model",
-                code="CONNECTOR_UNSUPPORTED",
-            )
         else:
-            tensors = distinct_tensors(list(kv_caches.values()))  # vLLM gives them in layer order
-            self.geometry = transfer_geometry(settings.model, tensors, settings.tp_size)
-            if self.geometry != settings.model:  # vLLM's CPU attention: its own block interior
-                self.kernel = cpu_kernel(
-                    settings.model_dtype if settings.model_dtype is not None else tensors[0].dtype,
-                    settings.block_size,
-                    settings.model.head_dim,
-                    settings.kv_cache_dtype,
-                )
-                heads = settings.model.num_kv_heads // settings.tp_size
-                convert = CPUAttentionBlocks(heads, settings.model.head_dim, tensors[0].element_size(), self.kernel)
-            blocks = int(tensors[0].shape[0])
-            cache = KVCache.attach(
-                self.geometry, settings.block_size, KVLayout.HND, settings.tp_size, self.tp_rank, blocks, tensors
-            )
+            cache, convert = self._cpu_cache(kv_caches)
         transport = Transport(
             f"{environment.engine_id}-{self.incarnation}-{self.tp_rank}", environment.transfer.backends
         )
@@ -159,7 +146,7 @@ class ConnectorWorker:
         rank: PrefillRank | DecodeRank
         if settings.role is Role.PREFILL:
             plan = build_plan(self.geometry, environment.prefill, environment.decode, settings.transfer)
-            refuse_conversions(self.geometry, settings.model, plan, self.kernel)
+            refuse_conversions(self.geometry, self.native, plan, self.kernel)
             self.prefill = rank = PrefillRank(cache, transport, plan, environment.engine_id, self.incarnation, convert)
             metadata = self.prefill.metadata().model_copy(update={"block_interior": self.block_interior})
             self._handshake = RankHandshake(metadata.model_dump_json(exclude_none=True), transport.metadata())
@@ -173,15 +160,44 @@ class ConnectorWorker:
         elif settings.transfer.verification is not Verification.OFF:  # now: no verified request waits for numba
             rank.digester = Digester(cache)
         described = f"a {layout} layout" if layout is not None else f"{len(cache.tensors)} KV tensor(s)"
+        described += f" of {settings.groups.count} KV cache groups" if settings.groups is not None else ""
         described += " through a host buffer" if engine is not None else ""
         role = settings.role.value
         log.info("kvbridge: %s rank %d registered %s of %d blocks", role, self.tp_rank, described, cache.num_blocks)
+
+    def _cpu_cache(self, kv_caches: dict[str, Any]) -> tuple[KVCache, Converter]:
+        """vLLM's CPU build: one tensor per layer slot — per layer with one KV cache group, and with several (its
+        hybrid allocator) the slots the groups overlay, group ``g``'s blocks in the first ``len(group)`` of them
+        (``group_slots``), so the cache is one group's layers deep; each block's interior is the CPU attention
+        kernel's (``CPUAttentionBlocks``)."""
+        settings = self.settings
+        convert: Converter = convert_for_side
+        if settings.group_layers is not None:
+            tensors = group_slots(kv_caches, settings.group_layers, settings.model.num_layers)
+            self.native = settings.model.model_copy(update={"num_layers": len(tensors)})
+        else:
+            tensors = distinct_tensors(list(kv_caches.values()))  # vLLM gives them in layer order
+        self.geometry = transfer_geometry(self.native, tensors, settings.tp_size)
+        if self.geometry != self.native:  # vLLM's CPU attention: its own block interior
+            self.kernel = cpu_kernel(
+                settings.model_dtype if settings.model_dtype is not None else tensors[0].dtype,
+                settings.block_size,
+                settings.model.head_dim,
+                settings.kv_cache_dtype,
+            )
+            heads = settings.model.num_kv_heads // settings.tp_size
+            convert = CPUAttentionBlocks(heads, settings.model.head_dim, tensors[0].element_size(), self.kernel)
+        blocks = int(tensors[0].shape[0])
+        cache = KVCache.attach(
+            self.geometry, settings.block_size, KVLayout.HND, settings.tp_size, self.tp_rank, blocks, tensors
+        )
+        return cache, convert
 
     @property
     def block_interior(self) -> str:
         """What the handshake says of this cache's block interior: vLLM's CPU attention kernel, which decides it
         (``vec`` and ``amx`` builds of one layout are not interchangeable); empty for other caches."""
-        return f"vllm-cpu-attention/{self.kernel}" if self.geometry != self.settings.model else ""
+        return f"vllm-cpu-attention/{self.kernel}" if self.geometry != self.native else ""
 
     def get_handshake_metadata(self) -> RankHandshake | None:
         return self._handshake
@@ -338,7 +354,7 @@ class ConnectorWorker:
                 if stale is not None and stale.incarnation != incarnation:
                     self.stats.record_eviction()
                 try:
-                    refuse_conversions(self.geometry, self.settings.model, peer.plan, self.kernel)
+                    refuse_conversions(self.geometry, self.native, peer.plan, self.kernel)
                 except SpecError as exc:
                     decode.evict_peer(engine_id)
                     raise HandshakeError(exc.message, code=exc.code) from exc

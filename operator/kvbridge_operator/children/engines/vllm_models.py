@@ -104,7 +104,7 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
         )
     kinds = attention_kinds(model)
     chunked = sum(count for (kind, _size), count in kinds.items() if kind is LayerType.CHUNKED_LOCAL)
-    if chunked and not cpu_build(spec):  # the CPU build runs without the hybrid allocator: one full-attention group
+    if chunked and not cpu_build(spec):  # the CPU build runs them without the hybrid allocator (one_cache_group)
         found.append(
             Problem(
                 VLLM_KVBRIDGE_CHUNKED_ATTENTION,
@@ -126,7 +126,7 @@ def problems(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
 
 def _padded_cross_layer(spec: DisaggregatedDeploymentSpec) -> list[Problem]:
     """A padded hybrid in cacheKind CrossLayer with more than one KV head on some rank (GPUs: the CPU build runs
-    Split caches only and without the hybrid allocator)."""
+    its attention's per-layer caches only, whose groups share layer slots)."""
     model = spec.model
     if model.cache_kind is not CacheKind.CROSS_LAYER or cpu_build(spec) or not padded(model):
         return []

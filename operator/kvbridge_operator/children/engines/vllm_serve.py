@@ -16,6 +16,7 @@ import json
 
 from kvbridge_agent.core import CacheKind, KVCacheDtype, Role, TransferPlan
 from kvbridge_agent.core.layout import rendered_order
+from kvbridge_agent.core.model import LayerType
 from kvbridge_agent.core.wire import ConversionKind
 from kvbridge_operator.api.objects import Obj
 from kvbridge_operator.api.spec import Connector, DisaggregatedDeployment, DisaggregatedDeploymentSpec, RoleSpec
@@ -150,6 +151,21 @@ def uses_kvbridge(spec: DisaggregatedDeploymentSpec) -> bool:
     return spec.engine.connector is Connector.KVBRIDGE
 
 
+def one_cache_group(spec: DisaggregatedDeploymentSpec) -> bool:
+    """Whether vLLM runs without its hybrid allocator (``--disable-hybrid-kv-cache-manager``, one KV cache group)
+    with kvbridge's connector, where the connector could not move the groups vLLM would make: the roles' block sizes
+    differing in a model of several layer kinds (several groups move between equal block sizes only; one group
+    converts between them), on any device; on vLLM's CPU build also chunked local attention layers (groups of
+    their own, refused at start; in one group vLLM runs them as full attention). Otherwise vLLM keeps the
+    allocator, as for NixlConnector, and the connector moves each group's blocks."""
+    if not uses_kvbridge(spec):
+        return False
+    kinds = set(spec.model.layer_kinds)
+    if spec.prefill.block_size != spec.decode.block_size and (len(kinds) > 1 or cpu_build(spec)):
+        return True
+    return cpu_build(spec) and LayerType.CHUNKED_LOCAL in kinds
+
+
 def kv_transfer_config(spec: DisaggregatedDeploymentSpec, plan: TransferPlan, role: Role) -> Obj:
     """vLLM's ``KVTransferConfig`` for one role (vLLM 0.32): NixlConnector's, or kvbridge's connector, which reads
     everything else from kvbridge's environment contract."""
@@ -215,9 +231,7 @@ def engine(
         json.dumps(transfer_config, separators=(",", ":"), sort_keys=True),
         # a block that prefill re-lays for the wire no longer matches its prefix-cache hash
         *(["--no-enable-prefix-caching"] if role is Role.PREFILL and plan.wire.steps(Role.PREFILL) else []),
-        # kvbridge's connector moves several KV cache groups (vLLM's hybrid allocator) on GPU layouts only; on the CPU
-        # build the allocator stays off, as vLLM keeps it for connectors that cannot move groups
-        *(["--disable-hybrid-kv-cache-manager"] if cpu_build(spec) and uses_kvbridge(spec) else []),
+        *(["--disable-hybrid-kv-cache-manager"] if one_cache_group(spec) else []),
         # SIGTERM drains the requests the engine has (children/termination.py: the pod's whole sequence)
         "--shutdown-timeout",
         str(spec.transfer.drain_seconds),
