@@ -1,9 +1,10 @@
 """Two engines' KV caches as vLLM 0.32 builds them, driven as vLLM's scheduler drives them, with kvbridge's connector
-halves on both: the harness of the allocator proofs (test_padded_groups.py, test_window_edges.py).
+halves on both: the harness of the allocator proofs (test_padded_groups.py, test_window_edges.py, and every zoo family
+plan accepts: tests/zoo/test_zoo_edges.py).
 
-- the cache: the model's per-layer ``KVCacheSpec`` -> vLLM's ``get_kv_cache_groups`` (its grouping and padding of a
-  hybrid model) -> ``get_kv_cache_config_from_groups`` -> ``allocate_kv_cache`` on host memory, in a resolved
-  ``KVCacheLayout``;
+- the cache: the model's per-layer ``KVCacheSpec`` (full attention, sliding window, or MLA's one latent) -> vLLM's
+  ``get_kv_cache_groups`` (its grouping and padding of a hybrid model) -> ``get_kv_cache_config_from_groups`` ->
+  ``allocate_kv_cache`` on host memory, in a resolved ``KVCacheLayout``;
 - the block tables: vLLM's own ``KVCacheManager`` (prefix caching on), called as vLLM's scheduler calls it —
   prefill hands the connector the new request (``on_new_request``: with sliding windows it drops the prompt's last
   token), allocates the prompt, frees what the windows skip and finishes the request; decode looks up its prefix
@@ -17,6 +18,7 @@ Content is position-tagged per (model layer, block, head, token, unit, request) 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -38,13 +40,14 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from kvbridge_agent.core import ModelGeometry, Role, RoleSettings
+from kvbridge_agent.core import Attention, ModelGeometry, Role, RoleSettings
 from kvbridge_agent.core.contract import EngineEnvironment, render_environment
 from kvbridge_agent.vllm_connector.connector import cache_groups
 from kvbridge_agent.vllm_connector.scheduler import ConnectorScheduler
@@ -57,27 +60,39 @@ init_none_hash(sha256)
 
 @dataclass(frozen=True)
 class Model:
-    """A hybrid model as vLLM sees it: per layer its sliding window in tokens (``None``: full attention)."""
+    """A hybrid model as vLLM sees it: per layer its sliding window in tokens (``None``: full attention); with
+    ``mla``, every layer holds one latent vector of ``head_size`` per token (vLLM's ``MLAAttentionSpec``: one head,
+    no separate V)."""
 
     windows: tuple[int | None, ...]
     block: int = 16
     heads: int = 2
     head_size: int = 64
     num_blocks: int = 96
+    mla: bool = False
+    #: the model the connector is told, scaled to ``heads`` and ``head_size`` (a zoo family's ``spec.model``);
+    #: ``None``: a dense model of these layers
+    spec: ModelGeometry | None = field(default=None, compare=False)
 
     @property
     def names(self) -> list[str]:
         return [f"model.layers.{i}.self_attn.attn" for i in range(len(self.windows))]
 
+    @property
+    def units(self) -> int:
+        """Elements per (head, token) of a block: K and V, or MLA's latent vector."""
+        return self.head_size if self.mla else 2 * self.head_size
+
     def specs(self) -> dict[str, KVCacheSpec]:
         specs: dict[str, KVCacheSpec] = {}
         for name, window in zip(self.names, self.windows, strict=True):
             shape = {"block_size": self.block, "num_kv_heads": self.heads, "head_size": self.head_size}
-            specs[name] = (
-                FullAttentionSpec(**shape, dtype=torch.bfloat16)
-                if window is None
-                else SlidingWindowSpec(**shape, dtype=torch.bfloat16, sliding_window=window)
-            )
+            if self.mla:
+                specs[name] = MLAAttentionSpec(**shape, dtype=torch.bfloat16)
+            elif window is None:
+                specs[name] = FullAttentionSpec(**shape, dtype=torch.bfloat16)
+            else:
+                specs[name] = SlidingWindowSpec(**shape, dtype=torch.bfloat16, sliding_window=window)
         return specs
 
     def vllm_config(self, layout: KVCacheLayout) -> Any:
@@ -101,8 +116,15 @@ class Model:
 
     @property
     def geometry(self) -> ModelGeometry:
+        if self.spec is not None:
+            facts = self.spec.model_dump(include=set(ModelGeometry.model_fields))
+            return ModelGeometry.model_validate({**facts, "num_kv_heads": self.heads, "head_dim": self.head_size})
         return ModelGeometry(
-            name="allocator", num_layers=len(self.windows), num_kv_heads=self.heads, head_dim=self.head_size
+            name="allocator",
+            num_layers=len(self.windows),
+            num_kv_heads=self.heads,
+            head_dim=self.head_size,
+            attention=Attention.MLA if self.mla else Attention.DENSE,
         )
 
 
@@ -136,11 +158,23 @@ def seeds(tokens: list[int], block: int) -> list[int]:
 
 def tag(layer: int, seed: int, heads: int, tokens: int, units: int) -> torch.Tensor:
     """``[H, N, C]`` int16 content of one block of one model layer, whose prefix is ``seed``."""
+    return tags(layer, [seed], heads, tokens, units)[0]
+
+
+def tags(layer: int, seeds: list[int], heads: int, tokens: int, units: int) -> torch.Tensor:
+    """``[len(seeds), H, N, C]``: :func:`tag` of each of ``seeds`` at once."""
+    prefix = [(layer * 7919 + seed % 65521 * 104729) % 65521 for seed in seeds]
+    value = (torch.tensor(prefix, dtype=torch.int32).view(-1, 1, 1, 1) + _positions(heads, tokens, units)) % 65521
+    return (value - 32768).to(torch.int16)
+
+
+@functools.cache
+def _positions(heads: int, tokens: int, units: int) -> torch.Tensor:
+    """The part of :func:`tag`'s content that depends on the position in the block, modulo 65521."""
     h = torch.arange(heads).view(-1, 1, 1)
     n = torch.arange(tokens).view(1, -1, 1)
     c = torch.arange(units).view(1, 1, -1)
-    value = (layer * 7919 + seed % 65521 * 104729 + h * 1299709 + n * 15485863 + c * 32452843 + 7) % 65521
-    return (value - 32768).to(torch.int16)
+    return ((h * 1299709 + n * 15485863 + c * 32452843 + 7) % 65521).to(torch.int32)
 
 
 @dataclass
@@ -233,11 +267,14 @@ def compute_prompt(prefill: Engine, request_id: str, tokens: list[int]) -> tuple
     m = prefill.model
     prefixes = seeds(tokens, m.block)
     for layers, ids in zip(prefill.group_layers, table, strict=True):
-        for index, block in enumerate(ids[: len(prefixes)]):
-            if block and index >= hit // m.block:  # computed now (a hit block holds the same prefix already)
-                for layer in layers:
-                    content = tag(layer, prefixes[index], m.heads, m.block, 2 * m.head_size)
-                    prefill.views[m.names[layer]].view(torch.int16)[block] = content
+        # computed now (a hit block holds the same prefix already)
+        now = [(index, block) for index, block in enumerate(ids[: len(prefixes)]) if block and index >= hit // m.block]
+        if not now:
+            continue
+        blocks = torch.tensor([block for _index, block in now])
+        for layer in layers:
+            content = tags(layer, [prefixes[index] for index, _block in now], m.heads, m.block, m.units)
+            prefill.views[m.names[layer]].view(torch.int16)[blocks] = content
     request.num_computed_tokens = len(tokens)
     request.status = RequestStatus.FINISHED_LENGTH_CAPPED
     prefill.manager.remove_skipped_blocks(request_id, len(tokens), num_prompt_tokens=len(tokens))
@@ -318,17 +355,24 @@ def check_bytes(decode: Engine, moved: Moved) -> None:
     prefixes = seeds(moved.tokens, m.block)
     mine: set[int] = set()
     for layers, ids in zip(decode.group_layers, moved.decode_table, strict=True):
-        for index, block in enumerate(ids[: len(prefixes)]):
-            if not block:
-                continue
-            mine.add(block)
-            for layer in layers:
-                got = decode.views[m.names[layer]].view(torch.int16)[block]
-                want = tag(layer, prefixes[index], m.heads, m.block, 2 * m.head_size)
-                assert torch.equal(got, want), f"layer {layer}, block {block} (position {index}) differs"
-    others = sorted(set(range(decode.config.num_blocks)) - mine)
+        held = [(index, block) for index, block in enumerate(ids[: len(prefixes)]) if block]
+        if not held:
+            continue
+        mine.update(block for _index, block in held)
+        blocks = torch.tensor([block for _index, block in held])
+        for layer in layers:
+            got = decode.views[m.names[layer]].view(torch.int16)[blocks]
+            want = tags(layer, [prefixes[index] for index, _block in held], m.heads, m.block, m.units)
+            if not torch.equal(got, want):
+                index, block = next(
+                    (i, b) for (i, b), g, w in zip(held, got, want, strict=True) if not torch.equal(g, w)
+                )
+                raise AssertionError(f"layer {layer}, block {block} (position {index}) differs")
     for name, view in decode.slots().items():
-        assert torch.equal(view.view(torch.int16)[others], moved.before[name][others]), f"{name}: a block outside"
+        now = view.view(torch.int16)
+        written = torch.ne(now, moved.before[name]).reshape(now.shape[0], -1).any(dim=1).nonzero().flatten()
+        outside = sorted(set(written.tolist()) - mine)
+        assert not outside, f"{name}: blocks {outside[:8]} outside the request were written"
 
 
 def window_gaps(decode: Engine, moved: Moved) -> list[str]:
