@@ -212,7 +212,9 @@ class Engine:
 
     def _on_rank_gone(self, rank: int) -> None:
         if not self._stop.is_set() and self.failure is None:
-            self.failure = f"rank {rank} process exited"
+            code = self.ranks[rank].process.exitcode if rank < len(self.ranks) else None
+            by_signal = f" (signal {-code})" if code is not None and code < 0 else ""  # a native fault: SIGSEGV is 11
+            self.failure = f"rank {rank} process exited with code {code}{by_signal}"
             log.error("engine %s: %s; the engine must be restarted", self.env.engine_id, self.failure)
 
     def problems(self) -> list[str]:

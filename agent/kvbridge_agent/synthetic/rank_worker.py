@@ -9,6 +9,7 @@ KV bytes never pass through this pipe.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -249,7 +250,11 @@ class RankWorker:
                 except EOFError:  # the engine process is gone
                     break
                 self.handle(message)
-            wait = self.progress()
+            try:
+                wait = self.progress()
+            except Exception:  # a fault completing one request must not end the rank's loop (and the engine)
+                log.exception("rank progress failed")
+                wait = IDLE_WAIT
 
     def close(self) -> None:
         if self.decode is not None:
@@ -260,6 +265,7 @@ class RankWorker:
 def rank_main(env_json: str, rank: int, incarnation: str, conn: Connection, log_level: str) -> None:
     """Entry point of a rank process (spawned by the engine)."""
     os.dup2(2, 1)  # the engine's stdout carries only its ready line; libraries here may print
+    faulthandler.enable()  # a native fault (NIXL, UCX, torch) leaves its Python stack in the pod's log
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine stops its ranks
     env = EngineEnvironment.model_validate_json(env_json)

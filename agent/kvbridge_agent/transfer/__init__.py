@@ -14,6 +14,7 @@ Reading order:
 - ``prefill_staging``: a prefill rank's staging buffer: stage requests packed on request or when offered.
 - ``staged_reads``: a decode rank's staged reads: ask, READ a few large descriptors, scatter.
 - ``cost_model``: direct or staged: the device's per-descriptor cost and copy rates, measured at start.
+- ``observed_costs``: that model corrected by completed reads (bounded, per path), and probes of the path not taken.
 - ``relayout``: block-size and layout conversions in place.
 - ``host_buffer``: a host mirror of the cache, for nodes without GPUDirect RDMA (``kv_buffer_device: cpu``).
 - ``side_channel``: the authenticated handshake (ZeroMQ).

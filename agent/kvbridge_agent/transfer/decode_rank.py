@@ -88,6 +88,7 @@ class DecodeRank:
         self._in_flight: dict[str, InFlight] = {}
         self._staged: dict[str, StagedFlight] = {}
         self._zombies: list[Any] = []  # transfer handles NIXL could not cancel yet
+        self._retired: list[RemotePeer] = []  # evicted peers released once no READ is left unreleased
         #: the transfer digest of this cache (core.digest): made from the cache's geometry when first needed,
         #: unless the engine sets one that reads its own block interior
         self.digester: Digester | None = None
@@ -151,6 +152,11 @@ class DecodeRank:
         return peer
 
     def _drop(self, peer: RemotePeer) -> None:
+        """Release a peer's lists and remote agents; while NIXL still holds a READ it would not release (a zombie,
+        or a staged READ in quarantine), later: a READ must not outlive the lists and agents it names."""
+        if self._zombies or (self.staging is not None and self.staging.quarantine):
+            self._retired.append(peer)
+            return
         if self.staging is not None:
             self.staging.drop(peer)
         for remote, _local in peer.lists:
@@ -264,12 +270,16 @@ class DecodeRank:
     ) -> bool:
         """Stage the request where the cost model says so and both sides have room (docs/protocol.md §4d)."""
         choice = self.staging.choose(peer, ids) if self.staging is not None else None
-        if self.staging is None or choice is None or not choice.staged:
+        if self.staging is None or choice is None:
+            return False
+        flight.expected = self.staging.observed.expected()
+        if not choice.staged:
             return False
         first = stage_first(peer, flight.params, local_count, ids[0][1].size // peer.staged[0].segments.runs)
         staged = self.staging.start(flight, peer, ids, first, choice)
         if staged is None:
             return False
+        flight.expected = self.staging.observed.expected(staged.into)
         flight.own_microseconds = (time.perf_counter() - flight.started) * 1e6 - flight.post_microseconds
         self._staged[flight.request_id] = staged
         return True
@@ -295,6 +305,11 @@ class DecodeRank:
         for sender, messages in self.transport.notifications().items():
             log.warning("ignoring %d unexpected notification(s) from %s", len(messages), sender)
         self._zombies = [h for h in self._zombies if not self.transport.release(h)]
+        if self.staging is not None:
+            self.staging.poll()
+        retired, self._retired = self._retired, []
+        for gone in retired:
+            self._drop(gone)
         now = time.monotonic()
         for request_id, flight in list(self._in_flight.items()):
             states = [self.transport.state(h) for h in flight.handles]
@@ -310,7 +325,6 @@ class DecodeRank:
             elif now > flight.deadline:
                 results.append(self._fail(flight, TRANSFER_TIMEOUT, f"READs not complete after {flight.timeout:g} s"))
         if self.staging is not None:
-            self.staging.poll()
             results.extend(self._poll_staged(now))
         return results
 
@@ -371,6 +385,8 @@ class DecodeRank:
 
     def _finish(self, flight: InFlight, peer: RemotePeer) -> ReadResult:
         read = time.perf_counter()
+        if self.staging is not None and flight.expected is not None:  # a read the cost model weighed corrects it
+            self.staging.observed.observe(*flight.expected, read - flight.started)
         converted = self.convert(self.cache, peer.plan, Role.DECODE, flight.blocks)
         done = time.perf_counter()
         conversion = ""
@@ -427,5 +443,11 @@ class DecodeRank:
         for handle in self._zombies:
             self.transport.release(handle)
         self._zombies.clear()
+        retired, self._retired = self._retired, []
+        for gone in retired:  # the transport closes next: its lists and agents go with it either way
+            if self.staging is not None:
+                self.staging.drop(gone)
+            for remote, _local in gone.lists:
+                self.transport.release_dlist(remote)
         if self.staging is not None:
             self.staging.close()

@@ -42,6 +42,7 @@ from kvbridge_agent.core.staging import (
 )
 from kvbridge_agent.transfer.cost_model import measure
 from kvbridge_agent.transfer.kv_cache import KVCache
+from kvbridge_agent.transfer.observed_costs import ObservedCosts
 from kvbridge_agent.transfer.peer_lists import ReadSegments
 from kvbridge_agent.transfer.reads import InFlight, RemotePeer
 from kvbridge_agent.transfer.staging import Extent, RowMap, StagingPool, scatter
@@ -145,8 +146,9 @@ class DecodeStaging:
         self.busy = 0  # requests read directly because a staging buffer had no room
         #: the cost model's own choice for the last request weighed (whatever ``mode`` then forced)
         self.last_choice: Choice | None = None
+        self.observed = ObservedCosts()  # the model's corrections from completed reads
         self._prestaged: dict[str, bool] = {}  # per peer: whether its last stage reply was packed at offer
-        self._quarantine: list[tuple[list[Any], str]] = []  # READs NIXL would not release yet, and their extent
+        self.quarantine: list[tuple[list[Any], str]] = []  # READs NIXL would not release yet, and their extent
         #: the ids :meth:`choose` last weighed, and per read decode's runs of them in wire order
         self._wire: tuple[object, list[_Runs]] = (None, [])
         #: per segment length: this cache in entries of that length (one strided row per tensor, in address order,
@@ -224,7 +226,8 @@ class DecodeStaging:
             pieces += len(read_groups(size, read.piece))
         into_blocks = placed if all(read.into_blocks for read in peer.staged) else None
         packed = self._prestaged.get(peer.engine_id, False)
-        choice = self.last_choice = self.cost.choose(direct, into_blocks, nbytes, len(peer.staged), pieces, packed)
+        measured = self.cost.choose(direct, into_blocks, nbytes, len(peer.staged), pieces, packed)
+        choice = self.last_choice = self.observed.choose(measured, self.cost.margin)
         if self.into != "auto" and (self.into != INTO_BLOCKS or into_blocks is not None):
             choice = replace(choice, into=self.into)
         return replace(choice, staged=True) if self.mode == "staged" else choice
@@ -421,8 +424,7 @@ class DecodeStaging:
                 part.done = state == "DONE"
         if staged.into == INTO_BLOCKS:
             return "DONE" if all(part.done for part in staged.parts) else "PROC"
-        received = [0] * len(staged.rows)
-        stalled = [False] * len(staged.rows)
+        received, stalled = [0] * len(staged.rows), [False] * len(staged.rows)
         for part in staged.parts:  # a read's bytes are in up to its first READ not done
             stalled[part.read] = stalled[part.read] or not part.done
             if not stalled[part.read]:
@@ -435,7 +437,11 @@ class DecodeStaging:
             if ready > staged.scattered[index]:
                 span = (staged.scattered[index], ready)
                 if last:
-                    staged.scatter_s += self._scatter(staged, index, span)
+                    try:
+                        staged.scatter_s += self._scatter(staged, index, span)
+                    except Exception:  # fails its request (``ERR``), never the rank's poll loop or its process
+                        log.exception("scattering staged read %s failed", staged.flight.request_id)
+                        return "ERR"
                 else:
                     staged.futures.append(self._worker.submit(self._scatter, staged, index, span))
                 staged.scattered[index] = ready
@@ -464,27 +470,26 @@ class DecodeStaging:
         stuck = [part.handle for part in staged.parts if not self.transport.release(part.handle)]
         staged.flight.handles.clear()
         if stuck:
-            self._quarantine.append((stuck, staged.flight.request_id))
+            self.quarantine.append((stuck, staged.flight.request_id))
         else:
             self.pool.release(staged.flight.request_id)
 
     def poll(self) -> None:
         """Retry releasing READs NIXL kept; free their extents once it let go of all."""
         kept = []
-        for handles, owner in self._quarantine:
+        for handles, owner in self.quarantine:
             left = [h for h in handles if not self.transport.release(h)]
             if left:
                 kept.append((left, owner))
             else:
                 self.pool.release(owner)
-        self._quarantine = kept
+        self.quarantine = kept
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
         self.transport.release_dlist(self._local)
-        for found in self._segments.values():
-            if found is not None:
-                self.transport.release_dlist(found[0])
+        for found in (found for found in self._segments.values() if found is not None):
+            self.transport.release_dlist(found[0])
         self._segments.clear()
 
 

@@ -399,7 +399,7 @@ def test_a_dead_rank_makes_the_engine_unhealthy_and_exit_for_a_restart(cluster: 
     [rank] = engine.ready["rankPids"]
     os.kill(rank, 9)
     assert engine.process.wait(timeout=15) == 3  # EXIT_UNHEALTHY: the kubelet restarts the pod
-    assert "rank 0 process exited" in engine.log_tail()
+    assert "rank 0 process exited with code -9 (signal 9)" in engine.log_tail()  # how it ended, for a diagnosis
     assert not running(rank)  # reaped, not a zombie
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
+from collections.abc import Callable, Sequence
 
 from kvbridge_agent.core import (
     Attention,
@@ -35,6 +36,38 @@ from kvbridge_sim.support import wait_until
 def scattered(num_blocks: int, seed: int) -> list[int]:
     """All block ids in a deterministic scattered order (runs of adjacent ids are rare)."""
     return sorted(range(num_blocks), key=lambda b: ((b + seed) * 7919) % num_blocks)
+
+
+def offer_on_ranks(
+    prefill: Sequence[PrefillRank],
+    plan: TransferPlan,
+    request_id: str,
+    num_tokens: int,
+    blocks: list[int],
+    digests: dict[str, RequestDigests],
+    digest: bool,
+    fill: Callable[[int, PrefillRank], None],
+) -> KVTransferParams:
+    """Offer a request on every prefill rank of a pair, each rank's cache filled first by ``fill(p, rank)``; with
+    ``digest`` its digests (one key for all ranks) are kept in ``digests`` for decode to verify. The parameters
+    decode reads it with (shared by ``InProcessPair`` and ``staged_harness.StagedPair``)."""
+    key = new_key()  # one per request, the same on every prefill rank
+    for p, rank in enumerate(prefill):
+        fill(p, rank)
+        published = rank.offer(request_id, blocks, num_tokens if digest else 0, key)
+        digests.setdefault(request_id, RequestDigests(key, {})).heads.update(published)
+    wire = wire_block_ids(blocks, num_tokens, plan.split_ratio, plan.wire.block_size)
+    return KVTransferParams(
+        remote_engine_id=prefill[0].engine_id,
+        remote_incarnation=prefill[0].incarnation,
+        remote_host="127.0.0.1",
+        remote_port=1,
+        remote_request_id=request_id,
+        remote_block_ids=wire.tolist(),
+        num_tokens=num_tokens,
+        remote_tp_size=len(prefill),
+        fingerprint=plan.fingerprint,
+    )
 
 
 class InProcessPair:
@@ -88,23 +121,11 @@ class InProcessPair:
     def offer(
         self, request_id: str, num_tokens: int, prefill_blocks: list[int], digest: bool = False
     ) -> KVTransferParams:
-        key = new_key()  # one per request, the same on every prefill rank
-        for rank in self.prefill:
+        def fill(_p: int, rank: PrefillRank) -> None:
             fill_request(rank.cache, request_id, prefill_blocks)
-            published = rank.offer(request_id, prefill_blocks, num_tokens if digest else 0, key)
-            self.digests.setdefault(request_id, RequestDigests(key, {})).heads.update(published)
-        wire = wire_block_ids(prefill_blocks, num_tokens, self.plan.split_ratio, self.plan.wire.block_size)
-        return KVTransferParams(
-            remote_engine_id=self.engine_id,
-            remote_incarnation=self.incarnation,
-            remote_host="127.0.0.1",
-            remote_port=1,
-            remote_request_id=request_id,
-            remote_block_ids=wire.tolist(),
-            num_tokens=num_tokens,
-            remote_tp_size=len(self.prefill),
-            fingerprint=self.plan.fingerprint,
-        )
+
+        blocks, digests = prefill_blocks, self.digests
+        return offer_on_ranks(self.prefill, self.plan, request_id, num_tokens, blocks, digests, digest, fill)
 
     def read(
         self,

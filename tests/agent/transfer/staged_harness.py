@@ -13,8 +13,7 @@ from typing import Any
 import torch
 
 from kvbridge_agent.core import ModelGeometry, RoleSettings, TransferSettings, build_plan
-from kvbridge_agent.core.blocks import wire_block_ids
-from kvbridge_agent.core.digest import RequestDigests, new_key
+from kvbridge_agent.core.digest import RequestDigests
 from kvbridge_agent.core.handshake import KVTransferParams
 from kvbridge_agent.core.layout import PhysicalLayout, PhysicalOrder
 from kvbridge_agent.core.stage_requests import StageReply, StageRequest
@@ -26,6 +25,8 @@ from kvbridge_agent.transfer.prefill_rank import PrefillRank
 from kvbridge_agent.transfer.reads import ReadResult, Verify
 from kvbridge_agent.transfer.transport import Transport
 from kvbridge_sim.support import wait_until
+
+from .harness import offer_on_ranks
 
 #: each side's staging buffer in these pairs
 STAGING = 8 << 20
@@ -108,24 +109,12 @@ class StagedPair:
     def offer(self, tokens: int, blocks: list[int], seed: int, digest: bool = False) -> KVTransferParams:
         """Offer a request (its prefill caches filled from ``seed``); with ``digest`` its digests are kept in
         :attr:`digests` for decode to verify."""
-        request_id = f"staged-{next(_ids)}"
-        key = new_key()
-        for p, rank in enumerate(self.prefill):
+
+        def fill(p: int, rank: PrefillRank) -> None:
             randomize(rank.cache, seed * 31 + p)
-            published = rank.offer(request_id, blocks, tokens if digest else 0, key)
-            self.digests.setdefault(request_id, RequestDigests(key, {})).heads.update(published)
-        wire = wire_block_ids(blocks, tokens, self.plan.split_ratio, self.plan.wire.block_size)
-        return KVTransferParams(
-            remote_engine_id=self.engine_id,
-            remote_incarnation=self.incarnation,
-            remote_host="127.0.0.1",
-            remote_port=1,
-            remote_request_id=request_id,
-            remote_block_ids=wire.tolist(),
-            num_tokens=tokens,
-            remote_tp_size=len(self.prefill),
-            fingerprint=self.plan.fingerprint,
-        )
+
+        request_id = f"staged-{next(_ids)}"
+        return offer_on_ranks(self.prefill, self.plan, request_id, tokens, blocks, self.digests, digest, fill)
 
     def run(
         self, tokens: int, remote: list[int], local: list[int], seed: int, mode: str, into: str = "auto"

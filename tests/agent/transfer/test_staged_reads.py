@@ -26,8 +26,9 @@ from kvbridge_agent.core.stage_requests import (
     STAGING_OFF,
     StageRequest,
 )
+from kvbridge_agent.transfer import staged_reads
 from kvbridge_agent.transfer.prefill_rank import PrefillRank
-from kvbridge_agent.transfer.reads import Verify
+from kvbridge_agent.transfer.reads import TRANSFER_FAILED, Verify
 
 from .harness import model as region_model
 from .staged_harness import Side, StagedPair
@@ -229,3 +230,64 @@ def test_bytes_that_changed_in_a_staging_buffer_fail_the_digest(pairs: dict[str,
     assert result.invalid_blocks == sorted(local)
     for rank in pair.prefill:
         rank.forget(params.remote_request_id)
+
+
+def test_a_scatter_that_fails_fails_its_request_not_the_rank(
+    pairs: dict[str, StagedPair], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scatter that raises on the rank's own thread (host memory: the READ is done when posted, so the rank
+    scatters it itself) fails that request with ``TRANSFER_FAILED``; it never escapes the rank's start or poll
+    (in an engine, that ended the rank's loop and process). The extent goes back; the next request reads."""
+    pair = pair_of(pairs, "LBHNC-tp2to1")
+    remote, local = [3, 8, 1, 20], [5, 6, 7, 2]
+    direct = pair.run(60, remote, local, 7, "direct")
+
+    def broken(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError("a scatter that failed")
+
+    monkeypatch.setattr(staged_reads, "scatter", broken)
+    params = pair.offer(60, remote, 7)
+    result = pair.read(params, local, "staged", "buffer")[0][0]
+    assert (result.ok, result.code) == (False, TRANSFER_FAILED), result
+    staging = pair.decode[0].staging
+    assert staging is not None
+    assert staging.pool.free_bytes == staging.pool.bytes
+    for rank in pair.prefill:  # no notification came: prefill's lease ends
+        rank.forget(params.remote_request_id)
+    monkeypatch.undo()
+    got = pair.run(60, remote, local, 7, "staged", "buffer")
+    assert (got[0][0].ok, got[0][0].mode) == (True, "staged")
+    assert all(torch.equal(a, b) for a, b in zip(got[0][1], direct[0][1], strict=True))
+
+
+def test_an_evicted_peer_keeps_its_lists_while_nixl_holds_a_read_of_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A READ NIXL would not release (a failed staged read in quarantine, or a direct one) must not outlive the
+    descriptor lists and remote agents it names: evicting its peer releases them only once NIXL let go of it."""
+    pair = StagedPair(*CONFIGS["LBHNC-tp2to1"], blocks=BLOCKS)
+    try:
+        rank = pair.decode[0]
+        transport, staging = rank.transport, rank.staging
+        assert staging is not None
+        staging.mode, staging.into = "staged", "buffer"
+        params = pair.offer(60, [3, 8, 1, 20], 7)
+        assert rank.start("held", params, [5, 6, 7, 2], 20.0) is None
+        monkeypatch.setattr(transport, "state", lambda _handle: "ERR")
+        monkeypatch.setattr(transport, "release", lambda _handle: False)
+        [failed] = rank.poll()
+        assert failed.code == TRANSFER_FAILED
+        assert staging.quarantine
+        peer = rank.peers[pair.engine_id]
+        lists = [read.pieces for read in peer.staged] + [remote for remote, _local in peer.lists]
+        agents = set(peer.agents.values())
+        assert rank.evict_peer(pair.engine_id)
+        rank.poll()
+        assert all(handle in transport._dlists for handle in lists)  # still named by the READ NIXL holds
+        assert agents <= transport._peers
+        monkeypatch.undo()
+        rank.poll()  # NIXL let go: the extent, the lists and the agents go
+        assert not staging.quarantine
+        assert staging.pool.free_bytes == staging.pool.bytes
+        assert not any(handle in transport._dlists for handle in lists)
+        assert not agents & transport._peers
+    finally:
+        pair.close()
