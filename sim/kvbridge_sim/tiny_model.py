@@ -57,6 +57,8 @@ class Shape:
     #: the architecture: ``llama`` (Llama, or Mixtral with experts) or ``gemma3`` (Gemma-3's text model: 5 sliding
     #: layers then a global one, each kind its own RoPE base; transformers' and vLLM's ``Gemma3ForCausalLM``)
     family: str = "llama"
+    #: each attention head's width when it is not ``hidden // num_heads`` (0: that quotient)
+    explicit_head_dim: int = 0
 
     @property
     def period(self) -> int:
@@ -73,7 +75,7 @@ class Shape:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.num_heads
+        return self.explicit_head_dim or self.hidden // self.num_heads
 
     @property
     def geometry(self) -> dict[str, Any]:
@@ -109,8 +111,20 @@ MOE = Shape("kvbridge/tiny-moe", NUM_LAYERS, HIDDEN, NUM_HEADS, NUM_KV_HEADS, MA
 #: Gemma-3's layer pattern shrunk: 6 layers, 5 with a 32-token sliding window then 1 global (Gemma-3-1B's 26 layers
 #: and 512-token window, Gemma-3-12B's 48 and 1024), one KV head as Gemma-3-1B, the tiny model's width
 GEMMA3 = Shape("kvbridge/tiny-gemma3", 6, HIDDEN, NUM_HEADS, 1, MAX_POSITIONS, 32, family="gemma3")
+#: a narrow model with a wide KV cache, so that moving a request's KV takes time beside its forward
+#: (benchmarks/vllm_connectors.py --model large): 16 layers of 8 KV heads of 64 (32 KiB per token in bf16: a
+#: 1,024-token prompt's KV is 32 MiB, a 4,000-token one's 125 MiB) on a hidden size of 256 (about 22 M parameters)
+LARGE = Shape(
+    "kvbridge/large-kv-llama",
+    num_layers=16,
+    hidden=256,
+    num_heads=8,
+    num_kv_heads=8,
+    max_positions=4096,
+    explicit_head_dim=64,
+)
 #: the local models by ``spec.model.name``
-SHAPES = {shape.name: shape for shape in (TINY, SMALL, HYBRID, MOE, GEMMA3)}
+SHAPES = {shape.name: shape for shape in (TINY, SMALL, HYBRID, MOE, GEMMA3, LARGE)}
 _MARKER = "kvbridge-tiny-model.json"
 
 _TEXT = (
