@@ -6,7 +6,9 @@ overlapped with vLLM's next steps and with the READs; vLLM's thread only starts 
   of the step in which they are done, and decode fetches them from prefill's side channel while it reads (a prefill
   still digesting answers ``pending``; each rank also relays its digests to the scheduler the moment they are
   taken, digest_relay.py). The request's blocks stay as computed until then: prefill converts a
-  request's blocks in place for its readers only after its digest is taken (:meth:`PrefillDigests.wait`).
+  request's blocks in place for its readers (vLLM's CPU build splitting them for the wire) only after its digest
+  is taken (:meth:`PrefillDigests.wait`), and hands them back to vLLM only after it (:meth:`PrefillDigests.running`);
+  an offer that leaves them as computed does not wait for it.
 - Decode (:class:`DecodeChecks`): prefill's digests are fetched while the READs run; when the READs (and decode's
   conversions) are done, the digest of what this rank now holds is taken and compared on a thread, and the request
   is reported to vLLM in the step its check completes — never before, so no KV is used unverified, and a mismatch
@@ -136,6 +138,12 @@ class PrefillDigests:
         except TimeoutError:
             log.error("kvbridge: the digest of %s took over %.0f s; offered without it", request_id, timeout)
         return time.perf_counter() - began
+
+    def running(self, request_id: str) -> bool:
+        """Whether the request's digest is still being taken: its blocks are neither freed nor re-laid until it is."""
+        with self._lock:
+            running = self._running.get(request_id)
+        return running is not None and not running.done()
 
     def take(self) -> list[PrefillDigest]:
         """The digests done since the last call (on vLLM's thread: they go out with this step's output)."""

@@ -93,6 +93,9 @@ class ConnectorWorker:
         self._reported_held: tuple[int, int] | None = None
         self._done_sending: set[str] = set()
         self._finished_seen: set[str] = set()
+        #: whether an offer re-lays prefill's own blocks (a split for the wire on vLLM's CPU build), so that it
+        #: waits for the request's digest, which reads them as computed; otherwise the digest runs beside the steps
+        self._offer_waits_for_digest = False
         # decode
         self._results: list[ReadResult] = []
         self._executor = ThreadPoolExecutor(max_workers=MAX_HANDSHAKES, thread_name_prefix="kvbridge-handshake")
@@ -148,6 +151,8 @@ class ConnectorWorker:
             plan = build_plan(self.geometry, environment.prefill, environment.decode, settings.transfer)
             refuse_conversions(self.geometry, self.native, plan, self.kernel)
             self.prefill = rank = PrefillRank(cache, transport, plan, environment.engine_id, self.incarnation, convert)
+            # a host buffer converts into its mirror, a physical layout is never re-laid: the engine's blocks stay
+            self._offer_waits_for_digest = bool(plan.wire.steps(Role.PREFILL)) and engine is None and not layout
             metadata = self.prefill.metadata().model_copy(update={"block_interior": self.block_interior})
             self._handshake = RankHandshake(metadata.model_dump_json(exclude_none=True), transport.metadata())
         else:
@@ -229,7 +234,8 @@ class ConnectorWorker:
         if self.prefill is not None:
             for request_id, order in meta.to_offer.items():
                 began = time.time_ns()
-                waited = self._digesting.wait(request_id)  # its blocks are converted in place after their digest
+                # blocks converted in place only after their digest; else the offer does not wait for it
+                waited = self._digesting.wait(request_id) if self._offer_waits_for_digest else 0.0
                 if order.digest_tokens:  # not digested after its prompt's step: digested here, on vLLM's thread
                     started = time.perf_counter()
                     digests = self.prefill.offer(
@@ -400,7 +406,8 @@ class ConnectorWorker:
                     self.stats.record_expired_lease()
                     self._done_sending.add(request_id)
                     self._expired.add(request_id)
-            ready = self._done_sending & self._finished_seen  # vLLM wants ids it reported finished
+            # vLLM wants ids it reported finished; a block is freed only once its digest (if one runs) has read it
+            ready = {r for r in self._done_sending & self._finished_seen if not self._digesting.running(r)}
             self._done_sending -= ready
             self._finished_seen -= ready
             for request_id in ready:

@@ -143,11 +143,8 @@ def test_prefill_digests_after_the_forward_on_its_own_thread(
     assert (heads, data) == to_bytes(worker.prefill.digest(key, list(blocks), TOKENS))
 
 
-def test_an_offer_converts_the_blocks_only_after_their_digest(
-    monkeypatch: pytest.MonkeyPatch, closing: list[Any]
-) -> None:
-    recorder = Recorder(monkeypatch)
-    worker, blocks = prefill_worker(closing)
+def offer_after_slow_digest(worker: ConnectorWorker, blocks: list[int]) -> list[float]:
+    """When the offer called its conversion, with the request's (slowed) digest started just before."""
     assert worker.prefill is not None
     converted: list[float] = []
     convert = worker.prefill.convert
@@ -159,6 +156,42 @@ def test_an_offer_converts_the_blocks_only_after_their_digest(
     worker.prefill.convert = recording
     worker.wait_for_save(StepMetadata(to_digest={"p1": DigestOrder(list(blocks), TOKENS, new_key())}))
     worker.start_load_kv(StepMetadata(to_offer={"p1": OfferOrder(list(blocks), time.time() + 30)}))
+    return converted
+
+
+def test_an_offer_that_re_lays_the_blocks_waits_for_their_digest(
+    monkeypatch: pytest.MonkeyPatch, closing: list[Any]
+) -> None:
+    """As on vLLM's CPU build splitting its blocks for the wire: the digest reads them as computed first."""
+    recorder = Recorder(monkeypatch)
+    worker, blocks = prefill_worker(closing)
+    worker._offer_waits_for_digest = True
+    converted = offer_after_slow_digest(worker, blocks)
     [(_thread, _digester, ended)] = recorder.digests
     assert len(converted) == 1
     assert converted[0] >= ended
+
+
+def test_an_offer_that_leaves_the_blocks_as_computed_does_not_wait(
+    monkeypatch: pytest.MonkeyPatch, closing: list[Any]
+) -> None:
+    """vLLM's layouts are never re-laid (decode's READs pair the runs): the offer goes on while the digest runs, and
+    the blocks go back to vLLM only once the digest has read them, however early their reader is done."""
+    recorder = Recorder(monkeypatch)
+    worker, blocks = prefill_worker(closing)
+    assert not worker._offer_waits_for_digest
+    began = time.monotonic()
+    converted = offer_after_slow_digest(worker, blocks)
+    assert len(converted) == 1
+    assert converted[0] - began < SLOW  # not behind the slowed digest
+    worker._done_sending.add("p1")  # its reader done before the digest (a READ completed at once)
+    assert worker.get_finished({"p1"})[0] is None  # not freed: the digest still reads its blocks
+    deadline = time.monotonic() + 10
+    freed = None
+    while freed is None:
+        assert time.monotonic() < deadline, "the blocks were never freed"
+        time.sleep(0.02)
+        freed = worker.get_finished(set())[0]
+    assert freed == {"p1"}
+    assert recorder.digests[0][2] > converted[0]
+    assert time.monotonic() >= recorder.digests[0][2]  # freed once the digest was done
