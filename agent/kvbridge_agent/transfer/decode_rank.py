@@ -157,6 +157,9 @@ class DecodeRank:
         if self._zombies or (self.staging is not None and self.staging.quarantine):
             self._retired.append(peer)
             return
+        self._release_peer(peer)
+
+    def _release_peer(self, peer: RemotePeer) -> None:
         if self.staging is not None:
             self.staging.drop(peer)
         for remote, _local in peer.lists:
@@ -444,10 +447,7 @@ class DecodeRank:
             self.transport.release(handle)
         self._zombies.clear()
         retired, self._retired = self._retired, []
-        for gone in retired:  # the transport closes next: its lists and agents go with it either way
-            if self.staging is not None:
-                self.staging.drop(gone)
-            for remote, _local in gone.lists:
-                self.transport.release_dlist(remote)
+        for gone in retired:  # every READ released above: nothing names their lists and agents any more
+            self._release_peer(gone)
         if self.staging is not None:
             self.staging.close()

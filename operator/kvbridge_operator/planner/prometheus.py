@@ -232,10 +232,10 @@ def queries(namespace: str, deployment: str, window: str, ttft_q: float, itl_q: 
     """The PromQL of every figure of an :class:`Observation`, by name."""
 
     def prefill(series: str) -> str:
-        return _named(series, _selector(namespace, deployment, series, role="prefill"))
+        return _of_role(namespace, deployment, series, "prefill")
 
     def decode(series: str) -> str:
-        return _named(series, _selector(namespace, deployment, series, role="decode"))
+        return _of_role(namespace, deployment, series, "decode")
 
     def rate(selected: str) -> str:
         return f"sum(rate({selected}[{window}]))"
@@ -264,20 +264,19 @@ def histograms(namespace: str, deployment: str) -> dict[str, str]:
     """The bucket series of the histograms the percentiles are read from, by the name of their figure."""
     return {
         "ttft_router": f"kvbridge_router_ttft_seconds_bucket{_selector(namespace, deployment, component='router')}",
-        "ttft_decode": _named(
-            "vllm:time_to_first_token_seconds_bucket",
-            _selector(namespace, deployment, "vllm:time_to_first_token_seconds_bucket", role="decode"),
-        ),
-        "itl": _named(
-            "vllm:inter_token_latency_seconds_bucket",
-            _selector(namespace, deployment, "vllm:inter_token_latency_seconds_bucket", role="decode"),
-        ),
+        "ttft_decode": _of_role(namespace, deployment, "vllm:time_to_first_token_seconds_bucket", "decode"),
+        "itl": _of_role(namespace, deployment, "vllm:inter_token_latency_seconds_bucket", "decode"),
     }
 
 
 def bounds_query(selected: str, window: str) -> str:
     """The PromQL of a histogram's bucket bounds: its buckets' series over ``window``, one per ``le``."""
     return f"count by (le) (last_over_time({selected}[{window}]))"
+
+
+def _of_role(namespace: str, deployment: str, series: str, role: str) -> str:
+    """A series of one role's engines of the deployment."""
+    return _named(series, _selector(namespace, deployment, series, role=role))
 
 
 def _named(series: str, selector: str) -> str:
