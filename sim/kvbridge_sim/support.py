@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import itertools
 import os
 import random
 import socket
@@ -53,6 +52,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise OSError(f"no free port on {host} below {low} after 64 draws")
 
 
+#: how many /24s of loopback :func:`pod_addresses` tries before it gives up
+SUBNETS_TRIED = 16
 #: the last byte from which addresses of :func:`own_subnet` are left to tests' engines at fixed addresses
 FIXED_ADDRESSES = 128
 
@@ -73,18 +74,26 @@ def fixed_address(n: int) -> str:
 
 def pod_addresses(port: int = 8000, pid: int | None = None) -> Iterator[str]:
     """Loopback addresses for one local cluster's pods in :func:`own_subnet`, 127.A.B.2 to .127, each with nothing
-    listening on ``port`` when it is given (an address in use is skipped); then the next /24. The upper half,
-    :data:`FIXED_ADDRESSES` on, is for engines a test starts at an address of its own choosing."""
+    listening on ``port`` when it is given (an address in use is skipped); then the next /24, up to
+    :data:`SUBNETS_TRIED` of them: past that (something listening on every one, as a server bound to 0.0.0.0 on
+    ``port`` would be) :class:`OSError` names the port. The upper half, :data:`FIXED_ADDRESSES` on, is for engines a
+    test starts at an address of its own choosing."""
     own = os.getpid() if pid is None else pid
-    for subnet in itertools.count(own):
+    skipped = 0
+    for subnet in range(own, own + SUBNETS_TRIED):
         for last in range(2, FIXED_ADDRESSES):
             address = f"{own_subnet(subnet)}.{last}"
             with socket.socket() as probe:
                 try:
                     probe.bind((address, port))
                 except OSError:
+                    skipped += 1
                     continue
             yield address
+    raise OSError(
+        f"no loopback address free for a pod's port {port}: {skipped} addresses in use in "
+        f"{SUBNETS_TRIED} /24s from {own_subnet(own)} (is something listening on 0.0.0.0:{port}?)"
+    )
 
 
 def _ephemeral_low() -> int:

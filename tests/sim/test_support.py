@@ -50,6 +50,16 @@ def test_pod_addresses_skip_one_something_listens_on() -> None:
         assert next(pod_addresses(port=port, pid=4242)) != first
 
 
+def test_pod_addresses_give_up_naming_the_port_when_every_one_is_taken() -> None:
+    """A server on 0.0.0.0 holds the port on every loopback address: an error, never an endless search."""
+    with socket.socket() as everywhere:
+        everywhere.bind(("0.0.0.0", 0))
+        everywhere.listen()
+        port = everywhere.getsockname()[1]
+        with pytest.raises(OSError, match=f"0.0.0.0:{port}"):
+            next(pod_addresses(port=port, pid=4242))
+
+
 def test_wait_until_returns_once_the_condition_holds() -> None:
     calls = iter(range(100))
     wait_until(lambda: next(calls) >= 3, 5, "the fourth check", interval=0.001)
