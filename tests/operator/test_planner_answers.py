@@ -40,6 +40,7 @@ from kvbridge_operator.planner.prometheus import (
     Unanswered,
     instant,
     read_answer,
+    read_bounds,
 )
 from kvbridge_operator.planner.sizing import METRICS_MISSING
 
@@ -475,3 +476,17 @@ def test_the_egress_policy_the_docs_recommend_is_a_valid_network_policy_selectin
     labels = operator["spec"]["template"]["metadata"]["labels"]
     assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
     assert policy["metadata"]["namespace"] == operator["metadata"]["namespace"]
+
+
+@pytest.mark.parametrize(
+    "metric", [{"le": "1", "token=hunter2-" + "k" * 60: "x"}, {"le": "1", "token=hunter2": "v" * 70}]
+)
+def test_a_label_name_from_the_body_is_never_shown(metric: dict[str, str]) -> None:
+    body = json.dumps(
+        {"status": "success", "data": {"resultType": "vector", "result": [{"metric": metric, "value": [1, "1"]}]}}
+    )
+    answer = read_bounds(200, body.encode())
+    assert isinstance(answer, Unanswered)
+    assert answer.code == PROMETHEUS_MALFORMED
+    assert "hunter2" not in answer.message
+    assert "metric" in answer.message

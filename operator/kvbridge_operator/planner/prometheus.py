@@ -146,7 +146,13 @@ def _read(status: int, body: bytes) -> _Success | Unanswered:
         first = exc.errors(include_url=False, include_input=False, include_context=False)[0]
         if status != 200 or not first["loc"] or first["loc"][0] != "success":
             return foreign
-        where = ".".join(str(step) for step in first["loc"][1:] if step not in ("vector", "scalar"))
+        steps: list[str] = []
+        for step in first["loc"][1:]:
+            if step not in ("vector", "scalar"):
+                steps.append(str(step))
+            if step == "metric":  # past it a label's name: the body's own content, never shown
+                break
+        where = ".".join(steps)
         return Unanswered(
             PROMETHEUS_MALFORMED,
             shown(f"a success answer without one vector or scalar of numbers ({where}: {first['type']})"),
