@@ -175,3 +175,13 @@ def test_the_queries_read_the_windows_mean_load_and_the_histograms_bounds() -> N
     itl = histograms("team-a", "llama")["itl"]
     assert itl in asked["itl"]
     assert bounds_query(itl, "10s") == f"count by (le) (last_over_time({itl}[10s]))"
+
+
+def test_a_reading_a_rounding_above_a_bound_is_that_bounds_bucket() -> None:
+    """Prometheus reads a percentile at a bucket's top as 0.001 + (0.01 - 0.001) * 1.0 = 0.010000000000000002 s: the
+    bucket below, not the next one (else a prediction inside it would read as engines twice as slow)."""
+    reading = 1000 * (0.001 + (0.01 - 0.001) * 1.0)
+    assert reading > 10.0
+    assert bucket(reading, (1.0, 10.0, 100.0)) == (1.0, 10.0)
+    assert ratio(reading, 5.0, (1.0, 10.0, 100.0)) == 1.0
+    assert ratio(10.5, 5.0, (1.0, 10.0, 100.0)) == 2.0  # a real reading above the bound still names the next one

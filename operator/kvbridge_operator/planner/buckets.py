@@ -21,6 +21,10 @@ import bisect
 import math
 from collections.abc import Sequence
 
+#: how near a bound a reading is that bound: ``histogram_quantile`` computes a bucket's top as
+#: ``low + (high - low) * 1.0``, which floating point may put a step above ``high``
+ULPS = 1e-12
+
 
 def bucket(reading: float, bounds: Sequence[float]) -> tuple[float, float]:
     """The range ``(low, high]`` the true percentile lies in when ``histogram_quantile`` read ``reading`` from a
@@ -29,6 +33,9 @@ def bucket(reading: float, bounds: Sequence[float]) -> tuple[float, float]:
     bucket's (Prometheus returns that bound for it): its range has no upper end."""
     if not bounds:
         return reading, reading
+    below = bisect.bisect_left(bounds, reading)
+    if below > 0 and math.isclose(reading, bounds[below - 1], rel_tol=ULPS):
+        reading = bounds[below - 1]  # Prometheus' interpolation at a bucket's top, a rounding above its bound
     at = bisect.bisect_left(bounds, reading)
     if at >= len(bounds) - 1 and reading >= bounds[-1]:
         return (bounds[-2] if len(bounds) > 1 else 0.0), math.inf
