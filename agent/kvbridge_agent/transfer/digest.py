@@ -13,8 +13,10 @@ then put in logical order and weighted by position in int64 (``core.digest.finis
   float64 and a batched matmul against the coefficients (exact: integers below ``2**53``, any summation order), in
   chunks of blocks.
 
-An engine whose block interior the cache's geometry does not describe (vLLM's CPU attention stores keys
-dimension-major) passes a logical view instead, which costs a copy into token-major order per layer.
+An engine whose block interior the cache's geometry does not describe passes a logical view instead, which costs
+a copy into token-major order per layer. One such interior is read where it lies: keys dimension-major and values
+token-major per block and head (vLLM's CPU attention, ``vec`` kernels, 16-bit elements), summed by
+``transfer.digest_kernel.add_keys_across`` with no copy.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 from kvbridge_agent.core import KVLayout
 from kvbridge_agent.core.arithmetic import ceil_div
 from kvbridge_agent.core.digest import LANES, PRIME, Lanes, Words, finish, row_coefficients, row_units, segments
-from kvbridge_agent.transfer.digest_kernel import RowKernel, compiled
+from kvbridge_agent.transfer.digest_kernel import RowKernel, compiled, compiled_keys_across
 from kvbridge_agent.transfer.kv_cache import KVCache
 from kvbridge_agent.transfer.kv_view import global_heads, logical_layer
 
@@ -52,10 +54,17 @@ class Digester:
     """Digests of one rank's cache on the cache's device, for any key (one per request)."""
 
     def __init__(
-        self, cache: KVCache, view: LogicalView | None = None, heads: list[int] | None = None, compiled_cpu: bool = True
+        self,
+        cache: KVCache,
+        view: LogicalView | None = None,
+        heads: list[int] | None = None,
+        compiled_cpu: bool = True,
+        keys_across: bool = False,
     ) -> None:
         """``view`` and ``heads`` (the global KV heads of the view's head axis) default to the cache's own
-        geometry; an engine whose block interior the geometry does not describe passes its own. ``compiled_cpu``
+        geometry; an engine whose block interior the geometry does not describe passes its own. ``keys_across``:
+        each tensor is one layer whose block holds, per head of ``heads``, its keys dimension-major then its values
+        token-major, units of 16 bits (the view's interior, read where it lies when compiled). ``compiled_cpu``
         False takes the torch path on a CPU cache too (tests compare both)."""
         self.cache = cache
         self.view = view
@@ -70,6 +79,15 @@ class Digester:
         #: requests' rows)
         self._regions = [] if self._logical else list(self._physical())
         self._arrays = [(units.numpy(), group) for units, group in self._regions] if self._kernel else []
+        across = compiled_keys_across() if keys_across and self._kernel is not None else None
+        self._across: tuple[RowKernel, list[npt.NDArray[np.int16]]] | None = None
+        if across is not None:
+            shape = (cache.num_blocks, len(self.heads), 2, cache.block_size * self.width)
+            if cache.layout.block_stride != 2 * int(np.prod(shape[1:])) or len(cache.tensors) != cache.model.num_layers:
+                raise ValueError(f"a cache of {cache.layout} is not one tensor per layer of {shape[1:]} blocks")
+            layers = [self._units(layer).view(shape).numpy() for layer in range(cache.model.num_layers)]
+            if all(units.flags.c_contiguous for units in layers):  # else through the view (the kernel's signature)
+                self._across = across, layers
         self._seconds: deque[float] = deque(maxlen=KEPT_DURATIONS)
 
     def take_seconds(self) -> list[float]:
@@ -123,6 +141,9 @@ class Digester:
         n, hl, bs = len(block_ids), len(self.heads), cache.block_size
         hnd = cache.kv_layout is KVLayout.HND and not cache.model.is_mla
         logical = self._logical or depths is not None
+        if self._across is not None and depths is None:  # head-major rows, read where they lie
+            total = self._run_across(self._across, np.asarray(block_ids, np.int64), (n, hl, bs), coef)
+            return np.ascontiguousarray(total.transpose(0, 2, 1, 3)).reshape(n * bs, hl, LANES)
         if logical:
             shape, head_major = (n, 1, bs * hl), False
         elif cache.cross_layer:
@@ -189,6 +210,19 @@ class Digester:
         total = np.zeros((*shape, LANES), dtype=np.float64)
         for units, group in arrays:
             kernel(total, units, ids, coef[group : group + units.shape[2]])
+        return np.remainder(total, PRIME).astype(np.int64)
+
+    @staticmethod
+    def _run_across(
+        across: tuple[RowKernel, list[npt.NDArray[np.int16]]],
+        ids: npt.NDArray[np.int64],
+        shape: tuple[int, int, int],
+        coef: npt.NDArray[np.float64],
+    ) -> Lanes:
+        kernel, layers = across
+        total = np.zeros((*shape, LANES), dtype=np.float64)
+        for layer, units in enumerate(layers):
+            kernel(total, units, ids, coef[2 * layer : 2 * layer + 2])
         return np.remainder(total, PRIME).astype(np.int64)
 
     def _run_torch(

@@ -9,6 +9,11 @@ block ids, no copy), widens it in a register and does both lanes' multiply-adds 
 ``2**52``), so reassociating the sum (what lets LLVM vectorise it) changes nothing. Each segment's sum is reduced
 to ``s - floor(s / p) * p`` (congruent to it mod ``p``, in ``(-p, 2p)``) and added to the row's total.
 
+A second pass, :func:`add_keys_across`, reads blocks whose keys lie across, dimension-major (``[head_dim,
+tokens]``, as vLLM's CPU attention keeps them) and whose values lie along: it sums a keys' segment for every row
+at once, unit after unit, the inner loop running along the contiguous tokens, so nothing is copied into token
+order first.
+
 numba comes with vLLM (and the agent's image); without it the digester falls back to torch's passes (same values,
 slower). One compilation per process (about a second), cached on disk where the installation is writable.
 """
@@ -32,6 +37,8 @@ _INVERSE = 1.0 / _P
 #: total[n, outer, rows, lanes] (added to), region[blocks, outer, groups, rows, units], ids[n], coef[groups, lanes,
 #: segments, segment units]
 SIGNATURE = "void(float64[:, :, :, ::1], int16[:, :, :, :, ::1], int64[::1], float64[:, :, :, ::1])"
+#: :func:`add_keys_across`'s: its region is ``[blocks, outer, 2, width * rows]``
+KEYS_ACROSS_SIGNATURE = "void(float64[:, :, :, ::1], int16[:, :, :, ::1], int64[::1], float64[:, :, :, ::1])"
 
 RowKernel = Callable[
     [npt.NDArray[np.float64], npt.NDArray[np.int16], npt.NDArray[np.int64], npt.NDArray[np.float64]], None
@@ -73,10 +80,75 @@ def add_rows(
                     total[b, o, r, 1] += t1
 
 
+def add_keys_across(
+    total: npt.NDArray[np.float64],
+    region: npt.NDArray[np.int16],
+    ids: npt.NDArray[np.int64],
+    coef: npt.NDArray[np.float64],
+) -> None:
+    """:func:`add_rows` for blocks whose keys lie across: ``region[blocks, outer, 2, width * rows]``, where half 0
+    (keys) holds unit ``j`` of row ``r`` at ``j * rows + r`` and half 1 (values) at ``r * width + j``;
+    ``total[n, outer, rows, lanes]``, ``coef[2, lanes, segments, segment units]`` (the layer's K and V groups).
+    Same values, segments and reductions as :func:`add_rows`. The keys' segment is summed for every row at once,
+    unit after unit, along the contiguous rows (what vectorises); the caller checks the shapes."""
+    outer, rows = region.shape[1], total.shape[2]
+    count, units = coef.shape[2], coef.shape[3]
+    width = count * units
+    s0 = np.empty(rows)
+    s1 = np.empty(rows)
+    for b in range(ids.shape[0]):
+        block = region[ids[b]]
+        for o in range(outer):
+            keys = block[o, 0]
+            for q in range(count):
+                s0[:] = 0.0
+                s1[:] = 0.0
+                for j in range(units):
+                    column = keys[(q * units + j) * rows : (q * units + j + 1) * rows]
+                    c0 = coef[0, 0, q, j]
+                    c1 = coef[0, 1, q, j]
+                    for r in range(rows):
+                        x = np.float64(column[r])
+                        s0[r] += x * c0
+                        s1[r] += x * c1
+                for r in range(rows):
+                    total[b, o, r, 0] += s0[r] - np.floor(s0[r] * _INVERSE) * _P
+                    total[b, o, r, 1] += s1[r] - np.floor(s1[r] * _INVERSE) * _P
+            values = block[o, 1]
+            for r in range(rows):
+                row = values[r * width : (r + 1) * width]
+                t0 = 0.0
+                t1 = 0.0
+                for q in range(count):
+                    part = row[q * units : (q + 1) * units]
+                    c0 = coef[1, 0, q]
+                    c1 = coef[1, 1, q]
+                    v0 = 0.0
+                    v1 = 0.0
+                    for j in range(units):
+                        x = np.float64(part[j])
+                        v0 += x * c0[j]
+                        v1 += x * c1[j]
+                    t0 += v0 - np.floor(v0 * _INVERSE) * _P
+                    t1 += v1 - np.floor(v1 * _INVERSE) * _P
+                total[b, o, r, 0] += t0
+                total[b, o, r, 1] += t1
+
+
 @functools.cache
 def compiled() -> RowKernel | None:
     """:func:`add_rows` compiled (vectorised: reassociation and fused multiply-adds only, which exact integer
     arithmetic allows), or ``None`` without numba."""
+    return _compile(add_rows, SIGNATURE)
+
+
+@functools.cache
+def compiled_keys_across() -> RowKernel | None:
+    """:func:`add_keys_across` compiled as :func:`compiled`, or ``None`` without numba."""
+    return _compile(add_keys_across, KEYS_ACROSS_SIGNATURE)
+
+
+def _compile(function: RowKernel, signature: str) -> RowKernel | None:
     try:
         import numba  # optional, and a second of start-up: imported only where a CPU cache is digested
     except ImportError:
@@ -84,7 +156,7 @@ def compiled() -> RowKernel | None:
         return None
     options: dict[str, Any] = {"boundscheck": False, "fastmath": {"reassoc", "contract"}, "nogil": True}
     try:
-        kernel: RowKernel = numba.njit(SIGNATURE, cache=True, **options)(add_rows)
+        kernel: RowKernel = numba.njit(signature, cache=True, **options)(function)
     except RuntimeError:  # nowhere writable to cache it (a read-only installation and home): compile each time
-        kernel = numba.njit(SIGNATURE, **options)(add_rows)
+        kernel = numba.njit(signature, **options)(function)
     return kernel

@@ -41,6 +41,8 @@ class CPUAttentionBlocks:
         self.heads, self.head_dim, self.kernel = heads, head_dim, kernel
         self.element = _INTEGER_OF_SIZE[element_bytes]
         self.amx = kernel == "amx"
+        #: the digest may read the blocks where they lie (keys dimension-major, values token-major, 16-bit units)
+        self.keys_across = not self.amx and element_bytes == 2
         if self.amx and head_dim % (2 * AMX_ROWS):  # vLLM 0.32 runs vec16 there; measured only for multiples of 32
             raise SpecError(
                 f"vLLM's AMX attention kernel with head_dim {head_dim}: kvbridge knows its block interior only for a "

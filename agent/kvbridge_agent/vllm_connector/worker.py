@@ -159,7 +159,7 @@ class ConnectorWorker:
             self.decode = rank = DecodeRank(cache, transport, environment.decode, settings.transfer, convert)
         if isinstance(convert, CPUAttentionBlocks):  # the digest reads keys back to token-major, real heads
             owned = list(range(self.tp_rank * convert.heads, (self.tp_rank + 1) * convert.heads))
-            rank.digester = Digester(cache, convert.logical, owned)
+            rank.digester = Digester(cache, convert.logical, owned, keys_across=convert.keys_across)
         elif engine is not None:  # the digest reads the engine's cache, on either side of the host copies
             rank.digester = Digester(engine)
         elif settings.transfer.verification is not Verification.OFF:  # now: no verified request waits for numba

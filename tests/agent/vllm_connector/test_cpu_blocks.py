@@ -12,12 +12,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
 from kvbridge_agent.core import ModelGeometry, Role, RoleSettings
+from kvbridge_agent.core.digest import new_key
 from kvbridge_agent.core.errors import SpecError
 from kvbridge_agent.core.plan import build_plan
+from kvbridge_agent.transfer.digest import Digester
 from kvbridge_agent.transfer.kv_cache import KVCache
 from kvbridge_agent.vllm_connector.cache_geometry import cpu_kernel, transfer_geometry
 from kvbridge_agent.vllm_connector.cpu_blocks import CPUAttentionBlocks
@@ -125,3 +129,48 @@ def test_the_kernel_is_asked_by_the_models_dtype_as_vllm_asks(monkeypatch: pytes
     settings = ConnectorSettings.from_vllm(config, environ(Role.PREFILL))
     assert (settings.model_dtype, settings.kv_cache_dtype) == (torch.bfloat16, "fp8_e4m3")
     assert ConnectorSettings.from_vllm(vllm_config("kv_producer"), environ(Role.PREFILL)).model_dtype is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    layers=st.integers(1, 3),
+    heads=st.integers(1, 3),
+    head_dim=st.sampled_from([16, 32, 64, 80, 128, 256]),
+    block_size=st.sampled_from([1, 8, 16, 32, 128]),
+    data=st.data(),
+)
+def test_the_digest_reads_vec_blocks_where_they_lie(
+    layers: int, heads: int, head_dim: int, block_size: int, data: st.DataObject
+) -> None:
+    """The compiled pass over the blocks as the ``vec`` kernel lays them (keys dimension-major) gives the values of
+    the logical view (keys copied back to token-major), for any geometry, block ids and length; extreme units
+    included (a 256-dim head is two segments)."""
+    blocks = 6
+    model = ModelGeometry(name="m", num_layers=layers, num_kv_heads=heads, head_dim=head_dim)
+    fill = data.draw(st.sampled_from(["random", "extreme"]))
+    seed = data.draw(st.integers(0, 2**31 - 1))
+    generator = torch.Generator().manual_seed(seed)
+    shape = (blocks, heads, block_size, 2 * head_dim)
+    if fill == "random":
+        tensors = [torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=generator) for _ in range(layers)]
+    else:
+        signs = [torch.randint(0, 2, shape, dtype=torch.int16, generator=generator) for _ in range(layers)]
+        tensors = [torch.where(sign == 1, torch.tensor(-(2**15), dtype=torch.int16), 2**15 - 1) for sign in signs]
+    tensors = [tensor.view(torch.bfloat16) for tensor in tensors]
+    cache = KVCache.attach(transfer_geometry(model, tensors, 1), block_size, "HND", 1, 0, blocks, tensors)  # type: ignore[arg-type]
+    convert = CPUAttentionBlocks(heads, head_dim, 2, "vec")
+    assert convert.keys_across
+    count = data.draw(st.integers(1, blocks))
+    ids = data.draw(st.permutations(range(blocks)))[:count]
+    tokens = data.draw(st.integers((count - 1) * block_size + 1, count * block_size))
+    owned = list(range(heads))
+    across = Digester(cache, convert.logical, owned, keys_across=True)
+    assert across._across is not None  # the pass under test, not the view
+    key = new_key()
+    expected = Digester(cache, convert.logical, owned).request(key, ids, tokens, block_size)
+    assert (across.request(key, ids, tokens, block_size) == expected).all()
+
+
+@pytest.mark.parametrize(("kernel", "element_bytes"), [("amx", 2), ("vec", 4), ("vec", 1), ("vec16", 1)])
+def test_interiors_the_pass_does_not_read_go_through_the_view(kernel: str, element_bytes: int) -> None:
+    assert not CPUAttentionBlocks(HEADS, 64, element_bytes, kernel).keys_across
