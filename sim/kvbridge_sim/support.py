@@ -68,7 +68,10 @@ def own_subnet(pid: int | None = None) -> str:
 
 
 def fixed_address(n: int) -> str:
-    """The ``n``-th address of this process's own /24 for an engine a test starts at an address of its choosing."""
+    """The ``n``-th address of this process's own /24 for an engine a test starts at an address of its choosing
+    (``0 <= n <= 126``: ``.128`` to ``.254``)."""
+    if not 0 <= n <= 254 - FIXED_ADDRESSES:
+        raise ValueError(f"fixed address {n} is outside 0..{254 - FIXED_ADDRESSES} (the upper half of a /24)")
     return f"{own_subnet()}.{FIXED_ADDRESSES + n}"
 
 

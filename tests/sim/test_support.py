@@ -9,7 +9,16 @@ import time
 
 import pytest
 
-from kvbridge_sim.support import FREE_PORTS, _ephemeral_low, free_port, pod_addresses, until, wait_until
+from kvbridge_sim.support import (
+    FREE_PORTS,
+    _ephemeral_low,
+    fixed_address,
+    free_port,
+    own_subnet,
+    pod_addresses,
+    until,
+    wait_until,
+)
 
 
 def test_a_free_port_can_be_listened_on() -> None:
@@ -58,6 +67,14 @@ def test_pod_addresses_give_up_naming_the_port_when_every_one_is_taken() -> None
         port = everywhere.getsockname()[1]
         with pytest.raises(OSError, match=f"0.0.0.0:{port}"):
             next(pod_addresses(port=port, pid=4242))
+
+
+def test_fixed_addresses_are_the_upper_half_of_the_own_subnet_and_bounded() -> None:
+    assert fixed_address(0) == f"{own_subnet()}.128"
+    assert fixed_address(126) == f"{own_subnet()}.254"
+    for outside in (-1, 127, 1000):
+        with pytest.raises(ValueError, match="upper half"):
+            fixed_address(outside)
 
 
 def test_wait_until_returns_once_the_condition_holds() -> None:

@@ -51,7 +51,7 @@ def group_slots(kv_caches: Mapping[str, Any], group_layers: Sequence[Sequence[st
     ``len(group)`` slots (a group vLLM padded leaves the slots past its layers unused; core.cache_groups). Groups
     that do not share their slots so are refused."""
     names = sum(len(group) for group in group_layers)
-    if names != num_layers:
+    if names != num_layers or not all(group_layers) or not group_layers:
         raise SpecError(
             f"vLLM's {len(group_layers)} KV cache groups hold {names} layers, the model geometry says {num_layers}",
             field="spec.model.numLayers",

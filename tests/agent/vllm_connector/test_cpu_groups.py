@@ -185,6 +185,11 @@ def test_groups_that_do_not_share_their_slots_are_refused() -> None:
         with pytest.raises(SpecError) as caught:
             group_slots({}, layers, 5)
         assert caught.value.code == "INVALID_KV_TENSOR"
+        empties: list[list[list[str]]] = [[], [[]], [layers[0], []]]
+        for empty in empties:  # no groups, or a group of no layers: typed, not a bare error
+            with pytest.raises(SpecError) as caught:
+                group_slots(engine.views, empty, sum(len(group) for group in empty))
+            assert caught.value.code == "INVALID_KV_TENSOR"
         assert [t.data_ptr() for t in group_slots(engine.views, layers, 5)] == [
             engine.views[layers[0][0]].data_ptr(),
             engine.views[layers[0][1]].data_ptr(),
