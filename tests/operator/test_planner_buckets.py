@@ -158,6 +158,8 @@ def _by_le(*les: str) -> bytes:
 def test_bucket_bounds_are_read_from_an_answer_by_le() -> None:
     assert read_bounds(200, _by_le("0.05", "+Inf", "0.01", "0.025", "0.025")) == (0.01, 0.025, 0.05)
     assert read_bounds(200, _by_le()) == ()
+    # bounds no latency has are left out, never infinite once in milliseconds: 1e308 s would be
+    assert read_bounds(200, _by_le("-1", "0", "0.5", "86400", "86401", "1e308", "NaN")) == (0.0, 0.5, 86400.0)
     malformed = read_bounds(200, _by_le("0.05", "fast"))
     assert isinstance(malformed, Unanswered)
     assert malformed.code == PROMETHEUS_MALFORMED

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -204,6 +205,20 @@ def test_the_memory_survives_a_restart_through_the_status() -> None:
     assert restored.sizes == decision.memory.sizes
     assert restored.changes == (Change(50.0, UP), Change(50.0, UP))
     assert memory_of({}).sizes is None  # no pass yet: the sizes running are taken
+
+
+@pytest.mark.parametrize(
+    ("written", "correction", "rate"),
+    [(0.0, 0.5, 0.0), (-3.0, 0.5, None), (1e308, 4.0, None), (2.5, 2.5, 2.5)],
+)
+def test_a_memory_written_by_another_hand_is_taken_within_the_planners_bounds(
+    written: float, correction: float, rate: float | None
+) -> None:
+    """The status is writable by others: a correction of 0 would divide a capacity by 0, a huge or negative rate
+    would feed the prediction; each is taken within what the planner believes."""
+    memory = memory_of({"prefillCorrection": written, "decodeCorrection": written, "requestRate": written})
+    assert (memory.prefill_correction, memory.decode_correction) == (correction, correction)
+    assert memory.last_rate == rate
 
 
 @dataclass(frozen=True)

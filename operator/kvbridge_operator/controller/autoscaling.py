@@ -45,6 +45,8 @@ from kvbridge_operator.planner.hysteresis import DOWN, UP, Change, Hysteresis
 from kvbridge_operator.planner.profile import PerformanceProfile
 from kvbridge_operator.planner.prometheus import PrometheusError, observe
 from kvbridge_operator.planner.sizing import (
+    CORRECTION_RANGE,
+    MAX_RATE,
     TARGET_UNREACHABLE,
     Bounds,
     Decision,
@@ -79,7 +81,9 @@ def may_be_due(body: Obj, now: float) -> bool:
 
 
 def memory_of(status: Obj) -> Memory:
-    """What the last pass kept in the status (an empty memory for a status that does not parse)."""
+    """What the last pass kept in the status (an empty memory for a status that does not parse). The status is
+    writable by others than this operator: a correction is taken within ``CORRECTION_RANGE`` and a rate only where
+    the planner would believe it (a correction of 0 would divide a capacity by 0)."""
     try:
         last = AutoscalingStatus.model_validate(status)
     except ValidationError:
@@ -89,14 +93,20 @@ def memory_of(status: Obj) -> Memory:
         None if c is None else Change(c.at, UP if c.direction == "up" else DOWN)
         for c in (last.prefill_change, last.decode_change)
     )
+    rate = last.request_rate
     return Memory(
         history,
-        last.request_rate,
-        last.prefill_correction,
-        last.decode_correction,
+        rate if rate is not None and math.isfinite(rate) and 0 <= rate <= MAX_RATE else None,
+        _correction(last.prefill_correction),
+        _correction(last.decode_correction),
         (last.prefill, last.decode) if last.last_pass_at > 0 else None,
         (changes[0], changes[1]),
     )
+
+
+def _correction(value: float) -> float:
+    low, high = CORRECTION_RANGE
+    return min(high, max(low, value)) if math.isfinite(value) else 1.0
 
 
 def hysteresis_of(spec: AutoscalingSpec) -> Hysteresis:

@@ -47,6 +47,9 @@ MAX_ANSWER_BYTES = 256 * 1024
 MAX_SERIES = 64
 #: the longest sample value (Prometheus writes a float64 in at most 25 characters)
 MAX_VALUE_CHARS = 64
+#: the highest bucket bound taken as one (seconds, a day): past it a bound is no latency's and counts as ``+Inf``
+#: (a bound of 1e308 s would be infinite in ms)
+MAX_BOUND_SECONDS = 86400.0
 #: the longest text of an answer shown in the status and events
 MAX_SHOWN = 200
 
@@ -181,7 +184,9 @@ def read_answer(status: int, body: bytes) -> float | Unanswered | None:
 
 def read_bounds(status: int, body: bytes) -> tuple[float, ...] | Unanswered:
     """The finite bucket bounds an answer's series are labelled with (``le``; a vector by ``le``), increasing, or why
-    it says nothing usable (a series without a numeric ``le``). Never raises."""
+    it says nothing usable (a series without a numeric ``le``). Bounds below 0 or past :data:`MAX_BOUND_SECONDS`
+    are not a latency's and are left out (the range around them is then wider: a smaller correction). Never
+    raises."""
     answer = _read(status, body)
     if isinstance(answer, Unanswered):
         return answer
@@ -193,7 +198,7 @@ def read_bounds(status: int, body: bytes) -> tuple[float, ...] | Unanswered:
             found.add(float(series.metric.get("le", "")))
         except ValueError:
             return Unanswered(PROMETHEUS_MALFORMED, "a series without a numeric le label where buckets were expected")
-    return tuple(sorted(b for b in found if math.isfinite(b)))
+    return tuple(sorted(b for b in found if 0 <= b <= MAX_BOUND_SECONDS))
 
 
 async def _bounded(response: aiohttp.ClientResponse) -> bytes:
