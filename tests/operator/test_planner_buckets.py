@@ -13,20 +13,24 @@ import json
 import math
 
 import pytest
+from aiohttp import ClientSession
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge_operator.planner.buckets import bucket, ratio
 from kvbridge_operator.planner.prometheus import (
     PROMETHEUS_MALFORMED,
+    PrometheusError,
     Unanswered,
     bounds_query,
     histograms,
+    known_bounds,
     queries,
     read_bounds,
 )
 from kvbridge_operator.planner.sizing import Memory, Observation, Recommendation, refine
 
+from .test_planner_answers import Answerer, metrics_url  # noqa: F401 (the fixture)
 from .test_planner_hysteresis import PROFILE
 
 #: vLLM's inter-token latency buckets (ms), and the router's TTFT buckets before issue 61 (ms)
@@ -166,6 +170,22 @@ def test_bucket_bounds_are_read_from_an_answer_by_le() -> None:
     assert isinstance(read_bounds(200, _by_le("1" * 65)), Unanswered)  # a label longer than any number
     scalar = json.dumps({"status": "success", "data": {"resultType": "scalar", "result": [1.5, "1"]}}).encode()
     assert isinstance(read_bounds(200, scalar), Unanswered)
+
+
+async def test_bounds_that_cannot_be_read_are_the_last_read_not_a_held_pass(
+    metrics_url: tuple[str, list[Answerer]],  # noqa: F811 (the fixture)
+) -> None:
+    """A histogram's buckets change only with the engine: an unreadable bounds answer takes the last read for the
+    same query; with none read yet, the typed failure stands."""
+    url, answering = metrics_url
+    answering.append(lambda query: (200, "application/json", _by_le("0.1", "0.5", "+Inf")))
+    async with ClientSession() as session:
+        assert await known_bounds(session, url, "bounds-a") == (0.1, 0.5)
+        answering.append(lambda query: (200, "application/json", _by_le("0.1", "fast")))
+        assert await known_bounds(session, url, "bounds-a") == (0.1, 0.5)
+        with pytest.raises(PrometheusError) as caught:
+            await known_bounds(session, url, "bounds-b")
+        assert caught.value.code == PROMETHEUS_MALFORMED
 
 
 def test_the_queries_read_the_windows_mean_load_and_the_histograms_bounds() -> None:

@@ -27,8 +27,10 @@ or the HTTP status of an answer that is not Prometheus': never a body's other co
 
 from __future__ import annotations
 
+import logging
 import math
 import unicodedata
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -38,6 +40,8 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapte
 from kvbridge_agent.core import KVBridgeError
 
 from .sizing import Observation
+
+log = logging.getLogger(__name__)
 
 #: one query's limit (seconds): a planner pass makes about ten
 QUERY_TIMEOUT = 5.0
@@ -328,6 +332,30 @@ async def bucket_bounds(session: aiohttp.ClientSession, url: str, query: str) ->
     return answer
 
 
+#: the bounds last read per (Prometheus, query): a histogram's buckets change only with a new engine version, so a
+#: pass whose bounds query fails uses these rather than holding (bounded: the oldest go first)
+_KNOWN_BOUNDS: OrderedDict[tuple[str, str], tuple[float, ...]] = OrderedDict()
+MAX_KNOWN_BOUNDS = 1024
+
+
+async def known_bounds(session: aiohttp.ClientSession, url: str, query: str) -> tuple[float, ...]:
+    """:func:`bucket_bounds`, or where that fails, the bounds last read for the same query (the failure is raised
+    when there are none)."""
+    key = (url, query)
+    try:
+        bounds = await bucket_bounds(session, url, query)
+    except PrometheusError as exc:
+        if key not in _KNOWN_BOUNDS:
+            raise
+        log.warning("bucket bounds unreadable (%s, %s): the last read are used", exc.code, shown(str(exc)))
+        return _KNOWN_BOUNDS[key]
+    _KNOWN_BOUNDS[key] = bounds
+    _KNOWN_BOUNDS.move_to_end(key)
+    while len(_KNOWN_BOUNDS) > MAX_KNOWN_BOUNDS:
+        _KNOWN_BOUNDS.popitem(last=False)
+    return bounds
+
+
 def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
@@ -354,8 +382,8 @@ async def observe(
     ttft_from = "ttft_router" if _finite(got["ttft_router"]) is not None else "ttft_decode"
     ttft, itl = _finite(got[ttft_from]), _finite(got["itl"])
     selected = histograms(namespace, deployment)
-    ttft_bounds = () if ttft is None else await bucket_bounds(session, url, bounds_query(selected[ttft_from], window))
-    itl_bounds = () if itl is None else await bucket_bounds(session, url, bounds_query(selected["itl"], window))
+    ttft_bounds = () if ttft is None else await known_bounds(session, url, bounds_query(selected[ttft_from], window))
+    itl_bounds = () if itl is None else await known_bounds(session, url, bounds_query(selected["itl"], window))
     return Observation(
         request_rate=got["request_rate"],
         prompt_tokens=math.nan if got["prompt_tokens"] is None else got["prompt_tokens"],
