@@ -48,6 +48,8 @@ DEPLOYMENTS = {
     ),
     # spec.tracing: OTLP/HTTP to the receiver test_tracing runs on this port (chosen once per session)
     "traced": {**traced, "spec": {**traced["spec"], "tracing": {"endpoint": TRACES_URL, "protocol": "http/protobuf"}}},
+    # staged reads (docs/protocol.md §4d): every transfer verified; the staging buffers come from the pods' environment
+    "kvbridge-staged": deployment("tiny-kvbridge-staged", 1, connector="KVBridge", verification="All"),
     "short-lease": deployment(
         "tiny-short-lease", 1, lease=SHORT_LEASE_SECONDS, extra=(f"--num-gpu-blocks-override={SHORT_LEASE_BLOCKS}",)
     ),
@@ -135,6 +137,13 @@ def all_engines(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
     ):
         template = rendered_template(DEPLOYMENTS["kvbridge-gemma3"], role)
         found.add(name, template, ip, (core,), env={"KVBRIDGE_KEYS_DIR": str(keys)})
+    # staged reads on both roles, forced (KVBRIDGE_STAGING_MODE=staged): decode reads every request through them
+    staged = {"KVBRIDGE_KEYS_DIR": str(keys), "KVBRIDGE_STAGING_MIB": "64", "KVBRIDGE_STAGING_MODE": "staged"}
+    for name, role, ip, core in (
+        ("kvbridge-staged-prefill", Role.PREFILL, fixed_address(20), 0),
+        ("kvbridge-staged-decode", Role.DECODE, fixed_address(21), 1),
+    ):
+        found.add(name, rendered_template(DEPLOYMENTS["kvbridge-staged"], role), ip, (core,), env=staged)
     # TP 2 -> 1 with kvbridge's connector: the prefill ranks on cores of their own (where there are 4)
     found.add(
         "kvbridge-prefill-tp2",
@@ -193,6 +202,13 @@ def kvbridge_gemma3_engines(all_engines: Engines) -> Engines:
     """prefill TP 1 and decode TP 1 of the tiny Gemma-3 (6 layers: 5 with a 32-token window, then 1 global) with
     kvbridge's connector, verification All."""
     return _phase(all_engines, ["kvbridge-gemma3-prefill", "kvbridge-gemma3-decode"])
+
+
+@pytest.fixture
+def kvbridge_staged_engines(all_engines: Engines) -> Engines:
+    """prefill TP 1 and decode TP 1 with kvbridge's connector, verification All, and 64 MiB staging buffers on both
+    with staging forced (``KVBRIDGE_STAGING_MODE=staged``): every read goes through them."""
+    return _phase(all_engines, ["kvbridge-staged-prefill", "kvbridge-staged-decode"])
 
 
 @pytest.fixture

@@ -26,11 +26,12 @@ from pydantic import Field, ValidationError
 
 from .blocks import DescriptorIds, IntArray, descriptor_ids
 from .errors import KVBridgeError, SpecError
-from .geometry import RegionLayout
+from .geometry import RegionLayout, region_layout
 from .handshake import (
     ENVELOPE_VERSION,
     MALFORMED_MESSAGE,
     MAX_REGION_BLOCK_BYTES,
+    MAX_TENSORS,
     HandshakeError,
     MessageType,
     Named,
@@ -71,6 +72,9 @@ class StagePlan(CamelModel):
     length: int = Field(default=1, ge=1, le=MAX_REGION_BLOCK_BYTES)
     #: the decode rank reading (a cache kind's regions: where its blocks take the bytes, from the pair's plan)
     decode_rank: int = Field(default=0, ge=0, lt=MAX_TENSOR_PARALLEL)
+    #: a cache kind's regions: decode's distinct tensors, where they are not the cache kind's (vLLM's CPU attention
+    #: keeps a layer's keys and values in one tensor): its regions, and so the wire order, follow them
+    decode_tensors: int | None = Field(default=None, ge=1, le=MAX_TENSORS)
     digest: str = Field(pattern=r"^[0-9a-f]{32}$")
     #: decode's :attr:`~.staging.WireOrder.digest`: the order prefill packs in
     order_digest: str = Field(pattern=r"^[0-9a-f]{32}$")
@@ -191,7 +195,7 @@ def source_plan(
             segments = region_segments(
                 regions, num_blocks, units_per_block=split, offset=plan.offset, length=plan.length
             )
-            source = SourcePlan(segments, region_order(transfer, plan.decode_rank, rank))
+            source = SourcePlan(segments, region_order(transfer, plan.decode_rank, rank, plan.decode_tensors))
         else:
             raise SpecError("the plan and this cache describe different kinds of layout", field="stage.plan")
     except SpecError as exc:
@@ -211,16 +215,25 @@ def ordering(segments: Segments) -> Segments:
     return replace(segments, units=0)
 
 
-def region_order(transfer: TransferPlan, decode_rank: int, prefill_rank: int) -> WireOrder:
+def region_order(
+    transfer: TransferPlan, decode_rank: int, prefill_rank: int, decode_tensors: int | None = None
+) -> WireOrder:
     """A cache kind's regions: the wire order of decode rank ``decode_rank``'s read from ``prefill_rank`` (its blocks
-    or sub-blocks, at the read's local offset), from the pair's plan."""
+    or sub-blocks, at the read's local offset), from the pair's plan (``decode_tensors``: decode's distinct tensors,
+    where they are not the cache kind's)."""
     if decode_rank >= transfer.decode.tensor_parallel_size:
         raise SpecError(f"decode rank {decode_rank} is not one of the plan's", field="stage.plan.decodeRank")
     reads = [r for r in transfer.for_decode_rank(decode_rank).reads if r.prefill_rank == prefill_rank]
     if not reads:
         raise SpecError(f"decode rank {decode_rank} reads nothing from rank {prefill_rank}", field="stage.plan")
+    decode = transfer.decode
+    layout = (
+        transfer.decode_layout
+        if decode_tensors is None
+        else region_layout(transfer.model, decode.block_size, decode.tensor_parallel_size, num_tensors=decode_tensors)
+    )
     target = region_segments(
-        transfer.decode_layout,
+        layout,
         0,
         units_per_block=transfer.block_size_ratio,
         offset=reads[0].local_offset,

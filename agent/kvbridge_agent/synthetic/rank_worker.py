@@ -24,7 +24,7 @@ from kvbridge_agent.core.handshake import KVTransferParams, RankMetadata
 from kvbridge_agent.core.model import Role
 from kvbridge_agent.core.stage_requests import StageRequest
 from kvbridge_agent.synthetic.content import fill_request, invalid_blocks, scribble
-from kvbridge_agent.synthetic.stage_requests import SideChannelStager
+from kvbridge_agent.synthetic.stage_requests import rank_stager
 from kvbridge_agent.transfer.decode_rank import DecodeRank
 from kvbridge_agent.transfer.kv_cache import KVCache
 from kvbridge_agent.transfer.prefill_rank import PrefillRank
@@ -101,7 +101,7 @@ class RankWorker:
         self.decode: DecodeRank | None = None
         #: staged reads (docs/protocol.md §4d): a staging buffer per rank, sized from the environment
         staging = staging_bytes(os.environ, sum(t.numel() * t.element_size() for t in self.cache.tensors))
-        self.stager = SideChannelStager(env)
+        self.stager = rank_stager(env)
         if env.role is Role.PREFILL:
             plan = build_plan(env.model, env.prefill, env.decode, env.transfer)
             self.prefill = PrefillRank(

@@ -15,8 +15,7 @@ from kvbridge_agent.core.contract import EngineEnvironment
 from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams
 from kvbridge_agent.core.stage_requests import STAGE_PLAN_INVALID, StageReply, StageRequest
 from kvbridge_agent.transfer.keys import CurveKeys, load_keys
-from kvbridge_agent.transfer.peers import PrefillService
-from kvbridge_agent.transfer.side_channel import SideChannelClient
+from kvbridge_agent.transfer.peers import PrefillService, SideChannelStager
 
 if TYPE_CHECKING:
     from kvbridge_agent.synthetic.ranks import RankHandle
@@ -44,16 +43,8 @@ def stage_host(service: PrefillService, params: KVTransferParams) -> str:
         return params.remote_host
 
 
-class SideChannelStager:
-    """Decode: a rank's stage requests over prefill's side channel, to the host the engine admitted per request."""
-
-    def __init__(self, env: EngineEnvironment) -> None:
-        self.keys: CurveKeys | None = load_keys(env.keys_dir) if env.keys_dir else None
-        self.timeout = env.transfer.handshake_timeout_seconds
-        #: prefill's request id -> the admitted host of its side channel
-        self.hosts: dict[str, str] = {}
-
-    def __call__(self, params: KVTransferParams, request: StageRequest) -> StageReply:
-        host = self.hosts.get(params.remote_request_id, params.remote_host)
-        client = SideChannelClient(host, params.remote_port, params.fingerprint, self.keys, self.timeout)
-        return client.stage(params.remote_request_id, params.lease_token, request)
+def rank_stager(env: EngineEnvironment) -> SideChannelStager:
+    """Decode: a rank's stage requests over prefill's side channel, to the host the engine admitted per request
+    (``hosts``, set with each read), with the deployment's side-channel keys."""
+    keys: CurveKeys | None = load_keys(env.keys_dir) if env.keys_dir else None
+    return SideChannelStager(keys, env.transfer.handshake_timeout_seconds)

@@ -125,10 +125,12 @@ def add_region_lists(peer: RemotePeer, ranks: Ranks, cache: KVCache, local: Loca
             length=read.length,
         )
         order = WireOrder(ordering(target), 1)
+        tensors = cache.layout.num_tensors  # named where the plan's layout has others (vLLM's CPU attention)
         stage = StagePlan(
             offset=read.remote_offset,
             length=read.length,
             decode_rank=cache.tp_rank,
+            decode_tensors=tensors if tensors != plan.decode_layout.num_tensors else None,
             digest=source.digest,
             order_digest=order.digest,
         )

@@ -3,8 +3,9 @@
 Both decode engines use it — the synthetic engine (``engine.py``, which hands the metadata to its rank processes)
 and vLLM's connector (``vllm_connector.worker``, where each TP rank fetches its own) — so a restarted prefill,
 a mixed-up incarnation and the lease margin mean the same thing in both. Every connection decode opens to a prefill
-side channel (handshake, digests, heartbeats) goes through :class:`PrefillService`: only to an address of its
-deployment's prefill pods, when it knows their Service (``KVBRIDGE_PREFILL_SERVICE``; docs/protocol.md §5).
+side channel (handshake, digests, heartbeats, stage requests) goes through :class:`PrefillService`: only to an
+address of its deployment's prefill pods, when it knows their Service (``KVBRIDGE_PREFILL_SERVICE``; docs/protocol.md
+§5).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from kvbridge_agent.core.admission import REMOTE_HOST_NOT_ALLOWED, under_service
 from kvbridge_agent.core.digest import KV_DIGEST_UNAVAILABLE, RequestDigests
 from kvbridge_agent.core.handshake import DigestState, HandshakeError, KVTransferParams, RankMetadata
+from kvbridge_agent.core.stage_requests import StageReply, StageRequest
 from kvbridge_agent.transfer.keys import CurveKeys
 from kvbridge_agent.transfer.side_channel import SideChannelClient, send_heartbeats
 
@@ -236,6 +238,26 @@ def fetch_digests(
             )
         time.sleep(delay)
         delay = min(delay * 2, 0.01)
+
+
+class SideChannelStager:
+    """Decode: a rank's stage requests (docs/protocol.md §4d) over prefill's side channel, with the deployment's
+    side-channel keys, each within ``timeout``; to the host its engine admitted for the request (``hosts``, by
+    prefill's request id: the synthetic engine's), else the host :meth:`ask` is given, else the parameters' own."""
+
+    def __init__(self, keys: CurveKeys | None, timeout: float) -> None:
+        self.keys, self.timeout = keys, timeout
+        #: prefill's request id -> the admitted host of its side channel
+        self.hosts: dict[str, str] = {}
+
+    def __call__(self, params: KVTransferParams, request: StageRequest) -> StageReply:
+        return self.ask(self.hosts.get(params.remote_request_id, params.remote_host), params, request)
+
+    def ask(self, host: str, params: KVTransferParams, request: StageRequest) -> StageReply:
+        """One stage exchange with the side channel at ``host``; a refusal or no answer in time raises
+        :class:`HandshakeError` (prefill's code, or ``HANDSHAKE_TIMEOUT``)."""
+        client = SideChannelClient(host, params.remote_port, params.fingerprint, self.keys, self.timeout)
+        return client.stage(params.remote_request_id, params.lease_token, request)
 
 
 def require_incarnation(params: KVTransferParams, incarnation: str) -> None:

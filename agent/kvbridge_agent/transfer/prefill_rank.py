@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,7 +48,12 @@ class PrefillEvents:
 
 
 class PrefillRank:
-    """Holds offered requests until every expected reader has notified this rank."""
+    """Holds offered requests until every expected reader has notified this rank.
+
+    Thread-safe where an engine calls it from two threads (vLLM's connector: its step thread offers, polls and
+    forgets, a relay thread stages): what the requests hold and the staging buffer change under one lock. A stage
+    request waits for an offer's bookkeeping and pack (not its digest or conversion), an offer for a pack in
+    progress."""
 
     def __init__(
         self,
@@ -68,6 +74,7 @@ class PrefillRank:
         self.engine_id = engine_id
         self.incarnation = incarnation
         self._pending: dict[str, _Pending] = {}
+        self._lock = threading.RLock()
         #: the transfer digest of this cache (core.digest): made from the cache's geometry when first needed,
         #: unless the engine sets one that reads its own block interior
         self.digester: Digester | None = None
@@ -112,9 +119,10 @@ class PrefillRank:
         digests = self.digest(digest_key, block_ids, digest_tokens, block_layers) if digest_tokens else {}
         self.convert(self.cache, self.plan, Role.PREFILL, block_ids)
         units = offered_units(block_ids, self.plan.split_ratio)
-        self._pending[request_id] = _Pending(units=units)
-        if self.staging is not None:  # packed now for the plans met: decode's stage request finds it packed
-            self.staging.prestage(request_id, units)
+        with self._lock:
+            self._pending[request_id] = _Pending(units=units)
+            if self.staging is not None:  # packed now for the plans met: decode's stage request finds it packed
+                self.staging.prestage(request_id, units)
         return digests
 
     def stage(self, request_id: str, request: StageRequest) -> StageReply:
@@ -122,6 +130,10 @@ class PrefillRank:
         typed :class:`KVBridgeError`, a full staging buffer a ``busy`` reply."""
         if self.staging is None:
             raise KVBridgeError("this prefill rank has no staging buffer", field="stage", code=STAGING_OFF)
+        with self._lock:
+            return self._stage(self.staging, request_id, request)
+
+    def _stage(self, staging: PrefillStaging, request_id: str, request: StageRequest) -> StageReply:
         pending = self._pending.get(request_id)
         if pending is None:
             raise KVBridgeError(
@@ -135,7 +147,7 @@ class PrefillRank:
                 field="stage.rank",
                 code=STAGE_PLAN_INVALID,
             )
-        return self.staging.stage(request_id, pending.units, request)
+        return staging.stage(request_id, pending.units, request)
 
     def digest(
         self, key: bytes, block_ids: list[int], num_tokens: int, block_layers: list[int] | None = None
@@ -149,36 +161,44 @@ class PrefillRank:
     def forget(self, request_id: str) -> bool:
         """Stop waiting for a request (its lease expired); late notifications count as unknown. Its staged bytes
         go back."""
-        if self.staging is not None:
-            self.staging.release(request_id)
-        return self._pending.pop(request_id, None) is not None
+        with self._lock:
+            if self.staging is not None:
+                self.staging.release(request_id)
+            return self._pending.pop(request_id, None) is not None
 
     @property
     def pending(self) -> list[str]:
-        return list(self._pending)
+        with self._lock:
+            return list(self._pending)
 
     def poll(self) -> PrefillEvents:
         """Drive NIXL progress and count notifications."""
         events = PrefillEvents()
         for _peer, messages in self.transport.notifications().items():
-            for message in messages:
-                parsed = parse_notification(message)
-                if parsed is None:
-                    events.malformed += 1
-                    log.warning("ignoring malformed notification %r", message[:80])
-                    continue
-                request_id, decode_tp = parsed
-                pending = self._pending.get(request_id)
-                if pending is None:
-                    events.unknown += 1
-                    log.warning("ignoring notification for unknown request %r", request_id)
-                    continue
-                if pending.expected is None:
-                    pending.expected = max(1, decode_tp // self.cache.tp_size)
-                pending.received += 1
-                if pending.received >= pending.expected:
-                    del self._pending[request_id]
-                    if self.staging is not None:
-                        self.staging.release(request_id)
-                    events.completed.append(request_id)
+            with self._lock:
+                self._count(messages, events)
         return events
+
+    def _count(self, messages: list[bytes], events: PrefillEvents) -> None:
+        """Notifications of one reader: a request every expected reader notified is done, its staged bytes go
+        back."""
+        for message in messages:
+            parsed = parse_notification(message)
+            if parsed is None:
+                events.malformed += 1
+                log.warning("ignoring malformed notification %r", message[:80])
+                continue
+            request_id, decode_tp = parsed
+            pending = self._pending.get(request_id)
+            if pending is None:
+                events.unknown += 1
+                log.warning("ignoring notification for unknown request %r", request_id)
+                continue
+            if pending.expected is None:
+                pending.expected = max(1, decode_tp // self.cache.tp_size)
+            pending.received += 1
+            if pending.received >= pending.expected:
+                del self._pending[request_id]
+                if self.staging is not None:
+                    self.staging.release(request_id)
+                events.completed.append(request_id)

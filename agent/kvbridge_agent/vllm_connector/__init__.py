@@ -9,6 +9,8 @@ Reading order:
 - ``worker``: the worker half: one TP rank's KV cache on kvbridge's rank machinery.
 - ``verifying``: verification off vLLM's thread: prefill's digests and decode's checks on threads of their own.
 - ``digest_relay``: prefill's digests from each rank to the scheduler's side channel the moment they are taken.
+- ``staging``: staged reads: each rank's staging buffer from the environment, decode's bounded stager.
+- ``stage_relay``: prefill's stage requests from the scheduler's side channel to the worker rank that packs them.
 - ``failures``: a request's typed failure instead of vLLM's step; the handshakes refused, not queued.
 - ``cache_geometry``: what vLLM's KV tensors are to kvbridge: geometry, the CPU build's layer slots of several cache
   groups, layout name, CPU kernel, refused conversions.

@@ -37,14 +37,19 @@ POLL_MILLISECONDS = 100
 Deliver = Callable[[str, list[int], bytes], None]
 
 
-def relay_address(incarnation: str) -> str:
-    """Where one engine start's relay listens: a folder of this user's, mode 0700, and the engine's incarnation."""
+def private_folder() -> Path:
+    """The folder of this user's local sockets, mode 0700 (refused when anyone else may enter it)."""
     folder = Path(tempfile.gettempdir()) / f"kvbridge-{os.getuid()}"
     folder.mkdir(mode=0o700, exist_ok=True)
     found = folder.stat()
     if found.st_uid != os.getuid() or stat.S_IMODE(found.st_mode) & 0o077:
         raise PermissionError(f"{folder} is not this user's alone (mode {stat.S_IMODE(found.st_mode):o})")
-    return f"ipc://{folder}/digests-{incarnation}"
+    return folder
+
+
+def relay_address(incarnation: str) -> str:
+    """Where one engine start's relay listens: a folder of this user's, mode 0700, and the engine's incarnation."""
+    return f"ipc://{private_folder()}/digests-{incarnation}"
 
 
 def parse(frames: list[bytes]) -> tuple[str, list[int], bytes]:

@@ -24,6 +24,13 @@ PARAMS_KEY = "kvbridge"
 ERROR_KEY = "kvbridge_error"
 
 
+def by_group(block_ids: Any) -> list[list[int]]:
+    """vLLM's block ids of a request as one list per KV cache group (it hands a tuple of lists, or one list)."""
+    if block_ids and isinstance(block_ids[0], list | tuple):
+        return [list(group) for group in block_ids]
+    return [list(block_ids or ())]
+
+
 def refusal(code: str, message: str) -> dict[str, Any]:
     """The ``kv_transfer_params`` of a prefill answer that offers nothing, and why (``ERROR_KEY``)."""
     return {"do_remote_prefill": False, "do_remote_decode": False, ERROR_KEY: {"code": code, "message": message}}

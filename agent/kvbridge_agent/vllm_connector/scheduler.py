@@ -52,10 +52,12 @@ from .messages import (
     RankHandshake,
     ReadOrder,
     StepMetadata,
+    by_group,
     refusal,
     transfer_params,
 )
 from .settings import ConnectorSettings
+from .stage_relay import StageRelay, stage_relay
 from .stats import DIGESTS
 from .window_backoff import WindowBackoff
 
@@ -65,13 +67,6 @@ log = logging.getLogger(f"vllm.kvbridge.{__name__.rsplit('.', 1)[-1]}")  # shown
 RETIRED_DIGEST_SECONDS = 60.0
 #: vLLM's request states in which a prefill's KV is complete (anything else frees the blocks at once)
 _FINISHED_NORMALLY = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
-
-
-def by_group(block_ids: Any) -> list[list[int]]:
-    """vLLM's block ids of a request as one list per KV cache group (it hands a tuple of lists, or one list)."""
-    if block_ids and isinstance(block_ids[0], list | tuple):
-        return [list(group) for group in block_ids]
-    return [list(block_ids or ())]
 
 
 class ConnectorScheduler:
@@ -84,6 +79,7 @@ class ConnectorScheduler:
         self._to_offer: dict[str, OfferOrder] = {}
         self._server: SideChannelServer | None = None
         self._relay: DigestReceiver | None = None  # prefill: the ranks' digests as they are taken
+        self._stages: StageRelay | None = None  # prefill with staging buffers: stage requests to the ranks
         self._incarnation = ""
         # prefill, verification: requests offered to be digested, and their keys and the digests the ranks
         # reported (by head)
@@ -147,6 +143,7 @@ class ConnectorScheduler:
         self._incarnation = incarnations.pop()
         environment = self.settings.environment
         keys = self._keys
+        self._stages = stage_relay(self._incarnation, served, self.settings.transfer.handshake_timeout_seconds)
         self._server = SideChannelServer(
             environment.side_channel_host,
             environment.side_channel_port,
@@ -155,6 +152,7 @@ class ConnectorScheduler:
             keys,
             on_heartbeat=self._renew,
             digests=self._published_digests,
+            on_stage=self._stages,
         ).start()
         if self.settings.transfer.verification is not Verification.OFF:
             self._relay = start_relay(self._incarnation, self._relayed)
@@ -497,3 +495,5 @@ class ConnectorScheduler:
         if self._relay is not None:
             self._relay.close()
             self._relay = None
+        if self._stages is not None:  # after the side channel: nothing relays any more
+            self._stages.close()

@@ -23,11 +23,13 @@ DIGESTS = "digests"
 #: of failed reads, and a 1 per lease that ended unread (prefill) and per stale peer evicted (decode); ``held``:
 #: (TP rank, requests, bytes) a prefill rank holds for readers, each time it changes; ``digest_seconds``: how long
 #: each verified request's digest took on this rank (on its digest thread); ``digest_wait_seconds``: per step that
-#: waited, how long vLLM's thread waited for verification
+#: waited, how long vLLM's thread waited for verification; ``staged_reads``: a 1 per read made through staging
+#: buffers (docs/protocol.md §4d)
 _KEYS = (
     "read_seconds",
     "read_bytes",
     "read_descriptors",
+    "staged_reads",
     "handshake_seconds",
     "failed_reads",
     "expired_leases",
@@ -53,10 +55,13 @@ class KVBridgeStats(KVConnectorStats):
     def reset(self) -> None:
         self.data: dict[str, list[Any]] = {key: [] for key in _KEYS}
 
-    def record_read(self, seconds: float, nbytes: int, descriptors: int) -> None:
+    def record_read(self, seconds: float, nbytes: int, descriptors: int, mode: str = "direct") -> None:
+        """One read that completed; ``mode``: ``direct``, or ``staged`` through staging buffers."""
         self.data["read_seconds"].append(seconds)
         self.data["read_bytes"].append(nbytes)
         self.data["read_descriptors"].append(descriptors)
+        if mode == "staged":
+            self.data["staged_reads"].append(1)
 
     def record_failure(self, code: str) -> None:
         self.data["failed_reads"].append(code)
@@ -114,6 +119,8 @@ class KVBridgeStats(KVConnectorStats):
                 "Throughput (MB/s)": round(float(megabytes.sum() / max(seconds.sum(), 1e-9)), 1),
                 "Avg descriptors": round(float(np.mean(self.data["read_descriptors"])), 1),
             }
+        if self.data.get("staged_reads"):
+            summary["Staged reads"] = len(self.data["staged_reads"])
         if self.data["digest_seconds"]:
             summary["Avg digest (ms)"] = round(float(np.mean(self.data["digest_seconds"])) * 1e3, 3)
         return summary | {
@@ -165,6 +172,12 @@ _HISTOGRAMS: tuple[tuple[str, str, str, tuple[float, ...]], ...] = (
 _COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("expired_leases", "vllm:kvbridge_expired_leases", "Prefill requests freed because their lease ended unread."),
     ("stale_peer_evictions", "vllm:kvbridge_stale_peer_evictions", "Prefill engines evicted because they restarted."),
+    (
+        "staged_reads",
+        "vllm:kvbridge_staged_reads",
+        "Decode: reads made through staging buffers (prefill packed the request, decode read a few large "
+        "descriptors; docs/protocol.md §4d).",
+    ),
 )
 
 

@@ -65,6 +65,8 @@ from .cpu_blocks import CPUAttentionBlocks
 from .failures import HANDSHAKE_BUSY, MAX_HANDSHAKES, request_failure
 from .messages import RankHandshake, ReadOrder, StepMetadata
 from .settings import ConnectorSettings
+from .stage_relay import StageServer
+from .staging import ConnectorStager, decode_rank, prefill_rank
 from .stats import KVBridgeStats
 from .tracing import Spans, Value
 from .verifying import DecodeChecks, PrefillDigests
@@ -81,6 +83,8 @@ class ConnectorWorker:
         self.keys: CurveKeys | None = load_keys(environment.keys_dir) if environment.keys_dir else None
         self.prefill: PrefillRank | None = None
         self.decode: DecodeRank | None = None
+        self._stage_server: StageServer | None = None  # prefill with a staging buffer: its stage requests (staging.py)
+        self.stager = ConnectorStager(self.keys, settings.transfer.handshake_timeout_seconds)  # decode
         self._handshake: RankHandshake | None = None
         self.geometry: ModelGeometry = settings.model
         #: the model as the cache holds it: one cache group's layers deep on the CPU build with several groups
@@ -150,13 +154,18 @@ class ConnectorWorker:
         if settings.role is Role.PREFILL:
             plan = build_plan(self.geometry, environment.prefill, environment.decode, settings.transfer)
             refuse_conversions(self.geometry, self.native, plan, self.kernel)
-            self.prefill = rank = PrefillRank(cache, transport, plan, environment.engine_id, self.incarnation, convert)
+            rank, self._stage_server = prefill_rank(
+                cache, transport, plan, environment.engine_id, self.incarnation, convert
+            )
+            self.prefill = rank
             # a host buffer converts into its mirror, a physical layout is never re-laid: the engine's blocks stay
             self._offer_waits_for_digest = bool(plan.wire.steps(Role.PREFILL)) and engine is None and not layout
             metadata = self.prefill.metadata().model_copy(update={"block_interior": self.block_interior})
             self._handshake = RankHandshake(metadata.model_dump_json(exclude_none=True), transport.metadata())
         else:
-            self.decode = rank = DecodeRank(cache, transport, environment.decode, settings.transfer, convert)
+            self.decode = rank = decode_rank(
+                cache, transport, environment.decode, settings.transfer, convert, self.stager
+            )
         if isinstance(convert, CPUAttentionBlocks):  # the digest reads keys back to token-major, real heads
             owned = list(range(self.tp_rank * convert.heads, (self.tp_rank + 1) * convert.heads))
             rank.digester = Digester(cache, convert.logical, owned, keys_across=convert.keys_across)
@@ -340,6 +349,7 @@ class ConnectorWorker:
             params, needed, self.settings.fingerprint, self.keys, timeout, self._service
         )
         require_incarnation(params, incarnation)
+        self.stager.admit(params, self._service.address(params.remote_host))  # looked up by the fetch just now
         return ranks
 
     def _finish_handshakes(self, decode: DecodeRank) -> None:
@@ -437,7 +447,7 @@ class ConnectorWorker:
                     result = ReadResult(result.request_id, False, LEASE_EXPIRED, message, lease[1])
                 self._read_spans(result)
                 if result.ok:
-                    self.stats.record_read(result.seconds, result.bytes, result.descriptors)
+                    self.stats.record_read(result.seconds, result.bytes, result.descriptors, result.mode)
                 else:
                     self.stats.record_failure(result.code)
                     self._load_errors |= set(result.invalid_blocks)
@@ -475,6 +485,8 @@ class ConnectorWorker:
         return errors
 
     def shutdown(self) -> None:
+        if self._stage_server is not None:
+            self._stage_server.close()
         self.spans.shutdown()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._digesting.shutdown()
