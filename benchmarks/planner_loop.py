@@ -19,7 +19,8 @@ Printed: the requests within both targets (TTFT, and mean gap between tokens), r
 at the peak, the time to recover (TTFT p99 over the last 10 s back under target) after each step up, the losses by
 phase (failed and hung: scale-in must lose none), each role's changes of direction and the hysteresis that keeps
 them few, each role's correction (least and most over the run, read back from Prometheus); ``--plot`` draws the
-timeline. ``--quick``: the shortened run of the test (tests/demo/test_planner_loop.py).
+timeline. ``--quick``: the shortened run of the test (tests/demo/test_planner_loop.py). Ctrl-C (or SIGTERM) stops
+the run and everything it started, prints no results and exits 130.
 """
 
 from __future__ import annotations
@@ -191,7 +192,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvbridge-planner-loop-") as folder:
         workdir = Path(folder)
         measure = measure_with_kvbridge_profile(workdir) if args.profile == "measured" else None
-        run = asyncio.run(run_loop(loop, workdir, measure))
+        try:
+            run = asyncio.run(run_loop(loop, workdir, measure))
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            print("planner loop: interrupted; no results", file=sys.stderr)
+            return 130
     result = summary(run.sent, run.samples, loop.segments, loop.targets)
     result |= {"wallSeconds": round(time.monotonic() - began), "profile": run.profile, "prometheus": run.prometheus}
     print(table(result, loop, run))

@@ -256,14 +256,19 @@ async def _settle(loop: Loop, run: LoopRun) -> None:
 
 
 async def run_loop(loop: Loop, workdir: Path, measure: Callable[[str], Awaitable[Obj]] | None = None) -> LoopRun:
-    """The whole run (see the module's docstring); ``measure``: the profile from the router's URL (None: computed)."""
+    """The whole run (see the module's docstring); ``measure``: the profile from the router's URL (None: computed).
+    SIGINT or SIGTERM once the cluster is up cancels the run, and everything it started is stopped (the caller
+    sees :class:`asyncio.CancelledError`)."""
     run = LoopRun()
     prometheus = LocalPrometheus(workdir / "prometheus", loop.scrape_seconds)
     operator_port = free_port()
     server, _thread = start_http_server(operator_port, "127.0.0.1", REGISTRY)
-    async with local_cluster(workdir, {}, None) as cluster:
+    interrupted = asyncio.Event()
+    async with local_cluster(workdir, {}, interrupted) as cluster:
         watcher: asyncio.Task[None] | None = None
         router: LocalRouter | None = None
+        this = asyncio.current_task()
+        canceller = asyncio.create_task(_cancel_when(interrupted, this))
         try:
             await prometheus.start()
             if measure is None:
@@ -303,6 +308,7 @@ async def run_loop(loop: Loop, workdir: Path, measure: Callable[[str], Awaitable
                 f"{e['reason']}: {e['message']}" for e in cluster.api.objects_of("events") if "Plann" in e["reason"]
             ]
         finally:
+            canceller.cancel()
             if watcher is not None:
                 watcher.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -312,6 +318,14 @@ async def run_loop(loop: Loop, workdir: Path, measure: Callable[[str], Awaitable
             await prometheus.close()
             server.shutdown()
     return run
+
+
+async def _cancel_when(interrupted: asyncio.Event, task: asyncio.Task[Any] | None) -> None:
+    """Cancel ``task`` once ``interrupted`` is set (a signal: Kopf's own handlers would only stop the operator)."""
+    await interrupted.wait()
+    progress("planner loop: interrupted, stopping what it started")
+    if task is not None:
+        task.cancel()
 
 
 async def _vector(session: aiohttp.ClientSession, url: str, query: str) -> list[dict[str, Any]]:
