@@ -12,7 +12,9 @@ drift on the machine and whatever favours an early or late run of a round fall o
 requests per second, output tokens per second, TTFT p50/p99, TPOT p50, ITL p99, failures, and the CPU seconds
 the driven deployment's engine processes used
 per completed request (each pod's ``vllm serve`` and its descendants, read from ``/proc``), and the engines' own
-time digesting per request (``vllm:kvbridge_digest_seconds`` from their ``/metrics``).
+time digesting per request (``vllm:kvbridge_digest_seconds`` from their ``/metrics``) and what their steps waited
+for verification per request (``vllm:kvbridge_digest_wait_seconds``: decode's join of a check, an offer waiting
+for a digest).
 
 On a shared machine with few cores, throughput and TTFT drift by tens of percent between identical runs, more
 than the cost being measured. Three figures resist that drift: the *paired* ratios (each round's ``All`` run against its
@@ -44,6 +46,8 @@ from kvbridge_sim import tiny_model
 from router_policies import BIN, progress, read_line
 
 POLICIES = ("Off", "All", "Sampled")
+#: what engine steps waited for verification on the engine's own thread
+WAIT_METRIC = "vllm:kvbridge_digest_wait_seconds"
 
 
 def manifests(policies: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -141,9 +145,10 @@ def flag(command: list[str], name: str, default: str) -> str:
     return command[command.index(name) + 1] if name in command[:-1] else default
 
 
-def digest_totals(deployment: str) -> tuple[float, int]:
-    """The seconds and count of ``vllm:kvbridge_digest_seconds`` over ``deployment``'s engines, from their
-    ``/metrics`` (every request digested once on prefill and once on decode when verification is on)."""
+def digest_totals(deployment: str, metric: str = "vllm:kvbridge_digest_seconds") -> tuple[float, int]:
+    """The seconds and count of ``metric`` (a histogram) over ``deployment``'s engines, from their ``/metrics``:
+    ``vllm:kvbridge_digest_seconds`` (every request digested once on prefill and once on decode when verification
+    is on), or ``vllm:kvbridge_digest_wait_seconds`` (what engine steps waited for verification)."""
     seconds, count = 0.0, 0
     for process in pod_processes(deployment):
         command = process.cmdline()
@@ -152,9 +157,9 @@ def digest_totals(deployment: str) -> tuple[float, int]:
         url = f"http://{flag(command, '--host', '127.0.0.1')}:{flag(command, '--port', '8000')}/metrics"
         with urllib.request.urlopen(url, timeout=10) as answer:
             for line in answer.read().decode().splitlines():
-                if line.startswith("vllm:kvbridge_digest_seconds_sum"):
+                if line.startswith(f"{metric}_sum"):
                     seconds += float(line.rsplit(" ", 1)[1])
-                elif line.startswith("vllm:kvbridge_digest_seconds_count"):
+                elif line.startswith(f"{metric}_count"):
                     count += int(float(line.rsplit(" ", 1)[1]))
     return seconds, count
 
@@ -265,6 +270,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                     deployment = f"verify-{policy.lower()}"
                     pin(deployment)  # threads started since (vLLM's, kvbridge's) too
                     before, digests_before = engine_cpu_seconds(deployment), digest_totals(deployment)
+                    waits_before = digest_totals(deployment, WAIT_METRIC)
                     routed = router_totals(url)
                     result = bench(url, model, tokenizer, args, seed, workdir)
                     prefill_ms, decode_ms = split_ms(routed, router_totals(url))
@@ -272,6 +278,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                     digests_after = digest_totals(deployment)
                     digest_seconds = digests_after[0] - digests_before[0]
                     digest_count = digests_after[1] - digests_before[1]
+                    waited = digest_totals(deployment, WAIT_METRIC)[0] - waits_before[0]
                     completed = int(result.get("completed") or 0)
                     runs.append(
                         {
@@ -291,6 +298,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                             "engineCpuMsPerRequest": round(1000 * cpu / completed, 2) if completed else None,
                             "digestMsPerRequest": round(1000 * digest_seconds / completed, 3) if completed else None,
                             "digestsPerRequest": round(digest_count / completed, 2) if completed else None,
+                            "stepWaitMsPerRequest": round(1000 * waited / completed, 3) if completed else None,
                         }
                     )
                     progress(f"  {runs[-1]}")
@@ -346,8 +354,9 @@ def compare(runs: list[dict[str, Any]], policy: str) -> dict[str, float]:
 def table(result: dict[str, Any]) -> str:
     lines = [
         "| round | verification | req/s | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | ITL p99 (ms) "
-        "| prefill mean (ms) | decode first mean (ms) | engine CPU ms/req | digest ms/req | digests/req | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| prefill mean (ms) | decode first mean (ms) | engine CPU ms/req | digest ms/req | digests/req "
+        "| step wait ms/req | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in result["runs"]:
         lines.append(
@@ -355,7 +364,7 @@ def table(result: dict[str, Any]) -> str:
             f"{run['outputTokensPerSecond']} | {run['ttftP50Ms']} | {run['ttftP99Ms']} | {run['tpotP50Ms']} | "
             f"{run['itlP99Ms']} | {run['prefillMeanMs']} | {run['decodeFirstMeanMs']} | "
             f"{run['engineCpuMsPerRequest']} | {run['digestMsPerRequest']} | "
-            f"{run['digestsPerRequest']} | {run['failed']} |"
+            f"{run['digestsPerRequest']} | {run.get('stepWaitMsPerRequest')} | {run['failed']} |"
         )
     for policy, ratio in result["versusOff"].items():
         lines.append(f"\n`{policy}` / `Off` | ratio of medians | median of paired rounds\n|---|---|---|")
