@@ -13,6 +13,7 @@ Reading order:
 - ``staging``: staging buffers and the indexed copies of staged reads (pack, scatter) on the cache's device.
 - ``prefill_staging``: a prefill rank's staging buffer: stage requests packed on request or when offered.
 - ``staged_reads``: a decode rank's staged reads: ask, READ a few large descriptors, scatter.
+- ``stage_asks``: a decode rank's stage exchanges, on the thread that starts a read or off it, posted later.
 - ``cost_model``: direct or staged: the device's per-descriptor cost and copy rates, measured at start.
 - ``observed_costs``: that model corrected by completed reads (bounded, per path), and probes of the path not taken.
 - ``relayout``: block-size and layout conversions in place.

@@ -5,7 +5,9 @@ once in :meth:`DecodeRank.add_peer`: the plan, remote agents, remote and
 local prepped descriptor lists (``transfer.peer_lists``).  Per request only
 block ids are mapped to descriptor ids (numpy) and the READs are posted —
 directly between the caches, or, where the rank's cost model says so and the
-peer stages, through the staging buffers (``transfer.staged_reads``).
+peer stages, through the staging buffers (``transfer.staged_reads``): asked on
+the calling thread, or, with :attr:`DecodeRank.asks`, off it and posted by a
+later :meth:`DecodeRank.poll` (``transfer.stage_asks``).
 """
 
 from __future__ import annotations
@@ -49,12 +51,14 @@ from kvbridge_agent.transfer.reads import (
     InFlight,
     ReadResult,
     RemotePeer,
+    RequestIds,
     Verify,
     request_descriptor_ids,
     stage_first,
 )
 from kvbridge_agent.transfer.relayout import Converter, convert_for_side
-from kvbridge_agent.transfer.staged_reads import DecodeStaging, StagedFlight, Stager
+from kvbridge_agent.transfer.stage_asks import Asking, StageAsks, Stager
+from kvbridge_agent.transfer.staged_reads import DecodeStaging, StagedFlight
 from kvbridge_agent.transfer.transport import Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -98,6 +102,8 @@ class DecodeRank:
             np.empty(0, dtype=np.int32),
         )
         self.staging = DecodeStaging(cache, transport, staging_bytes, stager) if staging_bytes else None
+        #: stage exchanges off the thread that starts reads (``None``: that thread asks, and waits)
+        self.asks: StageAsks | None = None
 
     @property
     def model(self) -> ModelGeometry:
@@ -180,6 +186,8 @@ class DecodeRank:
             if staged.flight.params.remote_engine_id == engine_id:
                 del self._staged[request_id]
                 self._cancel_staged(staged)
+        if self.asks is not None:
+            self.asks.evicted(engine_id)
         self._drop(peer)
         return True
 
@@ -236,22 +244,29 @@ class DecodeRank:
         )
         note = notification(params.remote_request_id, self.settings.tensor_parallel_size)
         try:
-            if ids and group_sizes is None and self._start_staged(flight, peer, ids, len(local_blocks)):
-                self._notify(peer, peer.rank_plan.notify_only_ranks, note)
+            if ids and group_sizes is None and self._start_staged(flight, peer, ids, len(local_blocks), note):
                 return None
+        except (TransportError, KVBridgeError) as exc:
+            return self._failed_start(flight, exc)
+        return self._direct(flight, peer, ids, note)
+
+    def _direct(self, flight: InFlight, peer: RemotePeer, ids: RequestIds, note: bytes) -> ReadResult | None:
+        """Post a request's direct READs; its result at once on failure or a full prefix hit."""
+        try:
             self._post_direct(flight, peer, ids, note)
         except (TransportError, KVBridgeError) as exc:
-            for handle in flight.handles:
-                self.transport.release(handle)
-            return ReadResult(request_id, False, TRANSFER_FAILED, exc.message, list(local_blocks), peer_failed=True)
+            return self._failed_start(flight, exc)
         if not flight.handles:
             return self._finish(flight, peer)
-        self._in_flight[request_id] = flight
+        self._in_flight[flight.request_id] = flight
         return None
 
-    def _post_direct(
-        self, flight: InFlight, peer: RemotePeer, ids: list[tuple[DescriptorIds, DescriptorIds]], note: bytes
-    ) -> None:
+    def _failed_start(self, flight: InFlight, exc: TransportError | KVBridgeError) -> ReadResult:
+        for handle in flight.handles:
+            self.transport.release(handle)
+        return ReadResult(flight.request_id, False, TRANSFER_FAILED, exc.message, list(flight.blocks), peer_failed=True)
+
+    def _post_direct(self, flight: InFlight, peer: RemotePeer, ids: RequestIds, note: bytes) -> None:
         """The READs between the caches (a full prefix hit: the notifications alone)."""
         if not ids:  # a full prefix hit: nothing to read
             self._notify(peer, {r.prefill_rank for r in peer.rank_plan.reads}, note)
@@ -268,10 +283,9 @@ class DecodeRank:
         nixl = flight.make_microseconds + flight.post_microseconds
         flight.own_microseconds = (time.perf_counter() - flight.started) * 1e6 - nixl
 
-    def _start_staged(
-        self, flight: InFlight, peer: RemotePeer, ids: list[tuple[DescriptorIds, DescriptorIds]], local_count: int
-    ) -> bool:
-        """Stage the request where the cost model says so and both sides have room (docs/protocol.md §4d)."""
+    def _start_staged(self, flight: InFlight, peer: RemotePeer, ids: RequestIds, local_count: int, note: bytes) -> bool:
+        """Stage the request where the cost model says so and both sides have room (docs/protocol.md §4d): posted
+        now, or with :attr:`asks` once its exchange is answered (:meth:`poll`; nothing of it is posted meanwhile)."""
         choice = self.staging.choose(peer, ids) if self.staging is not None else None
         if self.staging is None or choice is None:
             return False
@@ -279,13 +293,35 @@ class DecodeRank:
         if not choice.staged:
             return False
         first = stage_first(peer, flight.params, local_count, ids[0][1].size // peer.staged[0].segments.runs)
+        if self.asks is not None:
+            flight.own_microseconds = (time.perf_counter() - flight.started) * 1e6
+            return self.asks.submit(flight, peer, ids, first, choice, note)
         staged = self.staging.start(flight, peer, ids, first, choice)
-        if staged is None:
-            return False
-        flight.expected = self.staging.observed.expected(staged.into)
-        flight.own_microseconds = (time.perf_counter() - flight.started) * 1e6 - flight.post_microseconds
+        return staged is not None and self._adopt(staged, peer, note, flight.started)
+
+    def _adopt(self, staged: StagedFlight, peer: RemotePeer, note: bytes, began: float) -> bool:
+        """A staged request whose READs are posted: in flight, the ranks it reads nothing from notified; this
+        thread's time on it since ``began`` counted, NIXL's posts aside."""
+        flight = staged.flight
+        if self.staging is not None:
+            flight.expected = self.staging.observed.expected(staged.into)
+        flight.own_microseconds += (time.perf_counter() - began) * 1e6 - flight.post_microseconds
         self._staged[flight.request_id] = staged
+        self._notify(peer, peer.rank_plan.notify_only_ranks, note)
         return True
+
+    def _answered(self, staging: DecodeStaging, asking: Asking) -> ReadResult | None:
+        """A request whose stage exchange is answered (this thread owns NIXL): its staged READs posted, or, where it
+        cannot be staged, its direct ones."""
+        began = time.perf_counter()
+        try:
+            staged = staging.post(asking.staged, asking.peer, asking.ids, asking.outcome())
+            if staged is not None:
+                self._adopt(staged, asking.peer, asking.note, began)
+                return None
+        except (TransportError, KVBridgeError) as exc:
+            return self._failed_start(asking.flight, exc)
+        return self._direct(asking.flight, asking.peer, asking.ids, asking.note)
 
     def _notify(self, peer: RemotePeer, ranks: Any, note: bytes) -> None:
         for p in ranks:
@@ -298,7 +334,7 @@ class DecodeRank:
 
     @property
     def in_flight(self) -> int:
-        return len(self._in_flight) + len(self._staged)
+        return len(self._in_flight) + len(self._staged) + (len(self.asks.requests) if self.asks is not None else 0)
 
     def poll(self) -> list[ReadResult]:
         """Drive progress; results of requests that completed, failed or timed out."""
@@ -329,7 +365,15 @@ class DecodeRank:
                 results.append(self._fail(flight, TRANSFER_TIMEOUT, f"READs not complete after {flight.timeout:g} s"))
         if self.staging is not None:
             results.extend(self._poll_staged(now))
+        results.extend(self._poll_asks(now))
         return results
+
+    def _poll_asks(self, now: float) -> list[ReadResult]:
+        """Requests that failed while asking (past their deadline, peer evicted), and those answered, posted now."""
+        if self.asks is None:
+            return []
+        failed, answered = self.asks.poll(now)
+        return failed + [r for a in answered if (r := self._answered(self.asks.staging, a)) is not None]
 
     def _release(self, flight: InFlight) -> None:
         """Release a request's completed READs, counting what NIXL posted (docs/protocol.md §4c)."""
@@ -440,6 +484,8 @@ class DecodeRank:
                 self._zombies.append(handle)
 
     def close(self) -> None:
+        if self.asks is not None:
+            self.asks.close()
         for engine_id in list(self.peers):
             self.evict_peer(engine_id)
         self._local.close()

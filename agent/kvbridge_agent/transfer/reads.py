@@ -22,6 +22,8 @@ from kvbridge_agent.core.physical_reads import ChunkSide, MappedChunks, Physical
 UNKNOWN_PEER = "UNKNOWN_PEER"
 TRANSFER_FAILED = "TRANSFER_FAILED"
 TRANSFER_TIMEOUT = "TRANSFER_TIMEOUT"
+#: per prepped list of a peer, a request's (local, remote) descriptor ids
+RequestIds = list[tuple[DescriptorIds, DescriptorIds]]
 
 
 @dataclass

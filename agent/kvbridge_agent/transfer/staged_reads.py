@@ -4,7 +4,8 @@ Per request the rank's cost model (``core.staging.CostModel``, measured at start
 the direct READs (the descriptors NIXL would post) against staging them. Staged, the rank asks each prefill rank it
 reads from to pack the request's segments of that read in wire order (``stager``: the side channel's ``stage``
 message, or a direct call in a benchmark; a prefill rank with no room answers ``busy`` and the request is read
-directly), then READs the packed bytes
+directly; the exchange is ``transfer.stage_asks``'s, on the thread that starts the read or off it: :meth:`reserve`,
+``ask`` and :meth:`post` are its halves), then READs the packed bytes
 
 - straight into its blocks (``into`` :data:`~kvbridge_agent.core.staging.INTO_BLOCKS`): the wire order is decode's
   address order, so NIXL merges every run of segments that lie end to end in decode's cache; or
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -30,8 +30,8 @@ import numpy as np
 
 from kvbridge_agent.core import KVBridgeError
 from kvbridge_agent.core.blocks import DescriptorIds, IntArray, descriptor_ids
-from kvbridge_agent.core.handshake import KVTransferParams, RankMetadata
-from kvbridge_agent.core.stage_requests import StageReply, StageRequest, StageState
+from kvbridge_agent.core.handshake import RankMetadata
+from kvbridge_agent.core.stage_requests import StageReply
 from kvbridge_agent.core.staging import (
     INTO_BLOCKS,
     MIN_ROW_BYTES,
@@ -45,15 +45,12 @@ from kvbridge_agent.transfer.kv_cache import KVCache
 from kvbridge_agent.transfer.observed_costs import ObservedCosts
 from kvbridge_agent.transfer.peer_lists import ReadSegments
 from kvbridge_agent.transfer.reads import InFlight, RemotePeer
+from kvbridge_agent.transfer.stage_asks import Asked, Stager, ask
 from kvbridge_agent.transfer.staging import Extent, RowMap, StagingPool, scatter
 from kvbridge_agent.transfer.transport import Transport
 
 log = logging.getLogger(__name__)
 
-#: asks one prefill rank to pack a request's segments for one read
-Stager = Callable[[KVTransferParams, StageRequest], StageReply]
-#: a stage exchange's round trip, smoothed over the exchanges made (weight of the newest)
-EXCHANGE_WEIGHT = 0.2
 #: entries of a prepped list over a prefill rank's staging buffer in segments (else only READs into the buffer)
 MAX_SEGMENT_ENTRIES = 1 << 24
 #: entry sizes this rank keeps lists of its cache in (the runs of requests' segments)
@@ -240,25 +237,45 @@ class DecodeStaging:
         first: int,
         choice: Choice,
     ) -> StagedFlight | None:
-        """Stage and post one request's READs; ``None`` when it must be read directly (no room here or on a prefill
-        rank, or a prefill rank refused), with nothing left held on this side."""
+        """Stage and post one request's READs on this thread (:meth:`reserve`, ``stage_asks.ask``, :meth:`post`);
+        ``None`` when it must be read directly (no room here or on a prefill rank, or a prefill rank refused), with
+        nothing left held on this side."""
+        staged = self.reserve(flight, peer, ids, choice)
+        if staged is None:
+            return None
+        try:
+            asked = ask(self.stager, flight.params, peer.staged, ids, first)
+        except BaseException:
+            self.pool.release(flight.request_id)
+            raise
+        return self.post(staged, peer, ids, asked)
+
+    def reserve(
+        self, flight: InFlight, peer: RemotePeer, ids: list[tuple[DescriptorIds, DescriptorIds]], choice: Choice
+    ) -> StagedFlight | None:
+        """The request's staged flight, holding an extent of the pool where its bytes land in the buffer; ``None``:
+        no room (read it directly)."""
         staged = StagedFlight(flight, choice.into)
-        owner = flight.request_id
         if choice.into != INTO_BLOCKS and not self._take(staged, peer, ids):
             self.busy += 1
             return None
-        try:
-            replies = self._ask(flight.params, peer, ids, first)
-        except (KVBridgeError, ValueError) as exc:  # a refusal, an exchange that failed, a reply out of bounds
-            log.warning("staging %s failed, reading it directly: %s", owner, exc)
-            replies = None
-        except BaseException:
-            self.pool.release(owner)
-            raise
-        if replies is None:
+        return staged
+
+    def post(
+        self, staged: StagedFlight, peer: RemotePeer, ids: list[tuple[DescriptorIds, DescriptorIds]], asked: Asked
+    ) -> StagedFlight | None:
+        """On the thread that owns NIXL: post the READs of a request prefill packed; ``None`` when it must be read
+        directly, its extent given back."""
+        owner = staged.flight.request_id
+        self.busy += asked.busy
+        self.cost = replace(self.cost, exchange_us=asked.smoothed(self.cost.exchange_us))
+        replies = asked.replies
+        if asked.why:
+            log.warning("staging %s failed, reading it directly: %s", owner, asked.why)
+        if replies is None or len(replies) != len(peer.staged):
             self.pool.release(owner)
             return None
-        staged.stage_us = (time.perf_counter() - flight.started) * 1e6
+        staged.stage_us = (asked.ended - staged.flight.started) * 1e6
         staged.pack_us = sum(reply.pack_microseconds for reply in replies)
         staged.prestaged = all(reply.prestaged for reply in replies)
         self._prestaged[peer.engine_id] = staged.prestaged
@@ -266,6 +283,7 @@ class DecodeStaging:
             r.offset % s.segments.target.length for r, s in zip(replies, peer.staged, strict=True)
         ):
             log.warning("prefill packed %s at offsets decode cannot READ segments from; reading it directly", owner)
+            self.pool.release(owner)
             return None
         try:
             self._post(staged, peer, ids, replies)
@@ -287,31 +305,6 @@ class DecodeStaging:
         staged.scattered = [0] * len(staged.rows)
         staged.extent = self.pool.take(total, staged.flight.request_id)
         return staged.extent is not None
-
-    def _ask(
-        self, params: KVTransferParams, peer: RemotePeer, ids: list[tuple[DescriptorIds, DescriptorIds]], first: int
-    ) -> list[StageReply] | None:
-        if self.stager is None:
-            return None
-        replies = []
-        for read, (local_ids, _) in zip(peer.staged, ids, strict=True):
-            segments = read.segments
-            count = local_ids.size // segments.runs
-            asked = time.perf_counter()
-            reply = self.stager(
-                params, StageRequest(rank=segments.prefill_rank, plan=segments.plan, first=first, count=count)
-            )
-            took = (time.perf_counter() - asked) * 1e6 - reply.pack_microseconds * (not reply.prestaged)
-            exchange = (1 - EXCHANGE_WEIGHT) * self.cost.exchange_us + EXCHANGE_WEIGHT * max(took, 1.0)
-            self.cost = replace(self.cost, exchange_us=exchange)
-            if reply.state is StageState.BUSY:
-                self.busy += 1
-                return None
-            if reply.bytes != local_ids.size * segments.target.length:
-                log.warning("prefill staged %d bytes, this read needs %d", reply.bytes, local_ids.size)
-                return None
-            replies.append(reply)
-        return replies
 
     def _post(
         self,

@@ -9,13 +9,18 @@ Both roles take their buffer from ``KVBRIDGE_STAGING_MIB`` (off by default, docs
   decode's :data:`STAGE_WAIT_SECONDS`, so that decode hears why). A request's
   staged bytes go back when its readers' notifications arrive or its lease ends (``PrefillRank.poll`` /
   ``forget``, which the worker drives each step): the same rules as its blocks.
-- Decode: ``DecodeRank`` asks its stager on the thread that starts the read — vLLM's step thread
-  (``start_load_kv``, or ``get_finished`` for reads that waited for a handshake) — so each exchange is bounded by
+- Decode: ``DecodeRank`` asks its stager off vLLM's step thread (``transfer.stage_asks.StageAsks``: a few
+  threads of the rank's own), so a staged request never holds up the running sequences: the step that starts it
+  (``start_load_kv``, or ``get_finished`` for reads that waited for a handshake) takes its staging extent and
+  starts the exchange, posting nothing; the first ``get_finished`` after the answer posts its staged READs (NIXL
+  calls stay on vLLM's thread), or its direct ones where prefill refused, was busy or did not answer. Meanwhile
+  its extent is held; a lease that ends (:func:`abandon_expired`: ``LEASE_EXPIRED``), the transfer timeout, an
+  evicted peer or the shutdown gives it back and the answer is ignored. Each exchange is bounded by
   :data:`STAGE_WAIT_SECONDS` (at most one per prefill rank the read takes, and one exchange that fails ends the
   request's staging), and a prefill engine whose exchange failed (no answer, its rank gone, a plan it refuses) is
   not asked again for :data:`PAUSE_SECONDS`: its requests are read directly (``STAGE_SKIPPED``). The stager asks
   the side channel at the address the handshake admitted (``PrefillService``, on the handshake thread: no DNS on
-  vLLM's thread), with the deployment's keys.
+  a stage thread), with the deployment's keys.
 
 What the transfer layer cannot stage is read directly, never failed: a peer whose reads do not stage
 (``DecodeStaging.attach``: no buffer on prefill, pieces that differ, segments of rows under ``MIN_ROW_BYTES``),
@@ -37,9 +42,11 @@ from kvbridge_agent.core.stage_requests import STAGE_NOT_OFFERED, STAGE_OUT_OF_R
 from kvbridge_agent.transfer.decode_rank import DecodeRank
 from kvbridge_agent.transfer.keys import CurveKeys
 from kvbridge_agent.transfer.kv_cache import KVCache
-from kvbridge_agent.transfer.peers import SideChannelStager
+from kvbridge_agent.transfer.peers import LEASE_EXPIRED, SideChannelStager, lease_left
 from kvbridge_agent.transfer.prefill_rank import PrefillRank
+from kvbridge_agent.transfer.reads import ReadResult
 from kvbridge_agent.transfer.relayout import Converter
+from kvbridge_agent.transfer.stage_asks import StageAsks
 from kvbridge_agent.transfer.staging import staging_bytes, staging_mode
 from kvbridge_agent.transfer.transport import Transport
 
@@ -47,7 +54,7 @@ from .stage_relay import StageServer
 
 log = logging.getLogger(f"vllm.kvbridge.{__name__.rsplit('.', 1)[-1]}")  # shown by vLLM's log handler
 
-#: decode: the longest one stage exchange holds vLLM's step thread (less where the handshake timeout is less)
+#: decode: the longest one stage exchange waits (less where the handshake timeout is less), on a stage thread
 STAGE_WAIT_SECONDS = 1.0
 #: decode: how long a prefill engine whose stage exchange failed is read directly without asking
 PAUSE_SECONDS = 30.0
@@ -99,11 +106,13 @@ def decode_rank(
     convert: Converter,
     stager: ConnectorStager,
 ) -> DecodeRank:
-    """A decode rank, with a staging buffer, its cost model and the mode the environment asks for, if any."""
+    """A decode rank, with a staging buffer, its cost model, the mode the environment asks for and stage exchanges
+    off vLLM's thread, if any."""
     nbytes = buffer_bytes(cache)
     rank = DecodeRank(cache, transport, settings, transfer, convert, staging_bytes=nbytes, stager=stager)
     if rank.staging is not None:
         rank.staging.mode = staging_mode(os.environ)
+        rank.asks = StageAsks(rank.staging)
         log.info(
             "kvbridge: decode rank %d stages reads (%s) through a %d MiB buffer",
             cache.tp_rank,
@@ -113,8 +122,19 @@ def decode_rank(
     return rank
 
 
+def abandon_expired(decode: DecodeRank, expiry: dict[str, tuple[float, list[int]]]) -> list[ReadResult]:
+    """Decode, each step: the requests whose prefill lease (``expiry``: the worker's, by request) ended while their
+    stage exchange was in flight fail ``LEASE_EXPIRED``, their staging extent given back, the answer ignored."""
+    asks, now = decode.asks, time.time()
+    if asks is None:
+        return []
+    ended = [r for r in asks.requests if r in expiry and lease_left(expiry[r][0], now) <= 0]
+    why = "prefill's lease on the blocks ended during the request's stage exchange"
+    return [asks.drop(request_id).failed(LEASE_EXPIRED, why) for request_id in ended]
+
+
 class ConnectorStager:
-    """Decode: a rank's stage requests, bounded for vLLM's step thread (module docstring)."""
+    """Decode: a rank's stage requests, each bounded, from the rank's stage threads (module docstring)."""
 
     def __init__(self, keys: CurveKeys | None, timeout: float) -> None:
         self._side_channel = SideChannelStager(keys, min(timeout, STAGE_WAIT_SECONDS))

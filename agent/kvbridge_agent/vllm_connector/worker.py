@@ -66,7 +66,7 @@ from .failures import HANDSHAKE_BUSY, MAX_HANDSHAKES, request_failure
 from .messages import RankHandshake, ReadOrder, StepMetadata
 from .settings import ConnectorSettings
 from .stage_relay import StageServer
-from .staging import ConnectorStager, decode_rank, prefill_rank
+from .staging import ConnectorStager, abandon_expired, decode_rank, prefill_rank
 from .stats import KVBridgeStats
 from .tracing import Spans, Value
 from .verifying import DecodeChecks, PrefillDigests
@@ -429,6 +429,7 @@ class ConnectorWorker:
             return ready or None, None
         if self.decode is not None:
             self._finish_handshakes(self.decode)
+            self._results += abandon_expired(self.decode, self._expiry)  # before their answer is posted
             polled = [self._checks.start(self.decode, r) for r in [*self._results, *self.decode.poll()]]
             self._results = []
             results = [*(r for r in polled if r is not None), *self._checks.finished()]
