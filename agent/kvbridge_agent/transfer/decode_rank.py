@@ -31,7 +31,7 @@ from kvbridge_agent.core import (
     build_plan,
 )
 from kvbridge_agent.core.blocks import DescriptorIds
-from kvbridge_agent.core.digest import KV_DIGEST_MISMATCH, mismatched
+from kvbridge_agent.core.digest import mismatched
 from kvbridge_agent.core.handshake import (
     PEER_INCOMPATIBLE,
     WIRE_FORMAT_MISMATCH,
@@ -53,6 +53,7 @@ from kvbridge_agent.transfer.reads import (
     RemotePeer,
     RequestIds,
     Verify,
+    digest_verdict,
     request_descriptor_ids,
     stage_first,
 )
@@ -104,6 +105,7 @@ class DecodeRank:
         self.staging = DecodeStaging(cache, transport, staging_bytes, stager) if staging_bytes else None
         #: stage exchanges off the thread that starts reads (``None``: that thread asks, and waits)
         self.asks: StageAsks | None = None
+        self._evicted: list[ReadResult] = []  # requests failed by an eviction, for the next poll
 
     @property
     def model(self) -> ModelGeometry:
@@ -174,18 +176,22 @@ class DecodeRank:
             self.transport.remove_peer(name)
 
     def evict_peer(self, engine_id: str) -> bool:
-        """Forget a prefill engine: fail its requests in flight, release its lists and remote agents."""
+        """Forget a prefill engine: fail its requests in flight (their results come with the next :meth:`poll`:
+        an engine waiting on one must hear of it), release its lists and remote agents."""
         peer = self.peers.pop(engine_id, None)
         if peer is None:
             return False
+        why = f"prefill {engine_id} was forgotten while its READs ran (it restarted, or its handshake was replaced)"
         for request_id, flight in list(self._in_flight.items()):
             if flight.params.remote_engine_id == engine_id:
                 self._cancel(flight)
                 del self._in_flight[request_id]
+                self._evicted.append(ReadResult(request_id, False, TRANSFER_FAILED, why, list(flight.blocks)))
         for request_id, staged in list(self._staged.items()):
             if staged.flight.params.remote_engine_id == engine_id:
                 del self._staged[request_id]
                 self._cancel_staged(staged)
+                self._evicted.append(ReadResult(request_id, False, TRANSFER_FAILED, why, list(staged.flight.blocks)))
         if self.asks is not None:
             self.asks.evicted(engine_id)
         self._drop(peer)
@@ -338,7 +344,7 @@ class DecodeRank:
 
     def poll(self) -> list[ReadResult]:
         """Drive progress; results of requests that completed, failed or timed out."""
-        results: list[ReadResult] = []
+        results, self._evicted = self._evicted, []
         # progress the worker even with no READ in flight: notifications sent without a READ
         # (full prefix hits, notify-only ranks, first contact) complete only while we poll
         for sender, messages in self.transport.notifications().items():
@@ -461,16 +467,8 @@ class DecodeRank:
         digester = self.digester = self.digester or Digester(self.cache)
         wire = peer.plan.wire.block_size
         got = digester.request(verify.expected.key, verify.all_blocks, verify.num_tokens, wire, verify.block_layers)
-        per_local = self.cache.block_size // wire
         wrong = mismatched(verify.expected.heads, digester.heads, got)
-        bad = sorted({verify.all_blocks[i // per_local] for i in wrong})
-        if not bad:
-            return result
-        message = (
-            f"the KV of blocks {bad[:8]}{'...' if len(bad) > 8 else ''} differs from what prefill "
-            f"{peer.engine_id} computed (digest mismatch): not used"
-        )
-        return replace(result, ok=False, code=KV_DIGEST_MISMATCH, message=message, invalid_blocks=bad)
+        return digest_verdict(result, verify, sorted(wrong), self.cache.block_size // wire, peer.engine_id)
 
     def _fail(self, flight: InFlight, code: str, message: str) -> ReadResult:
         """Stop tracking a request, cancel its READs; its local blocks are invalid, its peer suspect."""

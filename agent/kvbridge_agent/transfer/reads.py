@@ -5,7 +5,7 @@ block ids to descriptor ids (numpy; the lists are prepared once per peer)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -14,7 +14,7 @@ from kvbridge_agent.core import BlockMappingError, DecodeRankPlan, TransferPlan,
 from kvbridge_agent.core.arithmetic import ceil_div
 from kvbridge_agent.core.blocks import BLOCK_ID_OUT_OF_RANGE, DescriptorIds, MappedBlocks, require_distinct
 from kvbridge_agent.core.cache_groups import CACHE_GROUPS_MISMATCH, pair_groups
-from kvbridge_agent.core.digest import RequestDigests
+from kvbridge_agent.core.digest import KV_DIGEST_MISMATCH, RequestDigests
 from kvbridge_agent.core.handshake import KVTransferParams
 from kvbridge_agent.core.physical_reads import ChunkSide, MappedChunks, PhysicalRead, chunk_descriptor_ids, map_chunks
 
@@ -244,3 +244,16 @@ def stage_first(peer: RemotePeer, params: KVTransferParams, local_count: int, un
         return len(params.remote_block_ids) - units
     local = peer.sides[0]
     return (ceil_div(params.num_tokens, local.block_tokens) - local_count) * (local.block_tokens // local.tokens)
+
+
+def digest_verdict(result: ReadResult, verify: Verify, wrong: list[int], per_local: int, engine_id: str) -> ReadResult:
+    """``result`` if no wire block's digest differed (``wrong``: their indices; ``per_local`` wire blocks to a local
+    block), else the request failed with ``KV_DIGEST_MISMATCH`` naming the local blocks that differ."""
+    bad = sorted({verify.all_blocks[i // per_local] for i in wrong})
+    if not bad:
+        return result
+    message = (
+        f"the KV of blocks {bad[:8]}{'...' if len(bad) > 8 else ''} differs from what prefill {engine_id} computed "
+        "(digest mismatch): not used"
+    )
+    return replace(result, ok=False, code=KV_DIGEST_MISMATCH, message=message, invalid_blocks=bad)

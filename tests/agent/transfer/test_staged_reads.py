@@ -291,3 +291,30 @@ def test_an_evicted_peer_keeps_its_lists_while_nixl_holds_a_read_of_them(monkeyp
         assert not agents & transport._peers
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+def test_reads_in_flight_when_their_peer_is_evicted_fail_with_the_next_poll(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill engine that restarts is evicted when its new incarnation is met: its READs still in flight must
+    end with a result, or the engine waiting on them (vLLM: a request waiting for remote KV) waits for ever."""
+    pair = StagedPair(*CONFIGS["LBHNC-tp2to1"], blocks=BLOCKS)
+    try:
+        rank = pair.decode[0]
+        assert rank.staging is not None
+        rank.staging.mode, rank.staging.into = mode, "buffer"
+        params = pair.offer(60, [3, 8, 1, 20], 7)
+        monkeypatch.setattr(rank.transport, "state", lambda _handle: "PROC")  # never done
+        assert rank.start("held", params, [5, 6, 7, 2], 20.0) is None
+        assert rank.poll() == []
+        assert rank.evict_peer(pair.engine_id)
+        monkeypatch.undo()
+        [failed] = rank.poll()
+        assert (failed.request_id, failed.ok, failed.code) == ("held", False, TRANSFER_FAILED)
+        assert failed.invalid_blocks == [5, 6, 7, 2]
+        assert not failed.peer_failed  # the engine already forgot it: nothing more to evict
+        assert rank.poll() == []
+        assert rank.in_flight == 0
+    finally:
+        pair.close()
