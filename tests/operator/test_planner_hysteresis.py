@@ -144,13 +144,32 @@ def test_a_correction_that_says_faster_than_profiled_never_lets_a_scale_down_thr
 def test_latencies_refine_nothing_while_a_role_warms_up() -> None:
     """Decode changed at 100 s: its ITLs over the 10 s window and the 10 s warm-up after refine nothing until 120 s,
     nor while its pods are not all ready."""
-    memory = Memory(sizes=(1, 2), changes=(None, Change(100.0, UP)))
+    memory = Memory(sizes=(1, 2), changes=(None, Change(100.0, UP)), last_rate=1.0)
     slow = seen(1.0, itl_ms=50.0, decode_running=2)
     assert step(slow, memory, 110.0).memory.decode_correction == 1.0
     assert step(slow, memory, 121.0).memory.decode_correction > 1.0
     assert step(slow, memory, 121.0, settled=(True, False)).memory.decode_correction == 1.0
     assert not warm(Change(100.0, UP), True, 119.0, 10, LOOP)
     assert warm(None, True, 0.0, 10, LOOP)
+
+
+def test_the_first_requests_after_a_rest_refine_nothing() -> None:
+    """Engines' first requests (cold caches, first compilations: seen in the planner loop, prefill's correction to
+    1.86 in its first passes) refine nothing until the window and the warm-up have passed since traffic began; a
+    pass without traffic starts the count again. A status of an older operator (no trafficSince, traffic seen) is
+    taken as warm."""
+    memory = Memory(sizes=(1, 1))
+    slow = seen(1.0, itl_ms=50.0, decode_running=1)
+    first = step(slow, memory, 100.0)
+    assert (first.memory.traffic_since, first.memory.decode_correction) == (100.0, 1.0)
+    assert step(slow, first.memory, 115.0).memory.decode_correction == 1.0  # within 10 s window + 10 s warm-up
+    warmed = step(slow, first.memory, 120.0).memory
+    assert (warmed.traffic_since, warmed.decode_correction > 1.0) == (100.0, True)
+    rest = step(seen(0.0), warmed, 125.0).memory
+    assert rest.traffic_since is None
+    assert step(slow, rest, 130.0).memory.traffic_since == 130.0
+    older = step(slow, Memory(sizes=(1, 1), last_rate=1.0), 100.0).memory
+    assert (older.traffic_since, older.decode_correction > 1.0) == (0.0, True)
 
 
 def test_a_correction_rise_alone_does_not_reverse_a_scale_down() -> None:
@@ -204,6 +223,8 @@ def test_the_memory_survives_a_restart_through_the_status() -> None:
     restored = memory_of(status_of(AutoscalingSpec(), decision, seen(6.0), 50.0))
     assert restored.sizes == decision.memory.sizes
     assert restored.changes == (Change(50.0, UP), Change(50.0, UP))
+    assert restored.traffic_since == decision.memory.traffic_since == 50.0
+    assert memory_of({"trafficSince": -5.0}).traffic_since is None  # another hand's value: not a time
     assert memory_of({}).sizes is None  # no pass yet: the sizes running are taken
 
 

@@ -216,6 +216,9 @@ class AutoscalingStatus(CamelModel):
     prefill_change: SizeChange | None = Field(default=None, description="Prefill's last change of size.")
     decode_change: SizeChange | None = Field(default=None, description="Decode's last change of size.")
     last_pass_at: float = Field(default=0.0, description="The last pass (Unix seconds).")
+    traffic_since: float | None = Field(
+        default=None, description="The first pass of the present run of passes that saw traffic (Unix seconds)."
+    )
 
 
 class DisaggregatedDeploymentStatus(CamelModel):

@@ -93,7 +93,7 @@ def memory_of(status: Obj) -> Memory:
         None if c is None else Change(c.at, UP if c.direction == "up" else DOWN)
         for c in (last.prefill_change, last.decode_change)
     )
-    rate = last.request_rate
+    rate, since = last.request_rate, last.traffic_since
     return Memory(
         history,
         rate if rate is not None and math.isfinite(rate) and 0 <= rate <= MAX_RATE else None,
@@ -101,6 +101,7 @@ def memory_of(status: Obj) -> Memory:
         _correction(last.decode_correction),
         (last.prefill, last.decode) if last.last_pass_at > 0 else None,
         (changes[0], changes[1]),
+        since if since is not None and math.isfinite(since) and since >= 0 else None,
     )
 
 
@@ -181,6 +182,7 @@ def status_of(spec: AutoscalingSpec, decision: Decision, observation: Observatio
         prefill_change=_change(decision.memory.changes[0]),
         decode_change=_change(decision.memory.changes[1]),
         last_pass_at=now,
+        traffic_since=decision.memory.traffic_since,
     )
     return status.model_dump(by_alias=True, mode="json")
 

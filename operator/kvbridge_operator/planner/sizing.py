@@ -117,6 +117,9 @@ class Memory:
     decode_correction: float = 1.0
     sizes: tuple[int, int] | None = None  # what the last pass asked for (None: the sizes running are taken)
     changes: tuple[Change | None, Change | None] = (None, None)  # each role's last change of size
+    #: the first pass of the present run of passes that saw traffic (None: the last saw none): engines' first
+    #: requests after a rest (cold caches, first compilations) are slower than any profile, and refine nothing
+    traffic_since: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,6 +297,16 @@ def role_sizes(
     return Sizes(whole(up, 0.0, busy[0]), whole(down, tolerance, busy[0]), whole(low, 0.0, busy[1]))
 
 
+def _traffic_since(observation: Observation, memory: Memory, now: float) -> float | None:
+    """When the present run of passes with traffic began: None without traffic now; 0 where the last pass saw
+    traffic but no start was kept (a status written before ``trafficSince``): warm."""
+    if observation.request_rate <= 0:
+        return None
+    if memory.traffic_since is not None:
+        return memory.traffic_since
+    return 0.0 if memory.last_rate else now
+
+
 def decide(
     observation: Observation | None,
     unavailable: str,
@@ -321,9 +334,11 @@ def decide(
     if wrong is not None:
         return Decision(running.prefill, running.decode, wrong[0], wrong[1], True, memory=memory)
     current = memory.sizes if memory.sizes is not None else (running.prefill, running.decode)
+    since = _traffic_since(observation, memory, now)
+    traffic_warm = since is not None and now - since >= rate_window_seconds + hysteresis.warmup_seconds
     warmed = (
-        warm(memory.changes[0], settled[0], now, rate_window_seconds, hysteresis),
-        warm(memory.changes[1], settled[1], now, rate_window_seconds, hysteresis),
+        traffic_warm and warm(memory.changes[0], settled[0], now, rate_window_seconds, hysteresis),
+        traffic_warm and warm(memory.changes[1], settled[1], now, rate_window_seconds, hysteresis),
     )
     refined = refine(observation, profile, running, memory, targets.tail, warmed)
     noise = rate_noise(max(observation.request_rate, memory.last_rate or 0.0), rate_window_seconds)
@@ -366,6 +381,7 @@ def decide(
             changed(memory.changes[0], current[0], chosen[0], now),
             changed(memory.changes[1], current[1], chosen[1], now),
         ),
+        traffic_since=since,
     )
     unreachable = [role for role, need in zip(("prefill", "decode"), needs, strict=True) if need is None]
     reason = TARGET_UNREACHABLE if unreachable else SIZED
