@@ -51,6 +51,9 @@ STAGE_OUT_OF_RANGE = "STAGE_OUT_OF_RANGE"
 STAGE_PLAN_MISMATCH = "STAGE_PLAN_MISMATCH"
 STAGE_PLAN_INVALID = "STAGE_PLAN_INVALID"
 STAGING_OFF = "STAGING_OFF"
+#: decode did not ask prefill to stage (an exchange with it failed lately, or its address was not admitted): said
+#: once when the pause begins, not per request
+STAGE_SKIPPED = "STAGE_SKIPPED"
 
 #: units (blocks, wire blocks or chunks) one stage request may name: a request's tokens at one per unit
 MAX_STAGE_UNITS = 1 << 24

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from kvbridge_agent.core import KVBridgeError
 from kvbridge_agent.core.handshake import KVTransferParams
-from kvbridge_agent.core.stage_requests import StageReply, StageRequest, StageState
+from kvbridge_agent.core.stage_requests import STAGE_SKIPPED, StageReply, StageRequest, StageState
 from kvbridge_agent.core.staging import Choice
 from kvbridge_agent.transfer.reads import (
     TRANSFER_FAILED,
@@ -56,6 +56,8 @@ class Asked:
     exchanges: list[float] = field(default_factory=list)
     busy: bool = False
     why: str = ""
+    #: the stager skipped it and said why once for all its requests (``STAGE_SKIPPED``): not logged per request
+    skipped: bool = False
     #: when the exchange ended (``time.perf_counter``)
     ended: float = 0.0
 
@@ -100,6 +102,7 @@ def ask(
             asked.replies = replies
     except (KVBridgeError, ValueError) as exc:  # a refusal, an exchange that failed, a reply out of bounds
         asked.why = str(exc)
+        asked.skipped = isinstance(exc, KVBridgeError) and exc.code == STAGE_SKIPPED
     asked.ended = time.perf_counter()
     return asked
 

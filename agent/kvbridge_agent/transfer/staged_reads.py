@@ -271,7 +271,12 @@ class DecodeStaging:
         self.cost = replace(self.cost, exchange_us=asked.smoothed(self.cost.exchange_us))
         replies = asked.replies
         if asked.why:
-            log.warning("staging %s failed, reading it directly: %s", owner, asked.why)
+            log.log(
+                logging.DEBUG if asked.skipped else logging.WARNING,
+                "staging %s failed, reading it directly: %s",
+                owner,
+                asked.why,
+            )
         if replies is None or len(replies) != len(peer.staged):
             self.pool.release(owner)
             return None

@@ -38,7 +38,13 @@ import zmq
 
 from kvbridge_agent.core import KVBridgeError, RoleSettings, TransferPlan, TransferSettings
 from kvbridge_agent.core.handshake import KVTransferParams
-from kvbridge_agent.core.stage_requests import STAGE_NOT_OFFERED, STAGE_OUT_OF_RANGE, StageReply, StageRequest
+from kvbridge_agent.core.stage_requests import (
+    STAGE_NOT_OFFERED,
+    STAGE_OUT_OF_RANGE,
+    STAGE_SKIPPED,
+    StageReply,
+    StageRequest,
+)
 from kvbridge_agent.transfer.decode_rank import DecodeRank
 from kvbridge_agent.transfer.keys import CurveKeys
 from kvbridge_agent.transfer.kv_cache import KVCache
@@ -56,10 +62,10 @@ log = logging.getLogger(f"vllm.kvbridge.{__name__.rsplit('.', 1)[-1]}")  # shown
 
 #: decode: the longest one stage exchange waits (less where the handshake timeout is less), on a stage thread
 STAGE_WAIT_SECONDS = 1.0
+#: decode: the prefill engines and incarnations a missing address is said once for, at most
+MAX_NAMED = 1024
 #: decode: how long a prefill engine whose stage exchange failed is read directly without asking
 PAUSE_SECONDS = 30.0
-#: decode did not ask prefill to stage (an exchange with it failed lately, or its address was not admitted)
-STAGE_SKIPPED = "STAGE_SKIPPED"
 #: refusals that concern one request only: the engine is asked again for the next
 _PER_REQUEST = (STAGE_NOT_OFFERED, STAGE_OUT_OF_RANGE)
 
@@ -142,6 +148,8 @@ class ConnectorStager:
         self._hosts: dict[str, tuple[str, str]] = {}
         #: per prefill engine: until when it is read directly, after a failed exchange
         self._paused: dict[str, float] = {}
+        #: the engines and incarnations whose missing address was said (bounded)
+        self._unadmitted: set[tuple[str, str]] = set()
 
     @property
     def timeout(self) -> float:
@@ -155,6 +163,9 @@ class ConnectorStager:
         engine = params.remote_engine_id
         admitted = self._hosts.get(engine)
         if admitted is None or admitted[0] != params.remote_incarnation:
+            if (engine, params.remote_incarnation) not in self._unadmitted and len(self._unadmitted) < MAX_NAMED:
+                self._unadmitted.add((engine, params.remote_incarnation))  # said once (requests say it in debug)
+                log.warning("kvbridge: reading %s directly: no admitted address of its side channel", engine)
             raise KVBridgeError(f"no admitted address of {engine}'s side channel", code=STAGE_SKIPPED)
         left = self._paused.get(engine, 0.0) - time.monotonic()
         if left > 0:

@@ -6,6 +6,7 @@ rank closed. Real NIXL agents on host memory (staged_harness)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ import torch
 
 from kvbridge_agent.core import KVBridgeError
 from kvbridge_agent.core.handshake import KVTransferParams
-from kvbridge_agent.core.stage_requests import STAGE_NOT_OFFERED, StageReply, StageRequest, StageState
+from kvbridge_agent.core.stage_requests import STAGE_NOT_OFFERED, STAGE_SKIPPED, StageReply, StageRequest, StageState
 from kvbridge_agent.transfer.decode_rank import DecodeRank
 from kvbridge_agent.transfer.reads import TRANSFER_FAILED, TRANSFER_TIMEOUT, ReadResult
 from kvbridge_agent.transfer.stage_asks import StageAsks
@@ -47,6 +48,8 @@ class Gate:
             return StageReply(state=StageState.BUSY)
         if self.outcome == "refused":
             raise KVBridgeError("not held", code=STAGE_NOT_OFFERED)
+        if self.outcome == "skipped":
+            raise KVBridgeError("asked again in 29 s", code=STAGE_SKIPPED)
         if self.outcome == "bug":
             raise ZeroDivisionError("a bug in a stager")
         return self.pair.stage(params, request)
@@ -137,6 +140,22 @@ def test_an_exchange_that_cannot_stage_reads_directly_in_a_later_poll(pair: Stag
     assert extent_held(pair) == []
     read = [t.clone() for t in rank_of(pair).cache.tensors]
     assert all(torch.equal(a, b) for a, b in zip(read, direct_bytes(pair), strict=True))
+
+
+@pytest.mark.parametrize(("outcome", "warned"), [("refused", True), ("skipped", False)])
+def test_a_skipped_exchange_is_not_warned_of_per_request(
+    pair: StagedPair, outcome: str, warned: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stager that pauses a prefill engine says why once (``STAGE_SKIPPED``); each of its requests read directly
+    meanwhile is a debug line, not a warning per request (30 s of them at full load)."""
+    stager = Gate(pair, outcome=outcome)
+    stager.opened.set()
+    with caplog.at_level(logging.DEBUG, logger="kvbridge_agent.transfer.staged_reads"):
+        request_id, _ = start(pair, stager)
+        result = finish(pair, request_id)
+    assert (result.ok, result.mode) == (True, "direct")
+    said = [r for r in caplog.records if "reading it directly" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING if warned else logging.DEBUG]
 
 
 def test_an_exchange_past_the_transfer_timeout_fails_and_its_answer_is_ignored(pair: StagedPair) -> None:

@@ -4,6 +4,7 @@ to the worker rank that packs, its frames parsed with bounds (hypothesis), and d
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -24,6 +25,7 @@ from kvbridge_agent.core.handshake import HANDSHAKE_TIMEOUT, MALFORMED_MESSAGE, 
 from kvbridge_agent.core.stage_requests import (
     STAGE_NOT_OFFERED,
     STAGE_PLAN_INVALID,
+    STAGE_SKIPPED,
     StagePlan,
     StageReply,
     StageRequest,
@@ -41,7 +43,7 @@ from kvbridge_agent.vllm_connector.stage_relay import (
     parse_reply,
     parse_request,
 )
-from kvbridge_agent.vllm_connector.staging import STAGE_SKIPPED, ConnectorStager
+from kvbridge_agent.vllm_connector.staging import ConnectorStager
 from tests.agent.transfer.harness import model as region_model
 from tests.agent.transfer.staged_harness import Side, StagedPair
 
@@ -268,6 +270,16 @@ def test_a_side_channel_that_does_not_answer_pauses_staging_with_that_engine() -
         assert time.monotonic() - started < 0.2  # under the 0.3 s an exchange may wait
     finally:
         silent.close(linger=0)
+
+
+def test_an_engine_without_an_admitted_address_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    stager = ConnectorStager(None, 0.3)
+    with caplog.at_level(logging.WARNING, logger=staging.log.name):
+        for _ in range(3):
+            with pytest.raises(KVBridgeError) as skipped:
+                stager(params_at(1), request())
+            assert skipped.value.code == STAGE_SKIPPED
+    assert sum("no admitted address" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_the_stager_waits_at_most_the_stage_wait_bound() -> None:
