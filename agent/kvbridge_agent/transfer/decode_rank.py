@@ -193,7 +193,7 @@ class DecodeRank:
                 self._cancel_staged(staged)
                 self._evicted.append(ReadResult(request_id, False, TRANSFER_FAILED, why, list(staged.flight.blocks)))
         if self.asks is not None:
-            self.asks.evicted(engine_id)
+            self._evicted += self.asks.evicted(engine_id)
         self._drop(peer)
         return True
 
@@ -375,7 +375,7 @@ class DecodeRank:
         return results
 
     def _poll_asks(self, now: float) -> list[ReadResult]:
-        """Requests that failed while asking (past their deadline, peer evicted), and those answered, posted now."""
+        """Requests that failed while asking (past their deadline), and those answered, posted now."""
         if self.asks is None:
             return []
         failed, answered = self.asks.poll(now)

@@ -141,7 +141,6 @@ class StageAsks:
         self.staging, self.limit = staging, limit
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="kvbridge-stage")
         self._asking: dict[str, Asking] = {}
-        self._dropped: list[ReadResult] = []  # requests of evicted peers, reported by the next poll
 
     @property
     def requests(self) -> list[str]:
@@ -174,22 +173,22 @@ class StageAsks:
         return True
 
     def poll(self, now: float) -> tuple[list[ReadResult], list[Asking]]:
-        """The requests that failed waiting (a peer evicted, past their deadline at ``now``, ``time.monotonic``),
-        and those whose exchange is answered, no longer held here (their extent is: the caller posts them)."""
-        failed, self._dropped = self._dropped, []
+        """The requests that failed waiting (past their deadline at ``now``, ``time.monotonic``), and those whose
+        exchange is answered, no longer held here (their extent is: the caller posts them)."""
         late = [r for r, asking in self._asking.items() if now > asking.flight.deadline]
         why = "its stage exchange did not end within the transfer timeout"
-        failed += [self.drop(r).failed(TRANSFER_TIMEOUT, why) for r in late]
+        failed = [self.drop(r).failed(TRANSFER_TIMEOUT, why) for r in late]
         done = [asking for asking in self._asking.values() if asking.future.done()]
         for asking in done:
             del self._asking[asking.flight.request_id]
         return failed, done
 
-    def evicted(self, engine_id: str) -> None:
-        """Drop the requests of a prefill engine evicted (failed, by the next :meth:`poll`)."""
+    def evicted(self, engine_id: str) -> list[ReadResult]:
+        """Drop the requests of a prefill engine evicted: their results (the rank reports them with its next poll,
+        as its other reads of that engine)."""
         why = f"prefill engine {engine_id} was evicted during the request's stage exchange"
         dropped = [r for r, a in self._asking.items() if a.flight.params.remote_engine_id == engine_id]
-        self._dropped += [self.drop(r).failed(TRANSFER_FAILED, why) for r in dropped]
+        return [self.drop(r).failed(TRANSFER_FAILED, why) for r in dropped]
 
     def drop(self, request_id: str) -> Asking:
         """Stop waiting for a request's exchange (its answer is ignored) and give its extent back; a caller that
