@@ -103,15 +103,7 @@ class DigestReceiver:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                if not self._socket.poll(POLL_MILLISECONDS):
-                    continue
-                frames = self._socket.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                if self._stop.is_set():
-                    return
-                continue
+        while (frames := next_frames(self._socket, self._stop)) is not None:
             try:
                 self._deliver(*parse(frames))
             except Exception as exc:  # a bad frame is dropped; the relay keeps reading
@@ -120,11 +112,27 @@ class DigestReceiver:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        self._socket.close(linger=0)
-        self._context.term()
-        path = self.address.removeprefix("ipc://")
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+        close_listener(self._context, self._socket, self.address)
+
+
+def next_frames(socket: zmq.Socket[bytes], stop: threading.Event) -> list[bytes] | None:
+    """A listener thread's next message, polled every :data:`POLL_MILLISECONDS` (a failed receive is skipped);
+    ``None`` once ``stop`` is set."""
+    while not stop.is_set():
+        try:
+            if socket.poll(POLL_MILLISECONDS):
+                return socket.recv_multipart(flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            continue
+    return None
+
+
+def close_listener(context: zmq.Context[zmq.Socket[bytes]], socket: zmq.Socket[bytes], address: str) -> None:
+    """Close a listener bound at ``ipc://`` ``address`` (its thread stopped) and remove its socket file."""
+    socket.close(linger=0)
+    context.term()
+    with contextlib.suppress(OSError):
+        os.unlink(address.removeprefix("ipc://"))
 
 
 def start_relay(incarnation: str, deliver: Deliver) -> DigestReceiver | None:

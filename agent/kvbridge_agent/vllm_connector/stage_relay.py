@@ -37,7 +37,7 @@ from kvbridge_agent.core.handshake import MALFORMED_MESSAGE
 from kvbridge_agent.core.stage_requests import STAGE_PLAN_INVALID, StageReply, StageRequest
 from kvbridge_agent.transfer.staging import staging_bytes
 
-from .digest_relay import private_folder
+from .digest_relay import close_listener, next_frames, private_folder
 
 log = logging.getLogger(f"vllm.kvbridge.{__name__.rsplit('.', 1)[-1]}")  # shown by vLLM's log handler
 
@@ -47,7 +47,6 @@ MAX_REQUEST_BYTES = 64 << 10
 MAX_REPLY_BYTES = 4 << 10
 MAX_CODE_BYTES = 64
 MAX_MESSAGE_BYTES = 4 << 10
-POLL_MILLISECONDS = 100
 #: how long the side channel waits for a rank to pack (less than decode's wait, staging.STAGE_WAIT_SECONDS, so that
 #: decode hears why; the side channel answers nothing else meanwhile)
 RELAY_SECONDS = 0.75
@@ -141,15 +140,7 @@ class StageServer:
         return self
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                if not self._socket.poll(POLL_MILLISECONDS):
-                    continue
-                frames = self._socket.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                if self._stop.is_set():
-                    return
-                continue
+        while (frames := next_frames(self._socket, self._stop)) is not None:
             # ROUTER: [identity, b"" (from REQ), *message]; no delimiter: not a REQ of ours, dropped
             if len(frames) < 2 or frames[1] != b"":
                 log.warning("kvbridge: dropped a stage relay frame without an envelope (%d parts)", len(frames))
@@ -181,10 +172,7 @@ class StageServer:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        self._socket.close(linger=0)
-        self._context.term()
-        with contextlib.suppress(OSError):
-            os.unlink(self.address.removeprefix("ipc://"))
+        close_listener(self._context, self._socket, self.address)
 
 
 def start_server(incarnation: str, rank: int, stage: Stage) -> StageServer | None:
