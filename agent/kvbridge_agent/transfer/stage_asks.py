@@ -119,10 +119,11 @@ class Asking:
     note: bytes
     future: Future[Asked]
 
-    def failed(self, code: str, message: str) -> ReadResult:
-        """The request's result when it is dropped before anything of it was posted."""
+    def failed(self, code: str, message: str, peer_failed: bool = True) -> ReadResult:
+        """The request's result when it is dropped before anything of it was posted; ``peer_failed`` False when
+        the peer is already forgotten (an eviction: saying it failed would have a caller forget its successor)."""
         flight = self.flight
-        return ReadResult(flight.request_id, False, code, message, list(flight.blocks), peer_failed=True)
+        return ReadResult(flight.request_id, False, code, message, list(flight.blocks), peer_failed=peer_failed)
 
     def outcome(self) -> Asked:
         """The exchange's answer (a stager that raised something else: read directly)."""
@@ -188,7 +189,7 @@ class StageAsks:
         as its other reads of that engine)."""
         why = f"prefill engine {engine_id} was evicted during the request's stage exchange"
         dropped = [r for r, a in self._asking.items() if a.flight.params.remote_engine_id == engine_id]
-        return [self.drop(r).failed(TRANSFER_FAILED, why) for r in dropped]
+        return [self.drop(r).failed(TRANSFER_FAILED, why, peer_failed=False) for r in dropped]
 
     def drop(self, request_id: str) -> Asking:
         """Stop waiting for a request's exchange (its answer is ignored) and give its extent back; a caller that

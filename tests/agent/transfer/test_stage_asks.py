@@ -178,7 +178,7 @@ def test_an_evicted_peer_gives_the_extent_back_at_once_and_fails_the_request(pai
     assert extent_held(pair) == []
     stager.opened.set()
     result = finish(pair, request_id)
-    assert (result.ok, result.code, result.peer_failed) == (False, TRANSFER_FAILED, True)
+    assert (result.ok, result.code, result.peer_failed) == (False, TRANSFER_FAILED, False)
     assert "evicted" in result.message
     assert rank_of(pair).poll() == []
 
