@@ -12,10 +12,12 @@ overlapped with vLLM's next steps and with the READs; vLLM's thread only starts 
 - Decode (:class:`DecodeChecks`): prefill's digests are fetched while the READs run; when the READs (and decode's
   conversions) are done, the digest of what this rank now holds is taken and compared on a thread, and the request
   is reported to vLLM in the step its check completes — never before, so no KV is used unverified, and a mismatch
-  fails that request alone. A check whose prefill digests are already there when its READs complete usually takes
-  less than a millisecond: vLLM's thread gives it up to :data:`CHECK_JOIN_SECONDS` (GIL released) before it
-  returns, so that the request goes in that step, not the next (a whole decode step of latency saved, for at most
-  that pause once per completed read; a longer check simply goes in a later step).
+  fails that request alone. The READs are polled right after a step posts them too: a read done inside its post
+  (host memory, UCX's shared-memory transports) is checked while vLLM computes that step. A check whose prefill
+  digests are already there when its READs complete usually takes less than a millisecond: vLLM's thread gives it
+  up to :data:`CHECK_JOIN_SECONDS` (GIL released) before it returns, so that the request goes in that step, not the
+  next (a whole decode step of latency saved, for at most that pause once per completed read; a longer check simply
+  goes in a later step).
 
 Both digest the cache's own memory while vLLM computes other requests' blocks: a request's blocks are not written
 after its prompt is computed (prefill: held for its readers; decode: not yet handed to vLLM). On a GPU the thread's

@@ -17,19 +17,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from kvbridge_agent.core import (
-    KVLayout,
-    ModelGeometry,
-    Role,
-    SpecError,
-    Verification,
-)
+from kvbridge_agent.core import KVLayout, ModelGeometry, Role, SpecError, Verification
 from kvbridge_agent.core import tracing as words
-from kvbridge_agent.core.digest import (
-    RequestDigests,
-    decode_verifies,
-    to_bytes,
-)
+from kvbridge_agent.core.digest import RequestDigests, decode_verifies, to_bytes
 from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams
 from kvbridge_agent.core.plan import build_plan
 from kvbridge_agent.core.tp import handshake_ranks
@@ -272,6 +262,15 @@ class ConnectorWorker:
         if self.decode is not None:
             for request_id, read in meta.to_read.items():
                 self._start_or_fail(self.decode, request_id, read)
+            if meta.to_read and self.decode.in_flight:
+                self._start_checks(self.decode)
+
+    def _start_checks(self, decode: DecodeRank) -> None:
+        """Decode: the reads that ended start their checks (the rest wait in ``_results`` for get_finished). Also
+        right after posting a step's READs: on host memory UCX copies inside the post, and the check runs beside
+        the forward rather than after it."""
+        started = [self._checks.start(decode, result) for result in [*self._results, *decode.poll()]]
+        self._results = [result for result in started if result is not None]
 
     def _start_or_fail(self, decode: DecodeRank, request_id: str, order: ReadOrder) -> None:
         """Start one request's READs; anything unforeseen it raises fails that request alone, typed and logged."""
@@ -430,9 +429,8 @@ class ConnectorWorker:
         if self.decode is not None:
             self._finish_handshakes(self.decode)
             self._results += abandon_expired(self.decode, self._expiry)  # before their answer is posted
-            polled = [self._checks.start(self.decode, r) for r in [*self._results, *self.decode.poll()]]
-            self._results = []
-            results = [*(r for r in polled if r is not None), *self._checks.finished()]
+            self._start_checks(self.decode)
+            results, self._results = [*self._results, *self._checks.finished()], []
             if self._checks.joined_seconds > 0:
                 self.stats.record_digest_wait(self._checks.joined_seconds)
             for engine_id in self._checks.take_mismatches():

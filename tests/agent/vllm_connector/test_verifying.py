@@ -26,7 +26,18 @@ from kvbridge_agent.vllm_connector.stats import DIGESTS
 from kvbridge_agent.vllm_connector.worker import ConnectorWorker
 from tests.physical_kv import fill
 
-from .test_gpu_layouts import PREFILL_BLOCKS, TOKENS, Side, allocate, check_bytes, settings, transfer
+from .test_gpu_layouts import (
+    DECODE_BLOCKS,
+    PREFILL_BLOCKS,
+    TOKENS,
+    Side,
+    allocate,
+    blocks_of,
+    check_bytes,
+    request,
+    settings,
+    transfer,
+)
 
 #: how long each slowed digest takes: far longer than any hook may hold vLLM's thread here
 SLOW = 0.3
@@ -95,6 +106,37 @@ def test_a_mismatch_found_on_the_check_thread_fails_the_request(
     [decode] = [w for w in closing if isinstance(w, ConnectorWorker) and w.decode is not None]
     assert decode.stats.data["failed_reads"] == ["KV_DIGEST_MISMATCH"]
     assert decode.stats.data["digest_mismatches"] == ["prefill-layouts"]
+
+
+def test_reads_done_as_they_are_posted_are_checked_beside_the_forward(
+    monkeypatch: pytest.MonkeyPatch, closing: list[Any]
+) -> None:
+    """Once the prefill engine is known, a request's READs are posted in ``start_load_kv``. On host memory with
+    UCX's error handling ``none`` (shared-memory transports) they complete inside the post, so their check starts
+    right there and runs while vLLM computes the step: the first ``get_finished`` after it reports the request
+    without waiting (a check started only at ``get_finished`` and longer than the join would go a step later).
+    With ``peer`` (the default) UCX's control messages go over TCP loopback and the READs complete once prefill
+    next polls: their check starts in that later step."""
+    monkeypatch.setenv("KVBRIDGE_UCX_ERROR_HANDLING", "none")
+    recorder = Recorder(monkeypatch)
+    transfer(KVCacheLayout.LBHNC, KVCacheLayout.LBHNC, closing)  # d1: the handshake, its READs posted after it
+    prefill_scheduler, prefill, decode_scheduler, decode = closing[:4]
+    blocks = PREFILL_BLOCKS[: -(-TOKENS // Side(KVCacheLayout.LBHNC).block)]
+    _, params = prefill_scheduler.request_finished(request("p2", {"do_remote_decode": True}), (blocks,))
+    prefill.start_load_kv(prefill_scheduler.build_connector_meta())
+    prefill_scheduler.take_digests(prefill.stats.take())
+    wanted = request("d2", params)
+    assert decode_scheduler.get_num_new_matched_tokens(wanted, 0) == (TOKENS, True)
+    decode_scheduler.update_state_after_alloc(wanted, blocks_of(DECODE_BLOCKS[: len(blocks)]), TOKENS)
+    checks = len(recorder.digests)
+    decode.start_load_kv(decode_scheduler.build_connector_meta())
+    deadline = time.monotonic() + 10
+    while len(recorder.digests) == checks:  # vLLM's forward: d2's check runs meanwhile
+        assert time.monotonic() < deadline, "the check never ran beside the forward"
+        time.sleep(0.02)
+    _, received = decode.get_finished(set())
+    assert received == {"d2"}
+    assert decode._checks.joined_seconds == 0.0  # the step did not wait for it
 
 
 def prefill_worker(closing: list[Any]) -> tuple[ConnectorWorker, list[int]]:
