@@ -1,26 +1,27 @@
 """What verified transfers cost under load, measured with vLLM's own client on real vLLM (not a test).
 
     .venv/bin/python benchmarks/verification_under_load.py [--num-prompts 256] [--input-len 400]
-        [--output-len 64] [--concurrency 16] [--rounds 6] [--warmup 1] [--policies Off All Sampled] [--json]
+        [--output-len 64] [--concurrency 16] [--rounds 6] [--warmup 1]
+        [--policies Off All Sampled Control] [--prefix-caching] [--json]
 
-``kvbridge demo --serve`` runs two deployments of the tiny local model side by side, each one prefill and one
-decode pod of the CPU build with kvbridge's connector, alike but for ``spec.transfer.verification`` (``Off``,
-``All`` and the default ``Sampled``), and a router in front of each. ``vllm bench serve`` sends the same workload
-(random prompts, a new seed per round, ``--max-concurrency`` requests in flight) through one router after the
-other, ``--rounds`` times, the order reversed every round (Off, All, Sampled, Sampled, All, Off, ...), so that
-drift on the machine and whatever favours an early or late run of a round fall on all alike. Reported per run:
-requests per second, output tokens per second, TTFT p50/p99, TPOT p50, ITL p99, failures, and the CPU seconds
-the driven deployment's engine processes used
-per completed request (each pod's ``vllm serve`` and its descendants, read from ``/proc``), and the engines' own
-time digesting per request (``vllm:kvbridge_digest_seconds`` from their ``/metrics``) and what their steps waited
-for verification per request (``vllm:kvbridge_digest_wait_seconds``: decode's join of a check, an offer waiting
-for a digest).
+``kvbridge demo --serve`` runs one deployment per policy of the tiny local model side by side, each one prefill
+and one decode pod of the CPU build with kvbridge's connector, alike but for ``spec.transfer.verification``
+(``Off``, ``All``, the default ``Sampled``; ``Control`` is a second ``Off``), and a router in front of each.
+``vllm bench serve`` sends the same workload (random prompts, a new seed per round, ``--max-concurrency``
+requests in flight) through one router after the other, ``--rounds`` times, the order reversed every round and rotated
+every two (:func:`round_order`), so that drift on the machine and whatever favours an early, middle or late run of
+a round fall on all alike. Prefix caching is off unless asked for (:data:`NO_PREFIX_CACHING`). Reported per run:
+requests per second, output tokens per second, TTFT p50/p99, TPOT p50, ITL p99, failures, the router's split of
+the time to first token, the CPU seconds the driven deployment's engine processes used per completed request
+(each pod's ``vllm serve`` and its descendants, read from ``/proc``), the engines' own time digesting per request
+(``vllm:kvbridge_digest_seconds`` from their ``/metrics``) and what their steps waited for verification per
+request (``vllm:kvbridge_digest_wait_seconds``: decode's join of a check, an offer waiting for a digest).
 
-On a shared machine with few cores, throughput and TTFT drift by tens of percent between identical runs, more
-than the cost being measured. Three figures resist that drift: the *paired* ratios (each round's ``All`` run against its
-``Off`` run, median over the rounds), the engines' CPU time per request, and — the direct one —
-the time the engines spent digesting, which is all the work verification adds to a request now that the digests
-travel with the transfer parameters (no extra exchange, no extra engine step).
+On a shared machine with few cores, throughput and TTFT move by tens of percent between identical runs, more than
+the cost being measured. So each policy is compared with ``Off`` round by round (the *paired* ratios, their
+median and its 95 % bootstrap interval), and ``Control`` shows what two identical deployments differ by on the
+same machine in the same run: a ratio inside ``Control``'s spread is below what the run can resolve. The direct
+figures — digest time and step wait per request — do not drift with the machine.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -45,13 +47,23 @@ import yaml
 from kvbridge_sim import tiny_model
 from router_policies import BIN, progress, read_line
 
-POLICIES = ("Off", "All", "Sampled")
+POLICIES = ("Off", "All", "Sampled", "Control")
+#: ``Control``: a second deployment with verification ``Off``, compared with ``Off`` like the others: what the
+#: machine's noise alone makes of two identical deployments (an A/A arm), the scale any other ratio is read on
+CONTROL = "Control"
 #: what engine steps waited for verification on the engine's own thread
 WAIT_METRIC = "vllm:kvbridge_digest_wait_seconds"
+#: both engines' prefix caches off (the default here): ``vllm bench serve``'s random prompts are runs of consecutive
+#: token ids from a random offset, so with the tiny model's 1,024-token vocabulary there are about a thousand of
+#: them; with prefix caching, later rounds find more and more of their prompts cached on prefill and decode, and
+#: the work per request (and throughput) drifts across the run more than verification costs
+NO_PREFIX_CACHING = "--no-enable-prefix-caching"
 
 
-def manifests(policies: tuple[str, ...]) -> list[dict[str, Any]]:
-    """One deployment per verification policy: 1 prefill + 1 decode of the tiny model, kvbridge's connector."""
+def manifests(policies: tuple[str, ...], prefix_caching: bool = False) -> list[dict[str, Any]]:
+    """One deployment per verification policy: 1 prefill + 1 decode of the tiny model, kvbridge's connector;
+    without ``prefix_caching`` every request is computed, read and verified in full (:data:`NO_PREFIX_CACHING`)."""
+    extra = ["--enforce-eager", "--max-model-len=512", *([] if prefix_caching else [NO_PREFIX_CACHING])]
     return [
         {
             "apiVersion": "kvbridge.io/v1alpha1",
@@ -63,7 +75,7 @@ def manifests(policies: tuple[str, ...]) -> list[dict[str, Any]]:
                     "device": "CPU",
                     "connector": "KVBridge",
                     "cpuKVCacheGiB": 1,
-                    "extraArgs": ["--enforce-eager", "--max-model-len=512"],
+                    "extraArgs": extra,
                 },
                 "model": {
                     "name": "kvbridge/tiny-llama",
@@ -74,7 +86,7 @@ def manifests(policies: tuple[str, ...]) -> list[dict[str, Any]]:
                 },
                 "prefill": {"replicas": 1, "tensorParallelSize": 1, "blockSize": 32, "kvLayout": "HND"},
                 "decode": {"replicas": 1, "tensorParallelSize": 1, "blockSize": 32, "kvLayout": "HND"},
-                "transfer": {"verification": policy},
+                "transfer": {"verification": "Off" if policy == CONTROL else policy},
             },
         }
         for policy in policies
@@ -228,13 +240,22 @@ def cpu_used(before: dict[int, float], after: dict[int, float]) -> float:
     return sum(total - before.get(pid, 0.0) for pid, total in after.items())
 
 
+def round_order(policies: tuple[str, ...], round_index: int) -> tuple[str, ...]:
+    """The order of a round: reversed every other round (ABBA) and rotated by one every two rounds, so that over
+    ``2 * len(policies)`` rounds every policy runs in every position equally often (with three, ABBA alone would
+    keep the middle one in the middle, next to both others every time)."""
+    shift = (round_index // 2) % len(policies)
+    rotated = policies[shift:] + policies[:shift]
+    return rotated if round_index % 2 == 0 else rotated[::-1]
+
+
 def main(args: argparse.Namespace) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     policies = tuple(args.policies)
     with tempfile.TemporaryDirectory(prefix="kvbridge-verification-") as folder:
         workdir = Path(folder)
         manifest = workdir / "deployments.yaml"
-        manifest.write_text(yaml.safe_dump_all(manifests(policies), sort_keys=False))
+        manifest.write_text(yaml.safe_dump_all(manifests(policies, args.prefix_caching), sort_keys=False))
         progress(f"starting kvbridge demo --serve with verification {', '.join(policies)} (engines start: minutes)")
         demo = subprocess.Popen(
             [str(BIN / "kvbridge"), "demo", "--serve", "-f", str(manifest)],
@@ -259,8 +280,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                     progress(f"warm-up {warmup + 1}: verification {policy} (not counted) ...")
                     bench(*routers[policy], tokenizer, args, seed, workdir)
             for round_index in range(args.rounds):
-                # the order reversed every other round (ABBA): none always runs first or last
-                for policy in policies if round_index % 2 == 0 else policies[::-1]:
+                for policy in round_order(policies, round_index):
                     seed += 1
                     url, model = routers[policy]
                     progress(
@@ -316,6 +336,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "outputLen": args.output_len,
         "concurrency": args.concurrency,
         "warmupRounds": args.warmup,
+        "prefixCaching": args.prefix_caching,
         "runs": runs,
         "versusOff": {policy: compare(runs, policy) for policy in policies if policy != "Off"},
     }
@@ -333,22 +354,41 @@ FIGURES = {
 }
 
 
-def compare(runs: list[dict[str, Any]], policy: str) -> dict[str, float]:
-    """``policy`` against ``Off``: the ratio of the medians over the rounds, and the median of the per-round
-    (paired) ratios."""
+#: resamples of the paired ratios behind each interval (seeded: the same runs give the same interval)
+BOOTSTRAP_RESAMPLES = 4000
+
+
+def compare(runs: list[dict[str, Any]], policy: str) -> dict[str, Any]:
+    """``policy`` against ``Off``: the ratio of the medians over the rounds, the median of the per-round (paired)
+    ratios, and a 95 % bootstrap interval of that median (``...PairedCI95``: the rounds' ratios resampled with
+    replacement; with few rounds it is wide, which is what it should say)."""
 
     def median(which: str, key: str) -> float:
         return float(statistics.median(r[key] for r in runs if r["verification"] == which))
 
-    def paired(key: str) -> float:
+    def paired(key: str) -> list[float]:
         off = {r["round"]: r[key] for r in runs if r["verification"] == "Off"}
-        return float(statistics.median(r[key] / off[r["round"]] for r in runs if r["verification"] == policy))
+        return [r[key] / off[r["round"]] for r in runs if r["verification"] == policy and off.get(r["round"])]
 
-    ratios: dict[str, float] = {}
+    ratios: dict[str, Any] = {}
     for name, key in FIGURES.items():
         ratios[name] = round(median(policy, key) / median("Off", key), 4)
-        ratios[f"{name}Paired"] = round(paired(key), 4)
+        rounds = paired(key)
+        ratios[f"{name}Paired"] = round(statistics.median(rounds), 4) if rounds else None
+        ratios[f"{name}PairedCI95"] = interval(rounds)
     return ratios
+
+
+def interval(ratios: list[float]) -> list[float] | None:
+    """The 95 % percentile-bootstrap interval of the median of ``ratios`` (``None`` below two rounds)."""
+    if len(ratios) < 2:
+        return None
+    draw = random.Random(len(ratios))
+    medians = sorted(statistics.median(draw.choices(ratios, k=len(ratios))) for _ in range(BOOTSTRAP_RESAMPLES))
+    return [
+        round(medians[int(0.025 * BOOTSTRAP_RESAMPLES)], 4),
+        round(medians[int(0.975 * BOOTSTRAP_RESAMPLES) - 1], 4),
+    ]
 
 
 def table(result: dict[str, Any]) -> str:
@@ -367,9 +407,13 @@ def table(result: dict[str, Any]) -> str:
             f"{run['digestsPerRequest']} | {run.get('stepWaitMsPerRequest')} | {run['failed']} |"
         )
     for policy, ratio in result["versusOff"].items():
-        lines.append(f"\n`{policy}` / `Off` | ratio of medians | median of paired rounds\n|---|---|---|")
+        lines.append(
+            f"\n`{policy}` / `Off` | ratio of medians | median of paired rounds | its 95 % interval\n|---|---|---|---|"
+        )
         for name in FIGURES:
-            lines.append(f"| {name} | {ratio[name]:.3f} | {ratio[name + 'Paired']:.3f} |")
+            ci = ratio[name + "PairedCI95"]
+            shown = f"{ci[0]:.3f} to {ci[1]:.3f}" if ci else "-"
+            lines.append(f"| {name} | {ratio[name]:.3f} | {ratio[name + 'Paired']:.3f} | {shown} |")
     return "\n".join(lines)
 
 
@@ -382,7 +426,16 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=1, help="rounds run first and not counted")
     parser.add_argument("--seed", type=int, default=int(time.time()) % 1_000_000 * 10)
-    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES), help="Off comes first")
+    parser.add_argument(
+        "--policies",
+        nargs="+",
+        choices=POLICIES,
+        default=list(POLICIES[:3]),
+        help=f"Off comes first; {CONTROL} is a second Off deployment (the noise floor)",
+    )
+    parser.add_argument(
+        "--prefix-caching", action="store_true", help="leave vLLM's prefix caching on (later rounds hit cached prompts)"
+    )
     parser.add_argument("--json", action="store_true")
     parsed = parser.parse_args()
     if "Off" not in parsed.policies:
