@@ -47,7 +47,7 @@ import yaml
 from kvbridge_sim import tiny_model
 from router_policies import BIN, progress, read_line
 
-POLICIES = ("Off", "All", "Sampled", "Control")
+POLICIES = ("Off", "All", "Sampled")
 #: ``Control``: a second deployment with verification ``Off``, compared with ``Off`` like the others: what the
 #: machine's noise alone makes of two identical deployments (an A/A arm), the scale any other ratio is read on
 CONTROL = "Control"
@@ -363,16 +363,19 @@ def compare(runs: list[dict[str, Any]], policy: str) -> dict[str, Any]:
     ratios, and a 95 % bootstrap interval of that median (``...PairedCI95``: the rounds' ratios resampled with
     replacement; with few rounds it is wide, which is what it should say)."""
 
-    def median(which: str, key: str) -> float:
-        return float(statistics.median(r[key] for r in runs if r["verification"] == which))
+    def median(which: str, key: str) -> float | None:
+        found = [r[key] for r in runs if r["verification"] == which and r[key] is not None]
+        return float(statistics.median(found)) if found else None
 
     def paired(key: str) -> list[float]:
         off = {r["round"]: r[key] for r in runs if r["verification"] == "Off"}
-        return [r[key] / off[r["round"]] for r in runs if r["verification"] == policy and off.get(r["round"])]
+        rounds = [r for r in runs if r["verification"] == policy and r[key] is not None]
+        return [r[key] / off[r["round"]] for r in rounds if off.get(r["round"])]
 
     ratios: dict[str, Any] = {}
     for name, key in FIGURES.items():
-        ratios[name] = round(median(policy, key) / median("Off", key), 4)
+        mine, off = median(policy, key), median("Off", key)
+        ratios[name] = round(mine / off, 4) if mine is not None and off else None
         rounds = paired(key)
         ratios[f"{name}Paired"] = round(statistics.median(rounds), 4) if rounds else None
         ratios[f"{name}PairedCI95"] = interval(rounds)
@@ -413,7 +416,8 @@ def table(result: dict[str, Any]) -> str:
         for name in FIGURES:
             ci = ratio[name + "PairedCI95"]
             shown = f"{ci[0]:.3f} to {ci[1]:.3f}" if ci else "-"
-            lines.append(f"| {name} | {ratio[name]:.3f} | {ratio[name + 'Paired']:.3f} | {shown} |")
+            cells = [f"{ratio[n]:.3f}" if ratio[n] is not None else "-" for n in (name, name + "Paired")]
+            lines.append(f"| {name} | {' | '.join(cells)} | {shown} |")
     return "\n".join(lines)
 
 
@@ -429,8 +433,8 @@ if __name__ == "__main__":
     parser.add_argument(
         "--policies",
         nargs="+",
-        choices=POLICIES,
-        default=list(POLICIES[:3]),
+        choices=(*POLICIES, CONTROL),
+        default=list(POLICIES),
         help=f"Off comes first; {CONTROL} is a second Off deployment (the noise floor)",
     )
     parser.add_argument(
