@@ -24,4 +24,5 @@ Reading order:
 - ``digest``: the transfer digest on the cache's own device.
 - ``digest_kernel``: its one pass over a CPU cache (numba).
 - ``metrics``: one engine's Prometheus metrics.
+- ``background``: kvbridge's own threads in an engine, named for the OS.
 """

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -23,6 +23,7 @@ from kvbridge_agent.core import KVBridgeError
 from kvbridge_agent.core.handshake import KVTransferParams
 from kvbridge_agent.core.stage_requests import STAGE_SKIPPED, StageReply, StageRequest, StageState
 from kvbridge_agent.core.staging import Choice
+from kvbridge_agent.transfer.background import background_executor
 from kvbridge_agent.transfer.reads import (
     TRANSFER_FAILED,
     TRANSFER_TIMEOUT,
@@ -140,7 +141,7 @@ class StageAsks:
 
     def __init__(self, staging: DecodeStaging, threads: int = ASK_THREADS, limit: int = MAX_ASKING) -> None:
         self.staging, self.limit = staging, limit
-        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="kvbridge-stage")
+        self._executor = background_executor(threads, "kvbridge-stage")
         self._asking: dict[str, Asking] = {}
 
     @property

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -40,6 +40,7 @@ from kvbridge_agent.core.staging import (
     posted_estimate,
     read_groups,
 )
+from kvbridge_agent.transfer.background import background_executor
 from kvbridge_agent.transfer.cost_model import measure
 from kvbridge_agent.transfer.kv_cache import KVCache
 from kvbridge_agent.transfer.observed_costs import ObservedCosts
@@ -135,7 +136,7 @@ class DecodeStaging:
         self.cost: CostModel = measure(transport, self.pool)
         rows = np.array([[self.pool.base, self.pool.piece, cache.device_id, self.pool.piece, self.pool.pieces]])
         self._local = transport.prep("", rows, cache.memory_type.value)
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-scatter")
+        self._worker = background_executor(1, "kvbridge-scatter")
         #: ``auto`` (the cost model), or always ``direct`` / ``staged`` (where the peer allows it)
         self.mode = "auto"
         #: where staged reads land: ``auto`` (the cost model), or always ``blocks`` (where possible) / ``buffer``

@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import zmq
 
+from kvbridge_agent.transfer.background import background_thread
+
 log = logging.getLogger(f"vllm.kvbridge.{__name__.rsplit('.', 1)[-1]}")  # shown by vLLM's log handler
 
 PROTOCOL = b"kvbridge-digest-relay/1"
@@ -99,7 +101,7 @@ class DigestReceiver:
         self.address = relay_address(incarnation)
         self._socket.bind(self.address)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvbridge-digest-relay", daemon=True)
+        self._thread = background_thread(self._run, "kvbridge-digest-relay", "kvbridge-relay")
         self._thread.start()
 
     def _run(self) -> None:

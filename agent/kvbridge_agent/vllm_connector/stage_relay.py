@@ -35,6 +35,7 @@ from kvbridge_agent.core import KVBridgeError
 from kvbridge_agent.core.errors import INTERNAL_ERROR
 from kvbridge_agent.core.handshake import MALFORMED_MESSAGE
 from kvbridge_agent.core.stage_requests import STAGE_PLAN_INVALID, StageReply, StageRequest
+from kvbridge_agent.transfer.background import background_thread
 from kvbridge_agent.transfer.staging import staging_bytes
 
 from .digest_relay import close_listener, next_frames, private_folder
@@ -131,7 +132,7 @@ class StageServer:
             self._context.term()
             raise
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"kvbridge-stage-relay-{rank}", daemon=True)
+        self._thread = background_thread(self._run, f"kvbridge-stage-relay-{rank}", f"kvbridge-srel{rank}")
         self._stage: Stage | None = None
 
     def start(self, stage: Stage) -> StageServer:

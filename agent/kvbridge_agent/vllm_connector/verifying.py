@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, replace
 
 import torch
@@ -38,6 +38,7 @@ import zmq
 
 from kvbridge_agent.core.digest import KV_DIGEST_MISMATCH, KV_DIGEST_UNAVAILABLE, HeadDigests, RequestDigests, to_bytes
 from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams
+from kvbridge_agent.transfer.background import background_executor
 from kvbridge_agent.transfer.decode_rank import DecodeRank
 from kvbridge_agent.transfer.prefill_rank import PrefillRank
 from kvbridge_agent.transfer.reads import ReadResult, Verify
@@ -88,7 +89,7 @@ class PrefillDigests:
     def __init__(self, incarnation: str | None = None) -> None:
         self._incarnation = incarnation
         self._relay: DigestSender | None = None
-        self._executor = ThreadPoolExecutor(max_workers=DIGEST_THREADS, thread_name_prefix="kvbridge-digest")
+        self._executor = background_executor(DIGEST_THREADS, "kvbridge-digest")
         self._lock = threading.Lock()
         self._running: dict[str, Future[None]] = {}
         self._done: list[PrefillDigest] = []
@@ -173,8 +174,8 @@ class DecodeChecks:
 
     def __init__(self, fetch: Callable[[KVTransferParams, float | None], RequestDigests]) -> None:
         self._fetch = fetch
-        self._fetches = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="kvbridge-digest-fetch")
-        self._checks = ThreadPoolExecutor(max_workers=DIGEST_THREADS, thread_name_prefix="kvbridge-check")
+        self._fetches = background_executor(FETCH_THREADS, "kvbridge-digest-fetch", "kvbridge-fetch")
+        self._checks = background_executor(DIGEST_THREADS, "kvbridge-check")
         self._pending: dict[str, _Check] = {}
         self._started: list[_Check] = []  # the checks started since the last :meth:`finished`
         #: how long the last :meth:`finished` held vLLM's thread for a check started in its step (seconds)

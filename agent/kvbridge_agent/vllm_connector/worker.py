@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from kvbridge_agent.core import KVLayout, ModelGeometry, Role, SpecError, Verification
@@ -23,6 +23,7 @@ from kvbridge_agent.core.digest import RequestDigests, decode_verifies, to_bytes
 from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams
 from kvbridge_agent.core.plan import build_plan
 from kvbridge_agent.core.tp import handshake_ranks
+from kvbridge_agent.transfer.background import background_executor
 from kvbridge_agent.transfer.decode_rank import DecodeRank
 from kvbridge_agent.transfer.digest import Digester
 from kvbridge_agent.transfer.host_buffer import HostBuffer
@@ -92,7 +93,7 @@ class ConnectorWorker:
         self._offer_waits_for_digest = False
         # decode
         self._results: list[ReadResult] = []
-        self._executor = ThreadPoolExecutor(max_workers=MAX_HANDSHAKES, thread_name_prefix="kvbridge-handshake")
+        self._executor = background_executor(MAX_HANDSHAKES, "kvbridge-handshake", "kvbridge-hshake")
         #: handshakes in flight, by (prefill engine, incarnation): the fetch, when it started and the side channel
         self._fetching: dict[tuple[str, str], tuple[Future[PrefillRanks], float, tuple[str, int]]] = {}
         #: the deployment's prefill pods (KVBRIDGE_PREFILL_SERVICE): the only side channels this rank connects to
