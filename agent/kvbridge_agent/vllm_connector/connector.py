@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -25,7 +26,7 @@ from kvbridge_agent.core.layout import rendered_order
 from .messages import RankHandshake, StepMetadata
 from .scheduler import ConnectorScheduler
 from .settings import ConnectorSettings
-from .stats import KVBridgePromMetrics, KVBridgeStats
+from .stats import HOOKS_RECORDED_SECONDS, KVBridgePromMetrics, KVBridgeStats
 from .worker import ConnectorWorker
 
 if TYPE_CHECKING:
@@ -126,6 +127,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self._worker = ConnectorWorker(settings, get_tensor_model_parallel_rank(), incarnation(vllm_config))
+        #: worker: vLLM's thread in this step's hooks so far, and in earlier steps' too short to record (seconds)
+        self._hooks_seconds = 0.0
 
     def _worker_half(self) -> ConnectorWorker:
         if self._worker is None:
@@ -149,9 +152,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.get_handshake_metadata() if self._worker is not None else None
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        began = time.perf_counter()
         meta = self._get_connector_metadata()
         if isinstance(meta, StepMetadata):
             self._worker_half().start_load_kv(meta)
+        self._hooks_seconds += time.perf_counter() - began
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # the whole request's KV arrives before vLLM schedules it (asynchronous load)
@@ -162,12 +167,23 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         """After the step's forward: prefill digests the requests whose prompt it completed (their digests then
         travel in the transfer parameters the requests finish with)."""
+        began = time.perf_counter()
         meta = self._get_connector_metadata()
         if self._worker is not None and isinstance(meta, StepMetadata) and meta.to_digest:
             self._worker.wait_for_save(meta)
+        self._hooks_seconds += time.perf_counter() - began
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker_half().get_finished(finished_req_ids)
+        """The step's last hook: also records how long vLLM's thread spent in this step's hooks (all kvbridge
+        costs the step), once that reaches :data:`~.stats.HOOKS_RECORDED_SECONDS`."""
+        began = time.perf_counter()
+        worker = self._worker_half()
+        finished = worker.get_finished(finished_req_ids)
+        self._hooks_seconds += time.perf_counter() - began
+        if self._hooks_seconds >= HOOKS_RECORDED_SECONDS:
+            worker.stats.record_hooks(self._hooks_seconds)
+            self._hooks_seconds = 0.0
+        return finished
 
     def get_kv_connector_stats(self) -> KVBridgeStats | None:
         return self._worker.stats.take() if self._worker is not None else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import time
 from functools import partial
 from types import SimpleNamespace
 
@@ -13,7 +14,8 @@ pytest.importorskip("vllm")
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvbridge_agent.vllm_connector import KVBridgeConnector
-from kvbridge_agent.vllm_connector.stats import KVBridgePromMetrics, KVBridgeStats
+from kvbridge_agent.vllm_connector.messages import StepMetadata
+from kvbridge_agent.vllm_connector.stats import HOOKS_RECORDED_SECONDS, KVBridgePromMetrics, KVBridgeStats
 
 
 def test_take_hands_over_what_was_recorded_once() -> None:
@@ -140,3 +142,44 @@ def test_what_a_step_waited_for_verification_is_a_histogram() -> None:
     text = generate_latest(registry).decode()
     assert 'vllm:kvbridge_digest_wait_seconds_count{engine="0",model_name="tiny"} 1.0' in text
     assert 'vllm:kvbridge_digest_wait_seconds_bucket{engine="0",le="0.0005",model_name="tiny"} 1.0' in text
+
+
+def test_the_time_a_step_spends_in_the_hooks_is_recorded_and_none_is_lost() -> None:
+    """All the connector costs vLLM's thread, per step: start_load_kv, wait_for_save and get_finished timed together
+    and recorded with the step's stats; a step too short to record on its own is carried into the next record."""
+    stats = KVBridgeStats()
+    pause = [0.0]
+
+    class Worker:
+        def __init__(self) -> None:
+            self.stats = stats
+
+        def start_load_kv(self, meta: StepMetadata) -> None:
+            time.sleep(pause[0])
+
+        def get_finished(self, finished: set[str]) -> tuple[None, None]:
+            return None, None
+
+    connector = object.__new__(KVBridgeConnector)
+    connector._worker, connector._scheduler, connector._hooks_seconds = Worker(), None, 0.0  # type: ignore[assignment]
+    connector._connector_metadata = StepMetadata()
+
+    def step() -> None:
+        connector.start_load_kv(None)
+        connector.wait_for_save()
+        assert connector.get_finished(set()) == (None, None)
+
+    step()  # a few microseconds: carried unless the machine stalled it
+    quick = [*stats.data["hooks_seconds"], connector._hooks_seconds]
+    pause[0] = 0.003
+    step()
+    recorded = stats.data["hooks_seconds"]
+    assert recorded
+    assert all(seconds >= HOOKS_RECORDED_SECONDS for seconds in recorded)
+    assert connector._hooks_seconds == 0.0
+    assert sum(recorded) >= 0.003 + sum(quick) - 1e-9  # the quick step's time is in the record, not lost
+
+    registry = CollectorRegistry()
+    prometheus_metrics(registry).observe(pickle.loads(pickle.dumps(stats.take())).to_dict(), 0)
+    text = generate_latest(registry).decode()
+    assert f'vllm:kvbridge_step_hooks_seconds_count{{engine="0",model_name="tiny"}} {float(len(recorded))}' in text
