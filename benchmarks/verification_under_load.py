@@ -53,6 +53,9 @@ POLICIES = ("Off", "All", "Sampled")
 CONTROL = "Control"
 #: what engine steps waited for verification on the engine's own thread
 WAIT_METRIC = "vllm:kvbridge_digest_wait_seconds"
+#: all the time engine steps spent in kvbridge's hooks, by role: what the connector costs vLLM's thread
+HOOKS_METRIC = "vllm:kvbridge_step_hooks_seconds"
+ROLES = ("prefill", "decode")
 #: both engines' prefix caches off (the default here): ``vllm bench serve``'s random prompts are runs of consecutive
 #: token ids from a random offset, so with the tiny model's 1,024-token vocabulary there are about a thousand of
 #: them; with prefix caching, later rounds find more and more of their prompts cached on prefill and decode, and
@@ -157,14 +160,15 @@ def flag(command: list[str], name: str, default: str) -> str:
     return command[command.index(name) + 1] if name in command[:-1] else default
 
 
-def digest_totals(deployment: str, metric: str = "vllm:kvbridge_digest_seconds") -> tuple[float, int]:
-    """The seconds and count of ``metric`` (a histogram) over ``deployment``'s engines, from their ``/metrics``:
-    ``vllm:kvbridge_digest_seconds`` (every request digested once on prefill and once on decode when verification
-    is on), or ``vllm:kvbridge_digest_wait_seconds`` (what engine steps waited for verification)."""
+def digest_totals(deployment: str, metric: str = "vllm:kvbridge_digest_seconds", role: str = "") -> tuple[float, int]:
+    """The seconds and count of ``metric`` (a histogram) over ``deployment``'s engines (``role``: only that role's),
+    from their ``/metrics``: ``vllm:kvbridge_digest_seconds`` (every request digested once on prefill and once on
+    decode when verification is on), ``vllm:kvbridge_digest_wait_seconds`` (what engine steps waited for
+    verification) or ``vllm:kvbridge_step_hooks_seconds`` (all the time engine steps spent in kvbridge's hooks)."""
     seconds, count = 0.0, 0
     for process in pod_processes(deployment):
         command = process.cmdline()
-        if "serve" not in command:
+        if "serve" not in command or (role and process.environ().get("KVBRIDGE_ROLE") != role):
             continue
         url = f"http://{flag(command, '--host', '127.0.0.1')}:{flag(command, '--port', '8000')}/metrics"
         with urllib.request.urlopen(url, timeout=10) as answer:
@@ -291,6 +295,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                     pin(deployment)  # threads started since (vLLM's, kvbridge's) too
                     before, digests_before = engine_cpu_seconds(deployment), digest_totals(deployment)
                     waits_before = digest_totals(deployment, WAIT_METRIC)
+                    hooks_before = {role: digest_totals(deployment, HOOKS_METRIC, role)[0] for role in ROLES}
                     routed = router_totals(url)
                     result = bench(url, model, tokenizer, args, seed, workdir)
                     prefill_ms, decode_ms = split_ms(routed, router_totals(url))
@@ -300,6 +305,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                     digest_count = digests_after[1] - digests_before[1]
                     waited = digest_totals(deployment, WAIT_METRIC)[0] - waits_before[0]
                     completed = int(result.get("completed") or 0)
+                    hooks = {
+                        role: digest_totals(deployment, HOOKS_METRIC, role)[0] - hooks_before[role] for role in ROLES
+                    }
                     runs.append(
                         {
                             "round": round_index + 1,
@@ -319,6 +327,12 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                             "digestMsPerRequest": round(1000 * digest_seconds / completed, 3) if completed else None,
                             "digestsPerRequest": round(digest_count / completed, 2) if completed else None,
                             "stepWaitMsPerRequest": round(1000 * waited / completed, 3) if completed else None,
+                            **{
+                                f"{role}HooksMsPerRequest": round(1000 * hooks[role] / completed, 3)
+                                if completed
+                                else None
+                                for role in ROLES
+                            },
                         }
                     )
                     progress(f"  {runs[-1]}")
@@ -351,6 +365,8 @@ FIGURES = {
     "prefillMean": "prefillMeanMs",
     "decodeFirstMean": "decodeFirstMeanMs",
     "engineCpuPerRequest": "engineCpuMsPerRequest",
+    "prefillHooksPerRequest": "prefillHooksMsPerRequest",
+    "decodeHooksPerRequest": "decodeHooksMsPerRequest",
 }
 
 
@@ -398,8 +414,8 @@ def table(result: dict[str, Any]) -> str:
     lines = [
         "| round | verification | req/s | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | ITL p99 (ms) "
         "| prefill mean (ms) | decode first mean (ms) | engine CPU ms/req | digest ms/req | digests/req "
-        "| step wait ms/req | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| step wait ms/req | hooks ms/req (prefill, decode) | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in result["runs"]:
         lines.append(
@@ -407,7 +423,8 @@ def table(result: dict[str, Any]) -> str:
             f"{run['outputTokensPerSecond']} | {run['ttftP50Ms']} | {run['ttftP99Ms']} | {run['tpotP50Ms']} | "
             f"{run['itlP99Ms']} | {run['prefillMeanMs']} | {run['decodeFirstMeanMs']} | "
             f"{run['engineCpuMsPerRequest']} | {run['digestMsPerRequest']} | "
-            f"{run['digestsPerRequest']} | {run.get('stepWaitMsPerRequest')} | {run['failed']} |"
+            f"{run['digestsPerRequest']} | {run.get('stepWaitMsPerRequest')} | "
+            f"{run.get('prefillHooksMsPerRequest')}, {run.get('decodeHooksMsPerRequest')} | {run['failed']} |"
         )
     for policy, ratio in result["versusOff"].items():
         lines.append(
