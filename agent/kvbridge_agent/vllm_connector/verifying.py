@@ -2,13 +2,14 @@
 overlapped with vLLM's next steps and with the READs; vLLM's thread only starts them and takes what is done.
 
 - Prefill (:class:`PrefillDigests`): the digest of a request whose prompt a step completed starts right after that
-  step's forward (``wait_for_save``) and runs beside the next steps. Its digests reach the scheduler with the output
-  of the step in which they are done, and decode fetches them from prefill's side channel while it reads (a prefill
-  still digesting answers ``pending``; each rank also relays its digests to the scheduler the moment they are
-  taken, digest_relay.py). The request's blocks stay as computed until then: prefill converts a
-  request's blocks in place for its readers (vLLM's CPU build splitting them for the wire) only after its digest
-  is taken (:meth:`PrefillDigests.wait`), and hands them back to vLLM only after it (:meth:`PrefillDigests.running`);
-  an offer that leaves them as computed does not wait for it.
+  step's forward (``wait_for_save``) and runs beside the next steps. Its digests reach the scheduler with the output of
+  the step in which they are done, and decode fetches them from prefill's side channel while it reads (a prefill still
+  digesting answers ``pending``). A digest done after its step's output has gone is also relayed to the scheduler the
+  moment it is taken (digest_relay.py); one done before goes with that output, which the scheduler takes before the
+  request's answer leaves, so relaying it too would only cost prefill's core a message and its parse per request. The
+  request's blocks stay as computed until then: prefill converts a request's blocks in place for its readers (vLLM's CPU
+  build splitting them for the wire) only after its digest is taken (:meth:`PrefillDigests.wait`), and hands them back
+  to vLLM only after it (:meth:`PrefillDigests.running`); an offer that leaves them as computed does not wait for it.
 - Decode (:class:`DecodeChecks`): prefill's digests are fetched while the READs run; when the READs (and decode's
   conversions) are done, the digest of what this rank now holds is taken and compared on a thread, and the request
   is reported to vLLM in the step its check completes — never before, so no KV is used unverified, and a mismatch
@@ -34,7 +35,6 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass, replace
 
 import torch
-import zmq
 
 from kvbridge_agent.core.digest import KV_DIGEST_MISMATCH, KV_DIGEST_UNAVAILABLE, HeadDigests, RequestDigests, to_bytes
 from kvbridge_agent.core.handshake import HandshakeError, KVTransferParams
@@ -84,7 +84,8 @@ class PrefillDigest:
 
 class PrefillDigests:
     """Prefill: digests taken on a thread after the step that completed each request's prompt; with an
-    ``incarnation``, each also relayed to the scheduler the moment it is taken (digest_relay.py)."""
+    ``incarnation``, one done only after that step's output has gone is also relayed to the scheduler the moment it
+    is taken (digest_relay.py)."""
 
     def __init__(self, incarnation: str | None = None) -> None:
         self._incarnation = incarnation
@@ -93,40 +94,41 @@ class PrefillDigests:
         self._lock = threading.Lock()
         self._running: dict[str, Future[None]] = {}
         self._done: list[PrefillDigest] = []
+        self._taken = 0  # the steps whose digests :meth:`take` handed over so far
 
     def start(self, rank: PrefillRank, request_id: str, order: DigestOrder) -> None:
         """Digest ``order`` on the thread, after what the engine has queued so far."""
         wait = fence(rank.cache.tensors[0].device)
-        began = time.time_ns()
+        began, step = time.time_ns(), self._taken
 
         def digest() -> None:
             digests, error = None, ""
             try:
                 wait()
                 digests = rank.digest(order.key, order.block_ids, order.num_tokens, order.block_layers)
-                self._relayed(request_id, digests)
             except Exception as exc:  # its answer goes without digests; decode then finds none: fails, typed
                 error = request_failure(exc, "DIGEST_FAILED", request_id)[1]
                 log.error("kvbridge: cannot digest %s: %s", request_id, error)
             with self._lock:
                 self._done.append(PrefillDigest(request_id, order, digests, error, began, time.time_ns()))
                 self._running.pop(request_id, None)
+                late = self._taken != step  # its step's output has gone without it
+            if late and digests is not None:
+                self._relayed(request_id, digests)
 
         with self._lock:
             self._running[request_id] = self._executor.submit(digest)
 
     def _relayed(self, request_id: str, digests: HeadDigests) -> None:
-        """On the digest thread: hand the scheduler the digests now (it also gets them with a step's output)."""
+        """On the digest thread: hand the scheduler the digests now (they also go with the next step's output)."""
         if self._incarnation is None:
             return
-        if self._relay is None:
-            try:
-                self._relay = DigestSender(self._incarnation)
-            except (OSError, zmq.ZMQError) as exc:
-                log.warning("kvbridge: no digest relay (%s): digests go with the steps' output only", exc)
-                self._incarnation = None
-                return
-        self._relay.send(request_id, *to_bytes(digests))
+        try:
+            self._relay = self._relay or DigestSender(self._incarnation)
+            self._relay.send(request_id, *to_bytes(digests))
+        except Exception as exc:  # (OSError, zmq.ZMQError, ...) the digests still go with the steps' output
+            log.warning("kvbridge: no digest relay (%s): digests go with the steps' output only", exc)
+            self._incarnation = None
 
     def wait(self, request_id: str, timeout: float = DIGEST_WAIT_SECONDS) -> float:
         """Until the request's digest (if one runs) is done: before its blocks are converted in place. Returns
@@ -152,6 +154,7 @@ class PrefillDigests:
         """The digests done since the last call (on vLLM's thread: they go out with this step's output)."""
         with self._lock:
             done, self._done = self._done, []
+            self._taken += 1
         return done
 
     def shutdown(self) -> None:

@@ -20,6 +20,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from kvbridge_agent.core import Role
 from kvbridge_agent.core.digest import RequestDigests, new_key, to_bytes
 from kvbridge_agent.core.handshake import DigestState
+from kvbridge_agent.transfer.digest import Digester
 from kvbridge_agent.vllm_connector import digest_relay
 from kvbridge_agent.vllm_connector.digest_relay import PROTOCOL, DigestReceiver, DigestSender, parse, relay_address
 from kvbridge_agent.vllm_connector.messages import DigestOrder, StepMetadata
@@ -75,9 +76,8 @@ def test_a_frame_round_trips_and_bad_ones_are_dropped() -> None:
     assert not os.path.exists(relay_address(incarnation).removeprefix("ipc://"))
 
 
-def test_prefill_publishes_digests_without_waiting_for_a_step(closing: list[Any]) -> None:
-    """A decode asking prefill's side channel for a request's digests gets them as soon as the rank took them:
-    no ``get_finished``, no step output in between."""
+def prefill_pair(closing: list[Any]) -> tuple[ConnectorScheduler, ConnectorWorker, bytes, list[int]]:
+    """A prefill engine's scheduler half and one worker on DRAM, and a request it verifies (not digested yet)."""
     side = Side(KVCacheLayout.LBHNC)
     scheduler = ConnectorScheduler(connector_settings(Role.PREFILL, side, side))
     closing.append(scheduler)
@@ -94,9 +94,43 @@ def test_prefill_publishes_digests_without_waiting_for_a_step(closing: list[Any]
     scheduler._digests["p1"] = RequestDigests(key, {})  # what _order_digests records for a verified request
     scheduler._verifying.add("p1")
     assert scheduler._published_digests("p1")[0] is DigestState.PENDING
-    worker.wait_for_save(StepMetadata(to_digest={"p1": DigestOrder(list(blocks), TOKENS, key)}))
+    return scheduler, worker, key, list(blocks)
+
+
+def test_a_digest_done_after_its_step_is_published_without_waiting_for_another(
+    closing: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode asking prefill's side channel for a request's digests gets them as soon as the rank took them, when
+    that was after the step's output went: no further ``get_finished``, no step output in between."""
+    scheduler, worker, key, blocks = prefill_pair(closing)
+    original = Digester.request
+
+    def slow(digester: Digester, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.3)
+        return original(digester, *args, **kwargs)
+
+    monkeypatch.setattr(Digester, "request", slow)
+    worker.wait_for_save(StepMetadata(to_digest={"p1": DigestOrder(blocks, TOKENS, key)}))
+    worker.get_finished(set())  # the step's output goes while the digest runs
     wait_for(lambda: scheduler._published_digests("p1")[0] is DigestState.READY, "never published")
     _state, published = scheduler._published_digests("p1")
     assert worker.prefill is not None
     assert published is not None
-    assert to_bytes(published.heads) == to_bytes(worker.prefill.digest(key, list(blocks), TOKENS))
+    assert to_bytes(published.heads) == to_bytes(worker.prefill.digest(key, blocks, TOKENS))
+
+
+def test_a_digest_done_within_its_step_goes_with_the_steps_output_only(closing: list[Any]) -> None:
+    """Done before the step's output is taken, a digest rides in it (the scheduler has it before the request's
+    answer leaves); relaying it too would only cost prefill's core: nothing reaches the relay."""
+    scheduler, worker, key, blocks = prefill_pair(closing)
+    worker.wait_for_save(StepMetadata(to_digest={"p1": DigestOrder(blocks, TOKENS, key)}))
+    wait_for(lambda: worker.prefill is not None and not worker._digesting.running("p1"), "never digested")
+    time.sleep(0.3)  # a relayed frame would have arrived by now
+    assert scheduler._published_digests("p1")[0] is DigestState.PENDING
+    worker.get_finished(set())
+    scheduler.take_digests(worker.stats.take())  # vLLM's update_connector_output of that step
+    _state, published = scheduler._published_digests("p1")
+    assert _state is DigestState.READY
+    assert published is not None
+    assert worker.prefill is not None
+    assert to_bytes(published.heads) == to_bytes(worker.prefill.digest(key, blocks, TOKENS))
