@@ -11,14 +11,15 @@ overlapped with vLLM's next steps and with the READs; vLLM's thread only starts 
   build splitting them for the wire) only after its digest is taken (:meth:`PrefillDigests.wait`), and hands them back
   to vLLM only after it (:meth:`PrefillDigests.running`); an offer that leaves them as computed does not wait for it.
 - Decode (:class:`DecodeChecks`): prefill's digests are fetched while the READs run; when the READs (and decode's
-  conversions) are done, the digest of what this rank now holds is taken and compared on a thread, and the request
-  is reported to vLLM in the step its check completes — never before, so no KV is used unverified, and a mismatch
-  fails that request alone. The READs are polled right after a step posts them too: a read done inside its post
-  (host memory, UCX's shared-memory transports) is checked while vLLM computes that step. A check whose prefill
-  digests are already there when its READs complete usually takes less than a millisecond: vLLM's thread gives it
-  up to :data:`CHECK_JOIN_SECONDS` (GIL released) before it returns, so that the request goes in that step, not the
-  next (a whole decode step of latency saved, for at most that pause once per completed read; a longer check simply
-  goes in a later step).
+  conversions) are done, the digest of what this rank now holds is taken and compared on a thread, and the request is
+  reported to vLLM in the step its check completes — never before, so no KV is used unverified, and a mismatch fails
+  that request alone. The READs are polled right after a step posts them too: a read done inside its post (host memory,
+  UCX's shared-memory transports) starts its check there: beside the forward where vLLM calls ``start_load_kv`` before
+  it (a step with a synchronous load), a little ahead of ``get_finished`` where it calls it after (this vLLM, for
+  asynchronous loads). A check whose prefill digests are already there when its READs complete usually takes less than a
+  millisecond: vLLM's thread gives it up to :data:`CHECK_JOIN_SECONDS` (GIL released) before it returns, so that the
+  request goes in that step, not the next (a whole decode step of latency saved, for at most that pause once per
+  completed read; a longer check simply goes in a later step).
 
 Both digest the cache's own memory while vLLM computes other requests' blocks: a request's blocks are not written
 after its prompt is computed (prefill: held for its readers; decode: not yet handed to vLLM). On a GPU the thread's

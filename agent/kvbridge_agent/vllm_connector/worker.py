@@ -268,8 +268,8 @@ class ConnectorWorker:
 
     def _start_checks(self, decode: DecodeRank) -> None:
         """Decode: the reads that ended start their checks (the rest wait in ``_results`` for get_finished). Also
-        right after posting a step's READs: on host memory UCX copies inside the post, and the check runs beside
-        the forward rather than after it."""
+        right after posting a step's READs: on host memory UCX may copy inside the post, and the check starts there
+        (beside the forward where vLLM starts loads before it; this vLLM starts asynchronous ones after it)."""
         started = [self._checks.start(decode, result) for result in [*self._results, *decode.poll()]]
         self._results = [result for result in started if result is not None]
 

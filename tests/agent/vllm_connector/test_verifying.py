@@ -108,15 +108,16 @@ def test_a_mismatch_found_on_the_check_thread_fails_the_request(
     assert decode.stats.data["digest_mismatches"] == ["prefill-layouts"]
 
 
-def test_reads_done_as_they_are_posted_are_checked_beside_the_forward(
+def test_reads_done_as_they_are_posted_start_their_check_in_the_post(
     monkeypatch: pytest.MonkeyPatch, closing: list[Any]
 ) -> None:
-    """Once the prefill engine is known, a request's READs are posted in ``start_load_kv``. On host memory with
-    UCX's error handling ``none`` (shared-memory transports) they complete inside the post, so their check starts
-    right there and runs while vLLM computes the step: the first ``get_finished`` after it reports the request
-    without waiting (a check started only at ``get_finished`` and longer than the join would go a step later).
-    With ``peer`` (the default) UCX's control messages go over TCP loopback and the READs complete once prefill
-    next polls: their check starts in that later step."""
+    """Once the prefill engine is known, a request's READs are posted in ``start_load_kv``. On host memory with UCX's
+    error handling ``none`` (shared-memory transports) they complete inside the post, so their check starts right
+    there (beside the forward where vLLM calls ``start_load_kv`` before it; this vLLM calls it after the forward for
+    asynchronous loads): the first ``get_finished`` after it reports the request without waiting (a check started
+    only at ``get_finished`` and longer than the join would go a step later). With ``peer`` (the default) UCX's
+    control messages go over TCP loopback and the READs complete once prefill next polls: their check starts in that
+    later step."""
     monkeypatch.setenv("KVBRIDGE_UCX_ERROR_HANDLING", "none")
     recorder = Recorder(monkeypatch)
     transfer(KVCacheLayout.LBHNC, KVCacheLayout.LBHNC, closing)  # d1: the handshake, its READs posted after it
@@ -131,7 +132,7 @@ def test_reads_done_as_they_are_posted_are_checked_beside_the_forward(
     checks = len(recorder.digests)
     decode.start_load_kv(decode_scheduler.build_connector_meta())
     deadline = time.monotonic() + 10
-    while len(recorder.digests) == checks:  # vLLM's forward: d2's check runs meanwhile
+    while len(recorder.digests) == checks:  # whatever vLLM does before get_finished: d2's check runs meanwhile
         assert time.monotonic() < deadline, "the check never ran beside the forward"
         time.sleep(0.02)
     _, received = decode.get_finished(set())
