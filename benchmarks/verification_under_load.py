@@ -14,14 +14,15 @@ a round fall on all alike. Prefix caching is off unless asked for (:data:`NO_PRE
 requests per second, output tokens per second, TTFT p50/p99, TPOT p50, ITL p99, failures, the router's split of
 the time to first token, the CPU seconds the driven deployment's engine processes used per completed request
 (each pod's ``vllm serve`` and its descendants, read from ``/proc``), the engines' own time digesting per request
-(``vllm:kvbridge_digest_seconds`` from their ``/metrics``) and what their steps waited for verification per
-request (``vllm:kvbridge_digest_wait_seconds``: decode's join of a check, an offer waiting for a digest).
+(``vllm:kvbridge_digest_seconds`` from their ``/metrics``), what their steps waited for verification per
+request (``vllm:kvbridge_digest_wait_seconds``: decode's join of a check, an offer waiting for a digest) and all
+the time vLLM's thread spent in kvbridge's hooks per request, by role (``vllm:kvbridge_step_hooks_seconds``).
 
 On a shared machine with few cores, throughput and TTFT move by tens of percent between identical runs, more than
 the cost being measured. So each policy is compared with ``Off`` round by round (the *paired* ratios, their
 median and its 95 % bootstrap interval), and ``Control`` shows what two identical deployments differ by on the
 same machine in the same run: a ratio inside ``Control``'s spread is below what the run can resolve. The direct
-figures — digest time and step wait per request — do not drift with the machine.
+figures — digest time, step wait and hook time per request — do not drift with the machine.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +53,13 @@ POLICIES = ("Off", "All", "Sampled")
 #: ``Control``: a second deployment with verification ``Off``, compared with ``Off`` like the others: what the
 #: machine's noise alone makes of two identical deployments (an A/A arm), the scale any other ratio is read on
 CONTROL = "Control"
+#: every request digested once on prefill and once on decode when verification is on
+DIGEST_METRIC = "vllm:kvbridge_digest_seconds"
 #: what engine steps waited for verification on the engine's own thread
 WAIT_METRIC = "vllm:kvbridge_digest_wait_seconds"
 #: all the time engine steps spent in kvbridge's hooks, by role: what the connector costs vLLM's thread
 HOOKS_METRIC = "vllm:kvbridge_step_hooks_seconds"
+METRICS = (DIGEST_METRIC, WAIT_METRIC, HOOKS_METRIC)
 ROLES = ("prefill", "decode")
 #: both engines' prefix caches off (the default here): ``vllm bench serve``'s random prompts are runs of consecutive
 #: token ids from a random offset, so with the tiny model's 1,024-token vocabulary there are about a thousand of
@@ -160,24 +165,30 @@ def flag(command: list[str], name: str, default: str) -> str:
     return command[command.index(name) + 1] if name in command[:-1] else default
 
 
-def digest_totals(deployment: str, metric: str = "vllm:kvbridge_digest_seconds", role: str = "") -> tuple[float, int]:
-    """The seconds and count of ``metric`` (a histogram) over ``deployment``'s engines (``role``: only that role's),
-    from their ``/metrics``: ``vllm:kvbridge_digest_seconds`` (every request digested once on prefill and once on
-    decode when verification is on), ``vllm:kvbridge_digest_wait_seconds`` (what engine steps waited for
-    verification) or ``vllm:kvbridge_step_hooks_seconds`` (all the time engine steps spent in kvbridge's hooks)."""
-    seconds, count = 0.0, 0
+def metric_totals(deployment: str) -> dict[tuple[str, str], float]:
+    """Every ``_sum`` and ``_count`` of :data:`METRICS` over ``deployment``'s engines, by role and line name (e.g.
+    ``("decode", "vllm:kvbridge_digest_seconds_count")``), from one read of each engine's ``/metrics``."""
+    wanted = {f"{metric}_{part}" for metric in METRICS for part in ("sum", "count")}
+    totals: dict[tuple[str, str], float] = {}
     for process in pod_processes(deployment):
         command = process.cmdline()
-        if "serve" not in command or (role and process.environ().get("KVBRIDGE_ROLE") != role):
+        if "serve" not in command:
             continue
+        role = process.environ().get("KVBRIDGE_ROLE", "")
         url = f"http://{flag(command, '--host', '127.0.0.1')}:{flag(command, '--port', '8000')}/metrics"
         with urllib.request.urlopen(url, timeout=10) as answer:
             for line in answer.read().decode().splitlines():
-                if line.startswith(f"{metric}_sum"):
-                    seconds += float(line.rsplit(" ", 1)[1])
-                elif line.startswith(f"{metric}_count"):
-                    count += int(float(line.rsplit(" ", 1)[1]))
-    return seconds, count
+                name = line.split("{", 1)[0].split(" ", 1)[0]
+                if name in wanted:
+                    totals[role, name] = totals.get((role, name), 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def spent(
+    before: dict[tuple[str, str], float], after: dict[tuple[str, str], float], name: str, roles: tuple[str, ...] = ROLES
+) -> float:
+    """How much line ``name`` of :func:`metric_totals` grew between two readings, over ``roles``."""
+    return sum(after.get((role, name), 0.0) - before.get((role, name), 0.0) for role in roles)
 
 
 def router_totals(url: str) -> dict[str, float]:
@@ -293,21 +304,16 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                     )
                     deployment = f"verify-{policy.lower()}"
                     pin(deployment)  # threads started since (vLLM's, kvbridge's) too
-                    before, digests_before = engine_cpu_seconds(deployment), digest_totals(deployment)
-                    waits_before = digest_totals(deployment, WAIT_METRIC)
-                    hooks_before = {role: digest_totals(deployment, HOOKS_METRIC, role)[0] for role in ROLES}
+                    before, metrics_before = engine_cpu_seconds(deployment), metric_totals(deployment)
                     routed = router_totals(url)
                     result = bench(url, model, tokenizer, args, seed, workdir)
                     prefill_ms, decode_ms = split_ms(routed, router_totals(url))
                     cpu = cpu_used(before, engine_cpu_seconds(deployment))
-                    digests_after = digest_totals(deployment)
-                    digest_seconds = digests_after[0] - digests_before[0]
-                    digest_count = digests_after[1] - digests_before[1]
-                    waited = digest_totals(deployment, WAIT_METRIC)[0] - waits_before[0]
+                    grown = partial(spent, metrics_before, metric_totals(deployment))
+                    digest_seconds, digest_count = grown(f"{DIGEST_METRIC}_sum"), grown(f"{DIGEST_METRIC}_count")
+                    waited = grown(f"{WAIT_METRIC}_sum")
                     completed = int(result.get("completed") or 0)
-                    hooks = {
-                        role: digest_totals(deployment, HOOKS_METRIC, role)[0] - hooks_before[role] for role in ROLES
-                    }
+                    hooks = {role: grown(f"{HOOKS_METRIC}_sum", (role,)) for role in ROLES}
                     runs.append(
                         {
                             "round": round_index + 1,
