@@ -106,15 +106,19 @@ def check_key(key: bytes) -> bytes:
     return key
 
 
+def key_stream(key: bytes, axis: str, count: int) -> npt.NDArray[np.uint64]:
+    """The 64-bit values behind :func:`coefficients` (``count * LANES`` of them, lane fastest), not yet reduced."""
+    if axis not in _AXES:
+        raise ValueError(f"unknown digest axis {axis!r}")
+    stream = hashlib.shake_128(_DOMAIN + b"\0" + axis.encode() + b"\0" + check_key(key))
+    return np.frombuffer(bytearray(stream.digest(8 * LANES * count)), dtype="<u8")  # writable: compiled passes take it
+
+
 def coefficients(key: bytes, axis: str, count: int) -> Lanes:
     """Coefficients ``0 .. count - 1`` of one axis (``row``, ``layer_kv``, ``position``), ``[count, LANES]`` in
     ``[0, p)``: SHAKE-128 of the protocol name, the axis and the key, read as little-endian 64-bit values reduced
     mod ``p`` (value ``i`` of lane ``k`` is the ``i * LANES + k``-th). A longer count extends a shorter one."""
-    if axis not in _AXES:
-        raise ValueError(f"unknown digest axis {axis!r}")
-    stream = hashlib.shake_128(_DOMAIN + b"\0" + axis.encode() + b"\0" + check_key(key))
-    raw = np.frombuffer(stream.digest(8 * LANES * count), dtype="<u8") if count else np.empty(0, dtype="<u8")
-    return (raw % np.uint64(PRIME)).astype(np.int64).reshape(count, LANES)
+    return (key_stream(key, axis, count) % np.uint64(PRIME)).astype(np.int64).reshape(count, LANES)
 
 
 def row_units(row_bytes: int) -> int:

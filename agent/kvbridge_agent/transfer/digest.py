@@ -5,7 +5,10 @@ The row sums — two multiply-adds per 16-bit unit, the whole cost — are taken
 in memory (a row is contiguous in every layout), with the coefficients ``A_k[j] * B_k[l, c] mod p`` of the
 region's layer and K/V half (``core.digest.row_coefficients``), exactly in float64 over segments of at most
 ``SEGMENT_UNITS`` units and reduced mod ``p``; the per-row totals (1/128 of the units for a 128-dim bf16 head) are
-then put in logical order and weighted by position in int64 (``core.digest.finish``).
+then weighted by position and summed per wire block (``core.digest.finish``). With numba, the coefficients and
+that last step are two compiled loops over the key's SHAKE stream and the totals where they lie
+(``transfer.digest_kernel.row_coefficients_of``, ``finish_sums``): for a short request (400 tokens of a 2-layer
+model) they were more than half of the digest as numpy's small array operations (140 -> 90 us per digest).
 
 - CPU caches: one compiled pass (``transfer.digest_kernel``, numba) reads every unit once from the request's
   blocks where they lie — no gather copy, no widened copy.
@@ -31,8 +34,18 @@ import torch
 
 from kvbridge_agent.core import KVLayout
 from kvbridge_agent.core.arithmetic import ceil_div
-from kvbridge_agent.core.digest import LANES, PRIME, Lanes, Words, finish, row_coefficients, row_units, segments
-from kvbridge_agent.transfer.digest_kernel import RowKernel, compiled, compiled_keys_across
+from kvbridge_agent.core.digest import (
+    LANES,
+    PRIME,
+    Lanes,
+    Words,
+    finish,
+    key_stream,
+    row_coefficients,
+    row_units,
+    segments,
+)
+from kvbridge_agent.transfer.digest_kernel import RowKernel, compiled, compiled_finish, compiled_keys_across
 from kvbridge_agent.transfer.kv_cache import KVCache
 from kvbridge_agent.transfer.kv_view import global_heads, logical_layer
 
@@ -74,6 +87,8 @@ class Digester:
         self._segments = segments(self.width)
         self._kv = 1 if cache.model.is_mla else 2
         self._kernel: RowKernel | None = compiled() if compiled_cpu and self.device.type == "cpu" else None
+        #: the key's coefficients and the totals' last steps, compiled (for every device: the totals are small)
+        self._finish = compiled_finish() if compiled_cpu else None
         self._logical = view is not None or not cache.per_layer_tensors
         #: the cache's own tensors as regions, read where they lie (made once: the views cost more than small
         #: requests' rows)
@@ -120,30 +135,40 @@ class Digester:
             raise ValueError(f"block ids {block_ids} are not all blocks of a cache of {cache.num_blocks}")
         groups = cache.model.num_layers * self._kv
         count, units = self._segments
-        coef = row_coefficients(key, self.width, groups).reshape(groups, LANES, count, units)
         if block_layers is not None and len(block_layers) != len(block_ids):
             raise ValueError(f"layers of {len(block_layers)} blocks for {len(block_ids)} blocks")
         depths = None if block_layers is None else np.asarray(block_layers, dtype=np.int64)
         if depths is not None and bool((depths >= cache.model.num_layers).all()):
             depths = None  # every block holds every layer
-        totals = self._totals(block_ids, coef, depths)
-        digests = finish(totals, key, num_tokens, wire_block_size)[:, :wire_blocks]
+        if self._finish is None:
+            coef = row_coefficients(key, self.width, groups)
+        else:
+            coef = np.empty((groups, LANES, self.width))
+            self._finish[0](key_stream(key, "row", self.width), key_stream(key, "layer_kv", groups), coef)
+        total, head_major = self._totals(block_ids, coef.reshape(groups, LANES, count, units), depths)
+        if self._finish is not None:
+            digests = np.zeros((len(self.heads), wire_blocks), dtype=np.uint64)
+            position = key_stream(key, "position", num_tokens)
+            self._finish[1](total, head_major, position, num_tokens, wire_block_size, digests)
+        else:
+            digests = finish(by_position(total, head_major), key, num_tokens, wire_block_size)[:, :wire_blocks]
         self._seconds.append(time.perf_counter() - started)
         return digests
 
     # -- the rows, in the blocks' own order ----------------------------------------------------------------------
     def _totals(
         self, block_ids: list[int], coef: npt.NDArray[np.float64], depths: npt.NDArray[np.int64] | None = None
-    ) -> Lanes:
-        """``[positions, local heads, lanes]``: per position and head, the sum over layers and K/V of ``r * B``
-        (congruent mod ``p``); with ``depths``, layer ``l`` of block ``i`` only where ``l < depths[i]``."""
+    ) -> tuple[npt.NDArray[np.float64], bool]:
+        """``[blocks, heads, positions, lanes]`` when head-major (the bool), else ``[blocks, positions, heads,
+        lanes]``: per position and head, the sum over layers and K/V of ``r * B`` (congruent mod ``p``; float64 from
+        the passes, exact integers of either sign); with ``depths``, layer ``l`` of block ``i`` only where
+        ``l < depths[i]``."""
         cache = self.cache
         n, hl, bs = len(block_ids), len(self.heads), cache.block_size
         hnd = cache.kv_layout is KVLayout.HND and not cache.model.is_mla
         logical = self._logical or depths is not None
         if self._across is not None and depths is None:  # head-major rows, read where they lie
-            total = self._run_across(self._across, np.asarray(block_ids, np.int64), (n, hl, bs), coef)
-            return np.ascontiguousarray(total.transpose(0, 2, 1, 3)).reshape(n * bs, hl, LANES)
+            return self._run_across(self._across, np.asarray(block_ids, np.int64), (n, hl, bs), coef), True
         if logical:
             shape, head_major = (n, 1, bs * hl), False
         elif cache.cross_layer:
@@ -163,9 +188,7 @@ class Digester:
         else:
             ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
             total = self._run_torch(iter(self._regions), ids, shape, coef)
-        if head_major:
-            total = total.reshape(n, hl, bs, LANES).transpose(0, 2, 1, 3)
-        return np.ascontiguousarray(total).reshape(n * bs, hl, LANES)
+        return total.reshape((n, hl, bs, LANES) if head_major else (n, bs, hl, LANES)), head_major
 
     def _physical(self) -> Iterator[_Region]:
         """The cache's own tensors as regions of every block."""
@@ -206,11 +229,11 @@ class Digester:
         ids: npt.NDArray[np.int64],
         shape: tuple[int, int, int],
         coef: npt.NDArray[np.float64],
-    ) -> Lanes:
+    ) -> npt.NDArray[np.float64]:
         total = np.zeros((*shape, LANES), dtype=np.float64)
         for units, group in arrays:
             kernel(total, units, ids, coef[group : group + units.shape[2]])
-        return np.remainder(total, PRIME).astype(np.int64)
+        return total
 
     @staticmethod
     def _run_across(
@@ -218,16 +241,16 @@ class Digester:
         ids: npt.NDArray[np.int64],
         shape: tuple[int, int, int],
         coef: npt.NDArray[np.float64],
-    ) -> Lanes:
+    ) -> npt.NDArray[np.float64]:
         kernel, layers = across
         total = np.zeros((*shape, LANES), dtype=np.float64)
         for layer, units in enumerate(layers):
             kernel(total, units, ids, coef[2 * layer : 2 * layer + 2])
-        return np.remainder(total, PRIME).astype(np.int64)
+        return total
 
     def _run_torch(
         self, regions: Iterator[_Region], ids: torch.Tensor, shape: tuple[int, int, int], coef: npt.NDArray[np.float64]
-    ) -> Lanes:
+    ) -> npt.NDArray[np.float64]:
         total = torch.zeros((*shape, LANES), dtype=torch.float64, device=self.device)
         count, units = self._segments
         c = torch.from_numpy(coef).to(self.device)  # [groups, lanes, segments, units]
@@ -241,4 +264,13 @@ class Digester:
                     sums = torch.einsum("mqs,kqs->mqk", rows, c[first_group + g])  # exact: < 2**52
                     reduced = (sums - torch.floor(sums * _INVERSE) * PRIME).sum(dim=1)
                     total[start : start + step] += reduced.view(-1, *shape[1:], LANES)
-        return torch.remainder(total, PRIME).to(torch.int64).cpu().numpy()
+        return total.cpu().numpy()
+
+
+def by_position(total: npt.NDArray[np.float64], head_major: bool) -> Lanes:
+    """:meth:`Digester._totals`'s sums as ``core.digest.finish`` takes them: ``[positions, heads, lanes]`` in
+    ``[0, p)``."""
+    lanes = np.remainder(total, PRIME).astype(np.int64)
+    if head_major:
+        lanes = lanes.transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(lanes, dtype=np.int64).reshape(-1, lanes.shape[2], LANES)

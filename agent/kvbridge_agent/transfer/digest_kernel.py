@@ -14,6 +14,12 @@ tokens]``, as vLLM's CPU attention keeps them) and whose values lie along: it su
 at once, unit after unit, the inner loop running along the contiguous tokens, so nothing is copied into token
 order first.
 
+Two small passes around them take a request's key stream as SHAKE-128 produced it (``core.digest.coefficients``'s
+64-bit values, not yet reduced) and do in one loop what numpy needs a dozen small array operations for (most of a
+short request's digest before): :func:`row_coefficients_of` (``A_k[j] * B_k[g]``, centred) and
+:func:`finish_sums` (the rows' totals weighted by position and summed per wire block). Both reduce mod ``p`` by
+folding (``p = 2**31 - 1``: ``x = (x & p) + (x >> 31)``), exact like ``%``.
+
 numba comes with vLLM (and the agent's image); without it the digester falls back to torch's passes (same values,
 slower). One compilation per process (about a second), cached on disk where the installation is writable.
 """
@@ -23,7 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -34,15 +40,28 @@ log = logging.getLogger(__name__)
 
 _P = float(PRIME)
 _INVERSE = 1.0 / _P
+_MASK = np.uint64(PRIME)
+_THIRTY_ONE = np.uint64(31)
+#: a multiple of ``p`` above any row total's magnitude (below ``2**53``): added to a negative one before folding
+_LIFT = np.int64(PRIME << 23)
 #: total[n, outer, rows, lanes] (added to), region[blocks, outer, groups, rows, units], ids[n], coef[groups, lanes,
 #: segments, segment units]
 SIGNATURE = "void(float64[:, :, :, ::1], int16[:, :, :, :, ::1], int64[::1], float64[:, :, :, ::1])"
 #: :func:`add_keys_across`'s: its region is ``[blocks, outer, 2, width * rows]``
 KEYS_ACROSS_SIGNATURE = "void(float64[:, :, :, ::1], int16[:, :, :, ::1], int64[::1], float64[:, :, :, ::1])"
 
+#: :func:`row_coefficients_of`: the ``row`` and ``layer_kv`` streams, out ``[groups, lanes, width]``
+COEFFICIENTS_SIGNATURE = "void(uint64[::1], uint64[::1], float64[:, :, ::1])"
+#: :func:`finish_sums`: totals ``[blocks, x, y, lanes]``, head-major, the ``position`` stream, tokens, wire block
+#: size, out ``[heads, wire blocks]``
+FINISH_SIGNATURE = "void(float64[:, :, :, ::1], boolean, uint64[::1], int64, int64, uint64[:, ::1])"
+
 RowKernel = Callable[
     [npt.NDArray[np.float64], npt.NDArray[np.int16], npt.NDArray[np.int64], npt.NDArray[np.float64]], None
 ]
+CoefficientsPass = Callable[[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.float64]], None]
+FinishPass = Callable[[npt.NDArray[np.float64], bool, npt.NDArray[np.uint64], int, int, npt.NDArray[np.uint64]], None]
+_Pass = TypeVar("_Pass", RowKernel, CoefficientsPass, FinishPass)
 
 
 def add_rows(
@@ -135,6 +154,62 @@ def add_keys_across(
                 total[b, o, r, 1] += t1
 
 
+def row_coefficients_of(
+    row: npt.NDArray[np.uint64], layer_kv: npt.NDArray[np.uint64], out: npt.NDArray[np.float64]
+) -> None:
+    """``core.digest.row_coefficients`` from the key's ``row`` and ``layer_kv`` streams (``LANES`` values per index,
+    unreduced): ``out[g, k, j] = A_k[j] * B_k[g] mod p``, centred in ``(-p/2, p/2)``."""
+
+    def fold(x: np.uint64) -> np.uint64:  # x mod p for any 64-bit x (two folds leave it below p + 8)
+        x = (x & _MASK) + (x >> _THIRTY_ONE)
+        x = (x & _MASK) + (x >> _THIRTY_ONE)
+        return x - _MASK if x >= _MASK else x
+
+    groups, lanes, width = out.shape[0], out.shape[1], out.shape[2]
+    half = _MASK >> np.uint64(1)
+    for g in range(groups):
+        for k in range(lanes):
+            b = fold(layer_kv[g * lanes + k])
+            for j in range(width):
+                c = fold(b * fold(row[j * lanes + k]))  # both below 2**31: the product fits
+                out[g, k, j] = np.float64(c) - _P if c > half else np.float64(c)
+
+
+def finish_sums(
+    total: npt.NDArray[np.float64],
+    head_major: bool,
+    position: npt.NDArray[np.uint64],
+    num_tokens: int,
+    wire: int,
+    out: npt.NDArray[np.uint64],
+) -> None:
+    """``core.digest.finish`` of the passes' totals where they lie: ``total[blocks, x, y, lanes]`` (``x, y`` heads
+    and the block's positions when ``head_major``, else positions and heads; integers below ``2**53``, either
+    sign), weighted by the ``position`` stream's ``P_k[t]`` for ``t < num_tokens`` and summed per ``wire``-token
+    block into ``out[head, wire block]`` (the 64-bit wire values)."""
+
+    def fold(x: np.uint64) -> np.uint64:  # as in row_coefficients_of
+        x = (x & _MASK) + (x >> _THIRTY_ONE)
+        x = (x & _MASK) + (x >> _THIRTY_ONE)
+        return x - _MASK if x >= _MASK else x
+
+    heads, blocks = out.shape[0], out.shape[1]
+    size = total.shape[2] if head_major else total.shape[1]
+    lane = np.zeros((2, heads, blocks), dtype=np.uint64)
+    for t in range(num_tokens):
+        b, r, i = t // size, t % size, t // wire
+        for k in range(2):
+            weight = fold(position[2 * t + k])
+            for h in range(heads):
+                v = total[b, h, r, k] if head_major else total[b, r, h, k]
+                exact = np.int64(v)
+                x = np.uint64(exact) if exact >= 0 else np.uint64(exact + _LIFT)  # congruent, non-negative
+                lane[k, h, i] += fold(fold(x) * weight)  # a wire block's sum stays below 2**63
+    for h in range(heads):
+        for i in range(blocks):
+            out[h, i] = fold(lane[0, h, i]) | (fold(lane[1, h, i]) << np.uint64(32))
+
+
 @functools.cache
 def compiled() -> RowKernel | None:
     """:func:`add_rows` compiled (vectorised: reassociation and fused multiply-adds only, which exact integer
@@ -148,7 +223,17 @@ def compiled_keys_across() -> RowKernel | None:
     return _compile(add_keys_across, KEYS_ACROSS_SIGNATURE)
 
 
-def _compile(function: RowKernel, signature: str) -> RowKernel | None:
+@functools.cache
+def compiled_finish() -> tuple[CoefficientsPass, FinishPass] | None:
+    """:func:`row_coefficients_of` and :func:`finish_sums` compiled, or ``None`` without numba."""
+    coefficients, finished = (
+        _compile(row_coefficients_of, COEFFICIENTS_SIGNATURE),
+        _compile(finish_sums, FINISH_SIGNATURE),
+    )
+    return None if coefficients is None or finished is None else (coefficients, finished)
+
+
+def _compile(function: _Pass, signature: str) -> _Pass | None:
     try:
         import numba  # optional, and a second of start-up: imported only where a CPU cache is digested
     except ImportError:
@@ -156,7 +241,7 @@ def _compile(function: RowKernel, signature: str) -> RowKernel | None:
         return None
     options: dict[str, Any] = {"boundscheck": False, "fastmath": {"reassoc", "contract"}, "nogil": True}
     try:
-        kernel: RowKernel = numba.njit(signature, cache=True, **options)(function)
+        kernel: _Pass = numba.njit(signature, cache=True, **options)(function)
     except RuntimeError:  # nowhere writable to cache it (a read-only installation and home): compile each time
         kernel = numba.njit(signature, **options)(function)
     return kernel

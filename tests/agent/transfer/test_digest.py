@@ -8,13 +8,24 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvbridge_agent.core import CacheKind, ModelGeometry, Role, TransferPlan
 from kvbridge_agent.core.blocks import blocks_for_tokens
-from kvbridge_agent.core.digest import KV_DIGEST_MISMATCH, LANES, PRIME, SEGMENT_UNITS, block_digests
+from kvbridge_agent.core.digest import (
+    KV_DIGEST_MISMATCH,
+    LANES,
+    PRIME,
+    SEGMENT_UNITS,
+    block_digests,
+    finish,
+    key_stream,
+    row_coefficients,
+)
 from kvbridge_agent.synthetic.content import fill_request
-from kvbridge_agent.transfer.digest import Digester
-from kvbridge_agent.transfer.digest_kernel import compiled
+from kvbridge_agent.transfer.digest import Digester, by_position
+from kvbridge_agent.transfer.digest_kernel import compiled, compiled_finish, finish_sums, row_coefficients_of
 from kvbridge_agent.transfer.kv_cache import KVCache
 from kvbridge_agent.transfer.kv_view import logical_layer
 from kvbridge_agent.transfer.relayout import convert_for_side
@@ -33,6 +44,41 @@ def blocks(pair: InProcessPair, tokens: int, offset: int) -> tuple[list[int], li
 
 
 KEY = bytes(range(32))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    heads=st.integers(1, 4),
+    size=st.sampled_from([1, 2, 16, 32]),
+    blocks=st.integers(1, 5),
+    head_major=st.booleans(),
+    data=st.data(),
+)
+def test_the_compiled_finish_equals_the_reference(
+    heads: int, size: int, blocks: int, head_major: bool, data: st.DataObject
+) -> None:
+    """The key's coefficients and the totals' last steps (weights by position, sums per wire block, packing), compiled
+    and run as Python, against ``core.digest``'s numpy forms: any key, totals of either sign up to ``2**53``, any token
+    count inside the blocks and any wire block size dividing the block's."""
+    passes = compiled_finish()
+    assert passes is not None, "numba is part of the agent's dependencies"
+    key = data.draw(st.binary(min_size=32, max_size=32))
+    width, groups = data.draw(st.sampled_from([1, 8, 64, 256])), data.draw(st.integers(1, 6))
+    coef = np.empty((groups, LANES, width))
+    for make in (passes[0], row_coefficients_of):
+        make(key_stream(key, "row", width), key_stream(key, "layer_kv", groups), coef)
+        assert np.array_equal(coef, row_coefficients(key, width, groups))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    bound = data.draw(st.sampled_from([PRIME, 2**40, 2**53 - 1]))
+    shape = (blocks, heads, size, LANES) if head_major else (blocks, size, heads, LANES)
+    total = rng.integers(-bound, bound, shape, endpoint=True).astype(np.float64)
+    tokens = data.draw(st.integers((blocks - 1) * size + 1, blocks * size))
+    wire = data.draw(st.sampled_from([w for w in (1, 2, 4, 16, 32) if size % w == 0]))
+    want = finish(by_position(total, head_major), key, tokens, wire)[:, : -(-tokens // wire)]
+    for run in (passes[1], finish_sums):
+        got = np.zeros(want.shape, dtype=np.uint64)
+        run(total, head_major, key_stream(key, "position", tokens), tokens, wire, got)
+        assert np.array_equal(got, want)
 
 
 @pytest.mark.parametrize("compiled_cpu", [True, False], ids=["numba", "torch"])
