@@ -87,8 +87,8 @@ class Digester:
         self._segments = segments(self.width)
         self._kv = 1 if cache.model.is_mla else 2
         self._kernel: RowKernel | None = compiled() if compiled_cpu and self.device.type == "cpu" else None
-        #: the key's coefficients and the totals' last steps, compiled (for every device: the totals are small)
-        self._finish = compiled_finish() if compiled_cpu else None
+        #: the key's coefficients and the totals' last steps, compiled beside the pass (a GPU rank never imports numba)
+        self._finish = compiled_finish() if self._kernel is not None else None
         self._logical = view is not None or not cache.per_layer_tensors
         #: the cache's own tensors as regions, read where they lie (made once: the views cost more than small
         #: requests' rows)

@@ -186,7 +186,8 @@ def finish_sums(
     """``core.digest.finish`` of the passes' totals where they lie: ``total[blocks, x, y, lanes]`` (``x, y`` heads
     and the block's positions when ``head_major``, else positions and heads; integers below ``2**53``, either
     sign), weighted by the ``position`` stream's ``P_k[t]`` for ``t < num_tokens`` and summed per ``wire``-token
-    block into ``out[head, wire block]`` (the 64-bit wire values)."""
+    block into ``out[head, wire block]`` (the 64-bit wire values). The caller checks the shapes (``out``'s heads are
+    the totals', ``num_tokens`` fits the blocks; the compiled form does not)."""
 
     def fold(x: np.uint64) -> np.uint64:  # as in row_coefficients_of
         x = (x & _MASK) + (x >> _THIRTY_ONE)

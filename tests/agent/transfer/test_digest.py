@@ -21,6 +21,7 @@ from kvbridge_agent.core.digest import (
     block_digests,
     finish,
     key_stream,
+    pack,
     row_coefficients,
 )
 from kvbridge_agent.synthetic.content import fill_request
@@ -78,6 +79,64 @@ def test_the_compiled_finish_equals_the_reference(
     for run in (passes[1], finish_sums):
         got = np.zeros(want.shape, dtype=np.uint64)
         run(total, head_major, key_stream(key, "position", tokens), tokens, wire, got)
+        assert np.array_equal(got, want)
+
+
+#: totals the folds must get right at their edges: zero, multiples of p and their neighbours, the largest exact ones
+EDGE_TOTALS = [
+    0,
+    1,
+    PRIME - 1,
+    PRIME,
+    PRIME + 1,
+    2 * PRIME,
+    3 * PRIME,
+    2**31,
+    2**32,
+    (2**53 // PRIME) * PRIME,
+    2**53 - 1,
+]
+#: stream values the folds must get right: zero, multiples of p and their neighbours, the largest 64-bit ones
+EDGE_STREAM = [0, 1, PRIME - 1, PRIME, PRIME + 1, 2 * PRIME, (2**64 // PRIME) * PRIME, 2**63, 2**64 - 1]
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), head_major=st.booleans(), wire=st.sampled_from([1, 2, 4]))
+def test_the_compiled_finish_is_exact_at_the_folds_edges(data: st.DataObject, head_major: bool, wire: int) -> None:
+    """Totals of either sign that are multiples of ``p``, next to them or the largest exact ones, and key streams of
+    such values (which a SHAKE output all but never is): compiled and as Python, both loops give ``core.digest``'s
+    values, computed here from the same streams."""
+    passes = compiled_finish()
+    assert passes is not None, "numba is part of the agent's dependencies"
+    edge = st.sampled_from(EDGE_STREAM)
+    row = np.array(data.draw(st.lists(edge, min_size=2 * 4, max_size=2 * 4)), dtype=np.uint64)
+    layer_kv = np.array(data.draw(st.lists(edge, min_size=2 * 3, max_size=2 * 3)), dtype=np.uint64)
+    a = (row % np.uint64(PRIME)).astype(np.int64).reshape(4, LANES)
+    b = (layer_kv % np.uint64(PRIME)).astype(np.int64).reshape(3, LANES)
+    want_coef = (b[:, :, None] * a.T[None, :, :]) % PRIME
+    want_coef[want_coef > PRIME // 2] -= PRIME
+    for make in (passes[0], row_coefficients_of):
+        coef = np.empty((3, LANES, 4))
+        make(row, layer_kv, coef)
+        assert np.array_equal(coef, want_coef.astype(np.float64))
+    blocks, size, heads = 2, 4, 2
+    sign = st.sampled_from([1, -1])
+    values = data.draw(
+        st.lists(st.tuples(st.sampled_from(EDGE_TOTALS), sign), min_size=16 * LANES, max_size=16 * LANES)
+    )
+    shape = (blocks, heads, size, LANES) if head_major else (blocks, size, heads, LANES)
+    total = np.array([v * s for v, s in values], dtype=np.float64).reshape(shape)
+    tokens = data.draw(st.integers(1, blocks * size))
+    position = np.array(data.draw(st.lists(edge, min_size=LANES * tokens, max_size=LANES * tokens)), dtype=np.uint64)
+    p = (position % np.uint64(PRIME)).astype(np.int64).reshape(tokens, LANES)
+    weighted = (by_position(total, head_major)[:tokens] * p[:, None, :]) % PRIME
+    padded = np.zeros((-(-tokens // wire) * wire, heads, LANES), dtype=np.int64)
+    padded[:tokens] = weighted
+    lanes = padded.reshape(-1, wire, heads, LANES).sum(axis=1) % PRIME
+    want = np.ascontiguousarray(pack(lanes).T)
+    for run in (passes[1], finish_sums):
+        got = np.zeros(want.shape, dtype=np.uint64)
+        run(total, head_major, position, tokens, wire, got)
         assert np.array_equal(got, want)
 
 
