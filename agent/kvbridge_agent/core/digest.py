@@ -118,7 +118,12 @@ def coefficients(key: bytes, axis: str, count: int) -> Lanes:
     """Coefficients ``0 .. count - 1`` of one axis (``row``, ``layer_kv``, ``position``), ``[count, LANES]`` in
     ``[0, p)``: SHAKE-128 of the protocol name, the axis and the key, read as little-endian 64-bit values reduced
     mod ``p`` (value ``i`` of lane ``k`` is the ``i * LANES + k``-th). A longer count extends a shorter one."""
-    return (key_stream(key, axis, count) % np.uint64(PRIME)).astype(np.int64).reshape(count, LANES)
+    return stream_lanes(key_stream(key, axis, count))
+
+
+def stream_lanes(stream: npt.NDArray[np.uint64]) -> Lanes:
+    """A key stream's values reduced mod ``p``, ``[count, LANES]`` (:func:`coefficients`)."""
+    return (stream % np.uint64(PRIME)).astype(np.int64).reshape(-1, LANES)
 
 
 def row_units(row_bytes: int) -> int:
@@ -139,8 +144,12 @@ def row_coefficients(key: bytes, width: int, groups: int) -> npt.NDArray[np.floa
     """``A_k[j] * B_k[g] mod p`` for every layer and K/V group ``g = l * kv_count + c`` (``0 .. groups - 1``),
     centred in ``(-p/2, p/2)``, as float64 ``[groups, LANES, width]``: the one multiply per unit of the
     implementations (a row sum over a segment is then exact in float64, and its value mod ``p`` is ``r * B``)."""
-    a = coefficients(key, "row", width)  # [width, lanes]
-    b = coefficients(key, "layer_kv", groups)  # [groups, lanes]
+    return coefficient_products(coefficients(key, "row", width), coefficients(key, "layer_kv", groups))
+
+
+def coefficient_products(a: Lanes, b: Lanes) -> npt.NDArray[np.float64]:
+    """:func:`row_coefficients` of ``A`` (``[width, lanes]``) and ``B`` (``[groups, lanes]``), any values in
+    ``[0, p)``."""
     c = (b[:, :, None] * a.T[None, :, :]) % PRIME  # < 2**62: exact in int64
     c[c > PRIME // 2] -= PRIME
     return np.ascontiguousarray(c, dtype=np.float64)
@@ -162,12 +171,18 @@ def finish(totals: Lanes, key: bytes, num_tokens: int, block_size: int) -> Words
     """``D[head, block]`` from ``totals[position, head, lane]`` (the sum over layers and K/V of ``r * B``, any
     integers congruent to it): weighted by ``P_k[t]``, positions from ``num_tokens`` on not counted, summed per
     block of ``block_size`` positions (``positions`` must be whole blocks)."""
+    return weighted_blocks(totals, coefficients(key, "position", min(num_tokens, totals.shape[0])), block_size)
+
+
+def weighted_blocks(totals: Lanes, p: Lanes, block_size: int) -> Words:
+    """:func:`finish` with the position coefficients ``p`` (``[tokens, LANES]``, values in ``[0, p)``) of the
+    request's ``tokens`` first positions: the rest do not count (their bytes are stale)."""
     positions, heads, _ = totals.shape
     if positions % block_size:
         raise ValueError(f"{positions} positions are not whole blocks of {block_size}")
-    p = coefficients(key, "position", positions)
-    p[num_tokens:] = 0  # positions past the request's tokens do not count (their bytes are stale)
-    weighted = (np.remainder(totals, PRIME) * p[:, None, :]) % PRIME  # < 2**62
+    weights = np.zeros((positions, LANES), dtype=np.int64)
+    weights[: len(p)] = p[:positions]
+    weighted = (np.remainder(totals, PRIME) * weights[:, None, :]) % PRIME  # < 2**62
     blocks = weighted.reshape(positions // block_size, block_size, heads, LANES).sum(axis=1) % PRIME
     return np.ascontiguousarray(pack(blocks).T)
 

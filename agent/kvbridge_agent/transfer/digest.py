@@ -144,12 +144,12 @@ class Digester:
             coef = row_coefficients(key, self.width, groups)
         else:
             coef = np.empty((groups, LANES, self.width))
-            self._finish[0](key_stream(key, "row", self.width), key_stream(key, "layer_kv", groups), coef)
+            self._finish.coefficients(key_stream(key, "row", self.width), key_stream(key, "layer_kv", groups), coef)
         total, head_major = self._totals(block_ids, coef.reshape(groups, LANES, count, units), depths)
         if self._finish is not None:
             digests = np.zeros((len(self.heads), wire_blocks), dtype=np.uint64)
             position = key_stream(key, "position", num_tokens)
-            self._finish[1](total, head_major, position, num_tokens, wire_block_size, digests)
+            self._finish.finish(total, head_major, position, num_tokens, wire_block_size, digests)
         else:
             digests = finish(by_position(total, head_major), key, num_tokens, wire_block_size)[:, :wire_blocks]
         self._seconds.append(time.perf_counter() - started)

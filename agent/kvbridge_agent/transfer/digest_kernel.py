@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -154,17 +154,19 @@ def add_keys_across(
                 total[b, o, r, 1] += t1
 
 
+def fold(x: np.uint64) -> np.uint64:
+    """``x mod p`` for any 64-bit ``x`` (two folds leave it below ``p + 8``); called by the passes below, compiled
+    with them (:func:`compiled_finish`)."""
+    x = (x & _MASK) + (x >> _THIRTY_ONE)
+    x = (x & _MASK) + (x >> _THIRTY_ONE)
+    return x - _MASK if x >= _MASK else x
+
+
 def row_coefficients_of(
     row: npt.NDArray[np.uint64], layer_kv: npt.NDArray[np.uint64], out: npt.NDArray[np.float64]
 ) -> None:
     """``core.digest.row_coefficients`` from the key's ``row`` and ``layer_kv`` streams (``LANES`` values per index,
     unreduced): ``out[g, k, j] = A_k[j] * B_k[g] mod p``, centred in ``(-p/2, p/2)``."""
-
-    def fold(x: np.uint64) -> np.uint64:  # x mod p for any 64-bit x (two folds leave it below p + 8)
-        x = (x & _MASK) + (x >> _THIRTY_ONE)
-        x = (x & _MASK) + (x >> _THIRTY_ONE)
-        return x - _MASK if x >= _MASK else x
-
     groups, lanes, width = out.shape[0], out.shape[1], out.shape[2]
     half = _MASK >> np.uint64(1)
     for g in range(groups):
@@ -188,12 +190,6 @@ def finish_sums(
     sign), weighted by the ``position`` stream's ``P_k[t]`` for ``t < num_tokens`` and summed per ``wire``-token
     block into ``out[head, wire block]`` (the 64-bit wire values). The caller checks the shapes (``out``'s heads are
     the totals', ``num_tokens`` fits the blocks; the compiled form does not)."""
-
-    def fold(x: np.uint64) -> np.uint64:  # as in row_coefficients_of
-        x = (x & _MASK) + (x >> _THIRTY_ONE)
-        x = (x & _MASK) + (x >> _THIRTY_ONE)
-        return x - _MASK if x >= _MASK else x
-
     heads, blocks = out.shape[0], out.shape[1]
     size = total.shape[2] if head_major else total.shape[1]
     lane = np.zeros((2, heads, blocks), dtype=np.uint64)
@@ -224,14 +220,27 @@ def compiled_keys_across() -> RowKernel | None:
     return _compile(add_keys_across, KEYS_ACROSS_SIGNATURE)
 
 
+class FinishPasses(NamedTuple):
+    """The two small passes around the row kernels, compiled."""
+
+    coefficients: CoefficientsPass
+    finish: FinishPass
+
+
 @functools.cache
-def compiled_finish() -> tuple[CoefficientsPass, FinishPass] | None:
-    """:func:`row_coefficients_of` and :func:`finish_sums` compiled, or ``None`` without numba."""
+def compiled_finish() -> FinishPasses | None:
+    """:func:`row_coefficients_of` and :func:`finish_sums` compiled (with :func:`fold` inside them), or ``None``
+    without numba."""
+    try:
+        from numba.extending import register_jitable
+    except ImportError:
+        return None
+    register_jitable(fold)  # the passes' calls to it compile with them; Python still calls it as it is
     coefficients, finished = (
         _compile(row_coefficients_of, COEFFICIENTS_SIGNATURE),
         _compile(finish_sums, FINISH_SIGNATURE),
     )
-    return None if coefficients is None or finished is None else (coefficients, finished)
+    return None if coefficients is None or finished is None else FinishPasses(coefficients, finished)
 
 
 def _compile(function: _Pass, signature: str) -> _Pass | None:

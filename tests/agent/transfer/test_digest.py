@@ -19,10 +19,12 @@ from kvbridge_agent.core.digest import (
     PRIME,
     SEGMENT_UNITS,
     block_digests,
+    coefficient_products,
     finish,
     key_stream,
-    pack,
     row_coefficients,
+    stream_lanes,
+    weighted_blocks,
 )
 from kvbridge_agent.synthetic.content import fill_request
 from kvbridge_agent.transfer.digest import Digester, by_position
@@ -66,7 +68,7 @@ def test_the_compiled_finish_equals_the_reference(
     key = data.draw(st.binary(min_size=32, max_size=32))
     width, groups = data.draw(st.sampled_from([1, 8, 64, 256])), data.draw(st.integers(1, 6))
     coef = np.empty((groups, LANES, width))
-    for make in (passes[0], row_coefficients_of):
+    for make in (passes.coefficients, row_coefficients_of):
         make(key_stream(key, "row", width), key_stream(key, "layer_kv", groups), coef)
         assert np.array_equal(coef, row_coefficients(key, width, groups))
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
@@ -76,7 +78,7 @@ def test_the_compiled_finish_equals_the_reference(
     tokens = data.draw(st.integers((blocks - 1) * size + 1, blocks * size))
     wire = data.draw(st.sampled_from([w for w in (1, 2, 4, 16, 32) if size % w == 0]))
     want = finish(by_position(total, head_major), key, tokens, wire)[:, : -(-tokens // wire)]
-    for run in (passes[1], finish_sums):
+    for run in (passes.finish, finish_sums):
         got = np.zeros(want.shape, dtype=np.uint64)
         run(total, head_major, key_stream(key, "position", tokens), tokens, wire, got)
         assert np.array_equal(got, want)
@@ -105,20 +107,17 @@ EDGE_STREAM = [0, 1, PRIME - 1, PRIME, PRIME + 1, 2 * PRIME, (2**64 // PRIME) * 
 def test_the_compiled_finish_is_exact_at_the_folds_edges(data: st.DataObject, head_major: bool, wire: int) -> None:
     """Totals of either sign that are multiples of ``p``, next to them or the largest exact ones, and key streams of
     such values (which a SHAKE output all but never is): compiled and as Python, both loops give ``core.digest``'s
-    values, computed here from the same streams."""
+    values from the same streams (``coefficient_products``, ``weighted_blocks``)."""
     passes = compiled_finish()
     assert passes is not None, "numba is part of the agent's dependencies"
     edge = st.sampled_from(EDGE_STREAM)
     row = np.array(data.draw(st.lists(edge, min_size=2 * 4, max_size=2 * 4)), dtype=np.uint64)
     layer_kv = np.array(data.draw(st.lists(edge, min_size=2 * 3, max_size=2 * 3)), dtype=np.uint64)
-    a = (row % np.uint64(PRIME)).astype(np.int64).reshape(4, LANES)
-    b = (layer_kv % np.uint64(PRIME)).astype(np.int64).reshape(3, LANES)
-    want_coef = (b[:, :, None] * a.T[None, :, :]) % PRIME
-    want_coef[want_coef > PRIME // 2] -= PRIME
-    for make in (passes[0], row_coefficients_of):
+    want_coef = coefficient_products(stream_lanes(row), stream_lanes(layer_kv))
+    for make in (passes.coefficients, row_coefficients_of):
         coef = np.empty((3, LANES, 4))
         make(row, layer_kv, coef)
-        assert np.array_equal(coef, want_coef.astype(np.float64))
+        assert np.array_equal(coef, want_coef)
     blocks, size, heads = 2, 4, 2
     sign = st.sampled_from([1, -1])
     values = data.draw(
@@ -128,13 +127,8 @@ def test_the_compiled_finish_is_exact_at_the_folds_edges(data: st.DataObject, he
     total = np.array([v * s for v, s in values], dtype=np.float64).reshape(shape)
     tokens = data.draw(st.integers(1, blocks * size))
     position = np.array(data.draw(st.lists(edge, min_size=LANES * tokens, max_size=LANES * tokens)), dtype=np.uint64)
-    p = (position % np.uint64(PRIME)).astype(np.int64).reshape(tokens, LANES)
-    weighted = (by_position(total, head_major)[:tokens] * p[:, None, :]) % PRIME
-    padded = np.zeros((-(-tokens // wire) * wire, heads, LANES), dtype=np.int64)
-    padded[:tokens] = weighted
-    lanes = padded.reshape(-1, wire, heads, LANES).sum(axis=1) % PRIME
-    want = np.ascontiguousarray(pack(lanes).T)
-    for run in (passes[1], finish_sums):
+    want = weighted_blocks(by_position(total, head_major), stream_lanes(position), wire)[:, : -(-tokens // wire)]
+    for run in (passes.finish, finish_sums):
         got = np.zeros(want.shape, dtype=np.uint64)
         run(total, head_major, position, tokens, wire, got)
         assert np.array_equal(got, want)
